@@ -1,0 +1,301 @@
+"""The GPT-2 model: plain modules, GPT-2 names, no I/O.
+
+Module names follow GPT-2 (``transformer.wte``, ``transformer.h.0.attn.c_attn``, ``attn.c_proj``,
+``mlp.c_fc``, ``mlp.c_proj``, ``transformer.ln_f``, ``lm_head``) so state dicts and LoRA target
+names read the same as in nanoGPT and ``transformers``. Every projection is a plain
+``nn.Linear``, so ``minlora`` can parametrize it without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import GPTConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .generate import KVCache
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.flash = config.flash
+        # q, k, v for all heads in one matmul, as in GPT-2's checkpoint layout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # type: ignore[attr-defined]
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        hs = C // self.n_head
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, S, hs), S = past + T
+        S = k.size(2)
+        # Plain causal attention when queries and keys start at the same position; otherwise the
+        # caller (generation with a cache or padded prompts) passes an explicit boolean mask.
+        is_causal = attn_mask is None and S == T
+        if attn_mask is None and S != T and T > 1:
+            attn_mask = _offset_causal_mask(T, S, x.device)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
+            )
+        else:
+            y = _manual_attention(q, k, v, attn_mask, is_causal, dropout_p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+def _offset_causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
+    """(T, S) boolean mask: query i (at absolute position S - T + i) sees keys 0..S-T+i."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+
+
+def _manual_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Attention written out (materialises the (T, S) score matrix): the pre-flash baseline."""
+    T, S = q.size(-2), k.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
+    if is_causal:
+        attn_mask = _offset_causal_mask(T, S, q.device)
+    if attn_mask is not None:
+        att = att.masked_fill(~attn_mask, float("-inf"))
+    att = F.softmax(att.float(), dim=-1).to(q.dtype)  # softmax in fp32
+    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+    return att @ v  # (B, nh, T, hs)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # type: ignore[attr-defined]
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2. ``forward(idx, targets=None) -> (logits, loss)``; logits always cover every position."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        V = config.padded_vocab_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(V, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        # Weight tying (GPT-2, "Using the Output Embedding to Improve Language Models"): the token
+        # embedding and the LM head are one tensor.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2 initialisation: N(0, 0.02) for weights and embeddings, zero biases; projections that
+        # write into the residual stream are scaled by 1/sqrt(2 * n_layer) because each of the
+        # n_layer blocks adds two such contributions and the stream's variance would grow with depth.
+        std = 0.02
+        if isinstance(module, nn.Linear):
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, T, vocab_size)`` and, with ``targets`` ``(B, T)``, the mean cross-entropy.
+
+        Targets equal to -1 are ignored (nanoGPT's convention). ``kv_cache``, ``position_ids`` and
+        ``attn_mask`` are used by :mod:`gpt2.generate`; training never needs them.
+        """
+        if not torch.compiler.is_compiling():
+            self._check_inputs(idx, targets, kv_cache, position_ids)
+        B, T = idx.shape
+        if position_ids is None:
+            start = kv_cache.length if kv_cache is not None else 0
+            position_ids = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x, kv_cache, attn_mask)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, padded_vocab)
+        if self.config.padded_vocab_size != self.config.vocab_size:
+            # Padded rows are not tokens: drop them so they are never sampled and never in the loss.
+            logits = logits[..., : self.config.vocab_size]
+        loss = None
+        if targets is not None:
+            # Cross-entropy in fp32 even under autocast: log-softmax over 50k classes in bf16/fp16
+            # loses precision and can overflow.
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
+            )
+        return logits, loss
+
+    def _check_inputs(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        position_ids: torch.Tensor | None,
+    ) -> None:
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
+        if idx.dtype not in (torch.long, torch.int32):
+            raise TypeError(
+                f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; "
+                f"convert with idx.long()"
+            )
+        if idx.dim() != 2:
+            raise ValueError(
+                f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; "
+                f"for a single sequence use idx[None]"
+            )
+        T = idx.size(1)
+        if T == 0:
+            raise ValueError("idx is empty: the sequence needs at least one token")
+        past = kv_cache.length if kv_cache is not None else 0
+        if position_ids is None and past + T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {past + T} exceeds the model's context (block_size="
+                f"{self.config.block_size}); crop the input to the last {self.config.block_size} tokens"
+            )
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"token ids must be in [0, {self.config.vocab_size}), got min {int(idx.min())} and "
+                f"max {int(idx.max())}; was the data tokenised for another vocabulary?"
+            )
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.long, torch.int32):
+                raise TypeError("targets must be an integer tensor (torch.long) of token ids")
+            if targets.shape != idx.shape:
+                raise ValueError(
+                    f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
+                )
+            if targets.numel():
+                bad = (targets < -1) | (targets >= self.config.vocab_size)
+                if bool(bad.any()):
+                    raise ValueError(
+                        f"targets must be token ids in [0, {self.config.vocab_size}) or -1 (ignored); "
+                        f"found {int(targets[bad][0])}"
+                    )
+
+    # ------------------------------------------------------------------ helpers
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding
+        (the token embedding is tied to the LM head and counts as its weight)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward) from the PaLM appendix B estimate:
+        6 * N for the matmuls with the weights plus 12 * L * H * Q * T for attention."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        N = self.num_params(non_embedding=True)
+        return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after ``idx``; see :func:`gpt2.generate.generate`."""
+        from .generate import generate
+
+        return generate(self, idx, max_new_tokens, **kwargs)
+
+    def stream(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[torch.Tensor]:
+        """Yield each new token column ``(B,)`` as it is sampled; see :func:`gpt2.generate.stream`."""
+        from .generate import stream
+
+        return stream(self, idx, max_new_tokens, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> "GPT":
+        """GPT-2 weights from the Hugging Face hub id or a local ``transformers`` directory."""
+        from .hf import from_pretrained
+
+        return from_pretrained(name_or_path, **kwargs)
+
+    def save_pretrained(self, directory: str, **kwargs: Any) -> None:
+        """Write a ``transformers.GPT2LMHeadModel`` directory (safetensors, vocab padding removed)."""
+        from .hf import save_pretrained
+
+        save_pretrained(self, directory, **kwargs)

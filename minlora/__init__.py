@@ -1,0 +1,1 @@
+"""minlora: LoRA adapters through torch.nn.utils.parametrize (see issue: minlora)."""
