@@ -9,6 +9,8 @@ names read the same as in nanoGPT and ``transformers``. Every projection is a pl
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -19,6 +21,10 @@ from .config import GPTConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generate import KVCache
+
+# Target value that the loss skips (nanoGPT's convention; Hugging Face uses -100).
+IGNORE_INDEX = -1
+_INDEX_DTYPES = (torch.long, torch.int32)
 
 
 class CausalSelfAttention(nn.Module):
@@ -175,14 +181,16 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(B, T, vocab_size)`` and, with ``targets`` ``(B, T)``, the mean cross-entropy.
 
-        Targets equal to -1 are ignored (nanoGPT's convention). ``kv_cache``, ``position_ids`` and
-        ``attn_mask`` are used by :mod:`gpt2.generate`; training never needs them.
+        Targets equal to ``IGNORE_INDEX`` (-1, nanoGPT's convention) are ignored. ``kv_cache``,
+        ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask`` broadcastable to
+        ``(B, n_head, T, S)`` (True = may attend) are used by :mod:`gpt2.generate`; training never
+        needs them.
         """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids)
         B, T = idx.shape
         if position_ids is None:
-            start = kv_cache.length if kv_cache is not None else 0
+            start = 0
             position_ids = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)
@@ -201,7 +209,9 @@ class GPT(nn.Module):
             # Cross-entropy in fp32 even under autocast: log-softmax over 50k classes in bf16/fp16
             # loses precision and can overflow.
             loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
+                logits.float().reshape(-1, logits.size(-1)),
+                targets.reshape(-1).long(),
+                ignore_index=IGNORE_INDEX,
             )
         return logits, loss
 
@@ -212,9 +222,10 @@ class GPT(nn.Module):
         kv_cache: KVCache | None,
         position_ids: torch.Tensor | None,
     ) -> None:
+        cfg = self.config
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
-        if idx.dtype not in (torch.long, torch.int32):
+        if idx.dtype not in _INDEX_DTYPES:
             raise TypeError(
                 f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; "
                 f"convert with idx.long()"
@@ -224,34 +235,55 @@ class GPT(nn.Module):
                 f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; "
                 f"for a single sequence use idx[None]"
             )
-        T = idx.size(1)
-        if T == 0:
-            raise ValueError("idx is empty: the sequence needs at least one token")
+        B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
         past = kv_cache.length if kv_cache is not None else 0
-        if position_ids is None and past + T > self.config.block_size:
+        if past + T > cfg.block_size:
+            what = f"{past} cached + {T} new positions" if past else f"sequence length {T}"
             raise ValueError(
-                f"sequence length {past + T} exceeds the model's context (block_size="
-                f"{self.config.block_size}); crop the input to the last {self.config.block_size} tokens"
+                f"{what} exceeds the model's context (block_size={cfg.block_size}); "
+                f"crop the input to the last {cfg.block_size} tokens"
             )
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
-            raise ValueError(
-                f"token ids must be in [0, {self.config.vocab_size}), got min {int(idx.min())} and "
-                f"max {int(idx.max())}; was the data tokenised for another vocabulary?"
-            )
+        # All range checks are gathered into one tensor so they cost a single device sync.
+        extremes = [idx.min(), idx.max()]
+        if position_ids is not None:
+            if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
+                raise TypeError("position_ids must be an integer tensor (torch.long)")
+            if position_ids.shape not in ((T,), (B, T)):
+                raise ValueError(
+                    f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}"
+                )
+            extremes += [position_ids.min(), position_ids.max()]
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.long, torch.int32):
-                raise TypeError("targets must be an integer tensor (torch.long) of token ids")
+            if not isinstance(targets, torch.Tensor) or targets.dtype not in _INDEX_DTYPES:
+                got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+                raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {got}")
             if targets.shape != idx.shape:
                 raise ValueError(
                     f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
                 )
-            if targets.numel():
-                bad = (targets < -1) | (targets >= self.config.vocab_size)
-                if bool(bad.any()):
-                    raise ValueError(
-                        f"targets must be token ids in [0, {self.config.vocab_size}) or -1 (ignored); "
-                        f"found {int(targets[bad][0])}"
-                    )
+            extremes += [targets.min(), targets.max()]
+        values = torch.stack(extremes).tolist()
+        lo, hi = values[0], values[1]
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(
+                f"token ids must be in [0, {cfg.vocab_size}), got min {lo} and max {hi}; "
+                f"was the data tokenised for another vocabulary?"
+            )
+        if position_ids is not None:
+            lo, hi = values[2], values[3]
+            if lo < 0 or hi >= cfg.block_size:
+                raise ValueError(
+                    f"position_ids must be in [0, {cfg.block_size}) (block_size), got min {lo} and max {hi}"
+                )
+        if targets is not None:
+            lo, hi = values[-2], values[-1]
+            if lo < IGNORE_INDEX or hi >= cfg.vocab_size:
+                raise ValueError(
+                    f"targets must be token ids in [0, {cfg.vocab_size}) or {IGNORE_INDEX} (ignored), "
+                    f"got min {lo} and max {hi}"
+                )
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, non_embedding: bool = False) -> int:
@@ -288,14 +320,16 @@ class GPT(nn.Module):
         return stream(self, idx, max_new_tokens, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> "GPT":
-        """GPT-2 weights from the Hugging Face hub id or a local ``transformers`` directory."""
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> "GPT":
+        """GPT-2 weights from a Hugging Face hub id or a local ``transformers`` directory; see
+        :func:`gpt2.hf.from_pretrained`."""
         from .hf import from_pretrained
 
         return from_pretrained(name_or_path, **kwargs)
 
-    def save_pretrained(self, directory: str, **kwargs: Any) -> None:
-        """Write a ``transformers.GPT2LMHeadModel`` directory (safetensors, vocab padding removed)."""
+    def save_pretrained(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
+        """Write a ``transformers.GPT2LMHeadModel`` directory (safetensors, vocab padding removed);
+        see :func:`gpt2.hf.save_pretrained`."""
         from .hf import save_pretrained
 
-        save_pretrained(self, directory, **kwargs)
+        return save_pretrained(self, directory, **kwargs)

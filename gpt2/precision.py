@@ -1,0 +1,105 @@
+"""Precision policies: one object per numeric regime of training.
+
+=========  ==========================================  ===============  =================
+policy     matmuls                                     master weights   loss scaling
+=========  ==========================================  ===============  =================
+``fp32``   fp32 (``set_float32_matmul_precision("highest")``)  fp32     no
+``tf32``   TF32 tensor cores on CUDA (``"high"``)      fp32             no
+``bf16``   bf16 under ``torch.autocast``               fp32             no (bf16 has fp32's range)
+``fp16``   fp16 under ``torch.autocast``               fp32             ``torch.amp.GradScaler``
+=========  ==========================================  ===============  =================
+
+The weights always stay fp32: autocast casts them to the low-precision type inside each matmul
+and the optimizer updates the fp32 copy, so tiny updates are not rounded away. The model computes
+its softmax-cross-entropy in fp32 whatever the policy (see :meth:`gpt2.model.GPT.forward`).
+
+fp16 has a largest value of 65,504, so gradients of activations overflow easily; and its
+smallest normal value (6e-5) makes small gradients underflow to zero. Dynamic loss scaling
+multiplies the loss by a large factor before ``backward`` (no underflow), divides the gradients
+back (``unscale_``, done *before* clipping so the clip threshold applies to true gradients), and
+skips the optimizer step whenever a gradient came out inf/nan, halving the scale; every 2,000
+good steps it doubles the scale again (PyTorch's defaults).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+POLICY_NAMES = ("fp32", "tf32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """How one training step computes: autocast dtype, TF32 matmuls, loss scaling."""
+
+    name: str  # "fp32" | "tf32" | "bf16" | "fp16"
+    device_type: str  # "cuda", "cpu", ...
+    autocast_dtype: torch.dtype | None  # None = no autocast (fp32 / tf32)
+    tf32: bool  # allow TF32 tensor-core matmuls for the fp32 matmuls that remain
+    uses_scaler: bool  # dynamic loss scaling (fp16 only)
+
+    param_dtype = torch.float32  # master weights are always fp32
+
+    def apply(self) -> None:
+        """Set the process-wide fp32 matmul precision this policy asks for (CUDA only).
+
+        On CPU nothing is changed: TF32 is a CUDA tensor-core format, and leaving CPU matmuls
+        alone keeps CPU runs bit-for-bit reproducible.
+        """
+        if self.device_type == "cuda":
+            torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
+
+    def autocast(self) -> ContextManager:
+        """The context the forward pass (and only it) runs in."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def make_scaler(self) -> torch.amp.GradScaler | None:
+        """A fresh ``GradScaler`` for fp16, else None."""
+        if not self.uses_scaler:
+            return None
+        return torch.amp.GradScaler(self.device_type)
+
+    def __str__(self) -> str:
+        return f"{self.name} on {self.device_type}"
+
+
+def default_precision(device: torch.device | str) -> str:
+    """bf16 on CUDA GPUs that support it, fp16 (with loss scaling) on older CUDA GPUs, else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return "fp32"
+
+
+def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
+    """The policy for ``name`` (``"auto"`` or one of :data:`POLICY_NAMES`) on ``device``."""
+    device = torch.device(device)
+    if name == "auto":
+        name = default_precision(device)
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown precision {name!r}; choose 'auto' or one of {POLICY_NAMES}")
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ValueError(
+            f"precision='bf16' but {torch.cuda.get_device_name(device)} has no bf16 tensor cores "
+            "(needs compute capability 8.0+, e.g. A100/RTX 30xx); use precision='fp16' (loss-scaled) or 'auto'"
+        )
+    if name == "tf32" and device.type != "cuda":
+        logger.info("precision='tf32' only changes CUDA matmuls; on %s it is plain fp32", device.type)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+    # bf16/fp16 keep TF32 on for the fp32 matmuls autocast leaves alone, as build-nanogpt does.
+    return PrecisionPolicy(
+        name=name,
+        device_type=device.type,
+        autocast_dtype=autocast_dtype,
+        tf32=name != "fp32",
+        uses_scaler=name == "fp16",
+    )

@@ -1,0 +1,745 @@
+"""The jobs behind the command line and the example scripts: one implementation of each.
+
+``gpt2 train`` and ``python examples/pretrain_shakespeare.py`` both end in :func:`train_job`;
+``finetune_job``, ``sample_job``, ``prepare_job``, ``eval_job``, ``export_job`` and
+``bench_job`` likewise. Each takes the resolved options (the ``argparse.Namespace`` that
+:mod:`gpt2.cli` builds from defaults, recipe, config file and flags) and writes the command's
+output to stdout: this module is the command line's body, the one place besides ``examples/``
+where the project prints.
+
+The reusable pieces the jobs share (:func:`load_model`, :func:`apply_adapter`,
+:func:`text_tokens`, :func:`training_data`, :func:`stream_text`) take plain arguments and are
+usable from Python too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Suffixes of token files (uint16 .npy shards, nanoGPT's raw uint16 .bin); anything else given as
+# --data is read as UTF-8 text and tokenised.
+TOKEN_SUFFIXES = (".npy", ".bin")
+
+
+class UsageError(Exception):
+    """Bad options, values or files: the command line reports it in one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class ByDevice:
+    """An option default that differs on a CUDA GPU and on a CPU."""
+
+    cuda: Any
+    cpu: Any
+
+
+def uses_cuda(device: str | None) -> bool:
+    """Whether ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...) means a CUDA GPU here."""
+    device = (device or "auto").lower()
+    if device == "auto":
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``auto`` = this process's GPU (``cuda:LOCAL_RANK``) when CUDA is available, else cpu."""
+    from .distributed import env_from_environ, resolve_device as _resolve
+
+    return _resolve(device or "auto", env_from_environ())
+
+
+# --------------------------------------------------------------------------- data
+def shakespeare_or_path(data: str) -> Path:
+    """``shakespeare`` -> the Tiny Shakespeare text (downloaded once, or $GPT2_TINY_SHAKESPEARE);
+    anything else must be an existing path."""
+    if data == "shakespeare":
+        from .data import tiny_shakespeare_path
+
+        return tiny_shakespeare_path()
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"data {data!r} does not exist; give a text file, a token file (.npy/.bin), a directory "
+            f"of token shards (gpt2 prepare writes them) or 'shakespeare'"
+        )
+    return path
+
+
+def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
+    """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
+    (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
+    if tokenizer is None:
+        from .tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{str(path)!r} is not UTF-8 text; token files must end in .npy or .bin ({e})"
+        ) from e
+    ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def is_text(data: str) -> bool:
+    """Whether ``--data`` names text to tokenise (not a token file or shard directory)."""
+    if data == "shakespeare":
+        return True
+    path = Path(data).expanduser()
+    return path.is_file() and path.suffix.lower() not in TOKEN_SUFFIXES
+
+
+def load_token_source(data: str) -> Any:
+    """``data`` as something :class:`gpt2.data.TokenLoader` reads: a shard directory or token
+    file as is, a text file (or ``shakespeare``) tokenised into an array."""
+    from .data import load_tokens
+
+    path = shakespeare_or_path(data)
+    if path.is_dir():
+        return path
+    if path.suffix.lower() in TOKEN_SUFFIXES:
+        return np.asarray(load_tokens(path))
+    return text_tokens(path)
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The first ``1 - val_fraction`` of the tokens for training, the rest for validation (the
+    end of the text, as nanoGPT's prepare.py does, so no passage is in both)."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if val_fraction == 0:
+        return tokens, None
+    n_val = int(round(len(tokens) * val_fraction))
+    if n_val < 2 or n_val >= len(tokens) - 1:
+        raise ValueError(f"{what} has {len(tokens)} tokens, too few to split with --val-fraction {val_fraction}")
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+
+
+def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple[Any, Any]:
+    """``(train, val)`` sources for the Trainer from the ``--data`` / ``--val-data`` options.
+
+    A shard directory gives its ``train`` shards and, unless ``val_data`` is given, its ``val``
+    shards (when it has any). A text or token file is split by ``val_fraction`` unless
+    ``val_data`` is given.
+    """
+    source = load_token_source(data)
+    if isinstance(source, Path):  # a directory of shards
+        val: Any = None
+        if val_data is not None:
+            val = load_token_source(val_data)
+        elif any("val" in p.name for p in source.iterdir() if p.suffix in TOKEN_SUFFIXES):
+            val = source
+        return source, val
+    if val_data is not None:
+        return source, load_token_source(val_data)
+    return split_tokens(source, val_fraction, data)
+
+
+# --------------------------------------------------------------------------- models
+def is_hf_directory(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(
+        (path / name).is_file()
+        for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                     "pytorch_model.bin.index.json")
+    )
+
+
+def load_model(spec: str, *, device: torch.device | str | None = None, pad_vocab_multiple: int = 1) -> Any:
+    """A :class:`gpt2.GPT` from a hub id (``gpt2``, ``gpt2-medium``, ...), a ``transformers``
+    directory, or a checkpoint / run directory written by ``gpt2 train`` (the newest checkpoint).
+    """
+    from .hf import from_pretrained
+
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir() and is_hf_directory(path):
+            return from_pretrained(path, device=device, pad_vocab_multiple=pad_vocab_multiple)
+        return load_trained_model(path, device=device)
+    return from_pretrained(spec, device=device, pad_vocab_multiple=pad_vocab_multiple)
+
+
+def load_trained_model(path: str | os.PathLike[str], device: torch.device | str | None = None) -> Any:
+    """The GPT in a checkpoint (or the newest checkpoint of a run directory) of ``gpt2 train``."""
+    from .checkpoint import load_checkpoint, resolve_checkpoint
+    from .config import GPTConfig
+    from .model import GPT
+
+    checkpoint = resolve_checkpoint(path)
+    with open(checkpoint / "trainer_state.json", encoding="utf-8") as f:
+        meta = json.load(f)
+    model_config = meta.get("model_config")
+    if not isinstance(model_config, dict):
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} does not record its model configuration "
+            f"('model_config' in trainer_state.json), so the model cannot be rebuilt from it"
+        )
+    if meta.get("trainable_only"):
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} holds only the trainable (adapter) weights; load the base "
+            f"model and pass this run's adapter with --adapter instead"
+        )
+    model = GPT(GPTConfig.from_dict(model_config))
+    load_checkpoint(checkpoint, model)
+    logger.info("loaded %s", checkpoint)
+    return model.to(device or "cpu").eval()
+
+
+def apply_adapter(model: Any, path: str | os.PathLike[str]) -> Any:
+    """Add the LoRA adapter at ``path`` to ``model``: one saved by :func:`minlora.save_adapter`
+    (``gpt2 finetune`` writes ``<out_dir>/adapter``) or a PEFT adapter directory
+    (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    import minlora
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"adapter {str(path)!r} does not exist")
+    if path.is_dir() and (path / "adapter_config.json").is_file():
+        minlora.import_peft_adapter(model, path)
+    else:
+        minlora.load_adapter(model, path)
+    return model
+
+
+# --------------------------------------------------------------------------- sampling
+def stream_text(
+    model: Any,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    tokenizer: Any = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    stop_at_eot: bool = True,
+    autocast: Any = None,
+) -> Iterator[str]:
+    """Yield the text of one sample piece by piece, as tokens are sampled.
+
+    An empty ``prompt`` starts from ``<|endoftext|>`` (an unconditional sample). A token that
+    ends inside a multi-byte UTF-8 character is held back until the character is complete, so
+    every yielded piece is valid text. ``autocast`` is a zero-argument callable returning the
+    context to sample in (e.g. ``PrecisionPolicy.autocast``), or None.
+    """
+    import contextlib
+
+    if tokenizer is None:
+        from .tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    eot = tokenizer.eot_token
+    ids = tokenizer.encode(prompt) if prompt else [eot]
+    idx = torch.tensor([ids], dtype=torch.long)
+    produced: list[int] = []
+    shown = ""
+    with (autocast() if autocast is not None else contextlib.nullcontext()):
+        tokens = model.stream(
+            idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            eos_token_id=eot if stop_at_eot else None, generator=generator,
+        )
+        for column in tokens:  # (1,)
+            token = int(column[0])
+            if stop_at_eot and token == eot:
+                break
+            produced.append(token)
+            text = tokenizer.decode(produced)
+            if text.endswith("\ufffd"):  # a character split across tokens: wait for its rest
+                continue
+            yield text[len(shown):]
+            shown = text
+    text = tokenizer.decode(produced)
+    if len(text) > len(shown):
+        yield text[len(shown):]
+
+
+def print_samples(model: Any, args: argparse.Namespace, *, header: str = "", autocast: Any = None) -> list[str]:
+    """``args.num_samples`` samples of ``args.prompt``, streamed to stdout; returns their texts.
+
+    Reads ``prompt``, ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed`` from
+    ``args`` (``top_p`` and ``seed`` may be absent)."""
+    device = next(model.parameters()).device
+    seed = getattr(args, "seed", None)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    texts = []
+    for i in range(args.num_samples):
+        title = f"{header} sample {i + 1}/{args.num_samples}".strip()
+        print(f"--- {title} ---")
+        print(args.prompt, end="", flush=True)
+        pieces = []
+        for piece in stream_text(
+            model, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=getattr(args, "top_p", None), generator=generator, autocast=autocast,
+        ):
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        texts.append(args.prompt + "".join(pieces))
+    return texts
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1 (or none), got {args.top_k}")
+    top_p = getattr(args, "top_p", None)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (or none), got {top_p}")
+
+
+def _inference_autocast(precision: str, device: torch.device) -> Any:
+    from .precision import resolve_precision
+
+    policy = resolve_precision(precision, device)
+    policy.apply()
+    return policy.autocast
+
+
+def sample_job(args: argparse.Namespace) -> int:
+    """``gpt2 sample``: stream text from a hub id, a transformers directory, a checkpoint or run
+    directory of ``gpt2 train``, optionally with a LoRA adapter."""
+    _check_sampling(args)
+    device = resolve_device(args.device)
+    model = load_model(args.model, device=device)
+    if args.adapter:
+        apply_adapter(model, args.adapter)
+    model.eval()
+    if args.compile:
+        model = torch.compile(model)
+    autocast = _inference_autocast(args.precision, device)
+    print_samples(model, args, autocast=autocast)
+    return 0
+
+
+# --------------------------------------------------------------------------- prepare
+def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
+    """Text files give one document each; ``.jsonl`` files one per line (its ``text_field``)."""
+    for path in inputs:
+        if path.suffix.lower() == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+                    if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                        raise ValueError(
+                            f"{path}:{line_no}: expected a JSON object with a string field {text_field!r} "
+                            f"(choose the field with --text-field)"
+                        )
+                    yield row[text_field]
+        else:
+            yield path.read_text(encoding="utf-8")
+
+
+def _expand_inputs(inputs: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in (".txt", ".jsonl", ".md"))
+            if not found:
+                raise FileNotFoundError(f"directory {str(path)!r} has no .txt, .md or .jsonl files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {item!r} does not exist")
+    return files
+
+
+def _dataset_documents(args: argparse.Namespace) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(
+            "tokenising a Hugging Face dataset needs the `datasets` package: pip install datasets "
+            "(or pass local text/jsonl files with --input)"
+        ) from e
+    ds = datasets.load_dataset(args.dataset, name=args.dataset_config, split=args.split, streaming=True)
+    for row in ds:
+        text = row.get(args.text_field)
+        if not isinstance(text, str):
+            raise ValueError(
+                f"dataset {args.dataset!r} rows have no string field {args.text_field!r} "
+                f"(fields: {sorted(row)}); choose it with --text-field"
+            )
+        yield text
+
+
+def prepare_job(args: argparse.Namespace) -> int:
+    """``gpt2 prepare``: text files, jsonl files or a Hugging Face dataset -> uint16 token shards."""
+    from .data import load_tokens, tokenize_file, write_shards
+
+    if not args.input and not args.dataset:
+        raise UsageError("nothing to tokenise: give --input FILE... (text/jsonl files or directories) or --dataset NAME")
+    if args.max_docs is not None and args.max_docs < 1:
+        raise UsageError(f"--max-docs must be >= 1, got {args.max_docs}")
+    start = time.time()
+    if args.input:  # local files win over a --dataset default (e.g. prepare_fineweb.py's)
+        files = _expand_inputs(args.input)
+        if len(files) == 1 and files[0].suffix.lower() != ".jsonl":
+            # One text: split by token count (the end of the text is the validation set).
+            paths = tokenize_file(files[0], args.out_dir, prefix=args.prefix, shard_size=args.shard_size,
+                                  val_fraction=args.val_fraction, progress=args.progress,
+                                  overwrite=args.overwrite)
+            return _report_shards(paths, load_tokens, start)
+        docs: Iterable[str] = _documents(files, args.text_field)
+    else:
+        docs = _dataset_documents(args)
+    if args.max_docs is not None:
+        docs = itertools.islice(docs, args.max_docs)
+    paths = write_shards(docs, args.out_dir, prefix=args.prefix or "shard", shard_size=args.shard_size,
+                         num_workers=args.num_workers, progress=args.progress, overwrite=args.overwrite)
+    if len(paths) == 1:
+        print(f"warning: all tokens fit in one shard, which is the val split ({paths[0].name}): "
+              f"use a smaller --shard-size to get train shards too")
+    return _report_shards(paths, load_tokens, start)
+
+
+def _report_shards(paths: list[Path], load_tokens: Any, start: float) -> int:
+    total = 0
+    for p in paths:
+        n = len(load_tokens(p))
+        total += n
+        print(f"{p}  {n:,} tokens")
+    print(f"wrote {len(paths)} shard(s), {total:,} tokens in {time.time() - start:.1f} s")
+    return 0
+
+
+# --------------------------------------------------------------------------- eval
+def eval_job(args: argparse.Namespace) -> dict[str, Any]:
+    """``gpt2 eval``: validation loss / perplexity on token data and/or HellaSwag accuracy."""
+    from .eval import evaluate_loss, score_hellaswag
+
+    if args.data is None and args.hellaswag is None:
+        raise UsageError("nothing to evaluate: give --data (tokens or text) and/or --hellaswag (a jsonl path or 'auto')")
+    hellaswag = _resolve_hellaswag(args.hellaswag)  # before the model loads: fail fast
+    source = load_token_source(args.data) if args.data is not None else None
+    device = resolve_device(args.device)
+    model = load_model(args.model, device=device)
+    if args.adapter:
+        apply_adapter(model, args.adapter)
+    model.eval()
+    autocast = _inference_autocast(args.precision, device)
+    results: dict[str, Any] = {"model": args.model}
+    if source is not None:
+        seq_len = args.seq_len or min(model.config.block_size, 1024)
+        if seq_len > model.config.block_size:
+            raise UsageError(f"--seq-len {seq_len} exceeds the model's context (block_size {model.config.block_size})")
+        split = args.split if isinstance(source, Path) else None
+        if is_text(args.data) and args.val_fraction > 0:
+            # A text: score its end, the same tokens `gpt2 train --val-fraction` holds out.
+            source = split_tokens(source, args.val_fraction, args.data)[1]
+        start = time.time()
+        loss = evaluate_loss(model, source, args.batch_size, seq_len, args.max_batches, autocast, split=split,
+                             device=device)
+        results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], tokens=loss["tokens"])
+        print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | "
+              f"{loss['tokens']:,} tokens | {time.time() - start:.1f} s")
+    if hellaswag is not None:
+        start = time.time()
+        hs = score_hellaswag(model, hellaswag, limit=args.hellaswag_limit, autocast=autocast)
+        results.update(hellaswag_acc=hs["acc"], hellaswag_acc_norm=hs["acc_norm"], hellaswag_n=hs["n"])
+        print(f"hellaswag acc_norm {hs['acc_norm']:.4f} | acc {hs['acc']:.4f} | {hs['n']} examples | "
+              f"{time.time() - start:.1f} s")
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {out}")
+    return results
+
+
+# --------------------------------------------------------------------------- export
+def export_job(args: argparse.Namespace) -> int:
+    """``gpt2 export``: a checkpoint (optionally + adapter) -> a transformers directory, and/or
+    the adapter in PEFT format."""
+    import minlora
+
+    if args.out is None and args.peft_out is None:
+        raise UsageError("nothing to export: give --out DIR (transformers model) and/or --peft-out DIR (PEFT adapter)")
+    if args.peft_out is not None and not args.adapter:
+        raise UsageError("--peft-out needs --adapter: only a LoRA adapter can be exported in PEFT format")
+    model = load_model(args.model, device="cpu")
+    if args.adapter:
+        apply_adapter(model, args.adapter)
+        if args.peft_out is not None:
+            minlora.export_peft_adapter(model, args.peft_out)
+            print(f"wrote PEFT adapter {args.peft_out} (load with peft.PeftModel.from_pretrained)")
+        minlora.merge_lora(model)
+    if args.out is not None:
+        tokenizer_dir = args.tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR") or None
+        model.save_pretrained(args.out, tokenizer_dir=tokenizer_dir)
+        what = "merged model" if args.adapter else "model"
+        print(f"wrote {what} {args.out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
+    return 0
+
+
+# --------------------------------------------------------------------------- training
+# Model shapes for --model: GPT-2's presets plus two small ones for CPUs and tests.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    # ~7M parameters, 6.4M of them the 50257 x 128 token embedding: trains at a few steps per
+    # second on a laptop CPU, where the 50257-way softmax is most of the cost.
+    "mini": dict(n_layer=4, n_head=4, n_embd=128),
+    "tiny": dict(n_layer=2, n_head=2, n_embd=32),  # for tests and smoke runs
+}
+
+
+def model_config_from(args: argparse.Namespace) -> Any:
+    """The :class:`gpt2.GPTConfig` of ``--model`` with the ``--n-layer`` / ``--n-head`` /
+    ``--n-embd`` / ``--block-size`` / ``--dropout`` / ``--pad-vocab-multiple`` / ``--flash``
+    overrides; the context defaults to ``--seq-len``."""
+    from .config import GPTConfig
+
+    if args.model not in MODEL_SIZES:
+        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
+    dims = dict(MODEL_SIZES[args.model])
+    for name in ("n_layer", "n_head", "n_embd"):
+        if getattr(args, name) is not None:
+            dims[name] = getattr(args, name)
+    return GPTConfig(
+        block_size=args.block_size or args.seq_len, dropout=args.dropout, flash=args.flash,
+        pad_vocab_multiple=args.pad_vocab_multiple, **dims,
+    )
+
+
+def train_config_from(args: argparse.Namespace, **overrides: Any) -> Any:
+    """A :class:`gpt2.TrainConfig` from the options that carry its field names."""
+    import dataclasses
+
+    from .config import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if isinstance(values.get("fused_adamw"), str) and values["fused_adamw"] != "auto":
+        values["fused_adamw"] = values["fused_adamw"].lower() in ("true", "yes", "1", "on")
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _resolve_hellaswag(spec: str | None) -> Path | None:
+    from .eval import hellaswag_path
+
+    if spec is None:
+        return None
+    if spec == "auto":
+        return hellaswag_path("val")
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it")
+    return path
+
+
+def _hellaswag(trainer: Any, path: Path, limit: int | None) -> dict[str, Any]:
+    """Score HellaSwag with every rank taking its share of the examples; rank 0 logs it."""
+    from .eval import score_hellaswag
+
+    env = trainer.dist_env
+    start = time.time()
+    # The raw model, not the compiled one: every example has its own length, which would make
+    # torch.compile recompile again and again.
+    result = score_hellaswag(trainer.model, path, limit=limit, autocast=trainer.precision.autocast,
+                             rank=env.rank, world_size=env.world_size)
+    result = {"step": trainer.step, **result}
+    if trainer.is_main:
+        print(f"step {trainer.step} | hellaswag acc_norm {result['acc_norm']:.4f} | acc {result['acc']:.4f} | "
+              f"{result['n']} examples | {time.time() - start:.1f} s", flush=True)
+        if trainer.out_dir is not None:
+            with open(trainer.out_dir / "hellaswag.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(result) + "\n")
+    return result
+
+
+def _fit(trainer: Any, hellaswag: Path | None, interval: int, limit: int | None) -> dict[str, Any] | None:
+    """``trainer.fit()``, pausing every ``interval`` steps (and at the end) for HellaSwag."""
+    if hellaswag is None:
+        trainer.fit()
+        return None
+    result = None
+    max_steps = trainer.config.max_steps
+    if trainer.step >= max_steps:
+        return _hellaswag(trainer, hellaswag, limit)
+    while trainer.step < max_steps:
+        stop = (trainer.step // interval + 1) * interval if interval > 0 else max_steps
+        trainer.fit(until_step=min(stop, max_steps))
+        result = _hellaswag(trainer, hellaswag, limit)
+    return result
+
+
+def _final_report(trainer: Any, args: argparse.Namespace, val: Any, *, extra: dict[str, Any] | None = None,
+                  header: str = "") -> dict[str, Any]:
+    """Rank 0: validation loss over the val data (or ``--final-eval-batches`` of it), samples,
+    and ``results.json`` in the run directory."""
+    from .eval import evaluate_loss
+
+    results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
+    if val is not None:
+        split = "val" if isinstance(val, Path) else None
+        loss = evaluate_loss(trainer.model, val, trainer.config.micro_batch_size, trainer.config.seq_len,
+                             max_batches=args.final_eval_batches, autocast=trainer.precision.autocast, split=split)
+        results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
+        print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
+    if args.num_samples > 0:
+        results["samples"] = print_samples(trainer.model, args, header=header, autocast=trainer.precision.autocast)
+    if trainer.out_dir is not None:
+        trainer.out_dir.mkdir(parents=True, exist_ok=True)
+        path = trainer.out_dir / "results.json"
+        path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
+    return results
+
+
+def _check_train_args(args: argparse.Namespace) -> None:
+    if args.num_samples < 0:
+        raise UsageError(f"--num-samples must be >= 0, got {args.num_samples}")
+    if args.num_samples:
+        _check_sampling(args)
+    if getattr(args, "hellaswag_interval", 0) < 0:
+        raise UsageError(f"--hellaswag-interval must be >= 0, got {args.hellaswag_interval}")
+
+
+def train_job(args: argparse.Namespace) -> dict[str, Any]:
+    """``gpt2 train``: pretrain a GPT-2 from scratch, then report validation loss and samples."""
+    from .model import GPT
+    from .trainer import Trainer
+
+    _check_train_args(args)
+    model_config = model_config_from(args)
+    config = train_config_from(args)
+    hellaswag = _resolve_hellaswag(args.hellaswag)
+    train, val = training_data(args.data, args.val_data, args.val_fraction)
+    model = GPT(model_config)
+    start = time.time()
+    with Trainer(model, config, train, val) as trainer:
+        if trainer.is_main:
+            print(f"GPT {args.model}: {model.num_params():,} parameters ({model_config.n_layer} layers, "
+                  f"{model_config.n_head} heads, {model_config.n_embd} wide, context {model_config.block_size}); "
+                  f"{trainer.tokens_per_step:,} tokens per step, {config.max_steps} steps, {trainer.precision.name}"
+                  f"{', compiled' if config.compile else ''} on {trainer.device}", flush=True)
+        hs = _fit(trainer, hellaswag, args.hellaswag_interval, args.hellaswag_limit)
+        if not trainer.is_main:
+            return {}
+        extra: dict[str, Any] = {"train_seconds": round(time.time() - start, 1)}
+        if hs is not None:
+            extra["hellaswag"] = hs
+        return _final_report(trainer, args, val, extra=extra)
+
+
+# --------------------------------------------------------------------------- fine-tuning
+def lora_config_from(args: argparse.Namespace) -> Any:
+    import minlora
+
+    return minlora.LoRAConfig(
+        rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+        target_modules=tuple(args.lora_targets) or None, include_lm_head=args.lora_head,
+        include_embeddings=args.lora_embeddings,
+    )
+
+
+def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
+    """``gpt2 finetune``: LoRA fine-tuning of pretrained GPT-2 weights on a text, with samples
+    before and after, the adapter saved, and optionally a merged transformers export."""
+    import minlora
+
+    from .eval import evaluate_loss
+    from .trainer import Trainer
+
+    _check_train_args(args)
+    lora_config = lora_config_from(args)
+    model = load_model(args.init, device="cpu")
+    model.train()
+    if args.seq_len > model.config.block_size:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context (block_size {model.config.block_size})")
+    config = train_config_from(args, save_trainable_only=True)  # checkpoints hold the adapter only
+    train, val = training_data(args.data, args.val_data, args.val_fraction)
+    minlora.add_lora(model, lora_config=lora_config)
+    minlora.mark_only_lora_as_trainable(model)
+    with Trainer(model, config, train, val) as trainer:
+        main = trainer.is_main
+        if main:
+            print(f"LoRA rank {lora_config.rank}, alpha {lora_config.alpha:g} on {args.init}: "
+                  f"{minlora.count_parameters(model)}", flush=True)
+        before: dict[str, Any] = {}
+        if main and trainer.step == 0:  # a resumed run has no "before"
+            if val is not None:
+                # LoRA's B starts at zero, so this is the pretrained model's own loss.
+                split = "val" if isinstance(val, Path) else None
+                loss = evaluate_loss(trainer.model, val, config.micro_batch_size, config.seq_len,
+                                     max_batches=args.final_eval_batches, autocast=trainer.precision.autocast,
+                                     split=split)
+                before["val_loss_before"] = loss["loss"]
+                print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
+            if args.num_samples > 0:
+                before["samples_before"] = print_samples(trainer.model, args, header="before fine-tuning:",
+                                                         autocast=trainer.precision.autocast)
+        trainer.fit()
+        if not main:
+            return {}
+        results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")
+        out = Path(config.out_dir or ".")
+        adapter = minlora.save_adapter(trainer.model, out / "adapter")
+        results["adapter"] = str(adapter)
+        print(f"saved adapter {adapter} (gpt2 sample --model {args.init} --adapter {adapter})")
+        if args.peft_export:
+            minlora.export_peft_adapter(trainer.model, args.peft_export)
+            print(f"wrote PEFT adapter {args.peft_export}")
+        if args.merge_export:
+            minlora.merge_lora(trainer.model)
+            tokenizer_dir = os.environ.get("GPT2_TOKENIZER_DIR") or None
+            trainer.model.save_pretrained(args.merge_export, tokenizer_dir=tokenizer_dir)
+            print(f"wrote merged model {args.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+        if config.out_dir is not None:
+            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        return results
+
+
+# --------------------------------------------------------------------------- benchmark
+def bench_job(args: argparse.Namespace) -> list[Any]:
+    """``gpt2 bench``: the speed-up ladder of :mod:`gpt2.bench`, printed as a table."""
+    from .bench import RUNGS, format_table, run_ladder
+
+    rungs = [r.strip() for r in args.rungs.split(",") if r.strip()] if args.rungs else list(RUNGS)
+    where = torch.cuda.get_device_name() if uses_cuda(args.device) else "CPU"
+    print(f"{args.model}, B={args.batch_size}, T={args.seq_len}, {args.steps} timed steps after {args.warmup} "
+          f"warm-up steps, on {where} (torch {torch.__version__})", flush=True)
+    results = run_ladder(
+        args.model, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
+        rungs=rungs, device=args.device, compile=args.compile, peak_flops=args.peak_flops,
+        vocab_size=args.vocab_size,
+        on_result=lambda r: print(f"  {r.rung}: " + (r.note if r.skipped else f"{r.ms_per_step:.1f} ms/step"),
+                                  flush=True),
+    )
+    print(format_table(results))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": where, "torch": torch.__version__,
+                                   "results": [r.to_dict() for r in results]}, indent=2) + "\n")
+        print(f"wrote {out}")
+    return results

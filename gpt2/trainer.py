@@ -1,0 +1,493 @@
+"""The Trainer: build-nanogpt's training loop as a library piece.
+
+It wires the pieces of the other modules together: a precision policy
+(:mod:`gpt2.precision`), AdamW and the cosine schedule (:mod:`gpt2.optim`), DDP
+(:mod:`gpt2.distributed`), atomic checkpoints (:mod:`gpt2.checkpoint`) and metric sinks
+(:mod:`gpt2.metrics`)::
+
+    trainer = Trainer(model, TrainConfig(...), train_data, val_data)
+    history = trainer.fit()
+
+Three views of one model are kept apart: ``trainer.model`` is the raw module (checkpoints, state
+dicts and generation use it, so no ``_orig_mod.`` / ``module.`` prefixes ever appear);
+``trainer.eval_model`` is the ``torch.compile``d module when compiling (evaluation), and
+``trainer.train_model`` wraps that in DistributedDataParallel when running under torchrun
+(training steps). All three share the same parameters.
+
+Data: ``train_data`` / ``val_data`` may be a 1-D token tensor or array, a token file, a
+directory of shards (the Trainer then reads the files whose names contain ``"train"`` /
+``"val"``), or a :class:`gpt2.data.TokenLoader`. A loader must have been built with this run's
+``micro_batch_size``, ``seq_len`` and the process's ``rank`` / ``world_size`` (the Trainer checks
+and says what differs; it does not rebuild a loader, because it cannot know its source).
+
+Resume: with ``resume="auto"`` (or a path) the Trainer restores weights, optimizer, loss scaler,
+RNG states, the data loader's position, the step (which fixes the learning rate) and the best
+validation loss, so the continued run is the uninterrupted one: on CPU bit for bit. Validation
+always reads the same first ``eval_steps`` batches, so it consumes no state of its own.
+
+Divergence guard: a step whose loss or gradient norm is inf/nan is skipped (gradients dropped,
+weights and optimizer state untouched) and logged. ``max_bad_steps`` such steps in a row raise
+:class:`TrainingDivergedError`. With fp16 the loss scaler skips steps whose scaled gradients
+overflowed while it searches for a good scale; those are counted in ``skipped_steps`` but are
+not "bad" unless the loss itself was non-finite or the scale was already at 1 or below (then
+the true gradients overflow fp16: a real spike, not the scale).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Union
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from . import checkpoint as ckpt
+from . import distributed
+from .config import TrainConfig
+from .data import TokenLoader
+from .metrics import ConsoleSink, JSONLSink, detect_peak_flops, mfu, plot_loss_curve, read_jsonl
+from .optim import build_optimizer, lr_at, set_lr
+from .precision import resolve_precision
+
+logger = logging.getLogger(__name__)
+
+Sink = Union[Callable[[dict], None], Any]  # a callable, or an object with log(record) [and close()]
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+CHECKPOINT_DIR = "checkpoints"
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+    def __init__(self, message: str, *, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None):
+        super().__init__(message)
+        self.step = step
+        self.loss = loss
+        self.grad_norm = grad_norm
+        self.last_checkpoint = last_checkpoint
+
+
+def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
+    """Micro-steps per optimizer step so that one step sees ``total_batch_size`` tokens."""
+    per_micro_step = config.micro_batch_size * config.seq_len * world_size
+    if config.total_batch_size is None:
+        return 1
+    if config.total_batch_size % per_micro_step != 0:
+        raise ValueError(
+            f"total_batch_size={config.total_batch_size:,} tokens is not divisible by micro_batch_size x "
+            f"seq_len x world_size = {config.micro_batch_size} x {config.seq_len} x {world_size} = "
+            f"{per_micro_step:,} tokens; pick a total_batch_size that is a multiple of {per_micro_step:,} "
+            f"(e.g. {max(1, config.total_batch_size // per_micro_step) * per_micro_step:,}) or change the micro-batch"
+        )
+    return config.total_batch_size // per_micro_step
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and Python ``random``."""
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+class Trainer:
+    """Trains a GPT (any module with ``forward(idx, targets) -> (logits, loss)``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainConfig,
+        train_data: Any,
+        val_data: Any = None,
+        *,
+        sinks: Iterable[Sink] | None = None,
+    ) -> None:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a gpt2.TrainConfig, got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
+        self.config = config
+        self.dist_env = distributed.env_from_environ()
+        self.device = distributed.resolve_device(config.device, self.dist_env)
+        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
+        self.precision = resolve_precision(config.precision, self.device)
+        self.precision.apply()
+        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
+        self.tokens_per_step = config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
+        seed_everything(config.seed)
+
+        self.model = ckpt.unwrap_model(model).to(self.device)  # the raw model
+        self._check_model()
+        self.optimizer = build_optimizer(
+            self.model, lr=config.max_lr, weight_decay=config.weight_decay, betas=config.betas,
+            eps=config.eps, fused=config.fused_adamw, decay_embeddings=config.decay_embeddings,
+        )
+        self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.scaler = self.precision.make_scaler()
+        self.eval_model: nn.Module = torch.compile(self.model) if config.compile else self.model
+        self.train_model: nn.Module = (
+            distributed.wrap_ddp(self.eval_model, self.device) if self.dist_env.is_distributed else self.eval_model
+        )
+        self.train_loader = self._make_loader(train_data, "train")
+        self.val_loader = self._make_loader(val_data, "val") if val_data is not None else None
+
+        flops = getattr(self.model, "flops_per_token", None)
+        self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
+        self.peak_flops = detect_peak_flops(self.device, config.peak_flops)
+        self.sinks: list[Sink] = (
+            [ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)
+        ) if self.is_main else []
+
+        self.step = 0  # completed optimizer steps
+        self.skipped_steps = 0
+        self.consecutive_bad_steps = 0
+        self.best_val_loss: float | None = None
+        self.last_checkpoint: Path | None = None
+        self.history: list[dict[str, Any]] = []  # records of this process's fit() calls
+        logger.info(
+            "training on %s with %s, %d process(es), %d micro-step(s) of %d x %d tokens = %s tokens per step",
+            self.device, self.precision.name, self.dist_env.world_size, self.grad_accum_steps,
+            config.micro_batch_size, config.seq_len, f"{self.tokens_per_step:,}",
+        )
+        if config.resume is not None:
+            self._resume(config.resume)
+        elif self.checkpoint_dir is not None and ckpt.find_latest_checkpoint(self.checkpoint_dir) is not None:
+            logger.warning(
+                "%s already holds checkpoints of another run; this run (resume=None) will overwrite and prune "
+                "them. Pass resume='auto' to continue that run instead.", self.checkpoint_dir,
+            )
+
+    # ------------------------------------------------------------------ set-up helpers
+    @property
+    def is_main(self) -> bool:
+        return self.dist_env.is_main
+
+    @property
+    def out_dir(self) -> Path | None:
+        return Path(self.config.out_dir) if self.config.out_dir is not None else None
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return self.out_dir / CHECKPOINT_DIR if self.out_dir is not None else None
+
+    def _check_model(self) -> None:
+        block_size = getattr(getattr(self.model, "config", None), "block_size", None)
+        if block_size is not None and self.config.seq_len > block_size:
+            raise ValueError(
+                f"TrainConfig.seq_len={self.config.seq_len} exceeds the model's block_size={block_size}; "
+                "train on shorter sequences or build the model with a larger block_size"
+            )
+        low = sorted({str(p.dtype) for p in self.model.parameters() if p.requires_grad and p.dtype != torch.float32})
+        if low:
+            raise ValueError(
+                f"trainable parameters must be float32 (master weights), found {low}; keep the model in fp32 "
+                f"and choose the compute precision with TrainConfig.precision (e.g. 'bf16')"
+            )
+
+    def _make_loader(self, data: Any, split: str) -> Any:
+        cfg, env = self.config, self.dist_env
+        if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
+            expected = {
+                "batch_size": cfg.micro_batch_size, "seq_len": cfg.seq_len,
+                "rank": env.rank, "world_size": env.world_size,
+            }
+            wrong = [
+                f"{name}={getattr(data, name)!r} (this run needs {want!r})"
+                for name, want in expected.items() if getattr(data, name, want) != want
+            ]
+            if wrong:
+                raise ValueError(
+                    f"the {split} loader does not fit this run: {', '.join(wrong)}. Build it as "
+                    f"TokenLoader(source, {cfg.micro_batch_size}, {cfg.seq_len}, rank={env.rank}, "
+                    f"world_size={env.world_size}), or pass the tokens / path and let the Trainer build it"
+                )
+            return data
+        if isinstance(data, (str, os.PathLike)):
+            split_arg = split if Path(data).is_dir() else None
+            return TokenLoader(data, cfg.micro_batch_size, cfg.seq_len, rank=env.rank,
+                               world_size=env.world_size, split=split_arg)
+        if isinstance(data, (torch.Tensor, np.ndarray)):
+            return TokenLoader(data, cfg.micro_batch_size, cfg.seq_len, rank=env.rank, world_size=env.world_size)
+        raise TypeError(
+            f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
+            f"gpt2.data.TokenLoader; got {type(data).__name__}"
+        )
+
+    # ------------------------------------------------------------------ training
+    def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
+        """Train until ``max_steps``; return this call's per-step records (also in metrics.jsonl).
+
+        ``until_step`` stops earlier, after that step, with a checkpoint (when ``out_dir`` is
+        set) so a later Trainer with ``resume="auto"`` continues the same run: the learning-rate
+        schedule still runs to ``max_steps``.
+        """
+        cfg = self.config
+        stop = cfg.max_steps if until_step is None else min(int(until_step), cfg.max_steps)
+        if self.step >= stop:
+            logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
+            return []
+        jsonl = None
+        if self.is_main and self.out_dir is not None:
+            jsonl = JSONLSink(self.out_dir / METRICS_FILE, keep_until_step=self.step)
+        bar = self._progress_bar()
+        history: list[dict[str, Any]] = []
+        pending = False  # a checkpoint is due but was postponed
+        try:
+            while self.step < stop:
+                record = self.train_step()
+                if self._due(cfg.eval_interval) and self.val_loader is not None:
+                    record["val_loss"] = self.evaluate()
+                self._emit(record, jsonl, bar)
+                history.append(record)
+                if self.consecutive_bad_steps >= cfg.max_bad_steps:
+                    raise self._diverged(record)
+                if self.out_dir is not None:
+                    pending = pending or self._due(cfg.checkpoint_interval) or self.step == stop
+                    # A checkpoint waits for a good step: during a run of skipped steps the last
+                    # good checkpoint stays the newest one. The stop point is always saved (the
+                    # weights are finite: skipped steps never touch them).
+                    if pending and (self.consecutive_bad_steps == 0 or self.step == stop):
+                        self.save_checkpoint()
+                        pending = False
+        finally:
+            if bar is not None:
+                bar.close()
+            if jsonl is not None:
+                jsonl.close()
+        if self.is_main and self.out_dir is not None and cfg.plot:
+            plot_loss_curve(read_jsonl(self.out_dir / METRICS_FILE), self.out_dir / PLOT_FILE)
+        return history
+
+    def _due(self, interval: int) -> bool:
+        """Every ``interval`` steps (0 = never) and always after the last step."""
+        return self.step == self.config.max_steps or (interval > 0 and self.step % interval == 0)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record."""
+        cfg = self.config
+        lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                   max_steps=cfg.max_steps)
+        set_lr(self.optimizer, lr)
+        self.train_model.train()
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_step in range(self.grad_accum_steps):
+            x, y = self._to_device(*self.train_loader.next_batch())
+            # Under DDP, only the last micro-step's backward averages gradients across processes.
+            with distributed.no_sync(self.train_model, skip_sync=micro_step < self.grad_accum_steps - 1):
+                with self.precision.autocast():
+                    _, loss = self.train_model(x, y)
+                # The model returns the mean loss of this micro-batch. Gradients of successive
+                # backward calls add up, so dividing by the number of micro-steps makes their sum
+                # the gradient of the mean over the whole batch, exactly as one big batch would.
+                loss = loss / self.grad_accum_steps
+                loss_sum += loss.detach()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        # Every process logs (and judges) the loss of the whole global batch.
+        loss_value = distributed.all_reduce_mean(loss_sum).item()
+        grad_norm, skipped, bad = self._optimizer_step(loss_value)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are queued asynchronously: time them all
+        dt = time.perf_counter() - t0
+        self.step += 1
+        tokens_per_second = self.tokens_per_step / dt
+        record: dict[str, Any] = {
+            "step": self.step,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "dt_ms": dt * 1000.0,
+            "tokens_per_second": tokens_per_second,
+            "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.dist_env.world_size),
+            "skipped": skipped,
+            "skipped_steps": self.skipped_steps,
+        }
+        if self.scaler is not None:
+            record["loss_scale"] = self.scaler.get_scale()
+        if skipped:
+            logger.warning(
+                "step %d skipped: loss %s, grad norm %s%s", self.step, loss_value, grad_norm,
+                "" if bad else " (fp16 loss scale lowered to %g)" % self.scaler.get_scale(),  # type: ignore[union-attr]
+            )
+        return record
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device.type == "cuda":
+            # Pinned memory lets the copy run asynchronously with the previous step's kernels.
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def _optimizer_step(self, loss_value: float) -> tuple[float, bool, bool]:
+        """Unscale, clip, step (unless non-finite). Returns (grad_norm, skipped, bad)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        max_norm = self.config.grad_clip or math.inf  # inf: measure the norm, change nothing
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if self.scaler is None:
+            if finite:
+                self.optimizer.step()
+            bad = not finite
+        else:
+            scale = self.scaler.get_scale()
+            if finite:
+                self.scaler.step(self.optimizer)
+            self.scaler.update()  # lowers the scale when unscale_ found inf/nan gradients
+            overflow = self.scaler.get_scale() < scale
+            # Overflow of *scaled* fp16 gradients is the scaler searching for its scale (normal);
+            # a non-finite loss, or an overflow at scale <= 1, is a real numerical problem.
+            explained = overflow and math.isfinite(loss_value) and scale > 1.0
+            bad = not finite and not explained
+        skipped = not finite
+        if skipped:
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)  # the non-finite gradients go nowhere
+        self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if bad else 0
+        return grad_norm, skipped, bad
+
+    def _diverged(self, record: dict[str, Any]) -> TrainingDivergedError:
+        n = self.consecutive_bad_steps
+        where = (
+            f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint is not None
+            else "no checkpoint was written in this run"
+        )
+        scale = f", loss scale {record['loss_scale']:g}" if "loss_scale" in record else ""
+        message = (
+            f"training diverged at step {self.step}: {n} consecutive steps had a non-finite loss or gradient "
+            f"norm (last: loss {record['loss']}, grad norm {record['grad_norm']}{scale}). Those steps were skipped, "
+            f"so the weights are still those of step {self.step - n}; {where}. Lower max_lr, set grad_clip, "
+            f"or use precision='bf16'/'fp32', then resume from the checkpoint."
+        )
+        return TrainingDivergedError(
+            message, step=self.step, loss=record["loss"], grad_norm=record["grad_norm"],
+            last_checkpoint=self.last_checkpoint,
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, steps: int | None = None) -> float:
+        """Mean validation loss over the first ``steps`` (default ``eval_steps``) batches."""
+        if self.val_loader is None:
+            raise ValueError("no validation data: pass val_data to the Trainer")
+        steps = steps or self.config.eval_steps
+        model = self.eval_model
+        was_training = model.training
+        model.eval()
+        self.val_loader.reset()  # the same batches every time, so evaluations are comparable
+        total = torch.zeros((), device=self.device)
+        try:
+            for _ in range(steps):
+                x, y = self._to_device(*self.val_loader.next_batch())
+                with self.precision.autocast():
+                    _, loss = model(x, y)
+                total += loss.detach().float()
+        finally:
+            model.train(was_training)
+        val_loss = distributed.all_reduce_mean(total / steps).item()
+        if math.isfinite(val_loss) and (self.best_val_loss is None or val_loss < self.best_val_loss):
+            self.best_val_loss = val_loss
+        return val_loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path | None:
+        """Checkpoint the current step under ``out_dir/checkpoints`` (rank 0 writes; all ranks
+        return the path). Raises :class:`TrainingDivergedError` instead of saving non-finite weights."""
+        if self.checkpoint_dir is None:
+            return None
+        bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
+        if bad:  # checked on every rank, so all of them stop together
+            where = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint was written"
+            raise TrainingDivergedError(
+                f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); {where}",
+                step=self.step, loss=math.nan, grad_norm=math.nan, last_checkpoint=self.last_checkpoint,
+            )
+        path = self.checkpoint_dir / f"step_{self.step:06d}"
+        if self.is_main:
+            path = ckpt.save_checkpoint(
+                self.checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, self._checkpoint_metadata(),
+                keep_last=self.config.keep_last_checkpoints, trainable_only=self.config.save_trainable_only,
+            )
+        self.last_checkpoint = path
+        return path
+
+    def _checkpoint_metadata(self) -> dict[str, Any]:
+        model_config = getattr(self.model, "config", None)
+        return {
+            "config": self.config.to_dict(),
+            "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
+            "data": {"train": self.train_loader.state_dict()},
+            "best_val_loss": self.best_val_loss,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.dist_env.world_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "precision": self.precision.name,
+            "torch_version": torch.__version__,
+        }
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Restore everything from a checkpoint (see :func:`gpt2.checkpoint.load_checkpoint`)."""
+        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scaler, restore_rng=True)
+        if meta.get("tokens_per_step") != self.tokens_per_step or meta.get("world_size") != self.dist_env.world_size:
+            logger.warning(
+                "checkpoint was written with %s tokens/step on %s process(es), this run uses %s on %s: "
+                "the data order (and so the losses) will differ from an uninterrupted run",
+                meta.get("tokens_per_step"), meta.get("world_size"), self.tokens_per_step, self.dist_env.world_size,
+            )
+        self.train_loader.load_state_dict(meta["data"]["train"])
+        self.step = int(meta["step"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.best_val_loss = meta.get("best_val_loss")
+        self.consecutive_bad_steps = 0
+        self.last_checkpoint = Path(meta["path"])
+        logger.info("resumed from %s at step %d", meta["path"], self.step)
+        return meta
+
+    def _resume(self, resume: str) -> None:
+        if resume == "auto":
+            latest = ckpt.find_latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+            if latest is None:
+                logger.info("resume='auto': no checkpoint in %s, starting from scratch", self.checkpoint_dir)
+                return
+            self.load_checkpoint(latest)
+        else:
+            self.load_checkpoint(resume)
+
+    # ------------------------------------------------------------------ output
+    def _progress_bar(self):
+        if not (self.is_main and self.config.progress):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.config.max_steps, initial=self.step, unit="step", desc="train", dynamic_ncols=True)
+
+    def _emit(self, record: dict[str, Any], jsonl: JSONLSink | None, bar) -> None:
+        self.history.append(record)
+        if jsonl is not None:
+            jsonl.log(record)
+        for sink in self.sinks:
+            sink.log(record) if hasattr(sink, "log") else sink(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+
+    def close(self) -> None:
+        """Leave the process group if this Trainer created it (under torchrun)."""
+        if self._owns_process_group:
+            distributed.destroy_process_group()
+            self._owns_process_group = False
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

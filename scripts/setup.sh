@@ -1,0 +1,27 @@
+# Sourced by run.sh and test.sh: install the project (torch first) and point at offline data.
+# Usage: source scripts/setup.sh [extras]   e.g. "dev"
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+extras=${1:-}
+
+# Install torch on its own first: with no torch present, a plain `torch` requirement resolved by
+# pip pulls the newest CUDA build (several GB). An installed torch (any build, e.g. your CUDA one)
+# is kept; TORCH_VERSION picks another version for a fresh machine.
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    "$PYTHON" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
+fi
+if [ -n "$extras" ]; then
+    "$PYTHON" -m pip install --quiet -e ".[$extras]"
+else
+    "$PYTHON" -m pip install --quiet -e .
+fi
+
+# Offline copies of the GPT-2 BPE files and Tiny Shakespeare, when a ../shared/data folder sits
+# beside the checkout (CI and the project's own machines). Elsewhere the library downloads and
+# caches them itself. Variables you set yourself win.
+shared_data="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/shared/data"
+if [ -d "$shared_data" ]; then
+    export TIKTOKEN_CACHE_DIR="${TIKTOKEN_CACHE_DIR:-$shared_data/tiktoken-cache}"
+    export GPT2_TINY_SHAKESPEARE="${GPT2_TINY_SHAKESPEARE:-$shared_data/tinyshakespeare.txt}"
+    export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+fi

@@ -1,0 +1,156 @@
+"""Checkpoints: safetensors with tied weights, weights_only state, RNG, atomic save, pruning."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from gpt2 import GPT
+from gpt2 import checkpoint as ckpt
+
+
+@pytest.fixture
+def model(tiny_config):
+    torch.manual_seed(0)
+    return GPT(tiny_config)
+
+
+def _optimizer_with_state(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(x, x)[1].backward()
+    opt.step()
+    return opt
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_round_trip_stores_tied_weight_once_and_reties_it(model, tiny_config, tmp_path):
+    opt = _optimizer_with_state(model)
+    path = ckpt.save_checkpoint(tmp_path, 7, model, opt, metadata={"note": "hi"})
+    assert path == tmp_path / "step_000007" and ckpt.is_complete(path)
+    with safe_open(str(path / ckpt.WEIGHTS_FILE), framework="pt") as f:
+        keys = set(f.keys())
+        aliases = json.loads(f.metadata()["aliases"])
+    # The token embedding and the LM head are one tensor: stored under one name, the other an alias.
+    tied = {"transformer.wte.weight", "lm_head.weight"}
+    assert len(keys & tied) == 1 and set(aliases) == tied - keys
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in keys)
+
+    torch.manual_seed(1)
+    fresh = GPT(tiny_config)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    meta = ckpt.load_checkpoint(path, fresh, fresh_opt)
+    assert meta["step"] == 7 and meta["note"] == "hi"
+    assert _same_weights(model, fresh)
+    assert fresh.transformer.wte.weight is fresh.lm_head.weight  # still tied after loading
+    a, b = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)
+
+
+def test_trainer_state_loads_with_weights_only(model, tmp_path):
+    opt = _optimizer_with_state(model)
+    scaler = torch.amp.GradScaler("cpu")
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, scaler)
+    state = torch.load(path / ckpt.STATE_FILE, weights_only=True)  # raises on any pickled object
+    assert set(state) == {"optimizer", "scaler", "rng"}
+    assert state["scaler"]["scale"] == scaler.get_scale()
+    json.loads((path / ckpt.META_FILE).read_text())  # plain JSON
+
+
+def test_rng_state_round_trip():
+    state = ckpt.capture_rng_state()
+    first = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
+    ckpt.restore_rng_state(state)
+    again = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
+    assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1]) and first[2] == again[2]
+
+
+def test_refuses_non_finite_weights(model, tmp_path):
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    with pytest.raises(ckpt.NonFiniteWeightsError, match=r"step 3.*h\.0\.mlp\.c_fc\.weight"):
+        ckpt.save_checkpoint(tmp_path, 3, model)
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary directory
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(model, tiny_config, tmp_path, monkeypatch):
+    opt = _optimizer_with_state(model)
+    good = ckpt.save_checkpoint(tmp_path, 10, model, opt)
+    good_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def crash(*args, **kwargs):  # the weights file is already written when this runs
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_write_trainer_state", crash)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(tmp_path, 20, model, opt)
+    monkeypatch.undo()
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000010"]  # no debris
+    assert (tmp_path / "latest").read_text().strip() == "step_000010"
+    assert ckpt.find_latest_checkpoint(tmp_path) == good
+    fresh = GPT(tiny_config)
+    ckpt.load_checkpoint(tmp_path, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in good_weights.items())
+
+
+def test_keep_last_latest_pointer_and_incomplete_directories(model, tmp_path):
+    for step in (1, 2, 3, 4):
+        ckpt.save_checkpoint(tmp_path, step, model, keep_last=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+    assert (tmp_path / "latest").read_text().strip() == "step_000004"
+    # A directory that is not a complete checkpoint (e.g. copied by hand, half of it) is ignored.
+    (tmp_path / "step_000009").mkdir()
+    (tmp_path / "step_000009" / ckpt.WEIGHTS_FILE).write_bytes(b"")
+    assert ckpt.find_latest_checkpoint(tmp_path).name == "step_000004"
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        ckpt.load_checkpoint(tmp_path / "step_000009", model)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        ckpt.resolve_checkpoint(tmp_path / "missing")
+    # Saving a step again replaces it (swapped out, then renamed into place).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    ckpt.save_checkpoint(tmp_path, 4, model, keep_last=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+    weights, _ = ckpt.load_weights(tmp_path / "step_000004" / ckpt.WEIGHTS_FILE)
+    assert torch.equal(weights["lm_head.weight"], model.lm_head.weight)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_compiled_model_is_saved_under_its_raw_names(model, tmp_path):
+    compiled = torch.compile(model)  # wrapping does not compile anything until it is called
+    assert ckpt.unwrap_model(compiled) is model
+    path = ckpt.save_checkpoint(tmp_path, 1, compiled)
+    weights, _ = ckpt.load_weights(path / ckpt.WEIGHTS_FILE)
+    assert set(weights) == set(model.state_dict())
+
+
+def test_trainable_only_saves_just_the_trainable_parameters(model, tiny_config, tmp_path):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.transformer.ln_f.weight.requires_grad_(True)
+    model.lm_head.weight.requires_grad_(True)  # tied: saved once, restored under both names
+    with torch.no_grad():
+        model.transformer.ln_f.weight.fill_(2.0)
+    path = ckpt.save_checkpoint(tmp_path, 5, model, trainable_only=True)
+    weights, meta = ckpt.load_weights(path / ckpt.WEIGHTS_FILE)
+    assert set(weights) == {"transformer.ln_f.weight", "lm_head.weight", "transformer.wte.weight"}
+    assert meta["trainable_only"] == "True"
+
+    torch.manual_seed(0)
+    base = GPT(tiny_config)  # the same frozen base, but without the trained values
+    ckpt.load_checkpoint(path, base)
+    assert torch.equal(base.transformer.ln_f.weight, torch.full_like(base.transformer.ln_f.weight, 2.0))
+    assert _same_weights(base, model)

@@ -1,0 +1,313 @@
+"""The command line (gpt2.cli / gpt2.recipes): every subcommand end to end in a tiny config,
+option precedence, --resume auto, and clear errors (exit code 2, no traceback) for bad input.
+
+Most tests call ``gpt2.cli.main`` in-process (no interpreter start-up per call); one runs the
+real ``python -m gpt2`` entry point. The example scripts themselves run as subprocesses in
+tests/test_examples.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2.cli import COMMANDS, main, resolve_options
+from gpt2.recipes import UsageError, load_model, stream_text
+
+HELLASWAG = [
+    {"ctx": "ROMEO: I will", "endings": ["go to the house.", "fly to the moon of cheese.", "xyz qqq", "the the the"], "label": 0},
+    {"ctx_a": "JULIET:", "ctx_b": "O Romeo,", "endings": ["Romeo, wherefore art thou Romeo?", "banana", "1 2 3", "!!!"], "label": 0},
+    {"ctx": "First Citizen:", "endings": ["Before we proceed any further, hear me speak.", "ok", "no", "yes"], "label": "0"},
+]
+
+# A 2-layer, 32-wide model on 32-token sequences: a few hundred ms per step on a CPU.
+TINY_TRAIN = [
+    "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "4", "--warmup-steps", "1",
+    "--eval-interval", "2", "--eval-steps", "2", "--final-eval-batches", "3", "--num-samples", "1",
+    "--max-new-tokens", "8", "--no-progress", "--log-interval", "1",
+]
+
+
+def write_hellaswag(path: Path) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in HELLASWAG))
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A 4-step tiny run of `gpt2 train` on Tiny Shakespeare, shared by the tests below."""
+    if not os.environ.get("GPT2_TINY_SHAKESPEARE"):
+        pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
+    out = tmp_path_factory.mktemp("run") / "shakespeare"
+    code = main(["train", *TINY_TRAIN, "--max-steps", "4", "--checkpoint-interval", "2", "--out-dir", str(out)])
+    assert code == 0
+    return out
+
+
+# --------------------------------------------------------------------------- help and errors
+def test_top_level_help_and_unknown_command(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for name in ("train", "finetune", "sample", "prepare", "eval", "export", "bench"):
+        assert f"  {name} " in out
+    assert set(COMMANDS) == {"train", "finetune", "sample", "prepare", "eval", "export", "bench"}
+    code, _, err = run(capsys, "frobnicate")
+    assert code == 2 and "unknown command 'frobnicate'" in err
+    assert run(capsys)[0] == 2  # no command: help on stdout, usage error
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_help(capsys, name):
+    code, out, _ = run(capsys, name, "--help")
+    assert code == 0
+    assert out.startswith(f"usage: gpt2 {name}") and "--config FILE" in out
+
+
+def test_help_shows_the_effective_defaults(capsys):
+    _, out, _ = run(capsys, "train", "--help")
+    # the shakespeare recipe's device-dependent defaults, not the command's bare ones
+    assert "(default: 0.0006 on CUDA, 0.002 on CPU)" in " ".join(out.split())
+    assert "ROMEO:" in out
+
+
+def test_bad_flags_exit_2_with_one_line(capsys):
+    code, _, err = run(capsys, "train", "--bogus-flag")
+    assert code == 2 and "unrecognized arguments: --bogus-flag" in err
+    code, _, err = run(capsys, "train", "--max-steps", "many")
+    assert code == 2 and "invalid int value: 'many'" in err
+    code, _, err = run(capsys, "train", "--precision", "fp8")
+    assert code == 2 and "invalid choice: 'fp8'" in err
+    # A value the library rejects (TrainConfig validation): one line, no traceback.
+    code, _, err = run(capsys, "train", *TINY_TRAIN, "--max-steps", "2", "--warmup-steps", "5")
+    assert code == 2 and "warmup_steps (5) exceeds max_steps (2)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_files_are_clear_errors(capsys, tmp_path, trained_run):
+    missing = tmp_path / "missing"
+    cases = [
+        (["train", *TINY_TRAIN, "--data", missing / "text.txt"], "does not exist"),
+        (["finetune", "--init", missing], "neither an existing directory"),
+        (["sample", "--model", missing], "neither an existing directory"),
+        (["sample", "--model", trained_run, "--adapter", missing], "adapter"),
+        (["eval", "--model", trained_run, "--data", missing / "val.bin"], "does not exist"),
+        (["eval", "--model", trained_run, "--hellaswag", missing / "hs.jsonl"], "does not exist"),
+        (["export", "--model", trained_run], "nothing to export"),
+        (["train", "--config", missing / "cfg.yaml"], "config file"),
+        (["prepare", "--input", missing / "a.txt", "--out-dir", tmp_path / "shards"], "does not exist"),
+    ]
+    for argv, message in cases:
+        code, _, err = run(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_python_m_gpt2_entry_point(tmp_path):
+    """The real entry point: exit codes and no traceback on a bad value."""
+    result = subprocess.run([sys.executable, "-m", "gpt2", "eval", "--model", str(tmp_path / "nope"), "--data", "x"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("gpt2 eval: error:") and "Traceback" not in result.stderr
+    if shutil.which("gpt2"):  # the console script declared in pyproject.toml
+        result = subprocess.run(["gpt2", "--help"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and "finetune" in result.stdout
+
+
+# --------------------------------------------------------------------------- configuration
+def test_option_precedence_recipe_script_file_flags(tmp_path):
+    cmd = COMMANDS["train"]
+    cfg = tmp_path / "run.yaml"
+    # YAML 1.1 reads 6e-4 as a string: it must still become a float.
+    cfg.write_text("max_steps: 7\nmax-lr: 6e-4\ncompile: 'false'\n")
+    args = resolve_options(cmd, {"config": str(cfg), "max_steps": 9, "device": "cpu"}, {"warmup_steps": 3})
+    assert args.max_steps == 9  # the flag beats the file
+    assert args.max_lr == pytest.approx(6e-4) and isinstance(args.max_lr, float)  # file beats recipe
+    assert args.compile is False
+    assert args.warmup_steps == 3  # the script's default beats the recipe's 20
+    assert args.model == "mini" and args.seq_len == 64  # the recipe's CPU values
+    assert resolve_options(cmd, {"device": "cuda"}).model == "gpt2"  # ... and its CUDA ones
+    # A recipe named in a JSON config file.
+    cfg_json = tmp_path / "run.json"
+    cfg_json.write_text(json.dumps({"recipe": "gpt2-124m", "micro_batch_size": 2}))
+    args = resolve_options(cmd, {"config": str(cfg_json), "device": "cpu"})
+    assert (args.total_batch_size, args.warmup_steps, args.max_steps, args.micro_batch_size) == (524288, 715, 19073, 2)
+    assert args.hellaswag == "auto" and args.resume == "auto"
+
+
+def test_config_file_errors(tmp_path):
+    cmd = COMMANDS["train"]
+    cases = {
+        "a.yaml": ("max_stepz: 3\n", "unknown option 'max_stepz'"),
+        "b.yaml": ("max_steps: many\n", "expected int"),
+        "c.yaml": ("max_steps: 2.5\n", "expected an integer"),
+        "d.yaml": ("- 1\n- 2\n", "must hold a mapping"),
+        "e.json": ("{not json", "not valid JSON"),
+        "f.yaml": ("precision: fp8\n", "not one of"),
+        "g.yaml": ("compile: perhaps\n", "expected true or false"),
+        "h.toml": ("max_steps = 3\n", "must end in .yaml"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(UsageError, match=message):
+            resolve_options(cmd, {"config": str(path)})
+
+
+# --------------------------------------------------------------------------- the commands
+def test_train_writes_what_it_promises(trained_run, capsys):
+    records = read_jsonl(trained_run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert [r["step"] for r in records if r.get("val_loss") is not None] == [2, 4]
+    results = json.loads((trained_run / "results.json").read_text())
+    assert results["step"] == 4 and math.isfinite(results["val_loss"]) and results["val_tokens"] == 3 * 4 * 32
+    assert results["perplexity"] == pytest.approx(math.exp(results["val_loss"]))
+    assert len(results["samples"]) == 1 and results["samples"][0].startswith("ROMEO:")
+    assert (trained_run / "loss.png").stat().st_size > 0
+    assert sorted(p.name for p in (trained_run / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+
+
+def test_eval_matches_the_training_run(trained_run, tmp_path, capsys):
+    """`gpt2 eval` on the same held-out tokens gives the loss the training run reported."""
+    hs = write_hellaswag(tmp_path / "hs.jsonl")
+    out = tmp_path / "eval.json"
+    code, stdout, err = run(capsys, "eval", "--model", trained_run, "--data", "shakespeare", "--seq-len", "32",
+                            "--batch-size", "4", "--max-batches", "3", "--hellaswag", hs, "--output", out)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    trained = json.loads((trained_run / "results.json").read_text())
+    assert result["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-5)
+    assert result["tokens"] == trained["val_tokens"]
+    assert result["hellaswag_n"] == 3 and 0 <= result["hellaswag_acc_norm"] <= 1
+    assert "val loss" in stdout and "hellaswag acc_norm" in stdout
+
+
+def test_eval_on_a_shard_directory(trained_run, tmp_path, capsys, shared_data):
+    from gpt2.data import write_shards
+
+    shards = tmp_path / "shards"
+    docs = (shared_data / "tinyshakespeare.txt").read_text().split("\n\n")[:300]
+    write_shards(docs, shards, prefix="tiny", shard_size=2000, progress=False)
+    code, stdout, err = run(capsys, "eval", "--model", trained_run, "--data", shards, "--seq-len", "32",
+                            "--batch-size", "4")
+    assert code == 0, err
+    # one full pass over the val shard (2000 tokens): 15 batches of 4 x 32 (+1 token for the targets)
+    assert f"{15 * 4 * 32:,} tokens" in stdout
+
+
+def test_sample_is_reproducible_and_streams(trained_run, capsys):
+    argv = ["sample", "--model", trained_run, "--prompt", "ROMEO:", "-n", "2", "--max-new-tokens", "6", "--seed", "7"]
+    code, first, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "--- sample 2/2 ---" in first and first.count("ROMEO:") == 2
+    assert run(capsys, *argv)[1] == first  # same seed, same text
+    assert run(capsys, *argv[:-1], "8")[1] != first
+
+
+def test_stream_text_pieces_add_up_to_the_generated_text(trained_run):
+    from gpt2.tokenizer import get_tokenizer
+
+    model = load_model(str(trained_run))
+    tok = get_tokenizer()
+    pieces = list(stream_text(model, "ROMEO:", 12, generator=torch.Generator().manual_seed(3), stop_at_eot=False))
+    ids = model.generate(torch.tensor([tok.encode("ROMEO:")]), 12, generator=torch.Generator().manual_seed(3))
+    assert len(pieces) > 1  # text arrives piece by piece, not at the end
+    assert "ROMEO:" + "".join(pieces) == tok.decode(ids[0])
+    assert all("\ufffd" not in p for p in pieces[:-1])
+
+
+def test_export_writes_a_transformers_directory(trained_run, tmp_path, capsys):
+    from gpt2.hf import from_pretrained
+
+    out = tmp_path / "hf"
+    code, stdout, err = run(capsys, "export", "--model", trained_run, "--out", out)
+    assert code == 0, err
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    x = torch.randint(0, 50257, (2, 16))
+    ours = load_model(str(trained_run))(x)[0]
+    exported = from_pretrained(out)(x)[0]
+    torch.testing.assert_close(exported, ours)
+
+
+def test_resume_auto_continues_an_interrupted_run(tmp_path, capsys, shared_data):
+    """A run that stopped after step 5 (its last checkpoint: step 4) continues with
+    `--resume auto` and ends exactly where the uninterrupted run ends."""
+    argv = ["train", *TINY_TRAIN, "--max-steps", "6", "--checkpoint-interval", "2", "--keep-last-checkpoints", "0",
+            "--no-plot", "--num-samples", "0"]
+    full = tmp_path / "full"
+    assert main([*argv, "--out-dir", str(full)]) == 0
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_000006")  # the crash came before step 6 was saved
+    (crashed / "results.json").unlink()
+    # metrics.jsonl still holds steps 5 and 6 of the lost future: the resumed run replaces them
+    capsys.readouterr()
+    assert main([*argv, "--out-dir", str(crashed), "--resume", "auto"]) == 0
+    expected = [(r["step"], r["loss"]) for r in read_jsonl(full / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in read_jsonl(crashed / "metrics.jsonl")] == expected
+    assert json.loads((crashed / "results.json").read_text())["val_loss"] == json.loads(
+        (full / "results.json").read_text())["val_loss"]
+
+
+def test_prepare_text_and_jsonl(tmp_path, capsys):
+    from gpt2.data import load_tokens
+    from gpt2.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    text = tmp_path / "story.txt"
+    text.write_text("Once upon a time there was a model. " * 40)
+    code, out, err = run(capsys, "prepare", "--input", text, "--out-dir", tmp_path / "a", "--val-fraction", "0.25",
+                         "--no-progress")
+    assert code == 0, err
+    shards = sorted((tmp_path / "a").glob("*.npy"))
+    assert [p.name for p in shards] == ["story_train_000001.npy", "story_val_000000.npy"]
+    n = 1 + len(tok.encode_ordinary(text.read_text()))
+    assert sum(len(load_tokens(p)) for p in shards) == n
+    assert len(load_tokens(shards[1])) == round(n * 0.25)
+
+    rows = [{"body": f"document number {i} " * (i + 1)} for i in range(6)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run(capsys, "prepare", "--input", jsonl, "--text-field", "body", "--out-dir", tmp_path / "b",
+                         "--shard-size", "20", "--prefix", "docs", "--no-progress")
+    assert code == 0, err
+    total = sum(len(load_tokens(p)) for p in (tmp_path / "b").glob("docs_*.npy"))
+    assert total == sum(1 + len(tok.encode_ordinary(r["body"])) for r in rows)
+    assert (tmp_path / "b" / "docs_val_000000.npy").is_file() and (tmp_path / "b" / "docs_train_000001.npy").is_file()
+    # the same again without --overwrite: a clear error instead of mixing old and new shards
+    code, _, err = run(capsys, "prepare", "--input", jsonl, "--text-field", "body", "--out-dir", tmp_path / "b",
+                       "--shard-size", "20", "--prefix", "docs")
+    assert code == 2 and "overwrite" in err
+    code, _, err = run(capsys, "prepare", "--input", jsonl, "--text-field", "text", "--out-dir", tmp_path / "c")
+    assert code == 2 and "string field 'text'" in err
+    code, _, err = run(capsys, "prepare", "--out-dir", tmp_path / "d")
+    assert code == 2 and "nothing to tokenise" in err
+
+
+def test_bench_runs_the_ladder(tmp_path, capsys):
+    out = tmp_path / "ladder.json"
+    code, stdout, err = run(capsys, "bench", "--device", "cpu", "--rungs", "fp32,bf16", "--steps", "1", "--warmup", "0",
+                            "--batch-size", "2", "--seq-len", "16", "--json", out)
+    assert code == 0, err
+    assert "rung" in stdout and "fp32" in stdout and "bf16" in stdout
+    results = json.loads(out.read_text())["results"]
+    assert [r["rung"] for r in results] == ["fp32", "bf16"]
+    assert all(r["ms_per_step"] > 0 for r in results)

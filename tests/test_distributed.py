@@ -1,0 +1,97 @@
+"""DDP: torchrun environment parsing, helpers, and 2 gloo processes == 1 process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gpt2 import distributed
+from gpt2.checkpoint import load_weights
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "_dist_worker.py"
+
+
+def test_env_from_environ_reads_torchrun_variables():
+    env = distributed.env_from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
+    assert (env.rank, env.local_rank, env.world_size) == (3, 1, 4)
+    assert env.is_distributed and not env.is_main
+    single = distributed.env_from_environ({})
+    assert (single.rank, single.world_size) == (0, 1) and single.is_main and not single.is_distributed
+
+
+@pytest.mark.parametrize(
+    "environ, match",
+    [
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK < WORLD_SIZE"),
+        ({"RANK": "zero", "WORLD_SIZE": "2"}, "RANK='zero' is not an integer"),
+        ({"WORLD_SIZE": "0"}, "inconsistent"),
+    ],
+)
+def test_env_from_environ_rejects_inconsistent_values(environ, match):
+    with pytest.raises(ValueError, match=match):
+        distributed.env_from_environ(environ)
+
+
+def test_single_process_helpers_are_no_ops():
+    env = distributed.DistributedEnv()
+    assert distributed.init_process_group(env, torch.device("cpu")) is False  # nothing to join
+    t = torch.tensor([1.0, 3.0])
+    assert distributed.all_reduce_mean(t) is t and t.tolist() == [1.0, 3.0]
+    assert distributed.broadcast_object({"a": 1}) == {"a": 1}
+    # no_sync only means something for a DDP module
+    with distributed.no_sync(nn.Linear(2, 2), skip_sync=True):
+        pass
+    assert distributed.resolve_device("auto", env).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="unknown device"):
+        distributed.resolve_device("gpu0", env)
+
+
+def _run_one_process(out_dir: Path) -> dict:
+    spec = importlib.util.spec_from_file_location("_dist_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker.main(str(out_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_gloo_processes_match_one_process(tmp_path):
+    """Same global batch (128 tokens/step): 2 ranks x 2 micro-steps vs 1 rank x 4 micro-steps."""
+    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(WORKER), str(ddp_dir)]
+    proc = subprocess.run(cmd, env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    ranks = [json.loads((ddp_dir / f"report_rank{r}.json").read_text()) for r in (0, 1)]
+    single = _run_one_process(single_dir)
+    assert [r["world_size"] for r in ranks] == [2, 2] and single["world_size"] == 1
+    assert [r["grad_accum_steps"] for r in ranks] == [2, 2] and single["grad_accum_steps"] == 4
+
+    # Every rank logs the loss averaged over all ranks: identical on both.
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    # Summation order differs (all-reduce vs local accumulation): equal up to float rounding.
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(single[key]), rtol=1e-5, atol=1e-6)
+    vals = [(a, b) for a, b in zip(ranks[0]["val_losses"], single["val_losses"]) if a is not None or b is not None]
+    assert len(vals) == 2 and all(a is not None and b is not None for a, b in vals)
+    torch.testing.assert_close(torch.tensor(vals)[:, 0], torch.tensor(vals)[:, 1], rtol=1e-5, atol=1e-6)
+
+    # Only rank 0 wrote the run's files: one metrics line per step, and the same final weights.
+    assert len((ddp_dir / "metrics.jsonl").read_text().splitlines()) == len(single["losses"])
+    ddp_weights, _ = load_weights(ddp_dir / "checkpoints" / "step_000004" / "model.safetensors")
+    single_weights, _ = load_weights(single_dir / "checkpoints" / "step_000004" / "model.safetensors")
+    assert ddp_weights.keys() == single_weights.keys()
+    for name in ddp_weights:
+        torch.testing.assert_close(ddp_weights[name], single_weights[name], rtol=1e-4, atol=1e-6)

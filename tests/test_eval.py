@@ -1,0 +1,301 @@
+"""gpt2.eval: validation loss / perplexity and HellaSwag scoring on handmade examples."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt2 import GPT, GPTConfig
+from gpt2.eval import (
+    HELLASWAG_URLS,
+    ending_losses,
+    evaluate_loss,
+    hellaswag_path,
+    iterate_hellaswag,
+    render_example,
+    score_hellaswag,
+)
+
+
+# --------------------------------------------------------------------------- helpers
+class WordTokenizer:
+    """A whitespace tokenizer over a fixed word list, so tests know every token id."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.ids = {w: i for i, w in enumerate(words)}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.ids[w] for w in text.split()]
+
+
+class BigramLM(nn.Module):
+    """A language model whose next-token distribution depends only on the current token:
+    logits[b, t] = log_probs[idx[b, t]]. With log-probabilities as logits, the cross-entropy
+    of a token is exactly -log p, so the expected HellaSwag losses are known in closed form."""
+
+    def __init__(self, log_probs: torch.Tensor, block_size: int = 64) -> None:
+        super().__init__()
+        self.table = nn.Parameter(log_probs.clone())
+        self.config = GPTConfig(block_size=block_size, vocab_size=log_probs.size(0), n_layer=1, n_head=1, n_embd=8)
+
+    def forward(self, idx, targets=None):
+        return self.table[idx], None  # (B, T, V), GPT's (logits, loss) signature
+
+
+WORDS = ["<pad>", "the", "cat", "sat", "on", "mat", "dog", "flew", "moon", "a", "red", "hat", "sky"]
+
+
+def _bigram(pairs: dict[tuple[str, str], float], words=WORDS) -> torch.Tensor:
+    """(V, V) log-probabilities: each listed pair gets its probability, the rest of the row's
+    mass is spread evenly over the other tokens."""
+    V = len(words)
+    ix = {w: i for i, w in enumerate(words)}
+    probs = torch.zeros(V, V, dtype=torch.float64)
+    for a in range(V):
+        fixed = {ix[b]: p for (w, b), p in pairs.items() if ix[w] == a}
+        rest = (1.0 - sum(fixed.values())) / (V - len(fixed))
+        probs[a] = rest
+        for b, p in fixed.items():
+            probs[a, b] = p
+    return probs.log().float()
+
+
+def _example(ctx: str, endings: list[str], label: int, **extra) -> dict:
+    return {"ctx": ctx, "endings": endings, "label": label, **extra}
+
+
+def _write_jsonl(path: Path, examples: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+# --------------------------------------------------------------------------- HellaSwag
+def test_render_example_layout():
+    tok = WordTokenizer(WORDS)
+    ex = _example("the cat", ["sat on the mat", "flew", "sat", "on a red hat"], label=0)
+    tokens, mask, label = render_example(ex, tok)
+    assert label == 0
+    assert tokens.shape == mask.shape == (4, 2 + 4)
+    assert tokens.dtype == torch.long
+    for i, ending in enumerate(ex["endings"]):
+        ids = tok.encode("the cat " + ending)
+        assert tokens[i, : len(ids)].tolist() == ids
+        assert mask[i].tolist() == [0, 0] + [1] * (len(ids) - 2) + [0] * (6 - len(ids))
+
+
+def test_render_example_builds_ctx_from_ctx_a_and_ctx_b():
+    tok = WordTokenizer(WORDS)
+    official = {"ctx_a": "the cat", "ctx_b": "sat", "endings": ["on", "flew"], "label": "1"}
+    tokens, mask, label = render_example(official, tok)
+    assert label == 1  # Hugging Face copies store labels as strings
+    assert tokens[0].tolist()[:4] == tok.encode("the cat sat on")
+    assert mask[0].tolist() == [0, 0, 0, 1]
+
+
+def test_picks_the_ending_the_model_makes_likely():
+    # The model knows "cat sat", "sat on", "on the", "the mat"; every other pair is unlikely.
+    pairs = {("cat", "sat"): 0.9, ("sat", "on"): 0.9, ("on", "the"): 0.9, ("the", "mat"): 0.5,
+             ("the", "cat"): 0.4}
+    model = BigramLM(_bigram(pairs))
+    tok = WordTokenizer(WORDS)
+    examples = [
+        _example("the cat", ["flew", "sat on the mat", "moon sky", "dog a red hat"], label=1),
+        _example("the cat sat", ["red hat", "flew", "on the mat", "dog"], label=2),
+        _example("the", ["cat sat", "moon moon", "sky dog", "a red"], label=0),
+    ]
+    result = score_hellaswag(model, examples, tokenizer=tok)
+    assert result == {"acc": 1.0, "acc_norm": 1.0, "n": 3}
+    # With the right answers moved, the same model scores 0.
+    wrong = [dict(e, label=(e["label"] + 1) % 4) for e in examples]
+    assert score_hellaswag(model, wrong, tokenizer=tok) == {"acc": 0.0, "acc_norm": 0.0, "n": 3}
+
+
+def test_ending_losses_match_closed_form_and_acc_vs_acc_norm():
+    # A long ending whose tokens are each fairly likely (p=0.6) against a one-token ending with
+    # p=0.3: the sum prefers the short one (1.20 < 4 * 0.51), the per-token mean the long one.
+    pairs = {("cat", "sat"): 0.6, ("sat", "on"): 0.6, ("on", "a"): 0.6, ("a", "hat"): 0.6,
+             ("cat", "flew"): 0.3}
+    model = BigramLM(_bigram(pairs))
+    tok = WordTokenizer(WORDS)
+    ex = _example("the cat", ["sat on a hat", "flew", "moon", "sky"], label=0)
+    tokens, mask, _ = render_example(ex, tok)
+    sum_loss, mean_loss = ending_losses(model, tokens, mask)
+    expected_sum = torch.tensor([4 * -math.log(0.6), -math.log(0.3)])
+    torch.testing.assert_close(sum_loss[:2], expected_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean_loss[:2], torch.tensor([-math.log(0.6), -math.log(0.3)]), rtol=1e-5, atol=1e-5)
+    result = score_hellaswag(model, [ex], tokenizer=tok)
+    assert result["acc"] == 0.0 and result["acc_norm"] == 1.0
+
+
+def test_gpt_scores_equal_per_ending_reference(tiny_config):
+    """Batched, padded scoring of a real GPT equals scoring each ending alone, unpadded."""
+    model = GPT(tiny_config).eval()
+    g = torch.Generator().manual_seed(1)
+
+    class IdTokenizer:
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+    def rand(n):
+        return " ".join(str(int(t)) for t in torch.randint(1, tiny_config.vocab_size, (n,), generator=g))
+
+    ex = _example(rand(7), [rand(3), rand(9), rand(1), rand(5)], label=2)
+    tokens, mask, _ = render_example(ex, IdTokenizer())
+    sum_loss, mean_loss = ending_losses(model, tokens, mask)
+    ctx = IdTokenizer().encode(ex["ctx"])
+    for i, ending in enumerate(ex["endings"]):
+        ids = torch.tensor([ctx + IdTokenizer().encode(ending)])
+        logits, _ = model(ids)
+        logp = F.log_softmax(logits[0, :-1].double(), dim=-1)
+        targets = ids[0, 1:]
+        nll = -logp[torch.arange(len(targets)), targets][len(ctx) - 1 :]
+        assert sum_loss[i].item() == pytest.approx(nll.sum().item(), rel=1e-4)
+        assert mean_loss[i].item() == pytest.approx(nll.mean().item(), rel=1e-4)
+
+
+def test_long_context_is_cropped_to_block_size():
+    pairs = {("cat", "sat"): 0.9, ("sat", "on"): 0.9}
+    model = BigramLM(_bigram(pairs), block_size=6)
+    tok = WordTokenizer(WORDS)
+    ex = _example("a red hat a red hat the cat", ["sat on", "flew moon"], label=0)  # 8 + 2 > 6
+    assert score_hellaswag(model, [ex], tokenizer=tok)["acc_norm"] == 1.0
+    too_long = _example("the cat", ["sat on the mat a red hat", "flew"], label=0)
+    with pytest.raises(ValueError, match="too long for the model's context"):
+        score_hellaswag(model, [too_long], tokenizer=tok)
+
+
+def test_file_scoring_limit_and_gpt2_tokenizer(tmp_path, shared_data):
+    """The jsonl path, the ``limit`` and the real GPT-2 tokenizer (leading-space endings)."""
+    from gpt2.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    ex = {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
+          "ctx_b": "he", "ctx": "A man is sitting on a roof. he", "split": "val", "split_type": "indomain",
+          "label": 3, "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                                  "is holding a rubik's cube.", "starts pulling up roofing on a roof."],
+          "source_id": "activitynet~v_-JhWjGDPHMY"}
+    path = _write_jsonl(tmp_path / "hs.jsonl", [ex] * 3)
+    tokens, mask, label = render_example(ex, tok)
+    ctx_len = len(tok.encode(ex["ctx"]))
+    assert label == 3 and int(mask[:, :ctx_len].sum()) == 0
+    assert tokens[3, ctx_len:][mask[3, ctx_len:].bool()].tolist() == tok.encode(" " + ex["endings"][3])
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=16))
+    result = score_hellaswag(model, path, limit=2)
+    assert result["n"] == 2 and result["acc"] in (0.0, 1.0) and result["acc_norm"] in (0.0, 1.0)
+
+
+def test_file_format_errors(tmp_path):
+    good = _example("the cat", ["sat", "flew"], 0)
+    with pytest.raises(FileNotFoundError, match="hellaswag_path"):
+        list(iterate_hellaswag(tmp_path / "missing.jsonl"))
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        list(iterate_hellaswag(bad_json))
+    no_endings = _write_jsonl(tmp_path / "e.jsonl", [{"ctx": "the", "label": 0}])
+    with pytest.raises(ValueError, match=r"e.jsonl:1: 'endings' must be a list"):
+        list(iterate_hellaswag(no_endings))
+    no_ctx = _write_jsonl(tmp_path / "c.jsonl", [{"endings": ["a", "b"], "label": 0}])
+    with pytest.raises(ValueError, match="no context"):
+        list(iterate_hellaswag(no_ctx))
+    tok = WordTokenizer(WORDS)
+    with pytest.raises(ValueError, match="no label"):
+        render_example({"ctx": "the", "endings": ["cat", "dog"], "label": ""}, tok)
+    with pytest.raises(ValueError, match="out of range"):
+        render_example(_example("the", ["cat", "dog"], 5), tok)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    model = BigramLM(_bigram({}))
+    with pytest.raises(ValueError, match="empty"):
+        score_hellaswag(model, empty, tokenizer=tok)
+    with pytest.raises(ValueError, match="limit"):
+        score_hellaswag(model, [good], limit=0, tokenizer=tok)
+
+
+def test_hellaswag_path_downloads_once_and_caches(tmp_path, monkeypatch):
+    """The download path, run against a file:// URL (tests never touch the network)."""
+    source = _write_jsonl(tmp_path / "remote.jsonl", [_example("the cat", ["sat", "flew"], 0)])
+    monkeypatch.delenv("GPT2_HELLASWAG", raising=False)
+    monkeypatch.setitem(HELLASWAG_URLS, "val", source.as_uri())
+    cache = tmp_path / "cache"
+    path = hellaswag_path("val", cache_dir=cache)
+    assert path == cache / "hellaswag_val.jsonl" and path.read_text() == source.read_text()
+    assert [p.name for p in cache.iterdir()] == ["hellaswag_val.jsonl"]  # no temp file left
+    source.unlink()  # a second call must use the cache, not the URL
+    assert hellaswag_path("val", cache_dir=cache) == path
+
+    # Offline: a clear error that says what to do, and nothing half-written in the cache.
+    monkeypatch.setitem(HELLASWAG_URLS, "train", (tmp_path / "nowhere.jsonl").as_uri())
+    with pytest.raises(ConnectionError, match="GPT2_HELLASWAG"):
+        hellaswag_path("train", cache_dir=cache)
+    assert sorted(p.name for p in cache.iterdir()) == ["hellaswag_val.jsonl"]
+
+    # Something that is not HellaSwag (an HTML error page) is not cached.
+    html = tmp_path / "page.html"
+    html.write_text("<html>rate limited</html>\n")
+    monkeypatch.setitem(HELLASWAG_URLS, "test", html.as_uri())
+    with pytest.raises(ValueError, match="did not return HellaSwag"):
+        hellaswag_path("test", cache_dir=cache)
+    assert not (cache / "hellaswag_test.jsonl").exists()
+
+    with pytest.raises(ValueError, match="unknown HellaSwag split"):
+        hellaswag_path("validation")
+
+
+def test_hellaswag_path_env_override(tmp_path, monkeypatch):
+    f = _write_jsonl(tmp_path / "my_val.jsonl", [_example("the", ["cat", "dog"], 0)])
+    monkeypatch.setenv("GPT2_HELLASWAG", str(f))
+    assert hellaswag_path("val") == f
+    with pytest.raises(ValueError, match="val split only"):
+        hellaswag_path("train")
+    monkeypatch.setenv("GPT2_HELLASWAG", str(tmp_path))
+    _write_jsonl(tmp_path / "hellaswag_train.jsonl", [_example("the", ["cat", "dog"], 1)])
+    assert hellaswag_path("train") == tmp_path / "hellaswag_train.jsonl"
+    monkeypatch.setenv("GPT2_HELLASWAG", str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hellaswag_path("val")
+
+
+# --------------------------------------------------------------------------- validation loss
+def test_evaluate_loss_equals_mean_of_batch_losses(tiny_config, tmp_path):
+    model = GPT(tiny_config)
+    tokens = torch.randint(0, tiny_config.vocab_size, (5 * 2 * 16 + 7,))  # 5 full batches + a tail
+    B, T = 2, 16
+    expected = []
+    with torch.no_grad():
+        for i in range(5):
+            chunk = tokens[i * B * T : (i + 1) * B * T + 1]
+            expected.append(model(chunk[:-1].view(B, T), chunk[1:].view(B, T))[1].item())
+    model.train()
+    result = evaluate_loss(model, tokens, batch_size=B, seq_len=T)
+    assert model.training  # restored
+    assert result["tokens"] == 5 * B * T  # one pass, never wrapping around to a batch twice
+    assert result["loss"] == pytest.approx(sum(expected) / 5, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
+
+    # The same from a token file, and max_batches caps the pass.
+    path = tmp_path / "val.npy"
+    np.save(path, tokens.numpy().astype(np.uint16))
+    capped = evaluate_loss(model, path, batch_size=B, seq_len=T, max_batches=2)
+    assert capped["tokens"] == 2 * B * T
+    assert capped["loss"] == pytest.approx(sum(expected[:2]) / 2, rel=1e-5)
+    # bf16 autocast on CPU: close to fp32.
+    low = evaluate_loss(model, path, batch_size=B, seq_len=T, autocast=torch.bfloat16)
+    assert low["loss"] == pytest.approx(result["loss"], rel=0.05)
+
+
+def test_evaluate_loss_errors(tiny_config):
+    model = GPT(tiny_config)
+    with pytest.raises(ValueError, match="max_batches"):
+        evaluate_loss(model, torch.zeros(100, dtype=torch.long), 2, 8, max_batches=0)
+    with pytest.raises(ValueError, match="tokens"):
+        evaluate_loss(model, torch.zeros(10, dtype=torch.long), 2, 8)
+    with pytest.raises(FileNotFoundError):
+        evaluate_loss(model, "/nonexistent/val.bin", 2, 8)

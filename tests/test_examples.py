@@ -1,0 +1,239 @@
+"""The example scripts, run as a user runs them (subprocesses, tiny configurations, offline data).
+
+Each test checks what the script promises: files in the run directory, metrics, samples, an
+adapter that loads, a merged model that `transformers` loads with the same logits, shards, a
+run that survives Ctrl-C and resumes, and the 124M recipe under `torchrun` with 2 CPU processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+HELLASWAG = [
+    {"ctx": "ROMEO: I will", "endings": ["go to the house.", "fly to the moon.", "xyz qqq", "the the the"], "label": 0},
+    {"ctx_a": "JULIET:", "ctx_b": "O Romeo,", "endings": ["wherefore art thou Romeo?", "banana", "1 2 3", "!!!"], "label": 0},
+    {"ctx": "First Citizen:", "endings": ["Before we proceed any further, hear me speak.", "ok", "no", "yes"], "label": 0},
+]
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "4", "--warmup-steps", "1", "--eval-steps", "2",
+        "--final-eval-batches", "2", "--max-new-tokens", "8", "--no-progress", "--log-interval", "1"]
+
+
+def script(name: str, *args: object, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run examples/<name> like a user would; the environment (offline data) is inherited."""
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *map(str, args)], capture_output=True, text=True,
+                            timeout=timeout, cwd=REPO, env=env)
+    return result
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_offline_data():
+    if not os.environ.get("GPT2_TINY_SHAKESPEARE") or not os.environ.get("TIKTOKEN_CACHE_DIR"):
+        pytest.skip("the offline data in ../shared/data is needed to run the examples")
+
+
+@pytest.fixture(scope="module")
+def hellaswag(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hellaswag") / "hellaswag_val.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in HELLASWAG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A randomly initialised transformers GPT-2 (real key names and Conv1D layout, tiny shapes)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, hf_dir) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("lora") / "run"
+    result = script("finetune_lora.py", "--init", hf_dir, "--max-steps", "4", "--warmup-steps", "1", "--seq-len", "32",
+                    "--eval-steps", "2", "--final-eval-batches", "2", "--max-new-tokens", "6", "--seed", "5",
+                    "--lora-rank", "4", "--lora-alpha", "8", "--out-dir", out, "--merge-export", out / "merged",
+                    "--peft-export", out / "peft", "--no-progress", "--log-interval", "1")
+    return out, ok(result)
+
+
+# --------------------------------------------------------------------------- --help
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_has_help(name, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--help" in out
+
+
+# --------------------------------------------------------------------------- pretraining
+def test_pretrain_shakespeare_end_to_end(tmp_path, hellaswag):
+    out = tmp_path / "run"
+    stdout = ok(script("pretrain_shakespeare.py", *TINY, "--max-steps", "4", "--eval-interval", "2",
+                       "--num-samples", "2", "--out-dir", out, "--hellaswag", hellaswag, "--hellaswag-interval", "2"))
+    # the console: step lines, HellaSwag, the final validation loss, then the samples
+    assert "step 4 | loss" in stdout and "hellaswag acc_norm" in stdout
+    assert stdout.index("val loss") < stdout.index("--- sample 1/2 ---") < stdout.index("--- sample 2/2 ---")
+    # the run directory
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(out / "hellaswag.jsonl")] == [2, 4]
+    results = json.loads((out / "results.json").read_text())
+    assert math.isfinite(results["val_loss"]) and results["val_loss"] < 11.0  # below uniform, ln(50257) = 10.8
+    assert results["hellaswag"]["n"] == 3 and results["hellaswag"]["step"] == 4
+    assert [s[:6] for s in results["samples"]] == ["ROMEO:", "ROMEO:"]
+    assert (out / "loss.png").is_file() and (out / "checkpoints" / "step_000004").is_dir()
+    # ... and sample.py continues from the run directory
+    stdout = ok(script("sample.py", "--model", out, "--prompt", "JULIET:", "--max-new-tokens", "5", "--seed", "1"))
+    assert "--- sample 1/1 ---\nJULIET:" in stdout
+
+
+def test_pretrain_interrupted_with_ctrl_c_then_resumed(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "--eval-interval", "0", "--num-samples", "0", "--checkpoint-interval", "2",
+            "--keep-last-checkpoints", "0", "--out-dir", out, "--no-plot"]
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "pretrain_shakespeare.py"), *map(str, args),
+                             "--max-steps", "1000"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoints" / "step_000004").is_dir():
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
+    stopped_at = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
+    assert 4 <= stopped_at < 1000
+    last_checkpoint = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    # Run it again with --resume auto: it continues from the newest checkpoint.
+    target = last_checkpoint + 3
+    stdout = ok(script("pretrain_shakespeare.py", *args, "--max-steps", target, "--resume", "auto"))
+    assert f"at step {last_checkpoint}" in stdout
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert steps == list(range(1, target + 1))  # no step lost, none twice
+    assert json.loads((out / "results.json").read_text())["step"] == target
+
+
+# --------------------------------------------------------------------------- fine-tuning
+def test_finetune_lora_example(finetuned, hf_dir):
+    from transformers import GPT2LMHeadModel
+
+    from gpt2.recipes import apply_adapter, load_model
+
+    out, stdout = finetuned
+    assert stdout.index("before fine-tuning: val loss") < stdout.index("--- before fine-tuning: sample 1/1 ---")
+    assert stdout.index("--- before fine-tuning: sample") < stdout.index("step 4 | loss") < stdout.index(
+        "--- after fine-tuning: sample 1/1 ---")
+    assert "trainable params:" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert math.isfinite(results["val_loss_before"]) and math.isfinite(results["val_loss"])
+    assert results["samples_before"][0].startswith("ROMEO:") and results["samples"][0].startswith("ROMEO:")
+    assert (out / "adapter").is_dir() and (out / "peft" / "adapter_config.json").is_file()
+    # checkpoints hold the adapter only (the base weights are the --init model's)
+    ckpt = out / "checkpoints" / "step_000004" / "model.safetensors"
+    assert ckpt.stat().st_size < 200_000
+    # the merged export loads in transformers and computes what base + adapter computes
+    model = apply_adapter(load_model(str(hf_dir)), out / "adapter").eval()
+    merged = GPT2LMHeadModel.from_pretrained(out / "merged").eval()
+    x = torch.randint(0, 50257, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, model(x)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_sample_example_with_adapter(finetuned, hf_dir):
+    out, _ = finetuned
+    argv = ["--model", hf_dir, "--prompt", "ROMEO:", "-n", "2", "--max-new-tokens", "6", "--seed", "11",
+            "--top-p", "0.9", "--temperature", "0.7"]
+    ours = ok(script("sample.py", *argv, "--adapter", out / "adapter"))
+    peft = ok(script("sample.py", *argv, "--adapter", out / "peft"))
+    assert "--- sample 2/2 ---" in ours
+    strip = lambda text: [line for line in text.splitlines() if not line.startswith("loaded ")]  # noqa: E731
+    assert strip(ours) == strip(peft)  # the two adapter formats are the same adapter
+
+
+# --------------------------------------------------------------------------- data
+def test_prepare_fineweb_example_local_files(tmp_path):
+    from gpt2.data import load_tokens
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("To be, or not to be, that is the question. " * 30)
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(10)))
+    out = tmp_path / "shards"
+    stdout = ok(script("prepare_fineweb.py", "--input", corpus, "--out-dir", out, "--shard-size", "300",
+                       "--no-progress", "--num-workers", "0"))
+    shards = sorted(out.glob("edufineweb_*.npy"))
+    assert shards[0].name == "edufineweb_val_000000.npy" and len(shards) > 2
+    total = sum(len(load_tokens(p)) for p in shards)
+    assert f"{total:,} tokens" in stdout and total > 300 * (len(shards) - 1)
+    # the default source, FineWeb-edu through `datasets`: a clear one-line error when that is
+    # not installed (or, offline, not reachable)
+    result = script("prepare_fineweb.py", "--max-docs", "1", "--out-dir", tmp_path / "fw")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "datasets" in result.stderr or "fineweb" in result.stderr.lower()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_train_gpt2_124m_under_torchrun_on_cpu(tmp_path, hellaswag, shared_data):
+    """The 124M recipe's loop (grad accumulation, DDP over gloo, val loss, HellaSwag split over
+    ranks, checkpoints, resume) with a tiny model and 2 CPU processes."""
+    from gpt2.data import write_shards
+
+    shards = tmp_path / "shards"
+    docs = (shared_data / "tinyshakespeare.txt").read_text().split("\n\n")[:400]
+    write_shards(docs, shards, prefix="edufineweb", shard_size=4000, progress=False)
+    out = tmp_path / "run"
+    # 2 ranks x 2 sequences x 32 tokens x 2 accumulation micro-steps = 256 tokens per step
+    args = ["--data", shards, "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2",
+            "--total-batch-size", "256", "--warmup-steps", "1", "--eval-interval", "2", "--eval-steps", "2",
+            "--final-eval-batches", "2", "--checkpoint-interval", "2", "--hellaswag", hellaswag,
+            "--hellaswag-interval", "2", "--no-compile", "--out-dir", out, "--no-progress", "--max-new-tokens", "4",
+            "--num-samples", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(EXAMPLES / "train_gpt2_124m.py"), *map(str, args)]
+    result = subprocess.run([*cmd, "--max-steps", "3"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    stdout = ok(result)
+    assert "2 process(es), 2 micro-step(s)" in stdout
+    assert stdout.count("val loss") == 1 and stdout.count("--- sample 1/1 ---") == 1  # rank 0 only
+    hs = read_jsonl(out / "hellaswag.jsonl")
+    assert [r["step"] for r in hs] == [2, 3] and all(r["n"] == 3 for r in hs)  # every example, over 2 ranks
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert json.loads((out / "results.json").read_text())["hellaswag"]["n"] == 3
+    # the recipe resumes by default: a longer run continues from step 3
+    result = subprocess.run([*cmd, "--max-steps", "4"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    stdout = ok(result)
+    assert "at step 3" in stdout
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -1,0 +1,218 @@
+"""Generation: KV cache parity, greedy / top-k / top-p sampling, seeds, EOS, batched prompts, crop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpt2.config import GPTConfig
+from gpt2.generate import KVCache, generate, pad_prompts, sample_next, stream
+from gpt2.model import GPT
+
+
+@pytest.fixture
+def model(tiny_config) -> GPT:
+    torch.manual_seed(0)
+    m = GPT(tiny_config).eval()
+    with torch.no_grad():
+        # At GPT-2's init a random model mostly echoes its last token and barely reads positions;
+        # larger random weights make every token depend on the whole (positioned) context, so a
+        # wrong position or mask changes the output.
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return m
+
+
+@pytest.fixture
+def prompt(tiny_config) -> torch.Tensor:
+    return torch.randint(0, tiny_config.vocab_size, (3, 7))
+
+
+def _argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """nanoGPT's reference loop: full forward on the last block_size tokens, take the argmax."""
+    for _ in range(n):
+        logits, _ = model(idx[:, -model.config.block_size :])
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+def test_greedy_equals_argmax_loop_cached_and_uncached(model, prompt):
+    with torch.no_grad():
+        expected = _argmax_loop(model, prompt, 20)
+    for use_cache in (True, False):
+        out = model.generate(prompt, 20, temperature=0, use_cache=use_cache)
+        assert out.shape == (3, 27)
+        assert torch.equal(out, expected), use_cache
+
+
+def test_sampling_cached_equals_uncached(model, prompt):
+    for kwargs in (dict(), dict(temperature=0.7, top_k=10), dict(temperature=1.3, top_p=0.9)):
+        cached = model.generate(prompt, 25, seed=11, use_cache=True, **kwargs)
+        uncached = model.generate(prompt, 25, seed=11, use_cache=False, **kwargs)
+        assert torch.equal(cached, uncached), kwargs
+
+
+def test_seed_and_generator_reproducibility(model, prompt):
+    a = model.generate(prompt, 30, seed=3)
+    b = model.generate(prompt, 30, seed=3)
+    c = model.generate(prompt, 30, seed=4)
+    d = model.generate(prompt, 30, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    assert torch.equal(a, d)
+    assert not torch.equal(a, c)
+    # A generator continues its stream: the second call differs from the first.
+    g = torch.Generator().manual_seed(5)
+    assert not torch.equal(model.generate(prompt, 30, generator=g), model.generate(prompt, 30, generator=g))
+
+
+def test_top_k_one_is_greedy(model, prompt):
+    greedy = model.generate(prompt, 20, temperature=0)
+    assert torch.equal(model.generate(prompt, 20, temperature=1.5, top_k=1, seed=0), greedy)
+
+
+def test_top_k_and_top_p_restrict_support():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4)  # 4000 independent draws at once
+    g = torch.Generator().manual_seed(0)
+
+    def support(**kwargs) -> set[int]:
+        return set(sample_next(logits, generator=g, **kwargs).tolist())
+
+    assert support() == {0, 1, 2, 3}  # no filter: every token shows up in 4000 draws
+    assert support(top_p=0.7) == {0, 1}  # 0.5 < 0.7 <= 0.8: two tokens reach the nucleus
+    assert support(top_p=0.85) == {0, 1, 2}
+    assert support(top_p=0.5) == {0}  # the first token alone reaches 0.5
+    assert support(top_p=0.01) == {0}  # the most likely token is always kept
+    assert support(top_k=2) == {0, 1}
+    assert support(top_k=3, top_p=0.6) == {0, 1}
+    # Renormalised within the nucleus: token 0 gets 0.5 / 0.8 of the draws.
+    draws = sample_next(logits, top_p=0.7, generator=g)
+    assert (draws == 0).float().mean().item() == pytest.approx(0.625, abs=0.03)
+    # Temperature 0 ignores the filters and takes the argmax.
+    assert torch.equal(sample_next(logits, temperature=0, top_p=0.1), torch.zeros(4000, dtype=torch.long))
+
+
+def test_eos_stops_early_and_pads_finished_rows(model, prompt):
+    free = model.generate(prompt, 20, temperature=0)[:, 7:]  # (3, 20) without EOS
+    eos = int(free[0, 4])  # a token row 0 emits at step 4 (or earlier)
+    first = [next((i for i, t in enumerate(row.tolist()) if t == eos), None) for row in free]
+    out = model.generate(prompt, 20, temperature=0, eos_token_id=eos)[:, 7:]
+    for row, stop, ref in zip(out, first, free):
+        if stop is None:
+            assert torch.equal(row, ref[: row.numel()])
+        else:  # identical up to and including the first EOS, then only EOS
+            assert torch.equal(row[: stop + 1], ref[: stop + 1])
+            assert bool((row[stop:] == eos).all())
+    if all(s is not None for s in first):
+        assert out.size(1) == max(first) + 1  # stopped as soon as every row finished
+    # A single row stops right after its first EOS.
+    single = model.generate(prompt[:1], 20, temperature=0, eos_token_id=eos)[0, 7:]
+    assert single.numel() == first[0] + 1 and int(single[-1]) == eos
+
+
+def test_batched_left_padded_prompts_equal_each_prompt_alone(model, tiny_config):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, tiny_config.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 1, 6)]
+    ids, mask = pad_prompts(prompts, pad_id=7)
+    assert ids.shape == mask.shape == (4, 9)
+    assert mask.sum(1).tolist() == [3, 9, 1, 6] and bool(mask[:, -1].all())
+    for use_cache in (True, False):
+        batched = model.generate(ids, 15, temperature=0, attention_mask=mask, use_cache=use_cache)
+        for i, p in enumerate(prompts):
+            alone = model.generate(torch.tensor([p]), 15, temperature=0, use_cache=use_cache)
+            assert torch.equal(batched[i, 9:], alone[0, len(p):]), (i, use_cache)
+    # A mask of all ones is the same as no mask.
+    full = torch.ones_like(ids, dtype=torch.bool)
+    assert torch.equal(model.generate(ids, 8, temperature=0, attention_mask=full), model.generate(ids, 8, temperature=0))
+
+
+def test_generation_past_block_size(model, tiny_config):
+    cfg = dataclasses.replace(tiny_config, block_size=16)
+    small = GPT(cfg).eval()
+    small.load_state_dict({k: v[:16] if k == "transformer.wpe.weight" else v for k, v in model.state_dict().items()})
+    prompt = torch.randint(0, cfg.vocab_size, (2, 10))
+    with torch.no_grad():
+        expected = _argmax_loop(small, prompt, 30)
+    for use_cache in (True, False):
+        assert torch.equal(small.generate(prompt, 30, temperature=0, use_cache=use_cache), expected)
+    sampled = [small.generate(prompt, 30, seed=2, use_cache=c) for c in (True, False)]
+    assert torch.equal(*sampled)
+    # A prompt longer than the context is cropped to its last block_size tokens.
+    long_prompt = torch.randint(0, cfg.vocab_size, (1, 40))
+    out = small.generate(long_prompt, 5, temperature=0)
+    assert torch.equal(out[:, 40:], small.generate(long_prompt[:, -16:], 5, temperature=0)[:, 16:])
+
+
+def test_stream_yields_the_generated_columns(model, prompt):
+    steps = list(model.stream(prompt, 12, seed=9))
+    assert len(steps) == 12 and all(s.shape == (3,) for s in steps)
+    assert torch.equal(torch.stack(steps, 1), generate(model, prompt, 12, seed=9)[:, 7:])
+
+
+def test_generation_restores_mode_and_ignores_dropout(tiny_config, prompt):
+    model = GPT(dataclasses.replace(tiny_config, dropout=0.5))
+    model.eval()
+    expected = model.generate(prompt, 10, temperature=0)
+    model.train()
+    out = model.generate(prompt, 10, temperature=0)
+    assert model.training  # the caller's mode comes back
+    assert torch.equal(out, expected)  # dropout was off while sampling
+
+
+def test_zero_new_tokens_and_int32_prompt(model, prompt):
+    assert torch.equal(model.generate(prompt, 0), prompt)
+    assert torch.equal(model.generate(prompt.int(), 5, temperature=0), model.generate(prompt, 5, temperature=0))
+
+
+def test_kv_cache_rejects_overflow_and_other_batches():
+    cache = KVCache(n_layer=1, max_len=4)
+    k = torch.zeros(2, 1, 3, 8)
+    cache.update(0, k, k)
+    cache.advance(3)
+    with pytest.raises(RuntimeError, match=r"KV cache overflow: 3 cached \+ 2 new positions > capacity 4"):
+        cache.update(0, k[:, :, :2], k[:, :, :2])
+    with pytest.raises(RuntimeError, match="one cache serves one batch"):
+        cache.update(0, torch.zeros(5, 1, 1, 8), torch.zeros(5, 1, 1, 8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=-1), r"max_new_tokens must be a non-negative integer, got -1"),
+        (dict(max_new_tokens=2.5), r"max_new_tokens must be a non-negative integer, got 2.5"),
+        (dict(temperature=-0.1), r"temperature must be a number >= 0 \(0 = greedy\), got -0.1"),
+        (dict(top_k=0), r"top_k must be a positive integer or None, got 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\] or None, got 0.0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\] or None, got 1.5"),
+        (dict(eos_token_id=128), r"eos_token_id must be a token id in \[0, 128\) or None, got 128"),
+        (dict(seed=1, generator=torch.Generator()), r"either seed or generator"),
+        (dict(idx=torch.tensor([1, 2, 3])), r"idx must be a \(batch, sequence\) tensor .* got shape \(3,\)"),
+        (dict(idx=torch.rand(1, 3)), r"idx must be a \(batch, sequence\) tensor .* dtype torch.float32"),
+        (dict(idx=torch.zeros(1, 0, dtype=torch.long)), r"the prompt is empty"),
+        (dict(attention_mask=torch.ones(2, 4, dtype=torch.bool)), r"attention_mask must be a tensor of idx's shape \(1, 3\)"),
+        (dict(attention_mask=torch.tensor([[True, True, False]])), r"prompts must be left-padded"),
+    ],
+)
+def test_bad_arguments_raise_at_call_time(model, kwargs, message):
+    kwargs = {"idx": torch.tensor([[1, 2, 3]]), "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        stream(model, **kwargs)  # checked before the first token is requested
+    with pytest.raises(ValueError, match=message):
+        model.generate(**kwargs)
+
+
+def test_pad_prompts_errors():
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        pad_prompts([[1], []])
+    with pytest.raises(ValueError, match="non-empty list"):
+        pad_prompts([])
+    with pytest.raises(ValueError, match="pad_id must be a non-negative token id, got -1"):
+        pad_prompts([[1]], pad_id=-1)
+
+
+def test_generate_works_on_a_tiny_model_from_config():
+    cfg = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)
+    out = GPT(cfg).generate(torch.zeros(1, 1, dtype=torch.long), 20, seed=0)
+    assert out.shape == (1, 21) and int(out.max()) < 16

@@ -1,0 +1,254 @@
+"""GPT model: shapes, tying, initialisation, padded vocabulary, attention paths, input checks, sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from gpt2.config import PRESETS, GPTConfig
+from gpt2.model import GPT
+
+
+def _model(config: GPTConfig) -> GPT:
+    return GPT(config).eval()
+
+
+def _padded_copy(model: GPT, multiple: int) -> GPT:
+    """The same weights in a model whose vocabulary is padded to ``multiple``."""
+    cfg = dataclasses.replace(model.config, pad_vocab_multiple=multiple)
+    padded = GPT(cfg).eval()
+    sd = model.state_dict()
+    wte = sd["transformer.wte.weight"]
+    pad = torch.randn(cfg.padded_vocab_size - cfg.vocab_size, cfg.n_embd)  # arbitrary, must not matter
+    sd["transformer.wte.weight"] = sd["lm_head.weight"] = torch.cat([wte, pad])
+    padded.load_state_dict(sd)
+    return padded
+
+
+def test_output_shapes_and_loss(tiny_config):
+    model = _model(tiny_config)
+    idx = torch.randint(0, tiny_config.vocab_size, (3, 10))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 10, tiny_config.vocab_size)
+    assert loss is None
+    logits, loss = model(idx, torch.roll(idx, -1, dims=1))
+    assert loss.shape == () and torch.isfinite(loss)
+    # At initialisation the prediction is close to uniform: loss ~ ln(vocab_size).
+    assert abs(loss.item() - math.log(tiny_config.vocab_size)) < 0.5
+
+
+def test_ignored_targets_and_int32_inputs(tiny_config):
+    model = _model(tiny_config)
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 12))
+    targets = torch.randint(0, tiny_config.vocab_size, (2, 12))
+    logits, loss = model(idx, targets)
+    _, loss32 = model(idx.int(), targets.int())
+    torch.testing.assert_close(loss32, loss)
+    masked = targets.clone()
+    masked[:, 6:] = -1  # ignored positions leave the mean over the others
+    _, loss_half = model(idx, masked)
+    expected = torch.nn.functional.cross_entropy(logits[:, :6].reshape(-1, logits.size(-1)), targets[:, :6].reshape(-1))
+    torch.testing.assert_close(loss_half, expected)
+
+
+def test_weights_are_tied(tiny_config):
+    model = GPT(tiny_config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    names = [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names  # counted once, so the optimizer sees it once
+    # A gradient step through the head moves the embedding too.
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 8))
+    model(idx, idx)[1].backward()
+    assert model.transformer.wte.weight.grad is model.lm_head.weight.grad
+
+
+def test_gpt2_initialisation():
+    # Wide and deep enough that the sample standard deviations are within ~1% of the true ones.
+    cfg = GPTConfig(block_size=64, vocab_size=512, n_layer=4, n_head=4, n_embd=128)
+    model = GPT(cfg)
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert torch.count_nonzero(p) == 0, name
+        elif ".ln_" in name or name.startswith("transformer.ln_f"):
+            assert torch.all(p == 1), name
+        else:
+            expected = residual_std if name.endswith("c_proj.weight") else 0.02
+            assert p.std().item() == pytest.approx(expected, rel=0.05), name
+            assert abs(p.mean().item()) < 0.1 * expected, name
+
+
+def test_padded_vocab_same_loss_and_logits(tiny_config):
+    model = _model(dataclasses.replace(tiny_config, vocab_size=100))
+    padded = _padded_copy(model, 64)
+    assert padded.config.padded_vocab_size == 128
+    assert padded.lm_head.weight.shape == (128, tiny_config.n_embd)
+    idx = torch.randint(0, 100, (2, 16))
+    targets = torch.randint(0, 100, (2, 16))
+    logits, loss = model(idx, targets)
+    plogits, ploss = padded(idx, targets)
+    assert plogits.shape == logits.shape == (2, 16, 100)
+    torch.testing.assert_close(plogits, logits)
+    torch.testing.assert_close(ploss, loss)
+
+
+def test_padded_ids_are_never_generated(tiny_config):
+    model = _model(dataclasses.replace(tiny_config, vocab_size=100))
+    padded = _padded_copy(model, 64)
+    with torch.no_grad():
+        # Make every hidden state the same vector u, and the padded head rows 100 * u: their
+        # logits then beat every real token by far, so only slicing keeps them out.
+        u = torch.randn(tiny_config.n_embd)
+        padded.transformer.ln_f.weight.zero_()
+        padded.transformer.ln_f.bias.copy_(u)
+        padded.lm_head.weight[100:] = 100 * u
+    idx = torch.randint(0, 100, (4, 5))
+    hidden = padded.transformer.ln_f(torch.zeros(1, tiny_config.n_embd))
+    assert int((hidden @ padded.lm_head.weight.T).argmax()) >= 100  # the trap is armed
+    for kwargs in (dict(temperature=0), dict(temperature=1.0, seed=0), dict(temperature=2.0, top_p=0.99, seed=1)):
+        out = padded.generate(idx, 30, **kwargs)
+        assert int(out.max()) < 100, kwargs
+
+
+def test_padded_ids_are_rejected_as_input(tiny_config):
+    padded = _model(dataclasses.replace(tiny_config, vocab_size=100, pad_vocab_multiple=64))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 100\)"):
+        padded(torch.tensor([[5, 100]]))
+
+
+def test_flash_and_manual_attention_agree(tiny_config):
+    flash = _model(tiny_config)
+    manual = _model(dataclasses.replace(tiny_config, flash=False))
+    manual.load_state_dict(flash.state_dict())
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 24))
+    logits_f, loss_f = flash(idx, idx)
+    logits_m, loss_m = manual(idx, idx)
+    torch.testing.assert_close(logits_m, logits_f, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss_m, loss_f, atol=1e-6, rtol=1e-6)
+    # Padded batched prompts go through an explicit boolean mask: both paths agree there too.
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    from gpt2.generate import pad_prompts
+
+    ids, mask = pad_prompts(prompts)
+    torch.testing.assert_close(
+        manual.generate(ids, 10, temperature=0, attention_mask=mask),
+        flash.generate(ids, 10, temperature=0, attention_mask=mask),
+    )
+
+
+def test_causality(tiny_config):
+    model = _model(tiny_config)
+    idx = torch.randint(0, tiny_config.vocab_size, (1, 20))
+    changed = idx.clone()
+    changed[0, 12:] = (changed[0, 12:] + 1) % tiny_config.vocab_size
+    a, b = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_dropout_only_in_training(tiny_config):
+    model = GPT(dataclasses.replace(tiny_config, dropout=0.2))
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 16))
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+    model.eval()
+    assert torch.equal(model(idx)[0], model(idx)[0])
+
+
+@pytest.mark.parametrize(
+    "make_input, error, message",
+    [
+        (lambda V, T: torch.randint(0, V, (1, T + 1)), ValueError, r"sequence length 65 exceeds the model's context \(block_size=64\)"),
+        (lambda V, T: torch.tensor([[1, 2, V]]), ValueError, r"token ids must be in \[0, 128\), got min 1 and max 128"),
+        (lambda V, T: torch.tensor([[-1, 2]]), ValueError, r"token ids must be in \[0, 128\), got min -1"),
+        (lambda V, T: torch.rand(1, 4), TypeError, r"integer token ids .* got dtype torch.float32"),
+        (lambda V, T: torch.tensor([1, 2, 3]), ValueError, r"shape \(batch, sequence\), got shape \(3,\)"),
+        (lambda V, T: torch.zeros(1, 2, 3, dtype=torch.long), ValueError, r"got shape \(1, 2, 3\)"),
+        (lambda V, T: torch.zeros(1, 0, dtype=torch.long), ValueError, r"idx is empty"),
+        (lambda V, T: [[1, 2, 3]], TypeError, r"must be a torch.Tensor of token ids, got list"),
+    ],
+    ids=["too-long", "id-too-large", "negative-id", "float", "1d", "3d", "empty", "list"],
+)
+def test_bad_inputs_raise_clear_errors(tiny_config, make_input, error, message):
+    model = _model(tiny_config)
+    with pytest.raises(error, match=message):
+        model(make_input(tiny_config.vocab_size, tiny_config.block_size))
+
+
+def test_bad_targets_raise_clear_errors(tiny_config):
+    model = _model(tiny_config)
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 8))
+    with pytest.raises(ValueError, match=r"targets shape \(2, 7\) must equal idx shape \(2, 8\)"):
+        model(idx, idx[:, 1:])
+    with pytest.raises(TypeError, match=r"targets must be an integer tensor .* got torch.float32"):
+        model(idx, idx.float())
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 128\) or -1 \(ignored\), got min -100"):
+        model(idx, torch.full_like(idx, -100))
+
+
+def test_bad_position_ids_and_cache_overflow(tiny_config):
+    from gpt2.generate import KVCache
+
+    model = _model(tiny_config)
+    idx = torch.randint(0, tiny_config.vocab_size, (1, 4))
+    with pytest.raises(ValueError, match=r"position_ids must be in \[0, 64\)"):
+        model(idx, position_ids=torch.arange(62, 66))
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(4,\) or \(1, 4\)"):
+        model(idx, position_ids=torch.arange(5))
+    cache = KVCache.for_model(model)
+    model(torch.randint(0, tiny_config.vocab_size, (1, 62)), kv_cache=cache)
+    with pytest.raises(ValueError, match=r"62 cached \+ 4 new positions exceeds the model's context"):
+        model(idx, kv_cache=cache)
+
+
+def test_kv_cache_follows_autocast_dtype(tiny_config):
+    from gpt2.generate import KVCache
+
+    model = _model(tiny_config)
+    cache = KVCache.for_model(model)
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, kv_cache=cache)
+        logits, _ = model(idx[:, :1], kv_cache=cache)  # cached step: bf16 queries meet bf16 keys
+        out = model.generate(idx, 5, temperature=0)
+    assert cache.k[0].dtype == torch.bfloat16 and cache.length == 7
+    assert logits.shape == (2, 1, tiny_config.vocab_size) and out.shape == (2, 11)
+
+
+def _param_count_formula(cfg: GPTConfig) -> int:
+    """GPT-2's parameters, from its shapes: tied embedding, positions, blocks, final LayerNorm."""
+    C, L = cfg.n_embd, cfg.n_layer
+    per_block = (
+        2 * 2 * C  # two LayerNorms (weight + bias)
+        + C * 3 * C + 3 * C  # c_attn
+        + C * C + C  # attn.c_proj
+        + C * 4 * C + 4 * C  # mlp.c_fc
+        + 4 * C * C + C  # mlp.c_proj
+    )
+    return cfg.padded_vocab_size * C + cfg.block_size * C + L * per_block + 2 * C
+
+
+@pytest.mark.parametrize("name, millions", [("gpt2", 124), ("gpt2-medium", 355), ("gpt2-large", 774), ("gpt2-xl", 1558)])
+def test_preset_parameter_counts(name, millions):
+    cfg = GPTConfig.from_name(name)
+    assert (cfg.block_size, cfg.vocab_size) == (1024, 50257)
+    assert {k: getattr(cfg, k) for k in PRESETS[name]} == PRESETS[name]
+    with torch.device("meta"):  # shapes only: no 1.5B-parameter allocation
+        model = GPT(cfg)
+    n = model.num_params()
+    assert n == _param_count_formula(cfg)
+    assert round(n / 1e6) == millions  # the published sizes (gpt2-medium is the "350M" model)
+    assert model.num_params(non_embedding=True) == n - cfg.block_size * cfg.n_embd
+    with torch.device("meta"):
+        padded = GPT(GPTConfig.from_name(name, pad_vocab_multiple=64))
+    assert padded.config.padded_vocab_size == 50304
+    assert padded.num_params() == n + (50304 - 50257) * cfg.n_embd
+
+
+def test_gpt_rejects_non_config():
+    with pytest.raises(TypeError, match="GPT expects a GPTConfig, got dict"):
+        GPT({"n_layer": 2})

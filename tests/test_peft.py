@@ -1,0 +1,150 @@
+"""PEFT interop: adapters move between gpt2.GPT + minlora and transformers GPT-2 + peft, same logits."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from gpt2.hf import from_pretrained  # noqa: E402
+from minlora.adapters import PEFT_CONFIG_NAME, export_peft_adapter, import_peft_adapter  # noqa: E402
+from minlora.config import LoRAConfig  # noqa: E402
+from minlora.model import add_lora, lora_sites  # noqa: E402
+from minlora.utils import get_lora_params  # noqa: E402
+
+VOCAB = 100  # not a multiple of 64: with pad_vocab_multiple=64 our model has 128 rows, HF has 100
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A randomly initialised transformers GPT-2 saved to disk (nothing is downloaded)."""
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=VOCAB,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def hf_model(path):
+    return transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+
+
+def peft_model_with_random_adapter(path, **lora_kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns about Conv1D fan_in_fan_out and tied layers
+        model = peft.get_peft_model(hf_model(path), peft.LoraConfig(**lora_kwargs))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)  # B starts at zero in PEFT too: make the adapter matter
+    return model.eval()
+
+
+@pytest.mark.parametrize("pad", [1, 64])
+def test_peft_adapter_trained_on_transformers_loads_here(hf_dir, tmp_path, pad):
+    peft_model = peft_model_with_random_adapter(
+        hf_dir, r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc", "lm_head", "wte"],
+        rank_pattern={"h.1.mlp.c_fc": 2}, alpha_pattern={"h.0.attn.c_attn": 3},
+    )
+    x = torch.randint(0, VOCAB, (2, 16))
+    expected = peft_model(x).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model.save_pretrained(tmp_path / "adapter")
+
+    ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
+    with torch.no_grad():
+        assert not torch.allclose(ours(x)[0], expected, atol=1e-3), "the adapter must matter"
+    import_peft_adapter(ours, tmp_path / "adapter")
+    torch.testing.assert_close(ours(x)[0], expected, rtol=0, atol=1e-5)
+    c_fc = ours.transformer.h[1].mlp.c_fc.parametrizations.weight[0]
+    assert (c_fc.rank, c_fc.scaling) == (2, 8 / 2)
+    assert ours.transformer.h[0].attn.c_attn.parametrizations.weight[0].scaling == 3 / 4
+    assert ours.transformer.wte.parametrizations.weight[0].fan_in_fan_out
+
+
+@pytest.mark.parametrize("pad", [1, 64])
+def test_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad):
+    ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
+    add_lora(ours, LoRAConfig(rank=4, alpha=16, include_embeddings=True, include_lm_head=True,
+                              exclude_modules=["wpe"], use_rslora=True))
+    with torch.no_grad():
+        for p in get_lora_params(ours):
+            p.normal_(0.0, 0.2)
+    x = torch.randint(0, VOCAB, (2, 16))
+    expected = ours(x)[0]
+    export_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
+    config = json.loads((tmp_path / "adapter" / PEFT_CONFIG_NAME).read_text())
+    assert config["target_modules"] == ["c_attn", "c_fc", "c_proj", "lm_head", "wte"]
+    assert config["fan_in_fan_out"] is True and config["use_rslora"] is True
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = peft.PeftModel.from_pretrained(hf_model(hf_dir), tmp_path / "adapter").eval()
+    torch.testing.assert_close(peft_model(x).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_mixed_ranks_use_rank_pattern(hf_dir, tmp_path):
+    ours = from_pretrained(hf_dir)
+    add_lora(ours, LoRAConfig(rank=4, alpha=8, target_modules=["transformer.h.0.*"]))
+    add_lora(ours, LoRAConfig(rank=2, alpha=8, target_modules=["transformer.h.1.attn.c_attn"]))
+    with torch.no_grad():
+        for p in get_lora_params(ours):
+            p.normal_(0.0, 0.2)
+    x = torch.randint(0, VOCAB, (2, 16))
+    expected = ours(x)[0]
+    export_peft_adapter(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / PEFT_CONFIG_NAME).read_text())
+    assert config["r"] == 4 and list(config["rank_pattern"].values()) == [2]
+    # the layers are a subset of the c_attn/c_proj/c_fc layers: full names, not suffixes
+    assert "transformer.h.1.attn.c_attn" in config["target_modules"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = peft.PeftModel.from_pretrained(hf_model(hf_dir), tmp_path / "adapter").eval()
+    torch.testing.assert_close(peft_model(x).logits, expected, rtol=0, atol=1e-5)
+    # and back
+    fresh = from_pretrained(hf_dir)
+    import_peft_adapter(fresh, tmp_path / "adapter")
+    assert sorted(s.name for s in lora_sites(fresh)) == sorted(s.name for s in lora_sites(ours))
+    torch.testing.assert_close(fresh(x)[0], expected, rtol=0, atol=0)
+
+
+def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
+    peft_model = peft_model_with_random_adapter(hf_dir, r=4, lora_alpha=8, target_modules=["c_attn"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model.save_pretrained(tmp_path / "adapter")
+    config_path = tmp_path / "adapter" / PEFT_CONFIG_NAME
+    original = json.loads(config_path.read_text())
+
+    for key, value, message in [
+        ("use_dora", True, "DoRA"),
+        ("bias", "all", "bias='all'"),
+        ("modules_to_save", ["score"], "modules_to_save"),
+        ("peft_type", "IA3", "only LORA"),
+        ("r", 8, "rank-4 factors but the config says r=8"),
+    ]:
+        config_path.write_text(json.dumps({**original, key: value}))
+        with pytest.raises(ValueError, match=message):
+            import_peft_adapter(from_pretrained(hf_dir), tmp_path / "adapter")
+    config_path.write_text(json.dumps(original))
+
+    ours = from_pretrained(hf_dir)
+    add_lora(ours, LoRAConfig(rank=8, target_modules=["c_attn"]))
+    with pytest.raises(ValueError, match="has rank 4 .* has rank 8"):
+        import_peft_adapter(ours, tmp_path / "adapter")
+    # a model of another depth: the adapter targets a module it does not have
+    deeper = peft_model_with_random_adapter(hf_dir, r=4, lora_alpha=8, target_modules=["c_attn"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        deeper.save_pretrained(tmp_path / "adapter2")
+    small = from_pretrained(hf_dir)
+    small.transformer.h = small.transformer.h[:1]
+    with pytest.raises(ValueError, match="has no such module"):
+        import_peft_adapter(small, tmp_path / "adapter2")

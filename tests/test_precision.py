@@ -1,0 +1,105 @@
+"""Precision policies and fp16 loss scaling on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpt2 import GPT
+from gpt2.config import TrainConfig
+from gpt2.optim import build_optimizer
+from gpt2.precision import default_precision, resolve_precision
+from gpt2.trainer import Trainer
+
+
+def test_policies_on_cpu():
+    assert default_precision("cpu") == "fp32"
+    assert resolve_precision("auto", "cpu").name == "fp32"
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    for name, dtype in (("fp32", torch.float32), ("tf32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        policy = resolve_precision(name, "cpu")
+        policy.apply()  # a no-op on CPU, must not fail
+        with policy.autocast():
+            assert (a @ b).dtype == dtype
+        assert policy.param_dtype == torch.float32
+        assert (policy.make_scaler() is not None) == (name == "fp16")
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        resolve_precision("fp8", "cpu")
+
+
+def test_loss_is_fp32_under_autocast(tiny_config):
+    model = GPT(tiny_config)
+    x = torch.randint(0, tiny_config.vocab_size, (2, 8))
+    for name in ("bf16", "fp16"):
+        with resolve_precision(name, "cpu").autocast():
+            logits, loss = model(x, x)
+        assert logits.dtype != torch.float32 and loss.dtype == torch.float32
+
+
+def _overflow_once(model, at_call: int, factor: float = 1e8):
+    """Multiply the loss of the ``at_call``-th forward by ``factor``: finite in fp32, but its
+    gradients overflow fp16 (max 65,504) in the backward of the autocast matmuls."""
+    calls = {"n": 0}
+
+    def hook(module, inputs, output):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            return output[0], output[1] * factor
+
+    return model.register_forward_hook(hook)
+
+
+def test_fp16_scaler_skips_overflow_step_and_training_continues(tiny_config):
+    torch.manual_seed(0)
+    model = GPT(tiny_config)
+    tokens = torch.randint(0, tiny_config.vocab_size, (4000,))
+    config = TrainConfig(micro_batch_size=4, seq_len=16, max_steps=6, max_lr=1e-3, precision="fp16",
+                         out_dir=None, progress=False, max_bad_steps=1)
+    trainer = Trainer(model, config, tokens, sinks=[])
+    assert trainer.scaler is not None
+    handle = _overflow_once(model, at_call=3)
+    records, changed = [], []
+    for _ in range(6):
+        before = [p.detach().clone() for p in model.parameters()]
+        records.append(trainer.train_step())
+        changed.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+    handle.remove()
+    scales = [r["loss_scale"] for r in records]
+    assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+    assert changed == [True, True, False, True, True, True]  # the skipped step left the weights alone
+    assert scales[2] == scales[1] / 2  # scale reduced by the backoff factor
+    assert trainer.skipped_steps == 1 and records[-1]["skipped_steps"] == 1
+    # A scaler overflow is the scale search, not divergence: max_bad_steps=1 did not stop training.
+    assert trainer.consecutive_bad_steps == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records[3:])
+
+
+def test_same_overflow_without_scaler_gives_nan_weights(tiny_config):
+    """What the scaler prevents: the plain fp16-autocast update turns the weights into NaN."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config)
+    policy = resolve_precision("fp16", "cpu")
+    optimizer = build_optimizer(model, lr=1e-3)
+    handle = _overflow_once(model, at_call=1)
+    x = torch.randint(0, tiny_config.vocab_size, (4, 16))
+    with policy.autocast():
+        _, loss = model(x, x)
+    handle.remove()
+    assert torch.isfinite(loss)  # the loss itself is fine ...
+    loss.backward()
+    assert not all(torch.isfinite(p.grad).all() for p in model.parameters())  # ... its gradients are not
+    optimizer.step()
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bf16_training_on_cpu_learns(tiny_config):
+    torch.manual_seed(0)
+    model = GPT(tiny_config)
+    tokens = torch.arange(0, 4 * 16 + 1) % tiny_config.vocab_size  # one batch, seen every step
+    config = TrainConfig(micro_batch_size=4, seq_len=16, max_steps=15, max_lr=3e-3, precision="bf16",
+                         out_dir=None, progress=False)
+    history = Trainer(model, config, tokens, sinks=[]).fit()
+    assert history[-1]["loss"] < history[0]["loss"] - 1.0
+    assert "loss_scale" not in history[0]  # no scaler for bf16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
