@@ -118,7 +118,7 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
         if key == "lm_head.weight":
             lm_head = value
             continue
-        short = key[len("transformer."):] if key.startswith("transformer.") else key
+        short = key.removeprefix("transformer.")
         if _HF_MASK_BUFFER.match(short):
             continue
         if short in sd:

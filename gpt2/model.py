@@ -188,9 +188,9 @@ class GPT(nn.Module):
         """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids)
-        B, T = idx.shape
+        T = idx.size(1)
         if position_ids is None:
-            start = 0
+            start = kv_cache.length if kv_cache is not None else 0
             position_ids = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)

@@ -21,6 +21,7 @@ LoRA models ``repr``, ``deepcopy`` and pickle (``torch.save(model)``) cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
@@ -155,7 +156,11 @@ class LoRAParametrization(nn.Module):
             return X.clone()
         compute = torch.promote_types(torch.promote_types(X.dtype, self.lora_A.dtype), torch.float32)
         A, B = self.lora_A.to(compute), self.lora_B.to(compute)
-        delta = (A @ B if self.fan_in_fan_out else B @ A) * self.scaling
+        # an enclosing autocast would run this matmul in bf16/fp16: merging must stay in fp32
+        no_autocast = (torch.autocast(X.device.type, enabled=False) if X.device.type in ("cpu", "cuda")
+                       else contextlib.nullcontext())
+        with no_autocast:
+            delta = (A @ B if self.fan_in_fan_out else B @ A) * self.scaling
         return (X.to(compute) + delta.view(X.shape)).to(X.dtype)
 
     # ------------------------------------------------------------------ the fast path branches

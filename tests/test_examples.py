@@ -110,9 +110,6 @@ def test_pretrain_shakespeare_end_to_end(tmp_path, hellaswag):
     assert results["hellaswag"]["n"] == 3 and results["hellaswag"]["step"] == 4
     assert [s[:6] for s in results["samples"]] == ["ROMEO:", "ROMEO:"]
     assert (out / "loss.png").is_file() and (out / "checkpoints" / "step_000004").is_dir()
-    # ... and sample.py continues from the run directory
-    stdout = ok(script("sample.py", "--model", out, "--prompt", "JULIET:", "--max-new-tokens", "5", "--seed", "1"))
-    assert "--- sample 1/1 ---\nJULIET:" in stdout
 
 
 def test_pretrain_interrupted_with_ctrl_c_then_resumed(tmp_path):
@@ -171,15 +168,19 @@ def test_finetune_lora_example(finetuned, hf_dir):
         torch.testing.assert_close(merged(x).logits, model(x)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_sample_example_with_adapter(finetuned, hf_dir):
+def test_sample_example_with_adapter(finetuned, hf_dir, capsys):
+    from gpt2.cli import main
+
     out, _ = finetuned
     argv = ["--model", hf_dir, "--prompt", "ROMEO:", "-n", "2", "--max-new-tokens", "6", "--seed", "11",
             "--top-p", "0.9", "--temperature", "0.7"]
     ours = ok(script("sample.py", *argv, "--adapter", out / "adapter"))
-    peft = ok(script("sample.py", *argv, "--adapter", out / "peft"))
     assert "--- sample 2/2 ---" in ours
-    strip = lambda text: [line for line in text.splitlines() if not line.startswith("loaded ")]  # noqa: E731
-    assert strip(ours) == strip(peft)  # the two adapter formats are the same adapter
+    # the same through the PEFT copy of the adapter (in-process: `gpt2 sample` is the same code)
+    assert main(["sample", *map(str, argv), "--adapter", str(out / "peft")]) == 0
+    peft = capsys.readouterr().out
+    samples = lambda text: text[text.index("--- sample 1/2 ---"):]  # noqa: E731
+    assert samples(ours) == samples(peft)
 
 
 # --------------------------------------------------------------------------- data
@@ -194,7 +195,7 @@ def test_prepare_fineweb_example_local_files(tmp_path):
     stdout = ok(script("prepare_fineweb.py", "--input", corpus, "--out-dir", out, "--shard-size", "300",
                        "--no-progress", "--num-workers", "0"))
     shards = sorted(out.glob("edufineweb_*.npy"))
-    assert shards[0].name == "edufineweb_val_000000.npy" and len(shards) > 2
+    assert (out / "edufineweb_val_000000.npy") in shards and (out / "edufineweb_train_000001.npy") in shards
     total = sum(len(load_tokens(p)) for p in shards)
     assert f"{total:,} tokens" in stdout and total > 300 * (len(shards) - 1)
     # the default source, FineWeb-edu through `datasets`: a clear one-line error when that is

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model  # noqa: E402
-
-from gpt2.config import GPTConfig  # noqa: E402
-from gpt2.hf import (  # noqa: E402
+from gpt2.config import GPTConfig
+from gpt2.hf import (
     CheckpointMismatchError,
     config_from_hf,
     from_pretrained,
@@ -24,10 +22,28 @@ from gpt2.hf import (  # noqa: E402
     hf_to_gpt_state_dict,
     save_pretrained,
 )
-from gpt2.model import GPT  # noqa: E402
+from gpt2.model import GPT
 
-# transformers warns about bos/eos ids outside a tiny vocabulary and logs weight loading; quiet.
-logging.getLogger("transformers").setLevel(logging.ERROR)
+
+@pytest.fixture(autouse=True)
+def _one_thread(request):
+    """Tiny models: a second intra-op thread costs more in synchronisation than it saves (and far
+    more when other processes share the cores); the 124M test (marked slow) keeps them all."""
+    threads = torch.get_num_threads()
+    if request.node.get_closest_marker("slow") is None:
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_transformers():
+    """transformers warns about bos/eos ids outside a tiny vocabulary; keep the output readable."""
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)
+
 
 TINY = dict(n_positions=32, n_embd=32, n_layer=2, n_head=4, vocab_size=100, bos_token_id=None, eos_token_id=None)
 

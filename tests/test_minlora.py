@@ -135,6 +135,10 @@ def test_names_init_and_scaling_follow_minlora():
     with pytest.raises(ValueError, match="rank must be a positive integer"):
         LoRAParametrization(4, 4, rank=0)
     assert default_lora_config[nn.Linear]["weight"](nn.Linear(3, 2)).rank == 4
+    # full state dicts saved from minLoRA models carry an all-ones `lora_dropout_mask` buffer
+    state = dict(layer.state_dict())
+    state["parametrizations.weight.0.lora_dropout_mask"] = torch.ones(1, 8)
+    layer.load_state_dict(state, strict=True)
 
 
 def test_lora_parameters_recognised_by_type_not_name():
@@ -383,7 +387,8 @@ def test_lora_params_fp32_on_low_precision_base_and_merge_in_fp32(dtype):
     site = next(s for s in lora_sites(model) if s.name == "transformer.h.0.mlp.c_fc.weight")
     lora, w = site.lora, site.original.detach().clone()
     expected = (w.float() + (lora.lora_B @ lora.lora_A) * lora.scaling).to(dtype)
-    merge_lora(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an enclosing autocast must not lower the merge
+        merge_lora(model)
     merged = model.transformer.h[0].mlp.c_fc.weight
     assert merged.dtype == dtype and torch.equal(merged, expected)
 
@@ -532,6 +537,18 @@ def test_count_parameters():
     assert (count.trainable, count.total) == (lora, total + lora)
     assert f"trainable params: {lora:,} || all params: {total + lora:,}" in str(count)
     assert count.fraction == pytest.approx(lora / (total + lora))
+
+
+def test_top_level_exports_cover_minlora():
+    import minlora
+
+    minlora_api = [
+        "LoRAParametrization", "default_lora_config", "apply_lora", "add_lora", "add_lora_by_name", "merge_lora",
+        "remove_lora", "apply_to_lora", "enable_lora", "disable_lora", "get_lora_params", "get_bias_params",
+        "get_lora_state_dict", "name_is_lora", "load_multiple_lora", "select_lora", "tie_weights", "untie_weights",
+    ]
+    assert set(minlora_api) <= set(minlora.__all__)
+    assert all(hasattr(minlora, name) for name in minlora.__all__)
 
 
 @pytest.mark.slow

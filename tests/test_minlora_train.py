@@ -66,11 +66,12 @@ def test_trainer_sees_only_lora_and_adapter_checkpoint_round_trip(tmp_path):
     model.eval()
     expected = model(x)[0]
     save_adapter(model, tmp_path / "adapter")  # what a LoRA run keeps: the adapter only
+    # a fresh model with the (frozen) base weights, then the adapter on top
     base = GPT(model.config)
-    base_state = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
-    with disable_lora(model):
-        plain = {n.replace("parametrizations.weight.original", "weight"): t for n, t in base_state.items()}
-    base.load_state_dict(plain)
+    base.load_state_dict({
+        k.replace("parametrizations.weight.original", "weight"): v
+        for k, v in model.state_dict().items() if "lora_" not in k
+    })
     load_adapter(base, tmp_path / "adapter")
     torch.testing.assert_close(base.eval()(x)[0], expected, rtol=0, atol=0)
 
