@@ -50,7 +50,14 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import TrainConfig
 from .data import TokenLoader
-from .metrics import ConsoleSink, JSONLSink, detect_peak_flops, mfu, plot_loss_curve, read_jsonl
+from .metrics import (
+    ConsoleSink,
+    JSONLSink,
+    detect_peak_flops,
+    mfu,
+    plot_loss_curve,
+    read_jsonl,
+)
 from .optim import build_optimizer, lr_at, set_lr
 from .precision import resolve_precision
 
@@ -99,7 +106,22 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """Trains a GPT (any module with ``forward(idx, targets) -> (logits, loss)``)."""
+    """Trains a GPT (any module with ``forward(idx, targets) -> (logits, loss)``).
+
+    Args:
+        model: the raw model, in fp32 (the precision policy handles the low-precision compute).
+            Only parameters with ``requires_grad=True`` are trained.
+        config: a :class:`gpt2.TrainConfig`.
+        train_data / val_data: tokens, a token file or shard directory, or a fitting
+            :class:`gpt2.data.TokenLoader` (see the module docstring). ``val_data=None``: no
+            validation.
+        sinks: where the per-step records go besides ``out_dir/metrics.jsonl``: objects with
+            ``log(record)`` or callables. Default: a :class:`gpt2.metrics.ConsoleSink` printing
+            every ``log_interval`` steps; ``[]`` for silence. Only rank 0 calls them.
+
+    Under ``torchrun`` the Trainer joins the process group itself (NCCL on CUDA, gloo on CPU);
+    :meth:`close` (or ``with Trainer(...) as trainer:``) leaves it again.
+    """
 
     def __init__(
         self,
@@ -314,10 +336,9 @@ class Trainer:
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
         if skipped:
-            logger.warning(
-                "step %d skipped: loss %s, grad norm %s%s", self.step, loss_value, grad_norm,
-                "" if bad else " (fp16 loss scale lowered to %g)" % self.scaler.get_scale(),  # type: ignore[union-attr]
-            )
+            why = "non-finite loss or gradient norm" if bad else (
+                f"fp16 gradients overflowed, loss scale lowered to {record['loss_scale']:g}")
+            logger.warning("step %d skipped (%s): loss %s, grad norm %s", self.step, why, loss_value, grad_norm)
         return record
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,7 +507,7 @@ class Trainer:
             distributed.destroy_process_group()
             self._owns_process_group = False
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -207,7 +207,9 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
         lora = _single_lora(site, "save_adapter")
         family = _family_name(site.module)
         if family is None:
-            raise ValueError(f"save_adapter: {site.name} is a {type(site.module).__name__}, not Linear/Embedding/Conv2d")
+            raise ValueError(
+                f"save_adapter: {site.name} is a {type(site.module).__name__}, not a Linear, Embedding or Conv2d"
+            )
         targets[site.name] = {
             "layer": family,
             "weight_shape": list(site.original.shape),
@@ -254,7 +256,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     directory = Path(path)
     config_path, weights_path = directory / ADAPTER_CONFIG_NAME, directory / ADAPTER_WEIGHTS_NAME
     if not config_path.is_file() or not weights_path.is_file():
-        hint = " (it looks like a PEFT adapter: use minlora.import_peft_adapter)" if (directory / PEFT_CONFIG_NAME).is_file() else ""
+        is_peft = (directory / PEFT_CONFIG_NAME).is_file()
+        hint = " (it looks like a PEFT adapter: use minlora.import_peft_adapter)" if is_peft else ""
         raise FileNotFoundError(
             f"load_adapter: {directory} must contain {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME}{hint}"
         )
@@ -274,7 +277,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         family = _family_name(module)
         if family != spec["layer"]:
             raise ValueError(
-                f"{source}: {module_name!r} is a {type(module).__name__} in the model but a {spec['layer']} in the adapter"
+                f"{source}: {module_name!r} is a {type(module).__name__} in the model but a {spec['layer']} "
+                f"in the adapter"
             )
         weight = raw_weight(module) if tensor_name == "weight" else getattr(module, tensor_name, None)
         if not isinstance(weight, torch.Tensor):
@@ -467,7 +471,9 @@ _PEFT_UNSUPPORTED = {
 
 def _check_peft_config(config: dict[str, Any], path: Path) -> None:
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"import_peft_adapter: {path} is a {config.get('peft_type')!r} adapter; only LORA is supported")
+        raise ValueError(
+            f"import_peft_adapter: {path} is a {config.get('peft_type')!r} adapter; only LORA is supported"
+        )
     for key, what in _PEFT_UNSUPPORTED.items():
         if config.get(key):
             raise ValueError(
@@ -500,7 +506,9 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     path = Path(directory)
     config_path = path / PEFT_CONFIG_NAME
     if not config_path.is_file():
-        raise FileNotFoundError(f"import_peft_adapter: {path} has no {PEFT_CONFIG_NAME}; is it a PEFT adapter directory?")
+        raise FileNotFoundError(
+            f"import_peft_adapter: {path} has no {PEFT_CONFIG_NAME}; is it a PEFT adapter directory?"
+        )
     config = json.loads(config_path.read_text())
     _check_peft_config(config, path)
     if (path / PEFT_WEIGHTS_NAME).is_file():
@@ -519,7 +527,9 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     suffixes = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "EA", ".lora_embedding_B": "EB"}
     for key, tensor in state.items():
         if not key.startswith(_PEFT_PREFIX):
-            raise ValueError(f"{source}: key {key!r} does not start with {_PEFT_PREFIX!r}; not a PEFT LoRA adapter file")
+            raise ValueError(
+                f"{source}: key {key!r} does not start with {_PEFT_PREFIX!r}; not a PEFT LoRA adapter file"
+            )
         rest = key[len(_PEFT_PREFIX):]
         if rest.endswith(".base_layer.weight"):
             ignored.append(key)
@@ -531,10 +541,12 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         else:
             raise ValueError(
                 f"{source}: unexpected key {key!r}; minlora understands lora_A/lora_B/lora_embedding_A/B only "
-                f"(an adapter name inside the key, like 'lora_A.default.weight', means a raw state dict, not a saved adapter)"
+                f"(an adapter name inside the key, like 'lora_A.default.weight', means a raw state dict, "
+                f"not a saved adapter)"
             )
     if ignored:
-        logger.info("%s: ignoring %d base-layer weight(s) saved with the adapter, e.g. %s", source, len(ignored), ignored[0])
+        logger.info("%s: ignoring %d base-layer weight(s) saved with the adapter, e.g. %s",
+                    source, len(ignored), ignored[0])
     if not factors:
         raise ValueError(f"{source}: the adapter holds no LoRA factors")
 
@@ -554,12 +566,16 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         alpha = _pattern_value(alpha_pattern, module_name, alpha_default)
         if family == "Embedding":
             if set(parts) != {"EA", "EB"}:
-                raise ValueError(f"{source}: embedding {module_name!r} needs lora_embedding_A and _B, found {sorted(parts)}")
+                raise ValueError(
+                    f"{source}: embedding {module_name!r} needs lora_embedding_A and _B, found {sorted(parts)}"
+                )
             A, B = parts["EA"].t(), parts["EB"].t()  # ours: A (V, r), B (r, dim)
             A = _pad_vocab_rows(A, fan_in, vocab, module, f"{module_name}.lora_embedding_A", source)
         else:
             if set(parts) != {"A", "B"}:
-                raise ValueError(f"{source}: {module_name!r} needs lora_A.weight and lora_B.weight, found {sorted(parts)}")
+                raise ValueError(
+                    f"{source}: {module_name!r} needs lora_A.weight and lora_B.weight, found {sorted(parts)}"
+                )
             A, B = parts["A"], parts["B"]
             A = A.reshape(A.shape[0], -1)  # conv (r, in, kh, kw) -> (r, in * kh * kw)
             B = B.reshape(B.shape[0], -1)  # conv (out, r, 1, 1) -> (out, r)

@@ -156,7 +156,9 @@ def run_lora_benchmark(
 ) -> list[BenchResult]:
     """Benchmark each implementation (``repeats`` rounds, a fresh model per run); the step time is
     the median over all timed steps of all rounds, the peak memory the largest of the rounds."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
     if base_dtype not in _DTYPES:
         raise ValueError(f"base_dtype must be one of {sorted(_DTYPES)}, got {base_dtype!r}")
     if steps < 1 or repeats < 1:

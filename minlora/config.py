@@ -98,7 +98,9 @@ class LoRAConfig:
         for t in types:
             if isinstance(t, str):
                 if t not in _TYPE_NAMES:
-                    raise ValueError(f"LoRAConfig.target_types: unknown type name {t!r}; use one of {sorted(_TYPE_NAMES)}")
+                    raise ValueError(
+                        f"LoRAConfig.target_types: unknown type name {t!r}; use one of {sorted(_TYPE_NAMES)}"
+                    )
                 t = _TYPE_NAMES[t]
             if not isinstance(t, type) or _family(t) is None:
                 raise ValueError(

@@ -464,7 +464,8 @@ def test_fast_path_applies_dropout_to_the_input():
     out = layer(x)
     torch.manual_seed(1)
     dropped = F.dropout(x, 0.5, training=True)
-    expected = F.linear(x, layer.parametrizations.weight.original, layer.bias) + (dropped @ lora.lora_A.T * lora.scaling) @ lora.lora_B.T
+    base = F.linear(x, layer.parametrizations.weight.original, layer.bias)
+    expected = base + (dropped @ lora.lora_A.T * lora.scaling) @ lora.lora_B.T
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     layer.eval()
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)

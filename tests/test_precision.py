@@ -12,6 +12,15 @@ from gpt2.precision import default_precision, resolve_precision
 from gpt2.trainer import Trainer
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models are dominated by per-op overhead; a second thread only adds contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_policies_on_cpu():
     assert default_precision("cpu") == "fp32"
     assert resolve_precision("auto", "cpu").name == "fp32"
@@ -103,3 +112,21 @@ def test_bf16_training_on_cpu_learns(tiny_config):
     assert history[-1]["loss"] < history[0]["loss"] - 1.0
     assert "loss_scale" not in history[0]  # no scaler for bf16
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+
+
+def test_fp16_resume_restores_the_loss_scale(tiny_config, tmp_path):
+    torch.manual_seed(0)
+    model = GPT(tiny_config)
+    tokens = torch.randint(0, tiny_config.vocab_size, (4000,))
+    config = TrainConfig(micro_batch_size=4, seq_len=16, max_steps=6, max_lr=1e-3, precision="fp16",
+                         out_dir=str(tmp_path), progress=False, plot=False)
+    first = Trainer(model, config, tokens, sinks=[])
+    handle = _overflow_once(model, at_call=2)
+    first.fit(until_step=3)
+    handle.remove()
+    assert first.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale() / 2  # backed off once
+    resumed = Trainer(GPT(tiny_config), TrainConfig(**{**config.to_dict(), "resume": "auto"}), tokens, sinks=[])
+    assert resumed.step == 3 and resumed.skipped_steps == 1
+    assert resumed.scaler.state_dict() == first.scaler.state_dict()
+    next_first, next_resumed = first.train_step(), resumed.train_step()
+    assert next_first["loss"] == next_resumed["loss"] and next_first["loss_scale"] == next_resumed["loss_scale"]
