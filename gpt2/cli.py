@@ -4,7 +4,8 @@ Commands: ``train`` (pretrain from scratch), ``finetune`` (LoRA), ``sample``, ``
 (text -> token shards), ``eval`` (val loss / perplexity, HellaSwag), ``export`` (to a
 ``transformers`` directory / a PEFT adapter) and ``bench`` (the speed-up ladder).
 
-There is one implementation of each job: the ``cmd_*`` functions below. The scripts in
+There is one implementation of each job, the ``*_job`` functions of :mod:`gpt2.recipes`; this
+module declares each command's options and turns them into the job's arguments. The scripts in
 ``examples/`` call :func:`run_command` with their own defaults, so ``python
 examples/pretrain_shakespeare.py`` and ``gpt2 train`` run the same code.
 
@@ -200,16 +201,15 @@ def _convert(o: Opt, value: Any, where: str) -> Any:
 
 def _convert_scalar(o: Opt, value: Any, where: str) -> Any:
     t = o.type or str
-    if isinstance(value, (dict, list)):
+    if isinstance(value, (dict, list)) or (isinstance(value, bool) and t is not str):
         raise UsageError(f"{where}: expected a single {_type_name(o.type)}, got {value!r}")
     if t is int and isinstance(value, float):
         if not value.is_integer():
             raise UsageError(f"{where}: expected an integer, got {value!r}")
         value = int(value)
     try:
-        converted = t(value) if not isinstance(value, str) or t is not str else value
-        if isinstance(value, str) and t is not str:
-            converted = t(value)  # e.g. YAML 1.1 reads 6e-4 as a string
+        # Strings go through the flag's own converter (YAML 1.1 reads 6e-4 as a string).
+        converted = t(value)
     except (TypeError, ValueError) as e:
         raise UsageError(f"{where}: expected {_type_name(o.type)}, got {value!r}") from e
     if o.choices is not None and converted not in o.choices:

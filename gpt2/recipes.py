@@ -246,9 +246,12 @@ def stream_text(
     idx = torch.tensor([ids], dtype=torch.long)
     produced: list[int] = []
     shown = ""
+    from .generate import stream
+
     with (autocast() if autocast is not None else contextlib.nullcontext()):
-        tokens = model.stream(
-            idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        # gpt2.generate.stream rather than model.stream: a torch.compile'd model then runs compiled.
+        tokens = stream(
+            model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             eos_token_id=eot if stop_at_eot else None, generator=generator,
         )
         for column in tokens:  # (1,)

@@ -238,3 +238,19 @@ def test_train_gpt2_124m_under_torchrun_on_cpu(tmp_path, hellaswag, shared_data)
     stdout = ok(result)
     assert "at step 3" in stdout
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_precision_curves_script(tmp_path):
+    """The figure script of docs/precision.md, at a toy size: same curves, the loss scale, the histogram."""
+    stdout = ok(script("precision_curves.py", "--steps", "3", "--precisions", "fp32,fp16", "--batch-size", "2",
+                       "--seq-len", "16", "--n-embd", "32", "--n-layer", "1", "--out", tmp_path))
+    summary = json.loads((tmp_path / "precision_curves.json").read_text())
+    runs = {r["precision"]: r for r in summary["runs"]}
+    assert len(runs["fp32"]["loss"]) == 3 and runs["fp16"]["loss_scale"][0] == 65536.0
+    # fp16 with loss scaling follows fp32 closely on the same batches
+    assert abs(runs["fp16"]["loss"][-1] - runs["fp32"]["loss"][-1]) < 0.05
+    grads = summary["gradients"]
+    assert grads["scaled_below_fp16_subnormal"] <= grads["below_fp16_subnormal"]
+    for name in ("precision_loss_curves.png", "fp16_gradient_range.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    assert "wrote" in stdout
