@@ -111,9 +111,11 @@ def plot_losses(runs: list[dict], path: Path) -> None:
     for run in runs:
         steps = np.arange(1, len(run["loss"]) + 1)
         # a 10-step moving average: the raw per-batch losses of the three runs overlap too much to read
-        smooth = np.convolve(run["loss"], np.ones(10) / 10, mode="valid")
+        window = min(10, len(steps))
+        smooth = np.convolve(run["loss"], np.ones(window) / window, mode="valid")
         ax.plot(steps, run["loss"], color=COLORS.get(run["precision"]), alpha=0.25, linewidth=0.8)
-        ax.plot(steps[9:], smooth, color=COLORS.get(run["precision"]), label=f"{run['precision']}", linewidth=1.6)
+        ax.plot(steps[window - 1:], smooth, color=COLORS.get(run["precision"]), label=f"{run['precision']}",
+                linewidth=1.6)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("same model, same batches, three precisions")
@@ -157,7 +159,7 @@ def plot_gradients(grads: np.ndarray, scale: float, path: Path) -> dict:
     ax.set_xlabel("log10 |value|")
     ax.set_ylabel("gradient entries")
     ax.set_title("where the gradients fall in fp16's range")
-    ax.legend(loc="upper left")
+    ax.legend(loc="center left")  # the left half of the plot is empty: the labels of the limits are at the top
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

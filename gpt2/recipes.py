@@ -27,6 +27,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from .config import PRESETS
+
 logger = logging.getLogger(__name__)
 
 # Suffixes of token files (uint16 .npy shards, nanoGPT's raw uint16 .bin); anything else given as
@@ -432,6 +434,19 @@ def _report_shards(paths: list[Path], load_tokens: Any, start: float) -> int:
 
 
 # --------------------------------------------------------------------------- eval
+def _resolve_hellaswag(spec: str | None) -> Path | None:
+    from .eval import hellaswag_path
+
+    if spec is None:
+        return None
+    if spec == "auto":
+        return hellaswag_path("val")
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it")
+    return path
+
+
 def eval_job(args: argparse.Namespace) -> dict[str, Any]:
     """``gpt2 eval``: validation loss / perplexity on token data and/or HellaSwag accuracy."""
     from .eval import evaluate_loss, score_hellaswag
@@ -503,10 +518,7 @@ def export_job(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- training
 # Model shapes for --model: GPT-2's presets plus two small ones for CPUs and tests.
 MODEL_SIZES: dict[str, dict[str, int]] = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    **PRESETS,  # gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1558M)
     # ~7M parameters, 6.4M of them the 50257 x 128 token embedding: trains at a few steps per
     # second on a laptop CPU, where the 50257-way softmax is most of the cost.
     "mini": dict(n_layer=4, n_head=4, n_embd=128),
@@ -544,19 +556,6 @@ def train_config_from(args: argparse.Namespace, **overrides: Any) -> Any:
         values["fused_adamw"] = values["fused_adamw"].lower() in ("true", "yes", "1", "on")
     values.update(overrides)
     return TrainConfig(**values)
-
-
-def _resolve_hellaswag(spec: str | None) -> Path | None:
-    from .eval import hellaswag_path
-
-    if spec is None:
-        return None
-    if spec == "auto":
-        return hellaswag_path("val")
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it")
-    return path
 
 
 def _hellaswag(trainer: Any, path: Path, limit: int | None) -> dict[str, Any]:

@@ -142,7 +142,7 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     assert args.max_lr == pytest.approx(6e-4) and isinstance(args.max_lr, float)  # file beats recipe
     assert args.compile is False
     assert args.warmup_steps == 3  # the script's default beats the recipe's 20
-    assert args.model == "mini" and args.seq_len == 64  # the recipe's CPU values
+    assert args.model == "mini" and args.seq_len == 128  # the recipe's CPU values
     assert resolve_options(cmd, {"device": "cuda"}).model == "gpt2"  # ... and its CUDA ones
     # A recipe named in a JSON config file.
     cfg_json = tmp_path / "run.json"
@@ -245,6 +245,26 @@ def test_export_writes_a_transformers_directory(trained_run, tmp_path, capsys):
     ours = load_model(str(trained_run))(x)[0]
     exported = from_pretrained(out)(x)[0]
     torch.testing.assert_close(exported, ours)
+
+
+def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys):
+    """`gpt2 finetune --init <run dir>`: LoRA on our own checkpoint, fp16 with loss scaling; the
+    adapter then samples through `gpt2 sample --adapter`."""
+    out = tmp_path / "lora"
+    code, stdout, err = run(capsys, "finetune", "--init", trained_run, "--precision", "fp16", "--max-steps", "2",
+                            "--warmup-steps", "1", "--seq-len", "32", "--eval-steps", "1", "--final-eval-batches", "1",
+                            "--max-new-tokens", "4", "--out-dir", out, "--no-progress", "--lora-targets", "attn.c_attn")
+    assert code == 0, err
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and all(r["loss_scale"] > 0 for r in records)
+    config = json.loads((out / "adapter" / "minlora_adapter.json").read_text())
+    assert sorted(config["targets"]) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
+    code, stdout, err = run(capsys, "sample", "--model", trained_run, "--adapter", out / "adapter",
+                            "--max-new-tokens", "3", "--seed", "0")
+    assert code == 0 and "--- sample 1/1 ---" in stdout, err
+    # an adapter on a checkpoint that holds only adapter weights is refused with a clear message
+    code, _, err = run(capsys, "sample", "--model", out, "--max-new-tokens", "3")
+    assert code == 2 and "only the trainable (adapter) weights" in err
 
 
 def test_resume_auto_continues_an_interrupted_run(tmp_path, capsys, shared_data):

@@ -183,6 +183,24 @@ def test_sample_example_with_adapter(finetuned, hf_dir, capsys):
     assert samples(ours) == samples(peft)
 
 
+def test_export_command_merges_the_finetuned_adapter(finetuned, hf_dir, tmp_path, capsys):
+    """`gpt2 export --adapter`: the same merged model and PEFT adapter finetune_lora.py wrote."""
+    from safetensors.torch import load_file
+
+    from gpt2.cli import main
+
+    out, _ = finetuned
+    assert main(["export", "--model", str(hf_dir), "--adapter", str(out / "adapter"), "--out", str(tmp_path / "hf"),
+                 "--peft-out", str(tmp_path / "peft")]) == 0
+    assert "wrote merged model" in capsys.readouterr().out
+    merged, exported = load_file(out / "merged" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert merged.keys() == exported.keys()
+    for key in merged:
+        torch.testing.assert_close(exported[key], merged[key])
+    peft, ours = load_file(out / "peft" / "adapter_model.safetensors"), load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert peft.keys() == ours.keys() and all(torch.equal(peft[k], ours[k]) for k in peft)
+
+
 # --------------------------------------------------------------------------- data
 def test_prepare_fineweb_example_local_files(tmp_path):
     from gpt2.data import load_tokens
