@@ -16,6 +16,7 @@ from .data import (
     tokenize_file,
     write_shards,
 )
+from .eval import evaluate_loss, hellaswag_path, score_hellaswag
 from .generate import KVCache, generate, pad_prompts, sample_next, stream
 from .hf import (
     CheckpointMismatchError,
@@ -48,5 +49,7 @@ __all__ = [
     "Trainer", "TrainConfig", "TrainingDivergedError", "PrecisionPolicy", "resolve_precision",
     "build_optimizer", "lr_at", "save_checkpoint", "load_checkpoint", "find_latest_checkpoint",
     "NonFiniteWeightsError", "ConsoleSink", "JSONLSink",
+    # evaluation
+    "evaluate_loss", "score_hellaswag", "hellaswag_path",
 ]
 __version__ = "0.1.0"

@@ -81,7 +81,10 @@ def build_optimizer(
     """AdamW over the trainable parameters of ``model`` with :func:`param_groups`."""
     groups = param_groups(model, weight_decay, decay_embeddings)
     use_fused = use_fused_adamw(model, fused)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None)
+    # Without the fused kernel, the multi-tensor ("foreach") implementation: torch picks it by
+    # default only for CUDA tensors, and on a CPU the per-tensor loop is several times slower.
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None,
+                             foreach=None if use_fused else True)
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:

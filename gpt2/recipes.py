@@ -558,40 +558,48 @@ def train_config_from(args: argparse.Namespace, **overrides: Any) -> Any:
     return TrainConfig(**values)
 
 
-def _hellaswag(trainer: Any, path: Path, limit: int | None) -> dict[str, Any]:
-    """Score HellaSwag with every rank taking its share of the examples; rank 0 logs it."""
-    from .eval import score_hellaswag
+class HellaSwagCallback:
+    """A Trainer callback: HellaSwag every ``interval`` steps and after the last one.
 
-    env = trainer.dist_env
-    start = time.time()
-    # The raw model, not the compiled one: every example has its own length, which would make
-    # torch.compile recompile again and again.
-    result = score_hellaswag(trainer.model, path, limit=limit, autocast=trainer.precision.autocast,
-                             rank=env.rank, world_size=env.world_size)
-    result = {"step": trainer.step, **result}
-    if trainer.is_main:
-        print(f"step {trainer.step} | hellaswag acc_norm {result['acc_norm']:.4f} | acc {result['acc']:.4f} | "
-              f"{result['n']} examples | {time.time() - start:.1f} s", flush=True)
-        if trainer.out_dir is not None:
-            with open(trainer.out_dir / "hellaswag.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(result) + "\n")
-    return result
+    It runs on every rank (each scores its share of the examples) inside ``Trainer.fit``, so
+    training is never paused (no extra checkpoints) and the scores land in the step's record:
+    ``hellaswag_acc`` / ``hellaswag_acc_norm`` / ``hellaswag_n`` in metrics.jsonl, which a resumed
+    run truncates and continues like every other metric.
+    """
+
+    def __init__(self, path: Path, interval: int, limit: int | None) -> None:
+        self.path, self.interval, self.limit = path, interval, limit
+        self.last: dict[str, Any] | None = None
+
+    def __call__(self, trainer: Any, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if step == trainer.config.max_steps or (self.interval > 0 and step % self.interval == 0):
+            result = self.score(trainer)
+            record.update(hellaswag_acc=result["acc"], hellaswag_acc_norm=result["acc_norm"],
+                          hellaswag_n=result["n"])
+
+    def score(self, trainer: Any) -> dict[str, Any]:
+        from .eval import score_hellaswag
+
+        env = trainer.dist_env
+        start = time.time()
+        # The raw model, not the compiled one: every example has its own length, which would make
+        # torch.compile recompile again and again.
+        result = score_hellaswag(trainer.model, self.path, limit=self.limit, autocast=trainer.precision.autocast,
+                                 rank=env.rank, world_size=env.world_size)
+        self.last = {"step": trainer.step, **result}
+        if trainer.is_main:
+            print(f"step {trainer.step} | hellaswag acc_norm {result['acc_norm']:.4f} | acc {result['acc']:.4f} | "
+                  f"{result['n']} examples | {time.time() - start:.1f} s", flush=True)
+        return self.last
 
 
-def _fit(trainer: Any, hellaswag: Path | None, interval: int, limit: int | None) -> dict[str, Any] | None:
-    """``trainer.fit()``, pausing every ``interval`` steps (and at the end) for HellaSwag."""
+def _fit(trainer: Any, hellaswag: HellaSwagCallback | None) -> dict[str, Any] | None:
+    """``trainer.fit()``; the last HellaSwag result (scored now if the run was already complete)."""
+    trainer.fit()
     if hellaswag is None:
-        trainer.fit()
         return None
-    result = None
-    max_steps = trainer.config.max_steps
-    if trainer.step >= max_steps:
-        return _hellaswag(trainer, hellaswag, limit)
-    while trainer.step < max_steps:
-        stop = (trainer.step // interval + 1) * interval if interval > 0 else max_steps
-        trainer.fit(until_step=min(stop, max_steps))
-        result = _hellaswag(trainer, hellaswag, limit)
-    return result
+    return hellaswag.last if hellaswag.last is not None else hellaswag.score(trainer)
 
 
 def _final_report(trainer: Any, args: argparse.Namespace, val: Any, *, extra: dict[str, Any] | None = None,
@@ -638,13 +646,14 @@ def train_job(args: argparse.Namespace) -> dict[str, Any]:
     train, val = training_data(args.data, args.val_data, args.val_fraction)
     model = GPT(model_config)
     start = time.time()
-    with Trainer(model, config, train, val) as trainer:
+    callback = HellaSwagCallback(hellaswag, args.hellaswag_interval, args.hellaswag_limit) if hellaswag else None
+    with Trainer(model, config, train, val, callbacks=[callback] if callback else ()) as trainer:
         if trainer.is_main:
             print(f"GPT {args.model}: {model.num_params():,} parameters ({model_config.n_layer} layers, "
                   f"{model_config.n_head} heads, {model_config.n_embd} wide, context {model_config.block_size}); "
                   f"{trainer.tokens_per_step:,} tokens per step, {config.max_steps} steps, {trainer.precision.name}"
                   f"{', compiled' if config.compile else ''} on {trainer.device}", flush=True)
-        hs = _fit(trainer, hellaswag, args.hellaswag_interval, args.hellaswag_limit)
+        hs = _fit(trainer, callback)
         if not trainer.is_main:
             return {}
         extra: dict[str, Any] = {"train_seconds": round(time.time() - start, 1)}

@@ -118,6 +118,9 @@ class Trainer:
         sinks: where the per-step records go besides ``out_dir/metrics.jsonl``: objects with
             ``log(record)`` or callables. Default: a :class:`gpt2.metrics.ConsoleSink` printing
             every ``log_interval`` steps; ``[]`` for silence. Only rank 0 calls them.
+        callbacks: ``fn(trainer, record)`` called on *every* process after each step (and after
+            validation), before the record is logged; a callback may add entries to ``record``
+            (e.g. a HellaSwag score every N steps), which then reach the sinks and metrics.jsonl.
 
     Under ``torchrun`` the Trainer joins the process group itself (NCCL on CUDA, gloo on CPU);
     :meth:`close` (or ``with Trainer(...) as trainer:``) leaves it again.
@@ -131,6 +134,7 @@ class Trainer:
         val_data: Any = None,
         *,
         sinks: Iterable[Sink] | None = None,
+        callbacks: Iterable[Callable[["Trainer", dict], None]] = (),
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a gpt2.TrainConfig, got {type(config).__name__}")
@@ -168,6 +172,7 @@ class Trainer:
             [ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)
         ) if self.is_main else []
 
+        self.callbacks = list(callbacks)
         self.step = 0  # completed optimizer steps
         self.skipped_steps = 0
         self.consecutive_bad_steps = 0
@@ -267,6 +272,8 @@ class Trainer:
                 record = self.train_step()
                 if self._due(cfg.eval_interval) and self.val_loader is not None:
                     record["val_loss"] = self.evaluate()
+                for callback in self.callbacks:
+                    callback(self, record)
                 self._emit(record, jsonl, bar)
                 history.append(record)
                 if self.consecutive_bad_steps >= cfg.max_bad_steps:
@@ -498,8 +505,9 @@ class Trainer:
         for sink in self.sinks:
             sink.log(record) if hasattr(sink, "log") else sink(record)
         if bar is not None:
-            bar.update(1)
+            # postfix first: update() redraws the bar, which then shows this step's loss
             bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            bar.update(1)
 
     def close(self) -> None:
         """Leave the process group if this Trainer created it (under torchrun)."""

@@ -104,7 +104,8 @@ def test_pretrain_shakespeare_end_to_end(tmp_path, hellaswag):
     assert stdout.index("val loss") < stdout.index("--- sample 1/2 ---") < stdout.index("--- sample 2/2 ---")
     # the run directory
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert [r["step"] for r in read_jsonl(out / "hellaswag.jsonl")] == [2, 4]
+    # HellaSwag runs inside fit() and its scores join the step records
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "hellaswag_acc_norm" in r] == [2, 4]
     results = json.loads((out / "results.json").read_text())
     assert math.isfinite(results["val_loss"]) and results["val_loss"] < 11.0  # below uniform, ln(50257) = 10.8
     assert results["hellaswag"]["n"] == 3 and results["hellaswag"]["step"] == 4
@@ -247,8 +248,10 @@ def test_train_gpt2_124m_under_torchrun_on_cpu(tmp_path, hellaswag, shared_data)
     stdout = ok(result)
     assert "2 process(es), 2 micro-step(s)" in stdout
     assert stdout.count("val loss") == 1 and stdout.count("--- sample 1/1 ---") == 1  # rank 0 only
-    hs = read_jsonl(out / "hellaswag.jsonl")
-    assert [r["step"] for r in hs] == [2, 3] and all(r["n"] == 3 for r in hs)  # every example, over 2 ranks
+    hs = [r for r in read_jsonl(out / "metrics.jsonl") if "hellaswag_acc_norm" in r]
+    assert [r["step"] for r in hs] == [2, 3] and all(r["hellaswag_n"] == 3 for r in hs)  # every example, over 2 ranks
+    # HellaSwag no longer pauses fit(): the only checkpoints are the interval's and the stop point's
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
     assert json.loads((out / "results.json").read_text())["hellaswag"]["n"] == 3
     # the recipe resumes by default: a longer run continues from step 3
