@@ -17,6 +17,15 @@ GPT2_VOCAB_SIZE = 50257
 # enter the loss (the model slices them off its logits).
 VOCAB_PAD_MULTIPLE = 64
 
+def _from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build the dataclass ``cls`` from a dict (e.g. read from JSON), naming any unknown field."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
+    return cls(**data)
+
+
 PRESETS: dict[str, dict[str, int]] = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
@@ -82,11 +91,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GPTConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**data)
+        return _from_dict(cls, data)
 
 
 # ------------------------------------------------------------------------------------------
@@ -232,11 +237,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**data)
+        return _from_dict(cls, data)
 
 
 def _require_int(config: Any, name: str, minimum: int) -> None:

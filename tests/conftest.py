@@ -39,5 +39,16 @@ def tiny_config():
 
 
 @pytest.fixture(autouse=True)
+def _one_thread(request):
+    """Tiny models: a second intra-op thread costs more in synchronisation than it saves (and far
+    more when other processes share the cores); tests marked slow (124M shapes) keep them all."""
+    threads = torch.get_num_threads()
+    if request.node.get_closest_marker("slow") is None:
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -12,16 +12,6 @@ from gpt2.generate import KVCache, generate, pad_prompts, sample_next, stream
 from gpt2.model import GPT
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: a second intra-op thread costs more in synchronisation than it saves (and far
-    more when other processes share the cores), so these tests run single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def model(tiny_config) -> GPT:
     torch.manual_seed(0)

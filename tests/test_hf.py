@@ -25,17 +25,6 @@ from gpt2.hf import (
 from gpt2.model import GPT
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """Tiny models: a second intra-op thread costs more in synchronisation than it saves (and far
-    more when other processes share the cores); the 124M test (marked slow) keeps them all."""
-    threads = torch.get_num_threads()
-    if request.node.get_closest_marker("slow") is None:
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _quiet_transformers():
     """transformers warns about bos/eos ids outside a tiny vocabulary; keep the output readable."""

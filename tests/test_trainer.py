@@ -31,15 +31,6 @@ from gpt2.trainer import Trainer, TrainingDivergedError, grad_accum_steps
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models are dominated by per-op overhead; a second thread only adds contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _config(**overrides) -> TrainConfig:
     base = dict(micro_batch_size=2, seq_len=16, max_steps=4, max_lr=1e-3, out_dir=None, progress=False,
                 eval_interval=0, plot=False)
@@ -188,6 +179,21 @@ def test_frozen_base_trains_and_saves_only_trainable_parameters(tiny_config, tmp
     resumed = Trainer(base, _config(out_dir=str(tmp_path), max_steps=3, resume="auto"), _tokens(), sinks=[])
     assert resumed.step == 3
     assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), model.state_dict().values()))
+
+
+def test_callbacks_see_every_step_and_their_entries_reach_metrics_jsonl(tiny_config, tmp_path):
+    seen = []
+
+    def every_other_step(trainer, record):
+        seen.append((trainer.step, "val_loss" in record))  # runs after validation
+        if record["step"] % 2 == 0:
+            record["custom_score"] = float(record["step"])
+
+    config = _config(out_dir=str(tmp_path), eval_interval=2, eval_steps=1)
+    Trainer(_model(tiny_config), config, _tokens(), _tokens(seed=2), sinks=[], callbacks=[every_other_step]).fit()
+    assert seen == [(1, False), (2, True), (3, False), (4, True)]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r.get("custom_score") for r in records] == [None, 2.0, None, 4.0]
 
 
 def test_resume_auto_without_checkpoint_starts_fresh(tiny_config, tmp_path):
