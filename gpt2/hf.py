@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -501,20 +501,31 @@ def save_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
-    with open(out / "config.json", "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-        f.write("\n")
     # Drop weights of the other format so transformers cannot pick up a stale file.
     stale = _BIN if safe_serialization else _SAFETENSORS
     (out / stale).unlink(missing_ok=True)
+    # Each file is written under a temporary name and renamed into place, weights first: a crash
+    # leaves whole files behind, never a truncated one that transformers would fail to read.
     if safe_serialization:
-        save_file(hf_sd, str(out / _SAFETENSORS), metadata={"format": "pt"})
+        _atomic_write(out / _SAFETENSORS, lambda tmp: save_file(hf_sd, str(tmp), metadata={"format": "pt"}))
     else:
-        torch.save(hf_sd, out / _BIN)
+        _atomic_write(out / _BIN, lambda tmp: torch.save(hf_sd, tmp))
+    config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+    _atomic_write(out / "config.json", lambda tmp: tmp.write_text(config_text, encoding="utf-8"))
     if tokenizer_dir is not None:
         _write_tokenizer(Path(tokenizer_dir), out, config)
     logger.info("saved %s to %s", type(inner).__name__, out)
     return out
+
+
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` to a temporary name beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _write_tokenizer(src: Path, out: Path, config: GPTConfig) -> None:

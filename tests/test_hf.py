@@ -209,6 +209,27 @@ def test_save_pretrained_loads_in_transformers(tmp_path, overrides):
     assert Path(out) == tmp_path
 
 
+def test_crash_during_save_pretrained_keeps_the_previous_export(tmp_path, monkeypatch):
+    config = GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=4, n_embd=32)
+    first, second = GPT(config).eval(), GPT(config).eval()
+    _randomise(first, seed=1)
+    _randomise(second, seed=2)
+    save_pretrained(first, tmp_path)
+    import safetensors.torch
+
+    real_save_file = safetensors.torch.save_file
+
+    def crash_midway(tensors, filename, metadata=None):
+        real_save_file(dict(list(tensors.items())[:2]), filename, metadata=metadata)  # a partial file
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        save_pretrained(second, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no temp left
+    _assert_same_logits_and_loss(first, GPT2LMHeadModel.from_pretrained(tmp_path).eval(), _ids())
+
+
 def test_save_pretrained_unwraps_compile_and_data_parallel(tmp_path, hf_model):
     config = config_from_hf(hf_model.config)
     ours = GPT(config).eval()
