@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 import torch
@@ -60,7 +60,7 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 _DOWNLOAD_TIMEOUT_S = 60
 
 
-class DownloadError(RuntimeError):
+class DownloadError(ConnectionError):
     """A data file could not be downloaded (no network, bad response, checksum mismatch)."""
 
 
@@ -94,11 +94,10 @@ def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
     path = cache / "tinyshakespeare.txt"
     if path.is_file():
         return path
-    logger.info("downloading Tiny Shakespeare from %s to %s", TINY_SHAKESPEARE_URL, path)
-    _download(
+    download(
         TINY_SHAKESPEARE_URL,
         path,
-        TINY_SHAKESPEARE_SHA256,
+        sha256=TINY_SHAKESPEARE_SHA256,
         what="Tiny Shakespeare",
         offline_hint="set GPT2_TINY_SHAKESPEARE=/path/to/tinyshakespeare.txt, pass the "
         "file's path (load_tiny_shakespeare(path=...), tokenize_file(path, ...)), or copy it to",
@@ -114,13 +113,27 @@ def load_tiny_shakespeare(
     return path.read_text(encoding="utf-8")
 
 
-def _download(url: str, dest: Path, sha256: str | None, *, what: str, offline_hint: str) -> None:
+def download(
+    url: str,
+    dest: Path,
+    *,
+    what: str,
+    offline_hint: str,
+    sha256: str | None = None,
+    validate: Callable[[bytes], None] | None = None,
+) -> None:
+    """Fetch ``url`` into ``dest`` atomically, or raise :class:`DownloadError` saying how to
+    work offline (``offline_hint`` is followed by ``dest``). The bytes are checked against
+    ``sha256`` and/or by ``validate`` (which raises ``ValueError``) before anything is cached,
+    so a truncated download or an HTML error page never lands in the cache."""
+
     def fail(reason: str) -> DownloadError:
         return DownloadError(
             f"could not download {what} from {url}: {reason}. "
             f"To work offline, {offline_hint} {str(dest)!r}."
         )
 
+    logger.info("downloading %s from %s to %s", what, url, dest)
     try:
         with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT_S) as response:
             data = response.read()
@@ -129,6 +142,11 @@ def _download(url: str, dest: Path, sha256: str | None, *, what: str, offline_hi
         raise fail(f"{type(e).__name__}: {e}") from e
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise fail(f"the {len(data)} bytes received do not have the expected sha256 {sha256}")
+    if validate is not None:
+        try:
+            validate(data)
+        except ValueError as e:
+            raise fail(f"the response is not {what} ({e})") from e
     dest.parent.mkdir(parents=True, exist_ok=True)
     _replace_atomically(dest, lambda f: f.write(data))
 

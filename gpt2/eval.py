@@ -17,15 +17,14 @@ import json
 import logging
 import math
 import os
-import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .data import default_cache_dir, download
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,6 @@ HELLASWAG_URLS = {
     for split in ("train", "val", "test")
 }
 HELLASWAG_ENV = "GPT2_HELLASWAG"
-CACHE_ENV = "GPT2_CACHE_DIR"
 
 # What an autocast argument may be: nothing, a dtype (bf16/fp16 autocast on the model's device),
 # or a zero-argument callable returning a fresh context manager (e.g. a precision policy's).
@@ -161,13 +159,6 @@ def _loader_batches(loader: Any, max_batches: int | None) -> Iterator[tuple[torc
 
 
 # --------------------------------------------------------------------------- HellaSwag data
-def _default_cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")
-    return Path(base).expanduser() / "gpt2"
-
-
 def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Path of the HellaSwag ``split`` jsonl, downloading it once into a cache if needed.
 
@@ -197,41 +188,24 @@ def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None 
             )
         directory = p
     else:
-        directory = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir() / "hellaswag"
+        directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir() / "hellaswag"
     path = directory / filename
     if path.is_file():
         return path
-    _download(HELLASWAG_URLS[split], path)
+    download(
+        HELLASWAG_URLS[split], path, what=f"HellaSwag {split}", validate=_validate_hellaswag,
+        offline_hint=f"download hellaswag_{split}.jsonl elsewhere and set ${HELLASWAG_ENV} to its path, or copy it to",
+    )
     return path
 
 
-def _download(url: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("downloading %s -> %s", url, path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _validate_hellaswag(data: bytes) -> None:
+    """A proxy or captive portal can answer with HTML: refuse to cache what is not HellaSwag."""
+    first = data.split(b"\n", 1)[0]
     try:
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with urllib.request.urlopen(url, timeout=60) as response:
-                    while chunk := response.read(1 << 20):
-                        out.write(chunk)
-            except (urllib.error.URLError, OSError) as e:
-                raise ConnectionError(
-                    f"could not download HellaSwag from {url} ({e}). If this machine is offline, "
-                    f"download the file elsewhere and either place it at {path} or set "
-                    f"${HELLASWAG_ENV} to its path"
-                ) from e
-        # A proxy or captive portal can answer with HTML: refuse to cache what is not HellaSwag.
-        with open(tmp, encoding="utf-8") as f:
-            first = f.readline()
-        try:
-            _check_example(json.loads(first), url, 1)
-        except (ValueError, json.JSONDecodeError) as e:
-            raise ValueError(f"{url} did not return HellaSwag jsonl: {e}") from e
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _check_example(json.loads(first), "line", 1)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line 1 is not JSON ({e.msg})") from e
 
 
 def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:

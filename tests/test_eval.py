@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt2 import GPT, GPTConfig
+from gpt2.data import DownloadError
 from gpt2.eval import (
     HELLASWAG_URLS,
     ending_losses,
@@ -241,7 +242,7 @@ def test_hellaswag_path_downloads_once_and_caches(tmp_path, monkeypatch):
     html = tmp_path / "page.html"
     html.write_text("<html>rate limited</html>\n")
     monkeypatch.setitem(HELLASWAG_URLS, "test", html.as_uri())
-    with pytest.raises(ValueError, match="did not return HellaSwag"):
+    with pytest.raises(DownloadError, match="is not HellaSwag test"):
         hellaswag_path("test", cache_dir=cache)
     assert not (cache / "hellaswag_test.jsonl").exists()
 
