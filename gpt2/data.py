@@ -12,6 +12,7 @@ cache footprint compared with ``int32``.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import multiprocessing
 import operator
@@ -149,6 +150,19 @@ def download(
             raise fail(f"the response is not {what} ({e})") from e
     dest.parent.mkdir(parents=True, exist_ok=True)
     _replace_atomically(dest, lambda f: f.write(data))
+
+
+def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int, Any]]:
+    """``(line_number, value)`` for each non-blank line of a JSON-lines file; a malformed line
+    raises ``ValueError`` naming the file and line (``hint`` is appended to that message)."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}){hint}") from e
 
 
 def _replace_atomically(dest: Path, write) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .data import default_cache_dir, download
+from .data import default_cache_dir, download, iter_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -235,15 +235,8 @@ def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             f"HellaSwag file {str(path)!r} not found; use gpt2.eval.hellaswag_path() to download "
             f"it, or pass the path of hellaswag_val.jsonl"
         )
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}); is this a HellaSwag jsonl file?") from e
-            yield _check_example(example, str(path), line_no)
+    for line_no, example in iter_jsonl(path, hint="; is this a HellaSwag jsonl file?"):
+        yield _check_example(example, str(path), line_no)
 
 
 def _context(example: dict[str, Any]) -> str:

@@ -340,20 +340,15 @@ def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
     """Text files give one document each; ``.jsonl`` files one per line (its ``text_field``)."""
     for path in inputs:
         if path.suffix.lower() == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
-                    if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                        raise ValueError(
-                            f"{path}:{line_no}: expected a JSON object with a string field {text_field!r} "
-                            f"(choose the field with --text-field)"
-                        )
-                    yield row[text_field]
+            from .data import iter_jsonl
+
+            for line_no, row in iter_jsonl(path):
+                if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                    raise ValueError(
+                        f"{path}:{line_no}: expected a JSON object with a string field {text_field!r} "
+                        f"(choose the field with --text-field)"
+                    )
+                yield row[text_field]
         else:
             yield path.read_text(encoding="utf-8")
 
