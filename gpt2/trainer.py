@@ -509,14 +509,15 @@ class Trainer:
             bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             bar.update(1)
 
-    def close(self) -> None:
-        """Leave the process group if this Trainer created it (under torchrun)."""
+    def close(self, wait_for_all: bool = True) -> None:
+        """Leave the process group if this Trainer created it (under torchrun); by default after
+        every rank got here (see :func:`gpt2.distributed.destroy_process_group`)."""
         if self._owns_process_group:
-            distributed.destroy_process_group()
+            distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
 
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(wait_for_all=exc_type is None)  # after an error other ranks may never arrive
