@@ -677,6 +677,14 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
     from .trainer import Trainer
 
     _check_train_args(args)
+    if args.lora_head and args.merge_export:
+        # Merging LoRA on the tied head unties it (head W + BA, embedding W), but GPT-2's
+        # transformers format always ties the two: the export could not hold the merged model.
+        raise UsageError(
+            "--merge-export cannot hold a merged --lora-head adapter: transformers' GPT-2 ties the LM head to "
+            "the token embedding, and merging LoRA into the head unties them. Drop --lora-head, or keep the "
+            "adapter (and --peft-export) without merging"
+        )
     lora_config = lora_config_from(args)
     model = load_model(args.init, device="cpu")
     model.train()

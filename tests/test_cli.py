@@ -111,6 +111,7 @@ def test_missing_files_are_clear_errors(capsys, tmp_path, trained_run):
         (["eval", "--model", trained_run, "--data", missing / "val.bin"], "does not exist"),
         (["eval", "--model", trained_run, "--hellaswag", missing / "hs.jsonl"], "does not exist"),
         (["export", "--model", trained_run], "nothing to export"),
+        (["finetune", "--init", trained_run, "--lora-head", "--merge-export", tmp_path / "merged"], "ties the LM head"),
         (["train", "--config", missing / "cfg.yaml"], "config file"),
         (["prepare", "--input", missing / "a.txt", "--out-dir", tmp_path / "shards"], "does not exist"),
     ]
