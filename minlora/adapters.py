@@ -124,6 +124,17 @@ class _Plan:
         return f"{self.module_name}.{self.tensor_name}" if self.module_name else self.tensor_name
 
 
+def _apply_plans(model: nn.Module, plans: list[_Plan], source: str, strict: bool) -> None:
+    """Check every plan (and, with ``strict``, that they cover the model's LoRA sites) before
+    changing anything, so a bad adapter never leaves the model half-loaded; then apply them."""
+    for plan in plans:
+        _check_plan(plan, source)
+    if strict:
+        _check_strict(model, plans, source)
+    for plan in plans:
+        _apply_plan(plan, source)
+
+
 def _check_plan(plan: _Plan, source: str) -> None:
     """Rank / layout / shape agreement with a LoRA the model already has, and factor shapes."""
     a_shape = (plan.fan_in, plan.rank) if plan.fan_in_fan_out else (plan.rank, plan.fan_in)
@@ -297,12 +308,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
             fan_in=int(spec["fan_in"]), fan_out=int(spec["fan_out"]), fan_in_fan_out=bool(spec["fan_in_fan_out"]),
             lora_A=tensors[f"{name}.lora_A"], lora_B=tensors[f"{name}.lora_B"],
         ))
-    for plan in plans:
-        _check_plan(plan, source)
-    if strict:
-        _check_strict(model, plans, source)
-    for plan in plans:
-        _apply_plan(plan, source)
+    _apply_plans(model, plans, source, strict)
     for tie in config.get("tied", []):
         linear = model.get_submodule(tie["linear"].rpartition(".")[0])
         embedding = model.get_submodule(tie["embedding"].rpartition(".")[0])
@@ -588,12 +594,7 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
             )
         plans.append(_Plan(module_name, module, "weight", rank=rank, lora_alpha=alpha, use_rslora=use_rslora,
                            dropout=dropout, fan_in=fan_in, fan_out=fan_out, fan_in_fan_out=fifo, lora_A=A, lora_B=B))
-    for plan in plans:
-        _check_plan(plan, source)
-    if strict:
-        _check_strict(model, plans, source)
-    for plan in plans:
-        _apply_plan(plan, source)
+    _apply_plans(model, plans, source, strict)
     return model
 
 
