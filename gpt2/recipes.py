@@ -28,12 +28,11 @@ import numpy as np
 import torch
 
 from .config import PRESETS
+# Suffixes of token files (.npy shards, llm.c / nanoGPT .bin); anything else given as --data is
+# read as UTF-8 text and tokenised.
+from .data.formats import TOKEN_SUFFIXES
 
 logger = logging.getLogger(__name__)
-
-# Suffixes of token files (uint16 .npy shards, nanoGPT's raw uint16 .bin); anything else given as
-# --data is read as UTF-8 text and tokenised.
-TOKEN_SUFFIXES = (".npy", ".bin")
 
 
 class UsageError(Exception):
@@ -87,12 +86,9 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
         from .tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer()
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{str(path)!r} is not UTF-8 text; token files must end in .npy or .bin ({e})"
-        ) from e
+    from .data import read_text
+
+    text = read_text(path)  # not UTF-8: an error with the file and byte offset
     ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
     return np.asarray(ids, dtype=np.uint16)
 
@@ -350,7 +346,9 @@ def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
                     )
                 yield row[text_field]
         else:
-            yield path.read_text(encoding="utf-8")
+            from .data import read_text
+
+            yield read_text(path)
 
 
 def _expand_inputs(inputs: list[str]) -> list[Path]:

@@ -221,6 +221,9 @@ class Trainer:
 
     def _make_loader(self, data: Any, split: str) -> Any:
         cfg, env = self.config, self.dist_env
+        # The loader checks token ids against the model's vocabulary on the CPU (the model no
+        # longer does, as that forced a GPU sync on every forward).
+        vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
         if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
             expected = {
                 "batch_size": cfg.micro_batch_size, "seq_len": cfg.seq_len,
@@ -236,13 +239,16 @@ class Trainer:
                     f"TokenLoader(source, {cfg.micro_batch_size}, {cfg.seq_len}, rank={env.rank}, "
                     f"world_size={env.world_size}), or pass the tokens / path and let the Trainer build it"
                 )
+            if vocab_size is not None and isinstance(data, TokenLoader) and data.vocab_size is None:
+                data.vocab_size = vocab_size
             return data
         if isinstance(data, (str, os.PathLike)):
             split_arg = split if Path(data).is_dir() else None
             return TokenLoader(data, cfg.micro_batch_size, cfg.seq_len, rank=env.rank,
-                               world_size=env.world_size, split=split_arg)
+                               world_size=env.world_size, split=split_arg, vocab_size=vocab_size)
         if isinstance(data, (torch.Tensor, np.ndarray)):
-            return TokenLoader(data, cfg.micro_batch_size, cfg.seq_len, rank=env.rank, world_size=env.world_size)
+            return TokenLoader(data, cfg.micro_batch_size, cfg.seq_len, rank=env.rank, world_size=env.world_size,
+                               vocab_size=vocab_size)
         raise TypeError(
             f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
             f"gpt2.data.TokenLoader; got {type(data).__name__}"

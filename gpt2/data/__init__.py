@@ -1,0 +1,46 @@
+"""Token data: downloads, tokenising into shards, token file formats, and the batch loader.
+
+* :mod:`gpt2.data.download`: the cache directory, checksummed atomic downloads, Tiny Shakespeare.
+* :mod:`gpt2.data.prepare`: text -> ``uint16`` shards (``write_shards``, ``tokenize_file``).
+* :mod:`gpt2.data.formats`: ``.npy`` and llm.c ``.bin`` token files, read and checked.
+* :mod:`gpt2.data.loader`: :class:`TokenLoader`, the rank-aware batch loader.
+"""
+
+from .download import (
+    TINY_SHAKESPEARE_SHA256,
+    TINY_SHAKESPEARE_URL,
+    DownloadError,
+    default_cache_dir,
+    download,
+    load_tiny_shakespeare,
+    tiny_shakespeare_path,
+)
+from .formats import (
+    TOKEN_SUFFIXES,
+    check_token_ids,
+    iter_jsonl,
+    load_tokens,
+    read_text,
+    write_tokens,
+)
+from .loader import TokenLoader, TokenSource
+from .prepare import shard_name, tokenize_file, write_shards
+
+__all__ = [
+    "TINY_SHAKESPEARE_URL",
+    "TOKEN_SUFFIXES",
+    "DownloadError",
+    "TokenLoader",
+    "check_token_ids",
+    "default_cache_dir",
+    "download",
+    "iter_jsonl",
+    "load_tiny_shakespeare",
+    "load_tokens",
+    "read_text",
+    "shard_name",
+    "tiny_shakespeare_path",
+    "tokenize_file",
+    "write_shards",
+    "write_tokens",
+]

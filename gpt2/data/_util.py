@@ -1,0 +1,43 @@
+"""Small helpers shared by the data modules: int checks and atomic file writes."""
+
+from __future__ import annotations
+
+import operator
+import os
+from pathlib import Path
+from typing import Any
+
+
+def replace_atomically(dest: Path, write) -> None:
+    """Write ``dest`` through a temporary file in the same directory, then rename it.
+
+    ``os.replace`` is atomic on POSIX and Windows, so readers (and a crash) see either the
+    old file or the complete new one, never a partial file. The data are fsynced before the
+    rename so that a power loss cannot leave a renamed but empty file either.
+    """
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def check_int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got a bool ({value!r})")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})") from None
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    value = check_int(value, name)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value

@@ -1,0 +1,271 @@
+"""Token files on disk: ``.npy`` arrays and llm.c's headered ``.bin`` shards, read and checked.
+
+Two layouts are written (:func:`write_tokens`) and read (:func:`load_tokens`):
+
+* ``.npy``: a 1-D integer array (build-nanogpt's FineWeb-edu shards are ``uint16`` ones).
+* ``.bin``: llm.c's shard layout (``dev/data/data_common.py: write_datafile``): a header of 256
+  little-endian int32, ``[0]`` the magic, ``[1]`` the version, ``[2]`` the token count, then
+  the tokens. Magic 20240520 / version 1 is GPT-2's ``uint16`` layout (what llm.c's C loader
+  reads); magic 20240801 / version 7 is its ``uint32`` layout for larger vocabularies (Llama 3).
+
+A ``.bin`` without a header is nanoGPT's ``prepare.py`` layout (raw ``uint16``). It says
+nothing about its dtype, so it is only accepted when it fits: an even byte size, and not the
+pattern int32 ids leave when read as ``uint16`` (every other value zero). The ids
+themselves are checked against a vocabulary by :func:`check_token_ids` where they enter a
+model (the :class:`~gpt2.data.TokenLoader`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._util import replace_atomically
+
+# File suffixes the loader understands (the CLI reads anything else as text to tokenise).
+TOKEN_SUFFIXES = (".npy", ".bin")
+
+BIN_HEADER_INTS = 256
+BIN_HEADER_BYTES = BIN_HEADER_INTS * 4
+# magic -> (version, token dtype), as in llm.c's HEADERS_INFO.
+BIN_MAGIC_UINT16 = 20240520
+BIN_MAGIC_UINT32 = 20240801
+BIN_LAYOUTS = {BIN_MAGIC_UINT16: (1, np.dtype("<u2")), BIN_MAGIC_UINT32: (7, np.dtype("<u4"))}
+# Neither magic can start a valid headerless GPT-2 file: read as uint16 its first value is
+# 54264 (or 54945), above GPT-2's 50257 ids.
+
+# How many leading uint16 values the int32 sniff looks at (2 MiB: cheap on any file).
+_SNIFF_VALUES = 2**20
+
+
+def _convert_hint(path: Path) -> str:
+    stem = str(path.with_suffix(""))
+    return (
+        "convert it once with numpy, e.g. python -c \"import numpy as np; "
+        f"np.save('{stem}.npy', np.fromfile('{path}', dtype=np.int32))\" (use the dtype it was "
+        "written with), or re-tokenise the text with `gpt2 prepare`"
+    )
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A UTF-8 text file's contents; anything else raises ``ValueError`` naming the file and the
+    byte offset of the first invalid byte (a binary file given as text, a Latin-1 file, ...)."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{str(path)!r} is not UTF-8 text: byte offset {e.start} (line {line}) holds "
+            f"{data[e.start:e.start + 4]!r} ({e.reason}). Convert the text to UTF-8 (e.g. "
+            "iconv -f latin1 -t utf-8), or if it holds token ids give it a .npy/.bin suffix"
+        ) from None
+
+
+def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int, Any]]:
+    """``(line_number, value)`` for each non-blank line of a JSON-lines file; a malformed line
+    (or one that is not UTF-8) raises ``ValueError`` naming the file and line (``hint`` is
+    appended to that message)."""
+    offset = 0  # byte offset of the line, for the UTF-8 error
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{line_no}: not UTF-8 text (byte offset {offset + e.start} in the file "
+                    f"holds {raw[e.start:e.start + 4]!r}){hint}"
+                ) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}){hint}") from e
+
+
+def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
+    """Write a 1-D sequence of token ids atomically; the suffix picks the layout.
+
+    ``.npy``: a ``uint16`` array. ``.bin``: llm.c's layout, ``uint16`` (magic 20240520, version
+    1, which llm.c's GPT-2 trainer reads) when every id fits, else ``uint32`` (20240801, 7).
+    """
+    path = Path(path)
+    array = np.asarray(tokens)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-D integer array, got {array.dtype} {array.shape}")
+    wide = array.size and int(array.max()) >= 2**16
+    if array.size and int(array.min()) < 0:
+        raise ValueError(f"token ids must be >= 0, got {int(array.min())} (writing {str(path)!r})")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        if wide:
+            raise ValueError(
+                f"token id {int(array.max())} does not fit a uint16 .npy shard ({str(path)!r}); "
+                "write a .bin shard, which holds uint32 ids"
+            )
+        data = array.astype(np.uint16, copy=False)
+        replace_atomically(path, lambda f: np.save(f, data, allow_pickle=False))
+    elif suffix == ".bin":
+        if len(array) >= 2**31:
+            raise ValueError(f"{len(array)} tokens do not fit one .bin shard (at most 2**31 - 1)")
+        magic = BIN_MAGIC_UINT32 if wide else BIN_MAGIC_UINT16
+        version, dtype = BIN_LAYOUTS[magic]
+        header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
+        header[:3] = magic, version, len(array)
+        data = array.astype(dtype, copy=False)
+
+        def write(f) -> None:
+            f.write(header.tobytes())
+            f.write(data.tobytes())
+
+        replace_atomically(path, write)
+    else:
+        raise ValueError(f"token files end in .npy or .bin, got {str(path)!r}")
+    return path
+
+
+def load_tokens(
+    path: str | os.PathLike, *, mmap: bool = True, vocab_size: int | None = None
+) -> np.ndarray:
+    """Read a 1-D token file: ``.npy``, llm.c's headered ``.bin`` (uint16 or uint32), or a
+    headerless ``uint16`` ``.bin`` (nanoGPT's ``train.bin`` / ``val.bin``).
+
+    With ``mmap=True`` (the default) the file is memory-mapped, so opening a 100M-token shard
+    costs nothing until its pages are read; pass ``mmap=False`` to read it into memory. With
+    ``vocab_size`` every id is checked to be below it (one pass over the file). Files that are
+    empty, damaged or ambiguous raise ``ValueError`` naming the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token file {str(path)!r} does not exist (or is not a file)")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        tokens = _load_npy(path, mmap)
+    elif suffix == ".bin":
+        tokens = _load_bin(path, mmap)
+    else:
+        raise ValueError(
+            f"unsupported token file {str(path)!r}: expected a .npy array or a .bin token file"
+        )
+    if len(tokens) == 0:
+        raise ValueError(
+            f"token file {str(path)!r} holds no tokens; re-create it (e.g. with `gpt2 prepare`) "
+            "or remove it"
+        )
+    if vocab_size is not None:
+        check_token_ids(tokens, vocab_size, f"token file {str(path)!r}")
+    return tokens
+
+
+def _load_npy(path: Path, mmap: bool) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        # Not a .npy file, a truncated one, or an object array (which needs pickle).
+        raise ValueError(
+            f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
+            f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
+        ) from e
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(
+            f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype "
+            f"{tokens.dtype}; expected a 1-D array of integer token ids (e.g. "
+            "np.save(path, ids.astype(np.uint16).reshape(-1)))"
+        )
+    return tokens
+
+
+def _load_bin(path: Path, mmap: bool) -> np.ndarray:
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"token file {str(path)!r} is empty (0 bytes); re-create it or remove it")
+    head = np.fromfile(path, dtype="<i4", count=min(size // 4, BIN_HEADER_INTS))
+    if len(head) and int(head[0]) in BIN_LAYOUTS:
+        return _load_headered_bin(path, mmap, size, head)
+    _check_headerless_bin(path, size, head)
+    if mmap:
+        return np.memmap(path, dtype="<u2", mode="r")
+    return np.fromfile(path, dtype="<u2")
+
+
+def _load_headered_bin(path: Path, mmap: bool, size: int, head: np.ndarray) -> np.ndarray:
+    magic = int(head[0])
+    version, dtype = BIN_LAYOUTS[magic]
+    if len(head) < BIN_HEADER_INTS:
+        raise ValueError(
+            f"token file {str(path)!r} starts with llm.c's magic {magic} but has {size} bytes, "
+            f"less than the {BIN_HEADER_BYTES}-byte header: it is truncated; re-create it"
+        )
+    if int(head[1]) != version:
+        raise ValueError(
+            f"token file {str(path)!r} has llm.c magic {magic} with version {int(head[1])}; only "
+            f"version {version} is known for that magic ({dtype.name} tokens). Re-create it with "
+            "`gpt2 prepare` or a matching llm.c dev/data script"
+        )
+    count = int(head[2])
+    expected = BIN_HEADER_BYTES + count * dtype.itemsize
+    if count <= 0:
+        raise ValueError(f"token file {str(path)!r} has a header saying it holds {count} tokens")
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise ValueError(
+            f"token file {str(path)!r} is {what}: its header says {count} {dtype.name} tokens "
+            f"({expected} bytes with the header) but the file has {size} bytes; re-create it"
+        )
+    if mmap:
+        return np.memmap(path, dtype=dtype, mode="r", offset=BIN_HEADER_BYTES, shape=(count,))
+    return np.fromfile(path, dtype=dtype, count=count, offset=BIN_HEADER_BYTES)
+
+
+def _check_headerless_bin(path: Path, size: int, head: np.ndarray) -> None:
+    """Refuse a headerless .bin that is not plausibly raw uint16 ids."""
+    if size % 2:
+        raise ValueError(
+            f"token file {str(path)!r} has {size} bytes, an odd number, and no llm.c header: a "
+            "headerless .bin must hold uint16 ids (2 bytes each, nanoGPT's prepare.py layout); "
+            + _convert_hint(path)
+        )
+    # An llm.c-style header with a magic we do not know: zeros after [2], a count that fits.
+    if len(head) == BIN_HEADER_INTS and not head[3:].any() and head[2] > 0:
+        if int(head[2]) * 2 + BIN_HEADER_BYTES == size or int(head[2]) * 4 + BIN_HEADER_BYTES == size:
+            raise ValueError(
+                f"token file {str(path)!r} starts with an llm.c-style header whose magic "
+                f"{int(head[0])} is neither {BIN_MAGIC_UINT16} (uint16 tokens) nor "
+                f"{BIN_MAGIC_UINT32} (uint32 tokens); re-create it with `gpt2 prepare`"
+            )
+    sample = np.fromfile(path, dtype="<u2", count=min(size // 2, _SNIFF_VALUES))
+    sample = sample[: len(sample) // 2 * 2]
+    # int32 (or int64) ids below 65536 read as uint16 leave every second value zero; real text
+    # never tokenises to that pattern.
+    if len(sample) >= 8 and not sample[1::2].any() and sample[0::2].any():
+        raise ValueError(
+            f"token file {str(path)!r} has no llm.c header and looks like int32 token ids (every "
+            "other uint16 value is 0), which would be read as uint16 with zeros between the ids; "
+            + _convert_hint(path)
+        )
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` and the id when an id is < 0 or >= ``vocab_size``."""
+    if len(tokens) == 0:
+        return
+    if np.issubdtype(tokens.dtype, np.signedinteger):
+        low = int(tokens.min())
+        if low < 0:
+            raise ValueError(f"{where} holds token id {low}; token ids must be >= 0")
+    high = int(tokens.max())
+    if high >= vocab_size:
+        position = int(np.argmax(np.asarray(tokens) >= vocab_size))  # only on the error path
+        raise ValueError(
+            f"{where} holds token id {high} (the first id out of range is at position {position}), "
+            f"but the model's vocabulary has {vocab_size} ids (0..{vocab_size - 1}): tokenise the "
+            "data with the model's tokenizer, or use a model with a larger vocab_size"
+        )

@@ -1,0 +1,325 @@
+"""The batch loader: ``(x, y)`` batches from token arrays, files or shard directories.
+
+:class:`TokenLoader` reads shards (or an in-memory array) the way build-nanogpt's
+``DataLoaderLite`` does, with a position that can be saved and restored. Given the model's
+``vocab_size`` it checks every shard's ids once, on the CPU, when it opens the shard, so a bad
+id is reported with its file before it can reach an embedding lookup on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from ._util import check_int as _int
+from ._util import check_positive_int as _positive_int
+from .formats import TOKEN_SUFFIXES, check_token_ids, load_tokens
+
+TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
+
+
+def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A 1-D integer numpy view of an in-memory token sequence (no copy for CPU tensors)."""
+    if isinstance(source, torch.Tensor):
+        if source.is_floating_point() or source.is_complex() or source.dtype == torch.bool:
+            raise TypeError(
+                f"token tensor has dtype {source.dtype}; expected integer token ids "
+                "(e.g. torch.long or torch.uint16)"
+            )
+        array = source.detach().cpu()
+        if array.dtype in (torch.uint16, torch.uint32, torch.uint64):
+            # numpy() does not support these on every torch version; widen to int64.
+            array = array.to(torch.int64)
+        array = array.numpy()
+    else:
+        array = np.asarray(source)
+        if not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(
+                f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16)"
+            )
+    if array.ndim != 1:
+        raise ValueError(
+            f"token array has shape {tuple(array.shape)}; expected a 1-D sequence of token ids "
+            "(flatten it first, e.g. tokens.reshape(-1))"
+        )
+    if array.size and np.issubdtype(array.dtype, np.signedinteger) and int(array.min()) < 0:
+        raise ValueError(f"token array holds a negative id ({int(array.min())}); ids must be >= 0")
+    return array
+
+
+# ------------------------------------------------------------------------------------------
+# The batch loader
+# ------------------------------------------------------------------------------------------
+
+
+class _Shard:
+    """One token sequence: an in-memory array, or a file opened lazily (memory-mapped)."""
+
+    __slots__ = ("name", "path", "array", "length", "checked_vocab")
+
+    def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None):
+        self.name = name
+        self.path = path
+        self.array = array
+        # Opening an .npy memory map only reads its header, so measuring every shard up front is
+        # cheap and lets the constructor reject a too-short shard before training starts.
+        self.length = len(array) if array is not None else len(load_tokens(path))
+        self.checked_vocab: int | None = None  # the vocab_size its ids were last checked against
+
+    def open(self, vocab_size: int | None) -> np.ndarray:
+        tokens = self.array if self.array is not None else load_tokens(self.path)
+        # One pass over the shard (numpy on the memory map, no GPU involved), only the first
+        # time it is opened for a given vocabulary.
+        if vocab_size is not None and self.checked_vocab != vocab_size:
+            check_token_ids(tokens, vocab_size, self.name)
+            self.checked_vocab = vocab_size
+        return tokens
+
+
+class TokenLoader:
+    """Batches ``(x, y)`` of shape ``(B, T)`` from a token stream, split across DDP ranks.
+
+    ``source`` is a 1-D tensor or array of token ids, a token file (``.npy`` as written by
+    :func:`write_shards`, or a ``.bin``), or a directory of shards (only the file
+    names containing ``split`` when it is given, sorted by name).
+
+    The reading order is build-nanogpt's ``DataLoaderLite``: one step of all ranks reads the
+    ``B*T*world_size + 1`` tokens starting at ``position`` of the current shard, rank ``r`` the
+    ``B*T + 1`` of them starting at ``position + r*B*T``; ``position`` then advances by
+    ``B*T*world_size``, and when the next step would run past the shard's end the loader moves
+    to the next shard (wrapping around to the first) at position 0. So one rank with batch
+    ``2B`` reads exactly the rows two ranks with batch ``B`` read, and ``position`` is the same
+    on every rank: :meth:`state_dict` is rank-independent.
+
+    Shards are memory-mapped and only the slice a batch needs is converted to ``int64``.
+    With ``vocab_size`` (the Trainer passes its model's) every shard's ids are checked to be in
+    ``[0, vocab_size)`` when it is opened; a bad id raises ``ValueError`` naming the file.
+    """
+
+    def __init__(
+        self,
+        source: TokenSource,
+        batch_size: int,
+        seq_len: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        split: str | None = None,
+        vocab_size: int | None = None,
+    ):
+        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.seq_len = _positive_int(seq_len, "seq_len")
+        self.world_size = _positive_int(world_size, "world_size")
+        self.rank = _int(rank, "rank")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank={self.rank} is outside [0, world_size={self.world_size}); pass the "
+                "process's rank from torch.distributed (or the RANK environment variable)"
+            )
+        if split is not None and (not isinstance(split, str) or not split):
+            raise ValueError(
+                f"split must be a non-empty string such as 'train' or 'val', got {split!r}"
+            )
+        self.split = split
+        self._source_desc, self._shards = self._resolve(source, split)
+
+        needed = self.tokens_per_step + 1
+        for shard in self._shards:
+            if shard.length < needed:
+                raise ValueError(
+                    f"{shard.name} has {shard.length} tokens, but one step needs {needed} "
+                    f"(batch_size {self.batch_size} x seq_len {self.seq_len} x world_size "
+                    f"{self.world_size} + 1 for the shifted targets); use a smaller batch_size or "
+                    "seq_len, or more data per shard (or merge short shards)"
+                )
+        self._shard_index = 0
+        self._position = 0
+        self._tokens: np.ndarray | None = None  # the current shard, opened lazily
+        self._vocab_size: int | None = None
+        self.vocab_size = vocab_size  # checks the first shard's ids now
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Ids must be below this (the model's vocabulary); ``None``: not checked. Each shard is
+        checked once, when it is first opened (the first one as soon as this is set)."""
+        return self._vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, value: int | None) -> None:
+        self._vocab_size = None if value is None else _positive_int(value, "vocab_size")
+        if value is not None:
+            self._tokens = None  # reopen (and check) the current shard
+            self._current()
+
+    # -- source resolution -------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve(source: TokenSource, split: str | None) -> tuple[str, list[_Shard]]:
+        if isinstance(source, (torch.Tensor, np.ndarray)):
+            if split is not None:
+                raise ValueError(
+                    f"split={split!r} only selects files from a directory of shards; an in-memory "
+                    "token array has no splits, so pass split=None (or the split's own array)"
+                )
+            array = _as_token_array(source)
+            return f"<array of {len(array)} tokens>", [_Shard("the token array", array=array)]
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(
+                "source must be a 1-D tensor/array of token ids, a token file (.npy/.bin) or a "
+                f"directory of shards; got {type(source).__name__}"
+            )
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(
+                p
+                for p in path.iterdir()
+                if p.is_file()
+                and p.suffix.lower() in TOKEN_SUFFIXES
+                and not p.name.startswith(".")
+            )
+            if split is not None:
+                files = [p for p in files if split in p.name]
+            if not files:
+                what = (
+                    "token files (.npy/.bin)"
+                    if split is None
+                    else f"token files with {split!r} in their name"
+                )
+                raise FileNotFoundError(
+                    f"no {what} in directory {str(path)!r}; write shards with "
+                    "gpt2.data.write_shards or tokenize_file, or check the path and split"
+                )
+            return str(path), [_Shard(f"shard {str(p)!r}", path=p) for p in files]
+        if path.is_file():
+            if split is not None and split not in path.name:
+                raise ValueError(
+                    f"split={split!r} does not match token file {str(path)!r} (its name does not "
+                    f"contain {split!r}); pass the directory of shards, the right file, or "
+                    "split=None"
+                )
+            return str(path), [_Shard(f"token file {str(path)!r}", path=path)]
+        raise FileNotFoundError(f"token source {str(path)!r} does not exist")
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one step of all ranks consumes: ``batch_size * seq_len * world_size``."""
+        return self.batch_size * self.seq_len * self.world_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens in the source, over all shards."""
+        return sum(shard.length for shard in self._shards)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def shard(self) -> int:
+        """Index of the shard the next batch is read from."""
+        return self._shard_index
+
+    @property
+    def position(self) -> int:
+        """Offset in the current shard of the next step's first token (the same on every rank)."""
+        return self._position
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _current(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = self._shards[self._shard_index].open(self._vocab_size)
+        return self._tokens
+
+    def _set_shard(self, index: int) -> None:
+        if index != self._shard_index:
+            self._tokens = None  # drop the old memory map; the new shard opens on first read
+        self._shard_index = index
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(x, y)``: int64 CPU tensors of shape (B, T); ``y`` is ``x`` shifted by one."""
+        B, T = self.batch_size, self.seq_len
+        start = self._position + self.rank * B * T
+        # Only this slice is copied out of the memory map and widened to int64.
+        buf = torch.from_numpy(np.array(self._current()[start : start + B * T + 1], dtype=np.int64))
+        x = buf[:-1].view(B, T)  # (B, T)
+        # y gets its own storage so that editing x in place (e.g. masking) never changes y.
+        y = buf[1:].clone().view(B, T)  # (B, T)
+
+        self._position += self.tokens_per_step
+        if self._position + self.tokens_per_step + 1 > self._shards[self._shard_index].length:
+            self._set_shard((self._shard_index + 1) % len(self._shards))
+            self._position = 0
+        return x, y
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches forever (the stream wraps around); stop with ``itertools.islice`` or a break."""
+        while True:
+            yield self.next_batch()
+
+    def reset(self) -> None:
+        """Back to the first shard, position 0."""
+        self._set_shard(0)
+        self._position = 0
+
+    # -- saving and restoring the position ---------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position as JSON-serialisable ints: ``{"shard", "position", "num_shards"}``."""
+        return {
+            "shard": self._shard_index,
+            "position": self._position,
+            "num_shards": len(self._shards),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume exactly where :meth:`state_dict` was taken (also after a JSON round trip).
+
+        ``num_shards`` is optional; when present it must match this loader's source.
+        """
+        if not isinstance(state, dict) or "shard" not in state or "position" not in state:
+            raise ValueError(
+                "loader state must be a dict with 'shard' and 'position' (from state_dict()), "
+                f"got {state!r}"
+            )
+        shard = _int(state["shard"], "state['shard']")
+        position = _int(state["position"], "state['position']")
+        if "num_shards" in state and state["num_shards"] != len(self._shards):
+            raise ValueError(
+                f"loader state was saved over {state['num_shards']} shard(s) but this loader's "
+                f"source {self._source_desc} has {len(self._shards)}; resume with the same data "
+                "(and split)"
+            )
+        if not 0 <= shard < len(self._shards):
+            raise ValueError(
+                f"loader state shard={shard} is out of range: the source {self._source_desc} has "
+                f"{len(self._shards)} shard(s) (valid: 0..{len(self._shards) - 1})"
+            )
+        length = self._shards[shard].length
+        if position < 0 or position + self.tokens_per_step + 1 > length:
+            raise ValueError(
+                f"loader state position={position} does not fit {self._shards[shard].name}: it has "
+                f"{length} tokens and one step needs {self.tokens_per_step + 1} from the position "
+                "on; was the state saved with other data, batch_size, seq_len or world_size?"
+            )
+        self._set_shard(shard)
+        self._position = position
+
+    def __repr__(self) -> str:
+        split = f", split={self.split!r}" if self.split is not None else ""
+        return (
+            f"{type(self).__name__}(source={self._source_desc!r}{split}, "
+            f"shards={len(self._shards)}, "
+            f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
+            f"rank={self.rank}, world_size={self.world_size}, shard={self._shard_index}, "
+            f"position={self._position})"
+        )
+
+

@@ -1,0 +1,310 @@
+"""Tokenising text into token shards in build-nanogpt's FineWeb-edu layout.
+
+A data set is a directory of 1-D ``uint16`` shards named ``{prefix}_{split}_{index:06d}.npy``
+(or ``.bin``, llm.c's headered layout, see :mod:`gpt2.data.formats`), the first shard
+(index 0) being ``val``. GPT-2's vocabulary (50257 ids) fits in ``uint16`` (max 65535), which
+halves the disk and page cache footprint compared with ``int32``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ._util import check_int, check_positive_int
+from .formats import read_text, write_tokens
+
+logger = logging.getLogger(__name__)
+
+# uint16 holds ids 0..65535; GPT-2's 50257 ids fit, a bigger vocabulary does not.
+_UINT16_LIMIT = 2**16
+_FORMATS = ("npy", "bin")
+# tokenize_file encodes a long text in pieces of about this many characters, for its progress
+# bar; bars appear only once a job has run this many seconds, so quick jobs print nothing.
+_TEXT_CHUNK_CHARS = 1 << 20
+_BAR_DELAY_S = 1.0
+
+
+def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") -> str:
+    """build-nanogpt's shard file name, e.g. ``edufineweb_train_000001.npy``."""
+    return f"{prefix}_{split}_{index:06d}.{file_format}"
+
+
+def _to_uint16(ids: Any, where: str) -> np.ndarray:
+    array = np.asarray(ids, dtype=np.int64)
+    if array.size and (int(array.min()) < 0 or int(array.max()) >= _UINT16_LIMIT):
+        bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
+        raise ValueError(
+            f"token id {bad} in {where} does not fit uint16 (0..{_UINT16_LIMIT - 1}); uint16 "
+            "shards only hold vocabularies of up to 65536 ids, such as GPT-2's 50257"
+        )
+    return array.astype(np.uint16)
+
+
+def _encode_document(doc: Any, tokenizer: Any) -> np.ndarray:
+    """``<|endoftext|>`` then the document's ids, as uint16 (build-nanogpt's ``tokenize``).
+
+    The end-of-text token *before* each document lets the model learn where documents start,
+    and separates them in the concatenated stream.
+    """
+    if not isinstance(doc, str):
+        raise TypeError(
+            f"documents must be str, got {type(doc).__name__}; for dataset rows pass the text "
+            "field, e.g. (row['text'] for row in dataset)"
+        )
+    ids = [tokenizer.eot_token]
+    ids.extend(tokenizer.encode_ordinary(doc))
+    return _to_uint16(ids, f"a document starting {doc[:40]!r}")
+
+
+_worker_tokenizer: Any = None
+
+
+def _init_worker(tokenizer: Any) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode_document_in_worker(doc: Any) -> np.ndarray:
+    return _encode_document(doc, _worker_tokenizer)
+
+
+def _text_pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` cut into pieces of about ``size`` characters, each cut just before a newline
+    that sits between two non-space characters. GPT-2's pre-tokeniser always splits there (no
+    pattern joins a newline to the word before it, and a lone newline before a word is its
+    own piece), so encoding the pieces gives exactly the ids of encoding the whole text."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.find("\n", start + size)
+        while cut != -1 and (cut + 1 >= len(text) or text[cut - 1].isspace() or text[cut + 1].isspace()):
+            cut = text.find("\n", cut + 1)
+        if cut == -1:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.ndarray:
+    """One document's uint16 ids (as :func:`_encode_document`), with a progress bar for a long
+    text (shown only when encoding takes more than a second)."""
+    parts = [np.asarray([tokenizer.eot_token], dtype=np.int64)]
+    with tqdm(total=len(text), unit="char", unit_scale=True, desc=desc, delay=_BAR_DELAY_S,
+              disable=not progress, leave=False) as bar:
+        for piece in _text_pieces(text, _TEXT_CHUNK_CHARS):
+            parts.append(np.asarray(tokenizer.encode_ordinary(piece), dtype=np.int64))
+            bar.update(len(piece))
+    return _to_uint16(np.concatenate(parts), f"the text {desc!r}")
+
+
+class _ShardWriter:
+    """Writes numbered shards atomically; the index runs across splits, as in build-nanogpt."""
+
+    def __init__(self, out_dir: str | os.PathLike, prefix: Any, shard_size: Any, overwrite: bool,
+                 file_format: str):
+        if (
+            not isinstance(prefix, str)
+            or not prefix
+            or os.sep in prefix
+            or (os.altsep and os.altsep in prefix)
+        ):
+            raise ValueError(
+                f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}"
+            )
+        if file_format not in _FORMATS:
+            raise ValueError(
+                f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), "
+                f"got {file_format!r}"
+            )
+        self.prefix = prefix
+        self.file_format = file_format
+        self.shard_size = check_positive_int(shard_size, "shard_size")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.existing = sorted(
+            p
+            for split in ("val", "train")
+            for suffix in _FORMATS
+            for p in self.out_dir.glob(f"{_glob_escape(prefix)}_{split}_*.{suffix}")
+        )
+        if self.existing and not overwrite:
+            raise FileExistsError(
+                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix "
+                f"{prefix!r} (e.g. {self.existing[0].name}); pass overwrite=True to replace them, "
+                "or choose another directory or prefix (mixing old and new shards would corrupt "
+                "the data set)"
+            )
+        self.index = 0
+        self.written: list[Path] = []
+
+    def write(self, tokens: np.ndarray, split: str) -> Path:
+        path = self.out_dir / shard_name(self.prefix, split, self.index, self.file_format)
+        write_tokens(path, tokens)
+        logger.info("wrote %s (%d tokens)", path, len(tokens))
+        self.written.append(path)
+        self.index += 1
+        return path
+
+    def finish(self) -> list[Path]:
+        # Shards of an earlier, longer run (or of the other format) that this run did not
+        # overwrite would otherwise be read as part of the new data set.
+        for stale in set(self.existing) - set(self.written):
+            stale.unlink()
+        return self.written
+
+
+def _glob_escape(text: str) -> str:
+    """Make ``text`` match itself literally in a glob pattern."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _default_tokenizer(tokenizer: Any) -> Any:
+    if tokenizer is not None:
+        return tokenizer
+    from ..tokenizer import get_tokenizer
+
+    return get_tokenizer()
+
+
+def write_shards(
+    docs: Iterable[str],
+    out_dir: str | os.PathLike,
+    *,
+    prefix: str,
+    shard_size: int = 10**8,
+    tokenizer: Any = None,
+    num_workers: int = 0,
+    progress: bool = True,
+    overwrite: bool = False,
+    file_format: str = "npy",
+) -> list[Path]:
+    """Tokenise documents into uint16 shards in build-nanogpt's FineWeb-edu layout.
+
+    Each document is prefixed with ``<|endoftext|>``; the token stream is cut into shards of
+    exactly ``shard_size`` tokens (the last one shorter). The first shard is the validation
+    set, ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy`` with the
+    index counting on (``..._train_000001.npy``, ...). ``shard_size`` defaults to
+    build-nanogpt's 100M tokens (200 MB per shard). ``file_format="bin"`` writes llm.c's
+    headered ``.bin`` shards instead (llm.c's ``train_gpt2`` reads them as they are).
+
+    ``tokenizer`` defaults to :func:`gpt2.tokenizer.get_tokenizer`; any object with
+    ``encode_ordinary`` and ``eot_token`` works. ``num_workers > 0`` tokenises in a
+    process pool; the shards are the same either way. Each shard is written atomically.
+    Existing shards with the same prefix raise :class:`FileExistsError` unless
+    ``overwrite=True``. Returns the shard paths in order.
+    """
+    writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format)
+    num_workers = check_int(num_workers, "num_workers")
+    if num_workers < 0:
+        raise ValueError(
+            f"num_workers must be >= 0 (0 tokenises in this process), got {num_workers}"
+        )
+    tokenizer = _default_tokenizer(tokenizer)
+    if isinstance(docs, str):
+        raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
+
+    size = writer.shard_size
+    buffer = np.empty(size, dtype=np.uint16)
+    filled = 0
+    bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S,
+               disable=not progress)
+    pool = (
+        multiprocessing.Pool(num_workers, _init_worker, (tokenizer,)) if num_workers > 0 else None
+    )
+    try:
+        if pool is not None:
+            # chunksize amortises inter-process traffic over many (usually short) documents.
+            encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
+        else:
+            encoded = (_encode_document(doc, tokenizer) for doc in docs)
+        for tokens in encoded:
+            bar.update(len(tokens))
+            start = 0
+            while start < len(tokens):
+                take = min(size - filled, len(tokens) - start)
+                buffer[filled : filled + take] = tokens[start : start + take]
+                filled += take
+                start += take
+                if filled == size:
+                    writer.write(buffer, "val" if writer.index == 0 else "train")
+                    filled = 0
+                    bar.set_description(f"{prefix} shard {writer.index}")
+        if filled:
+            writer.write(buffer[:filled], "val" if writer.index == 0 else "train")
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    if not writer.written:
+        raise ValueError("write_shards got no documents; docs was empty")
+    return writer.finish()
+
+
+def tokenize_file(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    prefix: str | None = None,
+    shard_size: int = 10**8,
+    val_fraction: float = 0.1,
+    tokenizer: Any = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    file_format: str = "npy",
+) -> list[Path]:
+    """Tokenise one text file (e.g. Tiny Shakespeare) into uint16 shards, split by token count.
+
+    The text is one document (``<|endoftext|>`` then its ids); its last ``val_fraction`` of
+    tokens becomes ``{prefix}_val_000000.npy`` (more val shards if it exceeds
+    ``shard_size``), the rest ``{prefix}_train_{index:06d}.npy`` shards, the index counting on
+    across splits as in :func:`write_shards`. The validation part is the end of the text, as
+    in nanoGPT's ``prepare.py``, so no passage is both trained on and validated on.
+    ``prefix`` defaults to the file's stem; ``file_format="bin"`` writes llm.c's ``.bin``
+    shards. The file is read into memory: for a corpus of many documents stream them through
+    :func:`write_shards` instead. A file that is not UTF-8 raises ``ValueError`` with the byte
+    offset of the first bad byte. Returns the shard paths.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
+    if (
+        isinstance(val_fraction, bool)
+        or not isinstance(val_fraction, (int, float))
+        or not 0 <= val_fraction < 1
+    ):
+        raise ValueError(
+            "val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, "
+            f"got {val_fraction!r}"
+        )
+    writer = _ShardWriter(
+        out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format
+    )
+    tokenizer = _default_tokenizer(tokenizer)
+
+    text = read_text(path)
+    if not text.strip():
+        raise ValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
+    tokens = _encode_text(text, tokenizer, f"tokenising {path.name}", progress)
+    n_val = round(len(tokens) * val_fraction)
+    if val_fraction > 0 and not 0 < n_val < len(tokens):
+        raise ValueError(
+            f"{str(path)!r} has only {len(tokens)} tokens, too few to split with "
+            f"val_fraction={val_fraction}: use a longer text or val_fraction=0"
+        )
+    val, train = tokens[len(tokens) - n_val :], tokens[: len(tokens) - n_val]
+    size = writer.shard_size
+    chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
+    chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
+    for chunk, split in tqdm(chunks, desc=f"writing {writer.prefix} shards", unit="shard",
+                             delay=_BAR_DELAY_S, disable=not progress):
+        writer.write(chunk, split)
+    return writer.finish()
