@@ -440,6 +440,8 @@ def _prepare_command() -> Command:
             opt("--num-workers", default=0, type=int, help="tokeniser processes; 0 = tokenise in this process"),
             opt("--max-docs", default=None, type=optional_int, help="stop after this many documents (for a quick try)"),
             opt("--overwrite", default=False, type=bool, help="replace shards with the same prefix already in --out-dir"),
+            opt("--format", default="npy", choices=("npy", "bin"),
+                help="shard files: npy (numpy), or bin (llm.c's headered layout, which llm.c trains on as is)"),
             opt("--progress", default=True, type=bool, help="show a progress bar"),
         ],
     )

@@ -401,7 +401,7 @@ def prepare_job(args: argparse.Namespace) -> int:
             # One text: split by token count (the end of the text is the validation set).
             paths = tokenize_file(files[0], args.out_dir, prefix=args.prefix, shard_size=args.shard_size,
                                   val_fraction=args.val_fraction, progress=args.progress,
-                                  overwrite=args.overwrite)
+                                  overwrite=args.overwrite, file_format=args.format)
             return _report_shards(paths, load_tokens, start)
         docs: Iterable[str] = _documents(files, args.text_field)
     else:
@@ -409,7 +409,8 @@ def prepare_job(args: argparse.Namespace) -> int:
     if args.max_docs is not None:
         docs = itertools.islice(docs, args.max_docs)
     paths = write_shards(docs, args.out_dir, prefix=args.prefix or "shard", shard_size=args.shard_size,
-                         num_workers=args.num_workers, progress=args.progress, overwrite=args.overwrite)
+                         num_workers=args.num_workers, progress=args.progress, overwrite=args.overwrite,
+                         file_format=args.format)
     if len(paths) == 1:
         print(f"warning: all tokens fit in one shard, which is the val split ({paths[0].name}): "
               f"use a smaller --shard-size to get train shards too")
