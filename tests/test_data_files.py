@@ -65,6 +65,9 @@ def test_bin_round_trip_in_llmc_layout(tmp_path):
     np.testing.assert_array_equal(load_tokens(tmp_path / "theirs32.bin"), big)
     with pytest.raises(ValueError, match="does not fit a uint16 .npy"):
         write_tokens(tmp_path / "wide.npy", big)
+    with pytest.raises(ValueError, match="must not be empty"):
+        write_tokens(tmp_path / "none.bin", np.zeros(0, dtype=np.uint16))
+    assert not (tmp_path / "none.bin").exists()
 
 
 def test_write_shards_in_bin_format(tmp_path):
@@ -269,7 +272,7 @@ def test_progress_bars_show_on_stderr(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_download_streams_and_checks_length(tmp_path, monkeypatch):
+def test_download_streams_and_checks_length(tmp_path, monkeypatch, capsys):
     payload = bytes(range(256)) * 1000  # several read() chunks
 
     class Response(io.BytesIO):
@@ -284,6 +287,13 @@ def test_download_streams_and_checks_length(tmp_path, monkeypatch):
     download("https://example.invalid/f", dest, what="f", offline_hint="copy it to",
              progress=False)
     assert dest.read_bytes() == payload
+    assert capsys.readouterr().err == ""
+    from gpt2.data import downloads as download_module
+
+    monkeypatch.setattr(download_module, "_BAR_DELAY_S", 0)
+    download("https://example.invalid/f", dest, what="the file", offline_hint="copy it to")
+    bar = capsys.readouterr().err  # a byte count with the total from Content-Length
+    assert "the file" in bar and "250k" in bar
     sizes["length"] = len(payload) + 10  # the connection dropped early
     with pytest.raises(ConnectionError, match=f"closed after {len(payload)} of"):
         download("https://example.invalid/f", tmp_path / "g.bin", what="f",

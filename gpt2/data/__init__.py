@@ -1,12 +1,12 @@
 """Token data: downloads, tokenising into shards, token file formats, and the batch loader.
 
-* :mod:`gpt2.data.download`: the cache directory, checksummed atomic downloads, Tiny Shakespeare.
+* :mod:`gpt2.data.downloads`: the cache directory, checksummed atomic downloads, Tiny Shakespeare.
 * :mod:`gpt2.data.prepare`: text -> ``uint16`` shards (``write_shards``, ``tokenize_file``).
 * :mod:`gpt2.data.formats`: ``.npy`` and llm.c ``.bin`` token files, read and checked.
 * :mod:`gpt2.data.loader`: :class:`TokenLoader`, the rank-aware batch loader.
 """
 
-from .download import (
+from .downloads import (
     TINY_SHAKESPEARE_SHA256,
     TINY_SHAKESPEARE_URL,
     DownloadError,

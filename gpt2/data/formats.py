@@ -39,8 +39,9 @@ BIN_LAYOUTS = {BIN_MAGIC_UINT16: (1, np.dtype("<u2")), BIN_MAGIC_UINT32: (7, np.
 # Neither magic can start a valid headerless GPT-2 file: read as uint16 its first value is
 # 54264 (or 54945), above GPT-2's 50257 ids.
 
-# How many leading uint16 values the int32 sniff looks at (2 MiB: cheap on any file).
-_SNIFF_VALUES = 2**20
+# How many leading uint16 values the int32 sniff looks at (128 KiB: cheap even when a directory
+# holds hundreds of shards, and far more than the pattern needs to show).
+_SNIFF_VALUES = 2**16
 
 
 def _convert_hint(path: Path) -> str:
@@ -101,8 +102,10 @@ def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
     array = np.asarray(tokens)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"tokens must be a 1-D integer array, got {array.dtype} {array.shape}")
-    wide = array.size and int(array.max()) >= 2**16
-    if array.size and int(array.min()) < 0:
+    if array.size == 0:
+        raise ValueError(f"no tokens to write to {str(path)!r} (a token file must not be empty)")
+    wide = int(array.max()) >= 2**16
+    if int(array.min()) < 0:
         raise ValueError(f"token ids must be >= 0, got {int(array.min())} (writing {str(path)!r})")
     suffix = path.suffix.lower()
     if suffix == ".npy":

@@ -118,7 +118,7 @@ def download(
             length = headers.get("Content-Length") if headers is not None else None
             total = int(length) if length and length.isdigit() else None
             with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
-                      delay=_BAR_DELAY_S, disable=not progress, leave=False) as bar:
+                      delay=_BAR_DELAY_S, disable=not progress) as bar:
                 while True:
                     chunk = response.read(_CHUNK_BYTES)
                     if not chunk:
