@@ -43,4 +43,4 @@ inject_property = parametrize._inject_property
 
 def parametrize_cache_enabled() -> bool:
     """True inside ``torch.nn.utils.parametrize.cached()`` (read each call: it is a module global)."""
-    return parametrize._cache_enabled
+    return bool(parametrize._cache_enabled)  # a nesting counter in torch
