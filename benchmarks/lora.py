@@ -89,8 +89,10 @@ def build_lora_model(impl: str, config, *, rank: int, alpha: float, targets: Seq
 
 def time_training_steps(model: nn.Module, *, batch_size: int, seq_len: int, precision: str, steps: int,
                         warmup: int, device: torch.device, vocab_size: int, seed: int,
-                        compile: bool = False) -> tuple[list[float], float | None, float]:
-    """Run ``warmup`` then ``steps`` LoRA training steps; returns (step seconds, peak MiB or None, first loss)."""
+                        compile: bool = False,
+                        progress: Callable[[str], None] | None = None) -> tuple[list[float], float | None, float]:
+    """Run ``warmup`` then ``steps`` LoRA training steps; returns (step seconds, peak MiB or None, first loss).
+    ``progress`` (if given) gets a line when the warm-up (where compilation happens) is done."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -120,10 +122,13 @@ def time_training_steps(model: nn.Module, *, batch_size: int, seq_len: int, prec
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    t_warm = time.perf_counter()
     first_loss = float(step())
     for _ in range(max(0, warmup - 1)):
         step()
     sync()
+    if progress is not None:
+        progress(f"warm-up done in {time.perf_counter() - t_warm:.1f} s; timing {steps} step(s)")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -188,6 +193,7 @@ def run_lora_benchmark(
             run_times, peak, first_loss = time_training_steps(
                 net, batch_size=batch_size, seq_len=seq_len, precision=precision, steps=steps, warmup=warmup,
                 device=dev, vocab_size=config.vocab_size, seed=seed, compile=compile,
+                progress=lambda line, label=label: progress(f"{label}: {line}"),
             )
             times[impl] += run_times
             done += 1
