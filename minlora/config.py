@@ -219,7 +219,8 @@ def raw_weight(module: nn.Module):
     """The stored weight tensor of ``module`` (the original under a parametrization), or None."""
     if parametrize.is_parametrized(module, "weight"):
         return module.parametrizations["weight"].original
-    return module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    weight = getattr(module, "weight", None)
+    return weight if isinstance(weight, nn.Parameter) else None
 
 
 def lm_head_ids(model: nn.Module, head_names: tuple[str, ...] = ("lm_head",)) -> set[int]:
