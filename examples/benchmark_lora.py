@@ -5,7 +5,8 @@
 
 All implementations adapt the same randomly initialised gpt2.GPT (124M shape with --model gpt2)
 with the same rank and target layers; the table reports the median step time and, on CUDA, the
-peak memory (torch.cuda.max_memory_allocated) over the timed steps.
+peak memory (torch.cuda.max_memory_allocated) over the timed steps. A status line per run goes to
+stderr as it happens.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
+from pathlib import Path
 
 import torch
 
-from minlora.bench import IMPLEMENTATIONS, PRECISIONS, format_results, run_lora_benchmark
+# The benchmark code lives in benchmarks/lora.py at the repository root (not an installed package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lora import IMPLEMENTATIONS, PRECISIONS, format_results, run_lora_benchmark  # noqa: E402
 
 
 def main() -> None:

@@ -333,3 +333,14 @@ class GPT(nn.Module):
         from .hf import save_pretrained
 
         return save_pretrained(self, directory, **kwargs)
+
+    def peft_adapter_layout(self) -> dict[str, Any]:
+        """How this model differs from its ``transformers.GPT2LMHeadModel`` twin, for
+        :func:`minlora.export_peft_adapter` / :func:`minlora.import_peft_adapter`: the token
+        embedding and LM head have ``padded_vocab_size`` rows (the twin has ``vocab_size``), and
+        the twin's linear layers are ``Conv1D`` (PEFT's ``fan_in_fan_out=True``)."""
+        return {
+            "vocab_size": self.config.vocab_size,
+            "padded_vocab_modules": ["transformer.wte", "lm_head"],
+            "fan_in_fan_out": True,
+        }

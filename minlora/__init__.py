@@ -12,7 +12,7 @@ minlora's format and in PEFT's. See docs/lora.md.
     minlora.save_adapter(model, "out/adapter")
 """
 
-from .adapters import export_peft_adapter, import_peft_adapter, load_adapter, save_adapter
+from .adapters import AdapterFileError, export_peft_adapter, import_peft_adapter, load_adapter, save_adapter
 from .config import LoRAConfig
 from .model import (
     LoRAParametrization,
@@ -79,5 +79,6 @@ __all__ = [
     "load_adapter",
     "export_peft_adapter",
     "import_peft_adapter",
+    "AdapterFileError",
 ]
 __version__ = "0.1.0"

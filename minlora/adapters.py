@@ -22,21 +22,24 @@ import logging
 import math
 import os
 import re
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch.nn.utils import parametrize
 
 from .config import raw_weight
 from .model import LoRASite, has_lora, lora_sites, register_lora
-from .parametrization import LoRAParametrization
+from .parametrization import LoRAParametrization, check_finite_number, check_positive_int
 from .utils import tie_weights
 
 __all__ = [
+    "AdapterFileError",
     "save_adapter",
     "load_adapter",
     "export_peft_adapter",
@@ -54,6 +57,8 @@ ADAPTER_CONFIG_NAME = "minlora_adapter.json"
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_CONFIG_NAME = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
+# Old weights kept while a save_adapter replaces a pair (see save_adapter); gone after a finished save.
+_PREVIOUS_WEIGHTS_NAME = ADAPTER_WEIGHTS_NAME + ".prev"
 _FORMAT = "minlora.adapter"
 _FORMAT_VERSION = 1
 _FAMILIES = {"Linear": nn.Linear, "Embedding": nn.Embedding, "Conv2d": nn.Conv2d}
@@ -96,16 +101,85 @@ def _get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
         ) from None
 
 
+class AdapterFileError(ValueError):
+    """An adapter file that cannot be used: unreadable, truncated, damaged, or not matching its pair.
+
+    The message names the file, what is wrong with it and what to do.
+    """
+
+
+def _json_text(data: dict) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def _write_new_file(tmp: Path, write) -> None:
+    """``write(tmp)``; on any failure ``tmp`` is removed, so no half-written ``.tmp`` is left behind."""
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _write_atomic_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    _write_new_file(tmp, lambda t: t.write_text(_json_text(data)))
+    try:
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _write_atomic_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    _write_new_file(tmp, lambda t: save_file(tensors, str(t), metadata=metadata))
+    try:
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_json(path: Path, caller: str, remedy: str) -> dict[str, Any]:
+    """The JSON object in ``path``, or :class:`AdapterFileError` (never a bare ``JSONDecodeError``)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise AdapterFileError(f"{caller}: {path} is not UTF-8 text ({e.reason}); {remedy}") from None
+    except json.JSONDecodeError as e:
+        raise AdapterFileError(
+            f"{caller}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); the file is damaged "
+            f"or truncated; {remedy}"
+        ) from None
+    if not isinstance(data, dict):
+        raise AdapterFileError(f"{caller}: {path} must hold a JSON object, got {type(data).__name__}; {remedy}")
+    return data
+
+
+def _read_safetensors(path: Path, caller: str, remedy: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of a safetensors file, or :class:`AdapterFileError` for a damaged one."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise AdapterFileError(
+            f"{caller}: {path} is not a readable safetensors file ({type(e).__name__}: {e}); the file is damaged "
+            f"or truncated; {remedy}"
+        ) from None
+    return tensors, metadata
+
+
+def _check_factor_values(tensors: dict[str, torch.Tensor], path: Path, caller: str, remedy: str) -> None:
+    """Every factor floating-point and finite: a NaN / inf factor would make every output NaN."""
+    for key, t in tensors.items():
+        if not t.is_floating_point():
+            raise AdapterFileError(f"{caller}: {path}: {key} has dtype {t.dtype}, not a floating-point one; {remedy}")
+        if not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            raise AdapterFileError(
+                f"{caller}: {path}: {key} holds {bad} NaN/inf value(s) (the adapter diverged in training or the file "
+                f"is damaged); {remedy}"
+            )
 
 
 class _Plan:
@@ -198,19 +272,28 @@ def _fans(module: nn.Module, family: str, weight: torch.Tensor) -> tuple[int, in
 
 
 # ---------------------------------------------------------------------- minlora format
+def _check_store_dtype(dtype: Any, caller: str) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+
+
 def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
     """Write the LoRA factors of ``model`` and their config to the directory ``path``; returns it.
 
     ``dtype`` stores the factors in another precision (e.g. ``torch.bfloat16`` halves the file);
     by default they are stored as they are (fp32 for fp16/bf16 bases).
+
+    Overwriting an adapter is atomic as a pair: both files carry one random save id, and the old
+    weights are kept (as ``minlora_adapter.safetensors.prev``) until the new config is in place,
+    so a crash at any point leaves the old pair or the new pair, which :func:`load_adapter` finds.
     """
+    _check_store_dtype(dtype, "save_adapter")
     sites = lora_sites(model)
     if not sites:
         raise ValueError("save_adapter: the model has no LoRA to save; call minlora.add_lora(model) first")
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"save_adapter: {directory} exists and is not a directory; pass a directory path")
-    directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     targets: dict[str, dict[str, Any]] = {}
     stored_dtype = None
@@ -244,43 +327,226 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
             if s1 is not s2 and s2.lora.lora_A is s1.lora.lora_B and s2.lora.lora_B is s1.lora.lora_A \
                     and not s1.lora.fan_in_fan_out:
                 ties.append({"linear": s1.name, "embedding": s2.name})
+    save_id = uuid.uuid4().hex
     config = {
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
+        "save_id": save_id,
         "dtype": _dtype_name(stored_dtype),
         "targets": targets,
         "tied": ties,
     }
-    _write_atomic_safetensors(directory / ADAPTER_WEIGHTS_NAME, tensors, {"format": "pt"})
-    _write_atomic_json(directory / ADAPTER_CONFIG_NAME, config)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_pair(directory, tensors, {"format": "pt", "minlora_save_id": save_id}, config)
     return directory
+
+
+def _write_pair(directory: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: dict) -> None:
+    """Put the new (weights, config) pair in place so that a crash at any step leaves a whole pair.
+
+    1. both new files are written completely under ``.tmp`` names (the old pair is untouched);
+    2. the old weights move to ``.prev`` (old pair = config + ``.prev``, which load_adapter uses);
+    3. the new weights move into place (config still old: load_adapter still uses ``.prev``);
+    4. the new config moves into place: the new pair is complete (save ids agree);
+    5. ``.prev`` is deleted.
+    A failure before step 4 moves the old weights back and removes the ``.tmp`` files.
+    """
+    weights, config_path = directory / ADAPTER_WEIGHTS_NAME, directory / ADAPTER_CONFIG_NAME
+    previous = directory / _PREVIOUS_WEIGHTS_NAME
+    weights_tmp = weights.with_name(weights.name + ".tmp")
+    config_tmp = config_path.with_name(config_path.name + ".tmp")
+    _settle_interrupted_save(directory)
+    committed = False
+    try:
+        _write_new_file(weights_tmp, lambda t: save_file(tensors, str(t), metadata=metadata))
+        _write_new_file(config_tmp, lambda t: t.write_text(_json_text(config)))
+        if weights.exists() and config_path.exists():
+            os.replace(weights, previous)
+        os.replace(weights_tmp, weights)
+        os.replace(config_tmp, config_path)
+        committed = True
+    finally:
+        weights_tmp.unlink(missing_ok=True)
+        config_tmp.unlink(missing_ok=True)
+        if not committed and previous.exists():  # roll back to the old pair
+            try:
+                os.replace(previous, weights)
+            except OSError:  # load_adapter still finds the old pair through .prev
+                logger.warning("save_adapter: could not move %s back; load_adapter will use it", previous)
+    previous.unlink(missing_ok=True)
+
+
+def _settle_interrupted_save(directory: Path) -> None:
+    """Before a new save: if a crashed save left the old weights in ``.prev`` (with the old config),
+    put them back, so the directory holds one plain pair again."""
+    previous = directory / _PREVIOUS_WEIGHTS_NAME
+    if not previous.exists():
+        return
+    config_id = _config_save_id(directory / ADAPTER_CONFIG_NAME)
+    if config_id is not None and _weights_save_id(previous) == config_id:
+        os.replace(previous, directory / ADAPTER_WEIGHTS_NAME)
+    else:
+        previous.unlink()
+
+
+def _config_save_id(path: Path) -> str | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str] | None:
+    """The metadata of a safetensors file, None when the file cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+
+
+def _weights_save_id(path: Path) -> str | None:
+    return (_safetensors_metadata(path) or {}).get("minlora_save_id")
+
+
+# What a target entry of minlora_adapter.json must hold: key -> (check, description).
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_TARGET_FIELDS: dict[str, tuple[Any, str]] = {
+    "layer": (lambda v: v in _FAMILIES, f"one of {sorted(_FAMILIES)}"),
+    "weight_shape": (lambda v: isinstance(v, list) and bool(v) and all(_is_int(d) and d > 0 for d in v),
+                     "a list of positive integers"),
+    "fan_in": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "fan_out": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
+    "rank": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "lora_alpha": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v != 0,
+                   "a finite, non-zero number"),
+}
+_OPTIONAL_TARGET_FIELDS: dict[str, tuple[Any, str]] = {
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "lora_dropout_p": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
+                       "a number in [0, 1)"),
+}
+
+
+def _check_adapter_config(config: dict[str, Any], path: Path, caller: str) -> None:
+    """The structure of ``minlora_adapter.json``: every field present and of the right type."""
+    remedy = "save the adapter again with minlora.save_adapter"
+    if config.get("format") != _FORMAT:
+        raise AdapterFileError(
+            f"{caller}: {path} has format={config.get('format')!r}, not {_FORMAT!r}: it is not a minlora adapter "
+            f"config (a PEFT adapter_config.json goes to minlora.import_peft_adapter)"
+        )
+    version = config.get("format_version")
+    if version != _FORMAT_VERSION:
+        newer = _is_int(version) and version > _FORMAT_VERSION
+        raise AdapterFileError(
+            f"{caller}: {path} has format_version={version!r}; this minlora reads version {_FORMAT_VERSION}"
+            + ("; upgrade minlora to load it" if newer else f"; {remedy}")
+        )
+    try:
+        _parse_dtype(config.get("dtype"))
+    except ValueError as e:
+        raise AdapterFileError(f"{caller}: {path}: {e}; {remedy}") from None
+    if "save_id" in config and not isinstance(config["save_id"], str):
+        raise AdapterFileError(f"{caller}: {path}: save_id must be a string, got {config['save_id']!r}; {remedy}")
+    targets = config.get("targets")
+    if not isinstance(targets, dict) or not targets:
+        raise AdapterFileError(f"{caller}: {path}: 'targets' must be a non-empty object, got {targets!r}; {remedy}")
+    for name, spec in targets.items():
+        if not isinstance(spec, dict):
+            raise AdapterFileError(f"{caller}: {path}: targets[{name!r}] must be an object; {remedy}")
+        for key, (ok, what) in _TARGET_FIELDS.items():
+            if key not in spec:
+                raise AdapterFileError(f"{caller}: {path}: targets[{name!r}] lacks the field {key!r}; {remedy}")
+            if not ok(spec[key]):
+                raise AdapterFileError(
+                    f"{caller}: {path}: targets[{name!r}].{key} must be {what}, got {spec[key]!r}; {remedy}"
+                )
+        for key, (ok, what) in _OPTIONAL_TARGET_FIELDS.items():
+            if key in spec and not ok(spec[key]):
+                raise AdapterFileError(
+                    f"{caller}: {path}: targets[{name!r}].{key} must be {what}, got {spec[key]!r}; {remedy}"
+                )
+    tied = config.get("tied", [])
+    if not isinstance(tied, list):
+        raise AdapterFileError(f"{caller}: {path}: 'tied' must be a list, got {tied!r}; {remedy}")
+    for tie in tied:
+        if not (isinstance(tie, dict) and set(tie) == {"linear", "embedding"}
+                and all(isinstance(tie[k], str) and tie[k] in targets for k in tie)):
+            raise AdapterFileError(
+                f"{caller}: {path}: each 'tied' entry must be {{\"linear\": <target>, \"embedding\": <target>}} "
+                f"naming two entries of 'targets', got {tie!r}; {remedy}"
+            )
+
+
+def _pick_weights(directory: Path, config: dict[str, Any], config_path: Path, caller: str) -> Path:
+    """The weights file that belongs with ``config``: normally ``minlora_adapter.safetensors``; after
+    a save that crashed halfway, the previous weights kept in ``.prev`` (see :func:`save_adapter`)."""
+    weights, previous = directory / ADAPTER_WEIGHTS_NAME, directory / _PREVIOUS_WEIGHTS_NAME
+    config_id = config.get("save_id")
+    if config_id is None:  # written before save ids existed: nothing to pair
+        return weights
+    if weights.is_file() and _weights_save_id(weights) == config_id:
+        return weights
+    if previous.is_file() and _weights_save_id(previous) == config_id:
+        logger.warning(
+            "%s: a save_adapter into %s was interrupted; loading the complete previous adapter "
+            "(the next save_adapter there tidies up)", caller, directory,
+        )
+        return previous
+    if not weights.is_file():
+        raise FileNotFoundError(f"{caller}: {directory} has {ADAPTER_CONFIG_NAME} but no {ADAPTER_WEIGHTS_NAME}")
+    metadata = _safetensors_metadata(weights)
+    if metadata is None:  # damaged file: the reader says what is wrong with it
+        return weights
+    found = metadata.get("minlora_save_id", "without a save id")
+    raise AdapterFileError(
+        f"{caller}: {weights} (save {found}) and {config_path} (save {config_id}) come from two different saves "
+        f"(files copied by hand?); copy both files of one save_adapter, or save the adapter again"
+    )
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
     """Load an adapter written by :func:`save_adapter` into ``model``; returns ``model``.
 
     Layers without LoRA get one with the adapter's rank and alpha; layers with LoRA must have the
-    same rank (else ``ValueError``; their scaling is set to the adapter's). Targets missing from the
-    model, shape mismatches and, with ``strict``, model LoRA the adapter does not cover raise
-    ``ValueError`` before anything is changed.
+    same rank (else ``ValueError``; their scaling is set to the adapter's). Everything is checked
+    before the model is changed, so a failed load leaves it exactly as it was: targets missing from
+    the model, shape mismatches, NaN/inf factors, tied pairs that do not fit and, with ``strict``,
+    model LoRA the adapter does not cover raise ``ValueError``; damaged files raise
+    :class:`AdapterFileError` (a ``ValueError``) naming the file.
     """
     directory = Path(path)
-    config_path, weights_path = directory / ADAPTER_CONFIG_NAME, directory / ADAPTER_WEIGHTS_NAME
-    if not config_path.is_file() or not weights_path.is_file():
+    caller = "load_adapter"
+    config_path = directory / ADAPTER_CONFIG_NAME
+    has_weights = (directory / ADAPTER_WEIGHTS_NAME).is_file() or (directory / _PREVIOUS_WEIGHTS_NAME).is_file()
+    if not config_path.is_file() or not has_weights:
         is_peft = (directory / PEFT_CONFIG_NAME).is_file()
         hint = " (it looks like a PEFT adapter: use minlora.import_peft_adapter)" if is_peft else ""
         raise FileNotFoundError(
             f"load_adapter: {directory} must contain {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME}{hint}"
         )
-    config = json.loads(config_path.read_text())
-    if config.get("format") != _FORMAT or config.get("format_version") != _FORMAT_VERSION:
-        raise ValueError(
-            f"load_adapter: {config_path} is not a minlora adapter of format version {_FORMAT_VERSION} "
-            f"(format={config.get('format')!r}, version={config.get('format_version')!r})"
-        )
-    _parse_dtype(config.get("dtype"))
-    tensors = load_file(str(weights_path))
+    remedy = "save the adapter again with minlora.save_adapter"
+    config = _read_json(config_path, caller, remedy)
+    _check_adapter_config(config, config_path, caller)
+    weights_path = _pick_weights(directory, config, config_path, caller)
+    tensors, _ = _read_safetensors(weights_path, caller, remedy)
     source = f"load_adapter({directory})"
+    expected = {f"{name}.{p}" for name in config["targets"] for p in ("lora_A", "lora_B")}
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing:
+        raise AdapterFileError(f"{source}: {weights_path.name} lacks {missing[:4]}; the file is incomplete; {remedy}")
+    if unexpected:
+        raise AdapterFileError(
+            f"{source}: {weights_path.name} holds tensors {unexpected[:4]} that {ADAPTER_CONFIG_NAME} does not list; "
+            f"the two files do not belong together; {remedy}"
+        )
+    _check_factor_values(tensors, weights_path, source, remedy)
     plans = []
     for name, spec in config["targets"].items():
         module_name, _, tensor_name = name.rpartition(".")
@@ -299,52 +565,102 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
                 f"{source}: {name} has shape {tuple(weight.shape)} in the model but {tuple(spec['weight_shape'])} in "
                 f"the adapter; the adapter was made for a model of another shape"
             )
-        missing = [k for k in (f"{name}.lora_A", f"{name}.lora_B") if k not in tensors]
-        if missing:
-            raise ValueError(f"{source}: {weights_path.name} lacks {missing}; the file is incomplete")
         plans.append(_Plan(
-            module_name, module, tensor_name, rank=int(spec["rank"]), lora_alpha=spec["lora_alpha"],
-            use_rslora=bool(spec.get("use_rslora", False)), dropout=float(spec.get("lora_dropout_p", 0.0)),
-            fan_in=int(spec["fan_in"]), fan_out=int(spec["fan_out"]), fan_in_fan_out=bool(spec["fan_in_fan_out"]),
+            module_name, module, tensor_name, rank=spec["rank"], lora_alpha=spec["lora_alpha"],
+            use_rslora=spec.get("use_rslora", False), dropout=float(spec.get("lora_dropout_p", 0.0)),
+            fan_in=spec["fan_in"], fan_out=spec["fan_out"], fan_in_fan_out=spec["fan_in_fan_out"],
             lora_A=tensors[f"{name}.lora_A"], lora_B=tensors[f"{name}.lora_B"],
         ))
+    ties = _tie_plans(model, plans, config.get("tied", []), source)
     _apply_plans(model, plans, source, strict)
-    for tie in config.get("tied", []):
-        linear = model.get_submodule(tie["linear"].rpartition(".")[0])
-        embedding = model.get_submodule(tie["embedding"].rpartition(".")[0])
+    for linear, embedding in ties:
         tie_weights(linear, embedding)
     return model
 
 
+def _tie_plans(model: nn.Module, plans: list[_Plan], tied: list[dict[str, str]],
+               source: str) -> list[tuple[nn.Module, nn.Module]]:
+    """Check every tied pair before anything changes; returns the ``(linear, embedding)`` modules.
+
+    A pair must be a linear-layout and an embedding-layout LoRA of transposed factor shapes, on
+    weights of one shape, whose stored factors agree (the embedding's ``lora_A`` is the head's
+    ``lora_B`` and vice versa): tying would otherwise silently drop the embedding's values.
+    """
+    by_name = {p.name: p for p in plans}
+    pairs = []
+    for tie in tied:
+        lin, emb = by_name[tie["linear"]], by_name[tie["embedding"]]
+        if lin.fan_in_fan_out or not emb.fan_in_fan_out or lin.tensor_name != "weight" or emb.tensor_name != "weight":
+            raise AdapterFileError(
+                f"{source}: the tied pair {tie} must be a linear layer's and an embedding's weight LoRA; "
+                f"the config is damaged; save the adapter again with minlora.save_adapter"
+            )
+        if (lin.fan_in, lin.fan_out, lin.rank) != (emb.fan_out, emb.fan_in, emb.rank) \
+                or not torch.equal(lin.lora_A, emb.lora_B) or not torch.equal(lin.lora_B, emb.lora_A):
+            raise AdapterFileError(
+                f"{source}: the tied pair {tie} does not hold one shared update (shapes or values of the two "
+                f"layers' factors differ); the files are damaged; save the adapter again with minlora.save_adapter"
+            )
+        pairs.append((lin.module, emb.module))
+    return pairs
+
+
 # ---------------------------------------------------------------------- PEFT format
+# ---------------------------------------------------------------------- model-specific layout (protocol)
+# minlora knows no model family. A model whose PEFT twin differs from it in layout says so with an
+# optional method, which minlora looks up by name (duck typing):
+#
+#     def peft_adapter_layout(self) -> dict:
+#         return {
+#             "vocab_size": 50257,                             # real vocabulary of the twin (optional)
+#             "padded_vocab_modules": ["transformer.wte", "lm_head"],  # layers with padded vocab rows
+#             "fan_in_fan_out": True,                          # twin layers are transformers' Conv1D
+#         }
+#
+# Every key is optional. gpt2.GPT provides it (padded vocabulary, Conv1D twin); a model without the
+# method is exported / imported as it is.
+LAYOUT_METHOD = "peft_adapter_layout"
+
+
+def _peft_layout(model: nn.Module, caller: str) -> dict[str, Any]:
+    method = getattr(model, LAYOUT_METHOD, None)
+    if not callable(method):
+        return {}
+    layout = method()
+    known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
+    if not isinstance(layout, dict) or set(layout) - known:
+        raise TypeError(
+            f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among {sorted(known)}, "
+            f"got {layout!r}"
+        )
+    return layout
+
+
 class _VocabPadding:
-    """A ``gpt2.GPT`` pads its vocabulary (``pad_vocab_multiple``): the token embedding and the LM
-    head have ``padded`` rows, the ``transformers`` twin has ``real``. The extra rows are never
-    sampled nor used as inputs, so cutting them on export and zero-filling them on import is exact."""
+    """A model with a padded vocabulary (``gpt2.GPT`` with ``pad_vocab_multiple``): the token
+    embedding and the LM head have ``padded`` rows, the ``transformers`` twin has ``real``. The
+    extra rows are never sampled nor used as inputs, so cutting them on export and zero-filling
+    them on import is exact."""
 
     def __init__(self, padded: int, real: int, module_ids: set[int]) -> None:
         self.padded, self.real, self.module_ids = padded, real, module_ids
 
     @classmethod
-    def of(cls, model: nn.Module) -> "_VocabPadding | None":
-        if not _is_gpt2_model(model):
+    def of(cls, model: nn.Module, layout: dict[str, Any]) -> "_VocabPadding | None":
+        real, names = layout.get("vocab_size"), layout.get("padded_vocab_modules") or []
+        if real is None or not names:
             return None
-        config = model.config
-        if config.padded_vocab_size == config.vocab_size:
+        modules = [model.get_submodule(n) for n in names]
+        padded = {raw_weight(m).shape[0] for m in modules}
+        if len(padded) != 1:
+            raise ValueError(f"{LAYOUT_METHOD}: the padded_vocab_modules {names} disagree on the vocabulary rows")
+        padded_rows = padded.pop()
+        if padded_rows == real:
             return None
-        ids = {id(model.transformer.wte), id(model.lm_head)}
-        return cls(config.padded_vocab_size, config.vocab_size, ids)
+        return cls(padded_rows, real, {id(m) for m in modules})
 
     def applies(self, module: nn.Module) -> bool:
         return id(module) in self.module_ids
-
-
-def _is_gpt2_model(model: nn.Module) -> bool:
-    try:
-        from gpt2.model import GPT
-    except ImportError:  # pragma: no cover - minlora works without gpt2
-        return False
-    return isinstance(model, GPT)
 
 
 def export_peft_adapter(
@@ -360,8 +676,9 @@ def export_peft_adapter(
 
     ``peft.PeftModel.from_pretrained(hf_model, directory)`` then reproduces the LoRA model when
     ``hf_model`` has the same module names (``transformers.GPT2LMHeadModel`` for a ``gpt2.GPT``;
-    the vocabulary padding of a ``gpt2.GPT`` is cut off). ``fan_in_fan_out`` goes into the config
-    (True when the twin layers are ``transformers`` ``Conv1D``; default: True for a ``gpt2.GPT``).
+    padded vocabulary rows declared by the model's optional ``peft_adapter_layout()`` are cut off).
+    ``fan_in_fan_out`` goes into the config (True when the twin layers are ``transformers``
+    ``Conv1D``; default: what ``peft_adapter_layout()`` says, else False).
     Layers with a different rank or alpha than the most common one go into PEFT's
     ``rank_pattern`` / ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight can
     be expressed; anything else raises ``ValueError``.
@@ -369,7 +686,9 @@ def export_peft_adapter(
     sites = lora_sites(model)
     if not sites:
         raise ValueError("export_peft_adapter: the model has no LoRA; call minlora.add_lora(model) first")
-    vocab = _VocabPadding.of(model)
+    _check_store_dtype(dtype, "export_peft_adapter")
+    layout = _peft_layout(model, "export_peft_adapter")
+    vocab = _VocabPadding.of(model, layout)
     tensors: dict[str, torch.Tensor] = {}
     loras: dict[str, LoRAParametrization] = {}
     for site in sites:
@@ -417,7 +736,7 @@ def export_peft_adapter(
         logger.warning("export_peft_adapter: layers use different dropouts %s; PEFT has one, writing the largest",
                        sorted(dropouts))
     if fan_in_fan_out is None:
-        fan_in_fan_out = _is_gpt2_model(model)
+        fan_in_fan_out = bool(layout.get("fan_in_fan_out", False))
     config = {
         "peft_type": "LORA",
         "task_type": task_type,
@@ -492,6 +811,39 @@ def _check_peft_config(config: dict[str, Any], path: Path) -> None:
         )
 
 
+def _check_peft_numbers(config: dict[str, Any], path: Path, remedy: str) -> None:
+    """r / lora_alpha (and their per-layer patterns), lora_dropout and use_rslora: right types, finite."""
+    where = f"import_peft_adapter: {path}"
+
+    def rank_ok(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+    def alpha_ok(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v != 0
+
+    if not rank_ok(config.get("r", 8)):
+        raise AdapterFileError(f"{where}: r must be a positive integer, got {config.get('r')!r}; {remedy}")
+    if not alpha_ok(config.get("lora_alpha", 8)):
+        raise AdapterFileError(
+            f"{where}: lora_alpha must be a finite, non-zero number, got {config.get('lora_alpha')!r}; {remedy}"
+        )
+    for key, ok, what in (("rank_pattern", rank_ok, "positive integers"),
+                          ("alpha_pattern", alpha_ok, "finite, non-zero numbers")):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(isinstance(k, str) and ok(v) for k, v in patterns.items()):
+            raise AdapterFileError(f"{where}: {key} must map module patterns to {what}, got {patterns!r}; {remedy}")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise AdapterFileError(f"{where}: {key} key {pattern!r} is not a valid regex ({e}); {remedy}") from None
+    dropout = config.get("lora_dropout", 0.0) or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise AdapterFileError(f"{where}: lora_dropout must be a number in [0, 1), got {dropout!r}; {remedy}")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise AdapterFileError(f"{where}: use_rslora must be true or false, got {config['use_rslora']!r}; {remedy}")
+
+
 def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
     # PEFT's rule (peft.utils.other.get_pattern_key): the first key whose regex matches a dotted suffix.
     for key, value in patterns.items():
@@ -515,18 +867,33 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         raise FileNotFoundError(
             f"import_peft_adapter: {path} has no {PEFT_CONFIG_NAME}; is it a PEFT adapter directory?"
         )
-    config = json.loads(config_path.read_text())
+    caller = "import_peft_adapter"
+    remedy = "export or save the PEFT adapter again"
+    config = _read_json(config_path, caller, remedy)
     _check_peft_config(config, path)
-    if (path / PEFT_WEIGHTS_NAME).is_file():
-        state = load_file(str(path / PEFT_WEIGHTS_NAME))
+    _check_peft_numbers(config, config_path, remedy)
+    weights_path = path / PEFT_WEIGHTS_NAME
+    if weights_path.is_file():
+        state, _ = _read_safetensors(weights_path, caller, remedy)
     elif (path / "adapter_model.bin").is_file():  # adapters saved with safe_serialization=False
-        state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+        weights_path = path / "adapter_model.bin"
+        try:
+            state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle / zip errors of a damaged file come in many types
+            raise AdapterFileError(
+                f"{caller}: {weights_path} cannot be read ({type(e).__name__}: {e}); the file is damaged or "
+                f"truncated; {remedy}"
+            ) from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise AdapterFileError(f"{caller}: {weights_path} does not hold a dict of tensors; {remedy}")
     else:
         raise FileNotFoundError(f"import_peft_adapter: {path} has neither {PEFT_WEIGHTS_NAME} nor adapter_model.bin")
     source = f"import_peft_adapter({path})"
-    r_default, alpha_default = int(config.get("r", 8)), config.get("lora_alpha", 8)
+    _check_factor_values({k: v for k, v in state.items() if not k.endswith(".base_layer.weight")},
+                         weights_path, source, remedy)
+    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    use_rslora, dropout = bool(config.get("use_rslora", False)), float(config.get("lora_dropout", 0.0) or 0.0)
+    use_rslora, dropout = config.get("use_rslora", False), float(config.get("lora_dropout", 0.0) or 0.0)
 
     factors: dict[str, dict[str, torch.Tensor]] = {}
     ignored = []
@@ -556,7 +923,7 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     if not factors:
         raise ValueError(f"{source}: the adapter holds no LoRA factors")
 
-    vocab = _VocabPadding.of(model)
+    vocab = _VocabPadding.of(model, _peft_layout(model, "import_peft_adapter"))
     plans = []
     for module_name, parts in factors.items():
         module = _get_module(model, module_name, source)
@@ -600,7 +967,7 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
 
 def _pad_vocab_rows(t: torch.Tensor, rows: int, vocab: _VocabPadding | None, module: nn.Module, what: str,
                     source: str) -> torch.Tensor:
-    """Zero rows for the padded vocabulary of a ``gpt2.GPT`` (never sampled, so any value is exact)."""
+    """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
     if t.shape[0] == rows:
         return t
     if vocab is not None and vocab.applies(module) and rows == vocab.padded and t.shape[0] == vocab.real:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from .parametrization import LoRAParametrization
+from .parametrization import LoRAParametrization, check_finite_number, check_positive_int
 
 __all__ = ["LoRAConfig"]
 
@@ -82,12 +82,14 @@ class LoRAConfig:
     lm_head_names: tuple[str, ...] = field(default=("lm_head",))
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoRAConfig.rank must be a positive integer, got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
-            raise ValueError(f"LoRAConfig.alpha must be a positive number, got {self.alpha!r}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        # Checked here, when the config is built, not at the first forward: alpha=nan would make
+        # every logit NaN (and `nan <= 0` is False, hence math.isfinite in these checks).
+        check_positive_int(self.rank, "LoRAConfig.rank")
+        check_finite_number(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True, high=None)
+        check_finite_number(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
+        for flag in ("include_embeddings", "include_lm_head", "use_rslora"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.target_modules = _as_patterns(self.target_modules, "target_modules")
         self.exclude_modules = _as_patterns(self.exclude_modules, "exclude_modules") if self.exclude_modules else ()
         self.lm_head_names = _as_patterns(self.lm_head_names, "lm_head_names") if self.lm_head_names else ()
@@ -217,7 +219,8 @@ def raw_weight(module: nn.Module):
     """The stored weight tensor of ``module`` (the original under a parametrization), or None."""
     if parametrize.is_parametrized(module, "weight"):
         return module.parametrizations["weight"].original
-    return module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    weight = getattr(module, "weight", None)
+    return weight if isinstance(weight, nn.Parameter) else None
 
 
 def lm_head_ids(model: nn.Module, head_names: tuple[str, ...] = ("lm_head",)) -> set[int]:

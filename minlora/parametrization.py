@@ -31,7 +31,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-__all__ = ["LoRAParametrization", "lora_dtype_for"]
+from ._torch_compat import inject_property, parametrize_cache_enabled
+
+__all__ = ["LoRAParametrization", "lora_dtype_for", "check_positive_int", "check_finite_number"]
+
+
+def check_positive_int(value: Any, what: str) -> int:
+    """``value`` if it is an ``int`` >= 1 (``bool`` is not a number here), else ``ValueError`` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_finite_number(value: Any, what: str, *, low: float | None = None, high: float | None = None,
+                        low_open: bool = False, high_open: bool = True) -> float:
+    """``value`` if it is a finite real number in the given range, else ``ValueError`` naming ``what``.
+
+    ``math.isfinite`` is the test on purpose: ``nan < 0`` is False, so a plain range check lets NaN
+    through (``alpha=nan`` would make every logit NaN). ``bool`` is refused: ``True`` is not an alpha.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+        raise ValueError(f"{what} must be in {interval}, got {value!r}")
+    return value
 
 
 def lora_dtype_for(weight_dtype: torch.dtype) -> torch.dtype:
@@ -73,12 +103,13 @@ class LoRAParametrization(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("fan_in", fan_in), ("fan_out", fan_out), ("rank", rank)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LoRAParametrization: {name} must be a positive integer, got {value!r}")
-        if not 0.0 <= float(lora_dropout_p) < 1.0:
-            raise ValueError(f"LoRAParametrization: lora_dropout_p must be in [0, 1), got {lora_dropout_p!r}")
-        if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)):
-            raise TypeError(f"LoRAParametrization: lora_alpha must be a number, got {lora_alpha!r}")
+            check_positive_int(value, f"LoRAParametrization: {name}")
+        check_finite_number(lora_dropout_p, "LoRAParametrization: lora_dropout_p", low=0.0, high=1.0)
+        # alpha may be negative in principle (it only scales B @ A) but never NaN / inf or zero
+        # (zero silently turns the adapter off).
+        check_finite_number(lora_alpha, "LoRAParametrization: lora_alpha")
+        if lora_alpha == 0:
+            raise ValueError("LoRAParametrization: lora_alpha must not be 0 (the adapter would do nothing)")
         self.fan_in = fan_in
         self.fan_out = fan_out
         self.fan_in_fan_out = bool(fan_in_fan_out)
@@ -197,6 +228,7 @@ class LoRAParametrization(nn.Module):
         self.enabled = False
 
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
+        check_finite_number(lora_alpha, "set_scaling: lora_alpha")
         if use_rslora is not None:
             self.use_rslora = bool(use_rslora)
         self.lora_alpha = lora_alpha
@@ -262,7 +294,7 @@ def _weight_of(layer: nn.Module) -> torch.Tensor:
 # ---------------------------------------------------------------------- the fast forward
 def _fast_lora(module: nn.Module, fan_in_fan_out: bool) -> LoRAParametrization | None:
     """The LoRA the fast path may use, or None when the layer must run its ordinary forward."""
-    if parametrize._cache_enabled:  # inside parametrize.cached(): use the cached merged weight
+    if parametrize_cache_enabled():  # inside parametrize.cached(): use the cached merged weight
         return None
     if "weight" not in module.parametrizations:
         return None
@@ -328,7 +360,7 @@ def install_lora_class(module: nn.Module, base: type | None = None) -> None:
         base = parametrize.type_before_parametrizations(module)
     module.__class__ = _lora_class(base)
     for tensor_name in module.parametrizations.keys():
-        parametrize._inject_property(module, tensor_name)
+        inject_property(module, tensor_name)
 
 
 def _deepcopy_parametrized(self: nn.Module, memo: dict) -> nn.Module:
@@ -353,5 +385,5 @@ def _rebuild_parametrized(base: type, tensor_names: tuple[str, ...]) -> nn.Modul
     module = base.__new__(base)
     module.__class__ = _lora_class(base)
     for tensor_name in tensor_names:
-        parametrize._inject_property(module, tensor_name)
+        inject_property(module, tensor_name)
     return module

@@ -191,16 +191,34 @@ def _only_lora(layer: nn.Module, role: str) -> LoRAParametrization:
     return loras[0]
 
 
+def _linear_first(a: nn.Module, b: nn.Module, caller: str) -> tuple[nn.Module, nn.Module]:
+    """``(linear, embedding)`` whichever order they came in: the embedding is the layer whose LoRA
+    has the embedding layout (``from_embedding``, ``fan_in_fan_out=True``). minLoRA's own examples
+    pass the embedding first, so the order must not matter."""
+    lora_a, lora_b = _only_lora(a, "first layer"), _only_lora(b, "second layer")
+    if not lora_a.fan_in_fan_out and lora_b.fan_in_fan_out:
+        return a, b
+    if lora_a.fan_in_fan_out and not lora_b.fan_in_fan_out:
+        return b, a
+    kind = "an embedding layout (from_embedding)" if lora_a.fan_in_fan_out else "a linear layout (from_linear)"
+    raise ValueError(
+        f"{caller} needs one layer with LoRA from from_linear (the head) and one with LoRA from from_embedding "
+        f"(the embedding); both of {type(a).__name__} and {type(b).__name__} have {kind}"
+    )
+
+
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
     """Share one weight *and one LoRA update* between a linear head and an embedding (minLoRA).
+
+    The two layers may come in either order (``tie_weights(embedding, linear)`` works too): the
+    embedding is recognised by its LoRA layout.
 
     Afterwards ``embedding.weight == linear.weight`` (both ``W + scaling * B @ A``): the
     embedding's ``lora_A`` is the head's ``lora_B`` and vice versa, which the two layouts make
     shape-compatible. Without this, LoRA on GPT-2's tied head adapts the head only.
     """
+    linear, embedding = _linear_first(linear, embedding, "tie_weights")
     lin, emb = _only_lora(linear, "linear"), _only_lora(embedding, "embedding")
-    if lin.fan_in_fan_out or not emb.fan_in_fan_out:
-        raise ValueError("tie_weights expects LoRA from from_linear on `linear` and from_embedding on `embedding`")
     if lin.lora_B.shape != emb.lora_A.shape or lin.lora_A.shape != emb.lora_B.shape:
         raise ValueError(
             f"tie_weights: shapes do not fit: linear lora_A {tuple(lin.lora_A.shape)}, lora_B {tuple(lin.lora_B.shape)}"
@@ -214,8 +232,9 @@ def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
 
 
 def untie_weights(linear: nn.Module, embedding: nn.Module) -> None:
-    """Give the embedding its own copy of the weight and of the LoRA factors (undoes :func:`tie_weights`)."""
-    _only_lora(linear, "linear")
+    """Give the embedding its own copy of the weight and of the LoRA factors (undoes :func:`tie_weights`);
+    the layers may come in either order."""
+    linear, embedding = _linear_first(linear, embedding, "untie_weights")
     emb = _only_lora(embedding, "embedding")
     plist = embedding.parametrizations["weight"]
     plist.original = nn.Parameter(plist.original.detach().clone(), requires_grad=plist.original.requires_grad)

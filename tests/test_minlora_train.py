@@ -128,11 +128,18 @@ def test_trainer_with_torch_compile(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_benchmark_runs_and_all_implementations_start_equal():
-    from minlora.bench import format_results, run_lora_benchmark
+def test_benchmark_runs_and_all_implementations_start_equal(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+    from benchmarks.lora import format_results, run_lora_benchmark
 
     config = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
-    results = run_lora_benchmark(model=config, batch_size=2, seq_len=16, steps=2, warmup=1, device="cpu", rank=2)
+    status: list[str] = []
+    results = run_lora_benchmark(model=config, batch_size=2, seq_len=16, steps=2, warmup=1, device="cpu", rank=2,
+                                 progress=status.append)
+    # status lines as each of the 3 runs goes (start, warm-up done, result), each naming its run
+    assert len(status) == 9
+    assert [line.split()[1] for line in status[::3]] == ["minlora", "minlora-plain", "peft"]
+    assert all("median step" in line for line in status[2::3])
     assert [r.impl for r in results] == ["minlora", "minlora-plain", "peft"]
     # every adapter starts as a no-op on the same seeded base: same first loss, same trainable count
     assert len({round(r.first_loss, 5) for r in results}) == 1

@@ -10,7 +10,9 @@ factors) on the same batch:
 * ``peft``: ``peft.inject_adapter_in_model`` on the same ``gpt2.GPT`` (PEFT wraps each
   ``nn.Linear`` in its ``lora.Linear``), so the base model and its attention kernels are identical.
 
-``examples/benchmark_lora.py`` is the command line over :func:`run_lora_benchmark`.
+``examples/benchmark_lora.py`` is the command line over :func:`run_lora_benchmark`. This file lives
+outside the installed packages (it builds ``gpt2`` models; ``minlora`` itself never imports
+``gpt2``): import it with the repository root on ``sys.path`` (``from benchmarks.lora import ...``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -65,9 +68,7 @@ def build_lora_model(impl: str, config, *, rank: int, alpha: float, targets: Seq
     torch.manual_seed(seed)
     model = GPT(config).to(device=device, dtype=base_dtype)
     if impl in ("minlora", "minlora-plain"):
-        from .config import LoRAConfig
-        from .model import add_lora
-        from .utils import mark_only_lora_as_trainable, set_fast_path
+        from minlora import LoRAConfig, add_lora, mark_only_lora_as_trainable, set_fast_path
 
         add_lora(model, LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=tuple(targets)))
         mark_only_lora_as_trainable(model)
@@ -88,8 +89,10 @@ def build_lora_model(impl: str, config, *, rank: int, alpha: float, targets: Seq
 
 def time_training_steps(model: nn.Module, *, batch_size: int, seq_len: int, precision: str, steps: int,
                         warmup: int, device: torch.device, vocab_size: int, seed: int,
-                        compile: bool = False) -> tuple[list[float], float | None, float]:
-    """Run ``warmup`` then ``steps`` LoRA training steps; returns (step seconds, peak MiB or None, first loss)."""
+                        compile: bool = False,
+                        progress: Callable[[str], None] | None = None) -> tuple[list[float], float | None, float]:
+    """Run ``warmup`` then ``steps`` LoRA training steps; returns (step seconds, peak MiB or None, first loss).
+    ``progress`` (if given) gets a line when the warm-up (where compilation happens) is done."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -119,10 +122,13 @@ def time_training_steps(model: nn.Module, *, batch_size: int, seq_len: int, prec
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    t_warm = time.perf_counter()
     first_loss = float(step())
     for _ in range(max(0, warmup - 1)):
         step()
     sync()
+    if progress is not None:
+        progress(f"warm-up done in {time.perf_counter() - t_warm:.1f} s; timing {steps} step(s)")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -153,9 +159,16 @@ def run_lora_benchmark(
     targets: Sequence[str] = ("c_attn", "c_proj", "c_fc"),
     seed: int = 0,
     repeats: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> list[BenchResult]:
     """Benchmark each implementation (``repeats`` rounds, a fresh model per run); the step time is
-    the median over all timed steps of all rounds, the peak memory the largest of the rounds."""
+    the median over all timed steps of all rounds, the peak memory the largest of the rounds.
+
+    ``progress`` gets a one-line status before and after every run (default: printed to stderr,
+    so a long benchmark is never silent; pass ``lambda line: None`` to silence it)."""
+    if progress is None:
+        def progress(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -169,15 +182,23 @@ def run_lora_benchmark(
     first: dict[str, tuple[float, int]] = {}
     # Rounds visit the implementations in turn, so slow drifts of a shared machine's load hit all
     # of them alike; each run builds a fresh model and frees it, so peak memory is its own.
-    for _ in range(repeats):
+    runs, done = repeats * len(impls), 0
+    for round_index in range(repeats):
         for impl in impls:
+            label = f"[{done + 1}/{runs}] {impl} (round {round_index + 1}/{repeats}, {precision}, {dev.type})"
+            progress(f"{label}: building the model, then {warmup} warm-up + {steps} timed steps...")
+            t_run = time.perf_counter()
             net = build_lora_model(impl, config, rank=rank, alpha=alpha, targets=targets, dropout=dropout,
                                    base_dtype=_DTYPES[base_dtype], device=dev, seed=seed)
             run_times, peak, first_loss = time_training_steps(
                 net, batch_size=batch_size, seq_len=seq_len, precision=precision, steps=steps, warmup=warmup,
                 device=dev, vocab_size=config.vocab_size, seed=seed, compile=compile,
+                progress=lambda line, label=label: progress(f"{label}: {line}"),
             )
             times[impl] += run_times
+            done += 1
+            progress(f"{label}: median step {statistics.median(run_times) * 1000:,.1f} ms "
+                     f"({time.perf_counter() - t_run:.1f} s for the run)")
             if peak is not None:
                 peaks[impl] = max(peak, peaks.get(impl) or 0.0)
             first.setdefault(impl, (first_loss, sum(p.numel() for p in net.parameters() if p.requires_grad)))

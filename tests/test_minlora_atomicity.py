@@ -1,0 +1,424 @@
+"""minlora adapters are all-or-nothing: damaged files get a named error and leave the model as it
+was; an interrupted save_adapter leaves the old pair or the new pair; tie_weights in either order."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+import minlora
+from gpt2.config import GPTConfig
+from gpt2.model import GPT
+from minlora import AdapterFileError, LoRAConfig, LoRAParametrization
+from minlora.adapters import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME,
+                              load_adapter, save_adapter)
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=16)).eval()
+
+
+def randomize(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in minlora.get_lora_params(model):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def snapshot(model: nn.Module) -> dict:
+    """Everything a load could change: every tensor, which tensors carry LoRA, each LoRA's scaling."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "sites": [s.name for s in minlora.lora_sites(model)],
+        "scaling": [s.lora.scaling for s in minlora.lora_sites(model)],
+    }
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert after["sites"] == before["sites"] and after["scaling"] == before["scaling"]
+    assert after["state"].keys() == before["state"].keys()
+    for k, v in before["state"].items():
+        assert torch.equal(after["state"][k], v), f"{k} changed by a failed load"
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """An adapter of a LoRA GPT (two ranks of targets, the tied head included) and its directory."""
+    model = tiny_gpt()
+    minlora.add_lora(model, LoRAConfig(rank=2, alpha=4, include_lm_head=True))
+    randomize(model, 1)
+    return save_adapter(model, tmp_path / "adapter")
+
+
+def targets_models():
+    """A model without LoRA (load adds it) and one with LoRA of the adapter's rank (load fills it)."""
+    with_lora = tiny_gpt()
+    minlora.add_lora(with_lora, LoRAConfig(rank=2, alpha=1, include_lm_head=True))
+    randomize(with_lora, 7)
+    return [tiny_gpt(), with_lora]
+
+
+# --------------------------------------------------------------------------- damaged minlora files
+def edit_config(path: Path, fn) -> None:
+    config = json.loads((path / ADAPTER_CONFIG_NAME).read_text())
+    fn(config)
+    (path / ADAPTER_CONFIG_NAME).write_text(json.dumps(config))
+
+
+def last_target(config: dict) -> dict:
+    return config["targets"][sorted(config["targets"])[-1]]
+
+
+CONFIG_DAMAGE = {
+    "truncated JSON": (lambda p: (p / ADAPTER_CONFIG_NAME).write_text((p / ADAPTER_CONFIG_NAME).read_text()[:40]),
+                       "is not valid JSON"),
+    "not an object": (lambda p: (p / ADAPTER_CONFIG_NAME).write_text("[1, 2]"), "must hold a JSON object"),
+    "binary garbage": (lambda p: (p / ADAPTER_CONFIG_NAME).write_bytes(b"\xff\xfe\x00garbage"), "not UTF-8"),
+    "unknown format": (lambda p: edit_config(p, lambda c: c.update(format="something.else")), "not a minlora adapter"),
+    "newer version": (lambda p: edit_config(p, lambda c: c.update(format_version=99)), "upgrade minlora"),
+    "bad dtype": (lambda p: edit_config(p, lambda c: c.update(dtype="int8")), "floating-point torch dtype"),
+    "no targets": (lambda p: edit_config(p, lambda c: c.pop("targets")), "'targets' must be a non-empty object"),
+    "rank as text": (lambda p: edit_config(p, lambda c: last_target(c).update(rank="2")),
+                     r"\.rank must be a positive integer"),
+    "alpha NaN": (lambda p: edit_config(p, lambda c: last_target(c).update(lora_alpha=float("nan"))),
+                  r"\.lora_alpha must be a finite, non-zero number"),
+    "missing field": (lambda p: edit_config(p, lambda c: last_target(c).pop("fan_out")), "lacks the field 'fan_out'"),
+    "dropout out of range": (lambda p: edit_config(p, lambda c: last_target(c).update(lora_dropout_p=1.5)),
+                             r"lora_dropout_p must be a number in \[0, 1\)"),
+    "tied entry malformed": (lambda p: edit_config(p, lambda c: c.update(tied=[{"linear": "nowhere.weight"}])),
+                             "each 'tied' entry must be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_DAMAGE))
+def test_damaged_config_is_a_named_error_and_changes_nothing(saved, case):
+    damage, message = CONFIG_DAMAGE[case]
+    damage(saved)
+    for model in targets_models():
+        before = snapshot(model)
+        with pytest.raises(AdapterFileError, match=message) as info:
+            load_adapter(model, saved)
+        assert ADAPTER_CONFIG_NAME in str(info.value)  # the message names the file
+        assert_unchanged(model, before)
+
+
+def rewrite_weights(path: Path, fn) -> None:
+    tensors = load_file(str(path / ADAPTER_WEIGHTS_NAME))
+    from safetensors import safe_open
+
+    with safe_open(str(path / ADAPTER_WEIGHTS_NAME), framework="pt") as f:
+        metadata = f.metadata()
+    fn(tensors)
+    save_file(tensors, str(path / ADAPTER_WEIGHTS_NAME), metadata=metadata)
+
+
+def last_key(tensors: dict) -> str:
+    return sorted(tensors)[-1]
+
+
+WEIGHTS_DAMAGE = {
+    "truncated file": (lambda p: (p / ADAPTER_WEIGHTS_NAME).write_bytes((p / ADAPTER_WEIGHTS_NAME).read_bytes()[:-50]),
+                       "not a readable safetensors file"),
+    "empty file": (lambda p: (p / ADAPTER_WEIGHTS_NAME).write_bytes(b""), "not a readable safetensors file"),
+    "garbage header": (lambda p: (p / ADAPTER_WEIGHTS_NAME).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}"
+                                                                         + b"\x00" * 64),
+                       "not a readable safetensors file"),
+    "missing factor": (lambda p: rewrite_weights(p, lambda t: t.pop(last_key(t))), "lacks"),
+    "unexpected tensor": (lambda p: rewrite_weights(p, lambda t: t.update(extra=torch.zeros(2))),
+                          "does not list"),
+    "NaN factor": (lambda p: rewrite_weights(p, lambda t: t[last_key(t)].view(-1).__setitem__(0, float("nan"))),
+                   "NaN/inf"),
+    "inf factor": (lambda p: rewrite_weights(p, lambda t: t[last_key(t)].view(-1).__setitem__(-1, float("inf"))),
+                   "NaN/inf"),
+    "integer factor": (lambda p: rewrite_weights(p, lambda t: t.update({last_key(t): t[last_key(t)].to(torch.int32)})),
+                       "not a floating-point one"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTS_DAMAGE))
+def test_damaged_weights_are_a_named_error_and_change_nothing(saved, case):
+    damage, message = WEIGHTS_DAMAGE[case]
+    damage(saved)
+    for model in targets_models():
+        before = snapshot(model)
+        with pytest.raises(AdapterFileError, match=message) as info:
+            load_adapter(model, saved)
+        assert ADAPTER_WEIGHTS_NAME in str(info.value)
+        assert_unchanged(model, before)
+
+
+def test_wrong_factor_shape_of_the_last_target_changes_nothing(saved):
+    """The shape check runs for every target before the first one is applied."""
+    def grow(t):
+        key = last_key(t)
+        t[key] = torch.cat([t[key], t[key][:1]])
+    rewrite_weights(saved, grow)
+    for model in targets_models():
+        before = snapshot(model)
+        with pytest.raises(ValueError, match="have shapes"):
+            load_adapter(model, saved)
+        assert_unchanged(model, before)
+
+
+def test_strict_cover_failure_changes_nothing(saved):
+    model = tiny_gpt()
+    minlora.add_lora(model, LoRAConfig(rank=2, include_lm_head=True, include_embeddings=True))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="does not cover"):
+        load_adapter(model, saved)
+    assert_unchanged(model, before)
+
+
+# --------------------------------------------------------------------------- tied pairs
+TIE_CONFIG = {
+    nn.Embedding: {"weight": partial(LoRAParametrization.from_embedding, rank=2)},
+    nn.Linear: {"weight": partial(LoRAParametrization.from_linear, rank=2)},
+}
+
+
+def tied_model(seed: int = 3) -> GPT:
+    model = tiny_gpt()
+    minlora.add_lora(model, TIE_CONFIG)
+    minlora.tie_weights(model.lm_head, model.transformer.wte)
+    randomize(model, seed)
+    return model
+
+
+def test_tied_pair_with_disagreeing_values_is_refused_before_any_change(tmp_path):
+    path = save_adapter(tied_model(), tmp_path / "tied")
+    rewrite_weights(path, lambda t: t["transformer.wte.weight.lora_A"].mul_(2))  # no longer the head's lora_B
+    for model in (tiny_gpt(), tied_model(seed=9)):
+        before = snapshot(model)
+        with pytest.raises(AdapterFileError, match="does not hold one shared update"):
+            load_adapter(model, path)
+        assert_unchanged(model, before)
+
+
+def test_tied_pair_with_swapped_roles_is_refused(tmp_path):
+    path = save_adapter(tied_model(), tmp_path / "tied")
+    edit_config(path, lambda c: c.update(tied=[{"linear": "transformer.wte.weight", "embedding": "lm_head.weight"}]))
+    model = tiny_gpt()
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="must be a linear layer's and an embedding's"):
+        load_adapter(model, path)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("order", ["linear first", "embedding first (positional)", "embedding first (keywords)"])
+def test_tie_weights_accepts_either_order(order):
+    model = tiny_gpt()
+    minlora.add_lora(model, TIE_CONFIG)
+    head, wte = model.lm_head, model.transformer.wte
+    if order == "linear first":
+        minlora.tie_weights(head, wte)
+    elif order == "embedding first (positional)":
+        minlora.tie_weights(wte, head)
+    else:
+        minlora.tie_weights(linear=wte, embedding=head)
+    emb_lora, head_lora = wte.parametrizations.weight[0], head.parametrizations.weight[0]
+    assert emb_lora.lora_A is head_lora.lora_B and emb_lora.lora_B is head_lora.lora_A
+    randomize(model, 2)
+    torch.testing.assert_close(wte.weight, head.weight, rtol=0, atol=0)  # one weight, one update
+    minlora.untie_weights(wte, head)  # either order too
+    assert emb_lora.lora_A is not head_lora.lora_B
+
+
+def test_tie_weights_refuses_two_layers_of_one_layout():
+    model = tiny_gpt()
+    minlora.add_lora(model, TIE_CONFIG)
+    with pytest.raises(ValueError, match="needs one layer with LoRA from from_linear .* both"):
+        minlora.tie_weights(model.lm_head, model.transformer.h[0].mlp.c_fc)
+
+
+# --------------------------------------------------------------------------- pairs of saves
+def outputs(model: nn.Module) -> torch.Tensor:
+    x = torch.arange(12).view(2, 6) % 100
+    return model(x)[0]
+
+
+def lora_model(seed: int) -> GPT:
+    model = tiny_gpt()
+    minlora.add_lora(model, LoRAConfig(rank=2, alpha=4))
+    randomize(model, seed)
+    return model
+
+
+def loaded_outputs(path: Path) -> torch.Tensor:
+    model = tiny_gpt()
+    load_adapter(model, path)
+    return outputs(model)
+
+
+def leftovers(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name not in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME))
+
+
+def test_files_of_two_different_saves_are_refused(tmp_path):
+    a = save_adapter(lora_model(1), tmp_path / "a")
+    b = save_adapter(lora_model(2), tmp_path / "b")
+    (a / ADAPTER_WEIGHTS_NAME).write_bytes((b / ADAPTER_WEIGHTS_NAME).read_bytes())
+    model = tiny_gpt()
+    with pytest.raises(AdapterFileError, match="come from two different saves"):
+        load_adapter(model, a)
+    assert not minlora.lora_sites(model)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_failed_rename_during_save_keeps_the_old_pair_and_no_tmp(tmp_path, monkeypatch, fail_at):
+    old = lora_model(1)
+    path = save_adapter(old, tmp_path / "adapter")
+    expected = outputs(old)
+    real_replace, calls = os.replace, []
+
+    def flaky_replace(src, dst):
+        calls.append(src)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device (simulated)")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", flaky_replace)
+    with pytest.raises(OSError, match="simulated"):
+        save_adapter(lora_model(2), path)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert leftovers(path) == []
+    torch.testing.assert_close(loaded_outputs(path), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("which", ["weights", "config"])
+def test_failed_write_during_save_keeps_the_old_pair_and_no_tmp(tmp_path, monkeypatch, which):
+    old = lora_model(1)
+    path = save_adapter(old, tmp_path / "adapter")
+    import minlora.adapters as adapters
+
+    def half_written(tensors, filename, metadata=None):  # dies after writing part of the file
+        Path(filename).write_bytes(b"\x00" * 100)
+        raise OSError(28, "No space left on device (simulated)")
+
+    if which == "weights":
+        monkeypatch.setattr(adapters, "save_file", half_written)
+    else:
+        monkeypatch.setattr(adapters, "_json_text", lambda data: (_ for _ in ()).throw(OSError("disk full (simulated)")))
+    with pytest.raises(OSError, match="simulated"):
+        save_adapter(lora_model(2), path)
+    assert leftovers(path) == []
+    torch.testing.assert_close(loaded_outputs(path), outputs(old), rtol=0, atol=0)
+
+
+def crash_images(path: Path, new: nn.Module, monkeypatch, tmp_path: Path) -> dict[str, Path]:
+    """Run ``save_adapter(new, path)`` and copy the directory, as it is on disk, at every point where
+    a crash could stop the save: mid-write of the new weights, before and after each rename. A copy is
+    exactly what a killed process would leave (no cleanup, no rollback)."""
+    import shutil
+
+    import minlora.adapters as adapters
+
+    images: dict[str, Path] = {}
+
+    def image(label: str) -> None:
+        images[label] = Path(shutil.copytree(path, tmp_path / "images" / label))
+
+    real_replace, real_save_file, count = os.replace, adapters.save_file, [0]
+
+    def replace(src, dst):
+        count[0] += 1
+        image(f"before rename {count[0]}")
+        real_replace(src, dst)
+        image(f"after rename {count[0]}")
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 100)  # a half-written temp file
+        image("mid-write of the weights")
+        real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(adapters, "save_file", save_file)
+    save_adapter(new, path)
+    monkeypatch.undo()
+    return images
+
+
+def test_a_crash_at_any_step_leaves_a_whole_pair(tmp_path, monkeypatch):
+    """Overwriting an adapter: until the new config is in place the directory loads as the old
+    adapter, afterwards as the new one; never a mix. The next save tidies whatever was left."""
+    old, new = lora_model(1), lora_model(2)
+    path = save_adapter(old, tmp_path / "adapter")
+    images = crash_images(path, new, monkeypatch, tmp_path)
+    assert len(images) == 1 + 2 * 3  # mid-write, then 3 renames (old weights aside, new weights, new config)
+    old_out, new_out = outputs(old), outputs(new)
+    for label, image in images.items():
+        expected = new_out if label == "after rename 3" else old_out
+        torch.testing.assert_close(loaded_outputs(image), expected, rtol=0, atol=0, msg=f"crash {label}")
+        save_adapter(new, image)
+        assert leftovers(image) == [], f"crash {label}: {leftovers(image)}"
+        torch.testing.assert_close(loaded_outputs(image), new_out, rtol=0, atol=0, msg=f"crash {label}")
+
+
+def test_successful_overwrite_leaves_only_the_pair(tmp_path):
+    path = save_adapter(lora_model(1), tmp_path / "adapter")
+    save_adapter(lora_model(2), path)
+    assert leftovers(path) == []
+    torch.testing.assert_close(loaded_outputs(path), outputs(lora_model(2)), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- PEFT files
+@pytest.fixture
+def peft_dir(tmp_path):
+    model = tiny_gpt()
+    minlora.add_lora(model, LoRAConfig(rank=2, alpha=4, target_modules=("c_attn", "c_fc")))
+    randomize(model, 1)
+    return minlora.export_peft_adapter(model, tmp_path / "peft")
+
+
+def edit_peft_config(path: Path, **changes) -> None:
+    config = json.loads((path / PEFT_CONFIG_NAME).read_text())
+    config.update(changes)
+    (path / PEFT_CONFIG_NAME).write_text(json.dumps(config))
+
+
+PEFT_DAMAGE = {
+    "truncated config": (lambda p: (p / PEFT_CONFIG_NAME).write_text("{\"peft_type\": \"LO"), "is not valid JSON",
+                         PEFT_CONFIG_NAME),
+    "r as text": (lambda p: edit_peft_config(p, r="2"), "r must be a positive integer", PEFT_CONFIG_NAME),
+    "alpha inf": (lambda p: edit_peft_config(p, lora_alpha=float("inf")), "lora_alpha must be a finite",
+                  PEFT_CONFIG_NAME),
+    "bad rank_pattern": (lambda p: edit_peft_config(p, rank_pattern={"c_fc": 0}), "rank_pattern must map",
+                         PEFT_CONFIG_NAME),
+    "truncated weights": (lambda p: (p / PEFT_WEIGHTS_NAME).write_bytes((p / PEFT_WEIGHTS_NAME).read_bytes()[:-40]),
+                          "not a readable safetensors file", PEFT_WEIGHTS_NAME),
+    "NaN factor": (lambda p: save_file({k: (v.fill_(float("nan")) if k == last_key(load_file(str(p / PEFT_WEIGHTS_NAME)))
+                                            else v) for k, v in load_file(str(p / PEFT_WEIGHTS_NAME)).items()},
+                                       str(p / PEFT_WEIGHTS_NAME)),
+                   "NaN/inf", PEFT_WEIGHTS_NAME),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PEFT_DAMAGE))
+def test_damaged_peft_adapter_is_a_named_error_and_changes_nothing(peft_dir, case):
+    damage, message, filename = PEFT_DAMAGE[case]
+    damage(peft_dir)
+    model = tiny_gpt()
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match=message) as info:
+        minlora.import_peft_adapter(model, peft_dir)
+    assert filename in str(info.value)
+    assert_unchanged(model, before)
+
+
+def test_peft_round_trip_still_exact(peft_dir):
+    """The layout protocol (GPT.peft_adapter_layout) keeps export + import exact."""
+    source = tiny_gpt()
+    minlora.add_lora(source, LoRAConfig(rank=2, alpha=4, target_modules=("c_attn", "c_fc")))
+    randomize(source, 1)
+    model = tiny_gpt()
+    minlora.import_peft_adapter(model, peft_dir)
+    torch.testing.assert_close(outputs(model), outputs(source), rtol=0, atol=0)
+    assert json.loads((peft_dir / PEFT_CONFIG_NAME).read_text())["fan_in_fan_out"] is True

@@ -1,0 +1,102 @@
+"""Bad LoRA settings fail when the config / parametrization is built, with the field named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import minlora
+from minlora import LoRAConfig, LoRAParametrization
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rank", 0, "rank must be a positive integer"),
+    ("rank", -4, "rank must be a positive integer"),
+    ("rank", 2.0, "rank must be a positive integer"),
+    ("rank", True, "rank must be a positive integer"),
+    ("rank", "8", "rank must be a positive integer"),
+    ("alpha", NAN, "alpha must be a finite number"),
+    ("alpha", INF, "alpha must be a finite number"),
+    ("alpha", -INF, "alpha must be a finite number"),
+    ("alpha", 0.0, r"alpha must be in \(0, inf\)"),
+    ("alpha", -1.0, r"alpha must be in \(0, inf\)"),
+    ("alpha", True, "alpha must be a number"),
+    ("alpha", "16", "alpha must be a number"),
+    ("dropout", NAN, "dropout must be a finite number"),
+    ("dropout", INF, "dropout must be a finite number"),
+    ("dropout", 1.0, r"dropout must be in \[0, 1\)"),
+    ("dropout", -0.1, r"dropout must be in \[0, 1\)"),
+    ("dropout", False, "dropout must be a number"),
+    ("use_rslora", "yes", "use_rslora must be True or False"),
+    ("include_lm_head", 1, "include_lm_head must be True or False"),
+])
+def test_lora_config_rejects_bad_settings(field, value, message):
+    with pytest.raises(ValueError, match=rf"LoRAConfig\.{message}"):
+        LoRAConfig(**{field: value})
+
+
+def test_lora_config_from_dict_checks_too():
+    # JSON allows NaN: a config file with "alpha": NaN must not get through either
+    with pytest.raises(ValueError, match="alpha must be a finite number"):
+        LoRAConfig.from_dict({"rank": 4, "alpha": NAN})
+
+
+def test_good_settings_still_build():
+    config = LoRAConfig(rank=1, alpha=0.5, dropout=0.0)
+    assert (config.rank, config.alpha, config.dropout) == (1, 0.5, 0.0)
+    assert LoRAConfig(alpha=16, dropout=0.999).alpha == 16  # an int alpha is a number
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rank=0), "rank must be a positive integer"),
+    (dict(rank=True), "rank must be a positive integer"),
+    (dict(lora_alpha=NAN), "lora_alpha must be a finite number"),
+    (dict(lora_alpha=INF), "lora_alpha must be a finite number"),
+    (dict(lora_alpha=0), "lora_alpha must not be 0"),
+    (dict(lora_alpha=True), "lora_alpha must be a number"),
+    (dict(lora_dropout_p=NAN), "lora_dropout_p must be a finite number"),
+    (dict(lora_dropout_p=1.0), r"lora_dropout_p must be in \[0, 1\)"),
+    (dict(lora_dropout_p=-0.5), r"lora_dropout_p must be in \[0, 1\)"),
+])
+@pytest.mark.parametrize("constructor", ["from_linear", "from_embedding", "from_conv2d"])
+def test_parametrization_constructors_reject_bad_settings(constructor, kwargs, message):
+    layer = {"from_linear": nn.Linear(8, 4), "from_embedding": nn.Embedding(10, 4),
+             "from_conv2d": nn.Conv2d(2, 3, 3)}[constructor]
+    with pytest.raises(ValueError, match=f"LoRAParametrization: {message}"):
+        getattr(LoRAParametrization, constructor)(layer, **kwargs)
+
+
+def test_parametrization_direct_and_set_scaling():
+    with pytest.raises(ValueError, match="fan_in must be a positive integer"):
+        LoRAParametrization(0, 4)
+    lora = LoRAParametrization(8, 4, rank=2, lora_alpha=-2.0)  # a negative alpha is allowed: it only scales
+    assert lora.scaling == -1.0
+    with pytest.raises(ValueError, match="set_scaling: lora_alpha must be a finite number"):
+        lora.set_scaling(NAN)
+    assert lora.scaling == -1.0  # unchanged by the refused call
+
+
+def test_nan_alpha_never_reaches_a_forward():
+    """The failure the checks exist for: alpha=nan used to make every output NaN, silently."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(ValueError):
+        minlora.add_lora(model, LoRAConfig(alpha=NAN))
+    assert not minlora.lora_sites(model)
+    minlora.add_lora(model, LoRAConfig(alpha=2.0))
+    assert all(math.isfinite(v) for v in model(torch.randn(3, 8)).flatten().tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, "bfloat16", torch.bool])
+def test_save_dtype_must_be_a_floating_torch_dtype(dtype, tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8))
+    minlora.add_lora(model)
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+        minlora.save_adapter(model, tmp_path / "a", dtype=dtype)
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+        minlora.export_peft_adapter(model, tmp_path / "p", dtype=dtype)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "p").exists()
