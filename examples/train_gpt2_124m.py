@@ -12,7 +12,7 @@ torch.compile, vocab padded to 50304. Every 250 steps: validation loss and Hella
     torchrun --standalone --nproc_per_node 1 examples/train_gpt2_124m.py --micro-batch-size 32
 
 On 8 A100/H100 GPUs the run takes a few hours; see docs/distributed.md. This script is
-`gpt2 train --recipe gpt2-124m`.
+`gpt2 train --recipe gpt2-124m-fineweb`.
 """
 
 import sys
@@ -20,5 +20,5 @@ import sys
 from gpt2.cli import run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("train", prog="train_gpt2_124m.py", defaults={"recipe": "gpt2-124m"},
+    sys.exit(run_command("train", prog="train_gpt2_124m.py", defaults={"recipe": "gpt2-124m-fineweb"},
                          description=__doc__))

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import PRESETS, GPTConfig, TrainConfig
+from .config import SHAPES, GPTConfig, TrainConfig
 from .metrics import mfu as model_flops_utilisation
 from .model import GPT
 
@@ -38,10 +38,6 @@ RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab_pad", "fused_adamw")
 
 # Shapes for the ladder: the GPT-2 presets, and "tiny" for CPU smoke runs (GPT-2's vocabulary, so
 # the vocab_pad rung still pads 50257 to 50304).
-MODEL_SHAPES: dict[str, dict[str, int]] = {
-    "tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=256),
-    **PRESETS,
-}
 
 
 @dataclass
@@ -75,9 +71,9 @@ def rung_settings(rung: str) -> dict[str, Any]:
 
 
 def model_config(model: str, **overrides: Any) -> GPTConfig:
-    if model not in MODEL_SHAPES:
-        raise ValueError(f"unknown model {model!r}; choose from {sorted(MODEL_SHAPES)}")
-    return GPTConfig(**{**MODEL_SHAPES[model], **overrides})
+    if model not in SHAPES:
+        raise ValueError(f"unknown model {model!r}; choose from {sorted(SHAPES)}")
+    return GPTConfig(**{**SHAPES[model], **overrides})
 
 
 def run_ladder(

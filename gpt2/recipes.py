@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from .config import PRESETS
+from .config import SHAPES
 # Suffixes of token files (.npy shards, llm.c / nanoGPT .bin); anything else given as --data is
 # read as UTF-8 text and tokenised.
 from .data.formats import TOKEN_SUFFIXES
@@ -37,14 +37,6 @@ logger = logging.getLogger(__name__)
 
 class UsageError(Exception):
     """Bad options, values or files: the command line reports it in one line, exit code 2."""
-
-
-@dataclass(frozen=True)
-class ByDevice:
-    """An option default that differs on a CUDA GPU and on a CPU."""
-
-    cuda: Any
-    cpu: Any
 
 
 def uses_cuda(device: str | None) -> bool:
@@ -510,25 +502,15 @@ def export_job(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- training
-# Model shapes for --model: GPT-2's presets plus two small ones for CPUs and tests.
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    **PRESETS,  # gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1558M)
-    # ~7M parameters, 6.4M of them the 50257 x 128 token embedding: trains at a few steps per
-    # second on a laptop CPU, where the 50257-way softmax is most of the cost.
-    "mini": dict(n_layer=4, n_head=4, n_embd=128),
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32),  # for tests and smoke runs
-}
-
-
 def model_config_from(args: argparse.Namespace) -> Any:
     """The :class:`gpt2.GPTConfig` of ``--model`` with the ``--n-layer`` / ``--n-head`` /
     ``--n-embd`` / ``--block-size`` / ``--dropout`` / ``--pad-vocab-multiple`` / ``--flash``
     overrides; the context defaults to ``--seq-len``."""
     from .config import GPTConfig
 
-    if args.model not in MODEL_SIZES:
-        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
-    dims = dict(MODEL_SIZES[args.model])
+    if args.model not in SHAPES:
+        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(SHAPES)}")
+    dims = dict(SHAPES[args.model])
     for name in ("n_layer", "n_head", "n_embd"):
         if getattr(args, name) is not None:
             dims[name] = getattr(args, name)

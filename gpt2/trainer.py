@@ -308,7 +308,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record."""
         cfg = self.config
-        lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+        lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps,
                    max_steps=cfg.max_steps)
         set_lr(self.optimizer, lr)
         self.train_model.train()

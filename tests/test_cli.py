@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.cli import COMMANDS, main, resolve_options
+from gpt2.cli import COMMANDS, main, parse
 from gpt2.recipes import UsageError, load_model, stream_text
 
 HELLASWAG = [
@@ -78,27 +78,49 @@ def test_top_level_help_and_unknown_command(capsys):
 def test_every_command_has_help(capsys, name):
     code, out, _ = run(capsys, name, "--help")
     assert code == 0
-    assert out.startswith(f"usage: gpt2 {name}") and "--config FILE" in out
+    assert out.startswith(f"usage: gpt2 {name}") and "--config FILE" in out and "--print-config" in out
 
 
-def test_help_shows_the_effective_defaults(capsys):
-    _, out, _ = run(capsys, "train", "--help")
-    # the shakespeare recipe's device-dependent defaults, not the command's bare ones
-    assert "(default: 0.0006 on CUDA, 0.002 on CPU)" in " ".join(out.split())
-    assert "ROMEO:" in out
+def test_help_comes_from_the_dataclasses(capsys):
+    """Every TrainConfig field is a flag, with its comment as help and the recipe's value as default."""
+    import dataclasses
+
+    from gpt2 import TrainConfig
+
+    _, out, _ = run(capsys, "train", "--help", "--device", "cpu")
+    text = " ".join(out.replace("│", " ").split())
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "peak learning rate" in text.lower() or "GPT-3 small's peak learning rate" in text
+    assert "(default: 0.002)" in text  # the CPU recipe's max_lr, not TrainConfig's 6e-4
+    _, out, _ = run(capsys, "finetune", "--help", "--device", "cpu")
+    assert "--lora.rank" in out and "--lora.alpha" in out
 
 
 def test_bad_flags_exit_2_with_one_line(capsys):
     code, _, err = run(capsys, "train", "--bogus-flag")
-    assert code == 2 and "unrecognized arguments: --bogus-flag" in err
+    assert code == 2 and "--bogus-flag" in err
     code, _, err = run(capsys, "train", "--max-steps", "many")
-    assert code == 2 and "invalid int value: 'many'" in err
+    assert code == 2 and "many" in err
     code, _, err = run(capsys, "train", "--precision", "fp8")
-    assert code == 2 and "invalid choice: 'fp8'" in err
-    # A value the library rejects (TrainConfig validation): one line, no traceback.
-    code, _, err = run(capsys, "train", *TINY_TRAIN, "--max-steps", "2", "--warmup-steps", "5")
-    assert code == 2 and "warmup_steps (5) exceeds max_steps (2)" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "fp8" in err
+    # Values the library rejects (TrainConfig validation): one line naming the flag, no traceback.
+    for argv, message in [(["--max-steps", "2", "--warmup-steps", "5"], "--warmup-steps (5) exceeds"),
+                          (["--max-lr", "nan"], "--max-lr must be"),
+                          (["--lora.rank", "0"], "--lora.rank")]:
+        command, common = ("finetune", []) if argv[0].startswith("--lora") else ("train", TINY_TRAIN)
+        code, _, err = run(capsys, command, *common, *argv)
+        assert code == 2 and message in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_short_run_scales_the_recipe_warmup(capsys):
+    """The recipe's warmup (20 of 200 steps) shrinks with --max-steps; an explicit one is kept."""
+    cmd = COMMANDS["train"]
+    options, _ = parse(cmd, ["--max-steps", "10", "--device", "cpu"], prog="gpt2 train")
+    assert options.train.max_steps == 10 and options.train.warmup_steps == 1
+    options, _ = parse(cmd, ["--max-steps", "10", "--warmup-steps", "4", "--device", "cpu"], prog="gpt2 train")
+    assert options.train.warmup_steps == 4
 
 
 def test_missing_files_are_clear_errors(capsys, tmp_path, trained_run):
@@ -138,38 +160,59 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     cfg = tmp_path / "run.yaml"
     # YAML 1.1 reads 6e-4 as a string: it must still become a float.
     cfg.write_text("max_steps: 7\nmax-lr: 6e-4\ncompile: 'false'\n")
-    args = resolve_options(cmd, {"config": str(cfg), "max_steps": 9, "device": "cpu"}, {"warmup_steps": 3})
-    assert args.max_steps == 9  # the flag beats the file
-    assert args.max_lr == pytest.approx(6e-4) and isinstance(args.max_lr, float)  # file beats recipe
-    assert args.compile is False
-    assert args.warmup_steps == 3  # the script's default beats the recipe's 20
-    assert args.model == "mini" and args.seq_len == 128  # the recipe's CPU values
-    assert resolve_options(cmd, {"device": "cuda"}).model == "gpt2"  # ... and its CUDA ones
-    # A recipe named in a JSON config file.
+    options, _ = parse(cmd, ["--config", str(cfg), "--max-steps", "9", "--device", "cpu"], prog="gpt2 train",
+                       defaults={"warmup_steps": 3})
+    train = options.train
+    assert train.max_steps == 9  # the flag beats the file
+    assert train.max_lr == pytest.approx(6e-4) and isinstance(train.max_lr, float)  # file beats recipe
+    assert train.compile is False
+    assert train.warmup_steps == 3  # the script's default beats the recipe's 20
+    assert options.shape.model == "mini" and train.seq_len == 128  # the recipe's CPU values
+    assert parse(cmd, ["--device", "cuda"], prog="gpt2 train")[0].shape.model == "gpt2"  # ... and its CUDA ones
+    # A recipe named in a config file (JSON is YAML too), and the recipe's earlier name.
     cfg_json = tmp_path / "run.json"
     cfg_json.write_text(json.dumps({"recipe": "gpt2-124m", "micro_batch_size": 2}))
-    args = resolve_options(cmd, {"config": str(cfg_json), "device": "cpu"})
-    assert (args.total_batch_size, args.warmup_steps, args.max_steps, args.micro_batch_size) == (524288, 715, 19073, 2)
-    assert args.hellaswag == "auto" and args.resume == "auto"
+    options, _ = parse(cmd, ["--config", str(cfg_json), "--device", "cpu"], prog="gpt2 train")
+    train = options.train
+    assert (train.total_batch_size, train.warmup_steps, train.max_steps, train.micro_batch_size) == (524288, 715, 19073, 2)
+    assert options.hellaswag == "auto" and train.resume == "auto"
 
 
-def test_config_file_errors(tmp_path):
-    cmd = COMMANDS["train"]
+def test_recipe_files_and_print_config_round_trip(tmp_path, capsys):
+    """--print-config writes a file that --config reads back to the same options; a recipe can be a path."""
+    code, out, _ = run(capsys, "finetune", "--device", "cpu", "--print-config", "--lora-rank", "4",
+                       "--lora-targets", "attn.c_attn", "mlp.c_fc", "-n", "3", "--steps", "7")
+    assert code == 0
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(out)
+    cmd = COMMANDS["finetune"]
+    again, _ = parse(cmd, ["--config", str(printed)], prog="gpt2 finetune")
+    assert again.lora.rank == 4 and again.lora.target_modules == ("attn.c_attn", "mlp.c_fc")
+    assert again.sampling.num_samples == 3 and again.train.max_steps == 7
+    code, out2, _ = run(capsys, "finetune", "--config", printed, "--print-config")
+    assert out2.splitlines()[1:] == out.splitlines()[1:]
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model: tiny\nmax_steps: 5\nwarmup_steps: 0\n")
+    options, _ = parse(COMMANDS["train"], ["--recipe", str(recipe)], prog="gpt2 train")
+    assert options.shape.model == "tiny" and options.train.max_steps == 5 and options.train.seq_len == 1024
+
+
+def test_config_file_errors(tmp_path, capsys):
     cases = {
         "a.yaml": ("max_stepz: 3\n", "unknown option 'max_stepz'"),
-        "b.yaml": ("max_steps: many\n", "expected int"),
+        "b.yaml": ("max_steps: many\n", "expected an integer"),
         "c.yaml": ("max_steps: 2.5\n", "expected an integer"),
         "d.yaml": ("- 1\n- 2\n", "must hold a mapping"),
-        "e.json": ("{not json", "not valid JSON"),
+        "e.json": ("{not json", "not valid YAML"),
         "f.yaml": ("precision: fp8\n", "not one of"),
         "g.yaml": ("compile: perhaps\n", "expected true or false"),
-        "h.toml": ("max_steps = 3\n", "must end in .yaml"),
+        "h.yaml": ("max_lr: .nan\n", "--max-lr must be"),
     }
     for name, (text, message) in cases.items():
         path = tmp_path / name
         path.write_text(text)
-        with pytest.raises(UsageError, match=message):
-            resolve_options(cmd, {"config": str(path)})
+        code, _, err = run(capsys, "train", "--config", path, "--device", "cpu")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (name, err)
 
 
 # --------------------------------------------------------------------------- the commands
