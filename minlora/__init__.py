@@ -12,7 +12,7 @@ minlora's format and in PEFT's. See docs/lora.md.
     minlora.save_adapter(model, "out/adapter")
 """
 
-from .adapters import AdapterFileError, export_peft_adapter, import_peft_adapter, load_adapter, save_adapter
+from .adapters import AdapterFileError, load_adapter, save_adapter
 from .config import LoRAConfig
 from .model import (
     LoRAParametrization,
@@ -25,6 +25,7 @@ from .model import (
     merge_lora,
     remove_lora,
 )
+from .peft import export_peft_adapter, import_peft_adapter
 from .utils import (
     ParameterCount,
     apply_to_lora,

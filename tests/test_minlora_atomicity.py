@@ -17,8 +17,8 @@ import minlora
 from gpt2.config import GPTConfig
 from gpt2.model import GPT
 from minlora import AdapterFileError, LoRAConfig, LoRAParametrization
-from minlora.adapters import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME,
-                              load_adapter, save_adapter)
+from minlora.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_adapter, save_adapter
+from minlora.peft import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 
 
 def tiny_gpt(seed: int = 0) -> GPT:
@@ -306,7 +306,7 @@ def test_failed_write_during_save_keeps_the_old_pair_and_no_tmp(tmp_path, monkey
     if which == "weights":
         monkeypatch.setattr(adapters, "save_file", half_written)
     else:
-        monkeypatch.setattr(adapters, "_json_text", lambda data: (_ for _ in ()).throw(OSError("disk full (simulated)")))
+        monkeypatch.setattr(adapters, "json_text", lambda data: (_ for _ in ()).throw(OSError("disk full (simulated)")))
     with pytest.raises(OSError, match="simulated"):
         save_adapter(lora_model(2), path)
     assert leftovers(path) == []

@@ -12,9 +12,9 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from gpt2.hf import from_pretrained  # noqa: E402
-from minlora.adapters import PEFT_CONFIG_NAME, export_peft_adapter, import_peft_adapter  # noqa: E402
 from minlora.config import LoRAConfig  # noqa: E402
 from minlora.model import add_lora, lora_sites  # noqa: E402
+from minlora.peft import PEFT_CONFIG_NAME, export_peft_adapter, import_peft_adapter  # noqa: E402
 from minlora.utils import get_lora_params  # noqa: E402
 
 VOCAB = 100  # not a multiple of 64: with pad_vocab_multiple=64 our model has 128 rows, HF has 100
