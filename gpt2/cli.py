@@ -526,6 +526,10 @@ def _trainer_opts(*, out_dir: str, steps: Any, batch: Any, seq_len: Any, lr: Any
         opt("--log-interval", default=10, type=int, help="console line every N steps"),
         opt("--progress", default=True, type=bool, help="progress bar"),
         opt("--plot", default=True, type=bool, help="loss-curve PNG in the run directory at the end"),
+        opt("--log-to", default=[], nargs="*", metavar="SINK",
+            help="also log metrics to tensorboard and/or wandb (e.g. --log-to tensorboard wandb, or tensorboard,wandb): "
+                 "<out-dir>/tensorboard, <out-dir>/wandb (W&B runs offline unless an API key is set; "
+                 "$WANDB_PROJECT / $WANDB_NAME name the run); needs pip install 'gpt2-minlora[tensorboard]' / [wandb]"),
         opt("--peak-flops", default=None, type=optional_float, help="peak FLOP/s of one GPU for MFU; none = from its name"),
         opt("--max-bad-steps", default=5, type=int, help="stop after this many non-finite steps in a row"),
         opt("--seed", default=1337, type=int, help="seed of weights, data order and samples"),
