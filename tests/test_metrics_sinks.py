@@ -134,3 +134,23 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, target, module):
     # the Trainer fails before the first step, leaving no half-started sink behind
     with pytest.raises(ImportError, match=rf"gpt2-minlora\[{target}\]"):
         _fit(tmp_path, ("tensorboard", target) if target == "wandb" else (target,), steps=1)
+
+
+def test_validation_and_final_evaluation_show_progress(tmp_path, capsys):
+    """No silent evaluation: a 'val' bar (and 'evaluating' on the training bar) inside fit, an
+    'eval' bar for evaluate_loss(progress=True), which computes the same loss as without it."""
+    from gpt2.eval import evaluate_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    tokens = torch.randint(0, 64, (2048,), generator=torch.Generator().manual_seed(1))
+    config = TrainConfig(micro_batch_size=2, seq_len=16, max_steps=2, eval_interval=2, eval_steps=3,
+                         out_dir=None, device="cpu", progress=True)
+    Trainer(model, config, tokens, tokens, sinks=[]).fit()
+    err = capsys.readouterr().err
+    assert "evaluating" in err and "val: 100%" in err and "3/3" in err
+
+    quiet = evaluate_loss(model, tokens, 2, 16, max_batches=4)
+    assert "eval" not in capsys.readouterr().err
+    shown = evaluate_loss(model, tokens, 2, 16, max_batches=4, progress=True)
+    assert "eval" in capsys.readouterr().err and shown == quiet
