@@ -262,11 +262,12 @@ class Trainer:
         if self.step >= stop:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
+        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
+        # first, so a missing package fails before anything else is opened
+        extra = make_sinks(cfg.log_to, self.out_dir, cfg.to_dict()) if self.is_main and cfg.log_to else []
         jsonl = None
         if self.is_main and self.out_dir is not None:
             jsonl = JSONLSink(self.out_dir / METRICS_FILE, keep_until_step=self.step)
-        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end
-        extra = make_sinks(cfg.log_to, self.out_dir, cfg.to_dict()) if self.is_main and cfg.log_to else []
         bar = self._progress_bar()
         history: list[dict[str, Any]] = []
         pending = False  # a checkpoint is due but was postponed

@@ -131,9 +131,10 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, target, module):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(ImportError, match=rf"pip install 'gpt2-minlora\[{target}\]'"):
         make_sinks([target], tmp_path)
-    # the Trainer fails before the first step, leaving no half-started sink behind
+    # fit() fails before the first step and before opening metrics.jsonl
     with pytest.raises(ImportError, match=rf"gpt2-minlora\[{target}\]"):
         _fit(tmp_path, ("tensorboard", target) if target == "wandb" else (target,), steps=1)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_validation_and_final_evaluation_show_progress(tmp_path, capsys):
