@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 
 import pytest
 import torch
@@ -75,6 +76,8 @@ def _wandb_records(path):
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         chunk = data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind == 1:  # full
@@ -103,10 +106,20 @@ def test_wandb_sink_offline_run_holds_the_history(tmp_path, monkeypatch):
     run, history = _fit(tmp_path, ("wandb",))
     (run_dir,) = (run / "wandb").glob("offline-run-*")
     (log_file,) = run_dir.glob("run-*.wandb")
+
+    def parsed():
+        for raw in _wandb_records(log_file):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            yield record
+
+    # wandb's service process may still be writing the file when finish() returns: wait for the
+    # run's "exit" record (written last) before reading the history
+    deadline = time.time() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in parsed()) and time.time() < deadline:
+        time.sleep(0.2)
     steps = {}
-    for raw in _wandb_records(log_file):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
+    for record in parsed():
         if record.WhichOneof("record_type") == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             steps[row["_step"]] = row
