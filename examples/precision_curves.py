@@ -12,8 +12,13 @@ To keep a CPU run short the text's GPT-2 token ids are renumbered to the ~11.5k 
 Shakespeare actually uses (the output layer shrinks 4x); the precision effects do not depend on
 the vocabulary size.
 
-    python examples/precision_curves.py                          # docs/figures, 150 steps
+    python examples/precision_curves.py                          # runs/precision_curves, 150 steps
+    python examples/precision_curves.py --out docs/figures       # update the figures of the docs
     python examples/precision_curves.py --steps 300 --out /tmp/figures --precisions fp32,bf16
+    python examples/precision_curves.py --replot docs/figures/precision_curves.json --out docs/figures
+
+``--replot JSON`` redraws the loss-curve figure from a saved precision_curves.json without
+training (the gradient histogram needs the gradients themselves, so it is not redrawn).
 """
 
 from __future__ import annotations
@@ -39,11 +44,17 @@ FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_MIN_NORMAL = float(torch.finfo(torch.float16).tiny)  # 6.1e-5
 FP16_MIN_SUBNORMAL = 2.0**-24  # 6.0e-8: anything smaller rounds to zero
 COLORS = {"fp32": "#1f77b4", "bf16": "#2ca02c", "fp16": "#d62728", "tf32": "#9467bd"}
+# The runs' losses agree to ~0.01, so colour alone leaves one visible curve: each precision also
+# gets its own line style and marker, and a second panel shows the difference from fp32.
+STYLES = {"fp32": ("-", "o"), "bf16": ("--", "s"), "fp16": (":", "^"), "tf32": ("-.", "D")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="docs/figures", help="output directory (default: docs/figures)")
+    p.add_argument("--out", default="runs/precision_curves",
+                   help="output directory (default: runs/precision_curves; docs/figures updates the docs' figures)")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="redraw precision_loss_curves.png from this precision_curves.json instead of training")
     p.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated runs (default: fp32,bf16,fp16)")
     p.add_argument("--steps", type=int, default=150, help="training steps per run (default: 150)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
@@ -71,7 +82,8 @@ def train(precision: str, tokens: np.ndarray, vocab: int, args: argparse.Namespa
                          warmup_steps=max(1, args.steps // 10), max_lr=args.max_lr, precision=precision,
                          device=args.device, out_dir=None, progress=False, eval_interval=0, seed=args.seed)
     start = time.time()
-    with Trainer(model, config, tokens, sinks=[]) as trainer:
+    print(f"{precision}: training {args.steps} steps ...", flush=True)
+    with Trainer(model, config, tokens, sinks=[ProgressLines(precision, args.steps)]) as trainer:
         history = trainer.fit()
         seconds = time.time() - start
         grads = gradient_sample(trainer) if precision == "fp32" else None
@@ -87,6 +99,23 @@ def train(precision: str, tokens: np.ndarray, vocab: int, args: argparse.Namespa
     }
 
 
+class ProgressLines:
+    """A Trainer sink: one line at most every ``every`` seconds (and at the last step), so a slow
+    run (fp16 autocast on a CPU: minutes) is never silent for long."""
+
+    def __init__(self, name: str, steps: int, every: float = 5.0):
+        self.name, self.steps, self.every = name, steps, every
+        self.start = self.last = time.time()
+
+    def log(self, record: dict) -> None:
+        now = time.time()
+        if now - self.last >= self.every or record["step"] == self.steps:
+            self.last = now
+            per_step = (now - self.start) / record["step"]
+            print(f"  {self.name}: step {record['step']}/{self.steps}, loss {record['loss']:.4f}, "
+                  f"{per_step:.2f} s/step", flush=True)
+
+
 def gradient_sample(trainer: Trainer) -> np.ndarray:
     """|gradient| of every weight after one more fp32 backward on the next batch."""
     model = trainer.model
@@ -100,37 +129,60 @@ def gradient_sample(trainer: Trainer) -> np.ndarray:
 
 
 def plot_losses(runs: list[dict], path: Path) -> None:
+    """Loss per step (each precision its own colour, line style and marker), the difference from
+    fp32 (the curves themselves overlap), and the fp16 run's loss scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fp32 = next((r for r in runs if r["precision"] == "fp32"), None)
+    others = [r for r in runs if r is not fp32]
     fp16 = next((r for r in runs if r["precision"] == "fp16"), None)
-    fig, axes = plt.subplots(1, 2 if fp16 else 1, figsize=(10 if fp16 else 6, 4), squeeze=False)
-    ax = axes[0][0]
+    panels = ["loss"] + (["diff"] if fp32 is not None and others else []) + (["scale"] if fp16 else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+
+    def style(run: dict, n: int) -> dict:
+        line, marker = STYLES.get(run["precision"], ("-", "x"))
+        every = max(1, n // 10)
+        offset = runs.index(run) * every // len(runs)  # staggered, so overlapping curves show every marker
+        return dict(color=COLORS.get(run["precision"]), linestyle=line, marker=marker,
+                    markevery=(offset, every), markersize=5, linewidth=1.4, label=run["precision"])
+
+    ax = axes["loss"]
     for run in runs:
         steps = np.arange(1, len(run["loss"]) + 1)
-        # a 10-step moving average: the raw per-batch losses of the three runs overlap too much to read
-        window = min(10, len(steps))
-        smooth = np.convolve(run["loss"], np.ones(window) / window, mode="valid")
-        ax.plot(steps, run["loss"], color=COLORS.get(run["precision"]), alpha=0.25, linewidth=0.8)
-        ax.plot(steps[window - 1:], smooth, color=COLORS.get(run["precision"]), label=f"{run['precision']}",
-                linewidth=1.6)
+        ax.plot(steps, run["loss"], **style(run, len(steps)))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("same model, same batches, three precisions")
+    ax.set_title(f"same model, same batches: {', '.join(r['precision'] for r in runs)}\n"
+                 f"(the curves lie on top of each other)", fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
+    if "diff" in axes:
+        ax = axes["diff"]
+        base = np.asarray(fp32["loss"], dtype=float)
+        for run in others:
+            n = min(len(base), len(run["loss"]))
+            diff = np.asarray(run["loss"][:n], dtype=float) - base[:n]
+            ax.plot(np.arange(1, n + 1), diff, **{**style(run, n), "label": f"{run['precision']} - fp32"})
+        ax.axhline(0.0, color=COLORS["fp32"], linewidth=1, label="fp32 (0)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss difference from fp32")
+        ax.set_title("the same runs, minus the fp32 loss")
+        ax.legend()
+        ax.grid(alpha=0.3)
     if fp16:
-        ax = axes[0][1]
+        ax = axes["scale"]
         scale = [s if s is not None else math.nan for s in fp16["loss_scale"]]
         steps = np.arange(1, len(scale) + 1)
-        ax.step(steps, np.log2(scale), where="post", color=COLORS["fp16"])
+        ax.step(steps, np.log2(scale), where="post", color=COLORS["fp16"], label="fp16 loss scale")
         skipped = [s for s, k in zip(steps, fp16["skipped"]) if k]
         if skipped:
             ax.scatter(skipped, np.log2([scale[s - 1] for s in skipped]), marker="x", color="black",
                        label=f"skipped steps ({len(skipped)})", zorder=3)
-            ax.legend()
+        ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("log2(loss scale)")
         ax.set_title("fp16: GradScaler's loss scale")
@@ -179,6 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        source = Path(args.replot)
+        if not source.is_file():
+            print(f"error: --replot {source}: no such file (a precision_curves.json written by this script)",
+                  file=sys.stderr)
+            return 2
+        runs = json.loads(source.read_text())["runs"]
+        plot_losses(runs, out / "precision_loss_curves.png")
+        print(f"wrote {out / 'precision_loss_curves.png'} (from {source})")
+        return 0
     tokens, vocab = compact_tokens()
     print(f"Tiny Shakespeare: {len(tokens):,} tokens over {vocab:,} distinct ids; {args.steps} steps per run", flush=True)
     runs = [train(p, tokens, vocab, args) for p in precisions]

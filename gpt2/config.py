@@ -112,6 +112,7 @@ class GPTConfig:
 # "auto" picks per device: bf16 on CUDA GPUs that support it, fp16 + loss scaling on older CUDA
 # GPUs, fp32 elsewhere (CPU). See gpt2.precision.
 PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
+LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.metrics.make_sinks
 
 
 @dataclass
@@ -182,6 +183,9 @@ class TrainConfig:
     # Peak FLOP/s of one accelerator for MFU; None = looked up from the GPU's name.
     peak_flops: float | None = None
     plot: bool = True  # loss-curve PNG at the end (needs matplotlib, the [plot] extra)
+    # Extra metric sinks on rank 0: "tensorboard" (out_dir/tensorboard) and/or "wandb" (out_dir/wandb,
+    # offline without an API key); the console and metrics.jsonl are always written.
+    log_to: tuple[str, ...] = ()
     seed: int = 1337  # seeds torch, numpy and random when the Trainer is built
 
     def __post_init__(self) -> None:
@@ -237,6 +241,14 @@ class TrainConfig:
             self.resume = str(self.resume)  # a pathlib.Path is fine too
         if self.out_dir is not None and not isinstance(self.out_dir, str):
             self.out_dir = str(self.out_dir)
+        # "tensorboard,wandb" or ["tensorboard", "wandb"] (a CLI flag / YAML list) -> a tuple
+        names = [self.log_to] if isinstance(self.log_to, str) else list(self.log_to or ())
+        self.log_to = tuple(dict.fromkeys(n.strip().lower() for item in names for n in str(item).split(",") if n.strip()))
+        unknown = [n for n in self.log_to if n not in LOG_TARGETS]
+        if unknown:
+            raise ValueError(f"TrainConfig.log_to: unknown target(s) {unknown}; choose from {list(LOG_TARGETS)}")
+        if self.log_to and self.out_dir is None:
+            raise ValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
         if self.resume == "auto" and self.out_dir is None:
             raise ValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
 
@@ -248,6 +260,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["betas"] = list(self.betas)  # JSON has no tuples
+        data["log_to"] = list(self.log_to)
         return data
 
     @classmethod

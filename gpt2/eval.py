@@ -91,6 +91,7 @@ def evaluate_loss(
     *,
     split: str | None = None,
     device: torch.device | str | None = None,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Mean next-token cross-entropy of ``model`` over ``data``.
 
@@ -101,12 +102,16 @@ def evaluate_loss(
     never wraps around to read a batch twice).
 
     Returns ``{"loss", "perplexity", "tokens"}``: the mean loss per predicted token,
-    ``exp(loss)``, and how many tokens were scored.
+    ``exp(loss)``, and how many tokens were scored. ``progress=True`` shows a tqdm bar.
     """
     if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
         raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
     device = torch.device(device) if device is not None else _model_device(model)
     batches = _eval_batches(data, batch_size, seq_len, max_batches, split)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, total=max_batches, desc="eval", unit="batch", dynamic_ncols=True, leave=False)
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)

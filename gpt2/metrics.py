@@ -14,6 +14,9 @@ CPU and on GPUs missing from :data:`PEAK_FLOPS` unless a peak is given.
 
 A sink is anything with ``log(record)`` (and optionally ``close()``) or a plain callable; the
 Trainer sends every record to each sink. Replace the console sink to route lines elsewhere.
+Besides the console and ``metrics.jsonl`` (always written), ``TrainConfig.log_to`` adds
+:class:`TensorBoardSink` (``out_dir/tensorboard``) and :class:`WandbSink` (``out_dir/wandb``;
+offline unless an API key is configured); see :func:`make_sinks`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+
+from .config import LOG_TARGETS  # the names TrainConfig.log_to accepts
 
 logger = logging.getLogger(__name__)
 
@@ -214,3 +219,118 @@ def plot_loss_curve(records: Iterable[dict[str, Any]], path: str | os.PathLike) 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     return path
+
+
+# ------------------------------------------------------------------------------------------
+# Optional sinks: TensorBoard and Weights & Biases
+# ------------------------------------------------------------------------------------------
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a record (bools as 0/1), without the step; None values dropped."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" or value is None:
+            continue
+        if isinstance(value, bool):
+            out[key] = float(value)
+        elif isinstance(value, (int, float)):
+            out[key] = float(value)
+    return out
+
+
+def _missing(package: str, extra: str, e: ImportError) -> ImportError:
+    return ImportError(
+        f"logging to {extra} needs the {package!r} package, which is not installed: "
+        f"pip install 'gpt2-minlora[{extra}]' (or pip install {package}) [{e}]"
+    )
+
+
+class TensorBoardSink:
+    """Every numeric entry of every record as a TensorBoard scalar (tag = the record's key, e.g.
+    ``loss``, ``val_loss``, ``lr``), at the record's step, in event files under ``log_dir``.
+    View with ``tensorboard --logdir <out_dir>/tensorboard``."""
+
+    def __init__(self, log_dir: str | os.PathLike):
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        except ImportError as e:
+            raise _missing("tensorboard", "tensorboard", e) from e
+        self.log_dir = Path(log_dir)
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in _scalars(record).items():
+            self.writer.add_scalar(key, value, global_step=record["step"])
+
+    def close(self) -> None:
+        self.writer.close()  # flushes the event file
+
+
+def wandb_mode() -> str:
+    """``$WANDB_MODE`` if set; else "online" when an API key is configured ($WANDB_API_KEY or a
+    ``wandb login`` entry in ~/.netrc), else "offline" (no network needed; ``wandb sync`` uploads later)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode:
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        import netrc
+
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class WandbSink:
+    """Every numeric entry of every record to a Weights & Biases run whose files live in
+    ``out_dir/wandb``. Project and run name: the arguments, else ``$WANDB_PROJECT`` /
+    ``$WANDB_NAME``, else ``"gpt2"`` and the run directory's name. Offline (no network) unless
+    an API key is configured or ``$WANDB_MODE`` says otherwise (:func:`wandb_mode`); an offline
+    run is uploaded later with ``wandb sync <out_dir>/wandb/offline-run-*``."""
+
+    def __init__(self, out_dir: str | os.PathLike, *, project: str | None = None, name: str | None = None,
+                 config: dict[str, Any] | None = None, mode: str | None = None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise _missing("wandb", "wandb", e) from e
+        out_dir = Path(out_dir)
+        (out_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        self.mode = mode or wandb_mode()
+        self.run = wandb.init(
+            dir=str(out_dir),  # wandb adds the "wandb" folder itself
+            project=project or os.environ.get("WANDB_PROJECT") or "gpt2",
+            name=name or os.environ.get("WANDB_NAME") or out_dir.resolve().name,
+            config=config, mode=self.mode,
+        )
+        self.run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
+        if self.mode == "offline":
+            logger.info("W&B offline run in %s (upload later with: wandb sync %s)", self.run_dir, self.run_dir)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(_scalars(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict[str, Any] | None = None) -> list[Any]:
+    """The sinks named in ``targets`` (``"tensorboard"``, ``"wandb"``) writing under ``out_dir``."""
+    sinks: list[Any] = []
+    try:
+        for target in targets:
+            if target == "tensorboard":
+                sinks.append(TensorBoardSink(Path(out_dir) / "tensorboard"))
+            elif target == "wandb":
+                sinks.append(WandbSink(out_dir, config=config))
+            else:
+                raise ValueError(f"unknown log target {target!r}; choose from {LOG_TARGETS}")
+    except BaseException:
+        for sink in sinks:  # the ones already started
+            sink.close()
+        raise
+    return sinks

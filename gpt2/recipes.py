@@ -458,7 +458,7 @@ def eval_job(args: argparse.Namespace) -> dict[str, Any]:
             source = split_tokens(source, args.val_fraction, args.data)[1]
         start = time.time()
         loss = evaluate_loss(model, source, args.batch_size, seq_len, args.max_batches, autocast, split=split,
-                             device=device)
+                             device=device, progress=True)
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], tokens=loss["tokens"])
         print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | "
               f"{loss['tokens']:,} tokens | {time.time() - start:.1f} s")
@@ -588,7 +588,8 @@ def _final_report(trainer: Any, args: argparse.Namespace, val: Any, *, extra: di
     if val is not None:
         split = "val" if isinstance(val, Path) else None
         loss = evaluate_loss(trainer.model, val, trainer.config.micro_batch_size, trainer.config.seq_len,
-                             max_batches=args.final_eval_batches, autocast=trainer.precision.autocast, split=split)
+                             max_batches=args.final_eval_batches, autocast=trainer.precision.autocast, split=split,
+                             progress=trainer.config.progress)
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
         print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
     if args.num_samples > 0:
@@ -687,7 +688,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
                 split = "val" if isinstance(val, Path) else None
                 loss = evaluate_loss(trainer.model, val, config.micro_batch_size, config.seq_len,
                                      max_batches=args.final_eval_batches, autocast=trainer.precision.autocast,
-                                     split=split)
+                                     split=split, progress=config.progress)
                 before["val_loss_before"] = loss["loss"]
                 print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
             if args.num_samples > 0:
@@ -721,15 +722,17 @@ def bench_job(args: argparse.Namespace) -> list[Any]:
 
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()] if args.rungs else list(RUNGS)
     where = torch.cuda.get_device_name() if uses_cuda(args.device) else "CPU"
-    print(f"{args.model}, B={args.batch_size}, T={args.seq_len}, {args.steps} timed steps after {args.warmup} "
-          f"warm-up steps, on {where} (torch {torch.__version__})", flush=True)
+    print(f"{args.model}, B={args.batch_size}, T={args.seq_len}, {args.repeats} x {args.steps} timed steps after "
+          f"{args.warmup} warm-up steps per rung, on {where} (torch {torch.__version__})", flush=True)
     results = run_ladder(
         args.model, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
-        rungs=rungs, device=args.device, compile=args.compile, peak_flops=args.peak_flops,
+        repeats=args.repeats, rungs=rungs, device=args.device, compile=args.compile, peak_flops=args.peak_flops,
         vocab_size=args.vocab_size,
+        # one line per rung as it finishes (a compiled rung takes a minute), then the table
         on_result=lambda r: print(f"  {r.rung}: " + (r.note if r.skipped else f"{r.ms_per_step:.1f} ms/step"),
                                   flush=True),
     )
+    print()
     print(format_table(results))
     if args.json:
         out = Path(args.json)

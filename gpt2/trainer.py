@@ -54,6 +54,7 @@ from .metrics import (
     ConsoleSink,
     JSONLSink,
     detect_peak_flops,
+    make_sinks,
     mfu,
     plot_loss_curve,
     read_jsonl,
@@ -267,6 +268,9 @@ class Trainer:
         if self.step >= stop:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
+        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
+        # first, so a missing package fails before anything else is opened
+        extra = make_sinks(cfg.log_to, self.out_dir, cfg.to_dict()) if self.is_main and cfg.log_to else []
         jsonl = None
         if self.is_main and self.out_dir is not None:
             jsonl = JSONLSink(self.out_dir / METRICS_FILE, keep_until_step=self.step)
@@ -277,10 +281,12 @@ class Trainer:
             while self.step < stop:
                 record = self.train_step()
                 if self._due(cfg.eval_interval) and self.val_loader is not None:
+                    if bar is not None:  # evaluation takes a while on a CPU: say so on the bar
+                        bar.set_postfix_str("evaluating ...")
                     record["val_loss"] = self.evaluate()
                 for callback in self.callbacks:
                     callback(self, record)
-                self._emit(record, jsonl, bar)
+                self._emit(record, jsonl, bar, extra)
                 history.append(record)
                 if self.consecutive_bad_steps >= cfg.max_bad_steps:
                     raise self._diverged(record)
@@ -297,6 +303,8 @@ class Trainer:
                 bar.close()
             if jsonl is not None:
                 jsonl.close()
+            for sink in extra:
+                sink.close()
         if self.is_main and self.out_dir is not None and cfg.plot:
             plot_loss_curve(read_jsonl(self.out_dir / METRICS_FILE), self.out_dir / PLOT_FILE)
         return history
@@ -418,8 +426,14 @@ class Trainer:
         model.eval()
         self.val_loader.reset()  # the same batches every time, so evaluations are comparable
         total = torch.zeros((), device=self.device)
+        batches = range(steps)
+        if self.is_main and self.config.progress:
+            from tqdm.auto import tqdm
+
+            # a second, transient bar under the training bar while validation runs
+            batches = tqdm(batches, desc="val", unit="batch", leave=False, dynamic_ncols=True)
         try:
-            for _ in range(steps):
+            for _ in batches:
                 x, y = self._to_device(*self.val_loader.next_batch())
                 with self.precision.autocast():
                     _, loss = model(x, y)
@@ -504,11 +518,11 @@ class Trainer:
 
         return tqdm(total=self.config.max_steps, initial=self.step, unit="step", desc="train", dynamic_ncols=True)
 
-    def _emit(self, record: dict[str, Any], jsonl: JSONLSink | None, bar) -> None:
+    def _emit(self, record: dict[str, Any], jsonl: JSONLSink | None, bar, extra: list[Any] = ()) -> None:
         self.history.append(record)
         if jsonl is not None:
             jsonl.log(record)
-        for sink in self.sinks:
+        for sink in [*self.sinks, *extra]:
             sink.log(record) if hasattr(sink, "log") else sink(record)
         if bar is not None:
             # postfix first: update() redraws the bar, which then shows this step's loss

@@ -369,9 +369,11 @@ def test_prepare_text_and_jsonl(tmp_path, capsys):
 def test_bench_runs_the_ladder(tmp_path, capsys):
     out = tmp_path / "ladder.json"
     code, stdout, err = run(capsys, "bench", "--device", "cpu", "--rungs", "fp32,bf16", "--steps", "1", "--warmup", "0",
-                            "--batch-size", "2", "--seq-len", "16", "--json", out)
+                            "--repeats", "2", "--batch-size", "2", "--seq-len", "16", "--json", out)
     assert code == 0, err
     assert "rung" in stdout and "fp32" in stdout and "bf16" in stdout
+    # one table, not the Trainer's set-up lines once per rung
+    assert "training on" not in stdout + err and "AdamW groups" not in stdout + err
     results = json.loads(out.read_text())["results"]
     assert [r["rung"] for r in results] == ["fp32", "bf16"]
-    assert all(r["ms_per_step"] > 0 for r in results)
+    assert all(r["ms_per_step"] > 0 and len(r["repeat_ms"]) == 2 for r in results)

@@ -275,3 +275,9 @@ def test_precision_curves_script(tmp_path):
     for name in ("precision_loss_curves.png", "fp16_gradient_range.png"):
         assert (tmp_path / name).stat().st_size > 1000
     assert "wrote" in stdout
+    assert "fp16: step 3/3" in stdout  # per-run progress lines (the last step always gets one)
+    # --replot redraws the loss curves from the JSON alone, without training
+    replot = tmp_path / "replot"
+    stdout = ok(script("precision_curves.py", "--replot", tmp_path / "precision_curves.json", "--out", replot))
+    assert (replot / "precision_loss_curves.png").stat().st_size > 1000
+    assert sorted(p.name for p in replot.iterdir()) == ["precision_loss_curves.png"] and "training" not in stdout

@@ -450,17 +450,28 @@ def test_benchmark_ladder_cpu_smoke(tmp_path):
 
     assert rung_settings("fp32") == dict(precision="fp32", compile=False, flash=False, pad_vocab_multiple=1, fused_adamw=False)
     assert rung_settings("fused_adamw") == dict(precision="bf16", compile=True, flash=True, pad_vocab_multiple=64, fused_adamw=True)
-    results = run_ladder("tiny", batch_size=2, seq_len=16, steps=2, warmup=1, device="cpu", vocab_size=257)
+    results = run_ladder("tiny", batch_size=2, seq_len=16, steps=2, warmup=1, repeats=2, device="cpu", vocab_size=257)
     assert [r.rung for r in results] == list(RUNGS)
     by_rung = {r.rung: r for r in results}
     assert by_rung["compile"].skipped and by_rung["compile"].ms_per_step is None  # CPU: no compile
     for r in results:
         if not r.skipped:
             assert r.ms_per_step > 0 and r.tokens_per_second == pytest.approx(32 / (r.ms_per_step / 1000))
-            assert r.mfu is None and len(r.step_ms) == 2 and math.isfinite(r.loss)
+            assert r.mfu is None and len(r.step_ms) == 4 and math.isfinite(r.loss)
+            # ms/step is the median of the two repeats' medians; spread is how far apart they are
+            assert r.repeat_ms == pytest.approx([sum(r.step_ms[:2]) / 2, sum(r.step_ms[2:]) / 2])
+            assert r.ms_per_step == pytest.approx(sum(r.repeat_ms) / 2)
+            assert r.spread == pytest.approx(abs(r.repeat_ms[0] - r.repeat_ms[1]) / r.ms_per_step)
     table = format_table(results)
-    assert table.splitlines()[0].split() == ["rung", "ms/step", "tokens/s", "MFU", "speed-up", "note"]
+    assert table.splitlines()[0].split() == ["rung", "ms/step", "spread", "tokens/s", "MFU", "speed-up", "note"]
     assert "compile disabled" in table
+    # repeats further apart than 10% are named in a note under the table, close ones are not
+    timed = [r for r in results if not r.skipped]
+    timed[0].repeat_ms, timed[0].spread = [10.0, 12.0], 0.2
+    for r in timed[1:]:
+        r.repeat_ms, r.spread = [10.0, 10.5], 0.05
+    note = format_table(results).splitlines()[-1]
+    assert note.startswith("note:") and timed[0].rung in note and timed[1].rung not in note
 
     spec = importlib.util.spec_from_file_location("benchmark_example", REPO / "examples" / "benchmark.py")
     example = importlib.util.module_from_spec(spec)

@@ -225,9 +225,11 @@ class BenchOptions:
     """sequences per step"""
     seq_len: int = 64
     """tokens per sequence"""
-    steps: int = 3
-    """timed steps per rung"""
-    warmup: int = 1
+    steps: int = 5
+    """timed steps per repeat"""
+    repeats: int = 3
+    """timed blocks of --steps per rung: the table shows their median and spread"""
+    warmup: int = 2
     """untimed steps per rung (compilation happens here)"""
     rungs: str = "fp32,tf32,bf16,compile,flash,vocab_pad,fused_adamw"
     """comma-separated subset of the rungs"""
