@@ -163,15 +163,45 @@ def is_hf_directory(path: Path) -> bool:
 def load_model(spec: str, *, device: torch.device | str | None = None, pad_vocab_multiple: int = 1) -> Any:
     """A :class:`gpt2.GPT` from a hub id (``gpt2``, ``gpt2-medium``, ...), a ``transformers``
     directory, or a checkpoint / run directory written by ``gpt2 train`` (the newest checkpoint).
-    """
-    from .hf import from_pretrained
 
-    path = Path(spec).expanduser()
-    if path.exists():
-        if path.is_dir() and is_hf_directory(path):
-            return from_pretrained(path, device=device, pad_vocab_multiple=pad_vocab_multiple)
-        return load_trained_model(path, device=device)
-    return from_pretrained(spec, device=device, pad_vocab_multiple=pad_vocab_multiple)
+    Which one follows :func:`gpt2.hf.resolve_source`: the bare official GPT-2 names are the hub
+    (also in this repository's checkout, where ``gpt2/`` is the package); any other existing path
+    is local, and a local path that holds no model is an error saying what is missing.
+    """
+    from .checkpoint import checkpoint_step
+    from .hf import resolve_source
+    from .model import GPT
+
+    source = resolve_source(spec)
+    if isinstance(source, str):  # a hub id
+        return GPT.from_pretrained(source, device=device, pad_vocab_multiple=pad_vocab_multiple)
+    if source.is_file():
+        parent = source.parent
+        hint = (f"; pass its directory {str(parent)!r}"
+                if (parent / "config.json").is_file() or (parent / "trainer_state.json").is_file() else "")
+        raise NotADirectoryError(
+            f"{spec!r} is a file; a model is a directory: a transformers model (config.json + "
+            f"model.safetensors) or a gpt2 checkpoint / run directory{hint}"
+        )
+    if (source / "config.json").is_file():  # a transformers directory (missing weights are named)
+        return GPT.from_pretrained(source, device=device, pad_vocab_multiple=pad_vocab_multiple)
+    is_checkpoint_like = ((source / "trainer_state.json").exists() or (source / "checkpoints").is_dir()
+                          or checkpoint_step(source) is not None
+                          or any(checkpoint_step(p) is not None for p in source.iterdir()))
+    if not is_checkpoint_like:
+        found = sorted(p.name for p in source.iterdir())[:10]
+        hub = f"; for the hub model {source.name!r} write its bare name" if source.name in _official_names() else ""
+        raise FileNotFoundError(
+            f"{spec!r} holds no model: neither a transformers directory (no config.json) nor a gpt2 "
+            f"checkpoint (no trainer_state.json) or run directory (no checkpoints/); found {found}{hub}"
+        )
+    return load_trained_model(source, device=device)
+
+
+def _official_names() -> frozenset[str]:
+    from .hf import OFFICIAL_HUB_IDS
+
+    return OFFICIAL_HUB_IDS
 
 
 def load_trained_model(path: str | os.PathLike[str], device: torch.device | str | None = None) -> Any:
