@@ -627,19 +627,31 @@ def _fit(trainer: Any, hellaswag: HellaSwagCallback | None) -> dict[str, Any] | 
     return hellaswag.last if hellaswag.last is not None else hellaswag.score(trainer)
 
 
-def _final_report(trainer: Any, args: argparse.Namespace, val: Any, *, extra: dict[str, Any] | None = None,
-                  header: str = "") -> dict[str, Any]:
-    """Rank 0: validation loss over the val data (or ``--final-eval-batches`` of it), samples,
-    and ``results.json`` in the run directory."""
+def _val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:
+    """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Under
+    DDP every rank must call this: each scores its share of the batches and the sums are
+    all-reduced, so no rank waits in a collective while rank 0 evaluates alone."""
     from .eval import evaluate_loss
 
+    split = "val" if isinstance(val, Path) else None
+    return evaluate_loss(trainer.model, val, trainer.config.micro_batch_size, trainer.config.seq_len,
+                         max_batches=max_batches, autocast=trainer.precision.autocast, split=split,
+                         device=trainer.device, distributed=True)
+
+
+def _final_report(trainer: Any, args: argparse.Namespace, val: Any, *, extra: dict[str, Any] | None = None,
+                  header: str = "") -> dict[str, Any]:
+    """Validation loss over the val data (or ``--final-eval-batches`` of it), then on rank 0
+    samples and ``results.json`` in the run directory. Every rank calls this (under DDP the
+    evaluation is split across the ranks); ranks other than 0 return ``{}``."""
     results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
     if val is not None:
-        split = "val" if isinstance(val, Path) else None
-        loss = evaluate_loss(trainer.model, val, trainer.config.micro_batch_size, trainer.config.seq_len,
-                             max_batches=args.final_eval_batches, autocast=trainer.precision.autocast, split=split)
+        loss = _val_loss(trainer, val, args.final_eval_batches)
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
-        print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
+        if trainer.is_main:
+            print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
+    if not trainer.is_main:
+        return {}
     if args.num_samples > 0:
         results["samples"] = print_samples(trainer.model, args, header=header, autocast=trainer.precision.autocast)
     if trainer.out_dir is not None:
@@ -679,12 +691,10 @@ def train_job(args: argparse.Namespace) -> dict[str, Any]:
                   f"{trainer.tokens_per_step:,} tokens per step, {config.max_steps} steps, {trainer.precision.name}"
                   f"{', compiled' if config.compile else ''} on {trainer.device}", flush=True)
         hs = _fit(trainer, callback)
-        if not trainer.is_main:
-            return {}
         extra: dict[str, Any] = {"train_seconds": round(time.time() - start, 1)}
         if hs is not None:
             extra["hellaswag"] = hs
-        return _final_report(trainer, args, val, extra=extra)
+        return _final_report(trainer, args, val, extra=extra)  # every rank: the evaluation is split
 
 
 # --------------------------------------------------------------------------- fine-tuning
@@ -703,7 +713,6 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
     before and after, the adapter saved, and optionally a merged transformers export."""
     import minlora
 
-    from .eval import evaluate_loss
     from .trainer import Trainer
 
     _check_train_args(args)
@@ -730,22 +739,21 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
             print(f"LoRA rank {lora_config.rank}, alpha {lora_config.alpha:g} on {args.init}: "
                   f"{minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
-        if main and trainer.step == 0:  # a resumed run has no "before"
+        if trainer.step == 0:  # a resumed run has no "before"
             if val is not None:
-                # LoRA's B starts at zero, so this is the pretrained model's own loss.
-                split = "val" if isinstance(val, Path) else None
-                loss = evaluate_loss(trainer.model, val, config.micro_batch_size, config.seq_len,
-                                     max_batches=args.final_eval_batches, autocast=trainer.precision.autocast,
-                                     split=split)
+                # LoRA's B starts at zero, so this is the pretrained model's own loss. Every rank
+                # evaluates its share (see _val_loss).
+                loss = _val_loss(trainer, val, args.final_eval_batches)
                 before["val_loss_before"] = loss["loss"]
-                print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
-            if args.num_samples > 0:
+                if main:
+                    print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
+            if main and args.num_samples > 0:
                 before["samples_before"] = print_samples(trainer.model, args, header="before fine-tuning:",
                                                          autocast=trainer.precision.autocast)
         trainer.fit()
+        results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")  # every rank
         if not main:
             return {}
-        results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")
         out = Path(config.out_dir or ".")
         adapter = minlora.save_adapter(trainer.model, out / "adapter")
         results["adapter"] = str(adapter)
