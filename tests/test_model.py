@@ -292,3 +292,15 @@ def test_forward_does_not_sync_on_cuda(tiny_config):
         _forward_every_way(model, tiny_config, "cuda")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.slow
+def test_forward_is_one_graph_for_torch_compile(tiny_config):
+    """einops' head split/merge and the input checks cost torch.compile no graph break."""
+    import torch._dynamo as dynamo
+
+    model = _model(dataclasses.replace(tiny_config, vocab_size=100, pad_vocab_multiple=64))
+    idx = torch.randint(0, 100, (2, 16))
+    explained = dynamo.explain(model)(idx, idx)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
