@@ -384,8 +384,8 @@ def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
     if isinstance(name_or_path, str) and _HUB_ID.match(name) is not None:
         return name
     raise FileNotFoundError(
-        f"{name!r} does not exist; give an existing local path or a Hugging Face hub id such as "
-        f"'gpt2' or 'owner/model'"
+        f"{name!r} does not exist: it is neither an existing directory nor a Hugging Face hub id "
+        f"(such as 'gpt2' or 'owner/model'); check the path"
     )
 
 

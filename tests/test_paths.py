@@ -91,7 +91,7 @@ def test_other_existing_names_are_local_never_the_hub(checkout, hub):
 def test_missing_paths_say_does_not_exist_not_hub_errors(checkout, hub, spec):
     spec = spec.format(cwd=checkout)
     for load in (hf.from_pretrained, load_model):
-        with pytest.raises(FileNotFoundError, match=r"does not exist; give an existing local path or a Hugging Face hub id"):
+        with pytest.raises(FileNotFoundError, match=r"does not exist: it is neither an existing directory nor a Hugging Face hub id"):
             load(spec)
     assert hub.calls == []
 
