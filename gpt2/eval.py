@@ -353,6 +353,14 @@ def ending_losses(
                 f"row length {tokens.size(1)}, context length {first_ending})"
             )
         tokens, mask = tokens[:, drop:], mask[:, drop:]
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is not None and tokens.device.type == "cpu" and int(tokens.max()) >= vocab_size:
+        # Checked here, on the host: the model's forward does not read ids (a GPU sync), and on
+        # CUDA an id past the embedding is a device-side assert instead of an error.
+        raise ValueError(
+            f"the tokenizer produced token id {int(tokens.max())}, but the model has vocab_size={vocab_size}: "
+            f"HellaSwag needs a model over the GPT-2 vocabulary (50257 tokens) or a matching tokenizer="
+        )
     device = _model_device(model)
     tokens, mask = tokens.to(device), mask.to(device)
     with _autocast_context(autocast, device):
