@@ -92,20 +92,35 @@ def evaluate_loss(
     split: str | None = None,
     device: torch.device | str | None = None,
     progress: bool = False,
+    distributed: bool = False,
 ) -> dict[str, float]:
     """Mean next-token cross-entropy of ``model`` over ``data``.
 
     ``data``: a 1-D token tensor / array, a token file (``.npy`` / ``.bin``), a directory of
     shards (``split`` picks e.g. the "val" ones), or a :class:`gpt2.data.TokenLoader`. Batches
     of ``batch_size`` x ``seq_len`` tokens are read in order from the start; with
-    ``max_batches=None`` every full batch is read once; ``max_batches`` caps that (the pass
-    never wraps around to read a batch twice).
+    ``max_batches=None`` every full batch is read once; ``max_batches`` caps that. The pass
+    never wraps around to read a batch twice: data shorter than ``max_batches`` batches is
+    scored once, with a warning.
+
+    ``distributed=True`` under ``torchrun`` (an initialised process group of several ranks):
+    every rank must call this with the same arguments; rank ``r`` scores batches ``r``,
+    ``r + world_size``, ... of that same sequence and the sums are all-reduced, so every rank
+    returns the one-process result in about 1/world_size of the time. With one process it
+    changes nothing.
 
     Returns ``{"loss", "perplexity", "tokens"}``: the mean loss per predicted token,
-    ``exp(loss)``, and how many tokens were scored. ``progress=True`` shows a tqdm bar.
+    ``exp(loss)``, and how many tokens were scored (over all ranks). ``progress=True`` shows a
+    tqdm bar.
     """
     if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
         raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
+    rank, world_size = _rank_and_world_size() if distributed else (0, 1)
+    if world_size > 1 and getattr(data, "world_size", 1) != 1:
+        raise ValueError(
+            "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
+            "token file or a one-process TokenLoader (world_size=1), not a per-rank loader"
+        )
     device = torch.device(device) if device is not None else _model_device(model)
     batches = _eval_batches(data, batch_size, seq_len, max_batches, split)
     if progress:
@@ -114,10 +129,15 @@ def evaluate_loss(
         batches = tqdm(batches, total=max_batches, desc="eval", unit="batch", dynamic_ncols=True, leave=False)
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    n_tokens = 0
+    # [summed loss, scored tokens]: float64 so a long pass loses no precision, one tensor so the
+    # ranks combine both in one all-reduce.
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    seen = 0  # batches in the sequence (all ranks' shares)
     try:
-        for x, y in batches:
+        for i, (x, y) in enumerate(batches):
+            seen += 1
+            if i % world_size != rank:
+                continue  # another rank's share
             x, y = x.to(device), y.to(device)
             with _autocast_context(autocast, device):
                 logits = _logits(model(x))
@@ -125,14 +145,33 @@ def evaluate_loss(
             loss = F.cross_entropy(
                 logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
             )
-            total += loss.double()
-            n_tokens += y.numel()
+            sums[0] += loss.double()
+            sums[1] += y.numel()
     finally:
         model.train(was_training)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    total, n_tokens = sums.tolist()
+    n_tokens = int(n_tokens)
     if n_tokens == 0:
         raise ValueError("no batch was evaluated: the data is shorter than one batch")
-    mean = float(total) / n_tokens
+    if max_batches is not None and seen < max_batches and rank == 0:
+        logger.warning(
+            "the evaluation data holds only %d batches of %d x %d tokens; scored those %d once "
+            "instead of max_batches=%d (no batch is read twice)", seen, batch_size, seq_len, seen, max_batches,
+        )
+    mean = total / n_tokens
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _eval_batches(
@@ -320,6 +359,14 @@ def ending_losses(
                 f"row length {tokens.size(1)}, context length {first_ending})"
             )
         tokens, mask = tokens[:, drop:], mask[:, drop:]
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is not None and tokens.device.type == "cpu" and int(tokens.max()) >= vocab_size:
+        # Checked here, on the host: the model's forward does not read ids (a GPU sync), and on
+        # CUDA an id past the embedding is a device-side assert instead of an error.
+        raise ValueError(
+            f"the tokenizer produced token id {int(tokens.max())}, but the model has vocab_size={vocab_size}: "
+            f"HellaSwag needs a model over the GPT-2 vocabulary (50257 tokens) or a matching tokenizer="
+        )
     device = _model_device(model)
     tokens, mask = tokens.to(device), mask.to(device)
     with _autocast_context(autocast, device):

@@ -144,6 +144,7 @@ def stream(
     not at the first ``next``.
     """
     _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, generator)
+    _check_prompt_ids(idx, model.config.vocab_size)
     device = model.device
     idx = idx.to(device).long()
     if attention_mask is not None:
@@ -194,6 +195,20 @@ def _check_args(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature:
         raise ValueError("pass either seed or generator, not both")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
+    """Token ids must lie in [0, vocab_size). The model's forward does not check values (that
+    would stall the GPU on every call), and on CUDA an id out of range is a device-side assert
+    that kills the process; so the prompt is checked once here, before it reaches the device.
+    (One host read: free for a CPU prompt, one sync for a prompt that is already on the GPU.)"""
+    lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
+    if lo < 0 or hi >= vocab_size:
+        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < vocab_size][:5]
+        raise ValueError(
+            f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad} "
+            f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
+        )
 
 
 @torch.no_grad()

@@ -18,14 +18,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .config import GPT2_VOCAB_SIZE, GPTConfig
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .model import GPT
+# This module never imports gpt2.model at import time: the model imports it (GPT.from_pretrained,
+# GPT.save_pretrained), so the dependency runs one way, model -> hf -> config.
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,14 @@ _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # <|endoftext|>: GPT-2's BOS and EOS token; only written into config.json when it is in the vocab.
 _EOT_ID = GPT2_VOCAB_SIZE - 1
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
+# The official GPT-2 checkpoints. Written bare, these names always mean the hub, even where a
+# directory of that name exists (this repository's own package directory is called gpt2/);
+# write a path ("./gpt2", an absolute path) to load a local directory with such a name.
+OFFICIAL_HUB_IDS = frozenset(
+    [f"{owner}{name}" for owner in ("", "openai-community/")
+     for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")]
+    + ["distilgpt2", "distilbert/distilgpt2"]
+)
 _SAFETENSORS = "model.safetensors"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN = "pytorch_model.bin"
@@ -349,29 +357,57 @@ def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
     return out
 
 
+def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
+    """Where a model named on the command line or in ``from_pretrained`` comes from: a hub id
+    (returned as ``str``) or an existing local path (returned as ``Path``).
+
+    The rule, in order:
+
+    1. the bare name of an official GPT-2 checkpoint (``gpt2``, ``gpt2-medium``, ``gpt2-large``,
+       ``gpt2-xl``, ``distilgpt2``, or those under ``openai-community/`` / ``distilbert/``) is
+       the hub model, even where a directory of that name exists, as this repository's ``gpt2/``
+       package does in its checkout (write ``./gpt2`` for a local directory of that name);
+    2. anything else that exists on disk (``~`` expanded) is local, never a hub id;
+    3. anything else shaped like a hub id (``name`` or ``owner/name``) is a hub id; other strings
+       (``./x``, ``/abs/x``, ``a/b/c``, ``~/x``) are paths that do not exist: FileNotFoundError.
+
+    ``os.PathLike`` objects (``pathlib.Path``) are always paths.
+    """
+    if isinstance(name_or_path, str) and name_or_path in OFFICIAL_HUB_IDS:
+        return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"expected a hub id or a path, got {type(name_or_path).__name__}")
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if isinstance(name_or_path, str) and _HUB_ID.match(name) is not None:
+        return name
+    raise FileNotFoundError(
+        f"{name!r} does not exist: it is neither an existing directory nor a Hugging Face hub id "
+        f"(such as 'gpt2' or 'owner/model'); check the path"
+    )
+
+
 def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
     """A local directory holding the checkpoint: the path itself, or a hub snapshot."""
-    path = Path(name_or_path).expanduser()
-    name = str(name_or_path)
-    hub_like = isinstance(name_or_path, str) and _HUB_ID.match(name) is not None
-    if path.is_dir():
-        if (path / "config.json").is_file() or not hub_like:
-            return path
-        # e.g. 'gpt2' typed inside a checkout of this repository, whose package directory is
-        # also called gpt2: a directory that is no checkpoint does not shadow the hub id.
-        logger.info("%r is a local directory without config.json; loading it from the hub", name)
-        return _download(name, cache_dir, revision)
-    if path.exists():
+    source = resolve_source(name_or_path)
+    if isinstance(source, str):
+        return _download(source, cache_dir, revision)
+    if not source.is_dir():
         raise NotADirectoryError(
-            f"{name!r} is a file; from_pretrained expects a directory with config.json and "
+            f"{str(source)!r} is a file; from_pretrained expects a directory with config.json and "
             f"model.safetensors (or pytorch_model.bin), or a hub id such as 'gpt2'"
         )
-    if not hub_like:
+    if not (source / "config.json").is_file():
+        found = sorted(p.name for p in source.iterdir())[:10]
+        hub = (f"; for the hub model {source.name!r} write its bare name"
+               if source.name in OFFICIAL_HUB_IDS else "")
         raise FileNotFoundError(
-            f"{name!r} is neither an existing directory nor a Hugging Face hub id (such as 'gpt2' "
-            f"or 'owner/model'); check the path"
+            f"local directory {str(source)!r} has no config.json: not a transformers model directory "
+            f"(expected config.json and model.safetensors; found {found}){hub}"
         )
-    return _download(name, cache_dir, revision)
+    return source
 
 
 def _download(repo_id: str, cache_dir, revision) -> Path:
@@ -398,12 +434,12 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
         raise FileNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
     except RepositoryNotFoundError as e:
         raise FileNotFoundError(
-            f"{repo_id!r} is not a local directory and the hub has no such (accessible) model repo; "
+            f"{repo_id!r} is no local path and the hub has no such (accessible) model repo; "
             f"check the name, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
     except Exception as e:  # offline, DNS, proxy, timeouts: all end here
         raise ConnectionError(
-            f"could not load {repo_id!r}: it is not a local directory and the Hugging Face hub could "
+            f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could "
             f"not be reached ({type(e).__name__}: {e}). Either download it once with network access "
             f"(it is then cached under $HF_HOME, default ~/.cache/huggingface; point HF_HOME or "
             f"cache_dir= at an existing cache), or pass the path of a local directory holding "
@@ -421,24 +457,27 @@ def from_pretrained(
     cache_dir: str | os.PathLike | None = None,
     revision: str | None = None,
     dropout: float = 0.0,
-) -> GPT:
-    """A :class:`gpt2.GPT` with the weights of a GPT-2 checkpoint.
+    model_class: type[torch.nn.Module] | None = None,
+) -> torch.nn.Module:
+    """A :class:`gpt2.GPT` (or ``model_class``) with the weights of a GPT-2 checkpoint.
 
     ``name_or_path`` is a local ``transformers`` directory (``config.json`` plus
     ``model.safetensors``, ``pytorch_model.bin`` or a shard index) or a hub id (``gpt2``,
     ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl`` or any GPT-2-architecture repo), downloaded into
-    the usual Hugging Face cache. ``dtype`` defaults to float32 (master weights for training; use
-    autocast or ``dtype=torch.bfloat16`` for inference). The model is returned in eval mode.
+    the usual Hugging Face cache; :func:`resolve_source` says which (bare official names are the
+    hub, other existing paths are local). ``dtype`` defaults to float32 (master weights for
+    training; use autocast or ``dtype=torch.bfloat16`` for inference). ``model_class`` is built
+    as ``model_class(config)`` (``GPT.from_pretrained`` passes its class; default
+    :class:`gpt2.GPT`). The model is returned in eval mode.
     """
-    from .model import GPT
-
+    if model_class is None:
+        # Deferred: gpt2.model imports this module, so importing it here at the top would make
+        # the two import each other. Only this convenience default needs it.
+        from .model import GPT as model_class
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} has no config.json: not a transformers model directory")
-    with open(config_path) as f:
+    with open(directory / "config.json") as f:
         config = config_from_hf(json.load(f), pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
     sd = hf_to_gpt_state_dict(load_hf_state_dict(directory), config)
     dtype = dtype or torch.float32
@@ -447,7 +486,7 @@ def from_pretrained(
           for k, v in sd.items()}
     # Build on the meta device (no memory, no random init), then adopt the loaded tensors.
     with torch.device("meta"):
-        model = GPT(config)
+        model = model_class(config)
     model.load_state_dict(sd, strict=True, assign=True)
     model.lm_head.weight = model.transformer.wte.weight  # assign=True made two Parameters: re-tie
     logger.info("loaded %s (%d parameters) from %s", name_or_path, model.num_params(), directory)
@@ -484,10 +523,8 @@ def save_pretrained(
     """
     from safetensors.torch import save_file
 
-    from .model import GPT
-
     inner = _unwrap(model)
-    if not isinstance(inner, GPT):
+    if not isinstance(getattr(inner, "config", None), GPTConfig):  # a gpt2.GPT (or subclass)
         raise TypeError(f"save_pretrained expects a gpt2.GPT (optionally compiled/DDP-wrapped), got {type(inner).__name__}")
     config = inner.config
     hf_sd = gpt_to_hf_state_dict(inner.state_dict(), config)

@@ -16,8 +16,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
+from . import hf
 from .config import GPTConfig
+from .generate import generate as _generate
+from .generate import stream as _stream
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generate import KVCache
@@ -47,12 +51,11 @@ class CausalSelfAttention(nn.Module):
         kv_cache: KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        T = x.size(1)
+        # c_attn's output is [q | k | v], each n_embd wide and made of n_head slices of head_dim:
+        # split it into q, k, v of shape (B, nh, T, hs) (views, no copy).
+        qkv = rearrange(self.c_attn(x), "b t (qkv nh hs) -> qkv b nh t hs", qkv=3, nh=self.n_head)
+        q, k, v = qkv.unbind(0)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, S, hs), S = past + T
         S = k.size(2)
@@ -68,7 +71,7 @@ class CausalSelfAttention(nn.Module):
             )
         else:
             y = _manual_attention(q, k, v, attn_mask, is_causal, dropout_p)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -184,7 +187,9 @@ class GPT(nn.Module):
         Targets equal to ``IGNORE_INDEX`` (-1, nanoGPT's convention) are ignored. ``kv_cache``,
         ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask`` broadcastable to
         ``(B, n_head, T, S)`` (True = may attend) are used by :mod:`gpt2.generate`; training never
-        needs them.
+        needs them. Types and shapes are checked; values are not (that would cost a device sync
+        every call): ids must lie in ``[0, vocab_size)``, as :mod:`gpt2.generate` and
+        :class:`gpt2.data.TokenLoader` check where ids enter.
         """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids)
@@ -215,7 +220,7 @@ class GPT(nn.Module):
             )
         return logits, loss
 
-    def _check_inputs(
+    def _check_inputs(  # types and shapes only: Python-side, no device sync
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None,
@@ -245,8 +250,6 @@ class GPT(nn.Module):
                 f"{what} exceeds the model's context (block_size={cfg.block_size}); "
                 f"crop the input to the last {cfg.block_size} tokens"
             )
-        # All range checks are gathered into one tensor so they cost a single device sync.
-        extremes = [idx.min(), idx.max()]
         if position_ids is not None:
             if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
                 raise TypeError("position_ids must be an integer tensor (torch.long)")
@@ -254,7 +257,6 @@ class GPT(nn.Module):
                 raise ValueError(
                     f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}"
                 )
-            extremes += [position_ids.min(), position_ids.max()]
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.dtype not in _INDEX_DTYPES:
                 got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
@@ -263,27 +265,9 @@ class GPT(nn.Module):
                 raise ValueError(
                     f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
                 )
-            extremes += [targets.min(), targets.max()]
-        values = torch.stack(extremes).tolist()
-        lo, hi = values[0], values[1]
-        if lo < 0 or hi >= cfg.vocab_size:
-            raise ValueError(
-                f"token ids must be in [0, {cfg.vocab_size}), got min {lo} and max {hi}; "
-                f"was the data tokenised for another vocabulary?"
-            )
-        if position_ids is not None:
-            lo, hi = values[2], values[3]
-            if lo < 0 or hi >= cfg.block_size:
-                raise ValueError(
-                    f"position_ids must be in [0, {cfg.block_size}) (block_size), got min {lo} and max {hi}"
-                )
-        if targets is not None:
-            lo, hi = values[-2], values[-1]
-            if lo < IGNORE_INDEX or hi >= cfg.vocab_size:
-                raise ValueError(
-                    f"targets must be token ids in [0, {cfg.vocab_size}) or {IGNORE_INDEX} (ignored), "
-                    f"got min {lo} and max {hi}"
-                )
+        # The *values* of idx / targets / position_ids are not checked here: reading them would
+        # copy them to the host and stall the GPU on every forward. Token ids are validated where
+        # they enter instead: the prompt in gpt2.generate and the batches in gpt2.data's loader.
 
     # ------------------------------------------------------------------ helpers
     def num_params(self, non_embedding: bool = False) -> int:
@@ -309,30 +293,22 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
         """Sample ``max_new_tokens`` after ``idx``; see :func:`gpt2.generate.generate`."""
-        from .generate import generate
-
-        return generate(self, idx, max_new_tokens, **kwargs)
+        return _generate(self, idx, max_new_tokens, **kwargs)
 
     def stream(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[torch.Tensor]:
         """Yield each new token column ``(B,)`` as it is sampled; see :func:`gpt2.generate.stream`."""
-        from .generate import stream
-
-        return stream(self, idx, max_new_tokens, **kwargs)
+        return _stream(self, idx, max_new_tokens, **kwargs)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> "GPT":
         """GPT-2 weights from a Hugging Face hub id or a local ``transformers`` directory; see
-        :func:`gpt2.hf.from_pretrained`."""
-        from .hf import from_pretrained
-
-        return from_pretrained(name_or_path, **kwargs)
+        :func:`gpt2.hf.from_pretrained` (which builds ``cls``)."""
+        return hf.from_pretrained(name_or_path, model_class=cls, **kwargs)
 
     def save_pretrained(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
         """Write a ``transformers.GPT2LMHeadModel`` directory (safetensors, vocab padding removed);
         see :func:`gpt2.hf.save_pretrained`."""
-        from .hf import save_pretrained
-
-        return save_pretrained(self, directory, **kwargs)
+        return hf.save_pretrained(self, directory, **kwargs)
 
     def peft_adapter_layout(self) -> dict[str, Any]:
         """How this model differs from its ``transformers.GPT2LMHeadModel`` twin, for

@@ -151,15 +151,45 @@ def is_hf_directory(path: Path) -> bool:
 def load_model(spec: str, *, device: torch.device | str | None = None, pad_vocab_multiple: int = 1) -> Any:
     """A :class:`gpt2.GPT` from a hub id (``gpt2``, ``gpt2-medium``, ...), a ``transformers``
     directory, or a checkpoint / run directory written by ``gpt2 train`` (the newest checkpoint).
-    """
-    from .hf import from_pretrained
 
-    path = Path(spec).expanduser()
-    if path.exists():
-        if path.is_dir() and is_hf_directory(path):
-            return from_pretrained(path, device=device, pad_vocab_multiple=pad_vocab_multiple)
-        return load_trained_model(path, device=device)
-    return from_pretrained(spec, device=device, pad_vocab_multiple=pad_vocab_multiple)
+    Which one follows :func:`gpt2.hf.resolve_source`: the bare official GPT-2 names are the hub
+    (also in this repository's checkout, where ``gpt2/`` is the package); any other existing path
+    is local, and a local path that holds no model is an error saying what is missing.
+    """
+    from .checkpoint import checkpoint_step
+    from .hf import resolve_source
+    from .model import GPT
+
+    source = resolve_source(spec)
+    if isinstance(source, str):  # a hub id
+        return GPT.from_pretrained(source, device=device, pad_vocab_multiple=pad_vocab_multiple)
+    if source.is_file():
+        parent = source.parent
+        hint = (f"; pass its directory {str(parent)!r}"
+                if (parent / "config.json").is_file() or (parent / "trainer_state.json").is_file() else "")
+        raise NotADirectoryError(
+            f"{spec!r} is a file; a model is a directory: a transformers model (config.json + "
+            f"model.safetensors) or a gpt2 checkpoint / run directory{hint}"
+        )
+    if (source / "config.json").is_file():  # a transformers directory (missing weights are named)
+        return GPT.from_pretrained(source, device=device, pad_vocab_multiple=pad_vocab_multiple)
+    is_checkpoint_like = ((source / "trainer_state.json").exists() or (source / "checkpoints").is_dir()
+                          or checkpoint_step(source) is not None
+                          or any(checkpoint_step(p) is not None for p in source.iterdir()))
+    if not is_checkpoint_like:
+        found = sorted(p.name for p in source.iterdir())[:10]
+        hub = f"; for the hub model {source.name!r} write its bare name" if source.name in _official_names() else ""
+        raise FileNotFoundError(
+            f"{spec!r} holds no model: neither a transformers directory (no config.json) nor a gpt2 "
+            f"checkpoint (no trainer_state.json) or run directory (no checkpoints/); found {found}{hub}"
+        )
+    return load_trained_model(source, device=device)
+
+
+def _official_names() -> frozenset[str]:
+    from .hf import OFFICIAL_HUB_IDS
+
+    return OFFICIAL_HUB_IDS
 
 
 def load_trained_model(path: str | os.PathLike[str], device: torch.device | str | None = None) -> Any:
@@ -578,20 +608,32 @@ def _fit(trainer: Any, hellaswag: HellaSwagCallback | None) -> dict[str, Any] | 
     return hellaswag.last if hellaswag.last is not None else hellaswag.score(trainer)
 
 
-def _final_report(trainer: Any, args: argparse.Namespace, val: Any, *, extra: dict[str, Any] | None = None,
-                  header: str = "") -> dict[str, Any]:
-    """Rank 0: validation loss over the val data (or ``--final-eval-batches`` of it), samples,
-    and ``results.json`` in the run directory."""
+def _val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:
+    """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Under
+    DDP every rank must call this: each scores its share of the batches and the sums are
+    all-reduced, so no rank waits in a collective while rank 0 evaluates alone."""
     from .eval import evaluate_loss
 
+    split = "val" if isinstance(val, Path) else None
+    return evaluate_loss(trainer.model, val, trainer.config.micro_batch_size, trainer.config.seq_len,
+                         max_batches=max_batches, autocast=trainer.precision.autocast, split=split,
+                         device=trainer.device, distributed=True,
+                         progress=trainer.config.progress and trainer.is_main)
+
+
+def _final_report(trainer: Any, args: argparse.Namespace, val: Any, *, extra: dict[str, Any] | None = None,
+                  header: str = "") -> dict[str, Any]:
+    """Validation loss over the val data (or ``--final-eval-batches`` of it), then on rank 0
+    samples and ``results.json`` in the run directory. Every rank calls this (under DDP the
+    evaluation is split across the ranks); ranks other than 0 return ``{}``."""
     results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
     if val is not None:
-        split = "val" if isinstance(val, Path) else None
-        loss = evaluate_loss(trainer.model, val, trainer.config.micro_batch_size, trainer.config.seq_len,
-                             max_batches=args.final_eval_batches, autocast=trainer.precision.autocast, split=split,
-                             progress=trainer.config.progress)
+        loss = _val_loss(trainer, val, args.final_eval_batches)
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
-        print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
+        if trainer.is_main:
+            print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
+    if not trainer.is_main:
+        return {}
     if args.num_samples > 0:
         results["samples"] = print_samples(trainer.model, args, header=header, autocast=trainer.precision.autocast)
     if trainer.out_dir is not None:
@@ -631,12 +673,10 @@ def train_job(args: argparse.Namespace) -> dict[str, Any]:
                   f"{trainer.tokens_per_step:,} tokens per step, {config.max_steps} steps, {trainer.precision.name}"
                   f"{', compiled' if config.compile else ''} on {trainer.device}", flush=True)
         hs = _fit(trainer, callback)
-        if not trainer.is_main:
-            return {}
         extra: dict[str, Any] = {"train_seconds": round(time.time() - start, 1)}
         if hs is not None:
             extra["hellaswag"] = hs
-        return _final_report(trainer, args, val, extra=extra)
+        return _final_report(trainer, args, val, extra=extra)  # every rank: the evaluation is split
 
 
 # --------------------------------------------------------------------------- fine-tuning
@@ -655,7 +695,6 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
     before and after, the adapter saved, and optionally a merged transformers export."""
     import minlora
 
-    from .eval import evaluate_loss
     from .trainer import Trainer
 
     _check_train_args(args)
@@ -682,22 +721,21 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
             print(f"LoRA rank {lora_config.rank}, alpha {lora_config.alpha:g} on {args.init}: "
                   f"{minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
-        if main and trainer.step == 0:  # a resumed run has no "before"
+        if trainer.step == 0:  # a resumed run has no "before"
             if val is not None:
-                # LoRA's B starts at zero, so this is the pretrained model's own loss.
-                split = "val" if isinstance(val, Path) else None
-                loss = evaluate_loss(trainer.model, val, config.micro_batch_size, config.seq_len,
-                                     max_batches=args.final_eval_batches, autocast=trainer.precision.autocast,
-                                     split=split, progress=config.progress)
+                # LoRA's B starts at zero, so this is the pretrained model's own loss. Every rank
+                # evaluates its share (see _val_loss).
+                loss = _val_loss(trainer, val, args.final_eval_batches)
                 before["val_loss_before"] = loss["loss"]
-                print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
-            if args.num_samples > 0:
+                if main:
+                    print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
+            if main and args.num_samples > 0:
                 before["samples_before"] = print_samples(trainer.model, args, header="before fine-tuning:",
                                                          autocast=trainer.precision.autocast)
         trainer.fit()
+        results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")  # every rank
         if not main:
             return {}
-        results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")
         out = Path(config.out_dir or ".")
         adapter = minlora.save_adapter(trainer.model, out / "adapter")
         results["adapter"] = str(adapter)

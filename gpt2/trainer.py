@@ -417,30 +417,55 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, steps: int | None = None) -> float:
-        """Mean validation loss over the first ``steps`` (default ``eval_steps``) batches."""
+        """Mean validation loss per token over the first ``steps`` (default ``eval_steps``)
+        batches, or over one pass of the validation data when it holds fewer: a batch is never
+        read twice (that would weigh it double), and the first short evaluation says so once."""
         if self.val_loader is None:
             raise ValueError("no validation data: pass val_data to the Trainer")
         steps = steps or self.config.eval_steps
         model = self.eval_model
         was_training = model.training
         model.eval()
-        self.val_loader.reset()  # the same batches every time, so evaluations are comparable
-        total = torch.zeros((), device=self.device)
-        batches = range(steps)
+        loader = self.val_loader
+        loader.reset()  # the same batches every time, so evaluations are comparable
+        start = loader.state_dict() if hasattr(loader, "state_dict") else None
+        sums = torch.zeros(2, device=self.device)  # [loss summed over tokens, tokens]
+        batches = 0
+        bar = None
         if self.is_main and self.config.progress:
             from tqdm.auto import tqdm
 
             # a second, transient bar under the training bar while validation runs
-            batches = tqdm(batches, desc="val", unit="batch", leave=False, dynamic_ncols=True)
+            bar = tqdm(total=steps, desc="val", unit="batch", leave=False, dynamic_ncols=True)
         try:
-            for _ in batches:
-                x, y = self._to_device(*self.val_loader.next_batch())
+            while batches < steps:
+                x, y = self._to_device(*loader.next_batch())
                 with self.precision.autocast():
                     _, loss = model(x, y)
-                total += loss.detach().float()
+                sums[0] += loss.detach().float() * y.numel()
+                sums[1] += y.numel()
+                batches += 1
+                if bar is not None:
+                    bar.update()
+                # Back at the start: the loader wrapped around (its position is the same on every
+                # rank, so all ranks stop at the same batch).
+                if start is not None and loader.state_dict() == start:
+                    break
         finally:
+            if bar is not None:
+                bar.close()
             model.train(was_training)
-        val_loss = distributed.all_reduce_mean(total / steps).item()
+        if batches < steps and not getattr(self, "_warned_short_val", False):
+            self._warned_short_val = True
+            if self.is_main:
+                logger.warning(
+                    "the validation data holds only %d batch(es) of %d x %d tokens per process; evaluations "
+                    "score those once instead of %d (no batch is read twice)",
+                    batches, self.config.micro_batch_size, self.config.seq_len, steps,
+                )
+        # Mean over the token sums of every rank (averaging [sum, count] keeps their ratio).
+        loss_sum, tokens = distributed.all_reduce_mean(sums).tolist()
+        val_loss = loss_sum / tokens
         if math.isfinite(val_loss) and (self.best_val_loss is None or val_loss < self.best_val_loss):
             self.best_val_loss = val_loss
         return val_loss

@@ -300,3 +300,12 @@ def test_evaluate_loss_errors(tiny_config):
         evaluate_loss(model, torch.zeros(10, dtype=torch.long), 2, 8)
     with pytest.raises(FileNotFoundError):
         evaluate_loss(model, "/nonexistent/val.bin", 2, 8)
+
+
+def test_hellaswag_rejects_token_ids_beyond_the_model_vocabulary(tiny_config):
+    """The forward reads no id values (no GPU sync), so ids are checked on the host first."""
+    model = GPT(tiny_config)  # 128 tokens
+    words = WORDS + [f"w{i}" for i in range(200)]  # "w199" has id 212
+    example = _example("the cat", ["sat", "w199", "flew", "moon"], label=0)
+    with pytest.raises(ValueError, match=r"token id 212, but the model has vocab_size=128"):
+        score_hellaswag(model, [example], tokenizer=WordTokenizer(words))

@@ -193,6 +193,11 @@ def test_kv_cache_rejects_overflow_and_other_batches():
         (dict(idx=torch.zeros(1, 0, dtype=torch.long)), r"the prompt is empty"),
         (dict(attention_mask=torch.ones(2, 4, dtype=torch.bool)), r"attention_mask must be a tensor of idx's shape \(1, 3\)"),
         (dict(attention_mask=torch.tensor([[True, True, False]])), r"prompts must be left-padded"),
+        # ids are checked on the host before the prompt reaches the device (the model's forward
+        # does not read values: on CUDA a bad id would be a device-side assert)
+        (dict(idx=torch.tensor([[1, 128, 3]])), r"prompt token ids must be in \[0, 128\) .* got \[128\] \(min 1, max 128\)"),
+        (dict(idx=torch.tensor([[-1, 2, 3]])), r"prompt token ids must be in \[0, 128\) .* got \[-1\]"),
+        (dict(idx=torch.tensor([[50256, 2, 3]], dtype=torch.int32)), r"got \[50256\].*another tokenizer"),
     ],
 )
 def test_bad_arguments_raise_at_call_time(model, kwargs, message):

@@ -411,9 +411,9 @@ def test_save_pretrained_refuses_parametrized_model(tmp_path, config):
 
 
 def test_nonexistent_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither an existing directory nor a Hugging Face hub id"):
+    with pytest.raises(FileNotFoundError, match="does not exist: it is neither an existing directory nor a Hugging Face hub id"):
         from_pretrained(str(tmp_path / "no" / "such" / "dir"))
-    with pytest.raises(FileNotFoundError, match="neither an existing directory"):
+    with pytest.raises(FileNotFoundError, match="'./checkpoints/missing' does not exist"):
         from_pretrained("./checkpoints/missing")
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"):

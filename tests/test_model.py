@@ -114,10 +114,10 @@ def test_padded_ids_are_never_generated(tiny_config):
         assert int(out.max()) < 100, kwargs
 
 
-def test_padded_ids_are_rejected_as_input(tiny_config):
+def test_padded_ids_are_rejected_as_prompt(tiny_config):
     padded = _model(dataclasses.replace(tiny_config, vocab_size=100, pad_vocab_multiple=64))
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 100\)"):
-        padded(torch.tensor([[5, 100]]))
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 100\) .* got \[100\]"):
+        padded.generate(torch.tensor([[5, 100]]), 3)
 
 
 def test_flash_and_manual_attention_agree(tiny_config):
@@ -163,15 +163,13 @@ def test_dropout_only_in_training(tiny_config):
     "make_input, error, message",
     [
         (lambda V, T: torch.randint(0, V, (1, T + 1)), ValueError, r"sequence length 65 exceeds the model's context \(block_size=64\)"),
-        (lambda V, T: torch.tensor([[1, 2, V]]), ValueError, r"token ids must be in \[0, 128\), got min 1 and max 128"),
-        (lambda V, T: torch.tensor([[-1, 2]]), ValueError, r"token ids must be in \[0, 128\), got min -1"),
         (lambda V, T: torch.rand(1, 4), TypeError, r"integer token ids .* got dtype torch.float32"),
         (lambda V, T: torch.tensor([1, 2, 3]), ValueError, r"shape \(batch, sequence\), got shape \(3,\)"),
         (lambda V, T: torch.zeros(1, 2, 3, dtype=torch.long), ValueError, r"got shape \(1, 2, 3\)"),
         (lambda V, T: torch.zeros(1, 0, dtype=torch.long), ValueError, r"idx is empty"),
         (lambda V, T: [[1, 2, 3]], TypeError, r"must be a torch.Tensor of token ids, got list"),
     ],
-    ids=["too-long", "id-too-large", "negative-id", "float", "1d", "3d", "empty", "list"],
+    ids=["too-long", "float", "1d", "3d", "empty", "list"],
 )
 def test_bad_inputs_raise_clear_errors(tiny_config, make_input, error, message):
     model = _model(tiny_config)
@@ -186,8 +184,6 @@ def test_bad_targets_raise_clear_errors(tiny_config):
         model(idx, idx[:, 1:])
     with pytest.raises(TypeError, match=r"targets must be an integer tensor .* got torch.float32"):
         model(idx, idx.float())
-    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 128\) or -1 \(ignored\), got min -100"):
-        model(idx, torch.full_like(idx, -100))
 
 
 def test_bad_position_ids_and_cache_overflow(tiny_config):
@@ -195,8 +191,6 @@ def test_bad_position_ids_and_cache_overflow(tiny_config):
 
     model = _model(tiny_config)
     idx = torch.randint(0, tiny_config.vocab_size, (1, 4))
-    with pytest.raises(ValueError, match=r"position_ids must be in \[0, 64\)"):
-        model(idx, position_ids=torch.arange(62, 66))
     with pytest.raises(ValueError, match=r"position_ids must have shape \(4,\) or \(1, 4\)"):
         model(idx, position_ids=torch.arange(5))
     cache = KVCache.for_model(model)
@@ -252,3 +246,61 @@ def test_preset_parameter_counts(name, millions):
 def test_gpt_rejects_non_config():
     with pytest.raises(TypeError, match="GPT expects a GPTConfig, got dict"):
         GPT({"n_layer": 2})
+
+
+def _forward_every_way(model: GPT, config: GPTConfig, device: str = "cpu") -> None:
+    """Forward as training (targets, with ignored positions), as a cached generation step, and as
+    a padded-prompt step with explicit positions and mask."""
+    from gpt2.generate import KVCache
+
+    V = config.vocab_size
+    idx = torch.randint(0, V, (2, 12), device=device)
+    targets = idx.roll(-1, dims=1)
+    targets[:, -1] = -1
+    model(idx, targets)
+    cache = KVCache.for_model(model)
+    model(idx, kv_cache=cache)
+    model(idx[:, :1], kv_cache=cache)
+    mask = torch.ones(2, 1, 12, 12, dtype=torch.bool, device=device).tril()
+    model(idx, position_ids=torch.arange(12, device=device).expand(2, 12), attn_mask=mask)
+
+
+def test_forward_never_reads_tensor_values_on_the_host(tiny_config, monkeypatch):
+    """.item(), .tolist(), bool(t), int(t)... in forward would each be a GPU sync per call."""
+    model = _model(tiny_config)
+
+    def forbidden(name):
+        def raise_(*args, **kwargs):
+            raise AssertionError(f"forward called Tensor.{name}: a host read (device sync)")
+        return raise_
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, forbidden(name))
+        with pytest.raises(AssertionError, match="Tensor.item"):  # the trap works
+            torch.tensor(1).item()
+        _forward_every_way(model, tiny_config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_forward_does_not_sync_on_cuda(tiny_config):
+    model = _model(tiny_config).cuda()
+    _forward_every_way(model, tiny_config, "cuda")  # warm-up: lazy CUDA initialisation may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _forward_every_way(model, tiny_config, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.slow
+def test_forward_is_one_graph_for_torch_compile(tiny_config):
+    """einops' head split/merge and the input checks cost torch.compile no graph break."""
+    import torch._dynamo as dynamo
+
+    model = _model(dataclasses.replace(tiny_config, vocab_size=100, pad_vocab_multiple=64))
+    idx = torch.randint(0, 100, (2, 16))
+    explained = dynamo.explain(model)(idx, idx)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
