@@ -122,7 +122,8 @@ def evaluate_loss(
             "token file or a one-process TokenLoader (world_size=1), not a per-rank loader"
         )
     device = torch.device(device) if device is not None else _model_device(model)
-    batches = _eval_batches(data, batch_size, seq_len, max_batches, split)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    batches = _eval_batches(data, batch_size, seq_len, max_batches, split, vocab_size)
     if progress:
         from tqdm.auto import tqdm
 
@@ -175,7 +176,8 @@ def _rank_and_world_size() -> tuple[int, int]:
 
 
 def _eval_batches(
-    data: Any, batch_size: int, seq_len: int, max_batches: int | None, split: str | None
+    data: Any, batch_size: int, seq_len: int, max_batches: int | None, split: str | None,
+    vocab_size: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     from .data import TokenLoader
 
@@ -185,7 +187,8 @@ def _eval_batches(
     if hasattr(data, "next_batch"):
         loader = data
     else:
-        loader = TokenLoader(data, batch_size, seq_len, split=split)
+        # ids are checked against the model's vocabulary here, on the CPU (forward never syncs to check)
+        loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
     return _loader_batches(loader, max_batches)
 
 

@@ -309,3 +309,13 @@ def test_hellaswag_rejects_token_ids_beyond_the_model_vocabulary(tiny_config):
     example = _example("the cat", ["sat", "w199", "flew", "moon"], label=0)
     with pytest.raises(ValueError, match=r"token id 212, but the model has vocab_size=128"):
         score_hellaswag(model, [example], tokenizer=WordTokenizer(words))
+
+
+def test_evaluate_loss_checks_token_ids_before_the_model(tiny_config):
+    """forward does not check ids (that would sync the GPU); the evaluation's loader does, on the CPU."""
+    from gpt2 import evaluate_loss
+
+    model = GPT(tiny_config)  # vocabulary of 128
+    tokens = (np.arange(400) % 200).astype(np.uint16)
+    with pytest.raises(ValueError, match="vocabulary"):
+        evaluate_loss(model, tokens, 2, 16)
