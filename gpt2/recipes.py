@@ -632,13 +632,14 @@ def _check_train_args(args: argparse.Namespace) -> None:
 def train_job(args: argparse.Namespace) -> dict[str, Any]:
     """``gpt2 train``: pretrain a GPT-2 from scratch, then report validation loss and samples."""
     from .model import GPT
-    from .trainer import Trainer
+    from .trainer import Trainer, seed_everything
 
     _check_train_args(args)
     model_config = model_config_from(args)
     config = train_config_from(args)
     hellaswag = _resolve_hellaswag(args.hellaswag)
     train, val = training_data(args.data, args.val_data, args.val_fraction)
+    seed_everything(args.seed)  # --seed fixes the initial weights too, not only the data order
     model = GPT(model_config)
     start = time.time()
     callback = HellaSwagCallback(hellaswag, args.hellaswag_interval, args.hellaswag_limit) if hellaswag else None
@@ -674,7 +675,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
     import minlora
 
     from .eval import evaluate_loss
-    from .trainer import Trainer
+    from .trainer import Trainer, seed_everything
 
     _check_train_args(args)
     if args.lora_head and args.merge_export:
@@ -692,6 +693,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context (block_size {model.config.block_size})")
     config = train_config_from(args, save_trainable_only=True)  # checkpoints hold the adapter only
     train, val = training_data(args.data, args.val_data, args.val_fraction)
+    seed_everything(args.seed)  # --seed fixes LoRA's random A matrices too, not only the data order
     minlora.add_lora(model, lora_config=lora_config)
     minlora.mark_only_lora_as_trainable(model)
     with Trainer(model, config, train, val) as trainer:
