@@ -22,6 +22,8 @@ import argparse
 import json
 import logging
 import os
+import re
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +54,12 @@ class Opt:
 
     @property
     def dest(self) -> str:
-        long = next(f for f in self.flags if f.startswith("--"))
-        return long[2:].replace("-", "_")
+        return self.long[2:].replace("-", "_")
+
+    @property
+    def long(self) -> str:
+        """The first long flag, e.g. ``--max-steps``: the name errors use."""
+        return next(f for f in self.flags if f.startswith("--"))
 
 
 def opt(*flags: str, default: Any = None, help: str, **kwargs: Any) -> Opt:
@@ -236,7 +242,21 @@ def resolve_options(cmd: Command, explicit: dict[str, Any], defaults: dict[str, 
         if isinstance(value, ByDevice):
             values[key] = value.cuda if on_cuda else value.cpu
     values["on_cuda"] = on_cuda
+    _scale_default_warmup(values, user_set=set(explicit) | set(file_values))
     return argparse.Namespace(**values)
+
+
+# A default warmup is at most this fraction of the run, so a short run (--max-steps 5) works
+# without also lowering --warmup-steps; a warmup the user gives stays exactly as given.
+DEFAULT_WARMUP_FRACTION = 10
+
+
+def _scale_default_warmup(values: dict[str, Any], user_set: set[str]) -> None:
+    if "warmup_steps" in user_set or not {"warmup_steps", "max_steps"} <= values.keys():
+        return
+    warmup, steps = values["warmup_steps"], values["max_steps"]
+    if isinstance(warmup, int) and isinstance(steps, int) and steps > 0:
+        values["warmup_steps"] = min(warmup, steps // DEFAULT_WARMUP_FRACTION)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -261,6 +281,37 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, KeyError):
         text = f"missing key {text}"
     return " ".join(text.split())
+
+
+# `TrainConfig.max_lr`, `GPTConfig.dropout`, `LoRAConfig.rank` (optionally `=value`), or a bare
+# `name=value` / snake_case name: how library messages name what the user set.
+_PYTHON_NAME = re.compile(
+    r"(?<![\w.\-/])(?:(TrainConfig|GPTConfig|LoRAConfig)\.)?([A-Za-z_]\w*)"
+    r"(?:=('[^']*'|\"[^\"]*\"|[^\s,;:()'\"]*[^\s,;:()'\".]))?(?![\w\-/])"
+)
+
+
+def in_flag_terms(text: str, cmd: Command) -> str:
+    """A library message in the command line's terms: the Python names of options of ``cmd``
+    become their flags (``TrainConfig.max_lr`` -> ``--max-lr``, ``resume='auto'`` -> ``--resume
+    auto``, ``overwrite=True`` -> ``--overwrite``); anything else is left as it is."""
+    options = {o.dest: o for o in cmd.options}
+
+    def flag_form(m: re.Match[str]) -> str:
+        owner, name, value = m.group(1), m.group(2), m.group(3)
+        o = options.get(f"lora_{name}") if owner == "LoRAConfig" else None
+        o = o or options.get(name)
+        # A bare word is only a name when it is unmistakably one: snake_case or `name=value`.
+        if o is None or (owner is None and value is None and "_" not in name):
+            return m.group(0)
+        if value is None:
+            return o.long
+        value = value.strip("'\"")
+        if o.type is bool and value in ("True", "False"):
+            return o.long if value == "True" else "--no-" + o.long[2:]
+        return f"{o.long} {'none' if value == 'None' else value}"
+
+    return _PYTHON_NAME.sub(flag_form, text)
 
 
 def run_command(
@@ -290,17 +341,31 @@ def run_command(
     _setup_logging()
     try:
         args = resolve_options(cmd, explicit, defaults)
+        nproc = getattr(args, "nproc_per_node", 1)
+        if nproc < 1:
+            raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
+        if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
+            from .launch import launch_workers
+
+            options = {o.dest: getattr(args, o.dest) for o in cmd.options if o.dest != "nproc_per_node"}
+            return launch_workers(name, options, nproc, prog)
         result = cmd.run(args)  # an exit code, or the job's results (success)
         return result if isinstance(result, int) else 0
     except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
+        # Under torchrun, Ctrl-C reaches every rank and the agent forwards another SIGINT: ignore
+        # further ones (no second traceback while exiting) and let only rank 0 say it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"\n{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
         if debug:
             raise
         code = EXIT_USAGE if _is_usage_error(e) else EXIT_FAILURE
         kind = "error" if code == EXIT_USAGE else f"error ({type(e).__name__})"
-        print(f"{prog}: {kind}: {_one_line(e)}", file=sys.stderr)
+        # UsageErrors are written for the command line already; the library's name Python terms.
+        message = _one_line(e) if isinstance(e, UsageError) else in_flag_terms(_one_line(e), cmd)
+        print(f"{prog}: {kind}: {message}", file=sys.stderr)
         if code == EXIT_FAILURE:
             print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
         return code
@@ -505,7 +570,8 @@ def _trainer_opts(*, out_dir: str, steps: Any, batch: Any, seq_len: Any, lr: Any
         opt("--max-steps", "--steps", default=steps, type=int, help="optimizer steps in the whole run"),
         opt("--max-lr", "--lr", default=lr, type=float, help="peak learning rate"),
         opt("--min-lr", default=None, type=optional_float, help="floor of the cosine decay; none = max-lr / 10"),
-        opt("--warmup-steps", default=warmup, type=int, help="linear warmup steps"),
+        opt("--warmup-steps", default=warmup, type=int,
+            help="linear warmup steps; unless given, at most a tenth of --max-steps"),
         opt("--weight-decay", default=weight_decay, type=float, help="AdamW weight decay (2-D weights only)"),
         opt("--decay-embeddings", default=False, type=bool, help="also decay the embeddings (build-nanogpt does)"),
         opt("--grad-clip", default=1.0, type=optional_float, help="max global gradient norm; 0 or none = no clipping"),
@@ -529,6 +595,9 @@ def _trainer_opts(*, out_dir: str, steps: Any, batch: Any, seq_len: Any, lr: Any
         opt("--peak-flops", default=None, type=optional_float, help="peak FLOP/s of one GPU for MFU; none = from its name"),
         opt("--max-bad-steps", default=5, type=int, help="stop after this many non-finite steps in a row"),
         opt("--seed", default=1337, type=int, help="seed of weights, data order and samples"),
+        opt("--nproc-per-node", default=1, type=int,
+            help="start this many processes on this machine (one per GPU; gloo on CPU), like torchrun "
+                 "--standalone --nproc-per-node N; Ctrl-C stops them all with one line"),
     ]
 
 

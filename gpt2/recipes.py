@@ -196,7 +196,7 @@ def load_trained_model(path: str | os.PathLike[str], device: torch.device | str 
         )
     model = GPT(GPTConfig.from_dict(model_config))
     load_checkpoint(checkpoint, model)
-    logger.info("loaded %s", checkpoint)
+    logger.info("loaded %s (%s parameters)", checkpoint, f"{model.num_params():,}")
     return model.to(device or "cpu").eval()
 
 
@@ -213,6 +213,8 @@ def apply_adapter(model: Any, path: str | os.PathLike[str]) -> Any:
         minlora.import_peft_adapter(model, path)
     else:
         minlora.load_adapter(model, path)
+    logger.info("applied LoRA adapter %s (%d LoRA layers, %s parameters)", path, len(minlora.lora_sites(model)),
+                f"{sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n):,}")
     return model
 
 

@@ -9,8 +9,10 @@ tests/test_examples.py.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,8 +99,57 @@ def test_bad_flags_exit_2_with_one_line(capsys):
     assert code == 2 and "invalid choice: 'fp8'" in err
     # A value the library rejects (TrainConfig validation): one line, no traceback.
     code, _, err = run(capsys, "train", *TINY_TRAIN, "--max-steps", "2", "--warmup-steps", "5")
-    assert code == 2 and "warmup_steps (5) exceeds max_steps (2)" in err
+    assert code == 2 and "--warmup-steps (5) exceeds --max-steps (2)" in err  # named as flags
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--weight-decay", "nan", "--weight-decay must be a finite number >= 0, got nan"),
+    ("--grad-clip", "inf", "--grad-clip must be a finite number"),
+    ("--max-lr", "0", "--max-lr must be a finite number > 0"),
+    ("--dropout", "1.5", "--dropout must be a finite number in [0, 1)"),
+])
+def test_library_errors_name_the_flags(capsys, flag, value, words):
+    code, _, err = run(capsys, "train", *TINY_TRAIN, flag, value, "--device", "cpu")
+    assert code == 2 and words in err, err
+    assert "TrainConfig" not in err and "GPTConfig" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_in_flag_terms_rewrites_only_the_commands_options():
+    from gpt2.cli import in_flag_terms
+
+    train = COMMANDS["train"]
+    text = ("TrainConfig.resume='auto' needs out_dir; set compile=False, seed=3 or precision='fp32'; "
+            "TrainConfig.betas[1] and /data/max_steps/x_y.txt and lr_scale=2 stay")
+    rewritten = in_flag_terms(text, train)
+    for flag in ("--resume auto", "--out-dir;", "--no-compile", "--seed 3", "--precision fp32"):
+        assert flag in rewritten
+    # not options of `train`, or not names at all: untouched
+    for kept in ("TrainConfig.betas[1]", "/data/max_steps/x_y.txt", "lr_scale=2"):
+        assert kept in rewritten
+    assert in_flag_terms("LoRAConfig.rank must be >= 1", COMMANDS["finetune"]).startswith("--lora-rank must")
+
+
+def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
+    if not os.environ.get("GPT2_TINY_SHAKESPEARE"):
+        pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
+    cmd = COMMANDS["train"]
+    # the recipe's 20 warmup steps, at most a tenth of the run unless given
+    for steps, warmup in ((5, 0), (100, 10), (1000, 20)):
+        assert resolve_options(cmd, {"max_steps": steps, "device": "cpu"}).warmup_steps == warmup
+    assert resolve_options(cmd, {"max_steps": 5, "warmup_steps": 7, "device": "cpu"}).warmup_steps == 7
+    cfg = tmp_path / "run.json"
+    cfg.write_text('{"warmup_steps": 7}')  # a config file's value is the user's too
+    assert resolve_options(cmd, {"config": str(cfg), "max_steps": 5, "device": "cpu"}).warmup_steps == 7
+    # a short run with the default warmup trains; an explicit impossible warmup is still an error
+    tiny = [a for a in TINY_TRAIN if a != "--warmup-steps"]
+    tiny.remove("1")  # the value of --warmup-steps
+    text = tmp_path / "input.txt"
+    text.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    code, _, err = run(capsys, "train", *tiny, "--data", text, "--max-steps", "2", "--num-samples", "0",
+                       "--eval-interval", "0", "--out-dir", tmp_path / "short", "--no-plot")
+    assert code == 0, err
+    assert [r["step"] for r in read_jsonl(tmp_path / "short" / "metrics.jsonl")] == [1, 2]
 
 
 def test_missing_files_are_clear_errors(capsys, tmp_path, trained_run):
@@ -145,9 +196,9 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     cmd = COMMANDS["train"]
     cfg = tmp_path / "run.yaml"
     # YAML 1.1 reads 6e-4 as a string: it must still become a float.
-    cfg.write_text("max_steps: 7\nmax-lr: 6e-4\ncompile: 'false'\n")
-    args = resolve_options(cmd, {"config": str(cfg), "max_steps": 9, "device": "cpu"}, {"warmup_steps": 3})
-    assert args.max_steps == 9  # the flag beats the file
+    cfg.write_text("max_steps: 70\nmax-lr: 6e-4\ncompile: 'false'\n")
+    args = resolve_options(cmd, {"config": str(cfg), "max_steps": 90, "device": "cpu"}, {"warmup_steps": 3})
+    assert args.max_steps == 90  # the flag beats the file
     assert args.max_lr == pytest.approx(6e-4) and isinstance(args.max_lr, float)  # file beats recipe
     assert args.compile is False
     assert args.warmup_steps == 3  # the script's default beats the recipe's 20
@@ -256,7 +307,7 @@ def test_export_writes_a_transformers_directory(trained_run, tmp_path, capsys):
     torch.testing.assert_close(exported, ours)
 
 
-def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys):
+def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys, caplog):
     """`gpt2 finetune --init <run dir>`: LoRA on our own checkpoint, fp16 with loss scaling; the
     adapter then samples through `gpt2 sample --adapter`."""
     out = tmp_path / "lora"
@@ -268,9 +319,15 @@ def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys):
     assert [r["step"] for r in records] == [1, 2] and all(r["loss_scale"] > 0 for r in records)
     config = json.loads((out / "adapter" / "minlora_adapter.json").read_text())
     assert sorted(config["targets"]) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
-    code, stdout, err = run(capsys, "sample", "--model", trained_run, "--adapter", out / "adapter",
-                            "--max-new-tokens", "3", "--seed", "0")
+    with caplog.at_level(logging.INFO):
+        code, stdout, err = run(capsys, "sample", "--model", trained_run, "--adapter", out / "adapter",
+                                "--max-new-tokens", "3", "--seed", "0")
     assert code == 0 and "--- sample 1/1 ---" in stdout, err
+    # it says which adapter it applied, and to how many layers (c_attn of 2 blocks)
+    applied = [r.getMessage() for r in caplog.records if "applied LoRA adapter" in r.getMessage()]
+    assert len(applied) == 1 and str(out / "adapter") in applied[0] and "2 LoRA layers" in applied[0]
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    assert len(loaded) == 1 and re.search(r"\(\d{1,3}(,\d{3})+ parameters\)", loaded[0])  # 1,634,720
     # an adapter on a checkpoint that holds only adapter weights is refused with a clear message
     code, _, err = run(capsys, "sample", "--model", out, "--max-new-tokens", "3")
     assert code == 2 and "only the trainable (adapter) weights" in err
