@@ -5,7 +5,9 @@ equals a 1-process run of the same global batch."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +59,7 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, text):
+def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, text, caplog):
     from safetensors.torch import load_file
 
     args = ["finetune", "--init", str(hf_dir), "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", "2",
@@ -67,7 +69,8 @@ def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, text
     for i in range(2):
         torch.manual_seed(200 + i)
         out = tmp_path / f"lora{i}"
-        assert main([*args, "--out-dir", str(out)]) == 0
+        with caplog.at_level(logging.INFO):
+            assert main([*args, "--out-dir", str(out)]) == 0
         files = sorted((out / "adapter").rglob("*.safetensors"))
         adapters.append({k: v for f in files for k, v in load_file(str(f)).items()})
         assert len(losses(out)) == 2
@@ -75,20 +78,31 @@ def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, text
     for name in adapters[0]:
         assert torch.equal(adapters[0][name], adapters[1][name]), name
     assert losses(tmp_path / "lora0") == losses(tmp_path / "lora1")
+    # the weights' source in one line: the directory once, the count with thousands separators
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    assert loaded and all(m.count(str(hf_dir)) == 1 and re.search(r"\(\d{1,3}(,\d{3})+ parameters\)", m)
+                          for m in loaded), loaded
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_process_cli_run_equals_one_process(tmp_path, text):
-    """`gpt2 train` under torchrun (2 gloo processes x 1 micro-step) and alone (1 process x 2
-    micro-steps): the same 128-token global batch, the same seed, the same losses."""
+@pytest.mark.parametrize("launcher", ["torchrun", "nproc-per-node"])
+def test_two_process_cli_run_equals_one_process(tmp_path, text, launcher):
+    """`gpt2 train` in 2 gloo processes x 1 micro-step (under torchrun, or started by
+    `--nproc-per-node 2`) and alone (1 process x 2 micro-steps): the same 128-token global
+    batch, the same seed, the same losses."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     common = [*TRAIN, "--data", text, "--total-batch-size", "128", "--seed", "11"]
-    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "gpt2", *common, "--out-dir", str(tmp_path / "ddp")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpt2",
+               *common]
+    else:
+        cmd = [sys.executable, "-m", "gpt2", *common, "--nproc-per-node", "2"]
+    ddp = subprocess.run([*cmd, "--out-dir", str(tmp_path / "ddp")], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "2 process(es)" in ddp.stdout
     assert main([*common, "--out-dir", str(tmp_path / "single")]) == 0
     two, one = losses(tmp_path / "ddp"), losses(tmp_path / "single")
     assert len(two) == len(one) == 3
