@@ -347,6 +347,7 @@ def run_command(
         if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
             from .launch import launch_workers
 
+            recipes.check_options(name, args)  # a bad value: one line now, not one per rank later
             options = {o.dest: getattr(args, o.dest) for o in cmd.options if o.dest != "nproc_per_node"}
             return launch_workers(name, options, nproc, prog)
         result = cmd.run(args)  # an exit code, or the job's results (success)

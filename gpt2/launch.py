@@ -32,16 +32,16 @@ def launch_workers(command: str, options: dict[str, Any], nproc_per_node: int, p
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent logs every step of its life ("Sending process N closing signal SIGINT"...) as
-    # warnings; the workers' own output is what the user wants to read.
+    # The agent logs every step of its life ("Sending process N closing signal SIGINT", "failed
+    # (exitcode: 2)"...); the workers' own one-line messages are what the user wants to read.
     # Its loggers set their own levels, so each one is quietened (they exist once imported).
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     fd, path = tempfile.mkstemp(prefix=f"gpt2-{command}-", suffix=".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(options, f)
+            json.dump(options, f, default=str)  # a script default may be a Path
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
             rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # what torchrun --standalone uses

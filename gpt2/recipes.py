@@ -631,6 +631,21 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {args.hellaswag_interval}")
 
 
+def check_options(command: str, args: argparse.Namespace) -> None:
+    """Build the configs of a ``train`` / ``finetune`` job (and nothing else) to check its options:
+    what a launcher runs before starting the processes that would each report the same error."""
+    if command in ("train", "finetune"):
+        _check_train_args(args)
+        train_config_from(args)
+        for data in (args.data, args.val_data):
+            if data is not None:
+                shakespeare_or_path(data)  # exists (Tiny Shakespeare: downloaded once, here)
+    if command == "train":
+        model_config_from(args)
+    elif command == "finetune":
+        lora_config_from(args)
+
+
 def train_job(args: argparse.Namespace) -> dict[str, Any]:
     """``gpt2 train``: pretrain a GPT-2 from scratch, then report validation loss and samples."""
     from .model import GPT

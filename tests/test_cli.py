@@ -115,6 +115,16 @@ def test_library_errors_name_the_flags(capsys, flag, value, words):
     assert "TrainConfig" not in err and "GPTConfig" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_nproc_per_node_checks_options_before_starting_processes(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    # a bad value or a missing file: one line from the launcher, not one per rank
+    for extra, words in ((["--weight-decay", "nan"], "--weight-decay must be"),
+                         (["--data", str(tmp_path / "nope.txt")], "does not exist"),
+                         (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1")):
+        code, _, err = run(capsys, "train", *TINY_TRAIN, "--nproc-per-node", "2", "--device", "cpu", *extra)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_in_flag_terms_rewrites_only_the_commands_options():
     from gpt2.cli import in_flag_terms
 
