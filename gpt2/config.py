@@ -7,6 +7,7 @@ Field names follow nanoGPT (``block_size``, ``vocab_size``, ``n_layer``, ``n_hea
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +25,83 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
     return cls(**data)
+
+
+# ------------------------------------------------------------------------------------------
+# Field checks
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Range:
+    """The values one numeric config field accepts: finite, of the right kind, within bounds.
+
+    NaN must be rejected explicitly: it passes every ``x < 0`` check (all comparisons with NaN
+    are false), and ``weight_decay=nan`` or ``grad_clip=nan`` turns every weight NaN in one step.
+    """
+
+    low: float | None = None  # None = no lower bound
+    high: float | None = None  # None = no upper bound
+    low_open: bool = False  # True: ``low`` itself is not allowed (x > low)
+    high_open: bool = False  # True: ``high`` itself is not allowed (x < high)
+    optional: bool = False  # None is allowed (and kept)
+    integer: bool = False  # an int (no bool, no float); else a float (ints are converted)
+
+    def describe(self) -> str:
+        if self.integer and self.low == 1 and self.high is None:
+            return "a positive integer" + (" (or None)" if self.optional else "")
+        kind = "an integer" if self.integer else "a finite number"
+        if self.low is not None and self.high is not None:
+            bounds = f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            bounds = f" {'>' if self.low_open else '>='} {self.low:g}"
+        elif self.high is not None:
+            bounds = f" {'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            bounds = ""
+        return kind + bounds + (" (or None)" if self.optional else "")
+
+
+def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
+    """``value`` checked against ``rule`` (a float field's int becomes a float); a ValueError
+    naming ``owner.name`` otherwise."""
+    if value is None and rule.optional:
+        return None
+    ok_type = isinstance(value, int) if rule.integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type:
+        hint = ""
+        if isinstance(value, str):
+            hint = " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)" if not rule.integer else " (not a string)"
+        elif isinstance(value, float) and rule.integer:
+            hint = " (not a float)"
+        raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
+    if not rule.integer:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}")
+    too_low = rule.low is not None and (value <= rule.low if rule.low_open else value < rule.low)
+    too_high = rule.high is not None and (value >= rule.high if rule.high_open else value > rule.high)
+    if too_low or too_high:
+        raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}")
+    return value
+
+
+def check_fields(config: Any, rules: dict[str, Range], flags: tuple[str, ...] = ()) -> None:
+    """Check (and normalise in place) every field of ``config`` named in ``rules``, and that
+    each field in ``flags`` is a real bool (``compile="false"`` would otherwise be true)."""
+    owner = type(config).__name__
+    for name, rule in rules.items():
+        setattr(config, name, check_value(owner, name, getattr(config, name), rule))
+    for name in flags:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
+
+
+POSITIVE_INT = Range(low=1, integer=True)
+NON_NEGATIVE_INT = Range(low=0, integer=True)
+POSITIVE = Range(low=0, low_open=True)  # a finite float > 0
+NON_NEGATIVE = Range(low=0)
+PROBABILITY = Range(low=0, high=1, high_open=True)  # [0, 1): dropout, Adam's betas
 
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -66,19 +144,12 @@ class GPTConfig:
     flash: bool = True  # F.scaled_dot_product_attention; False = explicit softmax attention
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        check_fields(self, GPT_CONFIG_RULES, flags=("bias", "flash"))
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
                 f"each head gets n_embd // n_head channels"
             )
-        if not (0.0 <= float(self.dropout) < 1.0):
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.layer_norm_epsilon > 0:
-            raise ValueError(f"GPTConfig.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -103,6 +174,14 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GPTConfig":
         return _from_dict(cls, data)
+
+
+# What each numeric GPTConfig field accepts (checked in __post_init__).
+GPT_CONFIG_RULES: dict[str, Range] = {
+    "block_size": POSITIVE_INT, "vocab_size": POSITIVE_INT, "n_layer": POSITIVE_INT, "n_head": POSITIVE_INT,
+    "n_embd": POSITIVE_INT, "pad_vocab_multiple": POSITIVE_INT,
+    "dropout": PROBABILITY, "layer_norm_epsilon": POSITIVE,
+}
 
 
 # ------------------------------------------------------------------------------------------
@@ -189,13 +268,8 @@ class TrainConfig:
     seed: int = 1337  # seeds torch, numpy and random when the Trainer is built
 
     def __post_init__(self) -> None:
-        positive = ("micro_batch_size", "seq_len", "max_steps", "eval_steps", "log_interval", "max_bad_steps")
-        for name in positive:
-            _require_int(self, name, minimum=1)
-        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_last_checkpoints", "seed"):
-            _require_int(self, name, minimum=0)
+        check_fields(self, TRAIN_CONFIG_RULES, flags=TRAIN_CONFIG_FLAGS)
         if self.total_batch_size is not None:
-            _require_int(self, "total_batch_size", minimum=1)
             tokens_per_micro_batch = self.micro_batch_size * self.seq_len
             if self.total_batch_size % tokens_per_micro_batch != 0:
                 raise ValueError(
@@ -204,12 +278,6 @@ class TrainConfig:
                     f"{tokens_per_micro_batch:,} tokens (times the number of processes); e.g. use "
                     f"{max(1, round(self.total_batch_size / tokens_per_micro_batch)) * tokens_per_micro_batch:,}"
                 )
-        for name in ("max_lr", "min_lr", "weight_decay", "eps", "grad_clip", "peak_flops"):
-            _require_number(self, name, optional=name in ("min_lr", "grad_clip", "peak_flops"))
-        if not self.max_lr > 0:
-            raise ValueError(f"TrainConfig.max_lr must be > 0, got {self.max_lr!r}")
-        if self.min_lr is not None and self.min_lr < 0:
-            raise ValueError(f"TrainConfig.min_lr must be >= 0, got {self.min_lr!r}")
         if self.min_lr is not None and self.min_lr > self.max_lr:
             raise ValueError(
                 f"TrainConfig.min_lr ({self.min_lr!r}) is larger than max_lr ({self.max_lr!r}): the cosine "
@@ -220,21 +288,15 @@ class TrainConfig:
                 f"TrainConfig.warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps}): "
                 "the warmup would never finish; use fewer warmup steps or a longer run"
             )
-        if self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        self.betas = tuple(self.betas)  # type: ignore[assignment]  # a JSON round trip gives a list
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        # A JSON round trip gives a list; a string would unpack into characters, so refuse it first.
+        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
             raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not self.eps > 0:
-            raise ValueError(f"TrainConfig.eps must be > 0, got {self.eps!r}")
-        if self.grad_clip is not None and self.grad_clip < 0:
-            raise ValueError(f"TrainConfig.grad_clip must be > 0, or 0/None to disable, got {self.grad_clip!r}")
+        self.betas = tuple(check_value("TrainConfig", f"betas[{i}]", b, PROBABILITY)  # type: ignore[assignment]
+                           for i, b in enumerate(self.betas))
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.fused_adamw not in ("auto", True, False):
             raise ValueError(f"TrainConfig.fused_adamw must be 'auto', True or False, got {self.fused_adamw!r}")
-        if self.peak_flops is not None and not self.peak_flops > 0:
-            raise ValueError(f"TrainConfig.peak_flops must be > 0 FLOP/s (or None to detect), got {self.peak_flops!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"TrainConfig.device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.resume is not None and not isinstance(self.resume, str):
@@ -268,18 +330,18 @@ class TrainConfig:
         return _from_dict(cls, data)
 
 
-def _require_int(config: Any, name: str, minimum: int) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{type(config).__name__}.{name} must be {kind}, got {value!r}")
-
-
-def _require_number(config: Any, name: str, optional: bool) -> None:
-    value = getattr(config, name)
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        hint = " (YAML reads 6e-4 as a string; write 6.0e-4)" if isinstance(value, str) else ""
-        raise ValueError(f"{type(config).__name__}.{name} must be a number, got {value!r}{hint}")
-    setattr(config, name, float(value))
+# What each numeric TrainConfig field accepts (checked in __post_init__, before anything else).
+TRAIN_CONFIG_RULES: dict[str, Range] = {
+    "micro_batch_size": POSITIVE_INT, "seq_len": POSITIVE_INT, "max_steps": POSITIVE_INT,
+    "total_batch_size": Range(low=1, integer=True, optional=True),
+    "eval_steps": POSITIVE_INT, "log_interval": POSITIVE_INT, "max_bad_steps": POSITIVE_INT,
+    "warmup_steps": NON_NEGATIVE_INT, "eval_interval": NON_NEGATIVE_INT, "checkpoint_interval": NON_NEGATIVE_INT,
+    "keep_last_checkpoints": NON_NEGATIVE_INT, "seed": NON_NEGATIVE_INT,
+    "max_lr": POSITIVE,
+    "min_lr": Range(low=0, optional=True),  # None = max_lr / 10; at most max_lr (checked after)
+    "weight_decay": NON_NEGATIVE,
+    "eps": POSITIVE,
+    "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
+    "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
+}
+TRAIN_CONFIG_FLAGS = ("decay_embeddings", "compile", "save_trainable_only", "progress", "plot")

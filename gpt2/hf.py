@@ -489,7 +489,8 @@ def from_pretrained(
         model = model_class(config)
     model.load_state_dict(sd, strict=True, assign=True)
     model.lm_head.weight = model.transformer.wte.weight  # assign=True made two Parameters: re-tie
-    logger.info("loaded %s (%d parameters) from %s", name_or_path, model.num_params(), directory)
+    source = "" if Path(str(name_or_path)).expanduser() == Path(directory) else f" from {directory}"
+    logger.info("loaded %s (%s parameters)%s", name_or_path, f"{model.num_params():,}", source)
     return model.eval()
 
 

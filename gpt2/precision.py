@@ -3,8 +3,8 @@
 =========  ==========================================  ===============  =================
 policy     matmuls                                     master weights   loss scaling
 =========  ==========================================  ===============  =================
-``fp32``   fp32 (``set_float32_matmul_precision("highest")``)  fp32     no
-``tf32``   TF32 tensor cores on CUDA (``"high"``)      fp32             no
+``fp32``   fp32 (``fp32_precision = "ieee"``)          fp32             no
+``tf32``   TF32 tensor cores on CUDA (``"tf32"``)      fp32             no
 ``bf16``   bf16 under ``torch.autocast``               fp32             no (bf16 has fp32's range)
 ``fp16``   fp16 under ``torch.autocast``               fp32             ``torch.amp.GradScaler``
 =========  ==========================================  ===============  =================
@@ -54,7 +54,7 @@ class PrecisionPolicy:
         alone keeps CPU runs bit-for-bit reproducible.
         """
         if self.device_type == "cuda":
-            torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
+            set_tf32(self.tf32)
 
     def autocast(self) -> ContextManager:
         """The context the forward pass (and only it) runs in."""
@@ -70,6 +70,23 @@ class PrecisionPolicy:
 
     def __str__(self) -> str:
         return f"{self.name} on {self.device_type}"
+
+
+def set_tf32(enabled: bool) -> None:
+    """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
+
+    PyTorch 2.9 replaced ``torch.backends.cuda.matmul.allow_tf32`` /
+    ``torch.set_float32_matmul_precision`` with per-backend ``fp32_precision`` settings
+    (``"tf32"`` or ``"ieee"``), and raises when a process mixes the two APIs (Inductor reads the
+    new one). So the new API is used wherever it exists, the legacy one only on older PyTorch.
+    """
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        value = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = value
+        torch.backends.cudnn.conv.fp32_precision = value
+    else:  # PyTorch < 2.9
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        torch.backends.cudnn.allow_tf32 = enabled
 
 
 def default_precision(device: torch.device | str) -> str:

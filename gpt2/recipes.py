@@ -214,7 +214,7 @@ def load_trained_model(path: str | os.PathLike[str], device: torch.device | str 
         )
     model = GPT(GPTConfig.from_dict(model_config))
     load_checkpoint(checkpoint, model)
-    logger.info("loaded %s", checkpoint)
+    logger.info("loaded %s (%s parameters)", checkpoint, f"{model.num_params():,}")
     return model.to(device or "cpu").eval()
 
 
@@ -231,6 +231,8 @@ def apply_adapter(model: Any, path: str | os.PathLike[str]) -> Any:
         minlora.import_peft_adapter(model, path)
     else:
         minlora.load_adapter(model, path)
+    logger.info("applied LoRA adapter %s (%d LoRA layers, %s parameters)", path, len(minlora.lora_sites(model)),
+                f"{sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n):,}")
     return model
 
 
@@ -653,16 +655,32 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {args.hellaswag_interval}")
 
 
+def check_options(command: str, args: argparse.Namespace) -> None:
+    """Build the configs of a ``train`` / ``finetune`` job (and nothing else) to check its options:
+    what a launcher runs before starting the processes that would each report the same error."""
+    if command in ("train", "finetune"):
+        _check_train_args(args)
+        train_config_from(args)
+        for data in (args.data, args.val_data):
+            if data is not None:
+                shakespeare_or_path(data)  # exists (Tiny Shakespeare: downloaded once, here)
+    if command == "train":
+        model_config_from(args)
+    elif command == "finetune":
+        lora_config_from(args)
+
+
 def train_job(args: argparse.Namespace) -> dict[str, Any]:
     """``gpt2 train``: pretrain a GPT-2 from scratch, then report validation loss and samples."""
     from .model import GPT
-    from .trainer import Trainer
+    from .trainer import Trainer, seed_everything
 
     _check_train_args(args)
     model_config = model_config_from(args)
     config = train_config_from(args)
     hellaswag = _resolve_hellaswag(args.hellaswag)
     train, val = training_data(args.data, args.val_data, args.val_fraction)
+    seed_everything(args.seed)  # --seed fixes the initial weights too, not only the data order
     model = GPT(model_config)
     start = time.time()
     callback = HellaSwagCallback(hellaswag, args.hellaswag_interval, args.hellaswag_limit) if hellaswag else None
@@ -695,7 +713,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
     before and after, the adapter saved, and optionally a merged transformers export."""
     import minlora
 
-    from .trainer import Trainer
+    from .trainer import Trainer, seed_everything
 
     _check_train_args(args)
     if args.lora_head and args.merge_export:
@@ -713,6 +731,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context (block_size {model.config.block_size})")
     config = train_config_from(args, save_trainable_only=True)  # checkpoints hold the adapter only
     train, val = training_data(args.data, args.val_data, args.val_fraction)
+    seed_everything(args.seed)  # --seed fixes LoRA's random A matrices too, not only the data order
     minlora.add_lora(model, lora_config=lora_config)
     minlora.mark_only_lora_as_trainable(model)
     with Trainer(model, config, train, val) as trainer:

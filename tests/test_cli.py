@@ -9,8 +9,10 @@ tests/test_examples.py.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,6 +125,69 @@ def test_short_run_scales_the_recipe_warmup(capsys):
     assert options.train.warmup_steps == 4
 
 
+@pytest.mark.parametrize("flag,value,words", [
+    ("--weight-decay", "nan", "--weight-decay must be a finite number >= 0, got nan"),
+    ("--grad-clip", "inf", "--grad-clip must be a finite number"),
+    ("--max-lr", "0", "--max-lr must be a finite number > 0"),
+    ("--dropout", "1.5", "--dropout must be a finite number in [0, 1)"),
+])
+def test_library_errors_name_the_flags(capsys, flag, value, words):
+    code, _, err = run(capsys, "train", *TINY_TRAIN, flag, value, "--device", "cpu")
+    assert code == 2 and words in err, err
+    assert "TrainConfig" not in err and "GPTConfig" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_nproc_per_node_checks_options_before_starting_processes(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    # a bad value or a missing file: one line from the launcher, not one per rank
+    for extra, words in ((["--weight-decay", "nan"], "--weight-decay must be"),
+                         (["--data", str(tmp_path / "nope.txt")], "does not exist"),
+                         (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1")):
+        code, _, err = run(capsys, "train", *TINY_TRAIN, "--nproc-per-node", "2", "--device", "cpu", *extra)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_in_cli_terms_rewrites_only_the_commands_options():
+    from gpt2.cli import in_cli_terms
+
+    train = COMMANDS["train"].options
+    text = ("TrainConfig.resume='auto' needs out_dir; set compile=False, seed=3 or precision='fp32'; "
+            "TrainConfig.betas[1] and /data/max_steps/x_y.txt and lr_scale=2 stay")
+    rewritten = in_cli_terms(text, train)
+    for flag in ("--resume auto", "--out-dir;", "--no-compile", "--seed 3", "--precision fp32"):
+        assert flag in rewritten
+    # not options of `train`, or not names at all: untouched
+    for kept in ("TrainConfig.betas[1]", "/data/max_steps/x_y.txt", "lr_scale=2"):
+        assert kept in rewritten
+    assert in_cli_terms("LoRAConfig.rank must be >= 1", COMMANDS["finetune"].options).startswith("--lora.rank must")
+
+
+def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
+    if not os.environ.get("GPT2_TINY_SHAKESPEARE"):
+        pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
+    cmd = COMMANDS["train"]
+
+    def warmup(*argv: str) -> int:
+        return parse(cmd, [*argv, "--device", "cpu"], prog="gpt2 train")[0].train.warmup_steps
+
+    # the recipe's 20 warmup steps of 200 keep their share of a shorter run unless given
+    for steps, expected in ((5, 0), (100, 10), (1000, 20)):
+        assert warmup("--max-steps", str(steps)) == expected
+    assert warmup("--max-steps", "5", "--warmup-steps", "7") == 7
+    cfg = tmp_path / "run.json"
+    cfg.write_text('{"warmup_steps": 7}')  # a config file's value is the user's too
+    assert warmup("--config", str(cfg), "--max-steps", "5") == 7
+    # a short run with the default warmup trains; an explicit impossible warmup is still an error
+    tiny = [a for a in TINY_TRAIN if a != "--warmup-steps"]
+    tiny.remove("1")  # the value of --warmup-steps
+    text = tmp_path / "input.txt"
+    text.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    code, _, err = run(capsys, "train", *tiny, "--data", text, "--max-steps", "2", "--num-samples", "0",
+                       "--eval-interval", "0", "--out-dir", tmp_path / "short", "--no-plot")
+    assert code == 0, err
+    assert [r["step"] for r in read_jsonl(tmp_path / "short" / "metrics.jsonl")] == [1, 2]
+
+
 def test_missing_files_are_clear_errors(capsys, tmp_path, trained_run):
     missing = tmp_path / "missing"
     cases = [
@@ -149,9 +214,17 @@ def test_python_m_gpt2_entry_point(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("gpt2 eval: error:") and "Traceback" not in result.stderr
-    if shutil.which("gpt2"):  # the console script declared in pyproject.toml
-        result = subprocess.run(["gpt2", "--help"], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0 and "finetune" in result.stdout
+
+
+def test_gpt2_console_script():
+    """The console script declared in pyproject.toml, the one installed beside this interpreter
+    (not whatever `gpt2` comes first on PATH: the venv may not be activated)."""
+    bindir = Path(sys.executable).parent
+    script = next((p for p in (bindir / "gpt2", bindir / "gpt2.exe") if p.is_file()), None)
+    if script is None:
+        pytest.skip(f"the gpt2 console script is not installed beside {sys.executable} (pip install -e .)")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "finetune" in result.stdout
 
 
 # --------------------------------------------------------------------------- configuration
@@ -291,7 +364,7 @@ def test_export_writes_a_transformers_directory(trained_run, tmp_path, capsys):
     torch.testing.assert_close(exported, ours)
 
 
-def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys):
+def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys, caplog):
     """`gpt2 finetune --init <run dir>`: LoRA on our own checkpoint, fp16 with loss scaling; the
     adapter then samples through `gpt2 sample --adapter`."""
     out = tmp_path / "lora"
@@ -303,9 +376,15 @@ def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys):
     assert [r["step"] for r in records] == [1, 2] and all(r["loss_scale"] > 0 for r in records)
     config = json.loads((out / "adapter" / "minlora_adapter.json").read_text())
     assert sorted(config["targets"]) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
-    code, stdout, err = run(capsys, "sample", "--model", trained_run, "--adapter", out / "adapter",
-                            "--max-new-tokens", "3", "--seed", "0")
+    with caplog.at_level(logging.INFO):
+        code, stdout, err = run(capsys, "sample", "--model", trained_run, "--adapter", out / "adapter",
+                                "--max-new-tokens", "3", "--seed", "0")
     assert code == 0 and "--- sample 1/1 ---" in stdout, err
+    # it says which adapter it applied, and to how many layers (c_attn of 2 blocks)
+    applied = [r.getMessage() for r in caplog.records if "applied LoRA adapter" in r.getMessage()]
+    assert len(applied) == 1 and str(out / "adapter") in applied[0] and "2 LoRA layers" in applied[0]
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    assert len(loaded) == 1 and re.search(r"\(\d{1,3}(,\d{3})+ parameters\)", loaded[0])  # 1,634,720
     # an adapter on a checkpoint that holds only adapter weights is refused with a clear message
     code, _, err = run(capsys, "sample", "--model", out, "--max-new-tokens", "3")
     assert code == 2 and "only the trainable (adapter) weights" in err

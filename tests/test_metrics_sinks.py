@@ -39,15 +39,12 @@ def test_log_to_is_checked_and_normalised(tmp_path):
 
 
 def test_cli_log_to_flag_reaches_the_train_config():
-    from gpt2.cli import _train_command, build_parser, resolve_options
-    from gpt2.recipes import train_config_from
+    from gpt2.cli import COMMANDS, parse
 
-    cmd = _train_command()
+    cmd = COMMANDS["train"]
     for argv in (["--log-to", "tensorboard", "wandb"], ["--log-to", "tensorboard,wandb"]):
-        args = resolve_options(cmd, vars(build_parser(cmd, "gpt2 train").parse_args(argv)))
-        assert train_config_from(args).log_to == ("tensorboard", "wandb")
-    args = resolve_options(cmd, vars(build_parser(cmd, "gpt2 train").parse_args([])))
-    assert train_config_from(args).log_to == ()
+        assert parse(cmd, argv, prog="gpt2 train")[0].train.log_to == ("tensorboard", "wandb")
+    assert parse(cmd, [], prog="gpt2 train")[0].train.log_to == ()
 
 
 def test_tensorboard_sink_writes_every_step(tmp_path):

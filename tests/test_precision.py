@@ -130,3 +130,47 @@ def test_fp16_resume_restores_the_loss_scale(tiny_config, tmp_path):
     assert resumed.scaler.state_dict() == first.scaler.state_dict()
     next_first, next_resumed = first.train_step(), resumed.train_step()
     assert next_first["loss"] == next_resumed["loss"] and next_first["loss_scale"] == next_resumed["loss_scale"]
+
+
+# The TF32 switch changes process-wide state (and on PyTorch >= 2.9 setting the new API makes
+# the legacy getters raise), so each check runs in its own interpreter.
+_TF32_SCRIPT = r"""
+import sys, types
+import torch
+from gpt2.precision import PrecisionPolicy
+
+calls = []
+def legacy(*args):
+    calls.append(args)
+    if sys.argv[1] == "new":
+        raise AssertionError("legacy TF32 API used on a PyTorch that has fp32_precision")
+torch.set_float32_matmul_precision = lambda p: legacy("set_float32_matmul_precision", p)
+if sys.argv[1] == "old":  # pretend to be PyTorch < 2.9: no fp32_precision attributes
+    torch.backends.cuda.matmul = types.SimpleNamespace()
+    type(torch.backends.cudnn).allow_tf32 = property(lambda self: None, lambda self, v: legacy("cudnn.allow_tf32", v))
+for name, tf32 in (("tf32", True), ("fp32", False)):
+    PrecisionPolicy(name, "cuda", None, tf32=tf32, uses_scaler=False).apply()
+    if sys.argv[1] == "new":
+        print(name, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+print("legacy", calls)
+"""
+
+
+def _run_tf32_script(mode: str) -> list[str]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TF32_SCRIPT, mode], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
+def test_tf32_switch_uses_fp32_precision_on_new_pytorch():
+    assert _run_tf32_script("new") == ["tf32 tf32 tf32", "fp32 ieee ieee", "legacy []"]
+
+
+def test_tf32_switch_uses_legacy_api_on_old_pytorch():
+    lines = _run_tf32_script("old")
+    assert lines == ["legacy [('set_float32_matmul_precision', 'high'), ('cudnn.allow_tf32', True), "
+                     "('set_float32_matmul_precision', 'highest'), ('cudnn.allow_tf32', False)]"]

@@ -293,8 +293,8 @@ def test_crash_during_save_keeps_last_checkpoint_resumable(tiny_config, tmp_path
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(max_lr=-1e-3), "max_lr must be > 0"),
-        (dict(max_lr="6e-4"), "must be a number"),
+        (dict(max_lr=-1e-3), "max_lr must be a finite number > 0"),
+        (dict(max_lr="6e-4"), "must be a finite number"),
         (dict(max_lr=1e-4, min_lr=1e-3), "min_lr .* is larger than max_lr"),
         (dict(warmup_steps=10, max_steps=5), "warmup_steps \\(10\\) exceeds max_steps \\(5\\)"),
         (dict(precision="fp8"), "precision must be one of"),

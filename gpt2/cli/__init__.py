@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,10 +182,13 @@ def in_cli_terms(message: str, cls: type) -> str:
             return flag.replace("--", "--no-", 1) if "." not in flag else flag
         return f"{flag} {value.strip(chr(39) + chr(34))}"
 
-    message = re.sub(r"\b(?:TrainConfig|LoRAConfig|GPTConfig)\.(\w+)",
+    message = re.sub(r"(?<![\w./-])(?:(?:TrainConfig|LoRAConfig|GPTConfig)\.)?([a-z_]+)=('[^']*'|\"[^\"]*\"|[\w.+-]+)",
+                     value_form, message)
+    message = re.sub(r"\b(?:TrainConfig|LoRAConfig|GPTConfig)\.(\w+)\b(?!\[)",
                      lambda m: flags.get(m.group(1), m.group(0)), message)
-    message = re.sub(r"\b([a-z_]+)=('[^']*'|\"[^\"]*\"|[\w.+-]+)", value_form, message)
-    return message
+    # A bare name is only a name when it is unmistakably one: snake_case, not inside a path.
+    return re.sub(r"(?<![\w./-])([a-z]+(?:_[a-z0-9]+)+)(?![\w/.-]*\w)",
+                  lambda m: flags.get(m.group(1), m.group(0)), message)
 
 
 def _one_line(e: BaseException) -> str:
@@ -216,22 +220,46 @@ def run_command(name: str, argv: Sequence[str] | None = None, *, prog: str | Non
         if print_config:
             sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
             return 0
+        nproc = getattr(options, "nproc_per_node", 1)
+        if nproc < 1:
+            raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
+        if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
+            return _launch(cmd, options, nproc, prog)
         from .. import jobs
 
         result = getattr(jobs, cmd.job)(options)
         return result if isinstance(result, int) else 0
     except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
+        # Under torchrun, Ctrl-C reaches every rank and the agent forwards another SIGINT: ignore
+        # further ones (no second traceback while exiting) and let only rank 0 say it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"\n{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
         if debug:
             raise
         code = EXIT_USAGE if _is_usage_error(e) else EXIT_FAILURE
         kind = "error" if code == EXIT_USAGE else f"error ({type(e).__name__})"
-        print(f"{prog}: {kind}: {in_cli_terms(_one_line(e), cmd.options)}", file=sys.stderr)
+        # UsageErrors are written for the command line already; the library's name Python terms.
+        message = _one_line(e) if type(e).__name__ == "UsageError" else in_cli_terms(_one_line(e), cmd.options)
+        print(f"{prog}: {kind}: {message}", file=sys.stderr)
         if code == EXIT_FAILURE:
             print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
         return code
+
+
+def _launch(cmd: Command, options: Any, nproc: int, prog: str) -> int:
+    """``--nproc-per-node N``: check the options once here (a bad value is one line, not one per
+    rank), then start N workers that each read these resolved options."""
+    import dataclasses
+
+    from ..jobs import check_options
+    from ..launch import launch_workers
+
+    check_options(cmd.name, options)
+    single = dataclasses.replace(options, nproc_per_node=1)
+    return launch_workers(cmd.name, dump_yaml(single, f"# {prog}: options of the launcher\n"), nproc, prog)
 
 
 class _StdoutHandler(logging.Handler):

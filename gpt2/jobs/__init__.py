@@ -53,3 +53,11 @@ prepare_job = _job("prepare_job")
 eval_job = _job("eval_job")
 export_job = _job("export_job")
 bench_job = _job("bench_job")
+
+
+def check_options(command: str, options: Any) -> None:
+    """Build what a ``train`` / ``finetune`` job builds from its options, to fail before any
+    worker process starts."""
+    from .. import recipes
+
+    recipes.check_options(command, _legacy(options))

@@ -88,6 +88,9 @@ class TrainOptions:
     """HellaSwag every N steps (and at the end); 0 = only at the end"""
     hellaswag_limit: int | None = None
     """score only the first N HellaSwag examples"""
+    nproc_per_node: int = 1
+    """start this many processes on this machine (one per GPU; gloo on CPU), like torchrun --standalone
+    --nproc-per-node N; Ctrl-C stops them all with one line"""
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
 
 
@@ -107,6 +110,9 @@ class FinetuneOptions:
     """also write the adapter in PEFT format here"""
     merge_export: str | None = None
     """merge the adapter into the weights and write a transformers directory here"""
+    nproc_per_node: int = 1
+    """start this many processes on this machine (one per GPU; gloo on CPU), like torchrun --standalone
+    --nproc-per-node N; Ctrl-C stops them all with one line"""
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
 
 

@@ -1,0 +1,121 @@
+"""Every numeric field of GPTConfig / TrainConfig is checked when the config is built: finite,
+of the right kind (no bools, no strings, no floats for int fields) and within its range."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+
+import pytest
+
+from gpt2.config import GPTConfig, TrainConfig
+
+
+def _fields_of(cls: type, kind: type) -> list[str]:
+    """Names of the fields whose annotation holds ``kind`` (``float``, ``float | None``...), read
+    from the class itself so that a field added later is tested too."""
+    hints = typing.get_type_hints(cls)
+    names = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        # `float` itself or a union such as `float | None` (not `tuple[float, float]`: betas)
+        is_union = typing.get_origin(hint) is typing.Union or type(hint).__name__ == "UnionType"
+        args = typing.get_args(hint) if is_union else (hint,)
+        if kind in args and bool not in args:
+            names.append(f.name)
+    return names
+
+
+FLOAT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, float)] + \
+               [(TrainConfig, n) for n in _fields_of(TrainConfig, float)]
+INT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, int)] + \
+             [(TrainConfig, n) for n in _fields_of(TrainConfig, int)]
+# Fields for which a negative value is meaningless (all of today's float fields are).
+NEGATIVE_INVALID = {"dropout", "layer_norm_epsilon", "max_lr", "min_lr", "weight_decay", "eps",
+                    "grad_clip", "peak_flops"}
+
+
+def _build(cls: type, **kwargs):
+    # A small TrainConfig so the cross-field checks (warmup <= max_steps...) pass.
+    if cls is TrainConfig:
+        kwargs = {"out_dir": None, "micro_batch_size": 2, "seq_len": 8, **kwargs}
+    return cls(**kwargs)
+
+
+def test_every_float_field_is_covered():
+    names = {n for _, n in FLOAT_FIELDS}
+    # The known ones, so the discovery above cannot silently find nothing.
+    assert {"dropout", "layer_norm_epsilon", "max_lr", "min_lr", "weight_decay", "eps", "grad_clip",
+            "peak_flops"} <= names
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("cls,name", FLOAT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS])
+def test_float_fields_reject_non_finite(cls, name, bad):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be a finite number"):
+        _build(cls, **{name: bad})
+
+
+@pytest.mark.parametrize("cls,name", FLOAT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS])
+def test_float_fields_reject_bool_and_string(cls, name):
+    for bad in (True, False):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be .* got {bad!r}"):
+            _build(cls, **{name: bad})
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} .*YAML.*6\.0e-4"):
+        _build(cls, **{name: "6e-4"})
+
+
+@pytest.mark.parametrize("cls,name", [(c, n) for c, n in FLOAT_FIELDS if n in NEGATIVE_INVALID],
+                         ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS if n in NEGATIVE_INVALID])
+def test_float_fields_reject_negative(cls, name):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be"):
+        _build(cls, **{name: -0.5})
+
+
+@pytest.mark.parametrize("cls,name", FLOAT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS])
+def test_float_fields_accept_an_int_and_store_a_float(cls, name):
+    # An int is a fine float (YAML `weight_decay: 0`); it is stored as a float.
+    value = 0 if name in ("dropout", "weight_decay", "grad_clip", "min_lr") else 1
+    config = _build(cls, **{name: value})
+    assert isinstance(getattr(config, name), float) and getattr(config, name) == value
+
+
+@pytest.mark.parametrize("field,value", [("dropout", 1.0), ("eps", 0.0), ("max_lr", 0.0), ("peak_flops", 0.0),
+                                         ("layer_norm_epsilon", 0.0)])
+def test_float_fields_reject_their_bounds(field, value):
+    cls = GPTConfig if field in ("dropout", "layer_norm_epsilon") else TrainConfig
+    with pytest.raises(ValueError, match=rf"\.{field} must be"):
+        _build(cls, **{field: value})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1.0, -0.1, True, "0.9"])
+@pytest.mark.parametrize("index", [0, 1])
+def test_betas_are_finite_probabilities(index, bad):
+    betas = [0.9, 0.95]
+    betas[index] = bad
+    with pytest.raises(ValueError, match=rf"TrainConfig\.betas\[{index}\] must be"):
+        _build(TrainConfig, betas=tuple(betas))
+    with pytest.raises(ValueError, match=r"TrainConfig\.betas must be two numbers"):
+        _build(TrainConfig, betas="ab")
+    assert _build(TrainConfig, betas=[0, 0.5]).betas == (0.0, 0.5)  # a JSON list, ints allowed
+
+
+@pytest.mark.parametrize("cls,name", INT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n in INT_FIELDS])
+def test_int_fields_reject_bool_float_string_and_negative(cls, name):
+    for bad in (True, 2.0, float("nan"), "4", -1):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be .*integer"):
+            _build(cls, **{name: bad})
+
+
+@pytest.mark.parametrize("cls,name", [(GPTConfig, "bias"), (GPTConfig, "flash"), (TrainConfig, "compile"),
+                                      (TrainConfig, "plot")])
+def test_bool_fields_reject_strings(cls, name):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be True or False"):
+        _build(cls, **{name: "false"})
+
+
+def test_defaults_and_none_pass():
+    config = _build(TrainConfig, min_lr=None, grad_clip=None, peak_flops=None, total_batch_size=None)
+    assert math.isclose(config.min_lr, config.max_lr / 10)
+    GPTConfig()

@@ -1,0 +1,110 @@
+"""--seed makes a run reproducible from the first step: the initial weights (train) and LoRA's
+random A matrices (finetune) are seeded, not only the data order; and a 2-process torchrun run
+equals a 1-process run of the same global batch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+# A tiny model on the start of Tiny Shakespeare (the offline copy conftest points at), no validation.
+TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", "3",
+         "--warmup-steps", "1", "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0",
+         "--no-progress", "--no-plot", "--device", "cpu", "--precision", "fp32"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> str:
+    if not os.environ.get("GPT2_TINY_SHAKESPEARE") or not os.environ.get("TIKTOKEN_CACHE_DIR"):
+        pytest.skip("the offline data in ../shared/data is needed")
+    path = tmp_path_factory.mktemp("data") / "input.txt"
+    path.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    return str(path)
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_train_with_one_seed_gives_identical_losses(tmp_path, text):
+    runs = []
+    for i in range(2):
+        torch.manual_seed(100 + i)  # whatever the global RNG held before, --seed decides
+        assert main([*TRAIN, "--data", text, "--seed", "7", "--out-dir", str(tmp_path / f"run{i}")]) == 0
+        runs.append(losses(tmp_path / f"run{i}"))
+    assert len(runs[0]) == 3 and runs[0] == runs[1]  # bit for bit: same weights, same data
+    # and the seed matters: another one starts from other weights
+    assert main([*TRAIN, "--data", text, "--seed", "8", "--out-dir", str(tmp_path / "other")]) == 0
+    assert losses(tmp_path / "other")[0] != runs[0][0]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(path)
+    return path
+
+
+def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, text, caplog):
+    from safetensors.torch import load_file
+
+    args = ["finetune", "--init", str(hf_dir), "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", "2",
+            "--warmup-steps", "1", "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0",
+            "--no-progress", "--no-plot", "--device", "cpu", "--precision", "fp32", "--seed", "3", "--data", text]
+    adapters = []
+    for i in range(2):
+        torch.manual_seed(200 + i)
+        out = tmp_path / f"lora{i}"
+        with caplog.at_level(logging.INFO):
+            assert main([*args, "--out-dir", str(out)]) == 0
+        files = sorted((out / "adapter").rglob("*.safetensors"))
+        adapters.append({k: v for f in files for k, v in load_file(str(f)).items()})
+        assert len(losses(out)) == 2
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    for name in adapters[0]:
+        assert torch.equal(adapters[0][name], adapters[1][name]), name
+    assert losses(tmp_path / "lora0") == losses(tmp_path / "lora1")
+    # the weights' source in one line: the directory once, the count with thousands separators
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    assert loaded and all(m.count(str(hf_dir)) == 1 and re.search(r"\(\d{1,3}(,\d{3})+ parameters\)", m)
+                          for m in loaded), loaded
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("launcher", ["torchrun", "nproc-per-node"])
+def test_two_process_cli_run_equals_one_process(tmp_path, text, launcher):
+    """`gpt2 train` in 2 gloo processes x 1 micro-step (under torchrun, or started by
+    `--nproc-per-node 2`) and alone (1 process x 2 micro-steps): the same 128-token global
+    batch, the same seed, the same losses."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    common = [*TRAIN, "--data", text, "--total-batch-size", "128", "--seed", "11"]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpt2",
+               *common]
+    else:
+        cmd = [sys.executable, "-m", "gpt2", *common, "--nproc-per-node", "2"]
+    ddp = subprocess.run([*cmd, "--out-dir", str(tmp_path / "ddp")], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "2 process(es)" in ddp.stdout
+    assert main([*common, "--out-dir", str(tmp_path / "single")]) == 0
+    two, one = losses(tmp_path / "ddp"), losses(tmp_path / "single")
+    assert len(two) == len(one) == 3
+    # Only the summation order differs (all-reduce vs local accumulation).
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-6)
