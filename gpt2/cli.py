@@ -523,6 +523,8 @@ def _trainer_opts(*, out_dir: str, steps: Any, batch: Any, seq_len: Any, lr: Any
         opt("--keep-last-checkpoints", default=3, type=int, help="older checkpoints are deleted; 0 = keep all"),
         opt("--resume", default=None, type=optional_str, metavar="auto|PATH",
             help="'auto' = continue from the newest checkpoint in --out-dir if there is one; or a checkpoint path"),
+        opt("--overwrite", default=False, type=bool,
+            help="a fresh run into an --out-dir holding another run deletes that run's files first (else: refused)"),
         opt("--log-interval", default=10, type=int, help="console line every N steps"),
         opt("--progress", default=True, type=bool, help="progress bar"),
         opt("--plot", default=True, type=bool, help="loss-curve PNG in the run directory at the end"),

@@ -158,6 +158,9 @@ class TrainConfig:
     # checkpoints; resuming then needs the same base weights in the model passed to the Trainer.
     save_trainable_only: bool = False
     resume: str | None = None  # None | "auto" (newest checkpoint in out_dir, if any) | a path
+    # A fresh run refuses an out_dir that holds another run's checkpoints or metrics; True deletes
+    # that run's files (checkpoints/, metrics.jsonl, loss.png, results.json, adapter/) first.
+    overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------
     # Stop with TrainingDivergedError after this many consecutive steps whose loss or gradient
