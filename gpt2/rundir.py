@@ -61,9 +61,10 @@ class RunDirNotEmptyError(RunDirError):
     """A fresh run was pointed at an ``out_dir`` that holds another run."""
 
 
-# Locks held by this process, by the lock file's real path: a second Trainer on the same
-# out_dir in one process (a notebook cell run again after an error) takes the lock over.
-_HELD: dict[str, "RunLock"] = {}
+# Locks held by this process, by (pid, the lock file's real path): a second Trainer on the same
+# out_dir in one process (a notebook cell run again after an error) takes the lock over. The pid
+# keeps a forked child from taking over its parent's lock.
+_HELD: dict[tuple[int, str], "RunLock"] = {}
 
 
 class RunLock:
@@ -81,7 +82,7 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(self.path)
+        key = (os.getpid(), os.path.realpath(self.path))
         previous = _HELD.get(key)
         if previous is not None and previous.held:
             # The same process: the older Trainer is abandoned (it can no longer save).
@@ -175,7 +176,7 @@ class RunLock:
         """Remove the lock file and unlock; a no-op when not held."""
         if self._fd is None:
             return
-        key = os.path.realpath(self.path)
+        key = (os.getpid(), os.path.realpath(self.path))
         try:
             self.path.unlink(missing_ok=True)  # while still locked, so nobody locks the old file
         except OSError:
