@@ -741,8 +741,8 @@ def open_checkpoint(
         return data
     raise CheckpointError(
         f"no intact checkpoint in {candidates[0].parent}: {_describe(problems, candidates[0].parent)}. "
-        "Restore the files from a "
-        f"copy, or start again with overwrite=True (or a new out_dir)", problems
+        "Restore the files from a copy, or train again (a new out_dir, or overwrite=True to replace this run)",
+        problems
     )
 
 

@@ -260,6 +260,8 @@ def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool) -> None
     checkpoint_dir = out_dir / CHECKPOINT_DIR
     if resume == "auto":  # continues whatever run is there (or starts one)
         return
+    if resume is not None and any(_same(Path(resume), d) for d in (out_dir, checkpoint_dir)):
+        return  # this run directory itself: its newest intact checkpoint, as with resume='auto'
     if resume is None or not _inside(Path(resume), checkpoint_dir):
         # A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run.
         found = existing_run(out_dir)
@@ -291,6 +293,10 @@ def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool) -> None
         "would mix two histories. Use resume='auto' to continue from the newest, train into a new out_dir, or "
         "pass overwrite=True to delete the newer checkpoints"
     )
+
+
+def _same(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _inside(path: Path, directory: Path) -> bool:

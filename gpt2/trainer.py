@@ -270,6 +270,8 @@ class Trainer:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
         jsonl = None
+        if self._run_lock is not None:
+            self._run_lock.ensure_held()  # before metrics.jsonl is touched
         if self.is_main and self.out_dir is not None:
             jsonl = JSONLSink(self.out_dir / METRICS_FILE, keep_until_step=self.step)
         bar = self._progress_bar()

@@ -148,11 +148,28 @@ def test_a_newer_trainer_in_the_same_process_takes_the_lock_over(tmp_path):
     with pytest.raises(rundir.RunDirLockedError, match="no longer owns out_dir"):
         first.fit()  # the abandoned Trainer may not write into the newer one's run
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_000001"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     first.close()  # does not release the newer Trainer's lock
     assert (out / rundir.LOCK_FILE).exists()
     second.fit()
     second.close()
     assert not (out / rundir.LOCK_FILE).exists()
+
+
+def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(rundir, "fcntl", None)  # e.g. Windows, or a filesystem without flock
+    out = tmp_path / "run"
+    lock = rundir.RunLock(out).acquire()
+    answer = _try_lock(out)  # the forked child inherits the patch
+    assert answer.startswith("refused") and f"pid {os.getpid()}" in answer
+    lock.release()
+    assert _try_lock(out) == "acquired"
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    (out / rundir.LOCK_FILE).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname()}))
+    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+        rundir.RunLock(out).acquire().release()
+    assert f"pid {proc.pid} that held it is no longer running" in caplog.text
 
 
 # ------------------------------------------------------------------------------ fresh runs
@@ -227,6 +244,9 @@ def test_resuming_an_older_checkpoint_or_another_runs_checkpoint(tmp_path):
         Trainer(_model(), _config(out, resume=str(other / "step_000001")), _tokens(), sinks=[])
     with Trainer(_model(), _config(other, max_steps=3, resume=str(older)), _tokens(), sinks=[]) as t:
         assert t.step == 1  # into an empty out_dir it is fine (a branch of the run)
+    # resume=<the run directory itself> is resume='auto' by another name
+    with Trainer(_model(), _config(out, max_steps=3, resume=str(out)), _tokens(), sinks=[]) as t:
+        assert t.step == 3
 
 
 def test_overwrite_flag_reaches_train_config():
