@@ -81,6 +81,14 @@ class RunLock:
         return self._fd is not None
 
     def acquire(self) -> "RunLock":
+        try:
+            return self._acquire()
+        except RunDirError:
+            raise
+        except OSError as e:  # unwritable or full disk: say which file, keep the errno (and class)
+            raise OSError(e.errno, f"cannot lock out_dir {self.out_dir}: {e.strerror or e}", str(self.path)) from None
+
+    def _acquire(self) -> "RunLock":
         self.out_dir.mkdir(parents=True, exist_ok=True)
         key = (os.getpid(), os.path.realpath(self.path))
         previous = _HELD.get(key)

@@ -172,6 +172,18 @@ def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, c
     assert f"pid {proc.pid} that held it is no longer running" in caplog.text
 
 
+def test_unwritable_or_full_out_dir_names_the_lock_file(tmp_path, monkeypatch):
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="cannot lock out_dir .*No space left on device.*run.lock") as info:
+        rundir.RunLock(tmp_path / "run").acquire()
+    assert info.value.errno == 28
+    monkeypatch.undo()
+    rundir.RunLock(tmp_path / "run").acquire().release()  # nothing stuck behind
+
+
 # ------------------------------------------------------------------------------ fresh runs
 
 
