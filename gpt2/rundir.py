@@ -23,6 +23,7 @@ instead of the others hanging at their next collective.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import json
@@ -65,6 +66,14 @@ class RunDirNotEmptyError(RunDirError):
 # out_dir in one process (a notebook cell run again after an error) takes the lock over. The pid
 # keeps a forked child from taking over its parent's lock.
 _HELD: dict[tuple[int, str], "RunLock"] = {}
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """A script that never called ``Trainer.close()`` leaves no lock record behind either."""
+    for (pid, _), lock in list(_HELD.items()):
+        if pid == os.getpid():
+            lock.release()
 
 
 class RunLock:

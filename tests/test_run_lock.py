@@ -112,6 +112,16 @@ def test_lock_is_held_for_the_trainers_lifetime_and_released_by_close(tmp_path):
     assert _try_lock(out) == "acquired"
 
 
+def test_a_script_that_never_closes_its_trainer_leaves_no_lock(tmp_path):
+    """At interpreter exit (atexit) the locks still held are released."""
+    out = tmp_path / "run"
+    trainer = Trainer(_model(), _config(out, max_steps=1), _tokens(), sinks=[])
+    trainer.fit()
+    assert (out / rundir.LOCK_FILE).exists()
+    rundir._release_at_exit()  # what the interpreter runs on its way out
+    assert not (out / rundir.LOCK_FILE).exists() and not trainer._run_lock.held
+
+
 def test_stale_record_of_a_dead_pid_is_taken_over(tmp_path, caplog):
     out = tmp_path / "run"
     out.mkdir()
