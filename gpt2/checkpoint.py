@@ -189,16 +189,20 @@ def check_safetensors(path: str | os.PathLike) -> dict[str, str]:
     """
     path = Path(path)
     if not path.is_file():
-        raise _file_error(path, "is missing")
-    size = path.stat().st_size
+        raise _file_error(path, "is not a file" if path.exists() else "is missing")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            raw = f.read(header_len) if 0 < header_len <= min(size - 8, _MAX_HEADER) else b""
+    except OSError as e:
+        raise _file_error(path, f"cannot be read ({_first_line(e)})") from None
     if size < 8:
         raise _file_error(path, f"is {size} bytes, too short for a safetensors header (truncated?)")
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > min(size - 8, _MAX_HEADER):
-            raise _file_error(path, f"has a garbage header (it claims {header_len:,} header bytes in a "
-                                    f"{size:,}-byte file): not safetensors, or damaged")
-        raw = f.read(header_len)
+    if header_len > min(size - 8, _MAX_HEADER):
+        raise _file_error(path, f"has a garbage header (it claims {header_len:,} header bytes in a "
+                                f"{size:,}-byte file): not safetensors, or damaged")
     try:
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):

@@ -102,6 +102,13 @@ DAMAGE = {
                                    "cannot be read"),
     "truncated trainer_state.pt": (lambda p: _truncate(p / ckpt.STATE_FILE), ckpt.STATE_FILE, "cannot be read"),
     "missing trainer_state.pt": (lambda p: (p / ckpt.STATE_FILE).unlink(), ckpt.STATE_FILE, "is missing"),
+    "pickled object in trainer_state.pt": (lambda p: torch.save({"optimizer": Path("x")}, p / ckpt.STATE_FILE),
+                                           ckpt.STATE_FILE, "cannot be read"),
+    "trainer_state.pt without optimizer": (lambda p: torch.save({"rng": None}, p / ckpt.STATE_FILE),
+                                           ckpt.STATE_FILE, r"lacks \['optimizer', 'scaler'\]"),
+    "json list": (lambda p: (p / ckpt.META_FILE).write_text("[4]"), ckpt.META_FILE, "not hold a JSON object"),
+    "safetensors is a directory": (lambda p: ((p / ckpt.WEIGHTS_FILE).unlink(), (p / ckpt.WEIGHTS_FILE).mkdir()),
+                                   ckpt.WEIGHTS_FILE, "is not a file"),
 }
 
 
