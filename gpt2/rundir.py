@@ -177,7 +177,9 @@ class RunLock:
                 f"(started {record.get('started', '?')}), which cannot be checked from here; if that run is "
                 f"really gone, delete {self.path} and start again, or use another out_dir"
             )
-        if record.get("pid") != os.getpid():
+        if record.get("pid") is None:  # garbage in the file: nobody holds the flock, so nobody owns it
+            logger.warning("taking over %s (its record was unreadable and nobody holds it)", self.path)
+        elif record.get("pid") != os.getpid():
             logger.warning("taking over %s left by pid %s (started %s), which is no longer running",
                            self.path, record.get("pid"), record.get("started", "?"))
 

@@ -133,6 +133,10 @@ def test_stale_record_of_a_dead_pid_is_taken_over(tmp_path, caplog):
         with Trainer(_model(), _config(out), _tokens(), sinks=[]):
             assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
     assert f"left by pid {proc.pid}" in caplog.text
+    (out / rundir.LOCK_FILE).write_bytes(b"\x00garbage")  # a lock file nobody holds, with junk in it
+    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+        rundir.RunLock(out).acquire().release()
+    assert "record was unreadable" in caplog.text
 
 
 def test_record_from_another_host_is_refused_with_how_to_remove_it(tmp_path):
