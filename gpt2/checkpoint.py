@@ -16,6 +16,13 @@ then renamed into place, so a crash mid-save leaves the previous checkpoints unt
 a half-written ``step_*`` directory. ``<root>/latest`` names the newest one (also replaced
 atomically), and only the newest ``keep_last`` are kept.
 
+Loading verifies what it reads: the safetensors header against the file's size, every weight
+finite, the JSON state and the optimizer-state archive. A damaged file raises
+:class:`CheckpointError` naming the file and what is wrong with it; given a run or
+``checkpoints`` directory, :func:`load_checkpoint` falls back to the newest intact checkpoint and
+logs each one it skipped. A save that fails (disk full, I/O error) raises
+:class:`CheckpointSaveError`, leaves nothing behind and says where the previous checkpoint is.
+
 ``trainable_only=True`` stores just the parameters with ``requires_grad=True`` (e.g. LoRA
 adapters on a frozen base model) instead of the whole state dict; loading such a checkpoint
 needs a model that already holds the frozen weights.
@@ -31,13 +38,17 @@ import random
 import re
 import shutil
 import sys
+import socket
+import struct
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel
 
@@ -52,8 +63,23 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
 
 
-class NonFiniteWeightsError(ValueError):
-    """A checkpoint was refused because the model holds inf/nan values."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: damaged, truncated or missing files, non-finite weights.
+
+    ``problems`` lists ``(file, what is wrong)`` pairs; the message names each of them.
+    """
+
+    def __init__(self, message: str, problems: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """A checkpoint was refused (on save or load) because the weights hold inf/nan values."""
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -125,15 +151,94 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, metada
 
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(state_dict, metadata)`` from :func:`save_weights`, with aliases filled back in."""
-    from safetensors import safe_open
+    """``(state_dict, metadata)`` from :func:`save_weights`, with aliases filled back in.
 
-    with safe_open(str(path), framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-    state = load_file(str(path), device="cpu")
-    for alias, name in json.loads(metadata.get("aliases", "{}")).items():
-        state[alias] = state[name]
+    The file is checked first (:func:`check_safetensors`); any problem raises
+    :class:`CheckpointError` naming the file, never a bare ``SafetensorError``.
+    """
+    path = Path(path)
+    metadata = check_safetensors(path)
+    try:
+        state = load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise _file_error(path, f"cannot be read ({_first_line(e)})") from None
+    try:
+        aliases = json.loads(metadata.get("aliases", "{}"))
+        for alias, name in aliases.items():
+            state[alias] = state[name]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise _file_error(path, "its 'aliases' metadata is not a valid {alias: name} map of stored tensors") from None
     return state, metadata
+
+
+# Bytes per element of the safetensors dtypes.
+_DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def check_safetensors(path: str | os.PathLike) -> dict[str, str]:
+    """Check a safetensors file's structure without reading its tensors; return its metadata.
+
+    The layout is 8 bytes (little-endian u64 header length), a JSON header mapping each tensor
+    name to its dtype, shape and ``data_offsets`` into the data that follows, then the data: the
+    file's size must be exactly ``8 + header length + last offset`` (a truncated copy, or one
+    with bytes appended, fails). Raises :class:`CheckpointError` naming the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise _file_error(path, "is not a file" if path.exists() else "is missing")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            raw = f.read(header_len) if 0 < header_len <= min(size - 8, _MAX_HEADER) else b""
+    except OSError as e:
+        raise _file_error(path, f"cannot be read ({_first_line(e)})") from None
+    if size < 8:
+        raise _file_error(path, f"is {size} bytes, too short for a safetensors header (truncated?)")
+    if header_len > min(size - 8, _MAX_HEADER):
+        raise _file_error(path, f"has a garbage header (it claims {header_len:,} header bytes in a "
+                                f"{size:,}-byte file): not safetensors, or damaged")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _file_error(path, f"has a garbage header ({_first_line(e)}): not safetensors, or damaged") from None
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _file_error(path, "has a malformed __metadata__ entry in its header")
+    end = 0
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, stop) = info["dtype"], info["shape"], info["data_offsets"]
+            numel = math.prod(int(d) for d in shape)
+            if dtype not in _DTYPE_SIZES or any(int(d) < 0 for d in shape) or not 0 <= begin <= stop:
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise _file_error(path, f"has a malformed header entry for tensor {name!r}") from None
+        if stop - begin != numel * _DTYPE_SIZES[dtype]:
+            raise _file_error(path, f"header gives tensor {name!r} ({dtype}, shape {list(shape)}) "
+                                    f"{stop - begin} bytes instead of {numel * _DTYPE_SIZES[dtype]}")
+        end = max(end, stop)
+    expected = 8 + header_len + end
+    if size != expected:
+        what = "truncated" if size < expected else "has extra bytes at the end"
+        raise _file_error(path, f"is {size:,} bytes but its header says {expected:,}: {what}")
+    return metadata
+
+
+def _file_error(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"{path} {problem}", [(str(path), problem)])
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
 
 
 # ------------------------------------------------------------------------------------------
@@ -203,6 +308,15 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if checkpoint_step(p) is not None and is_complete(p)]
     return sorted(found, key=lambda p: checkpoint_step(p))  # type: ignore[arg-type, return-value]
+
+
+def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
+    """Every ``step_*`` directory under ``root``, complete or not, newest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    return sorted(found, key=lambda p: checkpoint_step(p), reverse=True)  # type: ignore[arg-type, return-value]
 
 
 def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -276,23 +390,64 @@ def save_checkpoint(
     }
     # A unique name beside the final one (same filesystem, so the rename is atomic); os.mkdir
     # honours the umask, unlike tempfile.mkdtemp's private 0700.
-    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = root / f"{_TMP_PREFIX}{final.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
+    writing = "the temporary directory"
     try:
+        tmp.mkdir()
+        writing = WEIGHTS_FILE
         _write_weights(state, tmp / WEIGHTS_FILE, {"step": str(step), "trainable_only": str(trainable_only)})
+        writing = STATE_FILE
         _write_trainer_state(trainer_state, tmp / STATE_FILE)
+        writing = META_FILE
         _write_json(meta, tmp / META_FILE)
+        writing = "the checkpoint directory"
         _fsync_dir(tmp)
         _move_into_place(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Disk full shows up as OSError (ENOSPC), as torch.save's "enforce fail at
+        # inline_container.cc" RuntimeError, or as a SafetensorError: one message for all.
+        if isinstance(e, (OSError, RuntimeError, SafetensorError)):
+            raise _save_error(root, final, writing, e) from e
         raise
-    _fsync_dir(root)
-    _write_latest(root, final.name)
+    try:
+        _fsync_dir(root)
+        _write_latest(root, final.name)
+    except OSError as e:  # the checkpoint itself is complete and in place; only the pointer is stale
+        logger.warning("saved %s, but could not update %s (%s); resuming uses the directory listing, "
+                       "so this is harmless", final, root / LATEST_FILE, _first_line(e))
     if keep_last:
         prune_checkpoints(root, keep_last)
     logger.info("saved checkpoint %s", final)
     return final
+
+
+_TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
+_LATEST_TMP_PREFIX = f".{LATEST_FILE}.tmp-"
+
+
+def _owner_tag() -> str:
+    """``<host>-<pid>`` in temporary names, so a clean-up can tell a dead writer's leftovers."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> CheckpointSaveError:
+    previous = [p for p in list_checkpoints(root) if p != final]
+    if final.is_dir():  # the same step saved again: the old copy of it is still in place
+        kept = f"the previous copy {final} is intact"
+    elif previous:
+        kept = f"the previous checkpoint {previous[-1]} is intact (resume='auto' continues from it)"
+    else:
+        kept = f"there is no earlier checkpoint in {root}"
+    full = "ENOSPC" if getattr(e, "errno", None) == 28 or "No space" in str(e) else None
+    fix = ("free disk space" if full else "check the disk") + " (or point out_dir at another disk), then resume"
+    err = CheckpointSaveError(
+        f"could not save checkpoint {final.name} in {root}: writing {writing} failed ({_first_line(e)}); "
+        f"nothing of it was kept and {kept}. {fix[0].upper()}{fix[1:]}"
+    )
+    err.errno = getattr(e, "errno", None)
+    return err
 
 
 def _write_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -338,19 +493,27 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     if not final.exists():
         os.replace(tmp, final)
         return
-    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    old = final.with_name(f"{_OLD_PREFIX}{final.name}-{_owner_tag()}")
     os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)  # put the previous copy back
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST_FILE)
+    tmp = root / f"{_LATEST_TMP_PREFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / LATEST_FILE)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_file(path: Path) -> None:
@@ -377,11 +540,243 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     for path in checkpoints[: max(0, len(checkpoints) - keep_last)]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
-    # Temporary directories of saves that were killed (a crash with an exception cleans up itself).
-    for path in root.iterdir():
-        if path.is_dir() and (path.name.startswith(".tmp-step_") or path.name.startswith(".old-step_")):
-            shutil.rmtree(path, ignore_errors=True)
+    # Leftovers of saves that were killed (a save that fails with an exception cleans up itself);
+    # only those of dead processes on this host: another process may be saving right now.
+    clean_interrupted_saves(root, only_dead=True)
     return removed
+
+
+def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False) -> list[str]:
+    """Remove what a killed save left in ``root``: ``.tmp-step_*`` directories, ``.latest.tmp-*``
+    files, and ``.old-step_*`` copies (one whose ``step_*`` is missing, because the process died
+    between the two renames of re-saving a step, is renamed back instead). Returns what it did.
+
+    ``only_dead``: touch only leftovers of processes on this host that are no longer running
+    (without it, the caller must know no other process saves here: it holds the run's lock).
+    """
+    root = Path(root)
+    done: list[str] = []
+    if not root.is_dir():
+        return done
+    for path in root.iterdir():
+        name = path.name
+        if not name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_", _LATEST_TMP_PREFIX)):
+            continue
+        if only_dead and not _writer_is_dead(name):
+            continue
+        if name.startswith(_OLD_PREFIX):
+            final = root / name[len(_OLD_PREFIX):].split("-", 1)[0]
+            if not final.exists() and is_complete(path):
+                os.replace(path, final)
+                done.append(f"restored {final.name} from {name}")
+                continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        done.append(f"removed {name}")
+    return done
+
+
+def _writer_is_dead(name: str) -> bool:
+    """Whether the ``<host>-<pid>`` in a temporary name is a process of this host that is gone."""
+    tag = name if name.startswith(_OLD_PREFIX) else name.rsplit("-", 1)[0]
+    host, _, pid = tag.rpartition("-")
+    if not pid.isdigit() or not host.endswith(socket.gethostname()):
+        return False  # another host's, or an old name without the owner: leave it
+    return not pid_alive(int(pid))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, but belongs to someone else
+        return True
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class CheckpointData:
+    """A checkpoint read into memory and verified (see :func:`read_checkpoint`)."""
+
+    path: Path
+    meta: dict[str, Any]  # trainer_state.json
+    weights: dict[str, torch.Tensor]  # aliases filled back in
+    weights_meta: dict[str, str] = field(default_factory=dict)
+    trainer_state: dict[str, Any] | None = None  # trainer_state.pt, when asked for
+
+    @property
+    def trainable_only(self) -> bool:
+        return self.weights_meta.get("trainable_only") == "True"
+
+
+def read_checkpoint(
+    path: str | os.PathLike,
+    *,
+    trainer_state: bool = True,
+    map_location: str | torch.device = "cpu",
+) -> CheckpointData:
+    """Read one checkpoint directory and verify everything in it, touching no model.
+
+    Checks: all files present; ``trainer_state.json`` valid JSON with a step that matches the
+    directory's name; ``model.safetensors`` structurally sound (:func:`check_safetensors`) and
+    every weight finite; ``trainer_state.pt`` (if ``trainer_state``) a readable torch archive of
+    tensors and plain containers. Raises :class:`CheckpointError` (or
+    :class:`NonFiniteWeightsError`) listing every problem found, each with its file.
+    """
+    path = Path(path)
+    problems: list[tuple[str, str]] = []
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
+    meta = _read_meta(path, problems)
+    weights: dict[str, torch.Tensor] = {}
+    weights_meta: dict[str, str] = {}
+    try:
+        weights, weights_meta = load_weights(path / WEIGHTS_FILE)
+    except CheckpointError as e:
+        problems += e.problems
+    non_finite = non_finite_tensors(weights)
+    if non_finite:
+        shown = ", ".join(non_finite[:5]) + (f" and {len(non_finite) - 5} more" if len(non_finite) > 5 else "")
+        problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {shown}"))
+    state = _read_trainer_state(path / STATE_FILE, map_location, problems) if trainer_state else None
+    if problems:
+        cls = NonFiniteWeightsError if non_finite and len(problems) == 1 else CheckpointError
+        raise cls(f"checkpoint {path} is damaged: {_describe(problems, path)}", problems)
+    return CheckpointData(path, meta, weights, weights_meta, state)  # type: ignore[arg-type]
+
+
+def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+    file = path / META_FILE
+    if not file.is_file():
+        problems.append((str(file), "is missing"))
+        return None
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        problems.append((str(file), f"is not valid JSON ({_first_line(e)}; truncated or overwritten?)"))
+        return None
+    except OSError as e:
+        problems.append((str(file), f"cannot be read ({_first_line(e)})"))
+        return None
+    step = meta.get("step") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        problems.append((str(file), "does not hold a JSON object"))
+        return None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        problems.append((str(file), f"field 'step' is {step!r}, not a step number"))
+    elif checkpoint_step(path) is not None and checkpoint_step(path) != step:
+        problems.append((str(file), f"field 'step' is {step} but the directory is {path.name}"))
+    version = meta.get("format_version", FORMAT_VERSION)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        problems.append((str(file), f"format_version {version!r} is newer than this gpt2 reads ({FORMAT_VERSION}); "
+                                    "upgrade gpt2"))
+    return meta
+
+
+def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+    if not file.is_file():
+        problems.append((str(file), "is missing"))
+        return None
+    try:
+        # weights_only: nothing is unpickled; a damaged archive raises RuntimeError from the zip
+        # reader, a foreign pickle an UnpicklingError: every one becomes a problem of this file.
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read means this file is unusable
+        problems.append((str(file), f"cannot be read ({_first_line(e)}; truncated or not written by gpt2?)"))
+        return None
+    missing = [key for key in ("optimizer", "scaler", "rng") if not isinstance(state, dict) or key not in state]
+    if missing:
+        problems.append((str(file), f"lacks {missing}"))
+        return None
+    return state
+
+
+def _describe(problems: list[tuple[str, str]], base: Path | None = None) -> str:
+    """``file problem; file problem``, the files relative to ``base``."""
+    def short(file: str) -> str:
+        if base is not None and file.startswith(str(base) + os.sep):
+            return file[len(str(base)) + 1:]
+        return file
+    return "; ".join(f"{short(file)} {problem}" for file, problem in problems)
+
+
+def open_checkpoint(
+    path: str | os.PathLike,
+    *,
+    trainer_state: bool = True,
+    map_location: str | torch.device = "cpu",
+) -> CheckpointData:
+    """:func:`read_checkpoint` of ``path``, or, for a run / ``checkpoints`` directory, of its newest
+    *intact* checkpoint: damaged ones are skipped with a warning saying which and why. When none is
+    intact, one :class:`CheckpointError` names each file and what is wrong with it."""
+    path = Path(path)
+    if checkpoint_step(path) is not None or is_complete(path):  # one checkpoint: no fallback
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        try:
+            return read_checkpoint(path, trainer_state=trainer_state, map_location=map_location)
+        except CheckpointError as e:
+            raise type(e)(f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the "
+                          "newest intact one there", e.problems) from None
+    candidates = checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")
+    if not candidates:
+        raise FileNotFoundError(
+            f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
+            "or a run directory / checkpoints directory that contains one"
+        )
+    problems: list[tuple[str, str]] = []
+    for candidate in candidates:
+        try:
+            data = read_checkpoint(candidate, trainer_state=trainer_state, map_location=map_location)
+        except CheckpointError as e:
+            logger.warning("skipping damaged checkpoint %s: %s", candidate, _describe(e.problems, candidate))
+            problems += e.problems
+            continue
+        if candidate != candidates[0]:
+            logger.warning("using %s, the newest intact checkpoint in %s", candidate, candidate.parent)
+        return data
+    raise CheckpointError(
+        f"no intact checkpoint in {candidates[0].parent}: {_describe(problems, candidates[0].parent)}. "
+        "Restore the files from a copy, or train again (a new out_dir, or overwrite=True to replace this run)",
+        problems
+    )
+
+
+def load_state_into(model: nn.Module, data: CheckpointData) -> None:
+    """Load ``data``'s weights into the raw ``model``; a mismatch names the tensors, in one line."""
+    raw = unwrap_model(model)
+    own = raw.state_dict()
+    unexpected = sorted(set(data.weights) - set(own))
+    if data.trainable_only:
+        missing: list[str] = []  # the frozen rest comes from the model itself
+    else:
+        missing = sorted(set(own) - set(data.weights))
+    shapes = [
+        f"{name} {list(t.shape)} vs the model's {list(own[name].shape)}"
+        for name, t in data.weights.items() if name in own and t.shape != own[name].shape
+    ]
+    if unexpected or missing or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}"
+                         + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+        if shapes:
+            parts.append(f"shape mismatch in {shapes[:3]}")
+        raise ValueError(
+            f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): was it saved from a model "
+            "with another configuration or other adapters?"
+        )
+    raw.load_state_dict(data.weights, strict=not data.trainable_only)
 
 
 def load_checkpoint(
@@ -396,30 +791,24 @@ def load_checkpoint(
     """Load a checkpoint into ``model`` (and optimizer / scaler / RNG); return its metadata.
 
     ``path`` may be the checkpoint directory, a ``checkpoints`` directory or a run directory
-    (the newest checkpoint is used). Nothing is unpickled: weights come from safetensors, the
-    rest from ``torch.load(weights_only=True)`` and JSON.
+    (then the newest *intact* checkpoint is used, see :func:`open_checkpoint`). Everything is
+    read and verified before the model is touched. Nothing is unpickled: weights come from
+    safetensors, the rest from ``torch.load(weights_only=True)`` and JSON.
     """
-    path = resolve_checkpoint(path)
-    with open(path / META_FILE, encoding="utf-8") as f:
-        meta = json.load(f)
-    raw = unwrap_model(model)
-    state, weights_meta = load_weights(path / WEIGHTS_FILE)
-    trainable_only = weights_meta.get("trainable_only") == "True"
-    if trainable_only:
-        result = raw.load_state_dict(state, strict=False)
-        if result.unexpected_keys:
-            raise KeyError(
-                f"checkpoint {str(path)!r} holds tensors the model does not have: {result.unexpected_keys[:5]}; "
-                "was it saved from a model with other adapters or shapes?"
-            )
-    else:
-        raw.load_state_dict(state, strict=True)
-    if optimizer is not None or scaler is not None or restore_rng:
-        trainer_state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
+    need_state = optimizer is not None or scaler is not None or restore_rng
+    data = open_checkpoint(path, trainer_state=need_state, map_location=map_location)
+    path = data.path
+    trainer_state = data.trainer_state
+    if optimizer is not None and trainer_state is not None and trainer_state["optimizer"] is None:
+        raise KeyError(f"checkpoint {str(path)!r} has no optimizer state")
+    load_state_into(model, data)
+    if trainer_state is not None:
         if optimizer is not None:
-            if trainer_state["optimizer"] is None:
-                raise KeyError(f"checkpoint {str(path)!r} has no optimizer state")
-            optimizer.load_state_dict(trainer_state["optimizer"])
+            try:
+                optimizer.load_state_dict(trainer_state["optimizer"])
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                raise ValueError(f"the optimizer state in {path / STATE_FILE} does not fit this model's optimizer "
+                                 f"({_first_line(e)}): were other parameters trainable when it was saved?") from None
         if scaler is not None:
             if trainer_state["scaler"] is not None:
                 scaler.load_state_dict(trainer_state["scaler"])
@@ -427,5 +816,6 @@ def load_checkpoint(
                 logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", path)
         if restore_rng:
             restore_rng_state(trainer_state["rng"])
+    meta = dict(data.meta)
     meta["path"] = str(path)
     return meta

@@ -250,6 +250,9 @@ class TrainConfig:
     # checkpoints; resuming then needs the same base weights in the model passed to the Trainer.
     save_trainable_only: bool = False
     resume: str | None = None  # None | "auto" (newest checkpoint in out_dir, if any) | a path
+    # A fresh run refuses an out_dir that holds another run's checkpoints or metrics; True deletes
+    # that run's files (checkpoints/, metrics.jsonl, loss.png, results.json, adapter/) first.
+    overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------
     # Stop with TrainingDivergedError after this many consecutive steps whose loss or gradient
@@ -344,4 +347,4 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
 }
-TRAIN_CONFIG_FLAGS = ("decay_embeddings", "compile", "save_trainable_only", "progress", "plot")
+TRAIN_CONFIG_FLAGS = ("decay_embeddings", "compile", "save_trainable_only", "overwrite", "progress", "plot")

@@ -193,27 +193,31 @@ def _official_names() -> frozenset[str]:
 
 
 def load_trained_model(path: str | os.PathLike[str], device: torch.device | str | None = None) -> Any:
-    """The GPT in a checkpoint (or the newest checkpoint of a run directory) of ``gpt2 train``."""
-    from .checkpoint import load_checkpoint, resolve_checkpoint
+    """The GPT in a checkpoint (or the newest *intact* checkpoint of a run directory: damaged ones
+    are skipped with a warning) of ``gpt2 train``."""
+    from .checkpoint import load_state_into, open_checkpoint
     from .config import GPTConfig
     from .model import GPT
 
-    checkpoint = resolve_checkpoint(path)
-    with open(checkpoint / "trainer_state.json", encoding="utf-8") as f:
-        meta = json.load(f)
+    data = open_checkpoint(path, trainer_state=False)  # verified: files, header, size, finite weights
+    checkpoint, meta = data.path, data.meta
     model_config = meta.get("model_config")
     if not isinstance(model_config, dict):
         raise ValueError(
             f"checkpoint {str(checkpoint)!r} does not record its model configuration "
             f"('model_config' in trainer_state.json), so the model cannot be rebuilt from it"
         )
-    if meta.get("trainable_only"):
+    if meta.get("trainable_only") or data.trainable_only:
         raise ValueError(
             f"checkpoint {str(checkpoint)!r} holds only the trainable (adapter) weights; load the base "
             f"model and pass this run's adapter with --adapter instead"
         )
-    model = GPT(GPTConfig.from_dict(model_config))
-    load_checkpoint(checkpoint, model)
+    try:
+        model = GPT(GPTConfig.from_dict(model_config))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint {str(checkpoint)!r}: 'model_config' in trainer_state.json is not a valid "
+                         f"GPTConfig ({e})") from None
+    load_state_into(model, data)
     logger.info("loaded %s (%s parameters)", checkpoint, f"{model.num_params():,}")
     return model.to(device or "cpu").eval()
 

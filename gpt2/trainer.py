@@ -25,6 +25,10 @@ RNG states, the data loader's position, the step (which fixes the learning rate)
 validation loss, so the continued run is the uninterrupted one: on CPU bit for bit. Validation
 always reads the same first ``eval_steps`` batches, so it consumes no state of its own.
 
+Run directory: one run per ``out_dir`` (a lock, released by :meth:`Trainer.close`); a fresh run
+refuses a directory holding another run unless ``overwrite=True``; ``resume="auto"`` skips
+damaged checkpoints (see :mod:`gpt2.rundir` and :mod:`gpt2.checkpoint`).
+
 Divergence guard: a step whose loss or gradient norm is inf/nan is skipped (gradients dropped,
 weights and optimizer state untouched) and logged. ``max_bad_steps`` such steps in a row raise
 :class:`TrainingDivergedError`. With fp16 the loss scaler skips steps whose scaled gradients
@@ -47,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
-from . import distributed
+from . import distributed, rundir
 from .config import TrainConfig
 from .data import TokenLoader
 from .metrics import (
@@ -185,13 +189,17 @@ class Trainer:
             self.device, self.precision.name, self.dist_env.world_size, self.grad_accum_steps,
             config.micro_batch_size, config.seq_len, f"{self.tokens_per_step:,}",
         )
+        # One run per out_dir: lock it, clean up interrupted saves, refuse to mix with another run.
+        self._run_lock: rundir.RunLock | None = None
+        if self.out_dir is not None:
+            self._run_lock = rundir.prepare(self.out_dir, resume=config.resume, overwrite=config.overwrite,
+                                            is_main=self.is_main)
         if config.resume is not None:
-            self._resume(config.resume)
-        elif self.checkpoint_dir is not None and ckpt.find_latest_checkpoint(self.checkpoint_dir) is not None:
-            logger.warning(
-                "%s already holds checkpoints of another run; this run (resume=None) will overwrite and prune "
-                "them. Pass resume='auto' to continue that run instead.", self.checkpoint_dir,
-            )
+            try:
+                rundir.run_on_all_ranks(lambda: self._resume(config.resume))
+            except BaseException:
+                self._release_run_lock()
+                raise
 
     # ------------------------------------------------------------------ set-up helpers
     @property
@@ -272,6 +280,8 @@ class Trainer:
         # first, so a missing package fails before anything else is opened
         extra = make_sinks(cfg.log_to, self.out_dir, cfg.to_dict()) if self.is_main and cfg.log_to else []
         jsonl = None
+        if self._run_lock is not None:
+            self._run_lock.ensure_held()  # before metrics.jsonl is touched
         if self.is_main and self.out_dir is not None:
             jsonl = JSONLSink(self.out_dir / METRICS_FILE, keep_until_step=self.step)
         bar = self._progress_bar()
@@ -485,6 +495,8 @@ class Trainer:
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         if self.is_main:
+            if self._run_lock is not None:
+                self._run_lock.ensure_held()
             path = ckpt.save_checkpoint(
                 self.checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, self._checkpoint_metadata(),
                 keep_last=self.config.keep_last_checkpoints, trainable_only=self.config.save_trainable_only,
@@ -516,6 +528,9 @@ class Trainer:
                 "the data order (and so the losses) will differ from an uninterrupted run",
                 meta.get("tokens_per_step"), meta.get("world_size"), self.tokens_per_step, self.dist_env.world_size,
             )
+        if not isinstance(meta.get("data"), dict) or "train" not in meta["data"]:
+            raise ValueError(f"checkpoint {meta['path']} records no data-loader position ('data' in "
+                             f"{ckpt.META_FILE}): it was not written by the Trainer, so it cannot be resumed")
         self.train_loader.load_state_dict(meta["data"]["train"])
         self.step = int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
@@ -527,11 +542,12 @@ class Trainer:
 
     def _resume(self, resume: str) -> None:
         if resume == "auto":
-            latest = ckpt.find_latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
-            if latest is None:
+            # The newest *intact* checkpoint: damaged ones are skipped with a warning; if every one
+            # is damaged, the error names each file (never a silent start from scratch).
+            if self.checkpoint_dir is None or not ckpt.checkpoint_candidates(self.checkpoint_dir):
                 logger.info("resume='auto': no checkpoint in %s, starting from scratch", self.checkpoint_dir)
                 return
-            self.load_checkpoint(latest)
+            self.load_checkpoint(self.checkpoint_dir)
         else:
             self.load_checkpoint(resume)
 
@@ -556,10 +572,17 @@ class Trainer:
 
     def close(self, wait_for_all: bool = True) -> None:
         """Leave the process group if this Trainer created it (under torchrun); by default after
-        every rank got here (see :func:`gpt2.distributed.destroy_process_group`)."""
+        every rank got here (see :func:`gpt2.distributed.destroy_process_group`). Then release
+        the ``out_dir`` lock (see :mod:`gpt2.rundir`)."""
         if self._owns_process_group:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
+        self._release_run_lock()
+
+    def _release_run_lock(self) -> None:
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.release()
+            self._run_lock = None
 
     def __enter__(self) -> Trainer:
         return self

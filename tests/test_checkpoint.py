@@ -115,7 +115,7 @@ def test_keep_last_latest_pointer_and_incomplete_directories(model, tmp_path):
     (tmp_path / "step_000009").mkdir()
     (tmp_path / "step_000009" / ckpt.WEIGHTS_FILE).write_bytes(b"")
     assert ckpt.find_latest_checkpoint(tmp_path).name == "step_000004"
-    with pytest.raises(FileNotFoundError, match="incomplete"):
+    with pytest.raises(ckpt.CheckpointError, match="trainer_state.json is missing"):
         ckpt.load_checkpoint(tmp_path / "step_000009", model)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.resolve_checkpoint(tmp_path / "missing")

@@ -1,0 +1,323 @@
+"""One run per out_dir: the lock (another process, a crashed one, another host, another Trainer in
+this process) and the fresh-run check (refusal with the ways out, overwrite, resume)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2 import GPT, GPTConfig
+from gpt2 import checkpoint as ckpt
+from gpt2 import rundir
+from gpt2.config import TrainConfig
+from gpt2.recipes import train_config_from
+from gpt2.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+_FORK = mp.get_context("fork")
+
+
+def _config(out_dir, **overrides) -> TrainConfig:
+    base = dict(micro_batch_size=2, seq_len=16, max_steps=2, max_lr=1e-3, out_dir=str(out_dir), progress=False,
+                eval_interval=0, plot=False, checkpoint_interval=1, keep_last_checkpoints=0)
+    return TrainConfig(**{**base, **overrides})
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(1))
+
+
+def _hold_lock_in_subprocess(out_dir: Path) -> mp.process.BaseProcess:
+    """Another process (forked: no interpreter start-up) that takes out_dir's lock and keeps it
+    until it is killed."""
+    ready = _FORK.Event()
+    proc = _FORK.Process(target=_hold, args=(str(out_dir), ready), daemon=True)
+    proc.start()
+    assert ready.wait(30), "the lock holder did not start"
+    return proc
+
+
+def _hold(out_dir: str, ready) -> None:
+    rundir.RunLock(out_dir).acquire()
+    ready.set()
+    time.sleep(120)
+
+
+def _try_lock(out_dir: Path) -> str:
+    """'acquired' or the refusal, from a fresh (forked) process."""
+    queue = _FORK.Queue()
+    proc = _FORK.Process(target=_probe, args=(str(out_dir), queue))
+    proc.start()
+    answer = queue.get(timeout=30)
+    proc.join(30)
+    return answer
+
+
+def _probe(out_dir: str, queue) -> None:
+    try:
+        rundir.RunLock(out_dir).acquire().release()
+        queue.put("acquired")
+    except rundir.RunDirLockedError as e:
+        queue.put(f"refused: {e}")
+
+
+def test_second_process_fails_at_once_and_a_crashed_holder_leaves_no_stuck_lock(tmp_path, caplog):
+    out = tmp_path / "run"
+    holder = _hold_lock_in_subprocess(out)
+    try:
+        with pytest.raises(rundir.RunDirLockedError) as info:  # LOCK_NB: refused, never waits
+            Trainer(_model(), _config(out), _tokens(), sinks=[])
+        message = str(info.value)
+        assert f"pid {holder.pid}" in message and socket.gethostname() in message and "another out_dir" in message
+        assert "\n" not in message
+        with pytest.raises(rundir.RunDirLockedError):  # resume='auto' too: it would write there as well
+            Trainer(_model(), _config(out, resume="auto"), _tokens(), sinks=[])
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # a crash: no clean-up of its own
+        holder.join()
+    assert (out / rundir.LOCK_FILE).exists()  # its record is still there ...
+    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+        with Trainer(_model(), _config(out), _tokens(), sinks=[]) as trainer:  # ... but not its lock
+            trainer.fit()
+    assert f"left by pid {holder.pid}" in caplog.text and "no longer running" in caplog.text
+    assert not (out / rundir.LOCK_FILE).exists()  # close() released it
+
+
+def test_lock_is_held_for_the_trainers_lifetime_and_released_by_close(tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(_model(), _config(out), _tokens(), sinks=[])
+    record = json.loads((out / rundir.LOCK_FILE).read_text())
+    assert record["pid"] == os.getpid() and record["host"] == socket.gethostname() and "started" in record
+    answer = _try_lock(out)
+    assert answer.startswith("refused") and f"pid {os.getpid()}" in answer
+    trainer.fit()
+    trainer.close()
+    assert _try_lock(out) == "acquired"
+
+
+def test_a_script_that_never_closes_its_trainer_leaves_no_lock(tmp_path):
+    """At interpreter exit (atexit) the locks still held are released."""
+    out = tmp_path / "run"
+    trainer = Trainer(_model(), _config(out, max_steps=1), _tokens(), sinks=[])
+    trainer.fit()
+    assert (out / rundir.LOCK_FILE).exists()
+    rundir._release_at_exit()  # what the interpreter runs on its way out
+    assert not (out / rundir.LOCK_FILE).exists() and not trainer._run_lock.held
+
+
+def test_stale_record_of_a_dead_pid_is_taken_over(tmp_path, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    (out / rundir.LOCK_FILE).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname(),
+                                                    "started": "yesterday"}))
+    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+        with Trainer(_model(), _config(out), _tokens(), sinks=[]):
+            assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"left by pid {proc.pid}" in caplog.text
+    (out / rundir.LOCK_FILE).write_bytes(b"\x00garbage")  # a lock file nobody holds, with junk in it
+    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+        rundir.RunLock(out).acquire().release()
+    assert "record was unreadable" in caplog.text
+
+
+def test_record_from_another_host_is_refused_with_how_to_remove_it(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / rundir.LOCK_FILE
+    lock.write_text(json.dumps({"pid": 4242, "host": "gpu-node-7", "started": "2026-01-01 00:00:00 UTC"}))
+    with pytest.raises(rundir.RunDirLockedError) as info:
+        Trainer(_model(), _config(out), _tokens(), sinks=[])
+    message = str(info.value)
+    assert "pid 4242 on host gpu-node-7" in message and f"delete {lock}" in message
+    assert json.loads(lock.read_text())["host"] == "gpu-node-7"  # left for its owner
+    lock.unlink()  # the way out the message names
+    Trainer(_model(), _config(out), _tokens(), sinks=[]).close()
+
+
+def test_a_newer_trainer_in_the_same_process_takes_the_lock_over(tmp_path):
+    out = tmp_path / "run"
+    first = Trainer(_model(), _config(out, max_steps=4), _tokens(), sinks=[])
+    first.fit(until_step=1)
+    second = Trainer(_model(), _config(out, max_steps=4, resume="auto"), _tokens(), sinks=[])
+    assert second.step == 1
+    with pytest.raises(rundir.RunDirLockedError, match="no longer owns out_dir"):
+        first.fit()  # the abandoned Trainer may not write into the newer one's run
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_000001"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    first.close()  # does not release the newer Trainer's lock
+    assert (out / rundir.LOCK_FILE).exists()
+    second.fit()
+    second.close()
+    assert not (out / rundir.LOCK_FILE).exists()
+
+
+def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(rundir, "fcntl", None)  # e.g. Windows, or a filesystem without flock
+    out = tmp_path / "run"
+    lock = rundir.RunLock(out).acquire()
+    answer = _try_lock(out)  # the forked child inherits the patch
+    assert answer.startswith("refused") and f"pid {os.getpid()}" in answer
+    lock.release()
+    assert _try_lock(out) == "acquired"
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    (out / rundir.LOCK_FILE).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname()}))
+    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+        rundir.RunLock(out).acquire().release()
+    assert f"pid {proc.pid} that held it is no longer running" in caplog.text
+
+
+def test_unwritable_or_full_out_dir_names_the_lock_file(tmp_path, monkeypatch):
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="cannot lock out_dir .*No space left on device.*run.lock") as info:
+        rundir.RunLock(tmp_path / "run").acquire()
+    assert info.value.errno == 28
+    monkeypatch.undo()
+    rundir.RunLock(tmp_path / "run").acquire().release()  # nothing stuck behind
+
+
+# ------------------------------------------------------------------------------ fresh runs
+
+
+def _finished_run(out: Path) -> None:
+    with Trainer(_model(), _config(out), _tokens(), sinks=[]) as trainer:
+        trainer.fit()
+    (out / "results.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+
+
+def test_fresh_run_into_another_runs_directory_is_refused_with_the_ways_out(tmp_path):
+    out = tmp_path / "run"
+    _finished_run(out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    with pytest.raises(rundir.RunDirNotEmptyError) as info:
+        Trainer(_model(), _config(out, max_steps=5), _tokens(), sinks=[])
+    message = str(info.value)
+    for way_out in ("resume='auto'", "new out_dir", "overwrite=True", "step_000001..step_000002", "metrics.jsonl"):
+        assert way_out in message
+    assert "\n" not in message and isinstance(info.value, FileExistsError)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing touched
+    assert not (out / rundir.LOCK_FILE).exists()  # and the lock was given back
+    # way out 1: continue it
+    with Trainer(_model(), _config(out, max_steps=3, resume="auto"), _tokens(), sinks=[]) as trainer:
+        assert trainer.step == 2
+        assert [r["step"] for r in trainer.fit()] == [3]
+    # way out 3: overwrite=True deletes that run's files (and only those), then starts at step 0
+    with Trainer(_model(), _config(out, max_steps=1, overwrite=True), _tokens(), sinks=[]) as trainer:
+        assert trainer.step == 0
+        assert not (out / "results.json").exists() and not (out / "checkpoints").exists()
+        trainer.fit()
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_000001"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (out / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="overwrite=True .* resume='auto' .* choose one"):
+        Trainer(_model(), _config(out, resume="auto", overwrite=True), _tokens(), sinks=[])
+
+
+def test_only_metrics_or_only_damaged_checkpoints_count_as_a_run_too(tmp_path):
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    with pytest.raises(rundir.RunDirNotEmptyError, match="metrics.jsonl"):
+        Trainer(_model(), _config(out), _tokens(), sinks=[])
+    out = tmp_path / "b"
+    (out / "checkpoints" / "step_000007").mkdir(parents=True)  # an incomplete one
+    with pytest.raises(rundir.RunDirNotEmptyError, match="step_000007"):
+        Trainer(_model(), _config(out), _tokens(), sinks=[])
+    # an empty out_dir, or one with unrelated files, is fine
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "README").write_text("x")
+    Trainer(_model(), _config(out), _tokens(), sinks=[]).close()
+
+
+def test_resuming_an_older_checkpoint_or_another_runs_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    with Trainer(_model(), _config(out, max_steps=3), _tokens(), sinks=[]) as trainer:
+        trainer.fit()
+    older = out / "checkpoints" / "step_000001"
+    # From an older step of this run: the newer checkpoints are another history.
+    with pytest.raises(rundir.RunDirNotEmptyError, match="older than checkpoints step_000002, step_000003"):
+        Trainer(_model(), _config(out, max_steps=3, resume=str(older)), _tokens(), sinks=[])
+    with Trainer(_model(), _config(out, max_steps=3, resume=str(older), overwrite=True), _tokens(), sinks=[]) as t:
+        assert t.step == 1 and [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_000001"]
+        t.fit()
+    # From another run's checkpoint into a directory that holds a run: refused as well.
+    other = tmp_path / "other"
+    with pytest.raises(rundir.RunDirNotEmptyError, match="resuming from"):
+        Trainer(_model(), _config(out, resume=str(other / "step_000001")), _tokens(), sinks=[])
+    with Trainer(_model(), _config(other, max_steps=3, resume=str(older)), _tokens(), sinks=[]) as t:
+        assert t.step == 1  # into an empty out_dir it is fine (a branch of the run)
+    # resume=<the run directory itself> is resume='auto' by another name
+    with Trainer(_model(), _config(out, max_steps=3, resume=str(out)), _tokens(), sinks=[]) as t:
+        assert t.step == 3
+
+
+def test_overwrite_flag_and_the_refusal_in_command_line_terms(tmp_path, capsys):
+    from gpt2.cli import COMMANDS, main, parse
+
+    for name in ("train", "finetune"):
+        assert parse(COMMANDS[name], ["--overwrite"], prog=name)[0].train.overwrite is True
+        assert parse(COMMANDS[name], [], prog=name)[0].train.overwrite is False
+    # A fresh `gpt2 train` into an old run's directory: refused, naming the flags, not the Python names.
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    text = tmp_path / "input.txt"
+    text.write_text("ROMEO: to be or not to be\n" * 200)
+    code = main(["train", "--model", "tiny", "--data", str(text), "--seq-len", "16", "--micro-batch-size", "2",
+                 "--max-steps", "1", "--warmup-steps", "0", "--out-dir", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--resume auto" in err and "--overwrite" in err and "overwrite=True" not in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_under_ddp_every_rank_fails_together_when_out_dir_is_locked(tmp_path):
+    """Rank 0 finds out_dir locked; rank 1 must raise too instead of waiting for rank 0 forever."""
+    out = tmp_path / "run"
+    holder = _hold_lock_in_subprocess(out)
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, torch\n"
+        "from gpt2 import GPT, GPTConfig\nfrom gpt2.config import TrainConfig\nfrom gpt2.trainer import Trainer\n"
+        "from gpt2.rundir import RunDirLockedError\n"
+        "cfg = TrainConfig(micro_batch_size=2, seq_len=16, max_steps=2, out_dir=sys.argv[1], progress=False,\n"
+        "                  plot=False, device='cpu', precision='fp32')\n"
+        "try:\n"
+        "    Trainer(GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)), cfg,\n"
+        "            torch.zeros(1024, dtype=torch.long), sinks=[])\n"
+        "except RunDirLockedError as e:\n"
+        "    print(f'rank {os.environ[\"RANK\"]} refused: {e}', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    try:
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", str(worker), str(out)], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        holder.kill()
+        holder.join()
+    assert "rank 0 refused" in result.stdout and "rank 1 refused" in result.stdout, result.stdout + result.stderr
+    assert "raised on rank 0" in result.stdout
