@@ -173,10 +173,13 @@ def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
     # the recipe's 20 warmup steps of 200 keep their share of a shorter run unless given
     for steps, expected in ((5, 0), (100, 10), (1000, 20)):
         assert warmup("--max-steps", str(steps)) == expected
-    assert warmup("--max-steps", "5", "--warmup-steps", "7") == 7
+    assert warmup("--max-steps", "5", "--warmup-steps", "4") == 4
+    with pytest.raises(ValueError, match="exceeds max_steps"):  # an explicit value stays strict
+        warmup("--max-steps", "5", "--warmup-steps", "7")
     cfg = tmp_path / "run.json"
     cfg.write_text('{"warmup_steps": 7}')  # a config file's value is the user's too
-    assert warmup("--config", str(cfg), "--max-steps", "5") == 7
+    with pytest.raises(ValueError, match="exceeds max_steps"):
+        warmup("--config", str(cfg), "--max-steps", "5")
     # a short run with the default warmup trains; an explicit impossible warmup is still an error
     tiny = [a for a in TINY_TRAIN if a != "--warmup-steps"]
     tiny.remove("1")  # the value of --warmup-steps

@@ -21,7 +21,6 @@ from gpt2 import GPT, GPTConfig
 from gpt2 import checkpoint as ckpt
 from gpt2 import rundir
 from gpt2.config import TrainConfig
-from gpt2.recipes import train_config_from
 from gpt2.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
