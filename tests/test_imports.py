@@ -99,6 +99,10 @@ def test_model_generate_hf_depend_one_way():
     """model -> generate and model -> hf; neither imports model when it is imported."""
     assert "model" not in _top_level_imports("generate")
     assert "model" not in _top_level_imports("hf")
+    # The pure conversion sits below hf: it imports neither hf nor model, even inside functions.
+    assert "hf_convert" in _top_level_imports("hf")
+    convert = ast.parse((PACKAGE / "hf_convert.py").read_text(encoding="utf-8"))
+    assert not {"hf", "model"} & set().union(*(_imported_modules(n) for n in ast.walk(convert)))
     # generate needs no model at all, not even inside its functions: it works on any GPT-like
     # object (the type is imported for type checkers only).
     tree = ast.parse((PACKAGE / "generate.py").read_text(encoding="utf-8"))
@@ -116,7 +120,7 @@ def test_model_generate_hf_each_import_alone():
     imports everything, which would hide a module that imports only when another came first)."""
     code = f"""
 import importlib, sys, types
-for name in ("generate", "hf", "model"):
+for name in ("generate", "hf_convert", "hf", "model"):
     for key in [k for k in sys.modules if k == "gpt2" or k.startswith("gpt2.")]:
         del sys.modules[key]
     package = types.ModuleType("gpt2")
