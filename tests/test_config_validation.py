@@ -117,5 +117,5 @@ def test_bool_fields_reject_strings(cls, name):
 
 def test_defaults_and_none_pass():
     config = _build(TrainConfig, min_lr=None, grad_clip=None, peak_flops=None, total_batch_size=None)
-    assert math.isclose(config.min_lr, config.max_lr / 10)
+    assert config.min_lr is None and math.isclose(config.final_lr, config.max_lr / 10)
     GPTConfig()

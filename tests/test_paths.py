@@ -117,7 +117,9 @@ def test_run_and_checkpoint_directories(checkout, hub, model):
     for spec in ("runs/tiny", str(run / "checkpoints"), str(step)):
         _same_weights(load_model(spec), model)
     (run / "checkpoints" / step.name / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="no checkpoint|incomplete"):
+    from gpt2.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*model.safetensors is missing"):
         load_model("runs/tiny")
     assert hub.calls == []
 
