@@ -394,6 +394,16 @@ def _sampling_opts(num_samples: Any = 1, max_new_tokens: Any = 100, prompt: str 
     return opts
 
 
+def _instruction_opts() -> list[Opt]:
+    return [
+        opt("--instruction", default=None, type=optional_str,
+            help="sample the response to this instruction: the prompt is the instruction template of "
+                 "docs/lora.md (gpt2.instruct.TEMPLATE) and only the response is printed"),
+        opt("--input", default=None, type=optional_str,
+            help="the optional input of --instruction (the template's '### Input:' part)"),
+    ]
+
+
 def _sample_command() -> Command:
     return Command(
         name="sample",
@@ -406,6 +416,7 @@ def _sample_command() -> Command:
             opt("--adapter", default=None, metavar="PATH",
                 help="a LoRA adapter to add: the `adapter` directory `gpt2 finetune` writes, or a PEFT adapter directory"),
             *_sampling_opts(),
+            *_instruction_opts(),
             opt("--seed", default=None, type=optional_int, help="seed of the sampler, for reproducible samples; none = random"),
             _device_opt(),
             _inference_precision_opt(),
@@ -536,7 +547,8 @@ def _data_opts(data: Any) -> list[Opt]:
     return [
         opt("--data", default=data, metavar="DATA",
             help="training data: a text file, a .npy/.bin token file, a directory of shards (from `gpt2 prepare`) "
-                 "or 'shakespeare' (Tiny Shakespeare, downloaded once; $GPT2_TINY_SHAKESPEARE overrides)"),
+                 "or 'shakespeare' (Tiny Shakespeare, downloaded once; $GPT2_TINY_SHAKESPEARE overrides); "
+                 "for finetune also a .jsonl file of instruction rows (docs/lora.md)"),
         opt("--val-data", default=None, type=optional_str, metavar="DATA",
             help="validation data; none = a shard directory's val shards, or the end of a text / token file"),
         opt("--val-fraction", default=0.1, type=float, help="fraction at the end of a text / token file held out for validation"),
@@ -607,6 +619,12 @@ def _finetune_command() -> Command:
                 help="the weights to start from: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a "
                      "checkpoint / run directory of `gpt2 train`"),
             *_data_opts("shakespeare"),
+            opt("--pack", default=False, type=bool,
+                help="instruction data (.jsonl): pack several rows into each sequence (a row attends to the rows "
+                     "before it); default: one row per sequence, padded"),
+            opt("--full", default=False, type=bool,
+                help="full fine-tuning: train every weight, no LoRA; the run directory then holds the whole model "
+                     "(gpt2 sample --model OUT_DIR)"),
             opt("--lora-rank", "--rank", default=8, type=int, help="rank of the LoRA update"),
             opt("--lora-alpha", "--alpha", default=16.0, type=float, help="LoRA alpha; the update is scaled by alpha / rank"),
             opt("--lora-dropout", default=0.0, type=float, help="dropout on the LoRA branch's input"),
@@ -622,6 +640,7 @@ def _finetune_command() -> Command:
             opt("--merge-export", default=None, metavar="DIR",
                 help="merge the adapter into the weights and write a transformers directory here"),
             *_sampling_opts(num_samples=1, max_new_tokens=ByDevice(100, 40), prompt="ROMEO:"),
+            *_instruction_opts(),
         ],
     )
 

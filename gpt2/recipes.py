@@ -275,7 +275,9 @@ def print_samples(model: Any, args: argparse.Namespace, *, header: str = "", aut
     """``args.num_samples`` samples of ``args.prompt``, streamed to stdout; returns their texts.
 
     Reads ``prompt``, ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed`` from
-    ``args`` (``top_p`` and ``seed`` may be absent)."""
+    ``args`` (``top_p`` and ``seed`` may be absent). With ``args.instruction`` the prompt is the
+    instruction template (:func:`gpt2.instruct.render_prompt`) and only the response is shown."""
+    instruction = _apply_instruction(args)
     device = next(model.parameters()).device
     seed = getattr(args, "seed", None)
     generator = torch.Generator(device=device)
@@ -284,7 +286,8 @@ def print_samples(model: Any, args: argparse.Namespace, *, header: str = "", aut
     for i in range(args.num_samples):
         title = f"{header} sample {i + 1}/{args.num_samples}".strip()
         print(f"--- {title} ---")
-        print(args.prompt, end="", flush=True)
+        if not instruction:
+            print(args.prompt, end="", flush=True)
         pieces = []
         for piece in stream_text(
             model, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -293,8 +296,21 @@ def print_samples(model: Any, args: argparse.Namespace, *, header: str = "", aut
             pieces.append(piece)
             print(piece, end="", flush=True)
         print()
-        texts.append(args.prompt + "".join(pieces))
+        texts.append("".join(pieces) if instruction else args.prompt + "".join(pieces))
     return texts
+
+
+def _apply_instruction(args: argparse.Namespace) -> bool:
+    """With ``--instruction`` (and ``--input``), set ``args.prompt`` to the instruction template."""
+    instruction = getattr(args, "instruction", None)
+    if not instruction:
+        if getattr(args, "input", None):
+            raise UsageError("--input goes with --instruction (it fills the template's '### Input:' part)")
+        return False
+    from .instruct import render_prompt
+
+    args.prompt = render_prompt(instruction, getattr(args, "input", None) or "")
+    return True
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -669,7 +685,8 @@ def lora_config_from(args: argparse.Namespace) -> Any:
 
 
 def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
-    """``gpt2 finetune``: LoRA fine-tuning of pretrained GPT-2 weights on a text, with samples
+    """``gpt2 finetune``: LoRA (or with ``--full`` full) fine-tuning of pretrained GPT-2 weights on
+    a text, or on instruction rows (``--data x.jsonl``, see :mod:`gpt2.instruct`), with samples
     before and after, the adapter saved, and optionally a merged transformers export."""
     import minlora
 
@@ -685,18 +702,31 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
             "the token embedding, and merging LoRA into the head unties them. Drop --lora-head, or keep the "
             "adapter (and --peft-export) without merging"
         )
+    full = bool(getattr(args, "full", False))
+    if full and args.peft_export:
+        raise UsageError("--peft-export writes a LoRA adapter; --full trains all weights and has none (drop one)")
     lora_config = lora_config_from(args)
     model = load_model(args.init, device="cpu")
     model.train()
     if args.seq_len > model.config.block_size:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context (block_size {model.config.block_size})")
-    config = train_config_from(args, save_trainable_only=True)  # checkpoints hold the adapter only
-    train, val = training_data(args.data, args.val_data, args.val_fraction)
-    minlora.add_lora(model, lora_config=lora_config)
-    minlora.mark_only_lora_as_trainable(model)
+    # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir)
+    config = train_config_from(args, save_trainable_only=not full)
+    from .instruct import is_instruction_data
+
+    if is_instruction_data(args.data):
+        train, val = _instruction_data(args, config)
+    else:
+        train, val = training_data(args.data, args.val_data, args.val_fraction)
+    if not full:
+        minlora.add_lora(model, lora_config=lora_config)
+        minlora.mark_only_lora_as_trainable(model)
     with Trainer(model, config, train, val) as trainer:
         main = trainer.is_main
-        if main:
+        if main and full:
+            print(f"full fine-tuning of {args.init}: {sum(p.numel() for p in model.parameters()):,} parameters",
+                  flush=True)
+        elif main:
             print(f"LoRA rank {lora_config.rank}, alpha {lora_config.alpha:g} on {args.init}: "
                   f"{minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
@@ -717,6 +747,9 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
             return {}
         results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")
         out = Path(config.out_dir or ".")
+        if full:
+            _finish_full(trainer, args, results, out)
+            return results
         adapter = minlora.save_adapter(trainer.model, out / "adapter")
         results["adapter"] = str(adapter)
         print(f"saved adapter {adapter} (gpt2 sample --model {args.init} --adapter {adapter})")
@@ -731,6 +764,37 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
         if config.out_dir is not None:
             (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         return results
+
+
+def _instruction_data(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+    """Loaders of instruction rows (``--data x.jsonl``); the samples default to the first
+    validation row's instruction (the first training row's without validation)."""
+    from .distributed import env_from_environ
+    from .instruct import instruction_loaders
+
+    env = env_from_environ()
+    train, val, rows = instruction_loaders(
+        args.data, args.val_data, args.val_fraction, batch_size=config.micro_batch_size, seq_len=config.seq_len,
+        pack=bool(getattr(args, "pack", False)), seed=config.seed, rank=env.rank, world_size=env.world_size,
+    )
+    if env.is_main:
+        print(f"instruction data {args.data}: {train.num_rows} training rows in {train.num_sequences} sequences"
+              f"{f', {val.num_rows} validation rows' if val is not None else ''}; loss on "
+              f"{train.num_targets:,} response tokens", flush=True)
+    if not getattr(args, "instruction", None):
+        args.instruction, args.input = rows[0][0], rows[0][1]
+    return train, val
+
+
+def _finish_full(trainer: Any, args: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
+    """After ``--full`` fine-tuning: the run directory's checkpoint is the model; optionally also
+    a transformers directory (``--merge-export``: nothing to merge, the weights are written)."""
+    if trainer.out_dir is not None:
+        print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+    if args.merge_export:
+        tokenizer_dir = os.environ.get("GPT2_TOKENIZER_DIR") or None
+        trainer.model.save_pretrained(args.merge_export, tokenizer_dir=tokenizer_dir)
+        print(f"wrote {args.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 
 # --------------------------------------------------------------------------- benchmark

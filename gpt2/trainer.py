@@ -50,6 +50,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import TrainConfig
 from .data import TokenLoader
+from .model import IGNORE_INDEX
 from .metrics import (
     ConsoleSink,
     JSONLSink,
@@ -412,15 +413,20 @@ class Trainer:
         model.eval()
         self.val_loader.reset()  # the same batches every time, so evaluations are comparable
         total = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
         try:
             for _ in range(steps):
                 x, y = self._to_device(*self.val_loader.next_batch())
                 with self.precision.autocast():
                     _, loss = model(x, y)
-                total += loss.detach().float()
+                # Weighted by the batch's scored targets (instruction data ignores prompt and
+                # padding), so the result is the mean per scored token; a batch with none adds 0.
+                n = (y != IGNORE_INDEX).sum().float()
+                total += torch.where(n > 0, loss.detach().float() * n, torch.zeros_like(n))
+                count += n
         finally:
             model.train(was_training)
-        val_loss = distributed.all_reduce_mean(total / steps).item()
+        val_loss = (distributed.all_reduce_mean(total) / distributed.all_reduce_mean(count)).item()
         if math.isfinite(val_loss) and (self.best_val_loss is None or val_loss < self.best_val_loss):
             self.best_val_loss = val_loss
         return val_loss

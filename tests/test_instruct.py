@@ -1,0 +1,232 @@
+"""Instruction fine-tuning (gpt2.instruct): template, exact loss masks, row errors, the loader's
+batches and resume, learning a small handmade set, and `gpt2 finetune --data x.jsonl` /
+`gpt2 sample --instruction` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import minlora
+from gpt2 import GPT, GPTConfig
+from gpt2.cli import main
+from gpt2.eval import evaluate_loss
+from gpt2.instruct import (
+    InstructionLoader,
+    build_sequences,
+    instruction_loaders,
+    read_rows,
+    render,
+    render_prompt,
+    tokenize_row,
+)
+from gpt2.model import IGNORE_INDEX
+from gpt2.tokenizer import get_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "examples" / "data" / "instructions.jsonl"
+ALPACA = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
+NO_INPUT = {"instruction": "Name a colour.", "output": "Green."}
+PROMPT = {"prompt": "Say hi.", "response": "Hi there!"}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tokenizer()
+
+
+# --------------------------------------------------------------------------- template and masks
+def test_template_renders_both_layouts(tmp_path):
+    rows = read_rows(write_jsonl(tmp_path / "d.jsonl", [ALPACA, NO_INPUT, PROMPT, {**NO_INPUT, "input": ""}]))
+    assert [r[:3] for r in rows] == [("Add the numbers.", "2 and 3", "5"), ("Name a colour.", "", "Green."),
+                                     ("Say hi.", "", "Hi there!"), ("Name a colour.", "", "Green.")]
+    assert rows[0][3].endswith("d.jsonl:1")
+    assert render(*rows[0][:3]) == "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n5<|endoftext|>"
+    assert render_prompt("Say hi.") == "### Instruction:\nSay hi.\n\n### Response:\n"  # no input block
+
+
+def _expected(rows, tok, seq_len, pack):
+    """Windows built independently of build_sequences: concatenated (ids, mask) per sequence."""
+    windows = []
+    for row in rows:
+        ids, mask = tokenize_row(*row[:3], tok)
+        if pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1:
+            windows[-1] = (windows[-1][0] + ids, windows[-1][1] + mask)
+        else:
+            windows.append((ids, mask))
+    return windows
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_targets_are_ignored_exactly_on_prompt_and_padding(tmp_path, tok, pack):
+    rows = read_rows(write_jsonl(tmp_path / "d.jsonl", [ALPACA, NO_INPUT, PROMPT, ALPACA, PROMPT]))
+    seq_len = 48
+    x, y = build_sequences(rows, seq_len, pack=pack, tokenizer=tok)
+    windows = _expected(rows, tok, seq_len, pack)
+    assert x.shape == y.shape == (len(windows), seq_len)
+    assert (len(windows) < len(rows)) == pack  # these short rows pack two or more per window
+    for i, (ids, mask) in enumerate(windows):
+        n = len(ids) - 1
+        assert x[i, :n].tolist() == ids[:n]
+        assert (x[i, n + 1:] == tok.eot_token).all()  # padding input
+        for t in range(seq_len):
+            if t < n and mask[t + 1]:  # the next token is a response token (or the closing <|endoftext|>)
+                assert y[i, t] == ids[t + 1]
+            else:  # prompt or padding
+                assert y[i, t] == IGNORE_INDEX
+    # each row's response is its own tokens plus <|endoftext|>; nothing of the prompt is a target
+    targets = [int(t) for t in y.ravel() if t != IGNORE_INDEX]
+    expected = [t for row in rows for t in tok.encode_ordinary(row[2]) + [tok.eot_token]]
+    assert targets == expected
+
+
+def test_loss_and_evaluation_average_over_response_tokens_only(tmp_path, tok):
+    rows = read_rows(write_jsonl(tmp_path / "d.jsonl", [ALPACA, NO_INPUT, PROMPT]))
+    loader = InstructionLoader(rows, 2, 40, shuffle=False, tokenizer=tok)
+    model = GPT(GPTConfig(block_size=40, n_layer=1, n_head=2, n_embd=16)).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in (loader.next_batch(), loader.next_batch()):  # the second is one row + an all-ignored row
+            logits, _ = model(x)
+            keep = y != IGNORE_INDEX
+            total += torch.nn.functional.cross_entropy(logits[keep], y[keep], reduction="sum").item()
+            count += int(keep.sum())
+        assert count == loader.num_targets
+        result = evaluate_loss(model, loader, 2, 40)
+        _, loss = model(x, y)  # a batch whose second row is all padding: still a finite mean
+    assert result["tokens"] == count
+    assert result["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert torch.isfinite(loss)
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("line, message", [
+    ('{"instruction": "a", "output": "b"', "not valid JSON"),
+    ('["a", "b"]', "must be a JSON object"),
+    ('{"text": "hello"}', "no instruction fields (found: text)"),
+    ('{"instruction": "a"}', "missing 'output'"),
+    ('{"prompt": "a"}', "missing 'response'"),
+    ('{"instruction": "a", "output": 3}', "'output' must be a string, got int"),
+    ('{"instruction": "a", "input": ["x"], "output": "b"}', "'input' must be a string, got list"),
+    ('{"instruction": "  ", "output": "b"}', "'instruction' is empty"),
+])
+def test_bad_rows_name_the_file_line_and_field(tmp_path, line, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [ALPACA, line])
+    with pytest.raises(ValueError, match="bad.jsonl:2") as e:
+        read_rows(path)
+    assert message in str(e.value)
+
+
+def test_empty_file_missing_file_and_a_row_longer_than_the_context(tmp_path, tok):
+    with pytest.raises(ValueError, match="no rows"):
+        read_rows(write_jsonl(tmp_path / "empty.jsonl", []))
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_rows(tmp_path / "nope.jsonl")
+    long = {"instruction": "Repeat.", "output": "word " * 50}
+    rows = read_rows(write_jsonl(tmp_path / "long.jsonl", [ALPACA, long]))
+    n = len(tokenize_row(*rows[1][:3], tok)[0])
+    with pytest.raises(ValueError, match=rf"long.jsonl:2: the row is {n} tokens .*--seq-len 32 .*raise --seq-len"):
+        build_sequences(rows, 32, tokenizer=tok)
+    build_sequences(rows, n - 1, tokenizer=tok)  # exactly seq_len + 1 tokens fits
+
+
+def test_too_few_rows_for_a_step_and_val_split(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [ALPACA, NO_INPUT, PROMPT, ALPACA, NO_INPUT])
+    with pytest.raises(ValueError, match="fewer than one step"):
+        InstructionLoader(path, 8, 40)
+    train, val, val_rows = instruction_loaders(str(path), None, 0.2, batch_size=2, seq_len=40, pack=False, seed=1)
+    assert (train.num_rows, val.num_rows) == (4, 1) and val_rows[0][0] == NO_INPUT["instruction"]
+    other = write_jsonl(tmp_path / "v.jsonl", [PROMPT, PROMPT])
+    train, val, _ = instruction_loaders(str(path), str(other), 0.2, batch_size=2, seq_len=40, pack=True, seed=1)
+    assert train.num_rows == 5 and val.num_rows == 2
+
+
+# --------------------------------------------------------------------------- the loader
+def test_loader_shards_ranks_shuffles_epochs_and_resumes_exactly(tok):
+    rows = read_rows(DATA)
+    one = InstructionLoader(rows, 4, 40, seed=3, tokenizer=tok)
+    ranks = [InstructionLoader(rows, 2, 40, seed=3, rank=r, world_size=2, tokenizer=tok) for r in range(2)]
+    seen = []
+    for _ in range(one.steps_per_epoch):
+        x, y = one.next_batch()
+        parts = [r.next_batch() for r in ranks]
+        assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+        seen.extend(map(tuple, x.tolist()))
+    assert len(set(seen)) == len(seen) == one.steps_per_epoch * 4  # no row twice within an epoch
+    epoch2 = [one.next_batch()[0] for _ in range(one.steps_per_epoch)]
+    assert one.state_dict()["epoch"] == 2
+    assert [tuple(r) for b in epoch2 for r in b.tolist()] != seen  # a new order each epoch
+
+    a = InstructionLoader(rows, 4, 40, seed=3, tokenizer=tok)
+    for _ in range(7):  # into the second epoch
+        a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))
+    b = InstructionLoader(rows, 4, 40, seed=3, tokenizer=tok)
+    b.load_state_dict(state)
+    for _ in range(8):
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    with pytest.raises(ValueError, match="same --data, --seq-len and --pack"):
+        InstructionLoader(rows, 4, 40, pack=True, tokenizer=tok).load_state_dict(state)
+
+
+# --------------------------------------------------------------------------- learning
+def _compact(loaders):
+    """Remap the token ids the data uses to 0..V-1 (in place), so a model with a V-token output
+    layer learns them: the real 50257-way layer makes each step ~50x slower on a shared CPU, and
+    what is tested here is the masked loss, not the vocabulary."""
+    used = np.unique(np.concatenate([np.concatenate([l.x.ravel(), l.y[l.y != IGNORE_INDEX]]) for l in loaders]))
+    lookup = {int(t): i for i, t in enumerate(used)}
+    remap = np.vectorize(lambda t: lookup.get(int(t), t))
+    for loader in loaders:
+        loader.x = remap(loader.x)
+        loader.y = np.where(loader.y == IGNORE_INDEX, IGNORE_INDEX, remap(loader.y))
+        loader.pad_id = lookup[int(loader.pad_id)]
+    return len(used)
+
+
+def _train(model, loader, steps, lr):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return evaluate_loss(model, _eval_view(loader), loader.batch_size, loader.seq_len)["loss"]
+
+
+def _eval_view(loader):
+    """The same sequences, in order and once each (for the final response loss)."""
+    view = InstructionLoader.__new__(InstructionLoader)
+    view.__dict__.update(loader.__dict__, shuffle=False, steps_per_epoch=-(-loader.num_sequences // loader.batch_size))
+    view.reset()
+    return view
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_tiny_model_learns_the_handmade_set(tok, mode):
+    torch.manual_seed(0)
+    loader = InstructionLoader(read_rows(DATA), 12, 36, seed=0, tokenizer=tok)
+    vocab = _compact([loader])
+    model = GPT(GPTConfig(block_size=36, vocab_size=vocab, n_layer=2, n_head=2, n_embd=64))
+    before = evaluate_loss(model, _eval_view(loader), 12, 36)["loss"]
+    if mode == "lora":  # on a random base LoRA needs the head too, and a high rank
+        minlora.add_lora(model, lora_config=minlora.LoRAConfig(rank=16, alpha=32, include_lm_head=True))
+        minlora.mark_only_lora_as_trainable(model)
+    after = _train(model, loader, 120, 3e-3)
+    assert before > 4.0
+    assert after < (0.1 if mode == "full" else 0.3), (before, after)
