@@ -230,3 +230,63 @@ def test_a_tiny_model_learns_the_handmade_set(tok, mode):
     after = _train(model, loader, 120, 3e-3)
     assert before > 4.0
     assert after < (0.1 if mode == "full" else 0.3), (before, after)
+
+
+# --------------------------------------------------------------------------- the command line
+TINY = ["--seq-len", "40", "--micro-batch-size", "4", "--warmup-steps", "1", "--eval-steps", "1",
+        "--num-samples", "1", "--max-new-tokens", "4", "--no-progress", "--no-plot", "--log-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory) -> Path:
+    """A 1-step tiny run of `gpt2 train` (a run directory, as `bash run.sh` writes one)."""
+    if not os.environ.get("GPT2_TINY_SHAKESPEARE"):
+        pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
+    out = tmp_path_factory.mktemp("base") / "run"
+    text = out.parent / "text.txt"  # a slice of Tiny Shakespeare: quick to tokenise
+    text.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text()[:20000])
+    assert main(["train", "--model", "tiny", "--data", str(text), *TINY, "--max-steps", "1", "--num-samples", "0",
+                 "--final-eval-batches", "1", "--out-dir", str(out)]) == 0
+    return out
+
+
+def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, capsys):
+    out = tmp_path / "full"
+    code = main(["finetune", "--init", str(base_run), "--data", str(DATA), "--full", *TINY, "--max-steps", "2",
+                 "--out-dir", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert "22 training rows" in stdout and "2 validation rows" in stdout and "full fine-tuning" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["step"] == 2 and 0 < results["val_tokens"] < 40  # the two held-out responses only
+    state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    assert state["data"]["train"]["position"] == 8 and not state.get("trainable_only")
+    # the whole model is in the run directory: sample from it with the template
+    code = main(["sample", "--model", str(out), "--instruction", "Add the two numbers.", "--input", "1 and 2",
+                 "--max-new-tokens", "5", "--seed", "1"])
+    stdout = capsys.readouterr().out
+    assert code == 0 and "### Instruction" not in stdout  # the prompt is not echoed, the response is
+
+
+def test_cli_finetune_jsonl_lora_resume_and_errors(base_run, tmp_path, capsys):
+    out = tmp_path / "lora"
+    args = ["finetune", "--init", str(base_run), "--data", str(DATA), "--pack", *TINY, "--out-dir", str(out)]
+    assert main([*args, "--max-steps", "1"]) == 0
+    assert main([*args, "--max-steps", "2", "--resume", "auto"]) == 0
+    capsys.readouterr()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the second run continued the first (it trained step 2 only)
+    state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["data"]["train"]["epoch"] == 0 and state["data"]["train"]["position"] == 8
+    assert (out / "adapter").exists()
+    assert main(["sample", "--model", str(base_run), "--adapter", str(out / "adapter"),
+                 "--instruction", "Say hello in Spanish.", "--max-new-tokens", "3"]) == 0
+    capsys.readouterr()
+    bad = write_jsonl(tmp_path / "bad.jsonl", [ALPACA, {"instruction": "x", "output": 5}])
+    assert main(["finetune", "--init", str(base_run), "--data", str(bad), *TINY, "--out-dir", str(tmp_path / "b")]) == 2
+    assert "bad.jsonl:2: 'output' must be a string" in capsys.readouterr().err
+    assert main(["finetune", "--init", str(base_run), "--data", str(DATA), *TINY, "--seq-len", "16",
+                 "--out-dir", str(tmp_path / "c")]) == 2
+    assert "raise --seq-len" in capsys.readouterr().err
+    assert main(["sample", "--model", str(base_run), "--input", "x"]) == 2
+    assert "--input goes with --instruction" in capsys.readouterr().err
