@@ -612,7 +612,7 @@ def _train_command() -> Command:
 def _finetune_command() -> Command:
     return Command(
         name="finetune",
-        summary="LoRA fine-tuning of GPT-2 weights on a text; samples before/after, adapter, merged export",
+        summary="LoRA (or --full) fine-tuning on a text or instruction rows (.jsonl); samples, adapter, export",
         run=recipes.finetune_job,
         options=[
             opt("--init", default="gpt2", metavar="MODEL",
