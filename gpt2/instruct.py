@@ -195,6 +195,17 @@ class InstructionLoader:
         self._position = 0
         self._order = self._order_of(0)
 
+    def unsharded(self) -> InstructionLoader:
+        """The same sequences for one process (rank 0 of 1), at the start: what rank 0 scores
+        alone (``evaluate_loss``) after a distributed run."""
+        view = InstructionLoader.__new__(InstructionLoader)
+        view.__dict__.update(self.__dict__, rank=0, world_size=1)
+        per_step = self.batch_size
+        view.steps_per_epoch = (self.num_sequences // per_step if self.shuffle
+                                else math.ceil(self.num_sequences / per_step))
+        view.reset()
+        return view
+
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len * self.world_size

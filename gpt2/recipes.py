@@ -718,6 +718,8 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
         train, val = _instruction_data(args, config)
     else:
         train, val = training_data(args.data, args.val_data, args.val_fraction)
+    # Rank 0 alone scores the val loss before/after: on the whole val data, not its rank's share.
+    report_val = val.unsharded() if hasattr(val, "unsharded") else val
     if not full:
         minlora.add_lora(model, lora_config=lora_config)
         minlora.mark_only_lora_as_trainable(model)
@@ -734,7 +736,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
             if val is not None:
                 # LoRA's B starts at zero, so this is the pretrained model's own loss.
                 split = "val" if isinstance(val, Path) else None
-                loss = evaluate_loss(trainer.model, val, config.micro_batch_size, config.seq_len,
+                loss = evaluate_loss(trainer.model, report_val, config.micro_batch_size, config.seq_len,
                                      max_batches=args.final_eval_batches, autocast=trainer.precision.autocast,
                                      split=split)
                 before["val_loss_before"] = loss["loss"]
@@ -745,7 +747,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
         trainer.fit()
         if not main:
             return {}
-        results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")
+        results = _final_report(trainer, args, report_val, extra=before, header="after fine-tuning:")
         out = Path(config.out_dir or ".")
         if full:
             _finish_full(trainer, args, results, out)

@@ -177,8 +177,23 @@ def test_loader_shards_ranks_shuffles_epochs_and_resumes_exactly(tok):
         xa, ya = a.next_batch()
         xb, yb = b.next_batch()
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # validation order: fixed, one pass covers every sequence once (the last step padded with
+    # all-ignored sequences) and ends where it began; unsharded() is the whole data for rank 0
+    val = [InstructionLoader(rows[:7], 2, 40, rank=r, world_size=2, shuffle=False, tokenizer=tok) for r in range(2)]
+    got = [v.next_batch() for _ in range(2) for v in val]
+    assert val[0].state_dict() == {"epoch": 0, "position": 0, "num_sequences": 7}
+    xs = torch.cat([x for x, _ in got])
+    assert torch.equal(xs[:7], torch.from_numpy(val[0].x)) and (xs[7] == tok.eot_token).all()
+    assert int((torch.cat([y for _, y in got]) != IGNORE_INDEX).sum()) == val[0].num_targets
+    alone = val[1].unsharded()
+    assert (alone.rank, alone.world_size, alone.steps_per_epoch) == (0, 1, 4)
+    assert result_of(alone) == result_of(InstructionLoader(rows[:7], 2, 40, shuffle=False, tokenizer=tok))
     with pytest.raises(ValueError, match="same --data, --seq-len and --pack"):
         InstructionLoader(rows, 4, 40, pack=True, tokenizer=tok).load_state_dict(state)
+
+
+def result_of(loader):
+    return [tuple(t.ravel().tolist()) for _ in range(loader.steps_per_epoch) for t in loader.next_batch()]
 
 
 # --------------------------------------------------------------------------- learning
