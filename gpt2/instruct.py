@@ -181,6 +181,8 @@ class InstructionLoader:
         self.pad_id = tokenizer.eot_token
         rows = read_rows(source) if isinstance(source, (str, Path)) else list(source)
         self.num_rows = len(rows)
+        if not rows:
+            raise ValueError("no instruction rows to load")
         self.x, self.y = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
         self.num_sequences = len(self.x)
         per_step = batch_size * world_size
