@@ -1,4 +1,4 @@
-"""Fine-tune GPT-2 with LoRA on a text file, with samples before and after.
+"""Fine-tune GPT-2 with LoRA on a text file or instruction rows, with samples before and after.
 
 Loads pretrained weights (--init: a hub id such as gpt2, a local transformers directory, or a
 checkpoint / run directory of pretrain_shakespeare.py), adds LoRA adapters with minlora, trains
@@ -10,6 +10,14 @@ transformers model (--merge-export).
     python examples/finetune_lora.py --init gpt2 --data my_text.txt --precision bf16
     python examples/finetune_lora.py --init gpt2 --merge-export runs/lora/merged --peft-export runs/lora/peft
     python examples/sample.py --model gpt2 --adapter runs/lora/adapter --prompt "ROMEO:"
+
+Instruction fine-tuning: --data a .jsonl file of {"instruction", "input", "output"} or
+{"prompt", "response"} rows (loss on the responses only; docs/lora.md, "Instruction
+fine-tuning"); --full trains every weight instead of LoRA:
+
+    python examples/finetune_lora.py --init runs/shakespeare --data examples/data/instructions.jsonl --full \
+        --lr 2e-3 --batch-size 8 --max-steps 150 --out-dir runs/instruct
+    python examples/sample.py --model runs/instruct --instruction "What do bees make?" --temperature 0
 
 This script is `gpt2 finetune`.
 """

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .data import default_cache_dir, download, iter_jsonl
+from .model import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -143,11 +144,14 @@ def evaluate_loss(
             with _autocast_context(autocast, device):
                 logits = _logits(model(x))
             # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
+            # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
+            # scored and not counted, so the mean is over the scored tokens only.
             loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
+                logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum",
+                ignore_index=IGNORE_INDEX,
             )
             sums[0] += loss.double()
-            sums[1] += y.numel()
+            sums[1] += (y != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)
     if world_size > 1:
@@ -157,7 +161,7 @@ def evaluate_loss(
     total, n_tokens = sums.tolist()
     n_tokens = int(n_tokens)
     if n_tokens == 0:
-        raise ValueError("no batch was evaluated: the data is shorter than one batch")
+        raise ValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
     if max_batches is not None and seen < max_batches and rank == 0:
         logger.warning(
             "the evaluation data holds only %d batches of %d x %d tokens; scored those %d once "

@@ -299,7 +299,9 @@ def print_samples(model: Any, args: argparse.Namespace, *, header: str = "", aut
     """``args.num_samples`` samples of ``args.prompt``, streamed to stdout; returns their texts.
 
     Reads ``prompt``, ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed`` from
-    ``args`` (``top_p`` and ``seed`` may be absent)."""
+    ``args`` (``top_p`` and ``seed`` may be absent). With ``args.instruction`` the prompt is the
+    instruction template (:func:`gpt2.instruct.render_prompt`) and only the response is shown."""
+    instruction = _apply_instruction(args)
     device = next(model.parameters()).device
     seed = getattr(args, "seed", None)
     generator = torch.Generator(device=device)
@@ -308,7 +310,8 @@ def print_samples(model: Any, args: argparse.Namespace, *, header: str = "", aut
     for i in range(args.num_samples):
         title = f"{header} sample {i + 1}/{args.num_samples}".strip()
         print(f"--- {title} ---")
-        print(args.prompt, end="", flush=True)
+        if not instruction:
+            print(args.prompt, end="", flush=True)
         pieces = []
         for piece in stream_text(
             model, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -317,8 +320,21 @@ def print_samples(model: Any, args: argparse.Namespace, *, header: str = "", aut
             pieces.append(piece)
             print(piece, end="", flush=True)
         print()
-        texts.append(args.prompt + "".join(pieces))
+        texts.append("".join(pieces) if instruction else args.prompt + "".join(pieces))
     return texts
+
+
+def _apply_instruction(args: argparse.Namespace) -> bool:
+    """With ``--instruction`` (and ``--input``), set ``args.prompt`` to the instruction template."""
+    instruction = getattr(args, "instruction", None)
+    if not instruction:
+        if getattr(args, "input", None):
+            raise UsageError("--input goes with --instruction (it fills the template's '### Input:' part)")
+        return False
+    from .instruct import render_prompt
+
+    args.prompt = render_prompt(instruction, getattr(args, "input", None) or "")
+    return True
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -713,7 +729,8 @@ def lora_config_from(args: argparse.Namespace) -> Any:
 
 
 def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
-    """``gpt2 finetune``: LoRA fine-tuning of pretrained GPT-2 weights on a text, with samples
+    """``gpt2 finetune``: LoRA (or with ``--full`` full) fine-tuning of pretrained GPT-2 weights on
+    a text, or on instruction rows (``--data x.jsonl``, see :mod:`gpt2.instruct`), with samples
     before and after, the adapter saved, and optionally a merged transformers export."""
     import minlora
 
@@ -728,19 +745,35 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
             "the token embedding, and merging LoRA into the head unties them. Drop --lora-head, or keep the "
             "adapter (and --peft-export) without merging"
         )
+    full = bool(getattr(args, "full", False))
+    if full and args.peft_export:
+        raise UsageError("--peft-export writes a LoRA adapter; --full trains all weights and has none (drop one)")
     lora_config = lora_config_from(args)
     model = load_model(args.init, device="cpu")
     model.train()
     if args.seq_len > model.config.block_size:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context (block_size {model.config.block_size})")
-    config = train_config_from(args, save_trainable_only=True)  # checkpoints hold the adapter only
-    train, val = training_data(args.data, args.val_data, args.val_fraction)
+    # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir)
+    config = train_config_from(args, save_trainable_only=not full)
+    from .instruct import is_instruction_data
+
+    if is_instruction_data(args.data):
+        train, val = _instruction_data(args, config)
+    else:
+        train, val = training_data(args.data, args.val_data, args.val_fraction)
+    # The before/after val loss covers the whole val data: every rank scores its share of it
+    # (see _val_loss), so it needs the unsharded instruction loader, not this rank's part.
+    report_val = val.unsharded() if hasattr(val, "unsharded") else val
     seed_everything(args.seed)  # --seed fixes LoRA's random A matrices too, not only the data order
-    minlora.add_lora(model, lora_config=lora_config)
-    minlora.mark_only_lora_as_trainable(model)
+    if not full:
+        minlora.add_lora(model, lora_config=lora_config)
+        minlora.mark_only_lora_as_trainable(model)
     with Trainer(model, config, train, val) as trainer:
         main = trainer.is_main
-        if main:
+        if main and full:
+            print(f"full fine-tuning of {args.init}: {sum(p.numel() for p in model.parameters()):,} parameters",
+                  flush=True)
+        elif main:
             print(f"LoRA rank {lora_config.rank}, alpha {lora_config.alpha:g} on {args.init}: "
                   f"{minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
@@ -748,7 +781,7 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
             if val is not None:
                 # LoRA's B starts at zero, so this is the pretrained model's own loss. Every rank
                 # evaluates its share (see _val_loss).
-                loss = _val_loss(trainer, val, args.final_eval_batches)
+                loss = _val_loss(trainer, report_val, args.final_eval_batches)
                 before["val_loss_before"] = loss["loss"]
                 if main:
                     print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
@@ -756,10 +789,13 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
                 before["samples_before"] = print_samples(trainer.model, args, header="before fine-tuning:",
                                                          autocast=trainer.precision.autocast)
         trainer.fit()
-        results = _final_report(trainer, args, val, extra=before, header="after fine-tuning:")  # every rank
+        results = _final_report(trainer, args, report_val, extra=before, header="after fine-tuning:")  # every rank
         if not main:
             return {}
         out = Path(config.out_dir or ".")
+        if full:
+            _finish_full(trainer, args, results, out)
+            return results
         adapter = minlora.save_adapter(trainer.model, out / "adapter")
         results["adapter"] = str(adapter)
         print(f"saved adapter {adapter} (gpt2 sample --model {args.init} --adapter {adapter})")
@@ -774,6 +810,37 @@ def finetune_job(args: argparse.Namespace) -> dict[str, Any]:
         if config.out_dir is not None:
             (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         return results
+
+
+def _instruction_data(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+    """Loaders of instruction rows (``--data x.jsonl``); the samples default to the first
+    validation row's instruction (the first training row's without validation)."""
+    from .distributed import env_from_environ
+    from .instruct import instruction_loaders
+
+    env = env_from_environ()
+    train, val, rows = instruction_loaders(
+        args.data, args.val_data, args.val_fraction, batch_size=config.micro_batch_size, seq_len=config.seq_len,
+        pack=bool(getattr(args, "pack", False)), seed=config.seed, rank=env.rank, world_size=env.world_size,
+    )
+    if env.is_main:
+        print(f"instruction data {args.data}: {train.num_rows} training rows in {train.num_sequences} sequences"
+              f"{f', {val.num_rows} validation rows' if val is not None else ''}; loss on "
+              f"{train.num_targets:,} response tokens", flush=True)
+    if not getattr(args, "instruction", None):
+        args.instruction, args.input = rows[0][0], rows[0][1]
+    return train, val
+
+
+def _finish_full(trainer: Any, args: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
+    """After ``--full`` fine-tuning: the run directory's checkpoint is the model; optionally also
+    a transformers directory (``--merge-export``: nothing to merge, the weights are written)."""
+    if trainer.out_dir is not None:
+        print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+    if args.merge_export:
+        tokenizer_dir = os.environ.get("GPT2_TOKENIZER_DIR") or None
+        trainer.model.save_pretrained(args.merge_export, tokenizer_dir=tokenizer_dir)
+        print(f"wrote {args.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 
 # --------------------------------------------------------------------------- benchmark

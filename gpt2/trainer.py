@@ -54,6 +54,7 @@ from . import checkpoint as ckpt
 from . import distributed, rundir
 from .config import TrainConfig
 from .data import TokenLoader
+from .model import IGNORE_INDEX
 from .metrics import (
     ConsoleSink,
     JSONLSink,
@@ -439,7 +440,7 @@ class Trainer:
         loader = self.val_loader
         loader.reset()  # the same batches every time, so evaluations are comparable
         start = loader.state_dict() if hasattr(loader, "state_dict") else None
-        sums = torch.zeros(2, device=self.device)  # [loss summed over tokens, tokens]
+        sums = torch.zeros(2, device=self.device)  # [loss summed over scored tokens, scored tokens]
         batches = 0
         bar = None
         if self.is_main and self.config.progress:
@@ -452,8 +453,11 @@ class Trainer:
                 x, y = self._to_device(*loader.next_batch())
                 with self.precision.autocast():
                     _, loss = model(x, y)
-                sums[0] += loss.detach().float() * y.numel()
-                sums[1] += y.numel()
+                # Weighted by the batch's scored targets (instruction data ignores prompt and
+                # padding), so the result is the mean per scored token; a batch with none adds 0.
+                n = (y != IGNORE_INDEX).sum().float()
+                sums[0] += torch.where(n > 0, loss.detach().float() * n, torch.zeros_like(n))
+                sums[1] += n
                 batches += 1
                 if bar is not None:
                     bar.update()

@@ -31,7 +31,7 @@ def _legacy(options: Any) -> argparse.Namespace:
             name = _LORA_NAMES[name]
             if name == "lora_targets":
                 value = list(value or ())
-        values[name] = list(value) if name == "input" else value
+        values[name] = list(value) if isinstance(value, tuple) and name == "input" else value
     values["on_cuda"] = __import__("gpt2.cli", fromlist=["_on_cuda"])._on_cuda(values.get("device"))
     return argparse.Namespace(**values)
 

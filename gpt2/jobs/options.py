@@ -96,7 +96,8 @@ class TrainOptions:
 
 @dataclass
 class FinetuneOptions:
-    """gpt2 finetune: LoRA (or full) fine-tuning of GPT-2 weights on a text or instruction data."""
+    """gpt2 finetune: LoRA (or --full) fine-tuning of GPT-2 weights on a text, or on instruction rows
+    (--data x.jsonl: Alpaca or prompt/response rows, loss on the responses only; docs/lora.md)."""
 
     init: str = "gpt2"
     """the weights to start from: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a
@@ -110,6 +111,17 @@ class FinetuneOptions:
     """also write the adapter in PEFT format here"""
     merge_export: str | None = None
     """merge the adapter into the weights and write a transformers directory here"""
+    full: bool = False
+    """full fine-tuning: train every weight, no LoRA; the run directory then holds the whole model
+    (gpt2 sample --model OUT_DIR)"""
+    pack: bool = False
+    """instruction data (.jsonl): pack several rows into each sequence (a row attends to the rows before it);
+    default: one row per sequence, padded"""
+    instruction: str | None = None
+    """sample the response to this instruction: the prompt is the instruction template of docs/lora.md
+    (gpt2.instruct.TEMPLATE) and only the response is printed"""
+    input: str | None = None
+    """the optional input of --instruction (the template's '### Input:' part)"""
     nproc_per_node: int = 1
     """start this many processes on this machine (one per GPU; gloo on CPU), like torchrun --standalone
     --nproc-per-node N; Ctrl-C stops them all with one line"""
@@ -126,6 +138,11 @@ class SampleOptions:
     adapter: str | None = None
     """a LoRA adapter to add: the `adapter` directory `gpt2 finetune` writes, or a PEFT adapter directory"""
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
+    instruction: str | None = None
+    """sample the response to this instruction: the prompt is the instruction template of docs/lora.md
+    (gpt2.instruct.TEMPLATE) and only the response is printed"""
+    input: str | None = None
+    """the optional input of --instruction (the template's '### Input:' part)"""
     seed: int | None = None
     """seed of the sampler, for reproducible samples; None = random"""
     device: str = "auto"
