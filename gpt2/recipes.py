@@ -671,7 +671,11 @@ def _print_next_steps(out_dir: Path, args: argparse.Namespace) -> None:
     for entry in sorted(out_dir.iterdir()):
         if entry.name.startswith("."):
             continue
-        what = f"{len(list(entry.iterdir()))} file(s)" if entry.is_dir() else f"{entry.stat().st_size:,} bytes"
+        if entry.is_dir():
+            names = sorted(p.name for p in entry.iterdir())
+            what = ", ".join(names) if len(names) <= 3 else f"{len(names)}: ..., {names[-2]}, {names[-1]}"
+        else:
+            what = f"{entry.stat().st_size:,} bytes"
         print(f"  {entry.name}{'/' if entry.is_dir() else ''}  ({what})")
     prompt = shlex.quote(args.prompt or "ROMEO:")
     # The training text (and its held-out fraction, when not the default) for fine-tuning and eval.
