@@ -714,7 +714,42 @@ def train_job(args: argparse.Namespace) -> dict[str, Any]:
         extra: dict[str, Any] = {"train_seconds": round(time.time() - start, 1)}
         if hs is not None:
             extra["hellaswag"] = hs
-        return _final_report(trainer, args, val, extra=extra)  # every rank: the evaluation is split
+        results = _final_report(trainer, args, val, extra=extra)  # every rank: the evaluation is split
+        if trainer.is_main and trainer.out_dir is not None:
+            _print_next_steps(trainer.out_dir, args)
+        return results
+
+
+def _print_next_steps(out_dir: Path, args: argparse.Namespace) -> None:
+    """Rank 0, at the end of ``gpt2 train``: where the outputs are and three commands to try next.
+    The commands name only files and the run directory (no environment variables), so they work
+    from the same directory in a new shell."""
+    import shlex
+
+    run = shlex.quote(str(out_dir))
+    print(f"\noutputs in {out_dir}/:")
+    for entry in sorted(out_dir.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            names = sorted(p.name for p in entry.iterdir())
+            what = ", ".join(names) if len(names) <= 3 else f"{len(names)}: ..., {names[-2]}, {names[-1]}"
+        else:
+            what = f"{entry.stat().st_size:,} bytes"
+        print(f"  {entry.name}{'/' if entry.is_dir() else ''}  ({what})")
+    prompt = shlex.quote(args.prompt or "ROMEO:")
+    # The training text (and its held-out fraction, when not the default) for fine-tuning and eval.
+    data = shlex.quote(str(args.data)) + (f" --val-fraction {args.val_fraction:g}" if args.val_fraction != 0.1 else "")
+    print("next, try:")
+    print(f"  gpt2 sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
+    instructions = Path("examples/data/instructions.jsonl")  # in the checkout (docs/lora.md)
+    if instructions.is_file():
+        print(f"  gpt2 finetune --init {run} --data {instructions} --full --out-dir "
+              f"{shlex.quote(str(out_dir) + '-instruct')}   # instruction fine-tuning (docs/lora.md)")
+    else:
+        print(f"  gpt2 finetune --init {run} --data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}"
+              "   # LoRA fine-tune it")
+    print(f"  gpt2 eval --model {run} --data {data}   # validation loss of the saved model")
 
 
 # --------------------------------------------------------------------------- fine-tuning

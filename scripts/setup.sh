@@ -17,11 +17,12 @@ else
 fi
 
 # Offline copies of the GPT-2 BPE files and Tiny Shakespeare, when a ../shared/data folder sits
-# beside the checkout (CI and the project's own machines). Elsewhere the library downloads and
-# caches them itself. Variables you set yourself win.
+# beside the checkout (CI and the project's own machines): copy them (sha256-checked) into the
+# caches the library reads by itself (~/.cache/gpt2 and tiktoken's cache), so the commands that
+# run.sh suggests at the end also work in a new shell. Elsewhere the library downloads and caches
+# them on first use.
 shared_data="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/shared/data"
 if [ -d "$shared_data" ]; then
-    export TIKTOKEN_CACHE_DIR="${TIKTOKEN_CACHE_DIR:-$shared_data/tiktoken-cache}"
-    export GPT2_TINY_SHAKESPEARE="${GPT2_TINY_SHAKESPEARE:-$shared_data/tinyshakespeare.txt}"
+    "$PYTHON" -m gpt2.offline_cache "$shared_data"
     export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 fi

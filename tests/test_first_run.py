@@ -1,0 +1,94 @@
+"""The first run as a new user lives it: seed the caches from offline copies, train, then run the
+three commands the run prints at its end, each in a fresh process with a clean environment (no
+TIKTOKEN_CACHE_DIR / GPT2_TINY_SHAKESPEARE, HOME and the temp dir in a tmp folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpt2.offline_cache import seed_caches, tiktoken_cache_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Variables that would point the library at the offline copies directly: a new shell has none.
+_POINTERS = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", "GPT2_TINY_SHAKESPEARE", "GPT2_TOKENIZER_DIR",
+             "GPT2_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR")
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _POINTERS}
+    env.update(HOME=str(home), TMPDIR=str(home / "tmp"), PYTHONPATH=str(REPO))
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    assert result.returncode == 0, f"{shlex.join(args)}: exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
+def test_seed_caches_checks_and_copies(tmp_path, shared_data, monkeypatch):
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() re-reads TMPDIR
+    cache = tmp_path / "cache"
+    written = seed_caches(shared_data, cache_dir=cache)
+    assert (cache / "tinyshakespeare.txt").read_bytes() == (shared_data / "tinyshakespeare.txt").read_bytes()
+    assert tiktoken_cache_dir() == tmp_path / "tmp" / "data-gym-cache"
+    # tiktoken's cache names: the same files the shared tiktoken-cache folder holds
+    for name in os.listdir(shared_data / "tiktoken-cache"):
+        assert (tiktoken_cache_dir() / name).read_bytes() == (shared_data / "tiktoken-cache" / name).read_bytes()
+    assert len(written) == 3 and seed_caches(shared_data, cache_dir=cache) == []  # good copies are kept
+
+    # A corrupt source file is refused and nothing lands in the cache.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tinyshakespeare.txt").write_text("not shakespeare")
+    with pytest.raises(ValueError, match="sha256"):
+        seed_caches(bad, cache_dir=tmp_path / "cache2")
+    assert not (tmp_path / "cache2").exists() or not any((tmp_path / "cache2").iterdir())
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        seed_caches(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
+    env = clean_env(tmp_path / "home")
+    work = tmp_path / "repo"
+    work.mkdir()
+    py = [sys.executable]
+    out = run([*py, "-m", "gpt2.offline_cache", str(shared_data)], env, work)
+    assert "tinyshakespeare.txt" in out
+    # A tiny training run, with the data and tokenizer found only through the seeded caches.
+    out = run([*py, "-m", "gpt2", "train", "--recipe", "shakespeare", "--model", "tiny", "--seq-len", "32",
+               "--batch-size", "4", "--max-steps", "3", "--warmup-steps", "1", "--eval-interval", "0",
+               "--final-eval-batches", "2", "--num-samples", "0", "--no-progress"], env, work)
+    run_dir = work / "runs" / "shakespeare"
+    for name in ("checkpoints", "metrics.jsonl", "loss.png", "results.json"):
+        assert name in out and (run_dir / name).exists(), name
+    commands = [line.split("#")[0].strip() for line in out.split("next, try:")[1].splitlines() if line.strip()]
+    assert [c.split()[:2] for c in commands] == [["gpt2", "sample"], ["gpt2", "finetune"], ["gpt2", "eval"]]
+    # Run each as printed (python -m gpt2 is the `gpt2` script of this checkout), shrunk to a few
+    # steps / tokens by options appended after it (argparse: the last value wins).
+    shrink = {"sample": ["--max-new-tokens", "5", "--seed", "0"],
+              "finetune": ["--steps", "2", "--warmup-steps", "1", "--eval-interval", "0", "--final-eval-batches", "1", "--max-new-tokens", "4",
+                           "--seq-len", "16", "--no-progress"],
+              "eval": ["--max-batches", "2"]}
+    results = {}
+    for command in commands:
+        argv = shlex.split(command)
+        results[argv[1]] = run([*py, "-m", "gpt2", *argv[1:], *shrink[argv[1]]], env, work)
+    assert "ROMEO:" in results["sample"]
+    assert "saved adapter" in results["finetune"]
+    assert "val loss" in results["eval"]
+    assert json.loads((run_dir / "results.json").read_text())["step"] == 3
