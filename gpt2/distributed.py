@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, ContextManager, Mapping
 
@@ -152,6 +153,25 @@ def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel
     """DistributedDataParallel around ``module`` (already compiled, if compiling)."""
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=device_ids)
+
+
+def unwrap_model(module: nn.Module) -> nn.Module:
+    """The module under DDP / DataParallel and ``torch.compile`` wrappers, in any nesting.
+
+    Wrappers are recognised by type, not by attribute name, so a model of one's own with a
+    ``module`` attribute is left alone.
+    """
+    # Only look the compile wrapper's class up if torch.compile has been used in this process:
+    # importing torch._dynamo just to check costs seconds.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled_type = getattr(eval_frame, "OptimizedModule", None)
+    while True:
+        if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+        elif compiled_type is not None and isinstance(module, compiled_type):
+            module = module._orig_mod
+        else:
+            return module
 
 
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:

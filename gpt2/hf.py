@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .config import GPTConfig
+from .distributed import unwrap_model
 from .hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
     CONV1D_WEIGHTS,
     CheckpointMismatchError,
@@ -227,17 +228,6 @@ def from_pretrained(
 
 
 # ---------------------------------------------------------------------------- saving
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip torch.compile (``_orig_mod``) and DDP/DataParallel (``module``) wrappers, in any nesting."""
-    while True:
-        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        elif isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            model = model.module
-        else:
-            return model
-
-
 def save_pretrained(
     model: torch.nn.Module,
     directory: str | os.PathLike,
@@ -256,7 +246,7 @@ def save_pretrained(
     """
     from safetensors.torch import save_file
 
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     if not isinstance(getattr(inner, "config", None), GPTConfig):  # a gpt2.GPT (or subclass)
         raise TypeError(f"save_pretrained expects a gpt2.GPT (optionally compiled/DDP-wrapped), got {type(inner).__name__}")
     config = inner.config
