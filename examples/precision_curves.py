@@ -36,7 +36,7 @@ import torch
 from gpt2 import GPT, GPTConfig
 from gpt2.config import TrainConfig
 from gpt2.data import tiny_shakespeare_path
-from gpt2.recipes import text_tokens
+from gpt2.data.sources import text_tokens
 from gpt2.trainer import Trainer
 
 # fp16's limits (IEEE half precision): largest finite value, smallest normal, smallest subnormal.

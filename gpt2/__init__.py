@@ -16,7 +16,8 @@ from .data import (
     tokenize_file,
     write_shards,
 )
-from .eval import evaluate_loss, hellaswag_path, score_hellaswag
+from .eval import evaluate_loss
+from .hellaswag import hellaswag_path, score_hellaswag
 from .generate import KVCache, generate, pad_prompts, sample_next, stream
 from .hf import (
     CheckpointMismatchError,

@@ -63,9 +63,17 @@ def env_from_environ(environ: Mapping[str, str] | None = None) -> DistributedEnv
     return env
 
 
-def resolve_device(device: str | torch.device, env: DistributedEnv) -> torch.device:
+def uses_cuda(device: str | torch.device | None) -> bool:
+    """Whether ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...) means a CUDA GPU here."""
+    device = str(device or "auto").lower()
+    return torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+
+
+def resolve_device(device: str | torch.device | None, env: DistributedEnv | None = None) -> torch.device:
     """``"auto"`` = ``cuda:LOCAL_RANK`` when CUDA is available, else cpu; ``"cuda"`` under DDP
-    also means this process's GPU, ``cuda:LOCAL_RANK``."""
+    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's)."""
+    env = env or env_from_environ()
+    device = device or "auto"
     if isinstance(device, torch.device):
         resolved = device
     elif device == "auto":

@@ -7,7 +7,8 @@ cache gives identical tokens (tested).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -283,3 +284,54 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> to
     if not new:
         return idx
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
+
+
+def stream_text(
+    model: Any,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    tokenizer: Any = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    stop_at_eot: bool = True,
+    autocast: Any = None,
+) -> Iterator[str]:
+    """Yield the text of one sample piece by piece, as tokens are sampled.
+
+    An empty ``prompt`` starts from ``<|endoftext|>`` (an unconditional sample). A token that
+    ends inside a multi-byte UTF-8 character is held back until the character is complete, so
+    every yielded piece is valid text. ``autocast`` is a zero-argument callable returning the
+    context to sample in (e.g. ``PrecisionPolicy.autocast``), or None.
+    """
+    if tokenizer is None:
+        from .tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    eot = tokenizer.eot_token
+    ids = tokenizer.encode(prompt) if prompt else [eot]
+    idx = torch.tensor([ids], dtype=torch.long)
+    produced: list[int] = []
+    shown = ""
+    with (autocast() if autocast is not None else contextlib.nullcontext()):
+        # gpt2.generate.stream rather than model.stream: a torch.compile'd model then runs compiled.
+        tokens = stream(
+            model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            eos_token_id=eot if stop_at_eot else None, generator=generator,
+        )
+        for column in tokens:  # (1,)
+            token = int(column[0])
+            if stop_at_eot and token == eot:
+                break
+            produced.append(token)
+            text = tokenizer.decode(produced)
+            if text.endswith("\ufffd"):  # a character split across tokens: wait for its rest
+                continue
+            yield text[len(shown):]
+            shown = text
+    text = tokenizer.decode(produced)
+    if len(text) > len(shown):
+        yield text[len(shown):]
+

@@ -120,3 +120,11 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
         tf32=name != "fp32",
         uses_scaler=name == "fp16",
     )
+
+
+def inference_autocast(name: str, device: torch.device | str):
+    """For sampling and evaluation: apply the policy ``name`` (``auto`` picks per device) and
+    return its autocast context factory."""
+    policy = resolve_precision(name, device)
+    policy.apply()
+    return policy.autocast

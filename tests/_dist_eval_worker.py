@@ -8,7 +8,6 @@ must give the one-process loss whatever the number of ranks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,7 +17,8 @@ import torch
 
 from gpt2 import GPT, GPTConfig
 from gpt2.config import TrainConfig
-from gpt2.recipes import _final_report
+from gpt2.jobs.common import final_report
+from gpt2.jobs.options import SamplingOptions
 from gpt2.trainer import Trainer
 
 B, T = 2, 16
@@ -32,18 +32,17 @@ def main(out_dir: str) -> dict:
     train, val = tokens[:2048], tokens[2048:]
     config = TrainConfig(micro_batch_size=B, seq_len=T, total_batch_size=B * T * int(os.environ.get("WORLD_SIZE", "1")),
                          max_steps=1, eval_interval=0, progress=False, device="cpu", precision="fp32", plot=False)
-    args = argparse.Namespace(final_eval_batches=None, num_samples=0)
-    capped = argparse.Namespace(final_eval_batches=3, num_samples=0)
+    no_samples = SamplingOptions(num_samples=0)
     with Trainer(model, config, train, val, sinks=[]) as trainer:
         forwards = []
         hook = trainer.model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
-        full = _final_report(trainer, args, val)
+        full = final_report(trainer, val, no_samples, final_eval_batches=None)
         hook.remove()
         report = {
             "rank": trainer.dist_env.rank,
             "full": full,
             "full_forwards": len(forwards),  # the batches this rank scored
-            "capped": _final_report(trainer, capped, val),
+            "capped": final_report(trainer, val, no_samples, final_eval_batches=3),
             # Trainer.evaluate on a val set shorter than steps: every rank stops at the same batch
             "evaluate": trainer.evaluate(steps=50),
         }

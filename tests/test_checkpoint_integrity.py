@@ -20,7 +20,7 @@ from gpt2 import GPT, GPTConfig
 from gpt2 import checkpoint as ckpt
 from gpt2.cli import main
 from gpt2.config import TrainConfig
-from gpt2.recipes import load_trained_model
+from gpt2.loading import load_trained_model
 from gpt2.trainer import Trainer
 
 

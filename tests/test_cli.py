@@ -1,4 +1,4 @@
-"""The command line (gpt2.cli / gpt2.recipes): every subcommand end to end in a tiny config,
+"""The command line (gpt2.cli / gpt2.jobs): every subcommand end to end in a tiny config,
 option precedence, --resume auto, and clear errors (exit code 2, no traceback) for bad input.
 
 Most tests call ``gpt2.cli.main`` in-process (no interpreter start-up per call); one runs the
@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from gpt2.cli import COMMANDS, main, parse
-from gpt2.recipes import UsageError, load_model, stream_text
+from gpt2.generate import stream_text
+from gpt2.jobs import UsageError
+from gpt2.loading import load_model
 
 HELLASWAG = [
     {"ctx": "ROMEO: I will", "endings": ["go to the house.", "fly to the moon of cheese.", "xyz qqq", "the the the"], "label": 0},

@@ -190,7 +190,7 @@ def test_text_that_is_not_utf8(tmp_path):
             call()
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
-    from gpt2.recipes import text_tokens  # what `gpt2 train --data file.txt` reads
+    from gpt2.data.sources import text_tokens  # what `gpt2 train --data file.txt` reads
 
     with pytest.raises(ValueError, match="byte offset 24"):
         text_tokens(garbage)

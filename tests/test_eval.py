@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from gpt2 import GPT, GPTConfig
 from gpt2.data import DownloadError
-from gpt2.eval import (
+from gpt2.eval import evaluate_loss
+from gpt2.hellaswag import (
     HELLASWAG_URLS,
     ending_losses,
-    evaluate_loss,
     hellaswag_path,
     iterate_hellaswag,
     render_example,

@@ -147,7 +147,7 @@ def test_pretrain_interrupted_with_ctrl_c_then_resumed(tmp_path):
 def test_finetune_lora_example(finetuned, hf_dir):
     from transformers import GPT2LMHeadModel
 
-    from gpt2.recipes import apply_adapter, load_model
+    from gpt2.loading import apply_adapter, load_model
 
     out, stdout = finetuned
     assert stdout.index("before fine-tuning: val loss") < stdout.index("--- before fine-tuning: sample 1/1 ---")

@@ -14,7 +14,7 @@ import torch
 
 from gpt2 import GPT, GPTConfig, hf
 from gpt2.checkpoint import save_checkpoint
-from gpt2.recipes import load_model
+from gpt2.loading import load_model
 
 TINY = GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..distributed import uses_cuda
 from ..jobs import options as o
 from .layers import (ConfigError, build, dump_yaml, read_yaml, recipe_names, recipe_path, to_flat,
                      validation_off)
@@ -40,25 +41,25 @@ class Command:
     name: str
     summary: str
     options: type
-    job: str  # "module:function" in gpt2.jobs, imported when the command runs
+    job: str  # the function in gpt2.jobs that runs it
     recipe: str | None = None  # the recipe applied when --recipe is not given
 
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("train", "pretrain a GPT-2 from scratch (Tiny Shakespeare by default), report val loss and samples",
-            o.TrainOptions, "train_job", recipe="shakespeare"),
+            o.TrainOptions, "train", recipe="shakespeare"),
     Command("finetune", "LoRA (or full) fine-tuning of GPT-2 weights on text or instruction data",
-            o.FinetuneOptions, "finetune_job", recipe="finetune"),
+            o.FinetuneOptions, "finetune", recipe="finetune"),
     Command("sample", "stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)",
-            o.SampleOptions, "sample_job"),
+            o.SampleOptions, "sample"),
     Command("prepare", "tokenise text files, jsonl files or a Hugging Face dataset into token shards",
-            o.PrepareOptions, "prepare_job"),
+            o.PrepareOptions, "prepare"),
     Command("eval", "validation loss / perplexity on token data, and HellaSwag accuracy",
-            o.EvalOptions, "eval_job", recipe="eval"),
+            o.EvalOptions, "evaluate", recipe="eval"),
     Command("export", "write a transformers directory (LoRA merged in) and/or a PEFT adapter",
-            o.ExportOptions, "export_job"),
+            o.ExportOptions, "export"),
     Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash, vocab pad, fused AdamW",
-            o.BenchOptions, "bench_job", recipe="bench"),
+            o.BenchOptions, "bench", recipe="bench"),
 )}
 
 # Spellings kept from earlier versions (CHANGELOG.md lists them); rewritten before parsing.
@@ -91,15 +92,6 @@ def rewrite_aliases(argv: list[str], cls: type) -> list[str]:
 
 
 # --------------------------------------------------------------------------- parsing
-def _on_cuda(device: str | None) -> bool:
-    device = (device or "auto").lower()
-    if device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
-
-
 def parse(cmd: Command, argv: Sequence[str], *, prog: str, defaults: dict[str, Any] | None = None,
           description: str | None = None) -> tuple[Any, bool]:
     """The options of ``cmd`` from recipe, script defaults, config file and ``argv``; and
@@ -123,7 +115,7 @@ def parse(cmd: Command, argv: Sequence[str], *, prog: str, defaults: dict[str, A
         from_file = read_yaml(path, cmd.options, "config file")
     defaults = dict(defaults or {})
     recipe = known.recipe or from_file.pop("recipe", None) or defaults.pop("recipe", None) or cmd.recipe
-    recipe_values = {} if recipe is None else read_yaml(recipe_path(recipe, _on_cuda(known.device)), cmd.options, "recipe")
+    recipe_values = {} if recipe is None else read_yaml(recipe_path(recipe, uses_cuda(known.device)), cmd.options, "recipe")
     values = {**recipe_values, **defaults}
     values.update(from_file)
     explicit = {"--" + k.replace("_", "-") for k in (*defaults, *from_file)}
@@ -153,7 +145,7 @@ def _scale_warmup(flat: dict[str, Any], recipe: dict[str, Any], explicit: set[st
 
 # --------------------------------------------------------------------------- errors
 def _is_usage_error(e: BaseException) -> bool:
-    from ..recipes import UsageError as JobUsageError
+    from ..jobs import UsageError as JobUsageError
     from ..tokenizer import TokenizerNotAvailableError
 
     return isinstance(e, (UsageError, JobUsageError, ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError,

@@ -1,63 +1,32 @@
 """The jobs behind the command line and the example scripts: one function per command, each
-taking its options dataclass from :mod:`gpt2.jobs.options`."""
+taking its options dataclass (:mod:`gpt2.jobs.options`) and reading top to bottom.
+
+``gpt2 train`` runs :func:`train`, ``gpt2 finetune`` :func:`finetune`, and so on; the scripts in
+``examples/`` run the same functions through :func:`gpt2.cli.run_command`. Jobs print what the
+user asked for; the library below them only logs.
+"""
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from .options import (BenchOptions, EvalOptions, ExportOptions, FinetuneOptions, PrepareOptions, SampleOptions,
-                      TrainOptions)
+from .bench import bench
+from .common import UsageError
+from .evaluate import evaluate
+from .export import export
+from .finetune import finetune
+from .prepare import prepare
+from .sample import sample
+from .train import train
 
-# TEMPORARY (until the job bodies take their options dataclass): the flat attribute names the
-# jobs in gpt2.recipes read.
-_LORA_NAMES = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-               "target_modules": "lora_targets", "include_lm_head": "lora_head",
-               "include_embeddings": "lora_embeddings"}
-
-
-def _legacy(options: Any) -> argparse.Namespace:
-    from ..cli.layers import option_fields
-
-    values = {}
-    for path, key, _ in option_fields(type(options)):
-        value = options
-        for name in path:
-            value = getattr(value, name)
-        name = path[-1]
-        if path[0] == "lora":
-            if name not in _LORA_NAMES:
-                continue
-            name = _LORA_NAMES[name]
-            if name == "lora_targets":
-                value = list(value or ())
-        values[name] = list(value) if isinstance(value, tuple) and name == "input" else value
-    values["on_cuda"] = __import__("gpt2.cli", fromlist=["_on_cuda"])._on_cuda(values.get("device"))
-    return argparse.Namespace(**values)
-
-
-def _job(name: str):
-    def run(options: Any) -> Any:
-        from .. import recipes
-
-        return getattr(recipes, name)(_legacy(options))
-
-    run.__name__ = name
-    return run
-
-
-train_job = _job("train_job")
-finetune_job = _job("finetune_job")
-sample_job = _job("sample_job")
-prepare_job = _job("prepare_job")
-eval_job = _job("eval_job")
-export_job = _job("export_job")
-bench_job = _job("bench_job")
+__all__ = ["UsageError", "bench", "check_options", "evaluate", "export", "finetune", "prepare", "sample", "train"]
 
 
 def check_options(command: str, options: Any) -> None:
-    """Build what a ``train`` / ``finetune`` job builds from its options, to fail before any
-    worker process starts."""
-    from .. import recipes
+    """What ``train`` / ``finetune`` can check before any process starts (``--nproc-per-node``
+    runs this once in the launcher, so a bad value is one line, not one per rank)."""
+    # (the modules are reached through their own names: the package attributes are the functions)
+    from .finetune import check as check_finetune
+    from .train import check as check_train
 
-    recipes.check_options(command, _legacy(options))
+    {"train": check_train, "finetune": check_finetune}.get(command, lambda _: None)(options)

@@ -1,0 +1,27 @@
+"""``gpt2 sample``: stream text from a hub id, a transformers directory, a checkpoint or run
+directory of ``gpt2 train``, optionally with a LoRA adapter, optionally as an instruction."""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import resolve_device
+from ..loading import apply_adapter, load_model
+from ..precision import inference_autocast
+from .common import check_sampling, instruction_prompt, print_samples
+from .options import SampleOptions
+
+
+def sample(options: SampleOptions) -> int:
+    check_sampling(options.sampling)
+    prompt = instruction_prompt(options.instruction, options.input)  # only the response is printed
+    device = resolve_device(options.device)
+    model = load_model(options.model, device=device)
+    if options.adapter:
+        apply_adapter(model, options.adapter)
+    model.eval()
+    if options.compile:
+        model = torch.compile(model)
+    autocast = inference_autocast(options.precision, device)
+    print_samples(model, options.sampling, seed=options.seed, autocast=autocast, prompt=prompt)
+    return 0
