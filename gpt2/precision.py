@@ -120,3 +120,14 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
         tf32=name != "fp32",
         uses_scaler=name == "fp16",
     )
+
+
+def check_master_weights(model: torch.nn.Module) -> None:
+    """Trainable parameters must be fp32: they are the master weights that the optimizer updates
+    while the policy picks the compute precision."""
+    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if low:
+        raise ValueError(
+            f"trainable parameters must be float32 (master weights), found {low}; keep the model in fp32 "
+            f"and choose the compute precision with TrainConfig.precision (e.g. 'bf16')"
+        )
