@@ -438,3 +438,11 @@ def load_checkpoint(
     meta = dict(data.meta)
     meta["path"] = str(path)
     return meta
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and Python ``random``: the start of the RNG states that
+    :func:`capture_rng_state` saves with a checkpoint."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device

@@ -4,18 +4,14 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import os
-from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Union
+from typing import Any, Callable, ContextManager, Iterator, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .data import default_cache_dir, download, iter_jsonl
 from .model import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)

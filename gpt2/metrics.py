@@ -16,7 +16,8 @@ A sink is anything with ``log(record)`` (and optionally ``close()``) or a plain 
 Trainer sends every record to each sink. Replace the console sink to route lines elsewhere.
 Besides the console and ``metrics.jsonl`` (always written), ``TrainConfig.log_to`` adds
 :class:`TensorBoardSink` (``out_dir/tensorboard``) and :class:`WandbSink` (``out_dir/wandb``;
-offline unless an API key is configured); see :func:`make_sinks`.
+offline unless an API key is configured); see :func:`make_sinks`. :class:`FitLog` is what one
+``Trainer.fit()`` call writes to: all of these plus the progress bar.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Union
 
 import torch
 
 from .config import LOG_TARGETS  # the names TrainConfig.log_to accepts
 
 logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"  # in out_dir: every step's record
+PLOT_FILE = "loss.png"  # in out_dir: the loss curve, drawn after each fit()
+
+Sink = Union[Callable[[dict], None], Any]  # a callable, or an object with log(record) [and close()]
 
 # Dense (no sparsity) bf16 tensor-core peak in FLOP/s from NVIDIA's data sheets; fp16 for GPUs
 # without bf16 (V100, T4). GeForce numbers are with fp32 accumulation, which is what PyTorch
@@ -334,3 +340,66 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict[
             sink.close()
         raise
     return sinks
+
+
+# What one Trainer.fit() call writes while it trains
+# ------------------------------------------------------------------------------------------
+
+
+def progress_bar(show: bool, **kwargs: Any) -> Any:
+    """A tqdm bar (``tqdm.auto``: a widget in notebooks) with ``kwargs`` when ``show``, else None."""
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(dynamic_ncols=True, **kwargs)
+
+
+class FitLog:
+    """Where one ``fit()`` call's records go: ``metrics.jsonl``, the Trainer's sinks, the
+    ``TrainConfig.log_to`` sinks and the progress bar. :meth:`close` closes (flushes) what
+    this call opened; the Trainer's own sinks stay open for its next call."""
+
+    def __init__(self, sinks: Iterable[Sink] = (), *, extra: Iterable[Any] = (), jsonl: JSONLSink | None = None,
+                 bar: Any = None) -> None:
+        self.sinks, self.extra, self.jsonl, self.bar = list(sinks), list(extra), jsonl, bar
+
+    @classmethod
+    def open(cls, sinks: Iterable[Sink], config: Any, *, out_dir: Path | None, step: int, is_main: bool,
+             before_write: Callable[[], None] | None = None) -> "FitLog":
+        """Rank 0's log of a ``fit()`` starting after ``step`` (``metrics.jsonl`` keeps the records
+        up to it); other ranks get an empty one. ``before_write`` runs before ``metrics.jsonl``
+        is touched (the Trainer checks that it still owns ``out_dir``)."""
+        if not is_main:
+            return cls()
+        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
+        # first, so a missing package fails before anything else is opened
+        extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
+        if before_write is not None:
+            before_write()
+        jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step) if out_dir is not None else None
+        bar = progress_bar(config.progress, total=config.max_steps, initial=step, unit="step", desc="train")
+        return cls(sinks, extra=extra, jsonl=jsonl, bar=bar)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            self.jsonl.log(record)
+        for sink in [*self.sinks, *self.extra]:
+            sink.log(record) if hasattr(sink, "log") else sink(record)
+        if self.bar is not None:
+            # postfix first: update() redraws the bar, which then shows this step's loss
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def status(self, text: str) -> None:
+        """Show ``text`` on the bar until the next record (e.g. while evaluating)."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        for sink in self.extra:
+            sink.close()

@@ -19,6 +19,10 @@ holds another run's checkpoints mixes with them: the old run's later steps would
 
 Under DDP only rank 0 does this, and every rank learns the outcome, so all of them fail together
 instead of the others hanging at their next collective.
+
+The Trainer's glue to its ``out_dir`` lives here too: :func:`start_run` (the above, then resuming),
+:func:`save_trainer_checkpoint` and what its checkpoints record (:func:`trainer_metadata`,
+:func:`restore_trainer_state`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ Data: ``train_data`` / ``val_data`` may be a 1-D token tensor or array, a token 
 directory of shards (the Trainer then reads the files whose names contain ``"train"`` /
 ``"val"``), or a :class:`gpt2.data.TokenLoader`. A loader must have been built with this run's
 ``micro_batch_size``, ``seq_len`` and the process's ``rank`` / ``world_size`` (the Trainer checks
-and says what differs; it does not rebuild a loader, because it cannot know its source).
+and says what differs; it does not rebuild a loader, because it cannot know its source; see
+:func:`gpt2.data.loader.make_loader`).
 
 Resume: with ``resume="auto"`` (or a path) the Trainer restores weights, optimizer, loss scaler,
 RNG states, the data loader's position, the step (which fixes the learning rate) and the best
@@ -27,7 +28,8 @@ always reads the same first ``eval_steps`` batches, so it consumes no state of i
 
 Run directory: one run per ``out_dir`` (a lock, released by :meth:`Trainer.close`); a fresh run
 refuses a directory holding another run unless ``overwrite=True``; ``resume="auto"`` skips
-damaged checkpoints (see :mod:`gpt2.rundir` and :mod:`gpt2.checkpoint`).
+damaged checkpoints (see :mod:`gpt2.rundir`, which also assembles what a checkpoint records,
+and :mod:`gpt2.checkpoint`).
 
 Divergence guard: a step whose loss or gradient norm is inf/nan is skipped (gradients dropped,
 weights and optimizer state untouched) and logged. ``max_bad_steps`` such steps in a row raise
@@ -44,36 +46,25 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
-from . import distributed, rundir
+from . import distributed, rundir, trainer_state
+from .checkpoint import seed_everything  # noqa: F401 - re-exported: `from gpt2.trainer import seed_everything`
 from .config import TrainConfig
-from .data import TokenLoader
+from .data.loader import make_loader
+from .metrics import METRICS_FILE, PLOT_FILE, ConsoleSink, FitLog, Sink, detect_peak_flops, mfu, progress_bar
+from .metrics import plot_loss_curve, read_jsonl
 from .model import IGNORE_INDEX
-from .metrics import (
-    ConsoleSink,
-    JSONLSink,
-    detect_peak_flops,
-    make_sinks,
-    mfu,
-    plot_loss_curve,
-    read_jsonl,
-)
 from .optim import build_optimizer, lr_at, set_lr
-from .precision import resolve_precision
+from .precision import check_master_weights, resolve_precision
 
 logger = logging.getLogger(__name__)
 
-Sink = Union[Callable[[dict], None], Any]  # a callable, or an object with log(record) [and close()]
-
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
-CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_DIR = rundir.CHECKPOINT_DIR
 
 
 class TrainingDivergedError(RuntimeError):
@@ -100,15 +91,6 @@ def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
             f"(e.g. {max(1, config.total_batch_size // per_micro_step) * per_micro_step:,}) or change the micro-batch"
         )
     return config.total_batch_size // per_micro_step
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and Python ``random``."""
-    import random
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 class Trainer:
@@ -168,8 +150,11 @@ class Trainer:
         self.train_model: nn.Module = (
             distributed.wrap_ddp(self.eval_model, self.device) if self.dist_env.is_distributed else self.eval_model
         )
-        self.train_loader = self._make_loader(train_data, "train")
-        self.val_loader = self._make_loader(val_data, "val") if val_data is not None else None
+        vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=vocab_size)
+        self.train_loader = make_loader(train_data, "train", config.micro_batch_size, config.seq_len, **loader_args)
+        self.val_loader = (make_loader(val_data, "val", config.micro_batch_size, config.seq_len, **loader_args)
+                           if val_data is not None else None)
 
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
@@ -190,17 +175,9 @@ class Trainer:
             self.device, self.precision.name, self.dist_env.world_size, self.grad_accum_steps,
             config.micro_batch_size, config.seq_len, f"{self.tokens_per_step:,}",
         )
-        # One run per out_dir: lock it, clean up interrupted saves, refuse to mix with another run.
-        self._run_lock: rundir.RunLock | None = None
-        if self.out_dir is not None:
-            self._run_lock = rundir.prepare(self.out_dir, resume=config.resume, overwrite=config.overwrite,
-                                            is_main=self.is_main)
-        if config.resume is not None:
-            try:
-                rundir.run_on_all_ranks(lambda: self._resume(config.resume))
-            except BaseException:
-                self._release_run_lock()
-                raise
+        # One run per out_dir: lock it, clean up interrupted saves, refuse to mix with another run;
+        # then resume (config.resume).
+        self._run_lock: rundir.RunLock | None = trainer_state.start_run(self)
 
     # ------------------------------------------------------------------ set-up helpers
     @property
@@ -222,47 +199,7 @@ class Trainer:
                 f"TrainConfig.seq_len={self.config.seq_len} exceeds the model's block_size={block_size}; "
                 "train on shorter sequences or build the model with a larger block_size"
             )
-        low = sorted({str(p.dtype) for p in self.model.parameters() if p.requires_grad and p.dtype != torch.float32})
-        if low:
-            raise ValueError(
-                f"trainable parameters must be float32 (master weights), found {low}; keep the model in fp32 "
-                f"and choose the compute precision with TrainConfig.precision (e.g. 'bf16')"
-            )
-
-    def _make_loader(self, data: Any, split: str) -> Any:
-        cfg, env = self.config, self.dist_env
-        # The loader checks token ids against the model's vocabulary on the CPU (the model no
-        # longer does, as that forced a GPU sync on every forward).
-        vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
-            expected = {
-                "batch_size": cfg.micro_batch_size, "seq_len": cfg.seq_len,
-                "rank": env.rank, "world_size": env.world_size,
-            }
-            wrong = [
-                f"{name}={getattr(data, name)!r} (this run needs {want!r})"
-                for name, want in expected.items() if getattr(data, name, want) != want
-            ]
-            if wrong:
-                raise ValueError(
-                    f"the {split} loader does not fit this run: {', '.join(wrong)}. Build it as "
-                    f"TokenLoader(source, {cfg.micro_batch_size}, {cfg.seq_len}, rank={env.rank}, "
-                    f"world_size={env.world_size}), or pass the tokens / path and let the Trainer build it"
-                )
-            if vocab_size is not None and isinstance(data, TokenLoader) and data.vocab_size is None:
-                data.vocab_size = vocab_size
-            return data
-        if isinstance(data, (str, os.PathLike)):
-            split_arg = split if Path(data).is_dir() else None
-            return TokenLoader(data, cfg.micro_batch_size, cfg.seq_len, rank=env.rank,
-                               world_size=env.world_size, split=split_arg, vocab_size=vocab_size)
-        if isinstance(data, (torch.Tensor, np.ndarray)):
-            return TokenLoader(data, cfg.micro_batch_size, cfg.seq_len, rank=env.rank, world_size=env.world_size,
-                               vocab_size=vocab_size)
-        raise TypeError(
-            f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
-            f"gpt2.data.TokenLoader; got {type(data).__name__}"
-        )
+        check_master_weights(self.model)
 
     # ------------------------------------------------------------------ training
     def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
@@ -277,27 +214,21 @@ class Trainer:
         if self.step >= stop:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
-        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
-        # first, so a missing package fails before anything else is opened
-        extra = make_sinks(cfg.log_to, self.out_dir, cfg.to_dict()) if self.is_main and cfg.log_to else []
-        jsonl = None
-        if self._run_lock is not None:
-            self._run_lock.ensure_held()  # before metrics.jsonl is touched
-        if self.is_main and self.out_dir is not None:
-            jsonl = JSONLSink(self.out_dir / METRICS_FILE, keep_until_step=self.step)
-        bar = self._progress_bar()
+        # metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress bar
+        log = FitLog.open(self.sinks, cfg, out_dir=self.out_dir, step=self.step, is_main=self.is_main,
+                          before_write=self._run_lock.ensure_held if self._run_lock is not None else None)
         history: list[dict[str, Any]] = []
         pending = False  # a checkpoint is due but was postponed
         try:
             while self.step < stop:
                 record = self.train_step()
                 if self._due(cfg.eval_interval) and self.val_loader is not None:
-                    if bar is not None:  # evaluation takes a while on a CPU: say so on the bar
-                        bar.set_postfix_str("evaluating ...")
+                    log.status("evaluating ...")  # evaluation takes a while on a CPU: say so on the bar
                     record["val_loss"] = self.evaluate()
                 for callback in self.callbacks:
                     callback(self, record)
-                self._emit(record, jsonl, bar, extra)
+                self.history.append(record)
+                log.emit(record)
                 history.append(record)
                 if self.consecutive_bad_steps >= cfg.max_bad_steps:
                     raise self._diverged(record)
@@ -310,12 +241,7 @@ class Trainer:
                         self.save_checkpoint()
                         pending = False
         finally:
-            if bar is not None:
-                bar.close()
-            if jsonl is not None:
-                jsonl.close()
-            for sink in extra:
-                sink.close()
+            log.close()
         if self.is_main and self.out_dir is not None and cfg.plot:
             plot_loss_curve(read_jsonl(self.out_dir / METRICS_FILE), self.out_dir / PLOT_FILE)
         return history
@@ -442,12 +368,8 @@ class Trainer:
         start = loader.state_dict() if hasattr(loader, "state_dict") else None
         sums = torch.zeros(2, device=self.device)  # [loss summed over scored tokens, scored tokens]
         batches = 0
-        bar = None
-        if self.is_main and self.config.progress:
-            from tqdm.auto import tqdm
-
-            # a second, transient bar under the training bar while validation runs
-            bar = tqdm(total=steps, desc="val", unit="batch", leave=False, dynamic_ncols=True)
+        # a second, transient bar under the training bar while validation runs
+        bar = progress_bar(self.is_main and self.config.progress, total=steps, desc="val", unit="batch", leave=False)
         try:
             while batches < steps:
                 x, y = self._to_device(*loader.next_batch())
@@ -498,82 +420,19 @@ class Trainer:
                 step=self.step, loss=math.nan, grad_norm=math.nan, last_checkpoint=self.last_checkpoint,
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
-        if self.is_main:
-            if self._run_lock is not None:
-                self._run_lock.ensure_held()
-            path = ckpt.save_checkpoint(
-                self.checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, self._checkpoint_metadata(),
-                keep_last=self.config.keep_last_checkpoints, trainable_only=self.config.save_trainable_only,
-            )
+        if self.is_main:  # once it checked it still owns out_dir; meta.json: trainer_state.trainer_metadata
+            path = trainer_state.save_trainer_checkpoint(self, self._run_lock)
         self.last_checkpoint = path
         return path
-
-    def _checkpoint_metadata(self) -> dict[str, Any]:
-        model_config = getattr(self.model, "config", None)
-        return {
-            "config": self.config.to_dict(),
-            "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
-            "data": {"train": self.train_loader.state_dict()},
-            "best_val_loss": self.best_val_loss,
-            "skipped_steps": self.skipped_steps,
-            "world_size": self.dist_env.world_size,
-            "grad_accum_steps": self.grad_accum_steps,
-            "tokens_per_step": self.tokens_per_step,
-            "precision": self.precision.name,
-            "torch_version": torch.__version__,
-        }
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore everything from a checkpoint (see :func:`gpt2.checkpoint.load_checkpoint`)."""
         meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scaler, restore_rng=True)
-        if meta.get("tokens_per_step") != self.tokens_per_step or meta.get("world_size") != self.dist_env.world_size:
-            logger.warning(
-                "checkpoint was written with %s tokens/step on %s process(es), this run uses %s on %s: "
-                "the data order (and so the losses) will differ from an uninterrupted run",
-                meta.get("tokens_per_step"), meta.get("world_size"), self.tokens_per_step, self.dist_env.world_size,
-            )
-        if not isinstance(meta.get("data"), dict) or "train" not in meta["data"]:
-            raise ValueError(f"checkpoint {meta['path']} records no data-loader position ('data' in "
-                             f"{ckpt.META_FILE}): it was not written by the Trainer, so it cannot be resumed")
-        self.train_loader.load_state_dict(meta["data"]["train"])
-        self.step = int(meta["step"])
-        self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self.best_val_loss = meta.get("best_val_loss")
-        self.consecutive_bad_steps = 0
-        self.last_checkpoint = Path(meta["path"])
+        trainer_state.restore_trainer_state(self, meta)  # data position, step, best val loss, counters
         logger.info("resumed from %s at step %d", meta["path"], self.step)
         return meta
 
-    def _resume(self, resume: str) -> None:
-        if resume == "auto":
-            # The newest *intact* checkpoint: damaged ones are skipped with a warning; if every one
-            # is damaged, the error names each file (never a silent start from scratch).
-            if self.checkpoint_dir is None or not ckpt.checkpoint_candidates(self.checkpoint_dir):
-                logger.info("resume='auto': no checkpoint in %s, starting from scratch", self.checkpoint_dir)
-                return
-            self.load_checkpoint(self.checkpoint_dir)
-        else:
-            self.load_checkpoint(resume)
-
-    # ------------------------------------------------------------------ output
-    def _progress_bar(self):
-        if not (self.is_main and self.config.progress):
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(total=self.config.max_steps, initial=self.step, unit="step", desc="train", dynamic_ncols=True)
-
-    def _emit(self, record: dict[str, Any], jsonl: JSONLSink | None, bar, extra: list[Any] = ()) -> None:
-        self.history.append(record)
-        if jsonl is not None:
-            jsonl.log(record)
-        for sink in [*self.sinks, *extra]:
-            sink.log(record) if hasattr(sink, "log") else sink(record)
-        if bar is not None:
-            # postfix first: update() redraws the bar, which then shows this step's loss
-            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-            bar.update(1)
-
+    # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:
         """Leave the process group if this Trainer created it (under torchrun); by default after
         every rank got here (see :func:`gpt2.distributed.destroy_process_group`). Then release

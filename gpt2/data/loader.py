@@ -323,3 +323,49 @@ class TokenLoader:
         )
 
 
+
+
+def make_loader(
+    data: Any,
+    split: str,
+    batch_size: int,
+    seq_len: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    vocab_size: int | None = None,
+) -> Any:
+    """The loader the Trainer reads ``split`` (``"train"`` / ``"val"``) from.
+
+    ``data`` is a 1-D token tensor or array, a token file, a directory of shards (then the files
+    whose names contain ``split`` are read), or a ready :class:`TokenLoader`. A loader must have
+    been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size`` (checked,
+    naming what differs; it is not rebuilt, since its source is not known).
+    """
+    # The loader checks token ids against the model's vocabulary on the CPU (the model no
+    # longer does, as that forced a GPU sync on every forward).
+    if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
+        expected = {"batch_size": batch_size, "seq_len": seq_len, "rank": rank, "world_size": world_size}
+        wrong = [
+            f"{name}={getattr(data, name)!r} (this run needs {want!r})"
+            for name, want in expected.items() if getattr(data, name, want) != want
+        ]
+        if wrong:
+            raise ValueError(
+                f"the {split} loader does not fit this run: {', '.join(wrong)}. Build it as "
+                f"TokenLoader(source, {batch_size}, {seq_len}, rank={rank}, "
+                f"world_size={world_size}), or pass the tokens / path and let the Trainer build it"
+            )
+        if vocab_size is not None and isinstance(data, TokenLoader) and data.vocab_size is None:
+            data.vocab_size = vocab_size
+        return data
+    if isinstance(data, (str, os.PathLike)):
+        split_arg = split if Path(data).is_dir() else None
+        return TokenLoader(data, batch_size, seq_len, rank=rank, world_size=world_size, split=split_arg,
+                           vocab_size=vocab_size)
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        return TokenLoader(data, batch_size, seq_len, rank=rank, world_size=world_size, vocab_size=vocab_size)
+    raise TypeError(
+        f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
+        f"gpt2.data.TokenLoader; got {type(data).__name__}"
+    )
