@@ -212,7 +212,8 @@ def run_command(name: str, argv: Sequence[str] | None = None, *, prog: str | Non
         if print_config:
             sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
             return 0
-        nproc = getattr(options, "nproc_per_node", 1)
+        launch = getattr(options, "launch", None)  # train and finetune can start their own workers
+        nproc = launch.nproc_per_node if launch is not None else 1
         if nproc < 1:
             raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
         if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
@@ -250,7 +251,7 @@ def _launch(cmd: Command, options: Any, nproc: int, prog: str) -> int:
     from ..launch import launch_workers
 
     check_options(cmd.name, options)
-    single = dataclasses.replace(options, nproc_per_node=1)
+    single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
     return launch_workers(cmd.name, dump_yaml(single, f"# {prog}: options of the launcher\n"), nproc, prog)
 
 

@@ -24,7 +24,7 @@ from .options import FinetuneOptions
 def check(options: FinetuneOptions) -> None:
     """What can be checked before the model is loaded or any process started."""
     check_sampling(options.sampling, allow_none=True)
-    instruction_prompt(options.instruction, options.input)
+    instruction_prompt(options.instruct.instruction, options.instruct.input)
     if options.lora.include_lm_head and options.merge_export and not options.full:
         # Merging LoRA on the tied head unties it (head W + BA, embedding W), but GPT-2's
         # transformers format always ties the two: the export could not hold the merged model.
@@ -49,7 +49,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     if config.seq_len > model.config.block_size:
         raise UsageError(f"--seq-len {config.seq_len} exceeds the model's context (block_size "
                          f"{model.config.block_size})")
-    prompt = instruction_prompt(options.instruction, options.input)
+    prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     if is_instruction_data(options.data.data):
         train_data, val, first_row = _instruction_data(options, config)
         prompt = prompt or instruction_prompt(*first_row)  # samples answer the first held-out row

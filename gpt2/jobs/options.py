@@ -54,6 +54,22 @@ class SamplingOptions:
 
 
 @dataclass
+class InstructionOptions:
+    instruction: str | None = None
+    """sample the response to this instruction: the prompt is the instruction template of docs/lora.md
+    (gpt2.instruct.TEMPLATE) and only the response is printed"""
+    input: str | None = None
+    """the optional input of --instruction (the template's '### Input:' part)"""
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int = 1
+    """start this many processes on this machine (one per GPU; gloo on CPU), like torchrun --standalone
+    --nproc-per-node N; Ctrl-C stops them all with one line"""
+
+
+@dataclass
 class ModelShape:
     model: ShapeName = "mini"
     """model shape: a GPT-2 preset (gpt2 = 124M), mini (4 layers x 128) or tiny (2 x 32)"""
@@ -88,9 +104,7 @@ class TrainOptions:
     """HellaSwag every N steps (and at the end); 0 = only at the end"""
     hellaswag_limit: int | None = None
     """score only the first N HellaSwag examples"""
-    nproc_per_node: int = 1
-    """start this many processes on this machine (one per GPU; gloo on CPU), like torchrun --standalone
-    --nproc-per-node N; Ctrl-C stops them all with one line"""
+    launch: Annotated[LaunchOptions, Flat] = field(default_factory=LaunchOptions)
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
 
 
@@ -117,14 +131,8 @@ class FinetuneOptions:
     pack: bool = False
     """instruction data (.jsonl): pack several rows into each sequence (a row attends to the rows before it);
     default: one row per sequence, padded"""
-    instruction: str | None = None
-    """sample the response to this instruction: the prompt is the instruction template of docs/lora.md
-    (gpt2.instruct.TEMPLATE) and only the response is printed"""
-    input: str | None = None
-    """the optional input of --instruction (the template's '### Input:' part)"""
-    nproc_per_node: int = 1
-    """start this many processes on this machine (one per GPU; gloo on CPU), like torchrun --standalone
-    --nproc-per-node N; Ctrl-C stops them all with one line"""
+    instruct: Annotated[InstructionOptions, Flat] = field(default_factory=InstructionOptions)
+    launch: Annotated[LaunchOptions, Flat] = field(default_factory=LaunchOptions)
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
 
 
@@ -138,11 +146,7 @@ class SampleOptions:
     adapter: str | None = None
     """a LoRA adapter to add: the `adapter` directory `gpt2 finetune` writes, or a PEFT adapter directory"""
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
-    instruction: str | None = None
-    """sample the response to this instruction: the prompt is the instruction template of docs/lora.md
-    (gpt2.instruct.TEMPLATE) and only the response is printed"""
-    input: str | None = None
-    """the optional input of --instruction (the template's '### Input:' part)"""
+    instruct: Annotated[InstructionOptions, Flat] = field(default_factory=InstructionOptions)
     seed: int | None = None
     """seed of the sampler, for reproducible samples; None = random"""
     device: str = "auto"

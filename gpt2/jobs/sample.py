@@ -14,7 +14,7 @@ from .options import SampleOptions
 
 def sample(options: SampleOptions) -> int:
     check_sampling(options.sampling)
-    prompt = instruction_prompt(options.instruction, options.input)  # only the response is printed
+    prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)  # only the response is printed
     device = resolve_device(options.device)
     model = load_model(options.model, device=device)
     if options.adapter:
