@@ -1,0 +1,92 @@
+"""What ``--data`` means: ``shakespeare``, a text file, a token file or a shard directory, turned
+into the ``(train, val)`` sources a :class:`~gpt2.data.TokenLoader` reads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .downloads import tiny_shakespeare_path
+from .formats import TOKEN_SUFFIXES, load_tokens, read_text
+
+
+def shakespeare_or_path(data: str) -> Path:
+    """``shakespeare`` -> the Tiny Shakespeare text (downloaded once, or $GPT2_TINY_SHAKESPEARE);
+    anything else must be an existing path."""
+    if data == "shakespeare":
+        return tiny_shakespeare_path()
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"data {data!r} does not exist; give a text file, a token file (.npy/.bin), a directory "
+            f"of token shards (gpt2 prepare writes them) or 'shakespeare'"
+        )
+    return path
+
+
+def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
+    """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
+    (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
+    if tokenizer is None:
+        from ..tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    text = read_text(path)  # not UTF-8: an error with the file and byte offset
+    ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def is_text(data: str) -> bool:
+    """Whether ``--data`` names text to tokenise (not a token file or shard directory)."""
+    if data == "shakespeare":
+        return True
+    path = Path(data).expanduser()
+    return path.is_file() and path.suffix.lower() not in TOKEN_SUFFIXES
+
+
+def load_token_source(data: str) -> Any:
+    """``data`` as something :class:`gpt2.data.TokenLoader` reads: a shard directory or token
+    file as is, a text file (or ``shakespeare``) tokenised into an array."""
+    path = shakespeare_or_path(data)
+    if path.is_dir():
+        return path
+    if path.suffix.lower() in TOKEN_SUFFIXES:
+        return np.asarray(load_tokens(path))
+    return text_tokens(path)
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The first ``1 - val_fraction`` of the tokens for training, the rest for validation (the
+    end of the text, as nanoGPT's prepare.py does, so no passage is in both)."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if val_fraction == 0:
+        return tokens, None
+    n_val = int(round(len(tokens) * val_fraction))
+    if n_val < 2 or n_val >= len(tokens) - 1:
+        raise ValueError(f"{what} has {len(tokens)} tokens, too few to split with --val-fraction {val_fraction}")
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+
+
+def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple[Any, Any]:
+    """``(train, val)`` sources for the Trainer from the ``--data`` / ``--val-data`` options.
+
+    A shard directory gives its ``train`` shards and, unless ``val_data`` is given, its ``val``
+    shards (when it has any). A text or token file is split by ``val_fraction`` unless
+    ``val_data`` is given.
+    """
+    source = load_token_source(data)
+    if isinstance(source, Path):  # a directory of shards
+        val: Any = None
+        if val_data is not None:
+            val = load_token_source(val_data)
+        elif any("val" in p.name for p in source.iterdir() if p.suffix in TOKEN_SUFFIXES):
+            val = source
+        return source, val
+    if val_data is not None:
+        return source, load_token_source(val_data)
+    return split_tokens(source, val_fraction, data)
+
