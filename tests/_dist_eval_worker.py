@@ -31,7 +31,8 @@ def main(out_dir: str) -> dict:
     tokens = torch.randint(0, 128, (2048 + VAL_BATCHES * B * T + 1,), generator=torch.Generator().manual_seed(1))
     train, val = tokens[:2048], tokens[2048:]
     config = TrainConfig(micro_batch_size=B, seq_len=T, total_batch_size=B * T * int(os.environ.get("WORLD_SIZE", "1")),
-                         max_steps=1, eval_interval=0, progress=False, device="cpu", precision="fp32", plot=False)
+                         max_steps=1, eval_interval=0, progress=False, device="cpu", precision="fp32", plot=False,
+                         out_dir=None)
     no_samples = SamplingOptions(num_samples=0)
     with Trainer(model, config, train, val, sinks=[]) as trainer:
         forwards = []

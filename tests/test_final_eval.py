@@ -63,7 +63,7 @@ def test_trainer_evaluate_does_not_wrap_a_short_val_set(caplog):
     wrapped = (4 * losses[0] + 3 * losses[1] + 3 * losses[2]) / 10  # 10 steps wrapping around
     assert len(losses) == 3 and wrapped != pytest.approx(expected, rel=1e-4)  # the test can tell
     config = TrainConfig(micro_batch_size=B, seq_len=T, max_steps=1, eval_steps=10, eval_interval=0,
-                         progress=False, device="cpu", precision="fp32", plot=False)
+                         progress=False, device="cpu", precision="fp32", plot=False, out_dir=None)
     with Trainer(model, config, _tokens(1024), val, sinks=[]) as trainer, caplog.at_level(logging.WARNING):
         first = trainer.evaluate()
         second = trainer.evaluate(steps=7)
