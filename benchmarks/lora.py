@@ -50,14 +50,14 @@ class BenchResult:
 
 
 def model_config(name: str, seq_len: int):
-    """``gpt2``: the 124M shape (vocabulary padded to 50304); ``tiny``: 4 layers, 256 wide, same vocabulary."""
-    from gpt2.config import GPTConfig
+    """One of the library's named shapes (``gpt2`` = 124M, ``mini``, ``tiny``, ...; ``gpt2.config.SHAPES``)
+    with GPT-2's vocabulary padded to 50304."""
+    from gpt2.config import SHAPES, GPTConfig
 
-    if name == "gpt2":
-        return GPTConfig.from_name("gpt2", block_size=max(1024, seq_len), pad_vocab_multiple=64)
-    if name == "tiny":
-        return GPTConfig(block_size=max(256, seq_len), n_layer=4, n_head=4, n_embd=256, pad_vocab_multiple=64)
-    raise ValueError(f"unknown benchmark model {name!r}; use 'gpt2' (124M shape) or 'tiny'")
+    if name not in SHAPES:
+        raise ValueError(f"unknown benchmark model {name!r}; use one of {', '.join(SHAPES)}")
+    return GPTConfig(block_size=max(1024 if name.startswith("gpt2") else 256, seq_len), pad_vocab_multiple=64,
+                     **SHAPES[name])
 
 
 def build_lora_model(impl: str, config, *, rank: int, alpha: float, targets: Sequence[str], dropout: float,

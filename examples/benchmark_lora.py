@@ -1,6 +1,6 @@
 """Benchmark a LoRA fine-tuning step: minlora (fast path and plain parametrization) vs PEFT.
 
-    python examples/benchmark_lora.py --model tiny --device cpu --steps 5
+    python examples/benchmark_lora.py --model mini --device cpu --steps 5
     python examples/benchmark_lora.py --model gpt2 --batch-size 8 --seq-len 1024 --precision bf16 --compile
 
 All implementations adapt the same randomly initialised gpt2.GPT (124M shape with --model gpt2)
@@ -22,11 +22,12 @@ import torch
 # The benchmark code lives in benchmarks/lora.py at the repository root (not an installed package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.lora import IMPLEMENTATIONS, PRECISIONS, format_results, run_lora_benchmark  # noqa: E402
+from gpt2.config import SHAPES  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("tiny", "gpt2"), default="tiny")
+    parser.add_argument("--model", choices=tuple(SHAPES), default="mini", help="a named model shape (gpt2 = 124M)")
     parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
