@@ -122,8 +122,8 @@ def parse(cmd: Command, argv: Sequence[str], *, prog: str, defaults: dict[str, A
     explicit |= {a.split("=")[0] for a in rest if a.startswith("--")}
     header = (description or cmd.options.__doc__ or cmd.summary).strip()
     header += ("\n\nValues: the defaults below (those of recipe {!r}) < --config FILE.yaml < flags. "
-               "--recipe NAME|FILE picks another recipe ({}); --print-config prints the resolved options as YAML."
-               ).format(recipe, ", ".join(recipe_names()))
+               "--recipe NAME|FILE picks another recipe (packaged: {}; NAME-cpu / NAME-gpu pick a device's file); --print-config prints the resolved options as YAML."
+               ).format(recipe, ", ".join(recipe_names(cmd.options)))
     with validation_off(cmd.options):
         parsed = tyro.cli(cmd.options, args=rest, default=build(cmd.options, values), prog=prog, description=header)
     flat = to_flat(parsed)

@@ -229,11 +229,19 @@ def dump_yaml(options: Any, header: str) -> str:
 
 
 # --------------------------------------------------------------------------- recipes
-def recipe_names() -> list[str]:
-    """The packaged recipes; ``name`` stands for ``name-cpu`` / ``name-gpu`` where both exist."""
-    stems = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+def recipe_names(cls: type | None = None) -> list[str]:
+    """The packaged recipes (those whose keys are all options of ``cls``, when given); ``name``
+    stands for ``name-cpu`` / ``name-gpu`` where both exist."""
+    stems = []
+    for path in sorted(RECIPE_DIR.glob("*.yaml")):
+        if cls is not None:
+            try:
+                read_yaml(path, cls, "recipe")
+            except ConfigError:
+                continue  # a recipe of another command
+        stems.append(path.stem)
     paired = {s.rsplit("-", 1)[0] for s in stems if s.endswith(("-cpu", "-gpu"))}
-    return sorted(set(stems) | paired)
+    return sorted((set(stems) - {f"{p}-{d}" for p in paired for d in ("cpu", "gpu")}) | paired)
 
 
 RENAMED = {"gpt2-124m": "gpt2-124m-fineweb"}  # earlier names (CHANGELOG.md)
