@@ -12,15 +12,6 @@ from gpt2.precision import default_precision, resolve_precision
 from gpt2.trainer import Trainer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models are dominated by per-op overhead; a second thread only adds contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_policies_on_cpu():
     assert default_precision("cpu") == "fp32"
     assert resolve_precision("auto", "cpu").name == "fp32"
