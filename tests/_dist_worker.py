@@ -90,8 +90,10 @@ def final_eval(out_dir: str) -> dict:
     tokens = torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(1))
     train_tokens, val = tokens[:2048], tokens[2048:]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # out_dir: final_report writes results.json there (rank 0); not the default ./out
     config = TrainConfig(micro_batch_size=EVAL_B, seq_len=EVAL_T, total_batch_size=EVAL_B * EVAL_T * world_size,
-                         max_steps=1, eval_interval=0, progress=False, device="cpu", precision="fp32", plot=False)
+                         max_steps=1, eval_interval=0, progress=False, device="cpu", precision="fp32", plot=False,
+                         out_dir=str(Path(out_dir) / "run"))
     no_samples = SamplingOptions(num_samples=0)
     with Trainer(model, config, train_tokens, val, sinks=[]) as trainer:
         forwards = []
