@@ -127,6 +127,7 @@ def test_every_example_has_help(name, capsys, monkeypatch):
 
 
 # --------------------------------------------------------------------------- pretraining
+@pytest.mark.slow
 def test_pretrain_interrupted_with_ctrl_c(tmp_path):
     """Ctrl-C (SIGINT) stops the run with one line and exit code 130, its checkpoints intact."""
     out = tmp_path / "run"
