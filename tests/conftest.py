@@ -66,12 +66,18 @@ def tiny_config():
     return GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
 
 
+@pytest.fixture
+def all_threads():
+    """For the few tests on 124M shapes: every intra-op thread (see _one_thread)."""
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(request):
-    """Tiny models: a second intra-op thread costs more in synchronisation than it saves (and far
-    more when other processes share the cores); tests marked slow (124M shapes) keep them all."""
+    """Tiny models: a second intra-op thread costs more in synchronisation than it saves, and far
+    more when other processes share the cores (a parallel region waits for a descheduled
+    thread). Only tests that ask for `all_threads` (124M shapes) keep them all."""
     threads = torch.get_num_threads()
-    if request.node.get_closest_marker("slow") is None:
+    if "all_threads" not in request.fixturenames:
         torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)

@@ -457,7 +457,7 @@ def test_hub_snapshot_is_loaded_with_bin_fallback(tmp_path, monkeypatch, hf_mode
 
 # ---------------------------------------------------------------------------- 124M
 @pytest.mark.slow
-def test_full_124m_shape_parity(tmp_path):
+def test_full_124m_shape_parity(tmp_path, all_threads):
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config()).eval()  # the gpt2 (124M) shape, random weights
     with torch.no_grad():  # non-trivial biases and LayerNorms, cheaply (only the small tensors)

@@ -547,7 +547,7 @@ def test_top_level_exports_cover_minlora():
 
 
 @pytest.mark.slow
-def test_gpt2_124m_shape_merge_parity():
+def test_gpt2_124m_shape_merge_parity(all_threads):
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name("gpt2", pad_vocab_multiple=64)).eval()
     x = torch.randint(0, 50257, (1, 32))
