@@ -134,7 +134,8 @@ def test_pretrain_interrupted_with_ctrl_c(tmp_path):
     args = [*TINY, "--eval-interval", "0", "--num-samples", "0", "--checkpoint-interval", "2",
             "--keep-last-checkpoints", "0", "--out-dir", out, "--no-plot", "--max-steps", "1000"]
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "pretrain_shakespeare.py"), *map(str, args)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.time() + 240
         while not (out / "checkpoints" / "step_000002").is_dir():

@@ -24,7 +24,8 @@ _POINTERS = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", "GPT2_TINY_SHAKESPEARE"
 
 def clean_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _POINTERS}
-    env.update(HOME=str(home), TMPDIR=str(home / "tmp"), PYTHONPATH=str(REPO))
+    # One intra-op thread: tiny models, and the cores may be shared (not a pointer to any data).
+    env.update(HOME=str(home), TMPDIR=str(home / "tmp"), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     return env
 
