@@ -35,6 +35,7 @@ import torch
 
 from gpt2 import GPT, GPTConfig
 from gpt2.config import TrainConfig
+from gpt2.distributed import destroy_process_group
 from gpt2.trainer import Trainer
 
 
@@ -191,4 +192,6 @@ if __name__ == "__main__":
         if holder is not None:
             holder.kill()
             holder.join()
-        torch.distributed.destroy_process_group()
+        # With a barrier first: a rank tearing gloo down while the other still talks to it can
+        # abort ("terminate called without an active exception"); see gpt2.distributed.
+        destroy_process_group(wait_for_all=True)
