@@ -436,6 +436,7 @@ def test_peak_flops_lookup_tells_similar_names_apart():
 # ------------------------------------------------------------------------------ compile
 
 
+@pytest.mark.slow
 def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp_path, monkeypatch):
     # The Trainer compiles with the default (inductor) backend, whose C++ code generation takes
     # about a minute on a small CPU and is PyTorch's to test. "aot_eager" keeps what the Trainer
