@@ -1,28 +1,55 @@
-"""Worker for tests/test_distributed.py: trains a tiny GPT with the Trainer and reports rank 0's run.
+"""The library-level DDP tests' jobs, all run in ONE torchrun launch per test session.
 
-Launched as ``python -m torch.distributed.run --nproc_per_node 2 --standalone tests/_dist_worker.py OUT``
-(two gloo processes on CPU) or called in-process through :func:`main` (one process). Both use the
-same global batch of 128 tokens per step: 2 sequences x 16 tokens x 4 micro-steps on one process,
-or x 2 micro-steps x 2 processes.
+Starting torchrun costs three Python interpreters importing torch plus a gloo rendezvous: more
+than the jobs themselves at these sizes. So the ``dist_reports`` fixture in conftest.py launches
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/_dist_worker.py OUT
+
+once; each job writes ``OUT/<job>/report_rank<r>.json`` (or the error it raised, so a failing
+job fails only its own test). The tests call the same job functions in-process for the
+one-process reference:
+
+- ``train``: a tiny GPT trained by the Trainer (tests/test_distributed.py); the same global batch
+  of 128 tokens per step either way: 2 sequences x 16 tokens x 4 micro-steps on one process, or
+  x 2 micro-steps x 2 processes.
+- ``final_eval``: the final validation report, split across ranks (tests/test_final_eval.py).
+- ``lora``: a LoRA GPT trained by the Trainer, its adapter saved (tests/test_minlora_train.py).
+- ``locked``: out_dir locked by another process: every rank must raise, none may wait for rank
+  0 forever (tests/test_run_lock.py).
+
+The worker creates the process group itself, so the Trainers join it instead of creating and
+destroying one each.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from gpt2 import GPT, GPTConfig
 from gpt2.config import TrainConfig
+from gpt2.distributed import destroy_process_group
 from gpt2.trainer import Trainer
 
+
+def _write(out_dir: str, report: dict) -> dict:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
+    return report
+
+
+# --------------------------------------------------------------------------- train
 MICRO_BATCH, SEQ_LEN, TOTAL_BATCH, MAX_STEPS = 2, 16, 128, 4
 
 
-def main(out_dir: str) -> dict:
+def train(out_dir: str) -> dict:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = GPT(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32))
     tokens = torch.randint(0, 128, (4096,), generator=torch.Generator().manual_seed(1))
@@ -44,10 +71,127 @@ def main(out_dir: str) -> dict:
             "val_losses": [r.get("val_loss") for r in history],
         }
     # Every rank writes its own report (the Trainer itself writes only on rank 0).
-    Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
-    return report
+    return _write(out_dir, report)
+
+
+# --------------------------------------------------------------------------- final_eval
+EVAL_B, EVAL_T = 2, 16
+VAL_BATCHES = 5  # odd: under 2 ranks one scores 3 batches and the other 2
+
+
+def final_eval(out_dir: str) -> dict:
+    """No training: the same weights on every rank, so the final report must give the
+    one-process loss whatever the number of ranks."""
+    from gpt2.jobs.common import final_report
+    from gpt2.jobs.options import SamplingOptions
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32))
+    n = 2048 + VAL_BATCHES * EVAL_B * EVAL_T + 1
+    tokens = torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(1))
+    train_tokens, val = tokens[:2048], tokens[2048:]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # out_dir: final_report writes results.json there (rank 0); not the default ./out
+    config = TrainConfig(micro_batch_size=EVAL_B, seq_len=EVAL_T, total_batch_size=EVAL_B * EVAL_T * world_size,
+                         max_steps=1, eval_interval=0, progress=False, device="cpu", precision="fp32", plot=False,
+                         out_dir=str(Path(out_dir) / "run"))
+    no_samples = SamplingOptions(num_samples=0)
+    with Trainer(model, config, train_tokens, val, sinks=[]) as trainer:
+        forwards = []
+        hook = trainer.model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+        full = final_report(trainer, val, no_samples, final_eval_batches=None)
+        hook.remove()
+        report = {
+            "rank": trainer.dist_env.rank,
+            "full": full,
+            "full_forwards": len(forwards),  # the batches this rank scored
+            "capped": final_report(trainer, val, no_samples, final_eval_batches=3),
+            # Trainer.evaluate on a val set shorter than steps: every rank stops at the same batch
+            "evaluate": trainer.evaluate(steps=50),
+        }
+    return _write(out_dir, report)
+
+
+# --------------------------------------------------------------------------- lora
+def lora(out_dir: str) -> dict:
+    """Train a LoRA GPT with the Trainer and save its adapter. Same global batch either way:
+    128 tokens per step = 2 sequences x 16 tokens x 4 micro-steps on one process, or x 2
+    micro-steps x 2 processes."""
+    from minlora.adapters import save_adapter
+    from minlora.config import LoRAConfig
+    from minlora.model import add_lora
+    from minlora.utils import mark_only_lora_as_trainable
+
+    torch.manual_seed(0)  # same base weights and initial LoRA factors on every rank
+    model = GPT(GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=4, n_embd=32))
+    add_lora(model, LoRAConfig(rank=4, alpha=8, include_lm_head=True))
+    mark_only_lora_as_trainable(model)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    config = TrainConfig(micro_batch_size=2, seq_len=16, total_batch_size=128, max_steps=3, max_lr=1e-2,
+                         precision="fp32", device="cpu", out_dir=None, eval_interval=0, progress=False)
+    cyclic = torch.arange(4096) % 24  # a sequence a LoRA learns in a few steps
+    with Trainer(model, config, cyclic) as trainer:
+        losses = [r["loss"] for r in trainer.fit()]
+        rank = trainer.dist_env.rank
+    save_adapter(model, Path(out_dir) / f"rank{rank}")
+    frozen_ok = all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+    return _write(out_dir, {"rank": rank, "losses": losses, "frozen_ok": frozen_ok})
+
+
+# --------------------------------------------------------------------------- locked
+def _hold_lock(out_dir: str, ready) -> None:
+    from gpt2 import rundir
+
+    rundir.RunLock(out_dir).acquire()
+    ready.set()
+    time.sleep(300)
+
+
+def locked(out_dir: str) -> dict:
+    """out_dir is held by another process (see __main__): rank 0 finds it locked, and rank 1
+    must raise too instead of waiting for rank 0 forever."""
+    from gpt2.rundir import RunDirLockedError
+
+    rank = int(os.environ.get("RANK", "0"))
+    cfg = TrainConfig(micro_batch_size=2, seq_len=16, max_steps=2, out_dir=out_dir, progress=False, plot=False,
+                      device="cpu", precision="fp32")
+    try:
+        Trainer(GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)), cfg,
+                torch.zeros(1024, dtype=torch.long), sinks=[])
+        refused = None
+    except RunDirLockedError as e:
+        refused = str(e)
+    return _write(str(Path(out_dir).parent), {"rank": rank, "refused": refused})
+
+
+JOBS = {"train": train, "final_eval": final_eval, "lora": lora, "locked": locked}
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # two processes on a small CPU: do not oversubscribe it
-    main(sys.argv[1])
+    out = Path(sys.argv[1])
+    holder = None
+    if os.environ.get("RANK") == "0":
+        # Another process holds the "locked" job's out_dir, from before the group exists (forked:
+        # no interpreter start-up). The barrier of init_process_group orders it before rank 1.
+        ready = mp.get_context("fork").Event()
+        holder = mp.get_context("fork").Process(target=_hold_lock, args=(str(out / "locked" / "run"), ready),
+                                                daemon=True)
+        holder.start()
+        assert ready.wait(60), "the lock holder did not start"
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    try:
+        for name, job in JOBS.items():
+            target = out / name / "run" if name == "locked" else out / name
+            try:
+                job(str(target))
+            except BaseException:
+                _write(str(out / name), {"rank": rank, "error": traceback.format_exc()})
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.join()
+        # With a barrier first: a rank tearing gloo down while the other still talks to it can
+        # abort ("terminate called without an active exception"); see gpt2.distributed.
+        destroy_process_group(wait_for_all=True)

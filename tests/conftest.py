@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,30 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session")
+def shakespeare_slice(tmp_path_factory) -> Path | None:
+    """The first 64 KB of Tiny Shakespeare (~16k tokens, a 17th of the file): plenty for the few
+    steps of the CLI and example runs, and a 17th of the tokenising per run."""
+    full = os.environ.get("GPT2_TINY_SHAKESPEARE")
+    if not full or not Path(full).is_file():
+        return None
+    path = tmp_path_factory.mktemp("shakespeare") / "tinyshakespeare.txt"
+    path.write_text(Path(full).read_text(encoding="utf-8")[:65536], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_shakespeare(shakespeare_slice):
+    """Point $GPT2_TINY_SHAKESPEARE (the `shakespeare` data source) at the slice for one test
+    module (not globally: tests/test_data.py checks the real file)."""
+    if shakespeare_slice is None:
+        yield None
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GPT2_TINY_SHAKESPEARE", str(shakespeare_slice))
+        yield shakespeare_slice
+
+
 @pytest.fixture
 def tiny_config():
     """A 2-layer, 32-wide GPT over a 128-token vocabulary: fast on a 2-core CPU."""
@@ -38,12 +66,18 @@ def tiny_config():
     return GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
 
 
+@pytest.fixture
+def all_threads():
+    """For the few tests on 124M shapes: every intra-op thread (see _one_thread)."""
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(request):
-    """Tiny models: a second intra-op thread costs more in synchronisation than it saves (and far
-    more when other processes share the cores); tests marked slow (124M shapes) keep them all."""
+    """Tiny models: a second intra-op thread costs more in synchronisation than it saves, and far
+    more when other processes share the cores (a parallel region waits for a descheduled
+    thread). Only tests that ask for `all_threads` (124M shapes) keep them all."""
     threads = torch.get_num_threads()
-    if request.node.get_closest_marker("slow") is None:
+    if "all_threads" not in request.fixturenames:
         torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
@@ -52,3 +86,39 @@ def _one_thread(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# --------------------------------------------------------------------------- one torchrun launch
+class DistRun:
+    """The reports of tests/_dist_worker.py's jobs from one 2-process torchrun launch."""
+
+    def __init__(self, out: Path, proc):
+        self.out, self.proc = out, proc
+
+    def reports(self, job: str) -> list[dict]:
+        assert self.proc.returncode == 0, f"torchrun failed:\n{self.proc.stdout[-3000:]}\n{self.proc.stderr[-3000:]}"
+        reports = [json.loads((self.out / job / f"report_rank{r}.json").read_text()) for r in (0, 1)]
+        for report in reports:
+            assert "error" not in report, f"job {job!r} failed on rank {report['rank']}:\n{report['error']}"
+        return reports
+
+
+@pytest.fixture(scope="session")
+def dist_run(tmp_path_factory) -> DistRun:
+    """All library-level DDP jobs (tests/_dist_worker.py) in ONE torchrun launch of 2 gloo
+    processes: interpreter start-up and rendezvous cost more than the jobs themselves."""
+    out = tmp_path_factory.mktemp("dist")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(Path(__file__).parent / "_dist_worker.py"), str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return DistRun(out, proc)
+
+
+def dist_job(name: str, out_dir: Path) -> dict:
+    """Run one of tests/_dist_worker.py's jobs in this process (the one-process reference)."""
+    spec = importlib.util.spec_from_file_location("_dist_worker", Path(__file__).parent / "_dist_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker.JOBS[name](str(out_dir))

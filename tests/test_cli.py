@@ -2,12 +2,13 @@
 option precedence, --resume auto, and clear errors (exit code 2, no traceback) for bad input.
 
 Most tests call ``gpt2.cli.main`` in-process (no interpreter start-up per call); one runs the
-real ``python -m gpt2`` entry point. The example scripts themselves run as subprocesses in
-tests/test_examples.py.
+installed ``gpt2`` entry point. The example scripts themselves run in tests/test_examples.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -51,28 +52,51 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def recipe(name: str, on_cuda: bool) -> dict:
+    """The values a recipe file sets (what the tests compare with, instead of copying them)."""
+    import yaml
+
+    from gpt2.cli.layers import recipe_path
+
+    return yaml.safe_load(recipe_path(name, on_cuda).read_text())
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _small_shakespeare(small_shakespeare):
+    """`--data shakespeare` reads a 64 KB slice here: the runs are a few steps long."""
+
+
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
-    """A 4-step tiny run of `gpt2 train` on Tiny Shakespeare, shared by the tests below."""
+def trained_run(tmp_path_factory) -> tuple[Path, str]:
+    """A 4-step tiny run of `gpt2 train` on Tiny Shakespeare with HellaSwag every 2 steps, and
+    its console output; shared by the tests below."""
     if not os.environ.get("GPT2_TINY_SHAKESPEARE"):
         pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
     out = tmp_path_factory.mktemp("run") / "shakespeare"
-    code = main(["train", *TINY_TRAIN, "--max-steps", "4", "--checkpoint-interval", "2", "--out-dir", str(out)])
+    hellaswag = write_hellaswag(out.parent / "hellaswag_val.jsonl")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["train", *TINY_TRAIN, "--max-steps", "4", "--checkpoint-interval", "2", "--out-dir", str(out),
+                     "--hellaswag", str(hellaswag), "--hellaswag-interval", "2"])
     assert code == 0
-    return out
+    return out, stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def trained(trained_run) -> Path:
+    return trained_run[0]
 
 
 # --------------------------------------------------------------------------- help and errors
 def test_top_level_help_and_unknown_command(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
-    for name in ("train", "finetune", "sample", "prepare", "eval", "export", "bench"):
+    for name in COMMANDS:
         assert f"  {name} " in out
-    assert set(COMMANDS) == {"train", "finetune", "sample", "prepare", "eval", "export", "bench"}
     code, _, err = run(capsys, "frobnicate")
     assert code == 2 and "unknown command 'frobnicate'" in err
     assert run(capsys)[0] == 2  # no command: help on stdout, usage error
@@ -95,8 +119,9 @@ def test_help_comes_from_the_dataclasses(capsys):
     text = " ".join(out.replace("│", " ").split())
     for f in dataclasses.fields(TrainConfig):
         assert "--" + f.name.replace("_", "-") in text, f.name
-    assert "peak learning rate" in text.lower() or "GPT-3 small's peak learning rate" in text
-    assert "(default: 0.002)" in text  # the CPU recipe's max_lr, not TrainConfig's 6e-4
+    # the default shown is the CPU recipe's, not TrainConfig's
+    recipe_lr = float(recipe("shakespeare", on_cuda=False)["max_lr"])
+    assert recipe_lr != TrainConfig().max_lr and f"(default: {recipe_lr:g})" in text
     _, out, _ = run(capsys, "finetune", "--help", "--device", "cpu")
     assert "--lora.rank" in out and "--lora.alpha" in out
 
@@ -193,17 +218,17 @@ def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "short" / "metrics.jsonl")] == [1, 2]
 
 
-def test_missing_files_are_clear_errors(capsys, tmp_path, trained_run):
+def test_missing_files_are_clear_errors(capsys, tmp_path, trained):
     missing = tmp_path / "missing"
     cases = [
         (["train", *TINY_TRAIN, "--data", missing / "text.txt"], "does not exist"),
         (["finetune", "--init", missing], "neither an existing directory"),
         (["sample", "--model", missing], "neither an existing directory"),
-        (["sample", "--model", trained_run, "--adapter", missing], "adapter"),
-        (["eval", "--model", trained_run, "--data", missing / "val.bin"], "does not exist"),
-        (["eval", "--model", trained_run, "--hellaswag", missing / "hs.jsonl"], "does not exist"),
-        (["export", "--model", trained_run], "nothing to export"),
-        (["finetune", "--init", trained_run, "--lora-head", "--merge-export", tmp_path / "merged"], "ties the LM head"),
+        (["sample", "--model", trained, "--adapter", missing], "adapter"),
+        (["eval", "--model", trained, "--data", missing / "val.bin"], "does not exist"),
+        (["eval", "--model", trained, "--hellaswag", missing / "hs.jsonl"], "does not exist"),
+        (["export", "--model", trained], "nothing to export"),
+        (["finetune", "--init", trained, "--lora-head", "--merge-export", tmp_path / "merged"], "ties the LM head"),
         (["train", "--config", missing / "cfg.yaml"], "config file"),
         (["prepare", "--input", missing / "a.txt", "--out-dir", tmp_path / "shards"], "does not exist"),
     ]
@@ -213,23 +238,18 @@ def test_missing_files_are_clear_errors(capsys, tmp_path, trained_run):
         assert message in err and "Traceback" not in err, (argv, err)
 
 
-def test_python_m_gpt2_entry_point(tmp_path):
-    """The real entry point: exit codes and no traceback on a bad value."""
-    result = subprocess.run([sys.executable, "-m", "gpt2", "eval", "--model", str(tmp_path / "nope"), "--data", "x"],
+def test_installed_entry_point(tmp_path):
+    """The real entry point, started once: the console script declared in pyproject.toml, the one
+    installed beside this interpreter (not whatever `gpt2` comes first on PATH: the venv may not
+    be activated); `python -m gpt2` where it is not installed (the dist tests start that one too).
+    Exit code 2 and no traceback on a bad value."""
+    bindir = Path(sys.executable).parent
+    script = next((p for p in (bindir / "gpt2", bindir / "gpt2.exe") if p.is_file()), None)
+    launcher = [str(script)] if script is not None else [sys.executable, "-m", "gpt2"]
+    result = subprocess.run([*launcher, "eval", "--model", str(tmp_path / "nope"), "--data", "x"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("gpt2 eval: error:") and "Traceback" not in result.stderr
-
-
-def test_gpt2_console_script():
-    """The console script declared in pyproject.toml, the one installed beside this interpreter
-    (not whatever `gpt2` comes first on PATH: the venv may not be activated)."""
-    bindir = Path(sys.executable).parent
-    script = next((p for p in (bindir / "gpt2", bindir / "gpt2.exe") if p.is_file()), None)
-    if script is None:
-        pytest.skip(f"the gpt2 console script is not installed beside {sys.executable} (pip install -e .)")
-    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "finetune" in result.stdout
 
 
 # --------------------------------------------------------------------------- configuration
@@ -245,14 +265,19 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     assert train.max_lr == pytest.approx(6e-4) and isinstance(train.max_lr, float)  # file beats recipe
     assert train.compile is False
     assert train.warmup_steps == 3  # the script's default beats the recipe's 20
-    assert options.shape.model == "mini" and train.seq_len == 128  # the recipe's CPU values
-    assert parse(cmd, ["--device", "cuda"], prog="gpt2 train")[0].shape.model == "gpt2"  # ... and its CUDA ones
+    cpu, gpu = recipe("shakespeare", on_cuda=False), recipe("shakespeare", on_cuda=True)
+    assert (options.shape.model, train.seq_len) == (cpu["model"], cpu["seq_len"])  # the recipe's CPU values
+    assert cpu["model"] != gpu["model"]
+    assert parse(cmd, ["--device", "cuda"], prog="gpt2 train")[0].shape.model == gpu["model"]  # ... and its CUDA ones
     # A recipe named in a config file (JSON is YAML too), and the recipe's earlier name.
     cfg_json = tmp_path / "run.json"
     cfg_json.write_text(json.dumps({"recipe": "gpt2-124m", "micro_batch_size": 2}))
     options, _ = parse(cmd, ["--config", str(cfg_json), "--device", "cpu"], prog="gpt2 train")
     train = options.train
-    assert (train.total_batch_size, train.warmup_steps, train.max_steps, train.micro_batch_size) == (524288, 715, 19073, 2)
+    fineweb = recipe("gpt2-124m-fineweb", on_cuda=False)
+    assert (train.total_batch_size, train.warmup_steps, train.max_steps) == tuple(
+        fineweb[k] for k in ("total_batch_size", "warmup_steps", "max_steps"))
+    assert train.micro_batch_size == 2 != fineweb["micro_batch_size"]  # the file beats the recipe
     assert options.hellaswag == "auto" and train.resume == "auto"
 
 
@@ -294,49 +319,57 @@ def test_config_file_errors(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- the commands
-def test_train_writes_what_it_promises(trained_run, capsys):
-    records = read_jsonl(trained_run / "metrics.jsonl")
+def test_train_writes_what_it_promises(trained_run):
+    trained, stdout = trained_run
+    # the console: step lines, HellaSwag, the final validation loss, then the sample
+    assert "step 4 | loss" in stdout and "hellaswag acc_norm" in stdout
+    assert stdout.index("step 4 | loss") < stdout.index("val loss") < stdout.index("--- sample 1/1 ---")
+    records = read_jsonl(trained / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) for r in records)
     assert [r["step"] for r in records if r.get("val_loss") is not None] == [2, 4]
-    results = json.loads((trained_run / "results.json").read_text())
+    # HellaSwag runs inside fit() and its scores join the step records
+    assert [r["step"] for r in records if "hellaswag_acc_norm" in r] == [2, 4]
+    results = json.loads((trained / "results.json").read_text())
     assert results["step"] == 4 and math.isfinite(results["val_loss"]) and results["val_tokens"] == 3 * 4 * 32
+    assert results["val_loss"] < 11.0  # below uniform, ln(50257) = 10.8
     assert results["perplexity"] == pytest.approx(math.exp(results["val_loss"]))
+    assert results["hellaswag"]["n"] == 3 and results["hellaswag"]["step"] == 4
     assert len(results["samples"]) == 1 and results["samples"][0].startswith("ROMEO:")
-    assert (trained_run / "loss.png").stat().st_size > 0
-    assert sorted(p.name for p in (trained_run / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+    assert (trained / "loss.png").stat().st_size > 0
+    assert sorted(p.name for p in (trained / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
 
 
-def test_eval_matches_the_training_run(trained_run, tmp_path, capsys):
+def test_eval_matches_the_training_run(trained, tmp_path, capsys):
     """`gpt2 eval` on the same held-out tokens gives the loss the training run reported."""
     hs = write_hellaswag(tmp_path / "hs.jsonl")
     out = tmp_path / "eval.json"
-    code, stdout, err = run(capsys, "eval", "--model", trained_run, "--data", "shakespeare", "--seq-len", "32",
+    code, stdout, err = run(capsys, "eval", "--model", trained, "--data", "shakespeare", "--seq-len", "32",
                             "--batch-size", "4", "--max-batches", "3", "--hellaswag", hs, "--output", out)
     assert code == 0, err
     result = json.loads(out.read_text())
-    trained = json.loads((trained_run / "results.json").read_text())
-    assert result["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-5)
-    assert result["tokens"] == trained["val_tokens"]
+    reported = json.loads((trained / "results.json").read_text())
+    assert result["val_loss"] == pytest.approx(reported["val_loss"], rel=1e-5)
+    assert result["tokens"] == reported["val_tokens"]
     assert result["hellaswag_n"] == 3 and 0 <= result["hellaswag_acc_norm"] <= 1
     assert "val loss" in stdout and "hellaswag acc_norm" in stdout
 
 
-def test_eval_on_a_shard_directory(trained_run, tmp_path, capsys, shared_data):
+def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data):
     from gpt2.data import write_shards
 
     shards = tmp_path / "shards"
     docs = (shared_data / "tinyshakespeare.txt").read_text().split("\n\n")[:300]
     write_shards(docs, shards, prefix="tiny", shard_size=2000, progress=False)
-    code, stdout, err = run(capsys, "eval", "--model", trained_run, "--data", shards, "--seq-len", "32",
+    code, stdout, err = run(capsys, "eval", "--model", trained, "--data", shards, "--seq-len", "32",
                             "--batch-size", "4")
     assert code == 0, err
     # one full pass over the val shard (2000 tokens): 15 batches of 4 x 32 (+1 token for the targets)
     assert f"{15 * 4 * 32:,} tokens" in stdout
 
 
-def test_sample_is_reproducible_and_streams(trained_run, capsys):
-    argv = ["sample", "--model", trained_run, "--prompt", "ROMEO:", "-n", "2", "--max-new-tokens", "6", "--seed", "7"]
+def test_sample_is_reproducible_and_streams(trained, capsys):
+    argv = ["sample", "--model", trained, "--prompt", "ROMEO:", "-n", "2", "--max-new-tokens", "6", "--seed", "7"]
     code, first, err = run(capsys, *argv)
     assert code == 0, err
     assert "--- sample 2/2 ---" in first and first.count("ROMEO:") == 2
@@ -344,10 +377,10 @@ def test_sample_is_reproducible_and_streams(trained_run, capsys):
     assert run(capsys, *argv[:-1], "8")[1] != first
 
 
-def test_stream_text_pieces_add_up_to_the_generated_text(trained_run):
+def test_stream_text_pieces_add_up_to_the_generated_text(trained):
     from gpt2.tokenizer import get_tokenizer
 
-    model = load_model(str(trained_run))
+    model = load_model(str(trained))
     tok = get_tokenizer()
     pieces = list(stream_text(model, "ROMEO:", 12, generator=torch.Generator().manual_seed(3), stop_at_eot=False))
     ids = model.generate(torch.tensor([tok.encode("ROMEO:")]), 12, generator=torch.Generator().manual_seed(3))
@@ -356,24 +389,24 @@ def test_stream_text_pieces_add_up_to_the_generated_text(trained_run):
     assert all("\ufffd" not in p for p in pieces[:-1])
 
 
-def test_export_writes_a_transformers_directory(trained_run, tmp_path, capsys):
+def test_export_writes_a_transformers_directory(trained, tmp_path, capsys):
     from gpt2.hf import from_pretrained
 
     out = tmp_path / "hf"
-    code, stdout, err = run(capsys, "export", "--model", trained_run, "--out", out)
+    code, stdout, err = run(capsys, "export", "--model", trained, "--out", out)
     assert code == 0, err
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     x = torch.randint(0, 50257, (2, 16))
-    ours = load_model(str(trained_run))(x)[0]
+    ours = load_model(str(trained))(x)[0]
     exported = from_pretrained(out)(x)[0]
     torch.testing.assert_close(exported, ours)
 
 
-def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys, caplog):
+def test_finetune_from_a_training_run_in_fp16(trained, tmp_path, capsys, caplog):
     """`gpt2 finetune --init <run dir>`: LoRA on our own checkpoint, fp16 with loss scaling; the
     adapter then samples through `gpt2 sample --adapter`."""
     out = tmp_path / "lora"
-    code, stdout, err = run(capsys, "finetune", "--init", trained_run, "--precision", "fp16", "--max-steps", "2",
+    code, stdout, err = run(capsys, "finetune", "--init", trained, "--precision", "fp16", "--max-steps", "2",
                             "--warmup-steps", "1", "--seq-len", "32", "--eval-steps", "1", "--final-eval-batches", "1",
                             "--max-new-tokens", "4", "--out-dir", out, "--no-progress", "--lora-targets", "attn.c_attn")
     assert code == 0, err
@@ -382,7 +415,7 @@ def test_finetune_from_a_training_run_in_fp16(trained_run, tmp_path, capsys, cap
     config = json.loads((out / "adapter" / "minlora_adapter.json").read_text())
     assert sorted(config["targets"]) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
     with caplog.at_level(logging.INFO):
-        code, stdout, err = run(capsys, "sample", "--model", trained_run, "--adapter", out / "adapter",
+        code, stdout, err = run(capsys, "sample", "--model", trained, "--adapter", out / "adapter",
                                 "--max-new-tokens", "3", "--seed", "0")
     assert code == 0 and "--- sample 1/1 ---" in stdout, err
     # it says which adapter it applied, and to how many layers (c_attn of 2 blocks)

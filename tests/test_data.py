@@ -218,15 +218,6 @@ def test_load_tokens_formats_and_errors(tmp_path):
         assert isinstance(loaded, np.memmap) or isinstance(loaded.base, np.memmap)
         np.testing.assert_array_equal(loaded, tokens)
         np.testing.assert_array_equal(load_tokens(tmp_path / name, mmap=False), tokens)
-    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
-    with pytest.raises(ValueError, match="odd number"):
-        load_tokens(tmp_path / "odd.bin")
-    np.save(tmp_path / "two_d.npy", np.zeros((2, 3), dtype=np.uint16))
-    with pytest.raises(ValueError, match=r"shape \(2, 3\)"):
-        load_tokens(tmp_path / "two_d.npy")
-    np.save(tmp_path / "floats.npy", np.zeros(3))
-    with pytest.raises(ValueError, match="float64"):
-        load_tokens(tmp_path / "floats.npy")
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(ValueError, match="unsupported token file"):
         load_tokens(tmp_path / "a.txt")
@@ -353,21 +344,10 @@ def test_state_dict_resumes_exactly(tmp_path):
     assert (loader.shard, loader.position) == (1, 8)
 
 
-def test_loader_repr_and_properties(tmp_path):
+def test_loader_properties_and_single_file_sources(tmp_path):
     _write_npy_shards(tmp_path, [37, 50])
     loader = TokenLoader(tmp_path, B, T, rank=1, world_size=2, split="train")
     assert loader.tokens_per_step == 16 and loader.num_tokens == 87
-    text = repr(loader)
-    for part in (
-        "split='train'",
-        "shards=2",
-        "num_tokens=87",
-        "batch_size=2",
-        "seq_len=4",
-        "rank=1",
-        "world_size=2",
-    ):
-        assert part in text
     # A single .npy file and a raw .bin file are sources too.
     np.arange(50, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     assert TokenLoader(tmp_path / "tokens.bin", B, T).next_batch()[0].ravel().tolist() == list(
@@ -395,8 +375,6 @@ def test_loader_bad_inputs(tmp_path):
         TokenLoader(torch.zeros(100), B, T)
     with pytest.raises(ValueError, match=r"shape \(10, 10\)"):
         TokenLoader(tokens.view(10, 10), B, T)
-    with pytest.raises(ValueError, match="negative id"):
-        TokenLoader(tokens - 1, B, T)
     with pytest.raises(ValueError, match="in-memory token array has no splits"):
         TokenLoader(tokens, B, T, split="val")
     with pytest.raises(TypeError, match="source must be"):
@@ -404,9 +382,6 @@ def test_loader_bad_inputs(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TokenLoader(tmp_path / "missing", B, T)
 
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"no token files \(.npy/.bin\) in directory"):
-        TokenLoader(tmp_path / "empty", B, T)
     _write_npy_shards(tmp_path / "shards", [37, 5])
     with pytest.raises(FileNotFoundError, match="'test' in their name"):
         TokenLoader(tmp_path / "shards", B, T, split="test")

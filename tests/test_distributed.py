@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
@@ -16,8 +9,7 @@ import torch.nn as nn
 from gpt2 import distributed
 from gpt2.checkpoint import load_weights
 
-TESTS = Path(__file__).resolve().parent
-WORKER = TESTS / "_dist_worker.py"
+from conftest import dist_job
 
 
 def test_env_from_environ_reads_torchrun_variables():
@@ -55,27 +47,13 @@ def test_single_process_helpers_are_no_ops():
         distributed.resolve_device("gpu0", env)
 
 
-def _run_one_process(out_dir: Path) -> dict:
-    spec = importlib.util.spec_from_file_location("_dist_worker", WORKER)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    return worker.main(str(out_dir))
-
-
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_gloo_processes_match_one_process(tmp_path):
+def test_two_gloo_processes_match_one_process(tmp_path, dist_run):
     """Same global batch (128 tokens/step): 2 ranks x 2 micro-steps vs 1 rank x 4 micro-steps."""
-    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(WORKER), str(ddp_dir)]
-    proc = subprocess.run(cmd, env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-
-    ranks = [json.loads((ddp_dir / f"report_rank{r}.json").read_text()) for r in (0, 1)]
-    single = _run_one_process(single_dir)
+    ranks = dist_run.reports("train")
+    ddp_dir, single_dir = dist_run.out / "train", tmp_path / "single"
+    single = dist_job("train", single_dir)
     assert [r["world_size"] for r in ranks] == [2, 2] and single["world_size"] == 1
     assert [r["grad_accum_steps"] for r in ranks] == [2, 2] and single["grad_accum_steps"] == 4
 

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +14,8 @@ from gpt2.data import TokenLoader
 from gpt2.eval import evaluate_loss
 from gpt2.trainer import Trainer
 
-TESTS = Path(__file__).resolve().parent
-WORKER = TESTS / "_dist_eval_worker.py"
+from conftest import dist_job
+
 B, T = 2, 16
 
 
@@ -96,24 +90,11 @@ def test_distributed_flag_is_a_no_op_in_one_process():
     assert evaluate_loss(model, val, B, T, distributed=True) == evaluate_loss(model, val, B, T)
 
 
-def _run_one_process(out_dir: Path) -> dict:
-    spec = importlib.util.spec_from_file_location("_dist_eval_worker", WORKER)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    return worker.main(str(out_dir))
-
-
 @pytest.mark.slow
 @pytest.mark.dist
-def test_final_report_is_split_across_ranks_and_equals_one_process(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(WORKER), str(tmp_path / "ddp")]
-    proc = subprocess.run(cmd, env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    rank0, rank1 = (json.loads((tmp_path / "ddp" / f"report_rank{r}.json").read_text()) for r in (0, 1))
-    single = _run_one_process(tmp_path / "single")
+def test_final_report_is_split_across_ranks_and_equals_one_process(tmp_path, dist_run):
+    rank0, rank1 = dist_run.reports("final_eval")
+    single = dist_job("final_eval", tmp_path / "single")
 
     # Rank 0 reports what one process reports: all 5 batches (3 scored here, 2 on rank 1), or 3.
     for key, batches in (("full", 5), ("capped", 3)):

@@ -24,7 +24,8 @@ _POINTERS = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", "GPT2_TINY_SHAKESPEARE"
 
 def clean_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _POINTERS}
-    env.update(HOME=str(home), TMPDIR=str(home / "tmp"), PYTHONPATH=str(REPO))
+    # One intra-op thread: tiny models, and the cores may be shared (not a pointer to any data).
+    env.update(HOME=str(home), TMPDIR=str(home / "tmp"), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     return env
 
@@ -78,17 +79,34 @@ def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
         assert name in out and (run_dir / name).exists(), name
     commands = [line.split("#")[0].strip() for line in out.split("next, try:")[1].splitlines() if line.strip()]
     assert [c.split()[:2] for c in commands] == [["gpt2", "sample"], ["gpt2", "finetune"], ["gpt2", "eval"]]
-    # Run each as printed (python -m gpt2 is the `gpt2` script of this checkout), shrunk to a few
-    # steps / tokens by options appended after it (argparse: the last value wins).
+    # Run each as printed, shrunk to a few steps / tokens by options appended after it (argparse:
+    # the last value wins). One fresh process with the same clean environment runs the three in
+    # turn through the `gpt2` script's main(): two interpreter starts fewer, and the entry point
+    # itself was just started for `train` above.
     shrink = {"sample": ["--max-new-tokens", "5", "--seed", "0"],
               "finetune": ["--steps", "2", "--warmup-steps", "1", "--eval-interval", "0", "--final-eval-batches", "1", "--max-new-tokens", "4",
                            "--seq-len", "16", "--no-progress"],
               "eval": ["--max-batches", "2"]}
-    results = {}
-    for command in commands:
-        argv = shlex.split(command)
-        results[argv[1]] = run([*py, "-m", "gpt2", *argv[1:], *shrink[argv[1]]], env, work)
+    lines = [shlex.join([*shlex.split(c), *shrink[shlex.split(c)[1]]]) for c in commands]
+    out = run([*py, "-c", _RUN_EACH, *lines], env, work)
+    results = dict(part.split("\n", 1) for part in out.split("=== ")[1:])
+    assert sorted(results) == ["eval", "finetune", "sample"]
     assert "ROMEO:" in results["sample"]
     assert "saved adapter" in results["finetune"]
     assert "val loss" in results["eval"]
     assert json.loads((run_dir / "results.json").read_text())["step"] == 3
+
+
+# Runs each `gpt2 ...` line given as an argument through gpt2's command-line main(), in order,
+# each one's output after a "=== <command>" line; stops at the first that fails.
+_RUN_EACH = """
+import shlex, sys
+from gpt2.__main__ import main
+for line in sys.argv[1:]:
+    argv = shlex.split(line)
+    print("=== " + argv[1], flush=True)
+    code = main(argv[1:])
+    sys.stdout.flush()
+    if code:
+        sys.exit(f"{line}: exit {code}")
+"""

@@ -1,10 +1,14 @@
-"""Ctrl-C on a multi-process run: every rank stops quietly (exit 130, one line, no traceback).
+"""Ctrl-C on a multi-process run: every rank stops quietly (exit 130, one line, no traceback);
+and the steps a 2-process run took equal a 1-process run of the same global batch.
 
 A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the launcher and every
-worker. The tests start the run in a new session and signal that group the same way."""
+worker. The tests start the run in a new session and signal that group the same way. Each
+launch of 2 workers costs several seconds of interpreter start-up, so the `--nproc-per-node`
+run is started once and serves both the Ctrl-C test and the 1-process comparison."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,28 +17,40 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from gpt2.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
+# A constant learning rate (no warmup, min_lr = max_lr): the first steps do not depend on
+# --max-steps, so a run stopped by Ctrl-C compares with a short run step for step.
+SAME_RUN = ["--total-batch-size", "128", "--seed", "11", "--warmup-steps", "0", "--max-lr", "1e-3",
+            "--min-lr", "1e-3", "--precision", "fp32"]
 
 
-@pytest.fixture
-def text(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
     if not os.environ.get("GPT2_TINY_SHAKESPEARE") or not os.environ.get("TIKTOKEN_CACHE_DIR"):
         pytest.skip("the offline data in ../shared/data is needed")
-    path = tmp_path / "input.txt"
+    path = tmp_path_factory.mktemp("data") / "input.txt"
     path.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text(encoding="utf-8")[:20000], encoding="utf-8")
     return path
 
 
-def interrupt_after_step_2(launcher: list[str], text: Path, out: Path, *extra: str) -> tuple[int, str, str]:
-    args = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", "100000",
+def train_args(text: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
+    return ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", str(max_steps),
             "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0", "--no-progress", "--no-plot",
             "--device", "cpu", "--log-interval", "1", "--data", str(text), "--out-dir", str(out), *extra]
+
+
+def interrupt_after_step_2(launcher: list[str], text: Path, out: Path, *extra: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
+    out.parent.mkdir(parents=True, exist_ok=True)
     log_out, log_err = out.parent / "stdout.txt", out.parent / "stderr.txt"
     with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen([*launcher, *args], cwd=REPO, env=env, stdout=fo, stderr=fe, start_new_session=True)
+        proc = subprocess.Popen([*launcher, *train_args(text, out, 100000, *extra)], cwd=REPO, env=env, stdout=fo,
+                                stderr=fe, start_new_session=True)
         try:
             deadline = time.time() + 240
             while "step 2 " not in log_out.read_text():
@@ -49,15 +65,43 @@ def interrupt_after_step_2(launcher: list[str], text: Path, out: Path, *extra: s
     return proc.returncode, log_out.read_text(), log_err.read_text()
 
 
+@pytest.fixture(scope="module")
+def nproc_run(tmp_path_factory, text) -> tuple[int, str, str, Path]:
+    """`gpt2 train --nproc-per-node 2`, stopped by Ctrl-C after step 2."""
+    out = tmp_path_factory.mktemp("nproc") / "run"
+    code, stdout, stderr = interrupt_after_step_2([sys.executable, "-m", "gpt2"], text, out, "--nproc-per-node", "2",
+                                                  *SAME_RUN)
+    return code, stdout, stderr, out
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ctrl_c_with_nproc_per_node_is_one_line_and_exit_130(tmp_path, text):
-    code, stdout, stderr = interrupt_after_step_2([sys.executable, "-m", "gpt2"], text, tmp_path / "run",
-                                                  "--nproc-per-node", "2")
+def test_ctrl_c_with_nproc_per_node_is_one_line_and_exit_130(nproc_run):
+    code, stdout, stderr, _ = nproc_run
     assert "2 process(es)" in stdout
     assert code == 130, stderr
     assert "Traceback" not in stderr and "SignalException" not in stderr
     assert [line for line in stderr.splitlines() if line.strip()] == ["gpt2 train: interrupted"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_process_cli_run_equals_one_process(nproc_run, text, tmp_path):
+    """2 gloo processes x 1 micro-step and 1 process x 2 micro-steps: the same 128-token global
+    batch, the same seed, the same losses. The workers get the launcher's resolved options as a
+    config file (gpt2.launch), so this covers more than plain torchrun, whose ranks parse the
+    same flags (started below and in test_examples)."""
+    code, stdout, _, out = nproc_run
+    assert "2 process(es), 1 micro-step(s)" in stdout
+    assert main(train_args(text, tmp_path / "single", 2, *SAME_RUN)) == 0
+    two, one = losses(out)[:2], losses(tmp_path / "single")
+    assert len(two) == len(one) == 2
+    # Only the summation order differs (all-reduce vs local accumulation).
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

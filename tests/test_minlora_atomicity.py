@@ -362,13 +362,6 @@ def test_a_crash_at_any_step_leaves_a_whole_pair(tmp_path, monkeypatch):
         torch.testing.assert_close(loaded_outputs(image), new_out, rtol=0, atol=0, msg=f"crash {label}")
 
 
-def test_successful_overwrite_leaves_only_the_pair(tmp_path):
-    path = save_adapter(lora_model(1), tmp_path / "adapter")
-    save_adapter(lora_model(2), path)
-    assert leftovers(path) == []
-    torch.testing.assert_close(loaded_outputs(path), outputs(lora_model(2)), rtol=0, atol=0)
-
-
 # --------------------------------------------------------------------------- PEFT files
 @pytest.fixture
 def peft_dir(tmp_path):

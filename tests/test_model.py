@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpt2.config import PRESETS, GPTConfig
+from gpt2.config import GPTConfig
 from gpt2.model import GPT
 
 
@@ -230,7 +230,6 @@ def _param_count_formula(cfg: GPTConfig) -> int:
 def test_preset_parameter_counts(name, millions):
     cfg = GPTConfig.from_name(name)
     assert (cfg.block_size, cfg.vocab_size) == (1024, 50257)
-    assert {k: getattr(cfg, k) for k in PRESETS[name]} == PRESETS[name]
     with torch.device("meta"):  # shapes only: no 1.5B-parameter allocation
         model = GPT(cfg)
     n = model.num_params()

@@ -20,15 +20,17 @@ from minlora.utils import get_lora_params  # noqa: E402
 VOCAB = 100  # not a multiple of 64: with pad_vocab_multiple=64 our model has 128 rows, HF has 100
 
 
-@pytest.fixture
-def hf_dir(tmp_path):
-    """A randomly initialised transformers GPT-2 saved to disk (nothing is downloaded)."""
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A randomly initialised transformers GPT-2 saved to disk (nothing is downloaded); the tests
+    only read it."""
     config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=VOCAB,
                                      bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
-    model.save_pretrained(tmp_path / "base")
-    return tmp_path / "base"
+    path = tmp_path_factory.mktemp("hf") / "base"
+    model.save_pretrained(path)
+    return path
 
 
 def hf_model(path):

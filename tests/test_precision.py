@@ -12,15 +12,6 @@ from gpt2.precision import default_precision, resolve_precision
 from gpt2.trainer import Trainer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models are dominated by per-op overhead; a second thread only adds contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_policies_on_cpu():
     assert default_precision("cpu") == "fp32"
     assert resolve_precision("auto", "cpu").name == "fp32"
@@ -133,7 +124,8 @@ def test_fp16_resume_restores_the_loss_scale(tiny_config, tmp_path):
 
 
 # The TF32 switch changes process-wide state (and on PyTorch >= 2.9 setting the new API makes
-# the legacy getters raise), so each check runs in its own interpreter.
+# the legacy getters raise), so each check runs in its own process: forked from this one, which
+# costs no interpreter start-up and leaves this process's state alone.
 _TF32_SCRIPT = r"""
 import sys, types
 import torch
@@ -157,12 +149,31 @@ print("legacy", calls)
 
 
 def _run_tf32_script(mode: str) -> list[str]:
-    import subprocess
+    import contextlib
+    import os
     import sys
+    import traceback
 
-    out = subprocess.run([sys.executable, "-c", _TF32_SCRIPT, mode], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run the script, print into the pipe, never return into pytest
+        os.close(read)
+        code = 1
+        try:
+            with os.fdopen(write, "w") as out, contextlib.redirect_stdout(out):
+                sys.argv = ["tf32_script", mode]
+                exec(_TF32_SCRIPT, {"__name__": "__main__"})
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        out = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the TF32 script failed ({mode}); see the captured stderr"
+    return out.strip().splitlines()
 
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")

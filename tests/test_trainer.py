@@ -4,12 +4,10 @@ compile, and the benchmark ladder. Tiny models on CPU."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from gpt2 import checkpoint as ckpt
 from gpt2.config import TrainConfig
 from gpt2.data import TokenLoader
 from gpt2.metrics import (
+    PEAK_FLOPS,
     ConsoleSink,
     format_line,
     peak_flops_for,
@@ -27,9 +26,6 @@ from gpt2.metrics import (
     read_jsonl,
 )
 from gpt2.trainer import Trainer, TrainingDivergedError, grad_accum_steps
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _config(**overrides) -> TrainConfig:
     base = dict(micro_batch_size=2, seq_len=16, max_steps=4, max_lr=1e-3, out_dir=None, progress=False,
@@ -369,13 +365,33 @@ def test_data_sources(tiny_config, tmp_path):
 
 
 def test_console_line_format():
+    """Optional fields add a segment only when present; every number reads back within its rounding."""
     record = {"step": 50, "loss": 5.08601, "lr": 6e-5, "grad_norm": 0.4123, "dt_ms": 50.61,
-              "tokens_per_second": 161818.2, "mfu": 0.4413}
-    assert format_line(record) == "step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | mfu 44.1%"
-    cpu = {**record, "mfu": None, "val_loss": 4.5, "loss_scale": 32768.0, "skipped": True, "skipped_steps": 2}
-    assert format_line(cpu) == (
-        "step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | val 4.5000 | scale 32768 | skipped (2 total)"
-    )
+              "tokens_per_second": 161818.2}
+
+    def segments(rec: dict) -> dict[str, str]:
+        parts = format_line(rec).split(" | ")
+        assert parts[0] == f"step {rec['step']}"
+        named = {}
+        for part in parts[1:]:
+            words = part.split()
+            # "50.6 ms" and "161,818 tok/s" put the unit last; the rest put the name first
+            key, value = (words[-1], words[0]) if words[-1] in ("ms", "tok/s") else (words[0], " ".join(words[1:]))
+            named[key] = value
+        return named
+
+    plain = segments({**record, "mfu": None, "val_loss": None, "loss_scale": None, "skipped": False})
+    assert set(plain) == {"loss", "lr", "norm", "ms", "tok/s"}  # no empty or "None" segment
+    assert float(plain["loss"]) == pytest.approx(record["loss"], abs=5e-5)
+    assert float(plain["lr"]) == pytest.approx(record["lr"], rel=0.05)
+    assert float(plain["norm"]) == pytest.approx(record["grad_norm"], abs=5e-3)
+    assert float(plain["ms"]) == pytest.approx(record["dt_ms"], abs=0.05)
+    assert float(plain["tok/s"].replace(",", "")) == pytest.approx(record["tokens_per_second"], abs=0.5)
+    full = segments({**record, "mfu": 0.4413, "val_loss": 4.5, "loss_scale": 32768.0, "skipped": True,
+                     "skipped_steps": 2})
+    assert set(full) - set(plain) == {"mfu", "val", "scale", "skipped"}
+    assert float(full["mfu"].rstrip("%")) == pytest.approx(44.13, abs=0.05)
+    assert float(full["val"]) == 4.5 and float(full["scale"]) == 32768.0 and "2" in full["skipped"]
 
 
 def test_metrics_jsonl_plot_console_and_mfu(tiny_config, tmp_path):
@@ -407,15 +423,13 @@ def test_no_mfu_on_cpu_and_plot_without_matplotlib(tiny_config, tmp_path, monkey
     assert "matplotlib is not installed" in caplog.text and not (tmp_path / "x.png").exists()
 
 
-def test_peak_flops_table():
-    assert peak_flops_for("NVIDIA H200") == 989e12
-    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_flops_for("NVIDIA H100 PCIe") == 756e12
-    assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_flops_for("NVIDIA A10") == 125e12  # not A100
-    assert peak_flops_for("NVIDIA L4") == 121e12 and peak_flops_for("NVIDIA L40S") == 362e12
-    assert peak_flops_for("NVIDIA GeForce RTX 4090") == 165.2e12
-    assert peak_flops_for("Tesla V100-SXM2-16GB") == 125e12
+def test_peak_flops_lookup_tells_similar_names_apart():
+    """Patterns are tried in order: a name that contains another GPU's name gets its own peak."""
+    table = dict(PEAK_FLOPS)
+    assert peak_flops_for("NVIDIA A10") == table[r"\bA10\b"] != peak_flops_for("NVIDIA A100-SXM4-80GB")
+    assert peak_flops_for("NVIDIA L4") == table[r"\bL4\b"] != peak_flops_for("NVIDIA L40S") == table["L40S"]
+    assert peak_flops_for("NVIDIA H100 PCIe") == table[r"H100.*PCIe"] != peak_flops_for("NVIDIA H100 80GB HBM3")
+    assert peak_flops_for("NVIDIA H100 80GB HBM3") == table[r"H100|GH200"]
     assert peak_flops_for("Some Future GPU") is None
 
 
@@ -423,7 +437,12 @@ def test_peak_flops_table():
 
 
 @pytest.mark.slow
-def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp_path):
+def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp_path, monkeypatch):
+    # The Trainer compiles with the default (inductor) backend, whose C++ code generation takes
+    # about a minute on a small CPU and is PyTorch's to test. "aot_eager" keeps what the Trainer
+    # relies on: Dynamo's wrapper module, the traced forward and backward, generation through it.
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, **{"backend": "aot_eager", **kw}))
     config = _config(compile=True, out_dir=str(tmp_path), max_steps=2, eval_interval=2, eval_steps=1)
     trainer = Trainer(_model(tiny_config), config, _tokens(), _tokens(1024), sinks=[])
     assert trainer.eval_model is not trainer.model and ckpt.unwrap_model(trainer.eval_model) is trainer.model
@@ -440,6 +459,7 @@ def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp
     fresh = _model(tiny_config)
     ckpt.load_checkpoint(tmp_path / "checkpoints", fresh)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trainer.model.state_dict().values()))
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------ benchmark
@@ -448,8 +468,14 @@ def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp
 def test_benchmark_ladder_cpu_smoke(tmp_path):
     from gpt2.bench import RUNGS, format_table, run_ladder, rung_settings
 
-    assert rung_settings("fp32") == dict(precision="fp32", compile=False, flash=False, pad_vocab_multiple=1, fused_adamw=False)
-    assert rung_settings("fused_adamw") == dict(precision="bf16", compile=True, flash=True, pad_vocab_multiple=64, fused_adamw=True)
+    # the ladder is cumulative: each rung keeps everything the rung below it switched on
+    plain = rung_settings(RUNGS[0])
+    assert not any(v for k, v in plain.items() if k not in ("precision", "pad_vocab_multiple"))
+    for lower, higher in zip(RUNGS, RUNGS[1:]):
+        below, above = rung_settings(lower), rung_settings(higher)
+        assert below.keys() == above.keys() and below != above, f"{higher} switches nothing on"
+        assert all(above[k] for k, v in below.items() if v is True), f"{higher} drops what {lower} switched on"
+        assert above["pad_vocab_multiple"] >= below["pad_vocab_multiple"]
     results = run_ladder("tiny", batch_size=2, seq_len=16, steps=2, warmup=1, repeats=2, device="cpu", vocab_size=257)
     assert [r.rung for r in results] == list(RUNGS)
     by_rung = {r.rung: r for r in results}
@@ -463,7 +489,6 @@ def test_benchmark_ladder_cpu_smoke(tmp_path):
             assert r.ms_per_step == pytest.approx(sum(r.repeat_ms) / 2)
             assert r.spread == pytest.approx(abs(r.repeat_ms[0] - r.repeat_ms[1]) / r.ms_per_step)
     table = format_table(results)
-    assert table.splitlines()[0].split() == ["rung", "ms/step", "spread", "tokens/s", "MFU", "speed-up", "note"]
     assert "compile disabled" in table
     # repeats further apart than 10% are named in a note under the table, close ones are not
     timed = [r for r in results if not r.skipped]
@@ -473,15 +498,3 @@ def test_benchmark_ladder_cpu_smoke(tmp_path):
     note = format_table(results).splitlines()[-1]
     assert note.startswith("note:") and timed[0].rung in note and timed[1].rung not in note
 
-    spec = importlib.util.spec_from_file_location("benchmark_example", REPO / "examples" / "benchmark.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    out = tmp_path / "ladder.json"
-    code = example.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0",
-                         "--rungs", "fp32,vocab_pad", "--device", "cpu", "--no-compile", "--vocab-size", "257",
-                         "--json", str(out)])
-    assert code == 0
-    saved = json.loads(out.read_text())
-    assert [r["rung"] for r in saved["results"]] == ["fp32", "vocab_pad"]
-    assert saved["results"][1]["settings"]["pad_vocab_multiple"] == 64
-    assert example.main(["--help"]) == 0
