@@ -10,6 +10,7 @@ from typing import Any
 from ..data.sources import shakespeare_or_path, training_data
 from ..hellaswag import HellaSwagCallback, resolve_hellaswag
 from ..model import GPT
+from ..rundir import LOCK_FILE
 from ..trainer import Trainer, seed_everything
 from .common import UsageError, check_sampling, final_report, model_config
 from .options import TrainOptions
@@ -60,7 +61,7 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     run = shlex.quote(str(out_dir))
     print(f"\noutputs in {out_dir}/:")
     for entry in sorted(out_dir.iterdir()):
-        if entry.name.startswith("."):
+        if entry.name.startswith(".") or entry.name == LOCK_FILE:  # the lock is released on exit
             continue
         if entry.is_dir():
             names = sorted(p.name for p in entry.iterdir())
