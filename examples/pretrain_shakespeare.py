@@ -1,7 +1,7 @@
 """Pretrain GPT-2 from scratch on Tiny Shakespeare, then print the validation loss and samples.
 
 On a CUDA GPU this is the 124M reference run (B=16, T=1024, bf16, torch.compile, vocab padded
-to 50304); on a CPU a 4-layer, 128-wide model trains for a few minutes. Every option can be
+to 50304); on a CPU a 4-layer, 128-wide model reads the text once in about 3 minutes. Every option can be
 changed (see below), e.g.:
 
     python examples/pretrain_shakespeare.py                          # the defaults for this machine
