@@ -122,3 +122,14 @@ def dist_job(name: str, out_dir: Path) -> dict:
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     return worker.JOBS[name](str(out_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory) -> Path:
+    """A randomly initialised transformers GPT-2 (real key names and Conv1D layout, tiny shapes)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(path)
+    return path

@@ -16,27 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2 import GPT, GPTConfig
 from gpt2 import checkpoint as ckpt
 from gpt2.cli import main
-from gpt2.config import TrainConfig
 from gpt2.loading import load_trained_model
 from gpt2.trainer import Trainer
 
-
-def _config(out_dir, **overrides) -> TrainConfig:
-    base = dict(micro_batch_size=2, seq_len=16, max_steps=4, max_lr=1e-3, out_dir=str(out_dir), progress=False,
-                eval_interval=0, plot=False, checkpoint_interval=2, keep_last_checkpoints=0)
-    return TrainConfig(**{**base, **overrides})
+from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 
-def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(1))
+_config, _model, _tokens = tiny_config, tiny_model, tiny_tokens
 
 
 @pytest.fixture(scope="module")

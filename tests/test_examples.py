@@ -95,17 +95,6 @@ def hellaswag(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    """A randomly initialised transformers GPT-2 (real key names and Conv1D layout, tiny shapes)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def finetuned(tmp_path_factory, hf_dir) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("lora") / "run"
     result = example("finetune_lora.py", "--init", hf_dir, "--max-steps", "4", "--warmup-steps", "1", "--seq-len", "32",

@@ -15,31 +15,23 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from gpt2 import GPT, GPTConfig
 from gpt2 import checkpoint as ckpt
 from gpt2 import rundir
 from gpt2.config import TrainConfig
 from gpt2.trainer import Trainer
+
+from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 _FORK = mp.get_context("fork")
 
 
 def _config(out_dir, **overrides) -> TrainConfig:
-    base = dict(micro_batch_size=2, seq_len=16, max_steps=2, max_lr=1e-3, out_dir=str(out_dir), progress=False,
-                eval_interval=0, plot=False, checkpoint_interval=1, keep_last_checkpoints=0)
-    return TrainConfig(**{**base, **overrides})
+    return tiny_config(out_dir, **{"max_steps": 2, "checkpoint_interval": 1, **overrides})
 
 
-def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(1))
+_model, _tokens = tiny_model, tiny_tokens
 
 
 def _hold_lock_in_subprocess(out_dir: Path) -> mp.process.BaseProcess:

@@ -47,16 +47,6 @@ def test_train_with_one_seed_gives_identical_losses(tmp_path, text):
     assert losses(tmp_path / "other")[0] != runs[0][0]
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(path)
-    return path
-
-
 def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, text, caplog):
     from safetensors.torch import load_file
 

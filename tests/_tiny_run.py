@@ -1,0 +1,24 @@
+"""The tiny Trainer runs that the checkpoint and run-directory tests share: a 1-layer, 16-wide
+GPT over a 64-token vocabulary, random tokens, and a TrainConfig that checkpoints often."""
+
+from __future__ import annotations
+
+import torch
+
+from gpt2 import GPT, GPTConfig
+from gpt2.config import TrainConfig
+
+
+def tiny_config(out_dir, **overrides) -> TrainConfig:
+    base = dict(micro_batch_size=2, seq_len=16, max_steps=4, max_lr=1e-3, out_dir=str(out_dir), progress=False,
+                eval_interval=0, plot=False, checkpoint_interval=2, keep_last_checkpoints=0)
+    return TrainConfig(**{**base, **overrides})
+
+
+def tiny_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+
+
+def tiny_tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(1))
