@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .data.loader import TokenLoader, one_pass
 from .model import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -163,8 +164,6 @@ def _eval_batches(
     data: Any, batch_size: int, seq_len: int, max_batches: int | None, split: str | None,
     vocab_size: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    from .data import TokenLoader
-
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -173,20 +172,4 @@ def _eval_batches(
     else:
         # ids are checked against the model's vocabulary here, on the CPU (forward never syncs to check)
         loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
-    return _loader_batches(loader, max_batches)
-
-
-def _loader_batches(loader: Any, max_batches: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """At most ``max_batches`` batches from the start of ``loader`` and at most one full pass:
-    stop when the loader's saved position comes back to where it started (it wrapped around)."""
-    loader.reset()
-    start = loader.state_dict()
-    n = 0
-    while max_batches is None or n < max_batches:
-        yield loader.next_batch()
-        n += 1
-        if loader.state_dict() == start:
-            return
-
-
-# --------------------------------------------------------------------------- HellaSwag data
+    return one_pass(loader, max_batches)

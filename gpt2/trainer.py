@@ -55,7 +55,7 @@ from . import checkpoint as ckpt
 from . import distributed, rundir, trainer_state
 from .checkpoint import seed_everything  # noqa: F401 - re-exported: `from gpt2.trainer import seed_everything`
 from .config import TrainConfig
-from .data.loader import make_loader
+from .data.loader import make_loader, one_pass
 from .metrics import METRICS_FILE, PLOT_FILE, ConsoleSink, FitLog, Sink, detect_peak_flops, mfu, progress_bar
 from .metrics import plot_loss_curve, read_jsonl
 from .model import IGNORE_INDEX
@@ -363,16 +363,14 @@ class Trainer:
         model = self.eval_model
         was_training = model.training
         model.eval()
-        loader = self.val_loader
-        loader.reset()  # the same batches every time, so evaluations are comparable
-        start = loader.state_dict() if hasattr(loader, "state_dict") else None
         sums = torch.zeros(2, device=self.device)  # [loss summed over scored tokens, scored tokens]
         batches = 0
         # a second, transient bar under the training bar while validation runs
         bar = progress_bar(self.is_main and self.config.progress, total=steps, desc="val", unit="batch", leave=False)
         try:
-            while batches < steps:
-                x, y = self._to_device(*loader.next_batch())
+            # the same batches every time (evaluations are comparable), none of them twice
+            for x, y in one_pass(self.val_loader, steps):
+                x, y = self._to_device(x, y)
                 with self.precision.autocast():
                     _, loss = model(x, y)
                 # Weighted by the batch's scored targets (instruction data ignores prompt and
@@ -383,10 +381,6 @@ class Trainer:
                 batches += 1
                 if bar is not None:
                     bar.update()
-                # Back at the start: the loader wrapped around (its position is the same on every
-                # rank, so all ranks stop at the same batch).
-                if start is not None and loader.state_dict() == start:
-                    break
         finally:
             if bar is not None:
                 bar.close()

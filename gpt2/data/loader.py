@@ -369,3 +369,21 @@ def make_loader(
         f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
         f"gpt2.data.TokenLoader; got {type(data).__name__}"
     )
+
+
+def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches from the start of ``loader``: at most ``max_batches``, and at most one full pass.
+
+    The pass ends when the loader's saved position (``state_dict()``) comes back to where it
+    started, i.e. it wrapped around: a batch is never read twice, which would weigh it double.
+    Every rank's loader wraps at the same batch, so under DDP all ranks stop together."""
+    loader.reset()
+    start = loader.state_dict() if hasattr(loader, "state_dict") else None
+    if start is None and max_batches is None:
+        raise TypeError("a loader without state_dict() cannot tell where one pass ends: give max_batches")
+    n = 0
+    while max_batches is None or n < max_batches:
+        yield loader.next_batch()
+        n += 1
+        if start is not None and loader.state_dict() == start:
+            return
