@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from .data import TINY_SHAKESPEARE_SHA256, default_cache_dir
+from .data._util import replace_atomically
 
 __all__ = ["seed_caches", "tiktoken_cache_dir"]
 
@@ -44,29 +44,21 @@ def tiktoken_cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / "data-gym-cache"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _copy_checked(src: Path, dst: Path, sha256: str) -> bool:
     """Copy ``src`` to ``dst`` (atomically) unless ``dst`` already holds the right bytes.
     Returns whether a copy was made; raises ValueError when ``src`` has the wrong bytes."""
-    if dst.is_file() and _sha256(dst) == sha256:
+    if dst.is_file() and _sha256(dst.read_bytes()) == sha256:  # files of about 1 MB
         return False
-    got = _sha256(src)
+    data = src.read_bytes()
+    got = _sha256(data)
     if got != sha256:
         raise ValueError(f"{src}: sha256 {got} is not the expected {sha256}; replace the file with a good copy")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_atomically(dst, lambda f: f.write(data))
     return True
 
 
