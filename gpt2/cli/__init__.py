@@ -24,16 +24,13 @@ from typing import Any, Sequence
 
 from ..distributed import uses_cuda
 from ..jobs import options as o
+from ..jobs.common import UsageError
 from .layers import (ConfigError, build, dump_yaml, read_yaml, recipe_names, recipe_path, to_flat,
                      validation_off)
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
-
-
-class UsageError(Exception):
-    """Bad options, values or files: reported in one line, exit code 2."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +70,16 @@ ALIASES: dict[str, str] = {
 
 
 def _flags(cls: type) -> set[str]:
+    """Every flag of ``cls``'s options, the ``--no-`` form of its true/false ones included."""
     from .layers import option_fields
 
-    return {"--" + key.replace("_", "-") for _, key, _ in option_fields(cls)}
+    flags = set()
+    for _, key, hint in option_fields(cls):
+        *group, name = key.replace("_", "-").split(".")
+        flags.add("--" + ".".join([*group, name]))
+        if hint is bool:
+            flags.add("--" + ".".join([*group, "no-" + name]))
+    return flags
 
 
 def rewrite_aliases(argv: list[str], cls: type) -> list[str]:
@@ -84,8 +88,7 @@ def rewrite_aliases(argv: list[str], cls: type) -> list[str]:
     out = []
     for arg in argv:
         flag, eq, value = arg.partition("=")
-        if flag in ALIASES and flag not in own and ALIASES[flag].split("=")[0] in own | {
-                "--lora.no-include-lm-head", "--lora.no-include-embeddings"}:
+        if flag in ALIASES and flag not in own and ALIASES[flag] in own:
             arg = ALIASES[flag] + eq + value
         out.append(arg)
     return out
@@ -121,9 +124,11 @@ def parse(cmd: Command, argv: Sequence[str], *, prog: str, defaults: dict[str, A
     explicit = {"--" + k.replace("_", "-") for k in (*defaults, *from_file)}
     explicit |= {a.split("=")[0] for a in rest if a.startswith("--")}
     header = (description or cmd.options.__doc__ or cmd.summary).strip()
-    header += ("\n\nValues: the defaults below (those of recipe {!r}) < --config FILE.yaml < flags. "
-               "--recipe NAME|FILE picks another recipe (packaged: {}; NAME-cpu / NAME-gpu pick a device's file); --print-config prints the resolved options as YAML."
-               ).format(recipe, ", ".join(recipe_names(cmd.options)))
+    if {"-h", "--help"} & set(rest):  # listing the recipes reads every recipe file: only for --help
+        header += ("\n\nValues: the defaults below (those of recipe {!r}) < --config FILE.yaml < flags. "
+                   "--recipe NAME|FILE picks another recipe (packaged: {}; NAME-cpu / NAME-gpu pick a device's "
+                   "file); --print-config prints the resolved options as YAML."
+                   ).format(recipe, ", ".join(recipe_names(cmd.options)))
     with validation_off(cmd.options):
         parsed = tyro.cli(cmd.options, args=rest, default=build(cmd.options, values), prog=prog, description=header)
     flat = to_flat(parsed)
@@ -145,10 +150,9 @@ def _scale_warmup(flat: dict[str, Any], recipe: dict[str, Any], explicit: set[st
 
 # --------------------------------------------------------------------------- errors
 def _is_usage_error(e: BaseException) -> bool:
-    from ..jobs import UsageError as JobUsageError
     from ..tokenizer import TokenizerNotAvailableError
 
-    return isinstance(e, (UsageError, JobUsageError, ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError,
+    return isinstance(e, (UsageError, ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError,
                           NotADirectoryError, IsADirectoryError, PermissionError, ConnectionError, ImportError,
                           TokenizerNotAvailableError))
 
@@ -235,7 +239,7 @@ def run_command(name: str, argv: Sequence[str] | None = None, *, prog: str | Non
         code = EXIT_USAGE if _is_usage_error(e) else EXIT_FAILURE
         kind = "error" if code == EXIT_USAGE else f"error ({type(e).__name__})"
         # UsageErrors are written for the command line already; the library's name Python terms.
-        message = _one_line(e) if type(e).__name__ == "UsageError" else in_cli_terms(_one_line(e), cmd.options)
+        message = _one_line(e) if isinstance(e, UsageError) else in_cli_terms(_one_line(e), cmd.options)
         print(f"{prog}: {kind}: {message}", file=sys.stderr)
         if code == EXIT_FAILURE:
             print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)

@@ -25,8 +25,11 @@ __all__ = ["UsageError", "bench", "check_options", "evaluate", "export", "finetu
 def check_options(command: str, options: Any) -> None:
     """What ``train`` / ``finetune`` can check before any process starts (``--nproc-per-node``
     runs this once in the launcher, so a bad value is one line, not one per rank)."""
-    # (the modules are reached through their own names: the package attributes are the functions)
+    # (imported by module path: the package attributes `train` and `finetune` are the functions)
     from .finetune import check as check_finetune
     from .train import check as check_train
 
-    {"train": check_train, "finetune": check_finetune}.get(command, lambda _: None)(options)
+    if command == "train":
+        check_train(options)
+    elif command == "finetune":
+        check_finetune(options)
