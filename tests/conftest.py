@@ -46,6 +46,14 @@ def shakespeare_slice(tmp_path_factory) -> Path | None:
     return path
 
 
+@pytest.fixture(scope="session")
+def shakespeare_file(shakespeare_slice) -> Path:
+    """The slice as a text file for `--data`; skips where the offline data is missing."""
+    if shakespeare_slice is None or not os.environ.get("TIKTOKEN_CACHE_DIR"):
+        pytest.skip("the offline data in ../shared/data is needed")
+    return shakespeare_slice
+
+
 @pytest.fixture(scope="module")
 def small_shakespeare(shakespeare_slice):
     """Point $GPT2_TINY_SHAKESPEARE (the `shakespeare` data source) at the slice for one test

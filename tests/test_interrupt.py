@@ -28,28 +28,19 @@ SAME_RUN = ["--total-batch-size", "128", "--seed", "11", "--warmup-steps", "0", 
             "--min-lr", "1e-3", "--precision", "fp32"]
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    if not os.environ.get("GPT2_TINY_SHAKESPEARE") or not os.environ.get("TIKTOKEN_CACHE_DIR"):
-        pytest.skip("the offline data in ../shared/data is needed")
-    path = tmp_path_factory.mktemp("data") / "input.txt"
-    path.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text(encoding="utf-8")[:20000], encoding="utf-8")
-    return path
-
-
-def train_args(text: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
+def train_args(shakespeare_file: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
     return ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", str(max_steps),
             "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0", "--no-progress", "--no-plot",
-            "--device", "cpu", "--log-interval", "1", "--data", str(text), "--out-dir", str(out), *extra]
+            "--device", "cpu", "--log-interval", "1", "--data", str(shakespeare_file), "--out-dir", str(out), *extra]
 
 
-def interrupt_after_step_2(launcher: list[str], text: Path, out: Path, *extra: str) -> tuple[int, str, str]:
+def interrupt_after_step_2(launcher: list[str], shakespeare_file: Path, out: Path, *extra: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     out.parent.mkdir(parents=True, exist_ok=True)
     log_out, log_err = out.parent / "stdout.txt", out.parent / "stderr.txt"
     with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen([*launcher, *train_args(text, out, 100000, *extra)], cwd=REPO, env=env, stdout=fo,
+        proc = subprocess.Popen([*launcher, *train_args(shakespeare_file, out, 100000, *extra)], cwd=REPO, env=env, stdout=fo,
                                 stderr=fe, start_new_session=True)
         try:
             deadline = time.time() + 240
@@ -66,10 +57,10 @@ def interrupt_after_step_2(launcher: list[str], text: Path, out: Path, *extra: s
 
 
 @pytest.fixture(scope="module")
-def nproc_run(tmp_path_factory, text) -> tuple[int, str, str, Path]:
+def nproc_run(tmp_path_factory, shakespeare_file) -> tuple[int, str, str, Path]:
     """`gpt2 train --nproc-per-node 2`, stopped by Ctrl-C after step 2."""
     out = tmp_path_factory.mktemp("nproc") / "run"
-    code, stdout, stderr = interrupt_after_step_2([sys.executable, "-m", "gpt2"], text, out, "--nproc-per-node", "2",
+    code, stdout, stderr = interrupt_after_step_2([sys.executable, "-m", "gpt2"], shakespeare_file, out, "--nproc-per-node", "2",
                                                   *SAME_RUN)
     return code, stdout, stderr, out
 
@@ -90,14 +81,14 @@ def test_ctrl_c_with_nproc_per_node_is_one_line_and_exit_130(nproc_run):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_process_cli_run_equals_one_process(nproc_run, text, tmp_path):
+def test_two_process_cli_run_equals_one_process(nproc_run, shakespeare_file, tmp_path):
     """2 gloo processes x 1 micro-step and 1 process x 2 micro-steps: the same 128-token global
     batch, the same seed, the same losses. The workers get the launcher's resolved options as a
     config file (gpt2.launch), so this covers more than plain torchrun, whose ranks parse the
     same flags (started below and in test_examples)."""
     code, stdout, _, out = nproc_run
     assert "2 process(es), 1 micro-step(s)" in stdout
-    assert main(train_args(text, tmp_path / "single", 2, *SAME_RUN)) == 0
+    assert main(train_args(shakespeare_file, tmp_path / "single", 2, *SAME_RUN)) == 0
     two, one = losses(out)[:2], losses(tmp_path / "single")
     assert len(two) == len(one) == 2
     # Only the summation order differs (all-reduce vs local accumulation).
@@ -106,11 +97,11 @@ def test_two_process_cli_run_equals_one_process(nproc_run, text, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ctrl_c_under_torchrun_workers_exit_quietly(tmp_path, text):
+def test_ctrl_c_under_torchrun_workers_exit_quietly(tmp_path, shakespeare_file):
     """Under plain torchrun the workers stop with one line; the only traceback left is the one
     torchrun's own agent prints for its SignalException (not ours to change; see gpt2.launch)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpt2"]
-    code, stdout, stderr = interrupt_after_step_2(launcher, text, tmp_path / "run")
+    code, stdout, stderr = interrupt_after_step_2(launcher, shakespeare_file, tmp_path / "run")
     assert "2 process(es)" in stdout
     assert stderr.count("gpt2 train: interrupted") == 1  # rank 0 says it, once
     assert stderr.count("Traceback") <= 1 and ("Traceback" not in stderr or "SignalException" in stderr)

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 from gpt2.cli import main
@@ -22,37 +20,28 @@ TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2
          "--no-progress", "--no-plot", "--device", "cpu", "--precision", "fp32"]
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> str:
-    if not os.environ.get("GPT2_TINY_SHAKESPEARE") or not os.environ.get("TIKTOKEN_CACHE_DIR"):
-        pytest.skip("the offline data in ../shared/data is needed")
-    path = tmp_path_factory.mktemp("data") / "input.txt"
-    path.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text(encoding="utf-8")[:20000], encoding="utf-8")
-    return str(path)
-
-
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_train_with_one_seed_gives_identical_losses(tmp_path, text):
+def test_train_with_one_seed_gives_identical_losses(tmp_path, shakespeare_file):
     runs = []
     for i in range(2):
         torch.manual_seed(100 + i)  # whatever the global RNG held before, --seed decides
-        assert main([*TRAIN, "--data", text, "--seed", "7", "--out-dir", str(tmp_path / f"run{i}")]) == 0
+        assert main([*TRAIN, "--data", str(shakespeare_file), "--seed", "7", "--out-dir", str(tmp_path / f"run{i}")]) == 0
         runs.append(losses(tmp_path / f"run{i}"))
     assert len(runs[0]) == 3 and runs[0] == runs[1]  # bit for bit: same weights, same data
     # and the seed matters: another one starts from other weights
-    assert main([*TRAIN, "--data", text, "--seed", "8", "--out-dir", str(tmp_path / "other")]) == 0
+    assert main([*TRAIN, "--data", str(shakespeare_file), "--seed", "8", "--out-dir", str(tmp_path / "other")]) == 0
     assert losses(tmp_path / "other")[0] != runs[0][0]
 
 
-def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, text, caplog):
+def test_finetune_with_one_seed_gives_identical_lora_init(tmp_path, hf_dir, shakespeare_file, caplog):
     from safetensors.torch import load_file
 
     args = ["finetune", "--init", str(hf_dir), "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", "2",
             "--warmup-steps", "1", "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0",
-            "--no-progress", "--no-plot", "--device", "cpu", "--precision", "fp32", "--seed", "3", "--data", text]
+            "--no-progress", "--no-plot", "--device", "cpu", "--precision", "fp32", "--seed", "3", "--data", str(shakespeare_file)]
     adapters = []
     for i in range(2):
         torch.manual_seed(200 + i)
