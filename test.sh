@@ -4,4 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup.sh dev
+# Lint, formatting and the import layers first: each fails fast and names the file.
+"$PYTHON" -m ruff check .
+"$PYTHON" -m ruff format --check --quiet gpt2 minlora tests examples benchmarks scripts
+lint_imports=("$PYTHON" -c "from importlinter.cli import lint_imports_command as c; c()" --no-cache)
+"${lint_imports[@]}" >/dev/null || "${lint_imports[@]}"  # the contracts: pyproject.toml [tool.importlinter]
 exec "$PYTHON" -m pytest -q --durations=15 "$@"

@@ -22,8 +22,9 @@ import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,8 +33,15 @@ IMPLEMENTATIONS = ("minlora", "minlora-plain", "peft")
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-__all__ = ["IMPLEMENTATIONS", "BenchResult", "model_config", "build_lora_model", "time_training_steps",
-           "run_lora_benchmark", "format_results"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "BenchResult",
+    "model_config",
+    "build_lora_model",
+    "time_training_steps",
+    "run_lora_benchmark",
+    "format_results",
+]
 
 
 @dataclass
@@ -52,18 +60,29 @@ class BenchResult:
 def model_config(name: str, seq_len: int):
     """One of the library's named shapes (``gpt2`` = 124M, ``mini``, ``tiny``, ...; ``gpt2.config.SHAPES``)
     with GPT-2's vocabulary padded to 50304."""
-    from gpt2.config import SHAPES, GPTConfig
+    from gpt2.model.config import SHAPES, GPTConfig
 
     if name not in SHAPES:
         raise ValueError(f"unknown benchmark model {name!r}; use one of {', '.join(SHAPES)}")
-    return GPTConfig(block_size=max(1024 if name.startswith("gpt2") else 256, seq_len), pad_vocab_multiple=64,
-                     **SHAPES[name])
+    return GPTConfig(
+        block_size=max(1024 if name.startswith("gpt2") else 256, seq_len), pad_vocab_multiple=64, **SHAPES[name]
+    )
 
 
-def build_lora_model(impl: str, config, *, rank: int, alpha: float, targets: Sequence[str], dropout: float,
-                     base_dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
+def build_lora_model(
+    impl: str,
+    config,
+    *,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str],
+    dropout: float,
+    base_dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+) -> nn.Module:
     """A randomly initialised ``gpt2.GPT`` (seeded) carrying ``impl``'s LoRA, only LoRA trainable."""
-    from gpt2.model import GPT
+    from gpt2.model.gpt import GPT
 
     torch.manual_seed(seed)
     model = GPT(config).to(device=device, dtype=base_dtype)
@@ -87,10 +106,20 @@ def build_lora_model(impl: str, config, *, rank: int, alpha: float, targets: Seq
     return model.train()
 
 
-def time_training_steps(model: nn.Module, *, batch_size: int, seq_len: int, precision: str, steps: int,
-                        warmup: int, device: torch.device, vocab_size: int, seed: int,
-                        compile: bool = False,
-                        progress: Callable[[str], None] | None = None) -> tuple[list[float], float | None, float]:
+def time_training_steps(
+    model: nn.Module,
+    *,
+    batch_size: int,
+    seq_len: int,
+    precision: str,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    vocab_size: int,
+    seed: int,
+    compile: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[float], float | None, float]:
     """Run ``warmup`` then ``steps`` LoRA training steps; returns (step seconds, peak MiB or None, first loss).
     ``progress`` (if given) gets a line when the warm-up (where compilation happens) is done."""
     if precision not in PRECISIONS:
@@ -167,8 +196,10 @@ def run_lora_benchmark(
     ``progress`` gets a one-line status before and after every run (default: printed to stderr,
     so a long benchmark is never silent; pass ``lambda line: None`` to silence it)."""
     if progress is None:
+
         def progress(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
+
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -188,17 +219,36 @@ def run_lora_benchmark(
             label = f"[{done + 1}/{runs}] {impl} (round {round_index + 1}/{repeats}, {precision}, {dev.type})"
             progress(f"{label}: building the model, then {warmup} warm-up + {steps} timed steps...")
             t_run = time.perf_counter()
-            net = build_lora_model(impl, config, rank=rank, alpha=alpha, targets=targets, dropout=dropout,
-                                   base_dtype=_DTYPES[base_dtype], device=dev, seed=seed)
+            net = build_lora_model(
+                impl,
+                config,
+                rank=rank,
+                alpha=alpha,
+                targets=targets,
+                dropout=dropout,
+                base_dtype=_DTYPES[base_dtype],
+                device=dev,
+                seed=seed,
+            )
             run_times, peak, first_loss = time_training_steps(
-                net, batch_size=batch_size, seq_len=seq_len, precision=precision, steps=steps, warmup=warmup,
-                device=dev, vocab_size=config.vocab_size, seed=seed, compile=compile,
+                net,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                precision=precision,
+                steps=steps,
+                warmup=warmup,
+                device=dev,
+                vocab_size=config.vocab_size,
+                seed=seed,
+                compile=compile,
                 progress=lambda line, label=label: progress(f"{label}: {line}"),
             )
             times[impl] += run_times
             done += 1
-            progress(f"{label}: median step {statistics.median(run_times) * 1000:,.1f} ms "
-                     f"({time.perf_counter() - t_run:.1f} s for the run)")
+            progress(
+                f"{label}: median step {statistics.median(run_times) * 1000:,.1f} ms "
+                f"({time.perf_counter() - t_run:.1f} s for the run)"
+            )
             if peak is not None:
                 peaks[impl] = max(peak, peaks.get(impl) or 0.0)
             first.setdefault(impl, (first_loss, sum(p.numel() for p in net.parameters() if p.requires_grad)))
@@ -211,10 +261,16 @@ def run_lora_benchmark(
     results = []
     for impl in impls:
         step_s = statistics.median(times[impl])
-        results.append(BenchResult(
-            impl=impl, step_ms=step_s * 1000, tokens_per_second=batch_size * seq_len / step_s,
-            peak_memory_mib=peaks.get(impl), trainable_params=first[impl][1], first_loss=first[impl][0],
-        ))
+        results.append(
+            BenchResult(
+                impl=impl,
+                step_ms=step_s * 1000,
+                tokens_per_second=batch_size * seq_len / step_s,
+                peak_memory_mib=peaks.get(impl),
+                trainable_params=first[impl][1],
+                first_loss=first[impl][0],
+            )
+        )
     return results
 
 

@@ -22,7 +22,7 @@ import torch
 # The benchmark code lives in benchmarks/lora.py at the repository root (not an installed package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.lora import IMPLEMENTATIONS, PRECISIONS, format_results, run_lora_benchmark  # noqa: E402
-from gpt2.config import SHAPES  # noqa: E402
+from gpt2.model.config import SHAPES  # noqa: E402
 
 
 def main() -> None:
@@ -31,10 +31,18 @@ def main() -> None:
     parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="autocast dtype of the step (fp16 adds a GradScaler); fp32 = no autocast")
-    parser.add_argument("--base-dtype", choices=PRECISIONS, default="fp32",
-                        help="dtype of the frozen base weights (LoRA factors stay fp32)")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="autocast dtype of the step (fp16 adds a GradScaler); fp32 = no autocast",
+    )
+    parser.add_argument(
+        "--base-dtype",
+        choices=PRECISIONS,
+        default="fp32",
+        help="dtype of the frozen base weights (LoRA factors stay fp32)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -43,22 +51,40 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=16.0)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--targets", nargs="+", default=["c_attn", "c_proj", "c_fc"])
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds over the implementations (interleaved; helps on a shared, noisy machine)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over the implementations (interleaved; helps on a shared, noisy machine)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines too")
     args = parser.parse_args()
 
     results = run_lora_benchmark(
-        args.impl, model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, precision=args.precision,
-        base_dtype=args.base_dtype, steps=args.steps, warmup=args.warmup, compile=args.compile, device=args.device,
-        rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets, repeats=args.repeats,
+        args.impl,
+        model=args.model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        precision=args.precision,
+        base_dtype=args.base_dtype,
+        steps=args.steps,
+        warmup=args.warmup,
+        compile=args.compile,
+        device=args.device,
+        rank=args.rank,
+        alpha=args.alpha,
+        dropout=args.dropout,
+        targets=args.targets,
+        repeats=args.repeats,
     )
     on_cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.cuda.get_device_name() if on_cuda else (platform.processor() or "CPU")
-    print(f"model={args.model} batch={args.batch_size} seq_len={args.seq_len} precision={args.precision} "
-          f"base={args.base_dtype} compile={args.compile} steps={args.steps}x{args.repeats} rank={args.rank} "
-          f"targets={','.join(args.targets)} device={device} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()}")
+    print(
+        f"model={args.model} batch={args.batch_size} seq_len={args.seq_len} precision={args.precision} "
+        f"base={args.base_dtype} compile={args.compile} steps={args.steps}x{args.repeats} rank={args.rank} "
+        f"targets={','.join(args.targets)} device={device} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()}"
+    )
     print(format_results(results))
     if args.json:
         for r in results:

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.config import TrainConfig
 from gpt2.data import tiny_shakespeare_path
 from gpt2.data.sources import text_tokens
-from gpt2.trainer import Trainer
+from gpt2.train.config import TrainConfig
+from gpt2.train.trainer import Trainer
 
 # fp16's limits (IEEE half precision): largest finite value, smallest normal, smallest subnormal.
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
@@ -51,10 +51,17 @@ STYLES = {"fp32": ("-", "o"), "bf16": ("--", "s"), "fp16": (":", "^"), "tf32": (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/precision_curves",
-                   help="output directory (default: runs/precision_curves; docs/figures updates the docs' figures)")
-    p.add_argument("--replot", default=None, metavar="JSON",
-                   help="redraw precision_loss_curves.png from this precision_curves.json instead of training")
+    p.add_argument(
+        "--out",
+        default="runs/precision_curves",
+        help="output directory (default: runs/precision_curves; docs/figures updates the docs' figures)",
+    )
+    p.add_argument(
+        "--replot",
+        default=None,
+        metavar="JSON",
+        help="redraw precision_loss_curves.png from this precision_curves.json instead of training",
+    )
     p.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated runs (default: fp32,bf16,fp16)")
     p.add_argument("--steps", type=int, default=150, help="training steps per run (default: 150)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
@@ -76,19 +83,33 @@ def compact_tokens() -> tuple[np.ndarray, int]:
 
 def train(precision: str, tokens: np.ndarray, vocab: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(block_size=args.seq_len, vocab_size=vocab, n_layer=args.n_layer, n_head=4,
-                          n_embd=args.n_embd))
-    config = TrainConfig(micro_batch_size=args.batch_size, seq_len=args.seq_len, max_steps=args.steps,
-                         warmup_steps=max(1, args.steps // 10), max_lr=args.max_lr, precision=precision,
-                         device=args.device, out_dir=None, progress=False, eval_interval=0, seed=args.seed)
+    model = GPT(
+        GPTConfig(block_size=args.seq_len, vocab_size=vocab, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
+    )
+    config = TrainConfig(
+        micro_batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        max_steps=args.steps,
+        warmup_steps=max(1, args.steps // 10),
+        max_lr=args.max_lr,
+        precision=precision,
+        device=args.device,
+        out_dir=None,
+        progress=False,
+        eval_interval=0,
+        seed=args.seed,
+    )
     start = time.time()
     print(f"{precision}: training {args.steps} steps ...", flush=True)
     with Trainer(model, config, tokens, sinks=[ProgressLines(precision, args.steps)]) as trainer:
         history = trainer.fit()
         seconds = time.time() - start
         grads = gradient_sample(trainer) if precision == "fp32" else None
-    print(f"{precision}: final loss {history[-1]['loss']:.4f}, {seconds:.0f} s, "
-          f"{sum(r['skipped'] for r in history)} skipped steps", flush=True)
+    print(
+        f"{precision}: final loss {history[-1]['loss']:.4f}, {seconds:.0f} s, "
+        f"{sum(r['skipped'] for r in history)} skipped steps",
+        flush=True,
+    )
     return {
         "precision": precision,
         "loss": [r["loss"] for r in history],
@@ -112,8 +133,10 @@ class ProgressLines:
         if now - self.last >= self.every or record["step"] == self.steps:
             self.last = now
             per_step = (now - self.start) / record["step"]
-            print(f"  {self.name}: step {record['step']}/{self.steps}, loss {record['loss']:.4f}, "
-                  f"{per_step:.2f} s/step", flush=True)
+            print(
+                f"  {self.name}: step {record['step']}/{self.steps}, loss {record['loss']:.4f}, {per_step:.2f} s/step",
+                flush=True,
+            )
 
 
 def gradient_sample(trainer: Trainer) -> np.ndarray:
@@ -147,8 +170,15 @@ def plot_losses(runs: list[dict], path: Path) -> None:
         line, marker = STYLES.get(run["precision"], ("-", "x"))
         every = max(1, n // 10)
         offset = runs.index(run) * every // len(runs)  # staggered, so overlapping curves show every marker
-        return dict(color=COLORS.get(run["precision"]), linestyle=line, marker=marker,
-                    markevery=(offset, every), markersize=5, linewidth=1.4, label=run["precision"])
+        return dict(
+            color=COLORS.get(run["precision"]),
+            linestyle=line,
+            marker=marker,
+            markevery=(offset, every),
+            markersize=5,
+            linewidth=1.4,
+            label=run["precision"],
+        )
 
     ax = axes["loss"]
     for run in runs:
@@ -156,8 +186,10 @@ def plot_losses(runs: list[dict], path: Path) -> None:
         ax.plot(steps, run["loss"], **style(run, len(steps)))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"same model, same batches: {', '.join(r['precision'] for r in runs)}\n"
-                 f"(the curves lie on top of each other)", fontsize=10)
+    ax.set_title(
+        f"same model, same batches: {', '.join(r['precision'] for r in runs)}\n(the curves lie on top of each other)",
+        fontsize=10,
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     if "diff" in axes:
@@ -180,8 +212,14 @@ def plot_losses(runs: list[dict], path: Path) -> None:
         ax.step(steps, np.log2(scale), where="post", color=COLORS["fp16"], label="fp16 loss scale")
         skipped = [s for s, k in zip(steps, fp16["skipped"]) if k]
         if skipped:
-            ax.scatter(skipped, np.log2([scale[s - 1] for s in skipped]), marker="x", color="black",
-                       label=f"skipped steps ({len(skipped)})", zorder=3)
+            ax.scatter(
+                skipped,
+                np.log2([scale[s - 1] for s in skipped]),
+                marker="x",
+                color="black",
+                label=f"skipped steps ({len(skipped)})",
+                zorder=3,
+            )
         ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("log2(loss scale)")
@@ -204,8 +242,11 @@ def plot_gradients(grads: np.ndarray, scale: float, path: Path) -> dict:
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.hist(logs, bins=bins, alpha=0.6, color="#1f77b4", label="|gradient|")
     ax.hist(scaled, bins=bins, alpha=0.6, color="#d62728", label=f"|gradient| x {scale:g} (loss scale)")
-    for value, name in ((FP16_MIN_SUBNORMAL, "fp16: 0 below"), (FP16_MIN_NORMAL, "fp16 min normal"),
-                        (FP16_MAX, "fp16 max")):
+    for value, name in (
+        (FP16_MIN_SUBNORMAL, "fp16: 0 below"),
+        (FP16_MIN_NORMAL, "fp16 min normal"),
+        (FP16_MAX, "fp16 max"),
+    ):
         ax.axvline(math.log10(value), color="black", linestyle="--", linewidth=1)
         ax.text(math.log10(value), ax.get_ylim()[1] * 0.95, f" {name}", rotation=90, va="top", fontsize=8)
     ax.set_xlabel("log10 |value|")
@@ -234,15 +275,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         source = Path(args.replot)
         if not source.is_file():
-            print(f"error: --replot {source}: no such file (a precision_curves.json written by this script)",
-                  file=sys.stderr)
+            print(
+                f"error: --replot {source}: no such file (a precision_curves.json written by this script)",
+                file=sys.stderr,
+            )
             return 2
         runs = json.loads(source.read_text())["runs"]
         plot_losses(runs, out / "precision_loss_curves.png")
         print(f"wrote {out / 'precision_loss_curves.png'} (from {source})")
         return 0
     tokens, vocab = compact_tokens()
-    print(f"Tiny Shakespeare: {len(tokens):,} tokens over {vocab:,} distinct ids; {args.steps} steps per run", flush=True)
+    print(
+        f"Tiny Shakespeare: {len(tokens):,} tokens over {vocab:,} distinct ids; {args.steps} steps per run", flush=True
+    )
     runs = [train(p, tokens, vocab, args) for p in precisions]
     plot_losses(runs, out / "precision_loss_curves.png")
     summary = {

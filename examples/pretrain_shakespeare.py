@@ -19,5 +19,6 @@ import sys
 from gpt2.cli import run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("train", prog="pretrain_shakespeare.py", defaults={"recipe": "shakespeare"},
-                         description=__doc__))
+    sys.exit(
+        run_command("train", prog="pretrain_shakespeare.py", defaults={"recipe": "shakespeare"}, description=__doc__)
+    )

@@ -20,5 +20,6 @@ import sys
 from gpt2.cli import run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("train", prog="train_gpt2_124m.py", defaults={"recipe": "gpt2-124m-fineweb"},
-                         description=__doc__))
+    sys.exit(
+        run_command("train", prog="train_gpt2_124m.py", defaults={"recipe": "gpt2-124m-fineweb"}, description=__doc__)
+    )

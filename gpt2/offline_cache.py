@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .data import TINY_SHAKESPEARE_SHA256, default_cache_dir
-from .data._util import replace_atomically
+from gpt2.data import TINY_SHAKESPEARE_SHA256, default_cache_dir
+from gpt2.data._util import replace_atomically
 
 __all__ = ["seed_caches", "tiktoken_cache_dir"]
 
@@ -72,8 +72,9 @@ def seed_caches(source: str | os.PathLike, cache_dir: str | os.PathLike | None =
     """
     source = Path(source).expanduser()
     if not source.is_dir():
-        raise FileNotFoundError(f"{source} is not a directory; pass the folder holding tinyshakespeare.txt "
-                                "and gpt2-tokenizer/")
+        raise FileNotFoundError(
+            f"{source} is not a directory; pass the folder holding tinyshakespeare.txt and gpt2-tokenizer/"
+        )
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     jobs = [(source / "tinyshakespeare.txt", cache / "tinyshakespeare.txt", TINY_SHAKESPEARE_SHA256)]
     tiktoken_dir = tiktoken_cache_dir()
@@ -86,8 +87,10 @@ def seed_caches(source: str | os.PathLike, cache_dir: str | os.PathLike | None =
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m gpt2.offline_cache DIR  (a folder with tinyshakespeare.txt and gpt2-tokenizer/)",
-              file=sys.stderr)
+        print(
+            "usage: python -m gpt2.offline_cache DIR  (a folder with tinyshakespeare.txt and gpt2-tokenizer/)",
+            file=sys.stderr,
+        )
         return 2
     try:
         written = seed_caches(argv[0])

@@ -1,8 +1,18 @@
 # Sourced by run.sh and test.sh: install the project (torch first) and point at offline data.
 # Usage: source scripts/setup.sh [extras]   e.g. "dev"
 set -euo pipefail
-PYTHON=${PYTHON:-python3}
 extras=${1:-}
+
+# A project-local virtual environment (.venv, created on first use and reused after), so the
+# install never lands in whatever python3 happens to be active. PYTHON=/path/to/python uses that
+# interpreter instead (e.g. one with your own CUDA build of torch).
+if [ -z "${PYTHON:-}" ]; then
+    if [ ! -x .venv/bin/python ]; then
+        python3 -m venv .venv
+        .venv/bin/python -m pip install --quiet --upgrade pip
+    fi
+    PYTHON=.venv/bin/python
+fi
 
 # Install torch on its own first: with no torch present, a plain `torch` requirement resolved by
 # pip pulls the newest CUDA build (several GB). An installed torch (any build, e.g. your CUDA one)

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.config import TrainConfig
-from gpt2.distributed import destroy_process_group
-from gpt2.trainer import Trainer
+from gpt2.train.config import TrainConfig
+from gpt2.train.distributed import destroy_process_group
+from gpt2.train.trainer import Trainer
 
 
 def _write(out_dir: str, report: dict) -> dict:
@@ -56,9 +56,20 @@ def train(out_dir: str) -> dict:
     # Validation reads eval_steps micro-batches on every process: 4 in all, either way.
     eval_steps = 4 // int(os.environ.get("WORLD_SIZE", "1"))
     config = TrainConfig(
-        micro_batch_size=MICRO_BATCH, seq_len=SEQ_LEN, total_batch_size=TOTAL_BATCH, max_steps=MAX_STEPS,
-        warmup_steps=1, max_lr=1e-3, eval_interval=2, eval_steps=eval_steps, checkpoint_interval=2, out_dir=out_dir,
-        progress=False, device="cpu", precision="fp32", plot=False,
+        micro_batch_size=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        total_batch_size=TOTAL_BATCH,
+        max_steps=MAX_STEPS,
+        warmup_steps=1,
+        max_lr=1e-3,
+        eval_interval=2,
+        eval_steps=eval_steps,
+        checkpoint_interval=2,
+        out_dir=out_dir,
+        progress=False,
+        device="cpu",
+        precision="fp32",
+        plot=False,
     )
     with Trainer(model, config, tokens[:3072], tokens[3072:], sinks=[]) as trainer:
         history = trainer.fit()
@@ -82,8 +93,8 @@ VAL_BATCHES = 5  # odd: under 2 ranks one scores 3 batches and the other 2
 def final_eval(out_dir: str) -> dict:
     """No training: the same weights on every rank, so the final report must give the
     one-process loss whatever the number of ranks."""
-    from gpt2.jobs.common import final_report
-    from gpt2.jobs.options import SamplingOptions
+    from gpt2.cli.common import final_report
+    from gpt2.cli.options import SamplingOptions
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32))
@@ -92,9 +103,18 @@ def final_eval(out_dir: str) -> dict:
     train_tokens, val = tokens[:2048], tokens[2048:]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # out_dir: final_report writes results.json there (rank 0); not the default ./out
-    config = TrainConfig(micro_batch_size=EVAL_B, seq_len=EVAL_T, total_batch_size=EVAL_B * EVAL_T * world_size,
-                         max_steps=1, eval_interval=0, progress=False, device="cpu", precision="fp32", plot=False,
-                         out_dir=str(Path(out_dir) / "run"))
+    config = TrainConfig(
+        micro_batch_size=EVAL_B,
+        seq_len=EVAL_T,
+        total_batch_size=EVAL_B * EVAL_T * world_size,
+        max_steps=1,
+        eval_interval=0,
+        progress=False,
+        device="cpu",
+        precision="fp32",
+        plot=False,
+        out_dir=str(Path(out_dir) / "run"),
+    )
     no_samples = SamplingOptions(num_samples=0)
     with Trainer(model, config, train_tokens, val, sinks=[]) as trainer:
         forwards = []
@@ -127,8 +147,18 @@ def lora(out_dir: str) -> dict:
     add_lora(model, LoRAConfig(rank=4, alpha=8, include_lm_head=True))
     mark_only_lora_as_trainable(model)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    config = TrainConfig(micro_batch_size=2, seq_len=16, total_batch_size=128, max_steps=3, max_lr=1e-2,
-                         precision="fp32", device="cpu", out_dir=None, eval_interval=0, progress=False)
+    config = TrainConfig(
+        micro_batch_size=2,
+        seq_len=16,
+        total_batch_size=128,
+        max_steps=3,
+        max_lr=1e-2,
+        precision="fp32",
+        device="cpu",
+        out_dir=None,
+        eval_interval=0,
+        progress=False,
+    )
     cyclic = torch.arange(4096) % 24  # a sequence a LoRA learns in a few steps
     with Trainer(model, config, cyclic) as trainer:
         losses = [r["loss"] for r in trainer.fit()]
@@ -140,7 +170,7 @@ def lora(out_dir: str) -> dict:
 
 # --------------------------------------------------------------------------- locked
 def _hold_lock(out_dir: str, ready) -> None:
-    from gpt2 import rundir
+    from gpt2.train import rundir
 
     rundir.RunLock(out_dir).acquire()
     ready.set()
@@ -150,14 +180,26 @@ def _hold_lock(out_dir: str, ready) -> None:
 def locked(out_dir: str) -> dict:
     """out_dir is held by another process (see __main__): rank 0 finds it locked, and rank 1
     must raise too instead of waiting for rank 0 forever."""
-    from gpt2.rundir import RunDirLockedError
+    from gpt2.train.rundir import RunDirLockedError
 
     rank = int(os.environ.get("RANK", "0"))
-    cfg = TrainConfig(micro_batch_size=2, seq_len=16, max_steps=2, out_dir=out_dir, progress=False, plot=False,
-                      device="cpu", precision="fp32")
+    cfg = TrainConfig(
+        micro_batch_size=2,
+        seq_len=16,
+        max_steps=2,
+        out_dir=out_dir,
+        progress=False,
+        plot=False,
+        device="cpu",
+        precision="fp32",
+    )
     try:
-        Trainer(GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)), cfg,
-                torch.zeros(1024, dtype=torch.long), sinks=[])
+        Trainer(
+            GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)),
+            cfg,
+            torch.zeros(1024, dtype=torch.long),
+            sinks=[],
+        )
         refused = None
     except RunDirLockedError as e:
         refused = str(e)
@@ -175,8 +217,9 @@ if __name__ == "__main__":
         # Another process holds the "locked" job's out_dir, from before the group exists (forked:
         # no interpreter start-up). The barrier of init_process_group orders it before rank 1.
         ready = mp.get_context("fork").Event()
-        holder = mp.get_context("fork").Process(target=_hold_lock, args=(str(out / "locked" / "run"), ready),
-                                                daemon=True)
+        holder = mp.get_context("fork").Process(
+            target=_hold_lock, args=(str(out / "locked" / "run"), ready), daemon=True
+        )
         holder.start()
         assert ready.wait(60), "the lock holder did not start"
     torch.distributed.init_process_group("gloo")

@@ -6,12 +6,22 @@ from __future__ import annotations
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.config import TrainConfig
+from gpt2.train.config import TrainConfig
 
 
 def tiny_config(out_dir, **overrides) -> TrainConfig:
-    base = dict(micro_batch_size=2, seq_len=16, max_steps=4, max_lr=1e-3, out_dir=str(out_dir), progress=False,
-                eval_interval=0, plot=False, checkpoint_interval=2, keep_last_checkpoints=0)
+    base = dict(
+        micro_batch_size=2,
+        seq_len=16,
+        max_steps=4,
+        max_lr=1e-3,
+        out_dir=str(out_dir),
+        progress=False,
+        eval_interval=0,
+        plot=False,
+        checkpoint_interval=2,
+        keep_last_checkpoints=0,
+    )
     return TrainConfig(**{**base, **overrides})
 
 

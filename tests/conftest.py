@@ -118,8 +118,16 @@ def dist_run(tmp_path_factory) -> DistRun:
     out = tmp_path_factory.mktemp("dist")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(Path(__file__).parent / "_dist_worker.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        str(Path(__file__).parent / "_dist_worker.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     return DistRun(out, proc)
 

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from gpt2 import GPT
-from gpt2 import checkpoint as ckpt
+from gpt2.train import checkpoint as ckpt
 
 
 @pytest.fixture

@@ -15,14 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from gpt2 import checkpoint as ckpt
-from gpt2.cli import main
-from gpt2.loading import load_trained_model
-from gpt2.trainer import Trainer
-
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
+from gpt2.cli import main
+from gpt2.model.loading import load_trained_model
+from gpt2.train import checkpoint as ckpt
+from gpt2.train.trainer import Trainer
 
 _config, _model, _tokens = tiny_config, tiny_model, tiny_tokens
 
@@ -53,8 +51,11 @@ def _rewrite_weights(path: Path, value: float) -> None:
     name = "transformer.h.0.mlp.c_fc.weight"
     state[name] = state[name].clone()
     state[name][0, 0] = value
-    ckpt.save_weights({k: v for k, v in state.items() if k != "lm_head.weight"}, path,
-                      {k: v for k, v in meta.items() if k not in ("format", "aliases")})
+    ckpt.save_weights(
+        {k: v for k, v in state.items() if k != "lm_head.weight"},
+        path,
+        {k: v for k, v in meta.items() if k not in ("format", "aliases")},
+    )
 
 
 def _garbage_header(path: Path) -> None:
@@ -71,32 +72,57 @@ def _header_not_json(path: Path) -> None:
 # (damage, file it hits, words the error uses for it)
 DAMAGE = {
     "truncated safetensors": (lambda p: _truncate(p / ckpt.WEIGHTS_FILE, 0.9), ckpt.WEIGHTS_FILE, "truncated"),
-    "safetensors cut in its header": (lambda p: _truncate(p / ckpt.WEIGHTS_FILE, 0.001), ckpt.WEIGHTS_FILE, "garbage header"),
+    "safetensors cut in its header": (
+        lambda p: _truncate(p / ckpt.WEIGHTS_FILE, 0.001),
+        ckpt.WEIGHTS_FILE,
+        "garbage header",
+    ),
     "garbage header length": (lambda p: _garbage_header(p / ckpt.WEIGHTS_FILE), ckpt.WEIGHTS_FILE, "garbage header"),
     "header not JSON": (lambda p: _header_not_json(p / ckpt.WEIGHTS_FILE), ckpt.WEIGHTS_FILE, "garbage header"),
     "bytes appended": (lambda p: open(p / ckpt.WEIGHTS_FILE, "ab").write(b"\0" * 10), ckpt.WEIGHTS_FILE, "extra bytes"),
     "empty safetensors": (lambda p: (p / ckpt.WEIGHTS_FILE).write_bytes(b""), ckpt.WEIGHTS_FILE, "too short"),
     "missing safetensors": (lambda p: (p / ckpt.WEIGHTS_FILE).unlink(), ckpt.WEIGHTS_FILE, "is missing"),
-    "nan weight": (lambda p: _rewrite_weights(p / ckpt.WEIGHTS_FILE, float("nan")), ckpt.WEIGHTS_FILE,
-                   "non-finite.*h.0.mlp.c_fc.weight"),
-    "inf weight": (lambda p: _rewrite_weights(p / ckpt.WEIGHTS_FILE, float("inf")), ckpt.WEIGHTS_FILE,
-                   "non-finite.*h.0.mlp.c_fc.weight"),
+    "nan weight": (
+        lambda p: _rewrite_weights(p / ckpt.WEIGHTS_FILE, float("nan")),
+        ckpt.WEIGHTS_FILE,
+        "non-finite.*h.0.mlp.c_fc.weight",
+    ),
+    "inf weight": (
+        lambda p: _rewrite_weights(p / ckpt.WEIGHTS_FILE, float("inf")),
+        ckpt.WEIGHTS_FILE,
+        "non-finite.*h.0.mlp.c_fc.weight",
+    ),
     "corrupted json": (lambda p: (p / ckpt.META_FILE).write_text("{not json"), ckpt.META_FILE, "not valid JSON"),
     "truncated json": (lambda p: _truncate(p / ckpt.META_FILE), ckpt.META_FILE, "not valid JSON"),
-    "json of another step": (lambda p: (p / ckpt.META_FILE).write_text(json.dumps({"step": 3})), ckpt.META_FILE,
-                             "'step' is 3 but the directory is step_000004"),
+    "json of another step": (
+        lambda p: (p / ckpt.META_FILE).write_text(json.dumps({"step": 3})),
+        ckpt.META_FILE,
+        "'step' is 3 but the directory is step_000004",
+    ),
     "missing json": (lambda p: (p / ckpt.META_FILE).unlink(), ckpt.META_FILE, "is missing"),
-    "corrupted trainer_state.pt": (lambda p: (p / ckpt.STATE_FILE).write_bytes(b"PK\x03\x04garbage"), ckpt.STATE_FILE,
-                                   "cannot be read"),
+    "corrupted trainer_state.pt": (
+        lambda p: (p / ckpt.STATE_FILE).write_bytes(b"PK\x03\x04garbage"),
+        ckpt.STATE_FILE,
+        "cannot be read",
+    ),
     "truncated trainer_state.pt": (lambda p: _truncate(p / ckpt.STATE_FILE), ckpt.STATE_FILE, "cannot be read"),
     "missing trainer_state.pt": (lambda p: (p / ckpt.STATE_FILE).unlink(), ckpt.STATE_FILE, "is missing"),
-    "pickled object in trainer_state.pt": (lambda p: torch.save({"optimizer": Path("x")}, p / ckpt.STATE_FILE),
-                                           ckpt.STATE_FILE, "cannot be read"),
-    "trainer_state.pt without optimizer": (lambda p: torch.save({"rng": None}, p / ckpt.STATE_FILE),
-                                           ckpt.STATE_FILE, r"lacks \['optimizer', 'scaler'\]"),
+    "pickled object in trainer_state.pt": (
+        lambda p: torch.save({"optimizer": Path("x")}, p / ckpt.STATE_FILE),
+        ckpt.STATE_FILE,
+        "cannot be read",
+    ),
+    "trainer_state.pt without optimizer": (
+        lambda p: torch.save({"rng": None}, p / ckpt.STATE_FILE),
+        ckpt.STATE_FILE,
+        r"lacks \['optimizer', 'scaler'\]",
+    ),
     "json list": (lambda p: (p / ckpt.META_FILE).write_text("[4]"), ckpt.META_FILE, "not hold a JSON object"),
-    "safetensors is a directory": (lambda p: ((p / ckpt.WEIGHTS_FILE).unlink(), (p / ckpt.WEIGHTS_FILE).mkdir()),
-                                   ckpt.WEIGHTS_FILE, "is not a file"),
+    "safetensors is a directory": (
+        lambda p: ((p / ckpt.WEIGHTS_FILE).unlink(), (p / ckpt.WEIGHTS_FILE).mkdir()),
+        ckpt.WEIGHTS_FILE,
+        "is not a file",
+    ),
 }
 
 
@@ -106,7 +132,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(run, case, caplog):
     newest = run / "checkpoints" / "step_000004"
     damage(newest)
     # Resuming skips it, says which and why, and continues from step 2 (the same run).
-    with caplog.at_level(logging.WARNING, logger="gpt2.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         with Trainer(_model(), _config(run, resume="auto"), _tokens(), sinks=[]) as trainer:
             assert trainer.step == 2 and trainer.last_checkpoint.name == "step_000002"
     assert f"skipping damaged checkpoint {newest}" in caplog.text and file in caplog.text
@@ -123,7 +149,7 @@ def test_sample_eval_export_use_the_newest_intact_checkpoint(run, case, caplog):
     DAMAGE[case][0](run / "checkpoints" / "step_000004")
     good = _model()
     ckpt.load_checkpoint(run / "checkpoints" / "step_000002", good)
-    with caplog.at_level(logging.WARNING, logger="gpt2.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         model = load_trained_model(run)
     assert "step_000002, the newest intact checkpoint" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), good.state_dict().values()))
@@ -139,8 +165,12 @@ def test_all_checkpoints_damaged_is_one_error_naming_every_file(run, tmp_path, c
     with pytest.raises(ckpt.CheckpointError) as info:
         Trainer(_model(), _config(run, resume="auto"), _tokens(), sinks=[])
     message = str(info.value)
-    for part in ("step_000004/model.safetensors is", "step_000002/trainer_state.json is not valid JSON",
-                 "step_000002/trainer_state.pt cannot be read", "overwrite=True"):
+    for part in (
+        "step_000004/model.safetensors is",
+        "step_000002/trainer_state.json is not valid JSON",
+        "step_000002/trainer_state.pt cannot be read",
+        "overwrite=True",
+    ):
         assert part in message
     assert len(info.value.problems) == 3 and "\n" not in message
     # resume='auto' never starts from scratch silently, and the lock was released on the way out
@@ -154,7 +184,7 @@ def test_all_checkpoints_damaged_is_one_error_naming_every_file(run, tmp_path, c
 
 def test_export_command_falls_back_to_the_newest_intact_checkpoint(run, tmp_path, caplog):
     _rewrite_weights(run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE, float("nan"))
-    with caplog.at_level(logging.WARNING, logger="gpt2.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         assert main(["export", "--model", str(run), "--out", str(tmp_path / "hf")]) == 0
     assert "skipping damaged checkpoint" in caplog.text and "non-finite" in caplog.text
     assert (tmp_path / "hf" / "config.json").is_file()
@@ -179,15 +209,17 @@ def test_load_weights_wraps_every_safetensors_error(tmp_path):
     ckpt.save_weights({"a": torch.ones(4)}, path)
     data = path.read_bytes()
     header_len = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + header_len])
+    header = json.loads(data[8 : 8 + header_len])
     header["a"]["shape"] = [5]  # the bytes say 4 floats, the header 5
     raw = json.dumps(header, separators=(",", ":")).encode().ljust(header_len)
-    path.write_bytes(data[:8] + raw + data[8 + header_len:])
+    path.write_bytes(data[:8] + raw + data[8 + header_len :])
     with pytest.raises(ckpt.CheckpointError, match="tensor 'a'.*16 bytes instead of 20"):
         ckpt.load_weights(path)
     header["a"] = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     header["__metadata__"] = {"aliases": "{not json"}
-    path.write_bytes(data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(header_len) + data[8 + header_len:])
+    path.write_bytes(
+        data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(header_len) + data[8 + header_len :]
+    )
     with pytest.raises(ckpt.CheckpointError, match="aliases"):
         ckpt.load_weights(path)
 
@@ -195,11 +227,14 @@ def test_load_weights_wraps_every_safetensors_error(tmp_path):
 # ------------------------------------------------------------------------------ failed saves
 
 
-@pytest.mark.parametrize("failure", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 1024 vs 960"),
-    PermissionError(errno.EACCES, "Permission denied"),
-])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 1024 vs 960"),
+        PermissionError(errno.EACCES, "Permission denied"),
+    ],
+)
 @pytest.mark.parametrize("where", ["_write_weights", "_write_trainer_state", "_write_json", "_move_into_place"])
 def test_failed_save_says_the_previous_checkpoint_is_intact(run, monkeypatch, failure, where):
     root = run / "checkpoints"
@@ -250,7 +285,7 @@ def test_failed_latest_pointer_keeps_the_saved_checkpoint(run, monkeypatch, capl
         return real_replace(src, dst)
 
     monkeypatch.setattr(ckpt.os, "replace", replace)
-    with caplog.at_level(logging.WARNING, logger="gpt2.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         path = ckpt.save_checkpoint(root, 6, _model())
     monkeypatch.undo()
     assert "could not update" in caplog.text
@@ -300,7 +335,7 @@ def test_leftovers_of_an_interrupted_save_are_cleaned_up_at_start(run, caplog):
     assert (root / "step_000004").is_dir()  # restored, not deleted
     (root / f".tmp-step_000006-{host}-{dead}-0123abcd").mkdir()
     # The Trainer holds the run's lock, so at start it removes every leftover.
-    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         with Trainer(_model(), _config(run, resume="auto"), _tokens(), sinks=[]) as trainer:
             assert trainer.step == 4
     assert "interrupted save" in caplog.text

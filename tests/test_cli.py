@@ -23,21 +23,51 @@ import pytest
 import torch
 
 from gpt2.cli import COMMANDS, main, parse
-from gpt2.generate import stream_text
-from gpt2.jobs import UsageError
-from gpt2.loading import load_model
+from gpt2.model.generate import stream_text
+from gpt2.model.loading import load_model
 
 HELLASWAG = [
-    {"ctx": "ROMEO: I will", "endings": ["go to the house.", "fly to the moon of cheese.", "xyz qqq", "the the the"], "label": 0},
-    {"ctx_a": "JULIET:", "ctx_b": "O Romeo,", "endings": ["Romeo, wherefore art thou Romeo?", "banana", "1 2 3", "!!!"], "label": 0},
-    {"ctx": "First Citizen:", "endings": ["Before we proceed any further, hear me speak.", "ok", "no", "yes"], "label": "0"},
+    {
+        "ctx": "ROMEO: I will",
+        "endings": ["go to the house.", "fly to the moon of cheese.", "xyz qqq", "the the the"],
+        "label": 0,
+    },
+    {
+        "ctx_a": "JULIET:",
+        "ctx_b": "O Romeo,",
+        "endings": ["Romeo, wherefore art thou Romeo?", "banana", "1 2 3", "!!!"],
+        "label": 0,
+    },
+    {
+        "ctx": "First Citizen:",
+        "endings": ["Before we proceed any further, hear me speak.", "ok", "no", "yes"],
+        "label": "0",
+    },
 ]
 
 # A 2-layer, 32-wide model on 32-token sequences: a few hundred ms per step on a CPU.
 TINY_TRAIN = [
-    "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "4", "--warmup-steps", "1",
-    "--eval-interval", "2", "--eval-steps", "2", "--final-eval-batches", "3", "--num-samples", "1",
-    "--max-new-tokens", "8", "--no-progress", "--log-interval", "1",
+    "--model",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--eval-interval",
+    "2",
+    "--eval-steps",
+    "2",
+    "--final-eval-batches",
+    "3",
+    "--num-samples",
+    "1",
+    "--max-new-tokens",
+    "8",
+    "--no-progress",
+    "--log-interval",
+    "1",
 ]
 
 
@@ -80,8 +110,22 @@ def trained_run(tmp_path_factory) -> tuple[Path, str]:
     hellaswag = write_hellaswag(out.parent / "hellaswag_val.jsonl")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = main(["train", *TINY_TRAIN, "--max-steps", "4", "--checkpoint-interval", "2", "--out-dir", str(out),
-                     "--hellaswag", str(hellaswag), "--hellaswag-interval", "2"])
+        code = main(
+            [
+                "train",
+                *TINY_TRAIN,
+                "--max-steps",
+                "4",
+                "--checkpoint-interval",
+                "2",
+                "--out-dir",
+                str(out),
+                "--hellaswag",
+                str(hellaswag),
+                "--hellaswag-interval",
+                "2",
+            ]
+        )
     assert code == 0
     return out, stdout.getvalue()
 
@@ -134,9 +178,11 @@ def test_bad_flags_exit_2_with_one_line(capsys):
     code, _, err = run(capsys, "train", "--precision", "fp8")
     assert code == 2 and "fp8" in err
     # Values the library rejects (TrainConfig validation): one line naming the flag, no traceback.
-    for argv, message in [(["--max-steps", "2", "--warmup-steps", "5"], "--warmup-steps (5) exceeds"),
-                          (["--max-lr", "nan"], "--max-lr must be"),
-                          (["--lora.rank", "0"], "--lora.rank")]:
+    for argv, message in [
+        (["--max-steps", "2", "--warmup-steps", "5"], "--warmup-steps (5) exceeds"),
+        (["--max-lr", "nan"], "--max-lr must be"),
+        (["--lora.rank", "0"], "--lora.rank"),
+    ]:
         command, common = ("finetune", []) if argv[0].startswith("--lora") else ("train", TINY_TRAIN)
         code, _, err = run(capsys, command, *common, *argv)
         assert code == 2 and message in err, err
@@ -152,12 +198,15 @@ def test_short_run_scales_the_recipe_warmup(capsys):
     assert options.train.warmup_steps == 4
 
 
-@pytest.mark.parametrize("flag,value,words", [
-    ("--weight-decay", "nan", "--weight-decay must be a finite number >= 0, got nan"),
-    ("--grad-clip", "inf", "--grad-clip must be a finite number"),
-    ("--max-lr", "0", "--max-lr must be a finite number > 0"),
-    ("--dropout", "1.5", "--dropout must be a finite number in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "flag,value,words",
+    [
+        ("--weight-decay", "nan", "--weight-decay must be a finite number >= 0, got nan"),
+        ("--grad-clip", "inf", "--grad-clip must be a finite number"),
+        ("--max-lr", "0", "--max-lr must be a finite number > 0"),
+        ("--dropout", "1.5", "--dropout must be a finite number in [0, 1)"),
+    ],
+)
 def test_library_errors_name_the_flags(capsys, flag, value, words):
     code, _, err = run(capsys, "train", *TINY_TRAIN, flag, value, "--device", "cpu")
     assert code == 2 and words in err, err
@@ -167,9 +216,11 @@ def test_library_errors_name_the_flags(capsys, flag, value, words):
 def test_nproc_per_node_checks_options_before_starting_processes(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     # a bad value or a missing file: one line from the launcher, not one per rank
-    for extra, words in ((["--weight-decay", "nan"], "--weight-decay must be"),
-                         (["--data", str(tmp_path / "nope.txt")], "does not exist"),
-                         (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1")):
+    for extra, words in (
+        (["--weight-decay", "nan"], "--weight-decay must be"),
+        (["--data", str(tmp_path / "nope.txt")], "does not exist"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+    ):
         code, _, err = run(capsys, "train", *TINY_TRAIN, "--nproc-per-node", "2", "--device", "cpu", *extra)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
@@ -178,8 +229,10 @@ def test_in_cli_terms_rewrites_only_the_commands_options():
     from gpt2.cli import in_cli_terms
 
     train = COMMANDS["train"].options
-    text = ("TrainConfig.resume='auto' needs out_dir; set compile=False, seed=3 or precision='fp32'; "
-            "TrainConfig.betas[1] and /data/max_steps/x_y.txt and lr_scale=2 stay")
+    text = (
+        "TrainConfig.resume='auto' needs out_dir; set compile=False, seed=3 or precision='fp32'; "
+        "TrainConfig.betas[1] and /data/max_steps/x_y.txt and lr_scale=2 stay"
+    )
     rewritten = in_cli_terms(text, train)
     for flag in ("--resume auto", "--out-dir;", "--no-compile", "--seed 3", "--precision fp32"):
         assert flag in rewritten
@@ -220,8 +273,22 @@ def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
     tiny.remove("1")  # the value of --warmup-steps
     text = tmp_path / "input.txt"
     text.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text(encoding="utf-8")[:20000], encoding="utf-8")
-    code, _, err = run(capsys, "train", *tiny, "--data", text, "--max-steps", "2", "--num-samples", "0",
-                       "--eval-interval", "0", "--out-dir", tmp_path / "short", "--no-plot")
+    code, _, err = run(
+        capsys,
+        "train",
+        *tiny,
+        "--data",
+        text,
+        "--max-steps",
+        "2",
+        "--num-samples",
+        "0",
+        "--eval-interval",
+        "0",
+        "--out-dir",
+        tmp_path / "short",
+        "--no-plot",
+    )
     assert code == 0, err
     assert [r["step"] for r in read_jsonl(tmp_path / "short" / "metrics.jsonl")] == [1, 2]
 
@@ -254,8 +321,12 @@ def test_installed_entry_point(tmp_path):
     bindir = Path(sys.executable).parent
     script = next((p for p in (bindir / "gpt2", bindir / "gpt2.exe") if p.is_file()), None)
     launcher = [str(script)] if script is not None else [sys.executable, "-m", "gpt2"]
-    result = subprocess.run([*launcher, "eval", "--model", str(tmp_path / "nope"), "--data", "x"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*launcher, "eval", "--model", str(tmp_path / "nope"), "--data", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("gpt2 eval: error:") and "Traceback" not in result.stderr
 
@@ -266,8 +337,12 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     cfg = tmp_path / "run.yaml"
     # YAML 1.1 reads 6e-4 as a string: it must still become a float.
     cfg.write_text("max_steps: 7\nmax-lr: 6e-4\ncompile: 'false'\n")
-    options, _ = parse(cmd, ["--config", str(cfg), "--max-steps", "9", "--device", "cpu"], prog="gpt2 train",
-                       defaults={"warmup_steps": 3})
+    options, _ = parse(
+        cmd,
+        ["--config", str(cfg), "--max-steps", "9", "--device", "cpu"],
+        prog="gpt2 train",
+        defaults={"warmup_steps": 3},
+    )
     train = options.train
     assert train.max_steps == 9  # the flag beats the file
     assert train.max_lr == pytest.approx(6e-4) and isinstance(train.max_lr, float)  # file beats recipe
@@ -284,15 +359,30 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     train = options.train
     fineweb = recipe("gpt2-124m-fineweb", on_cuda=False)
     assert (train.total_batch_size, train.warmup_steps, train.max_steps) == tuple(
-        fineweb[k] for k in ("total_batch_size", "warmup_steps", "max_steps"))
+        fineweb[k] for k in ("total_batch_size", "warmup_steps", "max_steps")
+    )
     assert train.micro_batch_size == 2 != fineweb["micro_batch_size"]  # the file beats the recipe
     assert options.hellaswag == "auto" and train.resume == "auto"
 
 
 def test_recipe_files_and_print_config_round_trip(tmp_path, capsys):
     """--print-config writes a file that --config reads back to the same options; a recipe can be a path."""
-    code, out, _ = run(capsys, "finetune", "--device", "cpu", "--print-config", "--lora-rank", "4",
-                       "--lora-targets", "attn.c_attn", "mlp.c_fc", "-n", "3", "--steps", "7")
+    code, out, _ = run(
+        capsys,
+        "finetune",
+        "--device",
+        "cpu",
+        "--print-config",
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "attn.c_attn",
+        "mlp.c_fc",
+        "-n",
+        "3",
+        "--steps",
+        "7",
+    )
     assert code == 0
     printed = tmp_path / "printed.yaml"
     printed.write_text(out)
@@ -352,8 +442,24 @@ def test_eval_matches_the_training_run(trained, tmp_path, capsys):
     """`gpt2 eval` on the same held-out tokens gives the loss the training run reported."""
     hs = write_hellaswag(tmp_path / "hs.jsonl")
     out = tmp_path / "eval.json"
-    code, stdout, err = run(capsys, "eval", "--model", trained, "--data", "shakespeare", "--seq-len", "32",
-                            "--batch-size", "4", "--max-batches", "3", "--hellaswag", hs, "--output", out)
+    code, stdout, err = run(
+        capsys,
+        "eval",
+        "--model",
+        trained,
+        "--data",
+        "shakespeare",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-batches",
+        "3",
+        "--hellaswag",
+        hs,
+        "--output",
+        out,
+    )
     assert code == 0, err
     result = json.loads(out.read_text())
     reported = json.loads((trained / "results.json").read_text())
@@ -369,8 +475,9 @@ def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data):
     shards = tmp_path / "shards"
     docs = (shared_data / "tinyshakespeare.txt").read_text().split("\n\n")[:300]
     write_shards(docs, shards, prefix="tiny", shard_size=2000, progress=False)
-    code, stdout, err = run(capsys, "eval", "--model", trained, "--data", shards, "--seq-len", "32",
-                            "--batch-size", "4")
+    code, stdout, err = run(
+        capsys, "eval", "--model", trained, "--data", shards, "--seq-len", "32", "--batch-size", "4"
+    )
     assert code == 0, err
     # one full pass over the val shard (2000 tokens): 15 batches of 4 x 32 (+1 token for the targets)
     assert f"{15 * 4 * 32:,} tokens" in stdout
@@ -386,7 +493,7 @@ def test_sample_is_reproducible_and_streams(trained, capsys):
 
 
 def test_stream_text_pieces_add_up_to_the_generated_text(trained):
-    from gpt2.tokenizer import get_tokenizer
+    from gpt2.model.tokenizer import get_tokenizer
 
     model = load_model(str(trained))
     tok = get_tokenizer()
@@ -398,7 +505,7 @@ def test_stream_text_pieces_add_up_to_the_generated_text(trained):
 
 
 def test_export_writes_a_transformers_directory(trained, tmp_path, capsys):
-    from gpt2.hf import from_pretrained
+    from gpt2 import from_pretrained
 
     out = tmp_path / "hf"
     code, stdout, err = run(capsys, "export", "--model", trained, "--out", out)
@@ -414,17 +521,40 @@ def test_finetune_from_a_training_run_in_fp16(trained, tmp_path, capsys, caplog)
     """`gpt2 finetune --init <run dir>`: LoRA on our own checkpoint, fp16 with loss scaling; the
     adapter then samples through `gpt2 sample --adapter`."""
     out = tmp_path / "lora"
-    code, stdout, err = run(capsys, "finetune", "--init", trained, "--precision", "fp16", "--max-steps", "2",
-                            "--warmup-steps", "1", "--seq-len", "32", "--eval-steps", "1", "--final-eval-batches", "1",
-                            "--max-new-tokens", "4", "--out-dir", out, "--no-progress", "--lora-targets", "attn.c_attn")
+    code, stdout, err = run(
+        capsys,
+        "finetune",
+        "--init",
+        trained,
+        "--precision",
+        "fp16",
+        "--max-steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--seq-len",
+        "32",
+        "--eval-steps",
+        "1",
+        "--final-eval-batches",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--out-dir",
+        out,
+        "--no-progress",
+        "--lora-targets",
+        "attn.c_attn",
+    )
     assert code == 0, err
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and all(r["loss_scale"] > 0 for r in records)
     config = json.loads((out / "adapter" / "minlora_adapter.json").read_text())
     assert sorted(config["targets"]) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
     with caplog.at_level(logging.INFO):
-        code, stdout, err = run(capsys, "sample", "--model", trained, "--adapter", out / "adapter",
-                                "--max-new-tokens", "3", "--seed", "0")
+        code, stdout, err = run(
+            capsys, "sample", "--model", trained, "--adapter", out / "adapter", "--max-new-tokens", "3", "--seed", "0"
+        )
     assert code == 0 and "--- sample 1/1 ---" in stdout, err
     # it says which adapter it applied, and to how many layers (c_attn of 2 blocks)
     applied = [r.getMessage() for r in caplog.records if "applied LoRA adapter" in r.getMessage()]
@@ -439,8 +569,19 @@ def test_finetune_from_a_training_run_in_fp16(trained, tmp_path, capsys, caplog)
 def test_resume_auto_continues_an_interrupted_run(tmp_path, capsys, shared_data):
     """A run that stopped after step 5 (its last checkpoint: step 4) continues with
     `--resume auto` and ends exactly where the uninterrupted run ends."""
-    argv = ["train", *TINY_TRAIN, "--max-steps", "6", "--checkpoint-interval", "2", "--keep-last-checkpoints", "0",
-            "--no-plot", "--num-samples", "0"]
+    argv = [
+        "train",
+        *TINY_TRAIN,
+        "--max-steps",
+        "6",
+        "--checkpoint-interval",
+        "2",
+        "--keep-last-checkpoints",
+        "0",
+        "--no-plot",
+        "--num-samples",
+        "0",
+    ]
     full = tmp_path / "full"
     assert main([*argv, "--out-dir", str(full)]) == 0
     crashed = tmp_path / "crashed"
@@ -452,19 +593,22 @@ def test_resume_auto_continues_an_interrupted_run(tmp_path, capsys, shared_data)
     assert main([*argv, "--out-dir", str(crashed), "--resume", "auto"]) == 0
     expected = [(r["step"], r["loss"]) for r in read_jsonl(full / "metrics.jsonl")]
     assert [(r["step"], r["loss"]) for r in read_jsonl(crashed / "metrics.jsonl")] == expected
-    assert json.loads((crashed / "results.json").read_text())["val_loss"] == json.loads(
-        (full / "results.json").read_text())["val_loss"]
+    assert (
+        json.loads((crashed / "results.json").read_text())["val_loss"]
+        == json.loads((full / "results.json").read_text())["val_loss"]
+    )
 
 
 def test_prepare_text_and_jsonl(tmp_path, capsys):
     from gpt2.data import load_tokens
-    from gpt2.tokenizer import get_tokenizer
+    from gpt2.model.tokenizer import get_tokenizer
 
     tok = get_tokenizer()
     text = tmp_path / "story.txt"
     text.write_text("Once upon a time there was a model. " * 40)
-    code, out, err = run(capsys, "prepare", "--input", text, "--out-dir", tmp_path / "a", "--val-fraction", "0.25",
-                         "--no-progress")
+    code, out, err = run(
+        capsys, "prepare", "--input", text, "--out-dir", tmp_path / "a", "--val-fraction", "0.25", "--no-progress"
+    )
     assert code == 0, err
     shards = sorted((tmp_path / "a").glob("*.npy"))
     assert [p.name for p in shards] == ["story_train_000001.npy", "story_val_000000.npy"]
@@ -475,15 +619,40 @@ def test_prepare_text_and_jsonl(tmp_path, capsys):
     rows = [{"body": f"document number {i} " * (i + 1)} for i in range(6)]
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, out, err = run(capsys, "prepare", "--input", jsonl, "--text-field", "body", "--out-dir", tmp_path / "b",
-                         "--shard-size", "20", "--prefix", "docs", "--no-progress")
+    code, out, err = run(
+        capsys,
+        "prepare",
+        "--input",
+        jsonl,
+        "--text-field",
+        "body",
+        "--out-dir",
+        tmp_path / "b",
+        "--shard-size",
+        "20",
+        "--prefix",
+        "docs",
+        "--no-progress",
+    )
     assert code == 0, err
     total = sum(len(load_tokens(p)) for p in (tmp_path / "b").glob("docs_*.npy"))
     assert total == sum(1 + len(tok.encode_ordinary(r["body"])) for r in rows)
     assert (tmp_path / "b" / "docs_val_000000.npy").is_file() and (tmp_path / "b" / "docs_train_000001.npy").is_file()
     # the same again without --overwrite: a clear error instead of mixing old and new shards
-    code, _, err = run(capsys, "prepare", "--input", jsonl, "--text-field", "body", "--out-dir", tmp_path / "b",
-                       "--shard-size", "20", "--prefix", "docs")
+    code, _, err = run(
+        capsys,
+        "prepare",
+        "--input",
+        jsonl,
+        "--text-field",
+        "body",
+        "--out-dir",
+        tmp_path / "b",
+        "--shard-size",
+        "20",
+        "--prefix",
+        "docs",
+    )
     assert code == 2 and "overwrite" in err
     code, _, err = run(capsys, "prepare", "--input", jsonl, "--text-field", "text", "--out-dir", tmp_path / "c")
     assert code == 2 and "string field 'text'" in err
@@ -493,8 +662,26 @@ def test_prepare_text_and_jsonl(tmp_path, capsys):
 
 def test_bench_runs_the_ladder(tmp_path, capsys):
     out = tmp_path / "ladder.json"
-    code, stdout, err = run(capsys, "bench", "--device", "cpu", "--rungs", "fp32,bf16", "--steps", "1", "--warmup", "0",
-                            "--repeats", "2", "--batch-size", "2", "--seq-len", "16", "--json", out)
+    code, stdout, err = run(
+        capsys,
+        "bench",
+        "--device",
+        "cpu",
+        "--rungs",
+        "fp32,bf16",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--repeats",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--json",
+        out,
+    )
     assert code == 0, err
     assert "rung" in stdout and "fp32" in stdout and "bf16" in stdout
     # one table, not the Trainer's set-up lines once per rung

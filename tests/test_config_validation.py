@@ -9,7 +9,8 @@ import typing
 
 import pytest
 
-from gpt2.config import GPTConfig, TrainConfig
+from gpt2.model.config import GPTConfig
+from gpt2.train.config import TrainConfig
 
 
 def _fields_of(cls: type, kind: type) -> list[str]:
@@ -27,13 +28,23 @@ def _fields_of(cls: type, kind: type) -> list[str]:
     return names
 
 
-FLOAT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, float)] + \
-               [(TrainConfig, n) for n in _fields_of(TrainConfig, float)]
-INT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, int)] + \
-             [(TrainConfig, n) for n in _fields_of(TrainConfig, int)]
+FLOAT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, float)] + [
+    (TrainConfig, n) for n in _fields_of(TrainConfig, float)
+]
+INT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, int)] + [
+    (TrainConfig, n) for n in _fields_of(TrainConfig, int)
+]
 # Fields for which a negative value is meaningless (all of today's float fields are).
-NEGATIVE_INVALID = {"dropout", "layer_norm_epsilon", "max_lr", "min_lr", "weight_decay", "eps",
-                    "grad_clip", "peak_flops"}
+NEGATIVE_INVALID = {
+    "dropout",
+    "layer_norm_epsilon",
+    "max_lr",
+    "min_lr",
+    "weight_decay",
+    "eps",
+    "grad_clip",
+    "peak_flops",
+}
 
 
 def _build(cls: type, **kwargs):
@@ -46,8 +57,16 @@ def _build(cls: type, **kwargs):
 def test_every_float_field_is_covered():
     names = {n for _, n in FLOAT_FIELDS}
     # The known ones, so the discovery above cannot silently find nothing.
-    assert {"dropout", "layer_norm_epsilon", "max_lr", "min_lr", "weight_decay", "eps", "grad_clip",
-            "peak_flops"} <= names
+    assert {
+        "dropout",
+        "layer_norm_epsilon",
+        "max_lr",
+        "min_lr",
+        "weight_decay",
+        "eps",
+        "grad_clip",
+        "peak_flops",
+    } <= names
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
@@ -66,8 +85,11 @@ def test_float_fields_reject_bool_and_string(cls, name):
         _build(cls, **{name: "6e-4"})
 
 
-@pytest.mark.parametrize("cls,name", [(c, n) for c, n in FLOAT_FIELDS if n in NEGATIVE_INVALID],
-                         ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS if n in NEGATIVE_INVALID])
+@pytest.mark.parametrize(
+    "cls,name",
+    [(c, n) for c, n in FLOAT_FIELDS if n in NEGATIVE_INVALID],
+    ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS if n in NEGATIVE_INVALID],
+)
 def test_float_fields_reject_negative(cls, name):
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be"):
         _build(cls, **{name: -0.5})
@@ -81,8 +103,9 @@ def test_float_fields_accept_an_int_and_store_a_float(cls, name):
     assert isinstance(getattr(config, name), float) and getattr(config, name) == value
 
 
-@pytest.mark.parametrize("field,value", [("dropout", 1.0), ("eps", 0.0), ("max_lr", 0.0), ("peak_flops", 0.0),
-                                         ("layer_norm_epsilon", 0.0)])
+@pytest.mark.parametrize(
+    "field,value", [("dropout", 1.0), ("eps", 0.0), ("max_lr", 0.0), ("peak_flops", 0.0), ("layer_norm_epsilon", 0.0)]
+)
 def test_float_fields_reject_their_bounds(field, value):
     cls = GPTConfig if field in ("dropout", "layer_norm_epsilon") else TrainConfig
     with pytest.raises(ValueError, match=rf"\.{field} must be"):
@@ -108,8 +131,9 @@ def test_int_fields_reject_bool_float_string_and_negative(cls, name):
             _build(cls, **{name: bad})
 
 
-@pytest.mark.parametrize("cls,name", [(GPTConfig, "bias"), (GPTConfig, "flash"), (TrainConfig, "compile"),
-                                      (TrainConfig, "plot")])
+@pytest.mark.parametrize(
+    "cls,name", [(GPTConfig, "bias"), (GPTConfig, "flash"), (TrainConfig, "compile"), (TrainConfig, "plot")]
+)
 def test_bool_fields_reject_strings(cls, name):
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be True or False"):
         _build(cls, **{name: "false"})

@@ -22,7 +22,7 @@ from gpt2.data import (
     tokenize_file,
     write_shards,
 )
-from gpt2.tokenizer import get_tokenizer
+from gpt2.model.tokenizer import get_tokenizer
 
 
 @pytest.fixture
@@ -75,9 +75,7 @@ def test_tiny_shakespeare_download_failure(tmp_path, monkeypatch, no_network):
 def test_tiny_shakespeare_download_is_checked_and_atomic(shared_data, tmp_path, monkeypatch):
     monkeypatch.delenv("GPT2_TINY_SHAKESPEARE", raising=False)
     payload = {"bytes": b"<html>Rate limited</html>"}
-    monkeypatch.setattr(
-        urllib.request, "urlopen", lambda url, timeout=None: io.BytesIO(payload["bytes"])
-    )
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: io.BytesIO(payload["bytes"]))
     cache = tmp_path / "cache"
     with pytest.raises(DownloadError, match="sha256"):
         tiny_shakespeare_path(cache)
@@ -103,9 +101,7 @@ DOCS = [
 
 def _expected_stream(docs):
     tok = get_tokenizer()
-    return np.concatenate([[tok.eot_token] + tok.encode_ordinary(d) for d in docs]).astype(
-        np.uint16
-    )
+    return np.concatenate([[tok.eot_token] + tok.encode_ordinary(d) for d in docs]).astype(np.uint16)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
@@ -121,12 +117,8 @@ def test_write_shards_round_trip(tmp_path, num_workers):
         progress=False,
     )
     n_shards = -(-len(expected) // size)
-    assert [p.name for p in paths] == ["tiny_val_000000.npy"] + [
-        f"tiny_train_{i:06d}.npy" for i in range(1, n_shards)
-    ]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        p.name for p in paths
-    )  # no temporaries
+    assert [p.name for p in paths] == ["tiny_val_000000.npy"] + [f"tiny_train_{i:06d}.npy" for i in range(1, n_shards)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no temporaries
     shards = [load_tokens(p) for p in paths]
     assert all(s.dtype == np.uint16 for s in shards)
     assert [len(s) for s in shards[:-1]] == [size] * (n_shards - 1) and 0 < len(shards[-1]) <= size
@@ -150,9 +142,7 @@ def test_write_shards_overwrite_and_errors(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite=True"):
         write_shards(DOCS, tmp_path, prefix="p", shard_size=8, progress=False)
     # A shorter rewrite removes the shards of the longer first run it did not replace.
-    second = write_shards(
-        DOCS[:1], tmp_path, prefix="p", shard_size=8, progress=False, overwrite=True
-    )
+    second = write_shards(DOCS[:1], tmp_path, prefix="p", shard_size=8, progress=False, overwrite=True)
     assert len(second) < len(first)
     assert sorted(tmp_path.glob("p_*.npy")) == sorted(second)
 
@@ -175,15 +165,11 @@ def test_tokenize_file_splits_val_from_the_end(shared_data, tmp_path):
     source = tmp_path / "shakespeare.txt"
     source.write_text(text, encoding="utf-8")
     expected = _expected_stream([text])
-    paths = tokenize_file(
-        source, tmp_path / "out", shard_size=2_000, val_fraction=0.1, progress=False
-    )
+    paths = tokenize_file(source, tmp_path / "out", shard_size=2_000, val_fraction=0.1, progress=False)
     n_val = round(0.1 * len(expected))
     names = [p.name for p in paths]
     assert names[0] == "shakespeare_val_000000.npy"
-    assert all(n.startswith("shakespeare_train_") for n in names[1:]) and names[1].endswith(
-        "_000001.npy"
-    )
+    assert all(n.startswith("shakespeare_train_") for n in names[1:]) and names[1].endswith("_000001.npy")
     val = load_tokens(paths[0])
     train = np.concatenate([load_tokens(p) for p in paths[1:]])
     assert len(val) == n_val
@@ -194,9 +180,7 @@ def test_tokenize_file_splits_val_from_the_end(shared_data, tmp_path):
     assert TokenLoader(tmp_path / "out", 2, 8, split="val").num_tokens == n_val
     assert TokenLoader(tmp_path / "out", 2, 8, split="train").num_tokens == len(train)
 
-    only_train = tokenize_file(
-        source, tmp_path / "all", prefix="all", val_fraction=0, progress=False
-    )
+    only_train = tokenize_file(source, tmp_path / "all", prefix="all", val_fraction=0, progress=False)
     assert [p.name for p in only_train] == ["all_train_000000.npy"]
     for bad in (1.0, -0.1, True, "0.1"):
         with pytest.raises(ValueError, match="val_fraction"):
@@ -282,9 +266,7 @@ def test_shard_crossing_and_wrap_around(tmp_path):
         assert (loader.shard, loader.position) == (index, position)
         x, y = loader.next_batch()
         np.testing.assert_array_equal(x.numpy().ravel(), shards[index][position : position + B * T])
-        np.testing.assert_array_equal(
-            y.numpy().ravel(), shards[index][position + 1 : position + B * T + 1]
-        )
+        np.testing.assert_array_equal(y.numpy().ravel(), shards[index][position + 1 : position + B * T + 1])
 
     loader.reset()
     assert (loader.shard, loader.position) == (0, 0)
@@ -295,19 +277,14 @@ def test_shard_crossing_and_wrap_around(tmp_path):
 def test_rank_split_equals_one_rank_with_a_bigger_batch(tmp_path, world_size):
     _write_npy_shards(tmp_path, [100, 61, 250])
     big = TokenLoader(tmp_path, B * world_size, T, split="train")
-    ranks = [
-        TokenLoader(tmp_path, B, T, rank=r, world_size=world_size, split="train")
-        for r in range(world_size)
-    ]
+    ranks = [TokenLoader(tmp_path, B, T, rank=r, world_size=world_size, split="train") for r in range(world_size)]
     assert all(r.tokens_per_step == big.tokens_per_step == B * T * world_size for r in ranks)
     for _ in range(30):  # crosses every shard boundary and wraps around
         x_big, y_big = big.next_batch()
         per_rank = [r.next_batch() for r in ranks]
         assert torch.equal(torch.cat([x for x, _ in per_rank]), x_big)
         assert torch.equal(torch.cat([y for _, y in per_rank]), y_big)
-        assert all(
-            r.state_dict() == big.state_dict() for r in ranks
-        )  # position is rank-independent
+        assert all(r.state_dict() == big.state_dict() for r in ranks)  # position is rank-independent
 
 
 def test_ranks_cover_the_stream_without_overlap():
@@ -318,9 +295,7 @@ def test_ranks_cover_the_stream_without_overlap():
     seen = [torch.cat([r.next_batch()[0].ravel() for _ in range(steps_per_pass)]) for r in ranks]
     everything = torch.cat(seen)
     assert everything.numel() == everything.unique().numel()  # no token read twice in a pass
-    assert torch.equal(
-        everything.sort().values, torch.arange(steps_per_pass * ranks[0].tokens_per_step)
-    )
+    assert torch.equal(everything.sort().values, torch.arange(steps_per_pass * ranks[0].tokens_per_step))
     # rank r reads the r-th B*T block of each step
     assert torch.equal(seen[1][: B * T], torch.arange(B * T, 2 * B * T))
 
@@ -350,9 +325,7 @@ def test_loader_properties_and_single_file_sources(tmp_path):
     assert loader.tokens_per_step == 16 and loader.num_tokens == 87
     # A single .npy file and a raw .bin file are sources too.
     np.arange(50, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
-    assert TokenLoader(tmp_path / "tokens.bin", B, T).next_batch()[0].ravel().tolist() == list(
-        range(8)
-    )
+    assert TokenLoader(tmp_path / "tokens.bin", B, T).next_batch()[0].ravel().tolist() == list(range(8))
     single = TokenLoader(tmp_path / "s_train_000001.npy", B, T, split="train")
     assert single.num_tokens == 50
 
@@ -396,9 +369,7 @@ def test_load_state_dict_rejects_states_that_do_not_fit(tmp_path):
     loader = TokenLoader(tmp_path, B, T, split="train")
     with pytest.raises(ValueError, match=r"shard=2 is out of range.*2 shard\(s\) \(valid: 0..1\)"):
         loader.load_state_dict({"shard": 2, "position": 0})
-    with pytest.raises(
-        ValueError, match="position=48 does not fit.*50 tokens and one step needs 9"
-    ):
+    with pytest.raises(ValueError, match="position=48 does not fit.*50 tokens and one step needs 9"):
         loader.load_state_dict({"shard": 1, "position": 48})
     with pytest.raises(ValueError, match="position=-8"):
         loader.load_state_dict({"shard": 0, "position": -8})

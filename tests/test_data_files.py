@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2 import GPT, GPTConfig, Trainer, TrainConfig
+from gpt2 import GPT, GPTConfig, TrainConfig, Trainer
 from gpt2.data import (
     TokenLoader,
     download,
     iter_jsonl,
     load_tokens,
+    prepare,
     read_text,
     tokenize_file,
     write_shards,
     write_tokens,
 )
-from gpt2.data import prepare
-from gpt2.tokenizer import get_tokenizer
+from gpt2.model.tokenizer import get_tokenizer
 
 B, T = 2, 8
 
@@ -73,8 +73,7 @@ def test_bin_round_trip_in_llmc_layout(tmp_path):
 def test_write_shards_in_bin_format(tmp_path):
     docs = ["First Citizen: Before we proceed any further.", "All: Speak, speak."] * 4
     npy = write_shards(docs, tmp_path / "npy", prefix="s", shard_size=16, progress=False)
-    bins = write_shards(docs, tmp_path / "bin", prefix="s", shard_size=16, progress=False,
-                        file_format="bin")
+    bins = write_shards(docs, tmp_path / "bin", prefix="s", shard_size=16, progress=False, file_format="bin")
     assert [p.name for p in bins] == [p.with_suffix(".bin").name for p in npy]
     for a, b in zip(npy, bins):
         np.testing.assert_array_equal(read_llmc_bin(b), np.load(a))
@@ -236,8 +235,9 @@ def test_loader_checks_ids_against_the_vocabulary(tmp_path):
 
 def test_trainer_refuses_ids_beyond_the_model_vocabulary(tmp_path):
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
-    train = TrainConfig(micro_batch_size=B, seq_len=T, max_steps=1, out_dir=None, progress=False,
-                        eval_interval=0, plot=False)
+    train = TrainConfig(
+        micro_batch_size=B, seq_len=T, max_steps=1, out_dir=None, progress=False, eval_interval=0, plot=False
+    )
     ids = np.arange(200, dtype=np.uint16) % 64
     Trainer(GPT(config), train, ids, sinks=[])  # in range: fine
     ids[150] = 64
@@ -281,11 +281,9 @@ def test_download_streams_and_checks_length(tmp_path, monkeypatch, capsys):
             self.headers = {"Content-Length": str(length)}
 
     sizes = {"length": len(payload)}
-    monkeypatch.setattr(urllib.request, "urlopen",
-                        lambda url, timeout=None: Response(payload, sizes["length"]))
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: Response(payload, sizes["length"]))
     dest = tmp_path / "cache" / "f.bin"
-    download("https://example.invalid/f", dest, what="f", offline_hint="copy it to",
-             progress=False)
+    download("https://example.invalid/f", dest, what="f", offline_hint="copy it to", progress=False)
     assert dest.read_bytes() == payload
     assert capsys.readouterr().err == ""
     from gpt2.data import downloads as download_module
@@ -296,8 +294,7 @@ def test_download_streams_and_checks_length(tmp_path, monkeypatch, capsys):
     assert "the file" in bar and "250k" in bar
     sizes["length"] = len(payload) + 10  # the connection dropped early
     with pytest.raises(ConnectionError, match=f"closed after {len(payload)} of"):
-        download("https://example.invalid/f", tmp_path / "g.bin", what="f",
-                 offline_hint="copy it to", progress=False)
+        download("https://example.invalid/f", tmp_path / "g.bin", what="f", offline_hint="copy it to", progress=False)
     assert not (tmp_path / "g.bin").exists()
 
 
@@ -306,8 +303,10 @@ def test_cli_prepare_bin_and_bad_text(tmp_path, capsys):
 
     text = tmp_path / "story.txt"
     text.write_text("Once upon a time there was a model. " * 40)
-    assert main(["prepare", "--input", str(text), "--out-dir", str(tmp_path / "a"), "--format", "bin",
-                 "--no-progress"]) == 0
+    assert (
+        main(["prepare", "--input", str(text), "--out-dir", str(tmp_path / "a"), "--format", "bin", "--no-progress"])
+        == 0
+    )
     shards = sorted((tmp_path / "a").glob("*.bin"))
     assert [p.name for p in shards] == ["story_train_000001.bin", "story_val_000000.bin"]
     tok = get_tokenizer()

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
-from gpt2 import distributed
-from gpt2.checkpoint import load_weights
-
 from conftest import dist_job
+
+from gpt2.train import distributed
+from gpt2.train.checkpoint import load_weights
 
 
 def test_env_from_environ_reads_torchrun_variables():

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from gpt2 import GPT, GPTConfig
 from gpt2.data import DownloadError
-from gpt2.eval import evaluate_loss
-from gpt2.hellaswag import (
+from gpt2.eval.hellaswag import (
     HELLASWAG_URLS,
     ending_losses,
     hellaswag_path,
@@ -23,6 +22,7 @@ from gpt2.hellaswag import (
     render_example,
     score_hellaswag,
 )
+from gpt2.eval.loss import evaluate_loss
 
 
 # --------------------------------------------------------------------------- helpers
@@ -102,8 +102,7 @@ def test_render_example_builds_ctx_from_ctx_a_and_ctx_b():
 
 def test_picks_the_ending_the_model_makes_likely():
     # The model knows "cat sat", "sat on", "on the", "the mat"; every other pair is unlikely.
-    pairs = {("cat", "sat"): 0.9, ("sat", "on"): 0.9, ("on", "the"): 0.9, ("the", "mat"): 0.5,
-             ("the", "cat"): 0.4}
+    pairs = {("cat", "sat"): 0.9, ("sat", "on"): 0.9, ("on", "the"): 0.9, ("the", "mat"): 0.5, ("the", "cat"): 0.4}
     model = BigramLM(_bigram(pairs))
     tok = WordTokenizer(WORDS)
     examples = [
@@ -121,8 +120,7 @@ def test_picks_the_ending_the_model_makes_likely():
 def test_ending_losses_match_closed_form_and_acc_vs_acc_norm():
     # A long ending whose tokens are each fairly likely (p=0.6) against a one-token ending with
     # p=0.3: the sum prefers the short one (1.20 < 4 * 0.51), the per-token mean the long one.
-    pairs = {("cat", "sat"): 0.6, ("sat", "on"): 0.6, ("on", "a"): 0.6, ("a", "hat"): 0.6,
-             ("cat", "flew"): 0.3}
+    pairs = {("cat", "sat"): 0.6, ("sat", "on"): 0.6, ("on", "a"): 0.6, ("a", "hat"): 0.6, ("cat", "flew"): 0.3}
     model = BigramLM(_bigram(pairs))
     tok = WordTokenizer(WORDS)
     ex = _example("the cat", ["sat on a hat", "flew", "moon", "sky"], label=0)
@@ -174,14 +172,26 @@ def test_long_context_is_cropped_to_block_size():
 
 def test_file_scoring_limit_and_gpt2_tokenizer(tmp_path, shared_data):
     """The jsonl path, the ``limit`` and the real GPT-2 tokenizer (leading-space endings)."""
-    from gpt2.tokenizer import get_tokenizer
+    from gpt2.model.tokenizer import get_tokenizer
 
     tok = get_tokenizer()
-    ex = {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
-          "ctx_b": "he", "ctx": "A man is sitting on a roof. he", "split": "val", "split_type": "indomain",
-          "label": 3, "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                                  "is holding a rubik's cube.", "starts pulling up roofing on a roof."],
-          "source_id": "activitynet~v_-JhWjGDPHMY"}
+    ex = {
+        "ind": 24,
+        "activity_label": "Roof shingle removal",
+        "ctx_a": "A man is sitting on a roof.",
+        "ctx_b": "he",
+        "ctx": "A man is sitting on a roof. he",
+        "split": "val",
+        "split_type": "indomain",
+        "label": 3,
+        "endings": [
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+        "source_id": "activitynet~v_-JhWjGDPHMY",
+    }
     path = _write_jsonl(tmp_path / "hs.jsonl", [ex] * 3)
     tokens, mask, label = render_example(ex, tok)
     ctx_len = len(tok.encode(ex["ctx"]))

@@ -32,18 +32,50 @@ EXAMPLES = REPO / "examples"
 
 HELLASWAG = [
     {"ctx": "ROMEO: I will", "endings": ["go to the house.", "fly to the moon.", "xyz qqq", "the the the"], "label": 0},
-    {"ctx_a": "JULIET:", "ctx_b": "O Romeo,", "endings": ["wherefore art thou Romeo?", "banana", "1 2 3", "!!!"], "label": 0},
-    {"ctx": "First Citizen:", "endings": ["Before we proceed any further, hear me speak.", "ok", "no", "yes"], "label": 0},
+    {
+        "ctx_a": "JULIET:",
+        "ctx_b": "O Romeo,",
+        "endings": ["wherefore art thou Romeo?", "banana", "1 2 3", "!!!"],
+        "label": 0,
+    },
+    {
+        "ctx": "First Citizen:",
+        "endings": ["Before we proceed any further, hear me speak.", "ok", "no", "yes"],
+        "label": 0,
+    },
 ]
 
-TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "4", "--warmup-steps", "1", "--eval-steps", "2",
-        "--final-eval-batches", "2", "--max-new-tokens", "8", "--no-progress", "--log-interval", "1"]
+TINY = [
+    "--model",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--eval-steps",
+    "2",
+    "--final-eval-batches",
+    "2",
+    "--max-new-tokens",
+    "8",
+    "--no-progress",
+    "--log-interval",
+    "1",
+]
 
 
 def script(name: str, *args: object, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run examples/<name> in a new interpreter (Ctrl-C, torchrun); the environment is inherited."""
-    result = subprocess.run([sys.executable, str(EXAMPLES / name), *map(str, args)], capture_output=True, text=True,
-                            timeout=timeout, cwd=REPO, env=env)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
     return result
 
 
@@ -72,7 +104,9 @@ def example(name: str, *args: object) -> subprocess.CompletedProcess:
 
 
 def ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    )
     return result.stdout
 
 
@@ -97,10 +131,38 @@ def hellaswag(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory, hf_dir) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("lora") / "run"
-    result = example("finetune_lora.py", "--init", hf_dir, "--max-steps", "4", "--warmup-steps", "1", "--seq-len", "32",
-                    "--eval-steps", "2", "--final-eval-batches", "2", "--max-new-tokens", "6", "--seed", "5",
-                    "--lora-rank", "4", "--lora-alpha", "8", "--out-dir", out, "--merge-export", out / "merged",
-                    "--peft-export", out / "peft", "--no-progress", "--log-interval", "1")
+    result = example(
+        "finetune_lora.py",
+        "--init",
+        hf_dir,
+        "--max-steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--seq-len",
+        "32",
+        "--eval-steps",
+        "2",
+        "--final-eval-batches",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--seed",
+        "5",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--out-dir",
+        out,
+        "--merge-export",
+        out / "merged",
+        "--peft-export",
+        out / "peft",
+        "--no-progress",
+        "--log-interval",
+        "1",
+    )
     return out, ok(result)
 
 
@@ -120,11 +182,30 @@ def test_every_example_has_help(name, capsys, monkeypatch):
 def test_pretrain_interrupted_with_ctrl_c(tmp_path):
     """Ctrl-C (SIGINT) stops the run with one line and exit code 130, its checkpoints intact."""
     out = tmp_path / "run"
-    args = [*TINY, "--eval-interval", "0", "--num-samples", "0", "--checkpoint-interval", "2",
-            "--keep-last-checkpoints", "0", "--out-dir", out, "--no-plot", "--max-steps", "1000"]
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "pretrain_shakespeare.py"), *map(str, args)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        *TINY,
+        "--eval-interval",
+        "0",
+        "--num-samples",
+        "0",
+        "--checkpoint-interval",
+        "2",
+        "--keep-last-checkpoints",
+        "0",
+        "--out-dir",
+        out,
+        "--no-plot",
+        "--max-steps",
+        "1000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "pretrain_shakespeare.py"), *map(str, args)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         deadline = time.time() + 240
         while not (out / "checkpoints" / "step_000002").is_dir():
@@ -140,7 +221,7 @@ def test_pretrain_interrupted_with_ctrl_c(tmp_path):
     stopped_at = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
     assert 2 <= stopped_at < 1000
     # every checkpoint left is complete: what `--resume auto` continues from (tested in test_cli)
-    from gpt2.checkpoint import find_latest_checkpoint, list_checkpoints
+    from gpt2.train.checkpoint import find_latest_checkpoint, list_checkpoints
 
     assert list_checkpoints(out / "checkpoints") == sorted((out / "checkpoints").glob("step_*"))
     assert find_latest_checkpoint(out / "checkpoints").name >= "step_000002"
@@ -150,12 +231,15 @@ def test_pretrain_interrupted_with_ctrl_c(tmp_path):
 def test_finetune_lora_example(finetuned, hf_dir):
     from transformers import GPT2LMHeadModel
 
-    from gpt2.loading import apply_adapter, load_model
+    from gpt2.model.loading import apply_adapter, load_model
 
     out, stdout = finetuned
     assert stdout.index("before fine-tuning: val loss") < stdout.index("--- before fine-tuning: sample 1/1 ---")
-    assert stdout.index("--- before fine-tuning: sample") < stdout.index("step 4 | loss") < stdout.index(
-        "--- after fine-tuning: sample 1/1 ---")
+    assert (
+        stdout.index("--- before fine-tuning: sample")
+        < stdout.index("step 4 | loss")
+        < stdout.index("--- after fine-tuning: sample 1/1 ---")
+    )
     assert "trainable params:" in stdout
     results = json.loads((out / "results.json").read_text())
     assert math.isfinite(results["val_loss_before"]) and math.isfinite(results["val_loss"])
@@ -176,14 +260,28 @@ def test_sample_example_with_adapter(finetuned, hf_dir, capsys):
     from gpt2.cli import main
 
     out, _ = finetuned
-    argv = ["--model", hf_dir, "--prompt", "ROMEO:", "-n", "2", "--max-new-tokens", "6", "--seed", "11",
-            "--top-p", "0.9", "--temperature", "0.7"]
+    argv = [
+        "--model",
+        hf_dir,
+        "--prompt",
+        "ROMEO:",
+        "-n",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--seed",
+        "11",
+        "--top-p",
+        "0.9",
+        "--temperature",
+        "0.7",
+    ]
     ours = ok(example("sample.py", *argv, "--adapter", out / "adapter"))
     assert "--- sample 2/2 ---" in ours
     # the same through the PEFT copy of the adapter (in-process: `gpt2 sample` is the same code)
     assert main(["sample", *map(str, argv), "--adapter", str(out / "peft")]) == 0
     peft = capsys.readouterr().out
-    samples = lambda text: text[text.index("--- sample 1/2 ---"):]  # noqa: E731
+    samples = lambda text: text[text.index("--- sample 1/2 ---") :]  # noqa: E731
     assert samples(ours) == samples(peft)
 
 
@@ -194,14 +292,31 @@ def test_export_command_merges_the_finetuned_adapter(finetuned, hf_dir, tmp_path
     from gpt2.cli import main
 
     out, _ = finetuned
-    assert main(["export", "--model", str(hf_dir), "--adapter", str(out / "adapter"), "--out", str(tmp_path / "hf"),
-                 "--peft-out", str(tmp_path / "peft")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(hf_dir),
+                "--adapter",
+                str(out / "adapter"),
+                "--out",
+                str(tmp_path / "hf"),
+                "--peft-out",
+                str(tmp_path / "peft"),
+            ]
+        )
+        == 0
+    )
     assert "wrote merged model" in capsys.readouterr().out
     merged, exported = load_file(out / "merged" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert merged.keys() == exported.keys()
     for key in merged:
         torch.testing.assert_close(exported[key], merged[key])
-    peft, ours = load_file(out / "peft" / "adapter_model.safetensors"), load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    peft, ours = (
+        load_file(out / "peft" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
     assert peft.keys() == ours.keys() and all(torch.equal(peft[k], ours[k]) for k in peft)
 
 
@@ -214,8 +329,20 @@ def test_prepare_fineweb_example_local_files(tmp_path):
     (corpus / "a.txt").write_text("To be, or not to be, that is the question. " * 30)
     (corpus / "b.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(10)))
     out = tmp_path / "shards"
-    stdout = ok(example("prepare_fineweb.py", "--input", corpus, "--out-dir", out, "--shard-size", "300",
-                       "--no-progress", "--num-workers", "0"))
+    stdout = ok(
+        example(
+            "prepare_fineweb.py",
+            "--input",
+            corpus,
+            "--out-dir",
+            out,
+            "--shard-size",
+            "300",
+            "--no-progress",
+            "--num-workers",
+            "0",
+        )
+    )
     shards = sorted(out.glob("edufineweb_*.npy"))
     assert (out / "edufineweb_val_000000.npy") in shards and (out / "edufineweb_train_000001.npy") in shards
     total = sum(len(load_tokens(p)) for p in shards)
@@ -240,14 +367,51 @@ def test_train_gpt2_124m_under_torchrun_on_cpu(tmp_path, hellaswag, shared_data)
     write_shards(docs, shards, prefix="edufineweb", shard_size=4000, progress=False)
     out = tmp_path / "run"
     # 2 ranks x 2 sequences x 32 tokens x 2 accumulation micro-steps = 256 tokens per step
-    args = ["--data", shards, "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2",
-            "--total-batch-size", "256", "--warmup-steps", "1", "--eval-interval", "2", "--eval-steps", "2",
-            "--final-eval-batches", "2", "--checkpoint-interval", "2", "--hellaswag", hellaswag,
-            "--hellaswag-interval", "2", "--no-compile", "--out-dir", out, "--no-progress", "--max-new-tokens", "4",
-            "--num-samples", "1"]
+    args = [
+        "--data",
+        shards,
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--total-batch-size",
+        "256",
+        "--warmup-steps",
+        "1",
+        "--eval-interval",
+        "2",
+        "--eval-steps",
+        "2",
+        "--final-eval-batches",
+        "2",
+        "--checkpoint-interval",
+        "2",
+        "--hellaswag",
+        hellaswag,
+        "--hellaswag-interval",
+        "2",
+        "--no-compile",
+        "--out-dir",
+        out,
+        "--no-progress",
+        "--max-new-tokens",
+        "4",
+        "--num-samples",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(EXAMPLES / "train_gpt2_124m.py"), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(EXAMPLES / "train_gpt2_124m.py"),
+        *map(str, args),
+    ]
     result = subprocess.run([*cmd, "--max-steps", "3"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     stdout = ok(result)
     assert "2 process(es), 2 micro-step(s)" in stdout
@@ -263,8 +427,25 @@ def test_train_gpt2_124m_under_torchrun_on_cpu(tmp_path, hellaswag, shared_data)
 
 def test_precision_curves_script(tmp_path):
     """The figure script of docs/precision.md, at a toy size: same curves, the loss scale, the histogram."""
-    stdout = ok(example("precision_curves.py", "--steps", "3", "--precisions", "fp32,fp16", "--batch-size", "2",
-                       "--seq-len", "16", "--n-embd", "32", "--n-layer", "1", "--out", tmp_path))
+    stdout = ok(
+        example(
+            "precision_curves.py",
+            "--steps",
+            "3",
+            "--precisions",
+            "fp32,fp16",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--n-embd",
+            "32",
+            "--n-layer",
+            "1",
+            "--out",
+            tmp_path,
+        )
+    )
     summary = json.loads((tmp_path / "precision_curves.json").read_text())
     runs = {r["precision"]: r for r in summary["runs"]}
     assert len(runs["fp32"]["loss"]) == 3 and runs["fp16"]["loss_scale"][0] == 65536.0

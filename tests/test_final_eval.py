@@ -7,14 +7,13 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import dist_job
 
 from gpt2 import GPT, GPTConfig
-from gpt2.config import TrainConfig
 from gpt2.data import TokenLoader
-from gpt2.eval import evaluate_loss
-from gpt2.trainer import Trainer
-
-from conftest import dist_job
+from gpt2.eval.loss import evaluate_loss
+from gpt2.train.config import TrainConfig
+from gpt2.train.trainer import Trainer
 
 B, T = 2, 16
 
@@ -56,8 +55,18 @@ def test_trainer_evaluate_does_not_wrap_a_short_val_set(caplog):
     expected = sum(losses) / 3
     wrapped = (4 * losses[0] + 3 * losses[1] + 3 * losses[2]) / 10  # 10 steps wrapping around
     assert len(losses) == 3 and wrapped != pytest.approx(expected, rel=1e-4)  # the test can tell
-    config = TrainConfig(micro_batch_size=B, seq_len=T, max_steps=1, eval_steps=10, eval_interval=0,
-                         progress=False, device="cpu", precision="fp32", plot=False, out_dir=None)
+    config = TrainConfig(
+        micro_batch_size=B,
+        seq_len=T,
+        max_steps=1,
+        eval_steps=10,
+        eval_interval=0,
+        progress=False,
+        device="cpu",
+        precision="fp32",
+        plot=False,
+        out_dir=None,
+    )
     with Trainer(model, config, _tokens(1024), val, sinks=[]) as trainer, caplog.at_level(logging.WARNING):
         first = trainer.evaluate()
         second = trainer.evaluate(steps=7)

@@ -18,8 +18,15 @@ from gpt2.offline_cache import seed_caches, tiktoken_cache_dir
 REPO = Path(__file__).resolve().parents[1]
 
 # Variables that would point the library at the offline copies directly: a new shell has none.
-_POINTERS = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", "GPT2_TINY_SHAKESPEARE", "GPT2_TOKENIZER_DIR",
-             "GPT2_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR")
+_POINTERS = (
+    "TIKTOKEN_CACHE_DIR",
+    "DATA_GYM_CACHE_DIR",
+    "GPT2_TINY_SHAKESPEARE",
+    "GPT2_TOKENIZER_DIR",
+    "GPT2_CACHE_DIR",
+    "XDG_CACHE_HOME",
+    "TMPDIR",
+)
 
 
 def clean_env(home: Path) -> dict[str, str]:
@@ -32,7 +39,9 @@ def clean_env(home: Path) -> dict[str, str]:
 
 def run(args: list[str], env: dict[str, str], cwd: Path) -> str:
     result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
-    assert result.returncode == 0, f"{shlex.join(args)}: exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    assert result.returncode == 0, (
+        f"{shlex.join(args)}: exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    )
     return result.stdout
 
 
@@ -71,9 +80,35 @@ def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
     out = run([*py, "-m", "gpt2.offline_cache", str(shared_data)], env, work)
     assert "tinyshakespeare.txt" in out
     # A tiny training run, with the data and tokenizer found only through the seeded caches.
-    out = run([*py, "-m", "gpt2", "train", "--recipe", "shakespeare", "--model", "tiny", "--seq-len", "32",
-               "--batch-size", "4", "--max-steps", "3", "--warmup-steps", "1", "--eval-interval", "0",
-               "--final-eval-batches", "2", "--num-samples", "0", "--no-progress"], env, work)
+    out = run(
+        [
+            *py,
+            "-m",
+            "gpt2",
+            "train",
+            "--recipe",
+            "shakespeare",
+            "--model",
+            "tiny",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--eval-interval",
+            "0",
+            "--final-eval-batches",
+            "2",
+            "--num-samples",
+            "0",
+            "--no-progress",
+        ],
+        env,
+        work,
+    )
     run_dir = work / "runs" / "shakespeare"
     for name in ("checkpoints", "metrics.jsonl", "loss.png", "results.json"):
         assert name in out and (run_dir / name).exists(), name
@@ -83,10 +118,25 @@ def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
     # the last value wins). One fresh process with the same clean environment runs the three in
     # turn through the `gpt2` script's main(): two interpreter starts fewer, and the entry point
     # itself was just started for `train` above.
-    shrink = {"sample": ["--max-new-tokens", "5", "--seed", "0"],
-              "finetune": ["--steps", "2", "--warmup-steps", "1", "--eval-interval", "0", "--final-eval-batches", "1", "--max-new-tokens", "4",
-                           "--seq-len", "16", "--no-progress"],
-              "eval": ["--max-batches", "2"]}
+    shrink = {
+        "sample": ["--max-new-tokens", "5", "--seed", "0"],
+        "finetune": [
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--eval-interval",
+            "0",
+            "--final-eval-batches",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--seq-len",
+            "16",
+            "--no-progress",
+        ],
+        "eval": ["--max-batches", "2"],
+    }
     lines = [shlex.join([*shlex.split(c), *shrink[shlex.split(c)[1]]]) for c in commands]
     out = run([*py, "-c", _RUN_EACH, *lines], env, work)
     results = dict(part.split("\n", 1) for part in out.split("=== ")[1:])

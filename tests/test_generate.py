@@ -7,9 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-
-from gpt2.generate import KVCache, generate, pad_prompts, sample_next, stream
-from gpt2.model import GPT
+from gpt2.model.generate import KVCache, generate, pad_prompts, sample_next, stream
+from gpt2.model.gpt import GPT
 
 
 @pytest.fixture
@@ -122,10 +121,12 @@ def test_batched_left_padded_prompts_equal_each_prompt_alone(model, tiny_config)
         batched = model.generate(ids, 15, temperature=0, attention_mask=mask, use_cache=use_cache)
         for i, p in enumerate(prompts):
             alone = model.generate(torch.tensor([p]), 15, temperature=0, use_cache=use_cache)
-            assert torch.equal(batched[i, 9:], alone[0, len(p):]), (i, use_cache)
+            assert torch.equal(batched[i, 9:], alone[0, len(p) :]), (i, use_cache)
     # A mask of all ones is the same as no mask.
     full = torch.ones_like(ids, dtype=torch.bool)
-    assert torch.equal(model.generate(ids, 8, temperature=0, attention_mask=full), model.generate(ids, 8, temperature=0))
+    assert torch.equal(
+        model.generate(ids, 8, temperature=0, attention_mask=full), model.generate(ids, 8, temperature=0)
+    )
 
 
 def test_generation_past_block_size(model, tiny_config):
@@ -191,11 +192,17 @@ def test_kv_cache_rejects_overflow_and_other_batches():
         (dict(idx=torch.tensor([1, 2, 3])), r"idx must be a \(batch, sequence\) tensor .* got shape \(3,\)"),
         (dict(idx=torch.rand(1, 3)), r"idx must be a \(batch, sequence\) tensor .* dtype torch.float32"),
         (dict(idx=torch.zeros(1, 0, dtype=torch.long)), r"the prompt is empty"),
-        (dict(attention_mask=torch.ones(2, 4, dtype=torch.bool)), r"attention_mask must be a tensor of idx's shape \(1, 3\)"),
+        (
+            dict(attention_mask=torch.ones(2, 4, dtype=torch.bool)),
+            r"attention_mask must be a tensor of idx's shape \(1, 3\)",
+        ),
         (dict(attention_mask=torch.tensor([[True, True, False]])), r"prompts must be left-padded"),
         # ids are checked on the host before the prompt reaches the device (the model's forward
         # does not read values: on CUDA a bad id would be a device-side assert)
-        (dict(idx=torch.tensor([[1, 128, 3]])), r"prompt token ids must be in \[0, 128\) .* got \[128\] \(min 1, max 128\)"),
+        (
+            dict(idx=torch.tensor([[1, 128, 3]])),
+            r"prompt token ids must be in \[0, 128\) .* got \[128\] \(min 1, max 128\)",
+        ),
         (dict(idx=torch.tensor([[-1, 2, 3]])), r"prompt token ids must be in \[0, 128\) .* got \[-1\]"),
         (dict(idx=torch.tensor([[50256, 2, 3]], dtype=torch.int32)), r"got \[50256\].*another tokenizer"),
     ],

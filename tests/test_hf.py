@@ -12,17 +12,17 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-from gpt2.config import GPTConfig
-from gpt2.hf import (
+from gpt2 import from_pretrained
+from gpt2.model.config import GPTConfig
+from gpt2.model.gpt import GPT
+from gpt2.model.hf import (
     CheckpointMismatchError,
     config_from_hf,
-    from_pretrained,
     gpt_to_hf_state_dict,
     hf_config_from_gpt,
     hf_to_gpt_state_dict,
     save_pretrained,
 )
-from gpt2.model import GPT
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -97,7 +97,9 @@ def test_from_pretrained_dtype_device_dropout(hf_dir):
     assert ours.lm_head.weight is ours.transformer.wte.weight
     assert ours.config.dropout == 0.1
     reference = from_pretrained(hf_dir)
-    torch.testing.assert_close(ours.transformer.h[0].mlp.c_fc.weight, reference.transformer.h[0].mlp.c_fc.weight.bfloat16())
+    torch.testing.assert_close(
+        ours.transformer.h[0].mlp.c_fc.weight, reference.transformer.h[0].mlp.c_fc.weight.bfloat16()
+    )
 
 
 def _legacy_state_dict(hf_model: GPT2LMHeadModel, prefix: bool) -> dict[str, torch.Tensor]:
@@ -264,16 +266,18 @@ def test_padded_vocab_import_and_export(hf_model, hf_dir, tmp_path):
 
 # ---------------------------------------------------------------------------- generation
 def test_greedy_generation_matches_transformers(hf_model, hf_dir):
-    from gpt2.generate import pad_prompts
+    from gpt2.model.generate import pad_prompts
 
     ours = from_pretrained(hf_dir)
     prompt = _ids(shape=(2, 6), seed=3)
-    expected = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
-                                 do_sample=False, pad_token_id=0)
+    expected = hf_model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False, pad_token_id=0
+    )
     # Left-padded prompts of different lengths, as transformers batches them.
     ids, mask = pad_prompts([[5, 17, 3], [9, 8, 7, 6, 5, 4, 3]], pad_id=0)
-    expected_padded = hf_model.generate(ids, attention_mask=mask.long(), max_new_tokens=20, do_sample=False,
-                                        pad_token_id=0)
+    expected_padded = hf_model.generate(
+        ids, attention_mask=mask.long(), max_new_tokens=20, do_sample=False, pad_token_id=0
+    )
     for use_cache in (True, False):  # the reference is computed once for both
         assert torch.equal(ours.generate(prompt, 20, temperature=0, use_cache=use_cache), expected), use_cache
         padded = ours.generate(ids, 20, temperature=0, attention_mask=mask, use_cache=use_cache)
@@ -350,12 +354,19 @@ def test_wrong_shape(hf_model, config):
     with pytest.raises(CheckpointMismatchError, match=r"key 'wpe.weight': expected shape \(32, 32\), found \(16, 32\)"):
         hf_to_gpt_state_dict(sd, config)
     sd = {**hf_model.state_dict(), "transformer.h.0.attn.c_attn.weight": torch.zeros(96, 32)}  # Linear layout
-    with pytest.raises(CheckpointMismatchError, match=r"key 'h.0.attn.c_attn.weight': expected shape \(32, 96\), found \(96, 32\)"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"key 'h.0.attn.c_attn.weight': expected shape \(32, 96\), found \(96, 32\)"
+    ):
         hf_to_gpt_state_dict(sd, config)
 
 
 def test_wrong_size_checkpoint_in_a_directory(tmp_path, hf_model):
-    _write_dir(tmp_path, hf_model, {k: v for k, v in hf_model.state_dict().items() if ".h.1." not in k and k != "lm_head.weight"}, "safetensors")
+    _write_dir(
+        tmp_path,
+        hf_model,
+        {k: v for k, v in hf_model.state_dict().items() if ".h.1." not in k and k != "lm_head.weight"},
+        "safetensors",
+    )
     with pytest.raises(CheckpointMismatchError, match=r"missing key 'h.1.ln_1.weight'"):
         from_pretrained(tmp_path)
 
@@ -380,7 +391,9 @@ def test_export_errors(config):
         gpt_to_hf_state_dict({k: v for k, v in sd.items() if k != "transformer.ln_f.bias"}, config)
     with pytest.raises(CheckpointMismatchError, match=r"model._orig_mod for torch.compile"):
         gpt_to_hf_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, config)
-    with pytest.raises(CheckpointMismatchError, match=r"key 'transformer.wpe.weight': expected shape \(32, 32\), found \(64, 32\)"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"key 'transformer.wpe.weight': expected shape \(32, 32\), found \(64, 32\)"
+    ):
         gpt_to_hf_state_dict(GPT(dataclasses.replace(config, block_size=64)).state_dict(), config)
     bias_free = dataclasses.replace(config, bias=False)
     with pytest.raises(CheckpointMismatchError, match=r"non-zero biases but config.bias=False"):
@@ -396,7 +409,10 @@ def test_save_pretrained_refuses_parametrized_model(tmp_path, config):
 
     model = GPT(config)
     parametrize.register_parametrization(model.transformer.h[0].attn.c_attn, "weight", Scale())
-    with pytest.raises(ValueError, match=r"parametrizations \(e.g. LoRA\) on \['transformer.h.0.attn.c_attn'\].*minlora.merge_lora\(model\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"parametrizations \(e.g. LoRA\) on \['transformer.h.0.attn.c_attn'\].*minlora.merge_lora\(model\)",
+    ):
         save_pretrained(model, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
     with pytest.raises(TypeError, match="expects a gpt2.GPT"):
@@ -404,7 +420,9 @@ def test_save_pretrained_refuses_parametrized_model(tmp_path, config):
 
 
 def test_nonexistent_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist: it is neither an existing directory nor a Hugging Face hub id"):
+    with pytest.raises(
+        FileNotFoundError, match="does not exist: it is neither an existing directory nor a Hugging Face hub id"
+    ):
         from_pretrained(str(tmp_path / "no" / "such" / "dir"))
     with pytest.raises(FileNotFoundError, match="'./checkpoints/missing' does not exist"):
         from_pretrained("./checkpoints/missing")
@@ -421,7 +439,9 @@ def test_nonexistent_path(tmp_path):
 def test_hub_unreachable(tmp_path, monkeypatch):
     # conftest sets HF_HUB_OFFLINE=1: with an empty cache the real snapshot_download fails offline.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConnectionError, match=r"(?s)could not load 'gpt2'.*hub could not be reached.*HF_HOME.*local directory"):
+    with pytest.raises(
+        ConnectionError, match=r"(?s)could not load 'gpt2'.*hub could not be reached.*HF_HOME.*local directory"
+    ):
         from_pretrained("gpt2", cache_dir=tmp_path)
     import huggingface_hub
 
@@ -429,7 +449,9 @@ def test_hub_unreachable(tmp_path, monkeypatch):
         raise OSError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
-    with pytest.raises(ConnectionError, match=r"could not load 'openai-community/gpt2-medium'.*Name or service not known"):
+    with pytest.raises(
+        ConnectionError, match=r"could not load 'openai-community/gpt2-medium'.*Name or service not known"
+    ):
         from_pretrained("openai-community/gpt2-medium")
 
 

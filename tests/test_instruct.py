@@ -15,8 +15,7 @@ import torch
 import minlora
 from gpt2 import GPT, GPTConfig
 from gpt2.cli import main
-from gpt2.eval import evaluate_loss
-from gpt2.instruct import (
+from gpt2.data.instruct import (
     InstructionLoader,
     build_sequences,
     instruction_loaders,
@@ -25,8 +24,9 @@ from gpt2.instruct import (
     render_prompt,
     tokenize_row,
 )
-from gpt2.model import IGNORE_INDEX
-from gpt2.tokenizer import get_tokenizer
+from gpt2.eval.loss import evaluate_loss
+from gpt2.model.gpt import IGNORE_INDEX
+from gpt2.model.tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "data" / "instructions.jsonl"
@@ -48,10 +48,17 @@ def tok():
 # --------------------------------------------------------------------------- template and masks
 def test_template_renders_both_layouts(tmp_path):
     rows = read_rows(write_jsonl(tmp_path / "d.jsonl", [ALPACA, NO_INPUT, PROMPT, {**NO_INPUT, "input": ""}]))
-    assert [r[:3] for r in rows] == [("Add the numbers.", "2 and 3", "5"), ("Name a colour.", "", "Green."),
-                                     ("Say hi.", "", "Hi there!"), ("Name a colour.", "", "Green.")]
+    assert [r[:3] for r in rows] == [
+        ("Add the numbers.", "2 and 3", "5"),
+        ("Name a colour.", "", "Green."),
+        ("Say hi.", "", "Hi there!"),
+        ("Name a colour.", "", "Green."),
+    ]
     assert rows[0][3].endswith("d.jsonl:1")
-    assert render(*rows[0][:3]) == "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n5<|endoftext|>"
+    assert (
+        render(*rows[0][:3])
+        == "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n5<|endoftext|>"
+    )
     assert render_prompt("Say hi.") == "### Instruction:\nSay hi.\n\n### Response:\n"  # no input block
 
 
@@ -78,7 +85,7 @@ def test_targets_are_ignored_exactly_on_prompt_and_padding(tmp_path, tok, pack):
     for i, (ids, mask) in enumerate(windows):
         n = len(ids) - 1
         assert x[i, :n].tolist() == ids[:n]
-        assert (x[i, n + 1:] == tok.eot_token).all()  # padding input
+        assert (x[i, n + 1 :] == tok.eot_token).all()  # padding input
         for t in range(seq_len):
             if t < n and mask[t + 1]:  # the next token is a response token (or the closing <|endoftext|>)
                 assert y[i, t] == ids[t + 1]
@@ -110,16 +117,19 @@ def test_loss_and_evaluation_average_over_response_tokens_only(tmp_path, tok):
 
 
 # --------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("line, message", [
-    ('{"instruction": "a", "output": "b"', "not valid JSON"),
-    ('["a", "b"]', "must be a JSON object"),
-    ('{"text": "hello"}', "no instruction fields (found: text)"),
-    ('{"instruction": "a"}', "missing 'output'"),
-    ('{"prompt": "a"}', "missing 'response'"),
-    ('{"instruction": "a", "output": 3}', "'output' must be a string, got int"),
-    ('{"instruction": "a", "input": ["x"], "output": "b"}', "'input' must be a string, got list"),
-    ('{"instruction": "  ", "output": "b"}', "'instruction' is empty"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"instruction": "a", "output": "b"', "not valid JSON"),
+        ('["a", "b"]', "must be a JSON object"),
+        ('{"text": "hello"}', "no instruction fields (found: text)"),
+        ('{"instruction": "a"}', "missing 'output'"),
+        ('{"prompt": "a"}', "missing 'response'"),
+        ('{"instruction": "a", "output": 3}', "'output' must be a string, got int"),
+        ('{"instruction": "a", "input": ["x"], "output": "b"}', "'input' must be a string, got list"),
+        ('{"instruction": "  ", "output": "b"}', "'instruction' is empty"),
+    ],
+)
 def test_bad_rows_name_the_file_line_and_field(tmp_path, line, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [ALPACA, line])
     with pytest.raises(ValueError, match="bad.jsonl:2") as e:
@@ -248,8 +258,24 @@ def test_a_tiny_model_learns_the_handmade_set(tok, mode):
 
 
 # --------------------------------------------------------------------------- the command line
-TINY = ["--seq-len", "40", "--micro-batch-size", "4", "--warmup-steps", "1", "--eval-steps", "1",
-        "--num-samples", "1", "--max-new-tokens", "4", "--no-progress", "--no-plot", "--log-interval", "1"]
+TINY = [
+    "--seq-len",
+    "40",
+    "--micro-batch-size",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--eval-steps",
+    "1",
+    "--num-samples",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--no-progress",
+    "--no-plot",
+    "--log-interval",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -260,15 +286,47 @@ def base_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("base") / "run"
     text = out.parent / "text.txt"  # a slice of Tiny Shakespeare: quick to tokenise
     text.write_text(Path(os.environ["GPT2_TINY_SHAKESPEARE"]).read_text()[:20000])
-    assert main(["train", "--model", "tiny", "--data", str(text), *TINY, "--max-steps", "1", "--num-samples", "0",
-                 "--final-eval-batches", "1", "--out-dir", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "tiny",
+                "--data",
+                str(text),
+                *TINY,
+                "--max-steps",
+                "1",
+                "--num-samples",
+                "0",
+                "--final-eval-batches",
+                "1",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, capsys):
     out = tmp_path / "full"
-    code = main(["finetune", "--init", str(base_run), "--data", str(DATA), "--full", *TINY, "--max-steps", "2",
-                 "--out-dir", str(out)])
+    code = main(
+        [
+            "finetune",
+            "--init",
+            str(base_run),
+            "--data",
+            str(DATA),
+            "--full",
+            *TINY,
+            "--max-steps",
+            "2",
+            "--out-dir",
+            str(out),
+        ]
+    )
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     assert "22 training rows" in stdout and "2 validation rows" in stdout and "full fine-tuning" in stdout
@@ -277,8 +335,21 @@ def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, cap
     state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
     assert state["data"]["train"]["position"] == 8 and not state.get("trainable_only")
     # the whole model is in the run directory: sample from it with the template
-    code = main(["sample", "--model", str(out), "--instruction", "Add the two numbers.", "--input", "1 and 2",
-                 "--max-new-tokens", "5", "--seed", "1"])
+    code = main(
+        [
+            "sample",
+            "--model",
+            str(out),
+            "--instruction",
+            "Add the two numbers.",
+            "--input",
+            "1 and 2",
+            "--max-new-tokens",
+            "5",
+            "--seed",
+            "1",
+        ]
+    )
     stdout = capsys.readouterr().out
     assert code == 0 and "### Instruction" not in stdout  # the prompt is not echoed, the response is
 
@@ -294,14 +365,43 @@ def test_cli_finetune_jsonl_lora_resume_and_errors(base_run, tmp_path, capsys):
     state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["data"]["train"]["epoch"] == 0 and state["data"]["train"]["position"] == 8
     assert (out / "adapter").exists()
-    assert main(["sample", "--model", str(base_run), "--adapter", str(out / "adapter"),
-                 "--instruction", "Say hello in Spanish.", "--max-new-tokens", "3"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--model",
+                str(base_run),
+                "--adapter",
+                str(out / "adapter"),
+                "--instruction",
+                "Say hello in Spanish.",
+                "--max-new-tokens",
+                "3",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     bad = write_jsonl(tmp_path / "bad.jsonl", [ALPACA, {"instruction": "x", "output": 5}])
     assert main(["finetune", "--init", str(base_run), "--data", str(bad), *TINY, "--out-dir", str(tmp_path / "b")]) == 2
     assert "bad.jsonl:2: 'output' must be a string" in capsys.readouterr().err
-    assert main(["finetune", "--init", str(base_run), "--data", str(DATA), *TINY, "--seq-len", "16",
-                 "--out-dir", str(tmp_path / "c")]) == 2
+    assert (
+        main(
+            [
+                "finetune",
+                "--init",
+                str(base_run),
+                "--data",
+                str(DATA),
+                *TINY,
+                "--seq-len",
+                "16",
+                "--out-dir",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
     assert "raise --seq-len" in capsys.readouterr().err
     assert main(["sample", "--model", str(base_run), "--input", "x"]) == 2
     assert "--input goes with --instruction" in capsys.readouterr().err

@@ -24,14 +24,51 @@ from gpt2.cli import main
 REPO = Path(__file__).resolve().parents[1]
 # A constant learning rate (no warmup, min_lr = max_lr): the first steps do not depend on
 # --max-steps, so a run stopped by Ctrl-C compares with a short run step for step.
-SAME_RUN = ["--total-batch-size", "128", "--seed", "11", "--warmup-steps", "0", "--max-lr", "1e-3",
-            "--min-lr", "1e-3", "--precision", "fp32"]
+SAME_RUN = [
+    "--total-batch-size",
+    "128",
+    "--seed",
+    "11",
+    "--warmup-steps",
+    "0",
+    "--max-lr",
+    "1e-3",
+    "--min-lr",
+    "1e-3",
+    "--precision",
+    "fp32",
+]
 
 
 def train_args(shakespeare_file: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
-    return ["train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", str(max_steps),
-            "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0", "--no-progress", "--no-plot",
-            "--device", "cpu", "--log-interval", "1", "--data", str(shakespeare_file), "--out-dir", str(out), *extra]
+    return [
+        "train",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--max-steps",
+        str(max_steps),
+        "--val-fraction",
+        "0",
+        "--eval-interval",
+        "0",
+        "--num-samples",
+        "0",
+        "--no-progress",
+        "--no-plot",
+        "--device",
+        "cpu",
+        "--log-interval",
+        "1",
+        "--data",
+        str(shakespeare_file),
+        "--out-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def interrupt_after_step_2(launcher: list[str], shakespeare_file: Path, out: Path, *extra: str) -> tuple[int, str, str]:
@@ -40,8 +77,14 @@ def interrupt_after_step_2(launcher: list[str], shakespeare_file: Path, out: Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     log_out, log_err = out.parent / "stdout.txt", out.parent / "stderr.txt"
     with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen([*launcher, *train_args(shakespeare_file, out, 100000, *extra)], cwd=REPO, env=env, stdout=fo,
-                                stderr=fe, start_new_session=True)
+        proc = subprocess.Popen(
+            [*launcher, *train_args(shakespeare_file, out, 100000, *extra)],
+            cwd=REPO,
+            env=env,
+            stdout=fo,
+            stderr=fe,
+            start_new_session=True,
+        )
         try:
             deadline = time.time() + 240
             while "step 2 " not in log_out.read_text():
@@ -60,8 +103,9 @@ def interrupt_after_step_2(launcher: list[str], shakespeare_file: Path, out: Pat
 def nproc_run(tmp_path_factory, shakespeare_file) -> tuple[int, str, str, Path]:
     """`gpt2 train --nproc-per-node 2`, stopped by Ctrl-C after step 2."""
     out = tmp_path_factory.mktemp("nproc") / "run"
-    code, stdout, stderr = interrupt_after_step_2([sys.executable, "-m", "gpt2"], shakespeare_file, out, "--nproc-per-node", "2",
-                                                  *SAME_RUN)
+    code, stdout, stderr = interrupt_after_step_2(
+        [sys.executable, "-m", "gpt2"], shakespeare_file, out, "--nproc-per-node", "2", *SAME_RUN
+    )
     return code, stdout, stderr, out
 
 

@@ -11,18 +11,28 @@ import pytest
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.config import TrainConfig
-from gpt2.metrics import make_sinks, read_jsonl, wandb_mode
-from gpt2.trainer import Trainer
+from gpt2.train.config import TrainConfig
+from gpt2.train.metrics import make_sinks, read_jsonl, wandb_mode
+from gpt2.train.trainer import Trainer
 
 
 def _fit(tmp_path, log_to, steps: int = 4):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     tokens = torch.randint(0, 64, (2048,), generator=torch.Generator().manual_seed(1))
-    config = TrainConfig(micro_batch_size=2, seq_len=16, max_steps=steps, eval_interval=2, eval_steps=2,
-                         out_dir=str(tmp_path / "run"), log_to=log_to, device="cpu", plot=False,
-                         progress=False, checkpoint_interval=0)
+    config = TrainConfig(
+        micro_batch_size=2,
+        seq_len=16,
+        max_steps=steps,
+        eval_interval=2,
+        eval_steps=2,
+        out_dir=str(tmp_path / "run"),
+        log_to=log_to,
+        device="cpu",
+        plot=False,
+        progress=False,
+        checkpoint_interval=0,
+    )
     with Trainer(model, config, tokens, tokens, sinks=[]) as trainer:
         history = trainer.fit()
     return tmp_path / "run", history
@@ -30,7 +40,10 @@ def _fit(tmp_path, log_to, steps: int = 4):
 
 def test_log_to_is_checked_and_normalised(tmp_path):
     assert TrainConfig(out_dir=str(tmp_path), log_to="tensorboard, WandB").log_to == ("tensorboard", "wandb")
-    assert TrainConfig(out_dir=str(tmp_path), log_to=["tensorboard,wandb", "tensorboard"]).log_to == ("tensorboard", "wandb")
+    assert TrainConfig(out_dir=str(tmp_path), log_to=["tensorboard,wandb", "tensorboard"]).log_to == (
+        "tensorboard",
+        "wandb",
+    )
     assert TrainConfig.from_dict(TrainConfig(log_to=("wandb",)).to_dict()).log_to == ("wandb",)
     with pytest.raises(ValueError, match="unknown target.*mlflow"):
         TrainConfig(log_to=("mlflow",))
@@ -72,10 +85,10 @@ def _wandb_records(path):
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if pos + 7 + length > len(data):  # a chunk still being written
             break
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 1:  # full
             records.append(chunk)
@@ -150,13 +163,21 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, target, module):
 def test_validation_and_final_evaluation_show_progress(tmp_path, capsys):
     """No silent evaluation: a 'val' bar (and 'evaluating' on the training bar) inside fit, an
     'eval' bar for evaluate_loss(progress=True), which computes the same loss as without it."""
-    from gpt2.eval import evaluate_loss
+    from gpt2.eval.loss import evaluate_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     tokens = torch.randint(0, 64, (2048,), generator=torch.Generator().manual_seed(1))
-    config = TrainConfig(micro_batch_size=2, seq_len=16, max_steps=2, eval_interval=2, eval_steps=3,
-                         out_dir=None, device="cpu", progress=True)
+    config = TrainConfig(
+        micro_batch_size=2,
+        seq_len=16,
+        max_steps=2,
+        eval_interval=2,
+        eval_steps=3,
+        out_dir=None,
+        device="cpu",
+        progress=True,
+    )
     Trainer(model, config, tokens, tokens, sinks=[]).fit()
     err = capsys.readouterr().err
     assert "evaluating" in err and "val:" in err and "/3 [" in err

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from gpt2.config import GPTConfig
-from gpt2.model import GPT
+from gpt2.model.config import GPTConfig
+from gpt2.model.gpt import GPT
 from minlora.config import LoRAConfig
 from minlora.model import (
     LoRAParametrization,

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from gpt2.config import GPTConfig
-from gpt2.model import GPT
+from gpt2.model.config import GPTConfig
+from gpt2.model.gpt import GPT
 from minlora.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_adapter, save_adapter
 from minlora.config import LoRAConfig
 from minlora.model import LoRAParametrization, add_lora, lora_sites, remove_lora

@@ -14,8 +14,8 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 import minlora
-from gpt2.config import GPTConfig
-from gpt2.model import GPT
+from gpt2.model.config import GPTConfig
+from gpt2.model.gpt import GPT
 from minlora import AdapterFileError, LoRAConfig, LoRAParametrization
 from minlora.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_adapter, save_adapter
 from minlora.peft import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpt2.config import GPTConfig, TrainConfig
-from gpt2.model import GPT
-from gpt2.trainer import Trainer
+from gpt2.model.config import GPTConfig
+from gpt2.train.config import TrainConfig
+from gpt2.model.gpt import GPT
+from gpt2.train.trainer import Trainer
 from minlora.adapters import ADAPTER_WEIGHTS_NAME, load_adapter, save_adapter
 from minlora.config import LoRAConfig
 from minlora.model import add_lora, lora_sites

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from gpt2.config import GPTConfig
-from gpt2.model import GPT
+from gpt2.model.config import GPTConfig
+from gpt2.model.gpt import GPT
 
 
 def _model(config: GPTConfig) -> GPT:
@@ -131,7 +131,7 @@ def test_flash_and_manual_attention_agree(tiny_config):
     torch.testing.assert_close(loss_m, loss_f, atol=1e-6, rtol=1e-6)
     # Padded batched prompts go through an explicit boolean mask: both paths agree there too.
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    from gpt2.generate import pad_prompts
+    from gpt2.model.generate import pad_prompts
 
     ids, mask = pad_prompts(prompts)
     torch.testing.assert_close(
@@ -162,7 +162,11 @@ def test_dropout_only_in_training(tiny_config):
 @pytest.mark.parametrize(
     "make_input, error, message",
     [
-        (lambda V, T: torch.randint(0, V, (1, T + 1)), ValueError, r"sequence length 65 exceeds the model's context \(block_size=64\)"),
+        (
+            lambda V, T: torch.randint(0, V, (1, T + 1)),
+            ValueError,
+            r"sequence length 65 exceeds the model's context \(block_size=64\)",
+        ),
         (lambda V, T: torch.rand(1, 4), TypeError, r"integer token ids .* got dtype torch.float32"),
         (lambda V, T: torch.tensor([1, 2, 3]), ValueError, r"shape \(batch, sequence\), got shape \(3,\)"),
         (lambda V, T: torch.zeros(1, 2, 3, dtype=torch.long), ValueError, r"got shape \(1, 2, 3\)"),
@@ -187,7 +191,7 @@ def test_bad_targets_raise_clear_errors(tiny_config):
 
 
 def test_bad_position_ids_and_cache_overflow(tiny_config):
-    from gpt2.generate import KVCache
+    from gpt2.model.generate import KVCache
 
     model = _model(tiny_config)
     idx = torch.randint(0, tiny_config.vocab_size, (1, 4))
@@ -200,7 +204,7 @@ def test_bad_position_ids_and_cache_overflow(tiny_config):
 
 
 def test_kv_cache_follows_autocast_dtype(tiny_config):
-    from gpt2.generate import KVCache
+    from gpt2.model.generate import KVCache
 
     model = _model(tiny_config)
     cache = KVCache.for_model(model)
@@ -218,15 +222,21 @@ def _param_count_formula(cfg: GPTConfig) -> int:
     C, L = cfg.n_embd, cfg.n_layer
     per_block = (
         2 * 2 * C  # two LayerNorms (weight + bias)
-        + C * 3 * C + 3 * C  # c_attn
-        + C * C + C  # attn.c_proj
-        + C * 4 * C + 4 * C  # mlp.c_fc
-        + 4 * C * C + C  # mlp.c_proj
+        + C * 3 * C
+        + 3 * C  # c_attn
+        + C * C
+        + C  # attn.c_proj
+        + C * 4 * C
+        + 4 * C  # mlp.c_fc
+        + 4 * C * C
+        + C  # mlp.c_proj
     )
     return cfg.padded_vocab_size * C + cfg.block_size * C + L * per_block + 2 * C
 
 
-@pytest.mark.parametrize("name, millions", [("gpt2", 124), ("gpt2-medium", 355), ("gpt2-large", 774), ("gpt2-xl", 1558)])
+@pytest.mark.parametrize(
+    "name, millions", [("gpt2", 124), ("gpt2-medium", 355), ("gpt2-large", 774), ("gpt2-xl", 1558)]
+)
 def test_preset_parameter_counts(name, millions):
     cfg = GPTConfig.from_name(name)
     assert (cfg.block_size, cfg.vocab_size) == (1024, 50257)
@@ -250,7 +260,7 @@ def test_gpt_rejects_non_config():
 def _forward_every_way(model: GPT, config: GPTConfig, device: str = "cpu") -> None:
     """Forward as training (targets, with ignored positions), as a cached generation step, and as
     a padded-prompt step with explicit positions and mask."""
-    from gpt2.generate import KVCache
+    from gpt2.model.generate import KVCache
 
     V = config.vocab_size
     idx = torch.randint(0, V, (2, 12), device=device)
@@ -271,6 +281,7 @@ def test_forward_never_reads_tensor_values_on_the_host(tiny_config, monkeypatch)
     def forbidden(name):
         def raise_(*args, **kwargs):
             raise AssertionError(f"forward called Tensor.{name}: a host read (device sync)")
+
         return raise_
 
     with monkeypatch.context() as m:

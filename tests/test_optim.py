@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from gpt2 import GPT
-from gpt2.optim import build_optimizer, lr_at, param_groups, set_lr, use_fused_adamw
+from gpt2.train.optim import build_optimizer, lr_at, param_groups, set_lr, use_fused_adamw
 
 
 @pytest.fixture
@@ -30,9 +30,7 @@ def test_groups_decay_matrices_only_and_count_tied_weight_once(model):
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_params()
     assert all_ids == {id(p) for p in model.parameters()}
     # Decayed: the Linear weights of the blocks. Not decayed: biases, LayerNorms, embeddings.
-    expected_decay = {
-        id(m.weight) for m in model.transformer.h.modules() if isinstance(m, nn.Linear)
-    }
+    expected_decay = {id(m.weight) for m in model.transformer.h.modules() if isinstance(m, nn.Linear)}
     assert _ids(decay) == expected_decay
     assert id(model.transformer.wte.weight) in _ids(no_decay)  # tied with lm_head: an embedding
     assert id(model.transformer.wpe.weight) in _ids(no_decay)
@@ -82,5 +80,7 @@ def test_lr_schedule_warmup_cosine_floor():
     assert lr_at(110, **kw) == 6e-5 and lr_at(500, **kw) == 6e-5  # the floor, also after the end
     # No warmup, and warmup == max_steps, are both well defined.
     assert lr_at(0, max_lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=4) == 1.0
-    assert lr_at(2, max_lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=4) == pytest.approx(0.5 * (1 + math.cos(math.pi / 2)))
+    assert lr_at(2, max_lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=4) == pytest.approx(
+        0.5 * (1 + math.cos(math.pi / 2))
+    )
     assert lr_at(4, max_lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=4) == 0.1

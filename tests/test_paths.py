@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2 import GPT, GPTConfig, hf
-from gpt2.checkpoint import save_checkpoint
-from gpt2.loading import load_model
+from gpt2 import GPT, GPTConfig
+from gpt2.model import hf
+from gpt2.model.loading import load_model
+from gpt2.train.checkpoint import save_checkpoint
 
 TINY = GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32)
 
@@ -60,7 +61,7 @@ def test_official_names_mean_the_hub_even_where_a_folder_has_that_name(checkout,
     (checkout / "openai-community" / "gpt2").mkdir(parents=True)
     (checkout / "gpt2-xl").mkdir()
     (checkout / "distilgpt2").mkdir()
-    _same_weights(hf.from_pretrained(name), model)
+    _same_weights(GPT.from_pretrained(name), model)
     _same_weights(GPT.from_pretrained(name), model)
     _same_weights(load_model(name), model)  # sample --model, finetune --init, eval, export
     assert hub.calls == [name] * 3
@@ -70,8 +71,10 @@ def test_official_names_mean_the_hub_even_where_a_folder_has_that_name(checkout,
 def test_a_path_spelling_is_local(checkout, hub, spelling):
     spec = spelling.format(cwd=checkout)
     with pytest.raises(FileNotFoundError, match=r"has no config\.json.*write its bare name"):
-        hf.from_pretrained(spec)
-    with pytest.raises(FileNotFoundError, match=r"holds no model: .*no config\.json.*trainer_state\.json.*checkpoints/"):
+        GPT.from_pretrained(spec)
+    with pytest.raises(
+        FileNotFoundError, match=r"holds no model: .*no config\.json.*trainer_state\.json.*checkpoints/"
+    ):
         load_model(spec)
     with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
         GPT.from_pretrained(Path("gpt2"))  # a Path is always a path
@@ -81,7 +84,7 @@ def test_a_path_spelling_is_local(checkout, hub, spelling):
 def test_other_existing_names_are_local_never_the_hub(checkout, hub):
     (checkout / "my-model").mkdir()  # shaped like a hub id, but it exists here
     with pytest.raises(FileNotFoundError, match=r"'my-model' has no config\.json"):
-        hf.from_pretrained("my-model")
+        GPT.from_pretrained("my-model")
     with pytest.raises(FileNotFoundError, match=r"'my-model' holds no model"):
         load_model("my-model")
     assert hub.calls == []
@@ -90,8 +93,10 @@ def test_other_existing_names_are_local_never_the_hub(checkout, hub):
 @pytest.mark.parametrize("spec", ["./no/such/model", "{cwd}/missing", "runs/a/b", "~/no-such-dir-gpt2-test"])
 def test_missing_paths_say_does_not_exist_not_hub_errors(checkout, hub, spec):
     spec = spec.format(cwd=checkout)
-    for load in (hf.from_pretrained, load_model):
-        with pytest.raises(FileNotFoundError, match=r"does not exist: it is neither an existing directory nor a Hugging Face hub id"):
+    for load in (GPT.from_pretrained, load_model):
+        with pytest.raises(
+            FileNotFoundError, match=r"does not exist: it is neither an existing directory nor a Hugging Face hub id"
+        ):
             load(spec)
     assert hub.calls == []
 
@@ -105,7 +110,7 @@ def test_transformers_directory_without_weights(checkout, hub, model):
     d = hf.save_pretrained(model, checkout / "export")
     _same_weights(load_model("export"), model)
     (d / "model.safetensors").unlink()
-    for load in (hf.from_pretrained, load_model):
+    for load in (GPT.from_pretrained, load_model):
         with pytest.raises(FileNotFoundError, match=r"no weights in .*export.*expected model\.safetensors"):
             load("export")
     assert hub.calls == []
@@ -117,7 +122,7 @@ def test_run_and_checkpoint_directories(checkout, hub, model):
     for spec in ("runs/tiny", str(run / "checkpoints"), str(step)):
         _same_weights(load_model(spec), model)
     (run / "checkpoints" / step.name / "model.safetensors").unlink()
-    from gpt2.checkpoint import CheckpointError
+    from gpt2.train.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="no intact checkpoint.*model.safetensors is missing"):
         load_model("runs/tiny")
@@ -129,5 +134,5 @@ def test_a_file_is_not_a_model(checkout, hub, model):
     with pytest.raises(NotADirectoryError, match=r"is a file; a model is a directory.*pass its directory '.*export'"):
         load_model(str(d / "model.safetensors"))
     with pytest.raises(NotADirectoryError, match=r"is a file; from_pretrained expects a directory"):
-        hf.from_pretrained(d / "config.json")
+        GPT.from_pretrained(d / "config.json")
     assert hub.calls == []

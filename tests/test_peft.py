@@ -11,7 +11,7 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from gpt2.hf import from_pretrained  # noqa: E402
+from gpt2 import from_pretrained  # noqa: E402
 from minlora.config import LoRAConfig  # noqa: E402
 from minlora.model import add_lora, lora_sites  # noqa: E402
 from minlora.peft import PEFT_CONFIG_NAME, export_peft_adapter, import_peft_adapter  # noqa: E402

@@ -6,17 +6,22 @@ import pytest
 import torch
 
 from gpt2 import GPT
-from gpt2.config import TrainConfig
-from gpt2.optim import build_optimizer
-from gpt2.precision import default_precision, resolve_precision
-from gpt2.trainer import Trainer
+from gpt2.train.config import TrainConfig
+from gpt2.train.optim import build_optimizer
+from gpt2.train.precision import default_precision, resolve_precision
+from gpt2.train.trainer import Trainer
 
 
 def test_policies_on_cpu():
     assert default_precision("cpu") == "fp32"
     assert resolve_precision("auto", "cpu").name == "fp32"
     a, b = torch.randn(4, 4), torch.randn(4, 4)
-    for name, dtype in (("fp32", torch.float32), ("tf32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    for name, dtype in (
+        ("fp32", torch.float32),
+        ("tf32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("fp16", torch.float16),
+    ):
         policy = resolve_precision(name, "cpu")
         policy.apply()  # a no-op on CPU, must not fail
         with policy.autocast():
@@ -53,8 +58,16 @@ def test_fp16_scaler_skips_overflow_step_and_training_continues(tiny_config):
     torch.manual_seed(0)
     model = GPT(tiny_config)
     tokens = torch.randint(0, tiny_config.vocab_size, (4000,))
-    config = TrainConfig(micro_batch_size=4, seq_len=16, max_steps=6, max_lr=1e-3, precision="fp16",
-                         out_dir=None, progress=False, max_bad_steps=1)
+    config = TrainConfig(
+        micro_batch_size=4,
+        seq_len=16,
+        max_steps=6,
+        max_lr=1e-3,
+        precision="fp16",
+        out_dir=None,
+        progress=False,
+        max_bad_steps=1,
+    )
     trainer = Trainer(model, config, tokens, sinks=[])
     assert trainer.scaler is not None
     handle = _overflow_once(model, at_call=3)
@@ -97,8 +110,9 @@ def test_bf16_training_on_cpu_learns(tiny_config):
     torch.manual_seed(0)
     model = GPT(tiny_config)
     tokens = torch.arange(0, 4 * 16 + 1) % tiny_config.vocab_size  # one batch, seen every step
-    config = TrainConfig(micro_batch_size=4, seq_len=16, max_steps=15, max_lr=3e-3, precision="bf16",
-                         out_dir=None, progress=False)
+    config = TrainConfig(
+        micro_batch_size=4, seq_len=16, max_steps=15, max_lr=3e-3, precision="bf16", out_dir=None, progress=False
+    )
     history = Trainer(model, config, tokens, sinks=[]).fit()
     assert history[-1]["loss"] < history[0]["loss"] - 1.0
     assert "loss_scale" not in history[0]  # no scaler for bf16
@@ -109,8 +123,16 @@ def test_fp16_resume_restores_the_loss_scale(tiny_config, tmp_path):
     torch.manual_seed(0)
     model = GPT(tiny_config)
     tokens = torch.randint(0, tiny_config.vocab_size, (4000,))
-    config = TrainConfig(micro_batch_size=4, seq_len=16, max_steps=6, max_lr=1e-3, precision="fp16",
-                         out_dir=str(tmp_path), progress=False, plot=False)
+    config = TrainConfig(
+        micro_batch_size=4,
+        seq_len=16,
+        max_steps=6,
+        max_lr=1e-3,
+        precision="fp16",
+        out_dir=str(tmp_path),
+        progress=False,
+        plot=False,
+    )
     first = Trainer(model, config, tokens, sinks=[])
     handle = _overflow_once(model, at_call=2)
     first.fit(until_step=3)
@@ -129,7 +151,7 @@ def test_fp16_resume_restores_the_loss_scale(tiny_config, tmp_path):
 _TF32_SCRIPT = r"""
 import sys, types
 import torch
-from gpt2.precision import PrecisionPolicy
+from gpt2.train.precision import PrecisionPolicy
 
 calls = []
 def legacy(*args):
@@ -183,5 +205,7 @@ def test_tf32_switch_uses_fp32_precision_on_new_pytorch():
 
 def test_tf32_switch_uses_legacy_api_on_old_pytorch():
     lines = _run_tf32_script("old")
-    assert lines == ["legacy [('set_float32_matmul_precision', 'high'), ('cudnn.allow_tf32', True), "
-                     "('set_float32_matmul_precision', 'highest'), ('cudnn.allow_tf32', False)]"]
+    assert lines == [
+        "legacy [('set_float32_matmul_precision', 'high'), ('cudnn.allow_tf32', True), "
+        "('set_float32_matmul_precision', 'highest'), ('cudnn.allow_tf32', False)]"
+    ]

@@ -39,8 +39,12 @@ def offline_pretrained(monkeypatch):
 def test_gpt2_example_runs(tmp_path, monkeypatch, offline_pretrained, shared_data):
     monkeypatch.chdir(tmp_path)
     code = readme_blocks()["gpt2 in ten lines"]
-    shrink = {"max_steps=200": "max_steps=3", "warmup_steps=20": "warmup_steps=1",
-              "micro_batch_size=16": "micro_batch_size=2", "total_batch_size=16 * 128": "total_batch_size=2 * 128"}
+    shrink = {
+        "max_steps=200": "max_steps=3",
+        "warmup_steps=20": "warmup_steps=1",
+        "micro_batch_size=16": "micro_batch_size=2",
+        "total_batch_size=16 * 128": "total_batch_size=2 * 128",
+    }
     for old, new in shrink.items():
         assert old in code, old
         code = code.replace(old, new)

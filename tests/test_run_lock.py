@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from gpt2 import checkpoint as ckpt
-from gpt2 import rundir
-from gpt2.config import TrainConfig
-from gpt2.trainer import Trainer
-
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
+
+from gpt2.train import checkpoint as ckpt
+from gpt2.train import rundir
+from gpt2.train.config import TrainConfig
+from gpt2.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 _FORK = mp.get_context("fork")
@@ -83,7 +82,7 @@ def test_second_process_fails_at_once_and_a_crashed_holder_leaves_no_stuck_lock(
         os.kill(holder.pid, signal.SIGKILL)  # a crash: no clean-up of its own
         holder.join()
     assert (out / rundir.LOCK_FILE).exists()  # its record is still there ...
-    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         with Trainer(_model(), _config(out), _tokens(), sinks=[]) as trainer:  # ... but not its lock
             trainer.fit()
     assert f"left by pid {holder.pid}" in caplog.text and "no longer running" in caplog.text
@@ -117,14 +116,14 @@ def test_stale_record_of_a_dead_pid_is_taken_over(tmp_path, caplog):
     out.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    (out / rundir.LOCK_FILE).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname(),
-                                                    "started": "yesterday"}))
-    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
-        with Trainer(_model(), _config(out), _tokens(), sinks=[]):
-            assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    (out / rundir.LOCK_FILE).write_text(
+        json.dumps({"pid": proc.pid, "host": socket.gethostname(), "started": "yesterday"})
+    )
+    with caplog.at_level(logging.WARNING, logger="gpt2"), Trainer(_model(), _config(out), _tokens(), sinks=[]):
+        assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
     assert f"left by pid {proc.pid}" in caplog.text
     (out / rundir.LOCK_FILE).write_bytes(b"\x00garbage")  # a lock file nobody holds, with junk in it
-    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         rundir.RunLock(out).acquire().release()
     assert "record was unreadable" in caplog.text
 
@@ -171,7 +170,7 @@ def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, c
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     (out / rundir.LOCK_FILE).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname()}))
-    with caplog.at_level(logging.WARNING, logger="gpt2.rundir"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         rundir.RunLock(out).acquire().release()
     assert f"pid {proc.pid} that held it is no longer running" in caplog.text
 
@@ -277,8 +276,26 @@ def test_overwrite_flag_and_the_refusal_in_command_line_terms(tmp_path, capsys):
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     text = tmp_path / "input.txt"
     text.write_text("ROMEO: to be or not to be\n" * 200)
-    code = main(["train", "--model", "tiny", "--data", str(text), "--seq-len", "16", "--micro-batch-size", "2",
-                 "--max-steps", "1", "--warmup-steps", "0", "--out-dir", str(out), "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--model",
+            "tiny",
+            "--data",
+            str(text),
+            "--seq-len",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--max-steps",
+            "1",
+            "--warmup-steps",
+            "0",
+            "--out-dir",
+            str(out),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--resume auto" in err and "--overwrite" in err and "overwrite=True" not in err, err
 

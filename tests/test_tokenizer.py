@@ -12,7 +12,7 @@ import tiktoken.load
 import tiktoken.registry
 import torch
 
-from gpt2.tokenizer import (
+from gpt2.model.tokenizer import (
     EOT_TOKEN,
     Tokenizer,
     TokenizerNotAvailableError,
@@ -111,9 +111,7 @@ def test_bad_inputs(tok):
 
 
 def test_from_files_equals_tiktoken(shared_data, tok):
-    local = Tokenizer.from_files(
-        shared_data / "gpt2-tokenizer/vocab.bpe", shared_data / "gpt2-tokenizer/encoder.json"
-    )
+    local = Tokenizer.from_files(shared_data / "gpt2-tokenizer/vocab.bpe", shared_data / "gpt2-tokenizer/encoder.json")
     reference = tiktoken.get_encoding("gpt2")
     text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:10_000]
     for sample in [text, *TRICKY, "x<|endoftext|>y"]:
@@ -141,9 +139,7 @@ def test_tokenizer_dir_env_var(shared_data, tmp_path, monkeypatch, fresh_cache):
     assert get_tokenizer() is local
 
     monkeypatch.setenv("GPT2_TOKENIZER_DIR", str(tmp_path / "missing"))
-    with pytest.raises(
-        TokenizerNotAvailableError, match="GPT2_TOKENIZER_DIR.*vocab.bpe and encoder.json"
-    ):
+    with pytest.raises(TokenizerNotAvailableError, match="GPT2_TOKENIZER_DIR.*vocab.bpe and encoder.json"):
         get_tokenizer()
 
 

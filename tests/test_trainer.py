@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2 import checkpoint as ckpt
-from gpt2.config import TrainConfig
 from gpt2.data import TokenLoader
-from gpt2.metrics import (
+from gpt2.train import checkpoint as ckpt
+from gpt2.train.config import TrainConfig
+from gpt2.train.metrics import (
     PEAK_FLOPS,
     ConsoleSink,
     format_line,
@@ -25,11 +25,20 @@ from gpt2.metrics import (
     plot_loss_curve,
     read_jsonl,
 )
-from gpt2.trainer import Trainer, TrainingDivergedError, grad_accum_steps
+from gpt2.train.trainer import Trainer, TrainingDivergedError, grad_accum_steps
+
 
 def _config(**overrides) -> TrainConfig:
-    base = dict(micro_batch_size=2, seq_len=16, max_steps=4, max_lr=1e-3, out_dir=None, progress=False,
-                eval_interval=0, plot=False)
+    base = dict(
+        micro_batch_size=2,
+        seq_len=16,
+        max_steps=4,
+        max_lr=1e-3,
+        out_dir=None,
+        progress=False,
+        eval_interval=0,
+        plot=False,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -103,7 +112,9 @@ def test_resume_after_crash_is_bit_exact(tiny_config, tmp_path):
     tokens, val = _tokens(), _tokens(1024, seed=2)
     kwargs = dict(max_steps=8, warmup_steps=2, eval_interval=3, eval_steps=2, checkpoint_interval=4)
 
-    full = Trainer(_model(tiny_config, dropout=0.1), _config(out_dir=str(tmp_path / "a"), **kwargs), tokens, val, sinks=[])
+    full = Trainer(
+        _model(tiny_config, dropout=0.1), _config(out_dir=str(tmp_path / "a"), **kwargs), tokens, val, sinks=[]
+    )
     expected = full.fit()
 
     cfg = _config(out_dir=str(tmp_path / "b"), **kwargs)
@@ -138,8 +149,13 @@ def test_fit_until_step_then_resume_from_explicit_path(tiny_config, tmp_path):
     first = Trainer(_model(tiny_config), cfg, tokens, sinks=[])
     assert len(first.fit(until_step=3)) == 3
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step_000003"]
-    resume_cfg = _config(out_dir=str(tmp_path), max_steps=6, warmup_steps=2, checkpoint_interval=0,
-                         resume=str(tmp_path / "checkpoints" / "step_000003"))
+    resume_cfg = _config(
+        out_dir=str(tmp_path),
+        max_steps=6,
+        warmup_steps=2,
+        checkpoint_interval=0,
+        resume=str(tmp_path / "checkpoints" / "step_000003"),
+    )
     second = Trainer(_model(tiny_config), resume_cfg, tokens, sinks=[])
     history = second.fit()
     assert [r["step"] for r in history] == [4, 5, 6]
@@ -163,7 +179,9 @@ def test_frozen_base_trains_and_saves_only_trainable_parameters(tiny_config, tmp
     cfg = _config(out_dir=str(tmp_path), max_steps=3, save_trainable_only=True)
     trainer = Trainer(model, cfg, _tokens(), sinks=[])
     assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {
-        id(model.transformer.ln_f.weight), id(model.transformer.ln_f.bias)}
+        id(model.transformer.ln_f.weight),
+        id(model.transformer.ln_f.bias),
+    }
     trainer.fit()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen_before.items())
     weights, _ = ckpt.load_weights(tmp_path / "checkpoints" / "step_000003" / ckpt.WEIGHTS_FILE)
@@ -224,9 +242,8 @@ def test_repeated_non_finite_steps_raise_and_name_last_good_checkpoint(tiny_conf
     config = _config(out_dir=str(tmp_path), max_steps=20, max_bad_steps=3, checkpoint_interval=2)
     trainer = Trainer(model, config, _tokens(), sinks=[])
     _nan_loss_at(model, calls={3}, from_call=6)  # step 3 bad once, then every step from 6 on
-    with caplog.at_level(logging.WARNING, logger="gpt2.trainer"):
-        with pytest.raises(TrainingDivergedError) as info:
-            trainer.fit()
+    with caplog.at_level(logging.WARNING, logger="gpt2"), pytest.raises(TrainingDivergedError) as info:
+        trainer.fit()
     err = info.value
     assert err.step == 8 and math.isnan(err.loss) and err.last_checkpoint.name == "step_000004"
     message = str(err)
@@ -279,7 +296,9 @@ def test_crash_during_save_keeps_last_checkpoint_resumable(tiny_config, tmp_path
         trainer.fit()
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002"]
-    resumed = Trainer(_model(tiny_config), _config(out_dir=str(tmp_path), max_steps=4, resume="auto"), _tokens(), sinks=[])
+    resumed = Trainer(
+        _model(tiny_config), _config(out_dir=str(tmp_path), max_steps=4, resume="auto"), _tokens(), sinks=[]
+    )
     assert resumed.step == 2
 
 
@@ -366,8 +385,14 @@ def test_data_sources(tiny_config, tmp_path):
 
 def test_console_line_format():
     """Optional fields add a segment only when present; every number reads back within its rounding."""
-    record = {"step": 50, "loss": 5.08601, "lr": 6e-5, "grad_norm": 0.4123, "dt_ms": 50.61,
-              "tokens_per_second": 161818.2}
+    record = {
+        "step": 50,
+        "loss": 5.08601,
+        "lr": 6e-5,
+        "grad_norm": 0.4123,
+        "dt_ms": 50.61,
+        "tokens_per_second": 161818.2,
+    }
 
     def segments(rec: dict) -> dict[str, str]:
         parts = format_line(rec).split(" | ")
@@ -387,8 +412,9 @@ def test_console_line_format():
     assert float(plain["norm"]) == pytest.approx(record["grad_norm"], abs=5e-3)
     assert float(plain["ms"]) == pytest.approx(record["dt_ms"], abs=0.05)
     assert float(plain["tok/s"].replace(",", "")) == pytest.approx(record["tokens_per_second"], abs=0.5)
-    full = segments({**record, "mfu": 0.4413, "val_loss": 4.5, "loss_scale": 32768.0, "skipped": True,
-                     "skipped_steps": 2})
+    full = segments(
+        {**record, "mfu": 0.4413, "val_loss": 4.5, "loss_scale": 32768.0, "skipped": True, "skipped_steps": 2}
+    )
     assert set(full) - set(plain) == {"mfu", "val", "scale", "skipped"}
     assert float(full["mfu"].rstrip("%")) == pytest.approx(44.13, abs=0.05)
     assert float(full["val"]) == 4.5 and float(full["scale"]) == 32768.0 and "2" in full["skipped"]
@@ -396,8 +422,16 @@ def test_console_line_format():
 
 def test_metrics_jsonl_plot_console_and_mfu(tiny_config, tmp_path):
     lines: list[str] = []
-    config = _config(out_dir=str(tmp_path), max_steps=5, eval_interval=2, eval_steps=1, log_interval=2,
-                     plot=True, peak_flops=1e12, checkpoint_interval=0)
+    config = _config(
+        out_dir=str(tmp_path),
+        max_steps=5,
+        eval_interval=2,
+        eval_steps=1,
+        log_interval=2,
+        plot=True,
+        peak_flops=1e12,
+        checkpoint_interval=0,
+    )
     trainer = Trainer(_model(tiny_config), config, _tokens(), _tokens(1024), sinks=[ConsoleSink(2, lines.append)])
     history = trainer.fit()
     assert [line.split(" | ")[0] for line in lines] == ["step 1", "step 2", "step 4", "step 5"]
@@ -418,7 +452,7 @@ def test_no_mfu_on_cpu_and_plot_without_matplotlib(tiny_config, tmp_path, monkey
     trainer = Trainer(_model(tiny_config), _config(max_steps=1), _tokens(), sinks=[])
     assert trainer.train_step()["mfu"] is None  # CPU: no peak to compare with
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
-    with caplog.at_level(logging.WARNING, logger="gpt2.metrics"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         assert plot_loss_curve([{"step": 1, "loss": 1.0}], tmp_path / "x.png") is None
     assert "matplotlib is not installed" in caplog.text and not (tmp_path / "x.png").exists()
 
@@ -450,7 +484,7 @@ def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp
     assert all(math.isfinite(r["loss"]) for r in history) and "val_loss" in history[-1]
     prompt = torch.zeros(1, 3, dtype=torch.long)
     # Generation through the compiled module (it forwards attributes to the model) and the raw one.
-    from gpt2.generate import generate
+    from gpt2.model.generate import generate
 
     compiled_out = generate(trainer.eval_model, prompt, 2, temperature=0)
     assert torch.equal(compiled_out, trainer.model.generate(prompt, 2, temperature=0))
@@ -466,7 +500,7 @@ def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp
 
 
 def test_benchmark_ladder_cpu_smoke(tmp_path):
-    from gpt2.bench import RUNGS, format_table, run_ladder, rung_settings
+    from gpt2.train.bench import RUNGS, format_table, run_ladder, rung_settings
 
     # the ladder is cumulative: each rung keeps everything the rung below it switched on
     plain = rung_settings(RUNGS[0])
@@ -497,4 +531,3 @@ def test_benchmark_ladder_cpu_smoke(tmp_path):
         r.repeat_ms, r.spread = [10.0, 10.5], 0.05
     note = format_table(results).splitlines()[-1]
     assert note.startswith("note:") and timed[0].rung in note and timed[1].rung not in note
-

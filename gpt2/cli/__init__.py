@@ -18,15 +18,15 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ..distributed import uses_cuda
-from ..jobs import options as o
-from ..jobs.common import UsageError
-from .layers import (ConfigError, build, dump_yaml, read_yaml, recipe_names, recipe_path, to_flat,
-                     validation_off)
+from gpt2.cli import options as o
+from gpt2.cli.common import UsageError
+from gpt2.cli.layers import ConfigError, build, dump_yaml, read_yaml, recipe_names, recipe_path, to_flat, validation_off
+from gpt2.train.distributed import uses_cuda
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
 EXIT_FAILURE = 1
@@ -42,36 +42,77 @@ class Command:
     recipe: str | None = None  # the recipe applied when --recipe is not given
 
 
-COMMANDS: dict[str, Command] = {c.name: c for c in (
-    Command("train", "pretrain a GPT-2 from scratch (Tiny Shakespeare by default), report val loss and samples",
-            o.TrainOptions, "train", recipe="shakespeare"),
-    Command("finetune", "LoRA (or full) fine-tuning of GPT-2 weights on text or instruction data",
-            o.FinetuneOptions, "finetune", recipe="finetune"),
-    Command("sample", "stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)",
-            o.SampleOptions, "sample"),
-    Command("prepare", "tokenise text files, jsonl files or a Hugging Face dataset into token shards",
-            o.PrepareOptions, "prepare"),
-    Command("eval", "validation loss / perplexity on token data, and HellaSwag accuracy",
-            o.EvalOptions, "evaluate", recipe="eval"),
-    Command("export", "write a transformers directory (LoRA merged in) and/or a PEFT adapter",
-            o.ExportOptions, "export"),
-    Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash, vocab pad, fused AdamW",
-            o.BenchOptions, "bench", recipe="bench"),
-)}
+COMMANDS: dict[str, Command] = {
+    c.name: c
+    for c in (
+        Command(
+            "train",
+            "pretrain a GPT-2 from scratch (Tiny Shakespeare by default), report val loss and samples",
+            o.TrainOptions,
+            "train",
+            recipe="shakespeare",
+        ),
+        Command(
+            "finetune",
+            "LoRA (or full) fine-tuning of GPT-2 weights on text or instruction data",
+            o.FinetuneOptions,
+            "finetune",
+            recipe="finetune",
+        ),
+        Command(
+            "sample",
+            "stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)",
+            o.SampleOptions,
+            "sample",
+        ),
+        Command(
+            "prepare",
+            "tokenise text files, jsonl files or a Hugging Face dataset into token shards",
+            o.PrepareOptions,
+            "prepare",
+        ),
+        Command(
+            "eval",
+            "validation loss / perplexity on token data, and HellaSwag accuracy",
+            o.EvalOptions,
+            "evaluate",
+            recipe="eval",
+        ),
+        Command(
+            "export", "write a transformers directory (LoRA merged in) and/or a PEFT adapter", o.ExportOptions, "export"
+        ),
+        Command(
+            "bench",
+            "the training speed-up ladder: fp32, tf32, bf16, compile, flash, vocab pad, fused AdamW",
+            o.BenchOptions,
+            "bench",
+            recipe="bench",
+        ),
+    )
+}
 
 # Spellings kept from earlier versions (CHANGELOG.md lists them); rewritten before parsing.
 ALIASES: dict[str, str] = {
-    "--batch-size": "--micro-batch-size", "--steps": "--max-steps", "--lr": "--max-lr", "-n": "--num-samples",
-    "--rank": "--lora.rank", "--lora-rank": "--lora.rank", "--alpha": "--lora.alpha", "--lora-alpha": "--lora.alpha",
-    "--lora-dropout": "--lora.dropout", "--lora-targets": "--lora.target-modules",
-    "--lora-head": "--lora.include-lm-head", "--no-lora-head": "--lora.no-include-lm-head",
-    "--lora-embeddings": "--lora.include-embeddings", "--no-lora-embeddings": "--lora.no-include-embeddings",
+    "--batch-size": "--micro-batch-size",
+    "--steps": "--max-steps",
+    "--lr": "--max-lr",
+    "-n": "--num-samples",
+    "--rank": "--lora.rank",
+    "--lora-rank": "--lora.rank",
+    "--alpha": "--lora.alpha",
+    "--lora-alpha": "--lora.alpha",
+    "--lora-dropout": "--lora.dropout",
+    "--lora-targets": "--lora.target-modules",
+    "--lora-head": "--lora.include-lm-head",
+    "--no-lora-head": "--lora.no-include-lm-head",
+    "--lora-embeddings": "--lora.include-embeddings",
+    "--no-lora-embeddings": "--lora.no-include-embeddings",
 }
 
 
 def _flags(cls: type) -> set[str]:
     """Every flag of ``cls``'s options, the ``--no-`` form of its true/false ones included."""
-    from .layers import option_fields
+    from gpt2.cli.layers import option_fields
 
     flags = set()
     for _, key, hint in option_fields(cls):
@@ -95,8 +136,14 @@ def rewrite_aliases(argv: list[str], cls: type) -> list[str]:
 
 
 # --------------------------------------------------------------------------- parsing
-def parse(cmd: Command, argv: Sequence[str], *, prog: str, defaults: dict[str, Any] | None = None,
-          description: str | None = None) -> tuple[Any, bool]:
+def parse(
+    cmd: Command,
+    argv: Sequence[str],
+    *,
+    prog: str,
+    defaults: dict[str, Any] | None = None,
+    description: str | None = None,
+) -> tuple[Any, bool]:
     """The options of ``cmd`` from recipe, script defaults, config file and ``argv``; and
     whether ``--print-config`` asked to print them instead of running."""
     import tyro
@@ -118,17 +165,20 @@ def parse(cmd: Command, argv: Sequence[str], *, prog: str, defaults: dict[str, A
         from_file = read_yaml(path, cmd.options, "config file")
     defaults = dict(defaults or {})
     recipe = known.recipe or from_file.pop("recipe", None) or defaults.pop("recipe", None) or cmd.recipe
-    recipe_values = {} if recipe is None else read_yaml(recipe_path(recipe, uses_cuda(known.device)), cmd.options, "recipe")
+    recipe_values = (
+        {} if recipe is None else read_yaml(recipe_path(recipe, uses_cuda(known.device)), cmd.options, "recipe")
+    )
     values = {**recipe_values, **defaults}
     values.update(from_file)
     explicit = {"--" + k.replace("_", "-") for k in (*defaults, *from_file)}
     explicit |= {a.split("=")[0] for a in rest if a.startswith("--")}
     header = (description or cmd.options.__doc__ or cmd.summary).strip()
     if {"-h", "--help"} & set(rest):  # listing the recipes reads every recipe file: only for --help
-        header += ("\n\nValues: the defaults below (those of recipe {!r}) < --config FILE.yaml < flags. "
-                   "--recipe NAME|FILE picks another recipe (packaged: {}; NAME-cpu / NAME-gpu pick a device's "
-                   "file); --print-config prints the resolved options as YAML."
-                   ).format(recipe, ", ".join(recipe_names(cmd.options)))
+        header += (
+            "\n\nValues: the defaults below (those of recipe {!r}) < --config FILE.yaml < flags. "
+            "--recipe NAME|FILE picks another recipe (packaged: {}; NAME-cpu / NAME-gpu pick a device's "
+            "file); --print-config prints the resolved options as YAML."
+        ).format(recipe, ", ".join(recipe_names(cmd.options)))
     with validation_off(cmd.options):
         parsed = tyro.cli(cmd.options, args=rest, default=build(cmd.options, values), prog=prog, description=header)
     flat = to_flat(parsed)
@@ -150,17 +200,31 @@ def _scale_warmup(flat: dict[str, Any], recipe: dict[str, Any], explicit: set[st
 
 # --------------------------------------------------------------------------- errors
 def _is_usage_error(e: BaseException) -> bool:
-    from ..tokenizer import TokenizerNotAvailableError
+    from gpt2.model.tokenizer import TokenizerNotAvailableError
 
-    return isinstance(e, (UsageError, ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError,
-                          NotADirectoryError, IsADirectoryError, PermissionError, ConnectionError, ImportError,
-                          TokenizerNotAvailableError))
+    return isinstance(
+        e,
+        (
+            UsageError,
+            ConfigError,
+            ValueError,
+            TypeError,
+            FileNotFoundError,
+            FileExistsError,
+            NotADirectoryError,
+            IsADirectoryError,
+            PermissionError,
+            ConnectionError,
+            ImportError,
+            TokenizerNotAvailableError,
+        ),
+    )
 
 
 def in_cli_terms(message: str, cls: type) -> str:
     """A library message in the command line's words: ``TrainConfig.max_lr`` / ``max_lr=`` ->
     ``--max-lr``, ``overwrite=True`` -> ``--overwrite``, ``resume='auto'`` -> ``--resume auto``."""
-    from .layers import option_fields
+    from gpt2.cli.layers import option_fields
 
     flags = {}
     for path, key, _ in option_fields(cls):
@@ -178,13 +242,18 @@ def in_cli_terms(message: str, cls: type) -> str:
             return flag.replace("--", "--no-", 1) if "." not in flag else flag
         return f"{flag} {value.strip(chr(39) + chr(34))}"
 
-    message = re.sub(r"(?<![\w./-])(?:(?:TrainConfig|LoRAConfig|GPTConfig)\.)?([a-z_]+)=('[^']*'|\"[^\"]*\"|[\w.+-]+)",
-                     value_form, message)
-    message = re.sub(r"\b(?:TrainConfig|LoRAConfig|GPTConfig)\.(\w+)\b(?!\[)",
-                     lambda m: flags.get(m.group(1), m.group(0)), message)
+    message = re.sub(
+        r"(?<![\w./-])(?:(?:TrainConfig|LoRAConfig|GPTConfig)\.)?([a-z_]+)=('[^']*'|\"[^\"]*\"|[\w.+-]+)",
+        value_form,
+        message,
+    )
+    message = re.sub(
+        r"\b(?:TrainConfig|LoRAConfig|GPTConfig)\.(\w+)\b(?!\[)", lambda m: flags.get(m.group(1), m.group(0)), message
+    )
     # A bare name is only a name when it is unmistakably one: snake_case, not inside a path.
-    return re.sub(r"(?<![\w./-])([a-z]+(?:_[a-z0-9]+)+)(?![\w/.-]*\w)",
-                  lambda m: flags.get(m.group(1), m.group(0)), message)
+    return re.sub(
+        r"(?<![\w./-])([a-z]+(?:_[a-z0-9]+)+)(?![\w/.-]*\w)", lambda m: flags.get(m.group(1), m.group(0)), message
+    )
 
 
 def _one_line(e: BaseException) -> str:
@@ -195,8 +264,14 @@ def _one_line(e: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- entry points
-def run_command(name: str, argv: Sequence[str] | None = None, *, prog: str | None = None,
-                defaults: dict[str, Any] | None = None, description: str | None = None) -> int:
+def run_command(
+    name: str,
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str | None = None,
+    defaults: dict[str, Any] | None = None,
+    description: str | None = None,
+) -> int:
     """Run one command with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
 
     ``defaults`` (option name -> value, or ``recipe``) sit between the recipe and ``--config``:
@@ -222,7 +297,7 @@ def run_command(name: str, argv: Sequence[str] | None = None, *, prog: str | Non
             raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
         if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
             return _launch(cmd, options, nproc, prog)
-        from .. import jobs
+        from gpt2.cli import jobs
 
         result = getattr(jobs, cmd.job)(options)
         return result if isinstance(result, int) else 0
@@ -251,8 +326,8 @@ def _launch(cmd: Command, options: Any, nproc: int, prog: str) -> int:
     rank), then start N workers that each read these resolved options."""
     import dataclasses
 
-    from ..jobs import check_options
-    from ..launch import launch_workers
+    from gpt2.cli.jobs import check_options
+    from gpt2.cli.launch import launch_workers
 
     check_options(cmd.name, options)
     single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
@@ -290,27 +365,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_top_help())
         return 0 if argv else EXIT_USAGE
     if argv[0] == "--version":
-        from .. import __version__
+        from gpt2 import __version__
 
         print(f"gpt2 {__version__}")
         return 0
     if argv[0] not in COMMANDS:
-        print(f"gpt2: error: unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)} "
-              f"(gpt2 --help lists them)", file=sys.stderr)
+        print(
+            f"gpt2: error: unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)} (gpt2 --help lists them)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     return run_command(argv[0], argv[1:])
 
 
 def _top_help() -> str:
     width = max(len(n) for n in COMMANDS)
-    return "\n".join([
-        "usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)",
-        "",
-        "GPT-2 from pretraining to LoRA fine-tuning, sampling and evaluation.",
-        "",
-        "commands:",
-        *(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items()),
-        "",
-        "`gpt2 <command> --help` lists the command's options. Every command also takes --recipe NAME|FILE,",
-        "--config FILE.yaml (keys = option names) and --print-config; flags win over files.",
-    ])
+    return "\n".join(
+        [
+            "usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)",
+            "",
+            "GPT-2 from pretraining to LoRA fine-tuning, sampling and evaluation.",
+            "",
+            "commands:",
+            *(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items()),
+            "",
+            "`gpt2 <command> --help` lists the command's options. Every command also takes --recipe NAME|FILE,",
+            "--config FILE.yaml (keys = option names) and --print-config; flags win over files.",
+        ]
+    )

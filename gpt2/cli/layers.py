@@ -199,12 +199,14 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
             return str(value).lower() in ("true", "yes", "on")
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if hint in (int, float):
-        if isinstance(value, bool) or isinstance(value, (list, dict)) or value is None:
+        if isinstance(value, (bool, list, dict)) or value is None:
             raise ConfigError(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {value!r}")
         try:
             number = float(value) if hint is float else int(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {value!r}") from None
+            raise ConfigError(
+                f"{where}: expected {'an integer' if hint is int else 'a number'}, got {value!r}"
+            ) from None
         if hint is int and float(value) != number:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return number

@@ -6,7 +6,7 @@
 * :mod:`gpt2.data.loader`: :class:`TokenLoader`, the rank-aware batch loader.
 """
 
-from .downloads import (
+from gpt2.data.downloads import (
     TINY_SHAKESPEARE_SHA256,
     TINY_SHAKESPEARE_URL,
     DownloadError,
@@ -15,7 +15,7 @@ from .downloads import (
     load_tiny_shakespeare,
     tiny_shakespeare_path,
 )
-from .formats import (
+from gpt2.data.formats import (
     TOKEN_SUFFIXES,
     check_token_ids,
     iter_jsonl,
@@ -23,14 +23,16 @@ from .formats import (
     read_text,
     write_tokens,
 )
-from .loader import TokenLoader, TokenSource
-from .prepare import shard_name, tokenize_file, write_shards
+from gpt2.data.loader import TokenLoader, TokenSource
+from gpt2.data.prepare import shard_name, tokenize_file, write_shards
 
 __all__ = [
+    "TINY_SHAKESPEARE_SHA256",
     "TINY_SHAKESPEARE_URL",
     "TOKEN_SUFFIXES",
     "DownloadError",
     "TokenLoader",
+    "TokenSource",
     "check_token_ids",
     "default_cache_dir",
     "download",

@@ -8,19 +8,17 @@ import logging
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tqdm.auto import tqdm
 
-from ._util import replace_atomically
-from .formats import read_text
+from gpt2.data._util import replace_atomically
+from gpt2.data.formats import read_text
 
 logger = logging.getLogger(__name__)
 
-TINY_SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 # sha256 of the 1,115,394-byte file, so that a truncated download or an HTML error page is
 # never cached as the corpus.
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -76,9 +74,7 @@ def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def load_tiny_shakespeare(
-    path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None
-) -> str:
+def load_tiny_shakespeare(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None) -> str:
     """The Tiny Shakespeare text: from ``path`` if given, else :func:`tiny_shakespeare_path`."""
     path = Path(path) if path is not None else tiny_shakespeare_path(cache_dir)
     return read_text(path)
@@ -105,8 +101,7 @@ def download(
 
     def fail(reason: str) -> DownloadError:
         return DownloadError(
-            f"could not download {what} from {url}: {reason}. "
-            f"To work offline, {offline_hint} {str(dest)!r}."
+            f"could not download {what} from {url}: {reason}. To work offline, {offline_hint} {str(dest)!r}."
         )
 
     logger.info("downloading %s from %s to %s", what, url, dest)
@@ -117,8 +112,15 @@ def download(
             headers = getattr(response, "headers", None)
             length = headers.get("Content-Length") if headers is not None else None
             total = int(length) if length and length.isdigit() else None
-            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
-                      delay=_BAR_DELAY_S, disable=not progress) as bar:
+            with tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=what,
+                delay=_BAR_DELAY_S,
+                disable=not progress,
+            ) as bar:
                 while True:
                     chunk = response.read(_CHUNK_BYTES)
                     if not chunk:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._util import replace_atomically
+from gpt2.data._util import replace_atomically
 
 # File suffixes the loader understands (the CLI reads anything else as text to tokenise).
 TOKEN_SUFFIXES = (".npy", ".bin")
@@ -47,7 +47,7 @@ _SNIFF_VALUES = 2**16
 def _convert_hint(path: Path) -> str:
     stem = str(path.with_suffix(""))
     return (
-        "convert it once with numpy, e.g. python -c \"import numpy as np; "
+        'convert it once with numpy, e.g. python -c "import numpy as np; '
         f"np.save('{stem}.npy', np.fromfile('{path}', dtype=np.int32))\" (use the dtype it was "
         "written with), or re-tokenise the text with `gpt2 prepare`"
     )
@@ -64,7 +64,7 @@ def read_text(path: str | os.PathLike) -> str:
         line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(
             f"{str(path)!r} is not UTF-8 text: byte offset {e.start} (line {line}) holds "
-            f"{data[e.start:e.start + 4]!r} ({e.reason}). Convert the text to UTF-8 (e.g. "
+            f"{data[e.start : e.start + 4]!r} ({e.reason}). Convert the text to UTF-8 (e.g. "
             "iconv -f latin1 -t utf-8), or if it holds token ids give it a .npy/.bin suffix"
         ) from None
 
@@ -81,7 +81,7 @@ def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int
             except UnicodeDecodeError as e:
                 raise ValueError(
                     f"{path}:{line_no}: not UTF-8 text (byte offset {offset + e.start} in the file "
-                    f"holds {raw[e.start:e.start + 4]!r}){hint}"
+                    f"holds {raw[e.start : e.start + 4]!r}){hint}"
                 ) from None
             offset += len(raw)
             if not line.strip():
@@ -135,9 +135,7 @@ def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
     return path
 
 
-def load_tokens(
-    path: str | os.PathLike, *, mmap: bool = True, vocab_size: int | None = None
-) -> np.ndarray:
+def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int | None = None) -> np.ndarray:
     """Read a 1-D token file: ``.npy``, llm.c's headered ``.bin`` (uint16 or uint32), or a
     headerless ``uint16`` ``.bin`` (nanoGPT's ``train.bin`` / ``val.bin``).
 
@@ -155,13 +153,10 @@ def load_tokens(
     elif suffix == ".bin":
         tokens = _load_bin(path, mmap)
     else:
-        raise ValueError(
-            f"unsupported token file {str(path)!r}: expected a .npy array or a .bin token file"
-        )
+        raise ValueError(f"unsupported token file {str(path)!r}: expected a .npy array or a .bin token file")
     if len(tokens) == 0:
         raise ValueError(
-            f"token file {str(path)!r} holds no tokens; re-create it (e.g. with `gpt2 prepare`) "
-            "or remove it"
+            f"token file {str(path)!r} holds no tokens; re-create it (e.g. with `gpt2 prepare`) or remove it"
         )
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, f"token file {str(path)!r}")
@@ -233,17 +228,16 @@ def _check_headerless_bin(path: Path, size: int, head: np.ndarray) -> None:
     if size % 2:
         raise ValueError(
             f"token file {str(path)!r} has {size} bytes, an odd number, and no llm.c header: a "
-            "headerless .bin must hold uint16 ids (2 bytes each, nanoGPT's prepare.py layout); "
-            + _convert_hint(path)
+            "headerless .bin must hold uint16 ids (2 bytes each, nanoGPT's prepare.py layout); " + _convert_hint(path)
         )
     # An llm.c-style header with a magic we do not know: zeros after [2], a count that fits.
-    if len(head) == BIN_HEADER_INTS and not head[3:].any() and head[2] > 0:
-        if int(head[2]) * 2 + BIN_HEADER_BYTES == size or int(head[2]) * 4 + BIN_HEADER_BYTES == size:
-            raise ValueError(
-                f"token file {str(path)!r} starts with an llm.c-style header whose magic "
-                f"{int(head[0])} is neither {BIN_MAGIC_UINT16} (uint16 tokens) nor "
-                f"{BIN_MAGIC_UINT32} (uint32 tokens); re-create it with `gpt2 prepare`"
-            )
+    header_like = len(head) == BIN_HEADER_INTS and not head[3:].any() and head[2] > 0
+    if header_like and size - BIN_HEADER_BYTES in (int(head[2]) * 2, int(head[2]) * 4):
+        raise ValueError(
+            f"token file {str(path)!r} starts with an llm.c-style header whose magic "
+            f"{int(head[0])} is neither {BIN_MAGIC_UINT16} (uint16 tokens) nor "
+            f"{BIN_MAGIC_UINT32} (uint32 tokens); re-create it with `gpt2 prepare`"
+        )
     sample = np.fromfile(path, dtype="<u2", count=min(size // 2, _SNIFF_VALUES))
     sample = sample[: len(sample) // 2 * 2]
     # int32 (or int64) ids below 65536 read as uint16 leave every second value zero; real text
@@ -251,8 +245,7 @@ def _check_headerless_bin(path: Path, size: int, head: np.ndarray) -> None:
     if len(sample) >= 8 and not sample[1::2].any() and sample[0::2].any():
         raise ValueError(
             f"token file {str(path)!r} has no llm.c header and looks like int32 token ids (every "
-            "other uint16 value is 0), which would be read as uint16 with zeros between the ids; "
-            + _convert_hint(path)
+            "other uint16 value is 0), which would be read as uint16 with zeros between the ids; " + _convert_hint(path)
         )
 
 

@@ -16,9 +16,9 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from ._util import check_int as _int
-from ._util import check_positive_int as _positive_int
-from .formats import TOKEN_SUFFIXES, check_token_ids, load_tokens
+from gpt2.data._util import check_int as _int
+from gpt2.data._util import check_positive_int as _positive_int
+from gpt2.data.formats import TOKEN_SUFFIXES, check_token_ids, load_tokens
 
 TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
 
@@ -28,8 +28,7 @@ def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(source, torch.Tensor):
         if source.is_floating_point() or source.is_complex() or source.dtype == torch.bool:
             raise TypeError(
-                f"token tensor has dtype {source.dtype}; expected integer token ids "
-                "(e.g. torch.long or torch.uint16)"
+                f"token tensor has dtype {source.dtype}; expected integer token ids (e.g. torch.long or torch.uint16)"
             )
         array = source.detach().cpu()
         if array.dtype in (torch.uint16, torch.uint32, torch.uint64):
@@ -39,9 +38,7 @@ def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
     else:
         array = np.asarray(source)
         if not np.issubdtype(array.dtype, np.integer):
-            raise TypeError(
-                f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16)"
-            )
+            raise TypeError(f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16)")
     if array.ndim != 1:
         raise ValueError(
             f"token array has shape {tuple(array.shape)}; expected a 1-D sequence of token ids "
@@ -122,9 +119,7 @@ class TokenLoader:
                 "process's rank from torch.distributed (or the RANK environment variable)"
             )
         if split is not None and (not isinstance(split, str) or not split):
-            raise ValueError(
-                f"split must be a non-empty string such as 'train' or 'val', got {split!r}"
-            )
+            raise ValueError(f"split must be a non-empty string such as 'train' or 'val', got {split!r}")
         self.split = split
         self._source_desc, self._shards = self._resolve(source, split)
 
@@ -178,18 +173,12 @@ class TokenLoader:
             files = sorted(
                 p
                 for p in path.iterdir()
-                if p.is_file()
-                and p.suffix.lower() in TOKEN_SUFFIXES
-                and not p.name.startswith(".")
+                if p.is_file() and p.suffix.lower() in TOKEN_SUFFIXES and not p.name.startswith(".")
             )
             if split is not None:
                 files = [p for p in files if split in p.name]
             if not files:
-                what = (
-                    "token files (.npy/.bin)"
-                    if split is None
-                    else f"token files with {split!r} in their name"
-                )
+                what = "token files (.npy/.bin)" if split is None else f"token files with {split!r} in their name"
                 raise FileNotFoundError(
                     f"no {what} in directory {str(path)!r}; write shards with "
                     "gpt2.data.write_shards or tokenize_file, or check the path and split"
@@ -286,8 +275,7 @@ class TokenLoader:
         """
         if not isinstance(state, dict) or "shard" not in state or "position" not in state:
             raise ValueError(
-                "loader state must be a dict with 'shard' and 'position' (from state_dict()), "
-                f"got {state!r}"
+                f"loader state must be a dict with 'shard' and 'position' (from state_dict()), got {state!r}"
             )
         shard = _int(state["shard"], "state['shard']")
         position = _int(state["position"], "state['position']")
@@ -323,8 +311,6 @@ class TokenLoader:
         )
 
 
-
-
 def make_loader(
     data: Any,
     split: str,
@@ -348,7 +334,8 @@ def make_loader(
         expected = {"batch_size": batch_size, "seq_len": seq_len, "rank": rank, "world_size": world_size}
         wrong = [
             f"{name}={getattr(data, name)!r} (this run needs {want!r})"
-            for name, want in expected.items() if getattr(data, name, want) != want
+            for name, want in expected.items()
+            if getattr(data, name, want) != want
         ]
         if wrong:
             raise ValueError(
@@ -361,8 +348,9 @@ def make_loader(
         return data
     if isinstance(data, (str, os.PathLike)):
         split_arg = split if Path(data).is_dir() else None
-        return TokenLoader(data, batch_size, seq_len, rank=rank, world_size=world_size, split=split_arg,
-                           vocab_size=vocab_size)
+        return TokenLoader(
+            data, batch_size, seq_len, rank=rank, world_size=world_size, split=split_arg, vocab_size=vocab_size
+        )
     if isinstance(data, (torch.Tensor, np.ndarray)):
         return TokenLoader(data, batch_size, seq_len, rank=rank, world_size=world_size, vocab_size=vocab_size)
     raise TypeError(

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ._util import check_int, check_positive_int
-from .formats import read_text, write_tokens
+from gpt2.data._util import check_int, check_positive_int
+from gpt2.data.formats import read_text, write_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,9 @@ def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.nda
     """One document's uint16 ids (as :func:`_encode_document`), with a progress bar for a long
     text (shown only when encoding takes more than a second)."""
     parts = [np.asarray([tokenizer.eot_token], dtype=np.int64)]
-    with tqdm(total=len(text), unit="char", unit_scale=True, desc=desc, delay=_BAR_DELAY_S,
-              disable=not progress, leave=False) as bar:
+    with tqdm(
+        total=len(text), unit="char", unit_scale=True, desc=desc, delay=_BAR_DELAY_S, disable=not progress, leave=False
+    ) as bar:
         for piece in _text_pieces(text, _TEXT_CHUNK_CHARS):
             parts.append(np.asarray(tokenizer.encode_ordinary(piece), dtype=np.int64))
             bar.update(len(piece))
@@ -108,21 +109,12 @@ def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.nda
 class _ShardWriter:
     """Writes numbered shards atomically; the index runs across splits, as in build-nanogpt."""
 
-    def __init__(self, out_dir: str | os.PathLike, prefix: Any, shard_size: Any, overwrite: bool,
-                 file_format: str):
-        if (
-            not isinstance(prefix, str)
-            or not prefix
-            or os.sep in prefix
-            or (os.altsep and os.altsep in prefix)
-        ):
-            raise ValueError(
-                f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}"
-            )
+    def __init__(self, out_dir: str | os.PathLike, prefix: Any, shard_size: Any, overwrite: bool, file_format: str):
+        if not isinstance(prefix, str) or not prefix or os.sep in prefix or (os.altsep and os.altsep in prefix):
+            raise ValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
         if file_format not in _FORMATS:
             raise ValueError(
-                f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), "
-                f"got {file_format!r}"
+                f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), got {file_format!r}"
             )
         self.prefix = prefix
         self.file_format = file_format
@@ -169,7 +161,7 @@ def _glob_escape(text: str) -> str:
 def _default_tokenizer(tokenizer: Any) -> Any:
     if tokenizer is not None:
         return tokenizer
-    from ..tokenizer import get_tokenizer
+    from gpt2.model.tokenizer import get_tokenizer
 
     return get_tokenizer()
 
@@ -204,9 +196,7 @@ def write_shards(
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format)
     num_workers = check_int(num_workers, "num_workers")
     if num_workers < 0:
-        raise ValueError(
-            f"num_workers must be >= 0 (0 tokenises in this process), got {num_workers}"
-        )
+        raise ValueError(f"num_workers must be >= 0 (0 tokenises in this process), got {num_workers}")
     tokenizer = _default_tokenizer(tokenizer)
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
@@ -214,11 +204,8 @@ def write_shards(
     size = writer.shard_size
     buffer = np.empty(size, dtype=np.uint16)
     filled = 0
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S,
-               disable=not progress)
-    pool = (
-        multiprocessing.Pool(num_workers, _init_worker, (tokenizer,)) if num_workers > 0 else None
-    )
+    bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S, disable=not progress)
+    pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,)) if num_workers > 0 else None
     try:
         if pool is not None:
             # chunksize amortises inter-process traffic over many (usually short) documents.
@@ -276,18 +263,9 @@ def tokenize_file(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
-    if (
-        isinstance(val_fraction, bool)
-        or not isinstance(val_fraction, (int, float))
-        or not 0 <= val_fraction < 1
-    ):
-        raise ValueError(
-            "val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, "
-            f"got {val_fraction!r}"
-        )
-    writer = _ShardWriter(
-        out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format
-    )
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}")
+    writer = _ShardWriter(out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format)
     tokenizer = _default_tokenizer(tokenizer)
 
     text = read_text(path)
@@ -304,7 +282,8 @@ def tokenize_file(
     size = writer.shard_size
     chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
     chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
-    for chunk, split in tqdm(chunks, desc=f"writing {writer.prefix} shards", unit="shard",
-                             delay=_BAR_DELAY_S, disable=not progress):
+    for chunk, split in tqdm(
+        chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
+    ):
         writer.write(chunk, split)
     return writer.finish()

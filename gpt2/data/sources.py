@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .downloads import tiny_shakespeare_path
-from .formats import TOKEN_SUFFIXES, load_tokens, read_text
+from gpt2.data.downloads import tiny_shakespeare_path
+from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text
 
 
 def shakespeare_or_path(data: str) -> Path:
@@ -31,7 +31,7 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
     if tokenizer is None:
-        from ..tokenizer import get_tokenizer
+        from gpt2.model.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer()
     text = read_text(path)  # not UTF-8: an error with the file and byte offset
@@ -89,4 +89,3 @@ def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple
     if val_data is not None:
         return source, load_token_source(val_data)
     return split_tokens(source, val_fraction, data)
-

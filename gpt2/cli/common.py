@@ -1,0 +1,160 @@
+"""What several jobs share: the usage error, sampling to stdout, and the end-of-training report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpt2.cli.options import ModelShape, SamplingOptions
+from gpt2.model.config import SHAPES, GPTConfig
+from gpt2.model.generate import stream_text
+
+
+class UsageError(Exception):
+    """Bad options, values or files: the command line reports it in one line, exit code 2."""
+
+
+def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
+    if s.num_samples < (0 if allow_none else 1):
+        raise UsageError(f"--num-samples must be >= {0 if allow_none else 1}, got {s.num_samples}")
+    if s.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {s.max_new_tokens}")
+    if s.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {s.temperature}")
+    if s.top_k is not None and s.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1 (or None), got {s.top_k}")
+    if s.top_p is not None and not 0 < s.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (or None), got {s.top_p}")
+
+
+def instruction_prompt(instruction: str | None, input: str | None) -> str | None:
+    """The instruction template around ``--instruction`` (and ``--input``), or None without one."""
+    if not instruction:
+        if input:
+            raise UsageError("--input goes with --instruction (it fills the template's '### Input:' part)")
+        return None
+    from gpt2.data.instruct import render_prompt
+
+    return render_prompt(instruction, input or "")
+
+
+def print_samples(
+    model: Any,
+    s: SamplingOptions,
+    *,
+    seed: int | None,
+    header: str = "",
+    autocast: Any = None,
+    prompt: str | None = None,
+) -> list[str]:
+    """``s.num_samples`` samples, streamed to stdout; returns their texts. ``prompt`` (an
+    instruction template) replaces ``s.prompt`` and is not echoed: only the response is shown."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    shown = prompt is None
+    prompt = s.prompt if prompt is None else prompt
+    texts = []
+    for i in range(s.num_samples):
+        print(f"--- {f'{header} sample {i + 1}/{s.num_samples}'.strip()} ---")
+        if shown:
+            print(prompt, end="", flush=True)
+        pieces = []
+        for piece in stream_text(
+            model,
+            prompt,
+            s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            generator=generator,
+            autocast=autocast,
+        ):
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        texts.append((prompt if shown else "") + "".join(pieces))
+    return texts
+
+
+def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
+    """The GPTConfig of ``--model`` with the ``--n-layer`` / ``--n-head`` / ``--n-embd`` / ...
+    overrides; the context defaults to ``--seq-len``."""
+    dims = dict(SHAPES[shape.model])
+    for name in ("n_layer", "n_head", "n_embd"):
+        if getattr(shape, name) is not None:
+            dims[name] = getattr(shape, name)
+    return GPTConfig(
+        block_size=shape.block_size or seq_len,
+        dropout=shape.dropout,
+        flash=shape.flash,
+        pad_vocab_multiple=shape.pad_vocab_multiple,
+        **dims,
+    )
+
+
+def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:
+    """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Under
+    DDP every rank must call this: each scores its share of the batches and the sums are
+    all-reduced, so no rank waits in a collective while rank 0 evaluates alone."""
+    from gpt2.eval.loss import evaluate_loss
+
+    split = "val" if isinstance(val, Path) else None
+    return evaluate_loss(
+        trainer.model,
+        val,
+        trainer.config.micro_batch_size,
+        trainer.config.seq_len,
+        max_batches=max_batches,
+        autocast=trainer.precision.autocast,
+        split=split,
+        device=trainer.device,
+        distributed=True,
+        progress=trainer.config.progress and trainer.is_main,
+    )
+
+
+def final_report(
+    trainer: Any,
+    val: Any,
+    sampling: SamplingOptions,
+    *,
+    final_eval_batches: int | None,
+    extra: dict[str, Any] | None = None,
+    header: str = "",
+    prompt: str | None = None,
+) -> dict[str, Any]:
+    """Validation loss over the val data (or ``final_eval_batches`` of it), then on rank 0 samples
+    and ``results.json`` in the run directory. Every rank calls this (under DDP the evaluation is
+    split across the ranks); ranks other than 0 return ``{}``."""
+    results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
+    if val is not None:
+        loss = val_loss(trainer, val, final_eval_batches)
+        results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
+        if trainer.is_main:
+            print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
+    if not trainer.is_main:
+        return {}
+    if sampling.num_samples > 0:
+        results["samples"] = print_samples(
+            trainer.model,
+            sampling,
+            seed=trainer.config.seed,
+            header=header,
+            autocast=trainer.precision.autocast,
+            prompt=prompt,
+        )
+    if trainer.out_dir is not None:
+        write_results(trainer.out_dir, results)
+    return results
+
+
+def write_results(out_dir: Path, results: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")

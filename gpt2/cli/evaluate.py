@@ -1,0 +1,72 @@
+"""``gpt2 eval``: validation loss / perplexity on token data and/or HellaSwag accuracy."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gpt2.cli.common import UsageError
+from gpt2.cli.options import EvalOptions
+from gpt2.data.sources import is_text, load_token_source, split_tokens
+from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
+from gpt2.eval.loss import evaluate_loss
+from gpt2.model.loading import apply_adapter, load_model
+from gpt2.train.distributed import resolve_device
+from gpt2.train.precision import inference_autocast
+
+
+def evaluate(options: EvalOptions) -> dict[str, Any]:
+    if options.data is None and options.hellaswag is None:
+        raise UsageError(
+            "nothing to evaluate: give --data (tokens or text) and/or --hellaswag (a jsonl path or 'auto')"
+        )
+    hellaswag = resolve_hellaswag(options.hellaswag)  # before the model loads: fail fast
+    source = load_token_source(options.data) if options.data is not None else None
+    device = resolve_device(options.device)
+    model = load_model(options.model, device=device)
+    if options.adapter:
+        apply_adapter(model, options.adapter)
+    model.eval()
+    autocast = inference_autocast(options.precision, device)
+    results: dict[str, Any] = {"model": options.model}
+    if source is not None:
+        seq_len = options.seq_len or min(model.config.block_size, 1024)
+        if seq_len > model.config.block_size:
+            raise UsageError(f"--seq-len {seq_len} exceeds the model's context (block_size {model.config.block_size})")
+        split = options.split if isinstance(source, Path) else None
+        if is_text(options.data) and options.val_fraction > 0:
+            # A text: score its end, the same tokens `gpt2 train --val-fraction` holds out.
+            source = split_tokens(source, options.val_fraction, options.data)[1]
+        start = time.time()
+        loss = evaluate_loss(
+            model,
+            source,
+            options.batch_size,
+            seq_len,
+            options.max_batches,
+            autocast,
+            split=split,
+            device=device,
+            progress=True,
+        )
+        results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], tokens=loss["tokens"])
+        print(
+            f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | "
+            f"{loss['tokens']:,} tokens | {time.time() - start:.1f} s"
+        )
+    if hellaswag is not None:
+        start = time.time()
+        hs = score_hellaswag(model, hellaswag, limit=options.hellaswag_limit, autocast=autocast)
+        results.update(hellaswag_acc=hs["acc"], hellaswag_acc_norm=hs["acc_norm"], hellaswag_n=hs["n"])
+        print(
+            f"hellaswag acc_norm {hs['acc_norm']:.4f} | acc {hs['acc']:.4f} | {hs['n']} examples | "
+            f"{time.time() - start:.1f} s"
+        )
+    if options.output:
+        out = Path(options.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {out}")
+    return results

@@ -1,0 +1,158 @@
+"""``gpt2 finetune``: LoRA (or ``--full``) fine-tuning of GPT-2 weights on a text, or on
+instruction rows (``--data x.jsonl``, see :mod:`gpt2.instruct`), with samples before and after,
+the adapter saved, and optionally a PEFT adapter and a merged transformers export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import minlora
+from gpt2.cli.common import UsageError, check_sampling, final_report, instruction_prompt, print_samples, val_loss
+from gpt2.cli.options import FinetuneOptions
+from gpt2.data.instruct import instruction_loaders, is_instruction_data
+from gpt2.data.sources import shakespeare_or_path, training_data
+from gpt2.model.loading import load_model
+from gpt2.train.distributed import env_from_environ
+from gpt2.train.trainer import Trainer, seed_everything
+
+
+def check(options: FinetuneOptions) -> None:
+    """What can be checked before the model is loaded or any process started."""
+    check_sampling(options.sampling, allow_none=True)
+    instruction_prompt(options.instruct.instruction, options.instruct.input)
+    if options.lora.include_lm_head and options.merge_export and not options.full:
+        # Merging LoRA on the tied head unties it (head W + BA, embedding W), but GPT-2's
+        # transformers format always ties the two: the export could not hold the merged model.
+        raise UsageError(
+            "--merge-export cannot hold a merged --lora.include-lm-head adapter: transformers' GPT-2 ties the LM "
+            "head to the token embedding, and merging LoRA into the head unties them. Drop "
+            "--lora.include-lm-head, or keep the adapter (and --peft-export) without merging"
+        )
+    if options.full and options.peft_export:
+        raise UsageError("--peft-export writes a LoRA adapter; --full trains all weights and has none (drop one)")
+    for data in (options.data.data, options.data.val_data):
+        if data is not None:
+            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
+
+
+def finetune(options: FinetuneOptions) -> dict[str, Any]:
+    check(options)
+    # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir).
+    config = dataclasses.replace(options.train, save_trainable_only=not options.full)
+    model = load_model(options.init, device="cpu")
+    model.train()
+    if config.seq_len > model.config.block_size:
+        raise UsageError(
+            f"--seq-len {config.seq_len} exceeds the model's context (block_size {model.config.block_size})"
+        )
+    prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
+    if is_instruction_data(options.data.data):
+        train_data, val, first_row = _instruction_data(options, config)
+        prompt = prompt or instruction_prompt(*first_row)  # samples answer the first held-out row
+    else:
+        train_data, val = training_data(options.data.data, options.data.val_data, options.data.val_fraction)
+    # The before/after val loss covers the whole val data: every rank scores its share of it (see
+    # val_loss), so it needs the unsharded instruction loader, not this rank's part.
+    report_val = val.unsharded() if hasattr(val, "unsharded") else val
+    seed_everything(config.seed)  # --seed fixes LoRA's random A matrices too, not only the data order
+    if not options.full:
+        minlora.add_lora(model, lora_config=options.lora)
+        minlora.mark_only_lora_as_trainable(model)
+    with Trainer(model, config, train_data, val) as trainer:
+        main = trainer.is_main
+        if main and options.full:
+            print(
+                f"full fine-tuning of {options.init}: {sum(p.numel() for p in model.parameters()):,} parameters",
+                flush=True,
+            )
+        elif main:
+            print(
+                f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}: "
+                f"{minlora.count_parameters(model)}",
+                flush=True,
+            )
+        before: dict[str, Any] = {}
+        if trainer.step == 0:  # a resumed run has no "before"
+            if val is not None:  # LoRA's B starts at zero: this is the pretrained model's own loss
+                loss = val_loss(trainer, report_val, options.final_eval_batches)  # every rank
+                before["val_loss_before"] = loss["loss"]
+                if main:
+                    print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
+            if main and options.sampling.num_samples > 0:
+                before["samples_before"] = print_samples(
+                    trainer.model,
+                    options.sampling,
+                    seed=config.seed,
+                    header="before fine-tuning:",
+                    autocast=trainer.precision.autocast,
+                    prompt=prompt,
+                )
+        trainer.fit()
+        results = final_report(
+            trainer,
+            report_val,
+            options.sampling,
+            final_eval_batches=options.final_eval_batches,
+            extra=before,
+            header="after fine-tuning:",
+            prompt=prompt,
+        )  # every rank
+        if not main:
+            return {}
+        _save(trainer, options, results, Path(config.out_dir or "."))
+        return results
+
+
+def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, tuple[str, str]]:
+    """Loaders of instruction rows, and the (instruction, input) the samples answer by default:
+    the first validation row's (the first training row's without validation)."""
+    env = env_from_environ()
+    train, val, rows = instruction_loaders(
+        options.data.data,
+        options.data.val_data,
+        options.data.val_fraction,
+        batch_size=config.micro_batch_size,
+        seq_len=config.seq_len,
+        pack=options.pack,
+        seed=config.seed,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+    if env.is_main:
+        print(
+            f"instruction data {options.data.data}: {train.num_rows} training rows in {train.num_sequences} "
+            f"sequences{f', {val.num_rows} validation rows' if val is not None else ''}; loss on "
+            f"{train.num_targets:,} response tokens",
+            flush=True,
+        )
+    return train, val, (rows[0][0], rows[0][1])
+
+
+def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any], out: Path) -> None:
+    """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full), the
+    optional PEFT and transformers exports, and results.json."""
+    tokenizer_dir = os.environ.get("GPT2_TOKENIZER_DIR") or None
+    if options.full:
+        if trainer.out_dir is not None:
+            print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+    else:
+        adapter = minlora.save_adapter(trainer.model, out / "adapter")
+        results["adapter"] = str(adapter)
+        print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+        if options.peft_export:
+            minlora.export_peft_adapter(trainer.model, options.peft_export)
+            print(f"wrote PEFT adapter {options.peft_export}")
+        if options.merge_export:
+            minlora.merge_lora(trainer.model)
+    if options.merge_export:
+        trainer.model.save_pretrained(options.merge_export, tokenizer_dir=tokenizer_dir)
+        print(
+            f"wrote {'merged model ' if not options.full else ''}{options.merge_export} "
+            f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
+        )
+    if trainer.out_dir is not None:
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,312 @@
+"""Instruction fine-tuning data: JSONL rows -> prompt template -> masked training sequences.
+
+A row is either Alpaca's layout ``{"instruction", "input" (optional), "output"}`` or
+``{"prompt", "response"}`` (a file may mix them). Every row is rendered with one plain-text
+template (:data:`TEMPLATE`)::
+
+    ### Instruction:
+    {instruction}
+
+    ### Input:            <- these two lines (and the blank line after them) only when
+    {input}               <- the row has a non-empty input
+
+    ### Response:
+    {response}<|endoftext|>
+
+The prompt (everything up to and including ``### Response:\\n``) and the response are
+tokenised separately and concatenated, so the boundary is exact and ``gpt2 sample
+--instruction`` feeds the model the very same prompt tokens. The loss is on the response
+tokens (and the closing ``<|endoftext|>``, so the model learns to stop) only: the targets of
+prompt and padding positions are :data:`gpt2.model.IGNORE_INDEX` (-1, nanoGPT's convention;
+``GPT.forward`` passes it to ``F.cross_entropy`` as ``ignore_index``).
+
+Sequences: by default each row is one sequence, padded to ``seq_len`` (the model sees a row
+exactly as it sees a prompt at inference). With ``pack=True`` rows are packed greedily, in order,
+into ``seq_len + 1``-token windows without ever splitting a row; the rest of a window is padding.
+Packed rows are *not* isolated from each other: a row attends to the rows before it in its
+window (plain causal attention, as most packers do). Their losses stay separate because only
+response tokens are targets. Every sequence holds at least one response token, so no batch
+is ever all-ignored (which would make the mean loss 0/0 = NaN).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpt2.data import iter_jsonl
+from gpt2.model.gpt import IGNORE_INDEX
+
+TEMPLATE = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
+INPUT_BLOCK = "### Input:\n{input}\n\n"
+JSONL_SUFFIXES = (".jsonl",)
+
+_LAYOUTS = 'Alpaca rows {"instruction", "input" (optional), "output"} or {"prompt", "response"}'
+
+
+def is_instruction_data(data: Any) -> bool:
+    """``--data`` switches to instruction fine-tuning when it names a ``.jsonl`` file."""
+    return isinstance(data, (str, Path)) and Path(data).suffix.lower() in JSONL_SUFFIXES
+
+
+def render_prompt(instruction: str, input: str = "") -> str:
+    """The template up to ``### Response:\\n``: what the model is given at inference."""
+    input_block = INPUT_BLOCK.format(input=input) if input else ""
+    return TEMPLATE.format(instruction=instruction, input_block=input_block)
+
+
+def render(instruction: str, input: str, response: str, eot: str = "<|endoftext|>") -> str:
+    """A whole training example as text (prompt, response, ``<|endoftext|>``)."""
+    return render_prompt(instruction, input) + response + eot
+
+
+def parse_row(row: Any, where: str) -> tuple[str, str, str]:
+    """``(instruction, input, response)`` of one JSON row; a ValueError naming ``where`` (file:line)
+    and the field for anything else."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object ({_LAYOUTS}), got {type(row).__name__}")
+    if "instruction" in row or "output" in row:
+        keys = (("instruction", True), ("input", False), ("output", True))
+    elif "prompt" in row or "response" in row:
+        keys = (("prompt", True), ("response", True))
+    else:
+        found = ", ".join(sorted(row)) or "none"
+        raise ValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
+    values = []
+    for key, required in keys:
+        if key not in row:
+            if required:
+                raise ValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
+            values.append("")
+            continue
+        value = row[key]
+        if value is None and not required:
+            value = ""
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__} ({value!r:.40})")
+        if required and not value.strip():
+            raise ValueError(f"{where}: {key!r} is empty; give it some text or drop the row")
+        values.append(value)
+    if len(values) == 2:  # prompt / response: the prompt is the instruction, no input
+        return values[0], "", values[1]
+    return values[0], values[1], values[2]
+
+
+def read_rows(path: str | Path) -> list[tuple[str, str, str, str]]:
+    """The rows of a JSONL file as ``(instruction, input, response, "file:line")``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"instruction data {str(path)!r} does not exist (a .jsonl file of {_LAYOUTS})")
+    rows = [(*parse_row(row, f"{path}:{line}"), f"{path}:{line}") for line, row in iter_jsonl(path)]
+    if not rows:
+        raise ValueError(f"{path}: no rows; each line must be a JSON object ({_LAYOUTS})")
+    return rows
+
+
+def tokenize_row(instruction: str, input: str, response: str, tokenizer: Any) -> tuple[list[int], list[bool]]:
+    """``(ids, mask)``: the row's tokens and, per token, whether it is a response token (a
+    target). The prompt and the response are encoded separately (see the module docstring)."""
+    prompt = tokenizer.encode_ordinary(render_prompt(instruction, input))
+    answer = tokenizer.encode_ordinary(response) + [tokenizer.eot_token]
+    return prompt + answer, [False] * len(prompt) + [True] * len(answer)
+
+
+def build_sequences(
+    rows: Iterable[tuple[str, str, str, str]],
+    seq_len: int,
+    *,
+    pack: bool = False,
+    tokenizer: Any = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)``: int64 arrays of shape (N, seq_len), one sequence per row (padded) or rows
+    packed greedily. ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding
+    positions. A row longer than ``seq_len + 1`` tokens raises a ValueError naming it."""
+    if tokenizer is None:
+        from gpt2.model.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    eot = tokenizer.eot_token
+    windows: list[tuple[list[int], list[bool]]] = []
+    for instruction, input, response, where in rows:
+        ids, mask = tokenize_row(instruction, input, response, tokenizer)
+        if len(ids) > seq_len + 1:
+            raise ValueError(
+                f"{where}: the row is {len(ids)} tokens with the template, longer than a sequence "
+                f"(--seq-len {seq_len} + 1 = {seq_len + 1}); raise --seq-len (up to the model's context) "
+                f"or shorten the row"
+            )
+        if pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1:
+            windows[-1][0].extend(ids)  # the row fits in the current window: never split a row
+            windows[-1][1].extend(mask)
+        else:
+            windows.append((list(ids), list(mask)))
+    x = np.full((len(windows), seq_len), eot, dtype=np.int64)  # padding input: <|endoftext|>
+    y = np.full((len(windows), seq_len), IGNORE_INDEX, dtype=np.int64)
+    for i, (ids, mask) in enumerate(windows):
+        n = len(ids) - 1  # positions with a next token
+        x[i, : min(n + 1, seq_len)] = ids[:seq_len]
+        targets = np.asarray(ids[1:], dtype=np.int64)
+        y[i, :n] = np.where(np.asarray(mask[1:], dtype=bool), targets, IGNORE_INDEX)
+    return x, y
+
+
+class InstructionLoader:
+    """Batches ``(x, y)`` of instruction sequences, with the interface of
+    :class:`gpt2.data.TokenLoader` that the Trainer and :func:`gpt2.eval.evaluate_loss` use
+    (``next_batch``, ``reset``, ``state_dict`` / ``load_state_dict``, ``batch_size``,
+    ``seq_len``, ``rank``, ``world_size``, ``tokens_per_step``).
+
+    One step of all ranks takes ``batch_size * world_size`` sequences from the current epoch's
+    order, rank ``r`` the ``r``-th ``batch_size`` of them. With ``shuffle`` (training) every
+    epoch has its own permutation from ``(seed, epoch)`` and a last step that would run past the
+    end is dropped (those sequences come first in some later epoch's order, by chance). Without
+    (validation) the order is fixed and the last step is filled up with all-ignored padding
+    sequences, so one pass scores every row once. The state is ``{epoch, position}``: resuming
+    continues the same order exactly.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        batch_size: int,
+        seq_len: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        pack: bool = False,
+        shuffle: bool = True,
+        seed: int = 1337,
+        tokenizer: Any = None,
+    ) -> None:
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
+        self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.pack, self.shuffle, self.seed = pack, shuffle, seed
+        if tokenizer is None:
+            from gpt2.model.tokenizer import get_tokenizer
+
+            tokenizer = get_tokenizer()
+        self.pad_id = tokenizer.eot_token
+        rows = read_rows(source) if isinstance(source, (str, Path)) else list(source)
+        self.num_rows = len(rows)
+        if not rows:
+            raise ValueError("no instruction rows to load")
+        self.x, self.y = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
+        self.num_sequences = len(self.x)
+        per_step = batch_size * world_size
+        if shuffle and self.num_sequences < per_step:
+            raise ValueError(
+                f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
+                f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
+            )
+        self.steps_per_epoch = self.num_sequences // per_step if shuffle else math.ceil(self.num_sequences / per_step)
+        self._epoch = 0
+        self._position = 0
+        self._order = self._order_of(0)
+
+    def unsharded(self) -> InstructionLoader:
+        """The same sequences for one process (rank 0 of 1), at the start: what rank 0 scores
+        alone (``evaluate_loss``) after a distributed run."""
+        view = InstructionLoader.__new__(InstructionLoader)
+        view.__dict__.update(self.__dict__, rank=0, world_size=1)
+        per_step = self.batch_size
+        view.steps_per_epoch = (
+            self.num_sequences // per_step if self.shuffle else math.ceil(self.num_sequences / per_step)
+        )
+        view.reset()
+        return view
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.world_size
+
+    @property
+    def num_targets(self) -> int:
+        """Response tokens (the loss's tokens) over all sequences."""
+        return int((self.y != IGNORE_INDEX).sum())
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_sequences)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B = self.batch_size
+        start = self._position + self.rank * B
+        picked = self._order[start : start + B]
+        x = np.full((B, self.seq_len), self.pad_id, dtype=np.int64)
+        y = np.full((B, self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        x[: len(picked)], y[: len(picked)] = self.x[picked], self.y[picked]  # the rest: all-ignored padding
+        self._position += B * self.world_size
+        if self._position >= self.steps_per_epoch * B * self.world_size:
+            if self.shuffle:  # an unshuffled loader stays at epoch 0, so a pass ends where it began
+                self._epoch += 1
+                self._order = self._order_of(self._epoch)
+            self._position = 0
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def reset(self) -> None:
+        self._epoch, self._position = 0, 0
+        self._order = self._order_of(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "position": self._position, "num_sequences": self.num_sequences}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "epoch" not in state or "position" not in state:
+            raise ValueError(f"instruction loader state must be a dict with 'epoch' and 'position', got {state!r}")
+        if state.get("num_sequences", self.num_sequences) != self.num_sequences:
+            raise ValueError(
+                f"the checkpoint's instruction data had {state['num_sequences']} sequences, this data has "
+                f"{self.num_sequences}; resume with the same --data, --seq-len and --pack"
+            )
+        self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        self._order = self._order_of(self._epoch)
+
+
+# --------------------------------------------------------------------------- for the finetune job
+def split_rows(rows: list[Any], val_fraction: float, what: str) -> tuple[list[Any], list[Any]]:
+    """The first ``1 - val_fraction`` of the rows for training, the rest (the end) for validation."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    n_val = int(round(len(rows) * val_fraction))
+    if val_fraction > 0 and n_val == 0:
+        n_val = 1  # a fraction asks for validation: hold out at least one row
+    if n_val and n_val >= len(rows):
+        raise ValueError(f"{what} has {len(rows)} rows, too few to hold out --val-fraction {val_fraction}")
+    return rows[: len(rows) - n_val], rows[len(rows) - n_val :]
+
+
+def instruction_loaders(
+    data: str,
+    val_data: str | None,
+    val_fraction: float,
+    *,
+    batch_size: int,
+    seq_len: int,
+    pack: bool,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[Any, Any, list[Any]]:
+    """``(train_loader, val_loader or None, val_rows)`` for ``gpt2 finetune --data x.jsonl``:
+    ``--val-data`` (another .jsonl) or the last ``--val-fraction`` of the rows for validation."""
+    rows = read_rows(data)
+    if val_data is not None:
+        if not is_instruction_data(val_data):
+            raise ValueError(f"--val-data {val_data!r} must be a .jsonl file like --data ({_LAYOUTS})")
+        train_rows, val_rows = rows, read_rows(val_data)
+    else:
+        train_rows, val_rows = split_rows(rows, val_fraction, data)
+    common = dict(rank=rank, world_size=world_size, pack=pack)
+    train = InstructionLoader(train_rows, batch_size, seq_len, shuffle=True, seed=seed, **common)
+    val = InstructionLoader(val_rows, batch_size, seq_len, shuffle=False, **common) if val_rows else None
+    return train, val, val_rows or train_rows

@@ -1,0 +1,339 @@
+"""HellaSwag is scored the way build-nanogpt (and the "completion" style of lm-evaluation-harness)
+does it for a base model that cannot follow instructions: each of the four endings is appended
+to the context, the model's cross-entropy is computed over the *ending tokens only*, and the
+ending the model finds most likely wins. Two numbers come out:
+
+- ``acc``: the ending with the lowest *summed* cross-entropy wins (favours short endings);
+- ``acc_norm``: the ending with the lowest *average per-token* cross-entropy wins (the length-
+  normalised number build-nanogpt reports; OpenAI's GPT-2 124M scores 0.2955 on the val split).
+
+
+:class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt2.data import default_cache_dir, download, iter_jsonl
+from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
+
+logger = logging.getLogger(__name__)
+
+# The official data files of the HellaSwag paper (Zellers et al., 2019). "test" has no labels.
+HELLASWAG_URLS = {
+    split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
+    for split in ("train", "val", "test")
+}
+HELLASWAG_ENV = "GPT2_HELLASWAG"
+
+
+def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Path of the HellaSwag ``split`` jsonl, downloading it once into a cache if needed.
+
+    Looks, in order, at ``$GPT2_HELLASWAG`` (a jsonl file used for the val split, or a directory
+    holding ``hellaswag_<split>.jsonl``), then ``cache_dir`` (default ``$GPT2_CACHE_DIR/hellaswag``
+    or ``~/.cache/gpt2/hellaswag``). A missing file is downloaded from the official repository and
+    written atomically (temp file + rename), so an interrupted download never leaves a truncated
+    file in the cache. Offline, the error says where to put the file by hand.
+    """
+    if split not in HELLASWAG_URLS:
+        raise ValueError(f"unknown HellaSwag split {split!r}; choose one of {sorted(HELLASWAG_URLS)}")
+    filename = f"hellaswag_{split}.jsonl"
+    override = os.environ.get(HELLASWAG_ENV)
+    if override:
+        p = Path(override).expanduser()
+        if p.is_file():
+            if split != "val":
+                raise ValueError(
+                    f"${HELLASWAG_ENV}={override} is a file, used for the val split only; for the "
+                    f"{split!r} split point ${HELLASWAG_ENV} at a directory holding {filename}"
+                )
+            return p
+        if not p.is_dir():
+            raise FileNotFoundError(
+                f"${HELLASWAG_ENV}={override} does not exist; point it at hellaswag_val.jsonl or at "
+                f"a directory for the HellaSwag files, or unset it to use the download cache"
+            )
+        directory = p
+    else:
+        directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir() / "hellaswag"
+    path = directory / filename
+    if path.is_file():
+        return path
+    download(
+        HELLASWAG_URLS[split],
+        path,
+        what=f"HellaSwag {split}",
+        validate=_validate_hellaswag,
+        offline_hint=f"download hellaswag_{split}.jsonl elsewhere and set ${HELLASWAG_ENV} to its path, or copy it to",
+    )
+    return path
+
+
+def _validate_hellaswag(data: bytes) -> None:
+    """A proxy or captive portal can answer with HTML: refuse to cache what is not HellaSwag."""
+    first = data.split(b"\n", 1)[0]
+    try:
+        _check_example(json.loads(first), "line", 1)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line 1 is not JSON ({e.msg})") from e
+
+
+def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
+    if not isinstance(example, dict):
+        raise ValueError(f"{where}:{line}: expected a JSON object, got {type(example).__name__}")
+    endings = example.get("endings")
+    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
+        raise ValueError(
+            f"{where}:{line}: 'endings' must be a list of at least 2 strings (HellaSwag has 4), got {endings!r}"
+        )
+    if not isinstance(example.get("ctx"), str) and not isinstance(example.get("ctx_a"), str):
+        raise ValueError(
+            f"{where}:{line}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b'); "
+            f"keys present: {sorted(example)}"
+        )
+    return example
+
+
+def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the examples of a HellaSwag jsonl file (one JSON object per line, the official
+    format: ``ctx`` (or ``ctx_a`` + ``ctx_b``), ``endings``, ``label``). Blank lines are skipped;
+    a malformed line raises ``ValueError`` naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"HellaSwag file {str(path)!r} not found; use gpt2.hellaswag.hellaswag_path() to download "
+            f"it, or pass the path of hellaswag_val.jsonl"
+        )
+    for line_no, example in iter_jsonl(path, hint="; is this a HellaSwag jsonl file?"):
+        yield _check_example(example, str(path), line_no)
+
+
+def _context(example: dict[str, Any]) -> str:
+    if isinstance(example.get("ctx"), str):
+        return example["ctx"]
+    # The official files: ctx == ctx_a + " " + ctx_b when ctx_b is non-empty.
+    ctx_b = example.get("ctx_b") or ""
+    return example["ctx_a"] + (" " + ctx_b if ctx_b else "")
+
+
+def _label(example: dict[str, Any]) -> int:
+    label = example.get("label")
+    if label is None or label == "":
+        raise ValueError(
+            f"HellaSwag example {example.get('ind', '?')} has no label (the official test split is "
+            f"unlabelled): score the val split instead"
+        )
+    try:
+        label = int(label)  # the Hugging Face copy stores labels as strings
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"HellaSwag label must be an integer, got {label!r}") from e
+    n = len(example["endings"])
+    if not 0 <= label < n:
+        raise ValueError(f"HellaSwag label {label} out of range for {n} endings")
+    return label
+
+
+def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Tokens, mask and label of one HellaSwag example.
+
+    Returns ``tokens`` ``(N, T)`` (context + ending i on row i, right-padded with 0), ``mask``
+    ``(N, T)`` (1 on the ending tokens, the only ones scored) and the index of the right ending.
+    ``N`` is the number of endings (4 in HellaSwag). Each ending is encoded with a leading space,
+    as it follows the context's last word in GPT-2's byte-level BPE.
+    """
+    _check_example(example, "example", 0)
+    if tokenizer is None:
+        from gpt2.model.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    label = _label(example)
+    ctx_tokens = list(tokenizer.encode(_context(example)))
+    if not ctx_tokens:
+        raise ValueError("HellaSwag example has an empty context: nothing to condition the endings on")
+    rows, masks = [], []
+    for ending in example["endings"]:
+        end_tokens = list(tokenizer.encode(" " + ending))
+        rows.append(ctx_tokens + end_tokens)
+        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
+    T = max(len(r) for r in rows)
+    tokens = torch.zeros((len(rows), T), dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
+    return tokens, mask, label
+
+
+# --------------------------------------------------------------------------- HellaSwag scoring
+@torch.no_grad()
+def ending_losses(
+    model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, autocast: AutocastArg = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed and mean cross-entropy of the masked (ending) tokens of each row: two ``(N,)``.
+
+    Rows longer than the model's context keep their last ``block_size`` tokens (the endings
+    always fit; the context is cropped on the left, the same for every row).
+    """
+    block_size = getattr(getattr(model, "config", None), "block_size", None)
+    if block_size is not None and tokens.size(1) > block_size:
+        drop = tokens.size(1) - block_size
+        first_ending = int(mask.argmax(dim=1).min())
+        if drop >= first_ending:  # we would lose the token that predicts the first ending token
+            raise ValueError(
+                f"a HellaSwag ending is too long for the model's context (block_size={block_size}, "
+                f"row length {tokens.size(1)}, context length {first_ending})"
+            )
+        tokens, mask = tokens[:, drop:], mask[:, drop:]
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is not None and tokens.device.type == "cpu" and int(tokens.max()) >= vocab_size:
+        # Checked here, on the host: the model's forward does not read ids (a GPU sync), and on
+        # CUDA an id past the embedding is a device-side assert instead of an error.
+        raise ValueError(
+            f"the tokenizer produced token id {int(tokens.max())}, but the model has vocab_size={vocab_size}: "
+            f"HellaSwag needs a model over the GPT-2 vocabulary (50257 tokens) or a matching tokenizer="
+        )
+    device = _model_device(model)
+    tokens, mask = tokens.to(device), mask.to(device)
+    with _autocast_context(autocast, device):
+        logits = _logits(model(tokens))  # (N, T, V)
+    # Position t predicts token t + 1: score each ending token from the logits just before it.
+    shift_logits = logits[:, :-1, :].float()  # (N, T-1, V)
+    shift_tokens = tokens[:, 1:]  # (N, T-1)
+    shift_mask = mask[:, 1:].float()  # (N, T-1)
+    losses = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_tokens.reshape(-1), reduction="none"
+    ).view(shift_tokens.shape)
+    sum_loss = (losses * shift_mask).sum(dim=1)
+    mean_loss = sum_loss / shift_mask.sum(dim=1).clamp(min=1.0)
+    return sum_loss, mean_loss
+
+
+@torch.no_grad()
+def score_hellaswag(
+    model: nn.Module,
+    path_or_examples: str | os.PathLike[str] | Iterable[dict[str, Any]],
+    limit: int | None = None,
+    device: torch.device | str | None = None,
+    *,
+    tokenizer: Any = None,
+    autocast: AutocastArg = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, float]:
+    """HellaSwag accuracy of a causal LM: ``{"acc", "acc_norm", "n"}``.
+
+    ``path_or_examples``: a jsonl file (see :func:`hellaswag_path`) or an iterable of example
+    dicts. ``limit`` scores only the first examples. ``acc`` picks the ending with the lowest
+    summed loss, ``acc_norm`` the lowest mean loss per token (build-nanogpt's number).
+    With ``world_size > 1`` (under ``torch.distributed``) rank ``r`` scores examples
+    ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns
+    the full result.
+    """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+    if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
+    if device is not None:
+        model = model.to(device)
+    if tokenizer is None:
+        from gpt2.model.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    if isinstance(path_or_examples, (str, os.PathLike)):
+        examples: Iterable[dict[str, Any]] = iterate_hellaswag(path_or_examples)
+    else:
+        examples = path_or_examples
+    was_training = model.training
+    model.eval()
+    # counts: correct (sum), correct (mean), examples
+    counts = torch.zeros(3, dtype=torch.long)
+    try:
+        for i, example in enumerate(examples):
+            if limit is not None and i >= limit:
+                break
+            if i % world_size != rank:
+                continue
+            tokens, mask, label = render_example(example, tokenizer)
+            sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
+            counts[0] += int(sum_loss.argmin()) == label
+            counts[1] += int(mean_loss.argmin()) == label
+            counts[2] += 1
+    finally:
+        model.train(was_training)
+    if world_size > 1:
+        reduced = counts.to(_model_device(model))
+        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
+        counts = reduced.cpu()
+    correct, correct_norm, n = (int(c) for c in counts)
+    if n == 0:
+        raise ValueError("no HellaSwag example was scored: the file or iterable is empty")
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
+
+
+def resolve_hellaswag(spec: str | None) -> Path | None:
+    if spec is None:
+        return None
+    if spec == "auto":
+        return hellaswag_path("val")
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it"
+        )
+    return path
+
+
+class HellaSwagCallback:
+    """A Trainer callback: HellaSwag every ``interval`` steps and after the last one.
+
+    It runs on every rank (each scores its share of the examples) inside ``Trainer.fit``, so
+    training is never paused (no extra checkpoints) and the scores land in the step's record:
+    ``hellaswag_acc`` / ``hellaswag_acc_norm`` / ``hellaswag_n`` in metrics.jsonl, which a resumed
+    run truncates and continues like every other metric.
+    """
+
+    def __init__(self, path: Path, interval: int, limit: int | None) -> None:
+        self.path, self.interval, self.limit = path, interval, limit
+        self.last: dict[str, Any] | None = None
+
+    def __call__(self, trainer: Any, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if step == trainer.config.max_steps or (self.interval > 0 and step % self.interval == 0):
+            result = self.score(trainer)
+            record.update(hellaswag_acc=result["acc"], hellaswag_acc_norm=result["acc_norm"], hellaswag_n=result["n"])
+
+    def score(self, trainer: Any) -> dict[str, Any]:
+        env = trainer.dist_env
+        start = time.time()
+        # The raw model, not the compiled one: every example has its own length, which would make
+        # torch.compile recompile again and again.
+        result = score_hellaswag(
+            trainer.model,
+            self.path,
+            limit=self.limit,
+            autocast=trainer.precision.autocast,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+        self.last = {"step": trainer.step, **result}
+        if trainer.is_main:
+            print(
+                f"step {trainer.step} | hellaswag acc_norm {result['acc_norm']:.4f} | acc {result['acc']:.4f} | "
+                f"{result['n']} examples | {time.time() - start:.1f} s",
+                flush=True,
+            )
+        return self.last

@@ -1,0 +1,185 @@
+"""Evaluation: validation loss / perplexity over token data (HellaSwag: :mod:`gpt2.hellaswag`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt2.data.loader import TokenLoader, one_pass
+from gpt2.model.gpt import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+# What an autocast argument may be: nothing, a dtype (bf16/fp16 autocast on the model's device),
+# or a zero-argument callable returning a fresh context manager (e.g. a precision policy's).
+AutocastArg = Union[None, torch.dtype, Callable[[], ContextManager[Any]]]
+
+
+# --------------------------------------------------------------------------- shared helpers
+def _model_device(model: nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextManager[Any]:
+    if autocast is None:
+        return contextlib.nullcontext()
+    if isinstance(autocast, torch.dtype):
+        if autocast == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=autocast)
+    if callable(autocast):
+        return autocast()
+    raise TypeError(
+        f"autocast must be None, a torch.dtype or a callable returning a context manager, got {type(autocast).__name__}"
+    )
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """Logits from a forward output: GPT's ``(logits, loss)`` tuple, a bare tensor, or an
+    object with ``.logits`` (a ``transformers`` model)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(
+        f"the model's forward returned {type(output).__name__}; expected logits, a (logits, loss) "
+        f"tuple, or an object with .logits"
+    )
+
+
+# --------------------------------------------------------------------------- validation loss
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    data: Any,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int | None = None,
+    autocast: AutocastArg = None,
+    *,
+    split: str | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    distributed: bool = False,
+) -> dict[str, float]:
+    """Mean next-token cross-entropy of ``model`` over ``data``.
+
+    ``data``: a 1-D token tensor / array, a token file (``.npy`` / ``.bin``), a directory of
+    shards (``split`` picks e.g. the "val" ones), or a :class:`gpt2.data.TokenLoader`. Batches
+    of ``batch_size`` x ``seq_len`` tokens are read in order from the start; with
+    ``max_batches=None`` every full batch is read once; ``max_batches`` caps that. The pass
+    never wraps around to read a batch twice: data shorter than ``max_batches`` batches is
+    scored once, with a warning.
+
+    ``distributed=True`` under ``torchrun`` (an initialised process group of several ranks):
+    every rank must call this with the same arguments; rank ``r`` scores batches ``r``,
+    ``r + world_size``, ... of that same sequence and the sums are all-reduced, so every rank
+    returns the one-process result in about 1/world_size of the time. With one process it
+    changes nothing.
+
+    Returns ``{"loss", "perplexity", "tokens"}``: the mean loss per predicted token,
+    ``exp(loss)``, and how many tokens were scored (over all ranks). ``progress=True`` shows a
+    tqdm bar.
+    """
+    if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
+        raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
+    rank, world_size = _rank_and_world_size() if distributed else (0, 1)
+    if world_size > 1 and getattr(data, "world_size", 1) != 1:
+        raise ValueError(
+            "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
+            "token file or a one-process TokenLoader (world_size=1), not a per-rank loader"
+        )
+    device = torch.device(device) if device is not None else _model_device(model)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    batches = _eval_batches(data, batch_size, seq_len, max_batches, split, vocab_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, total=max_batches, desc="eval", unit="batch", dynamic_ncols=True, leave=False)
+    was_training = model.training
+    model.eval()
+    # [summed loss, scored tokens]: float64 so a long pass loses no precision, one tensor so the
+    # ranks combine both in one all-reduce.
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    seen = 0  # batches in the sequence (all ranks' shares)
+    try:
+        for i, (x, y) in enumerate(batches):
+            seen += 1
+            if i % world_size != rank:
+                continue  # another rank's share
+            x, y = x.to(device), y.to(device)
+            with _autocast_context(autocast, device):
+                logits = _logits(model(x))
+            # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
+            # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
+            # scored and not counted, so the mean is over the scored tokens only.
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)),
+                y.reshape(-1),
+                reduction="sum",
+                ignore_index=IGNORE_INDEX,
+            )
+            sums[0] += loss.double()
+            sums[1] += (y != IGNORE_INDEX).sum()
+    finally:
+        model.train(was_training)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    total, n_tokens = sums.tolist()
+    n_tokens = int(n_tokens)
+    if n_tokens == 0:
+        raise ValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
+    if max_batches is not None and seen < max_batches and rank == 0:
+        logger.warning(
+            "the evaluation data holds only %d batches of %d x %d tokens; scored those %d once "
+            "instead of max_batches=%d (no batch is read twice)",
+            seen,
+            batch_size,
+            seq_len,
+            seen,
+            max_batches,
+        )
+    mean = total / n_tokens
+    return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _eval_batches(
+    data: Any,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int | None,
+    split: str | None,
+    vocab_size: int | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if hasattr(data, "next_batch"):
+        loader = data
+    else:
+        # ids are checked against the model's vocabulary here, on the CPU (forward never syncs to check)
+        loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
+    return one_pass(loader, max_batches)

@@ -1,0 +1,350 @@
+"""Sampling from a GPT: temperature, top-k, top-p, greedy, EOS, batched prompts, a KV cache.
+
+The KV cache holds every layer's keys and values for the whole context, so decoding one token
+costs one (B, 1) forward instead of re-running the whole prefix. Generation with and without the
+cache gives identical tokens (tested).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gpt2.model.gpt import GPT
+
+
+class KVCache:
+    """Keys and values of every layer, room for ``max_len`` positions.
+
+    The model calls :meth:`update` once per layer with the new keys/values and :meth:`advance`
+    once per forward, so all layers of a forward see the same ``length`` (the number of cached
+    positions before that forward). Each layer's buffer is allocated on its first update with the
+    dtype and device of the keys it receives: under autocast the keys come out of ``c_attn`` in
+    bf16/fp16 while the weights are fp32, and the cache must match the queries it is used with.
+    """
+
+    def __init__(self, n_layer: int, max_len: int) -> None:
+        if n_layer < 1 or max_len < 1:
+            raise ValueError(f"KVCache needs n_layer >= 1 and max_len >= 1, got {n_layer}, {max_len}")
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k``, ``v`` ``(B, nh, T, hs)`` after the cached positions; return all of them
+        ``(B, nh, length + T, hs)``."""
+        B, nh, T, hs = k.shape
+        end = self.length + T
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {self.length} cached + {T} new positions > capacity {self.max_len}")
+        if self.k[layer] is None:
+            self.k[layer] = k.new_empty(B, nh, self.max_len, hs)  # (B, nh, max_len, hs)
+            self.v[layer] = v.new_empty(B, nh, self.max_len, hs)
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        if cache_k.shape[:2] != (B, nh) or cache_k.size(3) != hs or cache_k.dtype != k.dtype:
+            raise RuntimeError(
+                f"KV cache of layer {layer} holds {tuple(cache_k.shape)} {cache_k.dtype}, got new keys "
+                f"{tuple(k.shape)} {k.dtype}: one cache serves one batch, start a new KVCache"
+            )
+        cache_k[:, :, self.length : end] = k
+        cache_v[:, :, self.length : end] = v
+        return cache_k[:, :, :end], cache_v[:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    @classmethod
+    def for_model(cls, model: GPT, max_len: int | None = None) -> KVCache:
+        """An empty cache for ``model``, holding up to ``max_len`` (default ``block_size``) positions."""
+        cfg = model.config
+        return cls(cfg.n_layer, max_len or cfg.block_size)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token per row from ``logits`` ``(B, V)``; greedy (argmax) when temperature is 0.
+
+    ``top_k`` keeps the k most likely tokens (ties with the k-th are kept too); ``top_p`` keeps the
+    smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus sampling). Both
+    filters apply after the temperature, as in Hugging Face's samplers.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    # Sampling in fp32: bf16 logits have ~3 significant digits, too coarse for softmax tails.
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+        # A token stays if the mass of the tokens ranked before it is still below top_p, so the
+        # most likely token is always kept and the kept mass is the first to reach top_p.
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts of different lengths: ``(ids, attention_mask)``, both ``(B, T)``.
+
+    Left padding puts every prompt's last token in the last column, so the next token of every row
+    is sampled from the same position. ``pad_id`` only needs to be a valid token id: padded
+    positions are masked out of attention and do not count as positions.
+    """
+    if isinstance(prompts, torch.Tensor) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if any(len(p) == 0 for p in prompts):
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        raise ValueError(f"every prompt needs at least one token; prompts {empty} are empty")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+        raise ValueError(f"pad_id must be a non-negative token id, got {pad_id!r}")
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, T - len(p) :] = True
+    return ids, mask
+
+
+def stream(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    attention_mask: torch.Tensor | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row, ``(B,)``, one step at a time.
+
+    ``idx`` ``(B, T)`` holds the prompts; ``attention_mask`` ``(B, T)`` marks real prompt tokens
+    (True) in left-padded batched prompts (see :func:`pad_prompts`), which then give the same
+    tokens as each prompt alone. Rows that have emitted ``eos_token_id`` keep emitting it; the
+    iteration stops once every row has. ``seed`` (or a ``torch.Generator``) makes sampling
+    reproducible; ``temperature=0`` is greedy. Past ``block_size`` tokens the context is cropped
+    to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked when this is called,
+    not at the first ``next``.
+    """
+    _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, generator)
+    _check_prompt_ids(idx, model.config.vocab_size)
+    device = model.device
+    idx = idx.to(device).long()
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise ValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError(
+                "prompts must be left-padded: the last position of every row must be a real token "
+                "(attention_mask True); build them with gpt2.generate.pad_prompts"
+            )
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    return _stream(
+        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
+    )
+
+
+def _check_args(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_token_id: int | None,
+    seed: int | None,
+    generator: torch.Generator | None,
+) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
+        got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(
+            f"idx must be a (batch, sequence) tensor of token ids (torch.long), got {got}; "
+            f"for one prompt use torch.tensor([ids])"
+        )
+    if idx.size(0) == 0 or idx.size(1) == 0:
+        raise ValueError(
+            f"the prompt is empty (shape {tuple(idx.shape)}): generation needs at least one token to "
+            f"condition on (e.g. <|endoftext|>, id 50256 for GPT-2)"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    V = model.config.vocab_size
+    if eos_token_id is not None and (
+        isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int) or not 0 <= eos_token_id < V
+    ):
+        raise ValueError(f"eos_token_id must be a token id in [0, {V}) or None, got {eos_token_id!r}")
+    if seed is not None and generator is not None:
+        raise ValueError("pass either seed or generator, not both")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
+    """Token ids must lie in [0, vocab_size). The model's forward does not check values (that
+    would stall the GPU on every call), and on CUDA an id out of range is a device-side assert
+    that kills the process; so the prompt is checked once here, before it reaches the device.
+    (One host read: free for a CPU prompt, one sync for a prompt that is already on the GPU.)"""
+    lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
+    if lo < 0 or hi >= vocab_size:
+        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < vocab_size][:5]
+        raise ValueError(
+            f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad} "
+            f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
+        )
+
+
+@torch.no_grad()
+def _stream(
+    model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
+) -> Iterator[torch.Tensor]:
+    was_training = model.training
+    model.eval()  # no dropout while sampling; the caller's mode is restored below
+    try:
+        block_size = model.config.block_size
+        B = idx.size(0)
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        cache: KVCache | None = None
+        tokens = idx  # everything in the context so far (prompt + generated), (B, t)
+        mask = attention_mask  # None or (B, t)
+        for _ in range(max_new_tokens):
+            if tokens.size(1) > block_size:  # keep the last block_size tokens (nanoGPT's crop)
+                tokens = tokens[:, -block_size:]
+                mask = mask[:, -block_size:] if mask is not None else None
+                # Positions are learned and absolute: after a crop every token sits one position
+                # earlier, so the cached keys are stale and the window is recomputed.
+                cache = None
+            if use_cache and cache is not None:
+                step_ids = tokens[:, -1:]  # (B, 1): only the newest token is not cached yet
+            else:
+                step_ids = tokens
+                cache = KVCache.for_model(model) if use_cache else None
+            logits = _forward(model, step_ids, cache, mask)  # (B, T, V)
+            nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
+            if eos_token_id is not None:
+                # Finished rows keep emitting EOS, so the output stays rectangular.
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done = done | (nxt == eos_token_id)
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            yield nxt
+            if eos_token_id is not None and bool(done.all()):
+                return
+    finally:
+        model.train(was_training)
+
+
+def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """One forward for generation. With padding ``mask`` ``(B, S)`` (cached + new positions),
+    positions count real tokens only and attention skips pad keys, so a padded prompt yields what
+    it would unpadded."""
+    if mask is None:
+        return model(ids, kv_cache=cache)[0]
+    T = ids.size(1)
+    S = mask.size(1)  # keys visible after this forward (cache + new)
+    position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, S - T :]  # (B, T)
+    causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=S - T)  # (T, S)
+    attn_mask = causal[None, None] & mask[:, None, None, :]  # (B, 1, T, S)
+    # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
+    # query may see itself (pad positions' outputs are never used).
+    own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
+    own[torch.arange(T), torch.arange(S - T, S)] = True
+    attn_mask = attn_mask | own[None, None]
+    return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask)[0]
+
+
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``.
+
+    Keyword arguments as in :func:`stream`: ``temperature`` (0 = greedy), ``top_k``, ``top_p``,
+    ``eos_token_id``, ``seed`` / ``generator``, ``use_cache``, ``attention_mask``. With
+    ``eos_token_id``, ``n`` is smaller than ``max_new_tokens`` when every row finished early.
+    """
+    steps = stream(model, idx, max_new_tokens, **kwargs)
+    new = list(steps)
+    idx = idx.to(model.device).long()
+    if not new:
+        return idx
+    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
+
+
+def stream_text(
+    model: Any,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    tokenizer: Any = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    stop_at_eot: bool = True,
+    autocast: Any = None,
+) -> Iterator[str]:
+    """Yield the text of one sample piece by piece, as tokens are sampled.
+
+    An empty ``prompt`` starts from ``<|endoftext|>`` (an unconditional sample). A token that
+    ends inside a multi-byte UTF-8 character is held back until the character is complete, so
+    every yielded piece is valid text. ``autocast`` is a zero-argument callable returning the
+    context to sample in (e.g. ``PrecisionPolicy.autocast``), or None.
+    """
+    if tokenizer is None:
+        from gpt2.model.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    eot = tokenizer.eot_token
+    ids = tokenizer.encode(prompt) if prompt else [eot]
+    idx = torch.tensor([ids], dtype=torch.long)
+    produced: list[int] = []
+    shown = ""
+    with autocast() if autocast is not None else contextlib.nullcontext():
+        # gpt2.generate.stream rather than model.stream: a torch.compile'd model then runs compiled.
+        tokens = stream(
+            model,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eot if stop_at_eot else None,
+            generator=generator,
+        )
+        for column in tokens:  # (1,)
+            token = int(column[0])
+            if stop_at_eot and token == eot:
+                break
+            produced.append(token)
+            text = tokenizer.decode(produced)
+            if text.endswith("\ufffd"):  # a character split across tokens: wait for its rest
+                continue
+            yield text[len(shown) :]
+            shown = text
+    text = tokenizer.decode(produced)
+    if len(text) > len(shown):
+        yield text[len(shown) :]

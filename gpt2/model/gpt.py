@@ -1,0 +1,316 @@
+"""The GPT-2 model: plain modules, GPT-2 names, no I/O.
+
+Module names follow GPT-2 (``transformer.wte``, ``transformer.h.0.attn.c_attn``, ``attn.c_proj``,
+``mlp.c_fc``, ``mlp.c_proj``, ``transformer.ln_f``, ``lm_head``) so state dicts and LoRA target
+names read the same as in nanoGPT and ``transformers``. Every projection is a plain
+``nn.Linear``, so ``minlora`` can parametrize it without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from gpt2.model import hf
+from gpt2.model.config import GPTConfig
+from gpt2.model.generate import generate as _generate
+from gpt2.model.generate import stream as _stream
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gpt2.model.generate import KVCache
+
+# Target value that the loss skips (nanoGPT's convention; Hugging Face uses -100).
+IGNORE_INDEX = -1
+_INDEX_DTYPES = (torch.long, torch.int32)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.flash = config.flash
+        # q, k, v for all heads in one matmul, as in GPT-2's checkpoint layout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # type: ignore[attr-defined]
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        T = x.size(1)
+        # c_attn's output is [q | k | v], each n_embd wide and made of n_head slices of head_dim:
+        # split it into q, k, v of shape (B, nh, T, hs) (views, no copy).
+        qkv = rearrange(self.c_attn(x), "b t (qkv nh hs) -> qkv b nh t hs", qkv=3, nh=self.n_head)
+        q, k, v = qkv.unbind(0)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, S, hs), S = past + T
+        S = k.size(2)
+        # Plain causal attention when queries and keys start at the same position; otherwise the
+        # caller (generation with a cache or padded prompts) passes an explicit boolean mask.
+        is_causal = attn_mask is None and S == T
+        if attn_mask is None and S != T and T > 1:
+            attn_mask = _offset_causal_mask(T, S, x.device)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        else:
+            y = _manual_attention(q, k, v, attn_mask, is_causal, dropout_p)
+        y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+def _offset_causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
+    """(T, S) boolean mask: query i (at absolute position S - T + i) sees keys 0..S-T+i."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+
+
+def _manual_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Attention written out (materialises the (T, S) score matrix): the pre-flash baseline."""
+    T, S = q.size(-2), k.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
+    if is_causal:
+        attn_mask = _offset_causal_mask(T, S, q.device)
+    if attn_mask is not None:
+        att = att.masked_fill(~attn_mask, float("-inf"))
+    att = F.softmax(att.float(), dim=-1).to(q.dtype)  # softmax in fp32
+    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+    return att @ v  # (B, nh, T, hs)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # type: ignore[attr-defined]
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2. ``forward(idx, targets=None) -> (logits, loss)``; logits always cover every position."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        V = config.padded_vocab_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(V, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        # Weight tying (GPT-2, "Using the Output Embedding to Improve Language Models"): the token
+        # embedding and the LM head are one tensor.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2 initialisation: N(0, 0.02) for weights and embeddings, zero biases; projections that
+        # write into the residual stream are scaled by 1/sqrt(2 * n_layer) because each of the
+        # n_layer blocks adds two such contributions and the stream's variance would grow with depth.
+        std = 0.02
+        if isinstance(module, nn.Linear):
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, T, vocab_size)`` and, with ``targets`` ``(B, T)``, the mean cross-entropy.
+
+        Targets equal to ``IGNORE_INDEX`` (-1, nanoGPT's convention) are ignored. ``kv_cache``,
+        ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask`` broadcastable to
+        ``(B, n_head, T, S)`` (True = may attend) are used by :mod:`gpt2.generate`; training never
+        needs them. Types and shapes are checked; values are not (that would cost a device sync
+        every call): ids must lie in ``[0, vocab_size)``, as :mod:`gpt2.generate` and
+        :class:`gpt2.data.TokenLoader` check where ids enter.
+        """
+        if not torch.compiler.is_compiling():
+            self._check_inputs(idx, targets, kv_cache, position_ids)
+        T = idx.size(1)
+        if position_ids is None:
+            start = kv_cache.length if kv_cache is not None else 0
+            position_ids = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x, kv_cache, attn_mask)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, padded_vocab)
+        if self.config.padded_vocab_size != self.config.vocab_size:
+            # Padded rows are not tokens: drop them so they are never sampled and never in the loss.
+            logits = logits[..., : self.config.vocab_size]
+        loss = None
+        if targets is not None:
+            # Cross-entropy in fp32 even under autocast: log-softmax over 50k classes in bf16/fp16
+            # loses precision and can overflow.
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)),
+                targets.reshape(-1).long(),
+                ignore_index=IGNORE_INDEX,
+            )
+        return logits, loss
+
+    def _check_inputs(  # types and shapes only: Python-side, no device sync
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        position_ids: torch.Tensor | None,
+    ) -> None:
+        cfg = self.config
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
+        if idx.dtype not in _INDEX_DTYPES:
+            raise TypeError(
+                f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; convert with idx.long()"
+            )
+        if idx.dim() != 2:
+            raise ValueError(
+                f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; "
+                f"for a single sequence use idx[None]"
+            )
+        B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
+        past = kv_cache.length if kv_cache is not None else 0
+        if past + T > cfg.block_size:
+            what = f"{past} cached + {T} new positions" if past else f"sequence length {T}"
+            raise ValueError(
+                f"{what} exceeds the model's context (block_size={cfg.block_size}); "
+                f"crop the input to the last {cfg.block_size} tokens"
+            )
+        if position_ids is not None:
+            if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
+                raise TypeError("position_ids must be an integer tensor (torch.long)")
+            if position_ids.shape not in ((T,), (B, T)):
+                raise ValueError(f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}")
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.dtype not in _INDEX_DTYPES:
+                got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+                raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {got}")
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        # The *values* of idx / targets / position_ids are not checked here: reading them would
+        # copy them to the host and stall the GPU on every forward. Token ids are validated where
+        # they enter instead: the prompt in gpt2.generate and the batches in gpt2.data's loader.
+
+    # ------------------------------------------------------------------ helpers
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding
+        (the token embedding is tied to the LM head and counts as its weight)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward) from the PaLM appendix B estimate:
+        6 * N for the matmuls with the weights plus 12 * L * H * Q * T for attention."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        N = self.num_params(non_embedding=True)
+        return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after ``idx``; see :func:`gpt2.generate.generate`."""
+        return _generate(self, idx, max_new_tokens, **kwargs)
+
+    def stream(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[torch.Tensor]:
+        """Yield each new token column ``(B,)`` as it is sampled; see :func:`gpt2.generate.stream`."""
+        return _stream(self, idx, max_new_tokens, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> GPT:
+        """GPT-2 weights from a Hugging Face hub id or a local ``transformers`` directory; see
+        :func:`gpt2.hf.from_pretrained` (which builds ``cls``)."""
+        return hf.from_pretrained(name_or_path, model_class=cls, **kwargs)
+
+    def save_pretrained(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
+        """Write a ``transformers.GPT2LMHeadModel`` directory (safetensors, vocab padding removed);
+        see :func:`gpt2.hf.save_pretrained`."""
+        return hf.save_pretrained(self, directory, **kwargs)
+
+    def peft_adapter_layout(self) -> dict[str, Any]:
+        """How this model differs from its ``transformers.GPT2LMHeadModel`` twin, for
+        :func:`minlora.export_peft_adapter` / :func:`minlora.import_peft_adapter`: the token
+        embedding and LM head have ``padded_vocab_size`` rows (the twin has ``vocab_size``), and
+        the twin's linear layers are ``Conv1D`` (PEFT's ``fan_in_fan_out=True``)."""
+        return {
+            "vocab_size": self.config.vocab_size,
+            "padded_vocab_modules": ["transformer.wte", "lm_head"],
+            "fan_in_fan_out": True,
+        }

@@ -1,0 +1,323 @@
+"""Hugging Face interop: GPT-2 checkpoints in and out of ``transformers`` directories and the hub.
+
+:func:`from_pretrained` and :func:`save_pretrained` read and write ``transformers``
+``GPT2LMHeadModel`` directories (safetensors, ``.bin``, sharded), download hub ids, and decide
+which a string is (:func:`resolve_source`). The state-dict and config conversion itself is pure
+and lives in :mod:`gpt2.hf_convert`; its public names are re-exported here, so
+``from gpt2.hf import hf_to_gpt_state_dict`` keeps working.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gpt2.model.checkpoint_files import unwrap_model
+from gpt2.model.config import GPTConfig
+from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
+    CONV1D_WEIGHTS,
+    CheckpointMismatchError,
+    config_from_hf,
+    gpt_to_hf_state_dict,
+    hf_config_from_gpt,
+    hf_to_gpt_state_dict,
+)
+
+# This module never imports gpt2.model at import time: the model imports it (GPT.from_pretrained,
+# GPT.save_pretrained), so the dependency runs one way, model -> hf -> hf_convert -> config.
+
+logger = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
+# The official GPT-2 checkpoints. Written bare, these names always mean the hub, even where a
+# directory of that name exists (this repository's own package directory is called gpt2/);
+# write a path ("./gpt2", an absolute path) to load a local directory with such a name.
+OFFICIAL_HUB_IDS = frozenset(
+    [
+        f"{owner}{name}"
+        for owner in ("", "openai-community/")
+        for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+    ]
+    + ["distilgpt2", "distilbert/distilgpt2"]
+)
+_SAFETENSORS = "model.safetensors"
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_BIN = "pytorch_model.bin"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+# ---------------------------------------------------------------------------- loading
+def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a ``transformers`` checkpoint directory: ``model.safetensors``, a sharded
+    safetensors index, ``pytorch_model.bin`` or a sharded ``.bin`` index (read with
+    ``torch.load(weights_only=True)``, so no pickled code runs), in that order of preference."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if (d / _SAFETENSORS).is_file():
+        return load_file(d / _SAFETENSORS)
+    if (d / _SAFETENSORS_INDEX).is_file():
+        return _load_sharded(d, _SAFETENSORS_INDEX, load_file)
+    if (d / _BIN).is_file():
+        return _torch_load(d / _BIN)
+    if (d / _BIN_INDEX).is_file():
+        return _load_sharded(d, _BIN_INDEX, _torch_load)
+    found = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    raise FileNotFoundError(
+        f"no weights in {str(d)!r}: expected {_SAFETENSORS}, {_SAFETENSORS_INDEX}, {_BIN} or {_BIN_INDEX}; "
+        f"found {found}"
+    )
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
+    with open(d / index_name) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{d / index_name} has no 'weight_map' dict: not a transformers shard index")
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (d / shard).is_file():
+            raise FileNotFoundError(f"shard {shard!r} listed in {index_name} is missing from {str(d)!r}")
+        out.update(load(d / shard))
+    return out
+
+
+def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
+    """Where a model named on the command line or in ``from_pretrained`` comes from: a hub id
+    (returned as ``str``) or an existing local path (returned as ``Path``).
+
+    The rule, in order:
+
+    1. the bare name of an official GPT-2 checkpoint (``gpt2``, ``gpt2-medium``, ``gpt2-large``,
+       ``gpt2-xl``, ``distilgpt2``, or those under ``openai-community/`` / ``distilbert/``) is
+       the hub model, even where a directory of that name exists, as this repository's ``gpt2/``
+       package does in its checkout (write ``./gpt2`` for a local directory of that name);
+    2. anything else that exists on disk (``~`` expanded) is local, never a hub id;
+    3. anything else shaped like a hub id (``name`` or ``owner/name``) is a hub id; other strings
+       (``./x``, ``/abs/x``, ``a/b/c``, ``~/x``) are paths that do not exist: FileNotFoundError.
+
+    ``os.PathLike`` objects (``pathlib.Path``) are always paths.
+    """
+    if isinstance(name_or_path, str) and name_or_path in OFFICIAL_HUB_IDS:
+        return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"expected a hub id or a path, got {type(name_or_path).__name__}")
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if isinstance(name_or_path, str) and _HUB_ID.match(name) is not None:
+        return name
+    raise FileNotFoundError(
+        f"{name!r} does not exist: it is neither an existing directory nor a Hugging Face hub id "
+        f"(such as 'gpt2' or 'owner/model'); check the path"
+    )
+
+
+def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
+    """A local directory holding the checkpoint: the path itself, or a hub snapshot."""
+    source = resolve_source(name_or_path)
+    if isinstance(source, str):
+        return _download(source, cache_dir, revision)
+    if not source.is_dir():
+        raise NotADirectoryError(
+            f"{str(source)!r} is a file; from_pretrained expects a directory with config.json and "
+            f"model.safetensors (or pytorch_model.bin), or a hub id such as 'gpt2'"
+        )
+    if not (source / "config.json").is_file():
+        found = sorted(p.name for p in source.iterdir())[:10]
+        hub = f"; for the hub model {source.name!r} write its bare name" if source.name in OFFICIAL_HUB_IDS else ""
+        raise FileNotFoundError(
+            f"local directory {str(source)!r} has no config.json: not a transformers model directory "
+            f"(expected config.json and model.safetensors; found {found}){hub}"
+        )
+    return source
+
+
+def _download(repo_id: str, cache_dir, revision) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError:  # huggingface_hub < 0.22 keeps them in utils
+        from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
+
+    # Only what loading needs: the config and safetensors weights; .bin only as a fallback for
+    # repos that have no safetensors (flax/tf/onnx/tflite files are never fetched).
+    try:
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=cache_dir,
+                allow_patterns=["config.json", "model*.safetensors", _SAFETENSORS_INDEX],
+            )
+        )
+        if not any(folder.glob("model*.safetensors")):
+            folder = Path(
+                snapshot_download(
+                    repo_id,
+                    revision=revision,
+                    cache_dir=cache_dir,
+                    allow_patterns=["config.json", "pytorch_model*.bin", _BIN_INDEX],
+                )
+            )
+    except RevisionNotFoundError as e:
+        raise FileNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(
+            f"{repo_id!r} is no local path and the hub has no such (accessible) model repo; "
+            f"check the name, or log in (huggingface-cli login) for a gated/private repo"
+        ) from e
+    except Exception as e:  # offline, DNS, proxy, timeouts: all end here
+        raise ConnectionError(
+            f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could "
+            f"not be reached ({type(e).__name__}: {e}). Either download it once with network access "
+            f"(it is then cached under $HF_HOME, default ~/.cache/huggingface; point HF_HOME or "
+            f"cache_dir= at an existing cache), or pass the path of a local directory holding "
+            f"config.json and model.safetensors, e.g. one written by save_pretrained"
+        ) from e
+    return folder
+
+
+def from_pretrained(
+    name_or_path: str | os.PathLike,
+    *,
+    pad_vocab_multiple: int = 1,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    dropout: float = 0.0,
+    model_class: type[torch.nn.Module],
+) -> torch.nn.Module:
+    """A :class:`gpt2.GPT` (or ``model_class``) with the weights of a GPT-2 checkpoint.
+
+    ``name_or_path`` is a local ``transformers`` directory (``config.json`` plus
+    ``model.safetensors``, ``pytorch_model.bin`` or a shard index) or a hub id (``gpt2``,
+    ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl`` or any GPT-2-architecture repo), downloaded into
+    the usual Hugging Face cache; :func:`resolve_source` says which (bare official names are the
+    hub, other existing paths are local). ``dtype`` defaults to float32 (master weights for
+    training; use autocast or ``dtype=torch.bfloat16`` for inference). ``model_class`` is built
+    as ``model_class(config)`` (``GPT.from_pretrained`` passes its class; default
+    :class:`gpt2.GPT`). The model is returned in eval mode.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
+    directory = _resolve(name_or_path, cache_dir, revision)
+    with open(directory / "config.json") as f:
+        config = config_from_hf(json.load(f), pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
+    sd = hf_to_gpt_state_dict(load_hf_state_dict(directory), config)
+    dtype = dtype or torch.float32
+    wte = sd["transformer.wte.weight"].to(device=device, dtype=dtype)
+    sd = {
+        k: (wte if k in ("transformer.wte.weight", "lm_head.weight") else v.to(device=device, dtype=dtype))
+        for k, v in sd.items()
+    }
+    # Build on the meta device (no memory, no random init), then adopt the loaded tensors.
+    with torch.device("meta"):
+        model = model_class(config)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.lm_head.weight = model.transformer.wte.weight  # assign=True made two Parameters: re-tie
+    source = "" if Path(str(name_or_path)).expanduser() == Path(directory) else f" from {directory}"
+    logger.info("loaded %s (%s parameters)%s", name_or_path, f"{model.num_params():,}", source)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- saving
+def save_pretrained(
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    *,
+    safe_serialization: bool = True,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``model`` as a ``transformers.GPT2LMHeadModel`` directory; returns its path.
+
+    ``config.json`` plus ``model.safetensors`` (vocabulary padding stripped, the tied LM head stored
+    once as ``transformer.wte.weight``, as transformers does). ``safe_serialization=False`` writes
+    ``pytorch_model.bin`` instead, for old tools that cannot read safetensors; it holds only
+    tensors (``torch.load(..., weights_only=True)`` reads it). ``tokenizer_dir``, a directory with
+    GPT-2's ``encoder.json`` and ``vocab.bpe``, adds the tokenizer files (``vocab.json``,
+    ``merges.txt``) so ``AutoTokenizer.from_pretrained(directory)`` works too.
+    """
+    from safetensors.torch import save_file
+
+    inner = unwrap_model(model)
+    if not isinstance(getattr(inner, "config", None), GPTConfig):  # a gpt2.GPT (or subclass)
+        raise TypeError(
+            f"save_pretrained expects a gpt2.GPT (optionally compiled/DDP-wrapped), got {type(inner).__name__}"
+        )
+    config = inner.config
+    hf_sd = gpt_to_hf_state_dict(inner.state_dict(), config)
+    # transformers re-ties lm_head to the embedding on load; safetensors refuses shared tensors.
+    del hf_sd["lm_head.weight"]
+    # clone(): the vocabulary slice is a view into the padded embedding, and safetensors / a
+    # compact .bin need each tensor to own exactly its bytes.
+    hf_sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in hf_sd.items()}
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = hf_config_from_gpt(config)
+    hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
+    # Drop weights of the other format so transformers cannot pick up a stale file.
+    stale = _BIN if safe_serialization else _SAFETENSORS
+    (out / stale).unlink(missing_ok=True)
+    # Each file is written under a temporary name and renamed into place, weights first: a crash
+    # leaves whole files behind, never a truncated one that transformers would fail to read.
+    if safe_serialization:
+        _atomic_write(out / _SAFETENSORS, lambda tmp: save_file(hf_sd, str(tmp), metadata={"format": "pt"}))
+    else:
+        _atomic_write(out / _BIN, lambda tmp: torch.save(hf_sd, tmp))
+    config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+    _atomic_write(out / "config.json", lambda tmp: tmp.write_text(config_text, encoding="utf-8"))
+    if tokenizer_dir is not None:
+        _write_tokenizer(Path(tokenizer_dir), out, config)
+    logger.info("saved %s to %s", type(inner).__name__, out)
+    return out
+
+
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` to a temporary name beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_tokenizer(src: Path, out: Path, config: GPTConfig) -> None:
+    """GPT-2's BPE files under transformers' names: encoder.json is vocab.json and vocab.bpe is
+    merges.txt, byte for byte (OpenAI's release and the hub's gpt2 repo ship the same files)."""
+    files = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
+    missing = [name for name in files if not (src / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"tokenizer_dir {str(src)!r} lacks {missing}: it must hold GPT-2's encoder.json and vocab.bpe"
+        )
+    for name, target in files.items():
+        shutil.copyfile(src / name, out / target)
+    eot = "<|endoftext|>"
+    tok_config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "model_max_length": config.block_size,
+        "bos_token": eot,
+        "eos_token": eot,
+        "unk_token": eot,
+        "add_prefix_space": False,
+    }
+    with open(out / "tokenizer_config.json", "w") as f:
+        json.dump(tok_config, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,321 @@
+"""GPT-2 checkpoints converted between ``transformers``' layout and :class:`gpt2.GPT`'s.
+
+Pure functions of state dicts and configs, no file or network I/O: :func:`hf_to_gpt_state_dict`,
+:func:`gpt_to_hf_state_dict`, :func:`config_from_hf` and :func:`hf_config_from_gpt`, and the
+key/shape checks behind them (:class:`CheckpointMismatchError`). Reading and writing checkpoint
+directories and the hub live in :mod:`gpt2.hf`, which re-exports everything here.
+
+GPT-2's original code (and ``transformers``' ``Conv1D``) stores projection weights as
+``(in_features, out_features)``; ``nn.Linear`` stores ``(out_features, in_features)``, so the
+four projections ``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc`` and ``mlp.c_proj`` are
+transposed on the way in and out. Every other tensor maps one to one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
+
+# Imports only gpt2.config: gpt2.hf (and through it gpt2.model) builds on this module, never
+# the other way round.
+
+logger = logging.getLogger(__name__)
+
+# Projections that transformers' Conv1D stores transposed, (in, out) instead of nn.Linear's (out, in).
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Causal-mask buffers that old transformers versions saved into GPT-2 checkpoints; they hold no
+# learned values (the mask is rebuilt from the shapes), so they are skipped on import.
+_HF_MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+# GELU variants that are exactly GPT-2's tanh approximation (what our MLP computes).
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+# <|endoftext|>: GPT-2's BOS and EOS token; only written into config.json when it is in the vocab.
+_EOT_ID = GPT2_VOCAB_SIZE - 1
+
+
+class CheckpointMismatchError(ValueError):
+    """A state dict does not match the model: missing, unexpected or wrong-shape keys."""
+
+
+# ---------------------------------------------------------------------------- key layout
+def _hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a GPT2Model checkpoint (no ``transformer.`` prefix) with its HF shape."""
+    C, V = config.n_embd, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "wte.weight": (V, C),
+        "wpe.weight": (config.block_size, C),
+        "ln_f.weight": (C,),
+        "ln_f.bias": (C,),
+    }
+    for i in range(config.n_layer):
+        p = f"h.{i}."
+        shapes.update(
+            {
+                p + "ln_1.weight": (C,),
+                p + "ln_1.bias": (C,),
+                p + "attn.c_attn.weight": (C, 3 * C),
+                p + "attn.c_attn.bias": (3 * C,),
+                p + "attn.c_proj.weight": (C, C),
+                p + "attn.c_proj.bias": (C,),
+                p + "ln_2.weight": (C,),
+                p + "ln_2.bias": (C,),
+                p + "mlp.c_fc.weight": (C, 4 * C),
+                p + "mlp.c_fc.bias": (4 * C,),
+                p + "mlp.c_proj.weight": (4 * C, C),
+                p + "mlp.c_proj.bias": (C,),
+            }
+        )
+    return shapes
+
+
+def _is_conv1d(key: str) -> bool:
+    return key.endswith(CONV1D_WEIGHTS)
+
+
+def _is_bias(key: str) -> bool:
+    return key.endswith(".bias")
+
+
+def _check_keys(
+    found: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], what: str, hint: str = ""
+) -> None:
+    """Raise one error listing every missing, unexpected and wrong-shape key."""
+    problems = []
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    for k in missing:
+        problems.append(f"missing key {k!r} (expected shape {expected[k]})")
+    for k in unexpected:
+        problems.append(f"unexpected key {k!r} (shape {tuple(found[k].shape)})")
+    for k, shape in expected.items():
+        if k in found and tuple(found[k].shape) != shape:
+            problems.append(f"key {k!r}: expected shape {shape}, found {tuple(found[k].shape)}")
+    if problems:
+        listed = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise CheckpointMismatchError(f"{what} does not match the model config:\n  {listed}{more}{hint}")
+
+
+# ---------------------------------------------------------------------------- HF -> ours
+def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Map a ``transformers`` GPT-2 state dict onto :class:`gpt2.GPT`'s.
+
+    Accepts GPT2LMHeadModel keys (``transformer.h.0...``, ``lm_head.weight``) and GPT2Model keys
+    (``h.0...``). Conv1D weights are transposed; the old causal-mask buffers are skipped; the
+    token embedding is padded with zero rows up to ``config.padded_vocab_size``; ``lm_head.weight``
+    must equal the token embedding (GPT-2 ties them). With ``config.bias=False`` the checkpoint's
+    biases must be zero (as :func:`gpt_to_hf_state_dict` writes them) and are dropped. Every key
+    and shape is checked; :class:`CheckpointMismatchError` names each offender.
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+    sd: dict[str, torch.Tensor] = {}
+    lm_head = None
+    for key, value in hf_sd.items():
+        if key == "lm_head.weight":
+            lm_head = value
+            continue
+        short = key.removeprefix("transformer.")
+        if _HF_MASK_BUFFER.match(short):
+            continue
+        if short in sd:
+            raise CheckpointMismatchError(f"key {short!r} appears twice (with and without 'transformer.')")
+        sd[short] = value
+    if "wte.weight" not in sd and lm_head is not None:
+        sd["wte.weight"] = lm_head  # a tied checkpoint may keep the shared tensor under the head's name
+    expected = _hf_shapes(config)
+    _check_keys(
+        sd,
+        expected,
+        "Hugging Face GPT-2 state dict",
+        hint="\nIs the checkpoint a GPT-2 of this size? (config_from_hf builds the matching config)",
+    )
+    wte = sd["wte.weight"]
+    if lm_head is not None and lm_head is not wte:
+        if tuple(lm_head.shape) != tuple(wte.shape):
+            raise CheckpointMismatchError(
+                f"key 'lm_head.weight': expected shape {tuple(wte.shape)} (tied to wte), found {tuple(lm_head.shape)}"
+            )
+        if not torch.equal(lm_head, wte):
+            raise CheckpointMismatchError(
+                "key 'lm_head.weight' differs from 'transformer.wte.weight': this checkpoint does not "
+                "tie its LM head to the token embedding, which GPT-2 (and this model) requires"
+            )
+
+    out: dict[str, torch.Tensor] = {}
+    for short, value in sd.items():
+        if _is_bias(short) and not config.bias:
+            if bool(value.count_nonzero()):
+                raise CheckpointMismatchError(
+                    f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
+                )
+            continue
+        if _is_conv1d(short):
+            value = value.t()
+        out["transformer." + short] = value.contiguous()
+    pad = config.padded_vocab_size - config.vocab_size
+    if pad:
+        # Padded rows are never read (ids >= vocab_size are rejected, their logits sliced off);
+        # zeros keep them inert and deterministic.
+        wte = out["transformer.wte.weight"]
+        out["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(pad, wte.size(1))])
+    out["lm_head.weight"] = out["transformer.wte.weight"]  # tied: one tensor under both names
+    return out
+
+
+# ---------------------------------------------------------------------------- ours -> HF
+def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Map :class:`gpt2.GPT`'s state dict onto ``transformers.GPT2LMHeadModel``'s.
+
+    Conv1D weights are transposed, vocabulary padding is stripped, a ``bias=False`` model gets
+    zero biases (GPT2LMHeadModel always has them), and ``lm_head.weight`` is the same tensor as
+    ``transformer.wte.weight``. LoRA (or any) parametrizations must be merged first.
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+    parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
+    if parametrized:
+        raise ValueError(
+            f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}"
+            f"{' ...' if len(parametrized) > 4 else ''}: merge them into the weights first, e.g. "
+            f"minlora.merge_lora(model), then save"
+        )
+    wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
+    hint = (
+        (
+            f"\nKeys start with {wrapped}: pass the unwrapped model's state dict "
+            f"(model._orig_mod for torch.compile, model.module for DDP)"
+        )
+        if wrapped
+        else ""
+    )
+
+    C, Vp = config.n_embd, config.padded_vocab_size
+    expected: dict[str, tuple[int, ...]] = {}
+    for short, shape in _hf_shapes(config).items():
+        if _is_bias(short) and not config.bias:
+            continue
+        if _is_conv1d(short):
+            shape = shape[::-1]
+        expected["transformer." + short] = shape
+    expected["transformer.wte.weight"] = (Vp, C)
+    ours = dict(sd)
+    # The head and the embedding are one tensor; a state dict may carry it under either name or both.
+    head = ours.pop("lm_head.weight", None)
+    if head is not None:
+        wte = ours.setdefault("transformer.wte.weight", head)
+        if wte is not head and (wte.shape != head.shape or not torch.equal(wte, head)):
+            raise CheckpointMismatchError(
+                "'lm_head.weight' differs from 'transformer.wte.weight': GPT-2 ties them, untied "
+                "weights cannot be exported to GPT2LMHeadModel"
+            )
+    _check_keys(ours, expected, "GPT state dict", hint=hint)
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in ours.items():
+        short = key[len("transformer.") :]
+        if _is_conv1d(short):
+            value = value.t().contiguous()
+        out[key] = value
+    out["transformer.wte.weight"] = out["transformer.wte.weight"][: config.vocab_size]
+    if not config.bias:
+        like = out["transformer.wte.weight"]
+        for short, shape in _hf_shapes(config).items():
+            if _is_bias(short):
+                out["transformer." + short] = like.new_zeros(shape)
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------- configs
+def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
+    """A :class:`GPTConfig` from a ``transformers.GPT2Config`` or its dict (``config.json``).
+
+    ``overrides`` set our own fields (``pad_vocab_multiple``, ``dropout``, ``flash``). Configs that
+    change the architecture in ways this model does not implement are rejected with the reason.
+    Dropout defaults to 0 (HF's ``*_pdrop`` are ignored): pass ``dropout=`` to fine-tune with it.
+    """
+    if hasattr(hf_config, "to_dict"):
+        hf_config = hf_config.to_dict()
+    if not isinstance(hf_config, Mapping):
+        raise TypeError(f"hf_config must be a transformers GPT2Config or a dict, got {type(hf_config).__name__}")
+    c = dict(hf_config)
+    model_type = c.get("model_type", "gpt2")
+    if model_type != "gpt2":
+        raise ValueError(f"not a GPT-2 config: model_type is {model_type!r}, expected 'gpt2'")
+    for key in ("n_embd", "n_layer", "n_head", "vocab_size"):
+        if key not in c:
+            raise ValueError(f"GPT-2 config has no {key!r}; keys found: {sorted(c)}")
+    n_positions = c.get("n_positions", c.get("n_ctx"))
+    if n_positions is None:
+        raise ValueError("GPT-2 config has neither 'n_positions' nor 'n_ctx' (the context length)")
+    if c.get("n_ctx") is not None and c.get("n_positions") is not None and c["n_ctx"] != c["n_positions"]:
+        logger.warning(
+            "config has n_ctx=%s != n_positions=%s; using n_positions (the size of wpe)", c["n_ctx"], c["n_positions"]
+        )
+    unsupported = []
+    act = c.get("activation_function", "gelu_new")
+    if act not in _TANH_GELUS:
+        unsupported.append(f"activation_function={act!r} (this model implements the tanh GELU: {_TANH_GELUS})")
+    n_inner = c.get("n_inner")
+    if n_inner is not None and n_inner != 4 * c["n_embd"]:
+        unsupported.append(f"n_inner={n_inner} (this model's MLP is 4 * n_embd = {4 * c['n_embd']} wide)")
+    if c.get("scale_attn_by_inverse_layer_idx", False):
+        unsupported.append("scale_attn_by_inverse_layer_idx=True (attention scores are not scaled per layer)")
+    if c.get("reorder_and_upcast_attn", False):
+        unsupported.append("reorder_and_upcast_attn=True (Mistral-style attention upcast is not implemented)")
+    if not c.get("scale_attn_weights", True):
+        unsupported.append("scale_attn_weights=False (attention always scales by 1/sqrt(head_dim))")
+    if c.get("add_cross_attention", False):
+        unsupported.append("add_cross_attention=True (decoder-only model, no cross-attention)")
+    if not c.get("tie_word_embeddings", True):
+        unsupported.append("tie_word_embeddings=False (the LM head is tied to the token embedding)")
+    if unsupported:
+        raise ValueError("unsupported GPT-2 config: " + "; ".join(unsupported))
+    fields = dict(
+        block_size=int(n_positions),
+        vocab_size=int(c["vocab_size"]),
+        n_layer=int(c["n_layer"]),
+        n_head=int(c["n_head"]),
+        n_embd=int(c["n_embd"]),
+        layer_norm_epsilon=float(c.get("layer_norm_epsilon", 1e-5)),
+        bias=True,  # GPT2LMHeadModel always has biases
+        dropout=0.0,
+    )
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
+    """The ``config.json`` dict of a ``transformers.GPT2LMHeadModel`` with ``config``'s shape
+    (``transformers.GPT2Config(**d)`` builds the object)."""
+    eot = _EOT_ID if config.vocab_size > _EOT_ID else None  # <|endoftext|> only if it exists
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,  # the real vocabulary: padding is stripped on export
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,  # None = 4 * n_embd
+        "activation_function": "gelu_new",
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+    }

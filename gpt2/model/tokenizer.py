@@ -1,0 +1,331 @@
+"""The GPT-2 byte-level BPE tokenizer, through tiktoken, with an offline story.
+
+Where the BPE files come from, in order:
+
+1. ``GPT2_TOKENIZER_DIR``: a directory holding GPT-2's ``vocab.bpe`` and ``encoder.json`` (or
+   their Hugging Face names ``merges.txt`` and ``vocab.json``, same content).
+2. tiktoken's ``gpt2`` encoding, which downloads the two files once and caches them in
+   ``TIKTOKEN_CACHE_DIR`` (default: ``$TMPDIR/data-gym-cache``). Offline, point
+   ``TIKTOKEN_CACHE_DIR`` at a directory with the cached copies.
+
+``Tokenizer.from_files(vocab_bpe, encoder_json)`` builds the tokenizer from explicit paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Collection, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import numpy as np
+import tiktoken
+import torch
+
+__all__ = [
+    "EOT_TOKEN",
+    "Tokenizer",
+    "TokenizerNotAvailableError",
+    "get_tokenizer",
+]
+
+ENDOFTEXT = "<|endoftext|>"
+EOT_TOKEN = 50256  # id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes)
+N_VOCAB = 50257
+
+# GPT-2's pre-tokenisation pattern, as published in openai/gpt-2 src/encoder.py: contractions,
+# letters, digits and other symbols (each optionally led by one space), then whitespace runs
+# (a run before a non-space keeps its last space for the next word).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# Where tiktoken downloads the files from (for the error message).
+_GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+
+AllowedSpecial = Union[Literal["all"], Collection[str]]
+
+
+class TokenizerNotAvailableError(RuntimeError):
+    """The GPT-2 BPE files could not be read or downloaded."""
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Map each character of GPT-2's printable byte alphabet back to its byte.
+
+    GPT-2 stores tokens as strings in which every byte is one printable character: the bytes
+    that are already printable and not a space ('!'..'~', '¡'..'¬', '®'..'ÿ') stand for
+    themselves, the other 68 bytes are shifted to chr(256), chr(257), ... in byte order.
+    Iterating in this order also gives the ranks of the 256 single-byte tokens (ids 0..255).
+    """
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + i): b for i, b in enumerate(others)})
+    return alphabet
+
+
+def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
+    """Mergeable ranks (token bytes -> id) from GPT-2's ``vocab.bpe`` and ``encoder.json``.
+
+    The ranks are rebuilt from the merge list (tiktoken needs id order == merge priority) and
+    checked against ``encoder.json``, so a mismatched pair of files is caught here.
+    """
+    alphabet = _gpt2_byte_alphabet()
+
+    def to_bytes(token: str, where: Path) -> bytes:
+        try:
+            return bytes(alphabet[ch] for ch in token)
+        except KeyError as e:
+            raise ValueError(f"{str(where)!r}: token {token!r} has a character outside GPT-2's byte alphabet") from e
+
+    ranks = {bytes([b]): i for i, b in enumerate(alphabet.values())}
+    lines = vocab_bpe.read_text(encoding="utf-8").split("\n")
+    # The first line is a version header ("#version: 0.2"); the file ends with a newline.
+    for line_no, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"{str(vocab_bpe)!r} line {line_no}: expected two tokens to merge, got {line!r}")
+        ranks[to_bytes(parts[0], vocab_bpe) + to_bytes(parts[1], vocab_bpe)] = len(ranks)
+
+    encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
+    expected = {to_bytes(token, encoder_json): i for token, i in encoder.items() if token != ENDOFTEXT}
+    if ranks != expected:
+        bad = next((t for t in expected if ranks.get(t) != expected[t]), None)
+        raise ValueError(
+            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} do not describe the same vocabulary "
+            f"({len(ranks)} tokens from the merges, {len(expected)} in the encoder; first "
+            f"disagreement: {bad!r}); use the vocab.bpe and encoder.json of the same GPT-2 release"
+        )
+    return ranks
+
+
+def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
+    """``vocab.bpe``/``encoder.json`` in a directory, or their Hugging Face names."""
+
+    def first(*names: str) -> Path | None:
+        return next((directory / n for n in names if (directory / n).is_file()), None)
+
+    vocab_bpe, encoder_json = first("vocab.bpe", "merges.txt"), first("encoder.json", "vocab.json")
+    if vocab_bpe is None or encoder_json is None:
+        found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else "no such directory"
+        raise TokenizerNotAvailableError(
+            f"GPT2_TOKENIZER_DIR={str(directory)!r} must contain GPT-2's vocab.bpe and "
+            "encoder.json (or the Hugging Face names merges.txt and vocab.json); found "
+            f"{found}"
+        )
+    return vocab_bpe, encoder_json
+
+
+class Tokenizer:
+    """GPT-2's BPE: text <-> token ids, ``<|endoftext|>`` = 50256, 50257 ids in all.
+
+    A thin wrapper over a :class:`tiktoken.Encoding` that accepts tensors and arrays when
+    decoding and checks ids. Use :func:`get_tokenizer` for the shared instance.
+    """
+
+    def __init__(self, encoding: tiktoken.Encoding):
+        if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != N_VOCAB:
+            raise ValueError(
+                f"encoding {encoding.name!r} has eot_token={encoding.eot_token} and n_vocab="
+                f"{encoding.n_vocab}; GPT-2's BPE has {EOT_TOKEN} and {N_VOCAB}"
+            )
+        self.encoding = encoding
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_tiktoken(cls) -> Tokenizer:
+        """tiktoken's ``gpt2`` encoding (downloaded once, cached in ``TIKTOKEN_CACHE_DIR``)."""
+        try:
+            encoding = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # requests' ConnectionError, an OSError, a hash mismatch, ...
+            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+            cache_desc = f"TIKTOKEN_CACHE_DIR={cache!r}" if cache else "TIKTOKEN_CACHE_DIR is not set"
+            raise TokenizerNotAvailableError(
+                "could not load the GPT-2 BPE files (vocab.bpe, encoder.json): tiktoken found no "
+                f"cached copy ({cache_desc}) and downloading them from {_GPT2_BPE_URL} failed "
+                f"({type(e).__name__}: {e}).\n"
+                "To work offline, point at local copies of the files in one of three ways:\n"
+                "  1. export TIKTOKEN_CACHE_DIR=/path/to/tiktoken-cache  (tiktoken's cache: the "
+                "two "
+                "files under the names tiktoken gives them, e.g. ../shared/data/tiktoken-cache)\n"
+                "  2. export GPT2_TOKENIZER_DIR=/path/to/dir  (a directory with vocab.bpe and "
+                "encoder.json, e.g. ../shared/data/gpt2-tokenizer, or a Hugging Face gpt2 "
+                "tokenizer directory with merges.txt and vocab.json)\n"
+                "  3. gpt2.tokenizer.Tokenizer.from_files('vocab.bpe', 'encoder.json')"
+            ) from e
+        return cls(encoding)
+
+    @classmethod
+    def from_files(cls, vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike) -> Tokenizer:
+        """Build the tokenizer from local GPT-2 BPE files, with no network and no cache.
+
+        ``vocab_bpe`` is the merge list (``vocab.bpe`` / Hugging Face ``merges.txt``),
+        ``encoder_json`` the token -> id map (``encoder.json`` / Hugging Face ``vocab.json``).
+        """
+        vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
+        for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
+            if not path.is_file():
+                raise FileNotFoundError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
+        ranks = _read_gpt2_bpe(vocab_bpe, encoder_json)
+        if len(ranks) != N_VOCAB - 1:
+            raise ValueError(
+                f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable "
+                f"tokens; GPT-2's BPE has {N_VOCAB} ids (256 bytes + 50000 merges + "
+                "<|endoftext|>): are these GPT-2's files?"
+            )
+        encoding = tiktoken.Encoding(
+            name="gpt2",
+            pat_str=GPT2_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={ENDOFTEXT: EOT_TOKEN},
+            explicit_n_vocab=N_VOCAB,
+        )
+        return cls(encoding)
+
+    # -- vocabulary --------------------------------------------------------------------------
+
+    @property
+    def eot_token(self) -> int:
+        """Id of ``<|endoftext|>`` (50256), which build-nanogpt puts before every document."""
+        return self.encoding.eot_token
+
+    @property
+    def n_vocab(self) -> int:
+        """Number of ids (50257); the model may pad its embedding beyond this (e.g. 50304)."""
+        return self.encoding.n_vocab
+
+    def __len__(self) -> int:
+        return self.n_vocab
+
+    # -- encoding ----------------------------------------------------------------------------
+
+    def encode(
+        self,
+        text: str,
+        *,
+        allowed_special: AllowedSpecial = "all",
+        disallowed_special: AllowedSpecial = "all",
+    ) -> list[int]:
+        """Text -> ids. ``<|endoftext|>`` in the text becomes id 50256 by default (as in nanoGPT's
+        ``sample.py``). Pass ``allowed_special=set()`` to make it an error instead, or use
+        :meth:`encode_ordinary` to read it as plain text (what untrusted data should use).
+        """
+        _check_text(text)
+        return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=disallowed_special)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Text -> ids, with ``<|endoftext|>`` read as ordinary text (never id 50256)."""
+        _check_text(text)
+        return self.encoding.encode_ordinary(text)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        allowed_special: AllowedSpecial = "all",
+        disallowed_special: AllowedSpecial = "all",
+        num_threads: int = 8,
+    ) -> list[list[int]]:
+        """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
+        texts = _check_texts(texts)
+        return self.encoding.encode_batch(
+            texts,
+            num_threads=num_threads,
+            allowed_special=allowed_special,
+            disallowed_special=disallowed_special,
+        )
+
+    def encode_ordinary_batch(self, texts: Sequence[str], *, num_threads: int = 8) -> list[list[int]]:
+        """:meth:`encode_ordinary` over many texts, in parallel threads."""
+        return self.encoding.encode_ordinary_batch(_check_texts(texts), num_threads=num_threads)
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
+        """Ids -> text. Accepts a list, a 1-D numpy array or tensor (any integer dtype, any
+        device), or a single id. Bytes that are not valid UTF-8 on their own (a token boundary
+        inside a multi-byte character) become U+FFFD with ``errors="replace"``.
+        """
+        return self.encoding.decode(self._to_ids(ids), errors=errors)
+
+    def decode_batch(self, batch: Iterable[Any] | np.ndarray | torch.Tensor, *, errors: str = "replace") -> list[str]:
+        """Decode each row of a (B, T) tensor/array or each sequence of a list."""
+        if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim != 2:
+            raise ValueError(f"decode_batch expects a 2-D (B, T) batch of ids, got shape {tuple(batch.shape)}")
+        return [self.decode(row, errors=errors) for row in batch]
+
+    def _to_ids(self, ids: Any) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise TypeError(f"cannot decode a tensor of dtype {ids.dtype}; token ids must be integers")
+            if ids.ndim > 1:
+                raise ValueError(
+                    "decode expects a 1-D sequence of ids, got a tensor of shape "
+                    f"{tuple(ids.shape)}; "
+                    "use decode_batch for a (B, T) batch"
+                )
+            ids = ids.detach().cpu().reshape(-1).tolist()
+        elif isinstance(ids, np.ndarray):
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise TypeError(f"cannot decode an array of dtype {ids.dtype}; token ids must be integers")
+            if ids.ndim > 1:
+                raise ValueError(
+                    f"decode expects a 1-D sequence of ids, got an array of shape {ids.shape}; "
+                    "use decode_batch for a (B, T) batch"
+                )
+            ids = ids.reshape(-1).tolist()
+        elif isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
+            ids = [int(ids)]
+        elif isinstance(ids, str):
+            raise TypeError("decode expects token ids, got a str; did you mean encode?")
+        else:
+            try:
+                ids = [int(i) for i in ids]
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"decode expects a sequence of integer token ids, got {ids!r:.100}") from e
+        bad = next((i for i in ids if not 0 <= i < self.n_vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a "
+                "padded "
+                "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
+            )
+        return ids
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.encoding.name!r}, n_vocab={self.n_vocab}, eot_token={self.eot_token})"
+
+
+def _check_text(text: Any) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"expected text as a str, got {type(text).__name__}")
+
+
+def _check_texts(texts: Any) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError("expected a sequence of texts, got a single str; use encode for one text")
+    texts = list(texts)
+    for text in texts:
+        _check_text(text)
+    return texts
+
+
+@functools.cache
+def _load_tokenizer(tokenizer_dir: str | None) -> Tokenizer:
+    if tokenizer_dir:
+        return Tokenizer.from_files(*_find_bpe_files(Path(tokenizer_dir)))
+    return Tokenizer.from_tiktoken()
+
+
+def get_tokenizer() -> Tokenizer:
+    """The shared GPT-2 tokenizer: from ``GPT2_TOKENIZER_DIR`` if set, else tiktoken's ``gpt2``.
+
+    Cached per value of ``GPT2_TOKENIZER_DIR``; a failure is not cached, so fixing the
+    environment and calling again works. Raises :class:`TokenizerNotAvailableError` with the
+    ways to point at local files when the BPE files cannot be read or downloaded.
+    """
+    return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None)

@@ -1,0 +1,197 @@
+"""Typed, validated configuration for training: :class:`TrainConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gpt2.model.config import (
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    PROBABILITY,
+    Range,
+    _from_dict,
+    check_fields,
+    check_value,
+)
+
+# ------------------------------------------------------------------------------------------
+# Training configuration
+# ------------------------------------------------------------------------------------------
+
+# "auto" picks per device: bf16 on CUDA GPUs that support it, fp16 + loss scaling on older CUDA
+# GPUs, fp32 elsewhere (CPU). See gpt2.precision.
+PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
+LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.metrics.make_sinks
+
+
+@dataclass
+class TrainConfig:
+    """Everything :class:`gpt2.trainer.Trainer` needs besides the model and the data.
+
+    Batch sizes are counted in tokens where it matters: ``total_batch_size`` is the number of
+    tokens per optimizer step over all processes, and the Trainer derives the gradient
+    accumulation steps from it as ``total_batch_size // (micro_batch_size * seq_len *
+    world_size)`` (an error if it does not divide). Steps are counted from 1: the record of
+    step ``s`` describes the ``s``-th optimizer update and ``checkpoints/step_000s`` holds the
+    weights after it.
+    """
+
+    # --- batch and length of the run -----------------------------------------------------
+    micro_batch_size: int = 16  # sequences per forward/backward on one process
+    seq_len: int = 1024  # tokens per sequence (at most the model's block_size)
+    # Tokens per optimizer step over all processes and accumulation micro-steps; GPT-2 small
+    # used ~0.5M (2**19 = 524,288). None = one micro-batch per process (no accumulation).
+    total_batch_size: int | None = None
+    max_steps: int = 1000  # optimizer steps in the whole run (a resumed run continues to it)
+
+    # --- optimizer and schedule ------------------------------------------------------------
+    max_lr: float = 6e-4  # GPT-3 small's peak learning rate (GPT-3 paper, table 2.1)
+    # Floor of the cosine decay; None = max_lr / 10, the ratio GPT-3 and build-nanogpt use.
+    min_lr: float | None = None
+    warmup_steps: int = 0  # linear warmup from max_lr / warmup_steps to max_lr
+    weight_decay: float = 0.1  # GPT-3's value, on 2-D weights only (see decay_embeddings)
+    # GPT-3 used beta2 = 0.95 instead of Adam's 0.999: the second-moment estimate then forgets
+    # old gradients faster, which keeps updates stable when gradient scales shift during training.
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8  # Adam's epsilon (GPT-3 paper)
+    grad_clip: float | None = 1.0  # max global gradient norm; None or 0 = no clipping
+    # Weight decay on the embeddings (token table, tied to the LM head, and positions).
+    # build-nanogpt decays them (True); the default follows the common practice of exempting them.
+    decay_embeddings: bool = False
+    fused_adamw: bool | Literal["auto"] = "auto"  # "auto" = fused kernel when every parameter is on CUDA
+
+    # --- precision and speed ---------------------------------------------------------------
+    # auto = bf16 on GPUs that support it, fp16 with loss scaling on older GPUs, fp32 on CPU
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = "auto"
+    compile: bool = False  # torch.compile the model for training and evaluation
+    device: str = "auto"  # "auto" = cuda:LOCAL_RANK when CUDA is available, else cpu
+
+    # --- evaluation ------------------------------------------------------------------------
+    eval_interval: int = 250  # validation loss every N steps and at the end; 0 = never
+    # Micro-batches per process averaged per validation (always the same ones: the validation
+    # loader restarts each time); with N processes N times as many rows are read.
+    eval_steps: int = 20
+
+    # --- checkpoints -----------------------------------------------------------------------
+    out_dir: str | None = "out"  # metrics.jsonl, loss.png, checkpoints/; None = write nothing
+    checkpoint_interval: int = 1000  # checkpoint every N steps and at the end; 0 = only at the end
+    keep_last_checkpoints: int = 3  # older checkpoints are deleted; 0 = keep all
+    # Save only parameters with requires_grad=True (e.g. LoRA adapters on a frozen base): small
+    # checkpoints; resuming then needs the same base weights in the model passed to the Trainer.
+    save_trainable_only: bool = False
+    resume: str | None = None  # None | "auto" (newest checkpoint in out_dir, if any) | a path
+    # A fresh run refuses an out_dir that holds another run's checkpoints or metrics; True deletes
+    # that run's files (checkpoints/, metrics.jsonl, loss.png, results.json, adapter/) first.
+    overwrite: bool = False
+
+    # --- safety ----------------------------------------------------------------------------
+    # Stop with TrainingDivergedError after this many consecutive steps whose loss or gradient
+    # norm was non-finite (each of them is skipped, so the weights stay clean).
+    max_bad_steps: int = 5
+
+    # --- logging ---------------------------------------------------------------------------
+    log_interval: int = 10  # console line every N steps (every step goes to metrics.jsonl)
+    progress: bool = True  # tqdm progress bar on rank 0
+    # Peak FLOP/s of one accelerator for MFU; None = looked up from the GPU's name.
+    peak_flops: float | None = None
+    plot: bool = True  # loss-curve PNG at the end (needs matplotlib, the [plot] extra)
+    # Extra metric sinks on rank 0: "tensorboard" (out_dir/tensorboard) and/or "wandb" (out_dir/wandb,
+    # offline without an API key); the console and metrics.jsonl are always written.
+    log_to: tuple[str, ...] = ()
+    seed: int = 1337  # seeds torch, numpy and random when the Trainer is built
+
+    def __post_init__(self) -> None:
+        check_fields(self, TRAIN_CONFIG_RULES, flags=TRAIN_CONFIG_FLAGS)
+        if self.total_batch_size is not None:
+            tokens_per_micro_batch = self.micro_batch_size * self.seq_len
+            if self.total_batch_size % tokens_per_micro_batch != 0:
+                raise ValueError(
+                    f"TrainConfig.total_batch_size ({self.total_batch_size:,} tokens) must be a multiple of "
+                    f"micro_batch_size * seq_len = {self.micro_batch_size} * {self.seq_len} = "
+                    f"{tokens_per_micro_batch:,} tokens (times the number of processes); e.g. use "
+                    f"{max(1, round(self.total_batch_size / tokens_per_micro_batch)) * tokens_per_micro_batch:,}"
+                )
+        if self.min_lr is not None and self.min_lr > self.max_lr:
+            raise ValueError(
+                f"TrainConfig.min_lr ({self.min_lr!r}) is larger than max_lr ({self.max_lr!r}): the cosine "
+                "schedule decays from max_lr down to min_lr; lower min_lr or leave it None (max_lr / 10)"
+            )
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"TrainConfig.warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps}): "
+                "the warmup would never finish; use fewer warmup steps or a longer run"
+            )
+        # A JSON round trip gives a list; a string would unpack into characters, so refuse it first.
+        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
+            raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        self.betas = tuple(
+            check_value("TrainConfig", f"betas[{i}]", b, PROBABILITY)  # type: ignore[assignment]
+            for i, b in enumerate(self.betas)
+        )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.fused_adamw not in ("auto", True, False):
+            raise ValueError(f"TrainConfig.fused_adamw must be 'auto', True or False, got {self.fused_adamw!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(
+                f"TrainConfig.device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}"
+            )
+        if self.resume is not None and not isinstance(self.resume, str):
+            self.resume = str(self.resume)  # a pathlib.Path is fine too
+        if self.out_dir is not None and not isinstance(self.out_dir, str):
+            self.out_dir = str(self.out_dir)
+        # "tensorboard,wandb" or ["tensorboard", "wandb"] (a CLI flag / YAML list) -> a tuple
+        names = [self.log_to] if isinstance(self.log_to, str) else list(self.log_to or ())
+        self.log_to = tuple(
+            dict.fromkeys(n.strip().lower() for item in names for n in str(item).split(",") if n.strip())
+        )
+        unknown = [n for n in self.log_to if n not in LOG_TARGETS]
+        if unknown:
+            raise ValueError(f"TrainConfig.log_to: unknown target(s) {unknown}; choose from {list(LOG_TARGETS)}")
+        if self.log_to and self.out_dir is None:
+            raise ValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
+        if self.resume == "auto" and self.out_dir is None:
+            raise ValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
+
+    @property
+    def final_lr(self) -> float:
+        """Where the cosine decay ends: ``min_lr``, or ``max_lr / 10`` when it is None."""
+        return self.max_lr / 10 if self.min_lr is None else self.min_lr
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["betas"] = list(self.betas)  # JSON has no tuples
+        data["log_to"] = list(self.log_to)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        return _from_dict(cls, data)
+
+
+# What each numeric TrainConfig field accepts (checked in __post_init__, before anything else).
+TRAIN_CONFIG_RULES: dict[str, Range] = {
+    "micro_batch_size": POSITIVE_INT,
+    "seq_len": POSITIVE_INT,
+    "max_steps": POSITIVE_INT,
+    "total_batch_size": Range(low=1, integer=True, optional=True),
+    "eval_steps": POSITIVE_INT,
+    "log_interval": POSITIVE_INT,
+    "max_bad_steps": POSITIVE_INT,
+    "warmup_steps": NON_NEGATIVE_INT,
+    "eval_interval": NON_NEGATIVE_INT,
+    "checkpoint_interval": NON_NEGATIVE_INT,
+    "keep_last_checkpoints": NON_NEGATIVE_INT,
+    "seed": NON_NEGATIVE_INT,
+    "max_lr": POSITIVE,
+    "min_lr": Range(low=0, optional=True),  # None = max_lr / 10; at most max_lr (checked after)
+    "weight_decay": NON_NEGATIVE,
+    "eps": POSITIVE,
+    "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
+    "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
+}
+TRAIN_CONFIG_FLAGS = ("decay_embeddings", "compile", "save_trainable_only", "overwrite", "progress", "plot")

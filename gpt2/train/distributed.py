@@ -1,0 +1,176 @@
+"""Data-parallel training under ``torchrun``: environment, process group, reductions, no_sync.
+
+``torchrun --nproc_per_node N train.py`` starts N copies of the script and tells each who it is
+through the environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``). Every process holds a full
+copy of the model and reads its own slice of each batch; DistributedDataParallel averages the
+gradients during ``backward``. NCCL carries the traffic between GPUs; gloo does it between CPU
+processes, which is how the tests run DDP on a machine without a GPU.
+
+Nothing here is global state of this module: the Trainer keeps a :class:`DistributedEnv`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gpt2.model.checkpoint_files import unwrap_model  # noqa: F401 - wrappers are made here
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """Who this process is in a (possibly one-process) data-parallel job."""
+
+    rank: int = 0
+    local_rank: int = 0  # index on this machine: which GPU to use
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes files and logs to the console."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def env_from_environ(environ: Mapping[str, str] | None = None) -> DistributedEnv:
+    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` as ``torchrun`` sets them (absent = 1 process)."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for key, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        raw = environ.get(key)
+        try:
+            values[key] = default if raw in (None, "") else int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {key}={raw!r} is not an integer; launch with torchrun") from None
+    env = DistributedEnv(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"])
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size or env.local_rank < 0:
+        raise ValueError(
+            f"inconsistent torchrun environment: RANK={env.rank}, LOCAL_RANK={env.local_rank}, "
+            f"WORLD_SIZE={env.world_size} (need 0 <= RANK < WORLD_SIZE)"
+        )
+    return env
+
+
+def uses_cuda(device: str | torch.device | None) -> bool:
+    """Whether ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...) means a CUDA GPU here."""
+    device = str(device or "auto").lower()
+    return torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+
+
+def resolve_device(device: str | torch.device | None, env: DistributedEnv | None = None) -> torch.device:
+    """``"auto"`` = ``cuda:LOCAL_RANK`` when CUDA is available, else cpu; ``"cuda"`` under DDP
+    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's)."""
+    env = env or env_from_environ()
+    device = device or "auto"
+    if isinstance(device, torch.device):
+        resolved = device
+    elif device == "auto":
+        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N' ({err})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} requested but CUDA is not available; use device='cpu' or 'auto'")
+        if resolved.index is None:
+            resolved = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(resolved)
+    return resolved
+
+
+def init_process_group(env: DistributedEnv, device: torch.device) -> bool:
+    """Join the job's process group when there is more than one process.
+
+    Returns True when this call created the group (so the caller should destroy it), False when
+    there is nothing to do (one process) or it already exists (the user initialised it).
+    """
+    if not env.is_distributed:
+        return False
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed support")
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size:
+            raise RuntimeError(
+                f"an existing process group has world size {dist.get_world_size()}, but WORLD_SIZE is {env.world_size}"
+            )
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # resolve_device has already called torch.cuda.set_device, so NCCL uses this process's GPU.
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+    logger.info("joined process group: rank %d of %d (%s)", env.rank, env.world_size, backend)
+    return True
+
+
+def destroy_process_group(wait_for_all: bool = True) -> None:
+    """Leave the process group. ``wait_for_all`` first waits at a barrier: rank 0 may still be
+    writing checkpoints and plots, and a rank that tears its gloo connections down under it has
+    been seen to abort ("terminate called without an active exception"). Skip the barrier when
+    leaving because of an error, which the other ranks may never reach."""
+    if dist.is_available() and dist.is_initialized():
+        if wait_for_all:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Average ``tensor`` over all processes, in place (a no-op with one process)."""
+    if not _active():
+        return tensor
+    if dist.get_backend() == "nccl":
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    else:  # gloo has no AVG
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` has it, on every process."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if _active():
+        dist.barrier()
+
+
+def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """DistributedDataParallel around ``module`` (already compiled, if compiling)."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids)
+
+
+def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:
+    """Skip DDP's gradient all-reduce inside this context when ``skip_sync`` is True.
+
+    During gradient accumulation only the last micro-step's backward needs to average gradients
+    across processes: the earlier ones would be averaged again anyway, so syncing them only
+    costs communication. Wrap both the forward and the backward of a micro-step.
+    """
+    if skip_sync and isinstance(module, DistributedDataParallel):
+        return module.no_sync()
+    return contextlib.nullcontext()

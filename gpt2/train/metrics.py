@@ -1,0 +1,420 @@
+"""Step metrics (tokens/s, MFU) and where they go: console, JSONL, a loss-curve plot.
+
+A step record is a plain dict::
+
+    {"step": 50, "loss": 5.086, "lr": 6e-05, "grad_norm": 0.41, "dt_ms": 50.6,
+     "tokens_per_second": 161818.0, "mfu": 0.441, "skipped": False, "skipped_steps": 0,
+     "loss_scale": 65536.0,   # fp16 only
+     "val_loss": 4.9}         # only on evaluation steps
+
+``mfu`` (model FLOPs utilisation) is the fraction of the accelerator's peak that the model's
+useful arithmetic reaches: FLOPs per token (6 N for the weight matmuls, forward and backward,
+plus attention; :meth:`gpt2.model.GPT.flops_per_token`) x tokens/s / peak FLOP/s. It is None on
+CPU and on GPUs missing from :data:`PEAK_FLOPS` unless a peak is given.
+
+A sink is anything with ``log(record)`` (and optionally ``close()``) or a plain callable; the
+Trainer sends every record to each sink. Replace the console sink to route lines elsewhere.
+Besides the console and ``metrics.jsonl`` (always written), ``TrainConfig.log_to`` adds
+:class:`TensorBoardSink` (``out_dir/tensorboard``) and :class:`WandbSink` (``out_dir/wandb``;
+offline unless an API key is configured); see :func:`make_sinks`. :class:`FitLog` is what one
+``Trainer.fit()`` call writes to: all of these plus the progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"  # in out_dir: every step's record
+PLOT_FILE = "loss.png"  # in out_dir: the loss curve, drawn after each fit()
+
+Sink = Union[Callable[[dict], None], Any]  # a callable, or an object with log(record) [and close()]
+
+# Dense (no sparsity) bf16 tensor-core peak in FLOP/s from NVIDIA's data sheets; fp16 for GPUs
+# without bf16 (V100, T4). GeForce numbers are with fp32 accumulation, which is what PyTorch
+# uses. Patterns are tried in order, so the more specific names come first.
+PEAK_FLOPS: list[tuple[str, float]] = [
+    (r"H200", 989e12),
+    (r"H100.*PCIe", 756e12),
+    (r"H100.*NVL", 835e12),
+    (r"H100|GH200", 989e12),  # SXM ("H100 80GB HBM3") and Grace Hopper
+    (r"A100", 312e12),
+    (r"\bA30\b", 165e12),
+    (r"\bA40\b", 149.7e12),
+    (r"\bA10\b", 125e12),
+    (r"L40S", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"RTX A6000", 154.8e12),
+    (r"RTX 4090", 165.2e12),
+    (r"RTX 4080", 97.5e12),
+    (r"RTX 3090", 71e12),
+    (r"RTX 3080", 59.5e12),
+    (r"V100", 125e12),  # fp16: Volta has no bf16
+    (r"\bT4\b", 65e12),  # fp16: Turing has no bf16
+]
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """Peak FLOP/s of the GPU called ``device_name`` (as ``torch.cuda.get_device_name`` says), or None."""
+    for pattern, flops in PEAK_FLOPS:
+        if re.search(pattern, device_name):
+            return flops
+    return None
+
+
+def detect_peak_flops(device: torch.device | str, override: float | None = None) -> float | None:
+    """``override`` if given, else the table's value for this CUDA device; None on CPU."""
+    if override is not None:
+        return float(override)
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops_for(name)
+    if peak is None:
+        logger.warning("no peak FLOP/s known for %r: MFU not reported (set TrainConfig.peak_flops)", name)
+    return peak
+
+
+def mfu(
+    flops_per_token: float | None, tokens_per_second: float, peak_flops: float | None, world_size: int = 1
+) -> float | None:
+    """Model FLOPs utilisation of one accelerator, as a fraction (0.441 = 44.1%)."""
+    if not flops_per_token or not peak_flops:
+        return None
+    return flops_per_token * tokens_per_second / (peak_flops * world_size)
+
+
+def format_line(record: dict[str, Any]) -> str:
+    """``step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | mfu 44.1%``
+
+    followed, when present, by ``| val 4.9000``, ``| scale 65536`` and ``| skipped (N total)``.
+    """
+    parts = [
+        f"step {record['step']}",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.1e}",
+        f"norm {record['grad_norm']:.2f}",
+        f"{record['dt_ms']:.1f} ms",
+        f"{record['tokens_per_second']:,.0f} tok/s",
+    ]
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if record.get("val_loss") is not None:
+        parts.append(f"val {record['val_loss']:.4f}")
+    if record.get("loss_scale") is not None:
+        parts.append(f"scale {record['loss_scale']:g}")
+    if record.get("skipped"):
+        parts.append(f"skipped ({record.get('skipped_steps', 1)} total)")
+    return " | ".join(parts)
+
+
+def _default_write(line: str) -> None:
+    # tqdm.write prints above an active progress bar instead of through it.
+    from tqdm.auto import tqdm
+
+    tqdm.write(line)
+
+
+class ConsoleSink:
+    """Writes :func:`format_line` for every ``interval``-th step, the first step, evaluation steps
+    and skipped steps. ``write`` defaults to ``tqdm.write`` (stdout, above the progress bar)."""
+
+    def __init__(self, interval: int = 1, write: Callable[[str], None] | None = None):
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.interval = interval
+        self.write = write or _default_write
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if step == 1 or step % self.interval == 0 or record.get("val_loss") is not None or record.get("skipped"):
+            self.write(format_line(record))
+
+
+class JSONLSink:
+    """Appends one JSON object per record to ``path`` (flushed each time, so a crash loses nothing).
+
+    ``keep_until_step``: records with a larger ``step`` already in the file are dropped first
+    (a resumed run then continues the log of the run it resumes, without the steps it redoes);
+    0 starts a new log.
+    """
+
+    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= keep_until_step] if keep_until_step else []
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in kept:
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_jsonable(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no nan/inf literals that every reader accepts; write them as strings.
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a metrics file (empty if it does not exist); a torn last line is ignored."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                logger.warning("ignoring a malformed line in %s: %.80s", path, line)
+    return records
+
+
+def plot_loss_curve(records: Iterable[dict[str, Any]], path: str | os.PathLike) -> Path | None:
+    """Training (and validation) loss against step as a PNG; None if matplotlib is missing."""
+    try:
+        # The Figure API draws without pyplot, so no GUI backend is chosen or changed.
+        from matplotlib.figure import Figure
+    except ImportError:
+        logger.warning("matplotlib is not installed: no loss curve (pip install 'gpt2-minlora[plot]')")
+        return None
+    records = list(records)
+
+    def finite(key: str) -> tuple[list[int], list[float]]:
+        pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    steps, losses = finite("loss")
+    ax.plot(steps, losses, label="train", linewidth=1)
+    val_steps, val_losses = finite("val_loss")
+    if val_steps:
+        ax.plot(val_steps, val_losses, "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
+# ------------------------------------------------------------------------------------------
+# Optional sinks: TensorBoard and Weights & Biases
+# ------------------------------------------------------------------------------------------
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a record (bools as 0/1), without the step; None values dropped."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" or value is None:
+            continue
+        if isinstance(value, (bool, int, float)):
+            out[key] = float(value)
+    return out
+
+
+def _missing(package: str, extra: str, e: ImportError) -> ImportError:
+    return ImportError(
+        f"logging to {extra} needs the {package!r} package, which is not installed: "
+        f"pip install 'gpt2-minlora[{extra}]' (or pip install {package}) [{e}]"
+    )
+
+
+class TensorBoardSink:
+    """Every numeric entry of every record as a TensorBoard scalar (tag = the record's key, e.g.
+    ``loss``, ``val_loss``, ``lr``), at the record's step, in event files under ``log_dir``.
+    View with ``tensorboard --logdir <out_dir>/tensorboard``."""
+
+    def __init__(self, log_dir: str | os.PathLike):
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        except ImportError as e:
+            raise _missing("tensorboard", "tensorboard", e) from e
+        self.log_dir = Path(log_dir)
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in _scalars(record).items():
+            self.writer.add_scalar(key, value, global_step=record["step"])
+
+    def close(self) -> None:
+        self.writer.close()  # flushes the event file
+
+
+def wandb_mode() -> str:
+    """``$WANDB_MODE`` if set; else "online" when an API key is configured ($WANDB_API_KEY or a
+    ``wandb login`` entry in ~/.netrc), else "offline" (no network needed; ``wandb sync`` uploads later)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode:
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        import netrc
+
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class WandbSink:
+    """Every numeric entry of every record to a Weights & Biases run whose files live in
+    ``out_dir/wandb``. Project and run name: the arguments, else ``$WANDB_PROJECT`` /
+    ``$WANDB_NAME``, else ``"gpt2"`` and the run directory's name. Offline (no network) unless
+    an API key is configured or ``$WANDB_MODE`` says otherwise (:func:`wandb_mode`); an offline
+    run is uploaded later with ``wandb sync <out_dir>/wandb/offline-run-*``."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        project: str | None = None,
+        name: str | None = None,
+        config: dict[str, Any] | None = None,
+        mode: str | None = None,
+    ):
+        try:
+            import wandb
+        except ImportError as e:
+            raise _missing("wandb", "wandb", e) from e
+        out_dir = Path(out_dir)
+        (out_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        self.mode = mode or wandb_mode()
+        self.run = wandb.init(
+            dir=str(out_dir),  # wandb adds the "wandb" folder itself
+            project=project or os.environ.get("WANDB_PROJECT") or "gpt2",
+            name=name or os.environ.get("WANDB_NAME") or out_dir.resolve().name,
+            config=config,
+            mode=self.mode,
+        )
+        self.run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
+        if self.mode == "offline":
+            logger.info("W&B offline run in %s (upload later with: wandb sync %s)", self.run_dir, self.run_dir)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(_scalars(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict[str, Any] | None = None) -> list[Any]:
+    """The sinks named in ``targets`` (``"tensorboard"``, ``"wandb"``) writing under ``out_dir``."""
+    sinks: list[Any] = []
+    try:
+        for target in targets:
+            if target == "tensorboard":
+                sinks.append(TensorBoardSink(Path(out_dir) / "tensorboard"))
+            elif target == "wandb":
+                sinks.append(WandbSink(out_dir, config=config))
+            else:
+                raise ValueError(f"unknown log target {target!r}; choose from {LOG_TARGETS}")
+    except BaseException:
+        for sink in sinks:  # the ones already started
+            sink.close()
+        raise
+    return sinks
+
+
+# What one Trainer.fit() call writes while it trains
+# ------------------------------------------------------------------------------------------
+
+
+def progress_bar(show: bool, **kwargs: Any) -> Any:
+    """A tqdm bar (``tqdm.auto``: a widget in notebooks) with ``kwargs`` when ``show``, else None."""
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(dynamic_ncols=True, **kwargs)
+
+
+class FitLog:
+    """Where one ``fit()`` call's records go: ``metrics.jsonl``, the Trainer's sinks, the
+    ``TrainConfig.log_to`` sinks and the progress bar. :meth:`close` closes (flushes) what
+    this call opened; the Trainer's own sinks stay open for its next call."""
+
+    def __init__(
+        self, sinks: Iterable[Sink] = (), *, extra: Iterable[Any] = (), jsonl: JSONLSink | None = None, bar: Any = None
+    ) -> None:
+        self.sinks, self.extra, self.jsonl, self.bar = list(sinks), list(extra), jsonl, bar
+
+    @classmethod
+    def open(
+        cls,
+        sinks: Iterable[Sink],
+        config: Any,
+        *,
+        out_dir: Path | None,
+        step: int,
+        is_main: bool,
+        before_write: Callable[[], None] | None = None,
+    ) -> FitLog:
+        """Rank 0's log of a ``fit()`` starting after ``step`` (``metrics.jsonl`` keeps the records
+        up to it); other ranks get an empty one. ``before_write`` runs before ``metrics.jsonl``
+        is touched (the Trainer checks that it still owns ``out_dir``)."""
+        if not is_main:
+            return cls()
+        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
+        # first, so a missing package fails before anything else is opened
+        extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
+        if before_write is not None:
+            before_write()
+        jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step) if out_dir is not None else None
+        bar = progress_bar(config.progress, total=config.max_steps, initial=step, unit="step", desc="train")
+        return cls(sinks, extra=extra, jsonl=jsonl, bar=bar)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            self.jsonl.log(record)
+        for sink in [*self.sinks, *self.extra]:
+            sink.log(record) if hasattr(sink, "log") else sink(record)
+        if self.bar is not None:
+            # postfix first: update() redraws the bar, which then shows this step's loss
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def status(self, text: str) -> None:
+        """Show ``text`` on the bar until the next record (e.g. while evaluating)."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        for sink in self.extra:
+            sink.close()

@@ -1,0 +1,418 @@
+"""One run per ``out_dir``: the run-directory lock, the fresh-run check and leftover clean-up.
+
+Two processes training into the same ``out_dir`` destroy each other's work (each prunes the
+other's checkpoints and deletes its save in progress), and a fresh run into a directory that
+holds another run's checkpoints mixes with them: the old run's later steps would win
+``resume='auto'``, sampling and export. So the Trainer, before it reads or writes anything there:
+
+1. takes ``<out_dir>/run.lock``: a file holding the owner's pid, host and start time, locked with
+   ``fcntl.flock`` for the run's lifetime where the filesystem supports it. The kernel drops a
+   flock when its process dies, so a crash never leaves a stuck lock on the same host; the record
+   left behind is then recognised as stale and taken over (with a log line). A record from
+   another host cannot be checked from here: it is refused, and the message says how to remove
+   it. :meth:`RunLock.release` (``Trainer.close()``) removes the file.
+2. removes what an interrupted save left in ``checkpoints/`` (see
+   :func:`gpt2.checkpoint.clean_interrupted_saves`): safe, since no other process saves there.
+3. refuses a fresh run (``resume=None``) into a directory holding another run, naming the three
+   ways out: continue it (``resume='auto'``), a new ``out_dir``, or ``overwrite=True``, which
+   deletes that run's files (only the files a run writes, never anything else in ``out_dir``).
+
+Under DDP only rank 0 does this, and every rank learns the outcome, so all of them fail together
+instead of the others hanging at their next collective.
+
+The Trainer's glue to its ``out_dir`` lives here too: :func:`start_run` (the above, then resuming),
+:func:`save_trainer_checkpoint` and what its checkpoints record (:func:`trainer_metadata`,
+:func:`restore_trainer_state`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpt2.train import checkpoint as ckpt
+
+try:
+    import fcntl
+except ImportError:  # Windows: the pid/host record alone (created exclusively) is the lock
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+CHECKPOINT_DIR = "checkpoints"
+# What a run writes into out_dir (the Trainer: checkpoints, metrics, plot; the train and
+# finetune commands: results.json and the LoRA adapter). overwrite=True deletes these, nothing else.
+RUN_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "results.json", "adapter")
+
+
+class RunDirError(FileExistsError):
+    """``out_dir`` cannot be used by this run (see the message for the ways out)."""
+
+
+class RunDirLockedError(RunDirError):
+    """Another process (or another Trainer) is running in this ``out_dir``."""
+
+
+class RunDirNotEmptyError(RunDirError):
+    """A fresh run was pointed at an ``out_dir`` that holds another run."""
+
+
+# Locks held by this process, by (pid, the lock file's real path): a second Trainer on the same
+# out_dir in one process (a notebook cell run again after an error) takes the lock over. The pid
+# keeps a forked child from taking over its parent's lock.
+_HELD: dict[tuple[int, str], RunLock] = {}
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """A script that never called ``Trainer.close()`` leaves no lock record behind either."""
+    for (pid, _), lock in list(_HELD.items()):
+        if pid == os.getpid():
+            lock.release()
+
+
+class RunLock:
+    """The lock on one ``out_dir``; :meth:`acquire` it, :meth:`release` it when the run ends."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / LOCK_FILE
+        self._fd: int | None = None
+        self.taken_over = False  # a newer Trainer in this process took the lock from this one
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> RunLock:
+        try:
+            return self._acquire()
+        except RunDirError:
+            raise
+        except OSError as e:  # unwritable or full disk: say which file, keep the errno (and class)
+            raise OSError(e.errno, f"cannot lock out_dir {self.out_dir}: {e.strerror or e}", str(self.path)) from None
+
+    def _acquire(self) -> RunLock:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        key = (os.getpid(), os.path.realpath(self.path))
+        previous = _HELD.get(key)
+        if previous is not None and previous.held:
+            # The same process: the older Trainer is abandoned (it can no longer save).
+            self._fd, previous._fd = previous._fd, None
+            previous.taken_over = True
+            _HELD[key] = self
+            logger.warning(
+                "another Trainer in this process was using %s; this one takes it over "
+                "(the older one can no longer save checkpoints)",
+                self.out_dir,
+            )
+            return self
+        for _ in range(20):  # the file may be removed / replaced under us by its releasing owner
+            fd = self._open_locked()
+            if fd is None:
+                continue
+            try:
+                record = _read_record(fd)
+                if record:
+                    self._judge_left_behind(record)
+                _write_record(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            _HELD[key] = self
+            return self
+        raise RunDirLockedError(
+            f"could not lock out_dir {self.out_dir}: {self.path} keeps changing; is another run starting in it?"
+        )
+
+    def _open_locked(self) -> int | None:
+        """An fd of the lock file that this process holds, None to try again; raises if busy."""
+        if fcntl is not None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                record = _read_record(fd)
+                os.close(fd)
+                raise RunDirLockedError(_busy_message(self.out_dir, self.path, record)) from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                return self._open_exclusive()  # this filesystem has no flock
+            try:  # the file we locked must still be the one at the path (not unlinked by its owner)
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                return None
+            return fd
+        return self._open_exclusive()
+
+    def _open_exclusive(self) -> int | None:
+        """Without flock: whoever creates the file owns the lock."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        try:
+            record = json.loads(self.path.read_text(encoding="utf-8") or "{}")
+        except (OSError, ValueError):
+            record = {}
+        if record.get("host") == socket.gethostname() and not ckpt.pid_alive(int(record.get("pid", 0) or 0)):
+            logger.warning("taking over %s: pid %s that held it is no longer running", self.path, record.get("pid"))
+            self.path.unlink(missing_ok=True)
+            return None
+        raise RunDirLockedError(_busy_message(self.out_dir, self.path, record))
+
+    def _judge_left_behind(self, record: dict[str, Any]) -> None:
+        """We hold the lock, but a previous owner's record is still there: it did not release it."""
+        if record.get("host") not in (None, socket.gethostname()):
+            # flock may not reach across machines (network filesystems): that run may be alive.
+            raise RunDirLockedError(
+                f"out_dir {self.out_dir} is locked by pid {record.get('pid')} on host {record.get('host')} "
+                f"(started {record.get('started', '?')}), which cannot be checked from here; if that run is "
+                f"really gone, delete {self.path} and start again, or use another out_dir"
+            )
+        if record.get("pid") is None:  # garbage in the file: nobody holds the flock, so nobody owns it
+            logger.warning("taking over %s (its record was unreadable and nobody holds it)", self.path)
+        elif record.get("pid") != os.getpid():
+            logger.warning(
+                "taking over %s left by pid %s (started %s), which is no longer running",
+                self.path,
+                record.get("pid"),
+                record.get("started", "?"),
+            )
+
+    def ensure_held(self) -> None:
+        """Raise if a newer Trainer of this process took this lock over."""
+        if self.taken_over:
+            raise RunDirLockedError(
+                f"this Trainer no longer owns out_dir {self.out_dir}: a newer Trainer in this process took it "
+                "over, so this one may not write there; use the newer one (or close it and resume)"
+            )
+
+    def release(self) -> None:
+        """Remove the lock file and unlock; a no-op when not held."""
+        if self._fd is None:
+            return
+        key = (os.getpid(), os.path.realpath(self.path))
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked, so nobody locks the old file
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+        if _HELD.get(key) is self:
+            del _HELD[key]
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = b""
+        while chunk := os.read(fd, 4096):
+            data += chunk
+        record = json.loads(data.decode("utf-8")) if data.strip() else {}
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+
+
+def _write_record(fd: int) -> None:
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+    }
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, (json.dumps(record) + "\n").encode("utf-8"))
+    os.fsync(fd)
+
+
+def _busy_message(out_dir: Path, path: Path, record: dict[str, Any]) -> str:
+    if record.get("pid") is not None:
+        who = f"pid {record['pid']} on host {record.get('host', '?')} (started {record.get('started', '?')})"
+    else:
+        who = "another process"
+    return (
+        f"out_dir {out_dir} is in use by another run: {who} holds {path}. Wait for it to finish or "
+        "stop it, or train into another out_dir"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The run's files
+# ------------------------------------------------------------------------------------------
+
+
+def existing_run(out_dir: str | os.PathLike) -> list[str]:
+    """What of another run ``out_dir`` holds: its checkpoints and metrics (empty: nothing)."""
+    out_dir = Path(out_dir)
+    found = []
+    steps = ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR)
+    if steps:
+        names = sorted(p.name for p in steps)
+        found.append(f"checkpoints {names[0]}" + (f"..{names[-1]}" if len(names) > 1 else ""))
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    return found
+
+
+def clear_run(out_dir: str | os.PathLike) -> list[str]:
+    """Delete the files a run wrote into ``out_dir`` (:data:`RUN_FILES`); return their names."""
+    out_dir = Path(out_dir)
+    removed = []
+    for name in RUN_FILES:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse (or with ``overwrite`` clear) another run's files that this run would mix with."""
+    checkpoint_dir = out_dir / CHECKPOINT_DIR
+    if resume == "auto":  # continues whatever run is there (or starts one)
+        return
+    if resume is not None and any(_same(Path(resume), d) for d in (out_dir, checkpoint_dir)):
+        return  # this run directory itself: its newest intact checkpoint, as with resume='auto'
+    if resume is None or not _inside(Path(resume), checkpoint_dir):
+        # A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run.
+        found = existing_run(out_dir)
+        if not found:
+            return
+        if overwrite:
+            logger.warning(
+                "overwrite=True: deleting the previous run in %s (%s)", out_dir, ", ".join(clear_run(out_dir))
+            )
+            return
+        what = "a fresh run (resume=None)" if resume is None else f"a run resuming from {resume}"
+        raise RunDirNotEmptyError(
+            f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
+            "Continue that run with resume='auto', train into a new out_dir, or pass overwrite=True to delete "
+            f"its files ({', '.join(RUN_FILES)}) first"
+        )
+    # Resuming from an older checkpoint of this very run: the newer ones are another future.
+    step = ckpt.checkpoint_step(Path(resume))
+    newer = [
+        p for p in ckpt.checkpoint_candidates(checkpoint_dir) if step is not None and ckpt.checkpoint_step(p) > step
+    ]
+    if not newer:
+        return
+    names = sorted(p.name for p in newer)
+    if overwrite:
+        for path in newer:
+            shutil.rmtree(path)
+        logger.warning("overwrite=True: deleted the checkpoints after %s: %s", Path(resume).name, ", ".join(names))
+        return
+    raise RunDirNotEmptyError(
+        f"resume={resume!r} is older than checkpoints {', '.join(names)} in {checkpoint_dir}: continuing from it "
+        "would mix two histories. Use resume='auto' to continue from the newest, train into a new out_dir, or "
+        "pass overwrite=True to delete the newer checkpoints"
+    )
+
+
+def _same(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    try:
+        Path(os.path.realpath(path)).relative_to(os.path.realpath(directory))
+        return True
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------
+# Everything the Trainer does before it touches out_dir
+# ------------------------------------------------------------------------------------------
+
+
+def prepare(out_dir: str | os.PathLike, *, resume: str | None, overwrite: bool, is_main: bool = True) -> RunLock | None:
+    """Lock ``out_dir``, clean up interrupted saves, and check that this run may write there.
+
+    Rank 0 does the work and returns the held :class:`RunLock` (other ranks: None); every rank
+    raises the same error when it fails (call it on all ranks under DDP).
+    """
+    if overwrite and resume == "auto":
+        raise ValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
+    out_dir = Path(out_dir)
+    lock = RunLock(out_dir) if is_main else None
+
+    def work() -> None:
+        if lock is None:
+            return
+        lock.acquire()
+        try:
+            for line in ckpt.clean_interrupted_saves(out_dir / CHECKPOINT_DIR):
+                logger.warning("cleaning up an interrupted save in %s: %s", out_dir / CHECKPOINT_DIR, line)
+            _check_fresh_run(out_dir, resume, overwrite)
+        except BaseException:
+            lock.release()
+            raise
+
+    run_on_all_ranks(work)
+    return lock
+
+
+def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every process; if it raises on any of them, every process raises (so none is
+    left waiting at a collective for one that died). One process: just ``fn()``."""
+    from gpt2.train.distributed import _active
+
+    if not _active():
+        return fn()
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - handed to the other ranks, then raised here
+        error = e
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            name, message = outcome
+            cls = _ERRORS.get(name, RuntimeError)
+            raise cls(f"{message} (raised on rank {rank})")
+    return result
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        RunDirLockedError,
+        RunDirNotEmptyError,
+        ckpt.CheckpointError,
+        ckpt.NonFiniteWeightsError,
+        ValueError,
+        FileNotFoundError,
+        KeyError,
+        PermissionError,
+    )
+}
