@@ -152,7 +152,7 @@ def test_write_shards_overwrite_and_errors(tmp_path):
         write_shards("one text", tmp_path / "one", prefix="o", progress=False)
     with pytest.raises(ValueError, match="no documents"):
         write_shards([], tmp_path / "empty", prefix="e", progress=False)
-    with pytest.raises(ValueError, match="shard_size must be >= 1"):
+    with pytest.raises(ValueError, match="shard_size must be a positive integer, got 0"):
         write_shards(DOCS, tmp_path / "s", prefix="s", shard_size=0, progress=False)
     with pytest.raises(ValueError, match="prefix"):
         write_shards(DOCS, tmp_path / "s", prefix="a/b", progress=False)
@@ -332,11 +332,11 @@ def test_loader_properties_and_single_file_sources(tmp_path):
 
 def test_loader_bad_inputs(tmp_path):
     tokens = torch.arange(100)
-    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         TokenLoader(tokens, 0, T)
-    with pytest.raises(ValueError, match="seq_len must be >= 1, got -1"):
+    with pytest.raises(ValueError, match="seq_len must be a positive integer, got -1"):
         TokenLoader(tokens, B, -1)
-    with pytest.raises(TypeError, match="batch_size must be an int"):
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 2.0"):
         TokenLoader(tokens, 2.0, T)
     with pytest.raises(ValueError, match=r"rank=2 is outside \[0, world_size=2\)"):
         TokenLoader(tokens, B, T, rank=2, world_size=2)
@@ -377,6 +377,6 @@ def test_load_state_dict_rejects_states_that_do_not_fit(tmp_path):
         loader.load_state_dict({"shard": 0, "position": 0, "num_shards": 3})
     with pytest.raises(ValueError, match="'shard' and 'position'"):
         loader.load_state_dict({"position": 0})
-    with pytest.raises(TypeError, match=r"state\['position'\] must be an int, got str"):
+    with pytest.raises(ValueError, match="position must be an integer, got '8'"):
         loader.load_state_dict({"shard": 0, "position": "8"})
     assert (loader.shard, loader.position) == (0, 0)  # failed loads change nothing

@@ -214,7 +214,7 @@ def test_loader_checks_ids_against_the_vocabulary(tmp_path):
     np.save(tmp_path / "signed.npy", np.array([1, 2, -3] * 20))
     with pytest.raises(ValueError, match="signed.npy' holds token id -3"):
         TokenLoader(tmp_path / "signed.npy", B, T, vocab_size=64)
-    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+    with pytest.raises(ValueError, match="vocab_size must be a positive integer"):
         TokenLoader(ids, B, T, vocab_size=0)
 
     # In a shard directory each shard is checked when it is first opened: the bad second shard

@@ -1,11 +1,9 @@
-"""Small helpers shared by the data modules: int checks and atomic file writes."""
+"""Small helpers shared by the data modules: atomic file writes."""
 
 from __future__ import annotations
 
-import operator
 import os
 from pathlib import Path
-from typing import Any
 
 
 def replace_atomically(dest: Path, write) -> None:
@@ -25,19 +23,3 @@ def replace_atomically(dest: Path, write) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def check_int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got a bool ({value!r})")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})") from None
-
-
-def check_positive_int(value: Any, name: str) -> int:
-    value = check_int(value, name)
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value

@@ -16,9 +16,10 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gpt2.data._util import check_int as _int
-from gpt2.data._util import check_positive_int as _positive_int
 from gpt2.data.formats import TOKEN_SUFFIXES, check_token_ids, load_tokens
+from gpt2.model.config import POSITIVE_INT, Range, check_value
+
+_INT = Range(integer=True)  # bounds checked where the message can say more (rank, state)
 
 TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
 
@@ -109,10 +110,10 @@ class TokenLoader:
         split: str | None = None,
         vocab_size: int | None = None,
     ):
-        self.batch_size = _positive_int(batch_size, "batch_size")
-        self.seq_len = _positive_int(seq_len, "seq_len")
-        self.world_size = _positive_int(world_size, "world_size")
-        self.rank = _int(rank, "rank")
+        self.batch_size = check_value("TokenLoader", "batch_size", batch_size, POSITIVE_INT)
+        self.seq_len = check_value("TokenLoader", "seq_len", seq_len, POSITIVE_INT)
+        self.world_size = check_value("TokenLoader", "world_size", world_size, POSITIVE_INT)
+        self.rank = check_value("TokenLoader", "rank", rank, _INT)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(
                 f"rank={self.rank} is outside [0, world_size={self.world_size}); pass the "
@@ -146,7 +147,7 @@ class TokenLoader:
 
     @vocab_size.setter
     def vocab_size(self, value: int | None) -> None:
-        self._vocab_size = None if value is None else _positive_int(value, "vocab_size")
+        self._vocab_size = check_value("TokenLoader", "vocab_size", value, Range(low=1, integer=True, optional=True))
         if value is not None:
             self._tokens = None  # reopen (and check) the current shard
             self._current()
@@ -277,8 +278,8 @@ class TokenLoader:
             raise ValueError(
                 f"loader state must be a dict with 'shard' and 'position' (from state_dict()), got {state!r}"
             )
-        shard = _int(state["shard"], "state['shard']")
-        position = _int(state["position"], "state['position']")
+        shard = check_value("loader state", "shard", state["shard"], _INT)
+        position = check_value("loader state", "position", state["position"], _INT)
         if "num_shards" in state and state["num_shards"] != len(self._shards):
             raise ValueError(
                 f"loader state was saved over {state['num_shards']} shard(s) but this loader's "

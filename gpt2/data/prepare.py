@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data._util import check_int, check_positive_int
 from gpt2.data.formats import read_text, write_tokens
+from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class _ShardWriter:
             )
         self.prefix = prefix
         self.file_format = file_format
-        self.shard_size = check_positive_int(shard_size, "shard_size")
+        self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.existing = sorted(
@@ -194,9 +194,7 @@ def write_shards(
     ``overwrite=True``. Returns the shard paths in order.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format)
-    num_workers = check_int(num_workers, "num_workers")
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0 (0 tokenises in this process), got {num_workers}")
+    num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
     tokenizer = _default_tokenizer(tokenizer)
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
