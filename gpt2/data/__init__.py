@@ -1,8 +1,10 @@
 """Token data: downloads, tokenising into shards, token file formats, and the batch loader.
 
 * :mod:`gpt2.data.downloads`: the cache directory, checksummed atomic downloads, Tiny Shakespeare.
-* :mod:`gpt2.data.prepare`: text -> ``uint16`` shards (``write_shards``, ``tokenize_file``).
-* :mod:`gpt2.data.formats`: ``.npy`` and llm.c ``.bin`` token files, read and checked.
+* :mod:`gpt2.data.prepare`: text -> ``uint16`` shards and their manifest, written whole
+  (``write_shards``, ``tokenize_file``).
+* :mod:`gpt2.data.formats`: ``.npy`` and llm.c ``.bin`` token files and shard manifests, read and
+  checked.
 * :mod:`gpt2.data.loader`: :class:`TokenLoader`, the rank-aware batch loader.
 """
 
@@ -17,6 +19,7 @@ from gpt2.data.downloads import (
 )
 from gpt2.data.formats import (
     TOKEN_SUFFIXES,
+    ShardManifestError,
     check_token_ids,
     iter_jsonl,
     load_tokens,
@@ -24,13 +27,15 @@ from gpt2.data.formats import (
     write_tokens,
 )
 from gpt2.data.loader import TokenLoader, TokenSource
-from gpt2.data.prepare import shard_name, tokenize_file, write_shards
+from gpt2.data.prepare import ShardWriteError, shard_name, tokenize_file, write_shards
 
 __all__ = [
     "TINY_SHAKESPEARE_SHA256",
     "TINY_SHAKESPEARE_URL",
     "TOKEN_SUFFIXES",
     "DownloadError",
+    "ShardManifestError",
+    "ShardWriteError",
     "TokenLoader",
     "TokenSource",
     "check_token_ids",

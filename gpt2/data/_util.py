@@ -1,4 +1,4 @@
-"""Small helpers shared by the data modules: atomic file writes."""
+"""Small helpers shared by the data modules: atomic file writes, whether a pid is alive."""
 
 from __future__ import annotations
 
@@ -23,3 +23,16 @@ def replace_atomically(dest: Path, write) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # it exists, but belongs to someone else
+        return True
+    except (OSError, OverflowError):
+        return False
+    return True

@@ -13,10 +13,14 @@ nothing about its dtype, so it is only accepted when it fits: an even byte size,
 pattern int32 ids leave when read as ``uint16`` (every other value zero). The ids
 themselves are checked against a vocabulary by :func:`check_token_ids` where they enter a
 model (the :class:`~gpt2.data.TokenLoader`).
+
+A folder written by ``prepare`` also holds a manifest per prefix, ``{prefix}.shards.json``,
+listing every shard's name, token count, size and sha256 (:func:`read_manifests`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -39,6 +43,9 @@ BIN_LAYOUTS = {BIN_MAGIC_UINT16: (1, np.dtype("<u2")), BIN_MAGIC_UINT32: (7, np.
 # Neither magic can start a valid headerless GPT-2 file: read as uint16 its first value is
 # 54264 (or 54945), above GPT-2's 50257 ids.
 
+MANIFEST_SUFFIX = ".shards.json"
+MANIFEST_FORMAT = "gpt2-shards"
+
 # How many leading uint16 values the int32 sniff looks at (128 KiB: cheap even when a directory
 # holds hundreds of shards, and far more than the pattern needs to show).
 _SNIFF_VALUES = 2**16
@@ -51,6 +58,76 @@ def _convert_hint(path: Path) -> str:
         f"np.save('{stem}.npy', np.fromfile('{path}', dtype=np.int32))\" (use the dtype it was "
         "written with), or re-tokenise the text with `gpt2 prepare`"
     )
+
+
+class ShardManifestError(ValueError):
+    """A shard folder that does not match its manifest: a shard missing, extra, truncated or changed."""
+
+
+def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
+    return ShardManifestError(
+        f"shard folder {str(directory)!r} does not match its manifest: {problem}; re-run `gpt2 prepare` "
+        "(or write_shards / tokenize_file) with overwrite to write the data set again"
+    )
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def token_files(directory: Path) -> list[Path]:
+    """The token files (``.npy``/``.bin``, not hidden) in ``directory``, sorted by name."""
+    return sorted(
+        p
+        for p in directory.iterdir()
+        if p.is_file() and p.suffix.lower() in TOKEN_SUFFIXES and not p.name.startswith(".")
+    )
+
+
+def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
+    """Every shard the manifests in ``directory`` list, by file name; ``None`` if it has none.
+
+    The cheap checks run here, on every call: each listed shard exists with its recorded size and
+    no token file is unlisted. A damaged manifest, or the marker a ``prepare`` killed while moving
+    its shards into place leaves, raises :class:`ShardManifestError` too.
+    """
+    entries: dict[str, dict[str, Any]] | None = None
+    for path in sorted(directory.glob(f"*{MANIFEST_SUFFIX}")):
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+            pending = manifest.get("pending") is True
+            shards = [] if pending else manifest["shards"]
+            listed = {
+                e["name"]: {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]} for e in shards
+            }
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise manifest_mismatch(directory, f"{path.name} is damaged ({type(e).__name__}: {e})") from None
+        if pending:
+            raise manifest_mismatch(
+                directory, f"{path.name} marks a prepare that was stopped while moving its shards into place"
+            )
+        entries = {**(entries or {}), **listed}
+    if entries is None:
+        return None
+    for name, entry in entries.items():
+        path = directory / name
+        if not path.is_file():
+            raise manifest_mismatch(directory, f"{name} is missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise manifest_mismatch(
+                directory,
+                f"{name} has {path.stat().st_size} bytes, the manifest records {entry['bytes']} (truncated or changed)",
+            )
+    unlisted = [p.name for p in token_files(directory) if p.name not in entries]
+    if unlisted:
+        raise manifest_mismatch(
+            directory, f"{unlisted[0]} is not listed in it ({len(unlisted)} unlisted token file(s): move them out)"
+        )
+    return entries
 
 
 def read_text(path: str | os.PathLike) -> str:

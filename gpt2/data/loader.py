@@ -8,6 +8,8 @@ id is reported with its file before it can reach an embedding lookup on the GPU.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +18,10 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gpt2.data.formats import TOKEN_SUFFIXES, check_token_ids, load_tokens
+from gpt2.data.formats import check_token_ids, file_sha256, load_tokens, manifest_mismatch, read_manifests, token_files
 from gpt2.model.config import POSITIVE_INT, Range, check_value
 
+logger = logging.getLogger(__name__)
 _INT = Range(integer=True)  # bounds checked where the message can say more (rank, state)
 
 TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
@@ -50,17 +53,27 @@ def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
     return array
 
 
+@functools.cache
+def _warn_unverified(directory: str) -> None:
+    logger.warning(
+        "%s has no manifest (shards written by another tool or an older version): nothing verifies "
+        "that its shards are complete and unchanged",
+        directory,
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # The batch loader
 # ------------------------------------------------------------------------------------------
 
 
 class _Shard:
-    """One token sequence: an in-memory array, or a file opened lazily (memory-mapped)."""
+    """One token sequence: an in-memory array, or a file opened lazily (memory-mapped), checked
+    against its manifest entry when its folder has one."""
 
-    __slots__ = ("name", "path", "array", "length", "checked_vocab")
+    __slots__ = ("name", "path", "array", "length", "checked_vocab", "sha256")
 
-    def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None):
+    def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, entry=None):
         self.name = name
         self.path = path
         self.array = array
@@ -68,8 +81,18 @@ class _Shard:
         # cheap and lets the constructor reject a too-short shard before training starts.
         self.length = len(array) if array is not None else len(load_tokens(path))
         self.checked_vocab: int | None = None  # the vocab_size its ids were last checked against
+        self.sha256 = entry["sha256"] if entry is not None else None  # None: nothing (more) to verify
+        if entry is not None and self.length != entry["tokens"]:
+            raise manifest_mismatch(
+                path.parent, f"{path.name} holds {self.length} tokens, the manifest records {entry['tokens']}"
+            )
 
     def open(self, vocab_size: int | None) -> np.ndarray:
+        # The digest reads the whole shard, so it is checked once, when the shard is first opened
+        # (as the ids are), not for every shard when the loader is built.
+        if self.sha256 is not None and file_sha256(self.path) != self.sha256:
+            raise manifest_mismatch(self.path.parent, f"{self.path.name} has changed (its sha256 differs)")
+        self.sha256 = None
         tokens = self.array if self.array is not None else load_tokens(self.path)
         # One pass over the shard (numpy on the memory map, no GPU involved), only the first
         # time it is opened for a given vocabulary.
@@ -171,11 +194,10 @@ class TokenLoader:
             )
         path = Path(source)
         if path.is_dir():
-            files = sorted(
-                p
-                for p in path.iterdir()
-                if p.is_file() and p.suffix.lower() in TOKEN_SUFFIXES and not p.name.startswith(".")
-            )
+            entries = read_manifests(path)
+            if entries is None:
+                _warn_unverified(str(path))
+            files = token_files(path)
             if split is not None:
                 files = [p for p in files if split in p.name]
             if not files:
@@ -184,7 +206,7 @@ class TokenLoader:
                     f"no {what} in directory {str(path)!r}; write shards with "
                     "gpt2.data.write_shards or tokenize_file, or check the path and split"
                 )
-            return str(path), [_Shard(f"shard {str(p)!r}", path=p) for p in files]
+            return str(path), [_Shard(f"shard {str(p)!r}", path=p, entry=(entries or {}).get(p.name)) for p in files]
         if path.is_file():
             if split is not None and split not in path.name:
                 raise ValueError(

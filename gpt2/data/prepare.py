@@ -8,9 +8,17 @@ halves the disk and page cache footprint compared with ``int32``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import multiprocessing
 import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +26,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data.formats import read_text, write_tokens
+from gpt2.data._util import pid_alive, replace_atomically
+from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, file_sha256, read_text, write_tokens
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 
 logger = logging.getLogger(__name__)
@@ -106,10 +115,50 @@ def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.nda
     return _to_uint16(np.concatenate(parts), f"the text {desc!r}")
 
 
-class _ShardWriter:
-    """Writes numbered shards atomically; the index runs across splits, as in build-nanogpt."""
+class ShardWriteError(OSError):
+    """Writing a data set failed (disk full, no permission, ...); its folder was left as it was."""
 
-    def __init__(self, out_dir: str | os.PathLike, prefix: Any, shard_size: Any, overwrite: bool, file_format: str):
+
+# A prepare stages its data set in a hidden folder .prepare-<pid>-<host>-<random> inside out_dir;
+# one whose process is gone (on this host) is the leftover of a killed prepare.
+_STAGE = re.compile(r"\.prepare-(\d+)-(.+)-\w+")
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    for path in out_dir.glob(".prepare-*"):
+        match = _STAGE.fullmatch(path.name)
+        if match and match[2] == socket.gethostname() and not pid_alive(int(match[1])):
+            logger.warning("removing %s, left by a prepare that was killed", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP until the block ends, then raise them again, so that moving a
+    data set into place is never cut in half. Python runs signal handlers in the main thread
+    only, which is also the only thread that may set them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {sig: signal.signal(sig, lambda sig, frame: caught.append(sig)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in dict.fromkeys(caught):
+            signal.raise_signal(sig)
+
+
+class _ShardWriter:
+    """Writes a data set whole: the numbered shards (the index runs across splits, as in
+    build-nanogpt), then their manifest, go into a hidden staging folder inside ``out_dir``, and
+    only a complete set is moved into place (the manifest last), replacing the shards of an
+    earlier run with this prefix. An error or Ctrl-C before that leaves ``out_dir`` as it was."""
+
+    def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
         if not isinstance(prefix, str) or not prefix or os.sep in prefix or (os.altsep and os.altsep in prefix):
             raise ValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
         if file_format not in _FORMATS:
@@ -119,8 +168,9 @@ class _ShardWriter:
         self.prefix = prefix
         self.file_format = file_format
         self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
+        self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
         self.existing = sorted(
             p
             for split in ("val", "train")
@@ -136,21 +186,83 @@ class _ShardWriter:
             )
         self.index = 0
         self.written: list[Path] = []
+        self.entries: list[dict[str, Any]] = []
 
-    def write(self, tokens: np.ndarray, split: str) -> Path:
-        path = self.out_dir / shard_name(self.prefix, split, self.index, self.file_format)
-        write_tokens(path, tokens)
-        logger.info("wrote %s (%d tokens)", path, len(tokens))
-        self.written.append(path)
+    def __enter__(self) -> _ShardWriter:
+        self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(self.out_dir)
+        self.stage = Path(tempfile.mkdtemp(prefix=f".prepare-{os.getpid()}-{socket.gethostname()}-", dir=self.out_dir))
+        return self
+
+    def write(self, tokens: np.ndarray, split: str) -> None:
+        name = shard_name(self.prefix, split, self.index, self.file_format)
+        with self._writing():
+            staged = write_tokens(self.stage / name, tokens)
+            # Read back from the page cache, so the digest is of the bytes on disk.
+            entry = {"name": name, "tokens": len(tokens), "bytes": staged.stat().st_size, "sha256": file_sha256(staged)}
+        self.entries.append(entry)
+        logger.info("wrote %s (%d tokens)", name, len(tokens))
+        self.written.append(self.out_dir / name)
         self.index += 1
-        return path
 
-    def finish(self) -> list[Path]:
-        # Shards of an earlier, longer run (or of the other format) that this run did not
-        # overwrite would otherwise be read as part of the new data set.
-        for stale in set(self.existing) - set(self.written):
-            stale.unlink()
-        return self.written
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Our own writes failing (not the documents' source) is a ShardWriteError."""
+        try:
+            yield
+        except OSError as e:
+            raise ShardWriteError(
+                f"could not write the {self.prefix!r} shards in {str(self.out_dir)!r} ({e}); the folder was "
+                "left as it was before. Free disk space (or choose another folder) and prepare again"
+            ) from e
+
+    def __exit__(self, kind, error, traceback) -> None:
+        committed = False
+        try:
+            if kind is None:
+                with self._writing():
+                    self._commit()
+                committed = True
+        finally:
+            shutil.rmtree(self.stage, ignore_errors=True)
+            for path in [] if committed else self.created:  # a folder this prepare made goes again
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+
+    def _commit(self) -> None:
+        tok = self.tokenizer
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": 1,
+            "tokenizer": {"class": type(tok).__name__, "n_vocab": getattr(tok, "n_vocab", None), "eot": tok.eot_token},
+            "shards": self.entries,
+        }
+        _write_json(self.stage / self.manifest.name, manifest)
+        # Stands as the manifest while shards move, so a folder left by a kill -9 is refused.
+        _write_json(self.stage / ".pending", {"format": MANIFEST_FORMAT, "pending": True})
+        old = self.stage / ".old"  # the replaced files, kept until the new set is in place
+        old.mkdir()
+        moves = [(self.manifest, old / self.manifest.name)] if self.manifest.exists() else []
+        moves += [(self.stage / ".pending", self.manifest)]
+        moves += [(p, old / p.name) for p in self.existing]
+        moves += [(self.stage / p.name, p) for p in self.written]
+        moves.append((self.stage / self.manifest.name, self.manifest))
+        done: list[tuple[Path, Path]] = []
+        with _signals_deferred():
+            try:
+                for src, dst in moves:
+                    os.replace(src, dst)
+                    done.append((src, dst))
+            except BaseException:
+                for src, dst in reversed(done):
+                    os.replace(dst, src)
+                raise
+            shutil.rmtree(self.stage, ignore_errors=True)  # the replaced files; before a held signal ends us
+
+
+def _write_json(path: Path, value: Any) -> None:
+    replace_atomically(path, lambda f: f.write(json.dumps(value, indent=1).encode("utf-8")))
 
 
 def _glob_escape(text: str) -> str:
@@ -189,13 +301,14 @@ def write_shards(
 
     ``tokenizer`` defaults to :func:`gpt2.tokenizer.get_tokenizer`; any object with
     ``encode_ordinary`` and ``eot_token`` works. ``num_workers > 0`` tokenises in a
-    process pool; the shards are the same either way. Each shard is written atomically.
-    Existing shards with the same prefix raise :class:`FileExistsError` unless
-    ``overwrite=True``. Returns the shard paths in order.
+    process pool; the shards are the same either way. The data set is written whole, with its
+    manifest ``{prefix}.shards.json``: a failure (:class:`ShardWriteError` for a full disk) or
+    Ctrl-C leaves ``out_dir`` as it was. Existing shards with the same prefix raise :class:`FileExistsError`
+    unless ``overwrite=True``. Returns the shard paths in order.
     """
-    writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format)
-    num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
     tokenizer = _default_tokenizer(tokenizer)
+    writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
+    num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
 
@@ -205,33 +318,34 @@ def write_shards(
     bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S, disable=not progress)
     pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,)) if num_workers > 0 else None
     try:
-        if pool is not None:
-            # chunksize amortises inter-process traffic over many (usually short) documents.
-            encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
-        else:
-            encoded = (_encode_document(doc, tokenizer) for doc in docs)
-        for tokens in encoded:
-            bar.update(len(tokens))
-            start = 0
-            while start < len(tokens):
-                take = min(size - filled, len(tokens) - start)
-                buffer[filled : filled + take] = tokens[start : start + take]
-                filled += take
-                start += take
-                if filled == size:
-                    writer.write(buffer, "val" if writer.index == 0 else "train")
-                    filled = 0
-                    bar.set_description(f"{prefix} shard {writer.index}")
-        if filled:
-            writer.write(buffer[:filled], "val" if writer.index == 0 else "train")
+        with writer:
+            if pool is not None:
+                # chunksize amortises inter-process traffic over many (usually short) documents.
+                encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
+            else:
+                encoded = (_encode_document(doc, tokenizer) for doc in docs)
+            for tokens in encoded:
+                bar.update(len(tokens))
+                start = 0
+                while start < len(tokens):
+                    take = min(size - filled, len(tokens) - start)
+                    buffer[filled : filled + take] = tokens[start : start + take]
+                    filled += take
+                    start += take
+                    if filled == size:
+                        writer.write(buffer, "val" if writer.index == 0 else "train")
+                        filled = 0
+                        bar.set_description(f"{prefix} shard {writer.index}")
+            if filled:
+                writer.write(buffer[:filled], "val" if writer.index == 0 else "train")
+            if not writer.written:
+                raise ValueError("write_shards got no documents; docs was empty")
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
-    if not writer.written:
-        raise ValueError("write_shards got no documents; docs was empty")
-    return writer.finish()
+    return writer.written
 
 
 def tokenize_file(
@@ -263,8 +377,10 @@ def tokenize_file(
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}")
-    writer = _ShardWriter(out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format)
     tokenizer = _default_tokenizer(tokenizer)
+    writer = _ShardWriter(
+        out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format, tokenizer
+    )
 
     text = read_text(path)
     if not text.strip():
@@ -280,8 +396,9 @@ def tokenize_file(
     size = writer.shard_size
     chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
     chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
-    for chunk, split in tqdm(
-        chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
-    ):
-        writer.write(chunk, split)
-    return writer.finish()
+    with writer:
+        for chunk, split in tqdm(
+            chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
+        ):
+            writer.write(chunk, split)
+    return writer.written
