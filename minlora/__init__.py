@@ -1,9 +1,7 @@
 """minlora: LoRA adapters through ``torch.nn.utils.parametrize``, with no change to the model's code.
 
-A drop-in superset of cccntu/minLoRA (same names and behaviour), plus what it gets wrong fixed
-(no stacked adapters, merge/remove touch LoRA only, tied weights, fp32 factors on fp16/bf16
-bases, a fast forward with no weight-sized tensors), a :class:`LoRAConfig`, adapters on disk in
-minlora's format and in PEFT's. See docs/lora.md.
+A drop-in superset of cccntu/minLoRA (same names and behaviour) with what it gets wrong fixed, a
+:class:`LoRAConfig`, a fast forward, and adapters on disk in minlora's format and PEFT's. See docs/lora.md.
 
     import minlora
     minlora.add_lora(model, minlora.LoRAConfig(rank=8, alpha=16, target_modules=["c_attn", "c_fc"]))
@@ -14,72 +12,22 @@ minlora's format and in PEFT's. See docs/lora.md.
 
 from .adapters import AdapterFileError, load_adapter, save_adapter
 from .config import LoRAConfig
-from .model import (
-    LoRAParametrization,
-    LoRASite,
-    add_lora,
-    add_lora_by_name,
-    apply_lora,
-    default_lora_config,
-    lora_sites,
-    merge_lora,
-    remove_lora,
-)
+from .model import (LoRAParametrization, LoRASite, add_lora, add_lora_by_name, apply_lora, default_lora_config,
+                    lora_sites, merge_lora, remove_lora)
 from .peft import export_peft_adapter, import_peft_adapter
-from .utils import (
-    ParameterCount,
-    apply_to_lora,
-    count_parameters,
-    disable_lora,
-    enable_lora,
-    get_bias_params,
-    get_lora_params,
-    get_lora_state_dict,
-    get_params_by_name,
-    load_multiple_lora,
-    mark_only_lora_as_trainable,
-    name_is_bias,
-    name_is_lora,
-    select_lora,
-    set_fast_path,
-    tie_weights,
-    untie_weights,
-)
+from .utils import (ParameterCount, apply_to_lora, count_parameters, disable_lora, enable_lora, get_bias_params,
+                    get_lora_params, get_lora_state_dict, get_params_by_name, load_multiple_lora,
+                    mark_only_lora_as_trainable, name_is_bias, name_is_lora, select_lora, set_fast_path, tie_weights,
+                    untie_weights)
 
 __all__ = [
     # minLoRA's API
-    "LoRAParametrization",
-    "default_lora_config",
-    "apply_lora",
-    "add_lora",
-    "add_lora_by_name",
-    "merge_lora",
-    "remove_lora",
-    "apply_to_lora",
-    "enable_lora",
-    "disable_lora",
-    "get_params_by_name",
-    "get_lora_params",
-    "get_bias_params",
-    "get_lora_state_dict",
-    "name_is_lora",
-    "name_is_bias",
-    "load_multiple_lora",
-    "select_lora",
-    "tie_weights",
-    "untie_weights",
+    "LoRAParametrization", "default_lora_config", "apply_lora", "add_lora", "add_lora_by_name", "merge_lora",
+    "remove_lora", "apply_to_lora", "enable_lora", "disable_lora", "get_params_by_name", "get_lora_params",
+    "get_bias_params", "get_lora_state_dict", "name_is_lora", "name_is_bias", "load_multiple_lora", "select_lora",
+    "tie_weights", "untie_weights",
     # additions
-    "LoRAConfig",
-    "LoRASite",
-    "lora_sites",
-    "set_fast_path",
-    "mark_only_lora_as_trainable",
-    "count_parameters",
-    "ParameterCount",
-    "save_adapter",
-    "load_adapter",
-    "export_peft_adapter",
-    "import_peft_adapter",
-    "AdapterFileError",
+    "LoRAConfig", "LoRASite", "lora_sites", "set_fast_path", "mark_only_lora_as_trainable", "count_parameters",
+    "ParameterCount", "save_adapter", "load_adapter", "export_peft_adapter", "import_peft_adapter", "AdapterFileError",
 ]
 __version__ = "0.1.0"

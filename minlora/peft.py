@@ -1,17 +1,26 @@
-"""PEFT interop: :func:`export_peft_adapter` / :func:`import_peft_adapter`.
+"""PEFT interop: :func:`export_peft_adapter` / :func:`import_peft_adapter`, no ``peft`` package needed.
 
-The format is what ``peft.PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained`` reads:
-  ``adapter_config.json``          ``peft_type="LORA"``, ``r``, ``lora_alpha``, ``target_modules``, ...
-  ``adapter_model.safetensors``    ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` and
-                                   ``.lora_B.weight`` ``(out, r)`` for linear layers (also for
-                                   ``transformers``' ``Conv1D``: ``fan_in_fan_out`` only changes how
-                                   PEFT merges, not what it stores); ``.lora_embedding_A`` ``(r, V)``
-                                   and ``.lora_embedding_B`` ``(dim, r)`` for embeddings.
-The ``peft`` package is not needed. minlora's own format is in :mod:`minlora.adapters`.
+The format is what ``peft.PeftModel.save_pretrained`` writes: ``adapter_config.json`` (``r``,
+``lora_alpha``, ``target_modules``...) and ``adapter_model.safetensors`` with
+``base_model.model.<module>.lora_A.weight`` ``(r, in)`` / ``.lora_B.weight`` ``(out, r)`` for linear
+layers (``transformers``' ``Conv1D`` too: ``fan_in_fan_out`` changes how PEFT merges, not what it
+stores) and ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B`` ``(dim, r)`` for embeddings.
+
+A model whose PEFT twin differs in layout says so with an optional method (duck typing, so
+minlora knows no model family); every key is optional::
+
+    def peft_adapter_layout(self) -> dict:
+        return {"vocab_size": 50257,  # the twin's real vocabulary
+                "padded_vocab_modules": ["transformer.wte", "lm_head"],  # layers with padded vocab rows
+                "fan_in_fan_out": True}  # the twin's layers are transformers' Conv1D
+
+Padded vocabulary rows are never sampled nor used as inputs: cutting them on export and
+zero-filling them on import is exact.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -23,394 +32,250 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from .adapter_io import (
+from .adapters import (
     AdapterFileError,
-    LoadPlan,
     apply_plans,
-    check_factor_values,
+    check_plans,
     check_store_dtype,
-    family_name,
-    fans,
+    check_values,
     get_module,
-    is_alpha,
-    is_dropout,
-    is_positive_int,
-    json_text,
-    read_json,
+    make_plan,
+    parse_json,
     read_safetensors,
     single_lora,
     write_atomic,
 )
-from .config import raw_weight
+from .config import family_name, raw_weight
 from .model import lora_sites
-from .parametrization import LoRAParametrization
-
-__all__ = ["export_peft_adapter", "import_peft_adapter", "PEFT_WEIGHTS_NAME", "PEFT_CONFIG_NAME", "LAYOUT_METHOD"]
 
 logger = logging.getLogger(__name__)
 
-PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
-PEFT_CONFIG_NAME = "adapter_config.json"
-_PEFT_PREFIX = "base_model.model."
-
-
-# ---------------------------------------------------------------------- model-specific layout (protocol)
-# minlora knows no model family. A model whose PEFT twin differs from it in layout says so with an
-# optional method, which minlora looks up by name (duck typing):
-#
-#     def peft_adapter_layout(self) -> dict:
-#         return {
-#             "vocab_size": 50257,                             # real vocabulary of the twin (optional)
-#             "padded_vocab_modules": ["transformer.wte", "lm_head"],  # layers with padded vocab rows
-#             "fan_in_fan_out": True,                          # twin layers are transformers' Conv1D
-#         }
-#
-# Every key is optional. gpt2.GPT provides it (padded vocabulary, Conv1D twin); a model without the
-# method is exported / imported as it is.
+PEFT_WEIGHTS_NAME, PEFT_CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
 LAYOUT_METHOD = "peft_adapter_layout"
+_PREFIX = "base_model.model."
+_REMEDY = "export or save the PEFT adapter again"
 
 
-def _peft_layout(model: nn.Module, caller: str) -> dict[str, Any]:
+def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, set[int]]:
+    """``(layout, the twin's vocabulary rows, ids of the layers whose vocabulary is padded)``."""
     method = getattr(model, LAYOUT_METHOD, None)
-    if not callable(method):
-        return {}
-    layout = method()
+    layout = method() if callable(method) else {}
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
     if not isinstance(layout, dict) or set(layout) - known:
-        raise TypeError(
-            f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among {sorted(known)}, "
-            f"got {layout!r}"
-        )
-    return layout
+        raise TypeError(f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
+                        f"{sorted(known)}, got {layout!r}")
+    real = layout.get("vocab_size")
+    modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []] if real else []
+    return layout, real, {id(m) for m in modules if raw_weight(m).shape[0] != real}
 
 
-class _VocabPadding:
-    """A model with a padded vocabulary (``gpt2.GPT`` with ``pad_vocab_multiple``): the token
-    embedding and the LM head have ``padded`` rows, the ``transformers`` twin has ``real``. The
-    extra rows are never sampled nor used as inputs, so cutting them on export and zero-filling
-    them on import is exact."""
+def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
+                        fan_in_fan_out: bool | None = None, task_type: str | None = "CAUSAL_LM",
+                        dtype: torch.dtype | None = None) -> Path:
+    """Write the LoRA of ``model`` as a PEFT adapter directory; returns it.
 
-    def __init__(self, padded: int, real: int, module_ids: set[int]) -> None:
-        self.padded, self.real, self.module_ids = padded, real, module_ids
-
-    @classmethod
-    def of(cls, model: nn.Module, layout: dict[str, Any]) -> "_VocabPadding | None":
-        real, names = layout.get("vocab_size"), layout.get("padded_vocab_modules") or []
-        if real is None or not names:
-            return None
-        modules = [model.get_submodule(n) for n in names]
-        padded = {raw_weight(m).shape[0] for m in modules}
-        if len(padded) != 1:
-            raise ValueError(f"{LAYOUT_METHOD}: the padded_vocab_modules {names} disagree on the vocabulary rows")
-        padded_rows = padded.pop()
-        if padded_rows == real:
-            return None
-        return cls(padded_rows, real, {id(m) for m in modules})
-
-    def applies(self, module: nn.Module) -> bool:
-        return id(module) in self.module_ids
-
-
-def export_peft_adapter(
-    model: nn.Module,
-    directory: str | os.PathLike,
-    *,
-    base_model_name_or_path: str | None = None,
-    fan_in_fan_out: bool | None = None,
-    task_type: str | None = "CAUSAL_LM",
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write the LoRA of ``model`` as a PEFT LoRA adapter directory; returns it.
-
-    ``peft.PeftModel.from_pretrained(hf_model, directory)`` then reproduces the LoRA model when
-    ``hf_model`` has the same module names (``transformers.GPT2LMHeadModel`` for a ``gpt2.GPT``;
-    padded vocabulary rows declared by the model's optional ``peft_adapter_layout()`` are cut off).
-    ``fan_in_fan_out`` goes into the config (True when the twin layers are ``transformers``
-    ``Conv1D``; default: what ``peft_adapter_layout()`` says, else False).
-    Layers with a different rank or alpha than the most common one go into PEFT's
-    ``rank_pattern`` / ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight can
-    be expressed; anything else raises ``ValueError``.
+    ``peft.PeftModel.from_pretrained(twin, directory)`` then reproduces the LoRA model when ``twin``
+    has the same module names (``transformers.GPT2LMHeadModel`` for a ``gpt2.GPT``).
+    ``base_model_name_or_path`` goes into the config; ``fan_in_fan_out`` too (default: the model's
+    ``peft_adapter_layout()``, else False). Ranks and alphas other than the most common one go into
+    ``rank_pattern`` / ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight is
+    expressible; anything else is a ``ValueError``.
     """
     sites = lora_sites(model)
     if not sites:
         raise ValueError("export_peft_adapter: the model has no LoRA; call minlora.add_lora(model) first")
     check_store_dtype(dtype, "export_peft_adapter")
-    layout = _peft_layout(model, "export_peft_adapter")
-    vocab = _VocabPadding.of(model, layout)
-    tensors: dict[str, torch.Tensor] = {}
-    loras: dict[str, LoRAParametrization] = {}
+    layout, real, padded = _layout(model, "export_peft_adapter")
+    tensors, loras = {}, {}
     for site in sites:
         lora = single_lora(site, "export_peft_adapter")
+        family, key, cut = family_name(site.module), _PREFIX + site.module_name, id(site.module) in padded
+        A, B = lora.lora_A.detach().to(dtype), lora.lora_B.detach().to(dtype)
         if len(site.plist) != 1 or site.tensor_name != "weight":
-            raise ValueError(
-                f"export_peft_adapter: {site.name} has parametrizations {[type(p).__name__ for p in site.plist]}; "
-                f"PEFT can express a LoRA alone on a layer's weight only"
-            )
-        family = family_name(site.module)
-        key = _PEFT_PREFIX + site.module_name
-        A, B = lora.lora_A.detach(), lora.lora_B.detach()
-        if dtype is not None:
-            A, B = A.to(dtype), B.to(dtype)
+            raise ValueError(f"export_peft_adapter: {site.name} has parametrizations "
+                             f"{[type(p).__name__ for p in site.plist]}; PEFT can express a LoRA alone on a weight only")
         if family == "Linear" and not lora.fan_in_fan_out:
-            if vocab and vocab.applies(site.module):
-                B = B[: vocab.real]  # the LM head's padded vocabulary rows
-            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = A, B
-        elif family == "Embedding" and lora.fan_in_fan_out:
-            if vocab and vocab.applies(site.module):
-                A = A[: vocab.real]
-            # PEFT stores the embedding update transposed: delta^T = B_p @ A_p with A_p (r, V), B_p (dim, r)
-            tensors[key + ".lora_embedding_A"], tensors[key + ".lora_embedding_B"] = A.t(), B.t()
-        elif family == "Conv2d" and not lora.fan_in_fan_out and getattr(site.module, "groups", 1) == 1:
-            weight = site.original  # (out, in, kh, kw)
-            tensors[key + ".lora_A.weight"] = A.reshape(lora.rank, *weight.shape[1:])
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = A, B[:real] if cut else B
+        elif family == "Embedding" and lora.fan_in_fan_out:  # PEFT stores the embedding update transposed
+            tensors[key + ".lora_embedding_A"], tensors[key + ".lora_embedding_B"] = (A[:real] if cut else A).t(), B.t()
+        elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
+            tensors[key + ".lora_A.weight"] = A.reshape(lora.rank, *site.original.shape[1:])
             tensors[key + ".lora_B.weight"] = B.reshape(B.shape[0], lora.rank, 1, 1)
         else:
-            raise ValueError(
-                f"export_peft_adapter: cannot express the LoRA on {site.name} ({type(site.module).__name__}, "
-                f"fan_in_fan_out={lora.fan_in_fan_out}) in PEFT's LoRA format"
-            )
+            raise ValueError(f"export_peft_adapter: cannot express the LoRA on {site.name} ({type(site.module).__name__},"
+                             f" fan_in_fan_out={lora.fan_in_fan_out}) in PEFT's LoRA format")
         loras[site.module_name] = lora
-    tensors = {k: v.cpu().contiguous().clone() for k, v in tensors.items()}
-
-    rslora = {p.use_rslora for p in loras.values()}
-    if len(rslora) != 1:
+    if len({p.use_rslora for p in loras.values()}) != 1:
         raise ValueError("export_peft_adapter: some layers use rsLoRA and some do not; PEFT has one use_rslora flag")
     rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
     alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
-    rank_pattern = {re.escape(n): p.rank for n, p in loras.items() if p.rank != rank}
-    alpha_pattern = {re.escape(n): p.lora_alpha for n, p in loras.items() if p.lora_alpha != alpha}
-    dropouts = {p.lora_dropout_p for p in loras.values()}
+    dropouts = sorted({p.lora_dropout_p for p in loras.values()})
     if len(dropouts) > 1:
         logger.warning("export_peft_adapter: layers use different dropouts %s; PEFT has one, writing the largest",
-                       sorted(dropouts))
-    if fan_in_fan_out is None:
-        fan_in_fan_out = bool(layout.get("fan_in_fan_out", False))
+                       dropouts)
     config = {
-        "peft_type": "LORA",
-        "task_type": task_type,
-        "base_model_name_or_path": base_model_name_or_path,
-        "revision": None,
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": max(dropouts),
-        "target_modules": _compact_targets(model, list(loras)),
-        "exclude_modules": None,
-        "fan_in_fan_out": bool(fan_in_fan_out),
-        "bias": "none",
-        "use_rslora": rslora.pop(),
-        "use_dora": False,
-        "lora_bias": False,
-        "modules_to_save": None,
-        "init_lora_weights": True,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
+        "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
+        "revision": None, "r": rank, "lora_alpha": alpha, "lora_dropout": dropouts[-1],
+        "target_modules": _compact_targets(model, list(loras)), "exclude_modules": None,
+        "fan_in_fan_out": bool(layout.get("fan_in_fan_out", False) if fan_in_fan_out is None else fan_in_fan_out),
+        "bias": "none", "use_rslora": sites[0].lora.use_rslora, "use_dora": False, "lora_bias": False,
+        "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {re.escape(n): p.rank for n, p in loras.items() if p.rank != rank},
+        "alpha_pattern": {re.escape(n): p.lora_alpha for n, p in loras.items() if p.lora_alpha != alpha},
         "inference_mode": True,
     }
+    tensors = {k: v.cpu().contiguous().clone() for k, v in tensors.items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / PEFT_WEIGHTS_NAME, lambda t: save_file(tensors, str(t), metadata={"format": "pt"}))
-    write_atomic(out / PEFT_CONFIG_NAME, lambda t: t.write_text(json_text(config)))
+    write_atomic(out / PEFT_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_atomic(out / PEFT_CONFIG_NAME, lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True)))
     return out
 
 
 def _compact_targets(model: nn.Module, module_names: list[str]) -> list[str]:
-    """Last name components (``["c_attn", "c_fc"]``) when they select exactly these modules in
-    PEFT's suffix matching; the full names otherwise."""
+    """The last name components (``["c_attn", "c_fc"]``) when PEFT's suffix matching selects exactly
+    these modules with them; the full names otherwise."""
     suffixes = sorted({n.rsplit(".", 1)[-1] for n in module_names})
     selected = {n for n, _ in model.named_modules() if n and any(n == s or n.endswith("." + s) for s in suffixes)}
     return suffixes if selected == set(module_names) else sorted(module_names)
 
 
-# Options of a PEFT LoraConfig that change what the adapter computes or holds beyond plain LoRA
-# factors; minlora refuses them rather than load something else.
-_PEFT_UNSUPPORTED = {
-    "use_dora": "DoRA (weight-decomposed LoRA)",
-    "lora_bias": "trainable LoRA biases",
+# PEFT options that change what an adapter computes or holds beyond plain LoRA factors: refused
+# rather than loaded as something else.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (weight-decomposed LoRA)", "lora_bias": "trainable LoRA biases",
     "modules_to_save": "fully trained extra modules (modules_to_save)",
-    "trainable_token_indices": "trainable token embeddings",
-    "layer_replication": "layer replication",
-    "target_parameters": "LoRA on raw parameters (target_parameters)",
-    "alora_invocation_tokens": "activated LoRA (aLoRA)",
-    "use_qalora": "QA-LoRA",
-    "use_bdlora": "block-diagonal LoRA",
-    "arrow_config": "Arrow routing",
-    "kasa_config": "KaSA",
-    "velora_config": "VeLoRA",
-    "monteclora_config": "MonteCLoRA",
+    "trainable_token_indices": "trainable token embeddings", "layer_replication": "layer replication",
+    "target_parameters": "LoRA on raw parameters (target_parameters)", "alora_invocation_tokens": "aLoRA",
+    "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA", "arrow_config": "Arrow routing",
+    "kasa_config": "KaSA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
 }
 
 
-def _check_peft_config(config: dict[str, Any], path: Path) -> None:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _is_alpha(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) != float("inf") and v == v and v != 0
+
+
+def _check_config(config: dict[str, Any], path: Path) -> None:
+    where = f"import_peft_adapter: {path / PEFT_CONFIG_NAME}"
     if config.get("peft_type") != "LORA":
-        raise ValueError(
-            f"import_peft_adapter: {path} is a {config.get('peft_type')!r} adapter; only LORA is supported"
-        )
-    for key, what in _PEFT_UNSUPPORTED.items():
+        raise ValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
+    for key, what in _UNSUPPORTED.items():
         if config.get(key):
-            raise ValueError(
-                f"import_peft_adapter: {path} uses {what} ({key}={config[key]!r}); minlora loads plain LoRA only"
-            )
+            raise ValueError(f"{where} uses {what} ({key}={config[key]!r}); minlora loads plain LoRA only")
     if config.get("bias", "none") != "none":
-        raise ValueError(
-            f"import_peft_adapter: {path} has bias={config['bias']!r} (trained biases saved with the adapter); "
-            f"minlora loads adapters with bias='none' only"
-        )
-
-
-def _check_peft_numbers(config: dict[str, Any], path: Path, remedy: str) -> None:
-    """r / lora_alpha (and their per-layer patterns), lora_dropout and use_rslora: right types, finite."""
-    where = f"import_peft_adapter: {path}"
-    if not is_positive_int(config.get("r", 8)):
-        raise AdapterFileError(f"{where}: r must be a positive integer, got {config.get('r')!r}; {remedy}")
-    if not is_alpha(config.get("lora_alpha", 8)):
-        raise AdapterFileError(
-            f"{where}: lora_alpha must be a finite, non-zero number, got {config.get('lora_alpha')!r}; {remedy}"
-        )
-    for key, ok, what in (("rank_pattern", is_positive_int, "positive integers"),
-                          ("alpha_pattern", is_alpha, "finite, non-zero numbers")):
+        raise ValueError(f"{where} has bias={config['bias']!r} (trained biases saved with the adapter); minlora loads "
+                         f"adapters with bias='none' only")
+    checks = [("r", _is_int(config.get("r", 8)), "a positive integer"),
+              ("lora_alpha", _is_alpha(config.get("lora_alpha", 8)), "a finite, non-zero number"),
+              ("use_rslora", isinstance(config.get("use_rslora", False), bool), "true or false")]
+    dropout = config.get("lora_dropout") or 0.0
+    checks.append(("lora_dropout", isinstance(dropout, (int, float)) and 0 <= dropout < 1, "a number in [0, 1)"))
+    for key, ok in (("rank_pattern", _is_int), ("alpha_pattern", _is_alpha)):
         patterns = config.get(key) or {}
-        if not isinstance(patterns, dict) or not all(isinstance(k, str) and ok(v) for k, v in patterns.items()):
-            raise AdapterFileError(f"{where}: {key} must map module patterns to {what}, got {patterns!r}; {remedy}")
-        for pattern in patterns:
+        good = isinstance(patterns, dict) and all(isinstance(k, str) and ok(v) for k, v in patterns.items())
+        checks.append((key, good, f"a map of module patterns to {'positive integers' if ok is _is_int else 'alphas'}"))
+        for pattern in patterns if good else ():
             try:
                 re.compile(pattern)
             except re.error as e:
-                raise AdapterFileError(f"{where}: {key} key {pattern!r} is not a valid regex ({e}); {remedy}") from None
-    dropout = config.get("lora_dropout", 0.0) or 0.0
-    if not is_dropout(dropout):
-        raise AdapterFileError(f"{where}: lora_dropout must be a number in [0, 1), got {dropout!r}; {remedy}")
-    if not isinstance(config.get("use_rslora", False), bool):
-        raise AdapterFileError(f"{where}: use_rslora must be true or false, got {config['use_rslora']!r}; {remedy}")
+                raise AdapterFileError(f"{where}: {key} key {pattern!r} is not a valid regex ({e}); {_REMEDY}") from None
+    for key, ok, what in checks:
+        if not ok:
+            raise AdapterFileError(f"{where}: {key} must be {what}, got {config.get(key)!r}; {_REMEDY}")
 
 
 def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
     # PEFT's rule (peft.utils.other.get_pattern_key): the first key whose regex matches a dotted suffix.
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module_name):
-            return value
-    return default
+    return next((v for k, v in patterns.items() if re.match(rf"(.*\.)?({k})$", module_name)), default)
+
+
+def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    if (path / PEFT_WEIGHTS_NAME).is_file():
+        return path / PEFT_WEIGHTS_NAME, read_safetensors(path / PEFT_WEIGHTS_NAME, "import_peft_adapter", _REMEDY)[0]
+    file = path / "adapter_model.bin"  # saved with safe_serialization=False
+    if not file.is_file():
+        raise FileNotFoundError(f"import_peft_adapter: {path} has neither {PEFT_WEIGHTS_NAME} nor adapter_model.bin")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged pickle / zip fails in many ways
+        raise AdapterFileError(f"import_peft_adapter: {file} cannot be read ({type(e).__name__}: {e}); {_REMEDY}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise AdapterFileError(f"import_peft_adapter: {file} does not hold a dict of tensors; {_REMEDY}")
+    return file, state
+
+
+_ROLES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "EA", ".lora_embedding_B": "EB"}
 
 
 def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Load a PEFT LoRA adapter directory into ``model`` (module names must match); returns ``model``.
+    """Load a PEFT LoRA adapter directory into ``model`` (same module names); returns ``model``.
 
     Layers without LoRA get one with the adapter's rank and alpha (``rank_pattern`` /
-    ``alpha_pattern`` and ``use_rslora`` honoured); layers with LoRA must have the same rank.
-    Base-layer weights PEFT saves next to an adapted embedding are ignored. Unsupported options
-    (DoRA, biases, modules_to_save...) and any key, shape or rank mismatch raise ``ValueError``
-    before the model is changed.
+    ``alpha_pattern``, ``use_rslora`` honoured); layers with LoRA must have the same rank. Base-layer
+    weights PEFT saves beside an adapted embedding are ignored. Unsupported options and any
+    mismatch raise ``ValueError`` (damaged files :class:`AdapterFileError`) before the model changes.
     """
     path = Path(directory)
-    config_path = path / PEFT_CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(
-            f"import_peft_adapter: {path} has no {PEFT_CONFIG_NAME}; is it a PEFT adapter directory?"
-        )
-    caller = "import_peft_adapter"
-    remedy = "export or save the PEFT adapter again"
-    config = read_json(config_path, caller, remedy)
-    _check_peft_config(config, path)
-    _check_peft_numbers(config, config_path, remedy)
-    weights_path = path / PEFT_WEIGHTS_NAME
-    if weights_path.is_file():
-        state, _ = read_safetensors(weights_path, caller, remedy)
-    elif (path / "adapter_model.bin").is_file():  # adapters saved with safe_serialization=False
-        weights_path = path / "adapter_model.bin"
-        try:
-            state = torch.load(weights_path, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle / zip errors of a damaged file come in many types
-            raise AdapterFileError(
-                f"{caller}: {weights_path} cannot be read ({type(e).__name__}: {e}); the file is damaged or "
-                f"truncated; {remedy}"
-            ) from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise AdapterFileError(f"{caller}: {weights_path} does not hold a dict of tensors; {remedy}")
-    else:
-        raise FileNotFoundError(f"import_peft_adapter: {path} has neither {PEFT_WEIGHTS_NAME} nor adapter_model.bin")
+    if not (path / PEFT_CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"import_peft_adapter: {path} has no {PEFT_CONFIG_NAME}; is it a PEFT adapter directory?")
+    config = parse_json(path / PEFT_CONFIG_NAME, path / PEFT_CONFIG_NAME, "import_peft_adapter", _REMEDY)
+    _check_config(config, path)
+    file, state = _read_weights(path)
     source = f"import_peft_adapter({path})"
-    check_factor_values({k: v for k, v in state.items() if not k.endswith(".base_layer.weight")},
-                         weights_path, source, remedy)
-    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
-    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    use_rslora, dropout = config.get("use_rslora", False), float(config.get("lora_dropout", 0.0) or 0.0)
-
+    state = {k: v for k, v in state.items() if not k.endswith(".base_layer.weight")}
+    check_values(state, file, source, _REMEDY)
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    ignored = []
-    suffixes = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "EA", ".lora_embedding_B": "EB"}
     for key, tensor in state.items():
-        if not key.startswith(_PEFT_PREFIX):
-            raise ValueError(
-                f"{source}: key {key!r} does not start with {_PEFT_PREFIX!r}; not a PEFT LoRA adapter file"
-            )
-        rest = key[len(_PEFT_PREFIX):]
-        if rest.endswith(".base_layer.weight"):
-            ignored.append(key)
-            continue
-        for suffix, role in suffixes.items():
-            if rest.endswith(suffix):
-                factors.setdefault(rest[: -len(suffix)], {})[role] = tensor
-                break
-        else:
-            raise ValueError(
-                f"{source}: unexpected key {key!r}; minlora understands lora_A/lora_B/lora_embedding_A/B only "
-                f"(an adapter name inside the key, like 'lora_A.default.weight', means a raw state dict, "
-                f"not a saved adapter)"
-            )
-    if ignored:
-        logger.info("%s: ignoring %d base-layer weight(s) saved with the adapter, e.g. %s",
-                    source, len(ignored), ignored[0])
+        role = next((r for suffix, r in _ROLES.items() if key.endswith(suffix)), None)
+        if not key.startswith(_PREFIX) or role is None:
+            raise ValueError(f"{source}: unexpected key {key!r} in {file}; minlora reads keys {_PREFIX}<module>"
+                             f"{{{', '.join(_ROLES)}}} (an adapter name in the key, like 'lora_A.default.weight', "
+                             f"means a raw state dict, not a saved adapter)")
+        factors.setdefault(key[len(_PREFIX):].rsplit(".lora_", 1)[0], {})[role] = tensor
     if not factors:
         raise ValueError(f"{source}: the adapter holds no LoRA factors")
-
-    vocab = _VocabPadding.of(model, _peft_layout(model, "import_peft_adapter"))
+    _, real, padded = _layout(model, "import_peft_adapter")
     plans = []
     for module_name, parts in factors.items():
         module = get_module(model, module_name, source)
         family = family_name(module)
         if family is None:
-            raise ValueError(
-                f"{source}: {module_name!r} is a {type(module).__name__}; minlora puts LoRA on nn.Linear, "
-                f"nn.Embedding and nn.Conv2d"
-            )
-        weight = raw_weight(module)
-        fan_in, fan_out, fifo = fans(module, family, weight)
-        rank = int(_pattern_value(rank_pattern, module_name, r_default))
-        alpha = _pattern_value(alpha_pattern, module_name, alpha_default)
-        if family == "Embedding":
-            if set(parts) != {"EA", "EB"}:
-                raise ValueError(
-                    f"{source}: embedding {module_name!r} needs lora_embedding_A and _B, found {sorted(parts)}"
-                )
-            A, B = parts["EA"].t(), parts["EB"].t()  # ours: A (V, r), B (r, dim)
-            A = _pad_vocab_rows(A, fan_in, vocab, module, f"{module_name}.lora_embedding_A", source)
-        else:
-            if set(parts) != {"A", "B"}:
-                raise ValueError(
-                    f"{source}: {module_name!r} needs lora_A.weight and lora_B.weight, found {sorted(parts)}"
-                )
-            A, B = parts["A"], parts["B"]
-            A = A.reshape(A.shape[0], -1)  # conv (r, in, kh, kw) -> (r, in * kh * kw)
-            B = B.reshape(B.shape[0], -1)  # conv (out, r, 1, 1) -> (out, r)
-            B = _pad_vocab_rows(B, fan_out, vocab, module, f"{module_name}.lora_B.weight", source)
-        tensor_rank = A.shape[1] if fifo else A.shape[0]
-        if tensor_rank != rank:
-            raise ValueError(
-                f"{source}: {module_name} has rank-{tensor_rank} factors but the config says r={rank}; "
-                f"adapter_config.json does not match adapter weights"
-            )
-        plans.append(LoadPlan(module_name, module, "weight", rank=rank, lora_alpha=alpha, use_rslora=use_rslora,
-                           dropout=dropout, fan_in=fan_in, fan_out=fan_out, fan_in_fan_out=fifo, lora_A=A, lora_B=B))
-    apply_plans(model, plans, source, strict)
+            raise ValueError(f"{source}: {module_name!r} is a {type(module).__name__}; minlora puts LoRA on "
+                             f"nn.Linear, nn.Embedding and nn.Conv2d")
+        weight, fifo = raw_weight(module), family == "Embedding"
+        fan_in, fan_out = weight.shape if fifo else (weight[0].numel(), weight.shape[0])
+        needed = {"EA", "EB"} if fifo else {"A", "B"}
+        if set(parts) != needed:
+            raise ValueError(f"{source}: {family} {module_name!r} needs {sorted(needed)} factors, found {sorted(parts)}")
+        if fifo:  # ours: A (V, r), B (r, dim)
+            A, B = _pad_rows(parts["EA"].t(), fan_in, real, id(module) in padded, module_name, source), parts["EB"].t()
+        else:  # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
+            A = parts["A"].reshape(parts["A"].shape[0], -1)
+            B = _pad_rows(parts["B"].reshape(parts["B"].shape[0], -1), fan_out, real, id(module) in padded,
+                          module_name, source)
+        rank = int(_pattern_value(config.get("rank_pattern") or {}, module_name, config.get("r", 8)))
+        if (A.shape[1] if fifo else A.shape[0]) != rank:
+            raise ValueError(f"{source}: {module_name} has rank-{A.shape[1] if fifo else A.shape[0]} factors but the "
+                             f"config says r={rank}; adapter_config.json does not match the adapter weights")
+        plans.append(make_plan(module_name, module, "weight", source, {"lora_A": A, "lora_B": B}, fan_in, fan_out,
+                               fifo, rank, _pattern_value(config.get("alpha_pattern") or {}, module_name,
+                                                          config.get("lora_alpha", 8)),
+                               config.get("use_rslora", False), float(config.get("lora_dropout") or 0.0)))
+    check_plans(model, plans, source, strict)
+    apply_plans(plans)
     return model
 
 
-def _pad_vocab_rows(t: torch.Tensor, rows: int, vocab: _VocabPadding | None, module: nn.Module, what: str,
-                    source: str) -> torch.Tensor:
+def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool, module_name: str, source: str) -> torch.Tensor:
     """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
-    if t.shape[0] == rows:
-        return t
-    if vocab is not None and vocab.applies(module) and rows == vocab.padded and t.shape[0] == vocab.real:
-        return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-    raise ValueError(f"{source}: {what} has {t.shape[0]} rows but the model's layer needs {rows}")
+    if padded and t.shape[0] == real and rows > real:
+        return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
+    if t.shape[0] != rows:
+        raise ValueError(f"{source}: the factors of {module_name} have {t.shape[0]} vocabulary / output rows but the "
+                         f"model's layer has {rows}")
+    return t

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from gpt2.config import GPTConfig, TrainConfig
 from gpt2.model import GPT
 from gpt2.trainer import Trainer
-from minlora.adapters import ADAPTER_WEIGHTS_NAME, load_adapter, save_adapter
+from minlora.adapters import ADAPTER_FILE_NAME, load_adapter, save_adapter
 from minlora.config import LoRAConfig
 from minlora.model import add_lora, lora_sites
 from minlora.utils import disable_lora, get_lora_params, mark_only_lora_as_trainable
@@ -154,8 +154,8 @@ def test_lora_with_ddp_matches_one_process(tmp_path, dist_run):
     assert all(r["frozen_ok"] for r in ranks) and single["frozen_ok"]
     assert ranks[0]["losses"] == ranks[1]["losses"]
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-6)
-    adapters = [load_file(str(dist_run.out / "lora" / f"rank{r}" / ADAPTER_WEIGHTS_NAME)) for r in (0, 1)]
-    reference = load_file(str(tmp_path / "single" / "rank0" / ADAPTER_WEIGHTS_NAME))
+    adapters = [load_file(str(dist_run.out / "lora" / f"rank{r}" / ADAPTER_FILE_NAME)) for r in (0, 1)]
+    reference = load_file(str(tmp_path / "single" / "rank0" / ADAPTER_FILE_NAME))
     for name, tensor in reference.items():
         assert torch.equal(adapters[0][name], adapters[1][name]), f"ranks disagree on {name}"
         torch.testing.assert_close(adapters[0][name], tensor, rtol=1e-4, atol=1e-6)
