@@ -1,19 +1,17 @@
-"""minlora's adapter files (:func:`save_adapter` / :func:`load_adapter`), and the file handling and
-all-or-nothing loading that PEFT interop (:mod:`minlora.peft`) shares with them.
+"""minlora's adapter file (:func:`save_adapter` / :func:`load_adapter`), and the file handling and
+all-or-nothing loading that PEFT interop (:mod:`minlora.peft`) shares with it.
 
 An adapter is one safetensors file, ``adapter.safetensors``: tensors ``<module>.<tensor>.lora_A`` /
-``.lora_B``, and under the metadata key ``"minlora"`` the config as JSON (per target: layer type,
+``.lora_B``, and the config as JSON under the metadata key ``"minlora"`` (per target: layer type,
 weight shape, rank, alpha, rsLoRA, dropout; pairs tied with :func:`minlora.tie_weights`). One file
-renamed into place cannot be caught half-written or mixed with another save. Adapters of minlora
-0.1 (``minlora_adapter.json`` + ``minlora_adapter.safetensors``) still load.
+renamed into place is never half-written nor mixed with another save. minlora 0.1's two files
+(``minlora_adapter.json`` + ``minlora_adapter.safetensors``) still load.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,34 +20,35 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import FAMILIES, family_name, raw_weight
+from .config import family_name, raw_weight
 from .model import LoRASite, has_lora, lora_sites, register_lora
 from .parametrization import LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
 LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME = "minlora_adapter.json", "minlora_adapter.safetensors"
-_FORMAT, _VERSION = "minlora.adapter", 2  # version 1: the two-file layout of minlora 0.1
+_FORMAT, _VERSION = "minlora.adapter", 2  # version 1: minlora 0.1's two files
 _REMEDY = "save the adapter again with minlora.save_adapter"
-# What reading a damaged safetensors file raises (the message says what is wrong with it).
-_SAFETENSORS_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
+_SAFETENSORS_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)  # what a damaged file raises
+
+Plan = tuple[LoRASite, LoRAParametrization]  # where to load, and a LoRA built from the file
 
 
 class AdapterFileError(ValueError):
-    """An adapter file that cannot be used: unreadable, truncated, damaged, inconsistent. The message
-    names the file, what is wrong and what to do."""
+    """An adapter file that cannot be used (unreadable, damaged, inconsistent); the message names the
+    file, what is wrong and what to do."""
 
 
 # ---------------------------------------------------------------------- files
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the new
-    one, never a torn one. A stale ``.tmp`` of a crashed save is replaced."""
+    """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the
+    new one, never a torn one. The next save replaces a stale ``.tmp`` a crash left."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(fd)  # the data is on disk before the rename makes it the file
+            os.fsync(fd)  # the data is on disk before the rename publishes it
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -95,21 +94,13 @@ def check_store_dtype(dtype: Any, caller: str) -> None:
         raise ValueError(f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
 
 
+def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
+    if len(site.lora_indices) != 1:
+        raise ValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
+    return site.lora
+
+
 # ---------------------------------------------------------------------- loading, all or nothing
-@dataclass
-class Plan:
-    """One tensor to load: where, and a LoRA built from the file (checked before the model changes)."""
-
-    module_name: str
-    module: nn.Module
-    tensor_name: str
-    lora: LoRAParametrization
-
-    @property
-    def name(self) -> str:
-        return f"{self.module_name}.{self.tensor_name}" if self.module_name else self.tensor_name
-
-
 def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
     try:
         return model.get_submodule(module_name)
@@ -120,142 +111,106 @@ def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
 
 
 @torch.no_grad()
-def make_plan(module_name: str, module: nn.Module, tensor_name: str, source: str, tensors: dict[str, torch.Tensor],
-              fan_in: int, fan_out: int, fan_in_fan_out: bool, rank: int, lora_alpha: float, use_rslora: bool = False,
-              dropout: float = 0.0) -> Plan:
-    lora = LoRAParametrization(fan_in, fan_out, fan_in_fan_out, rank, dropout, lora_alpha, use_rslora=use_rslora)
-    plan = Plan(module_name, module, tensor_name, lora)
+def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], rank: int, lora_alpha: float,
+              use_rslora: bool = False, dropout: float = 0.0) -> Plan:
+    """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight."""
+    weight, family = raw_weight(site.module), family_name(site.module)
+    if family is None or weight is None or site.tensor_name != "weight":
+        raise ValueError(f"{source}: {site.name} is not the weight of an nn.Linear, nn.Embedding or nn.Conv2d, the "
+                         f"layers minlora puts LoRA on")
+    fan_in, fan_out = weight.shape if family == "Embedding" else (weight[0].numel(), weight.shape[0])
+    lora = LoRAParametrization(fan_in, fan_out, family == "Embedding", rank, dropout, lora_alpha, use_rslora=use_rslora)
     for pname, value in tensors.items():
-        param = getattr(lora, pname)
-        if value.shape != param.shape:
-            raise ValueError(f"{source}: the adapter's {pname} for {plan.name} has shape {tuple(value.shape)}; at rank "
-                             f"{rank} this layer needs {tuple(param.shape)}")
-        param.copy_(value)
-    return plan
-
-
-def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
-    if len(site.lora_indices) != 1:
-        raise ValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
-    return site.lora
+        if value.shape != getattr(lora, pname).shape:
+            raise ValueError(f"{source}: the adapter's {pname} for {site.name} has shape {tuple(value.shape)}; at rank "
+                             f"{rank} this layer needs {tuple(getattr(lora, pname).shape)}")
+        getattr(lora, pname).copy_(value)
+    return site, lora
 
 
 def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) -> None:
-    """Everything that could stop a load, checked before anything changes."""
-    for plan in plans:
-        if not has_lora(plan.module, plan.tensor_name):
+    """What could stop a load half-way, checked before anything changes."""
+    for site, new in plans:
+        if not has_lora(site.module, site.tensor_name):
             continue
-        new, old = plan.lora, single_lora(LoRASite(plan.module_name, plan.module, plan.tensor_name), source)
+        old = single_lora(site, source)
         if old.rank != new.rank:
-            raise ValueError(f"{source}: the adapter has rank {new.rank} for {plan.name} but the model's LoRA there has "
-                             f"rank {old.rank}; call minlora.remove_lora(model) and load again (loading into a model "
-                             f"without LoRA adds it at the adapter's rank), or add LoRA with rank={new.rank}")
-        if (old.fan_in, old.fan_out, old.fan_in_fan_out) != (new.fan_in, new.fan_out, new.fan_in_fan_out):
-            raise ValueError(f"{source}: the adapter's LoRA for {plan.name} has (fan_in, fan_out, fan_in_fan_out) = "
-                             f"{(new.fan_in, new.fan_out, new.fan_in_fan_out)}, the model's "
-                             f"{(old.fan_in, old.fan_out, old.fan_in_fan_out)}")
-    extra = [s.name for s in lora_sites(model) if s.name not in {p.name for p in plans}]
+            raise ValueError(f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there "
+                             f"has rank {old.rank}; call minlora.remove_lora(model) and load again (loading into a "
+                             f"model without LoRA adds it at the adapter's rank), or add LoRA with rank={new.rank}")
+        shapes = [tuple(getattr(p, n).shape) for p in (old, new) for n in p.param_names]
+        if shapes[:len(old.param_names)] != shapes[len(old.param_names):]:
+            raise ValueError(f"{source}: the model's LoRA on {site.name} has parameter shapes {old.param_names} = "
+                             f"{shapes[:len(old.param_names)]}, the adapter's {new.param_names} = "
+                             f"{shapes[len(old.param_names):]}; call minlora.remove_lora(model) and load again")
+    extra = [s.name for s in lora_sites(model) if s.name not in {site.name for site, _ in plans}]
     if strict and extra:
         raise ValueError(f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
-                         f"{extra[:3]}; pass strict=False to load anyway (those keep their factors) or remove_lora first")
+                         f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora")
 
 
 @torch.no_grad()
 def apply_plans(plans: list[Plan]) -> None:
-    for plan in plans:
-        if not has_lora(plan.module, plan.tensor_name):
-            register_lora(plan.module, plan.tensor_name, plan.lora)
+    for site, new in plans:
+        if not has_lora(site.module, site.tensor_name):
+            register_lora(site.module, site.tensor_name, new)
             continue
-        lora = LoRASite(plan.module_name, plan.module, plan.tensor_name).lora
-        lora.set_scaling(plan.lora.lora_alpha, plan.lora.use_rslora)  # the adapter was trained with its own
-        for pname in lora.param_names:
-            getattr(lora, pname).copy_(getattr(plan.lora, pname))
+        site.lora.set_scaling(new.lora_alpha, new.use_rslora)  # the adapter was trained with its own
+        for pname in new.param_names:
+            getattr(site.lora, pname).copy_(getattr(new, pname))
 
 
 # ---------------------------------------------------------------------- minlora's format
 def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
-    """Write the LoRA of ``model`` and its config to ``path``: a directory (``adapter.safetensors``
-    inside) or a ``.safetensors`` file path; returns ``path``. ``dtype`` stores the factors in
-    another precision (``torch.bfloat16`` halves the file). The file is replaced atomically."""
+    """Write the LoRA of ``model`` with its config to ``path``, a directory (``adapter.safetensors``
+    inside) or a ``.safetensors`` file; returns ``path``. ``dtype`` stores the factors in another
+    precision (``torch.bfloat16`` halves the file). The file is replaced atomically."""
     check_store_dtype(dtype, "save_adapter")
     sites = lora_sites(model)
     if not sites:
         raise ValueError("save_adapter: the model has no LoRA to save; call minlora.add_lora(model) first")
     path = Path(path)
     file = path if path.suffix == ".safetensors" else path / ADAPTER_FILE_NAME
-    if path.exists() and not path.is_dir() and file == path / ADAPTER_FILE_NAME:
-        raise ValueError(f"save_adapter: {path} exists and is not a directory; pass a directory or a .safetensors path")
+    if path.is_file() and file != path:
+        raise ValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
     tensors, targets = {}, {}
     for site in sites:
         lora = single_lora(site, "save_adapter")
-        if family_name(site.module) is None:
-            raise ValueError(f"save_adapter: {site.name} is a {type(site.module).__name__}, not one of {sorted(FAMILIES)}")
-        targets[site.name] = {
-            "layer": family_name(site.module), "weight_shape": list(site.original.shape), "fan_in": lora.fan_in,
-            "fan_out": lora.fan_out, "fan_in_fan_out": lora.fan_in_fan_out, "rank": lora.rank,
-            "lora_alpha": lora.lora_alpha, "use_rslora": lora.use_rslora, "lora_dropout_p": lora.lora_dropout_p,
-        }
-        for pname in lora.param_names:
-            # clone: safetensors refuses tensors sharing memory (tie_weights shares factors)
+        targets[site.name] = {"layer": family_name(site.module), "weight_shape": list(site.original.shape),
+                              "rank": lora.rank, "lora_alpha": lora.lora_alpha, "use_rslora": lora.use_rslora,
+                              "lora_dropout_p": lora.lora_dropout_p}
+        for pname in lora.param_names:  # clone: safetensors refuses tensors sharing memory (tie_weights)
             tensors[f"{site.name}.{pname}"] = getattr(lora, pname).detach().to(dtype).cpu().contiguous().clone()
     ties = [{"linear": a.name, "embedding": b.name} for a in sites for b in sites
             if b.lora.lora_A is a.lora.lora_B and b.lora.lora_B is a.lora.lora_A and not a.lora.fan_in_fan_out]
-    config = {"format": _FORMAT, "format_version": _VERSION, "targets": targets, "tied": ties,
-              "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}
+    config = {"format": _FORMAT, "format_version": _VERSION, "targets": targets, "tied": ties}
     file.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "minlora": json.dumps(config, sort_keys=True)}
     write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    for old in (LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, LEGACY_WEIGHTS_NAME + ".prev"):
-        (file.parent / old).unlink(missing_ok=True)  # a 0.1 pair left beside it would only confuse
+    for old in (LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME):
+        (file.parent / old).unlink(missing_ok=True)  # an older adapter left beside it would only confuse
     return path
 
 
-def _is_number(v: Any, low: float | None = None, high: float | None = None, integer: bool = False) -> bool:
-    return (isinstance(v, int) if integer else isinstance(v, (int, float))) and not isinstance(v, bool) \
-        and math.isfinite(v) and (low is None or v >= low) and (high is None or v < high)
-
-
-# A target entry: key -> (check, what it must be, required)
-_TARGET_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
-    "layer": (lambda v: v in FAMILIES, f"one of {sorted(FAMILIES)}", True),
-    "weight_shape": (lambda v: isinstance(v, list) and bool(v) and all(_is_number(d, 1, integer=True) for d in v),
-                     "a list of positive integers", True),
-    "fan_in": (lambda v: _is_number(v, 1, integer=True), "a positive integer", True),
-    "fan_out": (lambda v: _is_number(v, 1, integer=True), "a positive integer", True),
-    "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false", True),
-    "rank": (lambda v: _is_number(v, 1, integer=True), "a positive integer", True),
-    "lora_alpha": (lambda v: _is_number(v) and v != 0, "a finite, non-zero number", True),
-    "use_rslora": (lambda v: isinstance(v, bool), "true or false", False),
-    "lora_dropout_p": (lambda v: _is_number(v, 0, 1), "a number in [0, 1)", False),
-}
-
-
 def _check_config(config: dict[str, Any], where: Any) -> None:
+    """The structure; the values are checked as the LoRAs are built from them (:func:`make_plan`)."""
     def fail(what: str) -> None:
         raise AdapterFileError(f"load_adapter: {where}: {what}; {_REMEDY}")
 
     if config.get("format") != _FORMAT:
-        raise AdapterFileError(f"load_adapter: {where} has format={config.get('format')!r}, not {_FORMAT!r}: it is not "
-                               f"a minlora adapter (a PEFT adapter goes to minlora.import_peft_adapter)")
-    version = config.get("format_version")
-    if version not in (1, _VERSION):
-        newer = _is_number(version, _VERSION, integer=True)
-        fail(f"format_version={version!r}; this minlora reads versions 1 and {_VERSION}"
+        fail(f"format={config.get('format')!r}, not {_FORMAT!r}: it is not a minlora adapter (a PEFT adapter goes to "
+             f"minlora.import_peft_adapter)")
+    if config.get("format_version") not in (1, _VERSION):
+        newer = isinstance(config.get("format_version"), int) and config["format_version"] > _VERSION
+        fail(f"format_version={config.get('format_version')!r}, but this minlora reads versions 1 and {_VERSION}"
              + ("; upgrade minlora to load it" if newer else ""))
-    dtype = getattr(torch, str(config.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        fail(f"dtype must name a floating-point torch dtype, got {config.get('dtype')!r}")
     targets = config.get("targets")
-    if not isinstance(targets, dict) or not targets:
-        fail(f"'targets' must be a non-empty object, got {targets!r}")
+    if not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
+        fail(f"'targets' must be a non-empty object of objects, got {targets!r}")
     for name, spec in targets.items():
-        if not isinstance(spec, dict):
-            fail(f"targets[{name!r}] must be an object")
-        for key, (ok, what, required) in _TARGET_FIELDS.items():
-            if key not in spec and required:
+        for key in ("layer", "weight_shape", "rank", "lora_alpha"):
+            if key not in spec:
                 fail(f"targets[{name!r}] lacks the field {key!r}")
-            if key in spec and not ok(spec[key]):
-                fail(f"targets[{name!r}].{key} must be {what}, got {spec[key]!r}")
     tied = config.get("tied", [])
     if not isinstance(tied, list) or not all(isinstance(t, dict) and set(t) == {"linear", "embedding"} and all(
             isinstance(v, str) and v in targets for v in t.values()) for t in tied):
@@ -263,27 +218,30 @@ def _check_config(config: dict[str, Any], where: Any) -> None:
              f"got {tied!r}")
 
 
-def _legacy_weights(directory: Path, config: dict[str, Any]) -> Path:
-    """The weights that belong with a minlora 0.1 config: the files share a save id. A 0.1 save that
-    crashed halfway left the previous weights, still matching the config, in ``.prev``."""
-    weights, previous = directory / LEGACY_WEIGHTS_NAME, directory / (LEGACY_WEIGHTS_NAME + ".prev")
-    save_id = config.get("save_id")
-    if save_id is None or not weights.is_file():
-        return weights
-    ids = {}
-    for candidate in (weights, previous):
-        try:
-            with safe_open(str(candidate), framework="pt") as f:
-                ids[candidate] = (f.metadata() or {}).get("minlora_save_id", "without a save id")
-        except _SAFETENSORS_ERRORS:
-            pass  # missing, or damaged: the reader says how if it is the one used
-        if ids.get(candidate) == save_id:
-            return candidate
-    if weights not in ids:
-        return weights
-    raise AdapterFileError(f"load_adapter: {weights} (save {ids[weights]}) and {directory / LEGACY_CONFIG_NAME} (save "
-                           f"{save_id}) come from two different saves (files copied by hand?); copy both files of one "
-                           f"save, or {_REMEDY}")
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
+    """``(tensors, config, file)`` of the adapter at ``path`` (a directory or the file), config checked."""
+    file = path / ADAPTER_FILE_NAME if path.is_dir() else path
+    if file.is_file():
+        tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
+        if "minlora" not in metadata:
+            raise AdapterFileError(f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
+                                   f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}")
+        config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
+        _check_config(config, file)
+        return tensors, config, file
+    if not (path / LEGACY_CONFIG_NAME).is_file():
+        is_peft = (path / "adapter_config.json").is_file()
+        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" if is_peft else ""
+        raise FileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
+                                f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}")
+    config = parse_json(path / LEGACY_CONFIG_NAME, path / LEGACY_CONFIG_NAME, "load_adapter", _REMEDY)
+    _check_config(config, path / LEGACY_CONFIG_NAME)
+    tensors, metadata = read_safetensors(path / LEGACY_WEIGHTS_NAME, "load_adapter", _REMEDY)
+    if metadata.get("minlora_save_id") != config.get("save_id"):  # minlora 0.1 wrote one id into both files
+        raise AdapterFileError(f"load_adapter: {path / LEGACY_WEIGHTS_NAME} (save {metadata.get('minlora_save_id')}) "
+                               f"and {LEGACY_CONFIG_NAME} (save {config.get('save_id')}) come from two different saves "
+                               f"(files copied by hand?); copy both files of one save, or {_REMEDY}")
+    return tensors, config, path / LEGACY_WEIGHTS_NAME
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
@@ -295,55 +253,32 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     with ``strict``, model LoRA the adapter does not cover raise ``ValueError``; a damaged file
     raises :class:`AdapterFileError` naming it.
     """
-    path = Path(path)
-    file = path / ADAPTER_FILE_NAME if path.is_dir() else path
-    if file.is_file():
-        tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
-        if "minlora" not in metadata:
-            raise AdapterFileError(f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
-                                   f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}")
-        where = file
-        config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
-        _check_config(config, where)
-    elif (path / LEGACY_CONFIG_NAME).is_file():
-        where = path / LEGACY_CONFIG_NAME
-        config = parse_json(where, where, "load_adapter", _REMEDY)
-        _check_config(config, where)
-        file = _legacy_weights(path, config)
-        if not file.is_file():
-            raise FileNotFoundError(f"load_adapter: {path} has {LEGACY_CONFIG_NAME} but no {LEGACY_WEIGHTS_NAME}")
-        tensors, _ = read_safetensors(file, "load_adapter", _REMEDY)
-    else:
-        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" if (path / "adapter_config.json").is_file() \
-            else ""
-        raise FileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
-                                f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}")
+    tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
-    names = {name: ("lora_A", "lora_B") for name in config["targets"]}
-    expected = {f"{name}.{p}" for name, pnames in names.items() for p in pnames}
+    expected = {f"{name}.{p}" for name in config["targets"] for p in ("lora_A", "lora_B")}
     if set(tensors) != expected:
         missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise AdapterFileError(f"{source}: {file} lacks {missing[:4]}; the file is incomplete; {_REMEDY}" if missing
-                               else f"{source}: {file} holds tensors {unexpected[:4]} that its config does not list; "
+                               else f"{source}: {file} holds {unexpected[:4]}, which its config does not list; "
                                     f"{_REMEDY}")
     check_values(tensors, file, source, _REMEDY)
     plans = []
     for name, spec in config["targets"].items():
         module_name, _, tensor_name = name.rpartition(".")
-        module = get_module(model, module_name, source)
-        if family_name(module) != spec["layer"]:
-            raise ValueError(f"{source}: {module_name!r} is a {type(module).__name__} in the model but a "
-                             f"{spec['layer']} in the adapter")
-        weight = raw_weight(module) if tensor_name == "weight" else getattr(module, tensor_name, None)
-        if not isinstance(weight, torch.Tensor) or list(weight.shape) != spec["weight_shape"]:
-            found = tuple(weight.shape) if isinstance(weight, torch.Tensor) else "no such tensor"
-            raise ValueError(f"{source}: {name} is {found} in the model but {tuple(spec['weight_shape'])} in the "
-                             f"adapter; the adapter was made for a model of another shape")
-        plans.append(make_plan(module_name, module, tensor_name, source,
-                               {p: tensors[f"{name}.{p}"] for p in names[name]},
-                               spec["fan_in"], spec["fan_out"], spec["fan_in_fan_out"], spec["rank"],
-                               spec["lora_alpha"], spec.get("use_rslora", False), spec.get("lora_dropout_p", 0.0)))
-    ties = _tie_pairs(plans, config.get("tied", []), source)
+        site = LoRASite(module_name, get_module(model, module_name, source), tensor_name)
+        weight = raw_weight(site.module)
+        if family_name(site.module) != spec["layer"] or weight is None or list(weight.shape) != spec["weight_shape"]:
+            raise ValueError(f"{source}: {name} is a {type(site.module).__name__} weight of shape "
+                             f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} "
+                             f"weight of shape {tuple(spec['weight_shape'])} in the adapter; the adapter was made for "
+                             f"a model of another shape")
+        try:
+            plans.append(make_plan(site, source, {p: tensors[f"{name}.{p}"] for p in ("lora_A", "lora_B")},
+                                   spec["rank"], spec["lora_alpha"], spec.get("use_rslora", False),
+                                   spec.get("lora_dropout_p", 0.0)))
+        except (TypeError, ValueError) as e:  # a bad rank / alpha / dropout, or a factor of the wrong shape
+            raise AdapterFileError(f"{source}: {file}: targets[{name!r}]: {e}; {_REMEDY}") from None
+    ties = _tie_pairs({site.name: (site, lora) for site, lora in plans}, config.get("tied", []), source)
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     for linear, embedding in ties:
@@ -351,19 +286,18 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     return model
 
 
-def _tie_pairs(plans: list[Plan], tied: list[dict[str, str]], source: str) -> list[tuple[nn.Module, nn.Module]]:
-    """``(linear, embedding)`` modules of each tied pair, whose stored factors must hold one update
-    (the embedding's ``lora_A`` is the head's ``lora_B``): tying would otherwise drop values."""
-    by_name, pairs = {p.name: p for p in plans}, []
+def _tie_pairs(plans: dict[str, Plan], tied: list[dict[str, str]], source: str) -> list[tuple[nn.Module, nn.Module]]:
+    """The ``(linear, embedding)`` layers of each tied pair, whose stored factors must hold one update
+    (the embedding's ``lora_A`` is the head's ``lora_B``), else tying would drop values."""
+    pairs = []
     for tie in tied:
-        lin, emb = by_name[tie["linear"]], by_name[tie["embedding"]]
-        if lin.lora.fan_in_fan_out or not emb.lora.fan_in_fan_out or lin.tensor_name != "weight" \
-                or emb.tensor_name != "weight":
-            raise AdapterFileError(f"{source}: the tied pair {tie} must be a linear layer's and an embedding's weight "
-                                   f"LoRA; the config is damaged; {_REMEDY}")
-        if lin.lora.lora_A.shape != emb.lora.lora_B.shape or lin.lora.lora_B.shape != emb.lora.lora_A.shape \
-                or not torch.equal(lin.lora.lora_A, emb.lora.lora_B) or not torch.equal(lin.lora.lora_B, emb.lora.lora_A):
+        (lin_site, lin), (emb_site, emb) = plans[tie["linear"]], plans[tie["embedding"]]
+        if lin.fan_in_fan_out or not emb.fan_in_fan_out:
+            raise AdapterFileError(f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA; "
+                                   f"the config is damaged; {_REMEDY}")
+        if lin.lora_A.shape != emb.lora_B.shape or lin.lora_B.shape != emb.lora_A.shape \
+                or not torch.equal(lin.lora_A, emb.lora_B) or not torch.equal(lin.lora_B, emb.lora_A):
             raise AdapterFileError(f"{source}: the tied pair {tie} does not hold one shared update (the two layers' "
                                    f"factors differ); the file is damaged; {_REMEDY}")
-        pairs.append((lin.module, emb.module))
+        pairs.append((lin_site.module, emb_site.module))
     return pairs

@@ -131,8 +131,9 @@ class LoRAConfig:
         selected, hits = [], {p: 0 for p in self.target_modules or ()}
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
-            if not issubclass(layer_type, self.layer_types) or any(name_matches(name, p) for p in self.exclude_modules) \
-                    or (id(module) in heads and not self.include_lm_head):
+            excluded = any(name_matches(name, p) for p in self.exclude_modules) or (
+                id(module) in heads and not self.include_lm_head)
+            if not issubclass(layer_type, self.layer_types) or excluded:
                 continue
             if self.target_modules is not None:
                 matched = [p for p in self.target_modules if name_matches(name, p)]

@@ -21,21 +21,17 @@ from ._torch_compat import inject_property, parametrize_cache_enabled
 
 
 def check_int(value: Any, what: str) -> int:
-    """``value`` if it is an ``int`` >= 1 (``True`` is not a rank), else ``ValueError`` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a rank
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
     return value
 
 
 def check_float(value: Any, what: str, low: float | None = None, high: float | None = None,
                 low_open: bool = False) -> float:
-    """A finite real ``value`` in ``[low, high)`` (``(low, high)`` with ``low_open``), else ``ValueError``.
-
-    ``math.isfinite`` on purpose: ``nan < 0`` is False, so a range check alone lets NaN through.
-    """
+    """A finite number in ``[low, high)`` (``(low, high)`` with ``low_open``), else ``ValueError`` naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):
+    if not math.isfinite(value):  # first: nan < 0 is False, so a range check alone lets NaN through
         raise ValueError(f"{what} must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low) or high is not None and value >= high:
         hi = "inf" if high is None else f"{high:g}"
@@ -66,7 +62,7 @@ class LoRAParametrization(nn.Module):
     ``(fan_out, rank)``, ``delta = B @ A`` in the weight's ``(out, in)`` layout. ``fan_in_fan_out=True``
     (``nn.Embedding``, weight ``(num_embeddings, dim)``): ``lora_A`` ``(fan_in, rank)``, ``lora_B``
     ``(rank, fan_out)``, ``delta = A @ B``; this lets :func:`minlora.tie_weights` share one update.
-    ``B`` starts at zero; ``A`` has ``nn.Linear``'s init. ``scaling = lora_alpha / rank``
+    ``B`` starts at zero, ``A`` has ``nn.Linear``'s init; ``scaling = lora_alpha / rank``
     (``/ sqrt(rank)`` with ``use_rslora``).
     """
 
@@ -76,9 +72,8 @@ class LoRAParametrization(nn.Module):
         for name, value in (("fan_in", fan_in), ("fan_out", fan_out), ("rank", rank)):
             check_int(value, f"LoRAParametrization: {name}")
         check_float(lora_dropout_p, "LoRAParametrization: lora_dropout_p", low=0.0, high=1.0)
-        # A negative alpha only flips the update; zero would silently switch the adapter off.
-        check_float(lora_alpha, "LoRAParametrization: lora_alpha")
-        if lora_alpha == 0:
+        check_float(lora_alpha, "LoRAParametrization: lora_alpha")  # negative only flips the update, but
+        if lora_alpha == 0:  # zero would silently switch the adapter off
             raise ValueError("LoRAParametrization: lora_alpha must not be 0 (the adapter would do nothing)")
         self.fan_in, self.fan_out, self.fan_in_fan_out, self.rank = fan_in, fan_out, bool(fan_in_fan_out), rank
         self.lora_dropout_p = float(lora_dropout_p)
@@ -114,13 +109,18 @@ class LoRAParametrization(nn.Module):
 
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
         check_float(lora_alpha, "set_scaling: lora_alpha")
-        if use_rslora is not None:
-            self.use_rslora = bool(use_rslora)
+        self.use_rslora = bool(use_rslora) if use_rslora is not None else self.use_rslora
         self.lora_alpha, self.scaling = lora_alpha, self.compute_scaling(lora_alpha, self.rank, self.use_rslora)
 
     @property
     def param_names(self) -> tuple[str, ...]:
         return ("lora_A", "lora_B")
+
+    def enable_lora(self) -> None:
+        self.enabled = True
+
+    def disable_lora(self) -> None:
+        self.enabled = False
 
     # ------------------------------------------------------------------ the weight path
     def delta_weight(self, A: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,7 +137,7 @@ class LoRAParametrization(nn.Module):
             A = A * F.dropout(A.new_ones(mask_shape), self.lora_dropout_p, training=True)
         delta = self.delta_weight(A)
         # Add in the (fp32) LoRA dtype, then cast back: parametrize needs the weight's dtype kept.
-        W = X.to(torch.promote_types(delta.dtype, X.dtype)).reshape(delta.shape)
+        W = X.to(torch.promote_types(delta.dtype, X.dtype)).reshape(delta.shape)  # conv: (out, in * kh * kw)
         return (W + delta).reshape(X.shape).to(X.dtype)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
@@ -145,19 +145,19 @@ class LoRAParametrization(nn.Module):
 
     @torch.no_grad()
     def merged(self, X: torch.Tensor) -> torch.Tensor:
-        """What ``forward`` gives without dropout, computed in fp32 or better; ``X``'s dtype kept."""
+        """``forward(X)`` without dropout, computed in fp32 or better; ``X``'s dtype kept."""
         if not self.enabled:
             return X.clone()
-        # an enclosing autocast would run the matmul in bf16/fp16: a merge must stay in fp32
-        no_autocast = (torch.autocast(X.device.type, enabled=False) if X.device.type in ("cpu", "cuda")
-                       else contextlib.nullcontext())
+        # an enclosing autocast would run the matmul in bf16 / fp16: a merge must stay in fp32
+        no_autocast = torch.autocast(X.device.type, enabled=False) if X.device.type in ("cpu", "cuda") \
+            else contextlib.nullcontext()
         with no_autocast:
             return self._adapt(X.to(torch.promote_types(X.dtype, torch.float32)), dropout=False).to(X.dtype)
 
     # ------------------------------------------------------------------ the fast path
     def _factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # fp32 factors on a low-precision base: compute the branch in the activations' dtype, as
-        # autocast would; the casts are differentiable, so the factors still get fp32 grads.
+        # fp32 factors on a low-precision base: the branch runs in the activations' dtype, as under
+        # autocast; the casts are differentiable, so the factors still get fp32 gradients.
         return self.lora_A.to(dtype), self.lora_B.to(dtype)
 
     def fast_linear(self, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -168,33 +168,25 @@ class LoRAParametrization(nn.Module):
         A, B = self._factors(x.dtype)
         if self.training and self.lora_dropout_p > 0:
             x = F.dropout(x, self.lora_dropout_p, training=True)
-        return out + F.linear(F.linear(x, A) * self.scaling, B)  # scale the rank-r intermediate: cheaper
+        return out + F.linear(F.linear(x, A) * self.scaling, B)  # scaling the rank-r intermediate is cheaper
 
-    def fast_embedding(self, idx: torch.Tensor, W: torch.Tensor, module: nn.Embedding) -> torch.Tensor:
-        out = F.embedding(idx, W, module.padding_idx, None, module.norm_type, module.scale_grad_by_freq,
-                          module.sparse)
+    def fast_embedding(self, idx: torch.Tensor, W: torch.Tensor, layer: nn.Embedding) -> torch.Tensor:
+        out = F.embedding(idx, W, layer.padding_idx, None, layer.norm_type, layer.scale_grad_by_freq, layer.sparse)
         if not self.enabled:
             return out
         A, B = self._factors(out.dtype)
-        after_a = F.embedding(idx, A, padding_idx=module.padding_idx)  # (..., r)
-        if self.training and self.lora_dropout_p > 0:
-            # an embedding's input is one-hot: dropping it drops the token's whole update
+        after_a = F.embedding(idx, A, padding_idx=layer.padding_idx)  # (..., r)
+        if self.training and self.lora_dropout_p > 0:  # the input is one-hot: drop the token's whole update
             after_a = after_a * F.dropout(after_a.new_ones(idx.shape + (1,)), self.lora_dropout_p, training=True)
         return out + (after_a * self.scaling) @ B
 
-    # ------------------------------------------------------------------ minLoRA methods
-    def enable_lora(self) -> None:
-        self.enabled = True
-
-    def disable_lora(self) -> None:
-        self.enabled = False
-
-    # Adapters kept side by side (load_multiple_lora / select_lora): non-persistent buffers, so they
-    # follow .to() with the module but stay out of state_dict.
+    # ------------------------------------------------------------------ several adapters
+    # load_multiple_lora keeps each adapter in non-persistent buffers: they follow .to() with the
+    # module but stay out of state_dict.
     def store_adapter(self) -> None:
         for name in self.param_names:
-            self.register_buffer(f"stored_{name}_{self._num_stored}", getattr(self, name).detach().clone(),
-                                 persistent=False)
+            value = getattr(self, name).detach().clone()
+            self.register_buffer(f"stored_{name}_{self._num_stored}", value, persistent=False)
         self._num_stored += 1
 
     def clear_stored_adapters(self) -> None:
@@ -212,26 +204,24 @@ class LoRAParametrization(nn.Module):
             getattr(self, name).copy_(getattr(self, f"stored_{name}_{index % self._num_stored}"))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
-        # minLoRA kept a persistent all-ones `lora_dropout_mask` buffer: ignore it so its full state
-        # dicts still load with strict=True.
+        # minLoRA's persistent all-ones `lora_dropout_mask`: ignored, so its state dicts load strictly
         state_dict.pop(prefix + "lora_dropout_mask", None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={getattr(self, k)}" for k in ("fan_in", "fan_out", "rank", "lora_alpha", "scaling",
-                                                               "lora_dropout_p", "fan_in_fan_out", "enabled"))
+        keys = ("fan_in", "fan_out", "rank", "lora_alpha", "scaling", "lora_dropout_p", "fan_in_fan_out", "enabled")
+        return ", ".join(f"{k}={getattr(self, k)}" for k in keys)
 
 
 # ---------------------------------------------------------------------- the fast forward
 def _fast_lora(module: nn.Module, fan_in_fan_out: bool) -> LoRAParametrization | None:
-    """The LoRA the fast path may use, or None: the layer then runs its ordinary forward."""
-    if parametrize_cache_enabled() or "weight" not in module.parametrizations:
+    """The LoRA the fast path may use, or None: the layer runs its ordinary forward (the weight path),
+    inside ``parametrize.cached()`` or with parametrizations stacked (only the weight path composes)."""
+    plist = module.parametrizations["weight"] if "weight" in module.parametrizations else []
+    lora = plist[0] if len(plist) == 1 else None
+    if not isinstance(lora, LoRAParametrization) or not lora.fast_path or lora.fan_in_fan_out != fan_in_fan_out \
+            or parametrize_cache_enabled():
         return None
-    plist = module.parametrizations["weight"]
-    lora = plist[0]
-    if len(plist) != 1 or not isinstance(lora, LoRAParametrization) or not lora.fast_path \
-            or lora.fan_in_fan_out != fan_in_fan_out:
-        return None  # stacked parametrizations compose only on the weight path
     return lora
 
 
@@ -261,35 +251,32 @@ _FAST_FORWARDS = {nn.Linear.forward: _lora_linear_forward, nn.Embedding.forward:
 def _lora_class(base: type) -> type:
     dct: dict[str, Any] = {"_minlora_base": base, "__deepcopy__": _deepcopy_parametrized,
                            "__reduce_ex__": _reduce_parametrized}
-    fast_forward = _FAST_FORWARDS.get(getattr(base, "forward", None))
-    if fast_forward is not None:
-        dct["forward"] = fast_forward
+    if getattr(base, "forward", None) in _FAST_FORWARDS:
+        dct["forward"] = _FAST_FORWARDS[base.forward]
     return type(f"Parametrized{base.__name__}", (base,), dct)
 
 
-def install_lora_class(module: nn.Module, base: type | None = None) -> None:
+def install_lora_class(module: nn.Module, base: type | None = None) -> nn.Module:
     """Give the parametrized ``module`` a class of its own (one per module: properties live on it)."""
-    if base is None:
-        if "_minlora_base" in type(module).__dict__:
-            return
-        base = parametrize.type_before_parametrizations(module)
-    module.__class__ = _lora_class(base)
+    if base is None and "_minlora_base" in type(module).__dict__:
+        return module
+    module.__class__ = _lora_class(base or parametrize.type_before_parametrizations(module))
     for tensor_name in module.parametrizations.keys():
         inject_property(module, tensor_name)
+    return module
 
 
 def _deepcopy_parametrized(self: nn.Module, memo: dict) -> nn.Module:
-    if id(self) in memo:
-        return memo[id(self)]
-    base = type(self)._minlora_base
-    replica = memo[id(self)] = base.__new__(base)
-    replica.__dict__ = copy.deepcopy(self.__dict__, memo)
-    install_lora_class(replica, base)
-    return replica
+    if id(self) not in memo:
+        base = type(self)._minlora_base
+        replica = memo[id(self)] = base.__new__(base)
+        replica.__dict__ = copy.deepcopy(self.__dict__, memo)
+        install_lora_class(replica, base)
+    return memo[id(self)]
 
 
 def _reduce_parametrized(self: nn.Module, protocol: int) -> tuple:
-    return (_rebuild_parametrized, (type(self)._minlora_base, tuple(self.parametrizations.keys())), self.__dict__)
+    return _rebuild_parametrized, (type(self)._minlora_base, tuple(self.parametrizations.keys())), self.__dict__
 
 
 def _rebuild_parametrized(base: type, tensor_names: tuple[str, ...]) -> nn.Module:

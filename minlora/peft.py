@@ -46,7 +46,8 @@ from .adapters import (
     write_atomic,
 )
 from .config import family_name, raw_weight
-from .model import lora_sites
+from .model import LoRASite, lora_sites
+from .parametrization import check_float, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, base_
         A, B = lora.lora_A.detach().to(dtype), lora.lora_B.detach().to(dtype)
         if len(site.plist) != 1 or site.tensor_name != "weight":
             raise ValueError(f"export_peft_adapter: {site.name} has parametrizations "
-                             f"{[type(p).__name__ for p in site.plist]}; PEFT can express a LoRA alone on a weight only")
+                             f"{[type(p).__name__ for p in site.plist]}; PEFT expresses a LoRA alone on a weight only")
         if family == "Linear" and not lora.fan_in_fan_out:
             tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = A, B[:real] if cut else B
         elif family == "Embedding" and lora.fan_in_fan_out:  # PEFT stores the embedding update transposed
@@ -102,8 +103,8 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, base_
             tensors[key + ".lora_A.weight"] = A.reshape(lora.rank, *site.original.shape[1:])
             tensors[key + ".lora_B.weight"] = B.reshape(B.shape[0], lora.rank, 1, 1)
         else:
-            raise ValueError(f"export_peft_adapter: cannot express the LoRA on {site.name} ({type(site.module).__name__},"
-                             f" fan_in_fan_out={lora.fan_in_fan_out}) in PEFT's LoRA format")
+            raise ValueError(f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
+                             f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})")
         loras[site.module_name] = lora
     if len({p.use_rslora for p in loras.values()}) != 1:
         raise ValueError("export_peft_adapter: some layers use rsLoRA and some do not; PEFT has one use_rslora flag")
@@ -140,24 +141,14 @@ def _compact_targets(model: nn.Module, module_names: list[str]) -> list[str]:
     return suffixes if selected == set(module_names) else sorted(module_names)
 
 
-# PEFT options that change what an adapter computes or holds beyond plain LoRA factors: refused
-# rather than loaded as something else.
-_UNSUPPORTED = {
-    "use_dora": "DoRA (weight-decomposed LoRA)", "lora_bias": "trainable LoRA biases",
-    "modules_to_save": "fully trained extra modules (modules_to_save)",
-    "trainable_token_indices": "trainable token embeddings", "layer_replication": "layer replication",
-    "target_parameters": "LoRA on raw parameters (target_parameters)", "alora_invocation_tokens": "aLoRA",
-    "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA", "arrow_config": "Arrow routing",
-    "kasa_config": "KaSA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
-}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _is_alpha(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) != float("inf") and v == v and v != 0
+# PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not
+# loaded as something else.
+_UNSUPPORTED = {"use_dora": "DoRA (weight-decomposed LoRA)", "lora_bias": "trainable LoRA biases",
+                "modules_to_save": "fully trained extra modules", "layer_replication": "layer replication",
+                "trainable_token_indices": "trainable token embeddings", "target_parameters": "LoRA on raw parameters",
+                "alora_invocation_tokens": "aLoRA", "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA",
+                "arrow_config": "Arrow routing", "kasa_config": "KaSA", "velora_config": "VeLoRA",
+                "monteclora_config": "MonteCLoRA"}
 
 
 def _check_config(config: dict[str, Any], path: Path) -> None:
@@ -170,43 +161,26 @@ def _check_config(config: dict[str, Any], path: Path) -> None:
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where} has bias={config['bias']!r} (trained biases saved with the adapter); minlora loads "
                          f"adapters with bias='none' only")
-    checks = [("r", _is_int(config.get("r", 8)), "a positive integer"),
-              ("lora_alpha", _is_alpha(config.get("lora_alpha", 8)), "a finite, non-zero number"),
-              ("use_rslora", isinstance(config.get("use_rslora", False), bool), "true or false")]
-    dropout = config.get("lora_dropout") or 0.0
-    checks.append(("lora_dropout", isinstance(dropout, (int, float)) and 0 <= dropout < 1, "a number in [0, 1)"))
-    for key, ok in (("rank_pattern", _is_int), ("alpha_pattern", _is_alpha)):
-        patterns = config.get(key) or {}
-        good = isinstance(patterns, dict) and all(isinstance(k, str) and ok(v) for k, v in patterns.items())
-        checks.append((key, good, f"a map of module patterns to {'positive integers' if ok is _is_int else 'alphas'}"))
-        for pattern in patterns if good else ():
-            try:
+    try:  # the checks LoRAConfig uses, their messages naming the field
+        check_int(config.get("r", 8), "r")
+        check_float(config.get("lora_alpha", 8), "lora_alpha")
+        check_float(config.get("lora_dropout") or 0.0, "lora_dropout", low=0.0, high=1.0)
+        for key, check in (("rank_pattern", check_int), ("alpha_pattern", check_float)):
+            patterns = config.get(key) or {}
+            if not isinstance(patterns, dict):
+                raise ValueError(f"{key} must be a map of module patterns to values, got {patterns!r}")
+            for pattern, value in patterns.items():
+                check(value, f"{key}[{pattern!r}]")
                 re.compile(pattern)
-            except re.error as e:
-                raise AdapterFileError(f"{where}: {key} key {pattern!r} is not a valid regex ({e}); {_REMEDY}") from None
-    for key, ok, what in checks:
-        if not ok:
-            raise AdapterFileError(f"{where}: {key} must be {what}, got {config.get(key)!r}; {_REMEDY}")
+    except (ValueError, TypeError, re.error) as e:
+        raise AdapterFileError(f"{where}: {e}; {_REMEDY}") from None
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise AdapterFileError(f"{where}: use_rslora must be true or false, got {config['use_rslora']!r}; {_REMEDY}")
 
 
 def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
     # PEFT's rule (peft.utils.other.get_pattern_key): the first key whose regex matches a dotted suffix.
     return next((v for k, v in patterns.items() if re.match(rf"(.*\.)?({k})$", module_name)), default)
-
-
-def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    if (path / PEFT_WEIGHTS_NAME).is_file():
-        return path / PEFT_WEIGHTS_NAME, read_safetensors(path / PEFT_WEIGHTS_NAME, "import_peft_adapter", _REMEDY)[0]
-    file = path / "adapter_model.bin"  # saved with safe_serialization=False
-    if not file.is_file():
-        raise FileNotFoundError(f"import_peft_adapter: {path} has neither {PEFT_WEIGHTS_NAME} nor adapter_model.bin")
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged pickle / zip fails in many ways
-        raise AdapterFileError(f"import_peft_adapter: {file} cannot be read ({type(e).__name__}: {e}); {_REMEDY}") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise AdapterFileError(f"import_peft_adapter: {file} does not hold a dict of tensors; {_REMEDY}")
-    return file, state
 
 
 _ROLES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "EA", ".lora_embedding_B": "EB"}
@@ -221,11 +195,14 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     mismatch raise ``ValueError`` (damaged files :class:`AdapterFileError`) before the model changes.
     """
     path = Path(directory)
-    if not (path / PEFT_CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"import_peft_adapter: {path} has no {PEFT_CONFIG_NAME}; is it a PEFT adapter directory?")
+    file = path / PEFT_WEIGHTS_NAME
+    if not (path / PEFT_CONFIG_NAME).is_file() or not file.is_file():
+        raise FileNotFoundError(f"import_peft_adapter: {path} needs {PEFT_CONFIG_NAME} and {PEFT_WEIGHTS_NAME} (an "
+                                f"adapter_model.bin: load it with peft and save_pretrained it again, which writes "
+                                f"safetensors)")
     config = parse_json(path / PEFT_CONFIG_NAME, path / PEFT_CONFIG_NAME, "import_peft_adapter", _REMEDY)
     _check_config(config, path)
-    file, state = _read_weights(path)
+    state, _ = read_safetensors(file, "import_peft_adapter", _REMEDY)
     source = f"import_peft_adapter({path})"
     state = {k: v for k, v in state.items() if not k.endswith(".base_layer.weight")}
     check_values(state, file, source, _REMEDY)
@@ -233,49 +210,40 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     for key, tensor in state.items():
         role = next((r for suffix, r in _ROLES.items() if key.endswith(suffix)), None)
         if not key.startswith(_PREFIX) or role is None:
-            raise ValueError(f"{source}: unexpected key {key!r} in {file}; minlora reads keys {_PREFIX}<module>"
-                             f"{{{', '.join(_ROLES)}}} (an adapter name in the key, like 'lora_A.default.weight', "
-                             f"means a raw state dict, not a saved adapter)")
+            raise ValueError(f"{source}: unexpected key {key!r} in {file}; minlora reads {_PREFIX}<module> followed by "
+                             f"one of {list(_ROLES)} (an adapter name in the key, as in 'lora_A.default.weight', means "
+                             f"a raw state dict, not a saved adapter)")
         factors.setdefault(key[len(_PREFIX):].rsplit(".lora_", 1)[0], {})[role] = tensor
     if not factors:
         raise ValueError(f"{source}: the adapter holds no LoRA factors")
     _, real, padded = _layout(model, "import_peft_adapter")
     plans = []
     for module_name, parts in factors.items():
-        module = get_module(model, module_name, source)
-        family = family_name(module)
-        if family is None:
-            raise ValueError(f"{source}: {module_name!r} is a {type(module).__name__}; minlora puts LoRA on "
-                             f"nn.Linear, nn.Embedding and nn.Conv2d")
-        weight, fifo = raw_weight(module), family == "Embedding"
-        fan_in, fan_out = weight.shape if fifo else (weight[0].numel(), weight.shape[0])
-        needed = {"EA", "EB"} if fifo else {"A", "B"}
-        if set(parts) != needed:
-            raise ValueError(f"{source}: {family} {module_name!r} needs {sorted(needed)} factors, found {sorted(parts)}")
-        if fifo:  # ours: A (V, r), B (r, dim)
-            A, B = _pad_rows(parts["EA"].t(), fan_in, real, id(module) in padded, module_name, source), parts["EB"].t()
+        site = LoRASite(module_name, get_module(model, module_name, source), "weight")
+        weight, pad = raw_weight(site.module), id(site.module) in padded
+        embedding = family_name(site.module) == "Embedding"
+        if set(parts) != ({"EA", "EB"} if embedding else {"A", "B"}):
+            raise ValueError(f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are "
+                             f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise")
+        if embedding:  # ours: A (V, r), B (r, dim)
+            A, B = _pad_rows(parts["EA"].t(), weight.shape[0], real, pad, source), parts["EB"].t()
         else:  # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
             A = parts["A"].reshape(parts["A"].shape[0], -1)
-            B = _pad_rows(parts["B"].reshape(parts["B"].shape[0], -1), fan_out, real, id(module) in padded,
-                          module_name, source)
-        rank = int(_pattern_value(config.get("rank_pattern") or {}, module_name, config.get("r", 8)))
-        if (A.shape[1] if fifo else A.shape[0]) != rank:
-            raise ValueError(f"{source}: {module_name} has rank-{A.shape[1] if fifo else A.shape[0]} factors but the "
-                             f"config says r={rank}; adapter_config.json does not match the adapter weights")
-        plans.append(make_plan(module_name, module, "weight", source, {"lora_A": A, "lora_B": B}, fan_in, fan_out,
-                               fifo, rank, _pattern_value(config.get("alpha_pattern") or {}, module_name,
-                                                          config.get("lora_alpha", 8)),
-                               config.get("use_rslora", False), float(config.get("lora_dropout") or 0.0)))
+            B = _pad_rows(parts["B"].reshape(parts["B"].shape[0], -1), weight.shape[0], real, pad, source)
+        rank = _pattern_value(config.get("rank_pattern") or {}, module_name, config.get("r", 8))
+        if (A.shape[1] if embedding else A.shape[0]) != rank:
+            raise ValueError(f"{source}: {module_name} has rank-{A.shape[1] if embedding else A.shape[0]} factors but "
+                             f"the config says r={rank}; adapter_config.json does not match the adapter weights")
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, module_name, config.get("lora_alpha", 8))
+        plans.append(make_plan(site, source, {"lora_A": A, "lora_B": B}, rank, alpha, config.get("use_rslora", False),
+                               float(config.get("lora_dropout") or 0.0)))
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model
 
 
-def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool, module_name: str, source: str) -> torch.Tensor:
+def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool, source: str) -> torch.Tensor:
     """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
     if padded and t.shape[0] == real and rows > real:
         return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
-    if t.shape[0] != rows:
-        raise ValueError(f"{source}: the factors of {module_name} have {t.shape[0]} vocabulary / output rows but the "
-                         f"model's layer has {rows}")
-    return t
+    return t  # a wrong row count is caught with the other shapes (make_plan)

@@ -106,7 +106,6 @@ CONFIG_DAMAGE = {
     "no config": (lambda p: rewrite(p, metadata_fn=lambda m: m.pop("minlora")), "no minlora config"),
     "unknown format": (lambda p: edit_config(p, lambda c: c.update(format="something.else")), "not a minlora adapter"),
     "newer version": (lambda p: edit_config(p, lambda c: c.update(format_version=99)), "upgrade minlora"),
-    "bad dtype": (lambda p: edit_config(p, lambda c: c.update(dtype="int8")), "floating-point torch dtype"),
     "no targets": (lambda p: edit_config(p, lambda c: c.pop("targets")), "'targets' must be a non-empty object"),
     "rank as text": (lambda p: edit_config(p, lambda c: last_target(c).update(rank="2")),
                      r"rank must be a positive integer"),
@@ -426,8 +425,8 @@ PEFT_DAMAGE = {
     "r as text": (lambda p: edit_peft_config(p, r="2"), "r must be a positive integer", PEFT_CONFIG_NAME),
     "alpha inf": (lambda p: edit_peft_config(p, lora_alpha=float("inf")), "lora_alpha must be a finite",
                   PEFT_CONFIG_NAME),
-    "bad rank_pattern": (lambda p: edit_peft_config(p, rank_pattern={"c_fc": 0}), "rank_pattern must be a map",
-                         PEFT_CONFIG_NAME),
+    "bad rank_pattern": (lambda p: edit_peft_config(p, rank_pattern={"c_fc": 0}),
+                         r"rank_pattern\['c_fc'\] must be a positive integer", PEFT_CONFIG_NAME),
     "truncated weights": (lambda p: (p / PEFT_WEIGHTS_NAME).write_bytes((p / PEFT_WEIGHTS_NAME).read_bytes()[:-40]),
                           "not a readable safetensors file", PEFT_WEIGHTS_NAME),
     "NaN factor": (lambda p: save_file({k: (v.fill_(float("nan")) if k == last_key(load_file(str(p / PEFT_WEIGHTS_NAME)))
