@@ -10,7 +10,8 @@ A drop-in superset of cccntu/minLoRA (same names and behaviour) with what it get
     minlora.save_adapter(model, "out/adapter")
 """
 
-from .adapters import AdapterFileError, load_adapter, save_adapter
+from .adapters import (AdapterBaseMismatchError, AdapterFileError, NonFiniteAdapterError, base_fingerprint,
+                       load_adapter, save_adapter)
 from .config import LoRAConfig
 from .model import (LoRAParametrization, LoRASite, add_lora, add_lora_by_name, apply_lora, default_lora_config,
                     lora_sites, merge_lora, remove_lora)
@@ -29,5 +30,6 @@ __all__ = [
     # additions
     "LoRAConfig", "LoRASite", "lora_sites", "set_fast_path", "mark_only_lora_as_trainable", "count_parameters",
     "ParameterCount", "save_adapter", "load_adapter", "export_peft_adapter", "import_peft_adapter", "AdapterFileError",
+    "NonFiniteAdapterError", "AdapterBaseMismatchError", "base_fingerprint",
 ]
 __version__ = "0.1.0"

@@ -1,17 +1,20 @@
 """minlora's adapter file (:func:`save_adapter` / :func:`load_adapter`), and the file handling and
-all-or-nothing loading that PEFT interop (:mod:`minlora.peft`) shares with it.
+all-or-nothing loading that PEFT interop (:mod:`minlora.peft`) shares.
 
-An adapter is one safetensors file, ``adapter.safetensors``: tensors ``<module>.<tensor>.lora_A`` /
-``.lora_B``, and the config as JSON under the metadata key ``"minlora"`` (per target: layer type,
-weight shape, rank, alpha, rsLoRA, dropout; pairs tied with :func:`minlora.tie_weights`). One file
-renamed into place is never half-written nor mixed with another save. minlora 0.1's two files
-(``minlora_adapter.json`` + ``minlora_adapter.safetensors``) still load.
+An adapter is one ``adapter.safetensors``: tensors ``<module>.<tensor>.lora_A`` / ``.lora_B``, and
+as JSON under the metadata key ``"minlora"`` the config (per target: layer type, weight shape,
+rank, alpha, rsLoRA, dropout), tied pairs and the base model's fingerprint. One file renamed into
+place is never half-written nor mixed with another save. minlora 0.1's two files still load.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,29 +29,42 @@ from .parametrization import LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
-LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME = "minlora_adapter.json", "minlora_adapter.safetensors"
+LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME = "minlora_adapter.json", "minlora_adapter.safetensors"  # minlora 0.1
 _FORMAT, _VERSION = "minlora.adapter", 2  # version 1: minlora 0.1's two files
 _REMEDY = "save the adapter again with minlora.save_adapter"
 _SAFETENSORS_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)  # what a damaged file raises
-
 Plan = tuple[LoRASite, LoRAParametrization]  # where to load, and a LoRA built from the file
+logger = logging.getLogger(__name__)
 
 
 class AdapterFileError(ValueError):
-    """An adapter file that cannot be used (unreadable, damaged, inconsistent); the message names the
-    file, what is wrong and what to do."""
+    """An adapter file that cannot be used; the message names it, what is wrong and what to do."""
+
+
+class NonFiniteAdapterError(AdapterFileError):
+    """NaN / inf adapter weights: in a file being loaded, or in a model being saved (nothing is written)."""
+
+
+class AdapterBaseMismatchError(ValueError):
+    """The adapter was saved from another base model than the one it is loaded into (:func:`base_fingerprint`)."""
 
 
 # ---------------------------------------------------------------------- files
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the
-    new one, never a torn one. The next save replaces a stale ``.tmp`` a crash left."""
+    """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the new
+    one, never a torn one. A stale ``.tmp`` a crash left is replaced."""
     tmp = path.with_name(path.name + ".tmp")
     try:
+        tmp.unlink(missing_ok=True)
+        # Created with 0o666 so the kernel applies the user's umask (reading the umask means setting
+        # it, which races with other threads); mkstemp's 0o600 would make every file private.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = stat.S_IMODE(tmp.stat().st_mode)
         write(tmp)
+        os.chmod(tmp, mode)  # 0o666 & ~umask, whatever write() did
         fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(fd)  # the data is on disk before the rename publishes it
+            os.fsync(fd)  # on disk before the rename publishes it
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -85,13 +101,23 @@ def check_values(tensors: dict[str, torch.Tensor], where: Any, caller: str, reme
         if not t.is_floating_point():
             raise AdapterFileError(f"{caller}: {where}: {key} has dtype {t.dtype}, not a floating-point one; {remedy}")
         if not torch.isfinite(t).all():
-            raise AdapterFileError(f"{caller}: {where}: {key} holds {int((~torch.isfinite(t)).sum())} NaN/inf "
-                                   f"value(s) (training diverged, or the file is damaged); {remedy}")
+            raise NonFiniteAdapterError(f"{caller}: {where}: {key} holds {int((~torch.isfinite(t)).sum())} NaN/inf "
+                                        f"value(s); {remedy}")
 
 
-def check_store_dtype(dtype: Any, caller: str) -> None:
+def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASite], dict[str, torch.Tensor]]:
+    """The LoRA sites of ``model`` and their parameters ``<site>.<param>`` on the CPU, finite, in ``dtype``."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+    sites = lora_sites(model)
+    if not sites:
+        raise ValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
+    # clones: safetensors refuses tensors sharing memory (tie_weights)
+    tensors = {f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous()
+               .clone() for site in sites for name in site.lora.param_names}
+    check_values(tensors, "the model's LoRA", caller, "nothing was written; the adapter diverged in training: resume "
+                                                      "from a checkpoint before it did, with a lower learning rate")
+    return sites, tensors
 
 
 def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
@@ -120,29 +146,26 @@ def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], ran
                          f"layers minlora puts LoRA on")
     fan_in, fan_out = weight.shape if family == "Embedding" else (weight[0].numel(), weight.shape[0])
     lora = LoRAParametrization(fan_in, fan_out, family == "Embedding", rank, dropout, lora_alpha, use_rslora=use_rslora)
-    for pname, value in tensors.items():
-        if value.shape != getattr(lora, pname).shape:
-            raise ValueError(f"{source}: the adapter's {pname} for {site.name} has shape {tuple(value.shape)}; at rank "
-                             f"{rank} this layer needs {tuple(getattr(lora, pname).shape)}")
-        getattr(lora, pname).copy_(value)
+    for name, value in tensors.items():
+        if value.shape != getattr(lora, name).shape:
+            raise ValueError(f"{source}: the adapter's {name} for {site.name} has shape {tuple(value.shape)}; at rank "
+                             f"{rank} this layer needs {tuple(getattr(lora, name).shape)}")
+        getattr(lora, name).copy_(value)
     return site, lora
 
 
 def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) -> None:
     """What could stop a load half-way, checked before anything changes."""
     for site, new in plans:
-        if not has_lora(site.module, site.tensor_name):
-            continue
-        old = single_lora(site, source)
+        old = single_lora(site, source) if has_lora(site.module, site.tensor_name) else new
         if old.rank != new.rank:
             raise ValueError(f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there "
                              f"has rank {old.rank}; call minlora.remove_lora(model) and load again (loading into a "
                              f"model without LoRA adds it at the adapter's rank), or add LoRA with rank={new.rank}")
-        shapes = [tuple(getattr(p, n).shape) for p in (old, new) for n in p.param_names]
-        if shapes[:len(old.param_names)] != shapes[len(old.param_names):]:
-            raise ValueError(f"{source}: the model's LoRA on {site.name} has parameter shapes {old.param_names} = "
-                             f"{shapes[:len(old.param_names)]}, the adapter's {new.param_names} = "
-                             f"{shapes[len(old.param_names):]}; call minlora.remove_lora(model) and load again")
+        shapes = [{n: tuple(getattr(p, n).shape) for n in p.param_names} for p in (old, new)]
+        if shapes[0] != shapes[1]:
+            raise ValueError(f"{source}: the model's LoRA on {site.name} has parameters {shapes[0]}, the adapter's "
+                             f"{shapes[1]}; call minlora.remove_lora(model) and load again")
     extra = [s.name for s in lora_sites(model) if s.name not in {site.name for site, _ in plans}]
     if strict and extra:
         raise ValueError(f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
@@ -156,34 +179,74 @@ def apply_plans(plans: list[Plan]) -> None:
             register_lora(site.module, site.tensor_name, new)
             continue
         site.lora.set_scaling(new.lora_alpha, new.use_rslora)  # the adapter was trained with its own
-        for pname in new.param_names:
-            getattr(site.lora, pname).copy_(getattr(new, pname))
+        for name in new.param_names:
+            getattr(site.lora, name).copy_(getattr(new, name))
+
+
+# ---------------------------------------------------------------------- the base an adapter belongs to
+def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().cpu().contiguous()
+        digest.update(f"{name} {tuple(t.shape)} {t.dtype}\n".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    cfg = getattr(model, "config", None)  # duck-typed: minlora knows no model family
+    data = cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else dataclasses.asdict(cfg) \
+        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else None
+    config = None if data is None else json.loads(json.dumps(data, sort_keys=True, default=str))  # as it reads back
+    summary = json.dumps([digest.hexdigest(), config], sort_keys=True).encode()
+    return {"sha256": hashlib.sha256(summary).hexdigest(), "weights_sha256": digest.hexdigest(), "config": config}
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
+    dtypes, values) and of ``model.config`` (a dataclass or an object with ``to_dict()``) as JSON:
+    what :func:`save_adapter` records and :func:`load_adapter` checks; a trainer can keep it too."""
+    if not lora_sites(model):
+        raise ValueError("base_fingerprint: the model has no LoRA, so no adapted layers to fingerprint; call "
+                         "minlora.add_lora(model) first")
+    return _base_record(model, {s.name: s.original for s in lora_sites(model)})["sha256"]
+
+
+def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
+    if saved is None:
+        logger.warning("%s: the adapter does not record the base model it was trained on (saved by minlora 0.1), so "
+                       "it cannot be verified to fit this model", source)
+        return
+    now = _base_record(model, {site.name: raw_weight(site.module) for site, _ in plans})
+    if now["sha256"] == saved.get("sha256"):
+        return
+    old_config, new_config = saved.get("config") or {}, now["config"] or {}
+    keys = sorted(k for k in {*old_config, *new_config} if old_config.get(k) != new_config.get(k))
+    changes = [f"{k}: {old_config.get(k)!r} in the adapter, {new_config.get(k)!r} here" for k in keys[:4]]
+    differs = [f"the model config ({', '.join(changes)})"] if keys else []
+    if now["weights_sha256"] != saved.get("weights_sha256"):
+        differs.append(f"the base weights of the {len(plans)} adapted layers")
+    message = f"{source}: the adapter was trained on another base model: {' and '.join(differs) or 'its record'} differ"
+    if not allow:
+        raise AdapterBaseMismatchError(f"{message}; load the base model it was trained on, or pass "
+                                       f"allow_base_mismatch=True to load_adapter to use it with this one")
+    logger.warning("%s; loading it anyway (allow_base_mismatch=True)", message)
 
 
 # ---------------------------------------------------------------------- minlora's format
 def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
     """Write the LoRA of ``model`` with its config to ``path``, a directory (``adapter.safetensors``
     inside) or a ``.safetensors`` file; returns ``path``. ``dtype`` stores the factors in another
-    precision (``torch.bfloat16`` halves the file). The file is replaced atomically."""
-    check_store_dtype(dtype, "save_adapter")
-    sites = lora_sites(model)
-    if not sites:
-        raise ValueError("save_adapter: the model has no LoRA to save; call minlora.add_lora(model) first")
+    precision (``torch.bfloat16`` halves the file). The file is replaced atomically; NaN / inf
+    weights are refused (:class:`NonFiniteAdapterError`) and the file on disk stays as it was."""
+    sites, tensors = lora_tensors(model, "save_adapter", dtype)
     path = Path(path)
     file = path if path.suffix == ".safetensors" else path / ADAPTER_FILE_NAME
     if path.is_file() and file != path:
         raise ValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
-    tensors, targets = {}, {}
-    for site in sites:
-        lora = single_lora(site, "save_adapter")
-        targets[site.name] = {"layer": family_name(site.module), "weight_shape": list(site.original.shape),
-                              "rank": lora.rank, "lora_alpha": lora.lora_alpha, "use_rslora": lora.use_rslora,
-                              "lora_dropout_p": lora.lora_dropout_p}
-        for pname in lora.param_names:  # clone: safetensors refuses tensors sharing memory (tie_weights)
-            tensors[f"{site.name}.{pname}"] = getattr(lora, pname).detach().to(dtype).cpu().contiguous().clone()
+    targets = {s.name: {"layer": family_name(s.module), "weight_shape": list(s.original.shape), "rank": s.lora.rank,
+                        "lora_alpha": s.lora.lora_alpha, "use_rslora": s.lora.use_rslora,
+                        "lora_dropout_p": s.lora.lora_dropout_p} for s in sites}
     ties = [{"linear": a.name, "embedding": b.name} for a in sites for b in sites
             if b.lora.lora_A is a.lora.lora_B and b.lora.lora_B is a.lora.lora_A and not a.lora.fan_in_fan_out]
-    config = {"format": _FORMAT, "format_version": _VERSION, "targets": targets, "tied": ties}
+    config = {"format": _FORMAT, "format_version": _VERSION, "targets": targets, "tied": ties,
+              "base": _base_record(model, {s.name: s.original for s in sites})}
     file.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "minlora": json.dumps(config, sort_keys=True)}
     write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
@@ -207,10 +270,12 @@ def _check_config(config: dict[str, Any], where: Any) -> None:
     targets = config.get("targets")
     if not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
         fail(f"'targets' must be a non-empty object of objects, got {targets!r}")
-    for name, spec in targets.items():
-        for key in ("layer", "weight_shape", "rank", "lora_alpha"):
-            if key not in spec:
-                fail(f"targets[{name!r}] lacks the field {key!r}")
+    missing = [(n, k) for n, spec in targets.items() for k in ("layer", "weight_shape", "rank", "lora_alpha")
+               if k not in spec]
+    if missing:
+        fail(f"targets[{missing[0][0]!r}] lacks the field {missing[0][1]!r}")
+    if not isinstance(config.get("base", {}), dict):
+        fail(f"'base' must be an object (the base model's fingerprint), got {config['base']!r}")
     tied = config.get("tied", [])
     if not isinstance(tied, list) or not all(isinstance(t, dict) and set(t) == {"linear", "embedding"} and all(
             isinstance(v, str) and v in targets for v in t.values()) for t in tied):
@@ -227,40 +292,41 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
             raise AdapterFileError(f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
                                    f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}")
         config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
-        _check_config(config, file)
-        return tensors, config, file
-    if not (path / LEGACY_CONFIG_NAME).is_file():
-        is_peft = (path / "adapter_config.json").is_file()
-        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" if is_peft else ""
+    elif (path / LEGACY_CONFIG_NAME).is_file():
+        config = parse_json(path / LEGACY_CONFIG_NAME, path / LEGACY_CONFIG_NAME, "load_adapter", _REMEDY)
+        _check_config(config, path / LEGACY_CONFIG_NAME)
+        file = path / LEGACY_WEIGHTS_NAME
+        tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
+        if metadata.get("minlora_save_id") != config.get("save_id"):  # minlora 0.1 wrote one id into both
+            raise AdapterFileError(f"load_adapter: {file} (save {metadata.get('minlora_save_id')}) and "
+                                   f"{LEGACY_CONFIG_NAME} (save {config.get('save_id')}) come from two different "
+                                   f"saves (files copied by hand?); copy both files of one save, or {_REMEDY}")
+    else:
+        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" * (path / "adapter_config.json").is_file()
         raise FileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
                                 f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}")
-    config = parse_json(path / LEGACY_CONFIG_NAME, path / LEGACY_CONFIG_NAME, "load_adapter", _REMEDY)
-    _check_config(config, path / LEGACY_CONFIG_NAME)
-    tensors, metadata = read_safetensors(path / LEGACY_WEIGHTS_NAME, "load_adapter", _REMEDY)
-    if metadata.get("minlora_save_id") != config.get("save_id"):  # minlora 0.1 wrote one id into both files
-        raise AdapterFileError(f"load_adapter: {path / LEGACY_WEIGHTS_NAME} (save {metadata.get('minlora_save_id')}) "
-                               f"and {LEGACY_CONFIG_NAME} (save {config.get('save_id')}) come from two different saves "
-                               f"(files copied by hand?); copy both files of one save, or {_REMEDY}")
-    return tensors, config, path / LEGACY_WEIGHTS_NAME
+    _check_config(config, file)
+    return tensors, config, file
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
+def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
+                 allow_base_mismatch: bool = False) -> nn.Module:
     """Load an adapter written by :func:`save_adapter` (a directory or the file) into ``model``.
 
     Layers without LoRA get one with the adapter's settings; layers with LoRA must have its rank
-    (their scaling becomes the adapter's). Everything is checked before the model changes: a
-    missing target, a shape or rank mismatch, NaN/inf factors, a tied pair that does not fit and,
-    with ``strict``, model LoRA the adapter does not cover raise ``ValueError``; a damaged file
-    raises :class:`AdapterFileError` naming it.
+    (their scaling becomes the adapter's). All is checked before the model changes: a missing
+    target, a shape or rank mismatch, NaN/inf factors, a tied pair that does not fit and, with
+    ``strict``, model LoRA the adapter does not cover raise ``ValueError``; a damaged file
+    :class:`AdapterFileError`; a model other than the adapter's base (another
+    :func:`base_fingerprint`) :class:`AdapterBaseMismatchError`, unless ``allow_base_mismatch``.
     """
     tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
     expected = {f"{name}.{p}" for name in config["targets"] for p in ("lora_A", "lora_B")}
     if set(tensors) != expected:
         missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise AdapterFileError(f"{source}: {file} lacks {missing[:4]}; the file is incomplete; {_REMEDY}" if missing
-                               else f"{source}: {file} holds {unexpected[:4]}, which its config does not list; "
-                                    f"{_REMEDY}")
+        raise AdapterFileError(f"{source}: {file} " + (f"lacks {missing[:4]}; the file is incomplete" if missing else
+                               f"holds {unexpected[:4]}, which its config does not list") + f"; {_REMEDY}")
     check_values(tensors, file, source, _REMEDY)
     plans = []
     for name, spec in config["targets"].items():
@@ -270,34 +336,25 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         if family_name(site.module) != spec["layer"] or weight is None or list(weight.shape) != spec["weight_shape"]:
             raise ValueError(f"{source}: {name} is a {type(site.module).__name__} weight of shape "
                              f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} "
-                             f"weight of shape {tuple(spec['weight_shape'])} in the adapter; the adapter was made for "
-                             f"a model of another shape")
+                             f"weight of shape {tuple(spec['weight_shape'])} in the adapter: made for a model of "
+                             f"another shape")
         try:
             plans.append(make_plan(site, source, {p: tensors[f"{name}.{p}"] for p in ("lora_A", "lora_B")},
                                    spec["rank"], spec["lora_alpha"], spec.get("use_rslora", False),
                                    spec.get("lora_dropout_p", 0.0)))
         except (TypeError, ValueError) as e:  # a bad rank / alpha / dropout, or a factor of the wrong shape
             raise AdapterFileError(f"{source}: {file}: targets[{name!r}]: {e}; {_REMEDY}") from None
-    ties = _tie_pairs({site.name: (site, lora) for site, lora in plans}, config.get("tied", []), source)
+    by_name, ties = {site.name: lora for site, lora in plans}, []
+    for tie in config.get("tied", []):  # the factors must hold one update: tying would drop values otherwise
+        lin, emb = by_name[tie["linear"]], by_name[tie["embedding"]]
+        if lin.fan_in_fan_out or not emb.fan_in_fan_out or not torch.equal(lin.lora_A, emb.lora_B) \
+                or not torch.equal(lin.lora_B, emb.lora_A):
+            raise AdapterFileError(f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA "
+                                   f"holding one update (the embedding's lora_A is the head's lora_B); {_REMEDY}")
+        ties.append([site.module for site, _ in plans if site.name in (tie["linear"], tie["embedding"])])
     check_plans(model, plans, source, strict)
+    _check_base(config.get("base"), model, plans, source, allow_base_mismatch)
     apply_plans(plans)
-    for linear, embedding in ties:
-        tie_weights(linear, embedding)
+    for pair in ties:
+        tie_weights(*pair)  # either order
     return model
-
-
-def _tie_pairs(plans: dict[str, Plan], tied: list[dict[str, str]], source: str) -> list[tuple[nn.Module, nn.Module]]:
-    """The ``(linear, embedding)`` layers of each tied pair, whose stored factors must hold one update
-    (the embedding's ``lora_A`` is the head's ``lora_B``), else tying would drop values."""
-    pairs = []
-    for tie in tied:
-        (lin_site, lin), (emb_site, emb) = plans[tie["linear"]], plans[tie["embedding"]]
-        if lin.fan_in_fan_out or not emb.fan_in_fan_out:
-            raise AdapterFileError(f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA; "
-                                   f"the config is damaged; {_REMEDY}")
-        if lin.lora_A.shape != emb.lora_B.shape or lin.lora_B.shape != emb.lora_A.shape \
-                or not torch.equal(lin.lora_A, emb.lora_B) or not torch.equal(lin.lora_B, emb.lora_A):
-            raise AdapterFileError(f"{source}: the tied pair {tie} does not hold one shared update (the two layers' "
-                                   f"factors differ); the file is damaged; {_REMEDY}")
-        pairs.append((lin_site.module, emb_site.module))
-    return pairs

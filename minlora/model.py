@@ -122,6 +122,11 @@ def _add_targets(targets: list[Target], caller: str) -> None:
         if not isinstance(lora, LoRAParametrization):
             raise TypeError(f"{caller}: the LoRA config's factory for {full} returned a {type(lora).__name__}, "
                             f"not a LoRAParametrization; register other parametrizations with parametrize directly")
+        if lora.rank > min(lora.fan_in, lora.fan_out):  # a larger rank only adds parameters that cannot help
+            raise ValueError(f"{caller}: rank {lora.rank} does not fit {full} (weight shape "
+                             f"{tuple(getattr(module, tensor_name).shape)}): the rank must be between 1 and "
+                             f"min(in_features, out_features) = {min(lora.fan_in, lora.fan_out)} for every targeted "
+                             f"layer; lower the rank or leave this layer out")
         todo.append((module, tensor_name, lora))
     for module, tensor_name, lora in todo:
         register_lora(module, tensor_name, lora)

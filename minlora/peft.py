@@ -32,21 +32,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from .adapters import (
-    AdapterFileError,
-    apply_plans,
-    check_plans,
-    check_store_dtype,
-    check_values,
-    get_module,
-    make_plan,
-    parse_json,
-    read_safetensors,
-    single_lora,
-    write_atomic,
-)
+from .adapters import (AdapterFileError, apply_plans, check_plans, check_values, get_module, lora_tensors, make_plan,
+                       parse_json, read_safetensors, write_atomic)
 from .config import family_name, raw_weight
-from .model import LoRASite, lora_sites
+from .model import LoRASite
 from .parametrization import check_float, check_int
 
 logger = logging.getLogger(__name__)
@@ -82,50 +71,42 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, base_
     ``rank_pattern`` / ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight is
     expressible; anything else is a ``ValueError``.
     """
-    sites = lora_sites(model)
-    if not sites:
-        raise ValueError("export_peft_adapter: the model has no LoRA; call minlora.add_lora(model) first")
-    check_store_dtype(dtype, "export_peft_adapter")
+    sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
-    tensors, loras = {}, {}
+    tensors, loras = {}, {site.module_name: site.lora for site in sites}
     for site in sites:
-        lora = single_lora(site, "export_peft_adapter")
-        family, key, cut = family_name(site.module), _PREFIX + site.module_name, id(site.module) in padded
-        A, B = lora.lora_A.detach().to(dtype), lora.lora_B.detach().to(dtype)
+        lora, family, key = site.lora, family_name(site.module), _PREFIX + site.module_name
+        A, B = ours[f"{site.name}.lora_A"], ours[f"{site.name}.lora_B"]
+        rows = slice(real if id(site.module) in padded else None)  # the twin has no padded vocabulary rows
         if len(site.plist) != 1 or site.tensor_name != "weight":
             raise ValueError(f"export_peft_adapter: {site.name} has parametrizations "
                              f"{[type(p).__name__ for p in site.plist]}; PEFT expresses a LoRA alone on a weight only")
         if family == "Linear" and not lora.fan_in_fan_out:
-            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = A, B[:real] if cut else B
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = A, B[rows]
         elif family == "Embedding" and lora.fan_in_fan_out:  # PEFT stores the embedding update transposed
-            tensors[key + ".lora_embedding_A"], tensors[key + ".lora_embedding_B"] = (A[:real] if cut else A).t(), B.t()
+            tensors[key + ".lora_embedding_A"], tensors[key + ".lora_embedding_B"] = A[rows].t(), B.t()
         elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
             tensors[key + ".lora_A.weight"] = A.reshape(lora.rank, *site.original.shape[1:])
             tensors[key + ".lora_B.weight"] = B.reshape(B.shape[0], lora.rank, 1, 1)
         else:
             raise ValueError(f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
                              f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})")
-        loras[site.module_name] = lora
     if len({p.use_rslora for p in loras.values()}) != 1:
         raise ValueError("export_peft_adapter: some layers use rsLoRA and some do not; PEFT has one use_rslora flag")
     rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
     alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
     dropouts = sorted({p.lora_dropout_p for p in loras.values()})
     if len(dropouts) > 1:
-        logger.warning("export_peft_adapter: layers use different dropouts %s; PEFT has one, writing the largest",
-                       dropouts)
-    config = {
+        logger.warning("export_peft_adapter: layers use dropouts %s; PEFT has one, writing the largest", dropouts)
+    config = {  # PEFT fills in the options not written here with their defaults
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
-        "revision": None, "r": rank, "lora_alpha": alpha, "lora_dropout": dropouts[-1],
-        "target_modules": _compact_targets(model, list(loras)), "exclude_modules": None,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropouts[-1], "bias": "none", "inference_mode": True,
+        "target_modules": _compact_targets(model, list(loras)), "use_rslora": sites[0].lora.use_rslora,
         "fan_in_fan_out": bool(layout.get("fan_in_fan_out", False) if fan_in_fan_out is None else fan_in_fan_out),
-        "bias": "none", "use_rslora": sites[0].lora.use_rslora, "use_dora": False, "lora_bias": False,
-        "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {re.escape(n): p.rank for n, p in loras.items() if p.rank != rank},
         "alpha_pattern": {re.escape(n): p.lora_alpha for n, p in loras.items() if p.lora_alpha != alpha},
-        "inference_mode": True,
     }
-    tensors = {k: v.cpu().contiguous().clone() for k, v in tensors.items()}
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / PEFT_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))

@@ -62,7 +62,8 @@ def tokens(batch: int = 2, T: int = 16, vocab: int = 128) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- minLoRA README workflow
 def test_readme_workflow_on_a_linear_model():
-    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    # minLoRA's README has a Linear(5, 3) with rank 4; minlora refuses a rank above min(in, out)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 4))
     x = torch.randn(4, 5)
     y0 = model(x)
 
@@ -153,7 +154,7 @@ def test_lora_parameters_recognised_by_type_not_name():
 
 
 def test_apply_lora_per_layer_like_minlora():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model.apply(apply_lora)
     assert len(lora_sites(model)) == 2
     model.apply(partial(apply_lora, register=False, merge=True))

@@ -87,7 +87,7 @@ def test_nan_alpha_never_reaches_a_forward():
     with pytest.raises(ValueError):
         minlora.add_lora(model, LoRAConfig(alpha=NAN))
     assert not minlora.lora_sites(model)
-    minlora.add_lora(model, LoRAConfig(alpha=2.0))
+    minlora.add_lora(model, LoRAConfig(rank=2, alpha=2.0))
     assert all(math.isfinite(v) for v in model(torch.randn(3, 8)).flatten().tolist())
 
 
@@ -100,3 +100,23 @@ def test_save_dtype_must_be_a_floating_torch_dtype(dtype, tmp_path):
     with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
         minlora.export_peft_adapter(model, tmp_path / "p", dtype=dtype)
     assert not (tmp_path / "a").exists() and not (tmp_path / "p").exists()
+
+
+def test_rank_above_a_targeted_layers_smaller_side_is_refused_and_nothing_is_added():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
+    with pytest.raises(ValueError, match=r"rank 4 does not fit 1\.weight \(weight shape \(3, 16\)\).* = 3"):
+        minlora.add_lora(model, LoRAConfig(rank=4))
+    assert not minlora.lora_sites(model), "a refused add_lora adds no LoRA to the layers that did fit"
+    minlora.add_lora(model, LoRAConfig(rank=3))  # min(in_features, out_features) itself fits
+    assert [s.lora.rank for s in minlora.lora_sites(model)] == [3, 3]
+
+
+@pytest.mark.parametrize("layer, config, shape", [
+    (nn.Embedding(10, 2), LoRAConfig(rank=3, include_embeddings=True, target_types=()), r"\(10, 2\)"),
+    (nn.Conv2d(1, 2, 1), LoRAConfig(rank=2, target_types=("Conv2d",)), r"\(2, 1, 1, 1\)"),
+    (nn.Linear(2, 8), {nn.Linear: {"weight": LoRAParametrization.from_linear}}, r"\(8, 2\)"),  # minLoRA's dict, rank 4
+])
+def test_rank_bound_holds_for_every_layer_family_and_config_kind(layer, config, shape):
+    with pytest.raises(ValueError, match=rf"does not fit weight \(weight shape {shape}\)"):
+        minlora.add_lora(layer, config)
+    assert not minlora.lora_sites(layer)

@@ -85,6 +85,7 @@ def test_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad):
     config = json.loads((tmp_path / "adapter" / PEFT_CONFIG_NAME).read_text())
     assert config["target_modules"] == ["c_attn", "c_fc", "c_proj", "lm_head", "wte"]
     assert config["fan_in_fan_out"] is True and config["use_rslora"] is True
+    assert config["base_model_name_or_path"] == str(hf_dir)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
