@@ -1,16 +1,14 @@
 """Adding, merging and removing LoRA: minLoRA's ``minlora.model`` API, fixed.
 
-A *LoRA config* is minLoRA's dict ``{layer_type: {tensor_name: factory}}`` (``factory(layer)``
-returns a :class:`LoRAParametrization`) or a :class:`minlora.LoRAConfig`. Unlike minLoRA:
-adding LoRA where one sits is a logged no-op (never a stacked adapter); merge / remove touch LoRA
-parametrizations only; a merge computes in fp32 and gives the layer a new ``Parameter`` instead of
-writing into a tensor another layer may share (GPT-2's tied LM head and token embedding).
+A LoRA config is minLoRA's dict ``{layer_type: {tensor_name: factory}}`` or a :class:`LoRAConfig`.
+Unlike minLoRA: adding LoRA where one sits is a logged no-op (never a stacked adapter); merge /
+remove touch LoRA only; a merge computes in fp32 and gives the layer a new ``Parameter``.
 """
 
 from __future__ import annotations
 
 import logging
-from functools import partial
+from functools import partial, reduce
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -56,9 +54,6 @@ class LoRASite:
     @property
     def original(self) -> torch.Tensor:
         return self.plist.original
-
-    def __repr__(self) -> str:
-        return f"LoRASite({self.name!r})"
 
 
 def lora_sites(model: nn.Module) -> list[LoRASite]:
@@ -191,59 +186,37 @@ def remove_lora(model: nn.Module) -> None:
     _unlora(model, False, lora_sites(model))
 
 
+@torch.no_grad()
 def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
-    groups: dict[int, list[LoRASite]] = {}  # sites sharing one original tensor are merged together
-    for site in sites:
-        if merge and site.lora_indices != list(range(len(site.lora_indices))):
+    for site in sites if merge else ():
+        if site.lora_indices != list(range(len(site.lora_indices))):
             raise ValueError(f"merge_lora: the LoRA on {site.name} follows another parametrization "
                              f"({[type(p).__name__ for p in site.plist]}); it cannot be folded into the stored "
                              f"weight. Remove the other parametrization first, or use remove_lora")
-        groups.setdefault(id(site.original), []).append(site)
-    holders: dict[int, list[str]] = {}  # id(tensor) -> every parameter / buffer name holding it
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        holders.setdefault(id(t), []).append(name)
-    for group in groups.values():
-        if merge:
-            _merge_group(group, holders.get(id(group[0].original), []))
-        else:
-            for site in group:
-                _replace(site, None)
-
-
-@torch.no_grad()
-def _merge_group(group: list[LoRASite], holder_names: list[str]) -> None:
-    original = group[0].original
-    clusters: list[tuple[torch.Tensor, list[LoRASite]]] = []  # equal merged values (tie_weights) share a tensor
-    for site in group:
-        value = original
-        for i in site.lora_indices:
-            value = site.plist[i].merged(value)
-        same = next((c for c in clusters if c[0].shape == value.shape and torch.equal(c[0], value)), None)
-        if same:
-            same[1].append(site)
-        else:
-            clusters.append((value, [site]))
-    own = {f"{s.module_name}.parametrizations.{s.tensor_name}.original".lstrip(".") for s in group}
-    others = [n for n in holder_names if n not in own]
-    if others or len(clusters) > 1:
-        logger.warning("merge_lora: %s shared its tensor with %s; the merged layer(s) get their own weight and the "
-                       "others keep W, so outputs equal the unmerged LoRA model but the weights are no longer tied",
-                       ", ".join(s.name for s in group), ", ".join(others) or "each other")
-    for value, members in clusters:
-        fresh = nn.Parameter(value, requires_grad=original.requires_grad)
-        for site in members:
-            _replace(site, fresh)
-
-
-def _replace(site: LoRASite, merged: torch.Tensor | None) -> None:
-    """Drop the site's LoRA(s); ``merged`` (when merging) becomes the stored tensor."""
-    plist, indices = site.plist, site.lora_indices
-    if len(indices) == len(plist):
-        parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
-        if merged is not None:
-            setattr(site.module, site.tensor_name, merged)
-        return
-    if merged is not None:  # the parametrizations after the LoRA now apply to the merged weight
-        plist.original = merged
-    for i in reversed(indices):
-        del plist[i]
+    originals = [site.original for site in sites]
+    # every merged value first, while all originals are untouched (GPT-2's head and embedding share one)
+    values = [reduce(lambda v, i: s.plist[i].merged(v), s.lora_indices, s.original) if merge else None for s in sites]
+    made: dict[int, list[nn.Parameter]] = {}  # id(original) -> the merged tensors made from it
+    for site, original, value in zip(sites, originals, values):
+        new = None
+        if value is not None:  # layers sharing weight and update (tie_weights) keep sharing one tensor
+            known = made.setdefault(id(original), [])
+            new = next((p for p in known if p.shape == value.shape and torch.equal(p, value)), None)
+            if new is None:
+                known.append(new := nn.Parameter(value, requires_grad=original.requires_grad))
+        plist, indices = site.plist, site.lora_indices
+        if len(indices) == len(plist):
+            parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
+            if new is not None:
+                setattr(site.module, site.tensor_name, new)
+            continue
+        if new is not None:  # the parametrizations after the LoRA now apply to the merged weight
+            plist.original = new
+        for i in reversed(indices):
+            del plist[i]
+    kept = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    broken = [s.name for s, o in zip(sites, originals) if merge and (id(o) in kept or len(made[id(o)]) > 1)]
+    if broken:
+        logger.warning("merge_lora: %s shared its weight with a layer not merged the same way; the merged layers got "
+                       "their own weight and the others keep W, so outputs equal the unmerged LoRA model but the "
+                       "weights are no longer tied", ", ".join(broken))
