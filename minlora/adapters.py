@@ -138,14 +138,15 @@ def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
 
 @torch.no_grad()
 def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], rank: int, lora_alpha: float,
-              use_rslora: bool = False, dropout: float = 0.0) -> Plan:
+              use_rslora: bool = False, dropout: float = 0.0, use_dora: bool = False) -> Plan:
     """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight."""
     weight, family = raw_weight(site.module), family_name(site.module)
     if family is None or weight is None or site.tensor_name != "weight":
         raise ValueError(f"{source}: {site.name} is not the weight of an nn.Linear, nn.Embedding or nn.Conv2d, the "
                          f"layers minlora puts LoRA on")
     fan_in, fan_out = weight.shape if family == "Embedding" else (weight[0].numel(), weight.shape[0])
-    lora = LoRAParametrization(fan_in, fan_out, family == "Embedding", rank, dropout, lora_alpha, use_rslora=use_rslora)
+    lora = LoRAParametrization(fan_in, fan_out, family == "Embedding", rank, dropout, lora_alpha, use_rslora=use_rslora,
+                               use_dora=use_dora)
     for name, value in tensors.items():
         if value.shape != getattr(lora, name).shape:
             raise ValueError(f"{source}: the adapter's {name} for {site.name} has shape {tuple(value.shape)}; at rank "
@@ -176,7 +177,7 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
 def apply_plans(plans: list[Plan]) -> None:
     for site, new in plans:
         if not has_lora(site.module, site.tensor_name):
-            register_lora(site.module, site.tensor_name, new)
+            register_lora(site.module, site.tensor_name, new, fresh=False)
             continue
         site.lora.set_scaling(new.lora_alpha, new.use_rslora)  # the adapter was trained with its own
         for name in new.param_names:
@@ -242,7 +243,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
         raise ValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
     targets = {s.name: {"layer": family_name(s.module), "weight_shape": list(s.original.shape), "rank": s.lora.rank,
                         "lora_alpha": s.lora.lora_alpha, "use_rslora": s.lora.use_rslora,
-                        "lora_dropout_p": s.lora.lora_dropout_p} for s in sites}
+                        "lora_dropout_p": s.lora.lora_dropout_p, "use_dora": s.lora.use_dora} for s in sites}
     ties = [{"linear": a.name, "embedding": b.name} for a in sites for b in sites
             if b.lora.lora_A is a.lora.lora_B and b.lora.lora_B is a.lora.lora_A and not a.lora.fan_in_fan_out]
     config = {"format": _FORMAT, "format_version": _VERSION, "targets": targets, "tied": ties,
@@ -322,7 +323,9 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     """
     tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
-    expected = {f"{name}.{p}" for name in config["targets"] for p in ("lora_A", "lora_B")}
+    names = {t: ("lora_A", "lora_B") + ("lora_magnitude_vector",) * (s.get("use_dora") is True)
+             for t, s in config["targets"].items()}
+    expected = {f"{target}.{p}" for target, pnames in names.items() for p in pnames}
     if set(tensors) != expected:
         missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise AdapterFileError(f"{source}: {file} " + (f"lacks {missing[:4]}; the file is incomplete" if missing else
@@ -339,9 +342,9 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
                              f"weight of shape {tuple(spec['weight_shape'])} in the adapter: made for a model of "
                              f"another shape")
         try:
-            plans.append(make_plan(site, source, {p: tensors[f"{name}.{p}"] for p in ("lora_A", "lora_B")},
-                                   spec["rank"], spec["lora_alpha"], spec.get("use_rslora", False),
-                                   spec.get("lora_dropout_p", 0.0)))
+            plans.append(make_plan(site, source, {p: tensors[f"{name}.{p}"] for p in names[name]}, spec["rank"],
+                                   spec["lora_alpha"], spec.get("use_rslora", False), spec.get("lora_dropout_p", 0.0),
+                                   spec.get("use_dora", False)))
         except (TypeError, ValueError) as e:  # a bad rank / alpha / dropout, or a factor of the wrong shape
             raise AdapterFileError(f"{source}: {file}: targets[{name!r}]: {e}; {_REMEDY}") from None
     by_name, ties = {site.name: lora for site, lora in plans}, []

@@ -70,7 +70,8 @@ class LoRAConfig:
     ``exclude_modules`` pattern, and is not an LM head unless ``include_lm_head``. The LM head is a
     linear layer named in ``lm_head_names`` or tied to an embedding; with GPT-2's tied weights,
     LoRA on the head adapts the output projection only (see docs/lora.md).
-    ``scaling = alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``).
+    ``scaling = alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``); ``use_dora``: DoRA
+    (PEFT's name), see :class:`LoRAParametrization`.
     """
 
     rank: int = 8
@@ -82,6 +83,7 @@ class LoRAConfig:
     include_embeddings: bool = False
     include_lm_head: bool = False
     use_rslora: bool = False
+    use_dora: bool = False
     lm_head_names: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self) -> None:
@@ -89,7 +91,7 @@ class LoRAConfig:
         check_int(self.rank, "LoRAConfig.rank")
         check_float(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True)
         check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
-        for flag in ("include_embeddings", "include_lm_head", "use_rslora"):
+        for flag in ("include_embeddings", "include_lm_head", "use_rslora", "use_dora"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
@@ -115,7 +117,7 @@ class LoRAConfig:
 
     def factory(self, layer_type: type) -> Callable[[nn.Module], LoRAParametrization]:
         return partial(FAMILIES[family_name(layer_type)][1], rank=self.rank, lora_dropout_p=float(self.dropout),
-                       lora_alpha=self.alpha, use_rslora=self.use_rslora)
+                       lora_alpha=self.alpha, use_rslora=self.use_rslora, use_dora=self.use_dora)
 
     def to_lora_config(self) -> dict[type, dict[str, Callable[[nn.Module], LoRAParametrization]]]:
         """minLoRA's dict form (types only: name patterns and the head switch are not expressible)."""

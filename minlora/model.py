@@ -73,11 +73,14 @@ def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
     return (m for m in model.modules() if isinstance(m, LoRAParametrization))
 
 
-def register_lora(module: nn.Module, tensor_name: str, lora: LoRAParametrization) -> None:
-    """Register ``lora`` on ``module.<tensor_name>``, its factors fp32 (or better) on the weight's device."""
+def register_lora(module: nn.Module, tensor_name: str, lora: LoRAParametrization, fresh: bool = True) -> None:
+    """Register ``lora`` on ``module.<tensor_name>``, its factors fp32 (or better) on the weight's
+    device; a ``fresh`` DoRA's magnitude starts at the weight's norms (a loaded one keeps its own)."""
     original = module.parametrizations[tensor_name].original if parametrize.is_parametrized(module, tensor_name) \
         else getattr(module, tensor_name)
     lora.to(device=original.device, dtype=lora_dtype_for(original.dtype))
+    if fresh and lora.use_dora:
+        lora.init_magnitude(original)
     parametrize.register_parametrization(module, tensor_name, lora)
     install_lora_class(module)
 

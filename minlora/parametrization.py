@@ -1,4 +1,5 @@
-"""``LoRAParametrization`` (``W -> W + s * B @ A``) and the fast forward of LoRA layers.
+"""``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA's ``m * (W + s * B @ A) / ||W + s * B @ A||_c``)
+and the fast forward of LoRA layers.
 
 The *weight path* is plain ``parametrize``: reading ``module.weight`` builds ``W + s * B @ A``.
 The *fast path*, a ``forward`` given to parametrized ``nn.Linear`` / ``nn.Embedding`` layers, adds
@@ -64,10 +65,17 @@ class LoRAParametrization(nn.Module):
     ``(rank, fan_out)``, ``delta = A @ B``; this lets :func:`minlora.tie_weights` share one update.
     ``B`` starts at zero, ``A`` has ``nn.Linear``'s init; ``scaling = lora_alpha / rank``
     (``/ sqrt(rank)`` with ``use_rslora``).
+
+    ``use_dora`` (weight-decomposed LoRA, Liu et al. 2024, as PEFT computes it): the adapted weight
+    is scaled per output channel to the learned ``lora_magnitude_vector`` ``m``: ``m * V / ||V||_c``
+    with ``V = W + scaling * delta`` and ``||V||_c`` the norm over each output channel's inputs (the
+    embedding's rows for ``fan_in_fan_out``), a constant for backprop. ``m`` starts at ``||V||_c``
+    when the LoRA is registered on its weight, so adding DoRA changes nothing either.
     """
 
     def __init__(self, fan_in: int, fan_out: int, fan_in_fan_out: bool = False, rank: int = 4,
-                 lora_dropout_p: float = 0.0, lora_alpha: float = 1, *, use_rslora: bool = False) -> None:
+                 lora_dropout_p: float = 0.0, lora_alpha: float = 1, *, use_rslora: bool = False,
+                 use_dora: bool = False) -> None:
         super().__init__()
         for name, value in (("fan_in", fan_in), ("fan_out", fan_out), ("rank", rank)):
             check_int(value, f"LoRAParametrization: {name}")
@@ -83,6 +91,9 @@ class LoRAParametrization(nn.Module):
         self.lora_A = nn.Parameter(torch.empty((fan_in, rank) if self.fan_in_fan_out else (rank, fan_in)))
         self.lora_B = nn.Parameter(torch.zeros((rank, fan_out) if self.fan_in_fan_out else (fan_out, rank)))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default, as minLoRA and PEFT
+        self.use_dora = bool(use_dora)
+        if self.use_dora:
+            self.lora_magnitude_vector = nn.Parameter(torch.ones(fan_out))  # set by init_magnitude
         self._num_stored = 0  # adapters kept by load_multiple_lora
 
     @classmethod
@@ -114,7 +125,7 @@ class LoRAParametrization(nn.Module):
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return ("lora_A", "lora_B")
+        return ("lora_A", "lora_B", "lora_magnitude_vector") if self.use_dora else ("lora_A", "lora_B")
 
     def enable_lora(self) -> None:
         self.enabled = True
@@ -128,6 +139,20 @@ class LoRAParametrization(nn.Module):
         A = self.lora_A if A is None else A
         return (A @ self.lora_B if self.fan_in_fan_out else self.lora_B @ A) * self.scaling
 
+    def dora_scale(self, W: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``m / ||W + delta||_c`` per output channel, for the 2-D weight and ``scaling * delta``."""
+        # PEFT (and the paper, sec. 4.3) treat the norm as a constant: no gradient flows through it.
+        norm = torch.linalg.norm((W + delta).detach(), dim=0 if self.fan_in_fan_out else 1)
+        # A zero channel stays zero whatever it is scaled by; PEFT would divide 0 by 0 there (NaN).
+        return self.lora_magnitude_vector / torch.where(norm == 0, torch.ones_like(norm), norm)
+
+    @torch.no_grad()
+    def init_magnitude(self, W: torch.Tensor) -> None:
+        """DoRA's ``m = ||W + scaling * delta||_c`` (``||W||_c`` while ``B`` is zero), as PEFT starts it."""
+        delta = self.delta_weight()
+        self.lora_magnitude_vector.copy_(torch.linalg.norm(W.to(delta.dtype).reshape(delta.shape) + delta,
+                                                           dim=0 if self.fan_in_fan_out else 1))
+
     def _adapt(self, X: torch.Tensor, dropout: bool) -> torch.Tensor:
         A = self.lora_A
         if dropout and self.lora_dropout_p > 0:
@@ -138,7 +163,11 @@ class LoRAParametrization(nn.Module):
         delta = self.delta_weight(A)
         # Add in the (fp32) LoRA dtype, then cast back: parametrize needs the weight's dtype kept.
         W = X.to(torch.promote_types(delta.dtype, X.dtype)).reshape(delta.shape)  # conv: (out, in * kh * kw)
-        return (W + delta).reshape(X.shape).to(X.dtype)
+        out = W + delta
+        if self.use_dora:  # the norm of the whole update, as PEFT's, whatever dropout did to A
+            scale = self.dora_scale(W, delta if A is self.lora_A else self.delta_weight())
+            out = out * (scale.view(1, -1) if self.fan_in_fan_out else scale.view(-1, 1))
+        return out.reshape(X.shape).to(X.dtype)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         return self._adapt(X, dropout=self.training) if self.enabled else X
@@ -166,9 +195,16 @@ class LoRAParametrization(nn.Module):
         if not self.enabled:
             return out
         A, B = self._factors(x.dtype)
-        if self.training and self.lora_dropout_p > 0:
-            x = F.dropout(x, self.lora_dropout_p, training=True)
-        return out + F.linear(F.linear(x, A) * self.scaling, B)  # scaling the rank-r intermediate is cheaper
+        dropped = F.dropout(x, self.lora_dropout_p, training=True) if self.training and self.lora_dropout_p > 0 else x
+        lora = F.linear(F.linear(dropped, A) * self.scaling, B)  # scaling the rank-r intermediate is cheaper
+        if not self.use_dora:
+            return out + lora
+        # PEFT's DoRA forward: out + (m / ||V||_c - 1) * (x W^T) + m / ||V||_c * lora, where x W^T
+        # (no bias) is recomputed on the dropped input when dropout is on. The norm needs W + s * B @ A,
+        # a weight-sized tensor as in PEFT, but no weight-sized gradient.
+        scale = self.dora_scale(W, self.delta_weight()).to(out.dtype)
+        base = F.linear(dropped, W) if dropped is not x else out if bias is None else out - bias
+        return out + (scale - 1) * base + scale * lora
 
     def fast_embedding(self, idx: torch.Tensor, W: torch.Tensor, layer: nn.Embedding) -> torch.Tensor:
         out = F.embedding(idx, W, layer.padding_idx, None, layer.norm_type, layer.scale_grad_by_freq, layer.sparse)
@@ -178,7 +214,10 @@ class LoRAParametrization(nn.Module):
         after_a = F.embedding(idx, A, padding_idx=layer.padding_idx)  # (..., r)
         if self.training and self.lora_dropout_p > 0:  # the input is one-hot: drop the token's whole update
             after_a = after_a * F.dropout(after_a.new_ones(idx.shape + (1,)), self.lora_dropout_p, training=True)
-        return out + (after_a * self.scaling) @ B
+        if not self.use_dora:
+            return out + (after_a * self.scaling) @ B
+        # PEFT's DoRA embedding: m / ||V||_c * (embedding + lora), the norm per embedding dimension
+        return self.dora_scale(W, self.delta_weight()).to(out.dtype) * (out + (after_a * self.scaling) @ B)
 
     # ------------------------------------------------------------------ several adapters
     # load_multiple_lora keeps each adapter in non-persistent buffers: they follow .to() with the
@@ -209,7 +248,8 @@ class LoRAParametrization(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        keys = ("fan_in", "fan_out", "rank", "lora_alpha", "scaling", "lora_dropout_p", "fan_in_fan_out", "enabled")
+        keys = ("fan_in", "fan_out", "rank", "lora_alpha", "scaling", "lora_dropout_p", "fan_in_fan_out", "use_dora",
+                "enabled")
         return ", ".join(f"{k}={getattr(self, k)}" for k in keys)
 
 

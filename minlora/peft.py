@@ -81,18 +81,25 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, base_
         if len(site.plist) != 1 or site.tensor_name != "weight":
             raise ValueError(f"export_peft_adapter: {site.name} has parametrizations "
                              f"{[type(p).__name__ for p in site.plist]}; PEFT expresses a LoRA alone on a weight only")
+        m = ours.get(f"{site.name}.lora_magnitude_vector")  # DoRA's, one per output channel
         if family == "Linear" and not lora.fan_in_fan_out:
             tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = A, B[rows]
+            m = None if m is None else m[rows]
         elif family == "Embedding" and lora.fan_in_fan_out:  # PEFT stores the embedding update transposed
             tensors[key + ".lora_embedding_A"], tensors[key + ".lora_embedding_B"] = A[rows].t(), B.t()
         elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
             tensors[key + ".lora_A.weight"] = A.reshape(lora.rank, *site.original.shape[1:])
             tensors[key + ".lora_B.weight"] = B.reshape(B.shape[0], lora.rank, 1, 1)
+            m = None if m is None else m.reshape(1, -1, 1, 1)  # PEFT keeps the conv norm's (1, out, 1, 1)
         else:
             raise ValueError(f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
                              f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})")
-    if len({p.use_rslora for p in loras.values()}) != 1:
-        raise ValueError("export_peft_adapter: some layers use rsLoRA and some do not; PEFT has one use_rslora flag")
+        if m is not None:
+            tensors[key + ".lora_magnitude_vector"] = m
+    for flag in ("use_rslora", "use_dora"):
+        if len({getattr(p, flag) for p in loras.values()}) != 1:
+            raise ValueError(f"export_peft_adapter: {flag} is on for some layers and off for others; PEFT has one "
+                             f"{flag} flag for the adapter: export the two groups as two adapters")
     rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
     alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
     dropouts = sorted({p.lora_dropout_p for p in loras.values()})
@@ -102,6 +109,7 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, base_
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
         "r": rank, "lora_alpha": alpha, "lora_dropout": dropouts[-1], "bias": "none", "inference_mode": True,
         "target_modules": _compact_targets(model, list(loras)), "use_rslora": sites[0].lora.use_rslora,
+        "use_dora": sites[0].lora.use_dora,
         "fan_in_fan_out": bool(layout.get("fan_in_fan_out", False) if fan_in_fan_out is None else fan_in_fan_out),
         "rank_pattern": {re.escape(n): p.rank for n, p in loras.items() if p.rank != rank},
         "alpha_pattern": {re.escape(n): p.lora_alpha for n, p in loras.items() if p.lora_alpha != alpha},
@@ -124,7 +132,7 @@ def _compact_targets(model: nn.Module, module_names: list[str]) -> list[str]:
 
 # PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not
 # loaded as something else.
-_UNSUPPORTED = {"use_dora": "DoRA (weight-decomposed LoRA)", "lora_bias": "trainable LoRA biases",
+_UNSUPPORTED = {"lora_bias": "trainable LoRA biases",
                 "modules_to_save": "fully trained extra modules", "layer_replication": "layer replication",
                 "trainable_token_indices": "trainable token embeddings", "target_parameters": "LoRA on raw parameters",
                 "alora_invocation_tokens": "aLoRA", "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA",
@@ -155,8 +163,9 @@ def _check_config(config: dict[str, Any], path: Path) -> None:
                 re.compile(pattern)
     except (ValueError, TypeError, re.error) as e:
         raise AdapterFileError(f"{where}: {e}; {_REMEDY}") from None
-    if not isinstance(config.get("use_rslora", False), bool):
-        raise AdapterFileError(f"{where}: use_rslora must be true or false, got {config['use_rslora']!r}; {_REMEDY}")
+    for flag in ("use_rslora", "use_dora"):
+        if not isinstance(config.get(flag, False), bool):
+            raise AdapterFileError(f"{where}: {flag} must be true or false, got {config[flag]!r}; {_REMEDY}")
 
 
 def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
@@ -164,7 +173,8 @@ def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> 
     return next((v for k, v in patterns.items() if re.match(rf"(.*\.)?({k})$", module_name)), default)
 
 
-_ROLES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "EA", ".lora_embedding_B": "EB"}
+_ROLES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "EA", ".lora_embedding_B": "EB",
+          ".lora_magnitude_vector": "M"}
 
 
 def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
@@ -203,9 +213,11 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         site = LoRASite(module_name, get_module(model, module_name, source), "weight")
         weight, pad = raw_weight(site.module), id(site.module) in padded
         embedding = family_name(site.module) == "Embedding"
-        if set(parts) != ({"EA", "EB"} if embedding else {"A", "B"}):
+        dora = config.get("use_dora", False)
+        if set(parts) != ({"EA", "EB"} if embedding else {"A", "B"}) | ({"M"} if dora else set()):
             raise ValueError(f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are "
-                             f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise")
+                             f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
+                             f"and with use_dora={dora} {'a' if dora else 'no'} lora_magnitude_vector (M)")
         if embedding:  # ours: A (V, r), B (r, dim)
             A, B = _pad_rows(parts["EA"].t(), weight.shape[0], real, pad, source), parts["EB"].t()
         else:  # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
@@ -216,8 +228,12 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
             raise ValueError(f"{source}: {module_name} has rank-{A.shape[1] if embedding else A.shape[0]} factors but "
                              f"the config says r={rank}; adapter_config.json does not match the adapter weights")
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module_name, config.get("lora_alpha", 8))
-        plans.append(make_plan(site, source, {"lora_A": A, "lora_B": B}, rank, alpha, config.get("use_rslora", False),
-                               float(config.get("lora_dropout") or 0.0)))
+        tensors = {"lora_A": A, "lora_B": B}
+        if dora:  # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
+            M = parts["M"].reshape(-1)
+            tensors["lora_magnitude_vector"] = M if embedding else _pad_rows(M, weight.shape[0], real, pad, source)
+        plans.append(make_plan(site, source, tensors, rank, alpha, config.get("use_rslora", False),
+                               float(config.get("lora_dropout") or 0.0), dora))
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model

@@ -151,6 +151,10 @@ def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
     LoRA on GPT-2's tied head adapts the head only."""
     linear, embedding = _linear_first(linear, embedding, "tie_weights")
     lin, emb = _only_lora(linear), _only_lora(embedding)
+    if lin.use_dora or emb.use_dora:  # DoRA normalises the head's vocab rows but the embedding's dims
+        raise ValueError("tie_weights: DoRA's magnitude belongs to each layer's output channels (the head's vocabulary "
+                         "rows, the embedding's dimensions), so one DoRA update cannot be shared; tie plain LoRA, "
+                         "or keep the layers untied")
     if lin.lora_B.shape != emb.lora_A.shape or lin.lora_A.shape != emb.lora_B.shape:
         raise ValueError(f"tie_weights: the linear layer's lora_A / lora_B {tuple(lin.lora_A.shape)} / "
                          f"{tuple(lin.lora_B.shape)} do not fit the embedding's {tuple(emb.lora_A.shape)} / "

@@ -47,7 +47,8 @@ def tokens() -> torch.Tensor:
 def test_the_fingerprint_covers_the_adapted_base_weights_and_the_config(tmp_path):
     model = lora_gpt()
     fingerprint = minlora.base_fingerprint(model)
-    assert len(fingerprint) == 64 and fingerprint == recorded(minlora.save_adapter(model, tmp_path / "a"))["base"]["sha256"]
+    assert len(fingerprint) == 64
+    assert fingerprint == recorded(minlora.save_adapter(model, tmp_path / "a"))["base"]["sha256"]
     with torch.no_grad():  # training the adapter does not change the base
         for p in minlora.get_lora_params(model):
             p.add_(1.0)
@@ -153,8 +154,9 @@ def test_loading_non_finite_weights_is_a_named_error_naming_the_tensor(tmp_path)
     model = lora_gpt()
     path = minlora.save_adapter(model, tmp_path / "adapter")
     peft = minlora.export_peft_adapter(model, tmp_path / "peft")
+    peft_key = "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"
     for file, key in ((path / ADAPTER_FILE_NAME, "transformer.h.0.attn.c_attn.weight.lora_A"),
-                      (peft / "adapter_model.safetensors", "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight")):
+                      (peft / "adapter_model.safetensors", peft_key)):
         with safe_open(str(file), framework="pt") as f:
             metadata = f.metadata()
         tensors = load_file(str(file))

@@ -127,7 +127,7 @@ def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
     original = json.loads(config_path.read_text())
 
     for key, value, message in [
-        ("use_dora", True, "DoRA"),
+        ("use_dora", True, "with use_dora=True a lora_magnitude_vector"),  # DoRA without its magnitudes
         ("bias", "all", "bias='all'"),
         ("modules_to_save", ["score"], "modules_to_save"),
         ("peft_type", "IA3", "only LORA"),
