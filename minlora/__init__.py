@@ -1,13 +1,7 @@
-"""minlora: LoRA adapters through ``torch.nn.utils.parametrize``, with no change to the model's code.
+"""minlora: LoRA (and DoRA) adapters through ``torch.nn.utils.parametrize``, no change to the model's code.
 
-A drop-in superset of cccntu/minLoRA (same names and behaviour) with what it gets wrong fixed, a
-:class:`LoRAConfig`, a fast forward, and adapters on disk in minlora's format and PEFT's. See docs/lora.md.
-
-    import minlora
-    minlora.add_lora(model, minlora.LoRAConfig(rank=8, alpha=16, target_modules=["c_attn", "c_fc"]))
-    minlora.mark_only_lora_as_trainable(model)
-    ...train...
-    minlora.save_adapter(model, "out/adapter")
+A drop-in superset of cccntu/minLoRA with what it gets wrong fixed, a :class:`LoRAConfig`, a fast
+forward, and adapter files in minlora's format and PEFT's. See docs/lora.md.
 """
 
 from .adapters import (AdapterBaseMismatchError, AdapterFileError, NonFiniteAdapterError, base_fingerprint,

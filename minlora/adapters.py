@@ -23,7 +23,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import family_name, raw_weight
+from .config import FAMILIES, family_name, raw_weight
 from .model import LoRASite, has_lora, lora_sites, register_lora
 from .parametrization import LoRAParametrization
 from .utils import tie_weights
@@ -140,13 +140,11 @@ def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
 def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], rank: int, lora_alpha: float,
               use_rslora: bool = False, dropout: float = 0.0, use_dora: bool = False) -> Plan:
     """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight."""
-    weight, family = raw_weight(site.module), family_name(site.module)
-    if family is None or weight is None or site.tensor_name != "weight":
+    family = family_name(site.module)
+    if family is None or raw_weight(site.module) is None or site.tensor_name != "weight":
         raise ValueError(f"{source}: {site.name} is not the weight of an nn.Linear, nn.Embedding or nn.Conv2d, the "
                          f"layers minlora puts LoRA on")
-    fan_in, fan_out = weight.shape if family == "Embedding" else (weight[0].numel(), weight.shape[0])
-    lora = LoRAParametrization(fan_in, fan_out, family == "Embedding", rank, dropout, lora_alpha, use_rslora=use_rslora,
-                               use_dora=use_dora)
+    lora = FAMILIES[family][1](site.module, rank, dropout, lora_alpha, use_rslora=use_rslora, use_dora=use_dora)
     for name, value in tensors.items():
         if value.shape != getattr(lora, name).shape:
             raise ValueError(f"{source}: the adapter's {name} for {site.name} has shape {tuple(value.shape)}; at rank "
@@ -314,12 +312,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
                  allow_base_mismatch: bool = False) -> nn.Module:
     """Load an adapter written by :func:`save_adapter` (a directory or the file) into ``model``.
 
-    Layers without LoRA get one with the adapter's settings; layers with LoRA must have its rank
-    (their scaling becomes the adapter's). All is checked before the model changes: a missing
-    target, a shape or rank mismatch, NaN/inf factors, a tied pair that does not fit and, with
-    ``strict``, model LoRA the adapter does not cover raise ``ValueError``; a damaged file
-    :class:`AdapterFileError`; a model other than the adapter's base (another
-    :func:`base_fingerprint`) :class:`AdapterBaseMismatchError`, unless ``allow_base_mismatch``.
+    Layers without LoRA get one with the adapter's settings; layers with LoRA must have its rank.
+    All is checked before the model changes: a mismatch, or with ``strict`` model LoRA the adapter
+    does not cover, is a ``ValueError``; a damaged file an :class:`AdapterFileError`; another base
+    (:func:`base_fingerprint`) an :class:`AdapterBaseMismatchError`, unless ``allow_base_mismatch``.
     """
     tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"

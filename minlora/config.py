@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from .parametrization import LoRAParametrization, check_float, check_int
+from .parametrization import LoRAParametrization, check_float, check_int, raw_weight
 
 # Layer families LoRA adapts, with the constructor for each.
 FAMILIES: dict[str, tuple[type, Callable[..., LoRAParametrization]]] = {
@@ -29,14 +29,6 @@ def family_name(layer: nn.Module | type) -> str | None:
     """``"Linear"``, ``"Embedding"``, ``"Conv2d"`` for a layer (or layer type) LoRA adapts, else None."""
     layer_type = layer if isinstance(layer, type) else parametrize.type_before_parametrizations(layer)
     return next((name for name, (family, _) in FAMILIES.items() if issubclass(layer_type, family)), None)
-
-
-def raw_weight(module: nn.Module):
-    """The stored weight of ``module`` (the original under a parametrization), or None."""
-    if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations["weight"].original
-    weight = getattr(module, "weight", None)
-    return weight if isinstance(weight, nn.Parameter) else None
 
 
 def name_matches(name: str, pattern: str) -> bool:
@@ -98,17 +90,12 @@ class LoRAConfig:
             self.target_modules = _patterns(self.target_modules, "target_modules")
         self.exclude_modules = _patterns(self.exclude_modules, "exclude_modules") if self.exclude_modules else ()
         self.lm_head_names = _patterns(self.lm_head_names, "lm_head_names") if self.lm_head_names else ()
-        types = self.target_types
-        types = (types,) if isinstance(types, (type, str)) else types
-        resolved = []
-        for t in types:
-            if isinstance(t, str) and t in FAMILIES:
-                t = FAMILIES[t][0]
+        types = (self.target_types,) if isinstance(self.target_types, (type, str)) else self.target_types
+        self.target_types = tuple(FAMILIES[t][0] if isinstance(t, str) and t in FAMILIES else t for t in types)
+        for t in self.target_types:
             if not isinstance(t, type) or family_name(t) is None:
                 raise ValueError(f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts subclasses of "
                                  f"{sorted(FAMILIES)} (give the class or its name)")
-            resolved.append(t)
-        self.target_types = tuple(resolved)
 
     @property
     def layer_types(self) -> tuple[type, ...]:
@@ -124,11 +111,8 @@ class LoRAConfig:
         return {t: {"weight": self.factory(t)} for t in self.layer_types}
 
     def targets(self, model: nn.Module, require_match: bool = True) -> list[tuple[str, nn.Module, str, Callable]]:
-        """``(name, module, "weight", factory)`` for every layer of ``model`` this config selects.
-
-        With ``require_match``, a ``target_modules`` pattern that selects nothing, or a config that
-        selects no layer at all, is a ``ValueError`` saying why.
-        """
+        """``(name, module, "weight", factory)`` for every layer of ``model`` this config selects; with
+        ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why."""
         heads = lm_head_ids(model, self.lm_head_names)
         selected, hits = [], {p: 0 for p in self.target_modules or ()}
         for name, module in model.named_modules():
@@ -137,12 +121,11 @@ class LoRAConfig:
                 id(module) in heads and not self.include_lm_head)
             if not issubclass(layer_type, self.layer_types) or excluded:
                 continue
-            if self.target_modules is not None:
-                matched = [p for p in self.target_modules if name_matches(name, p)]
-                if not matched:
-                    continue
-                for p in matched:
-                    hits[p] += 1
+            matched = [p for p in self.target_modules or () if name_matches(name, p)]
+            if self.target_modules is not None and not matched:
+                continue
+            for p in matched:
+                hits[p] += 1
             selected.append((name, module, "weight", self.factory(layer_type)))
         if require_match:
             for pattern in (p for p, n in hits.items() if n == 0):

@@ -1,9 +1,8 @@
-"""``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA's ``m * (W + s * B @ A) / ||W + s * B @ A||_c``)
-and the fast forward of LoRA layers.
+"""``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA) and the fast forward of LoRA layers.
 
-The *weight path* is plain ``parametrize``: reading ``module.weight`` builds ``W + s * B @ A``.
+The *weight path* is plain ``parametrize``: reading ``module.weight`` builds the adapted weight.
 The *fast path*, a ``forward`` given to parametrized ``nn.Linear`` / ``nn.Embedding`` layers, adds
-the low-rank branch on the activations instead, so no weight-sized tensor or gradient is formed.
+the low-rank branch on the activations instead, so no weight-sized gradient is formed.
 """
 
 from __future__ import annotations
@@ -48,11 +47,16 @@ def lora_dtype_for(weight_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(weight_dtype, torch.float32)
 
 
+def raw_weight(module: nn.Module) -> torch.Tensor | None:
+    """The stored weight of ``module`` (the original under a parametrization), or None."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations["weight"].original
+    return weight if isinstance(weight := getattr(module, "weight", None), nn.Parameter) else None
+
+
 def _weight_of(layer: nn.Module) -> torch.Tensor:
-    weight = layer.parametrizations["weight"].original if parametrize.is_parametrized(layer, "weight") \
-        else getattr(layer, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(layer).__name__} has no weight tensor to put LoRA on")
+    if (weight := raw_weight(layer)) is None:
+        raise TypeError(f"{type(layer).__name__} has no weight parameter to put LoRA on")
     return weight
 
 
@@ -66,11 +70,10 @@ class LoRAParametrization(nn.Module):
     ``B`` starts at zero, ``A`` has ``nn.Linear``'s init; ``scaling = lora_alpha / rank``
     (``/ sqrt(rank)`` with ``use_rslora``).
 
-    ``use_dora`` (weight-decomposed LoRA, Liu et al. 2024, as PEFT computes it): the adapted weight
-    is scaled per output channel to the learned ``lora_magnitude_vector`` ``m``: ``m * V / ||V||_c``
-    with ``V = W + scaling * delta`` and ``||V||_c`` the norm over each output channel's inputs (the
-    embedding's rows for ``fan_in_fan_out``), a constant for backprop. ``m`` starts at ``||V||_c``
-    when the LoRA is registered on its weight, so adding DoRA changes nothing either.
+    ``use_dora`` (weight-decomposed LoRA, Liu et al. 2024, computed as PEFT does): the weight is
+    ``m * V / ||V||_c`` with ``V = W + scaling * delta``, ``||V||_c`` each output channel's norm (an
+    embedding dimension's, over the vocabulary), a constant for backprop, and ``m`` the learned
+    ``lora_magnitude_vector``, which starts at ``||W||_c`` when the LoRA is registered.
     """
 
     def __init__(self, fan_in: int, fan_out: int, fan_in_fan_out: bool = False, rank: int = 4,

@@ -1,13 +1,11 @@
 """PEFT interop: :func:`export_peft_adapter` / :func:`import_peft_adapter`, no ``peft`` package needed.
 
-The format is what ``peft.PeftModel.save_pretrained`` writes: ``adapter_config.json`` (``r``,
-``lora_alpha``, ``target_modules``...) and ``adapter_model.safetensors`` with
-``base_model.model.<module>.lora_A.weight`` ``(r, in)`` / ``.lora_B.weight`` ``(out, r)`` for linear
-layers (``transformers``' ``Conv1D`` too: ``fan_in_fan_out`` changes how PEFT merges, not what it
-stores) and ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B`` ``(dim, r)`` for embeddings.
-
-A model whose PEFT twin differs in layout says so with an optional method (duck typing, so
-minlora knows no model family); every key is optional::
+The format is ``peft.PeftModel.save_pretrained``'s: ``adapter_config.json`` and, in
+``adapter_model.safetensors``, ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` /
+``.lora_B.weight`` ``(out, r)`` for linear layers (``Conv1D`` too: ``fan_in_fan_out`` changes how
+PEFT merges, not what it stores), ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B`` ``(dim, r)``
+for embeddings and DoRA's ``.lora_magnitude_vector``. A model whose PEFT twin differs in layout
+says so with an optional method (duck typing: minlora knows no model family); every key is optional::
 
     def peft_adapter_layout(self) -> dict:
         return {"vocab_size": 50257,  # the twin's real vocabulary
@@ -62,14 +60,12 @@ def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, 
 def export_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
                         fan_in_fan_out: bool | None = None, task_type: str | None = "CAUSAL_LM",
                         dtype: torch.dtype | None = None) -> Path:
-    """Write the LoRA of ``model`` as a PEFT adapter directory; returns it.
+    """Write the LoRA of ``model`` as a PEFT adapter directory that ``peft.PeftModel.from_pretrained``
+    loads onto a twin with the same module names (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it.
 
-    ``peft.PeftModel.from_pretrained(twin, directory)`` then reproduces the LoRA model when ``twin``
-    has the same module names (``transformers.GPT2LMHeadModel`` for a ``gpt2.GPT``).
-    ``base_model_name_or_path`` goes into the config; ``fan_in_fan_out`` too (default: the model's
-    ``peft_adapter_layout()``, else False). Ranks and alphas other than the most common one go into
-    ``rank_pattern`` / ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight is
-    expressible; anything else is a ``ValueError``.
+    ``base_model_name_or_path`` and ``fan_in_fan_out`` (default: the model's ``peft_adapter_layout()``)
+    go into the config; ranks and alphas other than the most common go into ``rank_pattern`` /
+    ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight is expressible.
     """
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
@@ -132,21 +128,18 @@ def _compact_targets(model: nn.Module, module_names: list[str]) -> list[str]:
 
 # PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not
 # loaded as something else.
-_UNSUPPORTED = {"lora_bias": "trainable LoRA biases",
-                "modules_to_save": "fully trained extra modules", "layer_replication": "layer replication",
-                "trainable_token_indices": "trainable token embeddings", "target_parameters": "LoRA on raw parameters",
-                "alora_invocation_tokens": "aLoRA", "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA",
-                "arrow_config": "Arrow routing", "kasa_config": "KaSA", "velora_config": "VeLoRA",
-                "monteclora_config": "MonteCLoRA"}
+_UNSUPPORTED = ("lora_bias", "modules_to_save", "layer_replication", "trainable_token_indices", "target_parameters",
+                "alora_invocation_tokens", "use_qalora", "use_bdlora", "arrow_config", "kasa_config", "velora_config",
+                "monteclora_config")
 
 
 def _check_config(config: dict[str, Any], path: Path) -> None:
     where = f"import_peft_adapter: {path / PEFT_CONFIG_NAME}"
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
-    for key, what in _UNSUPPORTED.items():
-        if config.get(key):
-            raise ValueError(f"{where} uses {what} ({key}={config[key]!r}); minlora loads plain LoRA only")
+    for key in (k for k in _UNSUPPORTED if config.get(k)):
+        raise ValueError(f"{where} sets {key}={config[key]!r}, an option minlora does not support: it loads LoRA and "
+                         f"DoRA factors only")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where} has bias={config['bias']!r} (trained biases saved with the adapter); minlora loads "
                          f"adapters with bias='none' only")
@@ -178,12 +171,11 @@ _ROLES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "EA
 
 
 def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Load a PEFT LoRA adapter directory into ``model`` (same module names); returns ``model``.
+    """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names); returns ``model``.
 
-    Layers without LoRA get one with the adapter's rank and alpha (``rank_pattern`` /
-    ``alpha_pattern``, ``use_rslora`` honoured); layers with LoRA must have the same rank. Base-layer
-    weights PEFT saves beside an adapted embedding are ignored. Unsupported options and any
-    mismatch raise ``ValueError`` (damaged files :class:`AdapterFileError`) before the model changes.
+    Layers without LoRA get one with the adapter's settings (``rank_pattern`` / ``alpha_pattern``
+    honoured); layers with LoRA must match it. Unsupported options and any mismatch raise
+    ``ValueError`` (damaged files :class:`AdapterFileError`) before the model changes.
     """
     path = Path(directory)
     file = path / PEFT_WEIGHTS_NAME
