@@ -1,18 +1,17 @@
-"""minlora: LoRA adapters through ``torch.nn.utils.parametrize``, with no change to the model's code.
+"""minlora: LoRA (and DoRA) adapters through ``torch.nn.utils.parametrize``, no change to the model's code.
 
-A drop-in superset of cccntu/minLoRA (same names and behaviour), plus what it gets wrong fixed
-(no stacked adapters, merge/remove touch LoRA only, tied weights, fp32 factors on fp16/bf16
-bases, a fast forward with no weight-sized tensors), a :class:`LoRAConfig`, adapters on disk in
-minlora's format and in PEFT's. See docs/lora.md.
-
-    import minlora
-    minlora.add_lora(model, minlora.LoRAConfig(rank=8, alpha=16, target_modules=["c_attn", "c_fc"]))
-    minlora.mark_only_lora_as_trainable(model)
-    ...train...
-    minlora.save_adapter(model, "out/adapter")
+A drop-in superset of cccntu/minLoRA with what it gets wrong fixed, a :class:`LoRAConfig`, a fast
+forward, and adapter files in minlora's format and PEFT's. See docs/lora.md.
 """
 
-from .adapters import AdapterFileError, load_adapter, save_adapter
+from .adapters import (
+    AdapterBaseMismatchError,
+    AdapterFileError,
+    NonFiniteAdapterError,
+    base_fingerprint,
+    load_adapter,
+    save_adapter,
+)
 from .config import LoRAConfig
 from .model import (
     LoRAParametrization,
@@ -81,5 +80,8 @@ __all__ = [
     "export_peft_adapter",
     "import_peft_adapter",
     "AdapterFileError",
+    "NonFiniteAdapterError",
+    "AdapterBaseMismatchError",
+    "base_fingerprint",
 ]
 __version__ = "0.1.0"

@@ -1,381 +1,467 @@
-"""minlora's own adapter files: :func:`save_adapter` / :func:`load_adapter`.
+"""minlora's adapter file (:func:`save_adapter` / :func:`load_adapter`), and the file handling and
+all-or-nothing loading that PEFT interop (:mod:`minlora.peft`) shares.
 
-An adapter is a directory with
-  ``minlora_adapter.safetensors``  the factors, keyed ``<module>.<tensor>.lora_A`` / ``.lora_B``
-  ``minlora_adapter.json``         per target: layer type, shapes, rank, alpha, dropout, rslora;
-                                   the dtype; pairs tied with :func:`minlora.tie_weights`.
-Both files carry one random save id, so a pair is written atomically and a mixed pair is caught.
-PEFT's format is in :mod:`minlora.peft`; what both share is in :mod:`minlora.adapter_io`.
+An adapter is one ``adapter.safetensors``: tensors ``<module>.<tensor>.lora_A`` / ``.lora_B``, and
+as JSON under the metadata key ``"minlora"`` the config (per target: layer type, weight shape,
+rank, alpha, rsLoRA, dropout), tied pairs and the base model's fingerprint. One file renamed into
+place is never half-written nor mixed with another save. minlora 0.1's two files still load.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
-import uuid
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .adapter_io import (
-    FAMILIES,
-    AdapterFileError,
-    LoadPlan,
-    apply_plans,
-    check_factor_values,
-    check_store_dtype,
-    family_name,
-    get_module,
-    is_alpha,
-    is_dropout,
-    is_positive_int,
-    json_text,
-    read_json,
-    read_safetensors,
-    safetensors_metadata,
-    single_lora,
-    write_new_file,
-)
-from .config import raw_weight
-from .model import lora_sites
-from .peft import PEFT_CONFIG_NAME
+from .config import FAMILIES, family_name, raw_weight
+from .model import LoRASite, has_lora, lora_sites, register_lora
+from .parametrization import LoRAParametrization
 from .utils import tie_weights
 
-__all__ = ["AdapterFileError", "save_adapter", "load_adapter", "ADAPTER_WEIGHTS_NAME", "ADAPTER_CONFIG_NAME"]
-
+ADAPTER_FILE_NAME = "adapter.safetensors"
+LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME = "minlora_adapter.json", "minlora_adapter.safetensors"  # minlora 0.1
+_FORMAT, _VERSION = "minlora.adapter", 2  # version 1: minlora 0.1's two files
+_REMEDY = "save the adapter again with minlora.save_adapter"
+_SAFETENSORS_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)  # what a damaged file raises
+Plan = tuple[LoRASite, LoRAParametrization]  # where to load, and a LoRA built from the file
 logger = logging.getLogger(__name__)
 
-ADAPTER_WEIGHTS_NAME = "minlora_adapter.safetensors"
-ADAPTER_CONFIG_NAME = "minlora_adapter.json"
-# Old weights kept while a save_adapter replaces a pair (see save_adapter); gone after a finished save.
-_PREVIOUS_WEIGHTS_NAME = ADAPTER_WEIGHTS_NAME + ".prev"
-_FORMAT = "minlora.adapter"
-_FORMAT_VERSION = 1
+
+class AdapterFileError(ValueError):
+    """An adapter file that cannot be used; the message names it, what is wrong and what to do."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+class NonFiniteAdapterError(AdapterFileError):
+    """NaN / inf adapter weights: in a file being loaded, or in a model being saved (nothing is written)."""
 
 
-def _parse_dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"adapter dtype must name a floating-point torch dtype, got {name!r}")
-    return dtype
+class AdapterBaseMismatchError(ValueError):
+    """The adapter was saved from another base model than the one it is loaded into (:func:`base_fingerprint`)."""
 
 
-def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
-    """Write the LoRA factors of ``model`` and their config to the directory ``path``; returns it.
+# ---------------------------------------------------------------------- files
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the new
+    one, never a torn one. A stale ``.tmp`` a crash left is replaced."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        # Created with 0o666 so the kernel applies the user's umask (reading the umask means setting
+        # it, which races with other threads); mkstemp's 0o600 would make every file private.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = stat.S_IMODE(tmp.stat().st_mode)
+        write(tmp)
+        os.chmod(tmp, mode)  # 0o666 & ~umask, whatever write() did
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # on disk before the rename publishes it
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
-    ``dtype`` stores the factors in another precision (e.g. ``torch.bfloat16`` halves the file);
-    by default they are stored as they are (fp32 for fp16/bf16 bases).
 
-    Overwriting an adapter is atomic as a pair: both files carry one random save id, and the old
-    weights are kept (as ``minlora_adapter.safetensors.prev``) until the new config is in place,
-    so a crash at any point leaves the old pair or the new pair, which :func:`load_adapter` finds.
-    """
-    check_store_dtype(dtype, "save_adapter")
+def parse_json(source: Path | str, where: Any, caller: str, remedy: str) -> dict[str, Any]:
+    """The JSON object in a file (a ``Path``) or a string, else :class:`AdapterFileError` naming ``where``."""
+    try:
+        data = json.loads(source.read_text(encoding="utf-8") if isinstance(source, Path) else source)
+    except UnicodeDecodeError as e:
+        raise AdapterFileError(f"{caller}: {where} is not UTF-8 text ({e.reason}); {remedy}") from None
+    except json.JSONDecodeError as e:
+        raise AdapterFileError(
+            f"{caller}: {where} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+            f"the file is damaged or truncated; {remedy}"
+        ) from None
+    if not isinstance(data, dict):
+        raise AdapterFileError(f"{caller}: {where} must hold a JSON object, got {type(data).__name__}; {remedy}")
+    return data
+
+
+def read_safetensors(path: Path, caller: str, remedy: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}, dict(f.metadata() or {})
+    except _SAFETENSORS_ERRORS as e:
+        raise AdapterFileError(
+            f"{caller}: {path} is not a readable safetensors file ({type(e).__name__}: {e}); "
+            f"the file is damaged or truncated; {remedy}"
+        ) from None
+
+
+def check_values(tensors: dict[str, torch.Tensor], where: Any, caller: str, remedy: str) -> None:
+    """Every tensor floating-point and finite: one NaN / inf factor makes every output NaN."""
+    for key, t in tensors.items():
+        if not t.is_floating_point():
+            raise AdapterFileError(f"{caller}: {where}: {key} has dtype {t.dtype}, not a floating-point one; {remedy}")
+        if not torch.isfinite(t).all():
+            raise NonFiniteAdapterError(
+                f"{caller}: {where}: {key} holds {int((~torch.isfinite(t)).sum())} NaN/inf value(s); {remedy}"
+            )
+
+
+def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASite], dict[str, torch.Tensor]]:
+    """The LoRA sites of ``model`` and their parameters ``<site>.<param>`` on the CPU, finite, in ``dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
     sites = lora_sites(model)
     if not sites:
-        raise ValueError("save_adapter: the model has no LoRA to save; call minlora.add_lora(model) first")
-    directory = Path(path)
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"save_adapter: {directory} exists and is not a directory; pass a directory path")
-    tensors: dict[str, torch.Tensor] = {}
-    targets: dict[str, dict[str, Any]] = {}
-    stored_dtype = None
-    for site in sites:
-        lora = single_lora(site, "save_adapter")
-        family = family_name(site.module)
-        if family is None:
+        raise ValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
+    # clones: safetensors refuses tensors sharing memory (tie_weights)
+    tensors = {
+        f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous().clone()
+        for site in sites
+        for name in site.lora.param_names
+    }
+    check_values(
+        tensors,
+        "the model's LoRA",
+        caller,
+        "nothing was written; the adapter diverged in training: resume "
+        "from a checkpoint before it did, with a lower learning rate",
+    )
+    return sites, tensors
+
+
+def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
+    if len(site.lora_indices) != 1:
+        raise ValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
+    return site.lora
+
+
+# ---------------------------------------------------------------------- loading, all or nothing
+def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
+    try:
+        return model.get_submodule(module_name)
+    except AttributeError:
+        some = [n for n, m in model.named_modules() if n and family_name(m)][:6]
+        raise ValueError(
+            f"{source} targets {module_name!r} but this {type(model).__name__} has no such module "
+            f"(layers are named like {some}); was the adapter made for another model shape?"
+        ) from None
+
+
+@torch.no_grad()
+def make_plan(
+    site: LoRASite,
+    source: str,
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+    lora_alpha: float,
+    use_rslora: bool = False,
+    dropout: float = 0.0,
+    use_dora: bool = False,
+) -> Plan:
+    """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight."""
+    family = family_name(site.module)
+    if family is None or raw_weight(site.module) is None or site.tensor_name != "weight":
+        raise ValueError(
+            f"{source}: {site.name} is not the weight of an nn.Linear, nn.Embedding or nn.Conv2d, the "
+            f"layers minlora puts LoRA on"
+        )
+    lora = FAMILIES[family][1](site.module, rank, dropout, lora_alpha, use_rslora=use_rslora, use_dora=use_dora)
+    for name, value in tensors.items():
+        if value.shape != getattr(lora, name).shape:
             raise ValueError(
-                f"save_adapter: {site.name} is a {type(site.module).__name__}, not a Linear, Embedding or Conv2d"
+                f"{source}: the adapter's {name} for {site.name} has shape {tuple(value.shape)}; at rank "
+                f"{rank} this layer needs {tuple(getattr(lora, name).shape)}"
             )
-        targets[site.name] = {
-            "layer": family,
-            "weight_shape": list(site.original.shape),
-            "fan_in": lora.fan_in,
-            "fan_out": lora.fan_out,
-            "fan_in_fan_out": lora.fan_in_fan_out,
-            "rank": lora.rank,
-            "lora_alpha": lora.lora_alpha,
-            "use_rslora": lora.use_rslora,
-            "lora_dropout_p": lora.lora_dropout_p,
+        getattr(lora, name).copy_(value)
+    return site, lora
+
+
+def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) -> None:
+    """What could stop a load half-way, checked before anything changes."""
+    for site, new in plans:
+        old = single_lora(site, source) if has_lora(site.module, site.tensor_name) else new
+        if old.rank != new.rank:
+            raise ValueError(
+                f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there "
+                f"has rank {old.rank}; call minlora.remove_lora(model) and load again (loading into a "
+                f"model without LoRA adds it at the adapter's rank), or add LoRA with rank={new.rank}"
+            )
+        shapes = [{n: tuple(getattr(p, n).shape) for n in p.param_names} for p in (old, new)]
+        if shapes[0] != shapes[1]:
+            raise ValueError(
+                f"{source}: the model's LoRA on {site.name} has parameters {shapes[0]}, the adapter's "
+                f"{shapes[1]}; call minlora.remove_lora(model) and load again"
+            )
+    extra = [s.name for s in lora_sites(model) if s.name not in {site.name for site, _ in plans}]
+    if strict and extra:
+        raise ValueError(
+            f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
+            f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora"
+        )
+
+
+@torch.no_grad()
+def apply_plans(plans: list[Plan]) -> None:
+    for site, new in plans:
+        if not has_lora(site.module, site.tensor_name):
+            register_lora(site.module, site.tensor_name, new, fresh=False)
+            continue
+        site.lora.set_scaling(new.lora_alpha, new.use_rslora)  # the adapter was trained with its own
+        for name in new.param_names:
+            getattr(site.lora, name).copy_(getattr(new, name))
+
+
+# ---------------------------------------------------------------------- the base an adapter belongs to
+def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().cpu().contiguous()
+        digest.update(f"{name} {tuple(t.shape)} {t.dtype}\n".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    cfg = getattr(model, "config", None)  # duck-typed: minlora knows no model family
+    data = (
+        cfg.to_dict()
+        if callable(getattr(cfg, "to_dict", None))
+        else dataclasses.asdict(cfg)
+        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
+        else None
+    )
+    config = None if data is None else json.loads(json.dumps(data, sort_keys=True, default=str))  # as it reads back
+    summary = json.dumps([digest.hexdigest(), config], sort_keys=True).encode()
+    return {"sha256": hashlib.sha256(summary).hexdigest(), "weights_sha256": digest.hexdigest(), "config": config}
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
+    dtypes, values) and of ``model.config`` (a dataclass or an object with ``to_dict()``) as JSON:
+    what :func:`save_adapter` records and :func:`load_adapter` checks; a trainer can keep it too."""
+    if not lora_sites(model):
+        raise ValueError(
+            "base_fingerprint: the model has no LoRA, so no adapted layers to fingerprint; call "
+            "minlora.add_lora(model) first"
+        )
+    return _base_record(model, {s.name: s.original for s in lora_sites(model)})["sha256"]
+
+
+def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
+    if saved is None:
+        logger.warning(
+            "%s: the adapter does not record the base model it was trained on (saved by minlora 0.1), so "
+            "it cannot be verified to fit this model",
+            source,
+        )
+        return
+    now = _base_record(model, {site.name: raw_weight(site.module) for site, _ in plans})
+    if now["sha256"] == saved.get("sha256"):
+        return
+    old_config, new_config = saved.get("config") or {}, now["config"] or {}
+    keys = sorted(k for k in {*old_config, *new_config} if old_config.get(k) != new_config.get(k))
+    changes = [f"{k}: {old_config.get(k)!r} in the adapter, {new_config.get(k)!r} here" for k in keys[:4]]
+    differs = [f"the model config ({', '.join(changes)})"] if keys else []
+    if now["weights_sha256"] != saved.get("weights_sha256"):
+        differs.append(f"the base weights of the {len(plans)} adapted layers")
+    message = f"{source}: the adapter was trained on another base model: {' and '.join(differs) or 'its record'} differ"
+    if not allow:
+        raise AdapterBaseMismatchError(
+            f"{message}; load the base model it was trained on, or pass "
+            f"allow_base_mismatch=True to load_adapter to use it with this one"
+        )
+    logger.warning("%s; loading it anyway (allow_base_mismatch=True)", message)
+
+
+# ---------------------------------------------------------------------- minlora's format
+def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+    """Write the LoRA of ``model`` with its config to ``path``, a directory (``adapter.safetensors``
+    inside) or a ``.safetensors`` file; returns ``path``. ``dtype`` stores the factors in another
+    precision (``torch.bfloat16`` halves the file). The file is replaced atomically; NaN / inf
+    weights are refused (:class:`NonFiniteAdapterError`) and the file on disk stays as it was."""
+    sites, tensors = lora_tensors(model, "save_adapter", dtype)
+    path = Path(path)
+    file = path if path.suffix == ".safetensors" else path / ADAPTER_FILE_NAME
+    if path.is_file() and file != path:
+        raise ValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
+    targets = {
+        s.name: {
+            "layer": family_name(s.module),
+            "weight_shape": list(s.original.shape),
+            "rank": s.lora.rank,
+            "lora_alpha": s.lora.lora_alpha,
+            "use_rslora": s.lora.use_rslora,
+            "lora_dropout_p": s.lora.lora_dropout_p,
+            "use_dora": s.lora.use_dora,
         }
-        for pname in ("lora_A", "lora_B"):
-            t = getattr(lora, pname).detach()
-            t = t.to(dtype) if dtype is not None else t
-            stored_dtype = t.dtype
-            # clone: safetensors refuses tensors that share memory (tie_weights shares factors)
-            tensors[f"{site.name}.{pname}"] = t.cpu().contiguous().clone()
-    ties = []
-    for s1 in sites:
-        for s2 in sites:
-            if s1 is not s2 and s2.lora.lora_A is s1.lora.lora_B and s2.lora.lora_B is s1.lora.lora_A \
-                    and not s1.lora.fan_in_fan_out:
-                ties.append({"linear": s1.name, "embedding": s2.name})
-    save_id = uuid.uuid4().hex
+        for s in sites
+    }
+    ties = [
+        {"linear": a.name, "embedding": b.name}
+        for a in sites
+        for b in sites
+        if b.lora.lora_A is a.lora.lora_B and b.lora.lora_B is a.lora.lora_A and not a.lora.fan_in_fan_out
+    ]
     config = {
         "format": _FORMAT,
-        "format_version": _FORMAT_VERSION,
-        "save_id": save_id,
-        "dtype": _dtype_name(stored_dtype),
+        "format_version": _VERSION,
         "targets": targets,
         "tied": ties,
+        "base": _base_record(model, {s.name: s.original for s in sites}),
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_pair(directory, tensors, {"format": "pt", "minlora_save_id": save_id}, config)
-    return directory
+    file.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", "minlora": json.dumps(config, sort_keys=True)}
+    write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    for old in (LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME):
+        (file.parent / old).unlink(missing_ok=True)  # an older adapter left beside it would only confuse
+    return path
 
 
-def _write_pair(directory: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: dict) -> None:
-    """Put the new (weights, config) pair in place so that a crash at any step leaves a whole pair.
+def _check_config(config: dict[str, Any], where: Any) -> None:
+    """The structure; the values are checked as the LoRAs are built from them (:func:`make_plan`)."""
 
-    1. both new files are written completely under ``.tmp`` names (the old pair is untouched);
-    2. the old weights move to ``.prev`` (old pair = config + ``.prev``, which load_adapter uses);
-    3. the new weights move into place (config still old: load_adapter still uses ``.prev``);
-    4. the new config moves into place: the new pair is complete (save ids agree);
-    5. ``.prev`` is deleted.
-    A failure before step 4 moves the old weights back and removes the ``.tmp`` files.
-    """
-    weights, config_path = directory / ADAPTER_WEIGHTS_NAME, directory / ADAPTER_CONFIG_NAME
-    previous = directory / _PREVIOUS_WEIGHTS_NAME
-    weights_tmp = weights.with_name(weights.name + ".tmp")
-    config_tmp = config_path.with_name(config_path.name + ".tmp")
-    _settle_interrupted_save(directory)
-    committed = False
-    try:
-        write_new_file(weights_tmp, lambda t: save_file(tensors, str(t), metadata=metadata))
-        write_new_file(config_tmp, lambda t: t.write_text(json_text(config)))
-        if weights.exists() and config_path.exists():
-            os.replace(weights, previous)
-        os.replace(weights_tmp, weights)
-        os.replace(config_tmp, config_path)
-        committed = True
-    finally:
-        weights_tmp.unlink(missing_ok=True)
-        config_tmp.unlink(missing_ok=True)
-        if not committed and previous.exists():  # roll back to the old pair
-            try:
-                os.replace(previous, weights)
-            except OSError:  # load_adapter still finds the old pair through .prev
-                logger.warning("save_adapter: could not move %s back; load_adapter will use it", previous)
-    previous.unlink(missing_ok=True)
+    def fail(what: str) -> None:
+        raise AdapterFileError(f"load_adapter: {where}: {what}; {_REMEDY}")
 
-
-def _settle_interrupted_save(directory: Path) -> None:
-    """Before a new save: if a crashed save left the old weights in ``.prev`` (with the old config),
-    put them back, so the directory holds one plain pair again."""
-    previous = directory / _PREVIOUS_WEIGHTS_NAME
-    if not previous.exists():
-        return
-    config_id = _config_save_id(directory / ADAPTER_CONFIG_NAME)
-    if config_id is not None and _weights_save_id(previous) == config_id:
-        os.replace(previous, directory / ADAPTER_WEIGHTS_NAME)
-    else:
-        previous.unlink()
-
-
-def _config_save_id(path: Path) -> str | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("save_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
-
-
-def _weights_save_id(path: Path) -> str | None:
-    return (safetensors_metadata(path) or {}).get("minlora_save_id")
-
-
-# What a target entry of minlora_adapter.json must hold: key -> (check, description).
-_TARGET_FIELDS: dict[str, tuple[Any, str]] = {
-    "layer": (lambda v: v in FAMILIES, f"one of {sorted(FAMILIES)}"),
-    "weight_shape": (lambda v: isinstance(v, list) and bool(v) and all(is_positive_int(d) for d in v),
-                     "a list of positive integers"),
-    "fan_in": (is_positive_int, "a positive integer"),
-    "fan_out": (is_positive_int, "a positive integer"),
-    "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
-    "rank": (is_positive_int, "a positive integer"),
-    "lora_alpha": (is_alpha, "a finite, non-zero number"),
-}
-_OPTIONAL_TARGET_FIELDS: dict[str, tuple[Any, str]] = {
-    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
-    "lora_dropout_p": (is_dropout, "a number in [0, 1)"),
-}
-
-
-def _check_adapter_config(config: dict[str, Any], path: Path, caller: str) -> None:
-    """The structure of ``minlora_adapter.json``: every field present and of the right type."""
-    remedy = "save the adapter again with minlora.save_adapter"
     if config.get("format") != _FORMAT:
-        raise AdapterFileError(
-            f"{caller}: {path} has format={config.get('format')!r}, not {_FORMAT!r}: it is not a minlora adapter "
-            f"config (a PEFT adapter_config.json goes to minlora.import_peft_adapter)"
+        fail(
+            f"format={config.get('format')!r}, not {_FORMAT!r}: it is not a minlora adapter (a PEFT adapter goes to "
+            f"minlora.import_peft_adapter)"
         )
-    version = config.get("format_version")
-    if version != _FORMAT_VERSION:
-        newer = is_positive_int(version) and version > _FORMAT_VERSION
-        raise AdapterFileError(
-            f"{caller}: {path} has format_version={version!r}; this minlora reads version {_FORMAT_VERSION}"
-            + ("; upgrade minlora to load it" if newer else f"; {remedy}")
+    if config.get("format_version") not in (1, _VERSION):
+        newer = isinstance(config.get("format_version"), int) and config["format_version"] > _VERSION
+        fail(
+            f"format_version={config.get('format_version')!r}, but this minlora reads versions 1 and {_VERSION}"
+            + ("; upgrade minlora to load it" if newer else "")
         )
-    try:
-        _parse_dtype(config.get("dtype"))
-    except ValueError as e:
-        raise AdapterFileError(f"{caller}: {path}: {e}; {remedy}") from None
-    if "save_id" in config and not isinstance(config["save_id"], str):
-        raise AdapterFileError(f"{caller}: {path}: save_id must be a string, got {config['save_id']!r}; {remedy}")
     targets = config.get("targets")
-    if not isinstance(targets, dict) or not targets:
-        raise AdapterFileError(f"{caller}: {path}: 'targets' must be a non-empty object, got {targets!r}; {remedy}")
-    for name, spec in targets.items():
-        if not isinstance(spec, dict):
-            raise AdapterFileError(f"{caller}: {path}: targets[{name!r}] must be an object; {remedy}")
-        for key, (ok, what) in _TARGET_FIELDS.items():
-            if key not in spec:
-                raise AdapterFileError(f"{caller}: {path}: targets[{name!r}] lacks the field {key!r}; {remedy}")
-            if not ok(spec[key]):
-                raise AdapterFileError(
-                    f"{caller}: {path}: targets[{name!r}].{key} must be {what}, got {spec[key]!r}; {remedy}"
-                )
-        for key, (ok, what) in _OPTIONAL_TARGET_FIELDS.items():
-            if key in spec and not ok(spec[key]):
-                raise AdapterFileError(
-                    f"{caller}: {path}: targets[{name!r}].{key} must be {what}, got {spec[key]!r}; {remedy}"
-                )
-    tied = config.get("tied", [])
-    if not isinstance(tied, list):
-        raise AdapterFileError(f"{caller}: {path}: 'tied' must be a list, got {tied!r}; {remedy}")
-    for tie in tied:
-        if not (isinstance(tie, dict) and set(tie) == {"linear", "embedding"}
-                and all(isinstance(tie[k], str) and tie[k] in targets for k in tie)):
-            raise AdapterFileError(
-                f"{caller}: {path}: each 'tied' entry must be {{\"linear\": <target>, \"embedding\": <target>}} "
-                f"naming two entries of 'targets', got {tie!r}; {remedy}"
-            )
-
-
-def _pick_weights(directory: Path, config: dict[str, Any], config_path: Path, caller: str) -> Path:
-    """The weights file that belongs with ``config``: normally ``minlora_adapter.safetensors``; after
-    a save that crashed halfway, the previous weights kept in ``.prev`` (see :func:`save_adapter`)."""
-    weights, previous = directory / ADAPTER_WEIGHTS_NAME, directory / _PREVIOUS_WEIGHTS_NAME
-    config_id = config.get("save_id")
-    if config_id is None:  # written before save ids existed: nothing to pair
-        return weights
-    if weights.is_file() and _weights_save_id(weights) == config_id:
-        return weights
-    if previous.is_file() and _weights_save_id(previous) == config_id:
-        logger.warning(
-            "%s: a save_adapter into %s was interrupted; loading the complete previous adapter "
-            "(the next save_adapter there tidies up)", caller, directory,
-        )
-        return previous
-    if not weights.is_file():
-        raise FileNotFoundError(f"{caller}: {directory} has {ADAPTER_CONFIG_NAME} but no {ADAPTER_WEIGHTS_NAME}")
-    metadata = safetensors_metadata(weights)
-    if metadata is None:  # damaged file: the reader says what is wrong with it
-        return weights
-    found = metadata.get("minlora_save_id", "without a save id")
-    raise AdapterFileError(
-        f"{caller}: {weights} (save {found}) and {config_path} (save {config_id}) come from two different saves "
-        f"(files copied by hand?); copy both files of one save_adapter, or save the adapter again"
-    )
-
-
-def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Load an adapter written by :func:`save_adapter` into ``model``; returns ``model``.
-
-    Layers without LoRA get one with the adapter's rank and alpha; layers with LoRA must have the
-    same rank (else ``ValueError``; their scaling is set to the adapter's). Everything is checked
-    before the model is changed, so a failed load leaves it exactly as it was: targets missing from
-    the model, shape mismatches, NaN/inf factors, tied pairs that do not fit and, with ``strict``,
-    model LoRA the adapter does not cover raise ``ValueError``; damaged files raise
-    :class:`AdapterFileError` (a ``ValueError``) naming the file.
-    """
-    directory = Path(path)
-    caller = "load_adapter"
-    config_path = directory / ADAPTER_CONFIG_NAME
-    has_weights = (directory / ADAPTER_WEIGHTS_NAME).is_file() or (directory / _PREVIOUS_WEIGHTS_NAME).is_file()
-    if not config_path.is_file() or not has_weights:
-        is_peft = (directory / PEFT_CONFIG_NAME).is_file()
-        hint = " (it looks like a PEFT adapter: use minlora.import_peft_adapter)" if is_peft else ""
-        raise FileNotFoundError(
-            f"load_adapter: {directory} must contain {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME}{hint}"
-        )
-    remedy = "save the adapter again with minlora.save_adapter"
-    config = read_json(config_path, caller, remedy)
-    _check_adapter_config(config, config_path, caller)
-    weights_path = _pick_weights(directory, config, config_path, caller)
-    tensors, _ = read_safetensors(weights_path, caller, remedy)
-    source = f"load_adapter({directory})"
-    expected = {f"{name}.{p}" for name in config["targets"] for p in ("lora_A", "lora_B")}
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
+        fail(f"'targets' must be a non-empty object of objects, got {targets!r}")
+    missing = [
+        (n, k) for n, spec in targets.items() for k in ("layer", "weight_shape", "rank", "lora_alpha") if k not in spec
+    ]
     if missing:
-        raise AdapterFileError(f"{source}: {weights_path.name} lacks {missing[:4]}; the file is incomplete; {remedy}")
-    if unexpected:
-        raise AdapterFileError(
-            f"{source}: {weights_path.name} holds tensors {unexpected[:4]} that {ADAPTER_CONFIG_NAME} does not list; "
-            f"the two files do not belong together; {remedy}"
+        fail(f"targets[{missing[0][0]!r}] lacks the field {missing[0][1]!r}")
+    if not isinstance(config.get("base", {}), dict):
+        fail(f"'base' must be an object (the base model's fingerprint), got {config['base']!r}")
+    tied = config.get("tied", [])
+    if not isinstance(tied, list) or not all(
+        isinstance(t, dict)
+        and set(t) == {"linear", "embedding"}
+        and all(isinstance(v, str) and v in targets for v in t.values())
+        for t in tied
+    ):
+        fail(
+            f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}} naming two targets, '
+            f"got {tied!r}"
         )
-    check_factor_values(tensors, weights_path, source, remedy)
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
+    """``(tensors, config, file)`` of the adapter at ``path`` (a directory or the file), config checked."""
+    file = path / ADAPTER_FILE_NAME if path.is_dir() else path
+    if file.is_file():
+        tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
+        if "minlora" not in metadata:
+            raise AdapterFileError(
+                f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
+                f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
+            )
+        config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
+    elif (path / LEGACY_CONFIG_NAME).is_file():
+        config = parse_json(path / LEGACY_CONFIG_NAME, path / LEGACY_CONFIG_NAME, "load_adapter", _REMEDY)
+        _check_config(config, path / LEGACY_CONFIG_NAME)
+        file = path / LEGACY_WEIGHTS_NAME
+        tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
+        if metadata.get("minlora_save_id") != config.get("save_id"):  # minlora 0.1 wrote one id into both
+            raise AdapterFileError(
+                f"load_adapter: {file} (save {metadata.get('minlora_save_id')}) and "
+                f"{LEGACY_CONFIG_NAME} (save {config.get('save_id')}) come from two different "
+                f"saves (files copied by hand?); copy both files of one save, or {_REMEDY}"
+            )
+    else:
+        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" * (path / "adapter_config.json").is_file()
+        raise FileNotFoundError(
+            f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
+            f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}"
+        )
+    _check_config(config, file)
+    return tensors, config, file
+
+
+def load_adapter(
+    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, allow_base_mismatch: bool = False
+) -> nn.Module:
+    """Load an adapter written by :func:`save_adapter` (a directory or the file) into ``model``.
+
+    Layers without LoRA get one with the adapter's settings; layers with LoRA must have its rank.
+    All is checked before the model changes: a mismatch, or with ``strict`` model LoRA the adapter
+    does not cover, is a ``ValueError``; a damaged file an :class:`AdapterFileError`; another base
+    (:func:`base_fingerprint`) an :class:`AdapterBaseMismatchError`, unless ``allow_base_mismatch``.
+    """
+    tensors, config, file = _read(Path(path))
+    source = f"load_adapter({path})"
+    names = {
+        t: ("lora_A", "lora_B") + ("lora_magnitude_vector",) * (s.get("use_dora") is True)
+        for t, s in config["targets"].items()
+    }
+    expected = {f"{target}.{p}" for target, pnames in names.items() for p in pnames}
+    if set(tensors) != expected:
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise AdapterFileError(
+            f"{source}: {file} "
+            + (
+                f"lacks {missing[:4]}; the file is incomplete"
+                if missing
+                else f"holds {unexpected[:4]}, which its config does not list"
+            )
+            + f"; {_REMEDY}"
+        )
+    check_values(tensors, file, source, _REMEDY)
     plans = []
     for name, spec in config["targets"].items():
         module_name, _, tensor_name = name.rpartition(".")
-        module = get_module(model, module_name, source)
-        family = family_name(module)
-        if family != spec["layer"]:
+        site = LoRASite(module_name, get_module(model, module_name, source), tensor_name)
+        weight = raw_weight(site.module)
+        if family_name(site.module) != spec["layer"] or weight is None or list(weight.shape) != spec["weight_shape"]:
             raise ValueError(
-                f"{source}: {module_name!r} is a {type(module).__name__} in the model but a {spec['layer']} "
-                f"in the adapter"
+                f"{source}: {name} is a {type(site.module).__name__} weight of shape "
+                f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} "
+                f"weight of shape {tuple(spec['weight_shape'])} in the adapter: made for a model of "
+                f"another shape"
             )
-        weight = raw_weight(module) if tensor_name == "weight" else getattr(module, tensor_name, None)
-        if not isinstance(weight, torch.Tensor):
-            raise ValueError(f"{source}: {module_name!r} has no tensor {tensor_name!r}")
-        if list(weight.shape) != list(spec["weight_shape"]):
-            raise ValueError(
-                f"{source}: {name} has shape {tuple(weight.shape)} in the model but {tuple(spec['weight_shape'])} in "
-                f"the adapter; the adapter was made for a model of another shape"
+        try:
+            plans.append(
+                make_plan(
+                    site,
+                    source,
+                    {p: tensors[f"{name}.{p}"] for p in names[name]},
+                    spec["rank"],
+                    spec["lora_alpha"],
+                    spec.get("use_rslora", False),
+                    spec.get("lora_dropout_p", 0.0),
+                    spec.get("use_dora", False),
+                )
             )
-        plans.append(LoadPlan(
-            module_name, module, tensor_name, rank=spec["rank"], lora_alpha=spec["lora_alpha"],
-            use_rslora=spec.get("use_rslora", False), dropout=float(spec.get("lora_dropout_p", 0.0)),
-            fan_in=spec["fan_in"], fan_out=spec["fan_out"], fan_in_fan_out=spec["fan_in_fan_out"],
-            lora_A=tensors[f"{name}.lora_A"], lora_B=tensors[f"{name}.lora_B"],
-        ))
-    ties = _tie_plans(model, plans, config.get("tied", []), source)
-    apply_plans(model, plans, source, strict)
-    for linear, embedding in ties:
-        tie_weights(linear, embedding)
-    return model
-
-
-def _tie_plans(model: nn.Module, plans: list[LoadPlan], tied: list[dict[str, str]],
-               source: str) -> list[tuple[nn.Module, nn.Module]]:
-    """Check every tied pair before anything changes; returns the ``(linear, embedding)`` modules.
-
-    A pair must be a linear-layout and an embedding-layout LoRA of transposed factor shapes, on
-    weights of one shape, whose stored factors agree (the embedding's ``lora_A`` is the head's
-    ``lora_B`` and vice versa): tying would otherwise silently drop the embedding's values.
-    """
-    by_name = {p.name: p for p in plans}
-    pairs = []
-    for tie in tied:
+        except (TypeError, ValueError) as e:  # a bad rank / alpha / dropout, or a factor of the wrong shape
+            raise AdapterFileError(f"{source}: {file}: targets[{name!r}]: {e}; {_REMEDY}") from None
+    by_name, ties = {site.name: lora for site, lora in plans}, []
+    for tie in config.get("tied", []):  # the factors must hold one update: tying would drop values otherwise
         lin, emb = by_name[tie["linear"]], by_name[tie["embedding"]]
-        if lin.fan_in_fan_out or not emb.fan_in_fan_out or lin.tensor_name != "weight" or emb.tensor_name != "weight":
+        if (
+            lin.fan_in_fan_out
+            or not emb.fan_in_fan_out
+            or not torch.equal(lin.lora_A, emb.lora_B)
+            or not torch.equal(lin.lora_B, emb.lora_A)
+        ):
             raise AdapterFileError(
-                f"{source}: the tied pair {tie} must be a linear layer's and an embedding's weight LoRA; "
-                f"the config is damaged; save the adapter again with minlora.save_adapter"
+                f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA "
+                f"holding one update (the embedding's lora_A is the head's lora_B); {_REMEDY}"
             )
-        if (lin.fan_in, lin.fan_out, lin.rank) != (emb.fan_out, emb.fan_in, emb.rank) \
-                or not torch.equal(lin.lora_A, emb.lora_B) or not torch.equal(lin.lora_B, emb.lora_A):
-            raise AdapterFileError(
-                f"{source}: the tied pair {tie} does not hold one shared update (shapes or values of the two "
-                f"layers' factors differ); the files are damaged; save the adapter again with minlora.save_adapter"
-            )
-        pairs.append((lin.module, emb.module))
-    return pairs
+        ties.append([site.module for site, _ in plans if site.name in (tie["linear"], tie["embedding"])])
+    check_plans(model, plans, source, strict)
+    _check_base(config.get("base"), model, plans, source, allow_base_mismatch)
+    apply_plans(plans)
+    for pair in ties:
+        tie_weights(*pair)  # either order
+    return model

@@ -1,55 +1,57 @@
-"""``LoRAConfig``: which layers get LoRA and with what rank, for humans.
+"""``LoRAConfig``: which layers get LoRA and with what settings, for humans.
 
-It feeds the same machinery as minLoRA's dict configs (``LoRAConfig.to_lora_config()`` gives the
-dict), adding name patterns, exclusions and explicit switches for the embeddings and the LM head.
+It feeds the same machinery as minLoRA's dict configs (``to_lora_config()`` gives the dict), adding
+name patterns, exclusions and explicit switches for the embeddings and the LM head.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from .parametrization import LoRAParametrization, check_finite_number, check_positive_int
+from .parametrization import LoRAParametrization, check_float, check_int, raw_weight
 
-__all__ = ["LoRAConfig"]
-
-# Layer families LoRA knows how to adapt, with the constructor for each.
-_FACTORIES: dict[type, Callable[..., LoRAParametrization]] = {
-    nn.Linear: LoRAParametrization.from_linear,
-    nn.Embedding: LoRAParametrization.from_embedding,
-    nn.Conv2d: LoRAParametrization.from_conv2d,
+# Layer families LoRA adapts, with the constructor for each.
+FAMILIES: dict[str, tuple[type, Callable[..., LoRAParametrization]]] = {
+    "Linear": (nn.Linear, LoRAParametrization.from_linear),
+    "Embedding": (nn.Embedding, LoRAParametrization.from_embedding),
+    "Conv2d": (nn.Conv2d, LoRAParametrization.from_conv2d),
 }
-_TYPE_NAMES = {"Linear": nn.Linear, "Embedding": nn.Embedding, "Conv2d": nn.Conv2d}
 
 
-def _family(layer_type: type) -> type | None:
-    for family in _FACTORIES:
-        if issubclass(layer_type, family):
-            return family
-    return None
+def family_name(layer: nn.Module | type) -> str | None:
+    """``"Linear"``, ``"Embedding"``, ``"Conv2d"`` for a layer (or layer type) LoRA adapts, else None."""
+    layer_type = layer if isinstance(layer, type) else parametrize.type_before_parametrizations(layer)
+    return next((name for name, (family, _) in FAMILIES.items() if issubclass(layer_type, family)), None)
 
 
 def name_matches(name: str, pattern: str) -> bool:
-    """``pattern`` with ``*``, ``?`` or ``[`` is a glob over the full dotted name
-    (``"transformer.h.*.attn.c_attn"``); otherwise it matches the name or a dotted suffix of it
-    (``"c_proj"`` matches ``transformer.h.0.attn.c_proj`` and ``transformer.h.0.mlp.c_proj``)."""
+    """A pattern with ``*``, ``?`` or ``[`` is a glob over the full dotted name; otherwise it matches
+    the name or a dotted suffix (``"c_proj"`` matches ``transformer.h.0.attn.c_proj``)."""
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)
 
 
-def _as_patterns(value: Any, field_name: str) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = (value,)
-    value = tuple(value)
+def lm_head_ids(model: nn.Module, head_names: tuple[str, ...] = ("lm_head",)) -> set[int]:
+    """``id`` of every linear layer that is an LM head: named in ``head_names`` or tied to an embedding."""
+    tied = {id(w) for m in model.modules() if family_name(m) == "Embedding" and (w := raw_weight(m)) is not None}
+    return {
+        id(m)
+        for name, m in model.named_modules()
+        if family_name(m) == "Linear"
+        and (((w := raw_weight(m)) is not None and id(w) in tied) or any(name_matches(name, h) for h in head_names))
+    }
+
+
+def _patterns(value: Any, field_name: str) -> tuple[str, ...]:
+    value = (value,) if isinstance(value, str) else tuple(value)
     if not value or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"LoRAConfig.{field_name} must be non-empty strings (name patterns), got {value!r}")
     return value
@@ -59,15 +61,13 @@ def _as_patterns(value: Any, field_name: str) -> tuple[str, ...] | None:
 class LoRAConfig:
     """Which layers get LoRA, and its hyper-parameters.
 
-    A layer gets LoRA when it is an instance of one of ``target_types`` (``nn.Embedding`` joins
-    them with ``include_embeddings``), matches one of ``target_modules`` (all layers when None),
-    matches none of ``exclude_modules``, and is not an LM head unless ``include_lm_head``. The LM
-    head is a linear layer named ``lm_head`` or whose weight is tied to an embedding's; with
-    GPT-2's tied weights, LoRA on the head adapts the output projection only (the embedding keeps
-    ``W``), see docs/lora.md. Patterns follow :func:`name_matches`.
-
-    ``scaling = alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``). The defaults, rank 8
-    and alpha 16 (scaling 2), are a common starting point for fine-tuning GPT-2-sized models.
+    A layer gets LoRA when it is one of ``target_types`` (``include_embeddings`` adds
+    ``nn.Embedding``), matches a ``target_modules`` pattern (all layers when None), matches no
+    ``exclude_modules`` pattern, and is not an LM head unless ``include_lm_head``. The LM head is a
+    linear layer named in ``lm_head_names`` or tied to an embedding; with GPT-2's tied weights,
+    LoRA on the head adapts the output projection only (see docs/lora.md).
+    ``scaling = alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``); ``use_dora``: DoRA
+    (PEFT's name), see :class:`LoRAParametrization`.
     """
 
     rank: int = 8
@@ -79,165 +79,105 @@ class LoRAConfig:
     include_embeddings: bool = False
     include_lm_head: bool = False
     use_rslora: bool = False
-    lm_head_names: tuple[str, ...] = field(default=("lm_head",))
+    use_dora: bool = False
+    lm_head_names: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self) -> None:
-        # Checked here, when the config is built, not at the first forward: alpha=nan would make
-        # every logit NaN (and `nan <= 0` is False, hence math.isfinite in these checks).
-        check_positive_int(self.rank, "LoRAConfig.rank")
-        check_finite_number(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True, high=None)
-        check_finite_number(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
-        for flag in ("include_embeddings", "include_lm_head", "use_rslora"):
+        # Checked when the config is built, not at the first forward (alpha=nan: every logit NaN).
+        check_int(self.rank, "LoRAConfig.rank")
+        check_float(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True)
+        check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
+        for flag in ("include_embeddings", "include_lm_head", "use_rslora", "use_dora"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
-        self.target_modules = _as_patterns(self.target_modules, "target_modules")
-        self.exclude_modules = _as_patterns(self.exclude_modules, "exclude_modules") if self.exclude_modules else ()
-        self.lm_head_names = _as_patterns(self.lm_head_names, "lm_head_names") if self.lm_head_names else ()
-        types = self.target_types
-        if isinstance(types, type) or isinstance(types, str):
-            types = (types,)
-        resolved = []
-        for t in types:
-            if isinstance(t, str):
-                if t not in _TYPE_NAMES:
-                    raise ValueError(
-                        f"LoRAConfig.target_types: unknown type name {t!r}; use one of {sorted(_TYPE_NAMES)}"
-                    )
-                t = _TYPE_NAMES[t]
-            if not isinstance(t, type) or _family(t) is None:
+        if self.target_modules is not None:
+            self.target_modules = _patterns(self.target_modules, "target_modules")
+        self.exclude_modules = _patterns(self.exclude_modules, "exclude_modules") if self.exclude_modules else ()
+        self.lm_head_names = _patterns(self.lm_head_names, "lm_head_names") if self.lm_head_names else ()
+        types = (self.target_types,) if isinstance(self.target_types, (type, str)) else self.target_types
+        self.target_types = tuple(FAMILIES[t][0] if isinstance(t, str) and t in FAMILIES else t for t in types)
+        for t in self.target_types:
+            if not isinstance(t, type) or family_name(t) is None:
                 raise ValueError(
                     f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts subclasses of "
-                    f"{[f.__name__ for f in _FACTORIES]}"
+                    f"{sorted(FAMILIES)} (give the class or its name)"
                 )
-            resolved.append(t)
-        self.target_types = tuple(resolved)
 
-    # ------------------------------------------------------------------ machinery
     @property
     def layer_types(self) -> tuple[type, ...]:
         types = tuple(self.target_types)
-        if self.include_embeddings and nn.Embedding not in types:
-            types += (nn.Embedding,)
-        return types
+        return types + (nn.Embedding,) if self.include_embeddings and nn.Embedding not in types else types
 
     def factory(self, layer_type: type) -> Callable[[nn.Module], LoRAParametrization]:
-        family = _family(layer_type)
-        if family is None:
-            raise ValueError(f"LoRA cannot adapt a {layer_type.__name__}")
-        return partial(_FACTORIES[family], rank=self.rank, lora_dropout_p=float(self.dropout),
-                       lora_alpha=self.alpha, use_rslora=self.use_rslora)
+        return partial(
+            FAMILIES[family_name(layer_type)][1],
+            rank=self.rank,
+            lora_dropout_p=float(self.dropout),
+            lora_alpha=self.alpha,
+            use_rslora=self.use_rslora,
+            use_dora=self.use_dora,
+        )
 
     def to_lora_config(self) -> dict[type, dict[str, Callable[[nn.Module], LoRAParametrization]]]:
         """minLoRA's dict form (types only: name patterns and the head switch are not expressible)."""
         return {t: {"weight": self.factory(t)} for t in self.layer_types}
 
     def targets(self, model: nn.Module, require_match: bool = True) -> list[tuple[str, nn.Module, str, Callable]]:
-        """``(name, module, "weight", factory)`` for every layer of ``model`` this config selects.
-
-        With ``require_match``, raises ``ValueError`` when a ``target_modules`` pattern selects
-        nothing (saying why: wrong name, wrong type, the head or an exclusion) or when no layer at all
-        is selected.
-        """
+        """``(name, module, "weight", factory)`` for every layer of ``model`` this config selects; with
+        ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why."""
         heads = lm_head_ids(model, self.lm_head_names)
-        types = self.layer_types
-        selected = []
-        pattern_hits: dict[str, int] = {p: 0 for p in self.target_modules or ()}
+        selected, hits = [], {p: 0 for p in self.target_modules or ()}
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
-            if not issubclass(layer_type, types):
+            excluded = any(name_matches(name, p) for p in self.exclude_modules) or (
+                id(module) in heads and not self.include_lm_head
+            )
+            if not issubclass(layer_type, self.layer_types) or excluded:
                 continue
-            if any(name_matches(name, p) for p in self.exclude_modules):
+            matched = [p for p in self.target_modules or () if name_matches(name, p)]
+            if self.target_modules is not None and not matched:
                 continue
-            if id(module) in heads and not self.include_lm_head:
-                continue
-            if self.target_modules is not None:
-                hits = [p for p in self.target_modules if name_matches(name, p)]
-                if not hits:
-                    continue
-                for p in hits:
-                    pattern_hits[p] += 1
+            for p in matched:
+                hits[p] += 1
             selected.append((name, module, "weight", self.factory(layer_type)))
         if require_match:
-            for pattern, count in pattern_hits.items():
-                if count == 0:
-                    raise ValueError(self._explain_no_match(model, pattern, heads))
+            for pattern in (p for p, n in hits.items() if n == 0):
+                raise ValueError(self._explain_no_match(model, pattern, heads))
             if not selected:
                 raise ValueError(
                     f"LoRAConfig selects no layer of this {type(model).__name__}: target_types="
-                    f"{[t.__name__ for t in types]}, target_modules={self.target_modules}, "
+                    f"{[t.__name__ for t in self.layer_types]}, target_modules={self.target_modules}, "
                     f"exclude_modules={self.exclude_modules}, include_lm_head={self.include_lm_head}"
                 )
         return selected
 
     def _explain_no_match(self, model: nn.Module, pattern: str, heads: set[int]) -> str:
+        what = f"LoRAConfig.target_modules: {pattern!r} matches"
         named = [(n, m) for n, m in model.named_modules() if n and name_matches(n, pattern)]
         if not named:
-            some = [n for n, m in model.named_modules() if n and _family(parametrize.type_before_parametrizations(m))]
-            return (
-                f"LoRAConfig.target_modules: {pattern!r} matches no module of this {type(model).__name__}; "
-                f"adaptable layers are named like {some[:6]}"
-            )
+            some = [n for n, m in model.named_modules() if n and family_name(m)][:6]
+            return f"{what} no module of this {type(model).__name__}; adaptable layers are named like {some}"
         name, module = named[0]
-        layer_type = parametrize.type_before_parametrizations(module)
         if id(module) in heads and not self.include_lm_head:
-            return (
-                f"LoRAConfig.target_modules: {pattern!r} matches only the LM head {name!r}; "
-                f"set include_lm_head=True to adapt it"
-            )
-        if issubclass(layer_type, nn.Embedding) and not issubclass(layer_type, self.layer_types):
-            return (
-                f"LoRAConfig.target_modules: {pattern!r} matches the embedding {name!r}; "
-                f"set include_embeddings=True to adapt embeddings"
-            )
-        if any(name_matches(name, p) for p in self.exclude_modules):
-            return f"LoRAConfig.target_modules: {pattern!r} matches {name!r}, which exclude_modules removes"
+            return f"{what} only the LM head {name!r}; set include_lm_head=True to adapt it"
+        if family_name(module) == "Embedding" and not self.include_embeddings:
+            return f"{what} the embedding {name!r}; set include_embeddings=True to adapt embeddings"
         return (
-            f"LoRAConfig.target_modules: {pattern!r} matches {[n for n, _ in named[:4]]}, but none is a layer of "
-            f"target_types {[t.__name__ for t in self.layer_types]} (a parent module's name does not "
-            f"select its children: use a glob such as '{pattern}.*')"
+            f"{what} {[n for n, _ in named[:4]]}, but each is excluded (exclude_modules) or not one of "
+            f"target_types {[t.__name__ for t in self.layer_types]} (a parent's name does not select its "
+            f"children: use a glob such as '{pattern}.*')"
         )
 
-    # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["target_types"] = [_family(t).__name__ for t in self.target_types]  # type: ignore[union-attr]
+        data["target_types"] = [family_name(t) for t in self.target_types]
         for key in ("target_modules", "exclude_modules", "lm_head_names"):
-            if data[key] is not None:
-                data[key] = list(data[key])
+            data[key] = None if data[key] is None else list(data[key])
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LoRAConfig":
+    def from_dict(cls, data: dict[str, Any]) -> LoRAConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown LoRAConfig field(s) {unknown}; known fields: {sorted(known)}")
+        if set(data) - known:
+            raise ValueError(f"unknown LoRAConfig field(s) {sorted(set(data) - known)}; known fields: {sorted(known)}")
         return cls(**data)
-
-
-def raw_weight(module: nn.Module):
-    """The stored weight tensor of ``module`` (the original under a parametrization), or None."""
-    if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations["weight"].original
-    weight = getattr(module, "weight", None)
-    return weight if isinstance(weight, nn.Parameter) else None
-
-
-def lm_head_ids(model: nn.Module, head_names: tuple[str, ...] = ("lm_head",)) -> set[int]:
-    """``id`` of every linear layer that is an LM head: named in ``head_names`` or tied to an embedding."""
-    embedding_weights = set()
-    for module in model.modules():
-        if issubclass(parametrize.type_before_parametrizations(module), nn.Embedding):
-            w = raw_weight(module)
-            if w is not None:
-                embedding_weights.add(id(w))
-    heads = set()
-    for name, module in model.named_modules():
-        if not issubclass(parametrize.type_before_parametrizations(module), nn.Linear):
-            continue
-        w = raw_weight(module)
-        if (w is not None and id(w) in embedding_weights) or any(
-            name == h or name.endswith("." + h) for h in head_names
-        ):
-            heads.add(id(module))
-    return heads

@@ -549,7 +549,10 @@ def test_finetune_from_a_training_run_in_fp16(trained, tmp_path, capsys, caplog)
     assert code == 0, err
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and all(r["loss_scale"] > 0 for r in records)
-    config = json.loads((out / "adapter" / "minlora_adapter.json").read_text())
+    from safetensors import safe_open  # the adapter's config is in its file's metadata
+
+    with safe_open(str(out / "adapter" / "adapter.safetensors"), framework="pt") as f:
+        config = json.loads(f.metadata()["minlora"])
     assert sorted(config["targets"]) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
     with caplog.at_level(logging.INFO):
         code, stdout, err = run(

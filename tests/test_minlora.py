@@ -62,7 +62,8 @@ def tokens(batch: int = 2, T: int = 16, vocab: int = 128) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- minLoRA README workflow
 def test_readme_workflow_on_a_linear_model():
-    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    # minLoRA's README has a Linear(5, 3) with rank 4; minlora refuses a rank above min(in, out)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 4))
     x = torch.randn(4, 5)
     y0 = model(x)
 
@@ -82,8 +83,10 @@ def test_readme_workflow_on_a_linear_model():
     # save the LoRA state dict, remove LoRA, add it again, load: same outputs
     lora_sd = get_lora_state_dict(model)
     assert sorted(lora_sd) == [
-        "0.parametrizations.weight.0.lora_A", "0.parametrizations.weight.0.lora_B",
-        "2.parametrizations.weight.0.lora_A", "2.parametrizations.weight.0.lora_B",
+        "0.parametrizations.weight.0.lora_A",
+        "0.parametrizations.weight.0.lora_B",
+        "2.parametrizations.weight.0.lora_A",
+        "2.parametrizations.weight.0.lora_B",
     ]
     remove_lora(model)
     assert not any(parametrize.is_parametrized(m) for m in model.modules())
@@ -153,7 +156,7 @@ def test_lora_parameters_recognised_by_type_not_name():
 
 
 def test_apply_lora_per_layer_like_minlora():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model.apply(apply_lora)
     assert len(lora_sites(model)) == 2
     model.apply(partial(apply_lora, register=False, merge=True))
@@ -209,7 +212,9 @@ def test_lora_config_selection():
     model = tiny_gpt()
     add_lora(model, LoRAConfig(target_modules="transformer.h.1.*", exclude_modules=["c_fc"]))
     assert sorted(s.name for s in lora_sites(model)) == [
-        "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight", "transformer.h.1.mlp.c_proj.weight",
+        "transformer.h.1.attn.c_attn.weight",
+        "transformer.h.1.attn.c_proj.weight",
+        "transformer.h.1.mlp.c_proj.weight",
     ]
 
     model = tiny_gpt()

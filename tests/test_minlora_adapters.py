@@ -1,4 +1,4 @@
-"""minlora adapters on disk: save_adapter / load_adapter (safetensors + JSON)."""
+"""minlora adapters on disk: save_adapter / load_adapter (one safetensors file, its config in the metadata)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from functools import partial
 import pytest
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
-from minlora.adapters import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_adapter, save_adapter
+from minlora.adapters import ADAPTER_FILE_NAME, load_adapter, save_adapter
 from minlora.config import LoRAConfig
 from minlora.model import LoRAParametrization, add_lora, lora_sites, remove_lora
 from minlora.utils import get_lora_params, get_lora_state_dict, tie_weights
@@ -22,6 +23,11 @@ def tiny_gpt(**overrides) -> GPT:
     cfg = dict(block_size=64, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
     cfg.update(overrides)
     return GPT(GPTConfig(**cfg)).eval()
+
+
+def adapter_config(path) -> dict:
+    with safe_open(str(path / ADAPTER_FILE_NAME), framework="pt") as f:
+        return json.loads(f.metadata()["minlora"])
 
 
 def randomize_lora(model: nn.Module) -> None:
@@ -51,13 +57,22 @@ def fresh_base(base_state, **overrides) -> GPT:
 
 def test_adapter_files_hold_only_lora_and_the_config(trained):
     model, _, _, _, path = trained
-    tensors = load_file(str(path / ADAPTER_WEIGHTS_NAME))
+    assert sorted(p.name for p in path.iterdir()) == [ADAPTER_FILE_NAME]  # one file
+    tensors = load_file(str(path / ADAPTER_FILE_NAME))
     assert sorted(tensors) == sorted(f"{s.name}.{p}" for s in lora_sites(model) for p in ("lora_A", "lora_B"))
     assert all(t.dtype == torch.float32 for t in tensors.values())
-    config = json.loads((path / ADAPTER_CONFIG_NAME).read_text())
+    config = adapter_config(path)
     target = config["targets"]["transformer.h.0.attn.c_attn.weight"]
     assert (target["rank"], target["lora_alpha"], target["use_rslora"], target["layer"]) == (4, 8, True, "Linear")
-    assert config["dtype"] == "float32"
+
+
+def test_a_file_path_works_as_well_as_a_directory(trained, tmp_path):
+    model, base_state, x, expected, _ = trained
+    file = save_adapter(model, tmp_path / "my_adapter.safetensors")
+    assert file.is_file()
+    fresh = fresh_base(base_state)
+    load_adapter(fresh, file)
+    torch.testing.assert_close(fresh(x)[0], expected, rtol=0, atol=0)
 
 
 def test_load_into_a_model_without_lora_recreates_it(trained):
@@ -126,7 +141,7 @@ def test_tied_factors_round_trip_and_bf16_storage(tmp_path):
     expected = model(x)[0]
     save_adapter(model, tmp_path / "tied")
     save_adapter(model, tmp_path / "bf16", dtype=torch.bfloat16)
-    assert json.loads((tmp_path / "tied" / ADAPTER_CONFIG_NAME).read_text())["tied"] == [
+    assert adapter_config(tmp_path / "tied")["tied"] == [
         {"linear": "lm_head.weight", "embedding": "transformer.wte.weight"}
     ]
     fresh = tiny_gpt()

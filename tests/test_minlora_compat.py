@@ -59,7 +59,10 @@ def test_minlora_never_imports_gpt2():
     offenders = []
     for path in MINLORA.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            )
             offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "gpt2"]
     assert not offenders, offenders

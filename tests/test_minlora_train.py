@@ -6,18 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import dist_job
 from safetensors.torch import load_file
 
 from gpt2.model.config import GPTConfig
-from gpt2.train.config import TrainConfig
 from gpt2.model.gpt import GPT
+from gpt2.train.config import TrainConfig
 from gpt2.train.trainer import Trainer
-from minlora.adapters import ADAPTER_WEIGHTS_NAME, load_adapter, save_adapter
+from minlora.adapters import ADAPTER_FILE_NAME, load_adapter, save_adapter
 from minlora.config import LoRAConfig
 from minlora.model import add_lora, lora_sites
 from minlora.utils import disable_lora, get_lora_params, mark_only_lora_as_trainable
-
-from conftest import dist_job
 
 
 def lora_gpt(dtype: torch.dtype = torch.float32) -> GPT:
@@ -34,9 +33,20 @@ def cyclic_tokens(n: int = 4096, period: int = 24) -> torch.Tensor:
 
 def train(model: GPT, precision: str, steps: int, **overrides) -> list[dict]:
     config = TrainConfig(
-        micro_batch_size=4, seq_len=32, max_steps=steps, max_lr=1e-2, warmup_steps=0, min_lr=1e-2,
-        weight_decay=0.0, precision=precision, device="cpu", out_dir=None, eval_interval=0,
-        progress=False, log_interval=1000, **overrides,
+        micro_batch_size=4,
+        seq_len=32,
+        max_steps=steps,
+        max_lr=1e-2,
+        warmup_steps=0,
+        min_lr=1e-2,
+        weight_decay=0.0,
+        precision=precision,
+        device="cpu",
+        out_dir=None,
+        eval_interval=0,
+        progress=False,
+        log_interval=1000,
+        **overrides,
     )
     return Trainer(model, config, cyclic_tokens()).fit()
 
@@ -62,9 +72,20 @@ def test_trainer_on_a_low_precision_base(dtype, precision):
 def test_trainer_sees_only_lora_and_adapter_checkpoint_round_trip(tmp_path):
     torch.manual_seed(0)
     model = lora_gpt()
-    trainer = Trainer(model, TrainConfig(micro_batch_size=2, seq_len=16, max_steps=2, precision="fp32",
-                                         device="cpu", out_dir=None, eval_interval=0, progress=False),
-                      cyclic_tokens())
+    trainer = Trainer(
+        model,
+        TrainConfig(
+            micro_batch_size=2,
+            seq_len=16,
+            max_steps=2,
+            precision="fp32",
+            device="cpu",
+            out_dir=None,
+            eval_interval=0,
+            progress=False,
+        ),
+        cyclic_tokens(),
+    )
     in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for p in get_lora_params(model)}
     trainer.fit()
@@ -74,10 +95,13 @@ def test_trainer_sees_only_lora_and_adapter_checkpoint_round_trip(tmp_path):
     save_adapter(model, tmp_path / "adapter")  # what a LoRA run keeps: the adapter only
     # a fresh model with the (frozen) base weights, then the adapter on top
     base = GPT(model.config)
-    base.load_state_dict({
-        k.replace("parametrizations.weight.original", "weight"): v
-        for k, v in model.state_dict().items() if "lora_" not in k
-    })
+    base.load_state_dict(
+        {
+            k.replace("parametrizations.weight.original", "weight"): v
+            for k, v in model.state_dict().items()
+            if "lora_" not in k
+        }
+    )
     load_adapter(base, tmp_path / "adapter")
     torch.testing.assert_close(base.eval()(x)[0], expected, rtol=0, atol=0)
 
@@ -133,8 +157,9 @@ def test_benchmark_runs_and_all_implementations_start_equal(monkeypatch):
 
     config = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
     status: list[str] = []
-    results = run_lora_benchmark(model=config, batch_size=2, seq_len=16, steps=2, warmup=1, device="cpu", rank=2,
-                                 progress=status.append)
+    results = run_lora_benchmark(
+        model=config, batch_size=2, seq_len=16, steps=2, warmup=1, device="cpu", rank=2, progress=status.append
+    )
     # status lines as each of the 3 runs goes (start, warm-up done, result)
     assert len(status) == 9
     assert [r.impl for r in results] == ["minlora", "minlora-plain", "peft"]
@@ -155,8 +180,8 @@ def test_lora_with_ddp_matches_one_process(tmp_path, dist_run):
     assert all(r["frozen_ok"] for r in ranks) and single["frozen_ok"]
     assert ranks[0]["losses"] == ranks[1]["losses"]
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-6)
-    adapters = [load_file(str(dist_run.out / "lora" / f"rank{r}" / ADAPTER_WEIGHTS_NAME)) for r in (0, 1)]
-    reference = load_file(str(tmp_path / "single" / "rank0" / ADAPTER_WEIGHTS_NAME))
+    adapters = [load_file(str(dist_run.out / "lora" / f"rank{r}" / ADAPTER_FILE_NAME)) for r in (0, 1)]
+    reference = load_file(str(tmp_path / "single" / "rank0" / ADAPTER_FILE_NAME))
     for name, tensor in reference.items():
         assert torch.equal(adapters[0][name], adapters[1][name]), f"ranks disagree on {name}"
         torch.testing.assert_close(adapters[0][name], tensor, rtol=1e-4, atol=1e-6)

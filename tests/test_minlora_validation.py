@@ -14,27 +14,30 @@ from minlora import LoRAConfig, LoRAParametrization
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("rank", 0, "rank must be a positive integer"),
-    ("rank", -4, "rank must be a positive integer"),
-    ("rank", 2.0, "rank must be a positive integer"),
-    ("rank", True, "rank must be a positive integer"),
-    ("rank", "8", "rank must be a positive integer"),
-    ("alpha", NAN, "alpha must be a finite number"),
-    ("alpha", INF, "alpha must be a finite number"),
-    ("alpha", -INF, "alpha must be a finite number"),
-    ("alpha", 0.0, r"alpha must be in \(0, inf\)"),
-    ("alpha", -1.0, r"alpha must be in \(0, inf\)"),
-    ("alpha", True, "alpha must be a number"),
-    ("alpha", "16", "alpha must be a number"),
-    ("dropout", NAN, "dropout must be a finite number"),
-    ("dropout", INF, "dropout must be a finite number"),
-    ("dropout", 1.0, r"dropout must be in \[0, 1\)"),
-    ("dropout", -0.1, r"dropout must be in \[0, 1\)"),
-    ("dropout", False, "dropout must be a number"),
-    ("use_rslora", "yes", "use_rslora must be True or False"),
-    ("include_lm_head", 1, "include_lm_head must be True or False"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("rank", 0, "rank must be a positive integer"),
+        ("rank", -4, "rank must be a positive integer"),
+        ("rank", 2.0, "rank must be a positive integer"),
+        ("rank", True, "rank must be a positive integer"),
+        ("rank", "8", "rank must be a positive integer"),
+        ("alpha", NAN, "alpha must be a finite number"),
+        ("alpha", INF, "alpha must be a finite number"),
+        ("alpha", -INF, "alpha must be a finite number"),
+        ("alpha", 0.0, r"alpha must be in \(0, inf\)"),
+        ("alpha", -1.0, r"alpha must be in \(0, inf\)"),
+        ("alpha", True, "alpha must be a number"),
+        ("alpha", "16", "alpha must be a number"),
+        ("dropout", NAN, "dropout must be a finite number"),
+        ("dropout", INF, "dropout must be a finite number"),
+        ("dropout", 1.0, r"dropout must be in \[0, 1\)"),
+        ("dropout", -0.1, r"dropout must be in \[0, 1\)"),
+        ("dropout", False, "dropout must be a number"),
+        ("use_rslora", "yes", "use_rslora must be True or False"),
+        ("include_lm_head", 1, "include_lm_head must be True or False"),
+    ],
+)
 def test_lora_config_rejects_bad_settings(field, value, message):
     with pytest.raises(ValueError, match=rf"LoRAConfig\.{message}"):
         LoRAConfig(**{field: value})
@@ -52,21 +55,25 @@ def test_good_settings_still_build():
     assert LoRAConfig(alpha=16, dropout=0.999).alpha == 16  # an int alpha is a number
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(rank=0), "rank must be a positive integer"),
-    (dict(rank=True), "rank must be a positive integer"),
-    (dict(lora_alpha=NAN), "lora_alpha must be a finite number"),
-    (dict(lora_alpha=INF), "lora_alpha must be a finite number"),
-    (dict(lora_alpha=0), "lora_alpha must not be 0"),
-    (dict(lora_alpha=True), "lora_alpha must be a number"),
-    (dict(lora_dropout_p=NAN), "lora_dropout_p must be a finite number"),
-    (dict(lora_dropout_p=1.0), r"lora_dropout_p must be in \[0, 1\)"),
-    (dict(lora_dropout_p=-0.5), r"lora_dropout_p must be in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(rank=0), "rank must be a positive integer"),
+        (dict(rank=True), "rank must be a positive integer"),
+        (dict(lora_alpha=NAN), "lora_alpha must be a finite number"),
+        (dict(lora_alpha=INF), "lora_alpha must be a finite number"),
+        (dict(lora_alpha=0), "lora_alpha must not be 0"),
+        (dict(lora_alpha=True), "lora_alpha must be a number"),
+        (dict(lora_dropout_p=NAN), "lora_dropout_p must be a finite number"),
+        (dict(lora_dropout_p=1.0), r"lora_dropout_p must be in \[0, 1\)"),
+        (dict(lora_dropout_p=-0.5), r"lora_dropout_p must be in \[0, 1\)"),
+    ],
+)
 @pytest.mark.parametrize("constructor", ["from_linear", "from_embedding", "from_conv2d"])
 def test_parametrization_constructors_reject_bad_settings(constructor, kwargs, message):
-    layer = {"from_linear": nn.Linear(8, 4), "from_embedding": nn.Embedding(10, 4),
-             "from_conv2d": nn.Conv2d(2, 3, 3)}[constructor]
+    layer = {"from_linear": nn.Linear(8, 4), "from_embedding": nn.Embedding(10, 4), "from_conv2d": nn.Conv2d(2, 3, 3)}[
+        constructor
+    ]
     with pytest.raises(ValueError, match=f"LoRAParametrization: {message}"):
         getattr(LoRAParametrization, constructor)(layer, **kwargs)
 
@@ -87,7 +94,7 @@ def test_nan_alpha_never_reaches_a_forward():
     with pytest.raises(ValueError):
         minlora.add_lora(model, LoRAConfig(alpha=NAN))
     assert not minlora.lora_sites(model)
-    minlora.add_lora(model, LoRAConfig(alpha=2.0))
+    minlora.add_lora(model, LoRAConfig(rank=2, alpha=2.0))
     assert all(math.isfinite(v) for v in model(torch.randn(3, 8)).flatten().tolist())
 
 
@@ -100,3 +107,30 @@ def test_save_dtype_must_be_a_floating_torch_dtype(dtype, tmp_path):
     with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
         minlora.export_peft_adapter(model, tmp_path / "p", dtype=dtype)
     assert not (tmp_path / "a").exists() and not (tmp_path / "p").exists()
+
+
+def test_rank_above_a_targeted_layers_smaller_side_is_refused_and_nothing_is_added():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
+    with pytest.raises(ValueError, match=r"rank 4 does not fit 1\.weight \(weight shape \(3, 16\)\).* = 3"):
+        minlora.add_lora(model, LoRAConfig(rank=4))
+    assert not minlora.lora_sites(model), "a refused add_lora adds no LoRA to the layers that did fit"
+    minlora.add_lora(model, LoRAConfig(rank=3))  # min(in_features, out_features) itself fits
+    assert [s.lora.rank for s in minlora.lora_sites(model)] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "layer, config, shape",
+    [
+        (nn.Embedding(10, 2), LoRAConfig(rank=3, include_embeddings=True, target_types=()), r"\(10, 2\)"),
+        (nn.Conv2d(1, 2, 1), LoRAConfig(rank=2, target_types=("Conv2d",)), r"\(2, 1, 1, 1\)"),
+        (
+            nn.Linear(2, 8),
+            {nn.Linear: {"weight": LoRAParametrization.from_linear}},
+            r"\(8, 2\)",
+        ),  # minLoRA's dict, rank 4
+    ],
+)
+def test_rank_bound_holds_for_every_layer_family_and_config_kind(layer, config, shape):
+    with pytest.raises(ValueError, match=rf"does not fit weight \(weight shape {shape}\)"):
+        minlora.add_lora(layer, config)
+    assert not minlora.lora_sites(layer)

@@ -24,8 +24,9 @@ VOCAB = 100  # not a multiple of 64: with pad_vocab_multiple=64 our model has 12
 def hf_dir(tmp_path_factory):
     """A randomly initialised transformers GPT-2 saved to disk (nothing is downloaded); the tests
     only read it."""
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=VOCAB,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     path = tmp_path_factory.mktemp("hf") / "base"
@@ -51,8 +52,12 @@ def peft_model_with_random_adapter(path, **lora_kwargs):
 @pytest.mark.parametrize("pad", [1, 64])
 def test_peft_adapter_trained_on_transformers_loads_here(hf_dir, tmp_path, pad):
     peft_model = peft_model_with_random_adapter(
-        hf_dir, r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc", "lm_head", "wte"],
-        rank_pattern={"h.1.mlp.c_fc": 2}, alpha_pattern={"h.0.attn.c_attn": 3},
+        hf_dir,
+        r=4,
+        lora_alpha=8,
+        target_modules=["c_attn", "c_proj", "c_fc", "lm_head", "wte"],
+        rank_pattern={"h.1.mlp.c_fc": 2},
+        alpha_pattern={"h.0.attn.c_attn": 3},
     )
     x = torch.randint(0, VOCAB, (2, 16))
     expected = peft_model(x).logits
@@ -74,8 +79,12 @@ def test_peft_adapter_trained_on_transformers_loads_here(hf_dir, tmp_path, pad):
 @pytest.mark.parametrize("pad", [1, 64])
 def test_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad):
     ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
-    add_lora(ours, LoRAConfig(rank=4, alpha=16, include_embeddings=True, include_lm_head=True,
-                              exclude_modules=["wpe"], use_rslora=True))
+    add_lora(
+        ours,
+        LoRAConfig(
+            rank=4, alpha=16, include_embeddings=True, include_lm_head=True, exclude_modules=["wpe"], use_rslora=True
+        ),
+    )
     with torch.no_grad():
         for p in get_lora_params(ours):
             p.normal_(0.0, 0.2)
@@ -85,6 +94,7 @@ def test_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad):
     config = json.loads((tmp_path / "adapter" / PEFT_CONFIG_NAME).read_text())
     assert config["target_modules"] == ["c_attn", "c_fc", "c_proj", "lm_head", "wte"]
     assert config["fan_in_fan_out"] is True and config["use_rslora"] is True
+    assert config["base_model_name_or_path"] == str(hf_dir)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,7 +136,7 @@ def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
     original = json.loads(config_path.read_text())
 
     for key, value, message in [
-        ("use_dora", True, "DoRA"),
+        ("use_dora", True, "with use_dora=True a lora_magnitude_vector"),  # DoRA without its magnitudes
         ("bias", "all", "bias='all'"),
         ("modules_to_save", ["score"], "modules_to_save"),
         ("peft_type", "IA3", "only LORA"),
