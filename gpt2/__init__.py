@@ -6,7 +6,6 @@ speed-up of the GPT-2 reproductions. ``from gpt2 import GPT, GPTConfig, Trainer,
 """
 
 from gpt2.data import (
-    DownloadError,
     TokenLoader,
     load_tiny_shakespeare,
     load_tokens,
@@ -16,6 +15,7 @@ from gpt2.data import (
 )
 from gpt2.eval.hellaswag import hellaswag_path, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
+from gpt2.files import DownloadError
 from gpt2.model.config import PRESETS, GPTConfig
 from gpt2.model.generate import KVCache, generate, pad_prompts, sample_next, stream
 from gpt2.model.gpt import GPT

@@ -28,11 +28,11 @@ fi
 
 # Offline copies of the GPT-2 BPE files and Tiny Shakespeare, when a ../shared/data folder sits
 # beside the checkout (CI and the project's own machines): copy them (sha256-checked) into the
-# caches the library reads by itself (~/.cache/gpt2 and tiktoken's cache), so the commands that
+# cache folder the library reads by itself (~/.cache/gpt2), so the commands that
 # run.sh suggests at the end also work in a new shell. Elsewhere the library downloads and caches
 # them on first use.
 shared_data="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/shared/data"
 if [ -d "$shared_data" ]; then
-    "$PYTHON" -m gpt2.offline_cache "$shared_data"
+    "$PYTHON" scripts/seed_cache.py "$shared_data"
     export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 fi

@@ -15,12 +15,15 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GPT2_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
-# Never touch the network from tests: the Hugging Face hub and tiktoken read local files only.
+# Never touch the network from tests: the Hugging Face hub and the tokenizer read local files only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# tiktoken's own `gpt2` encoding is the tests' independent reference for the tokenizer.
 if (SHARED_DATA / "tiktoken-cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DATA / "tiktoken-cache"))
+if (SHARED_DATA / "gpt2-tokenizer").is_dir():
+    os.environ.setdefault("GPT2_TOKENIZER_DIR", str(SHARED_DATA / "gpt2-tokenizer"))
 if (SHARED_DATA / "tinyshakespeare.txt").is_file():
     os.environ.setdefault("GPT2_TINY_SHAKESPEARE", str(SHARED_DATA / "tinyshakespeare.txt"))
 
@@ -49,7 +52,7 @@ def shakespeare_slice(tmp_path_factory) -> Path | None:
 @pytest.fixture(scope="session")
 def shakespeare_file(shakespeare_slice) -> Path:
     """The slice as a text file for `--data`; skips where the offline data is missing."""
-    if shakespeare_slice is None or not os.environ.get("TIKTOKEN_CACHE_DIR"):
+    if shakespeare_slice is None or not os.environ.get("GPT2_TOKENIZER_DIR"):
         pytest.skip("the offline data in ../shared/data is needed")
     return shakespeare_slice
 

@@ -14,7 +14,6 @@ import torch
 
 from gpt2 import data
 from gpt2.data import (
-    DownloadError,
     TokenLoader,
     load_tiny_shakespeare,
     load_tokens,
@@ -22,6 +21,7 @@ from gpt2.data import (
     tokenize_file,
     write_shards,
 )
+from gpt2.files import DownloadError
 from gpt2.model.tokenizer import get_tokenizer
 
 

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2 import GPT, GPTConfig, TrainConfig, Trainer
+from gpt2 import GPT, GPTConfig, TrainConfig, Trainer, files
 from gpt2.data import (
     TokenLoader,
-    download,
     iter_jsonl,
     load_tokens,
     prepare,
@@ -22,6 +21,7 @@ from gpt2.data import (
     write_shards,
     write_tokens,
 )
+from gpt2.files import download
 from gpt2.model.tokenizer import get_tokenizer
 
 B, T = 2, 8
@@ -286,9 +286,7 @@ def test_download_streams_and_checks_length(tmp_path, monkeypatch, capsys):
     download("https://example.invalid/f", dest, what="f", offline_hint="copy it to", progress=False)
     assert dest.read_bytes() == payload
     assert capsys.readouterr().err == ""
-    from gpt2.data import downloads as download_module
-
-    monkeypatch.setattr(download_module, "_BAR_DELAY_S", 0)
+    monkeypatch.setattr(files, "_BAR_DELAY_S", 0)
     download("https://example.invalid/f", dest, what="the file", offline_hint="copy it to")
     bar = capsys.readouterr().err  # a byte count with the total from Content-Length
     assert "the file" in bar and "250k" in bar

@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2 import GPT, GPTConfig
-from gpt2.data import DownloadError
+from gpt2 import GPT, DownloadError, GPTConfig
 from gpt2.eval.hellaswag import (
     HELLASWAG_URLS,
     ending_losses,

@@ -117,7 +117,7 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="module", autouse=True)
 def _needs_offline_data(small_shakespeare):
     """The offline data, and `shakespeare` read from a 64 KB slice: the runs are a few steps long."""
-    if not os.environ.get("GPT2_TINY_SHAKESPEARE") or not os.environ.get("TIKTOKEN_CACHE_DIR"):
+    if not os.environ.get("GPT2_TINY_SHAKESPEARE") or not os.environ.get("GPT2_TOKENIZER_DIR"):
         pytest.skip("the offline data in ../shared/data is needed to run the examples")
 
 

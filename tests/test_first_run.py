@@ -1,9 +1,10 @@
 """The first run as a new user lives it: seed the caches from offline copies, train, then run the
 three commands the run prints at its end, each in a fresh process with a clean environment (no
-TIKTOKEN_CACHE_DIR / GPT2_TINY_SHAKESPEARE, HOME and the temp dir in a tmp folder)."""
+GPT2_TOKENIZER_DIR / GPT2_TINY_SHAKESPEARE, HOME and the temp dir in a tmp folder)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gpt2.offline_cache import seed_caches, tiktoken_cache_dir
-
 REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("seed_cache", REPO / "scripts" / "seed_cache.py")
+seed_cache = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(seed_cache)
+seed_caches = seed_cache.seed_caches
 
 # Variables that would point the library at the offline copies directly: a new shell has none.
 _POINTERS = (
@@ -46,26 +49,19 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> str:
 
 
 def test_seed_caches_checks_and_copies(tmp_path, shared_data, monkeypatch):
-    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
-    monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() re-reads TMPDIR
-    cache = tmp_path / "cache"
-    written = seed_caches(shared_data, cache_dir=cache)
-    assert (cache / "tinyshakespeare.txt").read_bytes() == (shared_data / "tinyshakespeare.txt").read_bytes()
-    assert tiktoken_cache_dir() == tmp_path / "tmp" / "data-gym-cache"
-    # tiktoken's cache names: the same files the shared tiktoken-cache folder holds
-    for name in os.listdir(shared_data / "tiktoken-cache"):
-        assert (tiktoken_cache_dir() / name).read_bytes() == (shared_data / "tiktoken-cache" / name).read_bytes()
-    assert len(written) == 3 and seed_caches(shared_data, cache_dir=cache) == []  # good copies are kept
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache"))
+    written = seed_caches(shared_data)
+    for name in ("tinyshakespeare.txt", "gpt2-tokenizer/vocab.bpe", "gpt2-tokenizer/encoder.json"):
+        assert (tmp_path / "cache" / name).read_bytes() == (shared_data / name).read_bytes()
+    assert len(written) == 3 and seed_caches(shared_data) == []  # good copies are kept
 
     # A corrupt source file is refused and nothing lands in the cache.
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "tinyshakespeare.txt").write_text("not shakespeare")
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache2"))
     with pytest.raises(ValueError, match="sha256"):
-        seed_caches(bad, cache_dir=tmp_path / "cache2")
+        seed_caches(bad)
     assert not (tmp_path / "cache2").exists() or not any((tmp_path / "cache2").iterdir())
     with pytest.raises(FileNotFoundError, match="not a directory"):
         seed_caches(tmp_path / "missing")
@@ -77,7 +73,7 @@ def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
     work = tmp_path / "repo"
     work.mkdir()
     py = [sys.executable]
-    out = run([*py, "-m", "gpt2.offline_cache", str(shared_data)], env, work)
+    out = run([*py, str(REPO / "scripts" / "seed_cache.py"), str(shared_data)], env, work)
     assert "tinyshakespeare.txt" in out
     # A tiny training run, with the data and tokenizer found only through the seeded caches.
     out = run(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import urllib.request
 
 import numpy as np
 import pytest
 import tiktoken
-import tiktoken.load
-import tiktoken.registry
 import torch
 
 from gpt2.model.tokenizer import (
@@ -129,10 +128,8 @@ def test_tokenizer_dir_env_var(shared_data, tmp_path, monkeypatch, fresh_cache):
     (tmp_path / "merges.txt").symlink_to(shared_data / "gpt2-tokenizer/vocab.bpe")
     (tmp_path / "vocab.json").symlink_to(shared_data / "gpt2-tokenizer/encoder.json")
     monkeypatch.setenv("GPT2_TOKENIZER_DIR", str(tmp_path))
-    calls = []
-    monkeypatch.setattr(Tokenizer, "from_tiktoken", classmethod(lambda cls: calls.append(1)))
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "cache"))  # empty: the env var wins over it
     local = get_tokenizer()
-    assert calls == []  # the env var wins over tiktoken
     assert local.encode("Hello there<|endoftext|>") == tiktoken.get_encoding("gpt2").encode(
         "Hello there<|endoftext|>", allowed_special="all"
     )
@@ -162,33 +159,39 @@ def test_from_files_errors(tmp_path):
         Tokenizer.from_files(tmp_path / "vocab.bpe", tmp_path / "encoder.json")
 
 
-def test_offline_error_says_how_to_use_local_files(tmp_path, monkeypatch, fresh_cache):
-    """No cache and no network: the error names the three ways to point at local files."""
-    empty_cache = tmp_path / "empty-cache"
-    empty_cache.mkdir()
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(empty_cache))
+def test_cache_folder_downloads_once_and_offline_error_says_how(shared_data, tmp_path, monkeypatch, fresh_cache):
+    """Without GPT2_TOKENIZER_DIR the files come from <cache>/gpt2-tokenizer, downloaded there
+    (sha256-checked) on first use; offline, the error says how to point at local files and
+    nothing is left in the cache."""
     monkeypatch.delenv("GPT2_TOKENIZER_DIR", raising=False)
-    # tiktoken keeps loaded encodings in a registry; hide it so that it really goes to fetch.
-    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "offline"))
     fetched = []
 
-    def no_network(url):
+    def no_network(url, timeout):
         fetched.append(url)
-        raise ConnectionError(f"network disabled in tests (fetching {url})")
+        raise OSError(f"network disabled in tests (fetching {url})")
 
-    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
     with pytest.raises(TokenizerNotAvailableError) as info:
         get_tokenizer()
-    message = str(info.value)
     assert fetched and fetched[0].startswith("https://")
-    assert str(empty_cache) in message
-    for hint in (
-        "TIKTOKEN_CACHE_DIR",
-        "GPT2_TOKENIZER_DIR",
-        "from_files",
-        "vocab.bpe",
-        "encoder.json",
-    ):
-        assert hint in message
-    assert isinstance(info.value.__cause__, ConnectionError)
-    assert list(empty_cache.iterdir()) == []
+    for hint in ("GPT2_TOKENIZER_DIR", "vocab.bpe", str(tmp_path / "offline" / "gpt2-tokenizer")):
+        assert hint in str(info.value)
+    assert not (tmp_path / "offline" / "gpt2-tokenizer").exists()
+
+    # A "server" that has the files: each is fetched once, then read from the cache.
+    fetched.clear()
+
+    def serve(url, timeout):
+        fetched.append(url)
+        return open(shared_data / "gpt2-tokenizer" / url.rsplit("/", 1)[1], "rb")
+
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "online"))
+    monkeypatch.setattr(urllib.request, "urlopen", serve)
+    text = "Hello there<|endoftext|>"
+    assert get_tokenizer().encode(text) == tiktoken.get_encoding("gpt2").encode(text, allowed_special="all")
+    assert sorted(u.rsplit("/", 1)[1] for u in fetched) == ["encoder.json", "vocab.bpe"]
+    assert sorted(p.name for p in (tmp_path / "online" / "gpt2-tokenizer").iterdir()) == ["encoder.json", "vocab.bpe"]
+    _load_tokenizer.cache_clear()
+    get_tokenizer()
+    assert len(fetched) == 2

@@ -1,6 +1,6 @@
 """Token data: downloads, tokenising into shards, token file formats, and the batch loader.
 
-* :mod:`gpt2.data.downloads`: the cache directory, checksummed atomic downloads, Tiny Shakespeare.
+* :mod:`gpt2.data.downloads`: Tiny Shakespeare, downloaded and cached (:mod:`gpt2.files`).
 * :mod:`gpt2.data.prepare`: text -> ``uint16`` shards and their manifest, written whole
   (``write_shards``, ``tokenize_file``).
 * :mod:`gpt2.data.formats`: ``.npy`` and llm.c ``.bin`` token files and shard manifests, read and
@@ -11,9 +11,6 @@
 from gpt2.data.downloads import (
     TINY_SHAKESPEARE_SHA256,
     TINY_SHAKESPEARE_URL,
-    DownloadError,
-    default_cache_dir,
-    download,
     load_tiny_shakespeare,
     tiny_shakespeare_path,
 )
@@ -33,14 +30,11 @@ __all__ = [
     "TINY_SHAKESPEARE_SHA256",
     "TINY_SHAKESPEARE_URL",
     "TOKEN_SUFFIXES",
-    "DownloadError",
     "ShardManifestError",
     "ShardWriteError",
     "TokenLoader",
     "TokenSource",
     "check_token_ids",
-    "default_cache_dir",
-    "download",
     "iter_jsonl",
     "load_tiny_shakespeare",
     "load_tokens",

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from gpt2.data._util import replace_atomically
+from gpt2.files import replace_atomically
 
 # File suffixes the loader understands (the CLI reads anything else as text to tokenise).
 TOKEN_SUFFIXES = (".npy", ".bin")

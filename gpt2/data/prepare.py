@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data._util import pid_alive, replace_atomically
 from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, file_sha256, read_text, write_tokens
+from gpt2.files import pid_alive, replace_atomically
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 
 logger = logging.getLogger(__name__)

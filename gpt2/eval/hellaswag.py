@@ -25,8 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2.data import default_cache_dir, download, iter_jsonl
+from gpt2.data import iter_jsonl
 from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
+from gpt2.files import default_cache_dir, download
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,8 @@ Where the BPE files come from, in order:
 
 1. ``GPT2_TOKENIZER_DIR``: a directory holding GPT-2's ``vocab.bpe`` and ``encoder.json`` (or
    their Hugging Face names ``merges.txt`` and ``vocab.json``, same content).
-2. tiktoken's ``gpt2`` encoding, which downloads the two files once and caches them in
-   ``TIKTOKEN_CACHE_DIR`` (default: ``$TMPDIR/data-gym-cache``). Offline, point
-   ``TIKTOKEN_CACHE_DIR`` at a directory with the cached copies.
+2. ``<cache>/gpt2-tokenizer`` (``~/.cache/gpt2``, see :func:`gpt2.files.default_cache_dir`),
+   where the two files are downloaded from OpenAI, sha256-checked, on first use.
 
 ``Tokenizer.from_files(vocab_bpe, encoder_json)`` builds the tokenizer from explicit paths.
 """
@@ -24,6 +23,8 @@ import numpy as np
 import tiktoken
 import torch
 
+from gpt2.files import DownloadError, default_cache_dir, download
+
 __all__ = [
     "EOT_TOKEN",
     "Tokenizer",
@@ -40,8 +41,12 @@ N_VOCAB = 50257
 # (a run before a non-space keeps its last space for the next word).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
-# Where tiktoken downloads the files from (for the error message).
+# Where OpenAI publishes GPT-2's BPE files, and their sha256 (the ones tiktoken checks too).
 _GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+BPE_SHA256 = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
 
 AllowedSpecial = Union[Literal["all"], Collection[str]]
 
@@ -135,29 +140,6 @@ class Tokenizer:
         self.encoding = encoding
 
     # -- construction ------------------------------------------------------------------------
-
-    @classmethod
-    def from_tiktoken(cls) -> Tokenizer:
-        """tiktoken's ``gpt2`` encoding (downloaded once, cached in ``TIKTOKEN_CACHE_DIR``)."""
-        try:
-            encoding = tiktoken.get_encoding("gpt2")
-        except Exception as e:  # requests' ConnectionError, an OSError, a hash mismatch, ...
-            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-            cache_desc = f"TIKTOKEN_CACHE_DIR={cache!r}" if cache else "TIKTOKEN_CACHE_DIR is not set"
-            raise TokenizerNotAvailableError(
-                "could not load the GPT-2 BPE files (vocab.bpe, encoder.json): tiktoken found no "
-                f"cached copy ({cache_desc}) and downloading them from {_GPT2_BPE_URL} failed "
-                f"({type(e).__name__}: {e}).\n"
-                "To work offline, point at local copies of the files in one of three ways:\n"
-                "  1. export TIKTOKEN_CACHE_DIR=/path/to/tiktoken-cache  (tiktoken's cache: the "
-                "two "
-                "files under the names tiktoken gives them, e.g. ../shared/data/tiktoken-cache)\n"
-                "  2. export GPT2_TOKENIZER_DIR=/path/to/dir  (a directory with vocab.bpe and "
-                "encoder.json, e.g. ../shared/data/gpt2-tokenizer, or a Hugging Face gpt2 "
-                "tokenizer directory with merges.txt and vocab.json)\n"
-                "  3. gpt2.tokenizer.Tokenizer.from_files('vocab.bpe', 'encoder.json')"
-            ) from e
-        return cls(encoding)
 
     @classmethod
     def from_files(cls, vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike) -> Tokenizer:
@@ -314,18 +296,43 @@ def _check_texts(texts: Any) -> list[str]:
     return texts
 
 
+def bpe_cache_dir() -> Path:
+    """Where GPT-2's ``vocab.bpe`` and ``encoder.json`` are cached: ``<cache>/gpt2-tokenizer``."""
+    return default_cache_dir() / "gpt2-tokenizer"
+
+
+def _cached_bpe_files() -> tuple[Path, Path]:
+    directory = bpe_cache_dir()
+    for name, sha256 in BPE_SHA256.items():
+        if not (directory / name).is_file():
+            try:
+                download(
+                    _GPT2_BPE_URL + name,
+                    directory / name,
+                    sha256=sha256,
+                    what=f"GPT-2's {name}",
+                    offline_hint="set GPT2_TOKENIZER_DIR to a folder with vocab.bpe and encoder.json (or a "
+                    "Hugging Face gpt2 folder with merges.txt and vocab.json), or copy the file to",
+                    progress=False,
+                )
+            except DownloadError as e:
+                raise TokenizerNotAvailableError(str(e)) from e
+    return directory / "vocab.bpe", directory / "encoder.json"
+
+
 @functools.cache
-def _load_tokenizer(tokenizer_dir: str | None) -> Tokenizer:
+def _load_tokenizer(tokenizer_dir: str | None, cache_dir: Path) -> Tokenizer:
     if tokenizer_dir:
         return Tokenizer.from_files(*_find_bpe_files(Path(tokenizer_dir)))
-    return Tokenizer.from_tiktoken()
+    return Tokenizer.from_files(*_cached_bpe_files())
 
 
 def get_tokenizer() -> Tokenizer:
-    """The shared GPT-2 tokenizer: from ``GPT2_TOKENIZER_DIR`` if set, else tiktoken's ``gpt2``.
+    """The shared GPT-2 tokenizer: from ``GPT2_TOKENIZER_DIR`` if set, else from the cache folder
+    (downloading the two files there on first use).
 
-    Cached per value of ``GPT2_TOKENIZER_DIR``; a failure is not cached, so fixing the
-    environment and calling again works. Raises :class:`TokenizerNotAvailableError` with the
-    ways to point at local files when the BPE files cannot be read or downloaded.
+    Cached per source; a failure is not cached, so fixing the environment and calling again
+    works. Raises :class:`TokenizerNotAvailableError` saying how to point at local files when the
+    BPE files cannot be read or downloaded.
     """
-    return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None)
+    return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None, bpe_cache_dir())

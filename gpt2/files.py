@@ -1,0 +1,132 @@
+"""Filesystem rules every layer shares: the cache folder, checksummed downloads, atomic writes,
+whether a pid is alive."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+_DOWNLOAD_TIMEOUT_S = 60
+_CHUNK_BYTES = 1 << 16
+# The progress bar appears only when a download takes longer than this (seconds), so a small
+# or cached file prints nothing.
+_BAR_DELAY_S = 0.5
+
+
+class DownloadError(ConnectionError):
+    """A file could not be downloaded (no network, bad response, checksum mismatch)."""
+
+
+def default_cache_dir() -> Path:
+    """``$GPT2_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpt2``, else ``~/.cache/gpt2``."""
+    if os.environ.get("GPT2_CACHE_DIR"):
+        return Path(os.environ["GPT2_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "gpt2"
+
+
+def replace_atomically(dest: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into a temporary file beside ``dest``, fsync it, then rename it over ``dest``.
+
+    Readers (and a crash) see the old file or the complete new one, never a partial file; the
+    fsync before the rename means a power loss cannot leave a renamed but empty file either. The
+    file is created by ``open`` so it gets the user's umask (``mkstemp`` would make it 0600).
+    """
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # it exists, but belongs to someone else
+        return True
+    except (OSError, OverflowError):
+        return False
+    return True
+
+
+def download(
+    url: str,
+    dest: Path,
+    *,
+    what: str,
+    offline_hint: str,
+    sha256: str | None = None,
+    validate: Callable[[bytes], None] | None = None,
+    progress: bool = True,
+) -> None:
+    """Fetch ``url`` into ``dest`` atomically, or raise :class:`DownloadError` saying how to
+    work offline (``offline_hint`` is followed by ``dest``). The bytes are checked against
+    ``sha256`` and/or by ``validate`` (which raises ``ValueError``) before anything is cached,
+    so a truncated download or an HTML error page never lands in the cache.
+
+    With ``progress`` a byte counter (a bar when the server sends the size) shows on stderr
+    once the download has taken more than half a second.
+    """
+
+    def fail(reason: str) -> DownloadError:
+        return DownloadError(
+            f"could not download {what} from {url}: {reason}. To work offline, {offline_hint} {str(dest)!r}."
+        )
+
+    logger.info("downloading %s from %s to %s", what, url, dest)
+    buffer = io.BytesIO()
+    try:
+        with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT_S) as response:
+            # The bar starts once the server has answered: never an empty bar before that.
+            headers = getattr(response, "headers", None)
+            length = headers.get("Content-Length") if headers is not None else None
+            total = int(length) if length and length.isdigit() else None
+            with tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=what,
+                delay=_BAR_DELAY_S,
+                disable=not progress,
+            ) as bar:
+                while True:
+                    chunk = response.read(_CHUNK_BYTES)
+                    if not chunk:
+                        break
+                    buffer.write(chunk)
+                    bar.update(len(chunk))
+    # URLError, HTTPError and timeouts are OSErrors; ValueError covers a malformed URL.
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise fail(f"{type(e).__name__}: {e}") from e
+    data = buffer.getvalue()
+    if total is not None and len(data) != total:
+        raise fail(f"the connection closed after {len(data)} of {total} bytes")
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise fail(f"the {len(data)} bytes received do not have the expected sha256 {sha256}")
+    if validate is not None:
+        try:
+            validate(data)
+        except ValueError as e:
+            raise fail(f"the response is not {what} ({e})") from e
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(dest, lambda f: f.write(data))
