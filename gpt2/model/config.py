@@ -13,10 +13,6 @@ from typing import Any
 
 # GPT-2's byte-level BPE has 50,257 tokens: 50,000 merges + 256 byte tokens + <|endoftext|>.
 GPT2_VOCAB_SIZE = 50257
-# Padding the vocabulary to a multiple of 64 (50257 -> 50304) gives the embedding / LM-head
-# matmuls shapes that tile cleanly on tensor cores; the extra rows are never sampled and never
-# enter the loss (the model slices them off its logits).
-VOCAB_PAD_MULTIPLE = 64
 
 
 def _from_dict(cls: type, data: dict[str, Any]) -> Any:
