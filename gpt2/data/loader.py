@@ -230,6 +230,10 @@ class TokenLoader:
         return sum(shard.length for shard in self._shards)
 
     @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    @property
     def shard(self) -> int:
         """Index of the shard the next batch is read from."""
         return self._shard_index
