@@ -1,12 +1,7 @@
-"""minlora's adapter file (:func:`save_adapter` / :func:`load_adapter`), and the file handling and
-all-or-nothing loading that PEFT interop (:mod:`minlora.peft`) shares.
-
-An adapter is one ``adapter.safetensors``: tensors ``<module>.<tensor>.lora_A`` / ``.lora_B`` (DoRA:
-``.lora_magnitude_vector``) and, as JSON under the metadata key ``"minlora"``, the config (per
-target: layer, weight shape, rank, alpha, rsLoRA, dropout, DoRA), tied pairs and the base model's
-fingerprint. One file renamed into place is never half-written nor mixed with another save.
-minlora 0.1's two files still load.
-"""
+"""minlora's adapter file and the all-or-nothing loading PEFT interop shares. One ``adapter.safetensors``
+(renamed into place: never torn nor mixed with another save): ``<module>.<tensor>.lora_A`` / ``.lora_B``
+(/ ``.lora_magnitude_vector``), and under the metadata key ``"minlora"`` the JSON config: per target
+layer, weight shape and settings, tied pairs, the base model's fingerprint. minlora 0.1's two files load."""
 
 from __future__ import annotations
 
@@ -15,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,21 +47,18 @@ class AdapterBaseMismatchError(ValueError):
 # ---------------------------------------------------------------------- files
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the new
-    one, never a torn one. A stale ``.tmp`` a crash left is replaced."""
+    one, never a torn one; the file gets the user's umask."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.unlink(missing_ok=True)
-        # Created with 0o666 so the kernel applies the user's umask (reading the umask means setting
-        # it, which races with other threads); mkstemp's 0o600 would make every file private.
+        tmp.unlink(missing_ok=True)  # a stale one a crash left
+        # Created 0o666 so the kernel applies the umask (reading it means setting it, racing other threads);
+        # safetensors alone would write 0o600, making every adapter private.
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        mode = stat.S_IMODE(tmp.stat().st_mode)
+        mode = os.stat(tmp).st_mode & 0o777
         write(tmp)
-        os.chmod(tmp, mode)  # 0o666 & ~umask, whatever write() did
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # on disk before the rename publishes it
-        finally:
-            os.close(fd)
+        os.chmod(tmp, mode)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # on disk before the rename publishes it
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -77,13 +68,8 @@ def parse_json(source: Path | str, where: Any, caller: str, remedy: str) -> dict
     """The JSON object in a file (a ``Path``) or a string, else :class:`AdapterFileError` naming ``where``."""
     try:
         data = json.loads(source.read_text(encoding="utf-8") if isinstance(source, Path) else source)
-    except UnicodeDecodeError as e:
-        raise AdapterFileError(f"{caller}: {where} is not UTF-8 text ({e.reason}); {remedy}") from None
-    except json.JSONDecodeError as e:
-        raise AdapterFileError(
-            f"{caller}: {where} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-            f"the file is damaged or truncated; {remedy}"
-        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterFileError(f"{caller}: {where} is not valid JSON ({e}): damaged or truncated; {remedy}") from None
     if not isinstance(data, dict):
         raise AdapterFileError(f"{caller}: {where} must hold a JSON object, got {type(data).__name__}; {remedy}")
     return data
@@ -169,17 +155,12 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
     """What could stop a load half-way, checked before anything changes."""
     for site, new in plans:
         old = single_lora(site, source) if has_lora(site.module, site.tensor_name) else new
-        if old.rank != new.rank:
-            raise ValueError(
-                f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there "
-                f"has rank {old.rank}; call minlora.remove_lora(model) and load again (loading into a "
-                f"model without LoRA adds it at the adapter's rank), or add LoRA with rank={new.rank}"
-            )
         shapes = [{n: tuple(getattr(p, n).shape) for n in p.param_names} for p in (old, new)]
-        if shapes[0] != shapes[1]:
+        if shapes[0] != shapes[1]:  # another rank, or DoRA on one side only
             raise ValueError(
-                f"{source}: the model's LoRA on {site.name} has parameters {shapes[0]}, the adapter's "
-                f"{shapes[1]}; call minlora.remove_lora(model) and load again"
+                f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there has rank "
+                f"{old.rank} (parameters {shapes[0]}, the adapter's {shapes[1]}); call minlora.remove_lora(model) "
+                f"and load again (a model without LoRA gets the adapter's)"
             )
     covered = {site.name for site, _ in plans}
     if strict and (extra := [s.name for s in lora_sites(model) if s.name not in covered]):
@@ -228,11 +209,7 @@ def base_fingerprint(model: nn.Module) -> str:
 
 def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
     if saved is None:
-        logger.warning(
-            "%s: the adapter does not record the base model it was trained on (saved by minlora 0.1), so "
-            "it cannot be verified to fit this model",
-            source,
-        )
+        logger.warning(f"{source}: the adapter (minlora 0.1's) does not record its base model: it cannot be verified")
         return
     now = _base_record(model, {site.name: raw_weight(site.module) for site, _ in plans})
     if now["sha256"] == saved.get("sha256"):
@@ -303,7 +280,9 @@ def _check_config(config: dict[str, Any], where: Any) -> None:
     elif not isinstance(config.get("base", {}), dict):
         problem = f"'base' must be an object (the base model's fingerprint), got {config['base']!r}"
     elif not isinstance(tied, list) or not all(
-        isinstance(t, dict) and set(t) == {"linear", "embedding"} and all(v in targets for v in t.values())
+        isinstance(t, dict)
+        and set(t) == {"linear", "embedding"}
+        and all(isinstance(v, str) and v in targets for v in t.values())
         for t in tied
     ):
         problem = f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
@@ -345,13 +324,9 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
 def load_adapter(
     model: nn.Module, path: str | os.PathLike, *, strict: bool = True, allow_base_mismatch: bool = False
 ) -> nn.Module:
-    """Load an adapter written by :func:`save_adapter` (a directory or the file) into ``model``.
-
-    Layers without LoRA get one with the adapter's settings; layers with LoRA must have its rank.
-    All is checked before the model changes: a mismatch, or with ``strict`` model LoRA the adapter
-    does not cover, is a ``ValueError``; a damaged file an :class:`AdapterFileError`; another base
-    (:func:`base_fingerprint`) an :class:`AdapterBaseMismatchError`, unless ``allow_base_mismatch``.
-    """
+    """Load a :func:`save_adapter` adapter into ``model``: layers without LoRA get the adapter's, layers
+    with LoRA must have its rank. All is checked before the model changes: ``ValueError`` (with ``strict``,
+    model LoRA the adapter does not cover too), :class:`AdapterFileError`, :class:`AdapterBaseMismatchError`."""
     tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
     params = {

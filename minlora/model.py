@@ -1,9 +1,6 @@
-"""Adding, merging and removing LoRA: minLoRA's ``minlora.model`` API, fixed.
-
-A LoRA config is minLoRA's dict ``{layer_type: {tensor_name: factory}}`` or a :class:`LoRAConfig`.
-Unlike minLoRA: adding LoRA where one sits is a logged no-op (never a stacked adapter); merge /
-remove touch LoRA only; a merge computes in fp32 and gives the layer a new ``Parameter``.
-"""
+"""Adding, merging and removing LoRA (minLoRA's API; a config is its dict ``{layer_type: {tensor_name:
+factory}}`` or a :class:`LoRAConfig`). Unlike minLoRA: adding LoRA where one sits is a logged no-op;
+merge / remove touch LoRA only; a merge computes in fp32 and gives the layer a new ``Parameter``."""
 
 from __future__ import annotations
 
@@ -145,11 +142,8 @@ def _add_targets(targets: list[Target], caller: str) -> None:
         register_lora(module, tensor_name, lora)
     if skipped:
         logger.warning(
-            "%s: %d tensor(s) already carry a LoRA adapter and were left unchanged (no second adapter is "
-            "stacked), e.g. %s; call minlora.remove_lora(model) first to replace them",
-            caller,
-            len(skipped),
-            ", ".join(skipped[:3]),
+            f"{caller}: {len(skipped)} tensor(s) already carry a LoRA adapter and were left unchanged (no second "
+            f"adapter is stacked), e.g. {skipped[:3]}; call minlora.remove_lora(model) first to replace them"
         )
 
 
@@ -197,12 +191,9 @@ def add_lora_by_name(
 
 
 def merge_lora(model: nn.Module) -> None:
-    """Fold every LoRA into its weight (in fp32, then cast) and remove it; outputs stay the same.
-
-    Each merged tensor is a new ``Parameter``: a tensor shared with a layer that is not merged the
-    same way (GPT-2's tied head and embedding) stays as it was and the tie is broken (logged).
-    Layers sharing weight *and* update (:func:`minlora.tie_weights`) stay shared.
-    """
+    """Fold every LoRA into its weight (in fp32, then cast) and remove it; outputs stay the same. A weight
+    shared with a layer not merged the same way (GPT-2's tied head) is untied (logged); layers sharing
+    weight *and* update (:func:`minlora.tie_weights`) stay shared."""
     _unlora(model, True, lora_sites(model))
 
 
@@ -242,8 +233,6 @@ def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
     kept = {id(t) for t in [*model.parameters(), *model.buffers()]}
     if broken := [s.name for s, o in zip(sites, originals) if merge and (id(o) in kept or len(made[id(o)]) > 1)]:
         logger.warning(
-            "merge_lora: %s shared its weight with a layer not merged the same way; the merged layers got "
-            "their own weight and the others keep W, so outputs equal the unmerged LoRA model but the "
-            "weights are no longer tied",
-            ", ".join(broken),
+            f"merge_lora: {broken} shared its weight with a layer not merged the same way; the merged layers got "
+            f"their own weight and the others keep W: outputs are the LoRA model's but the weights are no longer tied"
         )

@@ -1,9 +1,6 @@
-"""``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA) and the fast forward of LoRA layers.
-
-The *weight path* is plain ``parametrize``: reading ``module.weight`` builds the adapted weight.
-The *fast path*, a ``forward`` given to parametrized ``nn.Linear`` / ``nn.Embedding`` layers, adds
-the low-rank branch on the activations instead, so no weight-sized gradient is formed.
-"""
+"""``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA). The *weight path* is plain ``parametrize``
+(reading ``module.weight`` builds the adapted weight); the *fast path*, a ``forward`` for parametrized
+``nn.Linear`` / ``nn.Embedding``, adds the low-rank branch on the activations: no weight-sized gradient."""
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
-"""PEFT interop: :func:`export_peft_adapter` / :func:`import_peft_adapter`, no ``peft`` package needed.
-
-The format is ``peft.PeftModel.save_pretrained``'s: ``adapter_config.json`` and, in
-``adapter_model.safetensors``, ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` /
-``.lora_B.weight`` ``(out, r)`` (``Conv1D`` too: ``fan_in_fan_out`` changes how PEFT merges, not
-what it stores; conv factors are 4-D), ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B``
-``(dim, r)`` for embeddings and DoRA's ``.lora_magnitude_vector``. A model whose PEFT twin differs
-in layout says so with an optional method (minlora knows no model family); every key is optional::
+"""PEFT interop (``PeftModel.save_pretrained``'s format), no ``peft`` package needed: in
+``adapter_model.safetensors``, ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` / ``.lora_B.weight``
+``(out, r)`` (``Conv1D`` too), ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B`` ``(dim, r)``, DoRA's
+``.lora_magnitude_vector``. A model whose PEFT twin differs says how (every key optional)::
 
     def peft_adapter_layout(self) -> dict:
         return {"vocab_size": 50257,  # the twin's real vocabulary
                 "padded_vocab_modules": ["transformer.wte", "lm_head"],  # layers with padded vocab rows
                 "fan_in_fan_out": True}  # the twin's layers are transformers' Conv1D
 
-Padded vocabulary rows are never sampled nor used as inputs: cutting them on export and
-zero-filling them on import is exact.
+Padded vocabulary rows are never sampled nor inputs: cutting them on export, zeros on import, is exact.
 """
 
 from __future__ import annotations
@@ -85,13 +80,9 @@ def export_peft_adapter(
     task_type: str | None = "CAUSAL_LM",
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write the LoRA of ``model`` as a PEFT adapter directory that ``peft.PeftModel.from_pretrained``
-    loads onto a twin with the same module names (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it.
-
-    ``base_model_name_or_path`` and ``fan_in_fan_out`` (default: the model's ``peft_adapter_layout()``)
-    go into the config; ranks and alphas other than the most common go into ``rank_pattern`` /
-    ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight is expressible.
-    """
+    """Write the LoRA of ``model`` as a PEFT adapter directory for a twin with the same module names
+    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` defaults to the model's
+    ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``."""
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
     tensors, loras = {}, {site.module_name: site.lora for site in sites}
@@ -196,12 +187,8 @@ def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool) -> tor
 
 
 def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names); returns ``model``.
-
-    Layers without LoRA get one with the adapter's settings (``rank_pattern`` / ``alpha_pattern``
-    honoured); layers with LoRA must match it. Unsupported options and any mismatch raise
-    ``ValueError`` (damaged files :class:`AdapterFileError`) before the model changes.
-    """
+    """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names), as :func:`load_adapter`
+    does (``rank_pattern`` / ``alpha_pattern`` honoured); unsupported options are a ``ValueError``."""
     path = Path(directory)
     file, config_file = path / PEFT_WEIGHTS_NAME, path / PEFT_CONFIG_NAME
     if not config_file.is_file() or not file.is_file():
