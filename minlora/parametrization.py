@@ -110,10 +110,8 @@ class LoRAParametrization(nn.Module):
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
         check_float(lora_alpha, "set_scaling: lora_alpha")
         self.use_rslora = self.use_rslora if use_rslora is None else bool(use_rslora)
-        self.lora_alpha, self.scaling = (
-            lora_alpha,
-            lora_alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank),
-        )
+        self.lora_alpha = lora_alpha
+        self.scaling = lora_alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -241,29 +239,23 @@ class LoRAParametrization(nn.Module):
 
 
 # ---------------------------------------------------------------------- the fast forward
-# Only for a layer with one LoRA on its weight, outside `parametrize.cached()` (only the weight path
-# composes with other parametrizations and with the cache).
-def _fast_lora(module: nn.Module, fan_in_fan_out: bool) -> LoRAParametrization | None:
-    plist = module.parametrizations["weight"] if "weight" in module.parametrizations else []
+def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The ``forward`` of a stock ``nn.Linear`` / ``nn.Embedding`` with LoRA: the fast path, unless the
+    weight carries more than one LoRA or we are inside ``parametrize.cached()`` (only the weight path
+    composes with those) or an embedding renormalises its weight in place (``max_norm``)."""
+    plist = self.parametrizations["weight"] if "weight" in self.parametrizations else []
+    embedding = isinstance(self, nn.Embedding)
     lora = plist[0] if len(plist) == 1 else None
-    usable = isinstance(lora, LoRAParametrization) and lora.fast_path and lora.fan_in_fan_out == fan_in_fan_out
-    return lora if usable and not parametrize_cache_enabled() else None
-
-
-def _lora_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if (lora := _fast_lora(self, fan_in_fan_out=False)) is None:
-        return nn.Linear.forward(self, input)
-    return lora.fast_linear(input, self.parametrizations["weight"].original, self.bias)
-
-
-def _lora_embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
-    if (lora := _fast_lora(self, fan_in_fan_out=True)) is None or self.max_norm is not None:  # max_norm: in place
-        return nn.Embedding.forward(self, input)
-    return lora.fast_embedding(input, self.parametrizations["weight"].original, self)
-
-
-# A layer whose forward is not the stock one (a subclass's own) keeps it, and the weight path.
-_FAST_FORWARDS = {nn.Linear.forward: _lora_linear_forward, nn.Embedding.forward: _lora_embedding_forward}
+    if (
+        not isinstance(lora, LoRAParametrization)
+        or not lora.fast_path
+        or lora.fan_in_fan_out != embedding
+        or parametrize_cache_enabled()
+        or (embedding and self.max_norm is not None)
+    ):
+        return type(self)._minlora_base.forward(self, input)
+    W = self.parametrizations["weight"].original
+    return lora.fast_embedding(input, W, self) if embedding else lora.fast_linear(input, W, self.bias)
 
 
 # ---------------------------------------------------------------------- the parametrized class
@@ -273,8 +265,8 @@ _FAST_FORWARDS = {nn.Linear.forward: _lora_linear_forward, nn.Embedding.forward:
 # between original and copy, so removing a parametrization from one deletes the other's property.
 def _lora_class(base: type, module: nn.Module, tensor_names) -> nn.Module:
     dct: dict[str, Any] = {"_minlora_base": base, "__deepcopy__": _deepcopy, "__reduce_ex__": _reduce}
-    if getattr(base, "forward", None) in _FAST_FORWARDS:
-        dct["forward"] = _FAST_FORWARDS[base.forward]
+    if getattr(base, "forward", None) in (nn.Linear.forward, nn.Embedding.forward):  # a subclass's own: kept
+        dct["forward"] = _fast_forward
     module.__class__ = type(f"Parametrized{base.__name__}", (base,), dct)
     for tensor_name in tensor_names:
         inject_property(module, tensor_name)
