@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
 from .model import LoRASite, has_lora, lora_sites, register_lora
-from .parametrization import LoRAParametrization
+from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
@@ -301,6 +301,7 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
                 f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
             )
         config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
+        _check_config(config, file)
     elif legacy.is_file():
         config = parse_json(legacy, legacy, "load_adapter", _REMEDY)
         _check_config(config, legacy)
@@ -317,7 +318,6 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
             f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
             f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}"
         )
-    _check_config(config, file)
     return tensors, config, file
 
 
@@ -329,10 +329,7 @@ def load_adapter(
     model LoRA the adapter does not cover too), :class:`AdapterFileError`, :class:`AdapterBaseMismatchError`."""
     tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
-    params = {
-        t: ("lora_A", "lora_B", "lora_magnitude_vector")[: 2 + (s.get("use_dora") is True)]
-        for t, s in config["targets"].items()
-    }
+    params = {t: PARAM_NAMES[: 2 + (s.get("use_dora") is True)] for t, s in config["targets"].items()}
     expected = {f"{target}.{p}" for target, names in params.items() for p in names}
     if missing := sorted(expected - set(tensors)):
         raise AdapterFileError(f"{source}: {file} lacks {missing[:4]}; the file is incomplete; {_REMEDY}")
@@ -350,10 +347,8 @@ def load_adapter(
                 f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} weight of "
                 f"shape {tuple(spec['weight_shape'])} in the adapter: made for a model of another shape"
             )
-        factors, settings = (
-            {p: tensors[f"{name}.{p}"] for p in params[name]},
-            {k: spec[k] for k in _SETTINGS if k in spec},
-        )
+        factors = {p: tensors[f"{name}.{p}"] for p in params[name]}
+        settings = {k: spec[k] for k in _SETTINGS if k in spec}
         try:
             plans.append(make_plan(site, source, factors, **settings))
         except (TypeError, ValueError) as e:  # a bad rank / alpha / dropout, or a factor of the wrong shape
@@ -361,12 +356,8 @@ def load_adapter(
     by_name, ties = {site.name: (site.module, lora) for site, lora in plans}, []
     for tie in config.get("tied", []):  # the factors must hold one update: tying would drop values otherwise
         (head, lin), (embedding, emb) = by_name[tie["linear"]], by_name[tie["embedding"]]
-        if (
-            lin.fan_in_fan_out
-            or not emb.fan_in_fan_out
-            or not torch.equal(lin.lora_A, emb.lora_B)
-            or not torch.equal(lin.lora_B, emb.lora_A)
-        ):
+        one_update = torch.equal(lin.lora_A, emb.lora_B) and torch.equal(lin.lora_B, emb.lora_A)
+        if lin.fan_in_fan_out or not emb.fan_in_fan_out or not one_update:
             raise AdapterFileError(
                 f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA "
                 f"holding one update (the embedding's lora_A is the head's lora_B); {_REMEDY}"

@@ -20,9 +20,8 @@ logger = logging.getLogger(__name__)
 # minLoRA's default: rank-4 LoRA on the weight of every nn.Linear (an LM head included).
 default_lora_config = {nn.Linear: {"weight": partial(LoRAParametrization.from_linear, rank=4)}}
 
-Target = tuple[
-    str, nn.Module, str, Callable[[nn.Module], LoRAParametrization]
-]  # (module name, module, tensor, factory)
+# (module name, module, tensor name, factory)
+Target = tuple[str, nn.Module, str, Callable[[nn.Module], LoRAParametrization]]
 
 
 class LoRASite(NamedTuple):

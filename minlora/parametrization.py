@@ -16,6 +16,8 @@ from torch.nn.utils import parametrize
 
 from ._torch_compat import inject_property, parametrize_cache_enabled
 
+PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")  # the last one DoRA's only
+
 
 def check_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a rank
@@ -115,7 +117,7 @@ class LoRAParametrization(nn.Module):
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return ("lora_A", "lora_B", "lora_magnitude_vector") if self.use_dora else ("lora_A", "lora_B")
+        return PARAM_NAMES if self.use_dora else PARAM_NAMES[:2]
 
     def enable_lora(self) -> None:
         self.enabled = True

@@ -218,7 +218,8 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     dora, plans = config.get("use_dora", False), []
     for module_name, parts in factors.items():
         site = LoRASite(module_name, get_module(model, module_name, source), "weight")
-        rows, pad = raw_weight(site.module).shape[0], id(site.module) in padded
+        weight, pad = raw_weight(site.module), id(site.module) in padded
+        rows = 0 if weight is None else weight.shape[0]  # no weight: make_plan says so
         embedding = family_name(site.module) == "Embedding"
         if set(parts) != {*(_ROLES[2:4] if embedding else _ROLES[:2]), *_ROLES[4:] * dora}:
             raise ValueError(

@@ -10,10 +10,9 @@ import torch
 import torch.nn as nn
 
 from .model import has_lora, iter_lora_modules, lora_sites
-from .parametrization import LoRAParametrization
+from .parametrization import PARAM_NAMES, LoRAParametrization
 
 logger = logging.getLogger(__name__)
-_LORA_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 
 def apply_to_lora(fn: Callable[[LoRAParametrization], None]) -> Callable[[nn.Module], None]:
@@ -54,7 +53,7 @@ def set_fast_path(model: nn.Module, enabled: bool = True) -> None:
 
 def name_is_lora(name: str) -> bool:
     parts = name.split(".")  # minLoRA's test: ....parametrizations.<tensor>.<i>.lora_A
-    return len(parts) >= 4 and parts[-4] == "parametrizations" and parts[-1] in _LORA_NAMES
+    return len(parts) >= 4 and parts[-4] == "parametrizations" and parts[-1] in PARAM_NAMES
 
 
 def name_is_bias(name: str) -> bool:
@@ -75,16 +74,8 @@ def get_params_by_name(
 
 
 def _named_lora_params(model: nn.Module, remove_duplicate: bool = True) -> dict[str, nn.Parameter]:
-    named = {
-        f"{module_name}.{pname}".lstrip("."): getattr(module, pname)
-        for module_name, module in model.named_modules(remove_duplicate=remove_duplicate)
-        if isinstance(module, LoRAParametrization)
-        for pname in module.param_names
-    }
-    if not remove_duplicate:
-        return named
-    ids = {id(p): n for n, p in reversed(named.items())}  # a shared parameter under its first name
-    return {n: p for n, p in named.items() if ids[id(p)] == n}
+    lora = {id(getattr(m, n)) for m in iter_lora_modules(model) for n in m.param_names}
+    return {n: p for n, p in model.named_parameters(remove_duplicate=remove_duplicate) if id(p) in lora}
 
 
 def get_lora_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn.Parameter]:
