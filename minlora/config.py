@@ -87,10 +87,8 @@ class LoRAConfig:
         return tuple(self.target_types) + extra
 
     def factory(self, layer_type: type) -> Callable[[nn.Module], LoRAParametrization]:
-        kwargs = dict(rank=self.rank, lora_dropout_p=float(self.dropout), lora_alpha=self.alpha)
-        return partial(
-            FAMILIES[family_name(layer_type)][1], **kwargs, use_rslora=self.use_rslora, use_dora=self.use_dora
-        )
+        settings = dict(lora_dropout_p=float(self.dropout), lora_alpha=self.alpha, use_rslora=self.use_rslora)
+        return partial(FAMILIES[family_name(layer_type)][1], rank=self.rank, use_dora=self.use_dora, **settings)
 
     def to_lora_config(self) -> dict[type, dict[str, Callable[[nn.Module], LoRAParametrization]]]:
         """minLoRA's dict form (types only: name patterns and the head switch are not expressible)."""
@@ -106,7 +104,7 @@ class LoRAConfig:
             if family_name(m) == "Linear"
             and (id(raw_weight(m)) in tied or any(name_matches(name, h) for h in self.lm_head_names))
         }
-        selected, hits = [], {p: 0 for p in self.target_modules or ()}
+        selected, hit = [], set()
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
             skip = any(name_matches(name, p) for p in self.exclude_modules) or (
@@ -116,9 +114,9 @@ class LoRAConfig:
                 continue
             matched = [p for p in self.target_modules or () if name_matches(name, p)]
             if self.target_modules is None or matched:
-                hits.update({p: hits[p] + 1 for p in matched})
+                hit.update(matched)
                 selected.append((name, module, "weight", self.factory(layer_type)))
-        for pattern in (p for p, n in hits.items() if n == 0 and require_match):
+        for pattern in (p for p in self.target_modules or () if p not in hit and require_match):
             raise ValueError(self._explain_no_match(model, pattern, heads))
         if require_match and not selected:
             raise ValueError(
