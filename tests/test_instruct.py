@@ -78,7 +78,7 @@ def _expected(rows, tok, seq_len, pack):
 def test_targets_are_ignored_exactly_on_prompt_and_padding(tmp_path, tok, pack):
     rows = read_rows(write_jsonl(tmp_path / "d.jsonl", [ALPACA, NO_INPUT, PROMPT, ALPACA, PROMPT]))
     seq_len = 48
-    x, y = build_sequences(rows, seq_len, pack=pack, tokenizer=tok)
+    x, y, positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tok)
     windows = _expected(rows, tok, seq_len, pack)
     assert x.shape == y.shape == (len(windows), seq_len)
     assert (len(windows) < len(rows)) == pack  # these short rows pack two or more per window
@@ -86,6 +86,12 @@ def test_targets_are_ignored_exactly_on_prompt_and_padding(tmp_path, tok, pack):
         n = len(ids) - 1
         assert x[i, :n].tolist() == ids[:n]
         assert (x[i, n + 1 :] == tok.eot_token).all()  # padding input
+        # each row's positions restart at 0; the padding after the rows counts from 0 as one more row
+        lengths = [len(tokenize_row(*r[:3], tok)[0]) for r in rows]
+        expected_positions = [p for length in lengths for p in range(length)]
+        m = min(n + 1, seq_len)
+        assert positions[i, :m].tolist() == expected_positions[sum(len(w[0]) for w in windows[:i]) :][:m]
+        assert positions[i, m:].tolist() == list(range(seq_len - m))
         for t in range(seq_len):
             if t < n and mask[t + 1]:  # the next token is a response token (or the closing <|endoftext|>)
                 assert y[i, t] == ids[t + 1]
@@ -114,6 +120,42 @@ def test_loss_and_evaluation_average_over_response_tokens_only(tmp_path, tok):
     assert result["tokens"] == count
     assert result["loss"] == pytest.approx(total / count, rel=1e-5)
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_packed_rows_are_isolated_each_scores_as_if_alone(tok, flash):
+    """A packed window's logits and loss equal those of its rows run one by one (SDPA with the
+    block-diagonal mask, and the written-out attention); plain causal attention would not."""
+    rows = read_rows(DATA)
+    seq_len = 96
+    loader = InstructionLoader(rows, 4, seq_len, pack=True, shuffle=False, tokenizer=tok)
+    vocab = _compact([loader])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=seq_len, vocab_size=vocab, n_layer=2, n_head=2, n_embd=32, flash=flash)).eval()
+    x, y, kwargs = loader.next_batch()
+    groups: list[list[int]] = []  # the row lengths of each window: greedy, in order, never split
+    for length in (len(tokenize_row(*row[:3], tok)[0]) for row in rows):
+        if groups and sum(groups[-1]) + length <= seq_len + 1:
+            groups[-1].append(length)
+        else:
+            groups.append([length])
+    with torch.no_grad():
+        logits, loss_sum = model(x, y, reduction="sum", **kwargs)
+        causal_logits, _ = model(x)  # not isolated: rows see the rows before them
+        alone_sum, rows_seen = torch.zeros(()), 0
+        for i, lengths in enumerate(groups[:4]):
+            start = 0
+            for length in lengths:
+                end = min(start + length, seq_len)  # a full window's last token is only a target
+                row_logits, row_loss = model(x[i : i + 1, start:end], y[i : i + 1, start:end], reduction="sum")
+                torch.testing.assert_close(logits[i, start:end], row_logits[0], rtol=1e-5, atol=1e-5)
+                if start > 0:
+                    assert not torch.allclose(causal_logits[i, start:end], row_logits[0], atol=1e-3)
+                    rows_seen += 1
+                alone_sum += row_loss
+                start += length
+    assert rows_seen >= 4  # several windows hold more than one row
+    torch.testing.assert_close(loss_sum, alone_sum, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- errors
