@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -372,6 +373,7 @@ def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, cap
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     assert "22 training rows" in stdout and "2 validation rows" in stdout and "full fine-tuning" in stdout
+    assert int(re.search(r"22 training rows in (\d+) sequences", stdout)[1]) < 22  # packed by default
     results = json.loads((out / "results.json").read_text())
     assert results["step"] == 2 and 0 < results["val_tokens"] < 40  # the two held-out responses only
     state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
@@ -398,7 +400,7 @@ def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, cap
 
 def test_cli_finetune_jsonl_lora_resume_and_errors(base_run, tmp_path, capsys):
     out = tmp_path / "lora"
-    args = ["finetune", "--init", str(base_run), "--data", str(DATA), "--pack", *TINY, "--out-dir", str(out)]
+    args = ["finetune", "--init", str(base_run), "--data", str(DATA), "--no-pack", *TINY, "--out-dir", str(out)]
     assert main([*args, "--max-steps", "1"]) == 0
     assert main([*args, "--max-steps", "2", "--resume", "auto"]) == 0
     capsys.readouterr()

@@ -289,7 +289,7 @@ class InstructionLoader:
         if state.get("num_sequences", self.num_sequences) != self.num_sequences:
             raise ValueError(
                 f"the checkpoint's instruction data had {state['num_sequences']} sequences, this data has "
-                f"{self.num_sequences}; resume with the same --data, --seq-len and --pack"
+                f"{self.num_sequences}; resume with the same --data, --seq-len and --pack / --no-pack"
             )
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._order = self._order_of(self._epoch)
