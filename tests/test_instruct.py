@@ -449,3 +449,34 @@ def test_cli_finetune_jsonl_lora_resume_and_errors(base_run, tmp_path, capsys):
     assert "raise --seq-len" in capsys.readouterr().err
     assert main(["sample", "--model", str(base_run), "--input", "x"]) == 2
     assert "--input goes with --instruction" in capsys.readouterr().err
+
+
+@pytest.fixture
+def packing_benchmark(small_shakespeare, monkeypatch):
+    if small_shakespeare is None:
+        pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
+    monkeypatch.syspath_prepend(str(REPO))  # benchmarks/ is not installed
+    import benchmarks.packing
+
+    return benchmarks.packing
+
+
+def test_packing_benchmark_rows_follow_alpacas_lengths(packing_benchmark, small_shakespeare, tok):
+    bench = packing_benchmark
+    rows = bench.alpaca_like_rows(400, 512, small_shakespeare.read_text(), tok)
+    responses = [len(tok.encode_ordinary(r[2])) for r in rows]
+    prompts = [len(tok.encode_ordinary(r[0] + r[1])) for r in rows]
+    assert np.mean(responses) == pytest.approx(bench.RESPONSE_MEAN, rel=0.2)  # decoding + re-encoding moves a few
+    assert np.mean(prompts) == pytest.approx(bench.PROMPT_MEAN, rel=0.2)
+    assert np.median(responses) < np.mean(responses) < max(responses) / 3  # mostly short, a long tail
+    assert 0.3 < np.mean([bool(r[1]) for r in rows]) < 0.5  # about 40% have an input
+
+
+@pytest.mark.slow
+def test_packing_benchmark_runs_and_packs(packing_benchmark):
+    results = {r["mode"]: r for r in packing_benchmark.run(40, 256, 2, 1, 1, "tiny", 0)}
+    assert (
+        results["padded"]["sequences"] == 40 > results["packed"]["sequences"] == results["packed-causal"]["sequences"]
+    )
+    assert results["packed"]["rows_per_sequence"] > 1.5
+    assert "| packed |" in packing_benchmark.format_results(list(results.values()))
