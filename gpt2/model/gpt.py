@@ -181,10 +181,12 @@ class GPT(nn.Module):
         The loss is computed chunk by chunk from the last hidden states (:func:`linear_cross_entropy`),
         so the ``(B*T, vocab)`` logits and their gradient never exist whole; call ``forward(idx)``
         when the logits are needed too. ``reduction`` is ``"mean"`` (over scored targets) or
-        ``"sum"``; targets equal to ``IGNORE_INDEX`` (-1) are not scored. ``kv_cache`` (see
+        ``"sum"`` (fp32, the Trainer's token-exact gradient accumulation); targets equal to
+        ``IGNORE_INDEX`` (-1) are not scored. ``kv_cache`` (see
         :class:`gpt2.generate.KVCache`), ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean
         ``attn_mask`` broadcastable to ``(B, n_head, T, S)`` (True = may attend; ``S`` is the
-        cache's length with a cache) serve generation and packed sequences. Types and shapes are
+        cache's length with a cache) serve generation and packed rows (isolated, positions
+        restarting per row). Types and shapes are
         checked; values are not (that would cost a device sync every call): ids must lie in
         ``[0, vocab_size)``, as :mod:`gpt2.generate` and :class:`gpt2.data.TokenLoader` check.
         """
