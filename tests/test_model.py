@@ -376,6 +376,9 @@ def test_linear_cross_entropy_in_uneven_chunks():
     torch.testing.assert_close(dx, ref_dx)
     torch.testing.assert_close(dw, ref_dw)
     assert dw[37:].abs().max() == 0  # padded rows are never a class
+    # no scored target: the mean is NaN (0/0, as F.cross_entropy's) but the gradients are zero
+    empty = linear_cross_entropy(x, weight, torch.full_like(targets, -1), 37, chunk_rows=5)
+    assert empty.isnan() and all(g.abs().max() == 0 for g in torch.autograd.grad(empty, (x, weight)))
 
 
 def test_loss_with_packing_mask_and_positions(tiny_config):

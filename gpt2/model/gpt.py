@@ -362,7 +362,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_dtype = torch.float32 if dtype == torch.float16 else dtype
         scored = targets != IGNORE_INDEX
         safe_targets = targets.clamp(min=0)  # ignored rows read column 0, then weigh 0
-        scale = 1.0 / scored.sum() if mean else None
+        count = scored.sum()
+        # gradients of a batch with no scored target are 0 (as F.cross_entropy's), its mean loss NaN
+        scale = 1.0 / count.clamp(min=1) if mean else None
         w = weight.to(dtype)
         w_grad = weight.to(grad_dtype)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -387,7 +389,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_dw:
                     dw += (g.T @ xc.to(grad_dtype)).float()
         ctx.save_for_backward(dx, dw)
-        return loss * scale if mean else loss
+        return loss / count if mean else loss
 
     @staticmethod
     def backward(ctx, grad_loss):
