@@ -166,8 +166,13 @@ def test_help_comes_from_the_dataclasses(capsys):
     # the default shown is the CPU recipe's, not TrainConfig's
     recipe_lr = float(recipe("shakespeare", on_cuda=False)["max_lr"])
     assert recipe_lr != TrainConfig().max_lr and f"(default: {recipe_lr:g})" in text
+    assert "--recipe NAME|FILE" in text and "(default: shakespeare)" in text  # the recipe in use
     _, out, _ = run(capsys, "finetune", "--help", "--device", "cpu")
     assert "--lora.rank" in out and "--lora.alpha" in out
+    assert "target-types" not in out  # LoRAConfig.target_types holds classes: no flag, not shown
+    _, out, _ = run(capsys, "export", "--help")
+    text = " ".join(out.replace("│", " ").split())
+    assert "None = $GPT2_TOKENIZER_DIR (default: None)" in text and "(default: $GPT2" not in text  # one default
 
 
 def test_bad_flags_exit_2_with_one_line(capsys):

@@ -79,16 +79,8 @@ def _is_usage_error(e: BaseException) -> bool:
     from gpt2.model.tokenizer import TokenizerNotAvailableError
 
     bad_files = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
-    bad_input = (
-        UsageError,
-        OptionError,
-        ValueError,
-        TypeError,
-        ConnectionError,
-        ImportError,
-        TokenizerNotAvailableError,
-    )
-    return isinstance(e, bad_files + bad_input)
+    bad_input = (UsageError, OptionError, ValueError, TypeError, ConnectionError, ImportError)
+    return isinstance(e, (*bad_files, *bad_input, TokenizerNotAvailableError))
 
 
 def _one_line(e: BaseException) -> str:
@@ -144,8 +136,7 @@ def run_command(
             raise
         code = EXIT_USAGE if _is_usage_error(e) else EXIT_FAILURE
         kind = "error" if code == EXIT_USAGE else f"error ({type(e).__name__})"
-        message = _one_line(e)
-        print(f"{prog}: {kind}: {message}", file=sys.stderr)
+        print(f"{prog}: {kind}: {_one_line(e)}", file=sys.stderr)
         if code == EXIT_FAILURE:
             print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
         return code
@@ -209,16 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _top_help() -> str:
     width = max(len(n) for n in COMMANDS)
-    return "\n".join(
-        [
-            "usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)",
-            "",
-            "GPT-2 from pretraining to LoRA fine-tuning, sampling and evaluation.",
-            "",
-            "commands:",
-            *(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items()),
-            "",
-            "`gpt2 <command> --help` lists the command's options. Every command also takes --recipe NAME|FILE,",
-            "--config FILE.yaml (keys = option names) and --print-config; flags win over files.",
-        ]
-    )
+    commands = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
+    return f"""usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)
+
+GPT-2 from pretraining to LoRA fine-tuning, sampling and evaluation.
+
+commands:
+{commands}
+
+`gpt2 <command> --help` lists the command's options. Every command also takes --recipe NAME|FILE,
+--config FILE.yaml (keys = option names) and --print-config; flags win over files."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+import tyro
+
 import minlora
 from gpt2.cli.common import (
     DataOptions,
@@ -44,7 +46,7 @@ class FinetuneOptions(Options):
     """the weights to start from: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a
     checkpoint / run directory of `gpt2 train`"""
     data: Annotated[DataOptions, Flat] = field(default_factory=DataOptions)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    lora: Annotated[LoRAConfig, tyro.conf.SuppressFixed] = field(default_factory=LoRAConfig)  # target_types: no flag
     train: Annotated[TrainConfig, Flat] = field(default_factory=TrainConfig)
     final_eval_batches: int | None = None
     """batches of the final validation loss; None = the whole validation data"""
