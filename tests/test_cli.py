@@ -175,6 +175,15 @@ def test_help_comes_from_the_dataclasses(capsys):
     assert "None = $GPT2_TOKENIZER_DIR (default: None)" in text and "(default: $GPT2" not in text  # one default
 
 
+def test_help_shows_an_example_scripts_defaults(capsys):
+    """run_command(defaults=...) (how examples/*.py set theirs) sets the defaults --help shows."""
+    from gpt2.cli import run_command
+
+    assert run_command("prepare", ["--help"], prog="prep.py", defaults={"out_dir": "data/mine", "num_workers": 3}) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert text.startswith("usage: prep.py") and "(default: data/mine)" in text and "(default: 3)" in text
+
+
 def test_bad_flags_exit_2_with_one_line(capsys):
     code, _, err = run(capsys, "train", "--bogus-flag")
     assert code == 2 and "--bogus-flag" in err
@@ -397,6 +406,8 @@ def test_config_file_errors(tmp_path, capsys):
         "f.yaml": ("precision: fp8\n", "not one of"),
         "g.yaml": ("compile: perhaps\n", "not one of ['True', 'False']"),
         "h.yaml": ("max_lr: .nan\n", "max_lr must be"),
+        "i.yaml": ("max_steps: [1, 2]\n", "expected one value"),
+        "j.yaml": ("print_config: true\n", "unknown option 'print_config'"),
     }
     for name, (text, message) in cases.items():
         path = tmp_path / name
@@ -470,6 +481,13 @@ def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data):
     assert code == 0, err
     # one full pass over the val shard (2000 tokens): 15 batches of 4 x 32 (+1 token for the targets)
     assert f"{15 * 4 * 32:,} tokens" in stdout
+    assert "/15 [" in err  # the progress bar knows its total
+    # the loader's count of one pass is what one pass reads, over shards of several lengths
+    from gpt2.data.loader import TokenLoader, one_pass
+
+    for split, batch_size, seq_len in ((None, 4, 32), ("train", 3, 50), ("train", 1, 7)):
+        loader = TokenLoader(shards, batch_size, seq_len, split=split)
+        assert loader.num_shards > 1 and loader.batches_per_pass == len(list(one_pass(loader)))
 
 
 def test_sample_is_reproducible_and_streams(trained, capsys):

@@ -1,5 +1,4 @@
-"""``gpt2 export``: a checkpoint (optionally + adapter) -> a transformers directory, and/or the
-adapter in PEFT format."""
+"""``gpt2 export``: a model (+ adapter) -> a transformers directory and/or a PEFT adapter."""
 
 from __future__ import annotations
 

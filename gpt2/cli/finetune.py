@@ -1,6 +1,4 @@
-"""``gpt2 finetune``: LoRA (or ``--full``) fine-tuning of GPT-2 weights on a text, or on
-instruction rows (``--data x.jsonl``, see :mod:`gpt2.instruct`), with samples before and after,
-the adapter saved, and optionally a PEFT adapter and a merged transformers export."""
+"""``gpt2 finetune``: LoRA or full fine-tuning, samples before and after, the adapter and exports."""
 
 from __future__ import annotations
 

@@ -108,11 +108,11 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must hold a mapping of option names to values, got {type(data).__name__}")
-    fields = option_fields(cls)
+    fields = {k: v for k, v in option_fields(cls).items() if k not in ("config", "print_config")}
     values = {}
     for key, value in _flatten(data).items():
         key = key.replace("-", "_")
-        if key not in fields or key in ("config", "print_config"):
+        if key not in fields:
             raise ConfigError(f"{what} {path}: unknown option {key!r}; the options are: {', '.join(sorted(fields))}")
         values[key] = _convert(value, fields[key][1], f"{what} {path}: {key}")
     return values
@@ -129,6 +129,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     """A YAML value as tyro converts the same text given as a flag (YAML 1.1 reads 6e-4 as a string)."""
     spec = _spec(hint)
     texts = [str(v) for v in (value if isinstance(value, list) else [value])]
+    if isinstance(value, list) and spec.nargs == 1:
+        raise ConfigError(f"{where}: expected one value ({spec.metavar}), got a list {value!r}")
     if spec.choices is not None and not set(texts) <= set(spec.choices):
         raise ConfigError(f"{where}: {value!r} is not one of {list(spec.choices)}")
     try:

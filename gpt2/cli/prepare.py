@@ -1,6 +1,4 @@
-"""``gpt2 prepare``: text files, jsonl files or a Hugging Face dataset -> token shards
-(build-nanogpt's layout: the first shard is the val split; one text file is split by
-``--val-fraction`` instead)."""
+"""``gpt2 prepare``: text files, jsonl files or a Hugging Face dataset -> token shards."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``gpt2 sample``: stream text from a hub id, a transformers directory, a checkpoint or run
-directory of ``gpt2 train``, optionally with a LoRA adapter, optionally as an instruction."""
+"""``gpt2 sample``: stream text from a model, optionally with a LoRA adapter or as an instruction."""
 
 from __future__ import annotations
 
