@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from gpt2.cli.common import write_json
 from gpt2.cli.layers import Options
 from gpt2.model.config import SHAPE_NAMES
 from gpt2.train.bench import RUNGS, format_table, run_ladder
@@ -74,13 +73,7 @@ def bench(options: BenchOptions) -> list[Any]:
     print()
     print(format_table(results))
     if options.json:
-        out = Path(options.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}, indent=2
-            )
-            + "\n"
+        write_json(
+            options.json, {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}
         )
-        print(f"wrote {out}")
     return results

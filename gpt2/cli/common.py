@@ -190,7 +190,11 @@ def final_report(
 
 
 def write_results(out_dir: Path, results: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "results.json"
-    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    write_json(out_dir / "results.json", results)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {path}")

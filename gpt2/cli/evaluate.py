@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpt2.cli.common import Precision, UsageError
+from gpt2.cli.common import Precision, UsageError, write_json
 from gpt2.cli.layers import Options
 from gpt2.data.sources import is_text, load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
@@ -99,8 +98,5 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
             f"{time.time() - start:.1f} s"
         )
     if options.output:
-        out = Path(options.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {out}")
+        write_json(options.output, results)
     return results

@@ -204,7 +204,7 @@ def parse(
 
     defaults = dict(defaults or {})
     config = _flag(argv, "--config")
-    if config and not Path(config).expanduser().is_file():
+    if config and not Path(config).expanduser().exists():
         raise ConfigError(f"config file {config!r} does not exist")
     from_file = read_yaml(Path(config).expanduser(), cls, "config file") if config else {}
     recipe = _flag(argv, "--recipe") or from_file.pop("recipe", None) or defaults.pop("recipe", None) or recipe
