@@ -39,12 +39,11 @@ class Options:
     """The fields every command has: where the other values come from."""
 
     recipe: Annotated[str | None, tyro.conf.arg(metavar="NAME|FILE")] = None
-    """a packaged recipe, NAME (gpt2/recipes/NAME-cpu.yaml or NAME-gpu.yaml, for this machine's --device):
-    shakespeare or gpt2-124m-fineweb (train), finetune, eval, bench; or a YAML file. Its values are the
-    defaults shown here"""
+    """a YAML file, or a packaged recipe NAME (gpt2/recipes/NAME-cpu.yaml or NAME-gpu.yaml for this
+    machine's --device): shakespeare or gpt2-124m-fineweb (train), finetune, eval, bench; its values are the
+    defaults shown"""
     config: Annotated[str | None, tyro.conf.arg(metavar="FILE")] = None
-    """a YAML file of option values (keys: the option names, as --print-config writes them) over the recipe;
-    flags win over it"""
+    """a YAML file of option values (keys: option names, as --print-config writes), over the recipe, under flags"""
     print_config: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
     """print the resolved options as YAML (a valid --config file) instead of running"""
 
