@@ -73,7 +73,7 @@ def _assert_same_logits_and_loss(ours: GPT, hf: GPT2LMHeadModel, idx: torch.Tens
     with torch.no_grad():
         hf_out = hf(idx, labels=idx)  # HF shifts labels inside: position t predicts idx[t + 1]
         targets = torch.cat([idx[:, 1:], torch.full_like(idx[:, :1], -1)], dim=1)  # last one ignored
-        logits, loss = ours(idx, targets)
+        logits, loss = ours(idx)[0], ours(idx, targets)[1]
     assert logits.shape == hf_out.logits.shape
     assert (logits - hf_out.logits).abs().max().item() <= 1e-4
     assert abs(loss.item() - hf_out.loss.item()) <= 1e-5

@@ -141,14 +141,15 @@ def test_packed_rows_are_isolated_each_scores_as_if_alone(tok, flash):
         else:
             groups.append([length])
     with torch.no_grad():
-        logits, loss_sum = model(x, y, reduction="sum", **kwargs)
+        logits, loss_sum = model(x, **kwargs)[0], model(x, y, reduction="sum", **kwargs)[1]  # logits None with y
         causal_logits, _ = model(x)  # not isolated: rows see the rows before them
         alone_sum, rows_seen = torch.zeros(()), 0
         for i, lengths in enumerate(groups[:4]):
             start = 0
             for length in lengths:
                 end = min(start + length, seq_len)  # a full window's last token is only a target
-                row_logits, row_loss = model(x[i : i + 1, start:end], y[i : i + 1, start:end], reduction="sum")
+                row_x, row_y = x[i : i + 1, start:end], y[i : i + 1, start:end]
+                row_logits, row_loss = model(row_x)[0], model(row_x, row_y, reduction="sum")[1]
                 torch.testing.assert_close(logits[i, start:end], row_logits[0], rtol=1e-5, atol=1e-5)
                 if start > 0:
                     assert not torch.allclose(causal_logits[i, start:end], row_logits[0], atol=1e-3)

@@ -44,7 +44,8 @@ def test_ignored_targets_and_int32_inputs(tiny_config):
     model = _model(tiny_config)
     idx = torch.randint(0, tiny_config.vocab_size, (2, 12))
     targets = torch.randint(0, tiny_config.vocab_size, (2, 12))
-    logits, loss = model(idx, targets)
+    logits, _ = model(idx)
+    _, loss = model(idx, targets)
     _, loss32 = model(idx.int(), targets.int())
     torch.testing.assert_close(loss32, loss)
     masked = targets.clone()
@@ -89,8 +90,8 @@ def test_padded_vocab_same_loss_and_logits(tiny_config):
     assert padded.lm_head.weight.shape == (128, tiny_config.n_embd)
     idx = torch.randint(0, 100, (2, 16))
     targets = torch.randint(0, 100, (2, 16))
-    logits, loss = model(idx, targets)
-    plogits, ploss = padded(idx, targets)
+    logits, loss = model(idx)[0], model(idx, targets)[1]
+    plogits, ploss = padded(idx)[0], padded(idx, targets)[1]
     assert plogits.shape == logits.shape == (2, 16, 100)
     torch.testing.assert_close(plogits, logits)
     torch.testing.assert_close(ploss, loss)
@@ -197,10 +198,8 @@ def test_bad_position_ids_and_cache_overflow(tiny_config):
     idx = torch.randint(0, tiny_config.vocab_size, (1, 4))
     with pytest.raises(ValueError, match=r"position_ids must have shape \(4,\) or \(1, 4\)"):
         model(idx, position_ids=torch.arange(5))
-    cache = KVCache.for_model(model)
-    model(torch.randint(0, tiny_config.vocab_size, (1, 62)), kv_cache=cache)
-    with pytest.raises(ValueError, match=r"62 cached \+ 4 new positions exceeds the model's context"):
-        model(idx, kv_cache=cache)
+    with pytest.raises(ValueError, match=r"5 new positions exceed the KV cache's capacity \(4\)"):
+        model(torch.randint(0, tiny_config.vocab_size, (1, 5)), kv_cache=KVCache.for_model(model, 4))
 
 
 def test_kv_cache_follows_autocast_dtype(tiny_config):
@@ -213,7 +212,7 @@ def test_kv_cache_follows_autocast_dtype(tiny_config):
         model(idx, kv_cache=cache)
         logits, _ = model(idx[:, :1], kv_cache=cache)  # cached step: bf16 queries meet bf16 keys
         out = model.generate(idx, 5, temperature=0)
-    assert cache.k[0].dtype == torch.bfloat16 and cache.length == 7
+    assert cache.k[0].dtype == torch.bfloat16 and cache.length == 7 and cache.k[0].size(2) == 64
     assert logits.shape == (2, 1, tiny_config.vocab_size) and out.shape == (2, 11)
 
 
@@ -314,3 +313,96 @@ def test_forward_is_one_graph_for_torch_compile(tiny_config):
     explained = dynamo.explain(model)(idx, idx)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+# ------------------------------------------------------------------------------ loss
+def _plain_loss(model: GPT, idx, targets, reduction="mean", **kwargs):
+    """The reference: the whole logits, then PyTorch's cross-entropy in fp32."""
+    logits = model(idx, **kwargs)[0]
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction
+    )
+
+
+def _loss_and_grads(model: GPT, loss_fn, scaler=None):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    scale = scaler.get_scale() if scaler is not None else 1.0
+    return loss.detach(), {n: p.grad / scale for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "precision, tol",
+    [("fp32", dict(rtol=1e-5, atol=1e-6)), ("bf16", dict(rtol=2e-2, atol=1e-4)), ("fp16", dict(rtol=5e-3, atol=1e-3))],
+)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_loss_matches_full_logits_cross_entropy(tiny_config, precision, tol, reduction):
+    """The chunked loss (padded vocab, ignored targets) gives the plain loss and gradients, under
+    autocast too; fp16 through a GradScaler, whose scaled gradients must survive."""
+    model = GPT(dataclasses.replace(tiny_config, vocab_size=100, pad_vocab_multiple=64)).train()
+    idx = torch.randint(0, 100, (3, 16))
+    targets = torch.randint(0, 100, (3, 16))
+    targets[0, :5] = -1
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    # a scale at which the plain loss's fp16 gradients neither overflow (sum) nor underflow (mean)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if precision == "fp16" else None
+    context = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+    with context:
+        loss, grads = _loss_and_grads(model, lambda: model(idx, targets, reduction=reduction)[1], scaler)
+        ref, ref_grads = _loss_and_grads(model, lambda: _plain_loss(model, idx, targets, reduction), scaler)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, **tol)
+    for name, grad in ref_grads.items():  # atol relative to the largest entry: sum grads are larger
+        atol = tol["atol"] * max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(grads[name], grad, rtol=tol["rtol"], atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    if reduction == "sum":  # the sum over the scored targets: mean * count
+        torch.testing.assert_close(loss, model(idx, targets)[1] * (targets != -1).sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_cross_entropy_in_uneven_chunks():
+    from gpt2.model.gpt import linear_cross_entropy
+
+    x = torch.randn(2, 23, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)  # 40 rows, of which 37 are the vocabulary
+    targets = torch.randint(0, 37, (2, 23))
+    targets[1, 3:9] = -1
+    loss = linear_cross_entropy(x, weight, targets, 37, chunk_rows=5)
+    dx, dw = torch.autograd.grad(loss * 3.0, (x, weight))  # the incoming gradient scales both
+    logits = (x @ weight.T)[..., :37]
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), targets.reshape(-1), ignore_index=-1)
+    ref_dx, ref_dw = torch.autograd.grad(ref * 3.0, (x, weight))
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(dx, ref_dx)
+    torch.testing.assert_close(dw, ref_dw)
+    assert dw[37:].abs().max() == 0  # padded rows are never a class
+    # no scored target: the mean is NaN (0/0, as F.cross_entropy's) but the gradients are zero
+    empty = linear_cross_entropy(x, weight, torch.full_like(targets, -1), 37, chunk_rows=5)
+    assert empty.isnan() and all(g.abs().max() == 0 for g in torch.autograd.grad(empty, (x, weight)))
+
+
+def test_loss_with_packing_mask_and_positions(tiny_config):
+    """Packed rows: a (B, 1, T, T) block-diagonal mask and restarting positions, with the loss."""
+    model = GPT(tiny_config).train()
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 12))
+    targets = idx.roll(-1, dims=1)
+    doc = torch.tensor([0] * 5 + [1] * 7)  # two documents per row
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    kwargs = dict(
+        attn_mask=mask.expand(2, 1, 12, 12), position_ids=torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12)
+    )
+    loss, grads = _loss_and_grads(model, lambda: model(idx, targets, **kwargs)[1])
+    ref, ref_grads = _loss_and_grads(model, lambda: _plain_loss(model, idx, targets, **kwargs))
+    torch.testing.assert_close(loss, ref)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6)
+    # the second document of each row is the same model call as that document alone
+    alone = model(idx[:, 5:], targets[:, 5:], reduction="sum")[1]
+    torch.testing.assert_close(model(idx, torch.where(doc == 1, targets, -1), reduction="sum", **kwargs)[1], alone)
+
+
+def test_bad_reduction_raises(tiny_config):
+    model = _model(tiny_config)
+    idx = torch.randint(0, tiny_config.vocab_size, (1, 4))
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
+        model(idx, idx, reduction="none")

@@ -470,30 +470,7 @@ def test_peak_flops_lookup_tells_similar_names_apart():
 # ------------------------------------------------------------------------------ compile
 
 
-@pytest.mark.slow
-def test_compiled_training_eval_generation_and_clean_checkpoint(tiny_config, tmp_path, monkeypatch):
-    # The Trainer compiles with the default (inductor) backend, whose C++ code generation takes
-    # about a minute on a small CPU and is PyTorch's to test. "aot_eager" keeps what the Trainer
-    # relies on: Dynamo's wrapper module, the traced forward and backward, generation through it.
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, **{"backend": "aot_eager", **kw}))
-    config = _config(compile=True, out_dir=str(tmp_path), max_steps=2, eval_interval=2, eval_steps=1)
-    trainer = Trainer(_model(tiny_config), config, _tokens(), _tokens(1024), sinks=[])
-    assert trainer.eval_model is not trainer.model and ckpt.unwrap_model(trainer.eval_model) is trainer.model
-    history = trainer.fit()
-    assert all(math.isfinite(r["loss"]) for r in history) and "val_loss" in history[-1]
-    prompt = torch.zeros(1, 3, dtype=torch.long)
-    # Generation through the compiled module (it forwards attributes to the model) and the raw one.
-    from gpt2.model.generate import generate
-
-    compiled_out = generate(trainer.eval_model, prompt, 2, temperature=0)
-    assert torch.equal(compiled_out, trainer.model.generate(prompt, 2, temperature=0))
-    weights, _ = ckpt.load_weights(tmp_path / "checkpoints" / "step_000002" / ckpt.WEIGHTS_FILE)
-    assert not any(k.startswith("_orig_mod.") for k in weights)
-    fresh = _model(tiny_config)
-    ckpt.load_checkpoint(tmp_path / "checkpoints", fresh)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trainer.model.state_dict().values()))
-    torch._dynamo.reset()
+# Compiled training, evaluation, checkpoints and generation: tests/test_inductor.py (Inductor).
 
 
 # ------------------------------------------------------------------------------ benchmark

@@ -18,51 +18,63 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class KVCache:
-    """Keys and values of every layer, room for ``max_len`` positions.
+    """Keys and values of every layer in static buffers of ``max_len`` positions.
 
-    The model calls :meth:`update` once per layer with the new keys/values and :meth:`advance`
-    once per forward, so all layers of a forward see the same ``length`` (the number of cached
-    positions before that forward). Each layer's buffer is allocated on its first update with the
-    dtype and device of the keys it receives: under autocast the keys come out of ``c_attn`` in
-    bf16/fp16 while the weights are fp32, and the cache must match the queries it is used with.
+    The write position is a tensor (``pos``), never a Python int, and every step attends over the
+    whole buffer with a mask built from ``pos``: a decoding step has the same shapes and the same
+    graph at every token, so ``torch.compile`` compiles it once. The model calls :meth:`update`
+    once per layer and :meth:`advance` once per forward. Each layer's buffer is allocated on its
+    first update with the dtype and device of the keys it receives (under autocast they are
+    bf16/fp16 while the weights are fp32); zeros, so masked-out slots never hold NaN.
     """
 
-    def __init__(self, n_layer: int, max_len: int) -> None:
+    def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
         if n_layer < 1 or max_len < 1:
             raise ValueError(f"KVCache needs n_layer >= 1 and max_len >= 1, got {n_layer}, {max_len}")
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
-        self.length = 0
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # positions cached so far
+
+    @property
+    def length(self) -> int:
+        """Cached positions (a host read of ``pos``)."""
+        return int(self.pos)
+
+    def positions(self, T: int) -> torch.Tensor:
+        """Absolute positions ``(T,)`` of the next ``T`` tokens."""
+        return self.pos + torch.arange(T, device=self.pos.device)
+
+    def causal_mask(self, T: int) -> torch.Tensor:
+        """``(T, max_len)`` boolean: the next ``T`` queries see the keys at or before them."""
+        return torch.arange(self.max_len, device=self.pos.device) <= self.positions(T)[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``k``, ``v`` ``(B, nh, T, hs)`` after the cached positions; return all of them
-        ``(B, nh, length + T, hs)``."""
+        """Write ``k``, ``v`` ``(B, nh, T, hs)`` at the next positions; return the whole buffers
+        ``(B, nh, max_len, hs)``."""
         B, nh, T, hs = k.shape
-        end = self.length + T
-        if end > self.max_len:
-            raise RuntimeError(f"KV cache overflow: {self.length} cached + {T} new positions > capacity {self.max_len}")
         if self.k[layer] is None:
-            self.k[layer] = k.new_empty(B, nh, self.max_len, hs)  # (B, nh, max_len, hs)
-            self.v[layer] = v.new_empty(B, nh, self.max_len, hs)
+            self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
+            self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
         cache_k, cache_v = self.k[layer], self.v[layer]
         if cache_k.shape[:2] != (B, nh) or cache_k.size(3) != hs or cache_k.dtype != k.dtype:
             raise RuntimeError(
                 f"KV cache of layer {layer} holds {tuple(cache_k.shape)} {cache_k.dtype}, got new keys "
                 f"{tuple(k.shape)} {k.dtype}: one cache serves one batch, start a new KVCache"
             )
-        cache_k[:, :, self.length : end] = k
-        cache_v[:, :, self.length : end] = v
-        return cache_k[:, :, :end], cache_v[:, :, :end]
+        index = self.positions(T)
+        cache_k.index_copy_(2, index, k)
+        cache_v.index_copy_(2, index, v)
+        return cache_k, cache_v
 
     def advance(self, n: int) -> None:
-        self.length += n
+        self.pos += n
 
     @classmethod
     def for_model(cls, model: GPT, max_len: int | None = None) -> KVCache:
         """An empty cache for ``model``, holding up to ``max_len`` (default ``block_size``) positions."""
         cfg = model.config
-        return cls(cfg.n_layer, max_len or cfg.block_size)
+        return cls(cfg.n_layer, max_len or cfg.block_size, model.device)
 
 
 def sample_next(
@@ -228,6 +240,8 @@ def _stream(
     try:
         block_size = model.config.block_size
         B = idx.size(0)
+        # The cache holds what this call can reach (fewer keys to attend over than a full context)
+        cache_len = min(block_size, idx.size(1) + max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         cache: KVCache | None = None
         tokens = idx  # everything in the context so far (prompt + generated), (B, t)
@@ -243,7 +257,7 @@ def _stream(
                 step_ids = tokens[:, -1:]  # (B, 1): only the newest token is not cached yet
             else:
                 step_ids = tokens
-                cache = KVCache.for_model(model) if use_cache else None
+                cache = KVCache.for_model(model, cache_len) if use_cache else None
             logits = _forward(model, step_ids, cache, mask)  # (B, T, V)
             nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
             if eos_token_id is not None:
@@ -261,21 +275,22 @@ def _stream(
 
 
 def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
-    """One forward for generation. With padding ``mask`` ``(B, S)`` (cached + new positions),
+    """One forward for generation. With padding ``mask`` ``(B, t)`` (cached + new tokens),
     positions count real tokens only and attention skips pad keys, so a padded prompt yields what
-    it would unpadded."""
+    it would unpadded. The mask spans the cache's whole buffer, so its shape is the same at
+    every decoding step."""
     if mask is None:
         return model(ids, kv_cache=cache)[0]
-    T = ids.size(1)
-    S = mask.size(1)  # keys visible after this forward (cache + new)
-    position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, S - T :]  # (B, T)
-    causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=S - T)  # (T, S)
-    attn_mask = causal[None, None] & mask[:, None, None, :]  # (B, 1, T, S)
+    T, t = ids.size(1), mask.size(1)
+    S = cache.max_len if cache is not None else t  # keys attended over
+    position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, t - T :]  # (B, T)
+    keys = torch.nn.functional.pad(mask, (0, S - t))  # (B, S): slots not written yet are False
+    causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
     # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
     # query may see itself (pad positions' outputs are never used).
     own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
-    own[torch.arange(T), torch.arange(S - T, S)] = True
-    attn_mask = attn_mask | own[None, None]
+    own[torch.arange(T), torch.arange(t - T, t)] = True
+    attn_mask = (causal[None, None] & keys[:, None, None, :]) | own[None, None]  # (B, 1, T, S)
     return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask)[0]
 
 

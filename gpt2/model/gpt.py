@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.nn.utils import parametrize
 
 from gpt2.model import hf
 from gpt2.model.config import GPTConfig
@@ -52,19 +53,15 @@ class CausalSelfAttention(nn.Module):
         kv_cache: KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        T = x.size(1)
         # c_attn's output is [q | k | v], each n_embd wide and made of n_head slices of head_dim:
         # split it into q, k, v of shape (B, nh, T, hs) (views, no copy).
         qkv = rearrange(self.c_attn(x), "b t (qkv nh hs) -> qkv b nh t hs", qkv=3, nh=self.n_head)
         q, k, v = qkv.unbind(0)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, S, hs), S = past + T
-        S = k.size(2)
-        # Plain causal attention when queries and keys start at the same position; otherwise the
-        # caller (generation with a cache or padded prompts) passes an explicit boolean mask.
-        is_causal = attn_mask is None and S == T
-        if attn_mask is None and S != T and T > 1:
-            attn_mask = _offset_causal_mask(T, S, x.device)
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs): the whole static buffer
+        # Without a mask queries and keys start at the same position (training, a prompt with no
+        # cache); a cache or padded prompts always come with an explicit boolean mask.
+        is_causal = attn_mask is None
         dropout_p = self.dropout if self.training else 0.0
         if self.flash:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
@@ -72,11 +69,6 @@ class CausalSelfAttention(nn.Module):
             y = _manual_attention(q, k, v, attn_mask, is_causal, dropout_p)
         y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
-
-
-def _offset_causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
-    """(T, S) boolean mask: query i (at absolute position S - T + i) sees keys 0..S-T+i."""
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
 
 
 def _manual_attention(
@@ -91,7 +83,7 @@ def _manual_attention(
     T, S = q.size(-2), k.size(-2)
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
     if is_causal:
-        attn_mask = _offset_causal_mask(T, S, q.device)
+        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
     if attn_mask is not None:
         att = att.masked_fill(~attn_mask, float("-inf"))
     att = F.softmax(att.float(), dim=-1).to(q.dtype)  # softmax in fp32
@@ -134,7 +126,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2. ``forward(idx, targets=None) -> (logits, loss)``; logits always cover every position."""
+    """GPT-2. ``forward(idx, targets=None) -> (logits, loss)``; see :meth:`forward`."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -181,25 +173,35 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         reduction: str = "mean",
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``(B, T, vocab_size)`` and, with ``targets`` ``(B, T)``, the cross-entropy:
-        the mean over scored targets, or with ``reduction="sum"`` their fp32 sum (the Trainer's
-        token-exact gradient accumulation).
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(logits, loss)``: logits ``(B, T, vocab_size)`` without ``targets``; with ``targets``
+        ``(B, T)`` the fp32 cross-entropy and ``None`` for the logits (the logits too when the
+        LM head is parametrized, e.g. with LoRA).
 
-        Targets equal to ``IGNORE_INDEX`` (-1, nanoGPT's convention) are ignored. ``kv_cache``,
-        ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask`` broadcastable to
-        ``(B, n_head, T, S)`` (True = may attend) are used by :mod:`gpt2.generate` and by packed
-        instruction batches (rows isolated, positions restarting per row). Types and shapes are
+        The loss is computed chunk by chunk from the last hidden states (:func:`linear_cross_entropy`),
+        so the ``(B*T, vocab)`` logits and their gradient never exist whole; call ``forward(idx)``
+        when the logits are needed too. ``reduction`` is ``"mean"`` (over scored targets) or
+        ``"sum"`` (fp32, the Trainer's token-exact gradient accumulation); targets equal to
+        ``IGNORE_INDEX`` (-1) are not scored. ``kv_cache`` (see
+        :class:`gpt2.generate.KVCache`), ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean
+        ``attn_mask`` broadcastable to ``(B, n_head, T, S)`` (True = may attend; ``S`` is the
+        cache's length with a cache) serve generation and packed rows (isolated, positions
+        restarting per row). Types and shapes are
         checked; values are not (that would cost a device sync every call): ids must lie in
-        ``[0, vocab_size)``, as :mod:`gpt2.generate` and :class:`gpt2.data.TokenLoader` check where
-        ids enter.
+        ``[0, vocab_size)``, as :mod:`gpt2.generate` and :class:`gpt2.data.TokenLoader` check.
         """
         if not torch.compiler.is_compiling():
-            self._check_inputs(idx, targets, kv_cache, position_ids)
+            self._check_inputs(idx, targets, kv_cache, position_ids, reduction)
         T = idx.size(1)
-        if position_ids is None:
-            start = kv_cache.length if kv_cache is not None else 0
-            position_ids = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        if kv_cache is not None:
+            # Positions and the causal mask come from the cache's position tensor, so a compiled
+            # decoding step has the same graph at every token.
+            if position_ids is None:
+                position_ids = kv_cache.positions(T)
+            if attn_mask is None:
+                attn_mask = kv_cache.causal_mask(T)
+        elif position_ids is None:
+            position_ids = torch.arange(T, dtype=torch.long, device=idx.device)
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)
         x = self.transformer.drop(tok_emb + pos_emb)
@@ -208,20 +210,17 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T)
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, padded_vocab)
-        if self.config.padded_vocab_size != self.config.vocab_size:
-            # Padded rows are not tokens: drop them so they are never sampled and never in the loss.
-            logits = logits[..., : self.config.vocab_size]
-        loss = None
-        if targets is not None:
-            # Cross-entropy in fp32 even under autocast: log-softmax over 50k classes in bf16/fp16
-            # loses precision and can overflow.
-            loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)),
-                targets.reshape(-1).long(),
-                ignore_index=IGNORE_INDEX,
-                reduction=reduction,
-            )
+        V = self.config.vocab_size
+        if targets is not None and not parametrize.is_parametrized(self.lm_head):
+            return None, linear_cross_entropy(x, self.lm_head.weight, targets, V, reduction)
+        # Padded rows are not tokens: drop them so they are never sampled. (A parametrized head,
+        # e.g. LoRA on it, is called as a module, so its own fast forward runs.)
+        logits = self.lm_head(x)[..., :V]  # (B, T, vocab_size)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, V), targets.reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction=reduction
+        )
         return logits, loss
 
     def _check_inputs(  # types and shapes only: Python-side, no device sync
@@ -230,8 +229,11 @@ class GPT(nn.Module):
         targets: torch.Tensor | None,
         kv_cache: KVCache | None,
         position_ids: torch.Tensor | None,
+        reduction: str,
     ) -> None:
         cfg = self.config
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
         if idx.dtype not in _INDEX_DTYPES:
@@ -246,13 +248,13 @@ class GPT(nn.Module):
         B, T = idx.shape
         if B == 0 or T == 0:
             raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
-        past = kv_cache.length if kv_cache is not None else 0
-        if past + T > cfg.block_size:
-            what = f"{past} cached + {T} new positions" if past else f"sequence length {T}"
+        if cfg.block_size < T:
             raise ValueError(
-                f"{what} exceeds the model's context (block_size={cfg.block_size}); "
+                f"sequence length {T} exceeds the model's context (block_size={cfg.block_size}); "
                 f"crop the input to the last {cfg.block_size} tokens"
             )
+        if kv_cache is not None and kv_cache.max_len < T:
+            raise ValueError(f"{T} new positions exceed the KV cache's capacity ({kv_cache.max_len})")
         if position_ids is not None:
             if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
                 raise TypeError("position_ids must be an integer tensor (torch.long)")
@@ -319,3 +321,79 @@ class GPT(nn.Module):
             "padded_vocab_modules": ["transformer.wte", "lm_head"],
             "fan_in_fan_out": True,
         }
+
+
+# Rows of logits per chunk of the loss: (1024, 50304) fp32 logits are 200 MB, against 3.3 GB for a
+# whole (16, 1024) batch; larger chunks were no faster on CPU (docs/benchmarks.md, issue 16).
+LOSS_CHUNK_ROWS = 1024
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    reduction: str = "mean",
+    chunk_rows: int = LOSS_CHUNK_ROWS,
+) -> torch.Tensor:
+    """Cross-entropy of ``x @ weight.T`` over its first ``vocab_size`` columns, in fp32, without
+    the whole logits: ``x`` ``(..., C)``, ``weight`` ``(V_padded, C)``, ``targets`` ``(...)``.
+
+    The same value and gradients as ``F.cross_entropy(F.linear(x, weight)[..., :vocab_size]
+    .float(), targets, ignore_index=IGNORE_INDEX)`` (sum or mean over scored targets), under
+    autocast too: the matmuls run in the autocast dtype, the softmax in fp32.
+    """
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    grads = torch.is_grad_enabled() and (x.requires_grad, weight.requires_grad)
+    return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, reduction == "mean", chunk_rows, dtype, grads)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The gradients are computed in the forward, chunk by chunk, while each chunk's logits
+    exist (no recomputation); the backward only scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size, mean, chunk_rows, dtype, grads):
+        need_dx, need_dw = grads or (False, False)
+        # fp16 gradients are not scaled yet (the loss scaler multiplies the loss after this), so
+        # small ones would underflow: their matmuls run in fp32. bf16 has fp32's range.
+        grad_dtype = torch.float32 if dtype == torch.float16 else dtype
+        scored = targets != IGNORE_INDEX
+        safe_targets = targets.clamp(min=0)  # ignored rows read column 0, then weigh 0
+        count = scored.sum()
+        # gradients of a batch with no scored target are 0 (as F.cross_entropy's), its mean loss NaN
+        scale = 1.0 / count.clamp(min=1) if mean else None
+        w = weight.to(dtype)
+        w_grad = weight.to(grad_dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(x) if need_dx else None
+        dw = torch.zeros_like(weight, dtype=torch.float32) if need_dw else None
+        with torch.autocast(x.device.type, enabled=False):
+            for s in range(0, x.size(0), chunk_rows):
+                xc, t, keep = x[s : s + chunk_rows], safe_targets[s : s + chunk_rows], scored[s : s + chunk_rows]
+                logits = (xc.to(dtype) @ w.T).float()  # (n, V_padded)
+                logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
+                lse = logits.logsumexp(dim=-1)  # (n,)
+                loss += ((lse - logits.gather(1, t[:, None]).squeeze(1)) * keep).sum()
+                if not (need_dx or need_dw):
+                    continue
+                # d loss / d logits = softmax - one_hot(target), zero for ignored rows
+                g = logits.sub_(lse[:, None]).exp_()
+                g[torch.arange(g.size(0), device=g.device), t] -= 1.0
+                g *= keep[:, None] if scale is None else (keep * scale)[:, None]
+                g = g.to(grad_dtype)  # rounded as the plain loss's gradient would be
+                if need_dx:
+                    dx[s : s + chunk_rows] = g @ w_grad
+                if need_dw:
+                    dw += (g.T @ xc.to(grad_dtype)).float()
+        ctx.save_for_backward(dx, dw)
+        return loss / count if mean else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dx, dw = ctx.saved_tensors
+        dx = dx * grad_loss if dx is not None else None
+        dw = dw * grad_loss if dw is not None else None
+        return dx, dw, None, None, None, None, None, None
