@@ -159,10 +159,7 @@ def parse(
 
     from_file: dict[str, Any] = {}
     if known.config:
-        path = Path(known.config).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"config file {known.config!r} does not exist")
-        from_file = read_yaml(path, cmd.options, "config file")
+        from_file = read_yaml(Path(known.config).expanduser(), cmd.options, "config file")
     defaults = dict(defaults or {})
     recipe = known.recipe or from_file.pop("recipe", None) or defaults.pop("recipe", None) or cmd.recipe
     recipe_values = (

@@ -240,6 +240,8 @@ class ExportOptions:
     tokenizer_dir: str | None = None
     """GPT-2's encoder.json + vocab.bpe, copied into --out so AutoTokenizer loads it too
     (default: $GPT2_TOKENIZER_DIR)"""
+    overwrite: bool = False
+    """write into a non-empty --out / --peft-out that is not an earlier export (only the export's files are replaced)"""
 
 
 @dataclass
