@@ -16,10 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
-import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from torch.nn.parallel import DistributedDataParallel
 
@@ -134,88 +132,24 @@ def save_weights(
 
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(state_dict, metadata)`` from :func:`save_weights`, with aliases filled back in.
-
-    The file is checked first (:func:`check_safetensors`); any problem raises
-    :class:`CheckpointError` naming the file, never a bare ``SafetensorError``.
-    """
+    """``(state_dict, metadata)`` from :func:`save_weights`, with aliases filled back in. Any
+    problem (safetensors checks the header against the file's size: a truncated file, a garbage
+    header, appended bytes) raises :class:`CheckpointError` naming the file."""
     path = Path(path)
-    metadata = check_safetensors(path)
+    if not path.is_file():
+        raise _file_error(path, "is not a file" if path.exists() else "is missing")
     try:
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
         state = load_file(str(path), device="cpu")
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise _file_error(path, f"cannot be read ({_first_line(e)})") from None
+        raise _file_error(path, f"cannot be read ({_first_line(e)}): truncated, damaged or not safetensors") from None
     try:
         for alias, name in json.loads(metadata.get("aliases", "{}")).items():
             state[alias] = state[name]
     except (ValueError, TypeError, KeyError, AttributeError):
         raise _file_error(path, "its 'aliases' metadata is not a valid {alias: name} map of stored tensors") from None
     return state, metadata
-
-
-# Bytes per element of the safetensors dtypes.
-_DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2}
-_DTYPE_SIZES |= {"I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-
-
-def check_safetensors(path: str | os.PathLike) -> dict[str, str]:
-    """Check a safetensors file's structure without reading its tensors; return its metadata.
-
-    The layout is 8 bytes (little-endian u64 header length), a JSON header mapping each tensor
-    name to its dtype, shape and ``data_offsets`` into the data that follows, then the data: the
-    file's size must be exactly ``8 + header length + last offset`` (a truncated copy, or one
-    with bytes appended, fails). Raises :class:`CheckpointError` naming the file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise _file_error(path, "is not a file" if path.exists() else "is missing")
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            raw = f.read(header_len) if 0 < header_len <= min(size - 8, _MAX_HEADER) else b""
-    except OSError as e:
-        raise _file_error(path, f"cannot be read ({_first_line(e)})") from None
-    if size < 8:
-        raise _file_error(path, f"is {size} bytes, too short for a safetensors header (truncated?)")
-    if header_len > min(size - 8, _MAX_HEADER):
-        raise _file_error(
-            path,
-            f"has a garbage header (it claims {header_len:,} header bytes in a {size:,}-byte file): "
-            "not safetensors, or damaged",
-        )
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _file_error(path, f"has a garbage header ({_first_line(e)}): not safetensors, or damaged") from None
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _file_error(path, "has a malformed __metadata__ entry in its header")
-    end = 0
-    for name, info in header.items():
-        try:
-            dtype, shape, (begin, stop) = info["dtype"], info["shape"], info["data_offsets"]
-            numel = math.prod(int(d) for d in shape)
-            if dtype not in _DTYPE_SIZES or any(int(d) < 0 for d in shape) or not 0 <= begin <= stop:
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise _file_error(path, f"has a malformed header entry for tensor {name!r}") from None
-        if stop - begin != numel * _DTYPE_SIZES[dtype]:
-            raise _file_error(
-                path,
-                f"header gives tensor {name!r} ({dtype}, shape {list(shape)}) "
-                f"{stop - begin} bytes instead of {numel * _DTYPE_SIZES[dtype]}",
-            )
-        end = max(end, stop)
-    expected = 8 + header_len + end
-    if size != expected:
-        what = "truncated" if size < expected else "has extra bytes at the end"
-        raise _file_error(path, f"is {size:,} bytes but its header says {expected:,}: {what}")
-    return metadata
 
 
 def _file_error(path: Path, problem: str) -> CheckpointError:

@@ -1,31 +1,15 @@
 """Atomic checkpoints of the raw model, optimizer, loss scaler, RNG states and data position.
 
-One directory per checkpoint, ``<root>/step_000100/``, holding
-
-- ``model.safetensors``: the raw model's state dict (never a ``torch.compile`` or DDP wrapper's,
-  so no ``_orig_mod.`` / ``module.`` prefixes). safetensors refuses tensors that share memory,
-  so a tied tensor (GPT-2's token embedding = LM head) is stored once and the other names are
-  recorded as aliases in the file's metadata and re-tied on load.
-- ``trainer_state.pt``: optimizer and scaler state and the RNG states, only tensors and plain
-  Python containers, read back with ``torch.load(weights_only=True)`` (nothing is unpickled).
-- ``trainer_state.json``: the step, the configuration, data-loader positions, best validation
-  loss: whatever the caller passes as ``metadata``.
-- ``SHA256SUMS``: the sha256 of the three files, checked on load (``sha256sum -c`` reads it too).
-
-A checkpoint is written into a temporary directory beside the final one, every file fsynced,
-then renamed into place, so a crash mid-save leaves the previous checkpoints untouched and never
-a half-written ``step_*`` directory; only the newest ``keep_last`` are kept. A save that fails
-(disk full, I/O error) raises :class:`CheckpointSaveError`, leaves nothing behind and says where
-the previous checkpoint is.
-
-Loading verifies everything before the model is touched (see :mod:`gpt2.model.checkpoint_files`);
-given a run or ``checkpoints`` directory, :func:`load_checkpoint` falls back to the newest
-checkpoint that is intact and fits the model and optimizer, logging each one it skipped.
-
-``trainable_only=True`` stores just the parameters with ``requires_grad=True`` (e.g. LoRA
-adapters on a frozen base model) and, for LoRA, the base model's fingerprint
-(:func:`minlora.base_fingerprint`): loading it needs a model that already holds the same
-frozen weights.
+One directory per checkpoint, ``<root>/step_000100/`` (formats: :mod:`gpt2.model.checkpoint_files`):
+``model.safetensors`` (the raw model's state dict, never a compile / DDP wrapper's; a tied tensor
+stored once, its other names kept as aliases), ``trainer_state.pt`` (optimizer, scaler, RNG: only
+tensors and containers, read with ``weights_only=True``), ``trainer_state.json`` (step, config,
+data position, ...) and ``SHA256SUMS``. It is written into a temporary directory beside the final
+one, fsynced, then renamed into place: a crash mid-save leaves the previous checkpoints untouched
+and no half-written ``step_*``; a failed save raises :class:`CheckpointSaveError` saying where the
+previous checkpoint is. Loading verifies everything before the model is touched and, given a run
+directory, falls back to the newest checkpoint that is intact and fits. ``trainable_only=True``
+stores the trainable parameters only (LoRA), with the base model's fingerprint.
 """
 
 from __future__ import annotations
@@ -48,7 +32,7 @@ from safetensors import SafetensorError
 
 import minlora
 from gpt2.files import pid_alive, replace_atomically
-from gpt2.model.checkpoint_files import (
+from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
     DIGEST_FILE,
     FORMAT_VERSION,
     META_FILE,
@@ -75,25 +59,6 @@ from gpt2.model.checkpoint_files import (
     sha256_file,
     unwrap_model,
 )
-
-__all__ = [  # the checkpoint API, reading names included: import it from here
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "CheckpointSaveError",
-    "NonFiniteWeightsError",
-    "checkpoint_candidates",
-    "checkpoint_step",
-    "find_latest_checkpoint",
-    "is_complete",
-    "list_checkpoints",
-    "load_checkpoint",
-    "load_weights",
-    "non_finite_tensors",
-    "read_checkpoint",
-    "save_checkpoint",
-    "save_weights",
-    "unwrap_model",
-]
 
 logger = logging.getLogger(__name__)
 

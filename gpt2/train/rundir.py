@@ -1,28 +1,17 @@
-"""One run per ``out_dir``: the run-directory lock, the fresh-run check and leftover clean-up.
+"""One run per ``out_dir``: the lock, the check of what is already there, and the manifest.
 
-Two processes training into the same ``out_dir`` destroy each other's work (each prunes the
-other's checkpoints and deletes its save in progress), and a fresh run into a directory that
-holds another run's checkpoints mixes with them: the old run's later steps would win
-``resume='auto'``, sampling and export. So the Trainer, before it reads or writes anything there:
+Two processes training into one ``out_dir`` destroy each other's work, and a fresh run among
+another run's checkpoints mixes with them. So before the Trainer reads or writes there,
+:func:`start_run` (rank 0 works, every rank learns the outcome, so all fail together):
 
-1. takes ``<out_dir>/run.lock``: a file holding the owner's pid, host and start time, locked with
-   ``fcntl.flock`` for the run's lifetime where the filesystem supports it. The kernel drops a
-   flock when its process dies, so a crash never leaves a stuck lock on the same host; the record
-   left behind is then recognised as stale and taken over (with a log line). A record from
-   another host cannot be checked from here: it is refused, and the message says how to remove
-   it. :meth:`RunLock.release` (``Trainer.close()``) removes the file.
-2. removes what an interrupted save left in ``checkpoints/`` (see
-   :func:`gpt2.checkpoint.clean_interrupted_saves`): safe, since no other process saves there.
-3. refuses a fresh run (``resume=None``) into a directory holding another run, naming the three
-   ways out: continue it (``resume='auto'``), a new ``out_dir``, or ``overwrite=True``, which
-   deletes that run's files (only the files a run writes, never anything else in ``out_dir``).
-
-Under DDP only rank 0 does this, and every rank learns the outcome, so all of them fail together
-instead of the others hanging at their next collective.
-
-The Trainer's glue to its ``out_dir`` lives here too: :func:`start_run` (the above, then resuming),
-:func:`save_trainer_checkpoint` and what its checkpoints record (:func:`trainer_metadata`,
-:func:`restore_trainer_state`).
+1. takes ``<out_dir>/run.lock`` (pid, host, start time), ``fcntl.flock``-ed for the run's life:
+   the kernel drops it when the process dies, so a crash leaves no stuck lock on this host (the
+   stale record is taken over); another host's record is refused with how to remove it;
+2. removes what an interrupted save left in ``checkpoints/``;
+3. refuses files gpt2 did not write where the run would write (always), other files of the user
+   (unless ``overwrite``, which keeps them), and another run (unless ``resume`` or ``overwrite``);
+   gpt2 lists what it writes in ``out_dir/.gpt2-outputs.json`` to tell its files from the user's;
+4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing.
 """
 
 from __future__ import annotations
