@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from gpt2.cli.options import ModelShape, SamplingOptions
+from gpt2.files import replace_atomically
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.generate import stream_text
 
@@ -180,5 +181,6 @@ def final_report(
 def write_results(out_dir: Path, results: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
-    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(results, indent=2) + "\n"
+    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # never a half-written results.json
     print(f"wrote {path}")

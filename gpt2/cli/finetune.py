@@ -25,6 +25,7 @@ from gpt2.cli.common import (
 from gpt2.cli.options import FinetuneOptions
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import shakespeare_or_path, training_data
+from gpt2.files import replace_atomically
 from gpt2.model.loading import load_model
 from gpt2.train.distributed import env_from_environ
 from gpt2.train.rundir import check_out_dir
@@ -171,4 +172,5 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any], out: 
             f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
         )
     if trainer.out_dir is not None:
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(results, indent=2) + "\n"
+        replace_atomically(out / "results.json", lambda f: f.write(text.encode("utf-8")))

@@ -85,9 +85,7 @@ class CheckpointSaveError(OSError):
     """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
 
 
-# ------------------------------------------------------------------------------------------
-# The weights file (safetensors) and its checks
-# ------------------------------------------------------------------------------------------
+# --- the weights file (safetensors) and its checks
 
 
 def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
@@ -99,8 +97,11 @@ def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
     """Raise :class:`NonFiniteWeightsError` naming the tensors of ``state`` that hold inf/nan."""
     bad = non_finite_tensors(state)
     if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteWeightsError(f"{where}: non-finite values (inf/nan) in {shown}", [(where, shown)])
+        raise NonFiniteWeightsError(f"{where}: non-finite values (inf/nan) in {_some(bad)}", [(where, _some(bad))])
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def save_weights(
@@ -169,9 +170,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-# ------------------------------------------------------------------------------------------
-# Finding checkpoints
-# ------------------------------------------------------------------------------------------
+# --- finding checkpoints
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
@@ -204,9 +203,7 @@ def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-# ------------------------------------------------------------------------------------------
-# Reading and verifying a checkpoint directory
-# ------------------------------------------------------------------------------------------
+# --- reading and verifying a checkpoint directory
 
 
 @dataclass
@@ -227,15 +224,11 @@ class CheckpointData:
 def read_checkpoint(
     path: str | os.PathLike, *, trainer_state: bool = True, map_location: str | torch.device = "cpu"
 ) -> CheckpointData:
-    """Read one checkpoint directory and verify everything in it, touching no model.
-
-    Checks: all files present; ``trainer_state.json`` valid JSON with a step that matches the
-    directory's name; ``model.safetensors`` structurally sound (:func:`check_safetensors`) and
-    every weight finite; ``trainer_state.pt`` (if ``trainer_state``) a readable torch archive of
-    tensors and plain containers; each file read matching its sha256 in ``SHA256SUMS`` (a flipped
-    byte inside a tensor passes every other check). Raises :class:`CheckpointError` (or
-    :class:`NonFiniteWeightsError`) listing every problem found, each with its file.
-    """
+    """Read one checkpoint directory and verify it, touching no model: every file present and
+    readable, the JSON's step matching the directory, every weight finite, ``trainer_state.pt``
+    (if ``trainer_state``) only tensors and containers, each file read matching its sha256 (a
+    flipped byte inside a tensor passes every other check). Raises :class:`CheckpointError` (or
+    :class:`NonFiniteWeightsError`) listing every problem, each with its file."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
@@ -249,8 +242,7 @@ def read_checkpoint(
         problems += e.problems
     non_finite = non_finite_tensors(weights)
     if non_finite:
-        shown = ", ".join(non_finite[:5]) + (f" and {len(non_finite) - 5} more" if len(non_finite) > 5 else "")
-        problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {shown}"))
+        problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
     state = _read_trainer_state(path / STATE_FILE, map_location, problems) if trainer_state else None
     read = [META_FILE, WEIGHTS_FILE] + ([STATE_FILE] if trainer_state else [])
     _check_digests(path, meta, read, problems)
@@ -413,11 +405,7 @@ def check_fits(model: nn.Module, data: CheckpointData) -> None:
         for name, t in data.weights.items()
         if name in own and t.shape != own[name].shape
     ]
-    parts = [
-        f"{what} {names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        for what, names in (("missing", missing), ("unexpected", unexpected))
-        if names
-    ]
+    parts = [f"{what} [{_some(names)}]" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
     parts += [f"shape mismatch in {shapes[:3]}"] if shapes else []
     if parts:
         raise ValueError(

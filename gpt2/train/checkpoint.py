@@ -63,9 +63,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
 logger = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------------
-# The raw model's state dict
-# ------------------------------------------------------------------------------------------
+# --- the raw model's state dict
 
 
 def model_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -78,9 +76,7 @@ def model_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str
     return {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
-# ------------------------------------------------------------------------------------------
-# RNG states (weights_only-safe: tensors, ints, floats and lists)
-# ------------------------------------------------------------------------------------------
+# --- rNG states (weights_only-safe: tensors, ints, floats and lists)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -123,9 +119,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             )
 
 
-# ------------------------------------------------------------------------------------------
-# Save
-# ------------------------------------------------------------------------------------------
+# --- save
 
 
 def save_checkpoint(
@@ -305,9 +299,7 @@ def _writer_is_dead(name: str) -> bool:
     return not pid_alive(int(pid))
 
 
-# ------------------------------------------------------------------------------------------
-# Load
-# ------------------------------------------------------------------------------------------
+# --- load
 
 
 def load_checkpoint(
@@ -336,8 +328,7 @@ def load_checkpoint(
     def check(data: CheckpointData) -> None:
         _check_base(model, data, allow_base_mismatch)
         if need_state:
-            _check_optimizer(model, optimizer, data)
-            _check_scaler(scaler, data)
+            _check_state(model, optimizer, scaler, data)
 
     data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check)
     load_state_into(model, data)
@@ -371,51 +362,37 @@ def _check_base(model: nn.Module, data: CheckpointData, allow: bool) -> None:
         logger.warning("%s; accepted (allow_base_mismatch)", message.split(": resume")[0])
 
 
-_FRESH_OPTIMIZER = "To start from the weights alone with a fresh optimizer, pass resume_weights_only=True "
-_FRESH_OPTIMIZER += "(--resume-weights-only)"
+def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: CheckpointData) -> None:
+    """Raise :class:`CheckpointMismatchError` unless the saved optimizer state fits ``optimizer`` (as
+    many groups and parameters, every state tensor of its parameter's shape) and the scaler's is one."""
+    saved, saved_scaler = data.trainer_state["optimizer"], data.trainer_state["scaler"]  # type: ignore[index]
 
-
-def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None, data: CheckpointData) -> None:
-    """Raise :class:`CheckpointMismatchError` unless the saved optimizer state fits ``optimizer``:
-    as many parameter groups and parameters, every state tensor of its parameter's shape."""
-    if optimizer is None:
-        return
-    saved = data.trainer_state["optimizer"]  # type: ignore[index]
-    file = str(data.path / STATE_FILE)
-
-    def mismatch(what: str) -> CheckpointMismatchError:
+    def mismatch(what: str, why: str) -> CheckpointMismatchError:
         return CheckpointMismatchError(
-            f"checkpoint {data.path}: the optimizer state in {STATE_FILE} does not fit this run's optimizer "
-            f"({what}). {_FRESH_OPTIMIZER}",
-            [(file, f"optimizer state does not fit ({what})")],
+            f"checkpoint {data.path}: the {what} state in {STATE_FILE} does not fit this run ({why}). To start from "
+            "the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
+            [(str(data.path / STATE_FILE), f"{what} state does not fit ({why})")],
         )
 
+    if scaler is not None and scaler.is_enabled() and saved_scaler is not None:
+        scale = saved_scaler.get("scale") if isinstance(saved_scaler, dict) else None
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise mismatch("loss-scaler", f"scale {scale!r}")
+    if optimizer is None:
+        return
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
-        raise mismatch("it has none" if saved is None else "not an optimizer state")
+        raise mismatch("optimizer", "there is none" if saved is None else "not an optimizer's")
     groups = [len(g["params"]) for g in optimizer.param_groups]
     saved_groups = [len(g.get("params", ())) for g in saved["param_groups"]]
     if groups != saved_groups:
-        raise mismatch(f"parameters per group {saved_groups}, the optimizer has {groups}")
+        raise mismatch("optimizer", f"parameters per group {saved_groups}, the optimizer has {groups}")
     names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in saved["param_groups"] for i in g["params"]]
-    for p, i in zip(params, ids):
+    for p, i in zip([p for g in optimizer.param_groups for p in g["params"]], ids):
         for key, value in saved.get("state", {}).get(i, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
-                raise mismatch(f"{key} of {names.get(id(p), i)} is {list(value.shape)}, the parameter {list(p.shape)}")
-
-
-def _check_scaler(scaler: torch.amp.GradScaler | None, data: CheckpointData) -> None:
-    saved = data.trainer_state["scaler"]  # type: ignore[index]
-    if scaler is None or not scaler.is_enabled() or saved is None:
-        return
-    scale = saved.get("scale") if isinstance(saved, dict) else None
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0 or "_growth_tracker" not in saved:
-        raise CheckpointMismatchError(
-            f"checkpoint {data.path}: the loss-scaler state in {STATE_FILE} is not a GradScaler's (scale "
-            f"{scale!r}). {_FRESH_OPTIMIZER}",
-            [(str(data.path / STATE_FILE), "loss-scaler state does not fit")],
-        )
+                why = f"{key} of {names.get(id(p), i)} is {list(value.shape)}, the parameter {list(p.shape)}"
+                raise mismatch("optimizer", why)
 
 
 def seed_everything(seed: int) -> None:

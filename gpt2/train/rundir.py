@@ -56,7 +56,7 @@ class RunDirLockedError(RunDirError):
 
 
 class RunDirNotEmptyError(RunDirError):
-    """A fresh run was pointed at an ``out_dir`` that holds another run."""
+    """A fresh run was pointed at an ``out_dir`` that holds another run, or files gpt2 did not write."""
 
 
 # Locks held by this process, by (pid, the lock file's real path): a second Trainer on the same
@@ -246,9 +246,7 @@ def _busy_message(out_dir: Path, path: Path, record: dict[str, Any]) -> str:
     )
 
 
-# ------------------------------------------------------------------------------------------
-# The run's files
-# ------------------------------------------------------------------------------------------
+# --- the run's files
 
 
 def check_out_dir(out_dir: str | os.PathLike) -> None:
@@ -356,9 +354,7 @@ def _inside(path: Path, directory: Path) -> bool:
         return False
 
 
-# ------------------------------------------------------------------------------------------
-# Everything the Trainer does before its first step
-# ------------------------------------------------------------------------------------------
+# --- everything the Trainer does before its first step
 
 
 def start_run(
@@ -448,18 +444,8 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     return result
 
 
-_ERRORS: dict[str, type[Exception]] = {
+_ERRORS: dict[str, type[Exception]] = {  # what another rank's error is re-raised as, by name
     cls.__name__: cls
-    for cls in (
-        RunDirLockedError,
-        RunDirNotEmptyError,
-        ckpt.CheckpointError,
-        ckpt.CheckpointMismatchError,
-        RunDirError,
-        ckpt.NonFiniteWeightsError,
-        ValueError,
-        FileNotFoundError,
-        KeyError,
-        PermissionError,
-    )
+    for cls in (RunDirError, RunDirLockedError, RunDirNotEmptyError, ValueError, FileNotFoundError, KeyError)
+    + (PermissionError, ckpt.CheckpointError, ckpt.CheckpointMismatchError, ckpt.NonFiniteWeightsError)
 }
