@@ -93,24 +93,22 @@ def test_crash_during_save_keeps_the_previous_checkpoint(model, tiny_config, tmp
     def crash(*args, **kwargs):  # the weights file is already written when this runs
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_write_trainer_state", crash)
+    monkeypatch.setattr(ckpt, "replace_atomically", crash)
     with pytest.raises(OSError, match="disk full"):
         ckpt.save_checkpoint(tmp_path, 20, model, opt)
     monkeypatch.undo()
 
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000010"]  # no debris
-    assert (tmp_path / "latest").read_text().strip() == "step_000010"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]  # no debris
     assert ckpt.find_latest_checkpoint(tmp_path) == good
     fresh = GPT(tiny_config)
     ckpt.load_checkpoint(tmp_path, fresh, torch.optim.AdamW(fresh.parameters()))
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in good_weights.items())
 
 
-def test_keep_last_latest_pointer_and_incomplete_directories(model, tmp_path):
+def test_keep_last_and_incomplete_directories(model, tmp_path):
     for step in (1, 2, 3, 4):
         ckpt.save_checkpoint(tmp_path, step, model, keep_last=2)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
-    assert (tmp_path / "latest").read_text().strip() == "step_000004"
     # A directory that is not a complete checkpoint (e.g. copied by hand, half of it) is ignored.
     (tmp_path / "step_000009").mkdir()
     (tmp_path / "step_000009" / ckpt.WEIGHTS_FILE).write_bytes(b"")
@@ -118,7 +116,7 @@ def test_keep_last_latest_pointer_and_incomplete_directories(model, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="trainer_state.json is missing"):
         ckpt.load_checkpoint(tmp_path / "step_000009", model)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        ckpt.resolve_checkpoint(tmp_path / "missing")
+        ckpt.load_checkpoint(tmp_path / "missing", model)
     # Saving a step again replaces it (swapped out, then renamed into place).
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -208,15 +209,16 @@ def test_crash_during_save_pretrained_keeps_the_previous_export(tmp_path, monkey
     _randomise(first, seed=1)
     _randomise(second, seed=2)
     save_pretrained(first, tmp_path)
-    import safetensors.torch
+    import gpt2.files
 
-    real_save_file = safetensors.torch.save_file
+    real_fsync = gpt2.files.os.fsync
 
-    def crash_midway(tensors, filename, metadata=None):
-        real_save_file(dict(list(tensors.items())[:2]), filename, metadata=metadata)  # a partial file
-        raise OSError("disk full")
+    def crash_midway(fd):  # the temporary weights file is written, the disk fills up before the rename
+        if os.fstat(fd).st_size > 1000:
+            raise OSError("disk full")
+        return real_fsync(fd)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash_midway)
+    monkeypatch.setattr(gpt2.files.os, "fsync", crash_midway)
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(second, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no temp left

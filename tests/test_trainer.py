@@ -282,20 +282,18 @@ def test_trainer_never_saves_non_finite_weights(tiny_config, tmp_path):
 def test_crash_during_save_keeps_last_checkpoint_resumable(tiny_config, tmp_path, monkeypatch):
     cfg = _config(out_dir=str(tmp_path), max_steps=4, checkpoint_interval=2)
     trainer = Trainer(_model(tiny_config), cfg, _tokens(), sinks=[])
-    real_write = ckpt._write_trainer_state
-    calls = {"n": 0}
+    real_write = ckpt.replace_atomically
 
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the second checkpoint dies half-way (weights already written)
+    def flaky(dest, write):
+        if dest.name == ckpt.STATE_FILE and ".tmp-step_000004" in str(dest):  # weights already written
             raise OSError("disk full")
-        return real_write(*args, **kwargs)
+        return real_write(dest, write)
 
-    monkeypatch.setattr(ckpt, "_write_trainer_state", flaky)
+    monkeypatch.setattr(ckpt, "replace_atomically", flaky)
     with pytest.raises(OSError, match="disk full"):
         trainer.fit()
     monkeypatch.undo()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
     resumed = Trainer(
         _model(tiny_config), _config(out_dir=str(tmp_path), max_steps=4, resume="auto"), _tokens(), sinks=[]
     )

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
+from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
@@ -21,6 +22,30 @@ Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 
 class UsageError(Exception):
     """Bad options, values or files: the command line reports it in one line, exit code 2."""
+
+
+# What an export writes (gpt2.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
+# only these is an earlier export, which a new one may replace.
+MODEL_EXPORT_FILES = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json", "merges.txt"}
+MODEL_EXPORT_FILES |= {"tokenizer_config.json", "generation_config.json"}
+PEFT_EXPORT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+
+
+def check_export_dir(path: str | None, flag: str, own: set[str], overwrite: bool) -> None:
+    """Refuse to export into a file, or into a folder holding anything but an earlier export, unless
+    ``overwrite`` (which still replaces only the export's own files)."""
+    if path is None:
+        return
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} {path} is a file: give a folder (new, or an earlier export)")
+    other = sorted(p.name for p in folder.iterdir() if p.name not in own) if folder.is_dir() else []
+    if other and not overwrite:
+        raise UsageError(
+            f"{flag} {path} is not empty and not an earlier export (it holds {', '.join(other[:5])}"
+            f"{' ...' if len(other) > 5 else ''}): give a new or empty folder, or pass --overwrite to write the "
+            "export's files into it (nothing else there is touched)"
+        )
 
 
 @dataclass
@@ -196,5 +221,6 @@ def write_results(out_dir: Path, results: dict[str, Any]) -> None:
 def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(data, indent=2) + "\n"
+    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # never a half-written file
     print(f"wrote {path}")

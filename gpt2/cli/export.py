@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 import minlora
-from gpt2.cli.common import UsageError
+from gpt2.cli.common import MODEL_EXPORT_FILES, PEFT_EXPORT_FILES, UsageError, check_export_dir
 from gpt2.cli.layers import Options
 from gpt2.model.loading import apply_adapter, load_model
 
@@ -26,6 +26,8 @@ class ExportOptions(Options):
     tokenizer_dir: str | None = None
     """GPT-2's encoder.json + vocab.bpe, copied into --out so AutoTokenizer loads it too; None =
     $GPT2_TOKENIZER_DIR"""
+    overwrite: bool = False
+    """write into a non-empty --out / --peft-out that is not an earlier export (only the export's files are replaced)"""
 
 
 def export(options: ExportOptions) -> int:
@@ -33,6 +35,8 @@ def export(options: ExportOptions) -> int:
         raise UsageError("nothing to export: give --out DIR (transformers model) and/or --peft-out DIR (PEFT adapter)")
     if options.peft_out is not None and not options.adapter:
         raise UsageError("--peft-out needs --adapter: only a LoRA adapter can be exported in PEFT format")
+    check_export_dir(options.out, "--out", MODEL_EXPORT_FILES, options.overwrite)
+    check_export_dir(options.peft_out, "--peft-out", PEFT_EXPORT_FILES, options.overwrite)
     model = load_model(options.model, device="cpu")
     if options.adapter:
         apply_adapter(model, options.adapter)

@@ -13,12 +13,15 @@ import tyro
 
 import minlora
 from gpt2.cli.common import (
+    MODEL_EXPORT_FILES,
+    PEFT_EXPORT_FILES,
     DataOptions,
     Flat,
     InstructionOptions,
     LaunchOptions,
     SamplingOptions,
     UsageError,
+    check_export_dir,
     check_sampling,
     final_report,
     instruction_prompt,
@@ -28,9 +31,11 @@ from gpt2.cli.common import (
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import shakespeare_or_path, training_data
+from gpt2.files import replace_atomically
 from gpt2.model.loading import load_model
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
+from gpt2.train.rundir import check_out_dir
 from gpt2.train.trainer import Trainer, seed_everything
 from minlora import LoRAConfig
 
@@ -65,6 +70,8 @@ class FinetuneOptions(Options):
 
 def check(options: FinetuneOptions) -> None:
     """What can be checked before the model is loaded or any process started."""
+    if options.train.out_dir is not None:
+        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
     check_sampling(options.sampling, allow_none=True)
     instruction_prompt(options.instruct.instruction, options.instruct.input)
     if options.lora.include_lm_head and options.merge_export and not options.full:
@@ -77,6 +84,8 @@ def check(options: FinetuneOptions) -> None:
         )
     if options.full and options.peft_export:
         raise UsageError("--peft-export writes a LoRA adapter; --full trains all weights and has none (drop one)")
+    check_export_dir(options.merge_export, "--merge-export", MODEL_EXPORT_FILES, options.train.overwrite)
+    check_export_dir(options.peft_export, "--peft-export", PEFT_EXPORT_FILES, options.train.overwrite)
     for data in (options.data.data, options.data.val_data):
         if data is not None:
             shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
@@ -183,9 +192,10 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any], out: 
         if trainer.out_dir is not None:
             print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
     else:
-        adapter = minlora.save_adapter(trainer.model, out / "adapter")
-        results["adapter"] = str(adapter)
-        print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+        if trainer.out_dir is not None:  # out_dir=None writes nothing there (never ./adapter)
+            adapter = minlora.save_adapter(trainer.model, out / "adapter")
+            results["adapter"] = str(adapter)
+            print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
         if options.peft_export:
             minlora.export_peft_adapter(trainer.model, options.peft_export)
             print(f"wrote PEFT adapter {options.peft_export}")
@@ -198,4 +208,5 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any], out: 
             f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
         )
     if trainer.out_dir is not None:
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(results, indent=2) + "\n"
+        replace_atomically(out / "results.json", lambda f: f.write(text.encode("utf-8")))

@@ -99,8 +99,14 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
     """The flat option values of a recipe / config file, each converted to its field's type."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a folder, not a YAML file") from None
     except OSError as e:
-        raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e})") from e
+        raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not a text file (binary data?); give a YAML file") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from e
     if data is None:

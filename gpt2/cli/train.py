@@ -15,7 +15,7 @@ from gpt2.eval.hellaswag import HellaSwagCallback, resolve_hellaswag
 from gpt2.model.config import SHAPE_NAMES, SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
-from gpt2.train.rundir import LOCK_FILE
+from gpt2.train.rundir import LOCK_FILE, check_out_dir
 from gpt2.train.trainer import Trainer, seed_everything
 
 
@@ -76,6 +76,8 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
 
 def check(options: TrainOptions) -> None:
     """What can be checked before any data is read or any process started."""
+    if options.train.out_dir is not None:
+        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
     check_sampling(options.sampling, allow_none=True)
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")

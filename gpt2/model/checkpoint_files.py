@@ -1,45 +1,47 @@
 """A checkpoint's files: their names and formats, reading and verifying them, finding intact ones.
 
 A checkpoint is a directory ``step_000100/`` holding ``model.safetensors`` (the weights),
-``trainer_state.pt`` (optimizer, scaler and RNG states) and ``trainer_state.json`` (the step and
-metadata); :mod:`gpt2.checkpoint` writes them. This module reads them back and checks them before
-any model is touched: the safetensors header against the file's size, every weight finite, the
-JSON state and the optimizer-state archive. A damaged file raises :class:`CheckpointError` naming
-the file and what is wrong with it; :func:`open_checkpoint`, given a run or ``checkpoints``
-directory, falls back to the newest intact checkpoint and logs each one it skipped.
-
-Everything here is re-exported by :mod:`gpt2.checkpoint`, the module to import from.
+``trainer_state.pt`` (optimizer, scaler and RNG states), ``trainer_state.json`` (the step and
+metadata) and ``SHA256SUMS`` (the sha256 of each of the three, in ``sha256sum -c`` format);
+:mod:`gpt2.train.checkpoint` writes them. This module reads them back and checks them before any
+model is touched: the digests, the safetensors header against the file's size, every weight
+finite, the JSON state and the optimizer-state archive. A damaged file raises
+:class:`CheckpointError` naming the file and what is wrong with it; :func:`open_checkpoint`, given
+a run or ``checkpoints`` directory, falls back to the newest intact checkpoint and logs each one
+it skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import math
 import os
 import re
-import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save
 from torch.nn.parallel import DistributedDataParallel
 
-# The messages of checkpoint loading keep the logger they had before this module was split off.
+from gpt2.files import replace_atomically
+
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
 META_FILE = "trainer_state.json"
-LATEST_FILE = "latest"
+DIGEST_FILE = "SHA256SUMS"
 CHECKPOINT_FILES = (WEIGHTS_FILE, STATE_FILE, META_FILE)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-FORMAT_VERSION = 1
+# 1: the three files; 2: SHA256SUMS too (a version-2 checkpoint without it is damaged).
+FORMAT_VERSION = 2
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:
@@ -50,8 +52,7 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     """
     # Only look the compile wrapper's class up if torch.compile has been used in this process:
     # importing torch._dynamo just to check costs seconds.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    compiled_type = getattr(eval_frame, "OptimizedModule", None)
+    compiled_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     while True:
         if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
             module = module.module
@@ -73,16 +74,18 @@ class CheckpointError(ValueError):
 
 
 class NonFiniteWeightsError(CheckpointError):
-    """A checkpoint was refused (on save or load) because the weights hold inf/nan values."""
+    """Weights holding inf/nan values were refused (saving or loading a checkpoint or model)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's optimizer or loss-scaler state does not fit the model and optimizer it is loaded into."""
 
 
 class CheckpointSaveError(OSError):
     """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
 
 
-# ------------------------------------------------------------------------------------------
-# The weights file (safetensors) and its checks
-# ------------------------------------------------------------------------------------------
+# --- the weights file (safetensors) and its checks
 
 
 def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
@@ -90,135 +93,64 @@ def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
+def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming the tensors of ``state`` that hold inf/nan."""
+    bad = non_finite_tensors(state)
+    if bad:
+        raise NonFiniteWeightsError(f"{where}: non-finite values (inf/nan) in {_some(bad)}", [(where, _some(bad))])
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
 def save_weights(
     state: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
 ) -> None:
-    """Write a state dict as safetensors, storing tensors that share memory once.
-
-    Exact aliases (same storage, offset, shape and strides: a tied weight) become metadata
-    entries ``{alias: kept name}``; other partial overlaps are copied so the file is valid.
-    """
+    """Write a state dict as safetensors (atomically, with the user's umask), storing tensors that
+    share memory once: exact aliases (a tied weight) become metadata entries ``{alias: kept name}``;
+    other partial overlaps are copied so the file is valid."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     storages: set[int] = set()
     for name, tensor in state.items():
         t = tensor.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        ptr = t.untyped_storage().data_ptr()
+        key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
         if t.numel() and key in seen:
             aliases[name] = seen[key]
             continue
-        ptr = t.untyped_storage().data_ptr()
         if t.numel() and ptr in storages:
             t = t.clone()  # shares memory with another tensor but is not the same view
         elif t.numel():
             storages.add(ptr)
             seen[key] = name
         tensors[name] = t.contiguous().cpu()
-    meta = {"format": "pt", "aliases": json.dumps(aliases, sort_keys=True)}
-    meta.update(metadata or {})
-    save_file(tensors, str(path), metadata=meta)
+    meta = {"format": "pt", "aliases": json.dumps(aliases, sort_keys=True), **(metadata or {})}
+    data = save(tensors, metadata=meta)  # bytes: safetensors' own save_file makes its files 0600
+    replace_atomically(path, lambda f: f.write(data))
 
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(state_dict, metadata)`` from :func:`save_weights`, with aliases filled back in.
-
-    The file is checked first (:func:`check_safetensors`); any problem raises
-    :class:`CheckpointError` naming the file, never a bare ``SafetensorError``.
-    """
-    path = Path(path)
-    metadata = check_safetensors(path)
-    try:
-        state = load_file(str(path), device="cpu")
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise _file_error(path, f"cannot be read ({_first_line(e)})") from None
-    try:
-        aliases = json.loads(metadata.get("aliases", "{}"))
-        for alias, name in aliases.items():
-            state[alias] = state[name]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise _file_error(path, "its 'aliases' metadata is not a valid {alias: name} map of stored tensors") from None
-    return state, metadata
-
-
-# Bytes per element of the safetensors dtypes.
-_DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-
-
-def check_safetensors(path: str | os.PathLike) -> dict[str, str]:
-    """Check a safetensors file's structure without reading its tensors; return its metadata.
-
-    The layout is 8 bytes (little-endian u64 header length), a JSON header mapping each tensor
-    name to its dtype, shape and ``data_offsets`` into the data that follows, then the data: the
-    file's size must be exactly ``8 + header length + last offset`` (a truncated copy, or one
-    with bytes appended, fails). Raises :class:`CheckpointError` naming the file.
-    """
+    """``(state_dict, metadata)`` from :func:`save_weights`, with aliases filled back in. Any
+    problem (safetensors checks the header against the file's size: a truncated file, a garbage
+    header, appended bytes) raises :class:`CheckpointError` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise _file_error(path, "is not a file" if path.exists() else "is missing")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            raw = f.read(header_len) if 0 < header_len <= min(size - 8, _MAX_HEADER) else b""
-    except OSError as e:
-        raise _file_error(path, f"cannot be read ({_first_line(e)})") from None
-    if size < 8:
-        raise _file_error(path, f"is {size} bytes, too short for a safetensors header (truncated?)")
-    if header_len > min(size - 8, _MAX_HEADER):
-        raise _file_error(
-            path,
-            f"has a garbage header (it claims {header_len:,} header bytes in a "
-            f"{size:,}-byte file): not safetensors, or damaged",
-        )
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+        state = load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise _file_error(path, f"cannot be read ({_first_line(e)}): truncated, damaged or not safetensors") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _file_error(path, f"has a garbage header ({_first_line(e)}): not safetensors, or damaged") from None
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _file_error(path, "has a malformed __metadata__ entry in its header")
-    end = 0
-    for name, info in header.items():
-        try:
-            dtype, shape, (begin, stop) = info["dtype"], info["shape"], info["data_offsets"]
-            numel = math.prod(int(d) for d in shape)
-            if dtype not in _DTYPE_SIZES or any(int(d) < 0 for d in shape) or not 0 <= begin <= stop:
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise _file_error(path, f"has a malformed header entry for tensor {name!r}") from None
-        if stop - begin != numel * _DTYPE_SIZES[dtype]:
-            raise _file_error(
-                path,
-                f"header gives tensor {name!r} ({dtype}, shape {list(shape)}) "
-                f"{stop - begin} bytes instead of {numel * _DTYPE_SIZES[dtype]}",
-            )
-        end = max(end, stop)
-    expected = 8 + header_len + end
-    if size != expected:
-        what = "truncated" if size < expected else "has extra bytes at the end"
-        raise _file_error(path, f"is {size:,} bytes but its header says {expected:,}: {what}")
-    return metadata
+        for alias, name in json.loads(metadata.get("aliases", "{}")).items():
+            state[alias] = state[name]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise _file_error(path, "its 'aliases' metadata is not a valid {alias: name} map of stored tensors") from None
+    return state, metadata
 
 
 def _file_error(path: Path, problem: str) -> CheckpointError:
@@ -230,9 +162,15 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-# ------------------------------------------------------------------------------------------
-# Finding checkpoints
-# ------------------------------------------------------------------------------------------
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- finding checkpoints
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
@@ -246,56 +184,26 @@ def is_complete(path: str | os.PathLike) -> bool:
     return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest step first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and is_complete(p)]
-    return sorted(found, key=lambda p: checkpoint_step(p))  # type: ignore[arg-type, return-value]
-
-
 def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
     """Every ``step_*`` directory under ``root``, complete or not, newest step first."""
     root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
-    return sorted(found, key=lambda p: checkpoint_step(p), reverse=True)  # type: ignore[arg-type, return-value]
+    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=checkpoint_step, reverse=True)  # type: ignore[arg-type]
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest step first."""
+    return [p for p in reversed(checkpoint_candidates(root)) if is_complete(p)]
 
 
 def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (a ``checkpoints`` directory), or None.
-
-    The directory listing is the source of truth (every ``step_*`` directory there was renamed
-    into place complete); ``latest`` is a convenience pointer for people and tools.
-    """
+    """The newest complete checkpoint under ``root`` (a ``checkpoints`` directory), or None: every
+    ``step_*`` directory there was renamed into place complete."""
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory from ``path``: the checkpoint itself, a ``checkpoints`` directory,
-    or a run directory holding ``checkpoints/`` (then the newest complete one)."""
-    path = Path(path)
-    if is_complete(path):
-        return path
-    for root in (path, path / "checkpoints"):
-        latest = find_latest_checkpoint(root)
-        if latest is not None:
-            return latest
-    if path.is_dir() and checkpoint_step(path) is not None:
-        missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
-        raise FileNotFoundError(f"checkpoint {str(path)!r} is incomplete: missing {missing}")
-    raise FileNotFoundError(
-        f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
-        "or a run directory / checkpoints directory that contains one"
-    )
-
-
-# ------------------------------------------------------------------------------------------
-# Reading and verifying a checkpoint directory
-# ------------------------------------------------------------------------------------------
+# --- reading and verifying a checkpoint directory
 
 
 @dataclass
@@ -314,23 +222,17 @@ class CheckpointData:
 
 
 def read_checkpoint(
-    path: str | os.PathLike,
-    *,
-    trainer_state: bool = True,
-    map_location: str | torch.device = "cpu",
+    path: str | os.PathLike, *, trainer_state: bool = True, map_location: str | torch.device = "cpu"
 ) -> CheckpointData:
-    """Read one checkpoint directory and verify everything in it, touching no model.
-
-    Checks: all files present; ``trainer_state.json`` valid JSON with a step that matches the
-    directory's name; ``model.safetensors`` structurally sound (:func:`check_safetensors`) and
-    every weight finite; ``trainer_state.pt`` (if ``trainer_state``) a readable torch archive of
-    tensors and plain containers. Raises :class:`CheckpointError` (or
-    :class:`NonFiniteWeightsError`) listing every problem found, each with its file.
-    """
+    """Read one checkpoint directory and verify it, touching no model: every file present and
+    readable, the JSON's step matching the directory, every weight finite, ``trainer_state.pt``
+    (if ``trainer_state``) only tensors and containers, each file read matching its sha256 (a
+    flipped byte inside a tensor passes every other check). Raises :class:`CheckpointError` (or
+    :class:`NonFiniteWeightsError`) listing every problem, each with its file."""
     path = Path(path)
-    problems: list[tuple[str, str]] = []
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
+    problems: list[tuple[str, str]] = []
     meta = _read_meta(path, problems)
     weights: dict[str, torch.Tensor] = {}
     weights_meta: dict[str, str] = {}
@@ -340,13 +242,40 @@ def read_checkpoint(
         problems += e.problems
     non_finite = non_finite_tensors(weights)
     if non_finite:
-        shown = ", ".join(non_finite[:5]) + (f" and {len(non_finite) - 5} more" if len(non_finite) > 5 else "")
-        problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {shown}"))
+        problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
     state = _read_trainer_state(path / STATE_FILE, map_location, problems) if trainer_state else None
+    read = [META_FILE, WEIGHTS_FILE] + ([STATE_FILE] if trainer_state else [])
+    _check_digests(path, meta, read, problems)
     if problems:
         cls = NonFiniteWeightsError if non_finite and len(problems) == 1 else CheckpointError
         raise cls(f"checkpoint {path} is damaged: {_describe(problems, path)}", problems)
     return CheckpointData(path, meta, weights, weights_meta, state)  # type: ignore[arg-type]
+
+
+def _check_digests(path: Path, meta: dict | None, names: list[str], problems: list[tuple[str, str]]) -> None:
+    """Compare each of ``names`` with its sha256 in ``SHA256SUMS`` (files already found damaged
+    are skipped: their own problem says more)."""
+    sums = path / DIGEST_FILE
+    if not sums.is_file():
+        if meta is not None and meta.get("format_version", 1) >= 2:
+            problems.append((str(sums), "is missing"))
+        elif meta is not None:
+            logger.warning("checkpoint %s predates checksums (no %s): its files cannot be verified", path, DIGEST_FILE)
+        return
+    try:
+        expected = dict(reversed(line.split(maxsplit=1)) for line in sums.read_text("utf-8").splitlines())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        problems.append((str(sums), f"cannot be read ({_first_line(e)})"))
+        return
+    damaged = {file for file, _ in problems}
+    for name in names:
+        file = str(path / name)
+        if file in damaged:
+            continue
+        if name not in expected:
+            problems.append((str(sums), f"has no digest of {name} (damaged)"))
+        elif sha256_file(file) != expected[name]:
+            problems.append((file, f"does not match its sha256 in {DIGEST_FILE}: the file is damaged"))
 
 
 def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
@@ -362,19 +291,20 @@ def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | 
     except OSError as e:
         problems.append((str(file), f"cannot be read ({_first_line(e)})"))
         return None
-    step = meta.get("step") if isinstance(meta, dict) else None
     if not isinstance(meta, dict):
         problems.append((str(file), "does not hold a JSON object"))
         return None
+    step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         problems.append((str(file), f"field 'step' is {step!r}, not a step number"))
     elif checkpoint_step(path) is not None and checkpoint_step(path) != step:
         problems.append((str(file), f"field 'step' is {step} but the directory is {path.name}"))
-    version = meta.get("format_version", FORMAT_VERSION)
+    version = meta.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         problems.append(
             (str(file), f"format_version {version!r} is newer than this gpt2 reads ({FORMAT_VERSION}); upgrade gpt2")
         )
+        meta["format_version"] = 1
     return meta
 
 
@@ -398,13 +328,10 @@ def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str,
 
 def _describe(problems: list[tuple[str, str]], base: Path | None = None) -> str:
     """``file problem; file problem``, the files relative to ``base``."""
-
-    def short(file: str) -> str:
-        if base is not None and file.startswith(str(base) + os.sep):
-            return file[len(str(base)) + 1 :]
-        return file
-
-    return "; ".join(f"{short(file)} {problem}" for file, problem in problems)
+    prefix = str(base) + os.sep if base is not None else None
+    return "; ".join(
+        f"{file[len(prefix) :] if prefix and file.startswith(prefix) else file} {problem}" for file, problem in problems
+    )
 
 
 def open_checkpoint(
@@ -412,20 +339,28 @@ def open_checkpoint(
     *,
     trainer_state: bool = True,
     map_location: str | torch.device = "cpu",
+    check: Callable[[CheckpointData], None] | None = None,
 ) -> CheckpointData:
     """:func:`read_checkpoint` of ``path``, or, for a run / ``checkpoints`` directory, of its newest
-    *intact* checkpoint: damaged ones are skipped with a warning saying which and why. When none is
-    intact, one :class:`CheckpointError` names each file and what is wrong with it."""
+    *usable* checkpoint: damaged ones, and those ``check(data)`` refuses with a
+    :class:`CheckpointError`, are skipped with a warning saying which and why. When none is
+    usable, one :class:`CheckpointError` names each file and what is wrong with it."""
     path = Path(path)
+
+    def read(candidate: Path) -> CheckpointData:
+        data = read_checkpoint(candidate, trainer_state=trainer_state, map_location=map_location)
+        if check is not None:
+            check(data)
+        return data
+
     if checkpoint_step(path) is not None or is_complete(path):  # one checkpoint: no fallback
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
         try:
-            return read_checkpoint(path, trainer_state=trainer_state, map_location=map_location)
+            return read(path)
         except CheckpointError as e:
             raise type(e)(
-                f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the "
-                "newest intact one there",
+                f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one",
                 e.problems,
             ) from None
     candidates = checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")
@@ -435,49 +370,45 @@ def open_checkpoint(
             "or a run directory / checkpoints directory that contains one"
         )
     problems: list[tuple[str, str]] = []
+    hints = []
     for candidate in candidates:
         try:
-            data = read_checkpoint(candidate, trainer_state=trainer_state, map_location=map_location)
+            data = read(candidate)
         except CheckpointError as e:
             logger.warning("skipping damaged checkpoint %s: %s", candidate, _describe(e.problems, candidate))
             problems += e.problems
+            hints += [str(e).rsplit(". ", 1)[-1]] if isinstance(e, CheckpointMismatchError) else []
             continue
         if candidate != candidates[0]:
             logger.warning("using %s, the newest intact checkpoint in %s", candidate, candidate.parent)
         return data
+    fix = hints[0] if hints else "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
     raise CheckpointError(
-        f"no intact checkpoint in {candidates[0].parent}: {_describe(problems, candidates[0].parent)}. "
-        "Restore the files from a copy, or train again (a new out_dir, or overwrite=True to replace this run)",
+        f"no intact checkpoint in {candidates[0].parent}: {_describe(problems, candidates[0].parent)}. {fix}",
         problems,
     )
 
 
 def load_state_into(model: nn.Module, data: CheckpointData) -> None:
-    """Load ``data``'s weights into the raw ``model``; a mismatch names the tensors, in one line."""
-    raw = unwrap_model(model)
-    own = raw.state_dict()
+    """Load ``data``'s weights into the raw ``model``; a mismatch (:func:`check_fits`) touches nothing."""
+    check_fits(model, data)
+    unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)
+
+
+def check_fits(model: nn.Module, data: CheckpointData) -> None:
+    """Raise ``ValueError`` naming the tensors if ``data``'s weights do not fit ``model``."""
+    own = unwrap_model(model).state_dict()
     unexpected = sorted(set(data.weights) - set(own))
-    if data.trainable_only:
-        missing: list[str] = []  # the frozen rest comes from the model itself
-    else:
-        missing = sorted(set(own) - set(data.weights))
+    missing = [] if data.trainable_only else sorted(set(own) - set(data.weights))  # frozen rest: the model's
     shapes = [
         f"{name} {list(t.shape)} vs the model's {list(own[name].shape)}"
         for name, t in data.weights.items()
         if name in own and t.shape != own[name].shape
     ]
-    if unexpected or missing or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:5]}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        if unexpected:
-            parts.append(
-                f"unexpected {unexpected[:5]}" + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-            )
-        if shapes:
-            parts.append(f"shape mismatch in {shapes[:3]}")
+    parts = [f"{what} [{_some(names)}]" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
+    parts += [f"shape mismatch in {shapes[:3]}"] if shapes else []
+    if parts:
         raise ValueError(
             f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): was it saved from a model "
             "with another configuration or other adapters?"
         )
-    raw.load_state_dict(data.weights, strict=not data.trainable_only)

@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from gpt2.model.checkpoint_files import unwrap_model
+from gpt2.files import replace_atomically
+from gpt2.model.checkpoint_files import _first_line, refuse_non_finite, unwrap_model
 from gpt2.model.config import GPTConfig
 from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
     CONV1D_WEIGHTS,
@@ -76,13 +78,38 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     )
 
 
+class UnsafeCheckpointError(ValueError):
+    """A ``.bin`` file that holds pickled Python objects besides tensors (refused: unpickling runs code)."""
+
+
 def _torch_load(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # torch names the first refused class
+        what = f"such as {found.group(1)}" if found else _first_line(e)
+        target = path.with_name(_SAFETENSORS)
+        raise UnsafeCheckpointError(
+            f"refused to read {path}: besides tensors it holds pickled Python objects ({what}), and unpickling "
+            "them would run code from the file, so gpt2 reads .bin weights as plain tensors only. If you trust the "
+            f'file, convert it once to safetensors: python -c "import torch; from safetensors.torch import save_file; '
+            f"sd = torch.load('{path}', weights_only=False); save_file({{k: v.contiguous() for k, v in sd.items() "
+            f"if isinstance(v, torch.Tensor)}}, '{target}')\" (then delete {path.name})"
+        ) from None
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file of a model directory, or one line naming the file and what is wrong with it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({_first_line(e)}): truncated or overwritten? Restore it from the model's source"
+        ) from None
 
 
 def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
-    with open(d / index_name) as f:
-        weight_map = json.load(f).get("weight_map")
+    weight_map = _read_json(d / index_name).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{d / index_name} has no 'weight_map' dict: not a transformers shard index")
     out: dict[str, torch.Tensor] = {}
@@ -216,9 +243,14 @@ def from_pretrained(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
-    with open(directory / "config.json") as f:
-        config = config_from_hf(json.load(f), pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
-    sd = hf_to_gpt_state_dict(load_hf_state_dict(directory), config)
+    hf_config = _read_json(directory / "config.json")
+    try:
+        config = config_from_hf(hf_config, pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{directory / 'config.json'}: {e}") from None
+    hf_sd = load_hf_state_dict(directory)
+    refuse_non_finite(hf_sd, f"refusing to load {directory}")  # NaN/inf weights never enter a model
+    sd = hf_to_gpt_state_dict(hf_sd, config)
     dtype = dtype or torch.float32
     wte = sd["transformer.wte.weight"].to(device=device, dtype=dtype)
     sd = {
@@ -252,7 +284,7 @@ def save_pretrained(
     GPT-2's ``encoder.json`` and ``vocab.bpe``, adds the tokenizer files (``vocab.json``,
     ``merges.txt``) so ``AutoTokenizer.from_pretrained(directory)`` works too.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     inner = unwrap_model(model)
     if not isinstance(getattr(inner, "config", None), GPTConfig):  # a gpt2.GPT (or subclass)
@@ -275,27 +307,19 @@ def save_pretrained(
     stale = _BIN if safe_serialization else _SAFETENSORS
     (out / stale).unlink(missing_ok=True)
     # Each file is written under a temporary name and renamed into place, weights first: a crash
-    # leaves whole files behind, never a truncated one that transformers would fail to read.
+    # leaves whole files behind, never a truncated one that transformers would fail to read. Bytes
+    # through replace_atomically: safetensors' save_file would make the file 0600, not the umask's.
     if safe_serialization:
-        _atomic_write(out / _SAFETENSORS, lambda tmp: save_file(hf_sd, str(tmp), metadata={"format": "pt"}))
+        data = save(hf_sd, metadata={"format": "pt"})
+        replace_atomically(out / _SAFETENSORS, lambda f: f.write(data))
     else:
-        _atomic_write(out / _BIN, lambda tmp: torch.save(hf_sd, tmp))
+        replace_atomically(out / _BIN, lambda f: torch.save(hf_sd, f))
     config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
-    _atomic_write(out / "config.json", lambda tmp: tmp.write_text(config_text, encoding="utf-8"))
+    replace_atomically(out / "config.json", lambda f: f.write(config_text.encode("utf-8")))
     if tokenizer_dir is not None:
         _write_tokenizer(Path(tokenizer_dir), out, config)
     logger.info("saved %s to %s", type(inner).__name__, out)
     return out
-
-
-def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` to a temporary name beside ``path``, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _write_tokenizer(src: Path, out: Path, config: GPTConfig) -> None:

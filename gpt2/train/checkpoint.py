@@ -1,35 +1,15 @@
 """Atomic checkpoints of the raw model, optimizer, loss scaler, RNG states and data position.
 
-One directory per checkpoint, ``<root>/step_000100/``, holding
-
-- ``model.safetensors``: the raw model's state dict (never a ``torch.compile`` or DDP wrapper's,
-  so no ``_orig_mod.`` / ``module.`` prefixes). safetensors refuses tensors that share memory,
-  so a tied tensor (GPT-2's token embedding = LM head) is stored once and the other names are
-  recorded as aliases in the file's metadata and re-tied on load.
-- ``trainer_state.pt``: optimizer and scaler state and the RNG states, only tensors and plain
-  Python containers, read back with ``torch.load(weights_only=True)`` (nothing is unpickled).
-- ``trainer_state.json``: the step, the configuration, data-loader positions, best validation
-  loss: whatever the caller passes as ``metadata``.
-
-A checkpoint is written into a temporary directory beside the final one, every file fsynced,
-then renamed into place, so a crash mid-save leaves the previous checkpoints untouched and never
-a half-written ``step_*`` directory. ``<root>/latest`` names the newest one (also replaced
-atomically), and only the newest ``keep_last`` are kept.
-
-Loading verifies what it reads: the safetensors header against the file's size, every weight
-finite, the JSON state and the optimizer-state archive. A damaged file raises
-:class:`CheckpointError` naming the file and what is wrong with it; given a run or
-``checkpoints`` directory, :func:`load_checkpoint` falls back to the newest intact checkpoint and
-logs each one it skipped. A save that fails (disk full, I/O error) raises
-:class:`CheckpointSaveError`, leaves nothing behind and says where the previous checkpoint is.
-
-``trainable_only=True`` stores just the parameters with ``requires_grad=True`` (e.g. LoRA
-adapters on a frozen base model) instead of the whole state dict; loading such a checkpoint
-needs a model that already holds the frozen weights.
-
-This module writes and loads checkpoints; :mod:`gpt2.checkpoint_files` holds the file formats,
-the verified reading and the finding of checkpoints, all re-exported here (import from
-``gpt2.checkpoint``).
+One directory per checkpoint, ``<root>/step_000100/`` (formats: :mod:`gpt2.model.checkpoint_files`):
+``model.safetensors`` (the raw model's state dict, never a compile / DDP wrapper's; a tied tensor
+stored once, its other names kept as aliases), ``trainer_state.pt`` (optimizer, scaler, RNG: only
+tensors and containers, read with ``weights_only=True``), ``trainer_state.json`` (step, config,
+data position, ...) and ``SHA256SUMS``. It is written into a temporary directory beside the final
+one, fsynced, then renamed into place: a crash mid-save leaves the previous checkpoints untouched
+and no half-written ``step_*``; a failed save raises :class:`CheckpointSaveError` saying where the
+previous checkpoint is. Loading verifies everything before the model is touched and, given a run
+directory, falls back to the newest checkpoint that is intact and fits. ``trainable_only=True``
+stores the trainable parameters only (LoRA), with the base model's fingerprint.
 """
 
 from __future__ import annotations
@@ -50,20 +30,20 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError
 
-# Re-exported: the public names of reading and verifying live in checkpoint_files.
-from gpt2.model.checkpoint_files import (  # noqa: F401
-    CHECKPOINT_FILES,
+import minlora
+from gpt2.files import pid_alive, replace_atomically
+from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
+    DIGEST_FILE,
     FORMAT_VERSION,
-    LATEST_FILE,
     META_FILE,
     STATE_FILE,
     WEIGHTS_FILE,
     CheckpointData,
     CheckpointError,
+    CheckpointMismatchError,
     CheckpointSaveError,
     NonFiniteWeightsError,
     _first_line,
-    check_safetensors,
     checkpoint_candidates,
     checkpoint_step,
     find_latest_checkpoint,
@@ -74,17 +54,16 @@ from gpt2.model.checkpoint_files import (  # noqa: F401
     non_finite_tensors,
     open_checkpoint,
     read_checkpoint,
-    resolve_checkpoint,
+    refuse_non_finite,
     save_weights,
+    sha256_file,
     unwrap_model,
 )
 
 logger = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------------
-# The raw model's state dict
-# ------------------------------------------------------------------------------------------
+# --- the raw model's state dict
 
 
 def model_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -97,9 +76,7 @@ def model_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str
     return {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
-# ------------------------------------------------------------------------------------------
-# RNG states (weights_only-safe: tensors, ints, floats and lists)
-# ------------------------------------------------------------------------------------------
+# --- rNG states (weights_only-safe: tensors, ints, floats and lists)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -142,9 +119,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             )
 
 
-# ------------------------------------------------------------------------------------------
-# Save and load
-# ------------------------------------------------------------------------------------------
+# --- save
 
 
 def save_checkpoint(
@@ -167,21 +142,19 @@ def save_checkpoint(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     state = model_state_dict(model, trainable_only)
-    bad = non_finite_tensors(state)
-    if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteWeightsError(
-            f"refusing to save checkpoint at step {step}: non-finite values (inf/nan) in {shown}"
-        )
+    refuse_non_finite(state, f"refusing to save checkpoint at step {step}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     meta = {"format_version": FORMAT_VERSION, "step": step, "trainable_only": trainable_only, **(metadata or {})}
+    if trainable_only and minlora.lora_sites(unwrap_model(model)):
+        meta["base_fingerprint"] = minlora.base_fingerprint(unwrap_model(model))
     trainer_state = {
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "rng": rng_state if rng_state is not None else capture_rng_state(),
     }
+    meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     # A unique name beside the final one (same filesystem, so the rename is atomic); os.mkdir
     # honours the umask, unlike tempfile.mkdtemp's private 0700.
     tmp = root / f"{_TMP_PREFIX}{final.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
@@ -189,14 +162,18 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         writing = WEIGHTS_FILE
-        _write_weights(state, tmp / WEIGHTS_FILE, {"step": str(step), "trainable_only": str(trainable_only)})
+        save_weights(state, tmp / WEIGHTS_FILE, {"step": str(step), "trainable_only": str(trainable_only)})
         writing = STATE_FILE
-        _write_trainer_state(trainer_state, tmp / STATE_FILE)
+        replace_atomically(tmp / STATE_FILE, lambda f: torch.save(trainer_state, f))
         writing = META_FILE
-        _write_json(meta, tmp / META_FILE)
+        replace_atomically(tmp / META_FILE, lambda f: f.write(meta_bytes))
+        writing = DIGEST_FILE
+        sums = "".join(f"{sha256_file(tmp / name)}  {name}\n" for name in (WEIGHTS_FILE, STATE_FILE, META_FILE))
+        replace_atomically(tmp / DIGEST_FILE, lambda f: f.write(sums.encode()))
         writing = "the checkpoint directory"
         _fsync_dir(tmp)
         _move_into_place(tmp, final)
+        _fsync_dir(root)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         # Disk full shows up as OSError (ENOSPC), as torch.save's "enforce fail at
@@ -204,16 +181,6 @@ def save_checkpoint(
         if isinstance(e, (OSError, RuntimeError, SafetensorError)):
             raise _save_error(root, final, writing, e) from e
         raise
-    try:
-        _fsync_dir(root)
-        _write_latest(root, final.name)
-    except OSError as e:  # the checkpoint itself is complete and in place; only the pointer is stale
-        logger.warning(
-            "saved %s, but could not update %s (%s); resuming uses the directory listing, so this is harmless",
-            final,
-            root / LATEST_FILE,
-            _first_line(e),
-        )
     if keep_last:
         prune_checkpoints(root, keep_last)
     logger.info("saved checkpoint %s", final)
@@ -222,7 +189,6 @@ def save_checkpoint(
 
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
-_LATEST_TMP_PREFIX = f".{LATEST_FILE}.tmp-"
 
 
 def _owner_tag() -> str:
@@ -238,41 +204,14 @@ def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> Chec
         kept = f"the previous checkpoint {previous[-1]} is intact (resume='auto' continues from it)"
     else:
         kept = f"there is no earlier checkpoint in {root}"
-    full = "ENOSPC" if getattr(e, "errno", None) == 28 or "No space" in str(e) else None
-    fix = ("free disk space" if full else "check the disk") + " (or point out_dir at another disk), then resume"
+    full = getattr(e, "errno", None) == 28 or "No space" in str(e)
+    fix = ("Free disk space" if full else "Check the disk") + " (or point out_dir at another disk), then resume"
     err = CheckpointSaveError(
         f"could not save checkpoint {final.name} in {root}: writing {writing} failed ({_first_line(e)}); "
-        f"nothing of it was kept and {kept}. {fix[0].upper()}{fix[1:]}"
+        f"nothing of it was kept and {kept}. {fix}"
     )
     err.errno = getattr(e, "errno", None)
     return err
-
-
-def _write_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    save_weights(state, path, metadata)
-    os.chmod(path, 0o666 & ~_umask())  # safetensors creates its files 0600; match the other files
-    _fsync_file(path)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _write_trainer_state(trainer_state: dict[str, Any], path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(trainer_state, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json(data: dict[str, Any], path: Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(_json_safe(data), f, indent=2, sort_keys=True, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _json_safe(value: Any) -> Any:
@@ -301,24 +240,6 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f"{_LATEST_TMP_PREFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / LATEST_FILE)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _fsync_dir(path: Path) -> None:
     """Make the directory's entries (new names, renames) durable; not possible on Windows."""
     if os.name != "posix":
@@ -332,12 +253,10 @@ def _fsync_dir(path: Path) -> None:
 
 def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints and leftovers of crashed saves."""
-    root = Path(root)
-    removed = []
     checkpoints = list_checkpoints(root)
-    for path in checkpoints[: max(0, len(checkpoints) - keep_last)]:
+    removed = checkpoints[: max(0, len(checkpoints) - keep_last)]
+    for path in removed:
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
     # Leftovers of saves that were killed (a save that fails with an exception cleans up itself);
     # only those of dead processes on this host: another process may be saving right now.
     clean_interrupted_saves(root, only_dead=True)
@@ -345,20 +264,18 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
 
 
 def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False) -> list[str]:
-    """Remove what a killed save left in ``root``: ``.tmp-step_*`` directories, ``.latest.tmp-*``
-    files, and ``.old-step_*`` copies (one whose ``step_*`` is missing, because the process died
-    between the two renames of re-saving a step, is renamed back instead). Returns what it did.
+    """Remove what a killed save left in ``root``: ``.tmp-step_*`` directories and ``.old-step_*``
+    copies (one whose ``step_*`` is missing, because the process died between the two renames of
+    re-saving a step, is renamed back instead). Returns what it did.
 
     ``only_dead``: touch only leftovers of processes on this host that are no longer running
     (without it, the caller must know no other process saves here: it holds the run's lock).
     """
     root = Path(root)
     done: list[str] = []
-    if not root.is_dir():
-        return done
-    for path in root.iterdir():
+    for path in root.iterdir() if root.is_dir() else ():
         name = path.name
-        if not name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_", _LATEST_TMP_PREFIX)):
+        if not name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
             continue
         if only_dead and not _writer_is_dead(name):
             continue
@@ -368,10 +285,7 @@ def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False)
                 os.replace(path, final)
                 done.append(f"restored {final.name} from {name}")
                 continue
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
         done.append(f"removed {name}")
     return done
 
@@ -385,19 +299,7 @@ def _writer_is_dead(name: str) -> bool:
     return not pid_alive(int(pid))
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, but belongs to someone else
-        return True
-    except OSError:
-        return False
-    return True
+# --- load
 
 
 def load_checkpoint(
@@ -408,40 +310,89 @@ def load_checkpoint(
     *,
     restore_rng: bool = False,
     map_location: str | torch.device = "cpu",
+    weights_only: bool = False,
+    allow_base_mismatch: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and optimizer / scaler / RNG); return its metadata.
 
     ``path`` may be the checkpoint directory, a ``checkpoints`` directory or a run directory
-    (then the newest *intact* checkpoint is used, see :func:`open_checkpoint`). Everything is
-    read and verified before the model is touched. Nothing is unpickled: weights come from
-    safetensors, the rest from ``torch.load(weights_only=True)`` and JSON.
+    (then the newest checkpoint that is intact and fits is used, see
+    :func:`~gpt2.model.checkpoint_files.open_checkpoint`). Everything is read and verified before
+    the model is touched; nothing is unpickled. An optimizer or scaler state that does not fit
+    raises :class:`CheckpointMismatchError`; ``weights_only`` loads the weights alone (optimizer and
+    scaler start fresh, the RNG is not restored). An adapter-only checkpoint saved on another base
+    model raises :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``.
     """
-    need_state = optimizer is not None or scaler is not None or restore_rng
-    data = open_checkpoint(path, trainer_state=need_state, map_location=map_location)
-    path = data.path
-    trainer_state = data.trainer_state
-    if optimizer is not None and trainer_state is not None and trainer_state["optimizer"] is None:
-        raise KeyError(f"checkpoint {str(path)!r} has no optimizer state")
+    need_state = not weights_only and (optimizer is not None or scaler is not None or restore_rng)
+
+    def check(data: CheckpointData) -> None:
+        _check_base(model, data, allow_base_mismatch)
+        if need_state:
+            _check_state(model, optimizer, scaler, data)
+
+    data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check)
     load_state_into(model, data)
-    if trainer_state is not None:
+    state = data.trainer_state
+    if state is not None:
         if optimizer is not None:
-            try:
-                optimizer.load_state_dict(trainer_state["optimizer"])
-            except (ValueError, KeyError, TypeError, RuntimeError) as e:
-                raise ValueError(
-                    f"the optimizer state in {path / STATE_FILE} does not fit this model's optimizer "
-                    f"({_first_line(e)}): were other parameters trainable when it was saved?"
-                ) from None
-        if scaler is not None:
-            if trainer_state["scaler"] is not None:
-                scaler.load_state_dict(trainer_state["scaler"])
+            optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None and scaler.is_enabled():
+            if state["scaler"] is not None:
+                scaler.load_state_dict(state["scaler"])
             else:
-                logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", path)
+                logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", data.path)
         if restore_rng:
-            restore_rng_state(trainer_state["rng"])
-    meta = dict(data.meta)
-    meta["path"] = str(path)
-    return meta
+            restore_rng_state(state["rng"])
+    return {**data.meta, "path": str(data.path)}
+
+
+def _check_base(model: nn.Module, data: CheckpointData, allow: bool) -> None:
+    saved = data.meta.get("base_fingerprint")
+    raw = unwrap_model(model)
+    if not data.trainable_only or saved is None or not minlora.lora_sites(raw):
+        return
+    if saved != (own := minlora.base_fingerprint(raw)):
+        message = (
+            f"checkpoint {data.path} holds adapter weights trained on another base model (fingerprint "
+            f"{saved[:12]}, this model's is {own[:12]}): resume onto the base it was trained on, or pass "
+            "allow_base_mismatch=True (--allow-base-mismatch) to accept it"
+        )
+        if not allow:
+            raise minlora.AdapterBaseMismatchError(message)
+        logger.warning("%s; accepted (allow_base_mismatch)", message.split(": resume")[0])
+
+
+def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: CheckpointData) -> None:
+    """Raise :class:`CheckpointMismatchError` unless the saved optimizer state fits ``optimizer`` (as
+    many groups and parameters, every state tensor of its parameter's shape) and the scaler's is one."""
+    saved, saved_scaler = data.trainer_state["optimizer"], data.trainer_state["scaler"]  # type: ignore[index]
+
+    def mismatch(what: str, why: str) -> CheckpointMismatchError:
+        return CheckpointMismatchError(
+            f"checkpoint {data.path}: the {what} state in {STATE_FILE} does not fit this run ({why}). To start from "
+            "the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
+            [(str(data.path / STATE_FILE), f"{what} state does not fit ({why})")],
+        )
+
+    if scaler is not None and scaler.is_enabled() and saved_scaler is not None:
+        scale = saved_scaler.get("scale") if isinstance(saved_scaler, dict) else None
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise mismatch("loss-scaler", f"scale {scale!r}")
+    if optimizer is None:
+        return
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+        raise mismatch("optimizer", "there is none" if saved is None else "not an optimizer's")
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    saved_groups = [len(g.get("params", ())) for g in saved["param_groups"]]
+    if groups != saved_groups:
+        raise mismatch("optimizer", f"parameters per group {saved_groups}, the optimizer has {groups}")
+    names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    for p, i in zip([p for g in optimizer.param_groups for p in g["params"]], ids):
+        for key, value in saved.get("state", {}).get(i, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                why = f"{key} of {names.get(id(p), i)} is {list(value.shape)}, the parameter {list(p.shape)}"
+                raise mismatch("optimizer", why)
 
 
 def seed_everything(seed: int) -> None:

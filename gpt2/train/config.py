@@ -85,8 +85,14 @@ class TrainConfig:
     # checkpoints; resuming then needs the same base weights in the model passed to the Trainer.
     save_trainable_only: bool = False
     resume: str | None = None  # None | "auto" (newest checkpoint in out_dir, if any) | a path
-    # A fresh run refuses an out_dir that holds another run's checkpoints or metrics; True deletes
-    # that run's files (checkpoints/, metrics.jsonl, loss.png, results.json, adapter/) first.
+    # Resume the weights (and step, data position) alone; the optimizer and loss scaler start
+    # fresh: for a checkpoint whose optimizer state does not fit this run's optimizer.
+    resume_weights_only: bool = False
+    # Resume an adapter-only checkpoint onto another base model than the one it was trained on.
+    allow_base_mismatch: bool = False
+    # A fresh run refuses an out_dir that holds another run's checkpoints or metrics, or files
+    # gpt2 did not write; True deletes that run's files (those gpt2 wrote: its manifest
+    # .gpt2-outputs.json) first and keeps everything else.
     overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------
@@ -196,4 +202,13 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
 }
-TRAIN_CONFIG_FLAGS = ("decay_embeddings", "compile", "save_trainable_only", "overwrite", "progress", "plot")
+TRAIN_CONFIG_FLAGS = (
+    "decay_embeddings",
+    "compile",
+    "save_trainable_only",
+    "resume_weights_only",
+    "allow_base_mismatch",
+    "overwrite",
+    "progress",
+    "plot",
+)

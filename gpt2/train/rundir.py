@@ -1,28 +1,17 @@
-"""One run per ``out_dir``: the run-directory lock, the fresh-run check and leftover clean-up.
+"""One run per ``out_dir``: the lock, the check of what is already there, and the manifest.
 
-Two processes training into the same ``out_dir`` destroy each other's work (each prunes the
-other's checkpoints and deletes its save in progress), and a fresh run into a directory that
-holds another run's checkpoints mixes with them: the old run's later steps would win
-``resume='auto'``, sampling and export. So the Trainer, before it reads or writes anything there:
+Two processes training into one ``out_dir`` destroy each other's work, and a fresh run among
+another run's checkpoints mixes with them. So before the Trainer reads or writes there,
+:func:`start_run` (rank 0 works, every rank learns the outcome, so all fail together):
 
-1. takes ``<out_dir>/run.lock``: a file holding the owner's pid, host and start time, locked with
-   ``fcntl.flock`` for the run's lifetime where the filesystem supports it. The kernel drops a
-   flock when its process dies, so a crash never leaves a stuck lock on the same host; the record
-   left behind is then recognised as stale and taken over (with a log line). A record from
-   another host cannot be checked from here: it is refused, and the message says how to remove
-   it. :meth:`RunLock.release` (``Trainer.close()``) removes the file.
-2. removes what an interrupted save left in ``checkpoints/`` (see
-   :func:`gpt2.checkpoint.clean_interrupted_saves`): safe, since no other process saves there.
-3. refuses a fresh run (``resume=None``) into a directory holding another run, naming the three
-   ways out: continue it (``resume='auto'``), a new ``out_dir``, or ``overwrite=True``, which
-   deletes that run's files (only the files a run writes, never anything else in ``out_dir``).
-
-Under DDP only rank 0 does this, and every rank learns the outcome, so all of them fail together
-instead of the others hanging at their next collective.
-
-The Trainer's glue to its ``out_dir`` lives here too: :func:`start_run` (the above, then resuming),
-:func:`save_trainer_checkpoint` and what its checkpoints record (:func:`trainer_metadata`,
-:func:`restore_trainer_state`).
+1. takes ``<out_dir>/run.lock`` (pid, host, start time), ``fcntl.flock``-ed for the run's life:
+   the kernel drops it when the process dies, so a crash leaves no stuck lock on this host (the
+   stale record is taken over); another host's record is refused with how to remove it;
+2. removes what an interrupted save left in ``checkpoints/``;
+3. refuses files gpt2 did not write where the run would write (always), other files of the user
+   (unless ``overwrite``, which keeps them), and another run (unless ``resume`` or ``overwrite``);
+   gpt2 lists what it writes in ``out_dir/.gpt2-outputs.json`` to tell its files from the user's;
+4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing.
 """
 
 from __future__ import annotations
@@ -35,10 +24,11 @@ import logging
 import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from gpt2.files import pid_alive, replace_atomically
 from gpt2.train import checkpoint as ckpt
 
 try:
@@ -50,9 +40,11 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
 CHECKPOINT_DIR = "checkpoints"
-# What a run writes into out_dir (the Trainer: checkpoints, metrics, plot; the train and
-# finetune commands: results.json and the LoRA adapter). overwrite=True deletes these, nothing else.
-RUN_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "results.json", "adapter")
+# What a run writes into out_dir (the Trainer: checkpoints, metrics, plot, metric sinks; the
+# train and finetune commands: results.json and the LoRA adapter). They are listed in the
+# manifest MANIFEST_FILE once a run starts; overwrite=True deletes those listed, nothing else.
+RUN_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "results.json", "adapter", "tensorboard", "wandb")
+MANIFEST_FILE = ".gpt2-outputs.json"
 
 
 class RunDirError(FileExistsError):
@@ -64,7 +56,7 @@ class RunDirLockedError(RunDirError):
 
 
 class RunDirNotEmptyError(RunDirError):
-    """A fresh run was pointed at an ``out_dir`` that holds another run."""
+    """A fresh run was pointed at an ``out_dir`` that holds another run, or files gpt2 did not write."""
 
 
 # Locks held by this process, by (pid, the lock file's real path): a second Trainer on the same
@@ -171,7 +163,7 @@ class RunLock:
             record = json.loads(self.path.read_text(encoding="utf-8") or "{}")
         except (OSError, ValueError):
             record = {}
-        if record.get("host") == socket.gethostname() and not ckpt.pid_alive(int(record.get("pid", 0) or 0)):
+        if record.get("host") == socket.gethostname() and not pid_alive(int(record.get("pid", 0) or 0)):
             logger.warning("taking over %s: pid %s that held it is no longer running", self.path, record.get("pid"))
             self.path.unlink(missing_ok=True)
             return None
@@ -254,9 +246,38 @@ def _busy_message(out_dir: Path, path: Path, record: dict[str, Any]) -> str:
     )
 
 
-# ------------------------------------------------------------------------------------------
-# The run's files
-# ------------------------------------------------------------------------------------------
+# --- the run's files
+
+
+def check_out_dir(out_dir: str | os.PathLike) -> None:
+    """Raise :class:`RunDirError` if ``out_dir`` is a file, lies under one, or cannot be written."""
+    path = existing = Path(out_dir).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        raise RunDirError(f"out_dir {out_dir} {where}: give a directory (new or one of an earlier run)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunDirError(f"out_dir {out_dir} cannot be written ({existing} is not writable): choose another out_dir")
+
+
+def own_outputs(out_dir: str | os.PathLike) -> set[str]:
+    """The names in ``out_dir`` that gpt2 wrote (its manifest, :data:`MANIFEST_FILE`). A run
+    directory from before the manifest counts as holding :data:`RUN_FILES`."""
+    out_dir = Path(out_dir)
+    try:
+        names = set(json.loads((out_dir / MANIFEST_FILE).read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        names = set(RUN_FILES) if existing_run(out_dir) else set()
+    except (OSError, ValueError, TypeError):  # unreadable: claim nothing, so nothing is deleted
+        names = set()
+    return names | {LOCK_FILE, MANIFEST_FILE}
+
+
+def record_outputs(out_dir: str | os.PathLike, names: Iterable[str]) -> None:
+    """Add ``names`` to ``out_dir``'s manifest of what gpt2 wrote there."""
+    listed = sorted((own_outputs(out_dir) | set(names)) - {LOCK_FILE, MANIFEST_FILE})
+    replace_atomically(Path(out_dir) / MANIFEST_FILE, lambda f: f.write((json.dumps(listed) + "\n").encode()))
 
 
 def existing_run(out_dir: str | os.PathLike) -> list[str]:
@@ -273,63 +294,52 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
     return found
 
 
-def clear_run(out_dir: str | os.PathLike) -> list[str]:
-    """Delete the files a run wrote into ``out_dir`` (:data:`RUN_FILES`); return their names."""
-    out_dir = Path(out_dir)
-    removed = []
-    for name in RUN_FILES:
-        path = out_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            continue
-        removed.append(name)
-    return removed
-
-
-def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool) -> None:
-    """Refuse (or with ``overwrite`` clear) another run's files that this run would mix with."""
+def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[Path]:
+    """Refuse what this run would mix with or replace; return what ``overwrite`` will delete once
+    the run has started (nothing is deleted here, so a failed resume changes nothing)."""
     checkpoint_dir = out_dir / CHECKPOINT_DIR
-    if resume == "auto":  # continues whatever run is there (or starts one)
-        return
-    if resume is not None and any(_same(Path(resume), d) for d in (out_dir, checkpoint_dir)):
-        return  # this run directory itself: its newest intact checkpoint, as with resume='auto'
+    own = own_outputs(out_dir)
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in own) if out_dir.is_dir() else []
+    clash = [name for name in foreign if name in RUN_FILES]
+    if clash:
+        raise RunDirNotEmptyError(
+            f"out_dir {out_dir} holds {clash}, which gpt2 did not write there and this run would replace: move "
+            "them away or train into another out_dir (overwrite never replaces files that are not gpt2's)"
+        )
+    this_run = resume == "auto" or (
+        resume is not None and any(_same(Path(resume), d) for d in (out_dir, checkpoint_dir))
+    )
+    if this_run:  # continues whatever run is there (or starts one): its newest usable checkpoint
+        return []
     if resume is None or not _inside(Path(resume), checkpoint_dir):
         # A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run.
         found = existing_run(out_dir)
-        if not found:
-            return
-        if overwrite:
-            logger.warning(
-                "overwrite=True: deleting the previous run in %s (%s)", out_dir, ", ".join(clear_run(out_dir))
+        if found and not overwrite:
+            what = "a fresh run (resume=None)" if resume is None else f"a run resuming from {resume}"
+            raise RunDirNotEmptyError(
+                f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
+                "Continue that run with resume='auto', train into a new out_dir, or pass overwrite=True to delete "
+                f"its files ({', '.join(RUN_FILES)}) first"
             )
-            return
-        what = "a fresh run (resume=None)" if resume is None else f"a run resuming from {resume}"
-        raise RunDirNotEmptyError(
-            f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
-            "Continue that run with resume='auto', train into a new out_dir, or pass overwrite=True to delete "
-            f"its files ({', '.join(RUN_FILES)}) first"
-        )
+        if foreign and not overwrite:
+            raise RunDirNotEmptyError(
+                f"out_dir {out_dir} holds files gpt2 did not write ({', '.join(foreign[:5])}"
+                f"{' ...' if len(foreign) > 5 else ''}): train into a new or empty out_dir, or pass overwrite=True "
+                "(--overwrite): your files are kept, only gpt2's own files there are replaced"
+            )
+        return [out_dir / name for name in RUN_FILES if name in own and (out_dir / name).exists()]
     # Resuming from an older checkpoint of this very run: the newer ones are another future.
     step = ckpt.checkpoint_step(Path(resume))
     newer = [
         p for p in ckpt.checkpoint_candidates(checkpoint_dir) if step is not None and ckpt.checkpoint_step(p) > step
     ]
-    if not newer:
-        return
-    names = sorted(p.name for p in newer)
-    if overwrite:
-        for path in newer:
-            shutil.rmtree(path)
-        logger.warning("overwrite=True: deleted the checkpoints after %s: %s", Path(resume).name, ", ".join(names))
-        return
-    raise RunDirNotEmptyError(
-        f"resume={resume!r} is older than checkpoints {', '.join(names)} in {checkpoint_dir}: continuing from it "
-        "would mix two histories. Use resume='auto' to continue from the newest, train into a new out_dir, or "
-        "pass overwrite=True to delete the newer checkpoints"
-    )
+    if newer and not overwrite:
+        raise RunDirNotEmptyError(
+            f"resume={resume!r} is older than checkpoints {', '.join(sorted(p.name for p in newer))} in "
+            f"{checkpoint_dir}: continuing from it would mix two histories. Use resume='auto' to continue from the "
+            "newest, train into a new out_dir, or pass overwrite=True to delete the newer checkpoints"
+        )
+    return newer
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -344,35 +354,66 @@ def _inside(path: Path, directory: Path) -> bool:
         return False
 
 
-# ------------------------------------------------------------------------------------------
-# Everything the Trainer does before it touches out_dir
-# ------------------------------------------------------------------------------------------
+# --- everything the Trainer does before its first step
 
 
-def prepare(out_dir: str | os.PathLike, *, resume: str | None, overwrite: bool, is_main: bool = True) -> RunLock | None:
-    """Lock ``out_dir``, clean up interrupted saves, and check that this run may write there.
-
-    Rank 0 does the work and returns the held :class:`RunLock` (other ranks: None); every rank
-    raises the same error when it fails (call it on all ranks under DDP).
+def start_run(
+    out_dir: str | os.PathLike | None,
+    *,
+    resume: str | None,
+    overwrite: bool,
+    load: Callable[[Path], Any],
+    is_main: bool = True,
+) -> RunLock | None:
+    """Lock ``out_dir``, clean up interrupted saves, check that this run may write there, resume
+    (``load(path)`` on every rank: ``resume`` itself, or the run's ``checkpoints`` with
+    ``resume='auto'`` when it holds any), and only then delete what ``overwrite`` replaces and
+    record this run's outputs in the manifest. Rank 0 returns the held :class:`RunLock` (other
+    ranks: None); every rank raises the same error when any fails (call it on all ranks under
+    DDP), and a failure leaves ``out_dir`` as it was (no lock, not even a new empty directory).
     """
     if overwrite and resume == "auto":
         raise ValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
-    out_dir = Path(out_dir)
-    lock = RunLock(out_dir) if is_main else None
+    out = Path(out_dir) if out_dir is not None else None
+    lock = RunLock(out) if out is not None and is_main else None
+    created = out is not None and not out.exists()
+    doomed: list[Path] = []
 
-    def work() -> None:
+    def claim() -> None:
         if lock is None:
             return
+        check_out_dir(lock.out_dir)
         lock.acquire()
-        try:
-            for line in ckpt.clean_interrupted_saves(out_dir / CHECKPOINT_DIR):
-                logger.warning("cleaning up an interrupted save in %s: %s", out_dir / CHECKPOINT_DIR, line)
-            _check_fresh_run(out_dir, resume, overwrite)
-        except BaseException:
-            lock.release()
-            raise
+        for line in ckpt.clean_interrupted_saves(lock.out_dir / CHECKPOINT_DIR):
+            logger.warning("cleaning up an interrupted save in %s: %s", lock.out_dir / CHECKPOINT_DIR, line)
+        doomed.extend(_check_run_dir(lock.out_dir, resume, overwrite))
 
-    run_on_all_ranks(work)
+    def finish() -> None:
+        if lock is None:
+            return
+        for path in doomed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if doomed:
+            logger.warning("overwrite=True: deleted %s", ", ".join(str(p) for p in doomed))
+        record_outputs(lock.out_dir, RUN_FILES)
+
+    try:
+        run_on_all_ranks(claim)
+        if resume == "auto" and out is not None and not ckpt.checkpoint_candidates(out / CHECKPOINT_DIR):
+            logger.info("resume='auto': no checkpoint in %s, starting from scratch", out / CHECKPOINT_DIR)
+        elif resume is not None:
+            target = Path(resume) if resume != "auto" else out / CHECKPOINT_DIR  # type: ignore[operator]
+            run_on_all_ranks(lambda: load(target))
+        run_on_all_ranks(finish)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+            if created and lock.out_dir.is_dir() and not any(lock.out_dir.iterdir()):
+                lock.out_dir.rmdir()
+        raise
     return lock
 
 
@@ -403,16 +444,8 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     return result
 
 
-_ERRORS: dict[str, type[Exception]] = {
+_ERRORS: dict[str, type[Exception]] = {  # what another rank's error is re-raised as, by name
     cls.__name__: cls
-    for cls in (
-        RunDirLockedError,
-        RunDirNotEmptyError,
-        ckpt.CheckpointError,
-        ckpt.NonFiniteWeightsError,
-        ValueError,
-        FileNotFoundError,
-        KeyError,
-        PermissionError,
-    )
+    for cls in (RunDirError, RunDirLockedError, RunDirNotEmptyError, ValueError, FileNotFoundError, KeyError)
+    + (PermissionError, ckpt.CheckpointError, ckpt.CheckpointMismatchError, ckpt.NonFiniteWeightsError)
 }

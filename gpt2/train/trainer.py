@@ -56,7 +56,7 @@ import torch.nn as nn
 from gpt2.data.loader import make_loader, one_pass
 from gpt2.model.gpt import IGNORE_INDEX
 from gpt2.train import checkpoint as ckpt
-from gpt2.train import distributed, rundir, trainer_state
+from gpt2.train import distributed, rundir
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported: `from gpt2.trainer import seed_everything`
 from gpt2.train.config import TrainConfig
 from gpt2.train.metrics import (
@@ -209,7 +209,13 @@ class Trainer:
         )
         # One run per out_dir: lock it, clean up interrupted saves, refuse to mix with another run;
         # then resume (config.resume).
-        self._run_lock: rundir.RunLock | None = trainer_state.start_run(self)
+        self._run_lock: rundir.RunLock | None = rundir.start_run(
+            self.out_dir,
+            resume=config.resume,
+            overwrite=config.overwrite,
+            load=self.load_checkpoint,
+            is_main=self.is_main,
+        )
 
     # ------------------------------------------------------------------ set-up helpers
     @property
@@ -506,16 +512,71 @@ class Trainer:
                 last_checkpoint=self.last_checkpoint,
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
-        if self.is_main:  # once it checked it still owns out_dir; meta.json: trainer_state.trainer_metadata
-            path = trainer_state.save_trainer_checkpoint(self, self._run_lock)
+        if self.is_main:  # once it checked it still owns out_dir
+            if self._run_lock is not None:
+                self._run_lock.ensure_held()
+            model_config = getattr(self.model, "config", None)
+            meta = {
+                "config": self.config.to_dict(),
+                "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
+                "data": {"train": self.train_loader.state_dict()},
+                "best_val_loss": self.best_val_loss,
+                "skipped_steps": self.skipped_steps,
+                "world_size": self.dist_env.world_size,
+                "grad_accum_steps": self.grad_accum_steps,
+                "tokens_per_step": self.tokens_per_step,
+                "precision": self.precision.name,
+                "torch_version": torch.__version__,
+            }
+            path = ckpt.save_checkpoint(
+                self.checkpoint_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                self.scaler,
+                meta,
+                keep_last=self.config.keep_last_checkpoints,
+                trainable_only=self.config.save_trainable_only,
+            )
         self.last_checkpoint = path
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Restore everything from a checkpoint (see :func:`gpt2.checkpoint.load_checkpoint`)."""
-        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scaler, restore_rng=True)
-        trainer_state.restore_trainer_state(self, meta)  # data position, step, best val loss, counters
-        logger.info("resumed from %s at step %d", meta["path"], self.step)
+        """Restore everything from a checkpoint (see :func:`gpt2.train.checkpoint.load_checkpoint`): weights,
+        optimizer, loss scaler, RNG, data position, step and counters; with ``resume_weights_only`` the
+        weights, data position and step only (the optimizer and loss scaler start fresh)."""
+        cfg = self.config
+        meta = ckpt.load_checkpoint(
+            path,
+            self.model,
+            self.optimizer,
+            self.scaler,
+            restore_rng=True,
+            weights_only=cfg.resume_weights_only,
+            allow_base_mismatch=cfg.allow_base_mismatch,
+        )
+        if meta.get("tokens_per_step") != self.tokens_per_step or meta.get("world_size") != self.dist_env.world_size:
+            logger.warning(
+                "checkpoint was written with %s tokens/step on %s process(es), this run uses %s on %s: "
+                "the data order (and so the losses) will differ from an uninterrupted run",
+                meta.get("tokens_per_step"),
+                meta.get("world_size"),
+                self.tokens_per_step,
+                self.dist_env.world_size,
+            )
+        if not isinstance(meta.get("data"), dict) or "train" not in meta["data"]:
+            raise ValueError(
+                f"checkpoint {meta['path']} records no data-loader position ('data' in "
+                f"{ckpt.META_FILE}): it was not written by the Trainer, so it cannot be resumed"
+            )
+        self.train_loader.load_state_dict(meta["data"]["train"])
+        self.step = int(meta["step"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.best_val_loss = meta.get("best_val_loss")
+        self.consecutive_bad_steps = 0
+        self.last_checkpoint = Path(meta["path"])
+        fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
+        logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
         return meta
 
     # ------------------------------------------------------------------ lifetime
