@@ -76,6 +76,7 @@ def trainer_metadata(trainer: Any) -> dict[str, Any]:
         "data": {"train": trainer.train_loader.state_dict()},
         "best_val_loss": trainer.best_val_loss,
         "skipped_steps": trainer.skipped_steps,
+        "recovery": trainer.recovery_state(),
         "world_size": trainer.dist_env.world_size,
         "grad_accum_steps": trainer.grad_accum_steps,
         "tokens_per_step": trainer.tokens_per_step,
@@ -106,4 +107,5 @@ def restore_trainer_state(trainer: Any, meta: dict[str, Any]) -> None:
     trainer.skipped_steps = int(meta.get("skipped_steps", 0))
     trainer.best_val_loss = meta.get("best_val_loss")
     trainer.consecutive_bad_steps = 0
+    trainer.load_recovery_state(meta.get("recovery"))
     trainer.last_checkpoint = Path(meta["path"])
