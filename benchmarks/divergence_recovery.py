@@ -1,0 +1,88 @@
+"""Divergence recovery on Tiny Shakespeare: a run at a learning rate far too high for it.
+
+Three runs of the same small GPT (same seed, data, steps), fp32 on one CPU thread:
+
+* ``lr=3.0, recover=False``: what the Trainer did before recovery existed (the loss climbs to
+  hundreds and stays there; the run ends with exit 0 and no warning);
+* ``lr=3.0`` with the default recovery settings (``TrainConfig.recover=True``);
+* ``lr=--safe-lr``: the reference.
+
+It prints one line per run (recoveries, final training loss = mean of the last 10 steps,
+validation loss) and the ratio of the recovered run's validation loss to the safe run's::
+
+    PYTHONPATH=. python benchmarks/divergence_recovery.py --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from gpt2 import GPT, GPTConfig, TrainConfig
+from gpt2.data.sources import training_data
+from gpt2.train.trainer import Trainer
+
+
+def run(lr: float, recover: bool, args: argparse.Namespace, train, val) -> dict:
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(block_size=args.seq_len, n_layer=2, n_head=2, n_embd=args.width))
+    config = TrainConfig(
+        micro_batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        max_steps=args.steps,
+        max_lr=lr,
+        warmup_steps=args.steps // 10,
+        precision="fp32",
+        device="cpu",
+        out_dir=None,
+        eval_interval=0,
+        eval_steps=args.eval_batches,
+        progress=False,
+        plot=False,
+        recover=recover,
+        seed=args.seed,
+    )
+    start = time.process_time()
+    with Trainer(model, config, train, val, sinks=[]) as trainer:
+        history = trainer.fit()
+        val_loss = trainer.evaluate()
+    final = sum(r["loss"] for r in history[-10:]) / 10
+    return {
+        "lr": lr,
+        "recover": recover,
+        "recoveries": trainer.recoveries,
+        "train": final,
+        "val": val_loss,
+        "cpu_s": time.process_time() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=3.0)
+    parser.add_argument("--safe-lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--eval-batches", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1337)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="  %(message)s")  # the recovery lines
+    train, val = training_data("shakespeare", None, 0.1)
+    results = [run(args.lr, False, args, train, val), run(args.lr, True, args, train, val)]
+    results.append(run(args.safe_lr, True, args, train, val))
+    for r in results:
+        print(
+            f"lr={r['lr']:g} recover={r['recover']}: {r['recoveries']} recoveries, final train loss "
+            f"{r['train']:.3f}, val loss {r['val']:.3f} ({r['cpu_s']:.0f} s CPU)"
+        )
+    print(f"recovered / safe val loss: {results[1]['val'] / results[2]['val']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
