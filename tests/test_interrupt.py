@@ -11,6 +11,7 @@ run serves several checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -230,3 +231,37 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_resumes(tmp_path, shakespe
     assert done.returncode == 0, done.stderr.decode()
     assert main(train_args(shakespeare_file, tmp_path / "one", step + 2, *SAME_RUN)) == 0
     torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
+
+
+def test_a_signal_during_a_save_lets_it_complete_then_stops(tmp_path, monkeypatch):
+    """In-process: SIGTERM arrives while the step-2 checkpoint is being written. The save
+    completes (intact, loadable), fit() raises TrainingInterrupted at that step, the handlers
+    are restored afterwards, and resume='auto' continues from the checkpoint."""
+    from gpt2 import GPT, GPTConfig, TrainConfig
+    from gpt2.train import trainer_state
+    from gpt2.train.recovery import TrainingInterrupted
+    from gpt2.train.trainer import Trainer
+
+    real_save = trainer_state.ckpt.save_checkpoint
+
+    def save_while_signalled(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # delivered now, in the middle of the save
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_state.ckpt, "save_checkpoint", save_while_signalled)
+    TINY = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)
+    before = signal.getsignal(signal.SIGTERM)
+    config = TrainConfig(
+        micro_batch_size=2, seq_len=16, max_steps=6, checkpoint_interval=2, out_dir=str(tmp_path), progress=False
+    )
+    tokens = torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with pytest.raises(TrainingInterrupted) as info, Trainer(GPT(TINY), config, tokens) as t:
+        t.fit()
+    assert info.value.signum == signal.SIGTERM and info.value.step == 2
+    assert info.value.checkpoint == tmp_path / "checkpoints" / "step_000002"
+    assert signal.getsignal(signal.SIGTERM) is before and not (tmp_path / "run.lock").exists()
+    monkeypatch.undo()
+    resumed = Trainer(GPT(TINY), dataclasses.replace(config, resume="auto"), tokens, sinks=[])
+    with resumed:
+        assert resumed.step == 2 and len(resumed.fit()) == 4
