@@ -169,3 +169,46 @@ def test_lora_runs_recover_and_never_touch_the_frozen_weights():
 def test_recovery_settings_are_validated(field, value):
     with pytest.raises(ValueError, match=field):
         _config(**{field: value})
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_every_rank_takes_the_same_recovery_decision(tmp_path, shakespeare_file):
+    """`gpt2 train --nproc-per-node 2` at max_lr=3: both ranks judge the all-reduced loss, so
+    they recover at the same step to the same state; the losses equal a 1-process run of the
+    same global batch (which also recovers), recovery included."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpt2.cli import main
+
+    def args(out: Path) -> list[str]:
+        return [
+            "train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--total-batch-size", "128",
+            "--max-steps", "8", "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0", "--no-progress",
+            "--no-plot", "--device", "cpu", "--precision", "fp32", "--seed", "11", "--warmup-steps", "0",
+            "--max-lr", "3", "--min-lr", "3", "--recovery-lr-factor", "0.01", "--checkpoint-interval", "3",
+            "--data", str(shakespeare_file), "--out-dir", str(out),
+        ]  # fmt: skip
+
+    def losses(out: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    two = subprocess.run(
+        [sys.executable, "-m", "gpt2", *args(tmp_path / "two"), "--nproc-per-node", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("recovery 1 of 3") == 2  # each rank logs its own (identical) decision, once
+    assert main(args(tmp_path / "one")) == 0
+    one = losses(tmp_path / "one")
+    assert len(one) > 8  # the recovery went back: some steps were run twice
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(one), rtol=1e-4, atol=1e-5)
