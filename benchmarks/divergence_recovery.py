@@ -23,10 +23,10 @@ import torch
 
 from gpt2 import GPT, GPTConfig, TrainConfig
 from gpt2.data.sources import training_data
-from gpt2.train.trainer import Trainer
+from gpt2.train.trainer import Trainer, TrainingDivergedError
 
 
-def run(lr: float, recover: bool, args: argparse.Namespace, train, val) -> dict:
+def run(lr: float, args: argparse.Namespace, train, val, **recovery) -> str:
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(block_size=args.seq_len, n_layer=2, n_head=2, n_embd=args.width))
     config = TrainConfig(
@@ -42,46 +42,46 @@ def run(lr: float, recover: bool, args: argparse.Namespace, train, val) -> dict:
         eval_steps=args.eval_batches,
         progress=False,
         plot=False,
-        recover=recover,
         seed=args.seed,
+        **recovery,
     )
     start = time.process_time()
+    settings = ", ".join(f"{k}={v}" for k, v in recovery.items()) or "defaults"
     with Trainer(model, config, train, val, sinks=[]) as trainer:
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        except TrainingDivergedError as e:
+            cpu = time.process_time() - start
+            return f"lr={lr:g} ({settings}): TrainingDivergedError at step {e.step} ({cpu:.0f} s CPU)"
         val_loss = trainer.evaluate()
     final = sum(r["loss"] for r in history[-10:]) / 10
-    return {
-        "lr": lr,
-        "recover": recover,
-        "recoveries": trainer.recoveries,
-        "train": final,
-        "val": val_loss,
-        "cpu_s": time.process_time() - start,
-    }
+    line = (
+        f"lr={lr:g} ({settings}): {trainer.recoveries} recoveries, LR x{trainer.lr_scale:g}, final train loss "
+        f"{final:.3f} (mean of the last 10 steps), val loss {val_loss:.3f} ({time.process_time() - start:.0f} s CPU)"
+    )
+    return line
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=3.0)
     parser.add_argument("--safe-lr", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--factors", type=float, nargs="*", default=[0.1], help="recovery_lr_factor values to try too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="  %(message)s")  # the recovery lines
     train, val = training_data("shakespeare", None, 0.1)
-    results = [run(args.lr, False, args, train, val), run(args.lr, True, args, train, val)]
-    results.append(run(args.safe_lr, True, args, train, val))
-    for r in results:
-        print(
-            f"lr={r['lr']:g} recover={r['recover']}: {r['recoveries']} recoveries, final train loss "
-            f"{r['train']:.3f}, val loss {r['val']:.3f} ({r['cpu_s']:.0f} s CPU)"
-        )
-    print(f"recovered / safe val loss: {results[1]['val'] / results[2]['val']:.3f}")
+    print(run(args.safe_lr, args, train, val), flush=True)
+    print(run(args.lr, args, train, val, recover=False), flush=True)
+    print(run(args.lr, args, train, val), flush=True)
+    for factor in args.factors:
+        print(run(args.lr, args, train, val, recovery_lr_factor=factor), flush=True)
 
 
 if __name__ == "__main__":
