@@ -164,7 +164,7 @@ def test_lora_runs_recover_and_never_touch_the_frozen_weights():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("recovery_lr_factor", 1.0), ("recovery_lr_factor", 0.0), ("divergence_factor", 1.0), ("max_recoveries", -1)],
+    [("recovery_lr_factor", 1.5), ("recovery_lr_factor", 0.0), ("divergence_factor", 1.0), ("max_recoveries", -1)],
 )
 def test_recovery_settings_are_validated(field, value):
     with pytest.raises(ValueError, match=field):

@@ -195,7 +195,7 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "max_bad_steps": POSITIVE_INT,
     "max_recoveries": NON_NEGATIVE_INT,
     "divergence_patience": POSITIVE_INT,
-    "recovery_lr_factor": Range(low=0, high=1, low_open=True, high_open=True),  # (0, 1): a lower LR
+    "recovery_lr_factor": Range(low=0, high=1, low_open=True),  # (0, 1]; 1 = go back and skip data only
     "divergence_factor": Range(low=1, low_open=True),  # > 1: above the best loss
     "warmup_steps": NON_NEGATIVE_INT,
     "eval_interval": NON_NEGATIVE_INT,
