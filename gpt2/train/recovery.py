@@ -49,7 +49,8 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
+        self.received, self._count = 0, 0  # a new fit() after an interruption starts afresh
+        if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
