@@ -16,7 +16,7 @@ Instruction fine-tuning: --data a .jsonl file of {"instruction", "input", "outpu
 fine-tuning"); --full trains every weight instead of LoRA:
 
     python examples/finetune_lora.py --init runs/shakespeare --data examples/data/instructions.jsonl --full \
-        --lr 2e-3 --batch-size 8 --max-steps 150 --out-dir runs/instruct
+        --max-lr 2e-3 --micro-batch-size 8 --max-steps 150 --out-dir runs/instruct
     python examples/sample.py --model runs/instruct --instruction "What do bees make?" --temperature 0
 
 This script is `gpt2 finetune`.

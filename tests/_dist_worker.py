@@ -96,8 +96,7 @@ VAL_BATCHES = 5  # odd: under 2 ranks one scores 3 batches and the other 2
 def final_eval(out_dir: str) -> dict:
     """No training: the same weights on every rank, so the final report must give the
     one-process loss whatever the number of ranks."""
-    from gpt2.cli.common import final_report
-    from gpt2.cli.options import SamplingOptions
+    from gpt2.cli.common import SamplingOptions, final_report
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32))

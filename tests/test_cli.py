@@ -166,8 +166,22 @@ def test_help_comes_from_the_dataclasses(capsys):
     # the default shown is the CPU recipe's, not TrainConfig's
     recipe_lr = float(recipe("shakespeare", on_cuda=False)["max_lr"])
     assert recipe_lr != TrainConfig().max_lr and f"(default: {recipe_lr:g})" in text
+    assert "--recipe NAME|FILE" in text and "(default: shakespeare)" in text  # the recipe in use
     _, out, _ = run(capsys, "finetune", "--help", "--device", "cpu")
     assert "--lora.rank" in out and "--lora.alpha" in out
+    assert "target-types" not in out  # LoRAConfig.target_types holds classes: no flag, not shown
+    _, out, _ = run(capsys, "export", "--help")
+    text = " ".join(out.replace("│", " ").split())
+    assert "None = $GPT2_TOKENIZER_DIR (default: None)" in text and "(default: $GPT2" not in text  # one default
+
+
+def test_help_shows_an_example_scripts_defaults(capsys):
+    """run_command(defaults=...) (how examples/*.py set theirs) sets the defaults --help shows."""
+    from gpt2.cli import run_command
+
+    assert run_command("prepare", ["--help"], prog="prep.py", defaults={"out_dir": "data/mine", "num_workers": 3}) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert text.startswith("usage: prep.py") and "(default: data/mine)" in text and "(default: 3)" in text
 
 
 def test_bad_flags_exit_2_with_one_line(capsys):
@@ -177,11 +191,11 @@ def test_bad_flags_exit_2_with_one_line(capsys):
     assert code == 2 and "many" in err
     code, _, err = run(capsys, "train", "--precision", "fp8")
     assert code == 2 and "fp8" in err
-    # Values the library rejects (TrainConfig validation): one line naming the flag, no traceback.
+    # Values the library rejects (TrainConfig validation): its message in one line, no traceback.
     for argv, message in [
-        (["--max-steps", "2", "--warmup-steps", "5"], "--warmup-steps (5) exceeds"),
-        (["--max-lr", "nan"], "--max-lr must be"),
-        (["--lora.rank", "0"], "--lora.rank"),
+        (["--max-steps", "2", "--warmup-steps", "5"], "warmup_steps (5) exceeds"),
+        (["--max-lr", "nan"], "max_lr must be"),
+        (["--lora.rank", "0"], "LoRAConfig.rank must be"),
     ]:
         command, common = ("finetune", []) if argv[0].startswith("--lora") else ("train", TINY_TRAIN)
         code, _, err = run(capsys, command, *common, *argv)
@@ -201,45 +215,29 @@ def test_short_run_scales_the_recipe_warmup(capsys):
 @pytest.mark.parametrize(
     "flag,value,words",
     [
-        ("--weight-decay", "nan", "--weight-decay must be a finite number >= 0, got nan"),
-        ("--grad-clip", "inf", "--grad-clip must be a finite number"),
-        ("--max-lr", "0", "--max-lr must be a finite number > 0"),
-        ("--dropout", "1.5", "--dropout must be a finite number in [0, 1)"),
+        ("--weight-decay", "nan", "TrainConfig.weight_decay must be a finite number >= 0, got nan"),
+        ("--grad-clip", "inf", "TrainConfig.grad_clip must be a finite number"),
+        ("--max-lr", "0", "TrainConfig.max_lr must be a finite number > 0"),
+        ("--dropout", "1.5", "GPTConfig.dropout must be a finite number in [0, 1)"),
     ],
 )
-def test_library_errors_name_the_flags(capsys, flag, value, words):
+def test_library_errors_are_one_line(capsys, flag, value, words):
+    """The library's own message (flags are its field names), after the command's name."""
     code, _, err = run(capsys, "train", *TINY_TRAIN, flag, value, "--device", "cpu")
-    assert code == 2 and words in err, err
-    assert "TrainConfig" not in err and "GPTConfig" not in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and err.startswith(f"gpt2 train: error: {words}"), err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_nproc_per_node_checks_options_before_starting_processes(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     # a bad value or a missing file: one line from the launcher, not one per rank
     for extra, words in (
-        (["--weight-decay", "nan"], "--weight-decay must be"),
+        (["--weight-decay", "nan"], "weight_decay must be"),
         (["--data", str(tmp_path / "nope.txt")], "does not exist"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
     ):
         code, _, err = run(capsys, "train", *TINY_TRAIN, "--nproc-per-node", "2", "--device", "cpu", *extra)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
-
-
-def test_in_cli_terms_rewrites_only_the_commands_options():
-    from gpt2.cli import in_cli_terms
-
-    train = COMMANDS["train"].options
-    text = (
-        "TrainConfig.resume='auto' needs out_dir; set compile=False, seed=3 or precision='fp32'; "
-        "TrainConfig.betas[1] and /data/max_steps/x_y.txt and lr_scale=2 stay"
-    )
-    rewritten = in_cli_terms(text, train)
-    for flag in ("--resume auto", "--out-dir;", "--no-compile", "--seed 3", "--precision fp32"):
-        assert flag in rewritten
-    # not options of `train`, or not names at all: untouched
-    for kept in ("TrainConfig.betas[1]", "/data/max_steps/x_y.txt", "lr_scale=2"):
-        assert kept in rewritten
-    assert in_cli_terms("LoRAConfig.rank must be >= 1", COMMANDS["finetune"].options).startswith("--lora.rank must")
 
 
 def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
@@ -253,7 +251,7 @@ def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
     # the recipe's warmup keeps its share of a shorter run (never more than the recipe's) unless given
     import yaml
 
-    from gpt2.cli.layers import RECIPE_DIR
+    from gpt2.cli.layers import RECIPE_DIR, OptionError
 
     recipe = yaml.safe_load((RECIPE_DIR / "shakespeare-cpu.yaml").read_text())
     planned, recipe_warmup = recipe["max_steps"], recipe["warmup_steps"]
@@ -262,11 +260,11 @@ def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
         assert warmup("--max-steps", str(steps)) == min(recipe_warmup, recipe_warmup * steps // planned)
     assert warmup("--max-steps", "5") < 5 and warmup("--max-steps", str(planned * 2)) == recipe_warmup
     assert warmup("--max-steps", "5", "--warmup-steps", "4") == 4
-    with pytest.raises(ValueError, match="exceeds max_steps"):  # an explicit value stays strict
+    with pytest.raises(OptionError, match="exceeds max_steps"):  # an explicit value stays strict
         warmup("--max-steps", "5", "--warmup-steps", "7")
     cfg = tmp_path / "run.json"
     cfg.write_text('{"warmup_steps": 7}')  # a config file's value is the user's too
-    with pytest.raises(ValueError, match="exceeds max_steps"):
+    with pytest.raises(OptionError, match="exceeds max_steps"):
         warmup("--config", str(cfg), "--max-steps", "5")
     # a short run with the default warmup trains; an explicit impossible warmup is still an error
     tiny = [a for a in TINY_TRAIN if a != "--warmup-steps"]
@@ -303,7 +301,7 @@ def test_missing_files_are_clear_errors(capsys, tmp_path, trained):
         (["eval", "--model", trained, "--data", missing / "val.bin"], "does not exist"),
         (["eval", "--model", trained, "--hellaswag", missing / "hs.jsonl"], "does not exist"),
         (["export", "--model", trained], "nothing to export"),
-        (["finetune", "--init", trained, "--lora-head", "--merge-export", tmp_path / "merged"], "ties the LM head"),
+        (["finetune", "--init", trained, "--lora.include-lm-head", "--merge-export", tmp_path], "ties the LM head"),
         (["train", "--config", missing / "cfg.yaml"], "config file"),
         (["prepare", "--input", missing / "a.txt", "--out-dir", tmp_path / "shards"], "does not exist"),
     ]
@@ -336,7 +334,7 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     cmd = COMMANDS["train"]
     cfg = tmp_path / "run.yaml"
     # YAML 1.1 reads 6e-4 as a string: it must still become a float.
-    cfg.write_text("max_steps: 7\nmax-lr: 6e-4\ncompile: 'false'\n")
+    cfg.write_text("max_steps: 7\nmax-lr: 6e-4\ncompile: false\n")
     options, _ = parse(
         cmd,
         ["--config", str(cfg), "--max-steps", "9", "--device", "cpu"],
@@ -373,14 +371,14 @@ def test_recipe_files_and_print_config_round_trip(tmp_path, capsys):
         "--device",
         "cpu",
         "--print-config",
-        "--lora-rank",
+        "--lora.rank",
         "4",
-        "--lora-targets",
+        "--lora.target-modules",
         "attn.c_attn",
         "mlp.c_fc",
         "-n",
         "3",
-        "--steps",
+        "--max-steps",
         "7",
     )
     assert code == 0
@@ -401,13 +399,15 @@ def test_recipe_files_and_print_config_round_trip(tmp_path, capsys):
 def test_config_file_errors(tmp_path, capsys):
     cases = {
         "a.yaml": ("max_stepz: 3\n", "unknown option 'max_stepz'"),
-        "b.yaml": ("max_steps: many\n", "expected an integer"),
-        "c.yaml": ("max_steps: 2.5\n", "expected an integer"),
+        "b.yaml": ("max_steps: many\n", "max_steps: expected INT, got 'many'"),
+        "c.yaml": ("max_steps: 2.5\n", "max_steps: expected INT, got 2.5"),
         "d.yaml": ("- 1\n- 2\n", "must hold a mapping"),
         "e.json": ("{not json", "not valid YAML"),
         "f.yaml": ("precision: fp8\n", "not one of"),
-        "g.yaml": ("compile: perhaps\n", "expected true or false"),
-        "h.yaml": ("max_lr: .nan\n", "--max-lr must be"),
+        "g.yaml": ("compile: perhaps\n", "not one of ['True', 'False']"),
+        "h.yaml": ("max_lr: .nan\n", "max_lr must be"),
+        "i.yaml": ("max_steps: [1, 2]\n", "expected one value"),
+        "j.yaml": ("print_config: true\n", "unknown option 'print_config'"),
     }
     for name, (text, message) in cases.items():
         path = tmp_path / name
@@ -481,6 +481,13 @@ def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data):
     assert code == 0, err
     # one full pass over the val shard (2000 tokens): 15 batches of 4 x 32 (+1 token for the targets)
     assert f"{15 * 4 * 32:,} tokens" in stdout
+    assert "/15 [" in err  # the progress bar knows its total
+    # the loader's count of one pass is what one pass reads, over shards of several lengths
+    from gpt2.data.loader import TokenLoader, one_pass
+
+    for split, batch_size, seq_len in ((None, 4, 32), ("train", 3, 50), ("train", 1, 7)):
+        loader = TokenLoader(shards, batch_size, seq_len, split=split)
+        assert loader.num_shards > 1 and loader.batches_per_pass == len(list(one_pass(loader)))
 
 
 def test_sample_is_reproducible_and_streams(trained, capsys):
@@ -543,7 +550,7 @@ def test_finetune_from_a_training_run_in_fp16(trained, tmp_path, capsys, caplog)
         "--out-dir",
         out,
         "--no-progress",
-        "--lora-targets",
+        "--lora.target-modules",
         "attn.c_attn",
     )
     assert code == 0, err

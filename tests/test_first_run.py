@@ -88,7 +88,7 @@ def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
             "tiny",
             "--seq-len",
             "32",
-            "--batch-size",
+            "--micro-batch-size",
             "4",
             "--max-steps",
             "3",
@@ -117,7 +117,7 @@ def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
     shrink = {
         "sample": ["--max-new-tokens", "5", "--seed", "0"],
         "finetune": [
-            "--steps",
+            "--max-steps",
             "2",
             "--warmup-steps",
             "1",

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from gpt2.cli.options import BenchOptions
+from gpt2.cli.common import write_json
+from gpt2.cli.layers import Options
+from gpt2.model.config import SHAPE_NAMES
 from gpt2.train.bench import RUNGS, format_table, run_ladder
 from gpt2.train.distributed import uses_cuda
+
+
+@dataclass
+class BenchOptions(Options):
+    """gpt2 bench: the training speed-up ladder (fp32, tf32, bf16, compile, flash, vocab pad, fused AdamW)."""
+
+    model: Literal[SHAPE_NAMES] = "tiny"
+    """model shape"""
+    batch_size: int = 4
+    """sequences per step"""
+    seq_len: int = 64
+    """tokens per sequence"""
+    steps: int = 5
+    """timed steps per repeat"""
+    repeats: int = 3
+    """timed blocks of --steps per rung: the table shows their median and spread"""
+    warmup: int = 2
+    """untimed steps per rung (compilation happens here)"""
+    rungs: str = "fp32,tf32,bf16,compile,flash,vocab_pad,fused_adamw"
+    """comma-separated subset of the rungs"""
+    device: str = "auto"
+    """auto (this process's CUDA GPU when there is one, else CPU), cpu, cuda or cuda:N"""
+    compile: bool = False
+    """time the compile rung (torch.compile); the GPU recipe turns it on, compiling on a CPU is slow"""
+    vocab_size: int | None = 1024
+    """override GPT-2's 50257 tokens (smaller keeps CPU runs quick); None = 50257"""
+    peak_flops: float | None = None
+    """peak FLOP/s for MFU; None = from the GPU name"""
+    json: str | None = None
+    """also write the results as JSON"""
 
 
 def bench(options: BenchOptions) -> list[Any]:
@@ -42,13 +73,7 @@ def bench(options: BenchOptions) -> list[Any]:
     print()
     print(format_table(results))
     if options.json:
-        out = Path(options.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}, indent=2
-            )
-            + "\n"
+        write_json(
+            options.json, {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}
         )
-        print(f"wrote {out}")
     return results

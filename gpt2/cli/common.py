@@ -1,21 +1,73 @@
-"""What several jobs share: the usage error, sampling to stdout, and the end-of-training report."""
+"""What several commands share: option groups, the usage error, sampling to stdout, and the
+end-of-training report."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+import tyro
 
-from gpt2.cli.options import ModelShape, SamplingOptions
-from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.generate import stream_text
+
+# A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
+Flat = tyro.conf.OmitArgPrefixes
+Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 
 
 class UsageError(Exception):
     """Bad options, values or files: the command line reports it in one line, exit code 2."""
+
+
+@dataclass
+class DataOptions:
+    data: str = "shakespeare"
+    """training data: a text file, a .npy/.bin token file, a directory of shards (from `gpt2 prepare`), an
+    instruction .jsonl (gpt2 finetune) or 'shakespeare' (Tiny Shakespeare, downloaded once and cached)"""
+    val_data: str | None = None
+    """validation data; None = a shard directory's val shards, or the end of a text / token file"""
+    val_fraction: float = 0.1
+    """fraction at the end of a text / token file held out for validation"""
+
+
+@dataclass
+class SamplingOptions:
+    prompt: str = "Hello, I'm a language model,"
+    """text the samples continue; empty = an unconditional sample"""
+    num_samples: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 1
+    """how many samples to draw"""
+    max_new_tokens: int = 100
+    """tokens to sample after the prompt"""
+    temperature: float = 1.0
+    """softmax temperature; 0 = greedy"""
+    top_k: int | None = 50
+    """sample from the k most likely tokens; None = all"""
+    top_p: float | None = None
+    """nucleus sampling: the smallest set of tokens with this much probability; None = off"""
+
+
+@dataclass
+class InstructionOptions:
+    instruction: str | None = None
+    """sample the response to this instruction: the prompt is the instruction template of docs/lora.md
+    (gpt2.instruct.TEMPLATE) and only the response is printed"""
+    input: str | None = None
+    """the optional input of --instruction (the template's '### Input:' part)"""
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int = 1
+    """start this many processes on this machine (one per GPU; gloo on CPU), like torchrun --standalone
+    --nproc-per-node N; Ctrl-C stops them all with one line"""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
 
 
 def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
@@ -81,22 +133,6 @@ def print_samples(
     return texts
 
 
-def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
-    """The GPTConfig of ``--model`` with the ``--n-layer`` / ``--n-head`` / ``--n-embd`` / ...
-    overrides; the context defaults to ``--seq-len``."""
-    dims = dict(SHAPES[shape.model])
-    for name in ("n_layer", "n_head", "n_embd"):
-        if getattr(shape, name) is not None:
-            dims[name] = getattr(shape, name)
-    return GPTConfig(
-        block_size=shape.block_size or seq_len,
-        dropout=shape.dropout,
-        flash=shape.flash,
-        pad_vocab_multiple=shape.pad_vocab_multiple,
-        **dims,
-    )
-
-
 def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:
     """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Under
     DDP every rank must call this: each scores its share of the batches and the sums are
@@ -155,7 +191,11 @@ def final_report(
 
 
 def write_results(out_dir: Path, results: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "results.json"
-    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    write_json(out_dir / "results.json", results)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {path}")

@@ -2,19 +2,52 @@
 
 from __future__ import annotations
 
-import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpt2.cli.common import UsageError
-from gpt2.cli.options import EvalOptions
+from gpt2.cli.common import Precision, UsageError, write_json
+from gpt2.cli.layers import Options
 from gpt2.data.sources import is_text, load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
 from gpt2.model.loading import apply_adapter, load_model
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
+
+
+@dataclass
+class EvalOptions(Options):
+    """gpt2 eval: validation loss / perplexity on token data, and HellaSwag accuracy."""
+
+    model: str = "gpt2"
+    """a hub id, a transformers directory, or a checkpoint / run directory of `gpt2 train`"""
+    adapter: str | None = None
+    """a LoRA adapter to add first"""
+    data: str | None = None
+    """tokens to score: a shard directory (its --split shards), a .npy/.bin token file, a text file or
+    'shakespeare' (texts: their last --val-fraction)"""
+    split: str = "val"
+    """which shards of a shard directory to score"""
+    val_fraction: float = 0.1
+    """for a text: score its last fraction, the part `gpt2 train` holds out; 0 = the whole text"""
+    batch_size: int = 4
+    """sequences per forward pass"""
+    seq_len: int | None = None
+    """tokens per sequence; None = the model's context, at most 1024"""
+    max_batches: int | None = None
+    """score at most this many batches; None = all"""
+    hellaswag: str | None = None
+    """HellaSwag val jsonl to score, or 'auto' to download and cache it ($GPT2_HELLASWAG overrides)"""
+    hellaswag_limit: int | None = None
+    """score only the first N HellaSwag examples"""
+    device: str = "auto"
+    """auto (this process's CUDA GPU when there is one, else CPU), cpu, cuda or cuda:N"""
+    precision: Precision = "auto"
+    """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"""
+    output: str | None = None
+    """also write the results to this JSON file"""
 
 
 def evaluate(options: EvalOptions) -> dict[str, Any]:
@@ -66,8 +99,5 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
             f"{time.time() - start:.1f} s"
         )
     if options.output:
-        out = Path(options.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {out}")
+        write_json(options.output, results)
     return results

@@ -1,23 +1,66 @@
-"""``gpt2 finetune``: LoRA (or ``--full``) fine-tuning of GPT-2 weights on a text, or on
-instruction rows (``--data x.jsonl``, see :mod:`gpt2.instruct`), with samples before and after,
-the adapter saved, and optionally a PEFT adapter and a merged transformers export."""
+"""``gpt2 finetune``: LoRA or full fine-tuning, samples before and after, the adapter and exports."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
 
 import minlora
-from gpt2.cli.common import UsageError, check_sampling, final_report, instruction_prompt, print_samples, val_loss
-from gpt2.cli.options import FinetuneOptions
+from gpt2.cli.common import (
+    DataOptions,
+    Flat,
+    InstructionOptions,
+    LaunchOptions,
+    SamplingOptions,
+    UsageError,
+    check_sampling,
+    final_report,
+    instruction_prompt,
+    print_samples,
+    val_loss,
+)
+from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import shakespeare_or_path, training_data
 from gpt2.model.loading import load_model
+from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
 from gpt2.train.trainer import Trainer, seed_everything
+from minlora import LoRAConfig
+
+
+@dataclass
+class FinetuneOptions(Options):
+    """gpt2 finetune: LoRA (or --full) fine-tuning of GPT-2 weights on a text, or on instruction rows
+    (--data x.jsonl: Alpaca or prompt/response rows, loss on the responses only; docs/lora.md)."""
+
+    init: str = "gpt2"
+    """the weights to start from: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a
+    checkpoint / run directory of `gpt2 train`"""
+    data: Annotated[DataOptions, Flat] = field(default_factory=DataOptions)
+    lora: Annotated[LoRAConfig, tyro.conf.SuppressFixed] = field(default_factory=LoRAConfig)  # target_types: no flag
+    train: Annotated[TrainConfig, Flat] = field(default_factory=TrainConfig)
+    final_eval_batches: int | None = None
+    """batches of the final validation loss; None = the whole validation data"""
+    peft_export: str | None = None
+    """also write the adapter in PEFT format here"""
+    merge_export: str | None = None
+    """merge the adapter into the weights and write a transformers directory here"""
+    full: bool = False
+    """full fine-tuning: train every weight, no LoRA; the run directory then holds the whole model
+    (gpt2 sample --model OUT_DIR)"""
+    pack: bool = False
+    """instruction data (.jsonl): pack several rows into each sequence (a row attends to the rows before it);
+    default: one row per sequence, padded"""
+    instruct: Annotated[InstructionOptions, Flat] = field(default_factory=InstructionOptions)
+    launch: Annotated[LaunchOptions, Flat] = field(default_factory=LaunchOptions)
+    sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
 
 
 def check(options: FinetuneOptions) -> None:

@@ -1,140 +1,102 @@
-"""Where a command's option values come from, lowest priority first:
+"""Where a command's option values come from, lowest priority first: the defaults of its options
+dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml`` for this machine, or any
+YAML path), the example script's own defaults, ``--config FILE`` and the flags.
 
-1. the defaults of its options dataclass (:mod:`gpt2.jobs.options`);
-2. a recipe: a YAML file in ``gpt2/recipes/`` (``--recipe shakespeare`` picks
-   ``shakespeare-gpu.yaml`` or ``shakespeare-cpu.yaml`` for this machine) or any path;
-3. ``--config my.yaml``, the user's own file, in the same format;
-4. the flags.
-
-A YAML file holds the option names as keys (``max_steps: 100`` or ``max-steps: 100``); a group
-with a prefix (``lora``) is a nested mapping (``lora: {rank: 8}``). ``--print-config`` writes
-exactly that format, so its output is a valid ``--config`` file.
+The files and the script's defaults make the *default instance* that tyro parses the flags over,
+so ``--help`` shows the values a run would use. A YAML file holds option names as keys
+(``max_steps: 100`` or ``max-steps: 100``; a prefixed group such as ``lora`` is a mapping), and
+each value is converted by tyro's own rule for the field's type, as a flag's would be.
+``--print-config`` writes that format, so its output is a valid ``--config`` file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import types
+import functools
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any
 
+import tyro
 import yaml
+from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RENAMED = {"gpt2-124m": "gpt2-124m-fineweb"}  # earlier recipe names (CHANGELOG.md)
 
 
 class ConfigError(ValueError):
     """A recipe or config file that does not fit the command's options."""
 
 
+class OptionError(Exception):
+    """A value an options dataclass rejected while tyro built it (not a ValueError, so that tyro
+    lets it through instead of drawing its own error box): one line, exit code 2."""
+
+
+@dataclasses.dataclass
+class Options:
+    """The fields every command has: where the other values come from."""
+
+    recipe: Annotated[str | None, tyro.conf.arg(metavar="NAME|FILE")] = None
+    """a YAML file, or a packaged recipe NAME (gpt2/recipes/NAME-cpu.yaml or NAME-gpu.yaml for this
+    machine's --device): shakespeare or gpt2-124m-fineweb (train), finetune, eval, bench; its values are the
+    defaults shown"""
+    config: Annotated[str | None, tyro.conf.arg(metavar="FILE")] = None
+    """a YAML file of option values (keys: option names, as --print-config writes), over the recipe, under flags"""
+    print_config: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
+    """print the resolved options as YAML (a valid --config file) instead of running"""
+
+
 # --------------------------------------------------------------------------- the dataclass tree
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, include_extras=True)
+def _spec(hint: Any) -> PrimitiveConstructorSpec | None:
+    """tyro's rule for a field that one flag sets (None for a nested group or an unsupported type)."""
+    spec = ConstructorRegistry.get_primitive_spec(PrimitiveTypeInfo.make(hint, set()))
+    return spec if isinstance(spec, PrimitiveConstructorSpec) else None
 
 
-def _split_annotated(hint: Any) -> tuple[Any, tuple[Any, ...]]:
-    if typing.get_origin(hint) is typing.Annotated:
-        base, *extras = typing.get_args(hint)
-        return base, tuple(extras)
-    return hint, ()
-
-
-def _is_flat(extras: tuple[Any, ...]) -> bool:
-    import tyro
-
-    return any(e is tyro.conf.OmitArgPrefixes for e in extras)
-
-
-def _is_option_type(hint: Any) -> bool:
-    """Types a flag or a YAML value can hold (LoRAConfig.target_types, classes, cannot)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType, tuple):
-        return all(a is Ellipsis or a is type(None) or _is_option_type(a) for a in args)
-    return origin is Literal or hint in (int, float, str, bool)
-
-
-def option_fields(cls: type) -> list[tuple[tuple[str, ...], str, Any]]:
-    """Every leaf option of ``cls``: (path of attribute names, YAML key path, type).
-
-    A flattened group's fields sit at the level of their parent; a prefixed group (``lora``)
-    opens a nested level."""
-    out = []
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        base, extras = _split_annotated(hints[f.name])
+@functools.cache
+def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """``{YAML key: (attribute path, type)}`` for every option of ``cls``: a group marked
+    ``OmitArgPrefixes`` is flat (``max_steps``), another opens a level (``lora.rank``)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        base, *extras = typing.get_args(hint) if typing.get_origin(hint) is typing.Annotated else (hint,)
         if dataclasses.is_dataclass(base):
-            for path, key, t in option_fields(base):
-                out.append(((f.name, *path), key if _is_flat(extras) else f"{f.name}.{key}", t))
-        elif f.init and _is_option_type(base):
-            out.append(((f.name,), f.name, base))
+            flat = tyro.conf.OmitArgPrefixes in extras
+            for key, (path, t) in option_fields(base).items():
+                out[key if flat else f"{name}.{key}"] = ((name, *path), t)
+        elif _spec(base) is not None:
+            out[name] = ((name,), base)
     return out
-
-
-def _dataclasses_in(cls: type) -> set[type]:
-    found = {cls}
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        base, _ = _split_annotated(hints[f.name])
-        if dataclasses.is_dataclass(base):
-            found |= _dataclasses_in(base)
-    return found
-
-
-@contextlib.contextmanager
-def validation_off(cls: type):
-    """Skip ``__post_init__`` of the dataclasses in ``cls``'s tree while tyro builds them.
-
-    tyro constructs nested dataclasses itself and reports their ValueErrors in a box of its own,
-    in the library's words (``TrainConfig.max_lr``). We let it parse without checks, then
-    :func:`build` the real objects, so a bad value is reported like every other error: in one
-    line, naming the flag."""
-    saved = {c: c.__dict__["__post_init__"] for c in _dataclasses_in(cls) if "__post_init__" in c.__dict__}
-    try:
-        for c in saved:
-            c.__post_init__ = lambda self: None
-        yield
-    finally:
-        for c, method in saved.items():
-            c.__post_init__ = method
 
 
 def build(cls: type, values: dict[str, Any]) -> Any:
-    """An instance of the options dataclass ``cls`` from flat ``{"a.b": value}`` values."""
-
-    def make(c: type, path: tuple[str, ...]) -> Any:
-        kwargs = {}
-        hints = _hints(c)
-        for f in dataclasses.fields(c):
-            if not f.init:
-                continue
-            base, _ = _split_annotated(hints[f.name])
-            if dataclasses.is_dataclass(base):
-                kwargs[f.name] = make(base, (*path, f.name))
-            elif (*path, f.name) in by_path:
-                kwargs[f.name] = by_path[(*path, f.name)]
-        return c(**kwargs)
-
-    keys = {key: path for path, key, _ in option_fields(cls)}
-    by_path = {keys[k]: v for k, v in values.items()}
-    return make(cls, ())
+    """``cls()`` with the flat ``values`` set; unchecked: tyro builds (and so checks) the real one."""
+    options = cls()
+    for key, value in values.items():
+        path = option_fields(cls)[key][0]
+        setattr(functools.reduce(getattr, path[:-1], options), path[-1], value)
+    return options
 
 
-def to_flat(options: Any) -> dict[str, Any]:
-    """``{"yaml.key": value}`` for every option of an options instance (tuples as lists)."""
-    out = {}
-    for path, key, _ in option_fields(type(options)):
-        value = options
-        for name in path:
-            value = getattr(value, name)
-        out[key] = value
-    return out
+def dump_yaml(options: Any, header: str) -> str:
+    """The resolved options as a YAML file that ``--config`` reads back."""
+    nested: dict[str, Any] = {}
+    for key, (path, _) in option_fields(type(options)).items():
+        if key in ("recipe", "config", "print_config"):
+            continue  # already applied: the values below are the whole story
+        value = functools.reduce(getattr, path, options)
+        *groups, name = key.split(".")
+        functools.reduce(lambda level, g: level.setdefault(g, {}), groups, nested)[name] = (
+            list(value) if isinstance(value, tuple) else value
+        )
+    return header + yaml.safe_dump(nested, sort_keys=False, default_flow_style=None)
 
 
 # --------------------------------------------------------------------------- YAML files
 def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
-    """The flat option values of a recipe / config file, converted and checked against ``cls``."""
+    """The flat option values of a recipe / config file, each converted to its field's type."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -145,108 +107,35 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must hold a mapping of option names to values, got {type(data).__name__}")
-    types_by_key = {key: t for _, key, t in option_fields(cls)}
-    if what == "config file":
-        types_by_key["recipe"] = str  # a config file may name the recipe it builds on
+    fields = {k: v for k, v in option_fields(cls).items() if k not in ("config", "print_config")}
     values = {}
     for key, value in _flatten(data).items():
         key = key.replace("-", "_")
-        if key not in types_by_key:
-            known = ", ".join(sorted(types_by_key))
-            raise ConfigError(f"{what} {path}: unknown option {key!r}; the options are: {known}")
-        values[key] = coerce(value, types_by_key[key], f"{what} {path}: {key}")
+        if key not in fields:
+            raise ConfigError(f"{what} {path}: unknown option {key!r}; the options are: {', '.join(sorted(fields))}")
+        values[key] = _convert(value, fields[key][1], f"{what} {path}: {key}")
     return values
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out = {}
     for key, value in data.items():
-        key = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, key + "."))
-        else:
-            out[key] = value
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
 
 
-def coerce(value: Any, hint: Any, where: str) -> Any:
-    """A YAML value as the field's type: YAML 1.1 reads ``6e-4`` as a string, lists as lists."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0] if errors else ConfigError(f"{where}: unexpected value {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
-        return value
-    if origin is tuple:
-        items = value if isinstance(value, list) else [value]
-        inner = args[0] if len(args) == 2 and args[1] is Ellipsis else None
-        if inner is None and len(args) != len(items):
-            raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
-        return tuple(coerce(v, inner or args[i], where) for i, v in enumerate(items))
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "yes", "on", "false", "no", "off"):
-            return str(value).lower() in ("true", "yes", "on")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if hint in (int, float):
-        if isinstance(value, (bool, list, dict)) or value is None:
-            raise ConfigError(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {value!r}")
-        try:
-            number = float(value) if hint is float else int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"{where}: expected {'an integer' if hint is int else 'a number'}, got {value!r}"
-            ) from None
-        if hint is int and float(value) != number:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return number
-    if hint is str:
-        if isinstance(value, (list, dict)) or value is None:
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def dump_yaml(options: Any, header: str) -> str:
-    """The resolved options as a YAML file that ``--config`` reads back."""
-    nested: dict[str, Any] = {}
-    for key, value in to_flat(options).items():
-        value = list(value) if isinstance(value, tuple) else value
-        *groups, name = key.split(".")
-        level = nested
-        for g in groups:
-            level = level.setdefault(g, {})
-        level[name] = value
-    return header + yaml.safe_dump(nested, sort_keys=False, default_flow_style=None)
-
-
-# --------------------------------------------------------------------------- recipes
-def recipe_names(cls: type | None = None) -> list[str]:
-    """The packaged recipes (those whose keys are all options of ``cls``, when given); ``name``
-    stands for ``name-cpu`` / ``name-gpu`` where both exist."""
-    stems = []
-    for path in sorted(RECIPE_DIR.glob("*.yaml")):
-        if cls is not None:
-            try:
-                read_yaml(path, cls, "recipe")
-            except ConfigError:
-                continue  # a recipe of another command
-        stems.append(path.stem)
-    paired = {s.rsplit("-", 1)[0] for s in stems if s.endswith(("-cpu", "-gpu"))}
-    return sorted((set(stems) - {f"{p}-{d}" for p in paired for d in ("cpu", "gpu")}) | paired)
-
-
-RENAMED = {"gpt2-124m": "gpt2-124m-fineweb"}  # earlier names (CHANGELOG.md)
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """A YAML value as tyro converts the same text given as a flag (YAML 1.1 reads 6e-4 as a string)."""
+    spec = _spec(hint)
+    texts = [str(v) for v in (value if isinstance(value, list) else [value])]
+    if isinstance(value, list) and spec.nargs == 1:
+        raise ConfigError(f"{where}: expected one value ({spec.metavar}), got a list {value!r}")
+    if spec.choices is not None and not set(texts) <= set(spec.choices):
+        raise ConfigError(f"{where}: {value!r} is not one of {list(spec.choices)}")
+    try:
+        return spec.instance_from_str(texts)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: expected {spec.metavar}, got {value!r}") from e
 
 
 def recipe_path(name: str, on_cuda: bool) -> Path:
@@ -260,4 +149,81 @@ def recipe_path(name: str, on_cuda: bool) -> Path:
     for stem in (f"{name}-{'gpu' if on_cuda else 'cpu'}", name):
         if (RECIPE_DIR / f"{stem}.yaml").is_file():
             return RECIPE_DIR / f"{stem}.yaml"
-    raise ConfigError(f"unknown recipe {name!r}; choose one of {', '.join(recipe_names())}, or give a YAML path")
+    names = sorted({p.stem.removesuffix("-cpu").removesuffix("-gpu") for p in RECIPE_DIR.glob("*.yaml")})
+    raise ConfigError(f"unknown recipe {name!r}; choose one of {', '.join(names)}, or give a YAML path")
+
+
+# --------------------------------------------------------------------------- parsing
+def _flag(argv: list[str], name: str) -> str | None:
+    """The last value of ``--name X`` / ``--name=X`` in ``argv``: the files to read before tyro parses."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.partition("=")[2]
+    return value
+
+
+_registry = ConstructorRegistry()
+_wrapping: list[bool] = []
+
+
+@_registry.struct_rule
+def _checked(info: Any) -> Any:
+    """tyro's own rule for a dataclass, with the dataclass's ValueError raised as OptionError."""
+    if _wrapping or not dataclasses.is_dataclass(info.type):
+        return None
+    _wrapping.append(True)
+    try:
+        spec = ConstructorRegistry.get_struct_spec(info)  # the rule below this one
+    finally:
+        _wrapping.pop()
+
+    def instantiate(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return spec.instantiate(*args, **kwargs)
+        except ValueError as e:
+            raise OptionError(str(e)) from e
+
+    return dataclasses.replace(spec, instantiate=instantiate)
+
+
+def parse(
+    cls: type,
+    argv: list[str],
+    *,
+    prog: str,
+    recipe: str | None = None,
+    defaults: dict[str, Any] | None = None,
+    description: str | None = None,
+) -> Any:
+    """The options ``cls`` from its defaults < recipe < ``defaults`` < ``--config`` < ``argv``."""
+    from gpt2.train.distributed import uses_cuda
+
+    defaults = dict(defaults or {})
+    config = _flag(argv, "--config")
+    if config and not Path(config).expanduser().exists():
+        raise ConfigError(f"config file {config!r} does not exist")
+    from_file = read_yaml(Path(config).expanduser(), cls, "config file") if config else {}
+    recipe = _flag(argv, "--recipe") or from_file.pop("recipe", None) or defaults.pop("recipe", None) or recipe
+    recipe_values = read_yaml(recipe_path(recipe, uses_cuda(_flag(argv, "--device"))), cls, "recipe") if recipe else {}
+    values = {**recipe_values, **defaults, **from_file, "recipe": recipe}
+    # A recipe's warmup belongs to its run length: with another --max-steps and no warmup of the
+    # user's, it keeps its fraction of the run (tyro builds TrainConfig before we see --max-steps,
+    # so it starts from no warmup, which fits any run).
+    given = {*defaults, *from_file, *(a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--"))}
+    scale = {"max_steps", "warmup_steps"} <= recipe_values.keys() and "warmup_steps" not in given
+    if scale:
+        values["warmup_steps"] = 0 if "max_steps" in given else _warmup(recipe_values, values["max_steps"])
+    with _registry:
+        default = build(cls, values)
+        options = tyro.cli(cls, args=argv, default=default, prog=prog, description=description or cls.__doc__)
+    if scale:
+        options.train = dataclasses.replace(options.train, warmup_steps=_warmup(recipe_values, options.train.max_steps))
+    return options
+
+
+def _warmup(recipe: dict[str, Any], steps: int) -> int:
+    planned, warmup = recipe["max_steps"], recipe["warmup_steps"]
+    return min(warmup, warmup * steps // planned) if planned > 0 else warmup

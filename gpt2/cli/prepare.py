@@ -1,17 +1,52 @@
-"""``gpt2 prepare``: text files, jsonl files or a Hugging Face dataset -> token shards
-(build-nanogpt's layout: the first shard is the val split; one text file is split by
-``--val-fraction`` instead)."""
+"""``gpt2 prepare``: text files, jsonl files or a Hugging Face dataset -> token shards."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from gpt2.cli.common import UsageError
-from gpt2.cli.options import PrepareOptions
+from gpt2.cli.layers import Options
 from gpt2.data import iter_jsonl, load_tokens, read_text, tokenize_file, write_shards
+
+
+@dataclass
+class PrepareOptions(Options):
+    """gpt2 prepare: tokenise documents with GPT-2's BPE into uint16 token shards (build-nanogpt's layout:
+    the first shard is the val split, the others train; one text file is split by --val-fraction instead)."""
+
+    input: tuple[str, ...] = ()
+    """text files (one document each), .jsonl files (one document per line) or directories of them"""
+    dataset: str | None = None
+    """a Hugging Face dataset to stream instead (needs `pip install datasets`), e.g. HuggingFaceFW/fineweb-edu"""
+    dataset_config: str | None = None
+    """the dataset's configuration, e.g. sample-10BT"""
+    split: str = "train"
+    """the dataset split to read"""
+    text_field: str = "text"
+    """the field holding the text in jsonl rows / dataset rows"""
+    out_dir: str = "data/shards"
+    """where the shards go"""
+    prefix: str | None = None
+    """shard file-name prefix; None = the text file's name, or 'shard'"""
+    shard_size: int = 10**8
+    """tokens per shard (10^8 = 200 MB, build-nanogpt's size)"""
+    val_fraction: float = 0.1
+    """for a single text file: the fraction at its end kept for validation"""
+    num_workers: int = 0
+    """tokeniser processes; 0 = tokenise in this process"""
+    max_docs: int | None = None
+    """stop after this many documents (for a quick try)"""
+    overwrite: bool = False
+    """replace shards with the same prefix already in --out-dir"""
+    format: Literal["npy", "bin"] = "npy"
+    """shard files: npy (numpy), or bin (llm.c's headered layout, which llm.c trains on as is)"""
+    progress: bool = True
+    """show a progress bar"""
 
 
 def prepare(options: PrepareOptions) -> int:

@@ -1,15 +1,46 @@
-"""``gpt2 sample``: stream text from a hub id, a transformers directory, a checkpoint or run
-directory of ``gpt2 train``, optionally with a LoRA adapter, optionally as an instruction."""
+"""``gpt2 sample``: stream text from a model, optionally with a LoRA adapter or as an instruction."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Annotated
+
 import torch
 
-from gpt2.cli.common import check_sampling, instruction_prompt, print_samples
-from gpt2.cli.options import SampleOptions
+from gpt2.cli.common import (
+    Flat,
+    InstructionOptions,
+    Precision,
+    SamplingOptions,
+    check_sampling,
+    instruction_prompt,
+    print_samples,
+)
+from gpt2.cli.layers import Options
 from gpt2.model.loading import apply_adapter, load_model
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
+
+
+@dataclass
+class SampleOptions(Options):
+    """gpt2 sample: stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)."""
+
+    model: str = "gpt2"
+    """a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a checkpoint / run directory of
+    `gpt2 train`"""
+    adapter: str | None = None
+    """a LoRA adapter to add: the `adapter` directory `gpt2 finetune` writes, or a PEFT adapter directory"""
+    sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
+    instruct: Annotated[InstructionOptions, Flat] = field(default_factory=InstructionOptions)
+    seed: int | None = None
+    """seed of the sampler, for reproducible samples; None = random"""
+    device: str = "auto"
+    """auto (this process's CUDA GPU when there is one, else CPU), cpu, cuda or cuda:N"""
+    precision: Precision = "auto"
+    """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"""
+    compile: bool = False
+    """torch.compile the model first (pays off for long samples on a GPU)"""
 
 
 def sample(options: SampleOptions) -> int:

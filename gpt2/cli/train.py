@@ -4,16 +4,74 @@ from __future__ import annotations
 
 import shlex
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from gpt2.cli.common import UsageError, check_sampling, final_report, model_config
-from gpt2.cli.options import TrainOptions
+from gpt2.cli.common import DataOptions, Flat, LaunchOptions, SamplingOptions, UsageError, check_sampling, final_report
+from gpt2.cli.layers import Options
 from gpt2.data.sources import shakespeare_or_path, training_data
 from gpt2.eval.hellaswag import HellaSwagCallback, resolve_hellaswag
+from gpt2.model.config import SHAPE_NAMES, SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
+from gpt2.train.config import TrainConfig
 from gpt2.train.rundir import LOCK_FILE
 from gpt2.train.trainer import Trainer, seed_everything
+
+
+@dataclass
+class ModelShape:
+    model: Literal[SHAPE_NAMES] = "mini"
+    """model shape: a GPT-2 preset (gpt2 = 124M), mini (4 layers x 128) or tiny (2 x 32)"""
+    n_layer: int | None = None
+    """override the shape's number of layers"""
+    n_head: int | None = None
+    """override the shape's number of heads"""
+    n_embd: int | None = None
+    """override the shape's width"""
+    block_size: int | None = None
+    """context length of the model; None = --seq-len"""
+    dropout: float = 0.0
+    """dropout probability"""
+    pad_vocab_multiple: int = 1
+    """round the vocabulary up to a multiple of this (64: 50257 -> 50304, faster on GPUs)"""
+    flash: bool = True
+    """scaled_dot_product_attention (flash attention on GPUs); False = explicit softmax attention"""
+
+
+@dataclass
+class TrainOptions(Options):
+    """gpt2 train: pretrain a GPT-2 from scratch, then report validation loss and samples."""
+
+    data: Annotated[DataOptions, Flat] = field(default_factory=DataOptions)
+    shape: Annotated[ModelShape, Flat] = field(default_factory=ModelShape)
+    train: Annotated[TrainConfig, Flat] = field(default_factory=TrainConfig)
+    final_eval_batches: int | None = None
+    """batches of the final validation loss; None = the whole validation data"""
+    hellaswag: str | None = None
+    """score HellaSwag (val jsonl path, or 'auto' to download and cache it) during and after training"""
+    hellaswag_interval: int = 250
+    """HellaSwag every N steps (and at the end); 0 = only at the end"""
+    hellaswag_limit: int | None = None
+    """score only the first N HellaSwag examples"""
+    launch: Annotated[LaunchOptions, Flat] = field(default_factory=LaunchOptions)
+    sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
+
+
+def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
+    """The GPTConfig of ``--model`` with the ``--n-layer`` / ``--n-head`` / ``--n-embd`` / ...
+    overrides; the context defaults to ``--seq-len``."""
+    dims = dict(SHAPES[shape.model])
+    for name in ("n_layer", "n_head", "n_embd"):
+        if getattr(shape, name) is not None:
+            dims[name] = getattr(shape, name)
+    return GPTConfig(
+        block_size=shape.block_size or seq_len,
+        dropout=shape.dropout,
+        flash=shape.flash,
+        pad_vocab_multiple=shape.pad_vocab_multiple,
+        **dims,
+    )
 
 
 def check(options: TrainOptions) -> None:

@@ -230,6 +230,11 @@ class TokenLoader:
         return sum(shard.length for shard in self._shards)
 
     @property
+    def batches_per_pass(self) -> int:
+        """Steps in one pass over every shard (a shard's tail shorter than a step is skipped)."""
+        return sum(max(1, (shard.length - 1) // self.tokens_per_step) for shard in self._shards)
+
+    @property
     def num_shards(self) -> int:
         return len(self._shards)
 

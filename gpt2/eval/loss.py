@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ContextManager, Union
 
 import torch
@@ -117,11 +117,15 @@ def evaluate_loss(
         )
     device = torch.device(device) if device is not None else _model_device(model)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    batches = _eval_batches(data, batch_size, seq_len, max_batches, split, vocab_size)
+    loader = _eval_loader(data, batch_size, seq_len, split, vocab_size)
+    batches = one_pass(loader, max_batches)
     if progress:
         from tqdm.auto import tqdm
 
-        batches = tqdm(batches, total=max_batches, desc="eval", unit="batch", dynamic_ncols=True, leave=False)
+        known = [n for n in (max_batches, getattr(loader, "batches_per_pass", None)) if n]  # the bar's total
+        batches = tqdm(
+            batches, total=min(known, default=None), desc="eval", unit="batch", dynamic_ncols=True, leave=False
+        )
     was_training = model.training
     model.eval()
     # [summed loss, scored tokens]: float64 so a long pass loses no precision, one tensor so the
@@ -185,14 +189,13 @@ def _rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
-def _eval_batches(
+def _eval_loader(
     data: Any,
     batch_size: int,
     seq_len: int,
-    max_batches: int | None,
     split: str | None,
     vocab_size: int | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Any:
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -201,4 +204,4 @@ def _eval_batches(
     else:
         # ids are checked against the model's vocabulary here, on the CPU (forward never syncs to check)
         loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
-    return one_pass(loader, max_batches)
+    return loader

@@ -65,6 +65,7 @@ class TrainConfig:
     fused_adamw: bool | Literal["auto"] = "auto"  # "auto" = fused kernel when every parameter is on CUDA
 
     # --- precision and speed ---------------------------------------------------------------
+
     # auto = bf16 on GPUs that support it, fp16 with loss scaling on older GPUs, fp32 on CPU
     precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = "auto"
     compile: bool = False  # torch.compile the model for training and evaluation
@@ -89,6 +90,7 @@ class TrainConfig:
     overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------
+
     # Stop with TrainingDivergedError after this many consecutive steps whose loss or gradient
     # norm was non-finite (each of them is skipped, so the weights stay clean).
     max_bad_steps: int = 5
