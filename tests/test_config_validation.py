@@ -44,6 +44,8 @@ NEGATIVE_INVALID = {
     "eps",
     "grad_clip",
     "peak_flops",
+    "recovery_lr_factor",
+    "divergence_factor",
 }
 
 
@@ -98,7 +100,7 @@ def test_float_fields_reject_negative(cls, name):
 @pytest.mark.parametrize("cls,name", FLOAT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS])
 def test_float_fields_accept_an_int_and_store_a_float(cls, name):
     # An int is a fine float (YAML `weight_decay: 0`); it is stored as a float.
-    value = 0 if name in ("dropout", "weight_decay", "grad_clip", "min_lr") else 1
+    value = 0 if name in ("dropout", "weight_decay", "grad_clip", "min_lr") else 2 if name == "divergence_factor" else 1
     config = _build(cls, **{name: value})
     assert isinstance(getattr(config, name), float) and getattr(config, name) == value
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -328,3 +329,52 @@ def test_evaluate_loss_checks_token_ids_before_the_model(tiny_config):
     tokens = (np.arange(400) % 200).astype(np.uint16)
     with pytest.raises(ValueError, match="vocabulary"):
         evaluate_loss(model, tokens, 2, 16)
+
+
+# --------------------------------------------------------------------------- non-finite loss
+def test_gpt2_eval_of_a_broken_model_exits_non_zero_naming_it(tmp_path):
+    """A model whose loss is NaN (here a NaN final layer norm) is never reported as a number
+    with exit 0: one line naming the model directory, exit 2 (a bad input)."""
+    import subprocess
+    import sys
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=32))
+    with torch.no_grad():
+        hf.transformer.ln_f.weight[0] = float("nan")
+    model_dir = tmp_path / "broken-model"
+    hf.save_pretrained(model_dir)
+    tokens = tmp_path / "val.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 50257, 200, dtype=np.uint16))
+    args = ["--model", str(model_dir), "--data", str(tokens), "--seq-len", "16", "--batch-size", "2", "--device", "cpu"]
+    result = subprocess.run([sys.executable, "-m", "gpt2", "eval", *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    # stderr also holds the progress bar ("eval: 2batch [...]", erased when done)
+    lines = [line for line in re.split(r"[\r\n]", result.stderr) if line.strip() and not line.startswith("eval:")]
+    assert len(lines) == 1 and lines[0].startswith("gpt2 eval: error: "), result.stderr
+    assert str(model_dir) in lines[0] and "nan" in lines[0]
+    assert "val loss" not in result.stdout
+
+
+def test_trainer_evaluation_of_a_non_finite_model_raises_naming_the_run(tmp_path):
+    """Trainer.evaluate and the end-of-training evaluation (gpt2.cli.common.val_loss, what
+    `gpt2 train` reports) refuse a NaN loss with an error naming the run directory."""
+    from gpt2 import TrainConfig
+    from gpt2.cli.common import val_loss
+    from gpt2.eval.loss import NonFiniteLossError
+    from gpt2.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+    tokens = torch.randint(0, 64, (400,))
+    config = TrainConfig(micro_batch_size=2, seq_len=16, max_steps=1, out_dir=str(tmp_path / "run"), progress=False)
+    with Trainer(model, config, tokens, tokens, sinks=[]) as trainer:
+        assert math.isfinite(trainer.evaluate())
+        with torch.no_grad():
+            model.lm_head.weight[3, 0] = float("inf")
+        with pytest.raises(NonFiniteLossError, match=r"model being trained \(out_dir .*run, step 0\).* (nan|inf)"):
+            trainer.evaluate()
+        with pytest.raises(NonFiniteLossError, match=r"model trained in .*run \(step 0\)"):
+            val_loss(trainer, tokens, max_batches=2)

@@ -239,7 +239,8 @@ def test_non_finite_loss_is_skipped_and_training_continues(tiny_config):
 
 def test_repeated_non_finite_steps_raise_and_name_last_good_checkpoint(tiny_config, tmp_path, caplog):
     model = _model(tiny_config)
-    config = _config(out_dir=str(tmp_path), max_steps=20, max_bad_steps=3, checkpoint_interval=2)
+    # recover=False: stop at the first divergence (test_recovery covers going back instead)
+    config = _config(out_dir=str(tmp_path), max_steps=20, max_bad_steps=3, checkpoint_interval=2, recover=False)
     trainer = Trainer(model, config, _tokens(), sinks=[])
     _nan_loss_at(model, calls={3}, from_call=6)  # step 3 bad once, then every step from 6 on
     with caplog.at_level(logging.WARNING, logger="gpt2"), pytest.raises(TrainingDivergedError) as info:
@@ -263,7 +264,7 @@ def test_repeated_non_finite_steps_raise_and_name_last_good_checkpoint(tiny_conf
 
 def test_divergence_without_any_checkpoint_says_so(tiny_config):
     model = _model(tiny_config)
-    trainer = Trainer(model, _config(max_bad_steps=2), _tokens(), sinks=[])
+    trainer = Trainer(model, _config(max_bad_steps=2, recover=False), _tokens(), sinks=[])
     _nan_loss_at(model, from_call=1)
     with pytest.raises(TrainingDivergedError, match="no checkpoint was written"):
         trainer.fit()

@@ -7,7 +7,9 @@ sets the defaults it parses over: dataclass defaults < ``--recipe`` (``gpt2/reci
 script's defaults < ``--config FILE`` < flags. ``--print-config`` prints the resolved options.
 
 A bad flag, value or file ends with a one-line error and exit code 2; another failure exits 1
-(``GPT2_DEBUG=1`` shows the traceback); Ctrl-C exits 130.
+(``GPT2_DEBUG=1`` shows the traceback). Ctrl-C, SIGTERM and SIGHUP stop training at a step
+boundary with a checkpoint and one line saying how to resume; the exit code is 128 + the signal
+(130, 143, 129).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import shlex
 import signal
 import sys
 import typing
@@ -121,16 +124,20 @@ def run_command(
         launch = getattr(options, "launch", None)  # train and finetune can start their own workers
         nproc = launch.nproc_per_node if launch is not None else 1
         if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
+            os.environ[LAUNCH_ARGV] = shlex.join(argv)  # for the workers' resume line
             return _launch(name, cmd, options, nproc, prog)
         result = cmd.function(options)
         return result if isinstance(result, int) else 0
-    except KeyboardInterrupt:
-        # Under torchrun, Ctrl-C reaches every rank and the agent forwards another SIGINT: ignore
+    except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
+        # Under torchrun the signal reaches every rank and the agent forwards another: ignore
         # further ones (no second traceback while exiting) and let only rank 0 say it.
+        signum = getattr(e, "signum", signal.SIGINT)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if int(os.environ.get("RANK", "0") or 0) == 0:
-            print(f"\n{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+            checkpoint = getattr(e, "checkpoint", None)
+            resume = f"; resume with: {_resume_command(prog, argv)}" if checkpoint is not None else ""
+            print(f"\n{prog}: {e if str(e) else 'interrupted'}{resume}", file=sys.stderr)
+        return 128 + int(signum)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
         if debug:
             raise
@@ -140,6 +147,26 @@ def run_command(
         if code == EXIT_FAILURE:
             print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
         return code
+
+
+LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"  # the launcher's own arguments, for its workers' resume line
+
+
+def _resume_command(prog: str, argv: Sequence[str]) -> str:
+    """The command that continues an interrupted run: this one with ``--resume auto``."""
+    words = shlex.split(os.environ.get(LAUNCH_ARGV, "")) or list(argv)
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if skip or word == "--resume" or word.startswith("--resume="):
+            skip = word == "--resume"
+            continue
+        kept.append(word)
+    command = shlex.split(prog)
+    if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ:  # under plain torchrun
+        torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
+        command = [*torchrun, "-m", *command] if command[0] == "gpt2" else [*torchrun, *command]
+    return shlex.join([*command, *kept, "--resume", "auto"])
 
 
 def _launch(name: str, cmd: Command, options: Any, nproc: int, prog: str) -> int:

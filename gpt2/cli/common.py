@@ -176,6 +176,7 @@ def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float
         device=trainer.device,
         distributed=True,
         progress=trainer.config.progress and trainer.is_main,
+        source=f"the model trained in {trainer.out_dir or 'memory'} (step {trainer.step})",
     )
 
 

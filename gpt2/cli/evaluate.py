@@ -83,6 +83,7 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
             split=split,
             device=device,
             progress=True,
+            source=options.model + (f" with adapter {options.adapter}" if options.adapter else ""),
         )
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], tokens=loss["tokens"])
         print(

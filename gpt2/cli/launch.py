@@ -2,10 +2,11 @@
 
 It does what ``torchrun --standalone --nproc-per-node N -m gpt2 train ...`` does, through
 torch.distributed's own launcher API (the elastic agent torchrun is built on), with one
-difference users notice: Ctrl-C ends the run with one line and exit code 130. Under plain
-torchrun the workers exit just as cleanly, but torchrun's agent turns the signal into a
-``SignalException`` and prints its traceback; that part is torchrun's own and cannot be changed
-from the workers.
+difference users notice: a stop signal (Ctrl-C, SIGTERM from a scheduler, SIGHUP) ends the run
+with rank 0's one line (where the checkpoint is, how to resume) and exit code 128 + the signal.
+The agent forwards the signal to the workers and gives them ``SHUTDOWN_SECONDS`` to reach the
+step boundary and save; under plain torchrun the workers do the same, but torchrun's agent
+prints a ``SignalException`` traceback of its own that cannot be changed from the workers.
 
 The workers get the launcher's *resolved* options (defaults, recipe, an example script's
 defaults, config file and flags already merged) as a ``--config`` file, the YAML that
@@ -20,12 +21,15 @@ import sys
 import tempfile
 import uuid
 
-EXIT_INTERRUPTED = 130
+# How long the workers have after a stop signal to finish their step and save, before SIGKILL
+# (torchrun's default, 30 s, can be shorter than one step plus a save of a large model).
+SHUTDOWN_SECONDS = 300
 
 
 def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: str) -> int:
     """Run ``python -m gpt2 <command> --config <config_yaml>`` in ``nproc_per_node`` processes (one
-    per GPU, or gloo on CPU); returns the exit code (the first failed rank's, 130 on Ctrl-C)."""
+    per GPU, or gloo on CPU); returns the exit code (the first failed rank's; 128 + the signal
+    when a stop signal ended the run, which is the workers' own code)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -48,21 +52,19 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
             rdzv_backend="c10d",
             rdzv_endpoint="localhost:0",  # what torchrun --standalone uses
             max_restarts=0,  # a failed rank fails the run; restarting would repeat the failure
+            shutdown_timeout=SHUTDOWN_SECONDS,
         )
         try:
             elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", path)
         except SignalException as e:
-            # Ctrl-C reaches the workers too (same process group): rank 0 has already said
-            # "interrupted". Another signal (SIGTERM from a scheduler) gets its own line.
-            if e.sigval != 2:  # SIGINT
-                print(f"{prog}: stopped by signal {int(e.sigval)}", file=sys.stderr)
-                return 128 + int(e.sigval)
-            return EXIT_INTERRUPTED
+            # The agent forwarded the signal and waited for the workers: each stopped at the same
+            # step boundary with exit code 128 + signal, and rank 0 said where to resume.
+            return 128 + int(e.sigval)
         except ChildFailedError as e:
             # The failing rank printed its own one-line error; report its exit code.
             codes = [f.exitcode for f in e.failures.values() if f.exitcode]
-            if codes and all(c in (EXIT_INTERRUPTED, -2) for c in codes):
-                return EXIT_INTERRUPTED
+            if codes and all(c < 0 for c in codes):  # killed by a signal (-N)
+                return 128 - codes[0]
             return next((c for c in codes if c > 0), 1)
         return 0
     finally:

@@ -60,6 +60,14 @@ def _logits(output: Any) -> torch.Tensor:
     )
 
 
+class NonFiniteLossError(ValueError):
+    """The evaluated loss is inf or NaN: the model (its weights or activations) is broken."""
+
+    def __init__(self, message: str, loss: float):
+        super().__init__(message)
+        self.loss = loss
+
+
 # --------------------------------------------------------------------------- validation loss
 @torch.no_grad()
 def evaluate_loss(
@@ -74,6 +82,8 @@ def evaluate_loss(
     device: torch.device | str | None = None,
     progress: bool = False,
     distributed: bool = False,
+    source: str = "the model",
+    warn_short: bool = True,
 ) -> dict[str, float]:
     """Mean next-token cross-entropy of ``model`` over ``data``.
 
@@ -88,19 +98,22 @@ def evaluate_loss(
     every rank must call this with the same arguments; rank ``r`` scores batches ``r``,
     ``r + world_size``, ... of that same sequence and the sums are all-reduced, so every rank
     returns the one-process result in about 1/world_size of the time. With one process it
-    changes nothing.
+    changes nothing. A loader built for this rank (``world_size`` = the job's, as the Trainer's
+    validation loader is) is read whole by its rank: ``max_batches`` then counts per rank.
 
     Returns ``{"loss", "perplexity", "tokens"}``: the mean loss per predicted token,
     ``exp(loss)``, and how many tokens were scored (over all ranks). ``progress=True`` shows a
-    tqdm bar.
+    tqdm bar. A non-finite loss raises :class:`NonFiniteLossError` naming ``source``; data
+    holding fewer than ``max_batches`` batches logs a warning (unless ``warn_short=False``).
     """
     if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
         raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
     rank, world_size = _rank_and_world_size() if distributed else (0, 1)
-    if world_size > 1 and getattr(data, "world_size", 1) != 1:
+    per_rank = world_size > 1 and getattr(data, "world_size", 1) == world_size  # this rank's share already
+    if world_size > 1 and not per_rank and getattr(data, "world_size", 1) != 1:
         raise ValueError(
             "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
-            "token file or a one-process TokenLoader (world_size=1), not a per-rank loader"
+            "token file, a one-process TokenLoader (world_size=1) or one built for this rank and world size"
         )
     device = torch.device(device) if device is not None else _model_device(model)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -122,7 +135,7 @@ def evaluate_loss(
     try:
         for i, (x, y) in enumerate(batches):
             seen += 1
-            if i % world_size != rank:
+            if not per_rank and i % world_size != rank:
                 continue  # another rank's share
             x, y = x.to(device), y.to(device)
             with _autocast_context(autocast, device):
@@ -148,7 +161,7 @@ def evaluate_loss(
     n_tokens = int(n_tokens)
     if n_tokens == 0:
         raise ValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
-    if max_batches is not None and seen < max_batches and rank == 0:
+    if warn_short and max_batches is not None and seen < max_batches and rank == 0:
         logger.warning(
             "the evaluation data holds only %d batches of %d x %d tokens; scored those %d once "
             "instead of max_batches=%d (no batch is read twice)",
@@ -159,6 +172,12 @@ def evaluate_loss(
             max_batches,
         )
     mean = total / n_tokens
+    if not math.isfinite(mean):
+        raise NonFiniteLossError(
+            f"the validation loss of {source} is {mean} over {n_tokens:,} tokens: its weights or activations "
+            "overflow (a diverged run or a damaged file?); evaluate an earlier checkpoint, or try fp32",
+            mean,
+        )
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
 
 

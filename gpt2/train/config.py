@@ -100,6 +100,17 @@ class TrainConfig:
     # Stop with TrainingDivergedError after this many consecutive steps whose loss or gradient
     # norm was non-finite (each of them is skipped, so the weights stay clean).
     max_bad_steps: int = 5
+    # Divergence recovery (docs/training.md, "my loss went NaN"): when max_bad_steps non-finite
+    # steps come in a row, or the loss stays above divergence_factor x the best loss so far for
+    # divergence_patience steps, go back to the newest good checkpoint (or an in-memory copy
+    # before the first one), multiply the learning rate by recovery_lr_factor, skip the batches
+    # that blew up and go on; after max_recoveries recoveries stop with TrainingDivergedError.
+    # recover=False: no divergence detection, non-finite steps stop the run as before.
+    recover: bool = True
+    max_recoveries: int = 3
+    recovery_lr_factor: float = 0.5
+    divergence_factor: float = 2.0
+    divergence_patience: int = 3
 
     # --- logging ---------------------------------------------------------------------------
     log_interval: int = 10  # console line every N steps (every step goes to metrics.jsonl)
@@ -190,6 +201,10 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "eval_steps": POSITIVE_INT,
     "log_interval": POSITIVE_INT,
     "max_bad_steps": POSITIVE_INT,
+    "max_recoveries": NON_NEGATIVE_INT,
+    "divergence_patience": POSITIVE_INT,
+    "recovery_lr_factor": Range(low=0, high=1, low_open=True),  # (0, 1]; 1 = go back and skip data only
+    "divergence_factor": Range(low=1, low_open=True),  # > 1: above the best loss
     "warmup_steps": NON_NEGATIVE_INT,
     "eval_interval": NON_NEGATIVE_INT,
     "checkpoint_interval": NON_NEGATIVE_INT,
@@ -211,4 +226,5 @@ TRAIN_CONFIG_FLAGS = (
     "overwrite",
     "progress",
     "plot",
+    "recover",
 )

@@ -144,6 +144,15 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(value: int) -> int:
+    """The largest ``value`` over all processes (``value`` itself with one process)."""
+    if not _active():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` as rank ``src`` has it, on every process."""
     if not _active():

@@ -32,15 +32,22 @@ damaged checkpoints (see :mod:`gpt2.rundir`, which also assembles what a checkpo
 and :mod:`gpt2.checkpoint`).
 
 Divergence guard: a step whose loss or gradient norm is inf/nan is skipped (gradients dropped,
-weights and optimizer state untouched) and logged. ``max_bad_steps`` such steps in a row raise
-:class:`TrainingDivergedError`. With fp16 the loss scaler skips steps whose scaled gradients
-overflowed while it searches for a good scale; those are counted in ``skipped_steps`` but are
-not "bad" unless the loss itself was non-finite or the scale was already at 1 or below (then
-the true gradients overflow fp16: a real spike, not the scale).
+weights and optimizer state untouched) and logged. ``max_bad_steps`` such steps in a row, or a
+loss above ``divergence_factor`` x the best for ``divergence_patience`` steps, make the Trainer
+recover (``recover=True``, see :meth:`Trainer._recover`); after ``max_recoveries`` recoveries (or
+with ``recover=False``, non-finite steps only) it raises :class:`TrainingDivergedError`. With
+fp16 the loss scaler skips steps whose scaled gradients overflowed while it searches for a good
+scale; those are counted in ``skipped_steps`` but are not "bad" unless the loss itself was
+non-finite or the scale was already at 1 or below (then the true gradients overflow fp16: a real
+spike, not the scale).
+
+Stop signals: during :meth:`Trainer.fit`, SIGINT, SIGTERM and SIGHUP end the run at the next step
+boundary (on every rank at the same step) with a checkpoint and :class:`TrainingInterrupted`.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -53,7 +60,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gpt2.data.loader import make_loader, one_pass
+from gpt2.data.loader import make_loader
+from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.model.gpt import IGNORE_INDEX
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import distributed, rundir
@@ -68,11 +76,11 @@ from gpt2.train.metrics import (
     detect_peak_flops,
     mfu,
     plot_loss_curve,
-    progress_bar,
     read_jsonl,
 )
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
+from gpt2.train.recovery import DivergenceMonitor, StopSignals, TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +205,13 @@ class Trainer:
         self.best_val_loss: float | None = None
         self.last_checkpoint: Path | None = None
         self.history: list[dict[str, Any]] = []  # records of this process's fit() calls
+        # Divergence recovery (saved in checkpoints: see recovery_state) and stop signals.
+        self.monitor = DivergenceMonitor(config.divergence_factor, config.divergence_patience)
+        self.recoveries = 0
+        self.lr_scale = 1.0  # recovery_lr_factor ** recoveries: multiplies the scheduled LR
+        self._snapshot: dict[str, Any] | None = None  # in-memory good state before a checkpoint exists
+        self._signals = StopSignals()
+        self._warned_short_val = False
         logger.info(
             "training on %s with %s, %d process(es), %d micro-step(s) of %d x %d tokens = %s tokens per step",
             self.device,
@@ -263,32 +278,171 @@ class Trainer:
         )
         history: list[dict[str, Any]] = []
         pending = False  # a checkpoint is due but was postponed
+        signals = self._signals.install()
+        if cfg.recover and self.last_checkpoint is None:
+            self._snapshot = self._memory_snapshot()  # somewhere to go back to before the first checkpoint
+        interrupted = False
         try:
             while self.step < stop:
                 record = self.train_step()
+                # (a step with no scored target reports loss 0: no evidence either way)
+                judged = cfg.recover and record.get("scored_tokens", 1) > 0
+                diverged = judged and self.monitor.observe(self.step, record["loss"])
                 if self._due(cfg.eval_interval) and self.val_loader is not None:
                     log.status("evaluating ...")  # evaluation takes a while on a CPU: say so on the bar
-                    record["val_loss"] = self.evaluate()
+                    try:
+                        record["val_loss"] = self.evaluate()
+                    except NonFiniteLossError as e:  # the training loss decides about divergence
+                        record["val_loss"] = e.loss
                 for callback in self.callbacks:
                     callback(self, record)
                 self.history.append(record)
                 log.emit(record)
                 history.append(record)
-                if self.consecutive_bad_steps >= cfg.max_bad_steps:
-                    raise self._diverged(record)
-                if self.out_dir is not None:
+                saved = False
+                if diverged or self.consecutive_bad_steps >= cfg.max_bad_steps:
+                    self._recover(record)  # or raise TrainingDivergedError
+                elif self.out_dir is not None or self._snapshot is not None:
                     pending = pending or self._due(cfg.checkpoint_interval) or self.step == stop
-                    # A checkpoint waits for a good step: during a run of skipped steps the last
-                    # good checkpoint stays the newest one. The stop point is always saved (the
-                    # weights are finite: skipped steps never touch them).
-                    if pending and (self.consecutive_bad_steps == 0 or self.step == stop):
-                        self.save_checkpoint()
-                        pending = False
+                    # A checkpoint waits for a good step: during a run of skipped (or diverging)
+                    # steps the last good checkpoint stays the newest one. The stop point is always
+                    # saved (the weights are finite: skipped steps never touch them).
+                    good = self.consecutive_bad_steps == 0 and self.monitor.streak == 0
+                    if pending and (good or (self.step == stop and self.out_dir is not None)):
+                        self._save_good_state()
+                        saved, pending = self.out_dir is not None, False
+                self._stop_if_signalled(saved)
+        except TrainingInterrupted:
+            interrupted = True
+            raise
         finally:
             log.close()
+            # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
+            # it leaves the process group: close() restores the handlers after that.
+            if not (interrupted and self.dist_env.is_distributed):
+                signals.restore()
         if self.is_main and self.out_dir is not None and cfg.plot:
             plot_loss_curve(read_jsonl(self.out_dir / METRICS_FILE), self.out_dir / PLOT_FILE)
         return history
+
+    def _stop_if_signalled(self, saved: bool) -> None:
+        """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
+        signum = self._signals.received
+        if self.dist_env.is_distributed:  # every rank stops after the same step
+            signum = distributed.all_reduce_max(signum)
+        if not signum:
+            return
+        if self.out_dir is not None and not saved:
+            self.save_checkpoint()
+        raise TrainingInterrupted(signum, step=self.step, checkpoint=self.last_checkpoint)
+
+    # ------------------------------------------------------------------ divergence recovery
+    def _save_good_state(self) -> None:
+        """A checkpoint (then no in-memory copy is needed any more), or without ``out_dir`` a
+        fresh in-memory copy."""
+        if self.out_dir is not None:
+            self.save_checkpoint()
+            self._snapshot = None
+        else:
+            self._snapshot = self._memory_snapshot()
+
+    def _memory_snapshot(self) -> dict[str, Any]:
+        """The trainable weights, optimizer and scaler state, data position, counters and RNG,
+        copied to the CPU: about 3x the trainable parameters' size with AdamW (documented in
+        docs/training.md). Frozen weights (a LoRA base) never change, so they are not copied."""
+
+        def to_cpu(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value.detach().to("cpu", copy=True)
+            if isinstance(value, dict):
+                return {k: to_cpu(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(to_cpu(v) for v in value)
+            return copy.deepcopy(value)
+
+        return to_cpu(
+            {
+                "weights": {n: p for n, p in self.model.named_parameters() if p.requires_grad},
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "loader": self.train_loader.state_dict(),
+                "step": self.step,
+                "skipped_steps": self.skipped_steps,
+                "best_val_loss": self.best_val_loss,
+                "rng": ckpt.capture_rng_state(),
+            }
+        )
+
+    def _restore_snapshot(self, snap: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in snap["weights"]:
+                    p.copy_(snap["weights"][name])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(snap["scaler"])
+        self.train_loader.load_state_dict(snap["loader"])
+        self.step, self.skipped_steps, self.best_val_loss = snap["step"], snap["skipped_steps"], snap["best_val_loss"]
+        ckpt.restore_rng_state(snap["rng"])
+
+    def _recover(self, record: dict[str, Any]) -> None:
+        """Go back to the newest good state (an intact checkpoint written before the trouble
+        began, else the in-memory copy), multiply the learning rate by ``recovery_lr_factor``
+        and go on reading the data *after* the batches that blew up. Every rank decides alike:
+        the loss and gradient norm it judges are all-reduced."""
+        cfg = self.config
+        if not cfg.recover or self.recoveries >= cfg.max_recoveries:
+            raise self._diverged(record)
+        first_bad = self.monitor.streak_start if self.monitor.streak else self.step - self.consecutive_bad_steps + 1
+        reason, position = self._divergence_reason(record), self.train_loader.state_dict()
+        kept = (self.recoveries + 1, self.lr_scale * cfg.recovery_lr_factor, self.monitor.state_dict())
+        source = self._restore_good_state(first_bad)
+        if source is None:
+            raise self._diverged(record)
+        self.recoveries, self.lr_scale, monitor = kept
+        self.monitor.load_state_dict({**monitor, "streak": 0})
+        self.consecutive_bad_steps = 0
+        self.train_loader.load_state_dict(position)
+        logger.warning(
+            "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
+            "steps %d-%d",
+            record["step"],
+            reason,
+            self.recoveries,
+            cfg.max_recoveries,
+            self.step,
+            source,
+            self.lr_scale,
+            self.step + 1,
+            record["step"],
+        )
+
+    def _restore_good_state(self, first_bad: int) -> str | None:
+        """Load the newest intact checkpoint older than step ``first_bad`` (else the in-memory
+        copy); returns what was loaded, or None when there is nothing to go back to."""
+        if self.checkpoint_dir is not None:
+            for path in ckpt.checkpoint_candidates(self.checkpoint_dir):
+                if (ckpt.checkpoint_step(path) or 0) >= first_bad:
+                    continue
+                try:
+                    self.load_checkpoint(path)
+                    return f"checkpoint {path}"
+                except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
+                    logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
+        if self._snapshot is not None and self._snapshot["step"] < first_bad:
+            self._restore_snapshot(self._snapshot)
+            return "in-memory copy"
+        return None
+
+    def recovery_state(self) -> dict[str, Any]:
+        """What a checkpoint records about divergence recovery (resume stays exact across one)."""
+        return {"recoveries": self.recoveries, "lr_scale": self.lr_scale, "monitor": self.monitor.state_dict()}
+
+    def load_recovery_state(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self.recoveries = int(state.get("recoveries", 0))
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.monitor.load_state_dict(state.get("monitor"))
 
     def _due(self, interval: int) -> bool:
         """Every ``interval`` steps (0 = never) and always after the last step."""
@@ -297,7 +451,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record."""
         cfg = self.config
-        lr = lr_at(
+        lr = self.lr_scale * lr_at(
             self.step, max_lr=cfg.max_lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
         )
         set_lr(self.optimizer, lr)
@@ -417,6 +571,18 @@ class Trainer:
         self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if bad else 0
         return grad_norm, skipped, bad
 
+    def _divergence_reason(self, record: dict[str, Any]) -> str:
+        scale = f", loss scale {record['loss_scale']:g}" if "loss_scale" in record else ""
+        if self.consecutive_bad_steps >= self.config.max_bad_steps:
+            return (
+                f"{self.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient norm "
+                f"(last: loss {record['loss']}, grad norm {record['grad_norm']}{scale})"
+            )
+        return (
+            f"the loss stayed above {self.monitor.factor:g} x the best loss so far ({self.monitor.best:.4g}) for "
+            f"{self.monitor.streak} steps (last: {record['loss']:.4g})"
+        )
+
     def _diverged(self, record: dict[str, Any]) -> TrainingDivergedError:
         n = self.consecutive_bad_steps
         where = (
@@ -424,12 +590,19 @@ class Trainer:
             if self.last_checkpoint is not None
             else "no checkpoint was written in this run"
         )
-        scale = f", loss scale {record['loss_scale']:g}" if "loss_scale" in record else ""
+        skipped = (
+            f" Those steps were skipped, so the weights are still those of step {self.step - n}."
+            if n >= self.config.max_bad_steps
+            else ""
+        )
+        tried = (
+            f" after {self.recoveries} recoveries (max_recoveries={self.config.max_recoveries})"
+            if self.config.recover
+            else ""
+        )
         message = (
-            f"training diverged at step {self.step}: {n} consecutive steps had a non-finite loss or gradient "
-            f"norm (last: loss {record['loss']}, grad norm {record['grad_norm']}{scale}). Those steps were skipped, "
-            f"so the weights are still those of step {self.step - n}; {where}. Lower max_lr, set grad_clip, "
-            f"or use precision='bf16'/'fp32', then resume from the checkpoint."
+            f"training diverged at step {self.step}{tried}: {self._divergence_reason(record)}.{skipped} {where}. "
+            "Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume from the checkpoint."
         )
         return TrainingDivergedError(
             message,
@@ -440,54 +613,31 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self, steps: int | None = None) -> float:
-        """Mean validation loss per token over the first ``steps`` (default ``eval_steps``)
-        batches, or over one pass of the validation data when it holds fewer: a batch is never
-        read twice (that would weigh it double), and the first short evaluation says so once."""
+        """Mean validation loss per scored token over each process's first ``steps`` (default
+        ``eval_steps``) batches, split across the ranks, by :func:`gpt2.eval.loss.evaluate_loss`:
+        the same batches every time, none twice (short data is scored once, said once).
+        Raises :class:`gpt2.eval.loss.NonFiniteLossError` when the loss is inf/nan."""
         if self.val_loader is None:
             raise ValueError("no validation data: pass val_data to the Trainer")
-        steps = steps or self.config.eval_steps
-        model = self.eval_model
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(2, device=self.device)  # [loss summed over scored tokens, scored tokens]
-        batches = 0
-        # a second, transient bar under the training bar while validation runs
-        bar = progress_bar(self.is_main and self.config.progress, total=steps, desc="val", unit="batch", leave=False)
-        try:
-            # the same batches every time (evaluations are comparable), none of them twice
-            for x, y in one_pass(self.val_loader, steps):
-                x, y = self._to_device(x, y)
-                with self.precision.autocast():
-                    _, loss = model(x, y)
-                # Weighted by the batch's scored targets (instruction data ignores prompt and
-                # padding), so the result is the mean per scored token; a batch with none adds 0.
-                n = (y != IGNORE_INDEX).sum().float()
-                sums[0] += torch.where(n > 0, loss.detach().float() * n, torch.zeros_like(n))
-                sums[1] += n
-                batches += 1
-                if bar is not None:
-                    bar.update()
-        finally:
-            if bar is not None:
-                bar.close()
-            model.train(was_training)
-        if batches < steps and not getattr(self, "_warned_short_val", False):
-            self._warned_short_val = True
-            if self.is_main:
-                logger.warning(
-                    "the validation data holds only %d batch(es) of %d x %d tokens per process; evaluations "
-                    "score those once instead of %d (no batch is read twice)",
-                    batches,
-                    self.config.micro_batch_size,
-                    self.config.seq_len,
-                    steps,
-                )
-        # Mean over the token sums of every rank (averaging [sum, count] keeps their ratio).
-        loss_sum, tokens = distributed.all_reduce_mean(sums).tolist()
-        val_loss = loss_sum / tokens
-        if math.isfinite(val_loss) and (self.best_val_loss is None or val_loss < self.best_val_loss):
+        cfg = self.config
+        where = f"out_dir {self.out_dir}" if self.out_dir is not None else "no out_dir"
+        result = evaluate_loss(
+            self.eval_model,
+            self.val_loader,
+            cfg.micro_batch_size,
+            cfg.seq_len,
+            steps or cfg.eval_steps,
+            self.precision.autocast,
+            device=self.device,
+            progress=self.is_main and cfg.progress,
+            distributed=True,
+            source=f"the model being trained ({where}, step {self.step})",
+            warn_short=not self._warned_short_val,
+        )
+        self._warned_short_val = True
+        val_loss = result["loss"]
+        if self.best_val_loss is None or val_loss < self.best_val_loss:
             self.best_val_loss = val_loss
         return val_loss
 
@@ -522,6 +672,7 @@ class Trainer:
                 "data": {"train": self.train_loader.state_dict()},
                 "best_val_loss": self.best_val_loss,
                 "skipped_steps": self.skipped_steps,
+                "recovery": self.recovery_state(),
                 "world_size": self.dist_env.world_size,
                 "grad_accum_steps": self.grad_accum_steps,
                 "tokens_per_step": self.tokens_per_step,
@@ -574,6 +725,7 @@ class Trainer:
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.best_val_loss = meta.get("best_val_loss")
         self.consecutive_bad_steps = 0
+        self.load_recovery_state(meta.get("recovery"))
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
@@ -587,6 +739,7 @@ class Trainer:
         if self._owns_process_group:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
+        self._signals.restore()  # kept by an interrupted fit() under DDP until the group is gone
         self._release_run_lock()
 
     def _release_run_lock(self) -> None:
@@ -598,4 +751,5 @@ class Trainer:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(wait_for_all=exc_type is None)  # after an error other ranks may never arrive
+        # After an error other ranks may never arrive; a stop signal stops them all at one step.
+        self.close(wait_for_all=exc_type is None or issubclass(exc_type, TrainingInterrupted))

@@ -1,0 +1,106 @@
+"""What stops a run early and what brings it back: stop signals and divergence.
+
+:class:`StopSignals` turns SIGINT, SIGTERM and SIGHUP (Ctrl-C, a scheduler's stop, a closed
+terminal) into a flag that the Trainer reads at the next step boundary, where it saves a
+checkpoint and raises :class:`TrainingInterrupted`. Nothing is cut in half: the step finishes,
+then the save runs whole.
+
+:class:`DivergenceMonitor` watches the (all-reduced, so identical on every rank) training loss
+and says when a run has diverged: the loss stayed above ``factor`` times the best loss seen so
+far for ``patience`` steps in a row. The Trainer then goes back to the last good state (see
+``Trainer._recover``).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+# Ctrl-C; what SLURM and Kubernetes send before they kill a job; a closed terminal or SSH session.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A stop signal ended :meth:`gpt2.Trainer.fit` at a step boundary, after a checkpoint
+    (``checkpoint`` is None without ``out_dir``). A KeyboardInterrupt, so code that catches
+    Ctrl-C catches it; the command line exits with ``128 + signum`` (130 for Ctrl-C, 143 for
+    SIGTERM, 129 for SIGHUP)."""
+
+    def __init__(self, signum: int, *, step: int, checkpoint: Path | None):
+        name = signal.Signals(signum).name
+        saved = f"checkpoint {checkpoint}" if checkpoint is not None else "nothing saved (no out_dir)"
+        super().__init__(f"interrupted by {name} after step {step}; {saved}")
+        self.signum = signum
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+class StopSignals:
+    """While installed (main thread only: Python runs handlers there), a stop signal sets
+    ``received`` instead of raising. The third one stops at once (KeyboardInterrupt): under
+    ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._count = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignals:
+        self.received, self._count = 0, 0  # a new fit() after an interruption starts afresh
+        if threading.current_thread() is threading.main_thread() and not self._previous:
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+        self._count += 1
+        if self._count >= 3:
+            self.restore()
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+
+
+class DivergenceMonitor:
+    """Counts the steps in a row whose loss exceeds ``factor`` x the lowest loss so far. The
+    lowest loss is at most the untrained model's first loss, so a run climbing above
+    ``factor`` x that counts too. Its state goes into checkpoints (resume stays exact)."""
+
+    def __init__(self, factor: float, patience: int) -> None:
+        self.factor = factor
+        self.patience = patience
+        self.best = math.inf
+        self.streak = 0
+        self.streak_start = 0  # first step of the current streak
+
+    def observe(self, step: int, loss: float) -> bool:
+        """Record ``step``'s loss; True once the run has diverged."""
+        if not math.isfinite(loss):  # non-finite steps are skipped and counted by the Trainer
+            return False
+        if loss > self.factor * self.best:
+            self.streak_start = self.streak_start if self.streak else step
+            self.streak += 1
+        else:
+            self.streak = 0
+            self.best = min(self.best, loss)
+        return self.streak >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best": self.best if math.isfinite(self.best) else None,
+            "streak": self.streak,
+            "start": self.streak_start,
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self.best = math.inf if state.get("best") is None else float(state["best"])
+        self.streak = int(state.get("streak", 0))
+        self.streak_start = int(state.get("start", 0))

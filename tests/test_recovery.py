@@ -1,0 +1,214 @@
+"""Automatic recovery from divergence (TrainConfig.recover): back to the last good state, a lower
+learning rate, the batches that blew up skipped; a run that never diverges is unchanged, resume
+stays exact across a recovery, and after max_recoveries the run stops with TrainingDivergedError.
+
+The model is tiny and learns a repeating token pattern; at max_lr=3.0 (fp32) its loss jumps from
+~4 to hundreds within a few steps and stays there, which is what divergence looks like."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from gpt2 import GPT, GPTConfig, TrainConfig
+from gpt2.train.optim import lr_at
+from gpt2.train.trainer import Trainer, TrainingDivergedError
+
+PATTERN = torch.randint(0, 64, (97,), generator=torch.Generator().manual_seed(1))
+TOKENS = PATTERN.repeat(60)  # learnable: a safe LR brings the loss well below its start
+
+
+def _model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+
+
+def _config(**overrides) -> TrainConfig:
+    base = dict(
+        micro_batch_size=4,
+        seq_len=32,
+        max_steps=16,
+        max_lr=3.0,
+        min_lr=0.3,
+        precision="fp32",
+        device="cpu",
+        out_dir=None,
+        progress=False,
+        eval_interval=0,
+        plot=False,
+        recovery_lr_factor=0.1,
+    )
+    return TrainConfig(**{**base, **overrides})
+
+
+def _fit(config: TrainConfig, model: GPT | None = None, until: int | None = None) -> tuple[Trainer, list[dict]]:
+    with Trainer(model or _model(), config, TOKENS, sinks=[]) as trainer:
+        history = trainer.fit(until)
+    return trainer, history
+
+
+def _nan_loss_on_calls(model: GPT, calls: set[int]) -> None:
+    """The loss of these forward calls (1-based) is NaN, as after an overflow."""
+    count = {"n": 0}
+
+    def hook(module, inputs, output):
+        count["n"] += 1
+        if count["n"] in calls:
+            return output[0], output[1] * float("nan")
+
+    model.register_forward_hook(hook)
+
+
+def test_a_diverging_run_recovers_with_a_lower_lr_and_finishes(caplog):
+    _, unguarded = _fit(_config(recover=False))
+    assert unguarded[-1]["loss"] > 50  # today: the loss stays in the hundreds, no error
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
+        trainer, history = _fit(_config())
+    lines = [r.getMessage() for r in caplog.records if "recovery " in r.getMessage()]
+    assert trainer.recoveries == len(lines) >= 1
+    assert "the loss stayed above 2 x the best loss" in lines[0] and "in-memory copy" in lines[0]
+    assert trainer.step == 16 and history[-1]["step"] == 16
+    assert history[-1]["loss"] < history[0]["loss"] < 5  # it learns again, below the untrained loss
+    # after the last recovery every step runs at the schedule's LR times 0.1 ** recoveries
+    scale = 0.1**trainer.recoveries
+    for record in history[-3:]:
+        expected = lr_at(record["step"] - 1, max_lr=3.0, min_lr=0.3, warmup_steps=0, max_steps=16)
+        assert record["lr"] == pytest.approx(scale * expected, rel=1e-12)
+
+
+def test_a_run_that_never_diverges_is_bit_for_bit_unchanged():
+    (guarded, a), (plain, b) = (
+        _fit(_config(max_lr=0.01, min_lr=None)),
+        _fit(_config(max_lr=0.01, min_lr=None, recover=False)),
+    )
+    assert guarded.recoveries == 0 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    for (name, x), y in zip(guarded.model.state_dict().items(), plain.model.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_non_finite_steps_go_back_to_the_last_good_state_and_skip_their_batches():
+    """NaN losses on steps 4-6 (max_bad_steps=3): back to the copy taken at step 2 (the last
+    due checkpoint), LR halved, the batches of steps 3-6 skipped. The reference is a plain run
+    of 2 steps that then skips 4 batches and halves its LR."""
+    config = _config(max_lr=0.01, min_lr=None, max_bad_steps=3, checkpoint_interval=2, recovery_lr_factor=0.5)
+    model = _model()
+    _nan_loss_on_calls(model, {4, 5, 6})
+    recovered, history = _fit(config, model)
+    assert recovered.recoveries == 1 and recovered.lr_scale == 0.5
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5, 6, *range(3, 17)]
+
+    with Trainer(_model(), config, TOKENS, sinks=[]) as reference:
+        reference.fit(2)
+        for _ in range(4):  # steps 3-6 of the recovered run read these batches
+            reference.train_loader.next_batch()
+        reference.lr_scale = 0.5
+        expected = reference.fit()
+    assert [r["loss"] for r in history[6:]] == [r["loss"] for r in expected]
+    for x, y in zip(recovered.model.parameters(), reference.model.parameters()):
+        assert torch.equal(x, y)
+
+
+def test_resume_is_exact_across_a_recovery(tmp_path):
+    """Checkpoints record the LR factor, the recovery count and the divergence monitor: a run
+    stopped after its recovery and resumed ends where the uninterrupted one does."""
+    whole, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "whole")))
+    assert whole.recoveries >= 1
+    stopped, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "parts")), until=12)
+    assert stopped.recoveries == whole.recoveries  # the recovery happened before the stop
+    resumed, history = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "parts"), resume="auto"))
+    assert resumed.recoveries == whole.recoveries and resumed.lr_scale == whole.lr_scale
+    assert [r["loss"] for r in history] == [r["loss"] for r in whole.history[-len(history) :]]
+    for x, y in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(x, y)
+
+
+def test_recovery_goes_back_to_a_checkpoint_written_before_the_divergence(tmp_path, caplog):
+    config = _config(max_lr=0.05, min_lr=None, checkpoint_interval=3, out_dir=str(tmp_path))
+    model = _model()
+    _nan_loss_on_calls(model, {8, 9, 10, 11, 12})  # max_bad_steps=5: steps 8-12
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
+        trainer, history = _fit(config, model)
+    assert trainer.recoveries == 1
+    assert any(
+        "back to step 6 (checkpoint" in r.getMessage() and "step_000006" in r.getMessage() for r in caplog.records
+    )
+    assert [r["step"] for r in history][12:14] == [7, 8]
+
+
+def test_after_max_recoveries_the_run_stops_with_training_diverged_error():
+    model = _model()
+    _nan_loss_on_calls(model, set(range(3, 100)))
+    config = _config(max_lr=0.01, min_lr=None, max_bad_steps=2, max_recoveries=2)
+    with pytest.raises(TrainingDivergedError, match="after 2 recoveries") as info:
+        _fit(config, model)
+    assert math.isnan(info.value.loss)
+
+
+def test_lora_runs_recover_and_never_touch_the_frozen_weights():
+    from minlora import add_lora
+
+    model = _model()
+    add_lora(model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer, history = _fit(_config(max_lr=30.0, min_lr=3.0, max_recoveries=5), model)
+    assert trainer.recoveries >= 1 and math.isfinite(history[-1]["loss"])
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("recovery_lr_factor", 1.5), ("recovery_lr_factor", 0.0), ("divergence_factor", 1.0), ("max_recoveries", -1)],
+)
+def test_recovery_settings_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        _config(**{field: value})
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_every_rank_takes_the_same_recovery_decision(tmp_path, shakespeare_file):
+    """`gpt2 train --nproc-per-node 2` at max_lr=3: both ranks judge the all-reduced loss, so
+    they recover at the same step to the same state; the losses equal a 1-process run of the
+    same global batch (which also recovers), recovery included."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpt2.cli import main
+
+    def args(out: Path) -> list[str]:
+        return [
+            "train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--total-batch-size", "128",
+            "--max-steps", "8", "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0", "--no-progress",
+            "--no-plot", "--device", "cpu", "--precision", "fp32", "--seed", "11", "--warmup-steps", "0",
+            "--max-lr", "3", "--min-lr", "3", "--recovery-lr-factor", "0.01", "--checkpoint-interval", "3",
+            "--data", str(shakespeare_file), "--out-dir", str(out),
+        ]  # fmt: skip
+
+    def losses(out: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    two = subprocess.run(
+        [sys.executable, "-m", "gpt2", *args(tmp_path / "two"), "--nproc-per-node", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("recovery 1 of 3") == 2  # each rank logs its own (identical) decision, once
+    assert main(args(tmp_path / "one")) == 0
+    one = losses(tmp_path / "one")
+    assert len(one) > 8  # the recovery went back: some steps were run twice
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(one), rtol=1e-4, atol=1e-5)
