@@ -16,12 +16,11 @@ from gpt2.train.distributed import uses_cuda
 def bench(options: BenchOptions) -> list[Any]:
     rungs = [r.strip() for r in options.rungs.split(",") if r.strip()] if options.rungs else list(RUNGS)
     where = torch.cuda.get_device_name() if uses_cuda(options.device) else "CPU"
-    print(
-        f"{options.model}, B={options.batch_size}, T={options.seq_len}, "
-        f"{options.repeats} x {options.steps} timed steps after {options.warmup} warm-up steps per rung, "
-        f"on {where} (torch {torch.__version__})",
-        flush=True,
+    title = (
+        f"`gpt2 bench` on {where}, torch {torch.__version__}: {options.model}, B={options.batch_size}, "
+        f"T={options.seq_len}, {options.repeats} x {options.steps} timed steps after {options.warmup} warm-up steps"
     )
+    print(title, flush=True)
     results = run_ladder(
         options.model,
         batch_size=options.batch_size,
@@ -40,7 +39,7 @@ def bench(options: BenchOptions) -> list[Any]:
         ),
     )
     print()
-    print(format_table(results))
+    print(format_table(results, title))  # markdown: paste it into an issue as it is
     if options.json:
         out = Path(options.json)
         out.parent.mkdir(parents=True, exist_ok=True)
