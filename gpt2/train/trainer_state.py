@@ -50,9 +50,10 @@ def _resume(trainer: Any, resume: str) -> None:
         trainer.load_checkpoint(resume)
 
 
-def save_trainer_checkpoint(trainer: Any, lock: RunLock | None) -> Path:
+def save_trainer_checkpoint(trainer: Any, lock: RunLock | None, rng_state: dict[str, Any] | None = None) -> Path:
     """Rank 0's save of the Trainer's current step under ``trainer.checkpoint_dir``, while it
-    still owns ``out_dir`` (holds ``lock``)."""
+    still owns ``out_dir`` (holds ``lock``); ``rng_state`` as ``capture_rng_state(all_ranks=True)``
+    gathered it (None: rank 0's own)."""
     if lock is not None:
         lock.ensure_held()
     return ckpt.save_checkpoint(
@@ -64,6 +65,7 @@ def save_trainer_checkpoint(trainer: Any, lock: RunLock | None) -> Path:
         trainer_metadata(trainer),
         keep_last=trainer.config.keep_last_checkpoints,
         trainable_only=trainer.config.save_trainable_only,
+        rng_state=rng_state,
     )
 
 
