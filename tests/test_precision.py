@@ -209,3 +209,24 @@ def test_tf32_switch_uses_legacy_api_on_old_pytorch():
         "legacy [('set_float32_matmul_precision', 'high'), ('cudnn.allow_tf32', True), "
         "('set_float32_matmul_precision', 'highest'), ('cudnn.allow_tf32', False)]"
     ]
+
+
+def test_no_module_but_precision_touches_the_tf32_switches():
+    """On PyTorch >= 2.9 the legacy getters (``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.get_float32_matmul_precision``) raise once the new ``fp32_precision`` API was set, which
+    ``set_tf32`` does: no other module may read or set TF32 through either API."""
+    import re
+    from pathlib import Path
+
+    import gpt2
+
+    switches = re.compile(r"allow_tf32|float32_matmul_precision|fp32_precision")
+    root = Path(gpt2.__file__).parent
+    hits = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "precision.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if switches.search(line)
+    ]
+    assert hits == []
