@@ -228,3 +228,11 @@ def test_two_gloo_processes_match_one_process(tmp_path, dist_run):
     assert ranks[0]["losses"] == ranks[1]["losses"]
     for key in ("losses", "grad_norms"):
         torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(single[key]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_of_hidden_matrices_only_gets_muon_alone():
+    net = nn.Sequential(nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False)))
+    opt = build_optimizer(net, lr=1e-3, optimizer="muon", muon_lr=0.02)
+    assert type(opt) is torch.optim.Muon and len(opt.param_groups[0]["params"]) == 2
+    set_lr(opt, 5e-4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)

@@ -180,15 +180,19 @@ def build_optimizer(
     use_fused = use_fused_adamw(model, fused)
     # Without the fused kernel, the multi-tensor ("foreach") implementation: torch picks it by
     # default only for CUDA tensors, and on a CPU the per-tensor loop is several times slower.
-    adamw = torch.optim.AdamW(
-        groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None, foreach=None if use_fused else True
+    adamw = (
+        torch.optim.AdamW(
+            groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None, foreach=None if use_fused else True
+        )
+        if groups
+        else None
     )
     if not matrices:
         return adamw
     logger.info("Muon: %d hidden matrices (%s parameters)", len(matrices), f"{sum(p.numel() for p in matrices):,}")
     muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=muon_weight_decay, momentum=MUON_MOMENTUM)
     muon.param_groups[0]["lr_ratio"] = muon_lr / lr
-    return MuonAdamW(adamw, muon)
+    return MuonAdamW(adamw, muon) if adamw is not None else muon  # Muon alone: nothing else is trainable
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
