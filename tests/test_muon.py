@@ -132,6 +132,9 @@ def test_an_adamw_state_does_not_load_into_muon(tiny_config):
     muon = build_optimizer(GPT(tiny_config), lr=1e-3, optimizer="muon")
     with pytest.raises(ValueError, match=r"groups \['adamw', 'adamw'\].*\['adamw', 'muon'\]"):
         muon.load_state_dict(adamw.state_dict())
+    # the other way round torch itself refuses: the groups hold different numbers of tensors
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        adamw.load_state_dict(muon.state_dict())
 
 
 def test_gradient_accumulation_equals_one_big_batch(tiny_config):
