@@ -156,6 +156,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         (npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
     )
     cuda_states = state.get("cuda_by_rank")
+    if cuda_states is None and state.get("cuda"):  # older checkpoints: every GPU's state as rank 0 saw it
+        cuda_states = {0: state["cuda"][0]}
     if cuda_states and torch.cuda.is_available():
         rank = _rank()
         if rank in cuda_states:
