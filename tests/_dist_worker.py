@@ -52,7 +52,7 @@ def _write(out_dir: str, report: dict) -> dict:
 MICRO_BATCH, SEQ_LEN, TOTAL_BATCH, MAX_STEPS = 2, 16, 128, 4
 
 
-def train(out_dir: str) -> dict:
+def train(out_dir: str, **overrides) -> dict:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = GPT(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32))
     tokens = torch.randint(0, 128, (4096,), generator=torch.Generator().manual_seed(1))
@@ -73,6 +73,7 @@ def train(out_dir: str) -> dict:
         device="cpu",
         precision="fp32",
         plot=False,
+        **overrides,
     )
     with Trainer(model, config, tokens[:3072], tokens[3072:], sinks=[]) as trainer:
         history = trainer.fit()
@@ -269,7 +270,12 @@ def instruct(out_dir: str) -> dict:
     return _write(out_dir, report)
 
 
-JOBS = {"train": train, "final_eval": final_eval, "lora": lora, "locked": locked, "instruct": instruct}
+def muon(out_dir: str) -> dict:
+    """``train`` with Muon for the blocks' matrices (tests/test_muon.py)."""
+    return train(out_dir, optimizer="muon", muon_lr=0.02)
+
+
+JOBS = {"train": train, "final_eval": final_eval, "lora": lora, "locked": locked, "instruct": instruct, "muon": muon}
 
 
 if __name__ == "__main__":

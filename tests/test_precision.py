@@ -149,31 +149,24 @@ def test_fp16_resume_restores_the_loss_scale(tiny_config, tmp_path):
 # the legacy getters raise), so each check runs in its own process: forked from this one, which
 # costs no interpreter start-up and leaves this process's state alone.
 _TF32_SCRIPT = r"""
-import sys, types
 import torch
 from gpt2.train.precision import PrecisionPolicy
 
 calls = []
 def legacy(*args):
     calls.append(args)
-    if sys.argv[1] == "new":
-        raise AssertionError("legacy TF32 API used on a PyTorch that has fp32_precision")
 torch.set_float32_matmul_precision = lambda p: legacy("set_float32_matmul_precision", p)
-if sys.argv[1] == "old":  # pretend to be PyTorch < 2.9: no fp32_precision attributes
-    torch.backends.cuda.matmul = types.SimpleNamespace()
-    type(torch.backends.cudnn).allow_tf32 = property(lambda self: None, lambda self, v: legacy("cudnn.allow_tf32", v))
+type(torch.backends.cudnn).allow_tf32 = property(lambda self: None, lambda self, v: legacy("cudnn.allow_tf32", v))
 for name, tf32 in (("tf32", True), ("fp32", False)):
     PrecisionPolicy(name, "cuda", None, tf32=tf32, uses_scaler=False).apply()
-    if sys.argv[1] == "new":
-        print(name, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    print(name, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
 print("legacy", calls)
 """
 
 
-def _run_tf32_script(mode: str) -> list[str]:
+def _run_tf32_script() -> list[str]:
     import contextlib
     import os
-    import sys
     import traceback
 
     read, write = os.pipe()
@@ -183,7 +176,6 @@ def _run_tf32_script(mode: str) -> list[str]:
         code = 1
         try:
             with os.fdopen(write, "w") as out, contextlib.redirect_stdout(out):
-                sys.argv = ["tf32_script", mode]
                 exec(_TF32_SCRIPT, {"__name__": "__main__"})
             code = 0
         except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
@@ -194,18 +186,30 @@ def _run_tf32_script(mode: str) -> list[str]:
     with os.fdopen(read) as pipe:
         out = pipe.read()
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, f"the TF32 script failed ({mode}); see the captured stderr"
+    assert os.waitstatus_to_exitcode(status) == 0, "the TF32 script failed; see the captured stderr"
     return out.strip().splitlines()
 
 
-@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
-def test_tf32_switch_uses_fp32_precision_on_new_pytorch():
-    assert _run_tf32_script("new") == ["tf32 tf32 tf32", "fp32 ieee ieee", "legacy []"]
+def test_tf32_switch_uses_only_fp32_precision():
+    assert _run_tf32_script() == ["tf32 tf32 tf32", "fp32 ieee ieee", "legacy []"]
 
 
-def test_tf32_switch_uses_legacy_api_on_old_pytorch():
-    lines = _run_tf32_script("old")
-    assert lines == [
-        "legacy [('set_float32_matmul_precision', 'high'), ('cudnn.allow_tf32', True), "
-        "('set_float32_matmul_precision', 'highest'), ('cudnn.allow_tf32', False)]"
+def test_no_module_but_precision_touches_the_tf32_switches():
+    """On PyTorch >= 2.9 the legacy getters (``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.get_float32_matmul_precision``) raise once the new ``fp32_precision`` API was set, which
+    ``set_tf32`` does: no other module may read or set TF32 through either API."""
+    import re
+    from pathlib import Path
+
+    import gpt2
+
+    switches = re.compile(r"allow_tf32|float32_matmul_precision|fp32_precision")
+    root = Path(gpt2.__file__).parent
+    hits = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "precision.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if switches.search(line)
     ]
+    assert hits == []

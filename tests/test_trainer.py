@@ -458,7 +458,7 @@ def test_no_mfu_on_cpu_and_plot_without_matplotlib(tiny_config, tmp_path, monkey
 
 def test_peak_flops_lookup_tells_similar_names_apart():
     """Patterns are tried in order: a name that contains another GPU's name gets its own peak."""
-    table = dict(PEAK_FLOPS)
+    table = {pattern: peaks.bf16 for pattern, peaks in PEAK_FLOPS}
     assert peak_flops_for("NVIDIA A10") == table[r"\bA10\b"] != peak_flops_for("NVIDIA A100-SXM4-80GB")
     assert peak_flops_for("NVIDIA L4") == table[r"\bL4\b"] != peak_flops_for("NVIDIA L40S") == table["L40S"]
     assert peak_flops_for("NVIDIA H100 PCIe") == table[r"H100.*PCIe"] != peak_flops_for("NVIDIA H100 80GB HBM3")

@@ -47,12 +47,11 @@ class BenchOptions(Options):
 def bench(options: BenchOptions) -> list[Any]:
     rungs = [r.strip() for r in options.rungs.split(",") if r.strip()] if options.rungs else list(RUNGS)
     where = torch.cuda.get_device_name() if uses_cuda(options.device) else "CPU"
-    print(
-        f"{options.model}, B={options.batch_size}, T={options.seq_len}, "
-        f"{options.repeats} x {options.steps} timed steps after {options.warmup} warm-up steps per rung, "
-        f"on {where} (torch {torch.__version__})",
-        flush=True,
+    title = (
+        f"`gpt2 bench` on {where}, torch {torch.__version__}: {options.model}, B={options.batch_size}, "
+        f"T={options.seq_len}, {options.repeats} x {options.steps} timed steps after {options.warmup} warm-up steps"
     )
+    print(title, flush=True)
     results = run_ladder(
         options.model,
         batch_size=options.batch_size,
@@ -71,7 +70,7 @@ def bench(options: BenchOptions) -> list[Any]:
         ),
     )
     print()
-    print(format_table(results))
+    print(format_table(results, title))  # markdown: paste it into an issue as it is
     if options.json:
         write_json(
             options.json, {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}

@@ -36,6 +36,7 @@ import torch
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
+from gpt2.train.distributed import uses_cuda
 from gpt2.train.metrics import mfu as model_flops_utilisation
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class RungResult:
     step_ms: list[float] = field(default_factory=list)  # every timed step, all repeats
     repeat_ms: list[float] = field(default_factory=list)  # median ms/step of each repeat
     spread: float | None = None  # (max - min) / median of repeat_ms; 0.1 = the repeats differ by 10%
+    peak_memory_gib: float | None = None  # torch.cuda.max_memory_allocated over the rung; None off CUDA
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,7 +186,7 @@ def _time_rung(
     Trainer, model, shape, rung, settings, tokens, batch_size, seq_len, steps, warmup, repeats, device, peak_flops
 ):
     with _quiet_library():
-        records, flops_per_token, peak = _run_rung(
+        records, flops_per_token, peak, memory = _run_rung(
             Trainer, model, shape, settings, tokens, batch_size, seq_len, steps * repeats + warmup, device, peak_flops
         )
     records = records[warmup:]
@@ -205,11 +207,16 @@ def _time_rung(
         step_ms=step_ms,
         repeat_ms=repeat_ms,
         spread=(max(repeat_ms) - min(repeat_ms)) / ms,
+        peak_memory_gib=memory,
     )
 
 
 def _run_rung(Trainer, model, shape, settings, tokens, batch_size, seq_len, n_steps, device, peak_flops):
-    """Per-step records of ``n_steps`` steps of a fresh model with ``settings``."""
+    """Per-step records of ``n_steps`` steps of a fresh model with ``settings``, FLOPs per token,
+    peak FLOP/s and peak CUDA memory in GiB (None off CUDA)."""
+    on_cuda = uses_cuda(device)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)  # the same initial weights for every rung
     gpt = GPT(model_config(model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]))
     config = TrainConfig(
@@ -231,39 +238,45 @@ def _run_rung(Trainer, model, shape, settings, tokens, batch_size, seq_len, n_st
     try:
         records = [trainer.train_step() for _ in range(n_steps)]
         flops_per_token, peak = trainer.flops_per_token, trainer.peak_flops
+        memory = torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None
     finally:
         del trainer, gpt
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return records, flops_per_token, peak
+    return records, flops_per_token, peak, memory
 
 
 SPREAD_WARNING = 0.10  # repeats further apart than this get a note under the table
 
 
-def format_table(results: Sequence[RungResult]) -> str:
-    """A fixed-width table: rung, ms/step (median of the repeats), their spread, tokens/s, MFU,
-    speed-up over the first timed rung; then a note naming rungs whose repeats disagree by more
-    than 10%."""
-    header = f"{'rung':<12} {'ms/step':>10} {'spread':>7} {'tokens/s':>12} {'MFU':>7} {'speed-up':>9}  note"
-    lines = [header, "-" * len(header)]
+def format_table(results: Sequence[RungResult], title: str | None = None) -> str:
+    """A markdown table to paste into an issue: ``title`` (device, torch version, shape) first,
+    then per rung ms/step (median of the repeats), their spread, tokens/s, MFU, peak CUDA memory
+    and speed-up over the first timed rung; then a note naming rungs whose repeats disagree by
+    more than 10%."""
+    lines = [title, ""] if title else []
+    lines += [
+        "| rung | ms/step | spread | tokens/s | MFU | peak memory | speed-up | note |",
+        "|---|--:|--:|--:|--:|--:|--:|---|",
+    ]
     baseline = next((r.ms_per_step for r in results if r.ms_per_step), None)
     for r in results:
         if r.skipped or r.ms_per_step is None:
-            lines.append(f"{r.rung:<12} {'-':>10} {'':>7} {'-':>12} {'':>7} {'':>9}  {r.note}")
+            lines.append(f"| {r.rung} | - | | - | | | | {r.note} |")
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else ""
         speedup = f"{baseline / r.ms_per_step:.2f}x" if baseline else ""
         spread = f"{100 * r.spread:.0f}%" if r.spread is not None and len(r.repeat_ms) > 1 else ""
+        memory = f"{r.peak_memory_gib:.1f} GiB" if r.peak_memory_gib is not None else ""
         lines.append(
-            f"{r.rung:<12} {r.ms_per_step:>10.1f} {spread:>7} {r.tokens_per_second:>12,.0f} {mfu:>7} {speedup:>9}  "
-            f"{r.note}".rstrip()
+            f"| {r.rung} | {r.ms_per_step:.1f} | {spread} | {r.tokens_per_second:,.0f} | {mfu} | {memory} "
+            f"| {speedup} | {r.note} |"
         )
     noisy = [r.rung for r in results if r.spread is not None and len(r.repeat_ms) > 1 and r.spread > SPREAD_WARNING]
     repeats = max((len(r.repeat_ms) for r in results), default=0)
     if repeats > 1:
-        lines.append(f"ms/step: median of {repeats} repeats; spread: (slowest - fastest repeat) / median")
+        lines.append(f"\nms/step: median of {repeats} repeats; spread: (slowest - fastest repeat) / median")
     if noisy:
         lines.append(
             f"note: the repeats of {', '.join(noisy)} differ by more than {100 * SPREAD_WARNING:.0f}%: the machine "

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError
 
@@ -79,8 +80,14 @@ def model_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str
 # --- rNG states (weights_only-safe: tensors, ints, floats and lists)
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """torch (CPU and every CUDA device), numpy and Python ``random`` generator states."""
+def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
+    """torch CPU, numpy and Python ``random`` generator states, and the CUDA generator state of this
+    process's GPU under ``"cuda_by_rank"`` (``{rank: state}``; only devices this process uses:
+    reading every visible GPU's state would create a CUDA context on each of them from every rank).
+
+    ``all_ranks``: gather every rank's CUDA state, so rank 0 can save them all. A collective:
+    every rank of the process group must call it.
+    """
     version, internal, gauss_next = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state: dict[str, Any] = {
@@ -94,12 +101,30 @@ def capture_rng_state() -> dict[str, Any]:
             "cached_gaussian": float(np_cached),
         },
     }
+    cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
+    if all_ranks and _world_size() > 1:
+        gathered: list[Any] = [None] * _world_size()
+        dist.all_gather_object(gathered, cuda)
+        by_rank = {rank: s for rank, s in enumerate(gathered) if s is not None}
+    else:
+        by_rank = {_rank(): cuda} if cuda is not None else {}
+    if by_rank:
+        state["cuda_by_rank"] = by_rank
     return state
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put :func:`capture_rng_state`'s states back; the CUDA one of this rank onto its own GPU."""
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
@@ -107,15 +132,18 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(
         (npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
     )
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = state["cuda"]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
+    cuda_states = state.get("cuda_by_rank")
+    if cuda_states is None and state.get("cuda"):  # older checkpoints: every GPU's state as rank 0 saw it
+        cuda_states = {0: state["cuda"][0]}
+    if cuda_states and torch.cuda.is_available():
+        rank = _rank()
+        if rank in cuda_states:
+            torch.cuda.set_rng_state(cuda_states[rank], torch.cuda.current_device())
         else:
             logger.warning(
-                "checkpoint holds RNG states of %d CUDA devices but %d are visible; CUDA RNG not restored",
-                len(cuda_states),
-                torch.cuda.device_count(),
+                "checkpoint holds the CUDA RNG states of rank(s) %s, not of rank %d: its CUDA RNG is not restored",
+                sorted(cuda_states),
+                rank,
             )
 
 

@@ -26,6 +26,7 @@ from gpt2.model.config import (
 # GPUs, fp32 elsewhere (CPU). See gpt2.precision.
 PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
 LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.metrics.make_sinks
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer; see gpt2.train.optim
 
 
 @dataclass
@@ -63,6 +64,12 @@ class TrainConfig:
     # build-nanogpt decays them (True); the default follows the common practice of exempting them.
     decay_embeddings: bool = False
     fused_adamw: bool | Literal["auto"] = "auto"  # "auto" = fused kernel when every parameter is on CUDA
+    # "muon": torch.optim.Muon for the blocks' matrices, AdamW (max_lr, betas...) for embeddings,
+    # head, biases and gains (docs/training.md).
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 0.02  # Muon's peak LR (Keller Jordan's default); the schedule scales it like max_lr
+    # Muon's decoupled weight decay (each step scales the matrices by 1 - lr * wd); its reference uses 0.
+    muon_weight_decay: float = 0.0
 
     # --- precision and speed ---------------------------------------------------------------
 
@@ -153,6 +160,8 @@ class TrainConfig:
         )
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"TrainConfig.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.fused_adamw not in ("auto", True, False):
             raise ValueError(f"TrainConfig.fused_adamw must be 'auto', True or False, got {self.fused_adamw!r}")
         if not isinstance(self.device, str) or not self.device:
@@ -213,6 +222,8 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "max_lr": POSITIVE,
     "min_lr": Range(low=0, optional=True),  # None = max_lr / 10; at most max_lr (checked after)
     "weight_decay": NON_NEGATIVE,
+    "muon_lr": POSITIVE,
+    "muon_weight_decay": NON_NEGATIVE,
     "eps": POSITIVE,
     "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name

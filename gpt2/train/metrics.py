@@ -10,7 +10,8 @@ A step record is a plain dict::
 ``mfu`` (model FLOPs utilisation) is the fraction of the accelerator's peak that the model's
 useful arithmetic reaches: FLOPs per token (6 N for the weight matmuls, forward and backward,
 plus attention; :meth:`gpt2.model.GPT.flops_per_token`) x tokens/s / peak FLOP/s. It is None on
-CPU and on GPUs missing from :data:`PEAK_FLOPS` unless a peak is given.
+CPU and on GPUs missing from :data:`PEAK_FLOPS` unless a peak is given. The peak is the one of
+the run's precision: an fp32 run is measured against the GPU's fp32 peak, not its bf16 one.
 
 A sink is anything with ``log(record)`` (and optionally ``close()``) or a plain callable; the
 Trainer sends every record to each sink. Replace the console sink to route lines elsewhere.
@@ -29,7 +30,7 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -42,48 +43,62 @@ PLOT_FILE = "loss.png"  # in out_dir: the loss curve, drawn after each fit()
 
 Sink = Union[Callable[[dict], None], Any]  # a callable, or an object with log(record) [and close()]
 
-# Dense (no sparsity) bf16 tensor-core peak in FLOP/s from NVIDIA's data sheets; fp16 for GPUs
-# without bf16 (V100, T4). GeForce numbers are with fp32 accumulation, which is what PyTorch
-# uses. Patterns are tried in order, so the more specific names come first.
-PEAK_FLOPS: list[tuple[str, float]] = [
-    (r"H200", 989e12),
-    (r"H100.*PCIe", 756e12),
-    (r"H100.*NVL", 835e12),
-    (r"H100|GH200", 989e12),  # SXM ("H100 80GB HBM3") and Grace Hopper
-    (r"A100", 312e12),
-    (r"\bA30\b", 165e12),
-    (r"\bA40\b", 149.7e12),
-    (r"\bA10\b", 125e12),
-    (r"L40S", 362e12),
-    (r"\bL40\b", 181e12),
-    (r"\bL4\b", 121e12),
-    (r"RTX A6000", 154.8e12),
-    (r"RTX 4090", 165.2e12),
-    (r"RTX 4080", 97.5e12),
-    (r"RTX 3090", 71e12),
-    (r"RTX 3080", 59.5e12),
-    (r"V100", 125e12),  # fp16: Volta has no bf16
-    (r"\bT4\b", 65e12),  # fp16: Turing has no bf16
+
+class Peaks(NamedTuple):
+    """Dense peak FLOP/s of one GPU for each precision policy's matmuls."""
+
+    fp32: float  # plain fp32 (CUDA cores)
+    tf32: float  # TF32 tensor cores (= fp32 on GPUs without them)
+    bf16: float  # bf16 / fp16 tensor cores with fp32 accumulation (fp16 on V100 and T4: no bf16)
+
+
+# From NVIDIA's data sheets (H100/H200/GH200, A100, A30, A40, A10, L40S, L40, L4, V100, T4) and the
+# Ampere (GA102) and Ada (AD102) architecture white papers for the RTX cards: dense numbers, i.e.
+# half of the "with sparsity" figures the data sheets print for TF32 and bf16. Patterns are tried
+# in order, so the more specific names come first.
+PEAK_FLOPS: list[tuple[str, Peaks]] = [
+    (r"H200", Peaks(67e12, 494.5e12, 989.5e12)),
+    (r"H100.*PCIe", Peaks(51e12, 378e12, 756e12)),
+    (r"H100.*NVL", Peaks(60e12, 417.5e12, 835e12)),
+    (r"H100|GH200", Peaks(67e12, 494.5e12, 989.5e12)),  # SXM ("H100 80GB HBM3") and Grace Hopper
+    (r"A100", Peaks(19.5e12, 156e12, 312e12)),
+    (r"\bA30\b", Peaks(10.3e12, 82e12, 165e12)),
+    (r"\bA40\b", Peaks(37.4e12, 74.8e12, 149.7e12)),
+    (r"\bA10\b", Peaks(31.2e12, 62.5e12, 125e12)),
+    (r"L40S", Peaks(91.6e12, 183e12, 362e12)),
+    (r"\bL40\b", Peaks(90.5e12, 90.5e12, 181e12)),
+    (r"\bL4\b", Peaks(30.3e12, 60e12, 121e12)),
+    (r"RTX A6000", Peaks(38.7e12, 77.4e12, 154.8e12)),
+    (r"RTX 4090", Peaks(82.6e12, 82.6e12, 165.2e12)),
+    (r"RTX 4080", Peaks(48.7e12, 48.7e12, 97.5e12)),
+    (r"RTX 3090", Peaks(35.6e12, 35.6e12, 71e12)),
+    (r"RTX 3080", Peaks(29.8e12, 29.8e12, 59.5e12)),
+    (r"V100", Peaks(15.7e12, 15.7e12, 125e12)),  # no TF32 tensor cores: "tf32" runs fp32
+    (r"\bT4\b", Peaks(8.1e12, 8.1e12, 65e12)),
 ]
 
 
-def peak_flops_for(device_name: str) -> float | None:
-    """Peak FLOP/s of the GPU called ``device_name`` (as ``torch.cuda.get_device_name`` says), or None."""
-    for pattern, flops in PEAK_FLOPS:
+def peak_flops_for(device_name: str, precision: str = "bf16") -> float | None:
+    """Peak FLOP/s of the GPU called ``device_name`` (as ``torch.cuda.get_device_name`` says) for
+    a precision policy's matmuls ("fp32", "tf32", "bf16" or "fp16"), or None if it is unknown."""
+    field = "bf16" if precision == "fp16" else precision
+    for pattern, peaks in PEAK_FLOPS:
         if re.search(pattern, device_name):
-            return flops
+            return getattr(peaks, field)
     return None
 
 
-def detect_peak_flops(device: torch.device | str, override: float | None = None) -> float | None:
-    """``override`` if given, else the table's value for this CUDA device; None on CPU."""
+def detect_peak_flops(
+    device: torch.device | str, override: float | None = None, precision: str = "bf16"
+) -> float | None:
+    """``override`` if given, else the table's value for this CUDA device and ``precision``; None on CPU."""
     if override is not None:
         return float(override)
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
-    peak = peak_flops_for(name)
+    peak = peak_flops_for(name, precision)
     if peak is None:
         logger.warning("no peak FLOP/s known for %r: MFU not reported (set TrainConfig.peak_flops)", name)
     return peak

@@ -1,4 +1,5 @@
-"""AdamW with decay / no-decay parameter groups, and the cosine learning-rate schedule.
+"""AdamW with decay / no-decay parameter groups, Muon for the hidden matrices, and the cosine
+learning-rate schedule.
 
 Weight decay pulls weights towards zero. It makes sense for the matrices of matmuls (2-D and
 larger); it does not for biases and LayerNorm gains (1-D), whose job is to shift and rescale,
@@ -8,6 +9,12 @@ so the token table that is tied to the LM head counts once, as an embedding.
 
 Only parameters with ``requires_grad=True`` are optimised, so a model whose base is frozen (LoRA
 through :mod:`minlora`) trains just its adapters.
+
+``optimizer="muon"``: :class:`torch.optim.Muon` (momentum, then the update orthogonalised by a
+Newton-Schulz iteration) for the hidden matrices (:func:`muon_params`), AdamW for the rest
+(embeddings, the head, biases, gains), as one :class:`MuonAdamW`. Each group carries an
+``lr_ratio`` (its peak LR over ``max_lr``), so :func:`set_lr` moves every group along the
+schedule in proportion to its own peak.
 """
 
 from __future__ import annotations
@@ -19,13 +26,22 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gpt2.train.config import OPTIMIZERS
+
 logger = logging.getLogger(__name__)
 
 
-def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict[str, Any]]:
+# Nesterov momentum of Muon: Keller Jordan's value, torch.optim.Muon's default.
+MUON_MOMENTUM = 0.95
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, decay_embeddings: bool = False, exclude: frozenset[int] = frozenset()
+) -> list[dict[str, Any]]:
     """Two AdamW groups: ``{"params": decayed, "weight_decay": wd}`` and ``{"params": rest, 0.0}``.
 
-    Shared (tied) parameters appear once; frozen parameters not at all. Empty groups are dropped.
+    Shared (tied) parameters appear once; frozen parameters and those whose ``id`` is in
+    ``exclude`` (Muon's) not at all. Empty groups are dropped.
     """
     embedding_ids = {
         id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()
@@ -33,14 +49,14 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():  # named_parameters() yields a shared tensor once
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in exclude:
             continue
         is_embedding = id(p) in embedding_ids
         if p.dim() >= 2 and (decay_embeddings or not is_embedding):
             decay.append(p)
         else:
             no_decay.append(p)
-    if not decay and not no_decay:
+    if not decay and not no_decay and not exclude:
         raise ValueError(
             "the model has no trainable parameters (all have requires_grad=False); "
             "unfreeze some, or add LoRA adapters with minlora"
@@ -71,6 +87,74 @@ def use_fused_adamw(model: nn.Module, fused: bool | str = "auto") -> bool:
     return bool(fused)
 
 
+def muon_params(model: nn.Module) -> list[nn.Parameter]:
+    """The hidden matrices that Muon trains: the trainable weights of ``nn.Linear`` layers inside
+    the model's sub-modules (the blocks). Not a Linear that is a direct child of the model (the
+    output head) nor one whose weight is an ``nn.Embedding``'s (the tied head), and not LoRA
+    factors: with a frozen base there is nothing for Muon (see docs/training.md)."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(m) for m in model.children()}
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and id(module) not in heads:
+            # A parametrized weight (LoRA) is no Parameter of the Linear itself: left to AdamW.
+            weight = dict(module.named_parameters(recurse=False)).get("weight")
+            if weight is not None and weight.requires_grad and id(weight) not in embedding_ids:
+                found[id(weight)] = weight
+    return list(found.values())
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """:class:`torch.optim.Muon` and :class:`torch.optim.AdamW` as one optimizer.
+
+    ``param_groups`` lists the AdamW groups, then the Muon group (the children's own group dicts,
+    so setting a group's ``lr`` reaches the child), each tagged ``"optimizer": "adamw" | "muon"``;
+    ``state`` is one dict shared by both children. So ``state_dict`` / ``load_state_dict``,
+    ``zero_grad``, ``GradScaler.unscale_`` / ``step`` (they work per optimizer) and gradient
+    clipping see one ordinary optimizer.
+    """
+
+    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon) -> None:
+        self.optimizers = (adamw, muon)
+        for child, kind in zip(self.optimizers, OPTIMIZERS):
+            for group in child.param_groups:
+                group["optimizer"] = kind
+        super().__init__([p for child in self.optimizers for g in child.param_groups for p in g["params"]], {})
+        self.param_groups = adamw.param_groups + muon.param_groups
+        self._link()
+
+    def _link(self) -> None:
+        adamw, muon = self.optimizers
+        n = len(adamw.param_groups)
+        adamw.param_groups, muon.param_groups = self.param_groups[:n], self.param_groups[n:]
+        adamw.state = muon.state = self.state  # parameters are disjoint: one dict holds both states
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for child in self.optimizers:
+            child.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = [g.get("optimizer", "adamw") for g in state_dict["param_groups"]]
+        mine = [g["optimizer"] for g in self.param_groups]
+        if saved != mine:
+            raise ValueError(
+                f"the saved optimizer has groups {saved}, this one {mine}: it was written with another "
+                "TrainConfig.optimizer (or other trainable parameters); resume with the same settings"
+            )
+        ratios = [g.get("lr_ratio") for g in self.param_groups]
+        super().load_state_dict(state_dict)  # replaces param_groups and state with new objects
+        for group, ratio in zip(self.param_groups, ratios):
+            if ratio is not None:
+                group["lr_ratio"] = ratio  # this run's muon_lr / max_lr, not the checkpoint's
+        self._link()
+
+
 def build_optimizer(
     model: nn.Module,
     *,
@@ -80,15 +164,35 @@ def build_optimizer(
     eps: float = 1e-8,
     fused: bool | str = "auto",
     decay_embeddings: bool = False,
-) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters of ``model`` with :func:`param_groups`."""
-    groups = param_groups(model, weight_decay, decay_embeddings)
+    optimizer: str = "adamw",
+    muon_lr: float = 0.02,
+    muon_weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters of ``model`` with :func:`param_groups`; with
+    ``optimizer="muon"`` a :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`,
+    AdamW at peak ``lr`` for the rest."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
+    matrices = muon_params(model) if optimizer == "muon" else []
+    if optimizer == "muon" and not matrices:
+        logger.warning("optimizer='muon': no trainable hidden matrices (a frozen base?), so AdamW trains everything")
+    groups = param_groups(model, weight_decay, decay_embeddings, exclude=frozenset(map(id, matrices)))
     use_fused = use_fused_adamw(model, fused)
     # Without the fused kernel, the multi-tensor ("foreach") implementation: torch picks it by
     # default only for CUDA tensors, and on a CPU the per-tensor loop is several times slower.
-    return torch.optim.AdamW(
-        groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None, foreach=None if use_fused else True
+    adamw = (
+        torch.optim.AdamW(
+            groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None, foreach=None if use_fused else True
+        )
+        if groups
+        else None
     )
+    if not matrices:
+        return adamw
+    logger.info("Muon: %d hidden matrices (%s parameters)", len(matrices), f"{sum(p.numel() for p in matrices):,}")
+    muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=muon_weight_decay, momentum=MUON_MOMENTUM)
+    muon.param_groups[0]["lr_ratio"] = muon_lr / lr
+    return MuonAdamW(adamw, muon) if adamw is not None else muon  # Muon alone: nothing else is trainable
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -108,5 +212,7 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_ste
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the schedule's ``lr`` (of peak ``max_lr``); a group with an ``lr_ratio`` (Muon's) gets
+    ``lr * lr_ratio``, so every group follows the schedule from its own peak."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_ratio", 1.0)

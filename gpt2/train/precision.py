@@ -75,18 +75,13 @@ class PrecisionPolicy:
 def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
 
-    PyTorch 2.9 replaced ``torch.backends.cuda.matmul.allow_tf32`` /
-    ``torch.set_float32_matmul_precision`` with per-backend ``fp32_precision`` settings
-    (``"tf32"`` or ``"ieee"``), and raises when a process mixes the two APIs (Inductor reads the
-    new one). So the new API is used wherever it exists, the legacy one only on older PyTorch.
+    Through the ``fp32_precision`` settings (``"tf32"`` or ``"ieee"``) that PyTorch 2.9 introduced,
+    and only them: once they are set, the legacy getters (``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.get_float32_matmul_precision()``) raise, so nothing in gpt2 uses the legacy API.
     """
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        value = "tf32" if enabled else "ieee"
-        torch.backends.cuda.matmul.fp32_precision = value
-        torch.backends.cudnn.conv.fp32_precision = value
-    else:  # PyTorch < 2.9
-        torch.set_float32_matmul_precision("high" if enabled else "highest")
-        torch.backends.cudnn.allow_tf32 = enabled
+    value = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = value
+    torch.backends.cudnn.conv.fp32_precision = value
 
 
 def default_precision(device: torch.device | str) -> str:

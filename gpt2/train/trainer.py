@@ -149,6 +149,16 @@ class Trainer:
         sinks: Iterable[Sink] | None = None,
         callbacks: Iterable[Callable[[Trainer, dict], None]] = (),
     ) -> None:
+        self._owns_process_group, self._run_lock = False, None
+        try:
+            self._setup(model, config, train_data, val_data, sinks=sinks, callbacks=callbacks)
+        except BaseException:
+            # A set-up that fails after joining the process group must leave it (NCCL holds the
+            # GPU and its communicator otherwise); no barrier: the other ranks may never get here.
+            self.close(wait_for_all=False)
+            raise
+
+    def _setup(self, model, config, train_data, val_data, *, sinks, callbacks) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a gpt2.TrainConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
@@ -175,6 +185,9 @@ class Trainer:
             eps=config.eps,
             fused=config.fused_adamw,
             decay_embeddings=config.decay_embeddings,
+            optimizer=config.optimizer,
+            muon_lr=config.muon_lr,
+            muon_weight_decay=config.muon_weight_decay,
         )
         self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.scaler = self.precision.make_scaler()
@@ -193,7 +206,7 @@ class Trainer:
 
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
-        self.peak_flops = detect_peak_flops(self.device, config.peak_flops)
+        self.peak_flops = detect_peak_flops(self.device, config.peak_flops, self.precision.name)
         self.sinks: list[Sink] = (
             ([ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)) if self.is_main else []
         )
@@ -662,6 +675,7 @@ class Trainer:
                 last_checkpoint=self.last_checkpoint,
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
+        rng = ckpt.capture_rng_state(all_ranks=True)  # a collective: every rank's CUDA RNG state
         if self.is_main:  # once it checked it still owns out_dir
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
@@ -688,6 +702,7 @@ class Trainer:
                 meta,
                 keep_last=self.config.keep_last_checkpoints,
                 trainable_only=self.config.save_trainable_only,
+                rng_state=rng,
             )
         self.last_checkpoint = path
         return path
