@@ -229,8 +229,11 @@ def test_two_gloo_processes_match_one_process(tmp_path, dist_run):
     single = dist_job("muon", tmp_path / "single")
     assert [r["world_size"] for r in ranks] == [2, 2] and single["world_size"] == 1
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    # The first step's gradients agree to fp32 rounding (summed in another order); Muon's update
+    # is orthogonalised in bf16, so later steps agree to about bf16's precision (1e-3 relative).
     for key in ("losses", "grad_norms"):
-        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(single[key]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(ranks[0][key][:1]), torch.tensor(single[key][:1]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(single[key]), rtol=2e-3, atol=1e-4)
 
 
 def test_a_model_of_hidden_matrices_only_gets_muon_alone():

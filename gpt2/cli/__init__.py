@@ -125,7 +125,10 @@ def run_command(
         nproc = launch.nproc_per_node if launch is not None else 1
         if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
             os.environ[LAUNCH_ARGV] = shlex.join(argv)  # for the workers' resume line
-            return _launch(name, cmd, options, nproc, prog)
+            try:
+                return _launch(name, cmd, options, nproc, prog)
+            finally:  # only the workers read it: a later command in this process must not
+                del os.environ[LAUNCH_ARGV]
         result = cmd.function(options)
         return result if isinstance(result, int) else 0
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted

@@ -149,7 +149,7 @@ class Trainer:
         sinks: Iterable[Sink] | None = None,
         callbacks: Iterable[Callable[[Trainer, dict], None]] = (),
     ) -> None:
-        self._owns_process_group, self._run_lock = False, None
+        self._owns_process_group, self._run_lock, self._signals = False, None, StopSignals()
         try:
             self._setup(model, config, train_data, val_data, sinks=sinks, callbacks=callbacks)
         except BaseException:
@@ -223,7 +223,6 @@ class Trainer:
         self.recoveries = 0
         self.lr_scale = 1.0  # recovery_lr_factor ** recoveries: multiplies the scheduled LR
         self._snapshot: dict[str, Any] | None = None  # in-memory good state before a checkpoint exists
-        self._signals = StopSignals()
         self._warned_short_val = False
         logger.info(
             "training on %s with %s, %d process(es), %d micro-step(s) of %d x %d tokens = %s tokens per step",
