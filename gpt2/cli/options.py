@@ -238,8 +238,12 @@ class ExportOptions:
     peft_out: str | None = None
     """write the adapter in PEFT format here (peft.PeftModel loads it on transformers' GPT-2)"""
     tokenizer_dir: str | None = None
-    """GPT-2's encoder.json + vocab.bpe, copied into --out so AutoTokenizer loads it too
-    (default: $GPT2_TOKENIZER_DIR)"""
+    """where GPT-2's encoder.json + vocab.bpe come from; --out always gets the tokenizer files
+    (default: $GPT2_TOKENIZER_DIR, else the tokenizer's cache)"""
+    gguf: str | None = None
+    """write one self-contained GGUF file here for llama.cpp (adapter merged, tokenizer embedded)"""
+    gguf_type: Literal["f32", "f16", "q8_0"] = "f16"
+    """GGUF weight type: f32, f16 or q8_0 (8-bit blocks; norms and biases stay f32)"""
 
 
 @dataclass
