@@ -1,8 +1,5 @@
-"""minlora: LoRA (and DoRA) adapters through ``torch.nn.utils.parametrize``, no change to the model's code.
-
-A drop-in superset of cccntu/minLoRA with what it gets wrong fixed, a :class:`LoRAConfig`, a fast
-forward, and adapter files in minlora's format and PEFT's. See docs/lora.md.
-"""
+"""minlora: LoRA (and DoRA) through ``torch.nn.utils.parametrize``, no change to the model's code; a
+superset of cccntu/minLoRA, fixed, with :class:`LoRAConfig`, a fast forward, and minlora / PEFT files."""
 
 from .adapters import (
     AdapterBaseMismatchError,

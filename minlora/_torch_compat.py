@@ -1,11 +1,5 @@
-"""The private ``torch.nn.utils.parametrize`` names minlora relies on, in one place.
-
-* ``_inject_property(module, name)`` puts the ``module.<name>`` property on a parametrized module's
-  class; minlora gives each LoRA layer a class of its own and must re-create that property on it.
-* ``_cache_enabled`` is true inside ``with parametrize.cached():``; the fast forward steps aside then.
-
-If a torch release renames them, importing minlora fails here, naming the missing one.
-"""
+"""The private ``torch.nn.utils.parametrize`` names minlora relies on, in one place: a torch release
+that renames one fails here, at import, naming it."""
 
 from __future__ import annotations
 
@@ -25,8 +19,9 @@ if missing_names():
         f"does not have; install a torch 2.x release minlora is tested with, or report this torch version"
     )
 
+# puts the `module.<name>` property on a parametrized module's class (minlora gives each its own class)
 inject_property = parametrize._inject_property
 
 
 def parametrize_cache_enabled() -> bool:
-    return bool(parametrize._cache_enabled)  # a nesting counter, read each call (a module global)
+    return bool(parametrize._cache_enabled)  # true inside `parametrize.cached()`; a counter, read each call

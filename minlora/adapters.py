@@ -1,11 +1,7 @@
-"""minlora's adapter file (:func:`save_adapter` / :func:`load_adapter`), and the file handling and
-all-or-nothing loading that PEFT interop (:mod:`minlora.peft`) shares.
-
-An adapter is one ``adapter.safetensors``: tensors ``<module>.<tensor>.lora_A`` / ``.lora_B``, and
-as JSON under the metadata key ``"minlora"`` the config (per target: layer type, weight shape,
-rank, alpha, rsLoRA, dropout), tied pairs and the base model's fingerprint. One file renamed into
-place is never half-written nor mixed with another save. minlora 0.1's two files still load.
-"""
+"""minlora's adapter file and the all-or-nothing loading PEFT interop shares. One ``adapter.safetensors``
+(renamed into place: never torn nor mixed with another save): ``<module>.<tensor>.lora_A`` / ``.lora_B``
+(/ ``.lora_magnitude_vector``), and under the metadata key ``"minlora"`` the JSON config: per target
+layer, weight shape and settings, tied pairs, the base model's fingerprint. minlora 0.1's two files load."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,14 +20,14 @@ from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
 from .model import LoRASite, has_lora, lora_sites, register_lora
-from .parametrization import LoRAParametrization
+from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
 LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME = "minlora_adapter.json", "minlora_adapter.safetensors"  # minlora 0.1
 _FORMAT, _VERSION = "minlora.adapter", 2  # version 1: minlora 0.1's two files
+_SETTINGS = ("rank", "lora_alpha", "use_rslora", "lora_dropout_p", "use_dora")  # per target, as LoRAParametrization
 _REMEDY = "save the adapter again with minlora.save_adapter"
-_SAFETENSORS_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)  # what a damaged file raises
 Plan = tuple[LoRASite, LoRAParametrization]  # where to load, and a LoRA built from the file
 logger = logging.getLogger(__name__)
 
@@ -52,21 +47,18 @@ class AdapterBaseMismatchError(ValueError):
 # ---------------------------------------------------------------------- files
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the new
-    one, never a torn one. A stale ``.tmp`` a crash left is replaced."""
+    one, never a torn one; the file gets the user's umask."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.unlink(missing_ok=True)
-        # Created with 0o666 so the kernel applies the user's umask (reading the umask means setting
-        # it, which races with other threads); mkstemp's 0o600 would make every file private.
+        tmp.unlink(missing_ok=True)  # a stale one a crash left
+        # Created 0o666 so the kernel applies the umask (reading it means setting it, racing other threads);
+        # safetensors alone would write 0o600, making every adapter private.
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        mode = stat.S_IMODE(tmp.stat().st_mode)
+        mode = os.stat(tmp).st_mode & 0o777
         write(tmp)
-        os.chmod(tmp, mode)  # 0o666 & ~umask, whatever write() did
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # on disk before the rename publishes it
-        finally:
-            os.close(fd)
+        os.chmod(tmp, mode)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # on disk before the rename publishes it
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -76,13 +68,8 @@ def parse_json(source: Path | str, where: Any, caller: str, remedy: str) -> dict
     """The JSON object in a file (a ``Path``) or a string, else :class:`AdapterFileError` naming ``where``."""
     try:
         data = json.loads(source.read_text(encoding="utf-8") if isinstance(source, Path) else source)
-    except UnicodeDecodeError as e:
-        raise AdapterFileError(f"{caller}: {where} is not UTF-8 text ({e.reason}); {remedy}") from None
-    except json.JSONDecodeError as e:
-        raise AdapterFileError(
-            f"{caller}: {where} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-            f"the file is damaged or truncated; {remedy}"
-        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterFileError(f"{caller}: {where} is not valid JSON ({e}): damaged or truncated; {remedy}") from None
     if not isinstance(data, dict):
         raise AdapterFileError(f"{caller}: {where} must hold a JSON object, got {type(data).__name__}; {remedy}")
     return data
@@ -92,7 +79,7 @@ def read_safetensors(path: Path, caller: str, remedy: str) -> tuple[dict[str, to
     try:
         with safe_open(str(path), framework="pt") as f:
             return {key: f.get_tensor(key) for key in f.keys()}, dict(f.metadata() or {})
-    except _SAFETENSORS_ERRORS as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # what a damaged file raises
         raise AdapterFileError(
             f"{caller}: {path} is not a readable safetensors file ({type(e).__name__}: {e}); "
             f"the file is damaged or truncated; {remedy}"
@@ -110,33 +97,26 @@ def check_values(tensors: dict[str, torch.Tensor], where: Any, caller: str, reme
             )
 
 
-def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASite], dict[str, torch.Tensor]]:
-    """The LoRA sites of ``model`` and their parameters ``<site>.<param>`` on the CPU, finite, in ``dtype``."""
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-    sites = lora_sites(model)
-    if not sites:
-        raise ValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
-    # clones: safetensors refuses tensors sharing memory (tie_weights)
-    tensors = {
-        f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous().clone()
-        for site in sites
-        for name in site.lora.param_names
-    }
-    check_values(
-        tensors,
-        "the model's LoRA",
-        caller,
-        "nothing was written; the adapter diverged in training: resume "
-        "from a checkpoint before it did, with a lower learning rate",
-    )
-    return sites, tensors
-
-
 def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
     if len(site.lora_indices) != 1:
         raise ValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
     return site.lora
+
+
+def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASite], dict[str, torch.Tensor]]:
+    """The LoRA sites of ``model`` and their parameters ``<site>.<param>`` on the CPU, finite, in ``dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if not (sites := lora_sites(model)):
+        raise ValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
+    tensors = {  # clones: safetensors refuses tensors sharing memory (tie_weights)
+        f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous().clone()
+        for site in sites
+        for name in site.lora.param_names
+    }
+    diverged = "nothing was written; the adapter diverged in training: resume from a checkpoint before it did"
+    check_values(tensors, "the model's LoRA", caller, diverged + ", with a lower learning rate")
+    return sites, tensors
 
 
 # ---------------------------------------------------------------------- loading, all or nothing
@@ -153,23 +133,14 @@ def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
 
 @torch.no_grad()
 def make_plan(
-    site: LoRASite,
-    source: str,
-    tensors: dict[str, torch.Tensor],
-    rank: int,
-    lora_alpha: float,
-    use_rslora: bool = False,
-    dropout: float = 0.0,
-    use_dora: bool = False,
+    site: LoRASite, source: str, tensors: dict[str, torch.Tensor], rank: int, lora_alpha: float, **kw
 ) -> Plan:
-    """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight."""
+    """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight; ``kw``:
+    ``use_rslora``, ``lora_dropout_p``, ``use_dora``."""
     family = family_name(site.module)
     if family is None or raw_weight(site.module) is None or site.tensor_name != "weight":
-        raise ValueError(
-            f"{source}: {site.name} is not the weight of an nn.Linear, nn.Embedding or nn.Conv2d, the "
-            f"layers minlora puts LoRA on"
-        )
-    lora = FAMILIES[family][1](site.module, rank, dropout, lora_alpha, use_rslora=use_rslora, use_dora=use_dora)
+        raise ValueError(f"{source}: {site.name} is not the weight of a Linear, Embedding or Conv2d layer")
+    lora = FAMILIES[family][1](site.module, rank, kw.pop("lora_dropout_p", 0.0), lora_alpha, **kw)
     for name, value in tensors.items():
         if value.shape != getattr(lora, name).shape:
             raise ValueError(
@@ -184,20 +155,15 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
     """What could stop a load half-way, checked before anything changes."""
     for site, new in plans:
         old = single_lora(site, source) if has_lora(site.module, site.tensor_name) else new
-        if old.rank != new.rank:
-            raise ValueError(
-                f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there "
-                f"has rank {old.rank}; call minlora.remove_lora(model) and load again (loading into a "
-                f"model without LoRA adds it at the adapter's rank), or add LoRA with rank={new.rank}"
-            )
         shapes = [{n: tuple(getattr(p, n).shape) for n in p.param_names} for p in (old, new)]
-        if shapes[0] != shapes[1]:
+        if shapes[0] != shapes[1]:  # another rank, or DoRA on one side only
             raise ValueError(
-                f"{source}: the model's LoRA on {site.name} has parameters {shapes[0]}, the adapter's "
-                f"{shapes[1]}; call minlora.remove_lora(model) and load again"
+                f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there has rank "
+                f"{old.rank} (parameters {shapes[0]}, the adapter's {shapes[1]}); call minlora.remove_lora(model) "
+                f"and load again (a model without LoRA gets the adapter's)"
             )
-    extra = [s.name for s in lora_sites(model) if s.name not in {site.name for site, _ in plans}]
-    if strict and extra:
+    covered = {site.name for site, _ in plans}
+    if strict and (extra := [s.name for s in lora_sites(model) if s.name not in covered]):
         raise ValueError(
             f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
             f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora"
@@ -223,14 +189,11 @@ def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
         digest.update(f"{name} {tuple(t.shape)} {t.dtype}\n".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy())
     cfg = getattr(model, "config", None)  # duck-typed: minlora knows no model family
-    data = (
-        cfg.to_dict()
-        if callable(getattr(cfg, "to_dict", None))
-        else dataclasses.asdict(cfg)
-        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
-        else None
-    )
-    config = None if data is None else json.loads(json.dumps(data, sort_keys=True, default=str))  # as it reads back
+    if callable(getattr(cfg, "to_dict", None)):
+        cfg = cfg.to_dict()
+    elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = dataclasses.asdict(cfg)
+    config = json.loads(json.dumps(cfg, sort_keys=True, default=str)) if isinstance(cfg, dict) else None  # as read
     summary = json.dumps([digest.hexdigest(), config], sort_keys=True).encode()
     return {"sha256": hashlib.sha256(summary).hexdigest(), "weights_sha256": digest.hexdigest(), "config": config}
 
@@ -239,36 +202,28 @@ def base_fingerprint(model: nn.Module) -> str:
     """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
     dtypes, values) and of ``model.config`` (a dataclass or an object with ``to_dict()``) as JSON:
     what :func:`save_adapter` records and :func:`load_adapter` checks; a trainer can keep it too."""
-    if not lora_sites(model):
-        raise ValueError(
-            "base_fingerprint: the model has no LoRA, so no adapted layers to fingerprint; call "
-            "minlora.add_lora(model) first"
-        )
-    return _base_record(model, {s.name: s.original for s in lora_sites(model)})["sha256"]
+    if not (sites := lora_sites(model)):
+        raise ValueError("base_fingerprint: the model has no LoRA, so no adapted layers; call minlora.add_lora first")
+    return _base_record(model, {s.name: s.original for s in sites})["sha256"]
 
 
 def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
     if saved is None:
-        logger.warning(
-            "%s: the adapter does not record the base model it was trained on (saved by minlora 0.1), so "
-            "it cannot be verified to fit this model",
-            source,
-        )
+        logger.warning(f"{source}: the adapter (minlora 0.1's) does not record its base model: it cannot be verified")
         return
     now = _base_record(model, {site.name: raw_weight(site.module) for site, _ in plans})
     if now["sha256"] == saved.get("sha256"):
         return
-    old_config, new_config = saved.get("config") or {}, now["config"] or {}
-    keys = sorted(k for k in {*old_config, *new_config} if old_config.get(k) != new_config.get(k))
-    changes = [f"{k}: {old_config.get(k)!r} in the adapter, {new_config.get(k)!r} here" for k in keys[:4]]
+    old, new = saved.get("config") or {}, now["config"] or {}
+    keys = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
+    changes = [f"{k}: {old.get(k)!r} in the adapter, {new.get(k)!r} here" for k in keys[:4]]
     differs = [f"the model config ({', '.join(changes)})"] if keys else []
     if now["weights_sha256"] != saved.get("weights_sha256"):
         differs.append(f"the base weights of the {len(plans)} adapted layers")
     message = f"{source}: the adapter was trained on another base model: {' and '.join(differs) or 'its record'} differ"
     if not allow:
         raise AdapterBaseMismatchError(
-            f"{message}; load the base model it was trained on, or pass "
-            f"allow_base_mismatch=True to load_adapter to use it with this one"
+            f"{message}; load the base model it was trained on, or pass allow_base_mismatch=True to load_adapter"
         )
     logger.warning("%s; loading it anyway (allow_base_mismatch=True)", message)
 
@@ -285,30 +240,18 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
     if path.is_file() and file != path:
         raise ValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
     targets = {
-        s.name: {
-            "layer": family_name(s.module),
-            "weight_shape": list(s.original.shape),
-            "rank": s.lora.rank,
-            "lora_alpha": s.lora.lora_alpha,
-            "use_rslora": s.lora.use_rslora,
-            "lora_dropout_p": s.lora.lora_dropout_p,
-            "use_dora": s.lora.use_dora,
-        }
+        s.name: {"layer": family_name(s.module), "weight_shape": list(s.original.shape)}
+        | {k: getattr(s.lora, k) for k in _SETTINGS}
         for s in sites
     }
-    ties = [
+    ties = [  # tie_weights: the embedding's factors are the head's, swapped
         {"linear": a.name, "embedding": b.name}
         for a in sites
         for b in sites
         if b.lora.lora_A is a.lora.lora_B and b.lora.lora_B is a.lora.lora_A and not a.lora.fan_in_fan_out
     ]
-    config = {
-        "format": _FORMAT,
-        "format_version": _VERSION,
-        "targets": targets,
-        "tied": ties,
-        "base": _base_record(model, {s.name: s.original for s in sites}),
-    }
+    base = _base_record(model, {s.name: s.original for s in sites})
+    config = {"format": _FORMAT, "format_version": _VERSION, "targets": targets, "tied": ties, "base": base}
     file.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "minlora": json.dumps(config, sort_keys=True)}
     write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
@@ -319,47 +262,37 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
 
 def _check_config(config: dict[str, Any], where: Any) -> None:
     """The structure; the values are checked as the LoRAs are built from them (:func:`make_plan`)."""
-
-    def fail(what: str) -> None:
-        raise AdapterFileError(f"load_adapter: {where}: {what}; {_REMEDY}")
-
+    targets, tied, version = config.get("targets"), config.get("tied", []), config.get("format_version")
+    problem = None
     if config.get("format") != _FORMAT:
-        fail(
-            f"format={config.get('format')!r}, not {_FORMAT!r}: it is not a minlora adapter (a PEFT adapter goes to "
-            f"minlora.import_peft_adapter)"
+        problem = (
+            f"format={config.get('format')!r}: it is not a minlora adapter (a PEFT one goes to import_peft_adapter)"
         )
-    if config.get("format_version") not in (1, _VERSION):
-        newer = isinstance(config.get("format_version"), int) and config["format_version"] > _VERSION
-        fail(
-            f"format_version={config.get('format_version')!r}, but this minlora reads versions 1 and {_VERSION}"
-            + ("; upgrade minlora to load it" if newer else "")
-        )
-    targets = config.get("targets")
-    if not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
-        fail(f"'targets' must be a non-empty object of objects, got {targets!r}")
-    missing = [
-        (n, k) for n, spec in targets.items() for k in ("layer", "weight_shape", "rank", "lora_alpha") if k not in spec
-    ]
-    if missing:
-        fail(f"targets[{missing[0][0]!r}] lacks the field {missing[0][1]!r}")
-    if not isinstance(config.get("base", {}), dict):
-        fail(f"'base' must be an object (the base model's fingerprint), got {config['base']!r}")
-    tied = config.get("tied", [])
-    if not isinstance(tied, list) or not all(
+    elif version not in (1, _VERSION):
+        newer = "; upgrade minlora to load it" if isinstance(version, int) and version > _VERSION else ""
+        problem = f"format_version={version!r}, but this minlora reads versions 1 and {_VERSION}{newer}"
+    elif not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
+        problem = f"'targets' must be a non-empty object of objects, got {targets!r}"
+    elif missing := [
+        (n, k) for n, t in targets.items() for k in _SETTINGS[:2] + ("layer", "weight_shape") if k not in t
+    ]:
+        problem = f"targets[{missing[0][0]!r}] lacks the field {missing[0][1]!r}"
+    elif not isinstance(config.get("base", {}), dict):
+        problem = f"'base' must be an object (the base model's fingerprint), got {config['base']!r}"
+    elif not isinstance(tied, list) or not all(
         isinstance(t, dict)
         and set(t) == {"linear", "embedding"}
         and all(isinstance(v, str) and v in targets for v in t.values())
         for t in tied
     ):
-        fail(
-            f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}} naming two targets, '
-            f"got {tied!r}"
-        )
+        problem = f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
+    if problem:
+        raise AdapterFileError(f"load_adapter: {where}: {problem}; {_REMEDY}")
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
     """``(tensors, config, file)`` of the adapter at ``path`` (a directory or the file), config checked."""
-    file = path / ADAPTER_FILE_NAME if path.is_dir() else path
+    file, legacy = path / ADAPTER_FILE_NAME if path.is_dir() else path, path / LEGACY_CONFIG_NAME
     if file.is_file():
         tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
         if "minlora" not in metadata:
@@ -368,16 +301,16 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
                 f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
             )
         config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
-    elif (path / LEGACY_CONFIG_NAME).is_file():
-        config = parse_json(path / LEGACY_CONFIG_NAME, path / LEGACY_CONFIG_NAME, "load_adapter", _REMEDY)
-        _check_config(config, path / LEGACY_CONFIG_NAME)
+        _check_config(config, file)
+    elif legacy.is_file():
+        config = parse_json(legacy, legacy, "load_adapter", _REMEDY)
+        _check_config(config, legacy)
         file = path / LEGACY_WEIGHTS_NAME
         tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
         if metadata.get("minlora_save_id") != config.get("save_id"):  # minlora 0.1 wrote one id into both
             raise AdapterFileError(
-                f"load_adapter: {file} (save {metadata.get('minlora_save_id')}) and "
-                f"{LEGACY_CONFIG_NAME} (save {config.get('save_id')}) come from two different "
-                f"saves (files copied by hand?); copy both files of one save, or {_REMEDY}"
+                f"load_adapter: {file} (save {metadata.get('minlora_save_id')}) and {LEGACY_CONFIG_NAME} (save "
+                f"{config.get('save_id')}) come from two different saves; copy both files of one save, or {_REMEDY}"
             )
     else:
         peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" * (path / "adapter_config.json").is_file()
@@ -385,38 +318,23 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
             f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
             f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}"
         )
-    _check_config(config, file)
     return tensors, config, file
 
 
 def load_adapter(
     model: nn.Module, path: str | os.PathLike, *, strict: bool = True, allow_base_mismatch: bool = False
 ) -> nn.Module:
-    """Load an adapter written by :func:`save_adapter` (a directory or the file) into ``model``.
-
-    Layers without LoRA get one with the adapter's settings; layers with LoRA must have its rank.
-    All is checked before the model changes: a mismatch, or with ``strict`` model LoRA the adapter
-    does not cover, is a ``ValueError``; a damaged file an :class:`AdapterFileError`; another base
-    (:func:`base_fingerprint`) an :class:`AdapterBaseMismatchError`, unless ``allow_base_mismatch``.
-    """
+    """Load a :func:`save_adapter` adapter into ``model``: layers without LoRA get the adapter's, layers
+    with LoRA must have its rank. All is checked before the model changes: ``ValueError`` (with ``strict``,
+    model LoRA the adapter does not cover too), :class:`AdapterFileError`, :class:`AdapterBaseMismatchError`."""
     tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
-    names = {
-        t: ("lora_A", "lora_B") + ("lora_magnitude_vector",) * (s.get("use_dora") is True)
-        for t, s in config["targets"].items()
-    }
-    expected = {f"{target}.{p}" for target, pnames in names.items() for p in pnames}
-    if set(tensors) != expected:
-        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise AdapterFileError(
-            f"{source}: {file} "
-            + (
-                f"lacks {missing[:4]}; the file is incomplete"
-                if missing
-                else f"holds {unexpected[:4]}, which its config does not list"
-            )
-            + f"; {_REMEDY}"
-        )
+    params = {t: PARAM_NAMES[: 2 + (s.get("use_dora") is True)] for t, s in config["targets"].items()}
+    expected = {f"{target}.{p}" for target, names in params.items() for p in names}
+    if missing := sorted(expected - set(tensors)):
+        raise AdapterFileError(f"{source}: {file} lacks {missing[:4]}; the file is incomplete; {_REMEDY}")
+    if unexpected := sorted(set(tensors) - expected):
+        raise AdapterFileError(f"{source}: {file} holds {unexpected[:4]}, which its config does not list; {_REMEDY}")
     check_values(tensors, file, source, _REMEDY)
     plans = []
     for name, spec in config["targets"].items():
@@ -426,42 +344,28 @@ def load_adapter(
         if family_name(site.module) != spec["layer"] or weight is None or list(weight.shape) != spec["weight_shape"]:
             raise ValueError(
                 f"{source}: {name} is a {type(site.module).__name__} weight of shape "
-                f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} "
-                f"weight of shape {tuple(spec['weight_shape'])} in the adapter: made for a model of "
-                f"another shape"
+                f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} weight of "
+                f"shape {tuple(spec['weight_shape'])} in the adapter: made for a model of another shape"
             )
+        factors = {p: tensors[f"{name}.{p}"] for p in params[name]}
+        settings = {k: spec[k] for k in _SETTINGS if k in spec}
         try:
-            plans.append(
-                make_plan(
-                    site,
-                    source,
-                    {p: tensors[f"{name}.{p}"] for p in names[name]},
-                    spec["rank"],
-                    spec["lora_alpha"],
-                    spec.get("use_rslora", False),
-                    spec.get("lora_dropout_p", 0.0),
-                    spec.get("use_dora", False),
-                )
-            )
+            plans.append(make_plan(site, source, factors, **settings))
         except (TypeError, ValueError) as e:  # a bad rank / alpha / dropout, or a factor of the wrong shape
             raise AdapterFileError(f"{source}: {file}: targets[{name!r}]: {e}; {_REMEDY}") from None
-    by_name, ties = {site.name: lora for site, lora in plans}, []
+    by_name, ties = {site.name: (site.module, lora) for site, lora in plans}, []
     for tie in config.get("tied", []):  # the factors must hold one update: tying would drop values otherwise
-        lin, emb = by_name[tie["linear"]], by_name[tie["embedding"]]
-        if (
-            lin.fan_in_fan_out
-            or not emb.fan_in_fan_out
-            or not torch.equal(lin.lora_A, emb.lora_B)
-            or not torch.equal(lin.lora_B, emb.lora_A)
-        ):
+        (head, lin), (embedding, emb) = by_name[tie["linear"]], by_name[tie["embedding"]]
+        one_update = torch.equal(lin.lora_A, emb.lora_B) and torch.equal(lin.lora_B, emb.lora_A)
+        if lin.fan_in_fan_out or not emb.fan_in_fan_out or not one_update:
             raise AdapterFileError(
                 f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA "
                 f"holding one update (the embedding's lora_A is the head's lora_B); {_REMEDY}"
             )
-        ties.append([site.module for site, _ in plans if site.name in (tie["linear"], tie["embedding"])])
+        ties.append((head, embedding))
     check_plans(model, plans, source, strict)
     _check_base(config.get("base"), model, plans, source, allow_base_mismatch)
     apply_plans(plans)
-    for pair in ties:
-        tie_weights(*pair)  # either order
+    for head, embedding in ties:
+        tie_weights(head, embedding)
     return model

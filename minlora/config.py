@@ -1,8 +1,6 @@
-"""``LoRAConfig``: which layers get LoRA and with what settings, for humans.
-
-It feeds the same machinery as minLoRA's dict configs (``to_lora_config()`` gives the dict), adding
-name patterns, exclusions and explicit switches for the embeddings and the LM head.
-"""
+"""``LoRAConfig``: which layers get LoRA and with what settings. It feeds the machinery of minLoRA's
+dict configs (``to_lora_config()``), adding name patterns, exclusions and switches for the
+embeddings and the LM head."""
 
 from __future__ import annotations
 
@@ -32,22 +30,10 @@ def family_name(layer: nn.Module | type) -> str | None:
 
 
 def name_matches(name: str, pattern: str) -> bool:
-    """A pattern with ``*``, ``?`` or ``[`` is a glob over the full dotted name; otherwise it matches
-    the name or a dotted suffix (``"c_proj"`` matches ``transformer.h.0.attn.c_proj``)."""
+    """A glob (``*?[``) over the full dotted name, or else the name or a dotted suffix of it."""
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)
-
-
-def lm_head_ids(model: nn.Module, head_names: tuple[str, ...] = ("lm_head",)) -> set[int]:
-    """``id`` of every linear layer that is an LM head: named in ``head_names`` or tied to an embedding."""
-    tied = {id(w) for m in model.modules() if family_name(m) == "Embedding" and (w := raw_weight(m)) is not None}
-    return {
-        id(m)
-        for name, m in model.named_modules()
-        if family_name(m) == "Linear"
-        and (((w := raw_weight(m)) is not None and id(w) in tied) or any(name_matches(name, h) for h in head_names))
-    }
 
 
 def _patterns(value: Any, field_name: str) -> tuple[str, ...]:
@@ -59,16 +45,11 @@ def _patterns(value: Any, field_name: str) -> tuple[str, ...]:
 
 @dataclass
 class LoRAConfig:
-    """Which layers get LoRA, and its hyper-parameters.
-
-    A layer gets LoRA when it is one of ``target_types`` (``include_embeddings`` adds
-    ``nn.Embedding``), matches a ``target_modules`` pattern (all layers when None), matches no
-    ``exclude_modules`` pattern, and is not an LM head unless ``include_lm_head``. The LM head is a
-    linear layer named in ``lm_head_names`` or tied to an embedding; with GPT-2's tied weights,
-    LoRA on the head adapts the output projection only (see docs/lora.md).
-    ``scaling = alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``); ``use_dora``: DoRA
-    (PEFT's name), see :class:`LoRAParametrization`.
-    """
+    """A layer gets LoRA when it is one of ``target_types`` (``include_embeddings`` adds
+    ``nn.Embedding``), matches a ``target_modules`` pattern (all when None) and no ``exclude_modules``
+    one, and is not an LM head (a linear layer in ``lm_head_names`` or tied to an embedding) unless
+    ``include_lm_head``. ``scaling = alpha / rank`` (``/ sqrt(rank)`` with ``use_rslora``);
+    ``use_dora``: DoRA, see :class:`LoRAParametrization`."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -98,57 +79,51 @@ class LoRAConfig:
         self.target_types = tuple(FAMILIES[t][0] if isinstance(t, str) and t in FAMILIES else t for t in types)
         for t in self.target_types:
             if not isinstance(t, type) or family_name(t) is None:
-                raise ValueError(
-                    f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts subclasses of "
-                    f"{sorted(FAMILIES)} (give the class or its name)"
-                )
+                raise ValueError(f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts {sorted(FAMILIES)}")
 
     @property
     def layer_types(self) -> tuple[type, ...]:
-        types = tuple(self.target_types)
-        return types + (nn.Embedding,) if self.include_embeddings and nn.Embedding not in types else types
+        extra = (nn.Embedding,) if self.include_embeddings and nn.Embedding not in self.target_types else ()
+        return tuple(self.target_types) + extra
 
     def factory(self, layer_type: type) -> Callable[[nn.Module], LoRAParametrization]:
-        return partial(
-            FAMILIES[family_name(layer_type)][1],
-            rank=self.rank,
-            lora_dropout_p=float(self.dropout),
-            lora_alpha=self.alpha,
-            use_rslora=self.use_rslora,
-            use_dora=self.use_dora,
-        )
+        settings = dict(lora_dropout_p=float(self.dropout), lora_alpha=self.alpha, use_rslora=self.use_rslora)
+        return partial(FAMILIES[family_name(layer_type)][1], rank=self.rank, use_dora=self.use_dora, **settings)
 
     def to_lora_config(self) -> dict[type, dict[str, Callable[[nn.Module], LoRAParametrization]]]:
         """minLoRA's dict form (types only: name patterns and the head switch are not expressible)."""
         return {t: {"weight": self.factory(t)} for t in self.layer_types}
 
     def targets(self, model: nn.Module, require_match: bool = True) -> list[tuple[str, nn.Module, str, Callable]]:
-        """``(name, module, "weight", factory)`` for every layer of ``model`` this config selects; with
+        """``(name, module, "weight", factory)`` for every layer this config selects; with
         ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why."""
-        heads = lm_head_ids(model, self.lm_head_names)
-        selected, hits = [], {p: 0 for p in self.target_modules or ()}
+        tied = {id(w) for m in model.modules() if family_name(m) == "Embedding" and (w := raw_weight(m)) is not None}
+        heads = {  # LM heads: named so, or a linear layer tied to an embedding
+            id(m)
+            for name, m in model.named_modules()
+            if family_name(m) == "Linear"
+            and (id(raw_weight(m)) in tied or any(name_matches(name, h) for h in self.lm_head_names))
+        }
+        selected, hit = [], set()
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
-            excluded = any(name_matches(name, p) for p in self.exclude_modules) or (
+            skip = any(name_matches(name, p) for p in self.exclude_modules) or (
                 id(module) in heads and not self.include_lm_head
             )
-            if not issubclass(layer_type, self.layer_types) or excluded:
+            if not issubclass(layer_type, self.layer_types) or skip:
                 continue
             matched = [p for p in self.target_modules or () if name_matches(name, p)]
-            if self.target_modules is not None and not matched:
-                continue
-            for p in matched:
-                hits[p] += 1
-            selected.append((name, module, "weight", self.factory(layer_type)))
-        if require_match:
-            for pattern in (p for p, n in hits.items() if n == 0):
-                raise ValueError(self._explain_no_match(model, pattern, heads))
-            if not selected:
-                raise ValueError(
-                    f"LoRAConfig selects no layer of this {type(model).__name__}: target_types="
-                    f"{[t.__name__ for t in self.layer_types]}, target_modules={self.target_modules}, "
-                    f"exclude_modules={self.exclude_modules}, include_lm_head={self.include_lm_head}"
-                )
+            if self.target_modules is None or matched:
+                hit.update(matched)
+                selected.append((name, module, "weight", self.factory(layer_type)))
+        for pattern in (p for p in self.target_modules or () if p not in hit and require_match):
+            raise ValueError(self._explain_no_match(model, pattern, heads))
+        if require_match and not selected:
+            raise ValueError(
+                f"LoRAConfig selects no layer of this {type(model).__name__}: target_types="
+                f"{[t.__name__ for t in self.layer_types]}, target_modules={self.target_modules}, "
+                f"exclude_modules={self.exclude_modules}, include_lm_head={self.include_lm_head}"
+            )
         return selected
 
     def _explain_no_match(self, model: nn.Module, pattern: str, heads: set[int]) -> str:
@@ -163,17 +138,14 @@ class LoRAConfig:
         if family_name(module) == "Embedding" and not self.include_embeddings:
             return f"{what} the embedding {name!r}; set include_embeddings=True to adapt embeddings"
         return (
-            f"{what} {[n for n, _ in named[:4]]}, but each is excluded (exclude_modules) or not one of "
-            f"target_types {[t.__name__ for t in self.layer_types]} (a parent's name does not select its "
-            f"children: use a glob such as '{pattern}.*')"
+            f"{what} {[n for n, _ in named[:4]]}, but each is excluded or not one of target_types (a parent's "
+            f"name does not select its children: use a glob such as '{pattern}.*')"
         )
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["target_types"] = [family_name(t) for t in self.target_types]
-        for key in ("target_modules", "exclude_modules", "lm_head_names"):
-            data[key] = None if data[key] is None else list(data[key])
-        return data
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoRAConfig:

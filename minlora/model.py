@@ -1,39 +1,35 @@
-"""Adding, merging and removing LoRA: minLoRA's ``minlora.model`` API, fixed.
-
-A LoRA config is minLoRA's dict ``{layer_type: {tensor_name: factory}}`` or a :class:`LoRAConfig`.
-Unlike minLoRA: adding LoRA where one sits is a logged no-op (never a stacked adapter); merge /
-remove touch LoRA only; a merge computes in fp32 and gives the layer a new ``Parameter``.
-"""
+"""Adding, merging and removing LoRA (minLoRA's API; a config is its dict ``{layer_type: {tensor_name:
+factory}}`` or a :class:`LoRAConfig`). Unlike minLoRA: adding LoRA where one sits is a logged no-op;
+merge / remove touch LoRA only; a merge computes in fp32 and gives the layer a new ``Parameter``."""
 
 from __future__ import annotations
 
 import logging
 from functools import partial, reduce
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from .config import LoRAConfig
-from .parametrization import LoRAParametrization, install_lora_class, lora_dtype_for
+from .parametrization import LoRAParametrization, install_lora_class
 
 logger = logging.getLogger(__name__)
 
 # minLoRA's default: rank-4 LoRA on the weight of every nn.Linear (an LM head included).
 default_lora_config = {nn.Linear: {"weight": partial(LoRAParametrization.from_linear, rank=4)}}
 
-Factory = Callable[[nn.Module], LoRAParametrization]
-Target = tuple[str, nn.Module, str, Factory]  # (module name, module, tensor name, factory)
+# (module name, module, tensor name, factory)
+Target = tuple[str, nn.Module, str, Callable[[nn.Module], LoRAParametrization]]
 
 
-class LoRASite:
+class LoRASite(NamedTuple):
     """One parametrized tensor carrying LoRA: ``module.<tensor_name>``, the module at ``module_name``."""
 
-    __slots__ = ("module_name", "module", "tensor_name")
-
-    def __init__(self, module_name: str, module: nn.Module, tensor_name: str) -> None:
-        self.module_name, self.module, self.tensor_name = module_name, module, tensor_name
+    module_name: str
+    module: nn.Module
+    tensor_name: str
 
     @property
     def name(self) -> str:
@@ -56,21 +52,20 @@ class LoRASite:
         return self.plist.original
 
 
+def has_lora(module: nn.Module, tensor_name: str) -> bool:
+    return parametrize.is_parametrized(module, tensor_name) and any(
+        isinstance(p, LoRAParametrization) for p in module.parametrizations[tensor_name]
+    )
+
+
 def lora_sites(model: nn.Module) -> list[LoRASite]:
     """Every parametrized tensor of ``model`` carrying a :class:`LoRAParametrization` (found by type)."""
     return [
         LoRASite(module_name, module, tensor_name)
         for module_name, module in model.named_modules()
-        if parametrize.is_parametrized(module)
-        for tensor_name, plist in module.parametrizations.items()
-        if any(isinstance(p, LoRAParametrization) for p in plist)
+        for tensor_name in getattr(module, "parametrizations", {})
+        if has_lora(module, tensor_name)
     ]
-
-
-def has_lora(module: nn.Module, tensor_name: str) -> bool:
-    return parametrize.is_parametrized(module, tensor_name) and any(
-        isinstance(p, LoRAParametrization) for p in module.parametrizations[tensor_name]
-    )
 
 
 def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
@@ -78,14 +73,15 @@ def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
 
 
 def register_lora(module: nn.Module, tensor_name: str, lora: LoRAParametrization, fresh: bool = True) -> None:
-    """Register ``lora`` on ``module.<tensor_name>``, its factors fp32 (or better) on the weight's
-    device; a ``fresh`` DoRA's magnitude starts at the weight's norms (a loaded one keeps its own)."""
+    """Register ``lora`` on ``module.<tensor_name>``; a ``fresh`` DoRA's magnitude starts at the weight's norms."""
     original = (
         module.parametrizations[tensor_name].original
         if parametrize.is_parametrized(module, tensor_name)
         else getattr(module, tensor_name)
     )
-    lora.to(device=original.device, dtype=lora_dtype_for(original.dtype))
+    # fp32 factors on fp16 / bf16 weights: small updates are not rounded away and GradScaler can
+    # unscale their gradients (it refuses fp16 grads); fp32 / fp64 weights keep their dtype.
+    lora.to(device=original.device, dtype=torch.promote_types(original.dtype, torch.float32))
     if fresh and lora.use_dora:
         lora.init_magnitude(original)
     parametrize.register_parametrization(module, tensor_name, lora)
@@ -110,11 +106,10 @@ def _dict_targets(model: nn.Module, lora_config: Mapping) -> list[Target]:
 def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match: bool = True) -> list[Target]:
     if isinstance(lora_config, LoRAConfig):
         return lora_config.targets(model, require_match)
-    targets = _dict_targets(model, lora_config)
-    if require_match and not targets:
+    if not (targets := _dict_targets(model, lora_config)) and require_match:
+        types = sorted(t.__name__ for t in lora_config)
         raise ValueError(
-            f"add_lora: the model has no layer of the types in lora_config "
-            f"({sorted(t.__name__ for t in lora_config)}); nothing to put LoRA on"
+            f"add_lora: the model has no layer of the types in lora_config ({types}); nothing to put LoRA on"
         )
     return targets
 
@@ -130,29 +125,24 @@ def _add_targets(targets: list[Target], caller: str) -> None:
         if has_lora(module, tensor_name):
             skipped.append(full)
             continue
-        lora = factory(module)
-        if not isinstance(lora, LoRAParametrization):
+        if not isinstance(lora := factory(module), LoRAParametrization):
             raise TypeError(
-                f"{caller}: the LoRA config's factory for {full} returned a {type(lora).__name__}, "
-                f"not a LoRAParametrization; register other parametrizations with parametrize directly"
+                f"{caller}: the factory for {full} returned a {type(lora).__name__}, not a LoRAParametrization"
             )
         if lora.rank > min(lora.fan_in, lora.fan_out):  # a larger rank only adds parameters that cannot help
             raise ValueError(
                 f"{caller}: rank {lora.rank} does not fit {full} (weight shape "
-                f"{tuple(getattr(module, tensor_name).shape)}): the rank must be between 1 and "
-                f"min(in_features, out_features) = {min(lora.fan_in, lora.fan_out)} for every targeted "
-                f"layer; lower the rank or leave this layer out"
+                f"{tuple(getattr(module, tensor_name).shape)}): the rank must be between 1 and min(in_features, "
+                f"out_features) = {min(lora.fan_in, lora.fan_out)} for every targeted layer; lower it or leave this "
+                f"layer out"
             )
         todo.append((module, tensor_name, lora))
     for module, tensor_name, lora in todo:
         register_lora(module, tensor_name, lora)
     if skipped:
         logger.warning(
-            "%s: %d tensor(s) already carry a LoRA adapter and were left unchanged (no second adapter is "
-            "stacked), e.g. %s; call minlora.remove_lora(model) first to replace them",
-            caller,
-            len(skipped),
-            ", ".join(skipped[:3]),
+            f"{caller}: {len(skipped)} tensor(s) already carry a LoRA adapter and were left unchanged (no second "
+            f"adapter is stacked), e.g. {skipped[:3]}; call minlora.remove_lora(model) first to replace them"
         )
 
 
@@ -188,13 +178,9 @@ def add_lora_by_name(
     module_names = [name for name, _ in model.named_modules() if name]
     chosen: list[Target] = []
     for target in names:
-        matched = [n for n in module_names if target in n]
-        if not matched:
-            raise ValueError(
-                f"add_lora_by_name: {target!r} matches no module name; module names look like {module_names[:6]}"
-            )
-        hits = [t for t in candidates if any(t[0] == m or t[0].startswith(m + ".") for m in matched)]
-        if not hits:
+        if not (matched := [n for n in module_names if target in n]):
+            raise ValueError(f"add_lora_by_name: {target!r} matches no module name; names look like {module_names[:6]}")
+        if not (hits := [t for t in candidates if any(t[0] == m or t[0].startswith(m + ".") for m in matched)]):
             raise ValueError(
                 f"add_lora_by_name: {target!r} matches {matched[:4]} but none of them is or contains a "
                 f"layer the LoRA config applies to"
@@ -204,12 +190,9 @@ def add_lora_by_name(
 
 
 def merge_lora(model: nn.Module) -> None:
-    """Fold every LoRA into its weight (in fp32, then cast) and remove it; outputs stay the same.
-
-    Each merged tensor is a new ``Parameter``: a tensor shared with a layer that is not merged the
-    same way (GPT-2's tied head and embedding) stays as it was and the tie is broken (logged).
-    Layers sharing weight *and* update (:func:`minlora.tie_weights`) stay shared.
-    """
+    """Fold every LoRA into its weight (in fp32, then cast) and remove it; outputs stay the same. A weight
+    shared with a layer not merged the same way (GPT-2's tied head) is untied (logged); layers sharing
+    weight *and* update (:func:`minlora.tie_weights`) stay shared."""
     _unlora(model, True, lora_sites(model))
 
 
@@ -232,13 +215,11 @@ def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
     values = [reduce(lambda v, i: s.plist[i].merged(v), s.lora_indices, s.original) if merge else None for s in sites]
     made: dict[int, list[nn.Parameter]] = {}  # id(original) -> the merged tensors made from it
     for site, original, value in zip(sites, originals, values):
-        new = None
+        new, plist, indices = None, site.plist, site.lora_indices
         if value is not None:  # layers sharing weight and update (tie_weights) keep sharing one tensor
             known = made.setdefault(id(original), [])
-            new = next((p for p in known if p.shape == value.shape and torch.equal(p, value)), None)
-            if new is None:
+            if (new := next((p for p in known if p.shape == value.shape and torch.equal(p, value)), None)) is None:
                 known.append(new := nn.Parameter(value, requires_grad=original.requires_grad))
-        plist, indices = site.plist, site.lora_indices
         if len(indices) == len(plist):
             parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
             if new is not None:
@@ -249,11 +230,8 @@ def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
         for i in reversed(indices):
             del plist[i]
     kept = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    broken = [s.name for s, o in zip(sites, originals) if merge and (id(o) in kept or len(made[id(o)]) > 1)]
-    if broken:
+    if broken := [s.name for s, o in zip(sites, originals) if merge and (id(o) in kept or len(made[id(o)]) > 1)]:
         logger.warning(
-            "merge_lora: %s shared its weight with a layer not merged the same way; the merged layers got "
-            "their own weight and the others keep W, so outputs equal the unmerged LoRA model but the "
-            "weights are no longer tied",
-            ", ".join(broken),
+            f"merge_lora: {broken} shared its weight with a layer not merged the same way; the merged layers got "
+            f"their own weight and the others keep W: outputs are the LoRA model's but the weights are no longer tied"
         )

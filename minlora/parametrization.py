@@ -1,9 +1,6 @@
-"""``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA) and the fast forward of LoRA layers.
-
-The *weight path* is plain ``parametrize``: reading ``module.weight`` builds the adapted weight.
-The *fast path*, a ``forward`` given to parametrized ``nn.Linear`` / ``nn.Embedding`` layers, adds
-the low-rank branch on the activations instead, so no weight-sized gradient is formed.
-"""
+"""``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA). The *weight path* is plain ``parametrize``
+(reading ``module.weight`` builds the adapted weight); the *fast path*, a ``forward`` for parametrized
+``nn.Linear`` / ``nn.Embedding``, adds the low-rank branch on the activations: no weight-sized gradient."""
 
 from __future__ import annotations
 
@@ -19,6 +16,8 @@ from torch.nn.utils import parametrize
 
 from ._torch_compat import inject_property, parametrize_cache_enabled
 
+PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")  # the last one DoRA's only
+
 
 def check_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a rank
@@ -26,9 +25,7 @@ def check_int(value: Any, what: str) -> int:
     return value
 
 
-def check_float(
-    value: Any, what: str, low: float | None = None, high: float | None = None, low_open: bool = False
-) -> float:
+def check_float(value: Any, what: str, low: float | None = None, high: float | None = None, low_open: bool = False):
     """A finite number in ``[low, high)`` (``(low, high)`` with ``low_open``), else ``ValueError`` naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
@@ -40,14 +37,6 @@ def check_float(
     return value
 
 
-def lora_dtype_for(weight_dtype: torch.dtype) -> torch.dtype:
-    """fp32 factors on fp16 / bf16 weights: small updates are not rounded away and ``GradScaler``
-    can unscale their gradients (it refuses fp16 grads); fp32 / fp64 weights keep their dtype."""
-    if not weight_dtype.is_floating_point:
-        raise TypeError(f"LoRA needs a floating-point weight, got dtype {weight_dtype}")
-    return torch.promote_types(weight_dtype, torch.float32)
-
-
 def raw_weight(module: nn.Module) -> torch.Tensor | None:
     """The stored weight of ``module`` (the original under a parametrization), or None."""
     if parametrize.is_parametrized(module, "weight"):
@@ -56,25 +45,21 @@ def raw_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 def _weight_of(layer: nn.Module) -> torch.Tensor:
-    if (weight := raw_weight(layer)) is None:
-        raise TypeError(f"{type(layer).__name__} has no weight parameter to put LoRA on")
+    if (weight := raw_weight(layer)) is None or not weight.is_floating_point():
+        raise TypeError(f"{type(layer).__name__} has no floating-point weight parameter to put LoRA on")
     return weight
 
 
 class LoRAParametrization(nn.Module):
-    """``forward(W) = W + scaling * delta`` (minLoRA's class).
+    """``forward(W) = W + scaling * delta`` (minLoRA's class), ``scaling = lora_alpha / rank``
+    (``/ sqrt(rank)`` with ``use_rslora``), ``B`` zero at the start, ``A`` with ``nn.Linear``'s init.
 
-    ``fan_in_fan_out=False`` (``nn.Linear``, ``nn.Conv2d``): ``lora_A`` ``(rank, fan_in)``, ``lora_B``
-    ``(fan_out, rank)``, ``delta = B @ A`` in the weight's ``(out, in)`` layout. ``fan_in_fan_out=True``
-    (``nn.Embedding``, weight ``(num_embeddings, dim)``): ``lora_A`` ``(fan_in, rank)``, ``lora_B``
-    ``(rank, fan_out)``, ``delta = A @ B``; this lets :func:`minlora.tie_weights` share one update.
-    ``B`` starts at zero, ``A`` has ``nn.Linear``'s init; ``scaling = lora_alpha / rank``
-    (``/ sqrt(rank)`` with ``use_rslora``).
-
-    ``use_dora`` (weight-decomposed LoRA, Liu et al. 2024, computed as PEFT does): the weight is
-    ``m * V / ||V||_c`` with ``V = W + scaling * delta``, ``||V||_c`` each output channel's norm (an
-    embedding dimension's, over the vocabulary), a constant for backprop, and ``m`` the learned
-    ``lora_magnitude_vector``, which starts at ``||W||_c`` when the LoRA is registered.
+    Linear / conv layout: ``A`` ``(rank, fan_in)``, ``B`` ``(fan_out, rank)``, ``delta = B @ A``.
+    ``fan_in_fan_out`` (embeddings, weight ``(num_embeddings, dim)``): ``A`` ``(fan_in, rank)``, ``B``
+    ``(rank, fan_out)``, ``delta = A @ B``, so :func:`minlora.tie_weights` can share one update.
+    ``use_dora`` (Liu et al. 2024, computed as PEFT does): ``m * V / ||V||_c`` with ``V = W + scaling * delta``,
+    ``||V||_c`` each output channel's norm (a constant for backprop), ``m`` the learned
+    ``lora_magnitude_vector``, starting at ``||W||_c``.
     """
 
     def __init__(
@@ -97,51 +82,42 @@ class LoRAParametrization(nn.Module):
         if lora_alpha == 0:  # zero would silently switch the adapter off
             raise ValueError("LoRAParametrization: lora_alpha must not be 0 (the adapter would do nothing)")
         self.fan_in, self.fan_out, self.fan_in_fan_out, self.rank = fan_in, fan_out, bool(fan_in_fan_out), rank
-        self.lora_dropout_p = float(lora_dropout_p)
+        self.lora_dropout_p, self.use_rslora, self.use_dora = float(lora_dropout_p), False, bool(use_dora)
         self.set_scaling(lora_alpha, use_rslora)
         self.enabled = True  # False: the identity (disable_lora)
         self.fast_path = True  # False: always the weight path (set_fast_path)
         self.lora_A = nn.Parameter(torch.empty((fan_in, rank) if self.fan_in_fan_out else (rank, fan_in)))
         self.lora_B = nn.Parameter(torch.zeros((rank, fan_out) if self.fan_in_fan_out else (fan_out, rank)))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default, as minLoRA and PEFT
-        self.use_dora = bool(use_dora)
         if self.use_dora:
             self.lora_magnitude_vector = nn.Parameter(torch.ones(fan_out))  # set by init_magnitude
         self._num_stored = 0  # adapters kept by load_multiple_lora
 
+    # positional settings after the layer: rank, lora_dropout_p, lora_alpha (minLoRA's order)
     @classmethod
-    def from_linear(
-        cls, layer: nn.Module, rank: int = 4, lora_dropout_p: float = 0.0, lora_alpha: float = 1, **kwargs: Any
-    ) -> LoRAParametrization:
+    def from_linear(cls, layer: nn.Module, *args: Any, **kwargs: Any) -> LoRAParametrization:
         fan_out, fan_in = _weight_of(layer).shape
-        return cls(fan_in, fan_out, False, rank, lora_dropout_p, lora_alpha, **kwargs)
+        return cls(fan_in, fan_out, False, *args, **kwargs)
 
     @classmethod
-    def from_conv2d(
-        cls, layer: nn.Module, rank: int = 4, lora_dropout_p: float = 0.0, lora_alpha: float = 1, **kwargs: Any
-    ) -> LoRAParametrization:
+    def from_conv2d(cls, layer: nn.Module, *args: Any, **kwargs: Any) -> LoRAParametrization:
         weight = _weight_of(layer)  # (out, in, kh, kw): the update is (out, in * kh * kw)
-        return cls(weight[0].numel(), weight.shape[0], False, rank, lora_dropout_p, lora_alpha, **kwargs)
+        return cls(weight[0].numel(), weight.shape[0], False, *args, **kwargs)
 
     @classmethod
-    def from_embedding(
-        cls, layer: nn.Module, rank: int = 4, lora_dropout_p: float = 0.0, lora_alpha: float = 1, **kwargs: Any
-    ) -> LoRAParametrization:
+    def from_embedding(cls, layer: nn.Module, *args: Any, **kwargs: Any) -> LoRAParametrization:
         fan_in, fan_out = _weight_of(layer).shape  # (num_embeddings, dim)
-        return cls(fan_in, fan_out, True, rank, lora_dropout_p, lora_alpha, **kwargs)
-
-    @staticmethod
-    def compute_scaling(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:
-        return lora_alpha / (math.sqrt(rank) if use_rslora else rank)
+        return cls(fan_in, fan_out, True, *args, **kwargs)
 
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
         check_float(lora_alpha, "set_scaling: lora_alpha")
-        self.use_rslora = bool(use_rslora) if use_rslora is not None else self.use_rslora
-        self.lora_alpha, self.scaling = lora_alpha, self.compute_scaling(lora_alpha, self.rank, self.use_rslora)
+        self.use_rslora = self.use_rslora if use_rslora is None else bool(use_rslora)
+        self.lora_alpha = lora_alpha
+        self.scaling = lora_alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return ("lora_A", "lora_B", "lora_magnitude_vector") if self.use_dora else ("lora_A", "lora_B")
+        return PARAM_NAMES if self.use_dora else PARAM_NAMES[:2]
 
     def enable_lora(self) -> None:
         self.enabled = True
@@ -166,9 +142,8 @@ class LoRAParametrization(nn.Module):
     def init_magnitude(self, W: torch.Tensor) -> None:
         """DoRA's ``m = ||W + scaling * delta||_c`` (``||W||_c`` while ``B`` is zero), as PEFT starts it."""
         delta = self.delta_weight()
-        self.lora_magnitude_vector.copy_(
-            torch.linalg.norm(W.to(delta.dtype).reshape(delta.shape) + delta, dim=0 if self.fan_in_fan_out else 1)
-        )
+        W = W.to(delta.dtype).reshape(delta.shape)
+        self.lora_magnitude_vector.copy_(torch.linalg.norm(W + delta, dim=0 if self.fan_in_fan_out else 1))
 
     def _adapt(self, X: torch.Tensor, dropout: bool) -> torch.Tensor:
         A = self.lora_A
@@ -191,30 +166,22 @@ class LoRAParametrization(nn.Module):
 
     @torch.no_grad()
     def merged(self, X: torch.Tensor) -> torch.Tensor:
-        """``forward(X)`` without dropout, computed in fp32 or better; ``X``'s dtype kept."""
+        """``forward(X)`` without dropout, computed in fp32 or better (never under autocast); ``X``'s dtype kept."""
         if not self.enabled:
             return X.clone()
-        # an enclosing autocast would run the matmul in bf16 / fp16: a merge must stay in fp32
-        no_autocast = (
-            torch.autocast(X.device.type, enabled=False)
-            if X.device.type in ("cpu", "cuda")
-            else contextlib.nullcontext()
-        )
-        with no_autocast:
+        on = X.device.type in ("cpu", "cuda")
+        with torch.autocast(X.device.type, enabled=False) if on else contextlib.nullcontext():
             return self._adapt(X.to(torch.promote_types(X.dtype, torch.float32)), dropout=False).to(X.dtype)
 
     # ------------------------------------------------------------------ the fast path
-    def _factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # fp32 factors on a low-precision base: the branch runs in the activations' dtype, as under
-        # autocast; the casts are differentiable, so the factors still get fp32 gradients.
-        return self.lora_A.to(dtype), self.lora_B.to(dtype)
-
     def fast_linear(self, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, forward(W), bias)`` without forming ``forward(W)``."""
         out = F.linear(x, W, bias)
         if not self.enabled:
             return out
-        A, B = self._factors(x.dtype)
+        # fp32 factors on a low-precision base: the branch runs in the activations' dtype, as under
+        # autocast; the casts are differentiable, so the factors still get fp32 gradients.
+        A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         dropped = F.dropout(x, self.lora_dropout_p, training=True) if self.training and self.lora_dropout_p > 0 else x
         lora = F.linear(F.linear(dropped, A) * self.scaling, B)  # scaling the rank-r intermediate is cheaper
         if not self.use_dora:
@@ -230,14 +197,14 @@ class LoRAParametrization(nn.Module):
         out = F.embedding(idx, W, layer.padding_idx, None, layer.norm_type, layer.scale_grad_by_freq, layer.sparse)
         if not self.enabled:
             return out
-        A, B = self._factors(out.dtype)
-        after_a = F.embedding(idx, A, padding_idx=layer.padding_idx)  # (..., r)
+        after_a = F.embedding(idx, self.lora_A.to(out.dtype), padding_idx=layer.padding_idx)  # (..., r)
         if self.training and self.lora_dropout_p > 0:  # the input is one-hot: drop the token's whole update
             after_a = after_a * F.dropout(after_a.new_ones(idx.shape + (1,)), self.lora_dropout_p, training=True)
+        lora = (after_a * self.scaling) @ self.lora_B.to(out.dtype)
         if not self.use_dora:
-            return out + (after_a * self.scaling) @ B
+            return out + lora
         # PEFT's DoRA embedding: m / ||V||_c * (embedding + lora), the norm per embedding dimension
-        return self.dora_scale(W, self.delta_weight()).to(out.dtype) * (out + (after_a * self.scaling) @ B)
+        return self.dora_scale(W, self.delta_weight()).to(out.dtype) * (out + lora)
 
     # ------------------------------------------------------------------ several adapters
     # load_multiple_lora keeps each adapter in non-persistent buffers: they follow .to() with the
@@ -270,52 +237,27 @@ class LoRAParametrization(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        keys = (
-            "fan_in",
-            "fan_out",
-            "rank",
-            "lora_alpha",
-            "scaling",
-            "lora_dropout_p",
-            "fan_in_fan_out",
-            "use_dora",
-            "enabled",
-        )
-        return ", ".join(f"{k}={getattr(self, k)}" for k in keys)
+        return ", ".join(f"{k}={v}" for k, v in vars(self).items() if not k.startswith("_") and k != "training")
 
 
 # ---------------------------------------------------------------------- the fast forward
-def _fast_lora(module: nn.Module, fan_in_fan_out: bool) -> LoRAParametrization | None:
-    """The LoRA the fast path may use, or None: the layer runs its ordinary forward (the weight path),
-    inside ``parametrize.cached()`` or with parametrizations stacked (only the weight path composes)."""
-    plist = module.parametrizations["weight"] if "weight" in module.parametrizations else []
+def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The ``forward`` of a stock ``nn.Linear`` / ``nn.Embedding`` with LoRA: the fast path, unless the
+    weight carries more than one LoRA or we are inside ``parametrize.cached()`` (only the weight path
+    composes with those) or an embedding renormalises its weight in place (``max_norm``)."""
+    plist = self.parametrizations["weight"] if "weight" in self.parametrizations else []
+    embedding = isinstance(self, nn.Embedding)
     lora = plist[0] if len(plist) == 1 else None
     if (
         not isinstance(lora, LoRAParametrization)
         or not lora.fast_path
-        or lora.fan_in_fan_out != fan_in_fan_out
+        or lora.fan_in_fan_out != embedding
         or parametrize_cache_enabled()
+        or (embedding and self.max_norm is not None)
     ):
-        return None
-    return lora
-
-
-def _lora_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    lora = _fast_lora(self, fan_in_fan_out=False)
-    if lora is None:
-        return nn.Linear.forward(self, input)
-    return lora.fast_linear(input, self.parametrizations["weight"].original, self.bias)
-
-
-def _lora_embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
-    lora = _fast_lora(self, fan_in_fan_out=True)
-    if lora is None or self.max_norm is not None:  # max_norm renormalises the weight in place
-        return nn.Embedding.forward(self, input)
-    return lora.fast_embedding(input, self.parametrizations["weight"].original, self)
-
-
-# A layer whose forward is not the stock one (a subclass's own) keeps it, and the weight path.
-_FAST_FORWARDS = {nn.Linear.forward: _lora_linear_forward, nn.Embedding.forward: _lora_embedding_forward}
+        return type(self)._minlora_base.forward(self, input)
+    W = self.parametrizations["weight"].original
+    return lora.fast_embedding(input, W, self) if embedding else lora.fast_linear(input, W, self.bias)
 
 
 # ---------------------------------------------------------------------- the parametrized class
@@ -323,44 +265,35 @@ _FAST_FORWARDS = {nn.Linear.forward: _lora_linear_forward, nn.Embedding.forward:
 # property. We swap it once more for a class of our own, which adds the fast forward and makes the
 # module deepcopy and pickle: torch's class refuses pickling, and its deepcopy shares the class
 # between original and copy, so removing a parametrization from one deletes the other's property.
-def _lora_class(base: type) -> type:
-    dct: dict[str, Any] = {
-        "_minlora_base": base,
-        "__deepcopy__": _deepcopy_parametrized,
-        "__reduce_ex__": _reduce_parametrized,
-    }
-    if getattr(base, "forward", None) in _FAST_FORWARDS:
-        dct["forward"] = _FAST_FORWARDS[base.forward]
-    return type(f"Parametrized{base.__name__}", (base,), dct)
-
-
-def install_lora_class(module: nn.Module, base: type | None = None) -> nn.Module:
-    """Give the parametrized ``module`` a class of its own (one per module: properties live on it)."""
-    if base is None and "_minlora_base" in type(module).__dict__:
-        return module
-    module.__class__ = _lora_class(base or parametrize.type_before_parametrizations(module))
-    for tensor_name in module.parametrizations.keys():
+def _lora_class(base: type, module: nn.Module, tensor_names) -> nn.Module:
+    dct: dict[str, Any] = {"_minlora_base": base, "__deepcopy__": _deepcopy, "__reduce_ex__": _reduce}
+    if getattr(base, "forward", None) in (nn.Linear.forward, nn.Embedding.forward):  # a subclass's own: kept
+        dct["forward"] = _fast_forward
+    module.__class__ = type(f"Parametrized{base.__name__}", (base,), dct)
+    for tensor_name in tensor_names:
         inject_property(module, tensor_name)
     return module
 
 
-def _deepcopy_parametrized(self: nn.Module, memo: dict) -> nn.Module:
+def install_lora_class(module: nn.Module) -> None:
+    """Give the parametrized ``module`` a class of its own (one per module: properties live on it)."""
+    if "_minlora_base" not in type(module).__dict__:
+        _lora_class(parametrize.type_before_parametrizations(module), module, module.parametrizations.keys())
+
+
+def _deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     if id(self) not in memo:
         base = type(self)._minlora_base
         replica = memo[id(self)] = base.__new__(base)
         replica.__dict__ = copy.deepcopy(self.__dict__, memo)
-        install_lora_class(replica, base)
+        _lora_class(base, replica, replica.parametrizations.keys())
     return memo[id(self)]
 
 
-def _reduce_parametrized(self: nn.Module, protocol: int) -> tuple:
+def _reduce(self: nn.Module, protocol: int) -> tuple:
     return _rebuild_parametrized, (type(self)._minlora_base, tuple(self.parametrizations.keys())), self.__dict__
 
 
 def _rebuild_parametrized(base: type, tensor_names: tuple[str, ...]) -> nn.Module:
     """Unpickling: an empty module of a fresh LoRA class; pickle then restores its ``__dict__``."""
-    module = base.__new__(base)
-    module.__class__ = _lora_class(base)
-    for tensor_name in tensor_names:
-        inject_property(module, tensor_name)
-    return module
+    return _lora_class(base, base.__new__(base), tensor_names)

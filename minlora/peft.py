@@ -1,19 +1,14 @@
-"""PEFT interop: :func:`export_peft_adapter` / :func:`import_peft_adapter`, no ``peft`` package needed.
-
-The format is ``peft.PeftModel.save_pretrained``'s: ``adapter_config.json`` and, in
-``adapter_model.safetensors``, ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` /
-``.lora_B.weight`` ``(out, r)`` for linear layers (``Conv1D`` too: ``fan_in_fan_out`` changes how
-PEFT merges, not what it stores), ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B`` ``(dim, r)``
-for embeddings and DoRA's ``.lora_magnitude_vector``. A model whose PEFT twin differs in layout
-says so with an optional method (duck typing: minlora knows no model family); every key is optional::
+"""PEFT interop (``PeftModel.save_pretrained``'s format), no ``peft`` package needed: in
+``adapter_model.safetensors``, ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` / ``.lora_B.weight``
+``(out, r)`` (``Conv1D`` too), ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B`` ``(dim, r)``, DoRA's
+``.lora_magnitude_vector``. A model whose PEFT twin differs says how (every key optional)::
 
     def peft_adapter_layout(self) -> dict:
         return {"vocab_size": 50257,  # the twin's real vocabulary
                 "padded_vocab_modules": ["transformer.wte", "lm_head"],  # layers with padded vocab rows
                 "fan_in_fan_out": True}  # the twin's layers are transformers' Conv1D
 
-Padded vocabulary rows are never sampled nor used as inputs: cutting them on export and
-zero-filling them on import is exact.
+Padded vocabulary rows are never sampled nor inputs: cutting them on export, zeros on import, is exact.
 """
 
 from __future__ import annotations
@@ -52,12 +47,19 @@ PEFT_WEIGHTS_NAME, PEFT_CONFIG_NAME = "adapter_model.safetensors", "adapter_conf
 LAYOUT_METHOD = "peft_adapter_layout"
 _PREFIX = "base_model.model."
 _REMEDY = "export or save the PEFT adapter again"
+# what follows `<module>.lora_` in PEFT's keys
+_ROLES = ("A.weight", "B.weight", "embedding_A", "embedding_B", "magnitude_vector")
+# PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not
+# loaded as something else.
+_UNSUPPORTED = re.compile(
+    "lora_bias|modules_to_save|layer_replication|trainable_token_indices|target_parameters|alora_invocation_tokens"
+    "|use_qalora|use_bdlora|arrow_config|kasa_config|velora_config|monteclora_config"
+)
 
 
 def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, set[int]]:
     """``(layout, the twin's vocabulary rows, ids of the layers whose vocabulary is padded)``."""
-    method = getattr(model, LAYOUT_METHOD, None)
-    layout = method() if callable(method) else {}
+    layout = getattr(model, LAYOUT_METHOD, dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
     if not isinstance(layout, dict) or set(layout) - known:
         raise TypeError(
@@ -78,42 +80,34 @@ def export_peft_adapter(
     task_type: str | None = "CAUSAL_LM",
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write the LoRA of ``model`` as a PEFT adapter directory that ``peft.PeftModel.from_pretrained``
-    loads onto a twin with the same module names (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it.
-
-    ``base_model_name_or_path`` and ``fan_in_fan_out`` (default: the model's ``peft_adapter_layout()``)
-    go into the config; ranks and alphas other than the most common go into ``rank_pattern`` /
-    ``alpha_pattern``. Only LoRA alone on a Linear, Embedding or Conv2d weight is expressible.
-    """
+    """Write the LoRA of ``model`` as a PEFT adapter directory for a twin with the same module names
+    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` defaults to the model's
+    ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``."""
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
     tensors, loras = {}, {site.module_name: site.lora for site in sites}
     for site in sites:
-        lora, family, key = site.lora, family_name(site.module), _PREFIX + site.module_name
-        A, B = ours[f"{site.name}.lora_A"], ours[f"{site.name}.lora_B"]
+        lora, family, key = site.lora, family_name(site.module), _PREFIX + site.module_name + ".lora_"
+        A, B, m = (ours.get(f"{site.name}.{n}") for n in ("lora_A", "lora_B", "lora_magnitude_vector"))
         rows = slice(real if id(site.module) in padded else None)  # the twin has no padded vocabulary rows
         if len(site.plist) != 1 or site.tensor_name != "weight":
             raise ValueError(
-                f"export_peft_adapter: {site.name} has parametrizations "
-                f"{[type(p).__name__ for p in site.plist]}; PEFT expresses a LoRA alone on a weight only"
+                f"export_peft_adapter: {site.name} has parametrizations {[type(p).__name__ for p in site.plist]}; "
+                f"PEFT expresses a LoRA alone on a weight only"
             )
-        m = ours.get(f"{site.name}.lora_magnitude_vector")  # DoRA's, one per output channel
         if family == "Linear" and not lora.fan_in_fan_out:
-            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = A, B[rows]
-            m = None if m is None else m[rows]
+            parts = {"A.weight": A, "B.weight": B[rows], "magnitude_vector": None if m is None else m[rows]}
         elif family == "Embedding" and lora.fan_in_fan_out:  # PEFT stores the embedding update transposed
-            tensors[key + ".lora_embedding_A"], tensors[key + ".lora_embedding_B"] = A[rows].t(), B.t()
+            parts = {"embedding_A": A[rows].t(), "embedding_B": B.t(), "magnitude_vector": m}
         elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
-            tensors[key + ".lora_A.weight"] = A.reshape(lora.rank, *site.original.shape[1:])
-            tensors[key + ".lora_B.weight"] = B.reshape(B.shape[0], lora.rank, 1, 1)
-            m = None if m is None else m.reshape(1, -1, 1, 1)  # PEFT keeps the conv norm's (1, out, 1, 1)
+            parts = {"A.weight": A.reshape(lora.rank, *site.original.shape[1:]), "B.weight": B.reshape(*B.shape, 1, 1)}
+            parts["magnitude_vector"] = None if m is None else m.reshape(1, -1, 1, 1)  # PEFT's conv norm shape
         else:
             raise ValueError(
                 f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
                 f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})"
             )
-        if m is not None:
-            tensors[key + ".lora_magnitude_vector"] = m
+        tensors |= {key + role: t for role, t in parts.items() if t is not None}
     for flag in ("use_rslora", "use_dora"):
         if len({getattr(p, flag) for p in loras.values()}) != 1:
             raise ValueError(
@@ -122,8 +116,7 @@ def export_peft_adapter(
             )
     rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
     alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
-    dropouts = sorted({p.lora_dropout_p for p in loras.values()})
-    if len(dropouts) > 1:
+    if len(dropouts := sorted({p.lora_dropout_p for p in loras.values()})) > 1:
         logger.warning("export_peft_adapter: layers use dropouts %s; PEFT has one, writing the largest", dropouts)
     config = {  # PEFT fills in the options not written here with their defaults
         "peft_type": "LORA",
@@ -157,54 +150,28 @@ def _compact_targets(model: nn.Module, module_names: list[str]) -> list[str]:
     return suffixes if selected == set(module_names) else sorted(module_names)
 
 
-# PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not
-# loaded as something else.
-_UNSUPPORTED = (
-    "lora_bias",
-    "modules_to_save",
-    "layer_replication",
-    "trainable_token_indices",
-    "target_parameters",
-    "alora_invocation_tokens",
-    "use_qalora",
-    "use_bdlora",
-    "arrow_config",
-    "kasa_config",
-    "velora_config",
-    "monteclora_config",
-)
-
-
-def _check_config(config: dict[str, Any], path: Path) -> None:
-    where = f"import_peft_adapter: {path / PEFT_CONFIG_NAME}"
+def _check_config(config: dict[str, Any], where: str) -> None:
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
-    for key in (k for k in _UNSUPPORTED if config.get(k)):
-        raise ValueError(
-            f"{where} sets {key}={config[key]!r}, an option minlora does not support: it loads LoRA and "
-            f"DoRA factors only"
-        )
+    for key in (k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)):
+        raise ValueError(f"{where} sets {key}={config[key]!r}, an option minlora does not support (LoRA and DoRA only)")
     if config.get("bias", "none") != "none":
-        raise ValueError(
-            f"{where} has bias={config['bias']!r} (trained biases saved with the adapter); minlora loads "
-            f"adapters with bias='none' only"
-        )
+        raise ValueError(f"{where} has bias={config['bias']!r} (trained biases); minlora loads bias='none' only")
     try:  # the checks LoRAConfig uses, their messages naming the field
         check_int(config.get("r", 8), "r")
         check_float(config.get("lora_alpha", 8), "lora_alpha")
         check_float(config.get("lora_dropout") or 0.0, "lora_dropout", low=0.0, high=1.0)
         for key, check in (("rank_pattern", check_int), ("alpha_pattern", check_float)):
-            patterns = config.get(key) or {}
-            if not isinstance(patterns, dict):
+            if not isinstance(patterns := config.get(key) or {}, dict):
                 raise ValueError(f"{key} must be a map of module patterns to values, got {patterns!r}")
             for pattern, value in patterns.items():
                 check(value, f"{key}[{pattern!r}]")
                 re.compile(pattern)
+        for flag in ("use_rslora", "use_dora"):
+            if not isinstance(config.get(flag, False), bool):
+                raise ValueError(f"{flag} must be true or false, got {config[flag]!r}")
     except (ValueError, TypeError, re.error) as e:
         raise AdapterFileError(f"{where}: {e}; {_REMEDY}") from None
-    for flag in ("use_rslora", "use_dora"):
-        if not isinstance(config.get(flag, False), bool):
-            raise AdapterFileError(f"{where}: {flag} must be true or false, got {config[flag]!r}; {_REMEDY}")
 
 
 def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
@@ -212,66 +179,59 @@ def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> 
     return next((v for k, v in patterns.items() if re.match(rf"(.*\.)?({k})$", module_name)), default)
 
 
-_ROLES = {
-    ".lora_A.weight": "A",
-    ".lora_B.weight": "B",
-    ".lora_embedding_A": "EA",
-    ".lora_embedding_B": "EB",
-    ".lora_magnitude_vector": "M",
-}
+def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool) -> torch.Tensor:
+    """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
+    if padded and t.shape[0] == real and rows > real:
+        return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
+    return t  # a wrong row count is caught with the other shapes (make_plan)
 
 
 def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names); returns ``model``.
-
-    Layers without LoRA get one with the adapter's settings (``rank_pattern`` / ``alpha_pattern``
-    honoured); layers with LoRA must match it. Unsupported options and any mismatch raise
-    ``ValueError`` (damaged files :class:`AdapterFileError`) before the model changes.
-    """
+    """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names), as :func:`load_adapter`
+    does (``rank_pattern`` / ``alpha_pattern`` honoured); unsupported options are a ``ValueError``."""
     path = Path(directory)
-    file = path / PEFT_WEIGHTS_NAME
-    if not (path / PEFT_CONFIG_NAME).is_file() or not file.is_file():
+    file, config_file = path / PEFT_WEIGHTS_NAME, path / PEFT_CONFIG_NAME
+    if not config_file.is_file() or not file.is_file():
         raise FileNotFoundError(
-            f"import_peft_adapter: {path} needs {PEFT_CONFIG_NAME} and {PEFT_WEIGHTS_NAME} (an "
-            f"adapter_model.bin: load it with peft and save_pretrained it again, which writes "
-            f"safetensors)"
+            f"import_peft_adapter: {path} needs {PEFT_CONFIG_NAME} and {PEFT_WEIGHTS_NAME} (an adapter_model.bin: "
+            f"load it with peft and save_pretrained it again, which writes safetensors)"
         )
-    config = parse_json(path / PEFT_CONFIG_NAME, path / PEFT_CONFIG_NAME, "import_peft_adapter", _REMEDY)
-    _check_config(config, path)
+    config = parse_json(config_file, config_file, "import_peft_adapter", _REMEDY)
+    _check_config(config, f"import_peft_adapter: {config_file}")
     state, _ = read_safetensors(file, "import_peft_adapter", _REMEDY)
     source = f"import_peft_adapter({path})"
     state = {k: v for k, v in state.items() if not k.endswith(".base_layer.weight")}
     check_values(state, file, source, _REMEDY)
     factors: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
-        role = next((r for suffix, r in _ROLES.items() if key.endswith(suffix)), None)
-        if not key.startswith(_PREFIX) or role is None:
+        module_name, _, role = key[len(_PREFIX) :].rpartition(".lora_")
+        if not key.startswith(_PREFIX) or role not in _ROLES:
             raise ValueError(
-                f"{source}: unexpected key {key!r} in {file}; minlora reads {_PREFIX}<module> followed by "
+                f"{source}: unexpected key {key!r} in {file}; minlora reads {_PREFIX}<module>.lora_ followed by "
                 f"one of {list(_ROLES)} (an adapter name in the key, as in 'lora_A.default.weight', means "
                 f"a raw state dict, not a saved adapter)"
             )
-        factors.setdefault(key[len(_PREFIX) :].rsplit(".lora_", 1)[0], {})[role] = tensor
+        factors.setdefault(module_name, {})[role] = tensor
     if not factors:
         raise ValueError(f"{source}: the adapter holds no LoRA factors")
     _, real, padded = _layout(model, "import_peft_adapter")
-    plans = []
+    dora, plans = config.get("use_dora", False), []
     for module_name, parts in factors.items():
         site = LoRASite(module_name, get_module(model, module_name, source), "weight")
         weight, pad = raw_weight(site.module), id(site.module) in padded
+        rows = 0 if weight is None else weight.shape[0]  # no weight: make_plan says so
         embedding = family_name(site.module) == "Embedding"
-        dora = config.get("use_dora", False)
-        if set(parts) != ({"EA", "EB"} if embedding else {"A", "B"}) | ({"M"} if dora else set()):
+        if set(parts) != {*(_ROLES[2:4] if embedding else _ROLES[:2]), *_ROLES[4:] * dora}:
             raise ValueError(
-                f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are "
+                f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
                 f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
-                f"and with use_dora={dora} {'a' if dora else 'no'} lora_magnitude_vector (M)"
+                f"and with use_dora={dora} {'a' if dora else 'no'} lora_magnitude_vector"
             )
         if embedding:  # ours: A (V, r), B (r, dim)
-            A, B = _pad_rows(parts["EA"].t(), weight.shape[0], real, pad, source), parts["EB"].t()
+            A, B = _pad_rows(parts["embedding_A"].t(), rows, real, pad), parts["embedding_B"].t()
         else:  # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
-            A = parts["A"].reshape(parts["A"].shape[0], -1)
-            B = _pad_rows(parts["B"].reshape(parts["B"].shape[0], -1), weight.shape[0], real, pad, source)
+            A = parts["A.weight"].flatten(1)
+            B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
         rank = _pattern_value(config.get("rank_pattern") or {}, module_name, config.get("r", 8))
         if (A.shape[1] if embedding else A.shape[0]) != rank:
             raise ValueError(
@@ -281,27 +241,11 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module_name, config.get("lora_alpha", 8))
         tensors = {"lora_A": A, "lora_B": B}
         if dora:  # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
-            M = parts["M"].reshape(-1)
-            tensors["lora_magnitude_vector"] = M if embedding else _pad_rows(M, weight.shape[0], real, pad, source)
-        plans.append(
-            make_plan(
-                site,
-                source,
-                tensors,
-                rank,
-                alpha,
-                config.get("use_rslora", False),
-                float(config.get("lora_dropout") or 0.0),
-                dora,
-            )
-        )
+            M = parts["magnitude_vector"].reshape(-1)
+            tensors["lora_magnitude_vector"] = M if embedding else _pad_rows(M, rows, real, pad)
+        dropout = float(config.get("lora_dropout") or 0.0)
+        settings = dict(use_rslora=config.get("use_rslora", False), lora_dropout_p=dropout, use_dora=dora)
+        plans.append(make_plan(site, source, tensors, rank, alpha, **settings))
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model
-
-
-def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool, source: str) -> torch.Tensor:
-    """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
-    if padded and t.shape[0] == real and rows > real:
-        return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
-    return t  # a wrong row count is caught with the other shapes (make_plan)

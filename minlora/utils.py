@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.nn.utils import parametrize
 
-from .model import iter_lora_modules, lora_sites
-from .parametrization import LoRAParametrization
+from .model import has_lora, iter_lora_modules, lora_sites
+from .parametrization import PARAM_NAMES, LoRAParametrization
 
 logger = logging.getLogger(__name__)
-_LORA_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 
 def apply_to_lora(fn: Callable[[LoRAParametrization], None]) -> Callable[[nn.Module], None]:
@@ -56,39 +53,34 @@ def set_fast_path(model: nn.Module, enabled: bool = True) -> None:
 
 def name_is_lora(name: str) -> bool:
     parts = name.split(".")  # minLoRA's test: ....parametrizations.<tensor>.<i>.lora_A
-    return len(parts) >= 4 and parts[-4] == "parametrizations" and parts[-1] in _LORA_NAMES
+    return len(parts) >= 4 and parts[-4] == "parametrizations" and parts[-1] in PARAM_NAMES
 
 
 def name_is_bias(name: str) -> bool:
     return name.split(".")[-1] == "bias"
 
 
+def _logged(named: Iterable[tuple[str, nn.Parameter]], print_shapes: bool) -> Iterator[nn.Parameter]:
+    for name, param in named:
+        if print_shapes:  # logged, not printed, in library code
+            logger.info("%s %s", name, tuple(param.shape))
+        yield param
+
+
 def get_params_by_name(
     model: nn.Module, print_shapes: bool = False, name_filter: Callable[[str], bool] | None = None
 ) -> Iterator[nn.Parameter]:
-    for name, param in model.named_parameters():
-        if name_filter is None or name_filter(name):
-            if print_shapes:  # logged, not printed, in library code
-                logger.info("%s %s", name, tuple(param.shape))
-            yield param
+    return _logged(((n, p) for n, p in model.named_parameters() if name_filter is None or name_filter(n)), print_shapes)
 
 
-def _named_lora_params(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-    seen: set[int] = set()
-    for module_name, module in model.named_modules(remove_duplicate=remove_duplicate):
-        for pname in module.param_names if isinstance(module, LoRAParametrization) else ():
-            param = getattr(module, pname)
-            if not remove_duplicate or id(param) not in seen:
-                seen.add(id(param))
-                yield f"{module_name}.{pname}".lstrip("."), param
+def _named_lora_params(model: nn.Module, remove_duplicate: bool = True) -> dict[str, nn.Parameter]:
+    lora = {id(getattr(m, n)) for m in iter_lora_modules(model) for n in m.param_names}
+    return {n: p for n, p in model.named_parameters(remove_duplicate=remove_duplicate) if id(p) in lora}
 
 
 def get_lora_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn.Parameter]:
     """The LoRA parameters of ``model``, a shared one once."""
-    for name, param in _named_lora_params(model):
-        if print_shapes:
-            logger.info("%s %s", name, tuple(param.shape))
-        yield param
+    return _logged(_named_lora_params(model).items(), print_shapes)
 
 
 def get_bias_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn.Parameter]:
@@ -97,23 +89,22 @@ def get_bias_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn
 
 def get_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA entries of ``model.state_dict()`` (``...parametrizations.weight.0.lora_A``)."""
-    wanted = {name for name, _ in _named_lora_params(model, remove_duplicate=False)}
+    wanted = _named_lora_params(model, remove_duplicate=False)
     return {k: v for k, v in model.state_dict().items() if k in wanted}
 
 
 def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str, torch.Tensor]]) -> nn.Module:
     """Load several LoRA state dicts and keep each; :func:`select_lora` switches between them. The
     last one is active afterwards (as in minLoRA)."""
-    wanted = {name for name, _ in _named_lora_params(model, remove_duplicate=False)}
-    if not wanted:
+    if not (wanted := _named_lora_params(model, remove_duplicate=False)):
         raise ValueError("load_multiple_lora: the model has no LoRA; call minlora.add_lora(model) first")
     model.apply(apply_to_lora(LoRAParametrization.clear_stored_adapters))
     i = -1
     for i, state_dict in enumerate(lora_state_dicts):
-        if set(state_dict) - wanted:
+        if extra := sorted(set(state_dict) - set(wanted)):
             raise ValueError(
                 f"load_multiple_lora: state dict #{i} has keys that are not LoRA factors of this model, "
-                f"e.g. {sorted(set(state_dict) - wanted)[:3]}; pass minlora.get_lora_state_dict outputs"
+                f"e.g. {extra[:3]}; pass minlora.get_lora_state_dict outputs"
             )
         model.load_state_dict(dict(state_dict), strict=False)
         model.apply(apply_to_lora(LoRAParametrization.store_adapter))
@@ -128,36 +119,34 @@ def select_lora(model: nn.Module, index: int) -> nn.Module:
     return model
 
 
-def _only_lora(layer: nn.Module) -> LoRAParametrization:
-    plist = layer.parametrizations["weight"] if parametrize.is_parametrized(layer, "weight") else []
-    loras = [p for p in plist if isinstance(p, LoRAParametrization)]
-    if len(loras) != 1:
-        raise ValueError(
-            f"{type(layer).__name__} has {len(loras) or 'no'} LoRA on its weight; tie_weights needs one "
-            f"LoRA on each of the two layers (minlora.add_lora first)"
-        )
-    return loras[0]
-
-
-def _linear_first(a: nn.Module, b: nn.Module, caller: str) -> tuple[nn.Module, nn.Module]:
-    """``(linear, embedding)`` in either order: the embedding's LoRA has the ``fan_in_fan_out`` layout
-    (minLoRA's own examples pass the embedding first)."""
-    fifo_a, fifo_b = _only_lora(a).fan_in_fan_out, _only_lora(b).fan_in_fan_out
-    if fifo_a == fifo_b:
+def _pair(
+    a: nn.Module, b: nn.Module, caller: str
+) -> tuple[nn.Module, nn.Module, LoRAParametrization, LoRAParametrization]:
+    """``(head, embedding, head's LoRA, embedding's LoRA)`` for two layers in either order (minLoRA's
+    examples pass the embedding first): the embedding's LoRA has the ``fan_in_fan_out`` layout."""
+    loras = []
+    for layer in (a, b):
+        plist = layer.parametrizations["weight"] if has_lora(layer, "weight") else []
+        if len(found := [p for p in plist if isinstance(p, LoRAParametrization)]) != 1:
+            raise ValueError(
+                f"{caller}: {type(layer).__name__} has {len(found) or 'no'} LoRA on its weight; it needs one "
+                f"LoRA on each of the two layers (minlora.add_lora first)"
+            )
+        loras += found
+    if loras[0].fan_in_fan_out == loras[1].fan_in_fan_out:
         raise ValueError(
             f"{caller} needs one layer with LoRA from from_linear (the head) and one with LoRA from "
             f"from_embedding (the embedding); both of {type(a).__name__} and {type(b).__name__} have "
-            f"{'an embedding' if fifo_a else 'a linear'} layout"
+            f"{'an embedding' if loras[0].fan_in_fan_out else 'a linear'} layout"
         )
-    return (b, a) if fifo_a else (a, b)
+    return (b, a, loras[1], loras[0]) if loras[0].fan_in_fan_out else (a, b, loras[0], loras[1])
 
 
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
     """Share one weight *and one LoRA update* between a linear head and an embedding, in either order
     (minLoRA): the embedding's ``lora_A`` becomes the head's ``lora_B`` and vice versa. Without it,
     LoRA on GPT-2's tied head adapts the head only."""
-    linear, embedding = _linear_first(linear, embedding, "tie_weights")
-    lin, emb = _only_lora(linear), _only_lora(embedding)
+    linear, embedding, lin, emb = _pair(linear, embedding, "tie_weights")
     if lin.use_dora or emb.use_dora:  # DoRA normalises the head's vocab rows but the embedding's dims
         raise ValueError(
             "tie_weights: DoRA's magnitude belongs to each layer's output channels (the head's vocabulary "
@@ -166,9 +155,9 @@ def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
         )
     if lin.lora_B.shape != emb.lora_A.shape or lin.lora_A.shape != emb.lora_B.shape:
         raise ValueError(
-            f"tie_weights: the linear layer's lora_A / lora_B {tuple(lin.lora_A.shape)} / "
-            f"{tuple(lin.lora_B.shape)} do not fit the embedding's {tuple(emb.lora_A.shape)} / "
-            f"{tuple(emb.lora_B.shape)}; the ranks and the (vocab, dim) shapes must agree"
+            f"tie_weights: the linear layer's lora_A / lora_B {tuple(lin.lora_A.shape)} / {tuple(lin.lora_B.shape)} "
+            f"do not fit the embedding's {tuple(emb.lora_A.shape)} / {tuple(emb.lora_B.shape)}; the ranks and "
+            f"the (vocab, dim) shapes must agree"
         )
     embedding.parametrizations["weight"].original = linear.parametrizations["weight"].original
     emb.lora_A, emb.lora_B = lin.lora_B, lin.lora_A
@@ -177,9 +166,8 @@ def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
 
 def untie_weights(linear: nn.Module, embedding: nn.Module) -> None:
     """Give the embedding its own copy of the weight and the factors (undoes :func:`tie_weights`)."""
-    embedding = _linear_first(linear, embedding, "untie_weights")[1]
-    emb, plist = _only_lora(embedding), embedding.parametrizations["weight"]
-    for holder, name in ((plist, "original"), (emb, "lora_A"), (emb, "lora_B")):
+    _, embedding, _, emb = _pair(linear, embedding, "untie_weights")
+    for holder, name in ((embedding.parametrizations["weight"], "original"), (emb, "lora_A"), (emb, "lora_B")):
         old = getattr(holder, name)
         setattr(holder, name, nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
 
@@ -188,8 +176,7 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     """Freeze everything but LoRA; ``bias``: ``"none"``, ``"all"`` biases, or ``"lora_only"`` (those of LoRA layers)."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError(f"mark_only_lora_as_trainable: bias must be 'none', 'all' or 'lora_only', got {bias!r}")
-    trainable = list(get_lora_params(model))
-    if not trainable:
+    if not (trainable := list(get_lora_params(model))):
         raise ValueError("mark_only_lora_as_trainable: the model has no LoRA; call minlora.add_lora(model) first")
     trainable += list(get_bias_params(model)) if bias == "all" else []
     if bias == "lora_only":
@@ -199,8 +186,7 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
         param.requires_grad_(True)
 
 
-@dataclass(frozen=True)
-class ParameterCount:
+class ParameterCount(NamedTuple):
     trainable: int
     total: int
 
@@ -209,10 +195,8 @@ class ParameterCount:
         return self.trainable / self.total if self.total else 0.0
 
     def __str__(self) -> str:
-        return (
-            f"trainable params: {self.trainable:,} || all params: {self.total:,} || "
-            f"trainable%: {100 * self.fraction:.4f}"
-        )
+        percent = f"{100 * self.fraction:.4f}"
+        return f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable%: {percent}"
 
 
 def count_parameters(model: nn.Module) -> ParameterCount:

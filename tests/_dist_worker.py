@@ -16,6 +16,9 @@ one-process reference:
 - ``lora``: a LoRA GPT trained by the Trainer, its adapter saved (tests/test_minlora_train.py).
 - ``locked``: out_dir locked by another process: every rank must raise, none may wait for rank
   0 forever (tests/test_run_lock.py).
+- ``instruct``: instruction rows of very uneven response lengths, unpacked and packed (rows
+  isolated): the loss is the mean over the global batch's response tokens, so 2 ranks x 2
+  micro-steps equal 1 rank x 4 (tests/test_distributed.py).
 
 The worker creates the process group itself, so the Trainers join it instead of creating and
 destroying one each.
@@ -206,7 +209,68 @@ def locked(out_dir: str) -> dict:
     return _write(str(Path(out_dir).parent), {"rank": rank, "refused": refused})
 
 
-JOBS = {"train": train, "final_eval": final_eval, "lora": lora, "locked": locked}
+# --------------------------------------------------------------------------- instruct
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, <|endoftext|> = 256: instruction data for a 257-token model."""
+
+    eot_token = 256
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return list(text.encode())
+
+
+def uneven_rows(n: int, seed: int = 0) -> list[tuple[str, str, str, str]]:
+    """``n`` instruction rows whose responses are 1 to 60 bytes long (mostly short)."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "runs", "far", "away"]
+    rows = []
+    for i in range(n):
+        pick = torch.randint(0, len(words), (40,), generator=g).tolist()
+        length = 1 + int(60 * torch.rand((), generator=g) ** 3)  # cubed: most short, a long tail
+        response = " ".join(words[j] for j in pick)[:length]
+        rows.append((f"Say {words[pick[0]]} {i}.", words[pick[1]] if i % 3 else "", response, f"row{i}"))
+    return rows
+
+
+def instruct(out_dir: str) -> dict:
+    """The same global batch of 8 sequences per step: 2 per micro-step x 4 micro-steps on one
+    process, or x 2 micro-steps x 2 processes; unpacked and packed."""
+    from gpt2.data.instruct import InstructionLoader
+
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    report: dict = {"rank": rank}
+    for pack in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=128, vocab_size=257, n_layer=2, n_head=4, n_embd=32))
+        loader = InstructionLoader(
+            uneven_rows(96), 2, 128, rank=rank, world_size=world_size, pack=pack, tokenizer=ByteTokenizer()
+        )
+        config = TrainConfig(
+            micro_batch_size=2,
+            seq_len=128,
+            total_batch_size=2 * 128 * 4,
+            max_steps=3,
+            warmup_steps=1,
+            max_lr=1e-3,
+            eval_interval=0,
+            out_dir=None,
+            progress=False,
+            device="cpu",
+            precision="fp32",
+            plot=False,
+        )
+        with Trainer(model, config, loader, sinks=[]) as trainer:
+            history = trainer.fit()
+        report[f"pack={pack}"] = {
+            "losses": [r["loss"] for r in history],
+            "grad_norms": [r["grad_norm"] for r in history],
+            "scored_tokens": [r["scored_tokens"] for r in history],
+            "weights": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()},
+        }
+    return _write(out_dir, report)
+
+
+JOBS = {"train": train, "final_eval": final_eval, "lora": lora, "locked": locked, "instruct": instruct}
 
 
 if __name__ == "__main__":

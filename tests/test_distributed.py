@@ -72,3 +72,20 @@ def test_two_gloo_processes_match_one_process(tmp_path, dist_run):
     assert ddp_weights.keys() == single_weights.keys()
     for name in ddp_weights:
         torch.testing.assert_close(ddp_weights[name], single_weights[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("pack", [False, True])
+def test_two_gloo_processes_match_one_process_on_uneven_instruction_rows(tmp_path, dist_run, pack):
+    """Token-exact loss across ranks: the 2 ranks' micro-batches hold different numbers of
+    response tokens, yet the loss, gradient norm and weights are those of one process."""
+    ranks = [r[f"pack={pack}"] for r in dist_run.reports("instruct")]
+    single = dist_job("instruct", tmp_path)[f"pack={pack}"]
+    assert ranks[0]["scored_tokens"] == ranks[1]["scored_tokens"] == single["scored_tokens"]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(single[key]), rtol=1e-5, atol=1e-6)
+    for rank in ranks:
+        for name, values in single["weights"].items():
+            torch.testing.assert_close(torch.tensor(rank["weights"][name]), torch.tensor(values), rtol=1e-4, atol=1e-6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,7 @@ def _expected(rows, tok, seq_len, pack):
 def test_targets_are_ignored_exactly_on_prompt_and_padding(tmp_path, tok, pack):
     rows = read_rows(write_jsonl(tmp_path / "d.jsonl", [ALPACA, NO_INPUT, PROMPT, ALPACA, PROMPT]))
     seq_len = 48
-    x, y = build_sequences(rows, seq_len, pack=pack, tokenizer=tok)
+    x, y, positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tok)
     windows = _expected(rows, tok, seq_len, pack)
     assert x.shape == y.shape == (len(windows), seq_len)
     assert (len(windows) < len(rows)) == pack  # these short rows pack two or more per window
@@ -86,6 +87,12 @@ def test_targets_are_ignored_exactly_on_prompt_and_padding(tmp_path, tok, pack):
         n = len(ids) - 1
         assert x[i, :n].tolist() == ids[:n]
         assert (x[i, n + 1 :] == tok.eot_token).all()  # padding input
+        # each row's positions restart at 0; the padding after the rows counts from 0 as one more row
+        lengths = [len(tokenize_row(*r[:3], tok)[0]) for r in rows]
+        expected_positions = [p for length in lengths for p in range(length)]
+        m = min(n + 1, seq_len)
+        assert positions[i, :m].tolist() == expected_positions[sum(len(w[0]) for w in windows[:i]) :][:m]
+        assert positions[i, m:].tolist() == list(range(seq_len - m))
         for t in range(seq_len):
             if t < n and mask[t + 1]:  # the next token is a response token (or the closing <|endoftext|>)
                 assert y[i, t] == ids[t + 1]
@@ -114,6 +121,42 @@ def test_loss_and_evaluation_average_over_response_tokens_only(tmp_path, tok):
     assert result["tokens"] == count
     assert result["loss"] == pytest.approx(total / count, rel=1e-5)
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_packed_rows_are_isolated_each_scores_as_if_alone(tok, flash):
+    """A packed window's logits and loss equal those of its rows run one by one (SDPA with the
+    block-diagonal mask, and the written-out attention); plain causal attention would not."""
+    rows = read_rows(DATA)
+    seq_len = 96
+    loader = InstructionLoader(rows, 4, seq_len, pack=True, shuffle=False, tokenizer=tok)
+    vocab = _compact([loader])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=seq_len, vocab_size=vocab, n_layer=2, n_head=2, n_embd=32, flash=flash)).eval()
+    x, y, kwargs = loader.next_batch()
+    groups: list[list[int]] = []  # the row lengths of each window: greedy, in order, never split
+    for length in (len(tokenize_row(*row[:3], tok)[0]) for row in rows):
+        if groups and sum(groups[-1]) + length <= seq_len + 1:
+            groups[-1].append(length)
+        else:
+            groups.append([length])
+    with torch.no_grad():
+        logits, loss_sum = model(x, y, reduction="sum", **kwargs)
+        causal_logits, _ = model(x)  # not isolated: rows see the rows before them
+        alone_sum, rows_seen = torch.zeros(()), 0
+        for i, lengths in enumerate(groups[:4]):
+            start = 0
+            for length in lengths:
+                end = min(start + length, seq_len)  # a full window's last token is only a target
+                row_logits, row_loss = model(x[i : i + 1, start:end], y[i : i + 1, start:end], reduction="sum")
+                torch.testing.assert_close(logits[i, start:end], row_logits[0], rtol=1e-5, atol=1e-5)
+                if start > 0:
+                    assert not torch.allclose(causal_logits[i, start:end], row_logits[0], atol=1e-3)
+                    rows_seen += 1
+                alone_sum += row_loss
+                start += length
+    assert rows_seen >= 4  # several windows hold more than one row
+    torch.testing.assert_close(loss_sum, alone_sum, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- errors
@@ -330,6 +373,7 @@ def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, cap
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     assert "22 training rows" in stdout and "2 validation rows" in stdout and "full fine-tuning" in stdout
+    assert int(re.search(r"22 training rows in (\d+) sequences", stdout)[1]) < 22  # packed by default
     results = json.loads((out / "results.json").read_text())
     assert results["step"] == 2 and 0 < results["val_tokens"] < 40  # the two held-out responses only
     state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
@@ -356,7 +400,7 @@ def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, cap
 
 def test_cli_finetune_jsonl_lora_resume_and_errors(base_run, tmp_path, capsys):
     out = tmp_path / "lora"
-    args = ["finetune", "--init", str(base_run), "--data", str(DATA), "--pack", *TINY, "--out-dir", str(out)]
+    args = ["finetune", "--init", str(base_run), "--data", str(DATA), "--no-pack", *TINY, "--out-dir", str(out)]
     assert main([*args, "--max-steps", "1"]) == 0
     assert main([*args, "--max-steps", "2", "--resume", "auto"]) == 0
     capsys.readouterr()
@@ -405,3 +449,34 @@ def test_cli_finetune_jsonl_lora_resume_and_errors(base_run, tmp_path, capsys):
     assert "raise --seq-len" in capsys.readouterr().err
     assert main(["sample", "--model", str(base_run), "--input", "x"]) == 2
     assert "--input goes with --instruction" in capsys.readouterr().err
+
+
+@pytest.fixture
+def packing_benchmark(small_shakespeare, monkeypatch):
+    if small_shakespeare is None:
+        pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
+    monkeypatch.syspath_prepend(str(REPO))  # benchmarks/ is not installed
+    import benchmarks.packing
+
+    return benchmarks.packing
+
+
+def test_packing_benchmark_rows_follow_alpacas_lengths(packing_benchmark, small_shakespeare, tok):
+    bench = packing_benchmark
+    rows = bench.alpaca_like_rows(400, 512, small_shakespeare.read_text(), tok)
+    responses = [len(tok.encode_ordinary(r[2])) for r in rows]
+    prompts = [len(tok.encode_ordinary(r[0] + r[1])) for r in rows]
+    assert np.mean(responses) == pytest.approx(bench.RESPONSE_MEAN, rel=0.2)  # decoding + re-encoding moves a few
+    assert np.mean(prompts) == pytest.approx(bench.PROMPT_MEAN, rel=0.2)
+    assert np.median(responses) < np.mean(responses) < max(responses) / 3  # mostly short, a long tail
+    assert 0.3 < np.mean([bool(r[1]) for r in rows]) < 0.5  # about 40% have an input
+
+
+@pytest.mark.slow
+def test_packing_benchmark_runs_and_packs(packing_benchmark):
+    results = {r["mode"]: r for r in packing_benchmark.run(40, 256, 2, 1, 1, "tiny", 0)}
+    assert (
+        results["padded"]["sequences"] == 40 > results["packed"]["sequences"] == results["packed-causal"]["sequences"]
+    )
+    assert results["packed"]["rows_per_sequence"] > 1.5
+    assert "| packed |" in packing_benchmark.format_results(list(results.values()))

@@ -212,7 +212,7 @@ def test_adapters_of_minlora_0_1_still_load(tmp_path):
     "case, damage, message",
     [
         ("truncated JSON", lambda p: p.write_text(p.read_text()[:40]), "is not valid JSON"),
-        ("binary garbage", lambda p: p.write_bytes(b"\xff\xfe\x00garbage"), "not UTF-8"),
+        ("binary garbage", lambda p: p.write_bytes(b"\xff\xfe\x00garbage"), "not valid JSON .*utf-8"),
         ("missing field", lambda p: p.write_text(p.read_text().replace('"rank"', '"rnak"')), "lacks the field 'rank'"),
     ],
 )

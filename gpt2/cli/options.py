@@ -128,9 +128,9 @@ class FinetuneOptions:
     full: bool = False
     """full fine-tuning: train every weight, no LoRA; the run directory then holds the whole model
     (gpt2 sample --model OUT_DIR)"""
-    pack: bool = False
-    """instruction data (.jsonl): pack several rows into each sequence (a row attends to the rows before it);
-    default: one row per sequence, padded"""
+    pack: bool = True
+    """instruction data (.jsonl): pack rows into each sequence, each isolated (own positions, attention in the row);
+    --no-pack: one row per sequence, padded"""
     instruct: Annotated[InstructionOptions, Flat] = field(default_factory=InstructionOptions)
     launch: Annotated[LaunchOptions, Flat] = field(default_factory=LaunchOptions)
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)

@@ -23,10 +23,11 @@ prompt and padding positions are :data:`gpt2.model.IGNORE_INDEX` (-1, nanoGPT's 
 Sequences: by default each row is one sequence, padded to ``seq_len`` (the model sees a row
 exactly as it sees a prompt at inference). With ``pack=True`` rows are packed greedily, in order,
 into ``seq_len + 1``-token windows without ever splitting a row; the rest of a window is padding.
-Packed rows are *not* isolated from each other: a row attends to the rows before it in its
-window (plain causal attention, as most packers do). Their losses stay separate because only
-response tokens are targets. Every sequence holds at least one response token, so no batch
-is ever all-ignored (which would make the mean loss 0/0 = NaN).
+Packed rows are isolated: the loader's batches carry each token's position *within its row* and a
+block-diagonal causal attention mask (:func:`packed_inputs`), the forward keyword arguments
+``position_ids`` and ``attn_mask``, so every row is computed exactly as it would be alone.
+Every sequence holds at least one response token; the Trainer's loss is the mean over the
+scored targets of the whole global batch (a batch without any is skipped).
 """
 
 from __future__ import annotations
@@ -122,16 +123,18 @@ def build_sequences(
     *,
     pack: bool = False,
     tokenizer: Any = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(x, y)``: int64 arrays of shape (N, seq_len), one sequence per row (padded) or rows
-    packed greedily. ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding
-    positions. A row longer than ``seq_len + 1`` tokens raises a ValueError naming it."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(x, y, positions)``: int64 arrays of shape (N, seq_len), one sequence per row (padded) or
+    rows packed greedily. ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and
+    padding positions; ``positions`` is each input token's position within its row (the padding
+    after the rows counts as one more row). A row longer than ``seq_len + 1`` tokens raises a
+    ValueError naming it."""
     if tokenizer is None:
         from gpt2.model.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
-    windows: list[tuple[list[int], list[bool]]] = []
+    windows: list[tuple[list[int], list[bool], list[int]]] = []
     for instruction, input, response, where in rows:
         ids, mask = tokenize_row(instruction, input, response, tokenizer)
         if len(ids) > seq_len + 1:
@@ -143,20 +146,36 @@ def build_sequences(
         if pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1:
             windows[-1][0].extend(ids)  # the row fits in the current window: never split a row
             windows[-1][1].extend(mask)
+            windows[-1][2].extend(range(len(ids)))
         else:
-            windows.append((list(ids), list(mask)))
+            windows.append((list(ids), list(mask), list(range(len(ids)))))
     x = np.full((len(windows), seq_len), eot, dtype=np.int64)  # padding input: <|endoftext|>
     y = np.full((len(windows), seq_len), IGNORE_INDEX, dtype=np.int64)
-    for i, (ids, mask) in enumerate(windows):
+    positions = np.tile(np.arange(seq_len, dtype=np.int64), (len(windows), 1))
+    for i, (ids, mask, pos) in enumerate(windows):
         n = len(ids) - 1  # positions with a next token
         x[i, : min(n + 1, seq_len)] = ids[:seq_len]
         targets = np.asarray(ids[1:], dtype=np.int64)
         y[i, :n] = np.where(np.asarray(mask[1:], dtype=bool), targets, IGNORE_INDEX)
-    return x, y
+        positions[i, : min(n + 1, seq_len)] = pos[:seq_len]
+        positions[i, n + 1 :] -= n + 1  # the padding: one more row, from position 0
+    return x, y, positions
+
+
+def packed_inputs(positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The forward keyword arguments that isolate packed rows, from each token's position within
+    its row (B, T): ``position_ids`` and a boolean ``attn_mask`` (B, 1, T, T) in which a token sees
+    the tokens of its own row up to itself (block-diagonal causal), the mask SDPA takes."""
+    t = torch.arange(positions.size(1))
+    row_start = t - positions  # (B, T): where each query's row begins
+    key = t[None, None, :]  # (1, 1, T)
+    attn_mask = (key >= row_start[:, :, None]) & (key <= t[None, :, None])  # (B, T, T)
+    return {"position_ids": positions, "attn_mask": attn_mask[:, None]}
 
 
 class InstructionLoader:
-    """Batches ``(x, y)`` of instruction sequences, with the interface of
+    """Batches ``(x, y)`` of instruction sequences (packed: ``(x, y, packed_inputs(...))``, forward
+    keyword arguments that isolate the rows; the Trainer passes them on), with the interface of
     :class:`gpt2.data.TokenLoader` that the Trainer and :func:`gpt2.eval.evaluate_loss` use
     (``next_batch``, ``reset``, ``state_dict`` / ``load_state_dict``, ``batch_size``,
     ``seq_len``, ``rank``, ``world_size``, ``tokens_per_step``).
@@ -199,7 +218,7 @@ class InstructionLoader:
         self.num_rows = len(rows)
         if not rows:
             raise ValueError("no instruction rows to load")
-        self.x, self.y = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
+        self.x, self.y, self.positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
         self.num_sequences = len(self.x)
         per_step = batch_size * world_size
         if shuffle and self.num_sequences < per_step:
@@ -238,19 +257,23 @@ class InstructionLoader:
             return np.arange(self.num_sequences)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict]:
         B = self.batch_size
         start = self._position + self.rank * B
         picked = self._order[start : start + B]
         x = np.full((B, self.seq_len), self.pad_id, dtype=np.int64)
         y = np.full((B, self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        positions = np.tile(np.arange(self.seq_len, dtype=np.int64), (B, 1))
         x[: len(picked)], y[: len(picked)] = self.x[picked], self.y[picked]  # the rest: all-ignored padding
+        positions[: len(picked)] = self.positions[picked]
         self._position += B * self.world_size
         if self._position >= self.steps_per_epoch * B * self.world_size:
             if self.shuffle:  # an unshuffled loader stays at epoch 0, so a pass ends where it began
                 self._epoch += 1
                 self._order = self._order_of(self._epoch)
             self._position = 0
+        if self.pack:
+            return torch.from_numpy(x), torch.from_numpy(y), packed_inputs(torch.from_numpy(positions))
         return torch.from_numpy(x), torch.from_numpy(y)
 
     def reset(self) -> None:
@@ -266,7 +289,7 @@ class InstructionLoader:
         if state.get("num_sequences", self.num_sequences) != self.num_sequences:
             raise ValueError(
                 f"the checkpoint's instruction data had {state['num_sequences']} sequences, this data has "
-                f"{self.num_sequences}; resume with the same --data, --seq-len and --pack"
+                f"{self.num_sequences}; resume with the same --data, --seq-len and --pack / --no-pack"
             )
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._order = self._order_of(self._epoch)
@@ -306,7 +329,9 @@ def instruction_loaders(
         train_rows, val_rows = rows, read_rows(val_data)
     else:
         train_rows, val_rows = split_rows(rows, val_fraction, data)
-    common = dict(rank=rank, world_size=world_size, pack=pack)
-    train = InstructionLoader(train_rows, batch_size, seq_len, shuffle=True, seed=seed, **common)
+    common = dict(rank=rank, world_size=world_size)
+    train = InstructionLoader(train_rows, batch_size, seq_len, shuffle=True, seed=seed, pack=pack, **common)
+    # Validation scores each row alone, as at inference, whatever --pack says: the losses of packed
+    # and unpacked runs compare, and evaluation reads plain (x, y) batches.
     val = InstructionLoader(val_rows, batch_size, seq_len, shuffle=False, **common) if val_rows else None
     return train, val, val_rows or train_rows

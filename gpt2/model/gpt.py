@@ -180,15 +180,19 @@ class GPT(nn.Module):
         kv_cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        reduction: str = "mean",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``(B, T, vocab_size)`` and, with ``targets`` ``(B, T)``, the mean cross-entropy.
+        """Logits ``(B, T, vocab_size)`` and, with ``targets`` ``(B, T)``, the cross-entropy:
+        the mean over scored targets, or with ``reduction="sum"`` their fp32 sum (the Trainer's
+        token-exact gradient accumulation).
 
         Targets equal to ``IGNORE_INDEX`` (-1, nanoGPT's convention) are ignored. ``kv_cache``,
         ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask`` broadcastable to
-        ``(B, n_head, T, S)`` (True = may attend) are used by :mod:`gpt2.generate`; training never
-        needs them. Types and shapes are checked; values are not (that would cost a device sync
-        every call): ids must lie in ``[0, vocab_size)``, as :mod:`gpt2.generate` and
-        :class:`gpt2.data.TokenLoader` check where ids enter.
+        ``(B, n_head, T, S)`` (True = may attend) are used by :mod:`gpt2.generate` and by packed
+        instruction batches (rows isolated, positions restarting per row). Types and shapes are
+        checked; values are not (that would cost a device sync every call): ids must lie in
+        ``[0, vocab_size)``, as :mod:`gpt2.generate` and :class:`gpt2.data.TokenLoader` check where
+        ids enter.
         """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids)
@@ -216,6 +220,7 @@ class GPT(nn.Module):
                 logits.float().reshape(-1, logits.size(-1)),
                 targets.reshape(-1).long(),
                 ignore_index=IGNORE_INDEX,
+                reduction=reduction,
             )
         return logits, loss
 

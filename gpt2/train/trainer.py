@@ -41,6 +41,7 @@ the true gradients overflow fp16: a real spike, not the scale).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -76,6 +77,11 @@ from gpt2.train.precision import check_master_weights, resolve_precision
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = rundir.CHECKPOINT_DIR
+
+
+def _returns_sum(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``reduction="sum"`` (as :class:`gpt2.GPT` does)."""
+    return "reduction" in inspect.signature(model.forward).parameters
 
 
 class TrainingDivergedError(RuntimeError):
@@ -292,22 +298,19 @@ class Trainer:
         self.train_model.train()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for micro_step in range(self.grad_accum_steps):
-            x, y = self._to_device(*self.train_loader.next_batch())
-            # Under DDP, only the last micro-step's backward averages gradients across processes.
-            with distributed.no_sync(self.train_model, skip_sync=micro_step < self.grad_accum_steps - 1):
-                with self.precision.autocast():
-                    _, loss = self.train_model(x, y)
-                # The model returns the mean loss of this micro-batch. Gradients of successive
-                # backward calls add up, so dividing by the number of micro-steps makes their sum
-                # the gradient of the mean over the whole batch, exactly as one big batch would.
-                loss = loss / self.grad_accum_steps
-                loss_sum += loss.detach()
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        # Every process logs (and judges) the loss of the whole global batch.
-        loss_value = distributed.all_reduce_mean(loss_sum).item()
-        grad_norm, skipped, bad = self._optimizer_step(loss_value)
+        # The whole step's micro-batches first (token ids are small): each one's share of the
+        # loss needs the number of scored targets of the whole global batch.
+        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
+        counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]  # on the CPU: no device sync
+        scored = self._global_count(sum(counts))
+        if scored == 0:
+            # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
+            # still decay and move the weights on zero gradients).
+            loss_value, grad_norm, skipped, bad = 0.0, 0.0, True, False
+            self.skipped_steps += 1
+        else:
+            loss_value = self._accumulate(batches, counts, scored)
+            grad_norm, skipped, bad = self._optimizer_step(loss_value)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels are queued asynchronously: time them all
         dt = time.perf_counter() - t0
@@ -321,25 +324,64 @@ class Trainer:
             "dt_ms": dt * 1000.0,
             "tokens_per_second": tokens_per_second,
             "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.dist_env.world_size),
+            "scored_tokens": scored,
             "skipped": skipped,
             "skipped_steps": self.skipped_steps,
         }
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
         if skipped:
-            why = (
-                "non-finite loss or gradient norm"
-                if bad
-                else (f"fp16 gradients overflowed, loss scale lowered to {record['loss_scale']:g}")
-            )
+            if scored == 0:
+                why = "the global batch has no scored targets (every target is IGNORE_INDEX)"
+            elif bad:
+                why = "non-finite loss or gradient norm"
+            else:
+                why = f"fp16 gradients overflowed, loss scale lowered to {record['loss_scale']:g}"
             logger.warning("step %d skipped (%s): loss %s, grad norm %s", self.step, why, loss_value, grad_norm)
         return record
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _global_count(self, local: int) -> int:
+        """``local`` summed over all processes (float64 holds any count exactly)."""
+        world_size = self.dist_env.world_size
+        if world_size == 1:
+            return local
+        total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
+        return round(distributed.all_reduce_mean(total).item() * world_size)
+
+    def _accumulate(self, batches: list[tuple], counts: list[int], scored: int) -> float:
+        """Forward and backward every micro-batch; returns the global batch's mean loss.
+
+        Each micro-batch adds the SUM of its targets' losses divided by the global batch's count
+        ``scored``, so the gradients add up to the gradient of the mean over every scored target of
+        the global batch: a micro-batch (or rank) with 3 response tokens weighs as little as they
+        do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size.
+        """
+        scale = self.dist_env.world_size / scored
+        sums = _returns_sum(self.model)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_step, (batch, count) in enumerate(zip(batches, counts)):
+            extras = batch[2] if len(batch) > 2 else {}  # e.g. a packed batch's attn_mask, position_ids
+            x, y, *values = self._to_device(batch[0], batch[1], *extras.values())
+            kwargs = dict(zip(extras, values))
+            # Under DDP, only the last micro-step's backward averages gradients across processes.
+            with distributed.no_sync(self.train_model, skip_sync=micro_step < len(batches) - 1):
+                with self.precision.autocast():
+                    if sums:
+                        _, loss = self.train_model(x, y, reduction="sum", **kwargs)
+                    else:  # forward(idx, targets) -> (logits, mean loss): the mean of no targets is NaN
+                        _, loss = self.train_model(x, y, **kwargs)
+                        loss = loss * count if count else loss.nan_to_num(0.0) * 0.0
+                loss = loss * scale
+                loss_sum += loss.detach()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        # Every process logs (and judges) the loss of the whole global batch.
+        return distributed.all_reduce_mean(loss_sum).item()
+
+    def _to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.device.type == "cuda":
             # Pinned memory lets the copy run asynchronously with the previous step's kernels.
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
+        return tuple(t.to(self.device) for t in tensors)
 
     def _optimizer_step(self, loss_value: float) -> tuple[float, bool, bool]:
         """Unscale, clip, step (unless non-finite). Returns (grad_norm, skipped, bad)."""
