@@ -13,7 +13,7 @@ import torch
 import minlora
 from gpt2.cli import main
 from gpt2.model.config import GPTConfig
-from gpt2.model.gguf import save_gguf
+from gpt2.model.gguf import _gguf_tensors, save_gguf
 from gpt2.model.gpt import GPT
 from gpt2.model.tokenizer import bpe_files, get_tokenizer
 
@@ -157,6 +157,8 @@ def test_save_gguf_refusals(tmp_path):
         save_gguf(model, tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="100-token vocabulary.*50257"):
         save_gguf(GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=32)), tmp_path / "m.gguf")
+    bias_free = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, bias=False))
+    assert not _gguf_tensors(bias_free, bias_free.config)["blk.0.attn_qkv.bias"].any()  # llama.cpp needs biases
     with pytest.raises(TypeError, match="expects a gpt2.GPT"):
         save_gguf(torch.nn.Linear(2, 2), tmp_path / "m.gguf")
     assert not list(tmp_path.iterdir())  # nothing half-written

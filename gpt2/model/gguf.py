@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
+from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPTConfig
 from gpt2.model.hf import _atomic_write
 from gpt2.model.tokenizer import EOT_TOKEN, N_VOCAB, bpe_files
@@ -53,22 +54,20 @@ def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.
     built with ``bias=False`` gets zero biases, which llama.cpp's GPT-2 graph requires.
     """
     gguf = _import_gguf()
-    names = gguf.TENSOR_NAMES
-    sd = model.state_dict()
+    sd = unwrap_model(model).state_dict()
     out: dict[str, torch.Tensor] = {}
 
-    def put(module: str, tensor_kind: str, shape_out: int, block: int | None = None) -> None:
-        name = names[getattr(gguf.MODEL_TENSOR, tensor_kind)].format(bid=block)
-        prefix = module if block is None else f"transformer.h.{block}.{module}"
-        out[f"{name}.weight"] = sd[f"{prefix}.weight"]
-        if not module.endswith(("wte", "wpe")):
-            out[f"{name}.bias"] = sd.get(f"{prefix}.bias", torch.zeros(shape_out))
+    def put(prefix: str, kind: str, block: int | None = None) -> None:
+        name, weight = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=block), sd[f"{prefix}.weight"]
+        out[f"{name}.weight"] = weight
+        if not prefix.endswith(("wte", "wpe")):
+            out[f"{name}.bias"] = sd.get(f"{prefix}.bias", torch.zeros(weight.shape[0]))
 
-    for module, kind in _GLOBAL.items():
-        put(module, kind, config.n_embd)
+    for prefix, kind in _GLOBAL.items():
+        put(prefix, kind)
     for i in range(config.n_layer):
         for module, kind in _BLOCK.items():
-            put(module, kind, sd[f"transformer.h.{i}.{module}.weight"].shape[0], i)
+            put(f"transformer.h.{i}.{module}", kind, i)
     # The LM head is tied to the embedding: with no output.weight llama.cpp reuses token_embd.
     out["token_embd.weight"] = out["token_embd.weight"][: config.vocab_size]
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in out.items()}
@@ -96,6 +95,7 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     EOS and UNK), so ``llama-cli -m FILE`` needs nothing else.
     """
     gguf = _import_gguf()
+    model = unwrap_model(model)
     config = getattr(model, "config", None)
     if not isinstance(config, GPTConfig):
         raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
