@@ -189,7 +189,7 @@ def shakespeare_model(shakespeare_slice) -> GPT:
 
 
 # Largest |ours - llama.cpp| over the logits, as a fraction of the largest |logit|, per type.
-LOGIT_TOLERANCE = {"f32": 3e-3, "f16": 2e-2, "q8_0": 5e-2}
+LOGIT_TOLERANCE = {"f32": 1e-3, "f16": 5e-3, "q8_0": 2e-2}  # measured: 2.6e-5, 2.2e-4, 4.8e-3
 
 
 @pytest.mark.llama_cpp
