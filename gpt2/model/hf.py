@@ -1,10 +1,11 @@
 """Hugging Face interop: GPT-2 checkpoints in and out of ``transformers`` directories and the hub.
 
 :func:`from_pretrained` and :func:`save_pretrained` read and write ``transformers``
-``GPT2LMHeadModel`` directories (safetensors, ``.bin``, sharded), download hub ids, and decide
-which a string is (:func:`resolve_source`). The state-dict and config conversion itself is pure
-and lives in :mod:`gpt2.hf_convert`; its public names are re-exported here, so
-``from gpt2.hf import hf_to_gpt_state_dict`` keeps working.
+``GPT2LMHeadModel`` directories (safetensors, ``.bin``, sharded; written with GPT-2's tokenizer),
+download hub ids, and decide which a string is (:func:`resolve_source`); :func:`from_pretrained`
+also reads the run and checkpoint directories of ``gpt2 train``, so it takes every ``--model``.
+The state-dict and config conversion itself is pure and lives in :mod:`gpt2.hf_convert`; its
+public names are re-exported here, so ``from gpt2.hf import hf_to_gpt_state_dict`` keeps working.
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ def save_pretrained(
     along, so ``AutoTokenizer``, ``pipeline("text-generation")`` and llama.cpp's converter work on
     the folder: copied from the BPE files :func:`gpt2.model.tokenizer.get_tokenizer` reads, or from
     ``tokenizer_dir`` (``encoder.json``/``vocab.bpe`` or ``vocab.json``/``merges.txt``) if given;
-    a model whose vocabulary is not GPT-2's 50257 tokens gets none.
+    without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
     """
     from safetensors.torch import save_file
 
@@ -314,8 +315,8 @@ def save_pretrained(
     config = inner.config
     # Found before anything is written: an export without its tokenizer would load but decode
     # nothing (transformers then builds a 1-token vocabulary). A model with another vocabulary
-    # size (a test toy) has no use for GPT-2's.
-    bpe = bpe_files(tokenizer_dir) if config.vocab_size == N_VOCAB else None
+    # size (a test toy) has no use for GPT-2's, unless asked for with tokenizer_dir.
+    bpe = bpe_files(tokenizer_dir) if tokenizer_dir or config.vocab_size == N_VOCAB else None
     hf_sd = gpt_to_hf_state_dict(inner.state_dict(), config)
     # transformers re-ties lm_head to the embedding on load; safetensors refuses shared tensors.
     del hf_sd["lm_head.weight"]
