@@ -27,7 +27,7 @@ class UsageError(Exception):
 # What an export writes (gpt2.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
 # only these is an earlier export, which a new one may replace.
 MODEL_EXPORT_FILES = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json", "merges.txt"}
-MODEL_EXPORT_FILES |= {"tokenizer_config.json", "generation_config.json"}
+MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json"}
 PEFT_EXPORT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 
 

@@ -1,10 +1,11 @@
 """Hugging Face interop: GPT-2 checkpoints in and out of ``transformers`` directories and the hub.
 
 :func:`from_pretrained` and :func:`save_pretrained` read and write ``transformers``
-``GPT2LMHeadModel`` directories (safetensors, ``.bin``, sharded), download hub ids, and decide
-which a string is (:func:`resolve_source`). The state-dict and config conversion itself is pure
-and lives in :mod:`gpt2.hf_convert`; its public names are re-exported here, so
-``from gpt2.hf import hf_to_gpt_state_dict`` keeps working.
+``GPT2LMHeadModel`` directories (safetensors, ``.bin``, sharded; written with GPT-2's tokenizer),
+download hub ids, and decide which a string is (:func:`resolve_source`); :func:`from_pretrained`
+also reads the run and checkpoint directories of ``gpt2 train``, so it takes every ``--model``.
+The state-dict and config conversion itself is pure and lives in :mod:`gpt2.hf_convert`; its
+public names are re-exported here, so ``from gpt2.hf import hf_to_gpt_state_dict`` keeps working.
 """
 
 from __future__ import annotations
@@ -14,14 +15,20 @@ import logging
 import os
 import pickle
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpt2.files import replace_atomically
-from gpt2.model.checkpoint_files import _first_line, refuse_non_finite, unwrap_model
+from gpt2.model.checkpoint_files import (
+    _first_line,
+    checkpoint_step,
+    load_state_into,
+    open_checkpoint,
+    refuse_non_finite,
+    unwrap_model,
+)
 from gpt2.model.config import GPTConfig
 from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
     CONV1D_WEIGHTS,
@@ -31,6 +38,7 @@ from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF A
     hf_config_from_gpt,
     hf_to_gpt_state_dict,
 )
+from gpt2.model.tokenizer import ENDOFTEXT, N_VOCAB, bpe_files
 
 # This module never imports gpt2.model at import time: the model imports it (GPT.from_pretrained,
 # GPT.save_pretrained), so the dependency runs one way, model -> hf -> hf_convert -> config.
@@ -153,23 +161,65 @@ def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
 
 
 def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
-    """A local directory holding the checkpoint: the path itself, or a hub snapshot."""
+    """A local directory holding the model: the path itself (a transformers directory, or a
+    checkpoint / run directory of ``gpt2 train``), or a hub snapshot."""
     source = resolve_source(name_or_path)
     if isinstance(source, str):
         return _download(source, cache_dir, revision)
-    if not source.is_dir():
-        raise NotADirectoryError(
-            f"{str(source)!r} is a file; from_pretrained expects a directory with config.json and "
-            f"model.safetensors (or pytorch_model.bin), or a hub id such as 'gpt2'"
+    spec = os.fspath(name_or_path)
+    if source.is_file():
+        parent = source.parent
+        hint = (
+            f"; pass its directory {str(parent)!r}"
+            if (parent / "config.json").is_file() or (parent / "trainer_state.json").is_file()
+            else ""
         )
-    if not (source / "config.json").is_file():
+        raise NotADirectoryError(
+            f"{spec!r} is a file; a model is a directory: a transformers model (config.json + "
+            f"model.safetensors) or a gpt2 checkpoint / run directory{hint}"
+        )
+    if not (source / "config.json").is_file() and not _is_checkpoint_like(source):
         found = sorted(p.name for p in source.iterdir())[:10]
         hub = f"; for the hub model {source.name!r} write its bare name" if source.name in OFFICIAL_HUB_IDS else ""
         raise FileNotFoundError(
-            f"local directory {str(source)!r} has no config.json: not a transformers model directory "
-            f"(expected config.json and model.safetensors; found {found}){hub}"
+            f"{spec!r} holds no model: neither a transformers directory (no config.json) nor a gpt2 "
+            f"checkpoint (no trainer_state.json) or run directory (no checkpoints/); found {found}{hub}"
         )
     return source
+
+
+def _is_checkpoint_like(directory: Path) -> bool:
+    return (
+        (directory / "trainer_state.json").exists()
+        or (directory / "checkpoints").is_dir()
+        or checkpoint_step(directory) is not None
+        or any(checkpoint_step(p) is not None for p in directory.iterdir())
+    )
+
+
+def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn.Module:
+    """The model in a checkpoint of ``gpt2 train`` (or the newest *intact* one of a run directory:
+    damaged ones are skipped with a warning), built from the configuration it records."""
+    data = open_checkpoint(path, trainer_state=False)  # verified: files, header, size, finite weights
+    checkpoint, model_config = data.path, data.meta.get("model_config")
+    if not isinstance(model_config, dict):
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} does not record its model configuration "
+            f"('model_config' in trainer_state.json), so the model cannot be rebuilt from it"
+        )
+    if data.meta.get("trainable_only") or data.trainable_only:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} holds only the trainable (adapter) weights; load the base "
+            f"model and pass this run's adapter with --adapter instead"
+        )
+    try:
+        model = model_class(GPTConfig.from_dict(model_config))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r}: 'model_config' in trainer_state.json is not a valid GPTConfig ({e})"
+        ) from None
+    load_state_into(model, data)
+    return model
 
 
 def _download(repo_id: str, cache_dir, revision) -> Path:
@@ -231,11 +281,13 @@ def from_pretrained(
 ) -> torch.nn.Module:
     """A :class:`gpt2.GPT` (or ``model_class``) with the weights of a GPT-2 checkpoint.
 
-    ``name_or_path`` is a local ``transformers`` directory (``config.json`` plus
-    ``model.safetensors``, ``pytorch_model.bin`` or a shard index) or a hub id (``gpt2``,
-    ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl`` or any GPT-2-architecture repo), downloaded into
-    the usual Hugging Face cache; :func:`resolve_source` says which (bare official names are the
-    hub, other existing paths are local). ``dtype`` defaults to float32 (master weights for
+    ``name_or_path`` is whatever the CLI's ``--model`` takes: a hub id (``gpt2``, ``gpt2-medium``,
+    ``gpt2-large``, ``gpt2-xl`` or any GPT-2-architecture repo, downloaded into the usual Hugging
+    Face cache), a local ``transformers`` directory (``config.json`` plus ``model.safetensors``,
+    ``pytorch_model.bin`` or a shard index), or a checkpoint / run directory of ``gpt2 train``
+    (its newest intact checkpoint, built with the configuration it records, so
+    ``pad_vocab_multiple`` and ``dropout`` do not apply). :func:`resolve_source` says which (bare
+    official names are the hub, other existing paths are local). ``dtype`` defaults to float32 (master weights for
     training; use autocast or ``dtype=torch.bfloat16`` for inference). ``model_class`` is built
     as ``model_class(config)`` (``GPT.from_pretrained`` passes its class; default
     :class:`gpt2.GPT`). The model is returned in eval mode.
@@ -243,6 +295,10 @@ def from_pretrained(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
+    if not (directory / "config.json").is_file():  # a checkpoint: its own config, padding and all
+        model = _from_checkpoint(directory, model_class).to(device=device, dtype=dtype)
+        logger.info("loaded %s (%s parameters)", name_or_path, f"{model.num_params():,}")
+        return model.eval()
     hf_config = _read_json(directory / "config.json")
     try:
         config = config_from_hf(hf_config, pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
@@ -280,9 +336,12 @@ def save_pretrained(
     ``config.json`` plus ``model.safetensors`` (vocabulary padding stripped, the tied LM head stored
     once as ``transformer.wte.weight``, as transformers does). ``safe_serialization=False`` writes
     ``pytorch_model.bin`` instead, for old tools that cannot read safetensors; it holds only
-    tensors (``torch.load(..., weights_only=True)`` reads it). ``tokenizer_dir``, a directory with
-    GPT-2's ``encoder.json`` and ``vocab.bpe``, adds the tokenizer files (``vocab.json``,
-    ``merges.txt``) so ``AutoTokenizer.from_pretrained(directory)`` works too.
+    tensors (``torch.load(..., weights_only=True)`` reads it). GPT-2's tokenizer files
+    (``vocab.json``, ``merges.txt``, ``tokenizer_config.json``, ``special_tokens_map.json``) come
+    along, so ``AutoTokenizer``, ``pipeline("text-generation")`` and llama.cpp's converter work on
+    the folder: copied from the BPE files :func:`gpt2.model.tokenizer.get_tokenizer` reads, or from
+    ``tokenizer_dir`` (``encoder.json``/``vocab.bpe`` or ``vocab.json``/``merges.txt``) if given;
+    without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
     """
     from safetensors.torch import save
 
@@ -292,6 +351,10 @@ def save_pretrained(
             f"save_pretrained expects a gpt2.GPT (optionally compiled/DDP-wrapped), got {type(inner).__name__}"
         )
     config = inner.config
+    # Found before anything is written: an export without its tokenizer would load but decode
+    # nothing (transformers then builds a 1-token vocabulary). A model with another vocabulary
+    # size (a test toy) has no use for GPT-2's, unless asked for with tokenizer_dir.
+    bpe = bpe_files(tokenizer_dir) if tokenizer_dir or config.vocab_size == N_VOCAB else None
     hf_sd = gpt_to_hf_state_dict(inner.state_dict(), config)
     # transformers re-ties lm_head to the embedding on load; safetensors refuses shared tensors.
     del hf_sd["lm_head.weight"]
@@ -316,32 +379,24 @@ def save_pretrained(
         replace_atomically(out / _BIN, lambda f: torch.save(hf_sd, f))
     config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
     replace_atomically(out / "config.json", lambda f: f.write(config_text.encode("utf-8")))
-    if tokenizer_dir is not None:
-        _write_tokenizer(Path(tokenizer_dir), out, config)
+    if bpe is not None:
+        _write_tokenizer(*bpe, out, config)
+    else:
+        logger.warning(
+            "no tokenizer files written: the model has %d token ids, GPT-2's tokenizer %d", config.vocab_size, N_VOCAB
+        )
     logger.info("saved %s to %s", type(inner).__name__, out)
     return out
 
 
-def _write_tokenizer(src: Path, out: Path, config: GPTConfig) -> None:
-    """GPT-2's BPE files under transformers' names: encoder.json is vocab.json and vocab.bpe is
-    merges.txt, byte for byte (OpenAI's release and the hub's gpt2 repo ship the same files)."""
-    files = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
-    missing = [name for name in files if not (src / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"tokenizer_dir {str(src)!r} lacks {missing}: it must hold GPT-2's encoder.json and vocab.bpe"
-        )
-    for name, target in files.items():
-        shutil.copyfile(src / name, out / target)
-    eot = "<|endoftext|>"
-    tok_config = {
-        "tokenizer_class": "GPT2Tokenizer",
-        "model_max_length": config.block_size,
-        "bos_token": eot,
-        "eos_token": eot,
-        "unk_token": eot,
-        "add_prefix_space": False,
-    }
-    with open(out / "tokenizer_config.json", "w") as f:
-        json.dump(tok_config, f, indent=2)
-        f.write("\n")
+def _write_tokenizer(vocab_bpe: Path, encoder_json: Path, out: Path, config: GPTConfig) -> None:
+    """GPT-2's BPE files under transformers' names (encoder.json is vocab.json and vocab.bpe is
+    merges.txt, byte for byte: OpenAI's release and the hub's gpt2 repo ship the same files), and
+    the tokenizer settings of the hub's gpt2: ``<|endoftext|>`` as BOS, EOS and UNK, no padding."""
+    for src, name in ((encoder_json, "vocab.json"), (vocab_bpe, "merges.txt")):
+        replace_atomically(out / name, lambda f, src=src: f.write(src.read_bytes()))
+    special = {name: ENDOFTEXT for name in ("bos_token", "eos_token", "unk_token")}
+    tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size, "add_prefix_space": False}
+    for name, content in (("tokenizer_config.json", {**tok_config, **special}), ("special_tokens_map.json", special)):
+        text = json.dumps(content, indent=2) + "\n"
+        replace_atomically(out / name, lambda f, text=text: f.write(text.encode("utf-8")))

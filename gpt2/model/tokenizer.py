@@ -117,8 +117,8 @@ def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
     if vocab_bpe is None or encoder_json is None:
         found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else "no such directory"
         raise TokenizerNotAvailableError(
-            f"GPT2_TOKENIZER_DIR={str(directory)!r} must contain GPT-2's vocab.bpe and "
-            "encoder.json (or the Hugging Face names merges.txt and vocab.json); found "
+            f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must "
+            "contain GPT-2's vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found "
             f"{found}"
         )
     return vocab_bpe, encoder_json
@@ -320,11 +320,18 @@ def _cached_bpe_files() -> tuple[Path, Path]:
     return directory / "vocab.bpe", directory / "encoder.json"
 
 
+def bpe_files(tokenizer_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """The ``(vocab.bpe, encoder.json)`` pair :func:`get_tokenizer` reads: from ``tokenizer_dir``
+    or ``GPT2_TOKENIZER_DIR`` if set, else the cache folder (downloaded there on first use).
+    Exports copy them, so the tokenizer has one source."""
+    tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR") or None
+    return _find_bpe_files(Path(tokenizer_dir)) if tokenizer_dir else _cached_bpe_files()
+
+
 @functools.cache
 def _load_tokenizer(tokenizer_dir: str | None, cache_dir: Path) -> Tokenizer:
-    if tokenizer_dir:
-        return Tokenizer.from_files(*_find_bpe_files(Path(tokenizer_dir)))
-    return Tokenizer.from_files(*_cached_bpe_files())
+    del tokenizer_dir, cache_dir  # the cache key: bpe_files() reads the same two settings
+    return Tokenizer.from_files(*bpe_files())
 
 
 def get_tokenizer() -> Tokenizer:

@@ -1,0 +1,156 @@
+"""A GPT -> one self-contained GGUF file (weights + GPT-2 tokenizer) that llama.cpp runs.
+
+Written with ``gguf``, the writer llama.cpp maintains (``pip install gguf``), under the names and
+metadata keys its own converter (``convert_hf_to_gguf.py``, class ``GPT2Model``) uses for
+``transformers`` GPT-2 checkpoints, so llama.cpp treats the file as it treats a converted
+``gpt2``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils import parametrize
+
+from gpt2.model.checkpoint_files import unwrap_model
+from gpt2.model.config import GPTConfig
+from gpt2.model.hf import _atomic_write
+from gpt2.model.tokenizer import EOT_TOKEN, N_VOCAB, bpe_files
+
+logger = logging.getLogger(__name__)
+
+GGUF_TYPES = ("f32", "f16", "q8_0")
+
+# Our module name -> llama.cpp's tensor (gguf.MODEL_TENSOR member); block tensors take the layer.
+_GLOBAL = {"transformer.wte": "TOKEN_EMBD", "transformer.wpe": "POS_EMBD", "transformer.ln_f": "OUTPUT_NORM"}
+_BLOCK = {
+    "ln_1": "ATTN_NORM",
+    "attn.c_attn": "ATTN_QKV",
+    "attn.c_proj": "ATTN_OUT",
+    "ln_2": "FFN_NORM",
+    "mlp.c_fc": "FFN_UP",
+    "mlp.c_proj": "FFN_DOWN",
+}
+
+
+def _import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("GGUF export needs the gguf package: pip install gguf (or the gpt2 'gguf' extra)") from e
+    return gguf
+
+
+def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """GGUF tensor name -> float32 tensor, vocabulary padding cut off.
+
+    No transposes: llama.cpp keeps matrices as (out, in), as ``nn.Linear`` does (its converter
+    transposes only because transformers' GPT-2 stores ``Conv1D`` weights as (in, out)). A model
+    built with ``bias=False`` gets zero biases, which llama.cpp's GPT-2 graph requires.
+    """
+    gguf = _import_gguf()
+    sd = unwrap_model(model).state_dict()
+    out: dict[str, torch.Tensor] = {}
+
+    def put(prefix: str, kind: str, block: int | None = None) -> None:
+        name, weight = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=block), sd[f"{prefix}.weight"]
+        out[f"{name}.weight"] = weight
+        if not prefix.endswith(("wte", "wpe")):
+            out[f"{name}.bias"] = sd.get(f"{prefix}.bias", torch.zeros(weight.shape[0]))
+
+    for prefix, kind in _GLOBAL.items():
+        put(prefix, kind)
+    for i in range(config.n_layer):
+        for module, kind in _BLOCK.items():
+            put(f"transformer.h.{i}.{module}", kind, i)
+    # The LM head is tied to the embedding: with no output.weight llama.cpp reuses token_embd.
+    out["token_embd.weight"] = out["token_embd.weight"][: config.vocab_size]
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in out.items()}
+
+
+def _vocabulary() -> tuple[list[str], list[str]]:
+    """GPT-2's tokens (id order, in its byte-to-printable-character form) and BPE merges, from the
+    same files :func:`gpt2.model.tokenizer.get_tokenizer` reads."""
+    vocab_bpe, encoder_json = bpe_files()
+    encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
+    tokens = sorted(encoder, key=encoder.__getitem__)
+    if len(tokens) != N_VOCAB or encoder[tokens[-1]] != EOT_TOKEN:
+        raise ValueError(f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {N_VOCAB}")
+    # vocab.bpe: a "#version" header, then one "left right" merge per line in priority order.
+    merges = [line for line in vocab_bpe.read_text(encoding="utf-8").splitlines()[1:] if line]
+    return tokens, merges
+
+
+def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
+    """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file; returns its path.
+
+    ``dtype``: ``f32``, ``f16`` or ``q8_0`` for the matrices; norms and biases stay float32 as in
+    llama.cpp's converter, and a matrix whose rows do not split into 32-value q8_0 blocks falls
+    back to f16. The file embeds the GPT-2 tokenizer (tokens, merges, ``<|endoftext|>`` as BOS,
+    EOS and UNK), so ``llama-cli -m FILE`` needs nothing else.
+    """
+    gguf = _import_gguf()
+    model = unwrap_model(model)
+    config = getattr(model, "config", None)
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
+    if any(parametrize.is_parametrized(m) for m in model.modules()):
+        raise ValueError("the model still carries a LoRA/DoRA adapter: merge it first (minlora.merge_lora(model))")
+    if dtype not in GGUF_TYPES:
+        raise ValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
+    if config.vocab_size != N_VOCAB:
+        raise ValueError(
+            f"the model has a {config.vocab_size}-token vocabulary; the GGUF file embeds GPT-2's "
+            f"tokenizer, which has {N_VOCAB} tokens"
+        )
+    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16}.get(
+        dtype, gguf.GGMLQuantizationType.Q8_0
+    )
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
+        dtype, gguf.LlamaFileType.MOSTLY_Q8_0
+    )
+    tokens, merges = _vocabulary()
+    path = Path(path)
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(tmp, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT2])
+        writer.add_context_length(config.block_size)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_feed_forward_length(4 * config.n_embd)
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+        writer.add_file_type(file_type)
+        writer.add_tokenizer_model("gpt2")  # byte-level BPE
+        writer.add_tokenizer_pre("gpt-2")  # GPT-2's pre-tokenisation regex
+        writer.add_token_list(tokens)
+        # <|endoftext|> is a control token; the other 50256 are ordinary text.
+        writer.add_token_types([gguf.TokenType.NORMAL] * EOT_TOKEN + [gguf.TokenType.CONTROL])
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(EOT_TOKEN)
+        writer.add_eos_token_id(EOT_TOKEN)
+        writer.add_unk_token_id(EOT_TOKEN)
+        writer.add_add_bos_token(False)  # GPT-2 prepends nothing, as gpt2 sample does
+        for name, tensor in _gguf_tensors(model, config).items():
+            data = tensor.numpy()
+            kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+            try:
+                data = gguf.quants.quantize(data, kind)
+            except gguf.QuantError:  # a row length not divisible by q8_0's 32-value block
+                kind = gguf.GGMLQuantizationType.F16
+                data = gguf.quants.quantize(data, kind)
+            writer.add_tensor(name, data, raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, write)
+    logger.info("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
+    return path

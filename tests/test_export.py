@@ -1,0 +1,124 @@
+"""``gpt2 export --out`` folders that work everywhere with no extra flags: transformers'
+``pipeline`` and ``AutoTokenizer`` (the tokenizer comes along), PEFT (the adapter names its base),
+and LoRA / DoRA adapters merged in."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+import minlora
+from gpt2.cli import main
+from gpt2.model.config import GPTConfig
+from gpt2.model.gpt import GPT
+from gpt2.model.tokenizer import get_tokenizer
+
+TINY = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32, pad_vocab_multiple=64)
+
+
+def _cli(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A tiny random GPT-2 saved as a transformers folder."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape))  # clear winners for greedy decoding
+    return model.eval(), model.save_pretrained(tmp_path / "base")
+
+
+@pytest.fixture
+def tokenizer_from_cache_only(shared_data, tmp_path, monkeypatch):
+    """No GPT2_TOKENIZER_DIR: the BPE files come from the tokenizer's cache folder, as for a user."""
+    cache = tmp_path / "cache"
+    shutil.copytree(shared_data / "gpt2-tokenizer", cache / "gpt2-tokenizer")
+    monkeypatch.delenv("GPT2_TOKENIZER_DIR", raising=False)
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(cache))
+
+
+def _adapter(model: GPT, path, *, use_dora: bool) -> GPT:
+    minlora.add_lora(model, minlora.LoRAConfig(rank=4, use_dora=use_dora))
+    with torch.no_grad():  # B = 0 at init: make the adapter change the outputs
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    minlora.save_adapter(model, path)
+    return model
+
+
+def test_export_works_in_a_transformers_pipeline(base, tmp_path, tokenizer_from_cache_only):
+    model, base_dir = base
+    out = tmp_path / "export"
+    assert _cli("export", "--model", base_dir, "--out", out) == 0  # no --tokenizer-dir, no env var
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (out / name).is_file(), name
+
+    ours = get_tokenizer()
+    text = "Hello world, said the tokenizer.<|endoftext|> Again!"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.encode(text) == ours.encode(text)
+    assert (len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id) == (50257, 50256, 50256)
+
+    prompt = "ROMEO: What light"
+    pipe = transformers.pipeline("text-generation", model=str(out), device="cpu")
+    generated = pipe(prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    greedy = model.generate(torch.tensor([ours.encode(prompt)]), 8, temperature=0.0)[0]
+    assert generated == ours.decode(greedy)  # the prompt and 8 new tokens, not the prompt alone
+    assert len(tokenizer.encode(generated)) > len(tokenizer.encode(prompt))
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_export_merges_the_adapter_and_names_the_base_for_peft(base, tmp_path, capsys, use_dora):
+    peft = pytest.importorskip("peft")
+    model, base_dir = base
+    tuned = _adapter(GPT.from_pretrained(base_dir), tmp_path / "adapter", use_dora=use_dora)
+    x = torch.randint(0, 50257, (2, 12))
+    with torch.no_grad():
+        want = tuned(x)[0]
+        assert not torch.allclose(want, model(x)[0], atol=1e-3)  # the adapter does something
+
+    merged, peft_dir = tmp_path / "merged", tmp_path / "peft"
+    argv = ["export", "--model", base_dir, "--adapter", tmp_path / "adapter", "--out", merged, "--peft-out", peft_dir]
+    assert _cli(*argv) == 0
+    capsys.readouterr()
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    assert config["use_dora"] is use_dora
+
+    with torch.no_grad():
+        hf_merged = transformers.GPT2LMHeadModel.from_pretrained(merged).eval()(x).logits
+        # AutoPeftModel finds the base through base_model_name_or_path alone.
+        hf_peft = peft.AutoPeftModelForCausalLM.from_pretrained(peft_dir).eval()(x).logits
+    torch.testing.assert_close(hf_merged, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hf_peft, want, rtol=1e-4, atol=1e-4)
+
+
+def test_peft_base_is_the_hub_id_when_the_model_is_one(base, tmp_path, monkeypatch):
+    """A hub id is written as given (PEFT then downloads the same base); the hub is faked here."""
+    import gpt2.model.hf as hf
+
+    _, base_dir = base
+    monkeypatch.setattr(hf, "_download", lambda repo_id, cache_dir, revision: base_dir)
+    _adapter(GPT.from_pretrained(base_dir), tmp_path / "adapter", use_dora=False)
+    assert _cli("export", "--model", "gpt2", "--adapter", tmp_path / "adapter", "--peft-out", tmp_path / "p") == 0
+    assert json.loads((tmp_path / "p" / "adapter_config.json").read_text())["base_model_name_or_path"] == "gpt2"
+
+
+def test_dora_is_one_flag_and_sample_runs_with_a_dora_adapter(base, tmp_path, capsys):
+    assert _cli("finetune", "--help") == 0
+    assert "--lora.use-dora" in capsys.readouterr().out
+    _, base_dir = base
+    _adapter(GPT.from_pretrained(base_dir), tmp_path / "dora", use_dora=True)
+    args = ["--model", base_dir, "--prompt", "Hello", "--max-new-tokens", "5", "--temperature", "0"]
+    assert _cli("sample", *args, "--adapter", tmp_path / "dora", "--device", "cpu") == 0
+    with_dora = capsys.readouterr().out
+    assert _cli("sample", *args, "--device", "cpu") == 0
+    assert with_dora != capsys.readouterr().out  # the adapter was applied
