@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -36,19 +36,23 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "gpt2"
 
 
-def replace_atomically(dest: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+def replace_atomically(dest: str | os.PathLike, write: Callable[[Any], object], *, to_path: bool = False) -> None:
     """``write(f)`` into a temporary file beside ``dest``, fsync it, then rename it over ``dest``.
 
     Readers (and a crash) see the old file or the complete new one, never a partial file; the
     fsync before the rename means a power loss cannot leave a renamed but empty file either. The
     file is created by ``open`` so it gets the user's umask (``mkstemp`` would make it 0600).
+    ``to_path=True``: ``write(tmp_path)`` for writers that open the file themselves (gguf's).
     """
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
+        if to_path:
+            write(tmp)
+        with open(tmp, "r+b" if to_path else "wb") as f:
+            if not to_path:
+                write(f)
+                f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dest)
     finally:

@@ -172,7 +172,10 @@ def test_help_comes_from_the_dataclasses(capsys):
     assert "target-types" not in out  # LoRAConfig.target_types holds classes: no flag, not shown
     _, out, _ = run(capsys, "export", "--help")
     text = " ".join(out.replace("│", " ").split())
-    assert "None = $GPT2_TOKENIZER_DIR (default: None)" in text and "(default: $GPT2" not in text  # one default
+    assert (
+        "None = $GPT2_TOKENIZER_DIR, else the tokenizer's cache (default: None)" in text
+        and "(default: $GPT2" not in text
+    )  # one default
 
 
 def test_help_shows_an_example_scripts_defaults(capsys):

@@ -29,8 +29,8 @@ class ExportOptions(Options):
     peft_out: str | None = None
     """write the adapter in PEFT format here (peft.PeftModel loads it on transformers' GPT-2)"""
     tokenizer_dir: str | None = None
-    """where GPT-2's encoder.json + vocab.bpe come from; --out always gets the tokenizer files
-    (default: $GPT2_TOKENIZER_DIR, else the tokenizer's cache)"""
+    """where the tokenizer files --out always gets come from (GPT-2's encoder.json + vocab.bpe); None =
+    $GPT2_TOKENIZER_DIR, else the tokenizer's cache"""
     gguf: str | None = None
     """write one self-contained GGUF file here for llama.cpp (adapter merged, tokenizer embedded)"""
     gguf_type: Literal["f32", "f16", "q8_0"] = "f16"

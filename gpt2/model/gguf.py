@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
+from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPTConfig
-from gpt2.model.hf import _atomic_write
 from gpt2.model.tokenizer import EOT_TOKEN, N_VOCAB, bpe_files
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,6 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         writer.close()
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, write)
+    replace_atomically(path, write, to_path=True)
     logger.info("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
     return path
