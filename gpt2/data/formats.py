@@ -1,21 +1,11 @@
 """Token files on disk: ``.npy`` arrays and llm.c's headered ``.bin`` shards, read and checked.
 
-Two layouts are written (:func:`write_tokens`) and read (:func:`load_tokens`):
-
-* ``.npy``: a 1-D integer array (build-nanogpt's FineWeb-edu shards are ``uint16`` ones).
-* ``.bin``: llm.c's shard layout (``dev/data/data_common.py: write_datafile``): a header of 256
-  little-endian int32, ``[0]`` the magic, ``[1]`` the version, ``[2]`` the token count, then
-  the tokens. Magic 20240520 / version 1 is GPT-2's ``uint16`` layout (what llm.c's C loader
-  reads); magic 20240801 / version 7 is its ``uint32`` layout for larger vocabularies (Llama 3).
-
-A ``.bin`` without a header is nanoGPT's ``prepare.py`` layout (raw ``uint16``). It says
-nothing about its dtype, so it is only accepted when it fits: an even byte size, and not the
-pattern int32 ids leave when read as ``uint16`` (every other value zero). The ids
-themselves are checked against a vocabulary by :func:`check_token_ids` where they enter a
-model (the :class:`~gpt2.data.TokenLoader`).
-
-A folder written by ``prepare`` also holds a manifest per prefix, ``{prefix}.shards.json``,
-listing every shard's name, token count, size and sha256 (:func:`read_manifests`).
+``.bin`` is llm.c's shard layout (``dev/data/data_common.py: write_datafile``): 256 little-endian
+int32 (magic, version, token count, zeros), then the tokens; magic 20240520 / version 1 holds
+GPT-2's ``uint16`` ids, 20240801 / version 7 ``uint32`` ones. A ``.bin`` without a header is
+nanoGPT's raw ``uint16`` layout: it says nothing about its dtype, so it is only accepted when it
+fits (an even size, and not the every-other-value-zero pattern of int32 ids). A folder written by
+``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`).
 """
 
 from __future__ import annotations
@@ -170,11 +160,8 @@ def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int
 
 
 def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
-    """Write a 1-D sequence of token ids atomically; the suffix picks the layout.
-
-    ``.npy``: a ``uint16`` array. ``.bin``: llm.c's layout, ``uint16`` (magic 20240520, version
-    1, which llm.c's GPT-2 trainer reads) when every id fits, else ``uint32`` (20240801, 7).
-    """
+    """Write 1-D token ids atomically: ``.npy`` a ``uint16`` array, ``.bin`` llm.c's layout
+    (``uint16``, which llm.c's GPT-2 trainer reads, when every id fits, else ``uint32``)."""
     path = Path(path)
     array = np.asarray(tokens)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
@@ -213,20 +200,31 @@ def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
 
 
 def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int | None = None) -> np.ndarray:
-    """Read a 1-D token file: ``.npy``, llm.c's headered ``.bin`` (uint16 or uint32), or a
-    headerless ``uint16`` ``.bin`` (nanoGPT's ``train.bin`` / ``val.bin``).
+    """Read a 1-D token file (``.npy``, llm.c's ``.bin``, or nanoGPT's headerless ``uint16`` ``.bin``).
 
-    With ``mmap=True`` (the default) the file is memory-mapped, so opening a 100M-token shard
-    costs nothing until its pages are read; pass ``mmap=False`` to read it into memory. With
-    ``vocab_size`` every id is checked to be below it (one pass over the file). Files that are
-    empty, damaged or ambiguous raise ``ValueError`` naming the file.
+    ``mmap=True`` memory-maps it, so opening a 100M-token shard costs nothing until its pages are
+    read. With ``vocab_size`` every id is checked to be below it. Files that are empty, damaged
+    or ambiguous raise ``ValueError`` naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token file {str(path)!r} does not exist (or is not a file)")
     suffix = path.suffix.lower()
     if suffix == ".npy":
-        tokens = _load_npy(path, mmap)
+        try:
+            tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            # Not a .npy file, a truncated one, or an object array (which needs pickle).
+            raise ValueError(
+                f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
+                f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
+            ) from e
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype "
+                f"{tokens.dtype}; expected a 1-D array of integer token ids (e.g. "
+                "np.save(path, ids.astype(np.uint16).reshape(-1)))"
+            )
     elif suffix == ".bin":
         tokens = _load_bin(path, mmap)
     else:
@@ -237,24 +235,6 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
         )
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, f"token file {str(path)!r}")
-    return tokens
-
-
-def _load_npy(path: Path, mmap: bool) -> np.ndarray:
-    try:
-        tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        # Not a .npy file, a truncated one, or an object array (which needs pickle).
-        raise ValueError(
-            f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
-            f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
-        ) from e
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(
-            f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype "
-            f"{tokens.dtype}; expected a 1-D array of integer token ids (e.g. "
-            "np.save(path, ids.astype(np.uint16).reshape(-1)))"
-        )
     return tokens
 
 
