@@ -1,10 +1,5 @@
-"""The batch loader: ``(x, y)`` batches from token arrays, files or shard directories.
-
-:class:`TokenLoader` reads shards (or an in-memory array) the way build-nanogpt's
-``DataLoaderLite`` does, with a position that can be saved and restored. Given the model's
-``vocab_size`` it checks every shard's ids once, on the CPU, when it opens the shard, so a bad
-id is reported with its file before it can reach an embedding lookup on the GPU.
-"""
+"""The batch loader: ``(x, y)`` batches from token arrays, files or shard directories, read the
+way build-nanogpt's ``DataLoaderLite`` does, with a position that can be saved and restored."""
 
 from __future__ import annotations
 
@@ -62,11 +57,6 @@ def _warn_unverified(directory: str) -> None:
     )
 
 
-# ------------------------------------------------------------------------------------------
-# The batch loader
-# ------------------------------------------------------------------------------------------
-
-
 class _Shard:
     """One token sequence: an in-memory array, or a file opened lazily (memory-mapped), checked
     against its manifest entry when its folder has one."""
@@ -105,21 +95,15 @@ class _Shard:
 class TokenLoader:
     """Batches ``(x, y)`` of shape ``(B, T)`` from a token stream, split across DDP ranks.
 
-    ``source`` is a 1-D tensor or array of token ids, a token file (``.npy`` as written by
-    :func:`write_shards`, or a ``.bin``), or a directory of shards (only the file
-    names containing ``split`` when it is given, sorted by name).
+    ``source``: a 1-D tensor or array of token ids, a token file (``.npy``/``.bin``), or a
+    directory of shards (those whose names contain ``split`` when given, sorted by name).
 
-    The reading order is build-nanogpt's ``DataLoaderLite``: one step of all ranks reads the
-    ``B*T*world_size + 1`` tokens starting at ``position`` of the current shard, rank ``r`` the
-    ``B*T + 1`` of them starting at ``position + r*B*T``; ``position`` then advances by
-    ``B*T*world_size``, and when the next step would run past the shard's end the loader moves
-    to the next shard (wrapping around to the first) at position 0. So one rank with batch
-    ``2B`` reads exactly the rows two ranks with batch ``B`` read, and ``position`` is the same
-    on every rank: :meth:`state_dict` is rank-independent.
-
-    Shards are memory-mapped and only the slice a batch needs is converted to ``int64``.
-    With ``vocab_size`` (the Trainer passes its model's) every shard's ids are checked to be in
-    ``[0, vocab_size)`` when it is opened; a bad id raises ``ValueError`` naming the file.
+    One step of all ranks reads the ``B*T*world_size + 1`` tokens from ``position`` of the
+    current shard, rank ``r`` the ``B*T + 1`` from ``position + r*B*T``; when the next step would
+    run past the shard's end the loader moves to the next shard (wrapping around) at position 0.
+    So one rank with batch ``2B`` reads the rows two ranks with batch ``B`` read, and
+    :meth:`state_dict` is rank-independent. With ``vocab_size`` each shard's ids are checked on
+    the CPU when it is opened, so a bad id is named with its file before it reaches the GPU.
     """
 
     def __init__(
@@ -175,8 +159,6 @@ class TokenLoader:
             self._tokens = None  # reopen (and check) the current shard
             self._current()
 
-    # -- source resolution -------------------------------------------------------------------
-
     @staticmethod
     def _resolve(source: TokenSource, split: str | None) -> tuple[str, list[_Shard]]:
         if isinstance(source, (torch.Tensor, np.ndarray)):
@@ -217,8 +199,6 @@ class TokenLoader:
             return str(path), [_Shard(f"token file {str(path)!r}", path=path)]
         raise FileNotFoundError(f"token source {str(path)!r} does not exist")
 
-    # -- properties --------------------------------------------------------------------------
-
     @property
     def tokens_per_step(self) -> int:
         """Tokens one step of all ranks consumes: ``batch_size * seq_len * world_size``."""
@@ -247,8 +227,6 @@ class TokenLoader:
     def position(self) -> int:
         """Offset in the current shard of the next step's first token (the same on every rank)."""
         return self._position
-
-    # -- reading -----------------------------------------------------------------------------
 
     def _current(self) -> np.ndarray:
         if self._tokens is None:
@@ -286,21 +264,12 @@ class TokenLoader:
         self._set_shard(0)
         self._position = 0
 
-    # -- saving and restoring the position ---------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """The position as JSON-serialisable ints: ``{"shard", "position", "num_shards"}``."""
-        return {
-            "shard": self._shard_index,
-            "position": self._position,
-            "num_shards": len(self._shards),
-        }
+        return {"shard": self._shard_index, "position": self._position, "num_shards": len(self._shards)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly where :meth:`state_dict` was taken (also after a JSON round trip).
-
-        ``num_shards`` is optional; when present it must match this loader's source.
-        """
+        """Resume exactly where :meth:`state_dict` was taken (``num_shards`` optional)."""
         if not isinstance(state, dict) or "shard" not in state or "position" not in state:
             raise ValueError(
                 f"loader state must be a dict with 'shard' and 'position' (from state_dict()), got {state!r}"
@@ -331,8 +300,7 @@ class TokenLoader:
     def __repr__(self) -> str:
         split = f", split={self.split!r}" if self.split is not None else ""
         return (
-            f"{type(self).__name__}(source={self._source_desc!r}{split}, "
-            f"shards={len(self._shards)}, "
+            f"{type(self).__name__}(source={self._source_desc!r}{split}, shards={len(self._shards)}, "
             f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
             f"rank={self.rank}, world_size={self.world_size}, shard={self._shard_index}, "
             f"position={self._position})"
@@ -349,15 +317,9 @@ def make_loader(
     world_size: int = 1,
     vocab_size: int | None = None,
 ) -> Any:
-    """The loader the Trainer reads ``split`` (``"train"`` / ``"val"``) from.
-
-    ``data`` is a 1-D token tensor or array, a token file, a directory of shards (then the files
-    whose names contain ``split`` are read), or a ready :class:`TokenLoader`. A loader must have
-    been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size`` (checked,
-    naming what differs; it is not rebuilt, since its source is not known).
-    """
-    # The loader checks token ids against the model's vocabulary on the CPU (the model no
-    # longer does, as that forced a GPU sync on every forward).
+    """The loader the Trainer reads ``split`` (``"train"`` / ``"val"``) from: ``data`` as a
+    :class:`TokenLoader` (a directory gives its ``split`` shards), or a ready loader, which must
+    have been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size``."""
     if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
         expected = {"batch_size": batch_size, "seq_len": seq_len, "rank": rank, "world_size": world_size}
         wrong = [
@@ -374,13 +336,11 @@ def make_loader(
         if vocab_size is not None and isinstance(data, TokenLoader) and data.vocab_size is None:
             data.vocab_size = vocab_size
         return data
-    if isinstance(data, (str, os.PathLike)):
-        split_arg = split if Path(data).is_dir() else None
+    if isinstance(data, (str, os.PathLike, torch.Tensor, np.ndarray)):
+        split_arg = split if isinstance(data, (str, os.PathLike)) and Path(data).is_dir() else None
         return TokenLoader(
             data, batch_size, seq_len, rank=rank, world_size=world_size, split=split_arg, vocab_size=vocab_size
         )
-    if isinstance(data, (torch.Tensor, np.ndarray)):
-        return TokenLoader(data, batch_size, seq_len, rank=rank, world_size=world_size, vocab_size=vocab_size)
     raise TypeError(
         f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
         f"gpt2.data.TokenLoader; got {type(data).__name__}"
