@@ -13,21 +13,16 @@ template (:data:`TEMPLATE`)::
     ### Response:
     {response}<|endoftext|>
 
-The prompt (everything up to and including ``### Response:\\n``) and the response are
-tokenised separately and concatenated, so the boundary is exact and ``gpt2 sample
---instruction`` feeds the model the very same prompt tokens. The loss is on the response
-tokens (and the closing ``<|endoftext|>``, so the model learns to stop) only: the targets of
-prompt and padding positions are :data:`gpt2.model.IGNORE_INDEX` (-1, nanoGPT's convention;
-``GPT.forward`` passes it to ``F.cross_entropy`` as ``ignore_index``).
+The prompt (up to ``### Response:\\n``) and the response are tokenised separately, so the
+boundary is exact and ``gpt2 sample --instruction`` feeds the model the very same prompt tokens.
+The loss is on the response tokens and the closing ``<|endoftext|>`` (so the model learns to
+stop) only: prompt and padding targets are :data:`gpt2.model.IGNORE_INDEX`.
 
-Sequences: by default each row is one sequence, padded to ``seq_len`` (the model sees a row
-exactly as it sees a prompt at inference). With ``pack=True`` rows are packed greedily, in order,
-into ``seq_len + 1``-token windows without ever splitting a row; the rest of a window is padding.
-Packed rows are isolated: the loader's batches carry each token's position *within its row* and a
-block-diagonal causal attention mask (:func:`packed_inputs`), the forward keyword arguments
-``position_ids`` and ``attn_mask``, so every row is computed exactly as it would be alone.
-Every sequence holds at least one response token; the Trainer's loss is the mean over the
-scored targets of the whole global batch (a batch without any is skipped).
+Each row is one sequence padded to ``seq_len``, or with ``pack=True`` rows are packed greedily,
+in order, into ``seq_len + 1``-token windows without splitting a row. Packed rows are isolated:
+batches carry each token's position within its row and a block-diagonal causal mask
+(:func:`packed_inputs`), so every row is computed exactly as it would be alone. The Trainer's
+loss is the mean over the global batch's scored targets (a batch without any is skipped).
 """
 
 from __future__ import annotations
@@ -41,7 +36,9 @@ import numpy as np
 import torch
 
 from gpt2.data import iter_jsonl
+from gpt2.model.config import POSITIVE_INT, check_value
 from gpt2.model.gpt import IGNORE_INDEX
+from gpt2.model.tokenizer import get_tokenizer
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 INPUT_BLOCK = "### Input:\n{input}\n\n"
@@ -130,8 +127,6 @@ def build_sequences(
     after the rows counts as one more row). A row longer than ``seq_len + 1`` tokens raises a
     ValueError naming it."""
     if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     windows: list[tuple[list[int], list[bool], list[int]]] = []
@@ -174,19 +169,14 @@ def packed_inputs(positions: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class InstructionLoader:
-    """Batches ``(x, y)`` of instruction sequences (packed: ``(x, y, packed_inputs(...))``, forward
-    keyword arguments that isolate the rows; the Trainer passes them on), with the interface of
-    :class:`gpt2.data.TokenLoader` that the Trainer and :func:`gpt2.eval.evaluate_loss` use
-    (``next_batch``, ``reset``, ``state_dict`` / ``load_state_dict``, ``batch_size``,
-    ``seq_len``, ``rank``, ``world_size``, ``tokens_per_step``).
+    """Batches ``(x, y)`` of instruction sequences (packed: ``(x, y, packed_inputs(...))``), with
+    the interface of :class:`gpt2.data.TokenLoader` that the Trainer and evaluation use.
 
-    One step of all ranks takes ``batch_size * world_size`` sequences from the current epoch's
-    order, rank ``r`` the ``r``-th ``batch_size`` of them. With ``shuffle`` (training) every
-    epoch has its own permutation from ``(seed, epoch)`` and a last step that would run past the
-    end is dropped (those sequences come first in some later epoch's order, by chance). Without
-    (validation) the order is fixed and the last step is filled up with all-ignored padding
-    sequences, so one pass scores every row once. The state is ``{epoch, position}``: resuming
-    continues the same order exactly.
+    One step of all ranks takes ``batch_size * world_size`` sequences of the epoch's order, rank
+    ``r`` the ``r``-th ``batch_size``. With ``shuffle`` (training) each epoch has its permutation
+    from ``(seed, epoch)`` and a last partial step is dropped; without (validation) the order is
+    fixed and the last step is padded with all-ignored sequences, so a pass scores every row
+    once. The state is ``{epoch, position}``: resuming continues the same order exactly.
     """
 
     def __init__(
@@ -203,15 +193,12 @@ class InstructionLoader:
         tokenizer: Any = None,
     ) -> None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_value("InstructionLoader", name, value, POSITIVE_INT)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.pack, self.shuffle, self.seed = pack, shuffle, seed
         if tokenizer is None:
-            from gpt2.model.tokenizer import get_tokenizer
-
             tokenizer = get_tokenizer()
         self.pad_id = tokenizer.eot_token
         rows = read_rows(source) if isinstance(source, (str, Path)) else list(source)
@@ -226,7 +213,7 @@ class InstructionLoader:
                 f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
                 f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
             )
-        self.steps_per_epoch = self.num_sequences // per_step if shuffle else math.ceil(self.num_sequences / per_step)
+        self.steps_per_epoch = self._steps_per_epoch()
         self._epoch = 0
         self._position = 0
         self._order = self._order_of(0)
@@ -236,12 +223,13 @@ class InstructionLoader:
         alone (``evaluate_loss``) after a distributed run."""
         view = InstructionLoader.__new__(InstructionLoader)
         view.__dict__.update(self.__dict__, rank=0, world_size=1)
-        per_step = self.batch_size
-        view.steps_per_epoch = (
-            self.num_sequences // per_step if self.shuffle else math.ceil(self.num_sequences / per_step)
-        )
+        view.steps_per_epoch = view._steps_per_epoch()
         view.reset()
         return view
+
+    def _steps_per_epoch(self) -> int:
+        per_step = self.batch_size * self.world_size
+        return self.num_sequences // per_step if self.shuffle else math.ceil(self.num_sequences / per_step)
 
     @property
     def tokens_per_step(self) -> int:
