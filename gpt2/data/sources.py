@@ -72,12 +72,8 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np
 
 
 def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple[Any, Any]:
-    """``(train, val)`` sources for the Trainer from the ``--data`` / ``--val-data`` options.
-
-    A shard directory gives its ``train`` shards and, unless ``val_data`` is given, its ``val``
-    shards (when it has any). A text or token file is split by ``val_fraction`` unless
-    ``val_data`` is given.
-    """
+    """``(train, val)`` sources for the Trainer from ``--data`` / ``--val-data``: a shard directory
+    gives its ``val`` shards (if any) for validation, a file is split by ``val_fraction``."""
     source = load_token_source(data)
     if isinstance(source, Path):  # a directory of shards
         val: Any = None
