@@ -77,13 +77,10 @@ def parse_row(row: Any, where: str) -> tuple[str, str, str]:
         raise ValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
     values = []
     for key, required in keys:
-        if key not in row:
-            if required:
-                raise ValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
-            values.append("")
-            continue
-        value = row[key]
-        if value is None and not required:
+        if required and key not in row:
+            raise ValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
+        value = row.get(key)
+        if value is None and not required:  # an absent or null input is an empty one
             value = ""
         if not isinstance(value, str):
             raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__} ({value!r:.40})")
