@@ -25,9 +25,8 @@ def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
         path = Path(override).expanduser()
         if not path.is_file():
             raise FileNotFoundError(
-                f"GPT2_TINY_SHAKESPEARE={override!r} is not a file; point it at the Tiny "
-                "Shakespeare text (e.g. ../shared/data/tinyshakespeare.txt) or unset it to "
-                "download and cache the file"
+                f"GPT2_TINY_SHAKESPEARE={override!r} is not a file; point it at the Tiny Shakespeare text (e.g. "
+                "../shared/data/tinyshakespeare.txt) or unset it to download and cache the file"
             )
         return path
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

@@ -221,9 +221,8 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
             ) from e
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(
-                f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype "
-                f"{tokens.dtype}; expected a 1-D array of integer token ids (e.g. "
-                "np.save(path, ids.astype(np.uint16).reshape(-1)))"
+                f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype {tokens.dtype}; expected a "
+                "1-D array of integer token ids (e.g. np.save(path, ids.astype(np.uint16).reshape(-1)))"
             )
     elif suffix == ".bin":
         tokens = _load_bin(path, mmap)

@@ -131,9 +131,8 @@ def build_sequences(
         ids, mask = tokenize_row(instruction, input, response, tokenizer)
         if len(ids) > seq_len + 1:
             raise ValueError(
-                f"{where}: the row is {len(ids)} tokens with the template, longer than a sequence "
-                f"(--seq-len {seq_len} + 1 = {seq_len + 1}); raise --seq-len (up to the model's context) "
-                f"or shorten the row"
+                f"{where}: the row is {len(ids)} tokens with the template, longer than a sequence (--seq-len {seq_len} "
+                f"+ 1 = {seq_len + 1}); raise --seq-len (up to the model's context) or shorten the row"
             )
         if pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1:
             windows[-1][0].extend(ids)  # the row fits in the current window: never split a row

@@ -135,10 +135,9 @@ class TokenLoader:
         for shard in self._shards:
             if shard.length < needed:
                 raise ValueError(
-                    f"{shard.name} has {shard.length} tokens, but one step needs {needed} "
-                    f"(batch_size {self.batch_size} x seq_len {self.seq_len} x world_size "
-                    f"{self.world_size} + 1 for the shifted targets); use a smaller batch_size or "
-                    "seq_len, or more data per shard (or merge short shards)"
+                    f"{shard.name} has {shard.length} tokens, but one step needs {needed} (batch_size "
+                    f"{self.batch_size} x seq_len {self.seq_len} x world_size {self.world_size} + 1 for the shifted "
+                    "targets); use a smaller batch_size or seq_len, or more data per shard (or merge short shards)"
                 )
         self._shard_index = 0
         self._position = 0
@@ -192,9 +191,8 @@ class TokenLoader:
         if path.is_file():
             if split is not None and split not in path.name:
                 raise ValueError(
-                    f"split={split!r} does not match token file {str(path)!r} (its name does not "
-                    f"contain {split!r}); pass the directory of shards, the right file, or "
-                    "split=None"
+                    f"split={split!r} does not match token file {str(path)!r} (its name does not contain {split!r}); "
+                    "pass the directory of shards, the right file, or split=None"
                 )
             return str(path), [_Shard(f"token file {str(path)!r}", path=path)]
         raise FileNotFoundError(f"token source {str(path)!r} does not exist")
@@ -278,9 +276,8 @@ class TokenLoader:
         position = check_value("loader state", "position", state["position"], _INT)
         if "num_shards" in state and state["num_shards"] != len(self._shards):
             raise ValueError(
-                f"loader state was saved over {state['num_shards']} shard(s) but this loader's "
-                f"source {self._source_desc} has {len(self._shards)}; resume with the same data "
-                "(and split)"
+                f"loader state was saved over {state['num_shards']} shard(s) but this loader's source "
+                f"{self._source_desc} has {len(self._shards)}; resume with the same data (and split)"
             )
         if not 0 <= shard < len(self._shards):
             raise ValueError(
@@ -301,9 +298,8 @@ class TokenLoader:
         split = f", split={self.split!r}" if self.split is not None else ""
         return (
             f"{type(self).__name__}(source={self._source_desc!r}{split}, shards={len(self._shards)}, "
-            f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
-            f"rank={self.rank}, world_size={self.world_size}, shard={self._shard_index}, "
-            f"position={self._position})"
+            f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, rank={self.rank}, "
+            f"world_size={self.world_size}, shard={self._shard_index}, position={self._position})"
         )
 
 

@@ -173,10 +173,9 @@ class _ShardWriter:
         )
         if self.existing and not overwrite:
             raise FileExistsError(
-                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix "
-                f"{prefix!r} (e.g. {self.existing[0].name}); pass overwrite=True to replace them, "
-                "or choose another directory or prefix (mixing old and new shards would corrupt "
-                "the data set)"
+                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {prefix!r} (e.g. "
+                f"{self.existing[0].name}); pass overwrite=True to replace them, or choose another directory or prefix "
+                "(mixing old and new shards would corrupt the data set)"
             )
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
