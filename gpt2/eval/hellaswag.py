@@ -187,14 +187,10 @@ def ending_losses(
     with _autocast_context(autocast, device):
         logits = _logits(model(tokens))  # (N, T, V)
     # Position t predicts token t + 1: score each ending token from the logits just before it.
-    shift_logits = logits[:, :-1, :].float()  # (N, T-1, V)
-    shift_tokens = tokens[:, 1:]  # (N, T-1)
-    shift_mask = mask[:, 1:].float()  # (N, T-1)
-    losses = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_tokens.reshape(-1), reduction="none"
-    ).view(shift_tokens.shape)
-    sum_loss = (losses * shift_mask).sum(dim=1)
-    mean_loss = sum_loss / shift_mask.sum(dim=1).clamp(min=1.0)
+    targets, scored = tokens[:, 1:], mask[:, 1:].float()  # (N, T-1)
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
+    sum_loss = (losses.view_as(scored) * scored).sum(dim=1)
+    mean_loss = sum_loss / scored.sum(dim=1).clamp(min=1.0)
     return sum_loss, mean_loss
 
 
