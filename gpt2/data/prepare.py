@@ -298,12 +298,11 @@ def write_shards(
                 encoded = (_encode_document(doc, tokenizer) for doc in docs)
             for tokens in encoded:
                 bar.update(len(tokens))
-                start = 0
-                while start < len(tokens):
-                    take = min(size - filled, len(tokens) - start)
-                    buffer[filled : filled + take] = tokens[start : start + take]
+                while len(tokens):
+                    take = min(size - filled, len(tokens))
+                    buffer[filled : filled + take] = tokens[:take]
                     filled += take
-                    start += take
+                    tokens = tokens[take:]
                     if filled == size:
                         writer.write(buffer, "train" if writer.written else "val")
                         filled = 0
