@@ -111,12 +111,9 @@ def evaluate_loss(
         )
     device = torch.device(device) if device is not None else _model_device(model)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    # ids are checked against the model's vocabulary here, on the CPU (forward never syncs to check)
-    loader = (
-        data
-        if hasattr(data, "next_batch")
-        else TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
-    )
+    loader = data
+    if not hasattr(data, "next_batch"):  # ids checked against the vocabulary on the CPU (forward never syncs to)
+        loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
     batches = one_pass(loader, max_batches)
     if progress:
         from tqdm.auto import tqdm
@@ -138,16 +135,11 @@ def evaluate_loss(
                 continue  # another rank's share
             x, y = x.to(device), y.to(device)
             with _autocast_context(autocast, device):
-                logits = _logits(model(x))
+                logits = _logits(model(x)).float()
             # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
             # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
             # scored and not counted, so the mean is over the scored tokens only.
-            loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)),
-                y.reshape(-1),
-                reduction="sum",
-                ignore_index=IGNORE_INDEX,
-            )
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
             sums[0] += loss.double()
             sums[1] += (y != IGNORE_INDEX).sum()
     finally:
