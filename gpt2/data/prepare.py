@@ -118,14 +118,6 @@ class ShardWriteError(OSError):
 _STAGE = re.compile(r"\.prepare-(\d+)-(.+)-\w+")
 
 
-def _remove_leftovers(out_dir: Path) -> None:
-    for path in out_dir.glob(".prepare-*"):
-        match = _STAGE.fullmatch(path.name)
-        if match and match[2] == socket.gethostname() and not pid_alive(int(match[1])):
-            logger.warning("removing %s, left by a prepare that was killed", path)
-            shutil.rmtree(path, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Hold SIGINT/SIGTERM/SIGHUP until the block ends, then raise them again, so that moving a
@@ -183,7 +175,11 @@ class _ShardWriter:
     def __enter__(self) -> _ShardWriter:
         self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(self.out_dir)
+        for path in self.out_dir.glob(".prepare-*"):
+            match = _STAGE.fullmatch(path.name)
+            if match and match[2] == socket.gethostname() and not pid_alive(int(match[1])):
+                logger.warning("removing %s, left by a prepare that was killed", path)
+                shutil.rmtree(path, ignore_errors=True)
         self.stage = Path(tempfile.mkdtemp(prefix=f".prepare-{os.getpid()}-{socket.gethostname()}-", dir=self.out_dir))
         return self
 
