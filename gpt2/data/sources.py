@@ -11,6 +11,7 @@ import numpy as np
 
 from gpt2.data.downloads import tiny_shakespeare_path
 from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text
+from gpt2.model.tokenizer import get_tokenizer
 
 
 def shakespeare_or_path(data: str) -> Path:
@@ -31,8 +32,6 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
     if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer()
     text = read_text(path)  # not UTF-8: an error with the file and byte offset
     ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
