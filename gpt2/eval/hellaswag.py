@@ -104,7 +104,7 @@ def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"HellaSwag file {str(path)!r} not found; use gpt2.hellaswag.hellaswag_path() to download "
+            f"HellaSwag file {str(path)!r} not found; use gpt2.hellaswag_path() to download "
             f"it, or pass the path of hellaswag_val.jsonl"
         )
     for line_no, example in iter_jsonl(path, hint="; is this a HellaSwag jsonl file?"):
