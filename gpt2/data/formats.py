@@ -79,12 +79,9 @@ def token_files(directory: Path) -> list[Path]:
 
 
 def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
-    """Every shard the manifests in ``directory`` list, by file name; ``None`` if it has none.
-
-    The cheap checks run here, on every call: each listed shard exists with its recorded size and
-    no token file is unlisted. A damaged manifest, or the marker a ``prepare`` killed while moving
-    its shards into place leaves, raises :class:`ShardManifestError` too.
-    """
+    """Every shard the manifests in ``directory`` list, by file name (``None``: no manifest). The
+    cheap checks run on every call (each listed shard exists with its size, none is unlisted; the
+    manifest is intact and no ``prepare`` was killed mid-move), raising :class:`ShardManifestError`."""
     entries: dict[str, dict[str, Any]] | None = None
     for path in sorted(directory.glob(f"*{MANIFEST_SUFFIX}")):
         try:

@@ -118,11 +118,9 @@ def build_sequences(
     pack: bool = False,
     tokenizer: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(x, y, positions)``: int64 arrays of shape (N, seq_len), one sequence per row (padded) or
-    rows packed greedily. ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and
-    padding positions; ``positions`` is each input token's position within its row (the padding
-    after the rows counts as one more row). A row longer than ``seq_len + 1`` tokens raises a
-    ValueError naming it."""
+    """``(x, y, positions)``: int64 ``(N, seq_len)``, a padded sequence per row or rows packed greedily;
+    ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
+    token's position within its row (trailing padding counts as one more row)."""
     if tokenizer is None:
         tokenizer = get_tokenizer()
     eot = tokenizer.eot_token

@@ -344,11 +344,9 @@ def make_loader(
 
 
 def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches from the start of ``loader``: at most ``max_batches``, and at most one full pass.
-
-    The pass ends when the loader's saved position (``state_dict()``) comes back to where it
-    started, i.e. it wrapped around: a batch is never read twice, which would weigh it double.
-    Every rank's loader wraps at the same batch, so under DDP all ranks stop together."""
+    """Batches from the start of ``loader``: at most ``max_batches``, and at most one pass (until its
+    ``state_dict()`` comes back: a batch read twice would weigh double). Every rank's loader wraps
+    at the same batch, so under DDP all ranks stop together."""
     loader.reset()
     start = loader.state_dict() if hasattr(loader, "state_dict") else None
     if start is None and max_batches is None:
