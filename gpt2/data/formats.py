@@ -10,7 +10,6 @@ fits (an even size, and not the every-other-value-zero pattern of int32 ids). A 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -59,14 +58,6 @@ def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
         f"shard folder {str(directory)!r} does not match its manifest: {problem}; re-run `gpt2 prepare` "
         "(or write_shards / tokenize_file) with overwrite to write the data set again"
     )
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def token_files(directory: Path) -> list[Path]:

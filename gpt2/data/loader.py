@@ -13,7 +13,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gpt2.data.formats import check_token_ids, file_sha256, load_tokens, manifest_mismatch, read_manifests, token_files
+from gpt2.data.formats import check_token_ids, load_tokens, manifest_mismatch, read_manifests, token_files
+from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import POSITIVE_INT, Range, check_value
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class _Shard:
     def open(self, vocab_size: int | None) -> np.ndarray:
         # The digest reads the whole shard, so it is checked once, when the shard is first opened
         # (as the ids are), not for every shard when the loader is built.
-        if self.sha256 is not None and file_sha256(self.path) != self.sha256:
+        if self.sha256 is not None and sha256_file(self.path) != self.sha256:
             raise manifest_mismatch(self.path.parent, f"{self.path.name} has changed (its sha256 differs)")
         self.sha256 = None
         tokens = self.array if self.array is not None else load_tokens(self.path)

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, file_sha256, read_text, write_tokens
+from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, write_tokens
 from gpt2.files import pid_alive, replace_atomically
+from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 from gpt2.model.tokenizer import get_tokenizer
 
@@ -188,7 +189,7 @@ class _ShardWriter:
         with self._writing():
             staged = write_tokens(self.stage / name, tokens)
             # Read back from the page cache, so the digest is of the bytes on disk.
-            entry = {"name": name, "tokens": len(tokens), "bytes": staged.stat().st_size, "sha256": file_sha256(staged)}
+            entry = {"name": name, "tokens": len(tokens), "bytes": staged.stat().st_size, "sha256": sha256_file(staged)}
         self.entries.append(entry)
         logger.info("wrote %s (%d tokens)", name, len(tokens))
         self.written.append(self.out_dir / name)
