@@ -201,16 +201,13 @@ class InstructionLoader:
             raise ValueError("no instruction rows to load")
         self.x, self.y, self.positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
         self.num_sequences = len(self.x)
-        per_step = batch_size * world_size
-        if shuffle and self.num_sequences < per_step:
+        if shuffle and self.num_sequences < batch_size * world_size:
             raise ValueError(
                 f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
                 f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
             )
         self.steps_per_epoch = self._steps_per_epoch()
-        self._epoch = 0
-        self._position = 0
-        self._order = self._order_of(0)
+        self.reset()
 
     def unsharded(self) -> InstructionLoader:
         """The same sequences for one process (rank 0 of 1), at the start: what rank 0 scores
