@@ -7,6 +7,7 @@ the lowest mean loss per token (build-nanogpt's number; GPT-2 124M scores 0.2955
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -222,18 +223,15 @@ def score_hellaswag(
         model = model.to(device)
     if tokenizer is None:
         tokenizer = get_tokenizer()
-    if isinstance(path_or_examples, (str, os.PathLike)):
-        examples: Iterable[dict[str, Any]] = iterate_hellaswag(path_or_examples)
-    else:
-        examples = path_or_examples
+    examples = path_or_examples
+    if isinstance(examples, (str, os.PathLike)):
+        examples = iterate_hellaswag(examples)
     was_training = model.training
     model.eval()
     # counts: correct (sum), correct (mean), examples
     counts = torch.zeros(3, dtype=torch.long)
     try:
-        for i, example in enumerate(examples):
-            if limit is not None and i >= limit:
-                break
+        for i, example in enumerate(itertools.islice(examples, limit)):
             if i % world_size != rank:
                 continue
             tokens, mask, label = render_example(example, tokenizer)
@@ -244,10 +242,9 @@ def score_hellaswag(
     finally:
         model.train(was_training)
     if world_size > 1:
-        reduced = counts.to(_model_device(model))
-        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
-        counts = reduced.cpu()
-    correct, correct_norm, n = (int(c) for c in counts)
+        counts = counts.to(_model_device(model))
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
+    correct, correct_norm, n = counts.tolist()
     if n == 0:
         raise ValueError("no HellaSwag example was scored: the file or iterable is empty")
     return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
