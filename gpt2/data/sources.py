@@ -74,13 +74,9 @@ def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple
     """``(train, val)`` sources for the Trainer from ``--data`` / ``--val-data``: a shard directory
     gives its ``val`` shards (if any) for validation, a file is split by ``val_fraction``."""
     source = load_token_source(data)
-    if isinstance(source, Path):  # a directory of shards
-        val: Any = None
-        if val_data is not None:
-            val = load_token_source(val_data)
-        elif any("val" in p.name for p in source.iterdir() if p.suffix in TOKEN_SUFFIXES):
-            val = source
-        return source, val
     if val_data is not None:
         return source, load_token_source(val_data)
+    if isinstance(source, Path):  # a directory of shards
+        has_val = any("val" in p.name for p in source.iterdir() if p.suffix in TOKEN_SUFFIXES)
+        return source, source if has_val else None
     return split_tokens(source, val_fraction, data)
