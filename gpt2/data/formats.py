@@ -231,14 +231,17 @@ def _load_bin(path: Path, mmap: bool) -> np.ndarray:
         raise ValueError(f"token file {str(path)!r} is empty (0 bytes); re-create it or remove it")
     head = np.fromfile(path, dtype="<i4", count=min(size // 4, BIN_HEADER_INTS))
     if len(head) and int(head[0]) in BIN_LAYOUTS:
-        return _load_headered_bin(path, mmap, size, head)
-    _check_headerless_bin(path, size, head)
+        dtype, count, offset = _check_bin_header(path, size, head)
+    else:
+        _check_headerless_bin(path, size, head)
+        dtype, count, offset = np.dtype("<u2"), size // 2, 0
     if mmap:
-        return np.memmap(path, dtype="<u2", mode="r")
-    return np.fromfile(path, dtype="<u2")
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+    return np.fromfile(path, dtype=dtype, count=count, offset=offset)
 
 
-def _load_headered_bin(path: Path, mmap: bool, size: int, head: np.ndarray) -> np.ndarray:
+def _check_bin_header(path: Path, size: int, head: np.ndarray) -> tuple[np.dtype, int, int]:
+    """``(dtype, count, offset)`` of the tokens after a header with a known magic, checked."""
     magic = int(head[0])
     version, dtype = BIN_LAYOUTS[magic]
     if len(head) < BIN_HEADER_INTS:
@@ -262,9 +265,7 @@ def _load_headered_bin(path: Path, mmap: bool, size: int, head: np.ndarray) -> n
             f"token file {str(path)!r} is {what}: its header says {count} {dtype.name} tokens "
             f"({expected} bytes with the header) but the file has {size} bytes; re-create it"
         )
-    if mmap:
-        return np.memmap(path, dtype=dtype, mode="r", offset=BIN_HEADER_BYTES, shape=(count,))
-    return np.fromfile(path, dtype=dtype, count=count, offset=BIN_HEADER_BYTES)
+    return dtype, count, BIN_HEADER_BYTES
 
 
 def _check_headerless_bin(path: Path, size: int, head: np.ndarray) -> None:
