@@ -103,10 +103,7 @@ def download(
                 delay=_BAR_DELAY_S,
                 disable=not progress,
             ) as bar:
-                while True:
-                    chunk = response.read(_CHUNK_BYTES)
-                    if not chunk:
-                        break
+                while chunk := response.read(_CHUNK_BYTES):
                     buffer.write(chunk)
                     bar.update(len(chunk))
     # URLError, HTTPError and timeouts are OSErrors; ValueError covers a malformed URL.
