@@ -132,20 +132,18 @@ def build_sequences(
                 f"{where}: the row is {len(ids)} tokens with the template, longer than a sequence (--seq-len {seq_len} "
                 f"+ 1 = {seq_len + 1}); raise --seq-len (up to the model's context) or shorten the row"
             )
-        if pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1:
-            windows[-1][0].extend(ids)  # the row fits in the current window: never split a row
-            windows[-1][1].extend(mask)
-            windows[-1][2].extend(range(len(ids)))
-        else:
-            windows.append((list(ids), list(mask), list(range(len(ids)))))
+        if not (pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1):
+            windows.append(([], [], []))  # a new window: a row is never split
+        windows[-1][0].extend(ids)
+        windows[-1][1].extend(mask)
+        windows[-1][2].extend(range(len(ids)))
     x = np.full((len(windows), seq_len), eot, dtype=np.int64)  # padding input: <|endoftext|>
     y = np.full((len(windows), seq_len), IGNORE_INDEX, dtype=np.int64)
     positions = np.tile(np.arange(seq_len, dtype=np.int64), (len(windows), 1))
     for i, (ids, mask, pos) in enumerate(windows):
         n = len(ids) - 1  # positions with a next token
         x[i, : min(n + 1, seq_len)] = ids[:seq_len]
-        targets = np.asarray(ids[1:], dtype=np.int64)
-        y[i, :n] = np.where(np.asarray(mask[1:], dtype=bool), targets, IGNORE_INDEX)
+        y[i, :n] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
         positions[i, : min(n + 1, seq_len)] = pos[:seq_len]
         positions[i, n + 1 :] -= n + 1  # the padding: one more row, from position 0
     return x, y, positions
