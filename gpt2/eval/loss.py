@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 AutocastArg = Union[None, torch.dtype, Callable[[], ContextManager[Any]]]
 
 
-# --------------------------------------------------------------------------- shared helpers
 def _model_device(model: nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -31,11 +30,9 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextManager[Any]:
-    if autocast is None:
+    if autocast is None or autocast == torch.float32:
         return contextlib.nullcontext()
     if isinstance(autocast, torch.dtype):
-        if autocast == torch.float32:
-            return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=autocast)
     if callable(autocast):
         return autocast()
@@ -68,7 +65,6 @@ class NonFiniteLossError(ValueError):
         self.loss = loss
 
 
-# --------------------------------------------------------------------------- validation loss
 @torch.no_grad()
 def evaluate_loss(
     model: nn.Module,
