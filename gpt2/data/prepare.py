@@ -155,7 +155,7 @@ class _ShardWriter:
         self.prefix = prefix
         self.file_format = file_format
         self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
         self.existing = sorted(
@@ -275,8 +275,8 @@ def write_shards(
     (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards
     with the same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
     """
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
+    tokenizer = writer.tokenizer
     num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
@@ -338,7 +338,6 @@ def tokenize_file(
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}")
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     writer = _ShardWriter(
         out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format, tokenizer
     )
@@ -346,7 +345,7 @@ def tokenize_file(
     text = read_text(path)
     if not text.strip():
         raise ValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-    tokens = _encode_text(text, tokenizer, f"tokenising {path.name}", progress)
+    tokens = _encode_text(text, writer.tokenizer, f"tokenising {path.name}", progress)
     n_val = round(len(tokens) * val_fraction)
     if val_fraction > 0 and not 0 < n_val < len(tokens):
         raise ValueError(
