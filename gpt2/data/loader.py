@@ -65,9 +65,7 @@ class _Shard:
     __slots__ = ("name", "path", "array", "length", "checked_vocab", "sha256")
 
     def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, entry=None):
-        self.name = name
-        self.path = path
-        self.array = array
+        self.name, self.path, self.array = name, path, array
         # Opening an .npy memory map only reads its header, so measuring every shard up front is
         # cheap and lets the constructor reject a too-short shard before training starts.
         self.length = len(array) if array is not None else len(load_tokens(path))
@@ -140,8 +138,7 @@ class TokenLoader:
                     f"{self.batch_size} x seq_len {self.seq_len} x world_size {self.world_size} + 1 for the shifted "
                     "targets); use a smaller batch_size or seq_len, or more data per shard (or merge short shards)"
                 )
-        self._shard_index = 0
-        self._position = 0
+        self._shard_index, self._position = 0, 0
         self._tokens: np.ndarray | None = None  # the current shard, opened lazily
         self._vocab_size: int | None = None
         self.vocab_size = vocab_size  # checks the first shard's ids now
@@ -179,9 +176,7 @@ class TokenLoader:
             entries = read_manifests(path)
             if entries is None:
                 _warn_unverified(str(path))
-            files = token_files(path)
-            if split is not None:
-                files = [p for p in files if split in p.name]
+            files = [p for p in token_files(path) if split is None or split in p.name]
             if not files:
                 what = "token files (.npy/.bin)" if split is None else f"token files with {split!r} in their name"
                 raise FileNotFoundError(

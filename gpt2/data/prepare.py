@@ -152,8 +152,7 @@ class _ShardWriter:
             raise ValueError(
                 f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), got {file_format!r}"
             )
-        self.prefix = prefix
-        self.file_format = file_format
+        self.prefix, self.file_format = prefix, file_format
         self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
         self.out_dir = Path(out_dir)
