@@ -11,6 +11,7 @@ import numpy as np
 
 from gpt2.data.downloads import tiny_shakespeare_path
 from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text
+from gpt2.data.prepare import _encode_text
 from gpt2.model.tokenizer import get_tokenizer
 
 
@@ -33,9 +34,8 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
     if tokenizer is None:
         tokenizer = get_tokenizer()
-    text = read_text(path)  # not UTF-8: an error with the file and byte offset
-    ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
-    return np.asarray(ids, dtype=np.uint16)
+    # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused
+    return _encode_text(read_text(path), tokenizer, str(path), progress=False)
 
 
 def is_text(data: str) -> bool:
