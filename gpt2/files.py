@@ -37,13 +37,10 @@ def default_cache_dir() -> Path:
 
 
 def replace_atomically(dest: str | os.PathLike, write: Callable[[Any], object], *, to_path: bool = False) -> None:
-    """``write(f)`` into a temporary file beside ``dest``, fsync it, then rename it over ``dest``.
-
-    Readers (and a crash) see the old file or the complete new one, never a partial file; the
-    fsync before the rename means a power loss cannot leave a renamed but empty file either. The
-    file is created by ``open`` so it gets the user's umask (``mkstemp`` would make it 0600).
-    ``to_path=True``: ``write(tmp_path)`` for writers that open the file themselves (gguf's).
-    """
+    """``write(f)`` into a temporary file beside ``dest``, fsync it, then rename it over ``dest``:
+    readers and a crash (a power loss too, thanks to the fsync) see the old file or the whole new
+    one. ``open`` gives the file the user's umask (``mkstemp`` would make it 0600). ``to_path=True``:
+    ``write(tmp_path)``, for writers that open the file themselves (gguf's)."""
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
@@ -82,13 +79,10 @@ def download(
     validate: Callable[[bytes], None] | None = None,
     progress: bool = True,
 ) -> None:
-    """Fetch ``url`` into ``dest`` atomically, or raise :class:`DownloadError` saying how to
-    work offline (``offline_hint`` is followed by ``dest``). The bytes are checked against
-    ``sha256`` and/or by ``validate`` (which raises ``ValueError``) before anything is cached,
-    so a truncated download or an HTML error page never lands in the cache.
-
-    With ``progress`` a byte counter (a bar when the server sends the size) shows on stderr
-    once the download has taken more than half a second.
+    """Fetch ``url`` into ``dest`` atomically, or raise :class:`DownloadError` saying how to work
+    offline (``offline_hint`` then ``dest``). The bytes are checked against ``sha256`` and/or by
+    ``validate`` (raising ``ValueError``) first, so a truncated download or an HTML error page is
+    never cached. ``progress``: a byte counter on stderr for downloads slower than half a second.
     """
 
     def fail(reason: str) -> DownloadError:
@@ -113,10 +107,7 @@ def download(
                 delay=_BAR_DELAY_S,
                 disable=not progress,
             ) as bar:
-                while True:
-                    chunk = response.read(_CHUNK_BYTES)
-                    if not chunk:
-                        break
+                while chunk := response.read(_CHUNK_BYTES):
                     buffer.write(chunk)
                     bar.update(len(chunk))
     # URLError, HTTPError and timeouts are OSErrors; ValueError covers a malformed URL.

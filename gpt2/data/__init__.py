@@ -1,12 +1,6 @@
-"""Token data: downloads, tokenising into shards, token file formats, and the batch loader.
-
-* :mod:`gpt2.data.downloads`: Tiny Shakespeare, downloaded and cached (:mod:`gpt2.files`).
-* :mod:`gpt2.data.prepare`: text -> ``uint16`` shards and their manifest, written whole
-  (``write_shards``, ``tokenize_file``).
-* :mod:`gpt2.data.formats`: ``.npy`` and llm.c ``.bin`` token files and shard manifests, read and
-  checked.
-* :mod:`gpt2.data.loader`: :class:`TokenLoader`, the rank-aware batch loader.
-"""
+"""Token data: Tiny Shakespeare (:mod:`.downloads`), text -> shards with a manifest (:mod:`.prepare`),
+``.npy`` / llm.c ``.bin`` token files (:mod:`.formats`), the rank-aware :class:`TokenLoader`
+(:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`)."""
 
 from gpt2.data.downloads import (
     TINY_SHAKESPEARE_SHA256,

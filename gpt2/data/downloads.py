@@ -18,21 +18,15 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 
 
 def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of the Tiny Shakespeare text (1.1 MB), downloading and caching it on first use.
-
-    In order: the file named by ``$GPT2_TINY_SHAKESPEARE``; a cached copy
-    ``tinyshakespeare.txt`` under ``cache_dir`` (default :func:`default_cache_dir`); else a
-    download from :data:`TINY_SHAKESPEARE_URL`, checked against its sha256 and written
-    atomically, so an interrupted download never leaves a partial file in the cache.
-    """
+    """Path of the Tiny Shakespeare text: ``$GPT2_TINY_SHAKESPEARE``, else ``tinyshakespeare.txt``
+    under ``cache_dir`` (default :func:`default_cache_dir`), downloaded and sha256-checked once."""
     override = os.environ.get("GPT2_TINY_SHAKESPEARE")
     if override:
         path = Path(override).expanduser()
         if not path.is_file():
             raise FileNotFoundError(
-                f"GPT2_TINY_SHAKESPEARE={override!r} is not a file; point it at the Tiny "
-                "Shakespeare text (e.g. ../shared/data/tinyshakespeare.txt) or unset it to "
-                "download and cache the file"
+                f"GPT2_TINY_SHAKESPEARE={override!r} is not a file; point it at the Tiny Shakespeare text (e.g. "
+                "../shared/data/tinyshakespeare.txt) or unset it to download and cache the file"
             )
         return path
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

@@ -1,26 +1,15 @@
 """Token files on disk: ``.npy`` arrays and llm.c's headered ``.bin`` shards, read and checked.
 
-Two layouts are written (:func:`write_tokens`) and read (:func:`load_tokens`):
-
-* ``.npy``: a 1-D integer array (build-nanogpt's FineWeb-edu shards are ``uint16`` ones).
-* ``.bin``: llm.c's shard layout (``dev/data/data_common.py: write_datafile``): a header of 256
-  little-endian int32, ``[0]`` the magic, ``[1]`` the version, ``[2]`` the token count, then
-  the tokens. Magic 20240520 / version 1 is GPT-2's ``uint16`` layout (what llm.c's C loader
-  reads); magic 20240801 / version 7 is its ``uint32`` layout for larger vocabularies (Llama 3).
-
-A ``.bin`` without a header is nanoGPT's ``prepare.py`` layout (raw ``uint16``). It says
-nothing about its dtype, so it is only accepted when it fits: an even byte size, and not the
-pattern int32 ids leave when read as ``uint16`` (every other value zero). The ids
-themselves are checked against a vocabulary by :func:`check_token_ids` where they enter a
-model (the :class:`~gpt2.data.TokenLoader`).
-
-A folder written by ``prepare`` also holds a manifest per prefix, ``{prefix}.shards.json``,
-listing every shard's name, token count, size and sha256 (:func:`read_manifests`).
+``.bin`` is llm.c's shard layout (``dev/data/data_common.py: write_datafile``): 256 little-endian
+int32 (magic, version, token count, zeros), then the tokens; magic 20240520 / version 1 holds
+GPT-2's ``uint16`` ids, 20240801 / version 7 ``uint32`` ones. A ``.bin`` without a header is
+nanoGPT's raw ``uint16`` layout: it says nothing about its dtype, so it is only accepted when it
+fits (an even size, and not the every-other-value-zero pattern of int32 ids). A folder written by
+``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -71,14 +60,6 @@ def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
     )
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def token_files(directory: Path) -> list[Path]:
     """The token files (``.npy``/``.bin``, not hidden) in ``directory``, sorted by name."""
     return sorted(
@@ -89,12 +70,9 @@ def token_files(directory: Path) -> list[Path]:
 
 
 def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
-    """Every shard the manifests in ``directory`` list, by file name; ``None`` if it has none.
-
-    The cheap checks run here, on every call: each listed shard exists with its recorded size and
-    no token file is unlisted. A damaged manifest, or the marker a ``prepare`` killed while moving
-    its shards into place leaves, raises :class:`ShardManifestError` too.
-    """
+    """Every shard the manifests in ``directory`` list, by file name (``None``: no manifest). The
+    cheap checks run on every call (each listed shard exists with its size, none is unlisted; the
+    manifest is intact and no ``prepare`` was killed mid-move), raising :class:`ShardManifestError`."""
     entries: dict[str, dict[str, Any]] | None = None
     for path in sorted(directory.glob(f"*{MANIFEST_SUFFIX}")):
         try:
@@ -170,11 +148,8 @@ def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int
 
 
 def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
-    """Write a 1-D sequence of token ids atomically; the suffix picks the layout.
-
-    ``.npy``: a ``uint16`` array. ``.bin``: llm.c's layout, ``uint16`` (magic 20240520, version
-    1, which llm.c's GPT-2 trainer reads) when every id fits, else ``uint32`` (20240801, 7).
-    """
+    """Write 1-D token ids atomically: ``.npy`` a ``uint16`` array, ``.bin`` llm.c's layout
+    (``uint16``, which llm.c's GPT-2 trainer reads, when every id fits, else ``uint32``)."""
     path = Path(path)
     array = np.asarray(tokens)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
@@ -213,20 +188,30 @@ def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
 
 
 def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int | None = None) -> np.ndarray:
-    """Read a 1-D token file: ``.npy``, llm.c's headered ``.bin`` (uint16 or uint32), or a
-    headerless ``uint16`` ``.bin`` (nanoGPT's ``train.bin`` / ``val.bin``).
+    """Read a 1-D token file (``.npy``, llm.c's ``.bin``, or nanoGPT's headerless ``uint16`` ``.bin``).
 
-    With ``mmap=True`` (the default) the file is memory-mapped, so opening a 100M-token shard
-    costs nothing until its pages are read; pass ``mmap=False`` to read it into memory. With
-    ``vocab_size`` every id is checked to be below it (one pass over the file). Files that are
-    empty, damaged or ambiguous raise ``ValueError`` naming the file.
+    ``mmap=True`` memory-maps it, so opening a 100M-token shard costs nothing until its pages are
+    read. With ``vocab_size`` every id is checked to be below it. Files that are empty, damaged
+    or ambiguous raise ``ValueError`` naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token file {str(path)!r} does not exist (or is not a file)")
     suffix = path.suffix.lower()
     if suffix == ".npy":
-        tokens = _load_npy(path, mmap)
+        try:
+            tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            # Not a .npy file, a truncated one, or an object array (which needs pickle).
+            raise ValueError(
+                f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
+                f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
+            ) from e
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype {tokens.dtype}; expected a "
+                "1-D array of integer token ids (e.g. np.save(path, ids.astype(np.uint16).reshape(-1)))"
+            )
     elif suffix == ".bin":
         tokens = _load_bin(path, mmap)
     else:
@@ -240,38 +225,23 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
     return tokens
 
 
-def _load_npy(path: Path, mmap: bool) -> np.ndarray:
-    try:
-        tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        # Not a .npy file, a truncated one, or an object array (which needs pickle).
-        raise ValueError(
-            f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
-            f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
-        ) from e
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(
-            f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype "
-            f"{tokens.dtype}; expected a 1-D array of integer token ids (e.g. "
-            "np.save(path, ids.astype(np.uint16).reshape(-1)))"
-        )
-    return tokens
-
-
 def _load_bin(path: Path, mmap: bool) -> np.ndarray:
     size = path.stat().st_size
     if size == 0:
         raise ValueError(f"token file {str(path)!r} is empty (0 bytes); re-create it or remove it")
     head = np.fromfile(path, dtype="<i4", count=min(size // 4, BIN_HEADER_INTS))
     if len(head) and int(head[0]) in BIN_LAYOUTS:
-        return _load_headered_bin(path, mmap, size, head)
-    _check_headerless_bin(path, size, head)
+        dtype, count, offset = _check_bin_header(path, size, head)
+    else:
+        _check_headerless_bin(path, size, head)
+        dtype, count, offset = np.dtype("<u2"), size // 2, 0
     if mmap:
-        return np.memmap(path, dtype="<u2", mode="r")
-    return np.fromfile(path, dtype="<u2")
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+    return np.fromfile(path, dtype=dtype, count=count, offset=offset)
 
 
-def _load_headered_bin(path: Path, mmap: bool, size: int, head: np.ndarray) -> np.ndarray:
+def _check_bin_header(path: Path, size: int, head: np.ndarray) -> tuple[np.dtype, int, int]:
+    """``(dtype, count, offset)`` of the tokens after a header with a known magic, checked."""
     magic = int(head[0])
     version, dtype = BIN_LAYOUTS[magic]
     if len(head) < BIN_HEADER_INTS:
@@ -295,9 +265,7 @@ def _load_headered_bin(path: Path, mmap: bool, size: int, head: np.ndarray) -> n
             f"token file {str(path)!r} is {what}: its header says {count} {dtype.name} tokens "
             f"({expected} bytes with the header) but the file has {size} bytes; re-create it"
         )
-    if mmap:
-        return np.memmap(path, dtype=dtype, mode="r", offset=BIN_HEADER_BYTES, shape=(count,))
-    return np.fromfile(path, dtype=dtype, count=count, offset=BIN_HEADER_BYTES)
+    return dtype, count, BIN_HEADER_BYTES
 
 
 def _check_headerless_bin(path: Path, size: int, head: np.ndarray) -> None:

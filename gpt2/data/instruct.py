@@ -13,21 +13,16 @@ template (:data:`TEMPLATE`)::
     ### Response:
     {response}<|endoftext|>
 
-The prompt (everything up to and including ``### Response:\\n``) and the response are
-tokenised separately and concatenated, so the boundary is exact and ``gpt2 sample
---instruction`` feeds the model the very same prompt tokens. The loss is on the response
-tokens (and the closing ``<|endoftext|>``, so the model learns to stop) only: the targets of
-prompt and padding positions are :data:`gpt2.model.IGNORE_INDEX` (-1, nanoGPT's convention;
-``GPT.forward`` passes it to ``F.cross_entropy`` as ``ignore_index``).
+The prompt (up to ``### Response:\\n``) and the response are tokenised separately, so the
+boundary is exact and ``gpt2 sample --instruction`` feeds the model the very same prompt tokens.
+The loss is on the response tokens and the closing ``<|endoftext|>`` (so the model learns to
+stop) only: prompt and padding targets are :data:`gpt2.model.IGNORE_INDEX`.
 
-Sequences: by default each row is one sequence, padded to ``seq_len`` (the model sees a row
-exactly as it sees a prompt at inference). With ``pack=True`` rows are packed greedily, in order,
-into ``seq_len + 1``-token windows without ever splitting a row; the rest of a window is padding.
-Packed rows are isolated: the loader's batches carry each token's position *within its row* and a
-block-diagonal causal attention mask (:func:`packed_inputs`), the forward keyword arguments
-``position_ids`` and ``attn_mask``, so every row is computed exactly as it would be alone.
-Every sequence holds at least one response token; the Trainer's loss is the mean over the
-scored targets of the whole global batch (a batch without any is skipped).
+Each row is one sequence padded to ``seq_len``, or with ``pack=True`` rows are packed greedily,
+in order, into ``seq_len + 1``-token windows without splitting a row. Packed rows are isolated:
+batches carry each token's position within its row and a block-diagonal causal mask
+(:func:`packed_inputs`), so every row is computed exactly as it would be alone. The Trainer's
+loss is the mean over the global batch's scored targets (a batch without any is skipped).
 """
 
 from __future__ import annotations
@@ -41,7 +36,9 @@ import numpy as np
 import torch
 
 from gpt2.data import iter_jsonl
+from gpt2.model.config import POSITIVE_INT, check_value
 from gpt2.model.gpt import IGNORE_INDEX
+from gpt2.model.tokenizer import get_tokenizer
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 INPUT_BLOCK = "### Input:\n{input}\n\n"
@@ -80,13 +77,10 @@ def parse_row(row: Any, where: str) -> tuple[str, str, str]:
         raise ValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
     values = []
     for key, required in keys:
-        if key not in row:
-            if required:
-                raise ValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
-            values.append("")
-            continue
-        value = row[key]
-        if value is None and not required:
+        if required and key not in row:
+            raise ValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
+        value = row.get(key)
+        if value is None and not required:  # an absent or null input is an empty one
             value = ""
         if not isinstance(value, str):
             raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__} ({value!r:.40})")
@@ -124,14 +118,10 @@ def build_sequences(
     pack: bool = False,
     tokenizer: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(x, y, positions)``: int64 arrays of shape (N, seq_len), one sequence per row (padded) or
-    rows packed greedily. ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and
-    padding positions; ``positions`` is each input token's position within its row (the padding
-    after the rows counts as one more row). A row longer than ``seq_len + 1`` tokens raises a
-    ValueError naming it."""
+    """``(x, y, positions)``: int64 ``(N, seq_len)``, a padded sequence per row or rows packed greedily;
+    ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
+    token's position within its row (trailing padding counts as one more row)."""
     if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     windows: list[tuple[list[int], list[bool], list[int]]] = []
@@ -139,24 +129,21 @@ def build_sequences(
         ids, mask = tokenize_row(instruction, input, response, tokenizer)
         if len(ids) > seq_len + 1:
             raise ValueError(
-                f"{where}: the row is {len(ids)} tokens with the template, longer than a sequence "
-                f"(--seq-len {seq_len} + 1 = {seq_len + 1}); raise --seq-len (up to the model's context) "
-                f"or shorten the row"
+                f"{where}: the row is {len(ids)} tokens with the template, longer than a sequence (--seq-len {seq_len} "
+                f"+ 1 = {seq_len + 1}); raise --seq-len (up to the model's context) or shorten the row"
             )
-        if pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1:
-            windows[-1][0].extend(ids)  # the row fits in the current window: never split a row
-            windows[-1][1].extend(mask)
-            windows[-1][2].extend(range(len(ids)))
-        else:
-            windows.append((list(ids), list(mask), list(range(len(ids)))))
+        if not (pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1):
+            windows.append(([], [], []))  # a new window: a row is never split
+        windows[-1][0].extend(ids)
+        windows[-1][1].extend(mask)
+        windows[-1][2].extend(range(len(ids)))
     x = np.full((len(windows), seq_len), eot, dtype=np.int64)  # padding input: <|endoftext|>
     y = np.full((len(windows), seq_len), IGNORE_INDEX, dtype=np.int64)
     positions = np.tile(np.arange(seq_len, dtype=np.int64), (len(windows), 1))
     for i, (ids, mask, pos) in enumerate(windows):
         n = len(ids) - 1  # positions with a next token
         x[i, : min(n + 1, seq_len)] = ids[:seq_len]
-        targets = np.asarray(ids[1:], dtype=np.int64)
-        y[i, :n] = np.where(np.asarray(mask[1:], dtype=bool), targets, IGNORE_INDEX)
+        y[i, :n] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
         positions[i, : min(n + 1, seq_len)] = pos[:seq_len]
         positions[i, n + 1 :] -= n + 1  # the padding: one more row, from position 0
     return x, y, positions
@@ -174,19 +161,14 @@ def packed_inputs(positions: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class InstructionLoader:
-    """Batches ``(x, y)`` of instruction sequences (packed: ``(x, y, packed_inputs(...))``, forward
-    keyword arguments that isolate the rows; the Trainer passes them on), with the interface of
-    :class:`gpt2.data.TokenLoader` that the Trainer and :func:`gpt2.eval.evaluate_loss` use
-    (``next_batch``, ``reset``, ``state_dict`` / ``load_state_dict``, ``batch_size``,
-    ``seq_len``, ``rank``, ``world_size``, ``tokens_per_step``).
+    """Batches ``(x, y)`` of instruction sequences (packed: ``(x, y, packed_inputs(...))``), with
+    the interface of :class:`gpt2.data.TokenLoader` that the Trainer and evaluation use.
 
-    One step of all ranks takes ``batch_size * world_size`` sequences from the current epoch's
-    order, rank ``r`` the ``r``-th ``batch_size`` of them. With ``shuffle`` (training) every
-    epoch has its own permutation from ``(seed, epoch)`` and a last step that would run past the
-    end is dropped (those sequences come first in some later epoch's order, by chance). Without
-    (validation) the order is fixed and the last step is filled up with all-ignored padding
-    sequences, so one pass scores every row once. The state is ``{epoch, position}``: resuming
-    continues the same order exactly.
+    One step of all ranks takes ``batch_size * world_size`` sequences of the epoch's order, rank
+    ``r`` the ``r``-th ``batch_size``. With ``shuffle`` (training) each epoch has its permutation
+    from ``(seed, epoch)`` and a last partial step is dropped; without (validation) the order is
+    fixed and the last step is padded with all-ignored sequences, so a pass scores every row
+    once. The state is ``{epoch, position}``: resuming continues the same order exactly.
     """
 
     def __init__(
@@ -203,15 +185,12 @@ class InstructionLoader:
         tokenizer: Any = None,
     ) -> None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_value("InstructionLoader", name, value, POSITIVE_INT)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.pack, self.shuffle, self.seed = pack, shuffle, seed
         if tokenizer is None:
-            from gpt2.model.tokenizer import get_tokenizer
-
             tokenizer = get_tokenizer()
         self.pad_id = tokenizer.eot_token
         rows = read_rows(source) if isinstance(source, (str, Path)) else list(source)
@@ -220,28 +199,26 @@ class InstructionLoader:
             raise ValueError("no instruction rows to load")
         self.x, self.y, self.positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
         self.num_sequences = len(self.x)
-        per_step = batch_size * world_size
-        if shuffle and self.num_sequences < per_step:
+        if shuffle and self.num_sequences < batch_size * world_size:
             raise ValueError(
                 f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
                 f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
             )
-        self.steps_per_epoch = self.num_sequences // per_step if shuffle else math.ceil(self.num_sequences / per_step)
-        self._epoch = 0
-        self._position = 0
-        self._order = self._order_of(0)
+        self.steps_per_epoch = self._steps_per_epoch()
+        self.reset()
 
     def unsharded(self) -> InstructionLoader:
         """The same sequences for one process (rank 0 of 1), at the start: what rank 0 scores
         alone (``evaluate_loss``) after a distributed run."""
         view = InstructionLoader.__new__(InstructionLoader)
         view.__dict__.update(self.__dict__, rank=0, world_size=1)
-        per_step = self.batch_size
-        view.steps_per_epoch = (
-            self.num_sequences // per_step if self.shuffle else math.ceil(self.num_sequences / per_step)
-        )
+        view.steps_per_epoch = view._steps_per_epoch()
         view.reset()
         return view
+
+    def _steps_per_epoch(self) -> int:
+        per_step = self.batch_size * self.world_size
+        return self.num_sequences // per_step if self.shuffle else math.ceil(self.num_sequences / per_step)
 
     @property
     def tokens_per_step(self) -> int:

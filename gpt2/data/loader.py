@@ -1,10 +1,5 @@
-"""The batch loader: ``(x, y)`` batches from token arrays, files or shard directories.
-
-:class:`TokenLoader` reads shards (or an in-memory array) the way build-nanogpt's
-``DataLoaderLite`` does, with a position that can be saved and restored. Given the model's
-``vocab_size`` it checks every shard's ids once, on the CPU, when it opens the shard, so a bad
-id is reported with its file before it can reach an embedding lookup on the GPU.
-"""
+"""The batch loader: ``(x, y)`` batches from token arrays, files or shard directories, read the
+way build-nanogpt's ``DataLoaderLite`` does, with a position that can be saved and restored."""
 
 from __future__ import annotations
 
@@ -18,7 +13,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gpt2.data.formats import check_token_ids, file_sha256, load_tokens, manifest_mismatch, read_manifests, token_files
+from gpt2.data.formats import check_token_ids, load_tokens, manifest_mismatch, read_manifests, token_files
+from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import POSITIVE_INT, Range, check_value
 
 logger = logging.getLogger(__name__)
@@ -62,11 +58,6 @@ def _warn_unverified(directory: str) -> None:
     )
 
 
-# ------------------------------------------------------------------------------------------
-# The batch loader
-# ------------------------------------------------------------------------------------------
-
-
 class _Shard:
     """One token sequence: an in-memory array, or a file opened lazily (memory-mapped), checked
     against its manifest entry when its folder has one."""
@@ -74,9 +65,7 @@ class _Shard:
     __slots__ = ("name", "path", "array", "length", "checked_vocab", "sha256")
 
     def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, entry=None):
-        self.name = name
-        self.path = path
-        self.array = array
+        self.name, self.path, self.array = name, path, array
         # Opening an .npy memory map only reads its header, so measuring every shard up front is
         # cheap and lets the constructor reject a too-short shard before training starts.
         self.length = len(array) if array is not None else len(load_tokens(path))
@@ -90,7 +79,7 @@ class _Shard:
     def open(self, vocab_size: int | None) -> np.ndarray:
         # The digest reads the whole shard, so it is checked once, when the shard is first opened
         # (as the ids are), not for every shard when the loader is built.
-        if self.sha256 is not None and file_sha256(self.path) != self.sha256:
+        if self.sha256 is not None and sha256_file(self.path) != self.sha256:
             raise manifest_mismatch(self.path.parent, f"{self.path.name} has changed (its sha256 differs)")
         self.sha256 = None
         tokens = self.array if self.array is not None else load_tokens(self.path)
@@ -105,21 +94,15 @@ class _Shard:
 class TokenLoader:
     """Batches ``(x, y)`` of shape ``(B, T)`` from a token stream, split across DDP ranks.
 
-    ``source`` is a 1-D tensor or array of token ids, a token file (``.npy`` as written by
-    :func:`write_shards`, or a ``.bin``), or a directory of shards (only the file
-    names containing ``split`` when it is given, sorted by name).
+    ``source``: a 1-D tensor or array of token ids, a token file (``.npy``/``.bin``), or a
+    directory of shards (those whose names contain ``split`` when given, sorted by name).
 
-    The reading order is build-nanogpt's ``DataLoaderLite``: one step of all ranks reads the
-    ``B*T*world_size + 1`` tokens starting at ``position`` of the current shard, rank ``r`` the
-    ``B*T + 1`` of them starting at ``position + r*B*T``; ``position`` then advances by
-    ``B*T*world_size``, and when the next step would run past the shard's end the loader moves
-    to the next shard (wrapping around to the first) at position 0. So one rank with batch
-    ``2B`` reads exactly the rows two ranks with batch ``B`` read, and ``position`` is the same
-    on every rank: :meth:`state_dict` is rank-independent.
-
-    Shards are memory-mapped and only the slice a batch needs is converted to ``int64``.
-    With ``vocab_size`` (the Trainer passes its model's) every shard's ids are checked to be in
-    ``[0, vocab_size)`` when it is opened; a bad id raises ``ValueError`` naming the file.
+    One step of all ranks reads the ``B*T*world_size + 1`` tokens from ``position`` of the
+    current shard, rank ``r`` the ``B*T + 1`` from ``position + r*B*T``; when the next step would
+    run past the shard's end the loader moves to the next shard (wrapping around) at position 0.
+    So one rank with batch ``2B`` reads the rows two ranks with batch ``B`` read, and
+    :meth:`state_dict` is rank-independent. With ``vocab_size`` each shard's ids are checked on
+    the CPU when it is opened, so a bad id is named with its file before it reaches the GPU.
     """
 
     def __init__(
@@ -151,13 +134,11 @@ class TokenLoader:
         for shard in self._shards:
             if shard.length < needed:
                 raise ValueError(
-                    f"{shard.name} has {shard.length} tokens, but one step needs {needed} "
-                    f"(batch_size {self.batch_size} x seq_len {self.seq_len} x world_size "
-                    f"{self.world_size} + 1 for the shifted targets); use a smaller batch_size or "
-                    "seq_len, or more data per shard (or merge short shards)"
+                    f"{shard.name} has {shard.length} tokens, but one step needs {needed} (batch_size "
+                    f"{self.batch_size} x seq_len {self.seq_len} x world_size {self.world_size} + 1 for the shifted "
+                    "targets); use a smaller batch_size or seq_len, or more data per shard (or merge short shards)"
                 )
-        self._shard_index = 0
-        self._position = 0
+        self._shard_index, self._position = 0, 0
         self._tokens: np.ndarray | None = None  # the current shard, opened lazily
         self._vocab_size: int | None = None
         self.vocab_size = vocab_size  # checks the first shard's ids now
@@ -174,8 +155,6 @@ class TokenLoader:
         if value is not None:
             self._tokens = None  # reopen (and check) the current shard
             self._current()
-
-    # -- source resolution -------------------------------------------------------------------
 
     @staticmethod
     def _resolve(source: TokenSource, split: str | None) -> tuple[str, list[_Shard]]:
@@ -197,9 +176,7 @@ class TokenLoader:
             entries = read_manifests(path)
             if entries is None:
                 _warn_unverified(str(path))
-            files = token_files(path)
-            if split is not None:
-                files = [p for p in files if split in p.name]
+            files = [p for p in token_files(path) if split is None or split in p.name]
             if not files:
                 what = "token files (.npy/.bin)" if split is None else f"token files with {split!r} in their name"
                 raise FileNotFoundError(
@@ -210,14 +187,11 @@ class TokenLoader:
         if path.is_file():
             if split is not None and split not in path.name:
                 raise ValueError(
-                    f"split={split!r} does not match token file {str(path)!r} (its name does not "
-                    f"contain {split!r}); pass the directory of shards, the right file, or "
-                    "split=None"
+                    f"split={split!r} does not match token file {str(path)!r} (its name does not contain {split!r}); "
+                    "pass the directory of shards, the right file, or split=None"
                 )
             return str(path), [_Shard(f"token file {str(path)!r}", path=path)]
         raise FileNotFoundError(f"token source {str(path)!r} does not exist")
-
-    # -- properties --------------------------------------------------------------------------
 
     @property
     def tokens_per_step(self) -> int:
@@ -247,8 +221,6 @@ class TokenLoader:
     def position(self) -> int:
         """Offset in the current shard of the next step's first token (the same on every rank)."""
         return self._position
-
-    # -- reading -----------------------------------------------------------------------------
 
     def _current(self) -> np.ndarray:
         if self._tokens is None:
@@ -286,21 +258,12 @@ class TokenLoader:
         self._set_shard(0)
         self._position = 0
 
-    # -- saving and restoring the position ---------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """The position as JSON-serialisable ints: ``{"shard", "position", "num_shards"}``."""
-        return {
-            "shard": self._shard_index,
-            "position": self._position,
-            "num_shards": len(self._shards),
-        }
+        return {"shard": self._shard_index, "position": self._position, "num_shards": len(self._shards)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly where :meth:`state_dict` was taken (also after a JSON round trip).
-
-        ``num_shards`` is optional; when present it must match this loader's source.
-        """
+        """Resume exactly where :meth:`state_dict` was taken (``num_shards`` optional)."""
         if not isinstance(state, dict) or "shard" not in state or "position" not in state:
             raise ValueError(
                 f"loader state must be a dict with 'shard' and 'position' (from state_dict()), got {state!r}"
@@ -309,9 +272,8 @@ class TokenLoader:
         position = check_value("loader state", "position", state["position"], _INT)
         if "num_shards" in state and state["num_shards"] != len(self._shards):
             raise ValueError(
-                f"loader state was saved over {state['num_shards']} shard(s) but this loader's "
-                f"source {self._source_desc} has {len(self._shards)}; resume with the same data "
-                "(and split)"
+                f"loader state was saved over {state['num_shards']} shard(s) but this loader's source "
+                f"{self._source_desc} has {len(self._shards)}; resume with the same data (and split)"
             )
         if not 0 <= shard < len(self._shards):
             raise ValueError(
@@ -331,11 +293,9 @@ class TokenLoader:
     def __repr__(self) -> str:
         split = f", split={self.split!r}" if self.split is not None else ""
         return (
-            f"{type(self).__name__}(source={self._source_desc!r}{split}, "
-            f"shards={len(self._shards)}, "
-            f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
-            f"rank={self.rank}, world_size={self.world_size}, shard={self._shard_index}, "
-            f"position={self._position})"
+            f"{type(self).__name__}(source={self._source_desc!r}{split}, shards={len(self._shards)}, "
+            f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, rank={self.rank}, "
+            f"world_size={self.world_size}, shard={self._shard_index}, position={self._position})"
         )
 
 
@@ -349,15 +309,9 @@ def make_loader(
     world_size: int = 1,
     vocab_size: int | None = None,
 ) -> Any:
-    """The loader the Trainer reads ``split`` (``"train"`` / ``"val"``) from.
-
-    ``data`` is a 1-D token tensor or array, a token file, a directory of shards (then the files
-    whose names contain ``split`` are read), or a ready :class:`TokenLoader`. A loader must have
-    been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size`` (checked,
-    naming what differs; it is not rebuilt, since its source is not known).
-    """
-    # The loader checks token ids against the model's vocabulary on the CPU (the model no
-    # longer does, as that forced a GPU sync on every forward).
+    """The loader the Trainer reads ``split`` (``"train"`` / ``"val"``) from: ``data`` as a
+    :class:`TokenLoader` (a directory gives its ``split`` shards), or a ready loader, which must
+    have been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size``."""
     if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
         expected = {"batch_size": batch_size, "seq_len": seq_len, "rank": rank, "world_size": world_size}
         wrong = [
@@ -374,13 +328,11 @@ def make_loader(
         if vocab_size is not None and isinstance(data, TokenLoader) and data.vocab_size is None:
             data.vocab_size = vocab_size
         return data
-    if isinstance(data, (str, os.PathLike)):
-        split_arg = split if Path(data).is_dir() else None
+    if isinstance(data, (str, os.PathLike, torch.Tensor, np.ndarray)):
+        split_arg = split if isinstance(data, (str, os.PathLike)) and Path(data).is_dir() else None
         return TokenLoader(
             data, batch_size, seq_len, rank=rank, world_size=world_size, split=split_arg, vocab_size=vocab_size
         )
-    if isinstance(data, (torch.Tensor, np.ndarray)):
-        return TokenLoader(data, batch_size, seq_len, rank=rank, world_size=world_size, vocab_size=vocab_size)
     raise TypeError(
         f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
         f"gpt2.data.TokenLoader; got {type(data).__name__}"
@@ -388,11 +340,9 @@ def make_loader(
 
 
 def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches from the start of ``loader``: at most ``max_batches``, and at most one full pass.
-
-    The pass ends when the loader's saved position (``state_dict()``) comes back to where it
-    started, i.e. it wrapped around: a batch is never read twice, which would weigh it double.
-    Every rank's loader wraps at the same batch, so under DDP all ranks stop together."""
+    """Batches from the start of ``loader``: at most ``max_batches``, and at most one pass (until its
+    ``state_dict()`` comes back: a batch read twice would weigh double). Every rank's loader wraps
+    at the same batch, so under DDP all ranks stop together."""
     loader.reset()
     start = loader.state_dict() if hasattr(loader, "state_dict") else None
     if start is None and max_batches is None:

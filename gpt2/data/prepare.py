@@ -1,14 +1,12 @@
-"""Tokenising text into token shards in build-nanogpt's FineWeb-edu layout.
-
-A data set is a directory of 1-D ``uint16`` shards named ``{prefix}_{split}_{index:06d}.npy``
-(or ``.bin``, llm.c's headered layout, see :mod:`gpt2.data.formats`), the first shard
-(index 0) being ``val``. GPT-2's vocabulary (50257 ids) fits in ``uint16`` (max 65535), which
-halves the disk and page cache footprint compared with ``int32``.
+"""Tokenising text into build-nanogpt's FineWeb-edu layout: 1-D ``uint16`` shards named
+``{prefix}_{split}_{index:06d}.npy`` (or llm.c's ``.bin``), the first one ``val``. GPT-2's 50257
+ids fit ``uint16``, half the disk and page cache of ``int32``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import multiprocessing
@@ -26,9 +24,11 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, file_sha256, read_text, write_tokens
+from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, write_tokens
 from gpt2.files import pid_alive, replace_atomically
+from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
+from gpt2.model.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +58,14 @@ def _to_uint16(ids: Any, where: str) -> np.ndarray:
 
 
 def _encode_document(doc: Any, tokenizer: Any) -> np.ndarray:
-    """``<|endoftext|>`` then the document's ids, as uint16 (build-nanogpt's ``tokenize``).
-
-    The end-of-text token *before* each document lets the model learn where documents start,
-    and separates them in the concatenated stream.
-    """
+    """``<|endoftext|>`` then the document's ids, as uint16 (build-nanogpt's ``tokenize``): the
+    token *before* each document marks where documents start in the concatenated stream."""
     if not isinstance(doc, str):
         raise TypeError(
             f"documents must be str, got {type(doc).__name__}; for dataset rows pass the text "
             "field, e.g. (row['text'] for row in dataset)"
         )
-    ids = [tokenizer.eot_token]
-    ids.extend(tokenizer.encode_ordinary(doc))
+    ids = [tokenizer.eot_token, *tokenizer.encode_ordinary(doc)]
     return _to_uint16(ids, f"a document starting {doc[:40]!r}")
 
 
@@ -103,8 +99,7 @@ def _text_pieces(text: str, size: int) -> Iterator[str]:
 
 
 def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.ndarray:
-    """One document's uint16 ids (as :func:`_encode_document`), with a progress bar for a long
-    text (shown only when encoding takes more than a second)."""
+    """One document's uint16 ids (as :func:`_encode_document`), with a progress bar."""
     parts = [np.asarray([tokenizer.eot_token], dtype=np.int64)]
     with tqdm(
         total=len(text), unit="char", unit_scale=True, desc=desc, delay=_BAR_DELAY_S, disable=not progress, leave=False
@@ -122,14 +117,6 @@ class ShardWriteError(OSError):
 # A prepare stages its data set in a hidden folder .prepare-<pid>-<host>-<random> inside out_dir;
 # one whose process is gone (on this host) is the leftover of a killed prepare.
 _STAGE = re.compile(r"\.prepare-(\d+)-(.+)-\w+")
-
-
-def _remove_leftovers(out_dir: Path) -> None:
-    for path in out_dir.glob(".prepare-*"):
-        match = _STAGE.fullmatch(path.name)
-        if match and match[2] == socket.gethostname() and not pid_alive(int(match[1])):
-            logger.warning("removing %s, left by a prepare that was killed", path)
-            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -165,46 +152,46 @@ class _ShardWriter:
             raise ValueError(
                 f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), got {file_format!r}"
             )
-        self.prefix = prefix
-        self.file_format = file_format
+        self.prefix, self.file_format = prefix, file_format
         self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
         self.existing = sorted(
             p
             for split in ("val", "train")
             for suffix in _FORMATS
-            for p in self.out_dir.glob(f"{_glob_escape(prefix)}_{split}_*.{suffix}")
+            for p in self.out_dir.glob(f"{glob.escape(prefix)}_{split}_*.{suffix}")
         )
         if self.existing and not overwrite:
             raise FileExistsError(
-                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix "
-                f"{prefix!r} (e.g. {self.existing[0].name}); pass overwrite=True to replace them, "
-                "or choose another directory or prefix (mixing old and new shards would corrupt "
-                "the data set)"
+                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {prefix!r} (e.g. "
+                f"{self.existing[0].name}); pass overwrite=True to replace them, or choose another directory or prefix "
+                "(mixing old and new shards would corrupt the data set)"
             )
-        self.index = 0
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
 
     def __enter__(self) -> _ShardWriter:
         self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(self.out_dir)
+        for path in self.out_dir.glob(".prepare-*"):
+            match = _STAGE.fullmatch(path.name)
+            if match and match[2] == socket.gethostname() and not pid_alive(int(match[1])):
+                logger.warning("removing %s, left by a prepare that was killed", path)
+                shutil.rmtree(path, ignore_errors=True)
         self.stage = Path(tempfile.mkdtemp(prefix=f".prepare-{os.getpid()}-{socket.gethostname()}-", dir=self.out_dir))
         return self
 
     def write(self, tokens: np.ndarray, split: str) -> None:
-        name = shard_name(self.prefix, split, self.index, self.file_format)
+        name = shard_name(self.prefix, split, len(self.written), self.file_format)
         with self._writing():
             staged = write_tokens(self.stage / name, tokens)
             # Read back from the page cache, so the digest is of the bytes on disk.
-            entry = {"name": name, "tokens": len(tokens), "bytes": staged.stat().st_size, "sha256": file_sha256(staged)}
+            entry = {"name": name, "tokens": len(tokens), "bytes": staged.stat().st_size, "sha256": sha256_file(staged)}
         self.entries.append(entry)
         logger.info("wrote %s (%d tokens)", name, len(tokens))
         self.written.append(self.out_dir / name)
-        self.index += 1
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -265,19 +252,6 @@ def _write_json(path: Path, value: Any) -> None:
     replace_atomically(path, lambda f: f.write(json.dumps(value, indent=1).encode("utf-8")))
 
 
-def _glob_escape(text: str) -> str:
-    """Make ``text`` match itself literally in a glob pattern."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
-
-
-def _default_tokenizer(tokenizer: Any) -> Any:
-    if tokenizer is not None:
-        return tokenizer
-    from gpt2.model.tokenizer import get_tokenizer
-
-    return get_tokenizer()
-
-
 def write_shards(
     docs: Iterable[str],
     out_dir: str | os.PathLike,
@@ -290,24 +264,18 @@ def write_shards(
     overwrite: bool = False,
     file_format: str = "npy",
 ) -> list[Path]:
-    """Tokenise documents into uint16 shards in build-nanogpt's FineWeb-edu layout.
+    """Tokenise documents (each led by ``<|endoftext|>``) into shards of exactly ``shard_size``
+    tokens (build-nanogpt's 100M by default; the last one shorter) and return their paths.
 
-    Each document is prefixed with ``<|endoftext|>``; the token stream is cut into shards of
-    exactly ``shard_size`` tokens (the last one shorter). The first shard is the validation
-    set, ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy`` with the
-    index counting on (``..._train_000001.npy``, ...). ``shard_size`` defaults to
-    build-nanogpt's 100M tokens (200 MB per shard). ``file_format="bin"`` writes llm.c's
-    headered ``.bin`` shards instead (llm.c's ``train_gpt2`` reads them as they are).
-
-    ``tokenizer`` defaults to :func:`gpt2.tokenizer.get_tokenizer`; any object with
-    ``encode_ordinary`` and ``eot_token`` works. ``num_workers > 0`` tokenises in a
-    process pool; the shards are the same either way. The data set is written whole, with its
-    manifest ``{prefix}.shards.json``: a failure (:class:`ShardWriteError` for a full disk) or
-    Ctrl-C leaves ``out_dir`` as it was. Existing shards with the same prefix raise :class:`FileExistsError`
-    unless ``overwrite=True``. Returns the shard paths in order.
+    The first shard is ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy``,
+    the index counting on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``:
+    any object with ``encode_ordinary`` and ``eot_token``; ``num_workers > 0`` tokenises in a
+    process pool (same shards). The set and its manifest are written whole: a failure
+    (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards
+    with the same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
     """
-    tokenizer = _default_tokenizer(tokenizer)
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
+    tokenizer = writer.tokenizer
     num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
@@ -326,18 +294,17 @@ def write_shards(
                 encoded = (_encode_document(doc, tokenizer) for doc in docs)
             for tokens in encoded:
                 bar.update(len(tokens))
-                start = 0
-                while start < len(tokens):
-                    take = min(size - filled, len(tokens) - start)
-                    buffer[filled : filled + take] = tokens[start : start + take]
+                while len(tokens):
+                    take = min(size - filled, len(tokens))
+                    buffer[filled : filled + take] = tokens[:take]
                     filled += take
-                    start += take
+                    tokens = tokens[take:]
                     if filled == size:
-                        writer.write(buffer, "val" if writer.index == 0 else "train")
+                        writer.write(buffer, "train" if writer.written else "val")
                         filled = 0
-                        bar.set_description(f"{prefix} shard {writer.index}")
+                        bar.set_description(f"{prefix} shard {len(writer.written)}")
             if filled:
-                writer.write(buffer[:filled], "val" if writer.index == 0 else "train")
+                writer.write(buffer[:filled], "train" if writer.written else "val")
             if not writer.written:
                 raise ValueError("write_shards got no documents; docs was empty")
     finally:
@@ -360,24 +327,16 @@ def tokenize_file(
     overwrite: bool = False,
     file_format: str = "npy",
 ) -> list[Path]:
-    """Tokenise one text file (e.g. Tiny Shakespeare) into uint16 shards, split by token count.
-
-    The text is one document (``<|endoftext|>`` then its ids); its last ``val_fraction`` of
-    tokens becomes ``{prefix}_val_000000.npy`` (more val shards if it exceeds
-    ``shard_size``), the rest ``{prefix}_train_{index:06d}.npy`` shards, the index counting on
-    across splits as in :func:`write_shards`. The validation part is the end of the text, as
-    in nanoGPT's ``prepare.py``, so no passage is both trained on and validated on.
-    ``prefix`` defaults to the file's stem; ``file_format="bin"`` writes llm.c's ``.bin``
-    shards. The file is read into memory: for a corpus of many documents stream them through
-    :func:`write_shards` instead. A file that is not UTF-8 raises ``ValueError`` with the byte
-    offset of the first bad byte. Returns the shard paths.
+    """Tokenise one UTF-8 text file, read into memory as one document, into shards as
+    :func:`write_shards` does; its last ``val_fraction`` of tokens are the ``val`` shards (the
+    end of the text, as in nanoGPT's ``prepare.py``, so no passage is in both splits).
+    ``prefix`` defaults to the file's stem. Returns the shard paths.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}")
-    tokenizer = _default_tokenizer(tokenizer)
     writer = _ShardWriter(
         out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format, tokenizer
     )
@@ -385,7 +344,7 @@ def tokenize_file(
     text = read_text(path)
     if not text.strip():
         raise ValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-    tokens = _encode_text(text, tokenizer, f"tokenising {path.name}", progress)
+    tokens = _encode_text(text, writer.tokenizer, f"tokenising {path.name}", progress)
     n_val = round(len(tokens) * val_fraction)
     if val_fraction > 0 and not 0 < n_val < len(tokens):
         raise ValueError(

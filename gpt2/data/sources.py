@@ -11,6 +11,8 @@ import numpy as np
 
 from gpt2.data.downloads import tiny_shakespeare_path
 from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text
+from gpt2.data.prepare import _encode_text
+from gpt2.model.tokenizer import get_tokenizer
 
 
 def shakespeare_or_path(data: str) -> Path:
@@ -31,12 +33,9 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
     if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer()
-    text = read_text(path)  # not UTF-8: an error with the file and byte offset
-    ids = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)
-    return np.asarray(ids, dtype=np.uint16)
+    # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused
+    return _encode_text(read_text(path), tokenizer, str(path), progress=False)
 
 
 def is_text(data: str) -> bool:
@@ -72,20 +71,12 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np
 
 
 def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple[Any, Any]:
-    """``(train, val)`` sources for the Trainer from the ``--data`` / ``--val-data`` options.
-
-    A shard directory gives its ``train`` shards and, unless ``val_data`` is given, its ``val``
-    shards (when it has any). A text or token file is split by ``val_fraction`` unless
-    ``val_data`` is given.
-    """
+    """``(train, val)`` sources for the Trainer from ``--data`` / ``--val-data``: a shard directory
+    gives its ``val`` shards (if any) for validation, a file is split by ``val_fraction``."""
     source = load_token_source(data)
-    if isinstance(source, Path):  # a directory of shards
-        val: Any = None
-        if val_data is not None:
-            val = load_token_source(val_data)
-        elif any("val" in p.name for p in source.iterdir() if p.suffix in TOKEN_SUFFIXES):
-            val = source
-        return source, val
     if val_data is not None:
         return source, load_token_source(val_data)
+    if isinstance(source, Path):  # a directory of shards
+        has_val = any("val" in p.name for p in source.iterdir() if p.suffix in TOKEN_SUFFIXES)
+        return source, source if has_val else None
     return split_tokens(source, val_fraction, data)

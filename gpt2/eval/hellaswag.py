@@ -1,18 +1,13 @@
-"""HellaSwag is scored the way build-nanogpt (and the "completion" style of lm-evaluation-harness)
-does it for a base model that cannot follow instructions: each of the four endings is appended
-to the context, the model's cross-entropy is computed over the *ending tokens only*, and the
-ending the model finds most likely wins. Two numbers come out:
-
-- ``acc``: the ending with the lowest *summed* cross-entropy wins (favours short endings);
-- ``acc_norm``: the ending with the lowest *average per-token* cross-entropy wins (the length-
-  normalised number build-nanogpt reports; OpenAI's GPT-2 124M scores 0.2955 on the val split).
-
-
+"""HellaSwag scored as build-nanogpt (and lm-evaluation-harness's "completion" style) does for a
+base model: each ending is appended to the context and scored by its cross-entropy over the
+*ending tokens only*. ``acc``: the lowest summed loss wins (favours short endings); ``acc_norm``:
+the lowest mean loss per token (build-nanogpt's number; GPT-2 124M scores 0.2955 on val).
 :class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -24,10 +19,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from gpt2.data import iter_jsonl
 from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
 from gpt2.files import default_cache_dir, download
+from gpt2.model.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +37,9 @@ HELLASWAG_ENV = "GPT2_HELLASWAG"
 
 
 def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Path of the HellaSwag ``split`` jsonl, downloading it once into a cache if needed.
-
-    Looks, in order, at ``$GPT2_HELLASWAG`` (a jsonl file used for the val split, or a directory
-    holding ``hellaswag_<split>.jsonl``), then ``cache_dir`` (default ``$GPT2_CACHE_DIR/hellaswag``
-    or ``~/.cache/gpt2/hellaswag``). A missing file is downloaded from the official repository and
-    written atomically (temp file + rename), so an interrupted download never leaves a truncated
-    file in the cache. Offline, the error says where to put the file by hand.
-    """
+    """Path of the HellaSwag ``split`` jsonl: in ``$GPT2_HELLASWAG`` (the val file, or a directory
+    of ``hellaswag_<split>.jsonl``), else in ``cache_dir`` (default ``<cache>/hellaswag``), where a
+    missing file is downloaded, checked and written atomically."""
     if split not in HELLASWAG_URLS:
         raise ValueError(f"unknown HellaSwag split {split!r}; choose one of {sorted(HELLASWAG_URLS)}")
     filename = f"hellaswag_{split}.jsonl"
@@ -108,13 +100,12 @@ def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
 
 
 def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield the examples of a HellaSwag jsonl file (one JSON object per line, the official
-    format: ``ctx`` (or ``ctx_a`` + ``ctx_b``), ``endings``, ``label``). Blank lines are skipped;
-    a malformed line raises ``ValueError`` naming the file and line."""
+    """The examples of a HellaSwag jsonl file (``ctx`` or ``ctx_a`` + ``ctx_b``, ``endings``,
+    ``label``); a malformed line raises ``ValueError`` naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"HellaSwag file {str(path)!r} not found; use gpt2.hellaswag.hellaswag_path() to download "
+            f"HellaSwag file {str(path)!r} not found; use gpt2.hellaswag_path() to download "
             f"it, or pass the path of hellaswag_val.jsonl"
         )
     for line_no, example in iter_jsonl(path, hint="; is this a HellaSwag jsonl file?"):
@@ -147,17 +138,11 @@ def _label(example: dict[str, Any]) -> int:
 
 
 def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Tokens, mask and label of one HellaSwag example.
-
-    Returns ``tokens`` ``(N, T)`` (context + ending i on row i, right-padded with 0), ``mask``
-    ``(N, T)`` (1 on the ending tokens, the only ones scored) and the index of the right ending.
-    ``N`` is the number of endings (4 in HellaSwag). Each ending is encoded with a leading space,
-    as it follows the context's last word in GPT-2's byte-level BPE.
-    """
+    """``tokens`` ``(N, T)`` (context + ending i on row i, right-padded with 0), ``mask`` ``(N, T)``
+    (1 on the ending tokens, the only ones scored) and the label of one example. Endings are
+    encoded with a leading space, as they follow the context's last word in GPT-2's BPE."""
     _check_example(example, "example", 0)
     if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer()
     label = _label(example)
     ctx_tokens = list(tokenizer.encode(_context(example)))
@@ -166,18 +151,11 @@ def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torc
     rows, masks = [], []
     for ending in example["endings"]:
         end_tokens = list(tokenizer.encode(" " + ending))
-        rows.append(ctx_tokens + end_tokens)
-        masks.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
-    T = max(len(r) for r in rows)
-    tokens = torch.zeros((len(rows), T), dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
-    return tokens, mask, label
+        rows.append(torch.tensor(ctx_tokens + end_tokens, dtype=torch.long))
+        masks.append(torch.tensor([0] * len(ctx_tokens) + [1] * len(end_tokens), dtype=torch.long))
+    return pad_sequence(rows, batch_first=True), pad_sequence(masks, batch_first=True), label
 
 
-# --------------------------------------------------------------------------- HellaSwag scoring
 @torch.no_grad()
 def ending_losses(
     model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, autocast: AutocastArg = None
@@ -210,14 +188,10 @@ def ending_losses(
     with _autocast_context(autocast, device):
         logits = _logits(model(tokens))  # (N, T, V)
     # Position t predicts token t + 1: score each ending token from the logits just before it.
-    shift_logits = logits[:, :-1, :].float()  # (N, T-1, V)
-    shift_tokens = tokens[:, 1:]  # (N, T-1)
-    shift_mask = mask[:, 1:].float()  # (N, T-1)
-    losses = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_tokens.reshape(-1), reduction="none"
-    ).view(shift_tokens.shape)
-    sum_loss = (losses * shift_mask).sum(dim=1)
-    mean_loss = sum_loss / shift_mask.sum(dim=1).clamp(min=1.0)
+    targets, scored = tokens[:, 1:], mask[:, 1:].float()  # (N, T-1)
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
+    sum_loss = (losses.view_as(scored) * scored).sum(dim=1)
+    mean_loss = sum_loss / scored.sum(dim=1).clamp(min=1.0)
     return sum_loss, mean_loss
 
 
@@ -233,14 +207,11 @@ def score_hellaswag(
     rank: int = 0,
     world_size: int = 1,
 ) -> dict[str, float]:
-    """HellaSwag accuracy of a causal LM: ``{"acc", "acc_norm", "n"}``.
+    """HellaSwag accuracy of a causal LM on a jsonl file or example dicts: ``{"acc", "acc_norm", "n"}``.
 
-    ``path_or_examples``: a jsonl file (see :func:`hellaswag_path`) or an iterable of example
-    dicts. ``limit`` scores only the first examples. ``acc`` picks the ending with the lowest
-    summed loss, ``acc_norm`` the lowest mean loss per token (build-nanogpt's number).
-    With ``world_size > 1`` (under ``torch.distributed``) rank ``r`` scores examples
-    ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns
-    the full result.
+    ``limit`` scores only the first examples. With ``world_size > 1`` (under
+    ``torch.distributed``) rank ``r`` scores examples ``r, r + world_size, ...`` and the counts
+    are summed over ranks, so every rank returns the full result.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
@@ -251,21 +222,16 @@ def score_hellaswag(
     if device is not None:
         model = model.to(device)
     if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer()
-    if isinstance(path_or_examples, (str, os.PathLike)):
-        examples: Iterable[dict[str, Any]] = iterate_hellaswag(path_or_examples)
-    else:
-        examples = path_or_examples
+    examples = path_or_examples
+    if isinstance(examples, (str, os.PathLike)):
+        examples = iterate_hellaswag(examples)
     was_training = model.training
     model.eval()
     # counts: correct (sum), correct (mean), examples
     counts = torch.zeros(3, dtype=torch.long)
     try:
-        for i, example in enumerate(examples):
-            if limit is not None and i >= limit:
-                break
+        for i, example in enumerate(itertools.islice(examples, limit)):
             if i % world_size != rank:
                 continue
             tokens, mask, label = render_example(example, tokenizer)
@@ -276,10 +242,9 @@ def score_hellaswag(
     finally:
         model.train(was_training)
     if world_size > 1:
-        reduced = counts.to(_model_device(model))
-        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
-        counts = reduced.cpu()
-    correct, correct_norm, n = (int(c) for c in counts)
+        counts = counts.to(_model_device(model))
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
+    correct, correct_norm, n = counts.tolist()
     if n == 0:
         raise ValueError("no HellaSwag example was scored: the file or iterable is empty")
     return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
@@ -299,13 +264,9 @@ def resolve_hellaswag(spec: str | None) -> Path | None:
 
 
 class HellaSwagCallback:
-    """A Trainer callback: HellaSwag every ``interval`` steps and after the last one.
-
-    It runs on every rank (each scores its share of the examples) inside ``Trainer.fit``, so
-    training is never paused (no extra checkpoints) and the scores land in the step's record:
-    ``hellaswag_acc`` / ``hellaswag_acc_norm`` / ``hellaswag_n`` in metrics.jsonl, which a resumed
-    run truncates and continues like every other metric.
-    """
+    """A Trainer callback: HellaSwag every ``interval`` steps and after the last one, on every
+    rank (each scores its share), into the step's record (``hellaswag_acc`` / ``_acc_norm`` /
+    ``_n`` in metrics.jsonl, which a resumed run truncates and continues like every metric)."""
 
     def __init__(self, path: Path, interval: int, limit: int | None) -> None:
         self.path, self.interval, self.limit = path, interval, limit

@@ -1,4 +1,4 @@
-"""Evaluation: validation loss / perplexity over token data (HellaSwag: :mod:`gpt2.hellaswag`)."""
+"""Evaluation: validation loss / perplexity over token data (HellaSwag: :mod:`gpt2.eval.hellaswag`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 AutocastArg = Union[None, torch.dtype, Callable[[], ContextManager[Any]]]
 
 
-# --------------------------------------------------------------------------- shared helpers
 def _model_device(model: nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -31,11 +30,9 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextManager[Any]:
-    if autocast is None:
+    if autocast is None or autocast == torch.float32:
         return contextlib.nullcontext()
     if isinstance(autocast, torch.dtype):
-        if autocast == torch.float32:
-            return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=autocast)
     if callable(autocast):
         return autocast()
@@ -68,7 +65,6 @@ class NonFiniteLossError(ValueError):
         self.loss = loss
 
 
-# --------------------------------------------------------------------------- validation loss
 @torch.no_grad()
 def evaluate_loss(
     model: nn.Module,
@@ -85,30 +81,24 @@ def evaluate_loss(
     source: str = "the model",
     warn_short: bool = True,
 ) -> dict[str, float]:
-    """Mean next-token cross-entropy of ``model`` over ``data``.
+    """Mean next-token cross-entropy of ``model`` over ``data``: ``{"loss", "perplexity", "tokens"}``.
 
-    ``data``: a 1-D token tensor / array, a token file (``.npy`` / ``.bin``), a directory of
-    shards (``split`` picks e.g. the "val" ones), or a :class:`gpt2.data.TokenLoader`. Batches
-    of ``batch_size`` x ``seq_len`` tokens are read in order from the start; with
-    ``max_batches=None`` every full batch is read once; ``max_batches`` caps that. The pass
-    never wraps around to read a batch twice: data shorter than ``max_batches`` batches is
-    scored once, with a warning.
+    ``data``: a 1-D token tensor / array, a token file, a directory of shards (``split`` picks
+    e.g. the "val" ones), or a loader. Batches are read in order from the start, every full batch
+    once or at most ``max_batches``; a batch is never read twice (short data logs a warning
+    unless ``warn_short=False``). A non-finite loss raises :class:`NonFiniteLossError` naming
+    ``source``.
 
-    ``distributed=True`` under ``torchrun`` (an initialised process group of several ranks):
-    every rank must call this with the same arguments; rank ``r`` scores batches ``r``,
-    ``r + world_size``, ... of that same sequence and the sums are all-reduced, so every rank
-    returns the one-process result in about 1/world_size of the time. With one process it
-    changes nothing. A loader built for this rank (``world_size`` = the job's, as the Trainer's
-    validation loader is) is read whole by its rank: ``max_batches`` then counts per rank.
-
-    Returns ``{"loss", "perplexity", "tokens"}``: the mean loss per predicted token,
-    ``exp(loss)``, and how many tokens were scored (over all ranks). ``progress=True`` shows a
-    tqdm bar. A non-finite loss raises :class:`NonFiniteLossError` naming ``source``; data
-    holding fewer than ``max_batches`` batches logs a warning (unless ``warn_short=False``).
+    ``distributed=True`` under ``torchrun``: every rank calls this with the same arguments, rank
+    ``r`` scores batches ``r, r + world_size, ...`` and the sums are all-reduced, so every rank
+    returns the one-process result. A loader built for this rank and world size is read whole by
+    its rank (``max_batches`` then counts per rank).
     """
     if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
         raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
-    rank, world_size = _rank_and_world_size() if distributed else (0, 1)
+    rank, world_size = 0, 1
+    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     per_rank = world_size > 1 and getattr(data, "world_size", 1) == world_size  # this rank's share already
     if world_size > 1 and not per_rank and getattr(data, "world_size", 1) != 1:
         raise ValueError(
@@ -117,7 +107,9 @@ def evaluate_loss(
         )
     device = torch.device(device) if device is not None else _model_device(model)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    loader = _eval_loader(data, batch_size, seq_len, split, vocab_size)
+    loader = data
+    if not hasattr(data, "next_batch"):  # ids checked against the vocabulary on the CPU (forward never syncs to)
+        loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
     batches = one_pass(loader, max_batches)
     if progress:
         from tqdm.auto import tqdm
@@ -139,24 +131,17 @@ def evaluate_loss(
                 continue  # another rank's share
             x, y = x.to(device), y.to(device)
             with _autocast_context(autocast, device):
-                logits = _logits(model(x))
+                logits = _logits(model(x)).float()
             # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
             # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
             # scored and not counted, so the mean is over the scored tokens only.
-            loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)),
-                y.reshape(-1),
-                reduction="sum",
-                ignore_index=IGNORE_INDEX,
-            )
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
             sums[0] += loss.double()
             sums[1] += (y != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)
     if world_size > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
     total, n_tokens = sums.tolist()
     n_tokens = int(n_tokens)
     if n_tokens == 0:
@@ -179,29 +164,3 @@ def evaluate_loss(
             mean,
         )
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _eval_loader(
-    data: Any,
-    batch_size: int,
-    seq_len: int,
-    split: str | None,
-    vocab_size: int | None = None,
-) -> Any:
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if hasattr(data, "next_batch"):
-        loader = data
-    else:
-        # ids are checked against the model's vocabulary here, on the CPU (forward never syncs to check)
-        loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
-    return loader
