@@ -73,8 +73,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model: GPT, max_len: int | None = None) -> KVCache:
         """An empty cache for ``model``, holding up to ``max_len`` (default ``block_size``) positions."""
-        cfg = model.config
-        return cls(cfg.n_layer, max_len or cfg.block_size, model.device)
+        return cls(model.config.n_layer, max_len or model.config.block_size, model.device)
 
 
 def sample_next(
@@ -150,43 +149,10 @@ def stream(
     ``idx`` ``(B, T)`` holds the prompts; ``attention_mask`` ``(B, T)`` marks real prompt tokens
     (True) in left-padded batched prompts (see :func:`pad_prompts`), which then give the same
     tokens as each prompt alone. Rows that have emitted ``eos_token_id`` keep emitting it; the
-    iteration stops once every row has. ``seed`` (or a ``torch.Generator``) makes sampling
-    reproducible; ``temperature=0`` is greedy. Past ``block_size`` tokens the context is cropped
-    to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked when this is called,
-    not at the first ``next``.
+    iteration stops once every row has. ``temperature=0`` is greedy. Past ``block_size`` tokens
+    the context is cropped to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked
+    when this is called, not at the first ``next``.
     """
-    _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, generator)
-    _check_prompt_ids(idx, model.config.vocab_size)
-    device = model.device
-    idx = idx.to(device).long()
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-            raise ValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
-        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
-        if not bool(attention_mask[:, -1].all()):
-            raise ValueError(
-                "prompts must be left-padded: the last position of every row must be a real token "
-                "(attention_mask True); build them with gpt2.generate.pad_prompts"
-            )
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    return _stream(
-        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
-    )
-
-
-def _check_args(
-    model: GPT,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    eos_token_id: int | None,
-    seed: int | None,
-    generator: torch.Generator | None,
-) -> None:
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(
@@ -215,20 +181,32 @@ def _check_args(
         raise ValueError("pass either seed or generator, not both")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
-
-
-def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
-    """Token ids must lie in [0, vocab_size). The model's forward does not check values (that
-    would stall the GPU on every call), and on CUDA an id out of range is a device-side assert
-    that kills the process; so the prompt is checked once here, before it reaches the device.
-    (One host read: free for a CPU prompt, one sync for a prompt that is already on the GPU.)"""
+    # The forward does not check id values (that would stall the GPU on every call), and on CUDA
+    # an id out of range is a device-side assert that kills the process: check the prompt once.
     lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
-    if lo < 0 or hi >= vocab_size:
-        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < vocab_size][:5]
+    if lo < 0 or hi >= V:
+        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < V][:5]
         raise ValueError(
-            f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad} "
+            f"prompt token ids must be in [0, {V}) (the model's vocab_size), got {bad} "
             f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
         )
+    device = model.device
+    idx = idx.to(device).long()
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise ValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError(
+                "prompts must be left-padded: the last position of every row must be a real token "
+                "(attention_mask True); build them with gpt2.generate.pad_prompts"
+            )
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    return _stream(
+        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
+    )
 
 
 @torch.no_grad()
@@ -295,18 +273,11 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-    """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``.
-
-    Keyword arguments as in :func:`stream`: ``temperature`` (0 = greedy), ``top_k``, ``top_p``,
-    ``eos_token_id``, ``seed`` / ``generator``, ``use_cache``, ``attention_mask``. With
-    ``eos_token_id``, ``n`` is smaller than ``max_new_tokens`` when every row finished early.
-    """
-    steps = stream(model, idx, max_new_tokens, **kwargs)
-    new = list(steps)
+    """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``; keyword arguments as in
+    :func:`stream` (with ``eos_token_id``, ``n`` is smaller when every row finished early)."""
+    new = list(stream(model, idx, max_new_tokens, **kwargs))
     idx = idx.to(model.device).long()
-    if not new:
-        return idx
-    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
+    return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
 
 def stream_text(
@@ -322,27 +293,21 @@ def stream_text(
     stop_at_eot: bool = True,
     autocast: Any = None,
 ) -> Iterator[str]:
-    """Yield the text of one sample piece by piece, as tokens are sampled.
-
-    An empty ``prompt`` starts from ``<|endoftext|>`` (an unconditional sample). A token that
-    ends inside a multi-byte UTF-8 character is held back until the character is complete, so
-    every yielded piece is valid text. ``autocast`` is a zero-argument callable returning the
-    context to sample in (e.g. ``PrecisionPolicy.autocast``), or None.
-    """
+    """Yield the text of one sample piece by piece; an empty ``prompt`` starts from ``<|endoftext|>``.
+    ``autocast`` is a zero-argument callable returning the context to sample in, or None."""
     if tokenizer is None:
         from gpt2.model.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     ids = tokenizer.encode(prompt) if prompt else [eot]
-    idx = torch.tensor([ids], dtype=torch.long)
     produced: list[int] = []
     shown = ""
     with autocast() if autocast is not None else contextlib.nullcontext():
         # gpt2.generate.stream rather than model.stream: a torch.compile'd model then runs compiled.
         tokens = stream(
             model,
-            idx,
+            torch.tensor([ids], dtype=torch.long),
             max_new_tokens,
             temperature=temperature,
             top_k=top_k,
@@ -356,7 +321,8 @@ def stream_text(
                 break
             produced.append(token)
             text = tokenizer.decode(produced)
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for its rest
+            # A token may end inside a multi-byte UTF-8 character: hold it back until it is whole.
+            if text.endswith("\ufffd"):
                 continue
             yield text[len(shown) :]
             shown = text
