@@ -14,6 +14,7 @@ boundary with a checkpoint and one line saying how to resume; the exit code is 1
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -30,7 +31,6 @@ from gpt2.cli.layers import parse as parse_options
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
 EXIT_FAILURE = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 class Command(NamedTuple):
@@ -77,23 +77,6 @@ def parse(
     return options, options.print_config
 
 
-# --------------------------------------------------------------------------- errors
-def _is_usage_error(e: BaseException) -> bool:
-    from gpt2.model.tokenizer import TokenizerNotAvailableError
-
-    bad_files = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
-    bad_input = (UsageError, OptionError, ValueError, TypeError, ConnectionError, ImportError)
-    return isinstance(e, (*bad_files, *bad_input, TokenizerNotAvailableError))
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    if isinstance(e, KeyError):
-        text = f"missing key {text}"
-    return " ".join(text.split())
-
-
-# --------------------------------------------------------------------------- entry points
 def run_command(
     name: str,
     argv: Sequence[str] | None = None,
@@ -111,7 +94,6 @@ def run_command(
     cmd = COMMANDS[name]
     prog = prog or f"gpt2 {name}"
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("GPT2_DEBUG", "") not in ("", "0")
     _setup_logging()
     try:
         try:
@@ -124,8 +106,14 @@ def run_command(
         launch = getattr(options, "launch", None)  # train and finetune can start their own workers
         nproc = launch.nproc_per_node if launch is not None else 1
         if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
+            from gpt2.cli.launch import launch_workers
+
+            # Check the options once here (a bad value is one line, not one per rank); each worker
+            # then reads these resolved options.
+            importlib.import_module(f"gpt2.cli.{cmd.module_name}").check(options)
             os.environ[LAUNCH_ARGV] = shlex.join(argv)  # for the workers' resume line
-            return _launch(name, cmd, options, nproc, prog)
+            single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
+            return launch_workers(name, dump_yaml(single, f"# {prog}: options of the launcher\n"), nproc, prog)
         result = cmd.function(options)
         return result if isinstance(result, int) else 0
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
@@ -139,11 +127,16 @@ def run_command(
             print(f"\n{prog}: {e if str(e) else 'interrupted'}{resume}", file=sys.stderr)
         return 128 + int(signum)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
-        if debug:
+        if os.environ.get("GPT2_DEBUG", "") not in ("", "0"):
             raise
-        code = EXIT_USAGE if _is_usage_error(e) else EXIT_FAILURE
+        from gpt2.model.tokenizer import TokenizerNotAvailableError
+
+        bad_files = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+        bad_input = (UsageError, OptionError, ValueError, TypeError, ConnectionError, ImportError)
+        code = EXIT_USAGE if isinstance(e, (*bad_files, *bad_input, TokenizerNotAvailableError)) else EXIT_FAILURE
         kind = "error" if code == EXIT_USAGE else f"error ({type(e).__name__})"
-        print(f"{prog}: {kind}: {_one_line(e)}", file=sys.stderr)
+        text = f"missing key {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
+        print(f"{prog}: {kind}: {' '.join(text.split())}", file=sys.stderr)
         if code == EXIT_FAILURE:
             print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
         return code
@@ -167,18 +160,6 @@ def _resume_command(prog: str, argv: Sequence[str]) -> str:
         torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
         command = [*torchrun, "-m", *command] if command[0] == "gpt2" else [*torchrun, *command]
     return shlex.join([*command, *kept, "--resume", "auto"])
-
-
-def _launch(name: str, cmd: Command, options: Any, nproc: int, prog: str) -> int:
-    """``--nproc-per-node N``: check the options once here (a bad value is one line, not one per
-    rank), then start N workers that each read these resolved options."""
-    import dataclasses
-
-    from gpt2.cli.launch import launch_workers
-
-    importlib.import_module(f"gpt2.cli.{cmd.module_name}").check(options)
-    single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
-    return launch_workers(name, dump_yaml(single, f"# {prog}: options of the launcher\n"), nproc, prog)
 
 
 class _StdoutHandler(logging.Handler):
