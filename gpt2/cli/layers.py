@@ -71,15 +71,6 @@ def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
     return out
 
 
-def build(cls: type, values: dict[str, Any]) -> Any:
-    """``cls()`` with the flat ``values`` set; unchecked: tyro builds (and so checks) the real one."""
-    options = cls()
-    for key, value in values.items():
-        path = option_fields(cls)[key][0]
-        setattr(functools.reduce(getattr, path[:-1], options), path[-1], value)
-    return options
-
-
 def dump_yaml(options: Any, header: str) -> str:
     """The resolved options as a YAML file that ``--config`` reads back."""
     nested: dict[str, Any] = {}
@@ -148,10 +139,7 @@ def recipe_path(name: str, on_cuda: bool) -> Path:
     """A recipe name (``shakespeare`` -> the cpu or gpu file for this machine) or a YAML path."""
     name = RENAMED.get(name, name)
     if name.endswith((".yaml", ".yml")) or "/" in name:
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"recipe file {name!r} does not exist")
-        return path
+        return Path(name).expanduser()  # read_yaml says if it is missing
     for stem in (f"{name}-{'gpu' if on_cuda else 'cpu'}", name):
         if (RECIPE_DIR / f"{stem}.yaml").is_file():
             return RECIPE_DIR / f"{stem}.yaml"
@@ -209,8 +197,6 @@ def parse(
 
     defaults = dict(defaults or {})
     config = _flag(argv, "--config")
-    if config and not Path(config).expanduser().exists():
-        raise ConfigError(f"config file {config!r} does not exist")
     from_file = read_yaml(Path(config).expanduser(), cls, "config file") if config else {}
     recipe = _flag(argv, "--recipe") or from_file.pop("recipe", None) or defaults.pop("recipe", None) or recipe
     recipe_values = read_yaml(recipe_path(recipe, uses_cuda(_flag(argv, "--device"))), cls, "recipe") if recipe else {}
@@ -222,8 +208,11 @@ def parse(
     scale = {"max_steps", "warmup_steps"} <= recipe_values.keys() and "warmup_steps" not in given
     if scale:
         values["warmup_steps"] = 0 if "max_steps" in given else _warmup(recipe_values, values["max_steps"])
+    default = cls()  # unchecked: tyro builds (and so checks) the real one
+    for key, value in values.items():
+        path = option_fields(cls)[key][0]
+        setattr(functools.reduce(getattr, path[:-1], default), path[-1], value)
     with _registry:
-        default = build(cls, values)
         options = tyro.cli(cls, args=argv, default=default, prog=prog, description=description or cls.__doc__)
     if scale:
         options.train = dataclasses.replace(options.train, warmup_steps=_warmup(recipe_values, options.train.max_steps))
