@@ -12,8 +12,10 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
+from gpt2.data.sources import shakespeare_or_path
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
+from gpt2.train.rundir import check_out_dir
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
 Flat = tyro.conf.OmitArgPrefixes
@@ -106,6 +108,16 @@ def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
         raise UsageError(f"--top-k must be >= 1 (or None), got {s.top_k}")
     if s.top_p is not None and not 0 < s.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (or None), got {s.top_p}")
+
+
+def check_run(options: Any) -> None:
+    """What ``gpt2 train`` and ``gpt2 finetune`` check before any data is read or process started."""
+    if options.train.out_dir is not None:
+        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
+    check_sampling(options.sampling, allow_none=True)
+    for data in (options.data.data, options.data.val_data):
+        if data is not None:
+            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
 
 
 def instruction_prompt(instruction: str | None, input: str | None) -> str | None:
@@ -211,12 +223,8 @@ def final_report(
             prompt=prompt,
         )
     if trainer.out_dir is not None:
-        write_results(trainer.out_dir, results)
+        write_json(trainer.out_dir / "results.json", results)
     return results
-
-
-def write_results(out_dir: Path, results: dict[str, Any]) -> None:
-    write_json(out_dir / "results.json", results)
 
 
 def write_json(path: str | Path, data: Any) -> None:

@@ -22,7 +22,7 @@ from gpt2.cli.common import (
     SamplingOptions,
     UsageError,
     check_export_dir,
-    check_sampling,
+    check_run,
     final_report,
     instruction_prompt,
     print_samples,
@@ -30,12 +30,11 @@ from gpt2.cli.common import (
 )
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
-from gpt2.data.sources import shakespeare_or_path, training_data
+from gpt2.data.sources import training_data
 from gpt2.files import replace_atomically
 from gpt2.model.loading import load_model
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
-from gpt2.train.rundir import check_out_dir
 from gpt2.train.trainer import Trainer, seed_everything
 from minlora import LoRAConfig
 
@@ -70,9 +69,7 @@ class FinetuneOptions(Options):
 
 def check(options: FinetuneOptions) -> None:
     """What can be checked before the model is loaded or any process started."""
-    if options.train.out_dir is not None:
-        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
-    check_sampling(options.sampling, allow_none=True)
+    check_run(options)
     instruction_prompt(options.instruct.instruction, options.instruct.input)
     if options.lora.include_lm_head and options.merge_export and not options.full:
         # Merging LoRA on the tied head unties it (head W + BA, embedding W), but GPT-2's
@@ -86,9 +83,6 @@ def check(options: FinetuneOptions) -> None:
         raise UsageError("--peft-export writes a LoRA adapter; --full trains all weights and has none (drop one)")
     check_export_dir(options.merge_export, "--merge-export", MODEL_EXPORT_FILES, options.train.overwrite)
     check_export_dir(options.peft_export, "--peft-export", PEFT_EXPORT_FILES, options.train.overwrite)
-    for data in (options.data.data, options.data.val_data):
-        if data is not None:
-            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
 
 
 def finetune(options: FinetuneOptions) -> dict[str, Any]:
@@ -117,16 +111,10 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     with Trainer(model, config, train_data, val) as trainer:
         main = trainer.is_main
         if main and options.full:
-            print(
-                f"full fine-tuning of {options.init}: {sum(p.numel() for p in model.parameters()):,} parameters",
-                flush=True,
-            )
+            print(f"full fine-tuning of {options.init}: {model.num_params():,} parameters", flush=True)
         elif main:
-            print(
-                f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}: "
-                f"{minlora.count_parameters(model)}",
-                flush=True,
-            )
+            lora = f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}"
+            print(f"{lora}: {minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
         if trainer.step == 0:  # a resumed run has no "before"
             if val is not None:  # LoRA's B starts at zero: this is the pretrained model's own loss
