@@ -1,9 +1,5 @@
-"""Sampling from a GPT: temperature, top-k, top-p, greedy, EOS, batched prompts, a KV cache.
-
-The KV cache holds every layer's keys and values for the whole context, so decoding one token
-costs one (B, 1) forward instead of re-running the whole prefix. Generation with and without the
-cache gives identical tokens (tested).
-"""
+"""Sampling from a GPT: temperature, top-k, top-p, greedy, EOS, batched prompts, and a KV cache
+(decoding one token is one (B, 1) forward, with the same tokens as without the cache)."""
 
 from __future__ import annotations
 
@@ -21,11 +17,9 @@ class KVCache:
     """Keys and values of every layer in static buffers of ``max_len`` positions.
 
     The write position is a tensor (``pos``), never a Python int, and every step attends over the
-    whole buffer with a mask built from ``pos``: a decoding step has the same shapes and the same
-    graph at every token, so ``torch.compile`` compiles it once. The model calls :meth:`update`
-    once per layer and :meth:`advance` once per forward. Each layer's buffer is allocated on its
-    first update with the dtype and device of the keys it receives (under autocast they are
-    bf16/fp16 while the weights are fp32); zeros, so masked-out slots never hold NaN.
+    whole buffer with a mask built from ``pos``: every decoding step has the same shapes and graph,
+    so ``torch.compile`` compiles it once. Buffers are allocated on their layer's first update
+    with the keys' dtype (bf16/fp16 under autocast), as zeros so masked-out slots never hold NaN.
     """
 
     def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
@@ -84,11 +78,8 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Pick one token per row from ``logits`` ``(B, V)``; greedy (argmax) when temperature is 0.
-
-    ``top_k`` keeps the k most likely tokens (ties with the k-th are kept too); ``top_p`` keeps the
-    smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus sampling). Both
-    filters apply after the temperature, as in Hugging Face's samplers.
-    """
+    ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
+    Hugging Face's samplers."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Sampling in fp32: bf16 logits have ~3 significant digits, too coarse for softmax tails.
@@ -109,12 +100,8 @@ def sample_next(
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad prompts of different lengths: ``(ids, attention_mask)``, both ``(B, T)``.
-
-    Left padding puts every prompt's last token in the last column, so the next token of every row
-    is sampled from the same position. ``pad_id`` only needs to be a valid token id: padded
-    positions are masked out of attention and do not count as positions.
-    """
+    """Left-pad prompts of different lengths: ``(ids, attention_mask)``, both ``(B, T)``. Left, so
+    every row's next token is sampled from the last column; pad positions are masked out."""
     if isinstance(prompts, torch.Tensor) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     if any(len(p) == 0 for p in prompts):
