@@ -34,8 +34,7 @@ EXIT_FAILURE = 1
 
 
 class Command(NamedTuple):
-    """A command: the module of gpt2.cli holding its function (named like the module, taking the
-    options dataclass), a one-line summary and the recipe used when --recipe is not given."""
+    """A module of gpt2.cli holding the function named like it, its summary and default recipe."""
 
     module_name: str
     summary: str

@@ -171,9 +171,8 @@ def print_samples(
 
 
 def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:
-    """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Under
-    DDP every rank must call this: each scores its share of the batches and the sums are
-    all-reduced, so no rank waits in a collective while rank 0 evaluates alone."""
+    """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Every
+    rank calls this: each scores its share and the sums are all-reduced."""
     from gpt2.eval.loss import evaluate_loss
 
     split = "val" if isinstance(val, Path) else None
@@ -202,9 +201,8 @@ def final_report(
     header: str = "",
     prompt: str | None = None,
 ) -> dict[str, Any]:
-    """Validation loss over the val data (or ``final_eval_batches`` of it), then on rank 0 samples
-    and ``results.json`` in the run directory. Every rank calls this (under DDP the evaluation is
-    split across the ranks); ranks other than 0 return ``{}``."""
+    """Validation loss (every rank calls this), then on rank 0 samples and ``results.json`` in the
+    run directory; ranks other than 0 return ``{}``."""
     results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
     if val is not None:
         loss = val_loss(trainer, val, final_eval_batches)
