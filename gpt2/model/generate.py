@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpt2.model.tokenizer import get_tokenizer
+
 if TYPE_CHECKING:  # pragma: no cover
     from gpt2.model.gpt import GPT
 
@@ -268,40 +270,20 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> to
 
 
 def stream_text(
-    model: Any,
-    prompt: str,
-    max_new_tokens: int,
-    *,
-    tokenizer: Any = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    stop_at_eot: bool = True,
-    autocast: Any = None,
+    model: Any, prompt: str, max_new_tokens: int, *, stop_at_eot: bool = True, autocast: Any = None, **kwargs: Any
 ) -> Iterator[str]:
     """Yield the text of one sample piece by piece; an empty ``prompt`` starts from ``<|endoftext|>``.
-    ``autocast`` is a zero-argument callable returning the context to sample in, or None."""
-    if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
-        tokenizer = get_tokenizer()
+    ``autocast`` is a zero-argument callable returning the context to sample in, or None; the
+    other keyword arguments (``temperature``, ``top_k``, ``top_p``, ``generator``) as in :func:`stream`."""
+    tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     ids = tokenizer.encode(prompt) if prompt else [eot]
     produced: list[int] = []
     shown = ""
     with autocast() if autocast is not None else contextlib.nullcontext():
         # gpt2.generate.stream rather than model.stream: a torch.compile'd model then runs compiled.
-        tokens = stream(
-            model,
-            torch.tensor([ids], dtype=torch.long),
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eot if stop_at_eot else None,
-            generator=generator,
-        )
+        eos = eot if stop_at_eot else None
+        tokens = stream(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, eos_token_id=eos, **kwargs)
         for column in tokens:  # (1,)
             token = int(column[0])
             if stop_at_eot and token == eot:
