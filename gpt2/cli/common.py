@@ -142,9 +142,9 @@ def print_samples(
 ) -> list[str]:
     """``s.num_samples`` samples, streamed to stdout; returns their texts. ``prompt`` (an
     instruction template) replaces ``s.prompt`` and is not echoed: only the response is shown."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
+    generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator, autocast=autocast)
     shown = prompt is None
     prompt = s.prompt if prompt is None else prompt
     texts = []
@@ -153,16 +153,7 @@ def print_samples(
         if shown:
             print(prompt, end="", flush=True)
         pieces = []
-        for piece in stream_text(
-            model,
-            prompt,
-            s.max_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            generator=generator,
-            autocast=autocast,
-        ):
+        for piece in stream_text(model, prompt, s.max_new_tokens, **sampling):
             pieces.append(piece)
             print(piece, end="", flush=True)
         print()
