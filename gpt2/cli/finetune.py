@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 import tyro
@@ -143,7 +142,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
         )  # every rank
         if not main:
             return {}
-        _save(trainer, options, results, Path(config.out_dir or "."))
+        _save(trainer, options, results)
         return results
 
 
@@ -172,29 +171,27 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
     return train, val, (rows[0][0], rows[0][1])
 
 
-def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any], out: Path) -> None:
+def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> None:
     """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full), the
     optional PEFT and transformers exports, and results.json."""
-    tokenizer_dir = os.environ.get("GPT2_TOKENIZER_DIR") or None
-    if options.full:
-        if trainer.out_dir is not None:
-            print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
-    else:
-        if trainer.out_dir is not None:  # out_dir=None writes nothing there (never ./adapter)
-            adapter = minlora.save_adapter(trainer.model, out / "adapter")
-            results["adapter"] = str(adapter)
-            print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
-        if options.peft_export:
-            minlora.export_peft_adapter(trainer.model, options.peft_export)
-            print(f"wrote PEFT adapter {options.peft_export}")
-        if options.merge_export:
-            minlora.merge_lora(trainer.model)
+    out = trainer.out_dir  # None writes nothing there (never ./adapter)
+    if out is not None and options.full:
+        print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+    elif out is not None:
+        adapter = minlora.save_adapter(trainer.model, out / "adapter")
+        results["adapter"] = str(adapter)
+        print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+    if options.peft_export:  # never with --full: check() refuses it
+        minlora.export_peft_adapter(trainer.model, options.peft_export)
+        print(f"wrote PEFT adapter {options.peft_export}")
     if options.merge_export:
-        trainer.model.save_pretrained(options.merge_export, tokenizer_dir=tokenizer_dir)
+        if not options.full:
+            minlora.merge_lora(trainer.model)
+        trainer.model.save_pretrained(options.merge_export, tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None)
         print(
             f"wrote {'merged model ' if not options.full else ''}{options.merge_export} "
             f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
         )
-    if trainer.out_dir is not None:
+    if out is not None:
         text = json.dumps(results, indent=2) + "\n"
         replace_atomically(out / "results.json", lambda f: f.write(text.encode("utf-8")))
