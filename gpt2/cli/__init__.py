@@ -1,15 +1,11 @@
 """The command line: ``gpt2 <command> [options]`` (also ``python -m gpt2 <command>``).
 
 Each command is a module of this package holding its options dataclass and the function that runs
-it (``gpt2 train``: :class:`gpt2.cli.train.TrainOptions` and :func:`gpt2.cli.train.train`). tyro
-turns the dataclass fields into the flags and their docs into ``--help``; :mod:`gpt2.cli.layers`
-sets the defaults it parses over: dataclass defaults < ``--recipe`` (``gpt2/recipes/``) < an example
-script's defaults < ``--config FILE`` < flags. ``--print-config`` prints the resolved options.
-
-A bad flag, value or file ends with a one-line error and exit code 2; another failure exits 1
-(``GPT2_DEBUG=1`` shows the traceback). Ctrl-C, SIGTERM and SIGHUP stop training at a step
-boundary with a checkpoint and one line saying how to resume; the exit code is 128 + the signal
-(130, 143, 129).
+it (``gpt2 train``: :class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); tyro turns
+the fields into flags, over the defaults :mod:`gpt2.cli.layers` sets. A bad flag, value or file
+ends with a one-line error and exit code 2; another failure exits 1 (``GPT2_DEBUG=1`` shows the
+traceback); Ctrl-C, SIGTERM and SIGHUP stop training at a step boundary with a checkpoint and a
+resume line, exit code 128 + the signal.
 """
 
 from __future__ import annotations
@@ -189,7 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``gpt2 <command> [options]``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_top_help())
+        width = max(len(n) for n in COMMANDS)
+        commands = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
+        print(TOP_HELP.format(commands=commands))
         return 0 if argv else EXIT_USAGE
     if argv[0] == "--version":
         from gpt2 import __version__
@@ -205,10 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(argv[0], argv[1:])
 
 
-def _top_help() -> str:
-    width = max(len(n) for n in COMMANDS)
-    commands = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
-    return f"""usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)
+TOP_HELP = """usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)
 
 GPT-2 from pretraining to LoRA fine-tuning, sampling and evaluation.
 

@@ -1,12 +1,9 @@
 """Where a command's option values come from, lowest priority first: the defaults of its options
-dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml`` for this machine, or any
-YAML path), the example script's own defaults, ``--config FILE`` and the flags.
-
-The files and the script's defaults make the *default instance* that tyro parses the flags over,
-so ``--help`` shows the values a run would use. A YAML file holds option names as keys
-(``max_steps: 100`` or ``max-steps: 100``; a prefixed group such as ``lora`` is a mapping), and
-each value is converted by tyro's own rule for the field's type, as a flag's would be.
-``--print-config`` writes that format, so its output is a valid ``--config`` file.
+dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml``, or any YAML path), the
+example script's own defaults, ``--config FILE`` and the flags. All but the flags make the default
+instance tyro parses the flags over, so ``--help`` shows the values a run would use. A YAML file
+maps option names (``max_steps`` or ``max-steps``; a prefixed group such as ``lora`` is a mapping)
+to values converted by tyro's rule for the field's type; ``--print-config`` writes that format.
 """
 
 from __future__ import annotations

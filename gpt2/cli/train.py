@@ -136,14 +136,9 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     print(f"  gpt2 sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
     instructions = Path("examples/data/instructions.jsonl")  # in the checkout (docs/lora.md)
     if instructions.is_file():
-        print(
-            f"  gpt2 finetune --init {run} --data {instructions} --full --max-lr 2e-3 --micro-batch-size 8 "
-            f"--max-steps 150 --out-dir {shlex.quote(str(out_dir) + '-instruct')}   # instruction tuning "
-            f"(docs/lora.md)"
-        )
+        finetune = f"--data {instructions} --full --max-lr 2e-3 --micro-batch-size 8 --max-steps 150 --out-dir "
+        finetune += f"{shlex.quote(str(out_dir) + '-instruct')}   # instruction tuning (docs/lora.md)"
     else:
-        print(
-            f"  gpt2 finetune --init {run} --data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}"
-            "   # LoRA fine-tune it"
-        )
+        finetune = f"--data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}   # LoRA fine-tune it"
+    print(f"  gpt2 finetune --init {run} {finetune}")
     print(f"  gpt2 eval --model {run} --data {data}   # validation loss of the saved model")
