@@ -15,6 +15,9 @@ import tyro
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
+from gpt2.model.loading import apply_adapter, load_model
+from gpt2.train.distributed import resolve_device
+from gpt2.train.precision import inference_autocast
 from gpt2.train.rundir import check_out_dir
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
@@ -118,6 +121,16 @@ def check_run(options: Any) -> None:
     for data in (options.data.data, options.data.val_data):
         if data is not None:
             shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
+
+
+def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
+    """``options.model`` with ``options.adapter`` on ``options.device`` in eval mode, the autocast of
+    ``options.precision`` and the device (``gpt2 sample`` and ``gpt2 eval``)."""
+    device = resolve_device(options.device)
+    model = load_model(options.model, device=device)
+    if options.adapter:
+        apply_adapter(model, options.adapter)
+    return model.eval(), inference_autocast(options.precision, device), device
 
 
 def instruction_prompt(instruction: str | None, input: str | None) -> str | None:
