@@ -1,19 +1,16 @@
 """The command line: ``gpt2 <command> [options]`` (also ``python -m gpt2 <command>``).
 
 Each command is a module of this package holding its options dataclass and the function that runs
-it (``gpt2 train``: :class:`gpt2.cli.train.TrainOptions` and :func:`gpt2.cli.train.train`). tyro
-turns the dataclass fields into the flags and their docs into ``--help``; :mod:`gpt2.cli.layers`
-sets the defaults it parses over: dataclass defaults < ``--recipe`` (``gpt2/recipes/``) < an example
-script's defaults < ``--config FILE`` < flags. ``--print-config`` prints the resolved options.
-
-A bad flag, value or file ends with a one-line error and exit code 2; another failure exits 1
-(``GPT2_DEBUG=1`` shows the traceback). Ctrl-C, SIGTERM and SIGHUP stop training at a step
-boundary with a checkpoint and one line saying how to resume; the exit code is 128 + the signal
-(130, 143, 129).
+it (``gpt2 train``: :class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); tyro turns
+the fields into flags, over the defaults :mod:`gpt2.cli.layers` sets. A bad flag, value or file
+ends with a one-line error and exit code 2; another failure exits 1 (``GPT2_DEBUG=1`` shows the
+traceback); Ctrl-C, SIGTERM and SIGHUP stop training at a step boundary with a checkpoint and a
+resume line, exit code 128 + the signal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -30,12 +27,10 @@ from gpt2.cli.layers import parse as parse_options
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
 EXIT_FAILURE = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 class Command(NamedTuple):
-    """A command: the module of gpt2.cli holding its function (named like the module, taking the
-    options dataclass), a one-line summary and the recipe used when --recipe is not given."""
+    """A module of gpt2.cli holding the function named like it, its summary and default recipe."""
 
     module_name: str
     summary: str
@@ -77,23 +72,6 @@ def parse(
     return options, options.print_config
 
 
-# --------------------------------------------------------------------------- errors
-def _is_usage_error(e: BaseException) -> bool:
-    from gpt2.model.tokenizer import TokenizerNotAvailableError
-
-    bad_files = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
-    bad_input = (UsageError, OptionError, ValueError, TypeError, ConnectionError, ImportError)
-    return isinstance(e, (*bad_files, *bad_input, TokenizerNotAvailableError))
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    if isinstance(e, KeyError):
-        text = f"missing key {text}"
-    return " ".join(text.split())
-
-
-# --------------------------------------------------------------------------- entry points
 def run_command(
     name: str,
     argv: Sequence[str] | None = None,
@@ -111,7 +89,6 @@ def run_command(
     cmd = COMMANDS[name]
     prog = prog or f"gpt2 {name}"
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("GPT2_DEBUG", "") not in ("", "0")
     _setup_logging()
     try:
         try:
@@ -124,9 +101,15 @@ def run_command(
         launch = getattr(options, "launch", None)  # train and finetune can start their own workers
         nproc = launch.nproc_per_node if launch is not None else 1
         if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
+            from gpt2.cli.launch import launch_workers
+
+            # Check the options once here (a bad value is one line, not one per rank); each worker
+            # then reads these resolved options.
+            importlib.import_module(f"gpt2.cli.{cmd.module_name}").check(options)
             os.environ[LAUNCH_ARGV] = shlex.join(argv)  # for the workers' resume line
+            single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
             try:
-                return _launch(name, cmd, options, nproc, prog)
+                return launch_workers(name, dump_yaml(single, f"# {prog}: options of the launcher\n"), nproc, prog)
             finally:  # only the workers read it: a later command in this process must not
                 del os.environ[LAUNCH_ARGV]
         result = cmd.function(options)
@@ -142,11 +125,16 @@ def run_command(
             print(f"\n{prog}: {e if str(e) else 'interrupted'}{resume}", file=sys.stderr)
         return 128 + int(signum)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
-        if debug:
+        if os.environ.get("GPT2_DEBUG", "") not in ("", "0"):
             raise
-        code = EXIT_USAGE if _is_usage_error(e) else EXIT_FAILURE
+        from gpt2.model.tokenizer import TokenizerNotAvailableError
+
+        bad_files = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+        bad_input = (UsageError, OptionError, ValueError, TypeError, ConnectionError, ImportError)
+        code = EXIT_USAGE if isinstance(e, (*bad_files, *bad_input, TokenizerNotAvailableError)) else EXIT_FAILURE
         kind = "error" if code == EXIT_USAGE else f"error ({type(e).__name__})"
-        print(f"{prog}: {kind}: {_one_line(e)}", file=sys.stderr)
+        text = f"missing key {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
+        print(f"{prog}: {kind}: {' '.join(text.split())}", file=sys.stderr)
         if code == EXIT_FAILURE:
             print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
         return code
@@ -170,18 +158,6 @@ def _resume_command(prog: str, argv: Sequence[str]) -> str:
         torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
         command = [*torchrun, "-m", *command] if command[0] == "gpt2" else [*torchrun, *command]
     return shlex.join([*command, *kept, "--resume", "auto"])
-
-
-def _launch(name: str, cmd: Command, options: Any, nproc: int, prog: str) -> int:
-    """``--nproc-per-node N``: check the options once here (a bad value is one line, not one per
-    rank), then start N workers that each read these resolved options."""
-    import dataclasses
-
-    from gpt2.cli.launch import launch_workers
-
-    importlib.import_module(f"gpt2.cli.{cmd.module_name}").check(options)
-    single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
-    return launch_workers(name, dump_yaml(single, f"# {prog}: options of the launcher\n"), nproc, prog)
 
 
 class _StdoutHandler(logging.Handler):
@@ -212,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``gpt2 <command> [options]``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_top_help())
+        width = max(len(n) for n in COMMANDS)
+        commands = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
+        print(TOP_HELP.format(commands=commands))
         return 0 if argv else EXIT_USAGE
     if argv[0] == "--version":
         from gpt2 import __version__
@@ -228,10 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(argv[0], argv[1:])
 
 
-def _top_help() -> str:
-    width = max(len(n) for n in COMMANDS)
-    commands = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
-    return f"""usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)
+TOP_HELP = """usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)
 
 GPT-2 from pretraining to LoRA fine-tuning, sampling and evaluation.
 

@@ -12,8 +12,13 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
+from gpt2.data.sources import shakespeare_or_path
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
+from gpt2.model.loading import apply_adapter, load_model
+from gpt2.train.distributed import resolve_device
+from gpt2.train.precision import inference_autocast
+from gpt2.train.rundir import check_out_dir
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
 Flat = tyro.conf.OmitArgPrefixes
@@ -108,6 +113,26 @@ def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
         raise UsageError(f"--top-p must be in (0, 1] (or None), got {s.top_p}")
 
 
+def check_run(options: Any) -> None:
+    """What ``gpt2 train`` and ``gpt2 finetune`` check before any data is read or process started."""
+    if options.train.out_dir is not None:
+        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
+    check_sampling(options.sampling, allow_none=True)
+    for data in (options.data.data, options.data.val_data):
+        if data is not None:
+            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
+
+
+def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
+    """``options.model`` with ``options.adapter`` on ``options.device`` in eval mode, the autocast of
+    ``options.precision`` and the device (``gpt2 sample`` and ``gpt2 eval``)."""
+    device = resolve_device(options.device)
+    model = load_model(options.model, device=device)
+    if options.adapter:
+        apply_adapter(model, options.adapter)
+    return model.eval(), inference_autocast(options.precision, device), device
+
+
 def instruction_prompt(instruction: str | None, input: str | None) -> str | None:
     """The instruction template around ``--instruction`` (and ``--input``), or None without one."""
     if not instruction:
@@ -130,9 +155,9 @@ def print_samples(
 ) -> list[str]:
     """``s.num_samples`` samples, streamed to stdout; returns their texts. ``prompt`` (an
     instruction template) replaces ``s.prompt`` and is not echoed: only the response is shown."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
+    generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator, autocast=autocast)
     shown = prompt is None
     prompt = s.prompt if prompt is None else prompt
     texts = []
@@ -141,16 +166,7 @@ def print_samples(
         if shown:
             print(prompt, end="", flush=True)
         pieces = []
-        for piece in stream_text(
-            model,
-            prompt,
-            s.max_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            generator=generator,
-            autocast=autocast,
-        ):
+        for piece in stream_text(model, prompt, s.max_new_tokens, **sampling):
             pieces.append(piece)
             print(piece, end="", flush=True)
         print()
@@ -159,9 +175,8 @@ def print_samples(
 
 
 def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:
-    """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Under
-    DDP every rank must call this: each scores its share of the batches and the sums are
-    all-reduced, so no rank waits in a collective while rank 0 evaluates alone."""
+    """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Every
+    rank calls this: each scores its share and the sums are all-reduced."""
     from gpt2.eval.loss import evaluate_loss
 
     split = "val" if isinstance(val, Path) else None
@@ -190,9 +205,8 @@ def final_report(
     header: str = "",
     prompt: str | None = None,
 ) -> dict[str, Any]:
-    """Validation loss over the val data (or ``final_eval_batches`` of it), then on rank 0 samples
-    and ``results.json`` in the run directory. Every rank calls this (under DDP the evaluation is
-    split across the ranks); ranks other than 0 return ``{}``."""
+    """Validation loss (every rank calls this), then on rank 0 samples and ``results.json`` in the
+    run directory; ranks other than 0 return ``{}``."""
     results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
     if val is not None:
         loss = val_loss(trainer, val, final_eval_batches)
@@ -211,12 +225,8 @@ def final_report(
             prompt=prompt,
         )
     if trainer.out_dir is not None:
-        write_results(trainer.out_dir, results)
+        write_json(trainer.out_dir / "results.json", results)
     return results
-
-
-def write_results(out_dir: Path, results: dict[str, Any]) -> None:
-    write_json(out_dir / "results.json", results)
 
 
 def write_json(path: str | Path, data: Any) -> None:

@@ -7,14 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpt2.cli.common import Precision, UsageError, write_json
+from gpt2.cli.common import Precision, UsageError, load_for_inference, write_json
 from gpt2.cli.layers import Options
 from gpt2.data.sources import is_text, load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
-from gpt2.model.loading import apply_adapter, load_model
-from gpt2.train.distributed import resolve_device
-from gpt2.train.precision import inference_autocast
 
 
 @dataclass
@@ -57,12 +54,7 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
         )
     hellaswag = resolve_hellaswag(options.hellaswag)  # before the model loads: fail fast
     source = load_token_source(options.data) if options.data is not None else None
-    device = resolve_device(options.device)
-    model = load_model(options.model, device=device)
-    if options.adapter:
-        apply_adapter(model, options.adapter)
-    model.eval()
-    autocast = inference_autocast(options.precision, device)
+    model, autocast, device = load_for_inference(options)
     results: dict[str, Any] = {"model": options.model}
     if source is not None:
         seq_len = options.seq_len or min(model.config.block_size, 1024)

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 import tyro
@@ -22,7 +21,7 @@ from gpt2.cli.common import (
     SamplingOptions,
     UsageError,
     check_export_dir,
-    check_sampling,
+    check_run,
     final_report,
     instruction_prompt,
     print_samples,
@@ -30,12 +29,11 @@ from gpt2.cli.common import (
 )
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
-from gpt2.data.sources import shakespeare_or_path, training_data
+from gpt2.data.sources import training_data
 from gpt2.files import replace_atomically
 from gpt2.model.loading import load_model
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
-from gpt2.train.rundir import check_out_dir
 from gpt2.train.trainer import Trainer, seed_everything
 from minlora import LoRAConfig
 
@@ -70,9 +68,7 @@ class FinetuneOptions(Options):
 
 def check(options: FinetuneOptions) -> None:
     """What can be checked before the model is loaded or any process started."""
-    if options.train.out_dir is not None:
-        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
-    check_sampling(options.sampling, allow_none=True)
+    check_run(options)
     instruction_prompt(options.instruct.instruction, options.instruct.input)
     if options.lora.include_lm_head and options.merge_export and not options.full:
         # Merging LoRA on the tied head unties it (head W + BA, embedding W), but GPT-2's
@@ -86,9 +82,6 @@ def check(options: FinetuneOptions) -> None:
         raise UsageError("--peft-export writes a LoRA adapter; --full trains all weights and has none (drop one)")
     check_export_dir(options.merge_export, "--merge-export", MODEL_EXPORT_FILES, options.train.overwrite)
     check_export_dir(options.peft_export, "--peft-export", PEFT_EXPORT_FILES, options.train.overwrite)
-    for data in (options.data.data, options.data.val_data):
-        if data is not None:
-            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
 
 
 def finetune(options: FinetuneOptions) -> dict[str, Any]:
@@ -117,16 +110,10 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     with Trainer(model, config, train_data, val) as trainer:
         main = trainer.is_main
         if main and options.full:
-            print(
-                f"full fine-tuning of {options.init}: {sum(p.numel() for p in model.parameters()):,} parameters",
-                flush=True,
-            )
+            print(f"full fine-tuning of {options.init}: {model.num_params():,} parameters", flush=True)
         elif main:
-            print(
-                f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}: "
-                f"{minlora.count_parameters(model)}",
-                flush=True,
-            )
+            lora = f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}"
+            print(f"{lora}: {minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
         if trainer.step == 0:  # a resumed run has no "before"
             if val is not None:  # LoRA's B starts at zero: this is the pretrained model's own loss
@@ -155,7 +142,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
         )  # every rank
         if not main:
             return {}
-        _save(trainer, options, results, Path(config.out_dir or "."))
+        _save(trainer, options, results)
         return results
 
 
@@ -184,29 +171,27 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
     return train, val, (rows[0][0], rows[0][1])
 
 
-def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any], out: Path) -> None:
+def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> None:
     """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full), the
     optional PEFT and transformers exports, and results.json."""
-    tokenizer_dir = os.environ.get("GPT2_TOKENIZER_DIR") or None
-    if options.full:
-        if trainer.out_dir is not None:
-            print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
-    else:
-        if trainer.out_dir is not None:  # out_dir=None writes nothing there (never ./adapter)
-            adapter = minlora.save_adapter(trainer.model, out / "adapter")
-            results["adapter"] = str(adapter)
-            print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
-        if options.peft_export:
-            minlora.export_peft_adapter(trainer.model, options.peft_export)
-            print(f"wrote PEFT adapter {options.peft_export}")
-        if options.merge_export:
-            minlora.merge_lora(trainer.model)
+    out = trainer.out_dir  # None writes nothing there (never ./adapter)
+    if out is not None and options.full:
+        print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+    elif out is not None:
+        adapter = minlora.save_adapter(trainer.model, out / "adapter")
+        results["adapter"] = str(adapter)
+        print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+    if options.peft_export:  # never with --full: check() refuses it
+        minlora.export_peft_adapter(trainer.model, options.peft_export)
+        print(f"wrote PEFT adapter {options.peft_export}")
     if options.merge_export:
-        trainer.model.save_pretrained(options.merge_export, tokenizer_dir=tokenizer_dir)
+        if not options.full:
+            minlora.merge_lora(trainer.model)
+        trainer.model.save_pretrained(options.merge_export, tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None)
         print(
             f"wrote {'merged model ' if not options.full else ''}{options.merge_export} "
             f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
         )
-    if trainer.out_dir is not None:
+    if out is not None:
         text = json.dumps(results, indent=2) + "\n"
         replace_atomically(out / "results.json", lambda f: f.write(text.encode("utf-8")))

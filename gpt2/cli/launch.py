@@ -1,16 +1,11 @@
 """``gpt2 train --nproc-per-node N``: start N worker processes on this machine ourselves.
 
-It does what ``torchrun --standalone --nproc-per-node N -m gpt2 train ...`` does, through
-torch.distributed's own launcher API (the elastic agent torchrun is built on), with one
-difference users notice: a stop signal (Ctrl-C, SIGTERM from a scheduler, SIGHUP) ends the run
-with rank 0's one line (where the checkpoint is, how to resume) and exit code 128 + the signal.
-The agent forwards the signal to the workers and gives them ``SHUTDOWN_SECONDS`` to reach the
-step boundary and save; under plain torchrun the workers do the same, but torchrun's agent
-prints a ``SignalException`` traceback of its own that cannot be changed from the workers.
-
-The workers get the launcher's *resolved* options (defaults, recipe, an example script's
-defaults, config file and flags already merged) as a ``--config`` file, the YAML that
-``--print-config`` writes, so every rank runs exactly the options the launcher saw.
+It does what ``torchrun --standalone --nproc-per-node N -m gpt2 train ...`` does, through the
+elastic agent torchrun is built on, except that a stop signal (Ctrl-C, SIGTERM, SIGHUP) ends the
+run with rank 0's one line (where the checkpoint is, how to resume) and exit code 128 + the
+signal: torchrun's own agent prints a ``SignalException`` traceback the workers cannot change.
+The workers get the launcher's resolved options as a ``--config`` file (what ``--print-config``
+writes), so every rank runs exactly the options the launcher saw.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ SHUTDOWN_SECONDS = 300
 
 
 def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: str) -> int:
-    """Run ``python -m gpt2 <command> --config <config_yaml>`` in ``nproc_per_node`` processes (one
-    per GPU, or gloo on CPU); returns the exit code (the first failed rank's; 128 + the signal
-    when a stop signal ended the run, which is the workers' own code)."""
+    """Run ``python -m gpt2 <command> --config <config_yaml>`` in ``nproc_per_node`` processes;
+    returns the exit code (the first failed rank's, or 128 + the stop signal)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -1,12 +1,9 @@
 """Where a command's option values come from, lowest priority first: the defaults of its options
-dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml`` for this machine, or any
-YAML path), the example script's own defaults, ``--config FILE`` and the flags.
-
-The files and the script's defaults make the *default instance* that tyro parses the flags over,
-so ``--help`` shows the values a run would use. A YAML file holds option names as keys
-(``max_steps: 100`` or ``max-steps: 100``; a prefixed group such as ``lora`` is a mapping), and
-each value is converted by tyro's own rule for the field's type, as a flag's would be.
-``--print-config`` writes that format, so its output is a valid ``--config`` file.
+dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml``, or any YAML path), the
+example script's own defaults, ``--config FILE`` and the flags. All but the flags make the default
+instance tyro parses the flags over, so ``--help`` shows the values a run would use. A YAML file
+maps option names (``max_steps`` or ``max-steps``; a prefixed group such as ``lora`` is a mapping)
+to values converted by tyro's rule for the field's type; ``--print-config`` writes that format.
 """
 
 from __future__ import annotations
@@ -69,15 +66,6 @@ def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
         elif _spec(base) is not None:
             out[name] = ((name,), base)
     return out
-
-
-def build(cls: type, values: dict[str, Any]) -> Any:
-    """``cls()`` with the flat ``values`` set; unchecked: tyro builds (and so checks) the real one."""
-    options = cls()
-    for key, value in values.items():
-        path = option_fields(cls)[key][0]
-        setattr(functools.reduce(getattr, path[:-1], options), path[-1], value)
-    return options
 
 
 def dump_yaml(options: Any, header: str) -> str:
@@ -148,10 +136,7 @@ def recipe_path(name: str, on_cuda: bool) -> Path:
     """A recipe name (``shakespeare`` -> the cpu or gpu file for this machine) or a YAML path."""
     name = RENAMED.get(name, name)
     if name.endswith((".yaml", ".yml")) or "/" in name:
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"recipe file {name!r} does not exist")
-        return path
+        return Path(name).expanduser()  # read_yaml says if it is missing
     for stem in (f"{name}-{'gpu' if on_cuda else 'cpu'}", name):
         if (RECIPE_DIR / f"{stem}.yaml").is_file():
             return RECIPE_DIR / f"{stem}.yaml"
@@ -209,8 +194,6 @@ def parse(
 
     defaults = dict(defaults or {})
     config = _flag(argv, "--config")
-    if config and not Path(config).expanduser().exists():
-        raise ConfigError(f"config file {config!r} does not exist")
     from_file = read_yaml(Path(config).expanduser(), cls, "config file") if config else {}
     recipe = _flag(argv, "--recipe") or from_file.pop("recipe", None) or defaults.pop("recipe", None) or recipe
     recipe_values = read_yaml(recipe_path(recipe, uses_cuda(_flag(argv, "--device"))), cls, "recipe") if recipe else {}
@@ -222,8 +205,11 @@ def parse(
     scale = {"max_steps", "warmup_steps"} <= recipe_values.keys() and "warmup_steps" not in given
     if scale:
         values["warmup_steps"] = 0 if "max_steps" in given else _warmup(recipe_values, values["max_steps"])
+    default = cls()  # unchecked: tyro builds (and so checks) the real one
+    for key, value in values.items():
+        path = option_fields(cls)[key][0]
+        setattr(functools.reduce(getattr, path[:-1], default), path[-1], value)
     with _registry:
-        default = build(cls, values)
         options = tyro.cli(cls, args=argv, default=default, prog=prog, description=description or cls.__doc__)
     if scale:
         options.train = dataclasses.replace(options.train, warmup_steps=_warmup(recipe_values, options.train.max_steps))

@@ -14,12 +14,10 @@ from gpt2.cli.common import (
     SamplingOptions,
     check_sampling,
     instruction_prompt,
+    load_for_inference,
     print_samples,
 )
 from gpt2.cli.layers import Options
-from gpt2.model.loading import apply_adapter, load_model
-from gpt2.train.distributed import resolve_device
-from gpt2.train.precision import inference_autocast
 
 
 @dataclass
@@ -46,13 +44,8 @@ class SampleOptions(Options):
 def sample(options: SampleOptions) -> int:
     check_sampling(options.sampling)
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)  # only the response is printed
-    device = resolve_device(options.device)
-    model = load_model(options.model, device=device)
-    if options.adapter:
-        apply_adapter(model, options.adapter)
-    model.eval()
+    model, autocast, _ = load_for_inference(options)
     if options.compile:
         model = torch.compile(model)
-    autocast = inference_autocast(options.precision, device)
     print_samples(model, options.sampling, seed=options.seed, autocast=autocast, prompt=prompt)
     return 0

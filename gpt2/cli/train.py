@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from gpt2.cli.common import DataOptions, Flat, LaunchOptions, SamplingOptions, UsageError, check_sampling, final_report
+from gpt2.cli.common import DataOptions, Flat, LaunchOptions, SamplingOptions, UsageError, check_run, final_report
 from gpt2.cli.layers import Options
-from gpt2.data.sources import shakespeare_or_path, training_data
+from gpt2.data.sources import training_data
 from gpt2.eval.hellaswag import HellaSwagCallback, resolve_hellaswag
 from gpt2.model.config import SHAPE_NAMES, SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
-from gpt2.train.rundir import LOCK_FILE, check_out_dir
+from gpt2.train.rundir import LOCK_FILE
 from gpt2.train.trainer import Trainer, seed_everything
 
 
@@ -76,15 +76,10 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
 
 def check(options: TrainOptions) -> None:
     """What can be checked before any data is read or any process started."""
-    if options.train.out_dir is not None:
-        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
-    check_sampling(options.sampling, allow_none=True)
+    check_run(options)
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")
     model_config(options.shape, options.train.seq_len)
-    for data in (options.data.data, options.data.val_data):
-        if data is not None:
-            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
 
 
 def train(options: TrainOptions) -> dict[str, Any]:
@@ -141,14 +136,9 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     print(f"  gpt2 sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
     instructions = Path("examples/data/instructions.jsonl")  # in the checkout (docs/lora.md)
     if instructions.is_file():
-        print(
-            f"  gpt2 finetune --init {run} --data {instructions} --full --max-lr 2e-3 --micro-batch-size 8 "
-            f"--max-steps 150 --out-dir {shlex.quote(str(out_dir) + '-instruct')}   # instruction tuning "
-            f"(docs/lora.md)"
-        )
+        finetune = f"--data {instructions} --full --max-lr 2e-3 --micro-batch-size 8 --max-steps 150 --out-dir "
+        finetune += f"{shlex.quote(str(out_dir) + '-instruct')}   # instruction tuning (docs/lora.md)"
     else:
-        print(
-            f"  gpt2 finetune --init {run} --data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}"
-            "   # LoRA fine-tune it"
-        )
+        finetune = f"--data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}   # LoRA fine-tune it"
+    print(f"  gpt2 finetune --init {run} {finetune}")
     print(f"  gpt2 eval --model {run} --data {data}   # validation loss of the saved model")

@@ -1,14 +1,9 @@
-"""A checkpoint's files: their names and formats, reading and verifying them, finding intact ones.
+"""A checkpoint's files (written by :mod:`gpt2.train.checkpoint`): reading and verifying them
+before any model is touched, and finding the newest intact checkpoint.
 
 A checkpoint is a directory ``step_000100/`` holding ``model.safetensors`` (the weights),
 ``trainer_state.pt`` (optimizer, scaler and RNG states), ``trainer_state.json`` (the step and
-metadata) and ``SHA256SUMS`` (the sha256 of each of the three, in ``sha256sum -c`` format);
-:mod:`gpt2.train.checkpoint` writes them. This module reads them back and checks them before any
-model is touched: the digests, the safetensors header against the file's size, every weight
-finite, the JSON state and the optimizer-state archive. A damaged file raises
-:class:`CheckpointError` naming the file and what is wrong with it; :func:`open_checkpoint`, given
-a run or ``checkpoints`` directory, falls back to the newest intact checkpoint and logs each one
-it skipped.
+metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format).
 """
 
 from __future__ import annotations
@@ -45,11 +40,8 @@ FORMAT_VERSION = 2
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:
-    """The module under DDP / DataParallel and ``torch.compile`` wrappers, in any nesting.
-
-    Wrappers are recognised by type, not by attribute name, so a model of one's own with a
-    ``module`` attribute is left alone.
-    """
+    """The module under DDP / DataParallel and ``torch.compile`` wrappers, in any nesting (by type:
+    a model of one's own with a ``module`` attribute is left alone)."""
     # Only look the compile wrapper's class up if torch.compile has been used in this process:
     # importing torch._dynamo just to check costs seconds.
     compiled_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
@@ -63,10 +55,7 @@ def unwrap_model(module: nn.Module) -> nn.Module:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: damaged, truncated or missing files, non-finite weights.
-
-    ``problems`` lists ``(file, what is wrong)`` pairs; the message names each of them.
-    """
+    """A checkpoint that cannot be used; ``problems`` lists its ``(file, what is wrong)`` pairs."""
 
     def __init__(self, message: str, problems: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
@@ -83,9 +72,6 @@ class CheckpointMismatchError(CheckpointError):
 
 class CheckpointSaveError(OSError):
     """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
-
-
-# --- the weights file (safetensors) and its checks
 
 
 def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
@@ -133,9 +119,8 @@ def save_weights(
 
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(state_dict, metadata)`` from :func:`save_weights`, with aliases filled back in. Any
-    problem (safetensors checks the header against the file's size: a truncated file, a garbage
-    header, appended bytes) raises :class:`CheckpointError` naming the file."""
+    """``(state_dict, metadata)`` from :func:`save_weights`, aliases filled back in; a truncated or
+    damaged file (safetensors checks the header against the size) raises :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_file():
         raise _file_error(path, "is not a file" if path.exists() else "is missing")
@@ -170,9 +155,6 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-# --- finding checkpoints
-
-
 def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The step encoded in a ``step_000100`` directory name, else None."""
     match = _STEP_DIR.match(Path(path).name)
@@ -199,11 +181,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
 def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``root`` (a ``checkpoints`` directory), or None: every
     ``step_*`` directory there was renamed into place complete."""
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-# --- reading and verifying a checkpoint directory
+    return next((p for p in checkpoint_candidates(root) if is_complete(p)), None)
 
 
 @dataclass
@@ -224,11 +202,9 @@ class CheckpointData:
 def read_checkpoint(
     path: str | os.PathLike, *, trainer_state: bool = True, map_location: str | torch.device = "cpu"
 ) -> CheckpointData:
-    """Read one checkpoint directory and verify it, touching no model: every file present and
-    readable, the JSON's step matching the directory, every weight finite, ``trainer_state.pt``
-    (if ``trainer_state``) only tensors and containers, each file read matching its sha256 (a
-    flipped byte inside a tensor passes every other check). Raises :class:`CheckpointError` (or
-    :class:`NonFiniteWeightsError`) listing every problem, each with its file."""
+    """Read one checkpoint directory and verify every file it reads (the sha256 catches a flipped
+    byte inside a tensor, which passes every other check); a :class:`CheckpointError` lists every
+    problem with its file."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
@@ -326,12 +302,9 @@ def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str,
     return state
 
 
-def _describe(problems: list[tuple[str, str]], base: Path | None = None) -> str:
+def _describe(problems: list[tuple[str, str]], base: Path) -> str:
     """``file problem; file problem``, the files relative to ``base``."""
-    prefix = str(base) + os.sep if base is not None else None
-    return "; ".join(
-        f"{file[len(prefix) :] if prefix and file.startswith(prefix) else file} {problem}" for file, problem in problems
-    )
+    return "; ".join(f"{file.removeprefix(str(base) + os.sep)} {problem}" for file, problem in problems)
 
 
 def open_checkpoint(
@@ -341,10 +314,8 @@ def open_checkpoint(
     map_location: str | torch.device = "cpu",
     check: Callable[[CheckpointData], None] | None = None,
 ) -> CheckpointData:
-    """:func:`read_checkpoint` of ``path``, or, for a run / ``checkpoints`` directory, of its newest
-    *usable* checkpoint: damaged ones, and those ``check(data)`` refuses with a
-    :class:`CheckpointError`, are skipped with a warning saying which and why. When none is
-    usable, one :class:`CheckpointError` names each file and what is wrong with it."""
+    """:func:`read_checkpoint` of ``path``, or of a run / ``checkpoints`` directory's newest usable
+    checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning."""
     path = Path(path)
 
     def read(candidate: Path) -> CheckpointData:
@@ -390,13 +361,8 @@ def open_checkpoint(
 
 
 def load_state_into(model: nn.Module, data: CheckpointData) -> None:
-    """Load ``data``'s weights into the raw ``model``; a mismatch (:func:`check_fits`) touches nothing."""
-    check_fits(model, data)
-    unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)
-
-
-def check_fits(model: nn.Module, data: CheckpointData) -> None:
-    """Raise ``ValueError`` naming the tensors if ``data``'s weights do not fit ``model``."""
+    """Load ``data``'s weights into the raw ``model``; a ``ValueError`` naming the tensors that do
+    not fit touches nothing."""
     own = unwrap_model(model).state_dict()
     unexpected = sorted(set(data.weights) - set(own))
     missing = [] if data.trainable_only else sorted(set(own) - set(data.weights))  # frozen rest: the model's
@@ -412,3 +378,4 @@ def check_fits(model: nn.Module, data: CheckpointData) -> None:
             f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): was it saved from a model "
             "with another configuration or other adapters?"
         )
+    unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)

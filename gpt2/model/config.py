@@ -1,8 +1,5 @@
-"""Typed, validated configuration for the GPT-2 model.
-
-Field names follow nanoGPT (``block_size``, ``vocab_size``, ``n_layer``, ``n_head``,
-``n_embd``, ``dropout``, ``bias``) so configs and checkpoints read the same.
-"""
+"""Typed, validated configuration for the GPT-2 model (field names as in nanoGPT), and the field
+checks every config dataclass uses."""
 
 from __future__ import annotations
 
@@ -24,18 +21,11 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     return cls(**data)
 
 
-# ------------------------------------------------------------------------------------------
-# Field checks
-# ------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Range:
     """The values one numeric config field accepts: finite, of the right kind, within bounds.
-
-    NaN must be rejected explicitly: it passes every ``x < 0`` check (all comparisons with NaN
-    are false), and ``weight_decay=nan`` or ``grad_clip=nan`` turns every weight NaN in one step.
-    """
+    NaN is refused explicitly: it passes every ``x < 0`` check, and ``grad_clip=nan`` turns every
+    weight NaN in one step."""
 
     low: float | None = None  # None = no lower bound
     high: float | None = None  # None = no upper bound
@@ -72,13 +62,10 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
         elif isinstance(value, float) and rule.integer:
             hint = " (not a float)"
         raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
-    if not rule.integer:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}")
+    value = value if rule.integer else float(value)
     too_low = rule.low is not None and (value <= rule.low if rule.low_open else value < rule.low)
     too_high = rule.high is not None and (value >= rule.high if rule.high_open else value > rule.high)
-    if too_low or too_high:
+    if too_low or too_high or not (rule.integer or math.isfinite(value)):  # NaN is neither low nor high
         raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}")
     return value
 
@@ -123,12 +110,9 @@ SHAPE_NAMES = tuple(SHAPES)
 
 @dataclass
 class GPTConfig:
-    """Shape and regularisation of a GPT-2 model.
-
-    ``vocab_size`` is the real vocabulary (50257 for GPT-2). ``pad_vocab_multiple`` rounds the
-    embedding / LM-head rows up (64 turns 50257 into 50304, a measurable speed-up on GPUs);
-    padded rows are sliced off the logits, so they are never sampled and never change the loss.
-    """
+    """Shape and regularisation of a GPT-2 model. ``pad_vocab_multiple`` rounds the embedding and
+    LM-head rows up (64: 50257 -> 50304, faster on GPUs); the padded rows are sliced off the
+    logits, so they are never sampled and never change the loss."""
 
     block_size: int = 1024  # maximum context length (number of learned positions)
     vocab_size: int = GPT2_VOCAB_SIZE

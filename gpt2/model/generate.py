@@ -1,9 +1,5 @@
-"""Sampling from a GPT: temperature, top-k, top-p, greedy, EOS, batched prompts, a KV cache.
-
-The KV cache holds every layer's keys and values for the whole context, so decoding one token
-costs one (B, 1) forward instead of re-running the whole prefix. Generation with and without the
-cache gives identical tokens (tested).
-"""
+"""Sampling from a GPT: temperature, top-k, top-p, greedy, EOS, batched prompts, and a KV cache
+(decoding one token is one (B, 1) forward, with the same tokens as without the cache)."""
 
 from __future__ import annotations
 
@@ -13,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpt2.model.tokenizer import get_tokenizer
+
 if TYPE_CHECKING:  # pragma: no cover
     from gpt2.model.gpt import GPT
 
@@ -21,11 +19,9 @@ class KVCache:
     """Keys and values of every layer in static buffers of ``max_len`` positions.
 
     The write position is a tensor (``pos``), never a Python int, and every step attends over the
-    whole buffer with a mask built from ``pos``: a decoding step has the same shapes and the same
-    graph at every token, so ``torch.compile`` compiles it once. The model calls :meth:`update`
-    once per layer and :meth:`advance` once per forward. Each layer's buffer is allocated on its
-    first update with the dtype and device of the keys it receives (under autocast they are
-    bf16/fp16 while the weights are fp32); zeros, so masked-out slots never hold NaN.
+    whole buffer with a mask built from ``pos``: every decoding step has the same shapes and graph,
+    so ``torch.compile`` compiles it once. Buffers are allocated on their layer's first update
+    with the keys' dtype (bf16/fp16 under autocast), as zeros so masked-out slots never hold NaN.
     """
 
     def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
@@ -73,8 +69,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model: GPT, max_len: int | None = None) -> KVCache:
         """An empty cache for ``model``, holding up to ``max_len`` (default ``block_size``) positions."""
-        cfg = model.config
-        return cls(cfg.n_layer, max_len or cfg.block_size, model.device)
+        return cls(model.config.n_layer, max_len or model.config.block_size, model.device)
 
 
 def sample_next(
@@ -85,11 +80,8 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Pick one token per row from ``logits`` ``(B, V)``; greedy (argmax) when temperature is 0.
-
-    ``top_k`` keeps the k most likely tokens (ties with the k-th are kept too); ``top_p`` keeps the
-    smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus sampling). Both
-    filters apply after the temperature, as in Hugging Face's samplers.
-    """
+    ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
+    Hugging Face's samplers."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Sampling in fp32: bf16 logits have ~3 significant digits, too coarse for softmax tails.
@@ -110,12 +102,8 @@ def sample_next(
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad prompts of different lengths: ``(ids, attention_mask)``, both ``(B, T)``.
-
-    Left padding puts every prompt's last token in the last column, so the next token of every row
-    is sampled from the same position. ``pad_id`` only needs to be a valid token id: padded
-    positions are masked out of attention and do not count as positions.
-    """
+    """Left-pad prompts of different lengths: ``(ids, attention_mask)``, both ``(B, T)``. Left, so
+    every row's next token is sampled from the last column; pad positions are masked out."""
     if isinstance(prompts, torch.Tensor) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     if any(len(p) == 0 for p in prompts):
@@ -150,43 +138,10 @@ def stream(
     ``idx`` ``(B, T)`` holds the prompts; ``attention_mask`` ``(B, T)`` marks real prompt tokens
     (True) in left-padded batched prompts (see :func:`pad_prompts`), which then give the same
     tokens as each prompt alone. Rows that have emitted ``eos_token_id`` keep emitting it; the
-    iteration stops once every row has. ``seed`` (or a ``torch.Generator``) makes sampling
-    reproducible; ``temperature=0`` is greedy. Past ``block_size`` tokens the context is cropped
-    to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked when this is called,
-    not at the first ``next``.
+    iteration stops once every row has. ``temperature=0`` is greedy. Past ``block_size`` tokens
+    the context is cropped to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked
+    when this is called, not at the first ``next``.
     """
-    _check_args(model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, generator)
-    _check_prompt_ids(idx, model.config.vocab_size)
-    device = model.device
-    idx = idx.to(device).long()
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-            raise ValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
-        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
-        if not bool(attention_mask[:, -1].all()):
-            raise ValueError(
-                "prompts must be left-padded: the last position of every row must be a real token "
-                "(attention_mask True); build them with gpt2.generate.pad_prompts"
-            )
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    return _stream(
-        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
-    )
-
-
-def _check_args(
-    model: GPT,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    eos_token_id: int | None,
-    seed: int | None,
-    generator: torch.Generator | None,
-) -> None:
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(
@@ -215,20 +170,32 @@ def _check_args(
         raise ValueError("pass either seed or generator, not both")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
-
-
-def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
-    """Token ids must lie in [0, vocab_size). The model's forward does not check values (that
-    would stall the GPU on every call), and on CUDA an id out of range is a device-side assert
-    that kills the process; so the prompt is checked once here, before it reaches the device.
-    (One host read: free for a CPU prompt, one sync for a prompt that is already on the GPU.)"""
+    # The forward does not check id values (that would stall the GPU on every call), and on CUDA
+    # an id out of range is a device-side assert that kills the process: check the prompt once.
     lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
-    if lo < 0 or hi >= vocab_size:
-        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < vocab_size][:5]
+    if lo < 0 or hi >= V:
+        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < V][:5]
         raise ValueError(
-            f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad} "
+            f"prompt token ids must be in [0, {V}) (the model's vocab_size), got {bad} "
             f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
         )
+    device = model.device
+    idx = idx.to(device).long()
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise ValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError(
+                "prompts must be left-padded: the last position of every row must be a real token "
+                "(attention_mask True); build them with gpt2.generate.pad_prompts"
+            )
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    return _stream(
+        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
+    )
 
 
 @torch.no_grad()
@@ -295,68 +262,36 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-    """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``.
-
-    Keyword arguments as in :func:`stream`: ``temperature`` (0 = greedy), ``top_k``, ``top_p``,
-    ``eos_token_id``, ``seed`` / ``generator``, ``use_cache``, ``attention_mask``. With
-    ``eos_token_id``, ``n`` is smaller than ``max_new_tokens`` when every row finished early.
-    """
-    steps = stream(model, idx, max_new_tokens, **kwargs)
-    new = list(steps)
+    """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``; keyword arguments as in
+    :func:`stream` (with ``eos_token_id``, ``n`` is smaller when every row finished early)."""
+    new = list(stream(model, idx, max_new_tokens, **kwargs))
     idx = idx.to(model.device).long()
-    if not new:
-        return idx
-    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
+    return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
 
 def stream_text(
-    model: Any,
-    prompt: str,
-    max_new_tokens: int,
-    *,
-    tokenizer: Any = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    stop_at_eot: bool = True,
-    autocast: Any = None,
+    model: Any, prompt: str, max_new_tokens: int, *, stop_at_eot: bool = True, autocast: Any = None, **kwargs: Any
 ) -> Iterator[str]:
-    """Yield the text of one sample piece by piece, as tokens are sampled.
-
-    An empty ``prompt`` starts from ``<|endoftext|>`` (an unconditional sample). A token that
-    ends inside a multi-byte UTF-8 character is held back until the character is complete, so
-    every yielded piece is valid text. ``autocast`` is a zero-argument callable returning the
-    context to sample in (e.g. ``PrecisionPolicy.autocast``), or None.
-    """
-    if tokenizer is None:
-        from gpt2.model.tokenizer import get_tokenizer
-
-        tokenizer = get_tokenizer()
+    """Yield the text of one sample piece by piece; an empty ``prompt`` starts from ``<|endoftext|>``.
+    ``autocast`` is a zero-argument callable returning the context to sample in, or None; the
+    other keyword arguments (``temperature``, ``top_k``, ``top_p``, ``generator``) as in :func:`stream`."""
+    tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     ids = tokenizer.encode(prompt) if prompt else [eot]
-    idx = torch.tensor([ids], dtype=torch.long)
     produced: list[int] = []
     shown = ""
     with autocast() if autocast is not None else contextlib.nullcontext():
         # gpt2.generate.stream rather than model.stream: a torch.compile'd model then runs compiled.
-        tokens = stream(
-            model,
-            idx,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eot if stop_at_eot else None,
-            generator=generator,
-        )
+        eos = eot if stop_at_eot else None
+        tokens = stream(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, eos_token_id=eos, **kwargs)
         for column in tokens:  # (1,)
             token = int(column[0])
             if stop_at_eot and token == eot:
                 break
             produced.append(token)
             text = tokenizer.decode(produced)
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for its rest
+            # A token may end inside a multi-byte UTF-8 character: hold it back until it is whole.
+            if text.endswith("\ufffd"):
                 continue
             yield text[len(shown) :]
             shown = text
