@@ -272,13 +272,10 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
 
 
 def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False) -> list[str]:
-    """Remove what a killed save left in ``root``: ``.tmp-step_*`` directories and ``.old-step_*``
-    copies (one whose ``step_*`` is missing, because the process died between the two renames of
-    re-saving a step, is renamed back instead). Returns what it did.
-
-    ``only_dead``: touch only leftovers of processes on this host that are no longer running
-    (without it, the caller must know no other process saves here: it holds the run's lock).
-    """
+    """Remove what a killed save left in ``root`` (``.tmp-step_*``, ``.old-step_*``; an ``.old-`` copy
+    whose ``step_*`` is missing, the process having died between the two renames, is renamed back);
+    returns what it did. ``only_dead``: only leftovers of dead processes on this host (without it,
+    the caller holds the run's lock: no other process saves here)."""
     root = Path(root)
     done: list[str] = []
     for path in root.iterdir() if root.is_dir() else ():

@@ -237,9 +237,8 @@ def _missing(package: str, extra: str, e: ImportError) -> ImportError:
 
 
 class TensorBoardSink:
-    """Every numeric entry of every record as a TensorBoard scalar (tag = the record's key, e.g.
-    ``loss``, ``val_loss``, ``lr``), at the record's step, in event files under ``log_dir``.
-    View with ``tensorboard --logdir <out_dir>/tensorboard``."""
+    """Every numeric entry of every record as a TensorBoard scalar (tag = its key) at its step,
+    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``)."""
 
     def __init__(self, log_dir: str | os.PathLike):
         try:
@@ -276,11 +275,9 @@ def wandb_mode() -> str:
 
 
 class WandbSink:
-    """Every numeric entry of every record to a Weights & Biases run whose files live in
-    ``out_dir/wandb``. Project and run name: the arguments, else ``$WANDB_PROJECT`` /
-    ``$WANDB_NAME``, else ``"gpt2"`` and the run directory's name. Offline (no network) unless
-    an API key is configured or ``$WANDB_MODE`` says otherwise (:func:`wandb_mode`); an offline
-    run is uploaded later with ``wandb sync <out_dir>/wandb/offline-run-*``."""
+    """Every numeric entry of every record to a Weights & Biases run in ``out_dir/wandb``, named by
+    the arguments, else ``$WANDB_PROJECT`` / ``$WANDB_NAME``, else ``"gpt2"`` / the run directory's
+    name; in :func:`wandb_mode` (offline runs: ``wandb sync <out_dir>/wandb/offline-run-*``)."""
 
     def __init__(
         self,

@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient norm."""
+    """Training diverged (non-finite steps, or a loss run-away) and could not recover, or the weights
+    to be saved are non-finite."""
 
     def __init__(self, message: str, *, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None):
         super().__init__(message)
@@ -230,12 +231,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
-        """Train until ``max_steps``; return this call's per-step records (also in metrics.jsonl).
-
-        ``until_step`` stops earlier, after that step, with a checkpoint (when ``out_dir`` is
-        set) so a later Trainer with ``resume="auto"`` continues the same run: the learning-rate
-        schedule still runs to ``max_steps``.
-        """
+        """Train until ``max_steps`` (or ``until_step``, then with a checkpoint that ``resume="auto"``
+        continues; the LR schedule still runs to ``max_steps``); return this call's step records."""
         cfg = self.config
         stop = cfg.max_steps if until_step is None else min(int(until_step), cfg.max_steps)
         if self.step >= stop:
@@ -516,21 +513,19 @@ class Trainer:
         max_norm = self.config.grad_clip or math.inf  # inf: measure the norm, change nothing
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        skipped = bad = not finite
         if self.scaler is None:
             if finite:
                 self.optimizer.step()
-            bad = not finite
         else:
             scale = self.scaler.get_scale()
             if finite:
                 self.scaler.step(self.optimizer)
             self.scaler.update()  # lowers the scale when unscale_ found inf/nan gradients
-            overflow = self.scaler.get_scale() < scale
             # Overflow of *scaled* fp16 gradients is the scaler searching for its scale (normal);
             # a non-finite loss, or an overflow at scale <= 1, is a real numerical problem.
-            explained = overflow and math.isfinite(loss_value) and scale > 1.0
-            bad = not finite and not explained
-        skipped = not finite
+            overflow = self.scaler.get_scale() < scale
+            bad = bad and not (overflow and math.isfinite(loss_value) and scale > 1.0)
         if skipped:
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)  # the non-finite gradients go nowhere
