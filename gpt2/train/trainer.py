@@ -95,7 +95,7 @@ class Trainer:
             seq_len, rank and world_size (see :func:`gpt2.data.loader.make_loader`). ``val_data=None``:
             no validation.
         sinks: where the per-step records go besides ``out_dir/metrics.jsonl``: objects with
-            ``log(record)`` or callables. Default: a :class:`gpt2.metrics.ConsoleSink` printing
+            ``log(record)`` or callables. Default: a :class:`gpt2.train.metrics.ConsoleSink` printing
             every ``log_interval`` steps; ``[]`` for silence. Only rank 0 calls them.
         callbacks: ``fn(trainer, record)`` called on *every* process after each step (and after
             validation), before the record is logged; a callback may add entries to ``record``
@@ -576,10 +576,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, steps: int | None = None) -> float:
-        """Mean validation loss per scored token over each process's first ``steps`` (default
-        ``eval_steps``) batches, split across the ranks, by :func:`gpt2.eval.loss.evaluate_loss`:
-        the same batches every time, none twice (short data is scored once, said once).
-        Raises :class:`gpt2.eval.loss.NonFiniteLossError` when the loss is inf/nan."""
+        """Mean validation loss per scored token over the same first ``steps`` (default ``eval_steps``)
+        batches of each process every time (:func:`gpt2.eval.loss.evaluate_loss`, which raises
+        :class:`~gpt2.eval.loss.NonFiniteLossError` for an inf/nan loss)."""
         if self.val_loader is None:
             raise ValueError("no validation data: pass val_data to the Trainer")
         cfg = self.config
@@ -693,9 +692,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:
-        """Leave the process group if this Trainer created it (under torchrun); by default after
-        every rank got here (see :func:`gpt2.distributed.destroy_process_group`). Then release
-        the ``out_dir`` lock (see :mod:`gpt2.rundir`)."""
+        """Leave the process group if this Trainer created it (by default at a barrier, see
+        :func:`gpt2.train.distributed.destroy_process_group`), then release the ``out_dir`` lock."""
         if self._owns_process_group:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
