@@ -35,20 +35,10 @@ from gpt2.data.loader import make_loader
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.model.gpt import IGNORE_INDEX
 from gpt2.train import checkpoint as ckpt
-from gpt2.train import distributed, rundir
+from gpt2.train import distributed, metrics, rundir
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported: `from gpt2.trainer import seed_everything`
 from gpt2.train.config import TrainConfig
-from gpt2.train.metrics import (
-    METRICS_FILE,
-    PLOT_FILE,
-    ConsoleSink,
-    FitLog,
-    Sink,
-    detect_peak_flops,
-    mfu,
-    plot_loss_curve,
-    read_jsonl,
-)
+from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
 from gpt2.train.recovery import DivergenceMonitor, StopSignals, TrainingInterrupted
@@ -178,7 +168,7 @@ class Trainer:
 
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
-        self.peak_flops = detect_peak_flops(self.device, config.peak_flops, self.precision.name)
+        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
         self.sinks: list[Sink] = (
             ([ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)) if self.is_main else []
         )
@@ -296,7 +286,9 @@ class Trainer:
             if not (interrupted and self.dist_env.is_distributed):
                 signals.restore()
         if self.is_main and self.out_dir is not None and cfg.plot:
-            plot_loss_curve(read_jsonl(self.out_dir / METRICS_FILE), self.out_dir / PLOT_FILE)
+            metrics.plot_loss_curve(
+                metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
+            )
         return history
 
     def _stop_if_signalled(self, saved: bool) -> None:
@@ -446,7 +438,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "dt_ms": dt * 1000.0,
             "tokens_per_second": tokens_per_second,
-            "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.dist_env.world_size),
+            "mfu": metrics.mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.dist_env.world_size),
             "scored_tokens": scored,
             "skipped": skipped,
             "skipped_steps": self.skipped_steps,
