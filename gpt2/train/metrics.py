@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
+from gpt2.files import replace_atomically
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
 
 logger = logging.getLogger(__name__)
@@ -154,11 +155,7 @@ class JSONLSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= keep_until_step] if keep_until_step else []
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in kept:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, self.path)
+        replace_atomically(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
