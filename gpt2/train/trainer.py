@@ -273,7 +273,9 @@ class Trainer:
                         # A checkpoint (then no in-memory copy is needed), or a fresh in-memory copy.
                         if self.out_dir is not None:
                             self.save_checkpoint()
-                        self._snapshot = None if self.out_dir is not None else self._memory_snapshot()
+                            self._snapshot = None
+                        else:
+                            self._snapshot = self._memory_snapshot()
                         saved, pending = self.out_dir is not None, False
                 self._stop_if_signalled(saved)
         except TrainingInterrupted:
