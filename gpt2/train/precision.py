@@ -91,13 +91,7 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
         logger.info("precision='tf32' only changes CUDA matmuls; on %s it is plain fp32", device.type)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
     # bf16/fp16 keep TF32 on for the fp32 matmuls autocast leaves alone, as build-nanogpt does.
-    return PrecisionPolicy(
-        name=name,
-        device_type=device.type,
-        autocast_dtype=autocast_dtype,
-        tf32=name != "fp32",
-        uses_scaler=name == "fp16",
-    )
+    return PrecisionPolicy(name, device.type, autocast_dtype, tf32=name != "fp32", uses_scaler=name == "fp16")
 
 
 def inference_autocast(name: str, device: torch.device | str):
