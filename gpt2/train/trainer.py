@@ -544,21 +544,16 @@ class Trainer:
         return f"the last good checkpoint is {self.last_checkpoint}"
 
     def _diverged(self, record: dict[str, Any]) -> TrainingDivergedError:
-        n = self.consecutive_bad_steps
-        skipped = (
-            f" Those steps were skipped, so the weights are still those of step {self.step - n}."
-            if n >= self.config.max_bad_steps
-            else ""
-        )
-        tried = (
-            f" after {self.recoveries} recoveries (max_recoveries={self.config.max_recoveries})"
-            if self.config.recover
-            else ""
-        )
-        message = (
-            f"training diverged at step {self.step}{tried}: {self._divergence_reason(record)}.{skipped} "
-            f"{self._last_good()}. "
-            "Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume from the checkpoint."
+        cfg, n = self.config, self.consecutive_bad_steps
+        message = f"training diverged at step {self.step}"
+        if cfg.recover:
+            message += f" after {self.recoveries} recoveries (max_recoveries={cfg.max_recoveries})"
+        message += f": {self._divergence_reason(record)}."
+        if n >= cfg.max_bad_steps:
+            message += f" Those steps were skipped, so the weights are still those of step {self.step - n}."
+        message += (
+            f" {self._last_good()}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume "
+            "from the checkpoint."
         )
         return TrainingDivergedError(
             message,
