@@ -238,17 +238,17 @@ def test_a_signal_during_a_save_lets_it_complete_then_stops(tmp_path, monkeypatc
     completes (intact, loadable), fit() raises TrainingInterrupted at that step, the handlers
     are restored afterwards, and resume='auto' continues from the checkpoint."""
     from gpt2 import GPT, GPTConfig, TrainConfig
-    from gpt2.train import trainer as trainer_module
+    from gpt2.train import checkpoint as ckpt
     from gpt2.train.recovery import TrainingInterrupted
     from gpt2.train.trainer import Trainer
 
-    real_save = trainer_module.ckpt.save_checkpoint
+    real_save = ckpt.save_checkpoint
 
     def save_while_signalled(*args, **kwargs):
         signal.raise_signal(signal.SIGTERM)  # delivered now, in the middle of the save
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module.ckpt, "save_checkpoint", save_while_signalled)
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_while_signalled)
     TINY = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)
     before = signal.getsignal(signal.SIGTERM)
     config = TrainConfig(

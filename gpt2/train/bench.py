@@ -1,28 +1,16 @@
-"""The speed-up ladder: one training configuration per rung, each adding one optimisation.
+"""The speed-up ladder: one training configuration per rung, each adding one optimisation to
+the rungs above it (:data:`RUNGS`): fp32 (explicit softmax attention, vocab 50257, for-each AdamW),
+TF32 matmuls (CUDA only), bf16 autocast, ``torch.compile``, flash attention (SDPA), the vocabulary
+padded to 50304, fused AdamW.
 
-====================  =====================================================================
-rung                  adds (on top of every rung above it)
-====================  =====================================================================
-``fp32``              baseline: fp32 matmuls, explicit softmax attention, vocab 50257, for-each AdamW
-``tf32``              TF32 tensor-core matmuls (CUDA only; the same as fp32 on CPU)
-``bf16``              bf16 autocast (fp32 master weights)
-``compile``           ``torch.compile``
-``flash``             ``F.scaled_dot_product_attention`` (flash attention kernels on GPUs)
-``vocab_pad``         vocabulary padded to a multiple of 64 (50257 -> 50304)
-``fused_adamw``       the fused AdamW kernel
-====================  =====================================================================
-
-Every rung builds a fresh model from the same seed and times :meth:`gpt2.trainer.Trainer.train_step`
-itself (data loading, forward, backward, clipping, optimizer step), so the numbers are the
-Trainer's own. The first ``warmup`` steps (which include compilation) are not timed. The timed
-steps come in ``repeats`` blocks of ``steps``: a rung's ms/step is the median of the blocks'
-medians and its ``spread`` is (slowest - fastest block) / median, so a busy machine shows up
-as a large spread instead of as a quietly wrong number.
+Every rung builds a fresh model from one seed and times :meth:`gpt2.train.trainer.Trainer.train_step`
+itself (data, forward, backward, clipping, optimizer step) after ``warmup`` untimed steps, in
+``repeats`` blocks of ``steps``: ms/step is the median of the blocks' medians and ``spread`` is
+(slowest - fastest block) / median, so a busy machine shows as a large spread, not a wrong number.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -42,9 +30,6 @@ from gpt2.train.metrics import mfu as model_flops_utilisation
 logger = logging.getLogger(__name__)
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab_pad", "fused_adamw")
-
-# Shapes for the ladder: the GPT-2 presets, and "tiny" for CPU smoke runs (GPT-2's vocabulary, so
-# the vocab_pad rung still pads 50257 to 50304).
 
 
 @dataclass
@@ -81,6 +66,7 @@ def rung_settings(rung: str) -> dict[str, Any]:
 
 
 def model_config(model: str, **overrides: Any) -> GPTConfig:
+    """A shape of SHAPES: the GPT-2 presets, or "tiny" for CPU smoke runs (GPT-2's vocabulary)."""
     if model not in SHAPES:
         raise ValueError(f"unknown model {model!r}; choose from {sorted(SHAPES)}")
     return GPTConfig(**{**SHAPES[model], **overrides})
@@ -109,8 +95,6 @@ def run_ladder(
     vocabulary keeps CPU smoke runs fast; vocab_pad still rounds it up to a multiple of 64).
     ``on_result`` is called after each rung.
     """
-    from gpt2.train.trainer import Trainer  # the benchmark drives the Trainer itself
-
     rungs = list(RUNGS if rungs is None else rungs)
     for rung in rungs:
         rung_settings(rung)  # validates the name
@@ -122,103 +106,48 @@ def run_ladder(
     base = model_config(model, **shape)
     if seq_len > base.block_size:
         raise ValueError(f"seq_len={seq_len} exceeds {model}'s block_size={base.block_size}")
-    resolved_device = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
+    on_cuda = uses_cuda(device)
     if compile is None:
-        compile = resolved_device.type == "cuda"
+        compile = on_cuda
     # One token stream for every rung; random ids are enough to time a step.
     generator = torch.Generator().manual_seed(0)
-    n_steps = steps * repeats + warmup
-    tokens = torch.randint(0, base.vocab_size, (n_steps * batch_size * seq_len + 1,), generator=generator)
+    tokens = torch.randint(
+        0, base.vocab_size, ((steps * repeats + warmup) * batch_size * seq_len + 1,), generator=generator
+    )
 
     results = []
     for rung in rungs:
         settings = rung_settings(rung)
-        if settings["compile"] and not compile:
-            settings["compile"] = False
-            if rung == "compile":
-                result = RungResult(
-                    rung, settings, skipped=True, note="compile disabled (CPU default; pass compile=True)"
-                )
-                results.append(result)
-                if on_result:
-                    on_result(result)
-                continue
-        result = _time_rung(
-            Trainer,
-            model,
-            shape,
-            rung,
-            settings,
-            tokens,
-            batch_size,
-            seq_len,
-            steps,
-            warmup,
-            repeats,
-            device,
-            peak_flops,
-        )
-        if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
-            result.note = "without compile"
-        if rung == "tf32" and resolved_device.type != "cuda":
-            result.note = "TF32 is CUDA-only: same as fp32 here"
+        settings["compile"] = settings["compile"] and compile
+        if rung == "compile" and not compile:
+            result = RungResult(rung, settings, skipped=True, note="compile disabled (CPU default; pass compile=True)")
+        else:
+            gpt_config = model_config(
+                model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
+            )
+            result = _time_rung(
+                gpt_config, rung, settings, tokens, batch_size, seq_len, steps, warmup, repeats, device, peak_flops
+            )
+            if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
+                result.note = "without compile"
+            if rung == "tf32" and not on_cuda:
+                result.note = "TF32 is CUDA-only: same as fp32 here"
         results.append(result)
         if on_result:
             on_result(result)
     return results
 
 
-@contextlib.contextmanager
-def _quiet_library():
-    """The Trainer's set-up lines (INFO) for every rung would bury the table; warnings still show."""
-    library = logging.getLogger("gpt2")
-    level = library.level
-    library.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        library.setLevel(level)
-
-
 def _time_rung(
-    Trainer, model, shape, rung, settings, tokens, batch_size, seq_len, steps, warmup, repeats, device, peak_flops
-):
-    with _quiet_library():
-        records, flops_per_token, peak, memory = _run_rung(
-            Trainer, model, shape, settings, tokens, batch_size, seq_len, steps * repeats + warmup, device, peak_flops
-        )
-    records = records[warmup:]
-    step_ms = [r["dt_ms"] for r in records]
-    # the median ignores an occasional hiccup (GC, other processes) inside a repeat
-    repeat_ms = [statistics.median(step_ms[i * steps : (i + 1) * steps]) for i in range(repeats)]
-    ms = statistics.median(repeat_ms)
-    tokens_per_second = batch_size * seq_len / (ms / 1000.0)
-    mfu = model_flops_utilisation(flops_per_token, tokens_per_second, peak)
-    logger.debug("rung %s: %.1f ms/step, %s tok/s", rung, ms, f"{tokens_per_second:,.0f}")
-    return RungResult(
-        rung,
-        settings,
-        ms_per_step=ms,
-        tokens_per_second=tokens_per_second,
-        mfu=mfu,
-        loss=records[-1]["loss"],
-        step_ms=step_ms,
-        repeat_ms=repeat_ms,
-        spread=(max(repeat_ms) - min(repeat_ms)) / ms,
-        peak_memory_gib=memory,
-    )
+    gpt_config, rung, settings, tokens, batch_size, seq_len, steps, warmup, repeats, device, peak_flops
+) -> RungResult:
+    from gpt2.train.trainer import Trainer  # the benchmark drives the Trainer itself
 
-
-def _run_rung(Trainer, model, shape, settings, tokens, batch_size, seq_len, n_steps, device, peak_flops):
-    """Per-step records of ``n_steps`` steps of a fresh model with ``settings``, FLOPs per token,
-    peak FLOP/s and peak CUDA memory in GiB (None off CUDA)."""
     on_cuda = uses_cuda(device)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)  # the same initial weights for every rung
-    gpt = GPT(model_config(model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]))
+    n_steps = steps * repeats + warmup
     config = TrainConfig(
         micro_batch_size=batch_size,
         seq_len=seq_len,
@@ -234,17 +163,39 @@ def _run_rung(Trainer, model, shape, settings, tokens, batch_size, seq_len, n_st
         seed=0,
         max_bad_steps=n_steps,  # random tokens: a skipped step would still be timed honestly
     )
-    trainer = Trainer(gpt, config, tokens, sinks=[])
+    # The Trainer's set-up lines (INFO) for every rung would bury the table; warnings still show.
+    library = logging.getLogger("gpt2")
+    level = library.level
+    library.setLevel(logging.WARNING)
     try:
-        records = [trainer.train_step() for _ in range(n_steps)]
+        trainer = Trainer(GPT(gpt_config), config, tokens, sinks=[])
+        records = [trainer.train_step() for _ in range(n_steps)][warmup:]
         flops_per_token, peak = trainer.flops_per_token, trainer.peak_flops
         memory = torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None
+        del trainer
     finally:
-        del trainer, gpt
+        library.setLevel(level)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return records, flops_per_token, peak, memory
+    step_ms = [r["dt_ms"] for r in records]
+    # the median ignores an occasional hiccup (GC, other processes) inside a repeat
+    repeat_ms = [statistics.median(step_ms[i * steps : (i + 1) * steps]) for i in range(repeats)]
+    ms = statistics.median(repeat_ms)
+    tokens_per_second = batch_size * seq_len / (ms / 1000.0)
+    logger.debug("rung %s: %.1f ms/step, %s tok/s", rung, ms, f"{tokens_per_second:,.0f}")
+    return RungResult(
+        rung,
+        settings,
+        ms_per_step=ms,
+        tokens_per_second=tokens_per_second,
+        mfu=model_flops_utilisation(flops_per_token, tokens_per_second, peak),
+        loss=records[-1]["loss"],
+        step_ms=step_ms,
+        repeat_ms=repeat_ms,
+        spread=(max(repeat_ms) - min(repeat_ms)) / ms,
+        peak_memory_gib=memory,
+    )
 
 
 SPREAD_WARNING = 0.10  # repeats further apart than this get a note under the table

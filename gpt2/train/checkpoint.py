@@ -1,15 +1,11 @@
 """Atomic checkpoints of the raw model, optimizer, loss scaler, RNG states and data position.
 
-One directory per checkpoint, ``<root>/step_000100/`` (formats: :mod:`gpt2.model.checkpoint_files`):
-``model.safetensors`` (the raw model's state dict, never a compile / DDP wrapper's; a tied tensor
-stored once, its other names kept as aliases), ``trainer_state.pt`` (optimizer, scaler, RNG: only
-tensors and containers, read with ``weights_only=True``), ``trainer_state.json`` (step, config,
-data position, ...) and ``SHA256SUMS``. It is written into a temporary directory beside the final
-one, fsynced, then renamed into place: a crash mid-save leaves the previous checkpoints untouched
-and no half-written ``step_*``; a failed save raises :class:`CheckpointSaveError` saying where the
-previous checkpoint is. Loading verifies everything before the model is touched and, given a run
-directory, falls back to the newest checkpoint that is intact and fits. ``trainable_only=True``
-stores the trainable parameters only (LoRA), with the base model's fingerprint.
+``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.pt`` (optimizer, scaler, RNG:
+tensors and containers only), ``trainer_state.json`` and ``SHA256SUMS`` (formats:
+:mod:`gpt2.model.checkpoint_files`). It is written into a temporary directory beside the final
+one, fsynced, then renamed into place: a crash mid-save leaves the previous checkpoints untouched;
+a failed save raises :class:`CheckpointSaveError` naming the previous one. ``trainable_only=True``
+stores the trainable parameters alone (LoRA), with the base model's fingerprint.
 """
 
 from __future__ import annotations
@@ -60,34 +56,18 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     sha256_file,
     unwrap_model,
 )
+from gpt2.train.distributed import _active
 
 logger = logging.getLogger(__name__)
 
 
-# --- the raw model's state dict
-
-
-def model_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The raw model's state dict, or only its trainable parameters."""
-    model = unwrap_model(model)
-    if not trainable_only:
-        return dict(model.state_dict())
-    # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
-    # deduplicated when writing), so loading restores each name.
-    return {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-
-
-# --- rNG states (weights_only-safe: tensors, ints, floats and lists)
+# --- RNG states (weights_only-safe: tensors, ints, floats and lists)
 
 
 def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
-    """torch CPU, numpy and Python ``random`` generator states, and the CUDA generator state of this
-    process's GPU under ``"cuda_by_rank"`` (``{rank: state}``; only devices this process uses:
-    reading every visible GPU's state would create a CUDA context on each of them from every rank).
-
-    ``all_ranks``: gather every rank's CUDA state, so rank 0 can save them all. A collective:
-    every rank of the process group must call it.
-    """
+    """torch CPU, numpy and Python ``random`` states, and this process's own GPU's CUDA state under
+    ``"cuda_by_rank"`` (reading every visible GPU's would create a CUDA context on each from every
+    rank). ``all_ranks``: a collective gathering every rank's CUDA state, for rank 0 to save."""
     version, internal, gauss_next = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state: dict[str, Any] = {
@@ -104,8 +84,8 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
-    if all_ranks and _world_size() > 1:
-        gathered: list[Any] = [None] * _world_size()
+    if all_ranks and _active():
+        gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, cuda)
         by_rank = {rank: s for rank, s in enumerate(gathered) if s is not None}
     else:
@@ -116,11 +96,7 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_rank() if _active() else 0
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -169,14 +145,18 @@ def save_checkpoint(
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    state = model_state_dict(model, trainable_only)
+    raw = unwrap_model(model)
+    # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
+    # deduplicated when writing), so loading restores each name.
+    named = raw.named_parameters(remove_duplicate=False)
+    state = {n: p.detach() for n, p in named if p.requires_grad} if trainable_only else dict(raw.state_dict())
     refuse_non_finite(state, f"refusing to save checkpoint at step {step}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     meta = {"format_version": FORMAT_VERSION, "step": step, "trainable_only": trainable_only, **(metadata or {})}
-    if trainable_only and minlora.lora_sites(unwrap_model(model)):
-        meta["base_fingerprint"] = minlora.base_fingerprint(unwrap_model(model))
+    if trainable_only and minlora.lora_sites(raw):
+        meta["base_fingerprint"] = minlora.base_fingerprint(raw)
     trainer_state = {
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
@@ -292,13 +272,10 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
 
 
 def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False) -> list[str]:
-    """Remove what a killed save left in ``root``: ``.tmp-step_*`` directories and ``.old-step_*``
-    copies (one whose ``step_*`` is missing, because the process died between the two renames of
-    re-saving a step, is renamed back instead). Returns what it did.
-
-    ``only_dead``: touch only leftovers of processes on this host that are no longer running
-    (without it, the caller must know no other process saves here: it holds the run's lock).
-    """
+    """Remove what a killed save left in ``root`` (``.tmp-step_*``, ``.old-step_*``; an ``.old-`` copy
+    whose ``step_*`` is missing, the process having died between the two renames, is renamed back);
+    returns what it did. ``only_dead``: only leftovers of dead processes on this host (without it,
+    the caller holds the run's lock: no other process saves here)."""
     root = Path(root)
     done: list[str] = []
     for path in root.iterdir() if root.is_dir() else ():
@@ -343,13 +320,11 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and optimizer / scaler / RNG); return its metadata.
 
-    ``path`` may be the checkpoint directory, a ``checkpoints`` directory or a run directory
-    (then the newest checkpoint that is intact and fits is used, see
-    :func:`~gpt2.model.checkpoint_files.open_checkpoint`). Everything is read and verified before
-    the model is touched; nothing is unpickled. An optimizer or scaler state that does not fit
-    raises :class:`CheckpointMismatchError`; ``weights_only`` loads the weights alone (optimizer and
-    scaler start fresh, the RNG is not restored). An adapter-only checkpoint saved on another base
-    model raises :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``.
+    ``path``: a checkpoint, or a ``checkpoints`` / run directory (its newest checkpoint that is
+    intact and fits). All is verified before the model is touched; nothing is unpickled. A state
+    that does not fit raises :class:`CheckpointMismatchError`; ``weights_only`` loads the weights
+    alone. Adapters saved on another base raise :class:`minlora.AdapterBaseMismatchError` unless
+    ``allow_base_mismatch``.
     """
     need_state = not weights_only and (optimizer is not None or scaler is not None or restore_rng)
 

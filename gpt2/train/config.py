@@ -18,27 +18,17 @@ from gpt2.model.config import (
     check_value,
 )
 
-# ------------------------------------------------------------------------------------------
-# Training configuration
-# ------------------------------------------------------------------------------------------
-
-# "auto" picks per device: bf16 on CUDA GPUs that support it, fp16 + loss scaling on older CUDA
-# GPUs, fp32 elsewhere (CPU). See gpt2.precision.
-PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
-LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.metrics.make_sinks
+PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")  # see gpt2.train.precision
+LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.train.metrics.make_sinks
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer; see gpt2.train.optim
 
 
 @dataclass
 class TrainConfig:
-    """Everything :class:`gpt2.trainer.Trainer` needs besides the model and the data.
+    """Everything :class:`gpt2.train.trainer.Trainer` needs besides the model and the data.
 
-    Batch sizes are counted in tokens where it matters: ``total_batch_size`` is the number of
-    tokens per optimizer step over all processes, and the Trainer derives the gradient
-    accumulation steps from it as ``total_batch_size // (micro_batch_size * seq_len *
-    world_size)`` (an error if it does not divide). Steps are counted from 1: the record of
-    step ``s`` describes the ``s``-th optimizer update and ``checkpoints/step_000s`` holds the
-    weights after it.
+    Steps are counted from 1: the record of step ``s`` describes the ``s``-th optimizer update and
+    ``checkpoints/step_000s`` holds the weights after it.
     """
 
     # --- batch and length of the run -----------------------------------------------------
@@ -72,7 +62,6 @@ class TrainConfig:
     muon_weight_decay: float = 0.0
 
     # --- precision and speed ---------------------------------------------------------------
-
     # auto = bf16 on GPUs that support it, fp16 with loss scaling on older GPUs, fp32 on CPU
     precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = "auto"
     compile: bool = False  # torch.compile the model for training and evaluation
@@ -103,7 +92,6 @@ class TrainConfig:
     overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------
-
     # Stop with TrainingDivergedError after this many consecutive steps whose loss or gradient
     # norm was non-finite (each of them is skipped, so the weights stay clean).
     max_bad_steps: int = 5

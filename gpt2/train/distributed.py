@@ -1,12 +1,6 @@
-"""Data-parallel training under ``torchrun``: environment, process group, reductions, no_sync.
-
-``torchrun --nproc_per_node N train.py`` starts N copies of the script and tells each who it is
-through the environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``). Every process holds a full
-copy of the model and reads its own slice of each batch; DistributedDataParallel averages the
-gradients during ``backward``. NCCL carries the traffic between GPUs; gloo does it between CPU
-processes, which is how the tests run DDP on a machine without a GPU.
-
-Nothing here is global state of this module: the Trainer keeps a :class:`DistributedEnv`.
+"""Data-parallel training under ``torchrun`` (one process per GPU, told who it is by ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``): process group (NCCL on GPUs, gloo on CPUs), reductions, no_sync.
+No module-level state: the Trainer keeps a :class:`DistributedEnv`.
 """
 
 from __future__ import annotations
@@ -22,8 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
-
-from gpt2.model.checkpoint_files import unwrap_model  # noqa: F401 - wrappers are made here
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +87,8 @@ def resolve_device(device: str | torch.device | None, env: DistributedEnv | None
 
 
 def init_process_group(env: DistributedEnv, device: torch.device) -> bool:
-    """Join the job's process group when there is more than one process.
-
-    Returns True when this call created the group (so the caller should destroy it), False when
-    there is nothing to do (one process) or it already exists (the user initialised it).
-    """
+    """Join the job's process group when there is more than one process; True when this call
+    created it (the caller destroys it), False for one process or a group the user made."""
     if not env.is_distributed:
         return False
     if not dist.is_available():
@@ -162,11 +151,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def barrier() -> None:
-    if _active():
-        dist.barrier()
-
-
 def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     """DistributedDataParallel around ``module`` (already compiled, if compiling)."""
     device_ids = [device.index] if device.type == "cuda" else None
@@ -174,12 +158,8 @@ def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel
 
 
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:
-    """Skip DDP's gradient all-reduce inside this context when ``skip_sync`` is True.
-
-    During gradient accumulation only the last micro-step's backward needs to average gradients
-    across processes: the earlier ones would be averaged again anyway, so syncing them only
-    costs communication. Wrap both the forward and the backward of a micro-step.
-    """
+    """Skip DDP's gradient all-reduce inside this context (forward and backward) when ``skip_sync``:
+    during accumulation only the last micro-step needs it, earlier syncs only cost communication."""
     if skip_sync and isinstance(module, DistributedDataParallel):
         return module.no_sync()
     return contextlib.nullcontext()

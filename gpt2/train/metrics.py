@@ -1,24 +1,11 @@
-"""Step metrics (tokens/s, MFU) and where they go: console, JSONL, a loss-curve plot.
+"""Step metrics (tokens/s, MFU) and where they go: console, JSONL, a loss-curve plot, TensorBoard, W&B.
 
-A step record is a plain dict::
-
-    {"step": 50, "loss": 5.086, "lr": 6e-05, "grad_norm": 0.41, "dt_ms": 50.6,
-     "tokens_per_second": 161818.0, "mfu": 0.441, "skipped": False, "skipped_steps": 0,
-     "loss_scale": 65536.0,   # fp16 only
-     "val_loss": 4.9}         # only on evaluation steps
-
-``mfu`` (model FLOPs utilisation) is the fraction of the accelerator's peak that the model's
-useful arithmetic reaches: FLOPs per token (6 N for the weight matmuls, forward and backward,
-plus attention; :meth:`gpt2.model.GPT.flops_per_token`) x tokens/s / peak FLOP/s. It is None on
-CPU and on GPUs missing from :data:`PEAK_FLOPS` unless a peak is given. The peak is the one of
-the run's precision: an fp32 run is measured against the GPU's fp32 peak, not its bf16 one.
-
-A sink is anything with ``log(record)`` (and optionally ``close()``) or a plain callable; the
-Trainer sends every record to each sink. Replace the console sink to route lines elsewhere.
-Besides the console and ``metrics.jsonl`` (always written), ``TrainConfig.log_to`` adds
-:class:`TensorBoardSink` (``out_dir/tensorboard``) and :class:`WandbSink` (``out_dir/wandb``;
-offline unless an API key is configured); see :func:`make_sinks`. :class:`FitLog` is what one
-``Trainer.fit()`` call writes to: all of these plus the progress bar.
+A step record is a plain dict: ``step, loss, lr, grad_norm, dt_ms, tokens_per_second, mfu,
+scored_tokens, skipped, skipped_steps``, plus ``loss_scale`` (fp16) and ``val_loss`` (evaluation
+steps). ``mfu`` is FLOPs per token (:meth:`gpt2.model.GPT.flops_per_token`) x tokens/s over the
+peak FLOP/s of the run's precision (fp32 runs against the fp32 peak); None on CPU and on GPUs
+missing from :data:`PEAK_FLOPS` unless a peak is given. A sink is anything with ``log(record)``
+(and optionally ``close()``) or a plain callable. :class:`FitLog` is what one ``fit()`` writes to.
 """
 
 from __future__ import annotations
@@ -34,6 +21,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
+from gpt2.files import replace_atomically
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
 
 logger = logging.getLogger(__name__)
@@ -114,10 +102,8 @@ def mfu(
 
 
 def format_line(record: dict[str, Any]) -> str:
-    """``step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | mfu 44.1%``
-
-    followed, when present, by ``| val 4.9000``, ``| scale 65536`` and ``| skipped (N total)``.
-    """
+    """``step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | mfu 44.1%``, then
+    when present ``| val 4.9000``, ``| scale 65536`` and ``| skipped (N total)``."""
     parts = [
         f"step {record['step']}",
         f"loss {record['loss']:.4f}",
@@ -162,21 +148,14 @@ class ConsoleSink:
 
 class JSONLSink:
     """Appends one JSON object per record to ``path`` (flushed each time, so a crash loses nothing).
-
-    ``keep_until_step``: records with a larger ``step`` already in the file are dropped first
-    (a resumed run then continues the log of the run it resumes, without the steps it redoes);
-    0 starts a new log.
-    """
+    ``keep_until_step``: the file's records up to that step are kept (a resumed run continues the
+    log without the steps it redoes); 0 starts a new log."""
 
     def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= keep_until_step] if keep_until_step else []
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in kept:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, self.path)
+        replace_atomically(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
@@ -242,20 +221,9 @@ def plot_loss_curve(records: Iterable[dict[str, Any]], path: str | os.PathLike) 
     return path
 
 
-# ------------------------------------------------------------------------------------------
-# Optional sinks: TensorBoard and Weights & Biases
-# ------------------------------------------------------------------------------------------
-
-
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The numeric entries of a record (bools as 0/1), without the step; None values dropped."""
-    out = {}
-    for key, value in record.items():
-        if key == "step" or value is None:
-            continue
-        if isinstance(value, (bool, int, float)):
-            out[key] = float(value)
-    return out
+    """The numeric entries of a record (bools as 0/1), without the step."""
+    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (bool, int, float))}
 
 
 def _missing(package: str, extra: str, e: ImportError) -> ImportError:
@@ -266,9 +234,8 @@ def _missing(package: str, extra: str, e: ImportError) -> ImportError:
 
 
 class TensorBoardSink:
-    """Every numeric entry of every record as a TensorBoard scalar (tag = the record's key, e.g.
-    ``loss``, ``val_loss``, ``lr``), at the record's step, in event files under ``log_dir``.
-    View with ``tensorboard --logdir <out_dir>/tensorboard``."""
+    """Every numeric entry of every record as a TensorBoard scalar (tag = its key) at its step,
+    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``)."""
 
     def __init__(self, log_dir: str | os.PathLike):
         try:
@@ -305,11 +272,9 @@ def wandb_mode() -> str:
 
 
 class WandbSink:
-    """Every numeric entry of every record to a Weights & Biases run whose files live in
-    ``out_dir/wandb``. Project and run name: the arguments, else ``$WANDB_PROJECT`` /
-    ``$WANDB_NAME``, else ``"gpt2"`` and the run directory's name. Offline (no network) unless
-    an API key is configured or ``$WANDB_MODE`` says otherwise (:func:`wandb_mode`); an offline
-    run is uploaded later with ``wandb sync <out_dir>/wandb/offline-run-*``."""
+    """Every numeric entry of every record to a Weights & Biases run in ``out_dir/wandb``, named by
+    the arguments, else ``$WANDB_PROJECT`` / ``$WANDB_NAME``, else ``"gpt2"`` / the run directory's
+    name; in :func:`wandb_mode` (offline runs: ``wandb sync <out_dir>/wandb/offline-run-*``)."""
 
     def __init__(
         self,
@@ -363,19 +328,6 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict[
     return sinks
 
 
-# What one Trainer.fit() call writes while it trains
-# ------------------------------------------------------------------------------------------
-
-
-def progress_bar(show: bool, **kwargs: Any) -> Any:
-    """A tqdm bar (``tqdm.auto``: a widget in notebooks) with ``kwargs`` when ``show``, else None."""
-    if not show:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(dynamic_ncols=True, **kwargs)
-
-
 class FitLog:
     """Where one ``fit()`` call's records go: ``metrics.jsonl``, the Trainer's sinks, the
     ``TrainConfig.log_to`` sinks and the progress bar. :meth:`close` closes (flushes) what
@@ -408,7 +360,11 @@ class FitLog:
         if before_write is not None:
             before_write()
         jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step) if out_dir is not None else None
-        bar = progress_bar(config.progress, total=config.max_steps, initial=step, unit="step", desc="train")
+        bar = None
+        if config.progress:
+            from tqdm.auto import tqdm  # a widget in notebooks
+
+            bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         return cls(sinks, extra=extra, jsonl=jsonl, bar=bar)
 
     def emit(self, record: dict[str, Any]) -> None:

@@ -1,20 +1,11 @@
-"""AdamW with decay / no-decay parameter groups, Muon for the hidden matrices, and the cosine
-learning-rate schedule.
+"""AdamW with decay / no-decay groups, Muon for the hidden matrices, the cosine LR schedule.
 
-Weight decay pulls weights towards zero. It makes sense for the matrices of matmuls (2-D and
-larger); it does not for biases and LayerNorm gains (1-D), whose job is to shift and rescale,
-and embeddings are exempt unless ``decay_embeddings=True`` (build-nanogpt decays them; most
-later recipes do not). Embeddings are recognised by module type (``nn.Embedding``), not by name,
-so the token table that is tied to the LM head counts once, as an embedding.
-
-Only parameters with ``requires_grad=True`` are optimised, so a model whose base is frozen (LoRA
-through :mod:`minlora`) trains just its adapters.
-
-``optimizer="muon"``: :class:`torch.optim.Muon` (momentum, then the update orthogonalised by a
-Newton-Schulz iteration) for the hidden matrices (:func:`muon_params`), AdamW for the rest
-(embeddings, the head, biases, gains), as one :class:`MuonAdamW`. Each group carries an
-``lr_ratio`` (its peak LR over ``max_lr``), so :func:`set_lr` moves every group along the
-schedule in proportion to its own peak.
+Weight decay suits the matmul matrices (2-D and larger), not biases and LayerNorm gains (1-D);
+embeddings (found by module type, so the tied LM head counts once, as one) are exempt unless
+``decay_embeddings=True`` (build-nanogpt decays them; most later recipes do not). Only
+``requires_grad`` parameters are optimised (LoRA: just the adapters). ``optimizer="muon"``:
+Muon for :func:`muon_params`, AdamW for the rest, as one :class:`MuonAdamW`; a group's
+``lr_ratio`` (its peak LR over ``max_lr``) makes :func:`set_lr` scale each group's schedule.
 """
 
 from __future__ import annotations
@@ -38,11 +29,8 @@ MUON_MOMENTUM = 0.95
 def param_groups(
     model: nn.Module, weight_decay: float, decay_embeddings: bool = False, exclude: frozenset[int] = frozenset()
 ) -> list[dict[str, Any]]:
-    """Two AdamW groups: ``{"params": decayed, "weight_decay": wd}`` and ``{"params": rest, 0.0}``.
-
-    Shared (tied) parameters appear once; frozen parameters and those whose ``id`` is in
-    ``exclude`` (Muon's) not at all. Empty groups are dropped.
-    """
+    """The AdamW groups ``{"params": decayed, "weight_decay": wd}`` and ``{"params": rest, 0.0}``
+    (empty ones dropped): a tied parameter once, frozen ones and ``exclude``'s ids (Muon's) not at all."""
     embedding_ids = {
         id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()
     }
@@ -76,11 +64,8 @@ def param_groups(
 
 
 def use_fused_adamw(model: nn.Module, fused: bool | str = "auto") -> bool:
-    """Resolve ``fused``: "auto" means the fused kernel when every trainable parameter is on CUDA.
-
-    The fused kernel updates all parameters in one launch instead of a few per tensor; on a GPU
-    that saves several milliseconds per step at GPT-2 size.
-    """
+    """Resolve ``fused``: "auto" = the fused kernel (one launch for all parameters, milliseconds
+    per step at GPT-2 size) when every trainable parameter is on CUDA."""
     if fused == "auto":
         params = [p for p in model.parameters() if p.requires_grad]
         return bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
@@ -105,14 +90,10 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """:class:`torch.optim.Muon` and :class:`torch.optim.AdamW` as one optimizer.
-
-    ``param_groups`` lists the AdamW groups, then the Muon group (the children's own group dicts,
-    so setting a group's ``lr`` reaches the child), each tagged ``"optimizer": "adamw" | "muon"``;
-    ``state`` is one dict shared by both children. So ``state_dict`` / ``load_state_dict``,
-    ``zero_grad``, ``GradScaler.unscale_`` / ``step`` (they work per optimizer) and gradient
-    clipping see one ordinary optimizer.
-    """
+    """:class:`torch.optim.Muon` and :class:`torch.optim.AdamW` as one optimizer: ``param_groups``
+    are the children's own group dicts (AdamW's, then Muon's, tagged ``"optimizer"``) and ``state``
+    one dict shared by both, so state dicts, ``zero_grad``, ``GradScaler`` and clipping see one
+    ordinary optimizer."""
 
     def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon) -> None:
         self.optimizers = (adamw, muon)
@@ -196,12 +177,8 @@ def build_optimizer(
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Learning rate of the optimizer update with 0-based index ``step``.
-
-    Linear warmup over the first ``warmup_steps`` updates (``max_lr * (step + 1) / warmup_steps``,
-    so the first update is not wasted at lr 0), then a half cosine from ``max_lr`` down to
-    ``min_lr`` at ``max_steps``, and ``min_lr`` after that.
-    """
+    """Learning rate of the update with 0-based index ``step``: linear warmup (the first update
+    not wasted at lr 0), then a half cosine from ``max_lr`` to ``min_lr`` at ``max_steps``."""
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps or max_steps <= warmup_steps:

@@ -1,24 +1,12 @@
 """Precision policies: one object per numeric regime of training.
 
-=========  ==========================================  ===============  =================
-policy     matmuls                                     master weights   loss scaling
-=========  ==========================================  ===============  =================
-``fp32``   fp32 (``fp32_precision = "ieee"``)          fp32             no
-``tf32``   TF32 tensor cores on CUDA (``"tf32"``)      fp32             no
-``bf16``   bf16 under ``torch.autocast``               fp32             no (bf16 has fp32's range)
-``fp16``   fp16 under ``torch.autocast``               fp32             ``torch.amp.GradScaler``
-=========  ==========================================  ===============  =================
-
-The weights always stay fp32: autocast casts them to the low-precision type inside each matmul
-and the optimizer updates the fp32 copy, so tiny updates are not rounded away. The model computes
-its softmax-cross-entropy in fp32 whatever the policy (see :meth:`gpt2.model.GPT.forward`).
-
-fp16 has a largest value of 65,504, so gradients of activations overflow easily; and its
-smallest normal value (6e-5) makes small gradients underflow to zero. Dynamic loss scaling
-multiplies the loss by a large factor before ``backward`` (no underflow), divides the gradients
-back (``unscale_``, done *before* clipping so the clip threshold applies to true gradients), and
-skips the optimizer step whenever a gradient came out inf/nan, halving the scale; every 2,000
-good steps it doubles the scale again (PyTorch's defaults).
+``fp32`` (IEEE matmuls), ``tf32`` (TF32 tensor cores on CUDA), ``bf16`` and ``fp16`` (autocast).
+The weights always stay fp32: autocast casts them inside each matmul and the optimizer updates the
+fp32 copy, so tiny updates are not rounded away; the loss is computed in fp32 whatever the policy.
+fp16 alone needs dynamic loss scaling (``torch.amp.GradScaler``): its range (max 65,504, smallest
+normal 6e-5) makes gradients overflow or underflow. The scaled loss avoids underflow; ``unscale_``
+runs *before* clipping (the threshold applies to true gradients) and a step with inf/nan gradients
+is skipped while the scale halves (it doubles again every 2,000 good steps).
 """
 
 from __future__ import annotations
@@ -48,11 +36,7 @@ class PrecisionPolicy:
     param_dtype = torch.float32  # master weights are always fp32
 
     def apply(self) -> None:
-        """Set the process-wide fp32 matmul precision this policy asks for (CUDA only).
-
-        On CPU nothing is changed: TF32 is a CUDA tensor-core format, and leaving CPU matmuls
-        alone keeps CPU runs bit-for-bit reproducible.
-        """
+        """Set the process-wide fp32 matmul precision on CUDA (CPU matmuls stay bit-reproducible)."""
         if self.device_type == "cuda":
             set_tf32(self.tf32)
 
@@ -75,9 +59,8 @@ class PrecisionPolicy:
 def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
 
-    Through the ``fp32_precision`` settings (``"tf32"`` or ``"ieee"``) that PyTorch 2.9 introduced,
-    and only them: once they are set, the legacy getters (``torch.backends.cuda.matmul.allow_tf32``,
-    ``torch.get_float32_matmul_precision()``) raise, so nothing in gpt2 uses the legacy API.
+    Only through PyTorch 2.9's ``fp32_precision`` settings: once they are set, the legacy getters
+    (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those.
     """
     value = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = value
@@ -108,13 +91,7 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
         logger.info("precision='tf32' only changes CUDA matmuls; on %s it is plain fp32", device.type)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
     # bf16/fp16 keep TF32 on for the fp32 matmuls autocast leaves alone, as build-nanogpt does.
-    return PrecisionPolicy(
-        name=name,
-        device_type=device.type,
-        autocast_dtype=autocast_dtype,
-        tf32=name != "fp32",
-        uses_scaler=name == "fp16",
-    )
+    return PrecisionPolicy(name, device.type, autocast_dtype, tf32=name != "fp32", uses_scaler=name == "fp16")
 
 
 def inference_autocast(name: str, device: torch.device | str):

@@ -1,14 +1,6 @@
-"""What stops a run early and what brings it back: stop signals and divergence.
-
-:class:`StopSignals` turns SIGINT, SIGTERM and SIGHUP (Ctrl-C, a scheduler's stop, a closed
-terminal) into a flag that the Trainer reads at the next step boundary, where it saves a
-checkpoint and raises :class:`TrainingInterrupted`. Nothing is cut in half: the step finishes,
-then the save runs whole.
-
-:class:`DivergenceMonitor` watches the (all-reduced, so identical on every rank) training loss
-and says when a run has diverged: the loss stayed above ``factor`` times the best loss seen so
-far for ``patience`` steps in a row. The Trainer then goes back to the last good state (see
-``Trainer._recover``).
+"""What stops a run early and what brings it back: :class:`StopSignals` turns SIGINT, SIGTERM and
+SIGHUP into a flag the Trainer reads at the next step boundary (it saves, then raises
+:class:`TrainingInterrupted`); :class:`DivergenceMonitor` says when the loss has diverged.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""One run per ``out_dir``: the lock, the check of what is already there, and the manifest.
+"""One run per ``out_dir``. Two processes training into one ``out_dir`` destroy each other's work,
+and a fresh run among another run's checkpoints mixes with them. So :func:`start_run` (rank 0
+works, every rank learns the outcome):
 
-Two processes training into one ``out_dir`` destroy each other's work, and a fresh run among
-another run's checkpoints mixes with them. So before the Trainer reads or writes there,
-:func:`start_run` (rank 0 works, every rank learns the outcome, so all fail together):
-
-1. takes ``<out_dir>/run.lock`` (pid, host, start time), ``fcntl.flock``-ed for the run's life:
-   the kernel drops it when the process dies, so a crash leaves no stuck lock on this host (the
-   stale record is taken over); another host's record is refused with how to remove it;
+1. takes ``<out_dir>/run.lock`` (pid, host, start time), ``fcntl.flock``-ed for the run's life: a
+   crash leaves no stuck lock on this host; another host's record is refused with how to remove it;
 2. removes what an interrupted save left in ``checkpoints/``;
 3. refuses files gpt2 did not write where the run would write (always), other files of the user
    (unless ``overwrite``, which keeps them), and another run (unless ``resume`` or ``overwrite``);
-   gpt2 lists what it writes in ``out_dir/.gpt2-outputs.json`` to tell its files from the user's;
+   ``out_dir/.gpt2-outputs.json`` lists what gpt2 wrote;
 4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing.
 """
 
@@ -28,8 +25,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from gpt2.files import pid_alive, replace_atomically
 from gpt2.train import checkpoint as ckpt
+from gpt2.train.distributed import _active
 
 try:
     import fcntl
@@ -365,13 +365,9 @@ def start_run(
     load: Callable[[Path], Any],
     is_main: bool = True,
 ) -> RunLock | None:
-    """Lock ``out_dir``, clean up interrupted saves, check that this run may write there, resume
-    (``load(path)`` on every rank: ``resume`` itself, or the run's ``checkpoints`` with
-    ``resume='auto'`` when it holds any), and only then delete what ``overwrite`` replaces and
-    record this run's outputs in the manifest. Rank 0 returns the held :class:`RunLock` (other
-    ranks: None); every rank raises the same error when any fails (call it on all ranks under
-    DDP), and a failure leaves ``out_dir`` as it was (no lock, not even a new empty directory).
-    """
+    """The steps of the module docstring; ``load(path)`` resumes on every rank. Rank 0 returns the
+    held :class:`RunLock` (others None); call it on all ranks: all raise when any fails, and a
+    failure leaves ``out_dir`` as it was (no lock, not even a new empty directory)."""
     if overwrite and resume == "auto":
         raise ValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
     out = Path(out_dir) if out_dir is not None else None
@@ -420,12 +416,8 @@ def start_run(
 def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     """``fn()`` on every process; if it raises on any of them, every process raises (so none is
     left waiting at a collective for one that died). One process: just ``fn()``."""
-    from gpt2.train.distributed import _active
-
     if not _active():
         return fn()
-    import torch.distributed as dist
-
     error: BaseException | None = None
     result = None
     try:

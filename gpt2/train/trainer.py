@@ -1,48 +1,19 @@
-"""The Trainer: build-nanogpt's training loop as a library piece.
-
-It wires the pieces of the other modules together: a precision policy
-(:mod:`gpt2.precision`), AdamW and the cosine schedule (:mod:`gpt2.optim`), DDP
-(:mod:`gpt2.distributed`), atomic checkpoints (:mod:`gpt2.checkpoint`) and metric sinks
-(:mod:`gpt2.metrics`)::
+"""The Trainer: build-nanogpt's training loop as a library piece::
 
     trainer = Trainer(model, TrainConfig(...), train_data, val_data)
     history = trainer.fit()
 
-Three views of one model are kept apart: ``trainer.model`` is the raw module (checkpoints, state
-dicts and generation use it, so no ``_orig_mod.`` / ``module.`` prefixes ever appear);
-``trainer.eval_model`` is the ``torch.compile``d module when compiling (evaluation), and
-``trainer.train_model`` wraps that in DistributedDataParallel when running under torchrun
-(training steps). All three share the same parameters.
+``trainer.model`` is the raw module (checkpoints and generation use it: no ``_orig_mod.`` /
+``module.`` prefixes), ``trainer.eval_model`` the ``torch.compile``d one when compiling, and
+``trainer.train_model`` that wrapped in DDP under torchrun; all three share the parameters.
 
-Data: ``train_data`` / ``val_data`` may be a 1-D token tensor or array, a token file, a
-directory of shards (the Trainer then reads the files whose names contain ``"train"`` /
-``"val"``), or a :class:`gpt2.data.TokenLoader`. A loader must have been built with this run's
-``micro_batch_size``, ``seq_len`` and the process's ``rank`` / ``world_size`` (the Trainer checks
-and says what differs; it does not rebuild a loader, because it cannot know its source; see
-:func:`gpt2.data.loader.make_loader`).
-
-Resume: with ``resume="auto"`` (or a path) the Trainer restores weights, optimizer, loss scaler,
-RNG states, the data loader's position, the step (which fixes the learning rate) and the best
-validation loss, so the continued run is the uninterrupted one: on CPU bit for bit. Validation
-always reads the same first ``eval_steps`` batches, so it consumes no state of its own.
-
-Run directory: one run per ``out_dir`` (a lock, released by :meth:`Trainer.close`); a fresh run
-refuses a directory holding another run unless ``overwrite=True``; ``resume="auto"`` skips
-damaged checkpoints (see :mod:`gpt2.rundir`, which also assembles what a checkpoint records,
-and :mod:`gpt2.checkpoint`).
-
-Divergence guard: a step whose loss or gradient norm is inf/nan is skipped (gradients dropped,
-weights and optimizer state untouched) and logged. ``max_bad_steps`` such steps in a row, or a
-loss above ``divergence_factor`` x the best for ``divergence_patience`` steps, make the Trainer
-recover (``recover=True``, see :meth:`Trainer._recover`); after ``max_recoveries`` recoveries (or
-with ``recover=False``, non-finite steps only) it raises :class:`TrainingDivergedError`. With
-fp16 the loss scaler skips steps whose scaled gradients overflowed while it searches for a good
-scale; those are counted in ``skipped_steps`` but are not "bad" unless the loss itself was
-non-finite or the scale was already at 1 or below (then the true gradients overflow fp16: a real
-spike, not the scale).
-
-Stop signals: during :meth:`Trainer.fit`, SIGINT, SIGTERM and SIGHUP end the run at the next step
-boundary (on every rank at the same step) with a checkpoint and :class:`TrainingInterrupted`.
+Resume (``resume="auto"`` or a path) restores weights, optimizer, scaler, RNG, data position,
+step and best validation loss: the continued run is the uninterrupted one (on CPU bit for bit).
+A non-finite step is skipped (weights untouched); ``max_bad_steps`` of them in a row, or a loss
+above ``divergence_factor`` x the best for ``divergence_patience`` steps, make it recover (see
+:meth:`Trainer._recover`) or raise :class:`TrainingDivergedError`. fp16 overflows while the
+scaler searches for its scale are skipped but not "bad" (unless the scale is already <= 1).
+SIGINT/SIGTERM/SIGHUP end :meth:`Trainer.fit` at a step boundary with a checkpoint.
 """
 
 from __future__ import annotations
@@ -64,36 +35,20 @@ from gpt2.data.loader import make_loader
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.model.gpt import IGNORE_INDEX
 from gpt2.train import checkpoint as ckpt
-from gpt2.train import distributed, rundir
+from gpt2.train import distributed, metrics, rundir
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported: `from gpt2.trainer import seed_everything`
 from gpt2.train.config import TrainConfig
-from gpt2.train.metrics import (
-    METRICS_FILE,
-    PLOT_FILE,
-    ConsoleSink,
-    FitLog,
-    Sink,
-    detect_peak_flops,
-    mfu,
-    plot_loss_curve,
-    read_jsonl,
-)
+from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
 from gpt2.train.recovery import DivergenceMonitor, StopSignals, TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = rundir.CHECKPOINT_DIR
-
-
-def _returns_sum(model: nn.Module) -> bool:
-    """Whether ``model.forward`` takes ``reduction="sum"`` (as :class:`gpt2.GPT` does)."""
-    return "reduction" in inspect.signature(model.forward).parameters
-
 
 class TrainingDivergedError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient norm."""
+    """Training diverged (non-finite steps, or a loss run-away) and could not recover, or the weights
+    to be saved are non-finite."""
 
     def __init__(self, message: str, *, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None):
         super().__init__(message)
@@ -125,11 +80,12 @@ class Trainer:
         model: the raw model, in fp32 (the precision policy handles the low-precision compute).
             Only parameters with ``requires_grad=True`` are trained.
         config: a :class:`gpt2.TrainConfig`.
-        train_data / val_data: tokens, a token file or shard directory, or a fitting
-            :class:`gpt2.data.TokenLoader` (see the module docstring). ``val_data=None``: no
-            validation.
+        train_data / val_data: tokens, a token file, a shard directory (files named "train" /
+            "val") or a :class:`gpt2.data.TokenLoader` built for this run's micro_batch_size,
+            seq_len, rank and world_size (see :func:`gpt2.data.loader.make_loader`). ``val_data=None``:
+            no validation.
         sinks: where the per-step records go besides ``out_dir/metrics.jsonl``: objects with
-            ``log(record)`` or callables. Default: a :class:`gpt2.metrics.ConsoleSink` printing
+            ``log(record)`` or callables. Default: a :class:`gpt2.train.metrics.ConsoleSink` printing
             every ``log_interval`` steps; ``[]`` for silence. Only rank 0 calls them.
         callbacks: ``fn(trainer, record)`` called on *every* process after each step (and after
             validation), before the record is logged; a callback may add entries to ``record``
@@ -176,7 +132,13 @@ class Trainer:
         seed_everything(config.seed)
 
         self.model = ckpt.unwrap_model(model).to(self.device)  # the raw model
-        self._check_model()
+        block_size = getattr(getattr(self.model, "config", None), "block_size", None)
+        if block_size is not None and config.seq_len > block_size:
+            raise ValueError(
+                f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
+                "train on shorter sequences or build the model with a larger block_size"
+            )
+        check_master_weights(self.model)
         self.optimizer = build_optimizer(
             self.model,
             lr=config.max_lr,
@@ -206,7 +168,7 @@ class Trainer:
 
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
-        self.peak_flops = detect_peak_flops(self.device, config.peak_flops, self.precision.name)
+        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
         self.sinks: list[Sink] = (
             ([ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)) if self.is_main else []
         )
@@ -255,25 +217,12 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path | None:
-        return self.out_dir / CHECKPOINT_DIR if self.out_dir is not None else None
-
-    def _check_model(self) -> None:
-        block_size = getattr(getattr(self.model, "config", None), "block_size", None)
-        if block_size is not None and self.config.seq_len > block_size:
-            raise ValueError(
-                f"TrainConfig.seq_len={self.config.seq_len} exceeds the model's block_size={block_size}; "
-                "train on shorter sequences or build the model with a larger block_size"
-            )
-        check_master_weights(self.model)
+        return self.out_dir / rundir.CHECKPOINT_DIR if self.out_dir is not None else None
 
     # ------------------------------------------------------------------ training
     def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
-        """Train until ``max_steps``; return this call's per-step records (also in metrics.jsonl).
-
-        ``until_step`` stops earlier, after that step, with a checkpoint (when ``out_dir`` is
-        set) so a later Trainer with ``resume="auto"`` continues the same run: the learning-rate
-        schedule still runs to ``max_steps``.
-        """
+        """Train until ``max_steps`` (or ``until_step``, then with a checkpoint that ``resume="auto"``
+        continues; the LR schedule still runs to ``max_steps``); return this call's step records."""
         cfg = self.config
         stop = cfg.max_steps if until_step is None else min(int(until_step), cfg.max_steps)
         if self.step >= stop:
@@ -321,7 +270,12 @@ class Trainer:
                     # saved (the weights are finite: skipped steps never touch them).
                     good = self.consecutive_bad_steps == 0 and self.monitor.streak == 0
                     if pending and (good or (self.step == stop and self.out_dir is not None)):
-                        self._save_good_state()
+                        # A checkpoint (then no in-memory copy is needed), or a fresh in-memory copy.
+                        if self.out_dir is not None:
+                            self.save_checkpoint()
+                            self._snapshot = None
+                        else:
+                            self._snapshot = self._memory_snapshot()
                         saved, pending = self.out_dir is not None, False
                 self._stop_if_signalled(saved)
         except TrainingInterrupted:
@@ -334,7 +288,9 @@ class Trainer:
             if not (interrupted and self.dist_env.is_distributed):
                 signals.restore()
         if self.is_main and self.out_dir is not None and cfg.plot:
-            plot_loss_curve(read_jsonl(self.out_dir / METRICS_FILE), self.out_dir / PLOT_FILE)
+            metrics.plot_loss_curve(
+                metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
+            )
         return history
 
     def _stop_if_signalled(self, saved: bool) -> None:
@@ -349,15 +305,6 @@ class Trainer:
         raise TrainingInterrupted(signum, step=self.step, checkpoint=self.last_checkpoint)
 
     # ------------------------------------------------------------------ divergence recovery
-    def _save_good_state(self) -> None:
-        """A checkpoint (then no in-memory copy is needed any more), or without ``out_dir`` a
-        fresh in-memory copy."""
-        if self.out_dir is not None:
-            self.save_checkpoint()
-            self._snapshot = None
-        else:
-            self._snapshot = self._memory_snapshot()
-
     def _memory_snapshot(self) -> dict[str, Any]:
         """The trainable weights, optimizer and scaler state, data position, counters and RNG,
         copied to the CPU: about 3x the trainable parameters' size with AdamW (documented in
@@ -384,18 +331,6 @@ class Trainer:
                 "rng": ckpt.capture_rng_state(),
             }
         )
-
-    def _restore_snapshot(self, snap: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if name in snap["weights"]:
-                    p.copy_(snap["weights"][name])
-        self.optimizer.load_state_dict(snap["optimizer"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(snap["scaler"])
-        self.train_loader.load_state_dict(snap["loader"])
-        self.step, self.skipped_steps, self.best_val_loss = snap["step"], snap["skipped_steps"], snap["best_val_loss"]
-        ckpt.restore_rng_state(snap["rng"])
 
     def _recover(self, record: dict[str, Any]) -> None:
         """Go back to the newest good state (an intact checkpoint written before the trouble
@@ -441,10 +376,20 @@ class Trainer:
                     return f"checkpoint {path}"
                 except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
                     logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
-        if self._snapshot is not None and self._snapshot["step"] < first_bad:
-            self._restore_snapshot(self._snapshot)
-            return "in-memory copy"
-        return None
+        snap = self._snapshot
+        if snap is None or snap["step"] >= first_bad:
+            return None
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in snap["weights"]:
+                    p.copy_(snap["weights"][name])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(snap["scaler"])
+        self.train_loader.load_state_dict(snap["loader"])
+        self.step, self.skipped_steps, self.best_val_loss = snap["step"], snap["skipped_steps"], snap["best_val_loss"]
+        ckpt.restore_rng_state(snap["rng"])
+        return "in-memory copy"
 
     def recovery_state(self) -> dict[str, Any]:
         """What a checkpoint records about divergence recovery (resume stays exact across one)."""
@@ -495,7 +440,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "dt_ms": dt * 1000.0,
             "tokens_per_second": tokens_per_second,
-            "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.dist_env.world_size),
+            "mfu": metrics.mfu(self.flops_per_token, tokens_per_second, self.peak_flops, self.dist_env.world_size),
             "scored_tokens": scored,
             "skipped": skipped,
             "skipped_steps": self.skipped_steps,
@@ -529,7 +474,7 @@ class Trainer:
         do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size.
         """
         scale = self.dist_env.world_size / scored
-        sums = _returns_sum(self.model)
+        sums = "reduction" in inspect.signature(self.model.forward).parameters  # as gpt2.GPT
         loss_sum = torch.zeros((), device=self.device)
         for micro_step, (batch, count) in enumerate(zip(batches, counts)):
             extras = batch[2] if len(batch) > 2 else {}  # e.g. a packed batch's attn_mask, position_ids
@@ -562,21 +507,19 @@ class Trainer:
         max_norm = self.config.grad_clip or math.inf  # inf: measure the norm, change nothing
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        skipped = bad = not finite
         if self.scaler is None:
             if finite:
                 self.optimizer.step()
-            bad = not finite
         else:
             scale = self.scaler.get_scale()
             if finite:
                 self.scaler.step(self.optimizer)
             self.scaler.update()  # lowers the scale when unscale_ found inf/nan gradients
-            overflow = self.scaler.get_scale() < scale
             # Overflow of *scaled* fp16 gradients is the scaler searching for its scale (normal);
             # a non-finite loss, or an overflow at scale <= 1, is a real numerical problem.
-            explained = overflow and math.isfinite(loss_value) and scale > 1.0
-            bad = not finite and not explained
-        skipped = not finite
+            overflow = self.scaler.get_scale() < scale
+            bad = bad and not (overflow and math.isfinite(loss_value) and scale > 1.0)
         if skipped:
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)  # the non-finite gradients go nowhere
@@ -595,26 +538,22 @@ class Trainer:
             f"{self.monitor.streak} steps (last: {record['loss']:.4g})"
         )
 
+    def _last_good(self) -> str:
+        if self.last_checkpoint is None:
+            return "no checkpoint was written in this run"
+        return f"the last good checkpoint is {self.last_checkpoint}"
+
     def _diverged(self, record: dict[str, Any]) -> TrainingDivergedError:
-        n = self.consecutive_bad_steps
-        where = (
-            f"the last good checkpoint is {self.last_checkpoint}"
-            if self.last_checkpoint is not None
-            else "no checkpoint was written in this run"
-        )
-        skipped = (
-            f" Those steps were skipped, so the weights are still those of step {self.step - n}."
-            if n >= self.config.max_bad_steps
-            else ""
-        )
-        tried = (
-            f" after {self.recoveries} recoveries (max_recoveries={self.config.max_recoveries})"
-            if self.config.recover
-            else ""
-        )
-        message = (
-            f"training diverged at step {self.step}{tried}: {self._divergence_reason(record)}.{skipped} {where}. "
-            "Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume from the checkpoint."
+        cfg, n = self.config, self.consecutive_bad_steps
+        message = f"training diverged at step {self.step}"
+        if cfg.recover:
+            message += f" after {self.recoveries} recoveries (max_recoveries={cfg.max_recoveries})"
+        message += f": {self._divergence_reason(record)}."
+        if n >= cfg.max_bad_steps:
+            message += f" Those steps were skipped, so the weights are still those of step {self.step - n}."
+        message += (
+            f" {self._last_good()}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume "
+            "from the checkpoint."
         )
         return TrainingDivergedError(
             message,
@@ -626,10 +565,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, steps: int | None = None) -> float:
-        """Mean validation loss per scored token over each process's first ``steps`` (default
-        ``eval_steps``) batches, split across the ranks, by :func:`gpt2.eval.loss.evaluate_loss`:
-        the same batches every time, none twice (short data is scored once, said once).
-        Raises :class:`gpt2.eval.loss.NonFiniteLossError` when the loss is inf/nan."""
+        """Mean validation loss per scored token over the same first ``steps`` (default ``eval_steps``)
+        batches of each process every time (:func:`gpt2.eval.loss.evaluate_loss`, which raises
+        :class:`~gpt2.eval.loss.NonFiniteLossError` for an inf/nan loss)."""
         if self.val_loader is None:
             raise ValueError("no validation data: pass val_data to the Trainer")
         cfg = self.config
@@ -661,13 +599,9 @@ class Trainer:
             return None
         bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
         if bad:  # checked on every rank, so all of them stop together
-            where = (
-                f"the last good checkpoint is {self.last_checkpoint}"
-                if self.last_checkpoint
-                else "no checkpoint was written"
-            )
             raise TrainingDivergedError(
-                f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); {where}",
+                f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); "
+                f"{self._last_good()}",
                 step=self.step,
                 loss=math.nan,
                 grad_norm=math.nan,
@@ -747,17 +681,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:
-        """Leave the process group if this Trainer created it (under torchrun); by default after
-        every rank got here (see :func:`gpt2.distributed.destroy_process_group`). Then release
-        the ``out_dir`` lock (see :mod:`gpt2.rundir`)."""
+        """Leave the process group if this Trainer created it (by default at a barrier, see
+        :func:`gpt2.train.distributed.destroy_process_group`), then release the ``out_dir`` lock."""
         if self._owns_process_group:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
         self._signals.restore()  # kept by an interrupted fit() under DDP until the group is gone
-        self._release_run_lock()
-
-    def _release_run_lock(self) -> None:
-        if getattr(self, "_run_lock", None) is not None:
+        if self._run_lock is not None:
             self._run_lock.release()
             self._run_lock = None
 
