@@ -19,10 +19,9 @@ from ._torch_compat import inject_property, parametrize_cache_enabled
 PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")  # the last one DoRA's only
 
 
-def check_int(value: Any, what: str) -> int:
+def check_int(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a rank
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return value
 
 
 def check_float(value: Any, what: str, low: float | None = None, high: float | None = None, low_open: bool = False):
@@ -34,7 +33,6 @@ def check_float(value: Any, what: str, low: float | None = None, high: float | N
     if low is not None and (value <= low if low_open else value < low) or high is not None and value >= high:
         hi = "inf" if high is None else f"{high:g}"
         raise ValueError(f"{what} must be in {'(' if low_open else '['}{low:g}, {hi}), got {value!r}")
-    return value
 
 
 def raw_weight(module: nn.Module) -> torch.Tensor | None:
