@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from typing import Any
 
@@ -261,10 +260,11 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- the parametrized class
 # parametrize swaps a parametrized module's class for a generated subclass holding the `weight`
 # property. We swap it once more for a class of our own, which adds the fast forward and makes the
-# module deepcopy and pickle: torch's class refuses pickling, and its deepcopy shares the class
-# between original and copy, so removing a parametrization from one deletes the other's property.
+# module deepcopy and pickle (deepcopy goes through __reduce_ex__ too): torch's class refuses pickling,
+# and its deepcopy shares the class between original and copy, so removing a parametrization from one
+# deletes the other's property.
 def _lora_class(base: type, module: nn.Module, tensor_names) -> nn.Module:
-    dct: dict[str, Any] = {"_minlora_base": base, "__deepcopy__": _deepcopy, "__reduce_ex__": _reduce}
+    dct: dict[str, Any] = {"_minlora_base": base, "__reduce_ex__": _reduce}
     if getattr(base, "forward", None) in (nn.Linear.forward, nn.Embedding.forward):  # a subclass's own: kept
         dct["forward"] = _fast_forward
     module.__class__ = type(f"Parametrized{base.__name__}", (base,), dct)
@@ -277,15 +277,6 @@ def install_lora_class(module: nn.Module) -> None:
     """Give the parametrized ``module`` a class of its own (one per module: properties live on it)."""
     if "_minlora_base" not in type(module).__dict__:
         _lora_class(parametrize.type_before_parametrizations(module), module, module.parametrizations.keys())
-
-
-def _deepcopy(self: nn.Module, memo: dict) -> nn.Module:
-    if id(self) not in memo:
-        base = type(self)._minlora_base
-        replica = memo[id(self)] = base.__new__(base)
-        replica.__dict__ = copy.deepcopy(self.__dict__, memo)
-        _lora_class(base, replica, replica.parametrizations.keys())
-    return memo[id(self)]
 
 
 def _reduce(self: nn.Module, protocol: int) -> tuple:
