@@ -46,8 +46,7 @@ class AdapterBaseMismatchError(ValueError):
 
 # ---------------------------------------------------------------------- files
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` beside ``path``, fsync, rename over ``path``: ``path`` is the old file or the new
-    one, never a torn one; the file gets the user's umask."""
+    """``write(tmp)`` beside ``path``, fsync, rename over ``path``: the old file or the new one, never a torn one."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.unlink(missing_ok=True)  # a stale one a crash left
@@ -132,20 +131,18 @@ def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
 
 
 @torch.no_grad()
-def make_plan(
-    site: LoRASite, source: str, tensors: dict[str, torch.Tensor], rank: int, lora_alpha: float, **kw
-) -> Plan:
-    """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight; ``kw``:
-    ``use_rslora``, ``lora_dropout_p``, ``use_dora``."""
+def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], **settings: Any) -> Plan:
+    """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight; ``settings``
+    are :class:`LoRAParametrization`'s keywords."""
     family = family_name(site.module)
     if family is None or raw_weight(site.module) is None or site.tensor_name != "weight":
         raise ValueError(f"{source}: {site.name} is not the weight of a Linear, Embedding or Conv2d layer")
-    lora = FAMILIES[family][1](site.module, rank, kw.pop("lora_dropout_p", 0.0), lora_alpha, **kw)
+    lora = FAMILIES[family][1](site.module, **settings)
     for name, value in tensors.items():
         if value.shape != getattr(lora, name).shape:
             raise ValueError(
                 f"{source}: the adapter's {name} for {site.name} has shape {tuple(value.shape)}; at rank "
-                f"{rank} this layer needs {tuple(getattr(lora, name).shape)}"
+                f"{lora.rank} this layer needs {tuple(getattr(lora, name).shape)}"
             )
         getattr(lora, name).copy_(value)
     return site, lora

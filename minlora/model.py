@@ -89,24 +89,21 @@ def register_lora(module: nn.Module, tensor_name: str, lora: LoRAParametrization
 
 
 # ---------------------------------------------------------------------- selecting layers
-def _dict_targets(model: nn.Module, lora_config: Mapping) -> list[Target]:
+def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match: bool = True) -> list[Target]:
+    if isinstance(lora_config, LoRAConfig):
+        return lora_config.targets(model, require_match)
     if not isinstance(lora_config, Mapping) or not all(isinstance(k, type) for k in lora_config):
         raise TypeError(
             "lora_config must be a minlora.LoRAConfig or a dict {layer_type: {tensor_name: factory}} "
             f"such as minlora.default_lora_config, got {type(lora_config).__name__}"
         )
     # minLoRA matches the exact layer type; a parametrized layer by its original type.
-    return [
+    targets = [
         (name, module, tensor_name, factory)
         for name, module in model.named_modules()
         for tensor_name, factory in lora_config.get(parametrize.type_before_parametrizations(module), {}).items()
     ]
-
-
-def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match: bool = True) -> list[Target]:
-    if isinstance(lora_config, LoRAConfig):
-        return lora_config.targets(model, require_match)
-    if not (targets := _dict_targets(model, lora_config)) and require_match:
+    if not targets and require_match:
         types = sorted(t.__name__ for t in lora_config)
         raise ValueError(
             f"add_lora: the model has no layer of the types in lora_config ({types}); nothing to put LoRA on"
@@ -152,7 +149,7 @@ def apply_lora(
 ) -> None:
     """minLoRA's per-layer helper for ``model.apply``: add LoRA to ``layer``, or merge / remove its LoRA."""
     if register:
-        _add_targets([t for t in _dict_targets(layer, lora_config) if t[1] is layer], "apply_lora")
+        _add_targets([t for t in _targets(layer, lora_config, False) if t[1] is layer], "apply_lora")
     else:
         _unlora(layer, merge, [s for s in lora_sites(layer) if s.module is layer])
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from typing import Any
 
@@ -19,10 +18,9 @@ from ._torch_compat import inject_property, parametrize_cache_enabled
 PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")  # the last one DoRA's only
 
 
-def check_int(value: Any, what: str) -> int:
+def check_int(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a rank
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return value
 
 
 def check_float(value: Any, what: str, low: float | None = None, high: float | None = None, low_open: bool = False):
@@ -34,7 +32,6 @@ def check_float(value: Any, what: str, low: float | None = None, high: float | N
     if low is not None and (value <= low if low_open else value < low) or high is not None and value >= high:
         hi = "inf" if high is None else f"{high:g}"
         raise ValueError(f"{what} must be in {'(' if low_open else '['}{low:g}, {hi}), got {value!r}")
-    return value
 
 
 def raw_weight(module: nn.Module) -> torch.Tensor | None:
@@ -263,10 +260,11 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- the parametrized class
 # parametrize swaps a parametrized module's class for a generated subclass holding the `weight`
 # property. We swap it once more for a class of our own, which adds the fast forward and makes the
-# module deepcopy and pickle: torch's class refuses pickling, and its deepcopy shares the class
-# between original and copy, so removing a parametrization from one deletes the other's property.
+# module deepcopy and pickle (deepcopy goes through __reduce_ex__ too): torch's class refuses pickling,
+# and its deepcopy shares the class between original and copy, so removing a parametrization from one
+# deletes the other's property.
 def _lora_class(base: type, module: nn.Module, tensor_names) -> nn.Module:
-    dct: dict[str, Any] = {"_minlora_base": base, "__deepcopy__": _deepcopy, "__reduce_ex__": _reduce}
+    dct: dict[str, Any] = {"_minlora_base": base, "__reduce_ex__": _reduce}
     if getattr(base, "forward", None) in (nn.Linear.forward, nn.Embedding.forward):  # a subclass's own: kept
         dct["forward"] = _fast_forward
     module.__class__ = type(f"Parametrized{base.__name__}", (base,), dct)
@@ -279,15 +277,6 @@ def install_lora_class(module: nn.Module) -> None:
     """Give the parametrized ``module`` a class of its own (one per module: properties live on it)."""
     if "_minlora_base" not in type(module).__dict__:
         _lora_class(parametrize.type_before_parametrizations(module), module, module.parametrizations.keys())
-
-
-def _deepcopy(self: nn.Module, memo: dict) -> nn.Module:
-    if id(self) not in memo:
-        base = type(self)._minlora_base
-        replica = memo[id(self)] = base.__new__(base)
-        replica.__dict__ = copy.deepcopy(self.__dict__, memo)
-        _lora_class(base, replica, replica.parametrizations.keys())
-    return memo[id(self)]
 
 
 def _reduce(self: nn.Module, protocol: int) -> tuple:

@@ -1,15 +1,10 @@
 """PEFT interop (``PeftModel.save_pretrained``'s format), no ``peft`` package needed: in
 ``adapter_model.safetensors``, ``base_model.model.<module>.lora_A.weight`` ``(r, in)`` / ``.lora_B.weight``
 ``(out, r)`` (``Conv1D`` too), ``.lora_embedding_A`` ``(r, V)`` / ``.lora_embedding_B`` ``(dim, r)``, DoRA's
-``.lora_magnitude_vector``. A model whose PEFT twin differs says how (every key optional)::
-
-    def peft_adapter_layout(self) -> dict:
-        return {"vocab_size": 50257,  # the twin's real vocabulary
-                "padded_vocab_modules": ["transformer.wte", "lm_head"],  # layers with padded vocab rows
-                "fan_in_fan_out": True}  # the twin's layers are transformers' Conv1D
-
-Padded vocabulary rows are never sampled nor inputs: cutting them on export, zeros on import, is exact.
-"""
+``.lora_magnitude_vector``. A model whose PEFT twin differs says how in a method ``peft_adapter_layout()``
+returning a dict, every key optional: ``vocab_size`` (the twin's real vocabulary), ``padded_vocab_modules``
+(layers with padded vocab rows: never sampled nor inputs, so cutting them on export, zeros on import, is
+exact), ``fan_in_fan_out`` (True: the twin's layers are transformers' ``Conv1D``)."""
 
 from __future__ import annotations
 
@@ -37,7 +32,7 @@ from .adapters import (
     read_safetensors,
     write_atomic,
 )
-from .config import family_name, raw_weight
+from .config import family_name, name_matches, raw_weight
 from .model import LoRASite
 from .parametrization import check_float, check_int
 
@@ -118,6 +113,10 @@ def export_peft_adapter(
     alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
     if len(dropouts := sorted({p.lora_dropout_p for p in loras.values()})) > 1:
         logger.warning("export_peft_adapter: layers use dropouts %s; PEFT has one, writing the largest", dropouts)
+    # target_modules: the last name components (["c_attn", "c_fc"]) where PEFT's suffix matching selects
+    # exactly these modules with them, the full names otherwise
+    suffixes = sorted({n.rsplit(".", 1)[-1] for n in loras})
+    selected = {n for n, _ in model.named_modules() if n and any(name_matches(n, s) for s in suffixes)}
     config = {  # PEFT fills in the options not written here with their defaults
         "peft_type": "LORA",
         "task_type": task_type,
@@ -127,7 +126,7 @@ def export_peft_adapter(
         "lora_dropout": dropouts[-1],
         "bias": "none",
         "inference_mode": True,
-        "target_modules": _compact_targets(model, list(loras)),
+        "target_modules": suffixes if selected == set(loras) else sorted(loras),
         "use_rslora": sites[0].lora.use_rslora,
         "use_dora": sites[0].lora.use_dora,
         "fan_in_fan_out": bool(layout.get("fan_in_fan_out", False) if fan_in_fan_out is None else fan_in_fan_out),
@@ -140,14 +139,6 @@ def export_peft_adapter(
     write_atomic(out / PEFT_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     write_atomic(out / PEFT_CONFIG_NAME, lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True)))
     return out
-
-
-def _compact_targets(model: nn.Module, module_names: list[str]) -> list[str]:
-    """The last name components (``["c_attn", "c_fc"]``) when PEFT's suffix matching selects exactly
-    these modules with them; the full names otherwise."""
-    suffixes = sorted({n.rsplit(".", 1)[-1] for n in module_names})
-    selected = {n for n, _ in model.named_modules() if n and any(n == s or n.endswith("." + s) for s in suffixes)}
-    return suffixes if selected == set(module_names) else sorted(module_names)
 
 
 def _check_config(config: dict[str, Any], where: str) -> None:
@@ -215,7 +206,7 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     if not factors:
         raise ValueError(f"{source}: the adapter holds no LoRA factors")
     _, real, padded = _layout(model, "import_peft_adapter")
-    dora, plans = config.get("use_dora", False), []
+    dora, dropout, plans = config.get("use_dora", False), float(config.get("lora_dropout") or 0.0), []
     for module_name, parts in factors.items():
         site = LoRASite(module_name, get_module(model, module_name, source), "weight")
         weight, pad = raw_weight(site.module), id(site.module) in padded
@@ -243,9 +234,8 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         if dora:  # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
             M = parts["magnitude_vector"].reshape(-1)
             tensors["lora_magnitude_vector"] = M if embedding else _pad_rows(M, rows, real, pad)
-        dropout = float(config.get("lora_dropout") or 0.0)
-        settings = dict(use_rslora=config.get("use_rslora", False), lora_dropout_p=dropout, use_dora=dora)
-        plans.append(make_plan(site, source, tensors, rank, alpha, **settings))
+        settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config.get("use_rslora", False), use_dora=dora)
+        plans.append(make_plan(site, source, tensors, lora_dropout_p=dropout, **settings))
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model

@@ -119,9 +119,7 @@ def select_lora(model: nn.Module, index: int) -> nn.Module:
     return model
 
 
-def _pair(
-    a: nn.Module, b: nn.Module, caller: str
-) -> tuple[nn.Module, nn.Module, LoRAParametrization, LoRAParametrization]:
+def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     """``(head, embedding, head's LoRA, embedding's LoRA)`` for two layers in either order (minLoRA's
     examples pass the embedding first): the embedding's LoRA has the ``fan_in_fan_out`` layout."""
     loras = []
