@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,25 @@ def hf_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 4-step tiny run with checkpoints at steps 2 and 4; tests damage copies (``run``)."""
+    from _tiny_run import tiny_config as config
+    from _tiny_run import tiny_model, tiny_tokens
+
+    from gpt2.train.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    with Trainer(tiny_model(), config(out), tiny_tokens(), sinks=[]) as trainer:
+        trainer.fit()
+    return out
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> Path:
+    """A copy of ``finished_run`` of this test's own."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    return out

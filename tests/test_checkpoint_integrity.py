@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import shutil
 import socket
 import struct
 import subprocess
@@ -23,22 +22,6 @@ from gpt2.train import checkpoint as ckpt
 from gpt2.train.trainer import Trainer
 
 _config, _model, _tokens = tiny_config, tiny_model, tiny_tokens
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4 (copied by each test)."""
-    out = tmp_path_factory.mktemp("template") / "run"
-    with Trainer(_model(), _config(out), _tokens(), sinks=[]) as trainer:
-        trainer.fit()
-    return out
-
-
-@pytest.fixture
-def run(template, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(template, out)
-    return out
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:

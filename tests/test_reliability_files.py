@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,22 +22,6 @@ from gpt2.train import rundir
 from gpt2.train.trainer import Trainer
 
 _config, _model, _tokens = tiny_config, tiny_model, tiny_tokens
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4 (copied by each test)."""
-    out = tmp_path_factory.mktemp("template") / "run"
-    with Trainer(_model(), _config(out), _tokens(), sinks=[]) as trainer:
-        trainer.fit()
-    return out
-
-
-@pytest.fixture
-def run(template, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(template, out)
-    return out
 
 
 def _tree(path: Path) -> dict[str, bytes | None]:
@@ -73,7 +56,7 @@ def _rewrite_state(checkpoint: Path, change) -> None:
 # ------------------------------------------------------------------------------ 1. content digests
 
 
-def test_flipped_byte_inside_a_tensor_is_damage_and_never_reaches_a_new_checkpoint(run, template, caplog):
+def test_flipped_byte_inside_a_tensor_is_damage_and_never_reaches_a_new_checkpoint(run, finished_run, caplog):
     newest = run / "checkpoints" / "step_000004"
     _flip_tensor_byte(newest / ckpt.WEIGHTS_FILE)
     ckpt.load_weights(newest / ckpt.WEIGHTS_FILE)  # structurally still a valid file
@@ -86,7 +69,7 @@ def test_flipped_byte_inside_a_tensor_is_damage_and_never_reaches_a_new_checkpoi
         trainer.fit()
     assert "skipping damaged checkpoint" in caplog.text and "sha256" in caplog.text
     redone, _ = ckpt.load_weights(newest / ckpt.WEIGHTS_FILE)
-    clean, _ = ckpt.load_weights(template / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE)
+    clean, _ = ckpt.load_weights(finished_run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE)
     # (bit for bit with one thread; two threads may round differently, far below the flipped 0.02)
     assert max((redone[k] - clean[k]).abs().max().item() for k in clean) < 1e-5
 
