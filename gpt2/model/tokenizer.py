@@ -158,11 +158,7 @@ class Tokenizer:
         return self.n_vocab
 
     def encode(
-        self,
-        text: str,
-        *,
-        allowed_special: AllowedSpecial = "all",
-        disallowed_special: AllowedSpecial = "all",
+        self, text: str, *, allowed_special: AllowedSpecial = "all", disallowed_special: AllowedSpecial = "all"
     ) -> list[int]:
         """Text -> ids; ``<|endoftext|>`` becomes 50256 (as in nanoGPT's ``sample.py``), an error with
         ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`."""
