@@ -38,24 +38,12 @@ def _hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
         "ln_f.weight": (C,),
         "ln_f.bias": (C,),
     }
+    block = {"ln_1": (C,), "attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C)}
+    block.update({"ln_2": (C,), "mlp.c_fc": (C, 4 * C), "mlp.c_proj": (4 * C, C)})
     for i in range(config.n_layer):
-        p = f"h.{i}."
-        shapes.update(
-            {
-                p + "ln_1.weight": (C,),
-                p + "ln_1.bias": (C,),
-                p + "attn.c_attn.weight": (C, 3 * C),
-                p + "attn.c_attn.bias": (3 * C,),
-                p + "attn.c_proj.weight": (C, C),
-                p + "attn.c_proj.bias": (C,),
-                p + "ln_2.weight": (C,),
-                p + "ln_2.bias": (C,),
-                p + "mlp.c_fc.weight": (C, 4 * C),
-                p + "mlp.c_fc.bias": (4 * C,),
-                p + "mlp.c_proj.weight": (4 * C, C),
-                p + "mlp.c_proj.bias": (C,),
-            }
-        )
+        for name, weight in block.items():
+            shapes[f"h.{i}.{name}.weight"] = weight
+            shapes[f"h.{i}.{name}.bias"] = weight[-1:]  # Conv1D's (in, out): a bias per output
     return shapes
 
 
