@@ -144,12 +144,9 @@ def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
         return _download(source, cache_dir, revision)
     spec = os.fspath(name_or_path)
     if source.is_file():
-        parent = source.parent
-        hint = (
-            f"; pass its directory {str(parent)!r}"
-            if (parent / "config.json").is_file() or (parent / "trainer_state.json").is_file()
-            else ""
-        )
+        parent, hint = source.parent, ""
+        if (parent / "config.json").is_file() or (parent / "trainer_state.json").is_file():
+            hint = f"; pass its directory {str(parent)!r}"
         raise NotADirectoryError(
             f"{spec!r} is a file; a model is a directory: a transformers model (config.json + "
             f"model.safetensors) or a gpt2 checkpoint / run directory{hint}"
@@ -316,8 +313,7 @@ def save_pretrained(
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
     # Drop weights of the other format so transformers cannot pick up a stale file.
-    stale = _BIN if safe_serialization else _SAFETENSORS
-    (out / stale).unlink(missing_ok=True)
+    (out / (_BIN if safe_serialization else _SAFETENSORS)).unlink(missing_ok=True)
     # Each file is written under a temporary name and renamed into place, weights first: a crash
     # leaves whole files behind, never a truncated one that transformers would fail to read. Bytes
     # through replace_atomically: safetensors' save_file would make the file 0600, not the umask's.

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
+from gpt2.model.config import GPTConfig
+from gpt2.model.tokenizer import EOT_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +22,6 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 _HF_MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 # GELU variants that are exactly GPT-2's tanh approximation (what our MLP computes).
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
-# <|endoftext|>: GPT-2's BOS and EOS token; only written into config.json when it is in the vocab.
-_EOT_ID = GPT2_VOCAB_SIZE - 1
 
 
 class CheckpointMismatchError(ValueError):
@@ -239,7 +238,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
 def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
     """The ``config.json`` dict of a ``transformers.GPT2LMHeadModel`` with ``config``'s shape
     (``transformers.GPT2Config(**d)`` builds the object)."""
-    eot = _EOT_ID if config.vocab_size > _EOT_ID else None  # <|endoftext|> only if it exists
+    eot = EOT_TOKEN if config.vocab_size > EOT_TOKEN else None  # BOS and EOS, if the vocabulary has it
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
