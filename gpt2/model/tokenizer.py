@@ -181,10 +181,7 @@ class Tokenizer:
         """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
         texts = _check_texts(texts)
         return self.encoding.encode_batch(
-            texts,
-            num_threads=num_threads,
-            allowed_special=allowed_special,
-            disallowed_special=disallowed_special,
+            texts, num_threads=num_threads, allowed_special=allowed_special, disallowed_special=disallowed_special
         )
 
     def encode_ordinary_batch(self, texts: Sequence[str], *, num_threads: int = 8) -> list[list[int]]:
