@@ -92,16 +92,12 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
         hint="\nIs the checkpoint a GPT-2 of this size? (config_from_hf builds the matching config)",
     )
     wte = sd["wte.weight"]
-    if lm_head is not None and lm_head is not wte:
-        if tuple(lm_head.shape) != tuple(wte.shape):
-            raise CheckpointMismatchError(
-                f"key 'lm_head.weight': expected shape {tuple(wte.shape)} (tied to wte), found {tuple(lm_head.shape)}"
-            )
-        if not torch.equal(lm_head, wte):
-            raise CheckpointMismatchError(
-                "key 'lm_head.weight' differs from 'transformer.wte.weight': this checkpoint does not "
-                "tie its LM head to the token embedding, which GPT-2 (and this model) requires"
-            )
+    if lm_head is not None and lm_head is not wte and not torch.equal(lm_head, wte):  # False on other shapes too
+        raise CheckpointMismatchError(
+            f"key 'lm_head.weight' differs from 'transformer.wte.weight' (shapes {tuple(lm_head.shape)} and "
+            f"{tuple(wte.shape)}): this checkpoint does not tie its LM head to the token embedding, which GPT-2 "
+            "(and this model) requires"
+        )
 
     out: dict[str, torch.Tensor] = {}
     for short, value in sd.items():
@@ -157,7 +153,7 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     head = ours.pop("lm_head.weight", None)
     if head is not None:
         wte = ours.setdefault("transformer.wte.weight", head)
-        if wte is not head and (wte.shape != head.shape or not torch.equal(wte, head)):
+        if wte is not head and not torch.equal(wte, head):
             raise CheckpointMismatchError(
                 "'lm_head.weight' differs from 'transformer.wte.weight': GPT-2 ties them, untied "
                 "weights cannot be exported to GPT2LMHeadModel"
