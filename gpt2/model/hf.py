@@ -25,7 +25,6 @@ from gpt2.model.checkpoint_files import (
 )
 from gpt2.model.config import GPTConfig
 from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
-    CONV1D_WEIGHTS,
     CheckpointMismatchError,
     config_from_hf,
     gpt_to_hf_state_dict,
@@ -41,13 +40,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*
 # directory of that name exists (this repository's own package directory is called gpt2/);
 # write a path ("./gpt2", an absolute path) to load a local directory with such a name.
 OFFICIAL_HUB_IDS = frozenset(
-    [
-        f"{owner}{name}"
-        for owner in ("", "openai-community/")
-        for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-    ]
-    + ["distilgpt2", "distilbert/distilgpt2"]
-)
+    f"{owner}{name}" for owner in ("", "openai-community/") for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+) | {"distilgpt2", "distilbert/distilgpt2"}
 _SAFETENSORS = "model.safetensors"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN = "pytorch_model.bin"
