@@ -34,7 +34,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = config.n_head
-        self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.flash = config.flash
         # q, k, v for all heads in one matmul, as in GPT-2's checkpoint layout

@@ -160,12 +160,7 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
             )
     _check_keys(ours, expected, "GPT state dict", hint=hint)
 
-    out: dict[str, torch.Tensor] = {}
-    for key, value in ours.items():
-        short = key[len("transformer.") :]
-        if short.endswith(CONV1D_WEIGHTS):
-            value = value.t().contiguous()
-        out[key] = value
+    out = {k: v.t().contiguous() if k.endswith(CONV1D_WEIGHTS) else v for k, v in ours.items()}
     out["transformer.wte.weight"] = out["transformer.wte.weight"][: config.vocab_size]
     if not config.bias:
         like = out["transformer.wte.weight"]
