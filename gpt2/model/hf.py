@@ -252,12 +252,8 @@ def from_pretrained(
     hf_sd = load_hf_state_dict(directory)
     refuse_non_finite(hf_sd, f"refusing to load {directory}")  # NaN/inf weights never enter a model
     sd = hf_to_gpt_state_dict(hf_sd, config)
-    dtype = dtype or torch.float32
-    wte = sd["transformer.wte.weight"].to(device=device, dtype=dtype)
-    sd = {
-        k: (wte if k in ("transformer.wte.weight", "lm_head.weight") else v.to(device=device, dtype=dtype))
-        for k, v in sd.items()
-    }
+    sd = {k: v.to(device=device, dtype=dtype or torch.float32) for k, v in sd.items() if k != "lm_head.weight"}
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]  # tied: moved once
     # Build on the meta device (no memory, no random init), then adopt the loaded tensors.
     with torch.device("meta"):
         model = model_class(config)
