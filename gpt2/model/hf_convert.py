@@ -222,8 +222,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
         bias=True,  # GPT2LMHeadModel always has biases
         dropout=0.0,
     )
-    fields.update(overrides)
-    return GPTConfig(**fields)
+    return GPTConfig(**{**fields, **overrides})
 
 
 def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:

@@ -17,12 +17,7 @@ import torch
 
 from gpt2.files import DownloadError, default_cache_dir, download
 
-__all__ = [
-    "EOT_TOKEN",
-    "Tokenizer",
-    "TokenizerNotAvailableError",
-    "get_tokenizer",
-]
+__all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
 
 ENDOFTEXT = "<|endoftext|>"
 EOT_TOKEN = 50256  # id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes)
