@@ -1,10 +1,6 @@
-"""A GPT -> one self-contained GGUF file (weights + GPT-2 tokenizer) that llama.cpp runs.
-
-Written with ``gguf``, the writer llama.cpp maintains (``pip install gguf``), under the names and
-metadata keys its own converter (``convert_hf_to_gguf.py``, class ``GPT2Model``) uses for
-``transformers`` GPT-2 checkpoints, so llama.cpp treats the file as it treats a converted
-``gpt2``.
-"""
+"""A GPT -> one self-contained GGUF file (weights + GPT-2 tokenizer) that llama.cpp runs, written
+with llama.cpp's ``gguf`` package under the names its own converter (``convert_hf_to_gguf.py``,
+``GPT2Model``) uses, so llama.cpp treats it as a converted ``gpt2``."""
 
 from __future__ import annotations
 
@@ -47,12 +43,8 @@ def _import_gguf() -> Any:
 
 
 def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """GGUF tensor name -> float32 tensor, vocabulary padding cut off.
-
-    No transposes: llama.cpp keeps matrices as (out, in), as ``nn.Linear`` does (its converter
-    transposes only because transformers' GPT-2 stores ``Conv1D`` weights as (in, out)). A model
-    built with ``bias=False`` gets zero biases, which llama.cpp's GPT-2 graph requires.
-    """
+    """GGUF tensor name -> float32 tensor, vocabulary padding cut off. No transposes: llama.cpp keeps
+    matrices as (out, in) like ``nn.Linear``; zero biases for ``bias=False`` (its graph needs them)."""
     gguf = _import_gguf()
     sd = unwrap_model(model).state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -87,13 +79,10 @@ def _vocabulary() -> tuple[list[str], list[str]]:
 
 
 def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
-    """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file; returns its path.
-
-    ``dtype``: ``f32``, ``f16`` or ``q8_0`` for the matrices; norms and biases stay float32 as in
-    llama.cpp's converter, and a matrix whose rows do not split into 32-value q8_0 blocks falls
-    back to f16. The file embeds the GPT-2 tokenizer (tokens, merges, ``<|endoftext|>`` as BOS,
-    EOS and UNK), so ``llama-cli -m FILE`` needs nothing else.
-    """
+    """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer
+    embedded; returns its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and
+    biases stay float32 as in llama.cpp's converter, and rows that do not split into q8_0's
+    32-value blocks fall back to f16."""
     gguf = _import_gguf()
     model = unwrap_model(model)
     config = getattr(model, "config", None)
@@ -108,12 +97,8 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
             f"the model has a {config.vocab_size}-token vocabulary; the GGUF file embeds GPT-2's "
             f"tokenizer, which has {N_VOCAB} tokens"
         )
-    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16}.get(
-        dtype, gguf.GGMLQuantizationType.Q8_0
-    )
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
-        dtype, gguf.LlamaFileType.MOSTLY_Q8_0
-    )
+    qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
+    file_type = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else getattr(gguf.LlamaFileType, f"MOSTLY_{dtype.upper()}")
     tokens, merges = _vocabulary()
     path = Path(path)
 

@@ -1,10 +1,6 @@
-"""The GPT-2 model: plain modules, GPT-2 names, no I/O.
-
-Module names follow GPT-2 (``transformer.wte``, ``transformer.h.0.attn.c_attn``, ``attn.c_proj``,
-``mlp.c_fc``, ``mlp.c_proj``, ``transformer.ln_f``, ``lm_head``) so state dicts and LoRA target
-names read the same as in nanoGPT and ``transformers``. Every projection is a plain
-``nn.Linear``, so ``minlora`` can parametrize it without touching this file.
-"""
+"""The GPT-2 model under GPT-2's module names (``transformer.h.0.attn.c_attn``, ``lm_head``), so
+state dicts and LoRA targets read as in nanoGPT and ``transformers``; every projection is a plain
+``nn.Linear``, which ``minlora`` parametrizes without touching this file."""
 
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = config.n_head
-        self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.flash = config.flash
         # q, k, v for all heads in one matmul, as in GPT-2's checkpoint layout
@@ -48,10 +43,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        kv_cache: KVCache | None = None,
-        attn_mask: torch.Tensor | None = None,
+        self, x: torch.Tensor, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         # c_attn's output is [q | k | v], each n_embd wide and made of n_head slices of head_dim:
         # split it into q, k, v of shape (B, nh, T, hs) (views, no copy).
@@ -72,12 +64,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def _manual_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    dropout_p: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, dropout_p: float
 ) -> torch.Tensor:
     """Attention written out (materialises the (T, S) score matrix): the pre-flash baseline."""
     T, S = q.size(-2), k.size(-2)
@@ -115,10 +102,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        kv_cache: KVCache | None = None,
-        attn_mask: torch.Tensor | None = None,
+        self, x: torch.Tensor, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
         x = x + self.mlp(self.ln_2(x))
@@ -163,7 +147,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    # ------------------------------------------------------------------ forward
     def forward(
         self,
         idx: torch.Tensor,
@@ -175,20 +158,14 @@ class GPT(nn.Module):
         reduction: str = "mean",
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(logits, loss)``: logits ``(B, T, vocab_size)`` without ``targets``; with ``targets``
-        ``(B, T)`` the fp32 cross-entropy and ``None`` for the logits (the logits too when the
-        LM head is parametrized, e.g. with LoRA).
+        ``(B, T)`` the fp32 cross-entropy (``"mean"`` over scored targets or ``"sum"``; targets equal
+        to ``IGNORE_INDEX`` are not scored) and ``None`` for the logits, which are never built whole
+        (:func:`linear_cross_entropy`) unless the LM head is parametrized (e.g. LoRA).
 
-        The loss is computed chunk by chunk from the last hidden states (:func:`linear_cross_entropy`),
-        so the ``(B*T, vocab)`` logits and their gradient never exist whole; call ``forward(idx)``
-        when the logits are needed too. ``reduction`` is ``"mean"`` (over scored targets) or
-        ``"sum"`` (fp32, the Trainer's token-exact gradient accumulation); targets equal to
-        ``IGNORE_INDEX`` (-1) are not scored. ``kv_cache`` (see
-        :class:`gpt2.generate.KVCache`), ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean
-        ``attn_mask`` broadcastable to ``(B, n_head, T, S)`` (True = may attend; ``S`` is the
-        cache's length with a cache) serve generation and packed rows (isolated, positions
-        restarting per row). Types and shapes are
-        checked; values are not (that would cost a device sync every call): ids must lie in
-        ``[0, vocab_size)``, as :mod:`gpt2.generate` and :class:`gpt2.data.TokenLoader` check.
+        ``kv_cache``, ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask``
+        broadcastable to ``(B, n_head, T, S)`` (True = may attend) serve generation and packed
+        rows. Types and shapes are checked, values are not (a device sync every call): ids must
+        lie in ``[0, vocab_size)``, as :mod:`gpt2.model.generate` and the data loader check.
         """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids, reduction)
@@ -266,11 +243,7 @@ class GPT(nn.Module):
                 raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {got}")
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
-        # The *values* of idx / targets / position_ids are not checked here: reading them would
-        # copy them to the host and stall the GPU on every forward. Token ids are validated where
-        # they enter instead: the prompt in gpt2.generate and the batches in gpt2.data's loader.
 
-    # ------------------------------------------------------------------ helpers
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding
         (the token embedding is tied to the LM head and counts as its weight)."""
@@ -302,20 +275,17 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> GPT:
-        """GPT-2 weights from a Hugging Face hub id or a local ``transformers`` directory; see
-        :func:`gpt2.hf.from_pretrained` (which builds ``cls``)."""
+        """``cls`` with the weights of a hub id, ``transformers`` directory or ``gpt2 train`` checkpoint;
+        see :func:`gpt2.model.hf.from_pretrained`."""
         return hf.from_pretrained(name_or_path, model_class=cls, **kwargs)
 
     def save_pretrained(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
-        """Write a ``transformers.GPT2LMHeadModel`` directory (safetensors, vocab padding removed);
-        see :func:`gpt2.hf.save_pretrained`."""
+        """Write a ``transformers.GPT2LMHeadModel`` directory; see :func:`gpt2.model.hf.save_pretrained`."""
         return hf.save_pretrained(self, directory, **kwargs)
 
     def peft_adapter_layout(self) -> dict[str, Any]:
-        """How this model differs from its ``transformers.GPT2LMHeadModel`` twin, for
-        :func:`minlora.export_peft_adapter` / :func:`minlora.import_peft_adapter`: the token
-        embedding and LM head have ``padded_vocab_size`` rows (the twin has ``vocab_size``), and
-        the twin's linear layers are ``Conv1D`` (PEFT's ``fan_in_fan_out=True``)."""
+        """How this model differs from its ``GPT2LMHeadModel`` twin, for minlora's PEFT export/import:
+        padded vocabulary rows, and the twin's ``Conv1D`` layers (PEFT's ``fan_in_fan_out=True``)."""
         return {
             "vocab_size": self.config.vocab_size,
             "padded_vocab_modules": ["transformer.wte", "lm_head"],
@@ -336,13 +306,8 @@ def linear_cross_entropy(
     reduction: str = "mean",
     chunk_rows: int = LOSS_CHUNK_ROWS,
 ) -> torch.Tensor:
-    """Cross-entropy of ``x @ weight.T`` over its first ``vocab_size`` columns, in fp32, without
-    the whole logits: ``x`` ``(..., C)``, ``weight`` ``(V_padded, C)``, ``targets`` ``(...)``.
-
-    The same value and gradients as ``F.cross_entropy(F.linear(x, weight)[..., :vocab_size]
-    .float(), targets, ignore_index=IGNORE_INDEX)`` (sum or mean over scored targets), under
-    autocast too: the matmuls run in the autocast dtype, the softmax in fp32.
-    """
+    """``F.cross_entropy(F.linear(x, weight)[..., :vocab_size].float(), targets, ignore_index=IGNORE_INDEX)``
+    (value and gradients, autocast too: matmuls in its dtype, softmax in fp32) without the whole logits."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype

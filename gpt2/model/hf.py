@@ -1,12 +1,6 @@
-"""Hugging Face interop: GPT-2 checkpoints in and out of ``transformers`` directories and the hub.
-
-:func:`from_pretrained` and :func:`save_pretrained` read and write ``transformers``
-``GPT2LMHeadModel`` directories (safetensors, ``.bin``, sharded; written with GPT-2's tokenizer),
-download hub ids, and decide which a string is (:func:`resolve_source`); :func:`from_pretrained`
-also reads the run and checkpoint directories of ``gpt2 train``, so it takes every ``--model``.
-The state-dict and config conversion itself is pure and lives in :mod:`gpt2.hf_convert`; its
-public names are re-exported here, so ``from gpt2.hf import hf_to_gpt_state_dict`` keeps working.
-"""
+"""Hugging Face interop: :func:`from_pretrained` (hub ids, ``transformers`` directories, and the
+run / checkpoint directories of ``gpt2 train``: every ``--model``) and :func:`save_pretrained`.
+The pure conversion lives in :mod:`gpt2.model.hf_convert`; its public names are re-exported here."""
 
 from __future__ import annotations
 
@@ -31,7 +25,6 @@ from gpt2.model.checkpoint_files import (
 )
 from gpt2.model.config import GPTConfig
 from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
-    CONV1D_WEIGHTS,
     CheckpointMismatchError,
     config_from_hf,
     gpt_to_hf_state_dict,
@@ -40,9 +33,6 @@ from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF A
 )
 from gpt2.model.tokenizer import ENDOFTEXT, N_VOCAB, bpe_files
 
-# This module never imports gpt2.model at import time: the model imports it (GPT.from_pretrained,
-# GPT.save_pretrained), so the dependency runs one way, model -> hf -> hf_convert -> config.
-
 logger = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
@@ -50,24 +40,17 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*
 # directory of that name exists (this repository's own package directory is called gpt2/);
 # write a path ("./gpt2", an absolute path) to load a local directory with such a name.
 OFFICIAL_HUB_IDS = frozenset(
-    [
-        f"{owner}{name}"
-        for owner in ("", "openai-community/")
-        for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-    ]
-    + ["distilgpt2", "distilbert/distilgpt2"]
-)
+    f"{owner}{name}" for owner in ("", "openai-community/") for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+) | {"distilgpt2", "distilbert/distilgpt2"}
 _SAFETENSORS = "model.safetensors"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN = "pytorch_model.bin"
 _BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-# ---------------------------------------------------------------------------- loading
 def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Tensors of a ``transformers`` checkpoint directory: ``model.safetensors``, a sharded
-    safetensors index, ``pytorch_model.bin`` or a sharded ``.bin`` index (read with
-    ``torch.load(weights_only=True)``, so no pickled code runs), in that order of preference."""
+    """Tensors of a ``transformers`` directory: safetensors, else ``.bin`` (plain tensors only, so
+    no pickled code runs), each whole or sharded."""
     from safetensors.torch import load_file
 
     d = Path(directory)
@@ -107,7 +90,6 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_json(path: Path) -> Any:
-    """A JSON file of a model directory, or one line naming the file and what is wrong with it."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -129,21 +111,10 @@ def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
 
 
 def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
-    """Where a model named on the command line or in ``from_pretrained`` comes from: a hub id
-    (returned as ``str``) or an existing local path (returned as ``Path``).
-
-    The rule, in order:
-
-    1. the bare name of an official GPT-2 checkpoint (``gpt2``, ``gpt2-medium``, ``gpt2-large``,
-       ``gpt2-xl``, ``distilgpt2``, or those under ``openai-community/`` / ``distilbert/``) is
-       the hub model, even where a directory of that name exists, as this repository's ``gpt2/``
-       package does in its checkout (write ``./gpt2`` for a local directory of that name);
-    2. anything else that exists on disk (``~`` expanded) is local, never a hub id;
-    3. anything else shaped like a hub id (``name`` or ``owner/name``) is a hub id; other strings
-       (``./x``, ``/abs/x``, ``a/b/c``, ``~/x``) are paths that do not exist: FileNotFoundError.
-
-    ``os.PathLike`` objects (``pathlib.Path``) are always paths.
-    """
+    """A model name's source: a hub id (``str``) or an existing local path (``Path``). In order: an
+    official name (:data:`OFFICIAL_HUB_IDS`) is the hub; an existing path (``~`` expanded) is
+    local; a ``name`` / ``owner/name`` string is a hub id; anything else (and any ``PathLike``)
+    is a missing path: FileNotFoundError."""
     if isinstance(name_or_path, str) and name_or_path in OFFICIAL_HUB_IDS:
         return name_or_path
     if not isinstance(name_or_path, (str, os.PathLike)):
@@ -161,19 +132,15 @@ def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
 
 
 def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
-    """A local directory holding the model: the path itself (a transformers directory, or a
-    checkpoint / run directory of ``gpt2 train``), or a hub snapshot."""
+    """The model's local directory: the path itself or a hub snapshot."""
     source = resolve_source(name_or_path)
     if isinstance(source, str):
         return _download(source, cache_dir, revision)
     spec = os.fspath(name_or_path)
     if source.is_file():
-        parent = source.parent
-        hint = (
-            f"; pass its directory {str(parent)!r}"
-            if (parent / "config.json").is_file() or (parent / "trainer_state.json").is_file()
-            else ""
-        )
+        parent, hint = source.parent, ""
+        if (parent / "config.json").is_file() or (parent / "trainer_state.json").is_file():
+            hint = f"; pass its directory {str(parent)!r}"
         raise NotADirectoryError(
             f"{spec!r} is a file; a model is a directory: a transformers model (config.json + "
             f"model.safetensors) or a gpt2 checkpoint / run directory{hint}"
@@ -198,8 +165,7 @@ def _is_checkpoint_like(directory: Path) -> bool:
 
 
 def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn.Module:
-    """The model in a checkpoint of ``gpt2 train`` (or the newest *intact* one of a run directory:
-    damaged ones are skipped with a warning), built from the configuration it records."""
+    """The model of a ``gpt2 train`` checkpoint (or a run's newest intact one), built from its recorded config."""
     data = open_checkpoint(path, trainer_state=False)  # verified: files, header, size, finite weights
     checkpoint, model_config = data.path, data.meta.get("model_config")
     if not isinstance(model_config, dict):
@@ -233,23 +199,11 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
     # Only what loading needs: the config and safetensors weights; .bin only as a fallback for
     # repos that have no safetensors (flax/tf/onnx/tflite files are never fetched).
     try:
-        folder = Path(
-            snapshot_download(
-                repo_id,
-                revision=revision,
-                cache_dir=cache_dir,
-                allow_patterns=["config.json", "model*.safetensors", _SAFETENSORS_INDEX],
-            )
-        )
-        if not any(folder.glob("model*.safetensors")):
-            folder = Path(
-                snapshot_download(
-                    repo_id,
-                    revision=revision,
-                    cache_dir=cache_dir,
-                    allow_patterns=["config.json", "pytorch_model*.bin", _BIN_INDEX],
-                )
-            )
+        for weights in (["model*.safetensors", _SAFETENSORS_INDEX], ["pytorch_model*.bin", _BIN_INDEX]):
+            patterns = ["config.json", *weights]
+            folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
+            if any(folder.glob("model*.safetensors")):
+                break
     except RevisionNotFoundError as e:
         raise FileNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
     except RepositoryNotFoundError as e:
@@ -279,19 +233,10 @@ def from_pretrained(
     dropout: float = 0.0,
     model_class: type[torch.nn.Module],
 ) -> torch.nn.Module:
-    """A :class:`gpt2.GPT` (or ``model_class``) with the weights of a GPT-2 checkpoint.
-
-    ``name_or_path`` is whatever the CLI's ``--model`` takes: a hub id (``gpt2``, ``gpt2-medium``,
-    ``gpt2-large``, ``gpt2-xl`` or any GPT-2-architecture repo, downloaded into the usual Hugging
-    Face cache), a local ``transformers`` directory (``config.json`` plus ``model.safetensors``,
-    ``pytorch_model.bin`` or a shard index), or a checkpoint / run directory of ``gpt2 train``
-    (its newest intact checkpoint, built with the configuration it records, so
-    ``pad_vocab_multiple`` and ``dropout`` do not apply). :func:`resolve_source` says which (bare
-    official names are the hub, other existing paths are local). ``dtype`` defaults to float32 (master weights for
-    training; use autocast or ``dtype=torch.bfloat16`` for inference). ``model_class`` is built
-    as ``model_class(config)`` (``GPT.from_pretrained`` passes its class; default
-    :class:`gpt2.GPT`). The model is returned in eval mode.
-    """
+    """A ``model_class(config)`` in eval mode with the weights of whatever ``--model`` takes (see
+    :func:`resolve_source`): a hub id, a ``transformers`` directory, or a ``gpt2 train``
+    checkpoint / run directory (built with its recorded config: ``pad_vocab_multiple`` and
+    ``dropout`` do not apply). ``dtype`` defaults to float32 (master weights for training)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
@@ -307,12 +252,8 @@ def from_pretrained(
     hf_sd = load_hf_state_dict(directory)
     refuse_non_finite(hf_sd, f"refusing to load {directory}")  # NaN/inf weights never enter a model
     sd = hf_to_gpt_state_dict(hf_sd, config)
-    dtype = dtype or torch.float32
-    wte = sd["transformer.wte.weight"].to(device=device, dtype=dtype)
-    sd = {
-        k: (wte if k in ("transformer.wte.weight", "lm_head.weight") else v.to(device=device, dtype=dtype))
-        for k, v in sd.items()
-    }
+    sd = {k: v.to(device=device, dtype=dtype or torch.float32) for k, v in sd.items() if k != "lm_head.weight"}
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]  # tied: moved once
     # Build on the meta device (no memory, no random init), then adopt the loaded tensors.
     with torch.device("meta"):
         model = model_class(config)
@@ -323,7 +264,6 @@ def from_pretrained(
     return model.eval()
 
 
-# ---------------------------------------------------------------------------- saving
 def save_pretrained(
     model: torch.nn.Module,
     directory: str | os.PathLike,
@@ -333,15 +273,11 @@ def save_pretrained(
 ) -> Path:
     """Write ``model`` as a ``transformers.GPT2LMHeadModel`` directory; returns its path.
 
-    ``config.json`` plus ``model.safetensors`` (vocabulary padding stripped, the tied LM head stored
-    once as ``transformer.wte.weight``, as transformers does). ``safe_serialization=False`` writes
-    ``pytorch_model.bin`` instead, for old tools that cannot read safetensors; it holds only
-    tensors (``torch.load(..., weights_only=True)`` reads it). GPT-2's tokenizer files
-    (``vocab.json``, ``merges.txt``, ``tokenizer_config.json``, ``special_tokens_map.json``) come
-    along, so ``AutoTokenizer``, ``pipeline("text-generation")`` and llama.cpp's converter work on
-    the folder: copied from the BPE files :func:`gpt2.model.tokenizer.get_tokenizer` reads, or from
-    ``tokenizer_dir`` (``encoder.json``/``vocab.bpe`` or ``vocab.json``/``merges.txt``) if given;
-    without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
+    ``config.json`` plus ``model.safetensors`` (padding stripped, the tied head stored once), or
+    a tensors-only ``pytorch_model.bin`` with ``safe_serialization=False``. GPT-2's tokenizer
+    files come along (from :func:`gpt2.model.tokenizer.bpe_files`, or ``tokenizer_dir``), so
+    ``AutoTokenizer`` and llama.cpp's converter work on the folder; without ``tokenizer_dir``, a
+    model whose vocabulary is not GPT-2's 50257 tokens gets none.
     """
     from safetensors.torch import save
 
@@ -367,8 +303,7 @@ def save_pretrained(
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
     # Drop weights of the other format so transformers cannot pick up a stale file.
-    stale = _BIN if safe_serialization else _SAFETENSORS
-    (out / stale).unlink(missing_ok=True)
+    (out / (_BIN if safe_serialization else _SAFETENSORS)).unlink(missing_ok=True)
     # Each file is written under a temporary name and renamed into place, weights first: a crash
     # leaves whole files behind, never a truncated one that transformers would fail to read. Bytes
     # through replace_atomically: safetensors' save_file would make the file 0600, not the umask's.

@@ -1,15 +1,5 @@
-"""GPT-2 checkpoints converted between ``transformers``' layout and :class:`gpt2.GPT`'s.
-
-Pure functions of state dicts and configs, no file or network I/O: :func:`hf_to_gpt_state_dict`,
-:func:`gpt_to_hf_state_dict`, :func:`config_from_hf` and :func:`hf_config_from_gpt`, and the
-key/shape checks behind them (:class:`CheckpointMismatchError`). Reading and writing checkpoint
-directories and the hub live in :mod:`gpt2.hf`, which re-exports everything here.
-
-GPT-2's original code (and ``transformers``' ``Conv1D``) stores projection weights as
-``(in_features, out_features)``; ``nn.Linear`` stores ``(out_features, in_features)``, so the
-four projections ``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc`` and ``mlp.c_proj`` are
-transposed on the way in and out. Every other tensor maps one to one.
-"""
+"""GPT-2 state dicts and configs converted between ``transformers``' layout and :class:`gpt2.GPT`'s:
+pure functions, no I/O (:mod:`gpt2.model.hf` reads and writes directories)."""
 
 from __future__ import annotations
 
@@ -20,10 +10,8 @@ from typing import Any
 
 import torch
 
-from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
-
-# Imports only gpt2.config: gpt2.hf (and through it gpt2.model) builds on this module, never
-# the other way round.
+from gpt2.model.config import GPTConfig
+from gpt2.model.tokenizer import EOT_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +22,12 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 _HF_MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 # GELU variants that are exactly GPT-2's tanh approximation (what our MLP computes).
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
-# <|endoftext|>: GPT-2's BOS and EOS token; only written into config.json when it is in the vocab.
-_EOT_ID = GPT2_VOCAB_SIZE - 1
 
 
 class CheckpointMismatchError(ValueError):
     """A state dict does not match the model: missing, unexpected or wrong-shape keys."""
 
 
-# ---------------------------------------------------------------------------- key layout
 def _hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a GPT2Model checkpoint (no ``transformer.`` prefix) with its HF shape."""
     C, V = config.n_embd, config.vocab_size
@@ -52,46 +37,21 @@ def _hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
         "ln_f.weight": (C,),
         "ln_f.bias": (C,),
     }
+    block = {"ln_1": (C,), "attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C)}
+    block.update({"ln_2": (C,), "mlp.c_fc": (C, 4 * C), "mlp.c_proj": (4 * C, C)})
     for i in range(config.n_layer):
-        p = f"h.{i}."
-        shapes.update(
-            {
-                p + "ln_1.weight": (C,),
-                p + "ln_1.bias": (C,),
-                p + "attn.c_attn.weight": (C, 3 * C),
-                p + "attn.c_attn.bias": (3 * C,),
-                p + "attn.c_proj.weight": (C, C),
-                p + "attn.c_proj.bias": (C,),
-                p + "ln_2.weight": (C,),
-                p + "ln_2.bias": (C,),
-                p + "mlp.c_fc.weight": (C, 4 * C),
-                p + "mlp.c_fc.bias": (4 * C,),
-                p + "mlp.c_proj.weight": (4 * C, C),
-                p + "mlp.c_proj.bias": (C,),
-            }
-        )
+        for name, weight in block.items():
+            shapes[f"h.{i}.{name}.weight"] = weight
+            shapes[f"h.{i}.{name}.bias"] = weight[-1:]  # Conv1D's (in, out): a bias per output
     return shapes
-
-
-def _is_conv1d(key: str) -> bool:
-    return key.endswith(CONV1D_WEIGHTS)
-
-
-def _is_bias(key: str) -> bool:
-    return key.endswith(".bias")
 
 
 def _check_keys(
     found: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], what: str, hint: str = ""
 ) -> None:
     """Raise one error listing every missing, unexpected and wrong-shape key."""
-    problems = []
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    for k in missing:
-        problems.append(f"missing key {k!r} (expected shape {expected[k]})")
-    for k in unexpected:
-        problems.append(f"unexpected key {k!r} (shape {tuple(found[k].shape)})")
+    problems = [f"missing key {k!r} (expected shape {expected[k]})" for k in expected if k not in found]
+    problems += [f"unexpected key {k!r} (shape {tuple(found[k].shape)})" for k in found if k not in expected]
     for k, shape in expected.items():
         if k in found and tuple(found[k].shape) != shape:
             problems.append(f"key {k!r}: expected shape {shape}, found {tuple(found[k].shape)}")
@@ -101,16 +61,12 @@ def _check_keys(
         raise CheckpointMismatchError(f"{what} does not match the model config:\n  {listed}{more}{hint}")
 
 
-# ---------------------------------------------------------------------------- HF -> ours
 def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Map a ``transformers`` GPT-2 state dict onto :class:`gpt2.GPT`'s.
+    """Map a ``transformers`` GPT-2 state dict (GPT2LMHeadModel or GPT2Model keys) onto :class:`gpt2.GPT`'s.
 
-    Accepts GPT2LMHeadModel keys (``transformer.h.0...``, ``lm_head.weight``) and GPT2Model keys
-    (``h.0...``). Conv1D weights are transposed; the old causal-mask buffers are skipped; the
-    token embedding is padded with zero rows up to ``config.padded_vocab_size``; ``lm_head.weight``
-    must equal the token embedding (GPT-2 ties them). With ``config.bias=False`` the checkpoint's
-    biases must be zero (as :func:`gpt_to_hf_state_dict` writes them) and are dropped. Every key
-    and shape is checked; :class:`CheckpointMismatchError` names each offender.
+    Conv1D weights are transposed, the embedding is zero-padded to ``padded_vocab_size``,
+    ``lm_head.weight`` must equal it (GPT-2 ties them), and with ``bias=False`` the biases must
+    be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape.
     """
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
@@ -136,26 +92,22 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
         hint="\nIs the checkpoint a GPT-2 of this size? (config_from_hf builds the matching config)",
     )
     wte = sd["wte.weight"]
-    if lm_head is not None and lm_head is not wte:
-        if tuple(lm_head.shape) != tuple(wte.shape):
-            raise CheckpointMismatchError(
-                f"key 'lm_head.weight': expected shape {tuple(wte.shape)} (tied to wte), found {tuple(lm_head.shape)}"
-            )
-        if not torch.equal(lm_head, wte):
-            raise CheckpointMismatchError(
-                "key 'lm_head.weight' differs from 'transformer.wte.weight': this checkpoint does not "
-                "tie its LM head to the token embedding, which GPT-2 (and this model) requires"
-            )
+    if lm_head is not None and lm_head is not wte and not torch.equal(lm_head, wte):  # False on other shapes too
+        raise CheckpointMismatchError(
+            f"key 'lm_head.weight' differs from 'transformer.wte.weight' (shapes {tuple(lm_head.shape)} and "
+            f"{tuple(wte.shape)}): this checkpoint does not tie its LM head to the token embedding, which GPT-2 "
+            "(and this model) requires"
+        )
 
     out: dict[str, torch.Tensor] = {}
     for short, value in sd.items():
-        if _is_bias(short) and not config.bias:
+        if short.endswith(".bias") and not config.bias:
             if bool(value.count_nonzero()):
                 raise CheckpointMismatchError(
                     f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
                 )
             continue
-        if _is_conv1d(short):
+        if short.endswith(CONV1D_WEIGHTS):
             value = value.t()
         out["transformer." + short] = value.contiguous()
     pad = config.padded_vocab_size - config.vocab_size
@@ -168,14 +120,10 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
     return out
 
 
-# ---------------------------------------------------------------------------- ours -> HF
 def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Map :class:`gpt2.GPT`'s state dict onto ``transformers.GPT2LMHeadModel``'s.
-
-    Conv1D weights are transposed, vocabulary padding is stripped, a ``bias=False`` model gets
-    zero biases (GPT2LMHeadModel always has them), and ``lm_head.weight`` is the same tensor as
-    ``transformer.wte.weight``. LoRA (or any) parametrizations must be merged first.
-    """
+    """Map :class:`gpt2.GPT`'s state dict onto ``transformers.GPT2LMHeadModel``'s: Conv1D weights
+    transposed, padding stripped, zero biases for ``bias=False`` (GPT2LMHeadModel always has them),
+    ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first."""
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
     parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
@@ -186,21 +134,17 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
             f"minlora.merge_lora(model), then save"
         )
     wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
-    hint = (
-        (
-            f"\nKeys start with {wrapped}: pass the unwrapped model's state dict "
-            f"(model._orig_mod for torch.compile, model.module for DDP)"
-        )
-        if wrapped
-        else ""
-    )
+    hint = ""
+    if wrapped:
+        hint = f"\nKeys start with {wrapped}: pass the unwrapped model's state dict (model._orig_mod for "
+        hint += "torch.compile, model.module for DDP)"
 
     C, Vp = config.n_embd, config.padded_vocab_size
     expected: dict[str, tuple[int, ...]] = {}
     for short, shape in _hf_shapes(config).items():
-        if _is_bias(short) and not config.bias:
+        if short.endswith(".bias") and not config.bias:
             continue
-        if _is_conv1d(short):
+        if short.endswith(CONV1D_WEIGHTS):
             shape = shape[::-1]
         expected["transformer." + short] = shape
     expected["transformer.wte.weight"] = (Vp, C)
@@ -209,37 +153,28 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     head = ours.pop("lm_head.weight", None)
     if head is not None:
         wte = ours.setdefault("transformer.wte.weight", head)
-        if wte is not head and (wte.shape != head.shape or not torch.equal(wte, head)):
+        if wte is not head and not torch.equal(wte, head):
             raise CheckpointMismatchError(
                 "'lm_head.weight' differs from 'transformer.wte.weight': GPT-2 ties them, untied "
                 "weights cannot be exported to GPT2LMHeadModel"
             )
     _check_keys(ours, expected, "GPT state dict", hint=hint)
 
-    out: dict[str, torch.Tensor] = {}
-    for key, value in ours.items():
-        short = key[len("transformer.") :]
-        if _is_conv1d(short):
-            value = value.t().contiguous()
-        out[key] = value
+    out = {k: v.t().contiguous() if k.endswith(CONV1D_WEIGHTS) else v for k, v in ours.items()}
     out["transformer.wte.weight"] = out["transformer.wte.weight"][: config.vocab_size]
     if not config.bias:
         like = out["transformer.wte.weight"]
         for short, shape in _hf_shapes(config).items():
-            if _is_bias(short):
+            if short.endswith(".bias"):
                 out["transformer." + short] = like.new_zeros(shape)
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
-# ---------------------------------------------------------------------------- configs
 def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
-    """A :class:`GPTConfig` from a ``transformers.GPT2Config`` or its dict (``config.json``).
-
-    ``overrides`` set our own fields (``pad_vocab_multiple``, ``dropout``, ``flash``). Configs that
-    change the architecture in ways this model does not implement are rejected with the reason.
-    Dropout defaults to 0 (HF's ``*_pdrop`` are ignored): pass ``dropout=`` to fine-tune with it.
-    """
+    """A :class:`GPTConfig` from a ``transformers.GPT2Config`` or its ``config.json`` dict; architectures
+    this model does not implement are rejected with the reason. ``overrides`` set our own fields
+    (``pad_vocab_multiple``, ``dropout``, ``flash``); dropout is 0 unless given (HF's ``*_pdrop`` are ignored)."""
     if hasattr(hf_config, "to_dict"):
         hf_config = hf_config.to_dict()
     if not isinstance(hf_config, Mapping):
@@ -265,16 +200,16 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     n_inner = c.get("n_inner")
     if n_inner is not None and n_inner != 4 * c["n_embd"]:
         unsupported.append(f"n_inner={n_inner} (this model's MLP is 4 * n_embd = {4 * c['n_embd']} wide)")
-    if c.get("scale_attn_by_inverse_layer_idx", False):
-        unsupported.append("scale_attn_by_inverse_layer_idx=True (attention scores are not scaled per layer)")
-    if c.get("reorder_and_upcast_attn", False):
-        unsupported.append("reorder_and_upcast_attn=True (Mistral-style attention upcast is not implemented)")
-    if not c.get("scale_attn_weights", True):
-        unsupported.append("scale_attn_weights=False (attention always scales by 1/sqrt(head_dim))")
-    if c.get("add_cross_attention", False):
-        unsupported.append("add_cross_attention=True (decoder-only model, no cross-attention)")
-    if not c.get("tie_word_embeddings", True):
-        unsupported.append("tie_word_embeddings=False (the LM head is tied to the token embedding)")
+    # Flags with the one value this model implements, and why.
+    for key, ours, why in (
+        ("scale_attn_by_inverse_layer_idx", False, "attention scores are not scaled per layer"),
+        ("reorder_and_upcast_attn", False, "Mistral-style attention upcast is not implemented"),
+        ("scale_attn_weights", True, "attention always scales by 1/sqrt(head_dim)"),
+        ("add_cross_attention", False, "decoder-only model, no cross-attention"),
+        ("tie_word_embeddings", True, "the LM head is tied to the token embedding"),
+    ):
+        if bool(c.get(key, ours)) != ours:
+            unsupported.append(f"{key}={not ours} ({why})")
     if unsupported:
         raise ValueError("unsupported GPT-2 config: " + "; ".join(unsupported))
     fields = dict(
@@ -287,14 +222,13 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
         bias=True,  # GPT2LMHeadModel always has biases
         dropout=0.0,
     )
-    fields.update(overrides)
-    return GPTConfig(**fields)
+    return GPTConfig(**{**fields, **overrides})
 
 
 def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
     """The ``config.json`` dict of a ``transformers.GPT2LMHeadModel`` with ``config``'s shape
     (``transformers.GPT2Config(**d)`` builds the object)."""
-    eot = _EOT_ID if config.vocab_size > _EOT_ID else None  # <|endoftext|> only if it exists
+    eot = EOT_TOKEN if config.vocab_size > EOT_TOKEN else None  # BOS and EOS, if the vocabulary has it
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -17,9 +17,9 @@ from gpt2.model.gpt import GPT
 logger = logging.getLogger(__name__)
 
 
-def load_model(spec: str, *, device: torch.device | str | None = None, pad_vocab_multiple: int = 1) -> Any:
+def load_model(spec: str, *, device: torch.device | str | None = None) -> Any:
     """:meth:`gpt2.GPT.from_pretrained`, which takes every model source ``--model`` does."""
-    return GPT.from_pretrained(spec, device=device, pad_vocab_multiple=pad_vocab_multiple)
+    return GPT.from_pretrained(spec, device=device)
 
 
 def load_trained_model(path: str | os.PathLike[str], device: torch.device | str | None = None) -> Any:
@@ -28,9 +28,7 @@ def load_trained_model(path: str | os.PathLike[str], device: torch.device | str 
 
 
 def apply_adapter(model: Any, path: str | os.PathLike[str]) -> Any:
-    """Add the LoRA adapter at ``path`` to ``model``: one saved by :func:`minlora.save_adapter`
-    (``gpt2 finetune`` writes ``<out_dir>/adapter``) or a PEFT adapter directory
-    (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    """Add the LoRA adapter at ``path`` (:func:`minlora.save_adapter`'s, or a PEFT directory) to ``model``."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"adapter {str(path)!r} does not exist")

@@ -1,14 +1,6 @@
-"""The GPT-2 byte-level BPE tokenizer, through tiktoken, with an offline story.
-
-Where the BPE files come from, in order:
-
-1. ``GPT2_TOKENIZER_DIR``: a directory holding GPT-2's ``vocab.bpe`` and ``encoder.json`` (or
-   their Hugging Face names ``merges.txt`` and ``vocab.json``, same content).
-2. ``<cache>/gpt2-tokenizer`` (``~/.cache/gpt2``, see :func:`gpt2.files.default_cache_dir`),
-   where the two files are downloaded from OpenAI, sha256-checked, on first use.
-
-``Tokenizer.from_files(vocab_bpe, encoder_json)`` builds the tokenizer from explicit paths.
-"""
+"""The GPT-2 byte-level BPE tokenizer, through tiktoken, from ``GPT2_TOKENIZER_DIR`` (GPT-2's
+``vocab.bpe`` + ``encoder.json``, or Hugging Face's ``merges.txt`` + ``vocab.json``) or else
+``<cache>/gpt2-tokenizer``, where the two files are downloaded from OpenAI, sha256-checked."""
 
 from __future__ import annotations
 
@@ -25,12 +17,7 @@ import torch
 
 from gpt2.files import DownloadError, default_cache_dir, download
 
-__all__ = [
-    "EOT_TOKEN",
-    "Tokenizer",
-    "TokenizerNotAvailableError",
-    "get_tokenizer",
-]
+__all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
 
 ENDOFTEXT = "<|endoftext|>"
 EOT_TOKEN = 50256  # id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes)
@@ -56,13 +43,9 @@ class TokenizerNotAvailableError(RuntimeError):
 
 
 def _gpt2_byte_alphabet() -> dict[str, int]:
-    """Map each character of GPT-2's printable byte alphabet back to its byte.
-
-    GPT-2 stores tokens as strings in which every byte is one printable character: the bytes
-    that are already printable and not a space ('!'..'~', '¡'..'¬', '®'..'ÿ') stand for
-    themselves, the other 68 bytes are shifted to chr(256), chr(257), ... in byte order.
-    Iterating in this order also gives the ranks of the 256 single-byte tokens (ids 0..255).
-    """
+    """Each character of GPT-2's printable byte alphabet -> its byte. Printable non-space bytes
+    stand for themselves, the other 68 are chr(256), chr(257), ... in byte order; this order
+    is also the ranks of the 256 single-byte tokens (ids 0..255)."""
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
     alphabet = {chr(b): b for b in printable}
@@ -71,11 +54,8 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
 
 
 def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
-    """Mergeable ranks (token bytes -> id) from GPT-2's ``vocab.bpe`` and ``encoder.json``.
-
-    The ranks are rebuilt from the merge list (tiktoken needs id order == merge priority) and
-    checked against ``encoder.json``, so a mismatched pair of files is caught here.
-    """
+    """Mergeable ranks (token bytes -> id), rebuilt from the merge list (tiktoken needs id order ==
+    merge priority) and checked against ``encoder.json``, so a mismatched pair is caught here."""
     alphabet = _gpt2_byte_alphabet()
 
     def to_bytes(token: str, where: Path) -> bytes:
@@ -125,11 +105,8 @@ def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
 
 
 class Tokenizer:
-    """GPT-2's BPE: text <-> token ids, ``<|endoftext|>`` = 50256, 50257 ids in all.
-
-    A thin wrapper over a :class:`tiktoken.Encoding` that accepts tensors and arrays when
-    decoding and checks ids. Use :func:`get_tokenizer` for the shared instance.
-    """
+    """GPT-2's BPE (50257 ids, ``<|endoftext|>`` = 50256) over a :class:`tiktoken.Encoding`; decodes
+    tensors and arrays and checks ids. :func:`get_tokenizer` gives the shared instance."""
 
     def __init__(self, encoding: tiktoken.Encoding):
         if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != N_VOCAB:
@@ -139,15 +116,9 @@ class Tokenizer:
             )
         self.encoding = encoding
 
-    # -- construction ------------------------------------------------------------------------
-
     @classmethod
     def from_files(cls, vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike) -> Tokenizer:
-        """Build the tokenizer from local GPT-2 BPE files, with no network and no cache.
-
-        ``vocab_bpe`` is the merge list (``vocab.bpe`` / Hugging Face ``merges.txt``),
-        ``encoder_json`` the token -> id map (``encoder.json`` / Hugging Face ``vocab.json``).
-        """
+        """From local GPT-2 BPE files (``vocab.bpe``/``merges.txt``, ``encoder.json``/``vocab.json``)."""
         vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
         for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
             if not path.is_file():
@@ -168,8 +139,6 @@ class Tokenizer:
         )
         return cls(encoding)
 
-    # -- vocabulary --------------------------------------------------------------------------
-
     @property
     def eot_token(self) -> int:
         """Id of ``<|endoftext|>`` (50256), which build-nanogpt puts before every document."""
@@ -183,19 +152,11 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.n_vocab
 
-    # -- encoding ----------------------------------------------------------------------------
-
     def encode(
-        self,
-        text: str,
-        *,
-        allowed_special: AllowedSpecial = "all",
-        disallowed_special: AllowedSpecial = "all",
+        self, text: str, *, allowed_special: AllowedSpecial = "all", disallowed_special: AllowedSpecial = "all"
     ) -> list[int]:
-        """Text -> ids. ``<|endoftext|>`` in the text becomes id 50256 by default (as in nanoGPT's
-        ``sample.py``). Pass ``allowed_special=set()`` to make it an error instead, or use
-        :meth:`encode_ordinary` to read it as plain text (what untrusted data should use).
-        """
+        """Text -> ids; ``<|endoftext|>`` becomes 50256 (as in nanoGPT's ``sample.py``), an error with
+        ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`."""
         _check_text(text)
         return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=disallowed_special)
 
@@ -215,23 +176,16 @@ class Tokenizer:
         """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
         texts = _check_texts(texts)
         return self.encoding.encode_batch(
-            texts,
-            num_threads=num_threads,
-            allowed_special=allowed_special,
-            disallowed_special=disallowed_special,
+            texts, num_threads=num_threads, allowed_special=allowed_special, disallowed_special=disallowed_special
         )
 
     def encode_ordinary_batch(self, texts: Sequence[str], *, num_threads: int = 8) -> list[list[int]]:
         """:meth:`encode_ordinary` over many texts, in parallel threads."""
         return self.encoding.encode_ordinary_batch(_check_texts(texts), num_threads=num_threads)
 
-    # -- decoding ----------------------------------------------------------------------------
-
     def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
-        """Ids -> text. Accepts a list, a 1-D numpy array or tensor (any integer dtype, any
-        device), or a single id. Bytes that are not valid UTF-8 on their own (a token boundary
-        inside a multi-byte character) become U+FFFD with ``errors="replace"``.
-        """
+        """Ids (a list, a 1-D integer array or tensor on any device, or one id) -> text; a token
+        boundary inside a multi-byte character becomes U+FFFD with ``errors="replace"``."""
         return self.encoding.decode(self._to_ids(ids), errors=errors)
 
     def decode_batch(self, batch: Iterable[Any] | np.ndarray | torch.Tensor, *, errors: str = "replace") -> list[str]:
@@ -241,25 +195,19 @@ class Tokenizer:
         return [self.decode(row, errors=errors) for row in batch]
 
     def _to_ids(self, ids: Any) -> list[int]:
-        if isinstance(ids, torch.Tensor):
-            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-                raise TypeError(f"cannot decode a tensor of dtype {ids.dtype}; token ids must be integers")
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            if isinstance(ids, torch.Tensor):
+                integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+            else:
+                integer = np.issubdtype(ids.dtype, np.integer)
+            if not integer:
+                raise TypeError(f"cannot decode ids of dtype {ids.dtype}; token ids must be integers")
             if ids.ndim > 1:
                 raise ValueError(
-                    "decode expects a 1-D sequence of ids, got a tensor of shape "
-                    f"{tuple(ids.shape)}; "
+                    f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}; "
                     "use decode_batch for a (B, T) batch"
                 )
-            ids = ids.detach().cpu().reshape(-1).tolist()
-        elif isinstance(ids, np.ndarray):
-            if not np.issubdtype(ids.dtype, np.integer):
-                raise TypeError(f"cannot decode an array of dtype {ids.dtype}; token ids must be integers")
-            if ids.ndim > 1:
-                raise ValueError(
-                    f"decode expects a 1-D sequence of ids, got an array of shape {ids.shape}; "
-                    "use decode_batch for a (B, T) batch"
-                )
-            ids = ids.reshape(-1).tolist()
+            ids = ids.tolist() if ids.ndim else [ids.item()]
         elif isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
             ids = [int(ids)]
         elif isinstance(ids, str):
@@ -272,8 +220,7 @@ class Tokenizer:
         bad = next((i for i in ids if not 0 <= i < self.n_vocab), None)
         if bad is not None:
             raise ValueError(
-                f"token id {bad} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a "
-                "padded "
+                f"token id {bad} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
                 "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
             )
         return ids
@@ -321,9 +268,8 @@ def _cached_bpe_files() -> tuple[Path, Path]:
 
 
 def bpe_files(tokenizer_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
-    """The ``(vocab.bpe, encoder.json)`` pair :func:`get_tokenizer` reads: from ``tokenizer_dir``
-    or ``GPT2_TOKENIZER_DIR`` if set, else the cache folder (downloaded there on first use).
-    Exports copy them, so the tokenizer has one source."""
+    """The ``(vocab.bpe, encoder.json)`` :func:`get_tokenizer` reads (and exports copy): from
+    ``tokenizer_dir`` or ``GPT2_TOKENIZER_DIR`` if set, else the cache (downloaded on first use)."""
     tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR") or None
     return _find_bpe_files(Path(tokenizer_dir)) if tokenizer_dir else _cached_bpe_files()
 
@@ -335,11 +281,6 @@ def _load_tokenizer(tokenizer_dir: str | None, cache_dir: Path) -> Tokenizer:
 
 
 def get_tokenizer() -> Tokenizer:
-    """The shared GPT-2 tokenizer: from ``GPT2_TOKENIZER_DIR`` if set, else from the cache folder
-    (downloading the two files there on first use).
-
-    Cached per source; a failure is not cached, so fixing the environment and calling again
-    works. Raises :class:`TokenizerNotAvailableError` saying how to point at local files when the
-    BPE files cannot be read or downloaded.
-    """
+    """The shared GPT-2 tokenizer from :func:`bpe_files`, cached per source (a failure is not, so
+    a fixed environment works on the next call); :class:`TokenizerNotAvailableError` otherwise."""
     return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None, bpe_cache_dir())
