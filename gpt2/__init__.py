@@ -16,11 +16,11 @@ from gpt2.data import (
 from gpt2.eval.hellaswag import hellaswag_path, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
 from gpt2.files import DownloadError
+from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import PRESETS, GPTConfig
 from gpt2.model.generate import KVCache, generate, pad_prompts, sample_next, stream
 from gpt2.model.gpt import GPT
 from gpt2.model.hf import (
-    CheckpointMismatchError,
     config_from_hf,
     gpt_to_hf_state_dict,
     hf_config_from_gpt,

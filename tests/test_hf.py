@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 from gpt2 import from_pretrained
+from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.model.hf import (
-    CheckpointMismatchError,
     config_from_hf,
     gpt_to_hf_state_dict,
     hf_config_from_gpt,

@@ -67,7 +67,8 @@ class NonFiniteWeightsError(CheckpointError):
 
 
 class CheckpointMismatchError(CheckpointError):
-    """A checkpoint's optimizer or loss-scaler state does not fit the model and optimizer it is loaded into."""
+    """Weights (missing, unexpected or wrong-shape keys) or optimizer / loss-scaler state that do not fit
+    the model and optimizer they are loaded into."""
 
 
 class CheckpointSaveError(OSError):

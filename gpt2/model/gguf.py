@@ -15,8 +15,8 @@ from torch.nn.utils import parametrize
 
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
-from gpt2.model.config import GPTConfig
-from gpt2.model.tokenizer import EOT_TOKEN, N_VOCAB, bpe_files
+from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
+from gpt2.model.tokenizer import EOT_TOKEN, bpe_files
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ def _vocabulary() -> tuple[list[str], list[str]]:
     vocab_bpe, encoder_json = bpe_files()
     encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
     tokens = sorted(encoder, key=encoder.__getitem__)
-    if len(tokens) != N_VOCAB or encoder[tokens[-1]] != EOT_TOKEN:
-        raise ValueError(f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {N_VOCAB}")
+    if len(tokens) != GPT2_VOCAB_SIZE or encoder[tokens[-1]] != EOT_TOKEN:
+        raise ValueError(f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {GPT2_VOCAB_SIZE}")
     # vocab.bpe: a "#version" header, then one "left right" merge per line in priority order.
     merges = [line for line in vocab_bpe.read_text(encoding="utf-8").splitlines()[1:] if line]
     return tokens, merges
@@ -92,10 +92,10 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         raise ValueError("the model still carries a LoRA/DoRA adapter: merge it first (minlora.merge_lora(model))")
     if dtype not in GGUF_TYPES:
         raise ValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
-    if config.vocab_size != N_VOCAB:
+    if config.vocab_size != GPT2_VOCAB_SIZE:
         raise ValueError(
             f"the model has a {config.vocab_size}-token vocabulary; the GGUF file embeds GPT-2's "
-            f"tokenizer, which has {N_VOCAB} tokens"
+            f"tokenizer, which has {GPT2_VOCAB_SIZE} tokens"
         )
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     file_type = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else getattr(gguf.LlamaFileType, f"MOSTLY_{dtype.upper()}")

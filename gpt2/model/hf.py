@@ -23,15 +23,14 @@ from gpt2.model.checkpoint_files import (
     refuse_non_finite,
     unwrap_model,
 )
-from gpt2.model.config import GPTConfig
+from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
-    CheckpointMismatchError,
     config_from_hf,
     gpt_to_hf_state_dict,
     hf_config_from_gpt,
     hf_to_gpt_state_dict,
 )
-from gpt2.model.tokenizer import ENDOFTEXT, N_VOCAB, bpe_files
+from gpt2.model.tokenizer import ENDOFTEXT, bpe_files
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +289,7 @@ def save_pretrained(
     # Found before anything is written: an export without its tokenizer would load but decode
     # nothing (transformers then builds a 1-token vocabulary). A model with another vocabulary
     # size (a test toy) has no use for GPT-2's, unless asked for with tokenizer_dir.
-    bpe = bpe_files(tokenizer_dir) if tokenizer_dir or config.vocab_size == N_VOCAB else None
+    bpe = bpe_files(tokenizer_dir) if tokenizer_dir or config.vocab_size == GPT2_VOCAB_SIZE else None
     hf_sd = gpt_to_hf_state_dict(inner.state_dict(), config)
     # transformers re-ties lm_head to the embedding on load; safetensors refuses shared tensors.
     del hf_sd["lm_head.weight"]
@@ -318,7 +317,9 @@ def save_pretrained(
         _write_tokenizer(*bpe, out, config)
     else:
         logger.warning(
-            "no tokenizer files written: the model has %d token ids, GPT-2's tokenizer %d", config.vocab_size, N_VOCAB
+            "no tokenizer files written: the model has %d token ids, GPT-2's tokenizer %d",
+            config.vocab_size,
+            GPT2_VOCAB_SIZE,
         )
     logger.info("saved %s to %s", type(inner).__name__, out)
     return out

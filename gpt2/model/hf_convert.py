@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.tokenizer import EOT_TOKEN
 
@@ -22,10 +23,6 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 _HF_MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 # GELU variants that are exactly GPT-2's tanh approximation (what our MLP computes).
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
-
-
-class CheckpointMismatchError(ValueError):
-    """A state dict does not match the model: missing, unexpected or wrong-shape keys."""
 
 
 def _hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:

@@ -16,12 +16,12 @@ import tiktoken
 import torch
 
 from gpt2.files import DownloadError, default_cache_dir, download
+from gpt2.model.config import GPT2_VOCAB_SIZE
 
 __all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
 
 ENDOFTEXT = "<|endoftext|>"
 EOT_TOKEN = 50256  # id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes)
-N_VOCAB = 50257
 
 # GPT-2's pre-tokenisation pattern, as published in openai/gpt-2 src/encoder.py: contractions,
 # letters, digits and other symbols (each optionally led by one space), then whitespace runs
@@ -109,10 +109,10 @@ class Tokenizer:
     tensors and arrays and checks ids. :func:`get_tokenizer` gives the shared instance."""
 
     def __init__(self, encoding: tiktoken.Encoding):
-        if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != N_VOCAB:
+        if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != GPT2_VOCAB_SIZE:
             raise ValueError(
                 f"encoding {encoding.name!r} has eot_token={encoding.eot_token} and n_vocab="
-                f"{encoding.n_vocab}; GPT-2's BPE has {EOT_TOKEN} and {N_VOCAB}"
+                f"{encoding.n_vocab}; GPT-2's BPE has {EOT_TOKEN} and {GPT2_VOCAB_SIZE}"
             )
         self.encoding = encoding
 
@@ -124,10 +124,10 @@ class Tokenizer:
             if not path.is_file():
                 raise FileNotFoundError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
         ranks = _read_gpt2_bpe(vocab_bpe, encoder_json)
-        if len(ranks) != N_VOCAB - 1:
+        if len(ranks) != GPT2_VOCAB_SIZE - 1:
             raise ValueError(
                 f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable "
-                f"tokens; GPT-2's BPE has {N_VOCAB} ids (256 bytes + 50000 merges + "
+                f"tokens; GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + "
                 "<|endoftext|>): are these GPT-2's files?"
             )
         encoding = tiktoken.Encoding(
@@ -135,7 +135,7 @@ class Tokenizer:
             pat_str=GPT2_PATTERN,
             mergeable_ranks=ranks,
             special_tokens={ENDOFTEXT: EOT_TOKEN},
-            explicit_n_vocab=N_VOCAB,
+            explicit_n_vocab=GPT2_VOCAB_SIZE,
         )
         return cls(encoding)
 
