@@ -329,18 +329,14 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict[
 
 
 class FitLog:
-    """Where one ``fit()`` call's records go: ``metrics.jsonl``, the Trainer's sinks, the
-    ``TrainConfig.log_to`` sinks and the progress bar. :meth:`close` closes (flushes) what
-    this call opened; the Trainer's own sinks stay open for its next call."""
+    """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl``
+    (keeping its records up to ``step``), the Trainer's sinks, the ``TrainConfig.log_to`` sinks and the
+    progress bar. ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it
+    still owns ``out_dir``). :meth:`close` closes (flushes) what this call opened; the Trainer's own
+    sinks stay open for its next call."""
 
     def __init__(
-        self, sinks: Iterable[Sink] = (), *, extra: Iterable[Any] = (), jsonl: JSONLSink | None = None, bar: Any = None
-    ) -> None:
-        self.sinks, self.extra, self.jsonl, self.bar = list(sinks), list(extra), jsonl, bar
-
-    @classmethod
-    def open(
-        cls,
+        self,
         sinks: Iterable[Sink],
         config: Any,
         *,
@@ -348,24 +344,21 @@ class FitLog:
         step: int,
         is_main: bool,
         before_write: Callable[[], None] | None = None,
-    ) -> FitLog:
-        """Rank 0's log of a ``fit()`` starting after ``step`` (``metrics.jsonl`` keeps the records
-        up to it); other ranks get an empty one. ``before_write`` runs before ``metrics.jsonl``
-        is touched (the Trainer checks that it still owns ``out_dir``)."""
+    ) -> None:
+        self.sinks, self.extra, self.jsonl, self.bar = list(sinks) if is_main else [], [], None, None
         if not is_main:
-            return cls()
+            return
         # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
         # first, so a missing package fails before anything else is opened
-        extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
+        self.extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
         if before_write is not None:
             before_write()
-        jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step) if out_dir is not None else None
-        bar = None
+        if out_dir is not None:
+            self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
         if config.progress:
             from tqdm.auto import tqdm  # a widget in notebooks
 
-            bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
-        return cls(sinks, extra=extra, jsonl=jsonl, bar=bar)
+            self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:

@@ -229,7 +229,7 @@ class Trainer:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
         # metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress bar
-        log = FitLog.open(
+        log = FitLog(
             self.sinks,
             cfg,
             out_dir=self.out_dir,
