@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from gpt2.data.loader import make_loader
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
+from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import distributed, metrics, rundir
@@ -41,7 +42,7 @@ from gpt2.train.config import TrainConfig
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
-from gpt2.train.recovery import DivergenceMonitor, StopSignals, TrainingInterrupted
+from gpt2.train.recovery import DivergenceMonitor, TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
