@@ -89,11 +89,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir).
     config = dataclasses.replace(options.train, save_trainable_only=not options.full)
     model = load_model(options.init, device="cpu")
-    model.train()
-    if config.seq_len > model.config.block_size:
-        raise UsageError(
-            f"--seq-len {config.seq_len} exceeds the model's context (block_size {model.config.block_size})"
-        )
+    model.train()  # the Trainer refuses a --seq-len beyond the model's block_size
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     if is_instruction_data(options.data.data):
         train_data, val, first_row = _instruction_data(options, config)
