@@ -6,14 +6,8 @@
 ``trainer.model`` is the raw module (checkpoints and generation use it: no ``_orig_mod.`` /
 ``module.`` prefixes), ``trainer.eval_model`` the ``torch.compile``d one when compiling, and
 ``trainer.train_model`` that wrapped in DDP under torchrun; all three share the parameters.
-
-Resume (``resume="auto"`` or a path) restores weights, optimizer, scaler, RNG, data position,
-step and best validation loss: the continued run is the uninterrupted one (on CPU bit for bit).
-A non-finite step is skipped (weights untouched); ``max_bad_steps`` of them in a row, or a loss
-above ``divergence_factor`` x the best for ``divergence_patience`` steps, make it recover (see
-:meth:`Trainer._recover`) or raise :class:`TrainingDivergedError`. fp16 overflows while the
-scaler searches for its scale are skipped but not "bad" (unless the scale is already <= 1).
-SIGINT/SIGTERM/SIGHUP end :meth:`Trainer.fit` at a step boundary with a checkpoint.
+Resuming, skipped steps, divergence recovery and stop signals: docs/training.md ("Checkpoints
+and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`.
 """
 
 from __future__ import annotations
