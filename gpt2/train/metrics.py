@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Union
 
 import torch
+from tqdm.auto import tqdm  # a widget in notebooks
 
 from gpt2.files import replace_atomically
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
@@ -122,13 +123,6 @@ def format_line(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def _default_write(line: str) -> None:
-    # tqdm.write prints above an active progress bar instead of through it.
-    from tqdm.auto import tqdm
-
-    tqdm.write(line)
-
-
 class ConsoleSink:
     """Writes :func:`format_line` for every ``interval``-th step, the first step, evaluation steps
     and skipped steps. ``write`` defaults to ``tqdm.write`` (stdout, above the progress bar)."""
@@ -137,7 +131,7 @@ class ConsoleSink:
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         self.interval = interval
-        self.write = write or _default_write
+        self.write = write or tqdm.write  # above an active progress bar instead of through it
 
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -355,8 +349,6 @@ class FitLog:
         if out_dir is not None:
             self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
         if config.progress:
-            from tqdm.auto import tqdm  # a widget in notebooks
-
             self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
 
     def emit(self, record: dict[str, Any]) -> None:
