@@ -24,8 +24,6 @@ from gpt2.cli.common import (
     check_run,
     final_report,
     instruction_prompt,
-    print_samples,
-    val_loss,
 )
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
@@ -111,21 +109,10 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             lora = f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}"
             print(f"{lora}: {minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
-        if trainer.step == 0:  # a resumed run has no "before"
-            if val is not None:  # LoRA's B starts at zero: this is the pretrained model's own loss
-                loss = val_loss(trainer, report_val, options.final_eval_batches)  # every rank
-                before["val_loss_before"] = loss["loss"]
-                if main:
-                    print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
-            if main and options.sampling.num_samples > 0:
-                before["samples_before"] = print_samples(
-                    trainer.model,
-                    options.sampling,
-                    seed=config.seed,
-                    header="before fine-tuning:",
-                    autocast=trainer.precision.autocast,
-                    prompt=prompt,
-                )
+        if trainer.step == 0:  # a resumed run has no "before" (LoRA's B starts at zero: the pretrained model)
+            kwargs = dict(final_eval_batches=options.final_eval_batches, header="before fine-tuning:", prompt=prompt)
+            measured = final_report(trainer, report_val, options.sampling, save=False, **kwargs)
+            before = {f"{k}_before": measured[k] for k in ("val_loss", "samples") if k in measured}
         trainer.fit()
         results = final_report(
             trainer,
