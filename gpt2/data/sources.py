@@ -32,8 +32,7 @@ def shakespeare_or_path(data: str) -> Path:
 def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused
     return _encode_text(read_text(path), tokenizer, str(path), progress=False)
 

@@ -105,8 +105,7 @@ def run_ladder(
     shape = {"vocab_size": vocab_size} if vocab_size is not None else {}
     base = model_config(model, **shape)  # the Trainer refuses a seq_len beyond its block_size
     on_cuda = uses_cuda(device)
-    if compile is None:
-        compile = on_cuda
+    compile = on_cuda if compile is None else compile
     # One token stream for every rung; random ids are enough to time a step.
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(
