@@ -14,6 +14,7 @@ works, every rank learns the outcome):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import errno
 import json
@@ -152,10 +153,8 @@ class RunLock:
 
     def _open_exclusive(self) -> int | None:
         """Without flock: whoever creates the file owns the lock."""
-        try:
+        with contextlib.suppress(FileExistsError):
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            pass
         try:
             record = json.loads(self.path.read_text(encoding="utf-8") or "{}")
         except (OSError, ValueError):
@@ -198,10 +197,8 @@ class RunLock:
         if self._fd is None:
             return
         key = (os.getpid(), os.path.realpath(self.path))
-        try:
+        with contextlib.suppress(OSError):
             self.path.unlink(missing_ok=True)  # while still locked, so nobody locks the old file
-        except OSError:
-            pass
         os.close(self._fd)
         self._fd = None
         if _HELD.get(key) is self:
