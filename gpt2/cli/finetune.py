@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -24,11 +23,11 @@ from gpt2.cli.common import (
     check_run,
     final_report,
     instruction_prompt,
+    write_json,
 )
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import training_data
-from gpt2.files import replace_atomically
 from gpt2.model.loading import load_model
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
@@ -122,6 +121,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             extra=before,
             header="after fine-tuning:",
             prompt=prompt,
+            save=False,  # _save writes results.json, with the adapter's path
         )  # every rank
         if not main:
             return {}
@@ -155,8 +155,8 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
 
 
 def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> None:
-    """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full), the
-    optional PEFT and transformers exports, and results.json."""
+    """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full),
+    results.json, then the optional PEFT and transformers exports."""
     out = trainer.out_dir  # None writes nothing there (never ./adapter)
     if out is not None and options.full:
         print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
@@ -164,6 +164,8 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
         adapter = minlora.save_adapter(trainer.model, out / "adapter")
         results["adapter"] = str(adapter)
         print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+    if out is not None:
+        write_json(out / "results.json", results)
     if options.peft_export:  # never with --full: check() refuses it
         minlora.export_peft_adapter(trainer.model, options.peft_export)
         print(f"wrote PEFT adapter {options.peft_export}")
@@ -175,6 +177,3 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
             f"wrote {'merged model ' if not options.full else ''}{options.merge_export} "
             f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
         )
-    if out is not None:
-        text = json.dumps(results, indent=2) + "\n"
-        replace_atomically(out / "results.json", lambda f: f.write(text.encode("utf-8")))

@@ -51,9 +51,7 @@ def load_token_source(data: str) -> Any:
     path = shakespeare_or_path(data)
     if path.is_dir():
         return path
-    if path.suffix.lower() in TOKEN_SUFFIXES:
-        return np.asarray(load_tokens(path))
-    return text_tokens(path)
+    return np.asarray(load_tokens(path)) if path.suffix.lower() in TOKEN_SUFFIXES else text_tokens(path)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np.ndarray, np.ndarray | None]:
