@@ -1,5 +1,5 @@
 """Filesystem rules every layer shares: the cache folder, checksummed downloads, atomic writes,
-whether a pid is alive."""
+whether a pid is alive, and stop signals held off at a safe point."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import hashlib
 import io
 import logging
 import os
+import signal
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -125,3 +127,38 @@ def download(
             raise fail(f"the response is not {what} ({e})") from e
     dest.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(dest, lambda f: f.write(data))
+
+
+# Ctrl-C; what SLURM and Kubernetes send before they kill a job; a closed terminal or SSH session.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class StopSignals:
+    """While installed (main thread only: Python runs handlers there), a stop signal sets
+    ``received`` instead of raising. The ``force_after``-th one stops at once (KeyboardInterrupt):
+    under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's)."""
+
+    def __init__(self, force_after: float = 3) -> None:
+        self.force_after = force_after
+        self.received = 0
+        self._count = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignals:
+        self.received, self._count = 0, 0  # a new fit() after an interruption starts afresh
+        if threading.current_thread() is threading.main_thread() and not self._previous:
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+        self._count += 1
+        if self._count >= self.force_after:
+            self.restore()
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()

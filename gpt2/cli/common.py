@@ -204,15 +204,17 @@ def final_report(
     extra: dict[str, Any] | None = None,
     header: str = "",
     prompt: str | None = None,
+    save: bool = True,
 ) -> dict[str, Any]:
-    """Validation loss (every rank calls this), then on rank 0 samples and ``results.json`` in the
-    run directory; ranks other than 0 return ``{}``."""
+    """Validation loss (every rank calls this), then on rank 0 samples and (``save``) ``results.json``
+    in the run directory; ranks other than 0 return ``{}``."""
     results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
     if val is not None:
         loss = val_loss(trainer, val, final_eval_batches)
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
         if trainer.is_main:
-            print(f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens")
+            line = f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens"
+            print(f"{header} {line}".strip())
     if not trainer.is_main:
         return {}
     if sampling.num_samples > 0:
@@ -224,7 +226,7 @@ def final_report(
             autocast=trainer.precision.autocast,
             prompt=prompt,
         )
-    if trainer.out_dir is not None:
+    if save and trainer.out_dir is not None:
         write_json(trainer.out_dir / "results.json", results)
     return results
 

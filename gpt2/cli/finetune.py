@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -24,13 +23,11 @@ from gpt2.cli.common import (
     check_run,
     final_report,
     instruction_prompt,
-    print_samples,
-    val_loss,
+    write_json,
 )
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import training_data
-from gpt2.files import replace_atomically
 from gpt2.model.loading import load_model
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
@@ -89,11 +86,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir).
     config = dataclasses.replace(options.train, save_trainable_only=not options.full)
     model = load_model(options.init, device="cpu")
-    model.train()
-    if config.seq_len > model.config.block_size:
-        raise UsageError(
-            f"--seq-len {config.seq_len} exceeds the model's context (block_size {model.config.block_size})"
-        )
+    model.train()  # the Trainer refuses a --seq-len beyond the model's block_size
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     if is_instruction_data(options.data.data):
         train_data, val, first_row = _instruction_data(options, config)
@@ -115,21 +108,10 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             lora = f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}"
             print(f"{lora}: {minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
-        if trainer.step == 0:  # a resumed run has no "before"
-            if val is not None:  # LoRA's B starts at zero: this is the pretrained model's own loss
-                loss = val_loss(trainer, report_val, options.final_eval_batches)  # every rank
-                before["val_loss_before"] = loss["loss"]
-                if main:
-                    print(f"before fine-tuning: val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}")
-            if main and options.sampling.num_samples > 0:
-                before["samples_before"] = print_samples(
-                    trainer.model,
-                    options.sampling,
-                    seed=config.seed,
-                    header="before fine-tuning:",
-                    autocast=trainer.precision.autocast,
-                    prompt=prompt,
-                )
+        if trainer.step == 0:  # a resumed run has no "before" (LoRA's B starts at zero: the pretrained model)
+            kwargs = dict(final_eval_batches=options.final_eval_batches, header="before fine-tuning:", prompt=prompt)
+            measured = final_report(trainer, report_val, options.sampling, save=False, **kwargs)
+            before = {f"{k}_before": measured[k] for k in ("val_loss", "samples") if k in measured}
         trainer.fit()
         results = final_report(
             trainer,
@@ -139,6 +121,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             extra=before,
             header="after fine-tuning:",
             prompt=prompt,
+            save=False,  # _save writes results.json, with the adapter's path
         )  # every rank
         if not main:
             return {}
@@ -172,8 +155,8 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
 
 
 def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> None:
-    """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full), the
-    optional PEFT and transformers exports, and results.json."""
+    """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full),
+    results.json, then the optional PEFT and transformers exports."""
     out = trainer.out_dir  # None writes nothing there (never ./adapter)
     if out is not None and options.full:
         print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
@@ -181,6 +164,8 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
         adapter = minlora.save_adapter(trainer.model, out / "adapter")
         results["adapter"] = str(adapter)
         print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+    if out is not None:
+        write_json(out / "results.json", results)
     if options.peft_export:  # never with --full: check() refuses it
         minlora.export_peft_adapter(trainer.model, options.peft_export)
         print(f"wrote PEFT adapter {options.peft_export}")
@@ -192,6 +177,3 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
             f"wrote {'merged model ' if not options.full else ''}{options.merge_export} "
             f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
         )
-    if out is not None:
-        text = json.dumps(results, indent=2) + "\n"
-        replace_atomically(out / "results.json", lambda f: f.write(text.encode("utf-8")))

@@ -57,19 +57,18 @@ def prepare(options: PrepareOptions) -> int:
     if options.max_docs is not None and options.max_docs < 1:
         raise UsageError(f"--max-docs must be >= 1, got {options.max_docs}")
     start = time.time()
+    shards = dict(
+        shard_size=options.shard_size,
+        progress=options.progress,
+        overwrite=options.overwrite,
+        file_format=options.format,
+    )
     if options.input:  # local files win over a --dataset default (e.g. prepare_fineweb.py's)
         files = _expand_inputs(options.input)
         if len(files) == 1 and files[0].suffix.lower() != ".jsonl":
             # One text: split by token count (the end of the text is the validation set).
             paths = tokenize_file(
-                files[0],
-                options.out_dir,
-                prefix=options.prefix,
-                shard_size=options.shard_size,
-                val_fraction=options.val_fraction,
-                progress=options.progress,
-                overwrite=options.overwrite,
-                file_format=options.format,
+                files[0], options.out_dir, prefix=options.prefix, val_fraction=options.val_fraction, **shards
             )
             return _report_shards(paths, start)
         docs: Iterable[str] = _documents(files, options.text_field)
@@ -78,14 +77,7 @@ def prepare(options: PrepareOptions) -> int:
     if options.max_docs is not None:
         docs = itertools.islice(docs, options.max_docs)
     paths = write_shards(
-        docs,
-        options.out_dir,
-        prefix=options.prefix or "shard",
-        shard_size=options.shard_size,
-        num_workers=options.num_workers,
-        progress=options.progress,
-        overwrite=options.overwrite,
-        file_format=options.format,
+        docs, options.out_dir, prefix=options.prefix or "shard", num_workers=options.num_workers, **shards
     )
     if len(paths) == 1:
         print(

@@ -62,9 +62,7 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
     """The GPTConfig of ``--model`` with the ``--n-layer`` / ``--n-head`` / ``--n-embd`` / ...
     overrides; the context defaults to ``--seq-len``."""
     dims = dict(SHAPES[shape.model])
-    for name in ("n_layer", "n_head", "n_embd"):
-        if getattr(shape, name) is not None:
-            dims[name] = getattr(shape, name)
+    dims.update({n: getattr(shape, n) for n in ("n_layer", "n_head", "n_embd") if getattr(shape, n) is not None})
     return GPTConfig(
         block_size=shape.block_size or seq_len,
         dropout=shape.dropout,

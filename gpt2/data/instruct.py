@@ -121,8 +121,7 @@ def build_sequences(
     """``(x, y, positions)``: int64 ``(N, seq_len)``, a padded sequence per row or rows packed greedily;
     ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
     token's position within its row (trailing padding counts as one more row)."""
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     eot = tokenizer.eot_token
     windows: list[tuple[list[int], list[bool], list[int]]] = []
     for instruction, input, response, where in rows:
@@ -190,8 +189,7 @@ class InstructionLoader:
             raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.pack, self.shuffle, self.seed = pack, shuffle, seed
-        if tokenizer is None:
-            tokenizer = get_tokenizer()
+        tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
         self.pad_id = tokenizer.eot_token
         rows = read_rows(source) if isinstance(source, (str, Path)) else list(source)
         self.num_rows = len(rows)

@@ -9,6 +9,7 @@ import contextlib
 import glob
 import json
 import logging
+import math
 import multiprocessing
 import os
 import re
@@ -16,7 +17,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, write_tokens
-from gpt2.files import pid_alive, replace_atomically
+from gpt2.files import StopSignals, pid_alive, replace_atomically
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 from gpt2.model.tokenizer import get_tokenizer
@@ -117,26 +117,6 @@ class ShardWriteError(OSError):
 # A prepare stages its data set in a hidden folder .prepare-<pid>-<host>-<random> inside out_dir;
 # one whose process is gone (on this host) is the leftover of a killed prepare.
 _STAGE = re.compile(r"\.prepare-(\d+)-(.+)-\w+")
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP until the block ends, then raise them again, so that moving a
-    data set into place is never cut in half. Python runs signal handlers in the main thread
-    only, which is also the only thread that may set them."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
-    previous = {sig: signal.signal(sig, lambda sig, frame: caught.append(sig)) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        for sig in dict.fromkeys(caught):
-            signal.raise_signal(sig)
 
 
 class _ShardWriter:
@@ -236,16 +216,22 @@ class _ShardWriter:
         moves += [(self.stage / p.name, p) for p in self.written]
         moves.append((self.stage / self.manifest.name, self.manifest))
         done: list[tuple[Path, Path]] = []
-        with _signals_deferred():
-            try:
-                for src, dst in moves:
-                    os.replace(src, dst)
-                    done.append((src, dst))
-            except BaseException:
-                for src, dst in reversed(done):
-                    os.replace(dst, src)
-                raise
+        # Stop signals wait until the moves are done (or undone): a data set is never moved in half.
+        signals = StopSignals(force_after=math.inf).install()
+        try:
+            for src, dst in moves:
+                os.replace(src, dst)
+                done.append((src, dst))
+        except BaseException:
+            for src, dst in reversed(done):
+                os.replace(dst, src)
+            raise
+        else:
             shutil.rmtree(self.stage, ignore_errors=True)  # the replaced files; before a held signal ends us
+        finally:
+            signals.restore()
+            if signals.received:
+                signal.raise_signal(signals.received)
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -32,8 +32,7 @@ def shakespeare_or_path(data: str) -> Path:
 def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused
     return _encode_text(read_text(path), tokenizer, str(path), progress=False)
 
@@ -52,9 +51,7 @@ def load_token_source(data: str) -> Any:
     path = shakespeare_or_path(data)
     if path.is_dir():
         return path
-    if path.suffix.lower() in TOKEN_SUFFIXES:
-        return np.asarray(load_tokens(path))
-    return text_tokens(path)
+    return np.asarray(load_tokens(path)) if path.suffix.lower() in TOKEN_SUFFIXES else text_tokens(path)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np.ndarray, np.ndarray | None]:

@@ -142,8 +142,7 @@ def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torc
     (1 on the ending tokens, the only ones scored) and the label of one example. Endings are
     encoded with a leading space, as they follow the context's last word in GPT-2's BPE."""
     _check_example(example, "example", 0)
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     label = _label(example)
     ctx_tokens = list(tokenizer.encode(_context(example)))
     if not ctx_tokens:
@@ -221,8 +220,7 @@ def score_hellaswag(
         raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
     if device is not None:
         model = model.to(device)
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     examples = path_or_examples
     if isinstance(examples, (str, os.PathLike)):
         examples = iterate_hellaswag(examples)

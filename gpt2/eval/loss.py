@@ -11,6 +11,7 @@ from typing import Any, ContextManager, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from gpt2.data.loader import TokenLoader, one_pass
 from gpt2.model.gpt import IGNORE_INDEX
@@ -112,8 +113,6 @@ def evaluate_loss(
         loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
     batches = one_pass(loader, max_batches)
     if progress:
-        from tqdm.auto import tqdm
-
         known = [n for n in (max_batches, getattr(loader, "batches_per_pass", None)) if n]  # the bar's total
         batches = tqdm(
             batches, total=min(known, default=None), desc="eval", unit="batch", dynamic_ncols=True, leave=False

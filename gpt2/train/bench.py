@@ -103,12 +103,9 @@ def run_ladder(
             f"steps and repeats must be >= 1 and warmup >= 0, got steps={steps}, repeats={repeats}, warmup={warmup}"
         )
     shape = {"vocab_size": vocab_size} if vocab_size is not None else {}
-    base = model_config(model, **shape)
-    if seq_len > base.block_size:
-        raise ValueError(f"seq_len={seq_len} exceeds {model}'s block_size={base.block_size}")
+    base = model_config(model, **shape)  # the Trainer refuses a seq_len beyond its block_size
     on_cuda = uses_cuda(device)
-    if compile is None:
-        compile = on_cuda
+    compile = on_cuda if compile is None else compile
     # One token stream for every rung; random ids are enough to time a step.
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(

@@ -4,8 +4,7 @@ A step record is a plain dict: ``step, loss, lr, grad_norm, dt_ms, tokens_per_se
 scored_tokens, skipped, skipped_steps``, plus ``loss_scale`` (fp16) and ``val_loss`` (evaluation
 steps). ``mfu`` is FLOPs per token (:meth:`gpt2.model.GPT.flops_per_token`) x tokens/s over the
 peak FLOP/s of the run's precision (fp32 runs against the fp32 peak); None on CPU and on GPUs
-missing from :data:`PEAK_FLOPS` unless a peak is given. A sink is anything with ``log(record)``
-(and optionally ``close()``) or a plain callable. :class:`FitLog` is what one ``fit()`` writes to.
+missing from :data:`PEAK_FLOPS` unless a peak is given.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Union
 
 import torch
+from tqdm.auto import tqdm  # a widget in notebooks
 
 from gpt2.files import replace_atomically
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
@@ -123,13 +123,6 @@ def format_line(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def _default_write(line: str) -> None:
-    # tqdm.write prints above an active progress bar instead of through it.
-    from tqdm.auto import tqdm
-
-    tqdm.write(line)
-
-
 class ConsoleSink:
     """Writes :func:`format_line` for every ``interval``-th step, the first step, evaluation steps
     and skipped steps. ``write`` defaults to ``tqdm.write`` (stdout, above the progress bar)."""
@@ -138,7 +131,7 @@ class ConsoleSink:
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         self.interval = interval
-        self.write = write or _default_write
+        self.write = write or tqdm.write  # above an active progress bar instead of through it
 
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -329,18 +322,14 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict[
 
 
 class FitLog:
-    """Where one ``fit()`` call's records go: ``metrics.jsonl``, the Trainer's sinks, the
-    ``TrainConfig.log_to`` sinks and the progress bar. :meth:`close` closes (flushes) what
-    this call opened; the Trainer's own sinks stay open for its next call."""
+    """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl``
+    (keeping its records up to ``step``), the Trainer's sinks, the ``TrainConfig.log_to`` sinks and the
+    progress bar. ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it
+    still owns ``out_dir``). :meth:`close` closes (flushes) what this call opened; the Trainer's own
+    sinks stay open for its next call."""
 
     def __init__(
-        self, sinks: Iterable[Sink] = (), *, extra: Iterable[Any] = (), jsonl: JSONLSink | None = None, bar: Any = None
-    ) -> None:
-        self.sinks, self.extra, self.jsonl, self.bar = list(sinks), list(extra), jsonl, bar
-
-    @classmethod
-    def open(
-        cls,
+        self,
         sinks: Iterable[Sink],
         config: Any,
         *,
@@ -348,24 +337,19 @@ class FitLog:
         step: int,
         is_main: bool,
         before_write: Callable[[], None] | None = None,
-    ) -> FitLog:
-        """Rank 0's log of a ``fit()`` starting after ``step`` (``metrics.jsonl`` keeps the records
-        up to it); other ranks get an empty one. ``before_write`` runs before ``metrics.jsonl``
-        is touched (the Trainer checks that it still owns ``out_dir``)."""
+    ) -> None:
+        self.sinks, self.extra, self.jsonl, self.bar = list(sinks) if is_main else [], [], None, None
         if not is_main:
-            return cls()
+            return
         # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
         # first, so a missing package fails before anything else is opened
-        extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
+        self.extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
         if before_write is not None:
             before_write()
-        jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step) if out_dir is not None else None
-        bar = None
+        if out_dir is not None:
+            self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
         if config.progress:
-            from tqdm.auto import tqdm  # a widget in notebooks
-
-            bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
-        return cls(sinks, extra=extra, jsonl=jsonl, bar=bar)
+            self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:

@@ -2,10 +2,7 @@
 
 Weight decay suits the matmul matrices (2-D and larger), not biases and LayerNorm gains (1-D);
 embeddings (found by module type, so the tied LM head counts once, as one) are exempt unless
-``decay_embeddings=True`` (build-nanogpt decays them; most later recipes do not). Only
-``requires_grad`` parameters are optimised (LoRA: just the adapters). ``optimizer="muon"``:
-Muon for :func:`muon_params`, AdamW for the rest, as one :class:`MuonAdamW`; a group's
-``lr_ratio`` (its peak LR over ``max_lr``) makes :func:`set_lr` scale each group's schedule.
+``decay_embeddings=True`` (build-nanogpt decays them; most later recipes do not).
 """
 
 from __future__ import annotations

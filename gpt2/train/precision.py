@@ -48,9 +48,7 @@ class PrecisionPolicy:
 
     def make_scaler(self) -> torch.amp.GradScaler | None:
         """A fresh ``GradScaler`` for fp16, else None."""
-        if not self.uses_scaler:
-            return None
-        return torch.amp.GradScaler(self.device_type)
+        return torch.amp.GradScaler(self.device_type) if self.uses_scaler else None
 
     def __str__(self) -> str:
         return f"{self.name} on {self.device_type}"

@@ -1,18 +1,14 @@
-"""What stops a run early and what brings it back: :class:`StopSignals` turns SIGINT, SIGTERM and
-SIGHUP into a flag the Trainer reads at the next step boundary (it saves, then raises
-:class:`TrainingInterrupted`); :class:`DivergenceMonitor` says when the loss has diverged.
+"""What stops a run early and what brings it back: a stop signal (:class:`gpt2.files.StopSignals`)
+ends it at a step boundary with :class:`TrainingInterrupted`; :class:`DivergenceMonitor` says when
+the loss has diverged.
 """
 
 from __future__ import annotations
 
 import math
 import signal
-import threading
 from pathlib import Path
 from typing import Any
-
-# Ctrl-C; what SLURM and Kubernetes send before they kill a job; a closed terminal or SSH session.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -28,36 +24,6 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.signum = signum
         self.step = step
         self.checkpoint = checkpoint
-
-
-class StopSignals:
-    """While installed (main thread only: Python runs handlers there), a stop signal sets
-    ``received`` instead of raising. The third one stops at once (KeyboardInterrupt): under
-    ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's)."""
-
-    def __init__(self) -> None:
-        self.received = 0
-        self._count = 0
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> StopSignals:
-        self.received, self._count = 0, 0  # a new fit() after an interruption starts afresh
-        if threading.current_thread() is threading.main_thread() and not self._previous:
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = self.received or signum
-        self._count += 1
-        if self._count >= 3:
-            self.restore()
-            raise KeyboardInterrupt
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self._previous.clear()
 
 
 class DivergenceMonitor:

@@ -14,6 +14,7 @@ works, every rank learns the outcome):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import errno
 import json
@@ -88,45 +89,42 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         try:
-            return self._acquire()
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            key = (os.getpid(), os.path.realpath(self.path))
+            previous = _HELD.get(key)
+            if previous is not None and previous.held:
+                # The same process: the older Trainer is abandoned (it can no longer save).
+                self._fd, previous._fd = previous._fd, None
+                previous.taken_over = True
+                _HELD[key] = self
+                logger.warning(
+                    "another Trainer in this process was using %s; this one takes it over "
+                    "(the older one can no longer save checkpoints)",
+                    self.out_dir,
+                )
+                return self
+            for _ in range(20):  # the file may be removed / replaced under us by its releasing owner
+                fd = self._open_locked()
+                if fd is None:
+                    continue
+                try:
+                    record = _read_record(fd)
+                    if record:
+                        self._judge_left_behind(record)
+                    _write_record(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fd = fd
+                _HELD[key] = self
+                return self
+            raise RunDirLockedError(
+                f"could not lock out_dir {self.out_dir}: {self.path} keeps changing; is another run starting in it?"
+            )
         except RunDirError:
             raise
         except OSError as e:  # unwritable or full disk: say which file, keep the errno (and class)
             raise OSError(e.errno, f"cannot lock out_dir {self.out_dir}: {e.strerror or e}", str(self.path)) from None
-
-    def _acquire(self) -> RunLock:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        key = (os.getpid(), os.path.realpath(self.path))
-        previous = _HELD.get(key)
-        if previous is not None and previous.held:
-            # The same process: the older Trainer is abandoned (it can no longer save).
-            self._fd, previous._fd = previous._fd, None
-            previous.taken_over = True
-            _HELD[key] = self
-            logger.warning(
-                "another Trainer in this process was using %s; this one takes it over "
-                "(the older one can no longer save checkpoints)",
-                self.out_dir,
-            )
-            return self
-        for _ in range(20):  # the file may be removed / replaced under us by its releasing owner
-            fd = self._open_locked()
-            if fd is None:
-                continue
-            try:
-                record = _read_record(fd)
-                if record:
-                    self._judge_left_behind(record)
-                _write_record(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fd = fd
-            _HELD[key] = self
-            return self
-        raise RunDirLockedError(
-            f"could not lock out_dir {self.out_dir}: {self.path} keeps changing; is another run starting in it?"
-        )
 
     def _open_locked(self) -> int | None:
         """An fd of the lock file that this process holds, None to try again; raises if busy."""
@@ -155,10 +153,8 @@ class RunLock:
 
     def _open_exclusive(self) -> int | None:
         """Without flock: whoever creates the file owns the lock."""
-        try:
+        with contextlib.suppress(FileExistsError):
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            pass
         try:
             record = json.loads(self.path.read_text(encoding="utf-8") or "{}")
         except (OSError, ValueError):
@@ -201,10 +197,8 @@ class RunLock:
         if self._fd is None:
             return
         key = (os.getpid(), os.path.realpath(self.path))
-        try:
+        with contextlib.suppress(OSError):
             self.path.unlink(missing_ok=True)  # while still locked, so nobody locks the old file
-        except OSError:
-            pass
         os.close(self._fd)
         self._fd = None
         if _HELD.get(key) is self:
@@ -306,12 +300,11 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
             f"out_dir {out_dir} holds {clash}, which gpt2 did not write there and this run would replace: move "
             "them away or train into another out_dir (overwrite never replaces files that are not gpt2's)"
         )
-    this_run = resume == "auto" or (
-        resume is not None and any(_same(Path(resume), d) for d in (out_dir, checkpoint_dir))
-    )
+    realpath = os.path.realpath
+    this_run = resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir)))
     if this_run:  # continues whatever run is there (or starts one): its newest usable checkpoint
         return []
-    if resume is None or not _inside(Path(resume), checkpoint_dir):
+    if resume is None or not Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
         # A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run.
         found = existing_run(out_dir)
         if found and not overwrite:
@@ -340,18 +333,6 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
             "newest, train into a new out_dir, or pass overwrite=True to delete the newer checkpoints"
         )
     return newer
-
-
-def _same(a: Path, b: Path) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    try:
-        Path(os.path.realpath(path)).relative_to(os.path.realpath(directory))
-        return True
-    except ValueError:
-        return False
 
 
 # --- everything the Trainer does before its first step

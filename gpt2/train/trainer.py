@@ -6,14 +6,8 @@
 ``trainer.model`` is the raw module (checkpoints and generation use it: no ``_orig_mod.`` /
 ``module.`` prefixes), ``trainer.eval_model`` the ``torch.compile``d one when compiling, and
 ``trainer.train_model`` that wrapped in DDP under torchrun; all three share the parameters.
-
-Resume (``resume="auto"`` or a path) restores weights, optimizer, scaler, RNG, data position,
-step and best validation loss: the continued run is the uninterrupted one (on CPU bit for bit).
-A non-finite step is skipped (weights untouched); ``max_bad_steps`` of them in a row, or a loss
-above ``divergence_factor`` x the best for ``divergence_patience`` steps, make it recover (see
-:meth:`Trainer._recover`) or raise :class:`TrainingDivergedError`. fp16 overflows while the
-scaler searches for its scale are skipped but not "bad" (unless the scale is already <= 1).
-SIGINT/SIGTERM/SIGHUP end :meth:`Trainer.fit` at a step boundary with a checkpoint.
+Resuming, skipped steps, divergence recovery and stop signals: docs/training.md ("Checkpoints
+and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`.
 """
 
 from __future__ import annotations
@@ -33,6 +27,7 @@ import torch.nn as nn
 
 from gpt2.data.loader import make_loader
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
+from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import distributed, metrics, rundir
@@ -41,7 +36,7 @@ from gpt2.train.config import TrainConfig
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
-from gpt2.train.recovery import DivergenceMonitor, StopSignals, TrainingInterrupted
+from gpt2.train.recovery import DivergenceMonitor, TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +224,7 @@ class Trainer:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
         # metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress bar
-        log = FitLog.open(
+        log = FitLog(
             self.sinks,
             cfg,
             out_dir=self.out_dir,
