@@ -20,14 +20,8 @@ from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import PRESETS, GPTConfig
 from gpt2.model.generate import KVCache, generate, pad_prompts, sample_next, stream
 from gpt2.model.gpt import GPT
-from gpt2.model.hf import (
-    config_from_hf,
-    gpt_to_hf_state_dict,
-    hf_config_from_gpt,
-    hf_to_gpt_state_dict,
-    load_hf_state_dict,
-    save_pretrained,
-)
+from gpt2.model.hf import load_hf_state_dict, save_pretrained
+from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 from gpt2.model.tokenizer import EOT_TOKEN, Tokenizer, TokenizerNotAvailableError, get_tokenizer
 from gpt2.train.checkpoint import NonFiniteWeightsError, find_latest_checkpoint, load_checkpoint, save_checkpoint
 from gpt2.train.config import TrainConfig

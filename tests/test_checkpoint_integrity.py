@@ -17,7 +17,7 @@ import torch
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 from gpt2.cli import main
-from gpt2.model.loading import load_trained_model
+from gpt2.model.gpt import GPT
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.trainer import Trainer
 
@@ -137,12 +137,12 @@ def test_sample_eval_export_use_the_newest_intact_checkpoint(run, case, caplog):
     good = _model()
     ckpt.load_checkpoint(run / "checkpoints" / "step_000002", good)
     with caplog.at_level(logging.WARNING, logger="gpt2"):
-        model = load_trained_model(run)
+        model = GPT.from_pretrained(run)
     assert "step_000002, the newest intact checkpoint" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), good.state_dict().values()))
     # trainer_state.pt is not needed to rebuild the model: a damaged one does not block sampling.
     (run / "checkpoints" / "step_000002" / ckpt.STATE_FILE).write_bytes(b"junk")
-    load_trained_model(run)
+    GPT.from_pretrained(run)
 
 
 def test_all_checkpoints_damaged_is_one_error_naming_every_file(run, tmp_path, capsys):

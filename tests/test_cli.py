@@ -24,7 +24,7 @@ import torch
 
 from gpt2.cli import COMMANDS, main, parse
 from gpt2.model.generate import stream_text
-from gpt2.model.loading import load_model
+from gpt2.model.gpt import GPT
 
 HELLASWAG = [
     {
@@ -505,7 +505,7 @@ def test_sample_is_reproducible_and_streams(trained, capsys):
 def test_stream_text_pieces_add_up_to_the_generated_text(trained):
     from gpt2.model.tokenizer import get_tokenizer
 
-    model = load_model(str(trained))
+    model = GPT.from_pretrained(str(trained))
     tok = get_tokenizer()
     pieces = list(stream_text(model, "ROMEO:", 12, generator=torch.Generator().manual_seed(3), stop_at_eot=False))
     ids = model.generate(torch.tensor([tok.encode("ROMEO:")]), 12, generator=torch.Generator().manual_seed(3))
@@ -522,7 +522,7 @@ def test_export_writes_a_transformers_directory(trained, tmp_path, capsys):
     assert code == 0, err
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     x = torch.randint(0, 50257, (2, 16))
-    ours = load_model(str(trained))(x)[0]
+    ours = GPT.from_pretrained(str(trained))(x)[0]
     exported = from_pretrained(out)(x)[0]
     torch.testing.assert_close(exported, ours)
 

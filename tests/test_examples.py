@@ -231,7 +231,8 @@ def test_pretrain_interrupted_with_ctrl_c(tmp_path):
 def test_finetune_lora_example(finetuned, hf_dir):
     from transformers import GPT2LMHeadModel
 
-    from gpt2.model.loading import apply_adapter, load_model
+    from gpt2.model.gpt import GPT
+    from gpt2.model.loading import apply_adapter
 
     out, stdout = finetuned
     assert stdout.index("before fine-tuning: val loss") < stdout.index("--- before fine-tuning: sample 1/1 ---")
@@ -249,7 +250,7 @@ def test_finetune_lora_example(finetuned, hf_dir):
     ckpt = out / "checkpoints" / "step_000004" / "model.safetensors"
     assert ckpt.stat().st_size < 200_000
     # the merged export loads in transformers and computes what base + adapter computes
-    model = apply_adapter(load_model(str(hf_dir)), out / "adapter").eval()
+    model = apply_adapter(GPT.from_pretrained(str(hf_dir)), out / "adapter").eval()
     merged = GPT2LMHeadModel.from_pretrained(out / "merged").eval()
     x = torch.randint(0, 50257, (2, 12))
     with torch.no_grad():

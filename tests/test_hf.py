@@ -17,13 +17,8 @@ from gpt2 import from_pretrained
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
-from gpt2.model.hf import (
-    config_from_hf,
-    gpt_to_hf_state_dict,
-    hf_config_from_gpt,
-    hf_to_gpt_state_dict,
-    save_pretrained,
-)
+from gpt2.model.hf import save_pretrained
+from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 
 
 @pytest.fixture(autouse=True, scope="module")

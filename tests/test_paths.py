@@ -14,7 +14,6 @@ import torch
 
 from gpt2 import GPT, GPTConfig
 from gpt2.model import hf
-from gpt2.model.loading import load_model
 from gpt2.train.checkpoint import save_checkpoint
 
 TINY = GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32)
@@ -63,14 +62,14 @@ def test_official_names_mean_the_hub_even_where_a_folder_has_that_name(checkout,
     (checkout / "distilgpt2").mkdir()
     _same_weights(GPT.from_pretrained(name), model)
     _same_weights(GPT.from_pretrained(name), model)
-    _same_weights(load_model(name), model)  # sample --model, finetune --init, eval, export
+    _same_weights(GPT.from_pretrained(name), model)  # sample --model, finetune --init, eval, export
     assert hub.calls == [name] * 3
 
 
 @pytest.mark.parametrize("spelling", ["./gpt2", "gpt2/", "{cwd}/gpt2"])
 def test_a_path_spelling_is_local(checkout, hub, spelling):
     spec = spelling.format(cwd=checkout)
-    for load in (GPT.from_pretrained, load_model):
+    for load in (GPT.from_pretrained,):
         with pytest.raises(
             FileNotFoundError,
             match=r"holds no model: .*no config\.json.*trainer_state\.json.*checkpoints/.*write its bare name",
@@ -83,7 +82,7 @@ def test_a_path_spelling_is_local(checkout, hub, spelling):
 
 def test_other_existing_names_are_local_never_the_hub(checkout, hub):
     (checkout / "my-model").mkdir()  # shaped like a hub id, but it exists here
-    for load in (GPT.from_pretrained, load_model):
+    for load in (GPT.from_pretrained,):
         with pytest.raises(FileNotFoundError, match=r"'my-model' holds no model"):
             load("my-model")
     assert hub.calls == []
@@ -92,7 +91,7 @@ def test_other_existing_names_are_local_never_the_hub(checkout, hub):
 @pytest.mark.parametrize("spec", ["./no/such/model", "{cwd}/missing", "runs/a/b", "~/no-such-dir-gpt2-test"])
 def test_missing_paths_say_does_not_exist_not_hub_errors(checkout, hub, spec):
     spec = spec.format(cwd=checkout)
-    for load in (GPT.from_pretrained, load_model):
+    for load in (GPT.from_pretrained,):
         with pytest.raises(
             FileNotFoundError, match=r"does not exist: it is neither an existing directory nor a Hugging Face hub id"
         ):
@@ -101,15 +100,15 @@ def test_missing_paths_say_does_not_exist_not_hub_errors(checkout, hub, spec):
 
 
 def test_hub_shaped_names_that_do_not_exist_locally_go_to_the_hub(checkout, hub):
-    load_model("someone/tiny-gpt2")
+    GPT.from_pretrained("someone/tiny-gpt2")
     assert hub.calls == ["someone/tiny-gpt2"]
 
 
 def test_transformers_directory_without_weights(checkout, hub, model):
     d = hf.save_pretrained(model, checkout / "export")
-    _same_weights(load_model("export"), model)
+    _same_weights(GPT.from_pretrained("export"), model)
     (d / "model.safetensors").unlink()
-    for load in (GPT.from_pretrained, load_model):
+    for load in (GPT.from_pretrained,):
         with pytest.raises(FileNotFoundError, match=r"no weights in .*export.*expected model\.safetensors"):
             load("export")
     assert hub.calls == []
@@ -119,20 +118,20 @@ def test_run_and_checkpoint_directories(checkout, hub, model):
     run = checkout / "runs" / "tiny"
     step = save_checkpoint(run / "checkpoints", 3, model, metadata={"model_config": TINY.to_dict()})
     for spec in ("runs/tiny", str(run / "checkpoints"), str(step)):
-        _same_weights(load_model(spec), model)
+        _same_weights(GPT.from_pretrained(spec), model)
         _same_weights(GPT.from_pretrained(spec), model)  # the one entry point takes every --model source
     (run / "checkpoints" / step.name / "model.safetensors").unlink()
     from gpt2.train.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="no intact checkpoint.*model.safetensors is missing"):
-        load_model("runs/tiny")
+        GPT.from_pretrained("runs/tiny")
     assert hub.calls == []
 
 
 def test_a_file_is_not_a_model(checkout, hub, model):
     d = hf.save_pretrained(model, checkout / "export")
     with pytest.raises(NotADirectoryError, match=r"is a file; a model is a directory.*pass its directory '.*export'"):
-        load_model(str(d / "model.safetensors"))
+        GPT.from_pretrained(str(d / "model.safetensors"))
     with pytest.raises(NotADirectoryError, match=r"is a file; a model is a directory.*pass its directory"):
         GPT.from_pretrained(d / "config.json")
     assert hub.calls == []

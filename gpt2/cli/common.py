@@ -15,7 +15,8 @@ import tyro
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
-from gpt2.model.loading import apply_adapter, load_model
+from gpt2.model.gpt import GPT
+from gpt2.model.loading import apply_adapter
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
 from gpt2.train.rundir import check_out_dir
@@ -127,7 +128,7 @@ def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
     """``options.model`` with ``options.adapter`` on ``options.device`` in eval mode, the autocast of
     ``options.precision`` and the device (``gpt2 sample`` and ``gpt2 eval``)."""
     device = resolve_device(options.device)
-    model = load_model(options.model, device=device)
+    model = GPT.from_pretrained(options.model, device=device)
     if options.adapter:
         apply_adapter(model, options.adapter)
     return model.eval(), inference_autocast(options.precision, device), device

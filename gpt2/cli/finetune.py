@@ -28,7 +28,7 @@ from gpt2.cli.common import (
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import training_data
-from gpt2.model.loading import load_model
+from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
 from gpt2.train.trainer import Trainer, seed_everything
@@ -85,7 +85,7 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     check(options)
     # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir).
     config = dataclasses.replace(options.train, save_trainable_only=not options.full)
-    model = load_model(options.init, device="cpu")
+    model = GPT.from_pretrained(options.init, device="cpu")
     model.train()  # the Trainer refuses a --seq-len beyond the model's block_size
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     if is_instruction_data(options.data.data):

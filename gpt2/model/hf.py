@@ -1,6 +1,6 @@
 """Hugging Face interop: :func:`from_pretrained` (hub ids, ``transformers`` directories, and the
 run / checkpoint directories of ``gpt2 train``: every ``--model``) and :func:`save_pretrained`.
-The pure conversion lives in :mod:`gpt2.model.hf_convert`; its public names are re-exported here."""
+The pure state-dict and config conversion lives in :mod:`gpt2.model.hf_convert`."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from gpt2.model.checkpoint_files import (
     unwrap_model,
 )
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
-from gpt2.model.hf_convert import (  # noqa: F401  (re-exported: the public HF API is gpt2.hf)
+from gpt2.model.hf_convert import (
     config_from_hf,
     gpt_to_hf_state_dict,
     hf_config_from_gpt,

@@ -1,6 +1,5 @@
-"""A GPT from whatever a user names: a hub id (``gpt2``), a ``transformers`` directory, or a
-checkpoint / run directory of ``gpt2 train`` (its newest intact checkpoint); and a LoRA adapter
-(minlora's or PEFT's) on top. This is what ``--model`` / ``--init`` / ``--adapter`` mean."""
+"""A LoRA adapter (minlora's or PEFT's) on a model: what ``--adapter`` means. What ``--model`` /
+``--init`` mean is :meth:`gpt2.GPT.from_pretrained`."""
 
 from __future__ import annotations
 
@@ -9,22 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import minlora
-from gpt2.model.gpt import GPT
 
 logger = logging.getLogger(__name__)
-
-
-def load_model(spec: str, *, device: torch.device | str | None = None) -> Any:
-    """:meth:`gpt2.GPT.from_pretrained`, which takes every model source ``--model`` does."""
-    return GPT.from_pretrained(spec, device=device)
-
-
-def load_trained_model(path: str | os.PathLike[str], device: torch.device | str | None = None) -> Any:
-    """The GPT in a checkpoint / run directory of ``gpt2 train``: :meth:`gpt2.GPT.from_pretrained`."""
-    return GPT.from_pretrained(Path(path), device=device)
 
 
 def apply_adapter(model: Any, path: str | os.PathLike[str]) -> Any:

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -140,15 +140,6 @@ def all_reduce_max(value: int) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` as rank ``src`` has it, on every process."""
-    if not _active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
