@@ -340,14 +340,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 xc, t, keep = x[s : s + chunk_rows], safe_targets[s : s + chunk_rows], scored[s : s + chunk_rows]
                 logits = (xc.to(dtype) @ w.T).float()  # (n, V_padded)
                 logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
-                lse = logits.logsumexp(dim=-1)  # (n,)
-                loss += ((lse - logits.gather(1, t[:, None]).squeeze(1)) * keep).sum()
+                # one fused pass per row (not logsumexp, then a subtraction and exp over the chunk)
+                logp = logits.log_softmax(dim=-1)
+                del logits
+                loss -= (logp.gather(1, t[:, None]).squeeze(1) * keep).sum()
                 if not (need_dx or need_dw):
                     continue
-                # d loss / d logits = softmax - one_hot(target), zero for ignored rows
-                g = logits.sub_(lse[:, None]).exp_()
-                g[torch.arange(g.size(0), device=g.device), t] -= 1.0
-                g *= keep[:, None] if scale is None else (keep * scale)[:, None]
+                # d loss / d logits = (softmax - one_hot(target)) * weight, zero for ignored rows
+                weight_row = keep.float() if scale is None else keep * scale
+                g = logp.exp_().mul_(weight_row[:, None])
+                g[torch.arange(g.size(0), device=g.device), t] -= weight_row
                 g = g.to(grad_dtype)  # rounded as the plain loss's gradient would be
                 if need_dx:
                     dx[s : s + chunk_rows] = g @ w_grad
