@@ -340,15 +340,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 xc, t, keep = x[s : s + chunk_rows], safe_targets[s : s + chunk_rows], scored[s : s + chunk_rows]
                 logits = (xc.to(dtype) @ w.T).float()  # (n, V_padded)
                 logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
-                # one fused pass per row (not logsumexp, then a subtraction and exp over the chunk)
-                logp = logits.log_softmax(dim=-1)
-                del logits
-                loss -= (logp.gather(1, t[:, None]).squeeze(1) * keep).sum()
+                # In place, no second chunk-sized tensor: shifted = logits - max, exp(shifted), and
+                # loss = log(sum exp(shifted)) - shifted[target] (4 passes; log_softmax + exp took 5).
+                shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))
+                target_logit = shifted.gather(1, t[:, None]).squeeze(1)
+                exp = shifted.exp_()
+                sum_exp = exp.sum(dim=-1)
+                loss += ((sum_exp.log() - target_logit) * keep).sum()
                 if not (need_dx or need_dw):
                     continue
                 # d loss / d logits = (softmax - one_hot(target)) * weight, zero for ignored rows
                 weight_row = keep.float() if scale is None else keep * scale
-                g = logp.exp_().mul_(weight_row[:, None])
+                g = exp.mul_((weight_row / sum_exp)[:, None])
                 g[torch.arange(g.size(0), device=g.device), t] -= weight_row
                 g = g.to(grad_dtype)  # rounded as the plain loss's gradient would be
                 if need_dx:
