@@ -335,10 +335,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight, dtype=torch.float32) if need_dw else None
+        # One logits buffer for all chunks: on CPU a fresh (1024, 50304) tensor costs ~65 ms of page
+        # faults each time (glibc hands blocks over 32 MB back to the OS when they are freed).
+        buffer = torch.empty(min(chunk_rows, x.size(0)), weight.size(0), dtype=torch.float32, device=x.device)
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
                 xc, t, keep = x[s : s + chunk_rows], safe_targets[s : s + chunk_rows], scored[s : s + chunk_rows]
-                logits = (xc.to(dtype) @ w.T).float()  # (n, V_padded)
+                logits = buffer[: xc.size(0)]  # (n, V_padded) fp32
+                if dtype == torch.float32:
+                    torch.mm(xc, w.T, out=logits)
+                else:
+                    logits.copy_(xc.to(dtype) @ w.T)
                 logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
                 # In place, no second chunk-sized tensor: shifted = logits - max, exp(shifted), and
                 # loss = log(sum exp(shifted)) - shifted[target] (4 passes; log_softmax + exp took 5).
@@ -356,7 +363,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = g.to(grad_dtype)  # rounded as the plain loss's gradient would be
                 if need_dx:
                     dx[s : s + chunk_rows] = g @ w_grad
-                if need_dw:
+                if need_dw and grad_dtype == torch.float32:
+                    dw.addmm_(g.T, xc.float())  # into dw: no weight-sized temporary per chunk
+                elif need_dw:
                     dw += (g.T @ xc.to(grad_dtype)).float()
         ctx.save_for_backward(dx, dw)
         return loss / count if mean else loss
