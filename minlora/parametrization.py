@@ -30,8 +30,8 @@ def check_float(value: Any, what: str, low: float | None = None, high: float | N
     if not math.isfinite(value):  # first: nan < 0 is False, so a range check alone lets NaN through
         raise ValueError(f"{what} must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low) or high is not None and value >= high:
-        hi = "inf" if high is None else f"{high:g}"
-        raise ValueError(f"{what} must be in {'(' if low_open else '['}{low:g}, {hi}), got {value!r}")
+        lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
+        raise ValueError(f"{what} must be in {'(' if low_open else '['}{lo}, {hi}), got {value!r}")
 
 
 def raw_weight(module: nn.Module) -> torch.Tensor | None:

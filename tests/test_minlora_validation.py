@@ -134,3 +134,13 @@ def test_rank_bound_holds_for_every_layer_family_and_config_kind(layer, config, 
     with pytest.raises(ValueError, match=rf"does not fit weight \(weight shape {shape}\)"):
         minlora.add_lora(layer, config)
     assert not minlora.lora_sites(layer)
+
+
+def test_check_float_names_open_ends_of_a_range():
+    from minlora.parametrization import check_float
+
+    with pytest.raises(ValueError, match=r"x must be in \[-inf, 2\), got 3"):
+        check_float(3, "x", high=2)
+    with pytest.raises(ValueError, match=r"x must be in \(0, inf\), got 0"):
+        check_float(0, "x", low=0, low_open=True)
+    check_float(1.5, "x", high=2)  # inside: no error
