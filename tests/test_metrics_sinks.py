@@ -186,3 +186,27 @@ def test_validation_and_final_evaluation_show_progress(tmp_path, capsys):
     assert "eval" not in capsys.readouterr().err
     shown = evaluate_loss(model, tokens, 2, 16, max_batches=4, progress=True)
     assert "eval" in capsys.readouterr().err and shown == quiet
+
+
+def test_fit_log_closes_the_sinks_it_opened_when_before_write_fails(tmp_path, monkeypatch):
+    from gpt2.train import metrics
+
+    closed = []
+
+    class Sink:
+        def log(self, record):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(metrics, "make_sinks", lambda *args: [Sink()])
+
+    def taken():
+        raise RuntimeError("out_dir belongs to another run")
+
+    config = TrainConfig(out_dir=str(tmp_path), log_to=("tensorboard",), progress=False)
+    with pytest.raises(RuntimeError, match="another run"):
+        metrics.FitLog([], config, out_dir=tmp_path, step=0, is_main=True, before_write=taken)
+    assert closed == [True]
+    assert not (tmp_path / metrics.METRICS_FILE).exists()  # nothing written before the check

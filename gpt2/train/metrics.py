@@ -344,12 +344,16 @@ class FitLog:
         # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
         # first, so a missing package fails before anything else is opened
         self.extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
-        if before_write is not None:
-            before_write()
-        if out_dir is not None:
-            self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
-        if config.progress:
-            self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
+        try:
+            if before_write is not None:
+                before_write()
+            if out_dir is not None:
+                self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
+            if config.progress:
+                self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
+        except BaseException:  # e.g. out_dir taken over by another run: close the sinks just opened
+            self.close()
+            raise
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:
