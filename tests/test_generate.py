@@ -129,6 +129,22 @@ def test_batched_left_padded_prompts_equal_each_prompt_alone(model, tiny_config)
     )
 
 
+def test_compiled_decoding_is_one_graph_plain_and_padded(model, prompt):
+    """Dynamo only (the "eager" backend; Inductor is tests/test_inductor.py): the prompts' forwards
+    run uncompiled and no decoding-step input is a view whose strides change with the length."""
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(model, backend="eager")
+    ids, mask = pad_prompts([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]])
+    for kwargs in (dict(idx=prompt), dict(idx=ids, attention_mask=mask)):
+        torch._dynamo.reset()
+        counters.clear()
+        out = generate(compiled, max_new_tokens=10, temperature=0, **kwargs)
+        assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (1, 0)
+        assert torch.equal(out, generate(model, max_new_tokens=10, temperature=0, **kwargs))
+    torch._dynamo.reset()
+
+
 def test_generation_past_block_size(model, tiny_config):
     cfg = dataclasses.replace(tiny_config, block_size=16)
     small = GPT(cfg).eval()

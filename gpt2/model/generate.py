@@ -140,7 +140,8 @@ def stream(
     tokens as each prompt alone. Rows that have emitted ``eos_token_id`` keep emitting it; the
     iteration stops once every row has. ``temperature=0`` is greedy. Past ``block_size`` tokens
     the context is cropped to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked
-    when this is called, not at the first ``next``.
+    when this is called, not at the first ``next``. Of a ``torch.compile``d model only the cached
+    decoding step runs compiled: one graph for every token and prompt length.
     """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
@@ -204,6 +205,9 @@ def _stream(
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
     model.eval()  # no dropout while sampling; the caller's mode is restored below
+    # The prompt's forward (a new shape per prompt length, compute-bound when long, once per call)
+    # runs under torch.compile's wrapper, and allocates the cache's buffers there.
+    prefill = getattr(model, "_orig_mod", model)
     try:
         block_size = model.config.block_size
         B = idx.size(0)
@@ -221,11 +225,13 @@ def _stream(
                 # earlier, so the cached keys are stale and the window is recomputed.
                 cache = None
             if use_cache and cache is not None:
-                step_ids = tokens[:, -1:]  # (B, 1): only the newest token is not cached yet
+                # (B, 1): only the newest token is not cached yet. A copy, not a view of `tokens`
+                # whose stride grows every step: a compiled step would recompile for each.
+                step, step_ids = model, tokens[:, -1:].clone(memory_format=torch.contiguous_format)
             else:
-                step_ids = tokens
+                step, step_ids = prefill, tokens
                 cache = KVCache.for_model(model, cache_len) if use_cache else None
-            logits = _forward(model, step_ids, cache, mask)  # (B, T, V)
+            logits = _forward(step, step_ids, cache, mask)  # (B, T, V)
             nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
             if eos_token_id is not None:
                 # Finished rows keep emitting EOS, so the output stays rectangular.
@@ -250,7 +256,9 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
         return model(ids, kv_cache=cache)[0]
     T, t = ids.size(1), mask.size(1)
     S = cache.max_len if cache is not None else t  # keys attended over
-    position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, t - T :]  # (B, T)
+    # Sliced before the arithmetic, so the result is a fresh (B, T) tensor, not a view whose
+    # strides change with t (a compiled step would recompile for each).
+    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)  # (B, T)
     keys = torch.nn.functional.pad(mask, (0, S - t))  # (B, S): slots not written yet are False
     causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
     # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
