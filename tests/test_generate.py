@@ -186,8 +186,9 @@ def test_zero_new_tokens_and_int32_prompt(model, prompt):
 def test_kv_cache_rejects_overflow_and_other_batches():
     cache = KVCache(n_layer=1, max_len=4)
     k = torch.zeros(2, 1, 3, 8)
+    cache.step(3)
     cache.update(0, k, k)
-    cache.advance(3)
+    cache.step(2)
     # The write position is a tensor (no host read per step): index_copy_ rejects the overflow.
     with pytest.raises(IndexError, match="index 4 is out of bounds"):
         cache.update(0, k[:, :, :2], k[:, :, :2])
