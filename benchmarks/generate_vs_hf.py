@@ -2,12 +2,16 @@
 ``torch.compile``d) against ``transformers.GPT2LMHeadModel.generate``, in tokens per second.
 
 Both models hold the same weights (ours converted from the random Hugging Face model), so the
-greedy tokens must agree; the script checks it. CPU time on one thread; the implementations
-alternate round by round in one process. The compiled model is warmed up (compiled) before
-timing, and the script reports how many graphs Dynamo built and whether the timed rounds
-recompiled.
+greedy tokens must agree; the script checks it. CPU time on one thread (wall time with
+``--threads`` > 1); the implementations alternate round by round in one process. The compiled
+model is warmed up (compiled) before timing, and the script reports how many graphs Dynamo built
+and whether the timed rounds recompiled.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/generate_vs_hf.py [--rounds 3 --tokens 100]
+At batch 1 every token reads every weight once, so the script also times ``F.linear`` of one
+token over each of the model's weight matrices (the lm_head included), alternating with the
+rounds: the sum is a token's matmuls with no other work, the ceiling at this memory bandwidth.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/generate_vs_hf.py [--rounds 3 --tokens 100 --threads 1]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from gpt2.model.config import GPTConfig
@@ -31,8 +36,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--prompt", type=int, default=8, help="prompt length in tokens")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled model (its cold compile)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (> 1: wall time)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()  # the 124M shape
     config: GPTConfig = config_from_hf(hf.config)
@@ -43,6 +50,14 @@ def main() -> None:
 
     def hf_generate() -> torch.Tensor:
         return hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    weights = [m.weight for m in ours.modules() if isinstance(m, torch.nn.Linear)]  # blocks + lm_head
+    inputs = [torch.randn(1, w.size(1)) for w in weights]
+
+    def matmuls_only() -> None:  # one token's matmuls with the weights, n tokens
+        for _ in range(n):
+            for x, w in zip(inputs, weights, strict=True):
+                F.linear(x, w)
 
     runs = {"ours eager": lambda: generate(ours, prompt, n, temperature=0), "transformers": hf_generate}
     graphs = ""
@@ -60,26 +75,33 @@ def main() -> None:
         assert torch.equal(first, runs["ours eager"]())
     with torch.no_grad():
         outputs = {name: run() for name, run in runs.items()}  # warm-up, and the tokens to compare
+        runs["matmuls only"] = matmuls_only
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name, run in runs.items():
-                start = time.process_time()
+                start = clock()
                 run()
-                times[name].append(time.process_time() - start)
+                times[name].append(clock() - start)
     if not args.no_compile:
         graphs = (
-            f"compiled: first call {warm_s:.1f} s wall (compiling), {built} graphs (prefill + decode step); "
+            f"compiled: first call {warm_s:.1f} s wall (compiling), {built} graph(s) (the decoding step); "
             f"graphs built during the timed calls: {counters['stats']['unique_graphs']}, "
             f"graph breaks: {sum(counters['graph_break'].values())}"
         )
     same = all(torch.equal(out, outputs["transformers"]) for out in outputs.values())
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, 1 thread, 124M random weights")
-    print(f"greedy, batch 1, prompt {args.prompt} tokens, {n} new tokens; CPU time, median of {args.rounds} rounds")
-    hf_rate = n / statistics.median(times["transformers"])
-    for name, ts in times.items():
-        rate = n / statistics.median(ts)
-        print(f"{name:<14} {rate:7.1f} tokens/s   {rate / hf_rate:5.2f}x transformers")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, 124M random weights")
+    kind = "CPU time, 1 thread" if args.threads == 1 else f"wall time, {args.threads} threads"
+    print(f"greedy, batch 1, prompt {args.prompt} tokens, {n} new tokens; {kind}, median of {args.rounds} rounds")
+    rates = {name: n / statistics.median(ts) for name, ts in times.items()}
+    ceiling = rates.pop("matmuls only")
+    for name, rate in rates.items():
+        print(f"{name:<14} {rate:7.1f} tokens/s   {rate / rates['transformers']:5.2f}x transformers")
     print(f"same tokens as transformers: {same}")
+    gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    print(
+        f"ceiling at this bandwidth: {ceiling:.1f} tokens/s = {ceiling / rates['transformers']:.2f}x transformers "
+        f"(the matmuls alone: {gb:.2f} GB of fp32 weights per token at {gb * ceiling:.1f} GB/s)"
+    )
     if graphs:
         print(graphs)
 

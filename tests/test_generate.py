@@ -129,6 +129,22 @@ def test_batched_left_padded_prompts_equal_each_prompt_alone(model, tiny_config)
     )
 
 
+def test_compiled_decoding_is_one_graph_plain_and_padded(model, prompt):
+    """Dynamo only (the "eager" backend; Inductor is tests/test_inductor.py): the prompts' forwards
+    run uncompiled and no decoding-step input is a view whose strides change with the length."""
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(model, backend="eager")
+    ids, mask = pad_prompts([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]])
+    for kwargs in (dict(idx=prompt), dict(idx=ids, attention_mask=mask)):
+        torch._dynamo.reset()
+        counters.clear()
+        out = generate(compiled, max_new_tokens=10, temperature=0, **kwargs)
+        assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (1, 0)
+        assert torch.equal(out, generate(model, max_new_tokens=10, temperature=0, **kwargs))
+    torch._dynamo.reset()
+
+
 def test_generation_past_block_size(model, tiny_config):
     cfg = dataclasses.replace(tiny_config, block_size=16)
     small = GPT(cfg).eval()
@@ -170,8 +186,9 @@ def test_zero_new_tokens_and_int32_prompt(model, prompt):
 def test_kv_cache_rejects_overflow_and_other_batches():
     cache = KVCache(n_layer=1, max_len=4)
     k = torch.zeros(2, 1, 3, 8)
+    cache.step(3)
     cache.update(0, k, k)
-    cache.advance(3)
+    cache.step(2)
     # The write position is a tensor (no host read per step): index_copy_ rejects the overflow.
     with pytest.raises(IndexError, match="index 4 is out of bounds"):
         cache.update(0, k[:, :, :2], k[:, :, :2])

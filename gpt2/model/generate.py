@@ -20,8 +20,10 @@ class KVCache:
 
     The write position is a tensor (``pos``), never a Python int, and every step attends over the
     whole buffer with a mask built from ``pos``: every decoding step has the same shapes and graph,
-    so ``torch.compile`` compiles it once. Buffers are allocated on their layer's first update
-    with the keys' dtype (bf16/fp16 under autocast), as zeros so masked-out slots never hold NaN.
+    so ``torch.compile`` compiles it once. A forward calls :meth:`step` once (which advances
+    ``pos``), then every layer's :meth:`update` writes at that step's positions. Buffers are
+    allocated on their layer's first update with the keys' dtype (bf16/fp16 under autocast), as
+    zeros so masked-out slots never hold NaN.
     """
 
     def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
@@ -31,24 +33,24 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # positions cached so far
+        self.index: torch.Tensor | None = None  # where update writes: the current step's positions
 
     @property
     def length(self) -> int:
         """Cached positions (a host read of ``pos``)."""
         return int(self.pos)
 
-    def positions(self, T: int) -> torch.Tensor:
-        """Absolute positions ``(T,)`` of the next ``T`` tokens."""
-        return self.pos + torch.arange(T, device=self.pos.device)
-
-    def causal_mask(self, T: int) -> torch.Tensor:
-        """``(T, max_len)`` boolean: the next ``T`` queries see the keys at or before them."""
-        return torch.arange(self.max_len, device=self.pos.device) <= self.positions(T)[:, None]
+    def step(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a forward over ``T`` new tokens: their absolute positions ``(T,)`` (where the
+        layers' updates write) and the ``(T, max_len)`` boolean causal mask (True = may attend)."""
+        self.index = self.pos + torch.arange(T, device=self.pos.device)
+        self.pos += T
+        return self.index, torch.arange(self.max_len, device=self.pos.device) <= self.index[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``, ``v`` ``(B, nh, T, hs)`` at the next positions; return the whole buffers
+        """Write ``k``, ``v`` ``(B, nh, T, hs)`` at the positions of :meth:`step`; return the whole buffers
         ``(B, nh, max_len, hs)``."""
-        B, nh, T, hs = k.shape
+        B, nh, _, hs = k.shape
         if self.k[layer] is None:
             self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
             self.v[layer] = v.new_zeros(B, nh, self.max_len, hs)
@@ -58,13 +60,9 @@ class KVCache:
                 f"KV cache of layer {layer} holds {tuple(cache_k.shape)} {cache_k.dtype}, got new keys "
                 f"{tuple(k.shape)} {k.dtype}: one cache serves one batch, start a new KVCache"
             )
-        index = self.positions(T)
-        cache_k.index_copy_(2, index, k)
-        cache_v.index_copy_(2, index, v)
+        cache_k.index_copy_(2, self.index, k)
+        cache_v.index_copy_(2, self.index, v)
         return cache_k, cache_v
-
-    def advance(self, n: int) -> None:
-        self.pos += n
 
     @classmethod
     def for_model(cls, model: GPT, max_len: int | None = None) -> KVCache:
@@ -140,7 +138,9 @@ def stream(
     tokens as each prompt alone. Rows that have emitted ``eos_token_id`` keep emitting it; the
     iteration stops once every row has. ``temperature=0`` is greedy. Past ``block_size`` tokens
     the context is cropped to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked
-    when this is called, not at the first ``next``.
+    when this is called, not at the first ``next``. Of ``torch.compile(model)`` only the decoding
+    step runs compiled, one graph for every token (one dynamic graph more after another cache
+    length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
     """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
@@ -204,6 +204,8 @@ def _stream(
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
     model.eval()  # no dropout while sampling; the caller's mode is restored below
+    # The prompt's forward runs uncompiled (see stream); it allocates the cache's buffers too.
+    prefill = getattr(model, "_orig_mod", model)
     try:
         block_size = model.config.block_size
         B = idx.size(0)
@@ -221,11 +223,12 @@ def _stream(
                 # earlier, so the cached keys are stale and the window is recomputed.
                 cache = None
             if use_cache and cache is not None:
-                step_ids = tokens[:, -1:]  # (B, 1): only the newest token is not cached yet
+                # (B, 1), the newest token: a copy, as a view's stride would grow (a recompile each step)
+                step, step_ids = model, tokens[:, -1:].clone(memory_format=torch.contiguous_format)
             else:
-                step_ids = tokens
+                step, step_ids = prefill, tokens
                 cache = KVCache.for_model(model, cache_len) if use_cache else None
-            logits = _forward(model, step_ids, cache, mask)  # (B, T, V)
+            logits = _forward(step, step_ids, cache, mask)  # (B, T, V)
             nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
             if eos_token_id is not None:
                 # Finished rows keep emitting EOS, so the output stays rectangular.
@@ -250,7 +253,7 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
         return model(ids, kv_cache=cache)[0]
     T, t = ids.size(1), mask.size(1)
     S = cache.max_len if cache is not None else t  # keys attended over
-    position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, t - T :]  # (B, T)
+    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)  # (B, T), not a view: see _stream
     keys = torch.nn.functional.pad(mask, (0, S - t))  # (B, S): slots not written yet are False
     causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
     # A pad query sees no real key before it; an all-False row would make softmax NaN, so every

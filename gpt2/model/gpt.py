@@ -172,11 +172,10 @@ class GPT(nn.Module):
         T = idx.size(1)
         if kv_cache is not None:
             # Positions and the causal mask come from the cache's position tensor, so a compiled
-            # decoding step has the same graph at every token.
-            if position_ids is None:
-                position_ids = kv_cache.positions(T)
-            if attn_mask is None:
-                attn_mask = kv_cache.causal_mask(T)
+            # decoding step has the same graph at every token; built once, not in every layer.
+            positions, causal = kv_cache.step(T)
+            position_ids = positions if position_ids is None else position_ids
+            attn_mask = causal if attn_mask is None else attn_mask
         elif position_ids is None:
             position_ids = torch.arange(T, dtype=torch.long, device=idx.device)
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
@@ -184,8 +183,6 @@ class GPT(nn.Module):
         x = self.transformer.drop(tok_emb + pos_emb)
         for block in self.transformer.h:
             x = block(x, kv_cache, attn_mask)
-        if kv_cache is not None:
-            kv_cache.advance(T)
         x = self.transformer.ln_f(x)
         V = self.config.vocab_size
         if targets is not None and not parametrize.is_parametrized(self.lm_head):
