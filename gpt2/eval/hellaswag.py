@@ -271,8 +271,7 @@ class HellaSwagCallback:
         self.last: dict[str, Any] | None = None
 
     def __call__(self, trainer: Any, record: dict[str, Any]) -> None:
-        step = record["step"]
-        if step == trainer.config.max_steps or (self.interval > 0 and step % self.interval == 0):
+        if trainer.due(self.interval):  # the Trainer's rule for evaluations and checkpoints
             result = self.score(trainer)
             record.update(hellaswag_acc=result["acc"], hellaswag_acc_norm=result["acc_norm"], hellaswag_n=result["n"])
 

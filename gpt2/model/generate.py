@@ -20,9 +20,8 @@ class KVCache:
 
     The write position is a tensor (``pos``), never a Python int, and every step attends over the
     whole buffer with a mask built from ``pos``: every decoding step has the same shapes and graph,
-    so ``torch.compile`` compiles it once. A forward calls :meth:`step` once (which advances
-    ``pos``), then every layer's :meth:`update` writes at that step's positions. Buffers are
-    allocated on their layer's first update with the keys' dtype (bf16/fp16 under autocast), as
+    so ``torch.compile`` compiles it once. A forward calls :meth:`step`, then each layer :meth:`update`.
+    Buffers are made at a layer's first update in the keys' dtype (bf16/fp16 under autocast), as
     zeros so masked-out slots never hold NaN.
     """
 

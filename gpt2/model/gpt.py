@@ -197,14 +197,8 @@ class GPT(nn.Module):
         )
         return logits, loss
 
-    def _check_inputs(  # types and shapes only: Python-side, no device sync
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None,
-        kv_cache: KVCache | None,
-        position_ids: torch.Tensor | None,
-        reduction: str,
-    ) -> None:
+    def _check_inputs(self, idx: Any, targets: Any, kv_cache: Any, position_ids: Any, reduction: str) -> None:
+        """The arguments of :meth:`forward`: types and shapes only (Python-side, no device sync)."""
         cfg = self.config
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -339,10 +333,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, x.size(0), chunk_rows):
                 xc, t, keep = x[s : s + chunk_rows], safe_targets[s : s + chunk_rows], scored[s : s + chunk_rows]
                 logits = buffer[: xc.size(0)]  # (n, V_padded) fp32
-                if dtype == torch.float32:
-                    torch.mm(xc, w.T, out=logits)
-                else:
-                    logits.copy_(xc.to(dtype) @ w.T)
+                torch.mm(xc, w.T, out=logits) if dtype == torch.float32 else logits.copy_(xc.to(dtype) @ w.T)
                 logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
                 # In place, no second chunk-sized tensor: shifted = logits - max, exp(shifted), and
                 # loss = log(sum exp(shifted)) - shifted[target] (4 passes; log_softmax + exp took 5).
@@ -360,10 +351,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = g.to(grad_dtype)  # rounded as the plain loss's gradient would be
                 if need_dx:
                     dx[s : s + chunk_rows] = g @ w_grad
-                if need_dw and grad_dtype == torch.float32:
-                    dw.addmm_(g.T, xc.float())  # into dw: no weight-sized temporary per chunk
-                elif need_dw:
-                    dw += (g.T @ xc.to(grad_dtype)).float()
+                if need_dw:  # fp32: straight into dw, no weight-sized temporary per chunk
+                    dw.addmm_(g.T, xc) if g.dtype == xc.dtype == dw.dtype else dw.add_(g.T @ xc.to(grad_dtype))
         ctx.save_for_backward(dx, dw)
         return loss / count if mean else loss
 

@@ -244,7 +244,7 @@ class Trainer:
                 # (a step with no scored target reports loss 0: no evidence either way)
                 judged = cfg.recover and record.get("scored_tokens", 1) > 0
                 diverged = judged and self.monitor.observe(self.step, record["loss"])
-                if self._due(cfg.eval_interval) and self.val_loader is not None:
+                if self.due(cfg.eval_interval) and self.val_loader is not None:
                     log.status("evaluating ...")  # evaluation takes a while on a CPU: say so on the bar
                     try:
                         record["val_loss"] = self.evaluate()
@@ -259,7 +259,7 @@ class Trainer:
                 if diverged or self.consecutive_bad_steps >= cfg.max_bad_steps:
                     self._recover(record)  # or raise TrainingDivergedError
                 elif self.out_dir is not None or self._snapshot is not None:
-                    pending = pending or self._due(cfg.checkpoint_interval) or self.step == stop
+                    pending = pending or self.due(cfg.checkpoint_interval) or self.step == stop
                     # A checkpoint waits for a good step: during a run of skipped (or diverging)
                     # steps the last good checkpoint stays the newest one. The stop point is always
                     # saved (the weights are finite: skipped steps never touch them).
@@ -396,8 +396,8 @@ class Trainer:
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.monitor.load_state_dict(state.get("monitor"))
 
-    def _due(self, interval: int) -> bool:
-        """Every ``interval`` steps (0 = never) and always after the last step."""
+    def due(self, interval: int) -> bool:
+        """Is the step just taken due for a task run every ``interval`` steps (0 = never)? The last step is."""
         return self.step == self.config.max_steps or (interval > 0 and self.step % interval == 0)
 
     def train_step(self) -> dict[str, Any]:
