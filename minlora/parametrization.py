@@ -173,16 +173,17 @@ class LoRAParametrization(nn.Module):
     # ------------------------------------------------------------------ the fast path
     def fast_linear(self, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, forward(W), bias)`` without forming ``forward(W)``."""
-        out = F.linear(x, W, bias)
         if not self.enabled:
-            return out
+            return F.linear(x, W, bias)
         # fp32 factors on a low-precision base: the branch runs in the activations' dtype, as under
         # autocast; the casts are differentiable, so the factors still get fp32 gradients.
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         dropped = F.dropout(x, self.lora_dropout_p, training=True) if self.training and self.lora_dropout_p > 0 else x
-        lora = F.linear(F.linear(dropped, A) * self.scaling, B)  # scaling the rank-r intermediate is cheaper
-        if not self.use_dora:
-            return out + lora
+        after_a = F.linear(dropped, A) * self.scaling  # scaling the rank-r intermediate is cheaper
+        if not self.use_dora:  # in 2-D, so B's product is added into the base output in place (no temporary)
+            out = F.linear(x.reshape(-1, x.size(-1)), W, bias)
+            return out.addmm_(after_a.reshape(-1, A.size(0)).to(out.dtype), B.T.to(out.dtype)).view(*x.shape[:-1], -1)
+        out, lora = F.linear(x, W, bias), F.linear(after_a, B)
         # PEFT's DoRA forward: out + (m / ||V||_c - 1) * (x W^T) + m / ||V||_c * lora, where x W^T
         # (no bias) is recomputed on the dropped input when dropout is on. The norm needs W + s * B @ A,
         # a weight-sized tensor as in PEFT, but no weight-sized gradient.
