@@ -4,5 +4,8 @@
 # Extra arguments go to examples/pretrain_shakespeare.py (see --help).
 set -euo pipefail
 cd "$(dirname "$0")"
-source scripts/setup.sh
+source scripts/setup.sh ""  # no extras (without an argument it would see this script's)
+# Run again with no arguments, it continues the run in runs/shakespeare (or, finished, reports it
+# again); with arguments, a run already there is refused unless --resume auto / --overwrite says how.
+[ $# -eq 0 ] && set -- --resume auto
 exec "$PYTHON" examples/pretrain_shakespeare.py "$@"

@@ -61,3 +61,26 @@ def test_minlora_example_runs(tmp_path, monkeypatch, offline_pretrained):
     for path in ("adapter", "peft_adapter/adapter_model.safetensors", "merged/model.safetensors"):
         assert (tmp_path / path).exists(), path
     assert not any("parametrizations" in k for k in namespace["model"].state_dict())
+
+
+def test_run_sh_hands_its_arguments_to_the_example_and_reruns_continue(tmp_path):
+    """`bash run.sh ARGS`: setup.sh gets no extras (it once read ARGS as its own and pip failed),
+    the example gets ARGS; with no arguments it continues the run in runs/shakespeare."""
+    import shutil
+    import subprocess
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO_ROOT / "run.sh", tmp_path / "run.sh")
+    log = tmp_path / "log"
+    # stand-ins for the install and for python, recording what each was given
+    (tmp_path / "scripts" / "setup.sh").write_text(f'echo "setup:$#:${{1:-}}" >> {log}\nPYTHON={tmp_path}/python\n')
+    (tmp_path / "python").write_text(f'#!/bin/sh\necho "python:$*" >> {log}\n')
+    (tmp_path / "python").chmod(0o755)
+    for args in (["--max-steps", "3", "--help"], []):
+        subprocess.run(["bash", str(tmp_path / "run.sh"), *args], check=True, timeout=30)
+    assert log.read_text().splitlines() == [
+        "setup:1:",
+        "python:examples/pretrain_shakespeare.py --max-steps 3 --help",
+        "setup:1:",
+        "python:examples/pretrain_shakespeare.py --resume auto",
+    ]

@@ -4,6 +4,7 @@ claim, and the permissions of what is written. Each case ends in one named error
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -130,7 +131,19 @@ def test_optimizer_state_of_other_shapes_falls_back_like_damage(run, caplog):
         Trainer(_model(), _config(run, resume=newest), _tokens(), sinks=[])
     with Trainer(_model(), _config(run, resume="auto"), _tokens(), sinks=[]) as trainer:
         assert trainer.step == 2
-    assert "skipping damaged checkpoint" in caplog.text and "exp_avg" in caplog.text
+    assert "which does not fit this run" in caplog.text and "exp_avg" in caplog.text
+
+
+def test_resume_auto_into_a_run_of_another_model_says_so_and_touches_nothing(run, caplog):
+    # A wider model: its weights do not fit the checkpoints (and so neither could its optimizer
+    # state); resume='auto' (the shakespeare recipes' default) must say the run is another model's.
+    torch.manual_seed(0)
+    other = GPT(dataclasses.replace(_model().config, n_embd=32))
+    before = _tree(run)
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"weights of another model \(transformer.*own out_dir"):
+        Trainer(other, _config(run, resume="auto"), _tokens(), sinks=[])
+    assert "which does not fit this run" in caplog.text and "damaged" not in caplog.text
+    assert _tree(run) == before
 
 
 def test_scaler_state_that_does_not_fit_is_named(run):

@@ -347,23 +347,23 @@ def open_checkpoint(
         try:
             data = read(candidate)
         except CheckpointError as e:
-            logger.warning("skipping damaged checkpoint %s: %s", candidate, _describe(e.problems, candidate))
+            mismatch = isinstance(e, CheckpointMismatchError)
+            what = "checkpoint %s, which does not fit this run" if mismatch else "damaged checkpoint %s"
+            logger.warning(f"skipping {what}: %s", candidate, _describe(e.problems, candidate))
             problems += e.problems
-            hints += [str(e).rsplit(". ", 1)[-1]] if isinstance(e, CheckpointMismatchError) else []
+            hints += [str(e).rsplit(". ", 1)[-1]] if mismatch else []
             continue
         if candidate != candidates[0]:
             logger.warning("using %s, the newest intact checkpoint in %s", candidate, candidate.parent)
         return data
     fix = hints[0] if hints else "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
-    raise CheckpointError(
-        f"no intact checkpoint in {candidates[0].parent}: {_describe(problems, candidates[0].parent)}. {fix}",
-        problems,
-    )
+    kind, where = (CheckpointMismatchError if len(hints) == len(candidates) else CheckpointError), candidates[0].parent
+    raise kind(f"no intact checkpoint that fits this run in {where}: {_describe(problems, where)}. {fix}", problems)
 
 
-def load_state_into(model: nn.Module, data: CheckpointData) -> None:
-    """Load ``data``'s weights into the raw ``model``; a ``ValueError`` naming the tensors that do
-    not fit touches nothing."""
+def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = False) -> None:
+    """Load ``data``'s weights into the raw ``model``; a :class:`CheckpointMismatchError` naming the
+    tensors that do not fit touches nothing. ``check_only``: only that check."""
     own = unwrap_model(model).state_dict()
     unexpected = sorted(set(data.weights) - set(own))
     missing = [] if data.trainable_only else sorted(set(own) - set(data.weights))  # frozen rest: the model's
@@ -375,8 +375,10 @@ def load_state_into(model: nn.Module, data: CheckpointData) -> None:
     parts = [f"{what} [{_some(names)}]" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
     parts += [f"shape mismatch in {shapes[:3]}"] if shapes else []
     if parts:
-        raise ValueError(
-            f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): was it saved from a model "
-            "with another configuration or other adapters?"
+        raise CheckpointMismatchError(
+            f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): it was saved from a model "
+            "with another configuration or other adapters. A new run needs its own out_dir (or overwrite=True)",
+            [(str(data.path), f"weights of another model ({(shapes or [parts[0]])[0]}, ...)")],
         )
-    unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)
+    if not check_only:
+        unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)

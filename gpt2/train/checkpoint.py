@@ -330,6 +330,7 @@ def load_checkpoint(
 
     def check(data: CheckpointData) -> None:
         _check_base(model, data, allow_base_mismatch)
+        load_state_into(model, data, check_only=True)  # another model's weights first: its optimizer cannot fit
         if need_state:
             _check_state(model, optimizer, scaler, data)
 

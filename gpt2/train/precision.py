@@ -42,9 +42,8 @@ class PrecisionPolicy:
 
     def autocast(self) -> ContextManager:
         """The context the forward pass (and only it) runs in."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+        on = self.autocast_dtype is not None
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype) if on else contextlib.nullcontext()
 
     def make_scaler(self) -> torch.amp.GradScaler | None:
         """A fresh ``GradScaler`` for fp16, else None."""

@@ -490,10 +490,8 @@ class Trainer:
         return distributed.all_reduce_mean(loss_sum).item()
 
     def _to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.device.type == "cuda":
-            # Pinned memory lets the copy run asynchronously with the previous step's kernels.
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
-        return tuple(t.to(self.device) for t in tensors)
+        cuda = self.device.type == "cuda"  # pinned memory: the copy runs alongside the previous step's kernels
+        return tuple((t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda) for t in tensors)
 
     def _optimizer_step(self, loss_value: float) -> tuple[float, bool, bool]:
         """Unscale, clip, step (unless non-finite). Returns (grad_norm, skipped, bad)."""
