@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -142,6 +143,14 @@ def test_compiled_decoding_is_one_graph_plain_and_padded(model, prompt):
         out = generate(compiled, max_new_tokens=10, temperature=0, **kwargs)
         assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (1, 0)
         assert torch.equal(out, generate(model, max_new_tokens=10, temperature=0, **kwargs))
+    # nn.Module.compile() in place (what the users wrote): the same one graph
+    inplace = copy.deepcopy(model)
+    inplace.compile(backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    out = generate(inplace, prompt, max_new_tokens=10, temperature=0)
+    assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (1, 0)
+    assert torch.equal(out, generate(model, prompt, max_new_tokens=10, temperature=0))
     torch._dynamo.reset()
 
 

@@ -137,9 +137,9 @@ def stream(
     tokens as each prompt alone. Rows that have emitted ``eos_token_id`` keep emitting it; the
     iteration stops once every row has. ``temperature=0`` is greedy. Past ``block_size`` tokens
     the context is cropped to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked
-    when this is called, not at the first ``next``. Of ``torch.compile(model)`` only the decoding
-    step runs compiled, one graph for every token (one dynamic graph more after another cache
-    length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
+    when this is called, not at the first ``next``. Of ``torch.compile(model)`` or ``model.compile()``
+    only the decoding step runs compiled, one graph for every token (one dynamic graph more after
+    another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
     """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
@@ -204,7 +204,9 @@ def _stream(
     was_training = model.training
     model.eval()  # no dropout while sampling; the caller's mode is restored below
     # The prompt's forward runs uncompiled (see stream); it allocates the cache's buffers too.
-    prefill = getattr(model, "_orig_mod", model)
+    prefill = getattr(model, "_orig_mod", model)  # torch.compile(model): the module inside
+    if getattr(prefill, "_compiled_call_impl", None) is not None:  # model.compile(): its own forward
+        prefill = prefill.forward
     try:
         block_size = model.config.block_size
         B = idx.size(0)
