@@ -117,7 +117,7 @@ def main() -> None:
         step = statistics.median(r["step_s"] for r in runs)
         peak = statistics.median(r["peak_mib"] for r in runs)
         print(f"| {lib} | {step:.2f} | {peak:,.0f} |")
-    print(f"minlora / PEFT: time {time_ratio:.2f}x, peak memory {mem_ratio:.2f}x (pair by pair, median)")
+    print(f"minlora / PEFT: time {time_ratio:.3f}x, peak memory {mem_ratio:.3f}x (pair by pair, median)")
     mm_ours, mm_peer = (statistics.median(r["matmul_s"] for r in runs) for runs in (ours, peer))
     peer_step = statistics.median(r["step_s"] for r in peer)
     print(

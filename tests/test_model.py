@@ -381,6 +381,40 @@ def test_linear_cross_entropy_in_uneven_chunks():
     assert empty.isnan() and all(g.abs().max() == 0 for g in torch.autograd.grad(empty, (x, weight)))
 
 
+def test_loss_buffer_kept_between_calls_serves_any_size_and_inference_mode():
+    """On CPU the logits buffer outlives a call: made under inference_mode, it must still take
+    in-place writes outside it; a larger call grows it; another thread has its own. Each call gives
+    the plain loss and gradient."""
+    import threading
+
+    from gpt2.model import gpt as gpt_module
+    from gpt2.model.gpt import linear_cross_entropy
+
+    weight = torch.randn(40, 16, requires_grad=True)
+
+    def check(rows: int, chunk_rows: int) -> None:
+        x = torch.randn(rows, 16, requires_grad=True)
+        targets = torch.randint(0, 37, (rows,))
+        loss = linear_cross_entropy(x, weight, targets, 37, chunk_rows=chunk_rows)
+        ref = torch.nn.functional.cross_entropy((x @ weight.T)[:, :37], targets)
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(torch.autograd.grad(loss, x)[0], torch.autograd.grad(ref, x)[0])
+
+    gpt_module._kept.logits = None
+    with torch.inference_mode():
+        linear_cross_entropy(torch.randn(30, 16), weight, torch.randint(0, 37, (30,)), 37)
+    made = gpt_module._kept.logits
+    check(21, chunk_rows=8)  # 8 x 40 rows of the 30 x 40 buffer made under inference_mode
+    assert gpt_module._kept.logits is made
+    check(50, chunk_rows=50)  # 50 x 40: a larger buffer
+    assert gpt_module._kept.logits.numel() == 50 * 40
+    finished = []
+    thread = threading.Thread(target=lambda: finished.append(check(13, chunk_rows=13)))  # raises before append
+    thread.start()
+    thread.join()
+    assert finished == [None] and gpt_module._kept.logits.numel() == 50 * 40  # this thread's is untouched
+
+
 def test_loss_with_packing_mask_and_positions(tiny_config):
     """Packed rows: a (B, 1, T, T) block-diagonal mask and restarting positions, with the loss."""
     model = GPT(tiny_config).train()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,10 +56,8 @@ class CausalSelfAttention(nn.Module):
         # cache); a cache or padded prompts always come with an explicit boolean mask.
         is_causal = attn_mask is None
         dropout_p = self.dropout if self.training else 0.0
-        if self.flash:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
-        else:
-            y = _manual_attention(q, k, v, attn_mask, is_causal, dropout_p)
+        attend = F.scaled_dot_product_attention if self.flash else _manual_attention
+        y = attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -306,6 +305,20 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, reduction == "mean", chunk_rows, dtype, grads)
 
 
+_kept = threading.local()  # the CPU logits buffer of _logits_buffer, one per thread
+
+
+def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """A ``(rows, cols)`` fp32 buffer. On CPU one is kept between calls: a fresh 100-200 MB block costs
+    ~65 ms of page faults each time (glibc returns blocks over 32 MB to the OS when they are freed)."""
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return torch.empty(rows, cols, dtype=torch.float32, device=device)
+    if getattr(_kept, "logits", None) is None or _kept.logits.numel() < rows * cols:
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+            _kept.logits = torch.empty(rows * cols, dtype=torch.float32)
+    return _kept.logits[: rows * cols].view(rows, cols)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """The gradients are computed in the forward, chunk by chunk, while each chunk's logits
     exist (no recomputation); the backward only scales them by the incoming gradient."""
@@ -321,14 +334,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = scored.sum()
         # gradients of a batch with no scored target are 0 (as F.cross_entropy's), its mean loss NaN
         scale = 1.0 / count.clamp(min=1) if mean else None
-        w = weight.to(dtype)
-        w_grad = weight.to(grad_dtype)
+        w, w_grad = weight.to(dtype), weight.to(grad_dtype)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight, dtype=torch.float32) if need_dw else None
-        # One logits buffer for all chunks: on CPU a fresh (1024, 50304) tensor costs ~65 ms of page
-        # faults each time (glibc hands blocks over 32 MB back to the OS when they are freed).
-        buffer = torch.empty(min(chunk_rows, x.size(0)), weight.size(0), dtype=torch.float32, device=x.device)
+        buffer = _logits_buffer(min(chunk_rows, x.size(0)), weight.size(0), x.device)  # for every chunk
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
                 xc, t, keep = x[s : s + chunk_rows], safe_targets[s : s + chunk_rows], scored[s : s + chunk_rows]
@@ -358,7 +368,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dx, dw = ctx.saved_tensors
-        dx = dx * grad_loss if dx is not None else None
-        dw = dw * grad_loss if dw is not None else None
-        return dx, dw, None, None, None, None, None, None
+        return (*(None if g is None else g * grad_loss for g in ctx.saved_tensors), *[None] * 6)  # dx, dw

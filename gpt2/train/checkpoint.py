@@ -228,9 +228,7 @@ def _json_safe(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
+    return [_json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:

@@ -151,6 +151,4 @@ def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:
     """Skip DDP's gradient all-reduce inside this context (forward and backward) when ``skip_sync``:
     during accumulation only the last micro-step needs it, earlier syncs only cost communication."""
-    if skip_sync and isinstance(module, DistributedDataParallel):
-        return module.no_sync()
-    return contextlib.nullcontext()
+    return module.no_sync() if skip_sync and isinstance(module, DistributedDataParallel) else contextlib.nullcontext()

@@ -310,9 +310,7 @@ class Trainer:
                 return value.detach().to("cpu", copy=True)
             if isinstance(value, dict):
                 return {k: to_cpu(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(to_cpu(v) for v in value)
-            return copy.deepcopy(value)
+            return type(value)(to_cpu(v) for v in value) if isinstance(value, (list, tuple)) else copy.deepcopy(value)
 
         return to_cpu(
             {
