@@ -56,13 +56,13 @@ def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, 
     """``(layout, the twin's vocabulary rows, ids of the layers whose vocabulary is padded)``."""
     layout = getattr(model, LAYOUT_METHOD, dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
-    if not isinstance(layout, dict) or set(layout) - known:
+    real = layout.get("vocab_size") if isinstance(layout, dict) else None
+    modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []] if real else []
+    if not isinstance(layout, dict) or set(layout) - known or any(raw_weight(m) is None for m in modules):
         raise TypeError(
             f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
-            f"{sorted(known)}, got {layout!r}"
+            f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
-    real = layout.get("vocab_size")
-    modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []] if real else []
     return layout, real, {id(m) for m in modules if raw_weight(m).shape[0] != real}
 
 

@@ -160,3 +160,26 @@ def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
     small.transformer.h = small.transformer.h[:1]
     with pytest.raises(ValueError, match="has no such module"):
         import_peft_adapter(small, tmp_path / "adapter2")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["vocab_size"], {"vocab": 100}, {"vocab_size": 100, "padded_vocab_modules": ["block"]}],
+    ids=["not-a-dict", "unknown-key", "padded-layer-without-weight"],
+)
+def test_a_wrong_layout_method_is_a_clear_error(tmp_path, layout):
+    """A model's ``peft_adapter_layout()`` is code its author wrote: a wrong answer says what is expected."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+        def peft_adapter_layout(self):
+            return layout
+
+    model = Net()
+    add_lora(model, LoRAConfig(rank=2))
+    with pytest.raises(TypeError, match=r"Net.peft_adapter_layout\(\) must return a dict with keys among"):
+        export_peft_adapter(model, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
