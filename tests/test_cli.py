@@ -109,7 +109,15 @@ def trained_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("run") / "shakespeare"
     hellaswag = write_hellaswag(out.parent / "hellaswag_val.jsonl")
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    # The library's INFO lines on stdout, as the command line shows them (under pytest the root
+    # logger has pytest's handlers, so main() leaves logging alone).
+    handler, root = logging.StreamHandler(stdout), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    with contextlib.redirect_stdout(stdout), contextlib.ExitStack() as restore:
+        restore.callback(root.setLevel, level)
+        restore.callback(root.removeHandler, handler)
         code = main(
             [
                 "train",

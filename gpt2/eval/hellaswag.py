@@ -290,9 +290,8 @@ class HellaSwagCallback:
         )
         self.last = {"step": trainer.step, **result}
         if trainer.is_main:
-            print(
+            logger.info(  # logging, not print: the command line shows it above the progress bar
                 f"step {trainer.step} | hellaswag acc_norm {result['acc_norm']:.4f} | acc {result['acc']:.4f} | "
-                f"{result['n']} examples | {time.time() - start:.1f} s",
-                flush=True,
+                f"{result['n']} examples | {time.time() - start:.1f} s"
             )
         return self.last
