@@ -248,6 +248,24 @@ def test_save_pretrained_pytorch_bin_and_tokenizer(tmp_path, hf_model, shared_da
     assert tokenizer.eos_token_id == 50256
 
 
+@pytest.mark.parametrize("safe_serialization", [True, False])
+def test_save_pretrained_over_a_sharded_save_leaves_no_stale_weights(tmp_path, hf_model, safe_serialization):
+    """An index (and its shards) of an earlier save would win over a new pytorch_model.bin, in
+    transformers and in our loader: every other weights file goes."""
+    hf_model.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded safetensors
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    shard, sd = "pytorch_model-00001-of-00001.bin", hf_model.state_dict()  # and a sharded .bin
+    torch.save(sd, tmp_path / shard)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(sd, shard)}))
+    config = config_from_hf(hf_model.config)
+    ours = GPT(config).eval()  # other (random) weights than hf_model's
+    save_pretrained(ours, tmp_path, safe_serialization=safe_serialization)
+    weights = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("model", "pytorch_model")))
+    assert weights == ["model.safetensors" if safe_serialization else "pytorch_model.bin"]
+    _assert_same_logits_and_loss(ours, GPT2LMHeadModel.from_pretrained(tmp_path).eval(), _ids())
+    torch.testing.assert_close(from_pretrained(tmp_path).eval()(_ids())[0], ours(_ids())[0], rtol=0, atol=0)
+
+
 def test_padded_vocab_import_and_export(hf_model, hf_dir, tmp_path):
     padded = from_pretrained(hf_dir, pad_vocab_multiple=64)
     wte = padded.transformer.wte.weight

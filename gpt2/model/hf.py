@@ -24,12 +24,7 @@ from gpt2.model.checkpoint_files import (
     unwrap_model,
 )
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
-from gpt2.model.hf_convert import (
-    config_from_hf,
-    gpt_to_hf_state_dict,
-    hf_config_from_gpt,
-    hf_to_gpt_state_dict,
-)
+from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 from gpt2.model.tokenizer import ENDOFTEXT, bpe_files
 
 logger = logging.getLogger(__name__)
@@ -301,8 +296,11 @@ def save_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
-    # Drop weights of the other format so transformers cannot pick up a stale file.
-    (out / (_BIN if safe_serialization else _SAFETENSORS)).unlink(missing_ok=True)
+    # Drop every other weights file (the other format, a sharded save's index and shards, which
+    # transformers and load_hf_state_dict prefer to a .bin) so no reload picks up stale weights.
+    keep = out / (_SAFETENSORS if safe_serialization else _BIN)
+    for stale in {*out.glob("model*.safetensors*"), *out.glob("pytorch_model*.bin*")} - {keep}:
+        stale.unlink()
     # Each file is written under a temporary name and renamed into place, weights first: a crash
     # leaves whole files behind, never a truncated one that transformers would fail to read. Bytes
     # through replace_atomically: safetensors' save_file would make the file 0600, not the umask's.
