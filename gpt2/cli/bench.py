@@ -11,7 +11,7 @@ from gpt2.cli.common import write_json
 from gpt2.cli.layers import Options
 from gpt2.model.config import SHAPE_NAMES
 from gpt2.train.bench import RUNGS, format_table, run_ladder
-from gpt2.train.distributed import uses_cuda
+from gpt2.train.distributed import resolve_device
 
 
 @dataclass
@@ -46,7 +46,8 @@ class BenchOptions(Options):
 
 def bench(options: BenchOptions) -> list[Any]:
     rungs = [r.strip() for r in options.rungs.split(",") if r.strip()] if options.rungs else list(RUNGS)
-    where = torch.cuda.get_device_name() if uses_cuda(options.device) else "CPU"
+    device = resolve_device(options.device)  # "cuda" without CUDA: the Trainer's error, before any work
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     title = (
         f"`gpt2 bench` on {where}, torch {torch.__version__}: {options.model}, B={options.batch_size}, "
         f"T={options.seq_len}, {options.repeats} x {options.steps} timed steps after {options.warmup} warm-up steps"
