@@ -145,3 +145,22 @@ def test_defaults_and_none_pass():
     config = _build(TrainConfig, min_lr=None, grad_clip=None, peak_flops=None, total_batch_size=None)
     assert config.min_lr is None and math.isclose(config.final_lr, config.max_lr / 10)
     GPTConfig()
+
+
+def test_numpy_numbers_are_taken_as_python_ones():
+    """A sweep script's np.int64 / np.float32 values were refused with "must be a positive
+    integer, got np.int64(100)"; they are numbers, stored as Python ones."""
+    import numpy as np
+    import torch
+
+    from gpt2 import GPT, generate
+
+    config = TrainConfig(max_steps=np.int64(100), max_lr=np.float32(1e-3), micro_batch_size=np.int32(2))
+    assert (config.max_steps, config.micro_batch_size) == (100, 2) and type(config.max_steps) is int
+    assert config.max_lr == pytest.approx(1e-3) and type(config.max_lr) is float
+    model_config = GPTConfig(n_layer=np.int64(1), n_head=2, n_embd=np.int16(16), block_size=8, vocab_size=32)
+    assert type(model_config.n_layer) is int and model_config.n_embd == 16
+    out = generate(GPT(model_config), torch.zeros(1, 1, dtype=torch.long), max_new_tokens=np.int64(3), top_k=np.int8(5))
+    assert out.shape == (1, 4)
+    with pytest.raises(ValueError, match=r"TrainConfig.max_steps must be a positive integer, got np.True_"):
+        TrainConfig(max_steps=np.bool_(True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,15 +38,13 @@ class Range:
     def describe(self) -> str:
         if self.integer and self.low == 1 and self.high is None:
             return "a positive integer" + (" (or None)" if self.optional else "")
-        kind = "an integer" if self.integer else "a finite number"
+        kind, bounds = "an integer" if self.integer else "a finite number", ""
         if self.low is not None and self.high is not None:
             bounds = f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
         elif self.low is not None:
             bounds = f" {'>' if self.low_open else '>='} {self.low:g}"
         elif self.high is not None:
             bounds = f" {'<' if self.high_open else '<='} {self.high:g}"
-        else:
-            bounds = ""
         return kind + bounds + (" (or None)" if self.optional else "")
 
 
@@ -54,7 +53,7 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     naming ``owner.name`` otherwise."""
     if value is None and rule.optional:
         return None
-    ok_type = isinstance(value, int) if rule.integer else isinstance(value, (int, float))
+    ok_type = isinstance(value, numbers.Integral) if rule.integer else isinstance(value, numbers.Real)  # numpy's too
     if isinstance(value, bool) or not ok_type:
         hint = ""
         if isinstance(value, str):
@@ -62,7 +61,7 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
         elif isinstance(value, float) and rule.integer:
             hint = " (not a float)"
         raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
-    value = value if rule.integer else float(value)
+    value = int(value) if rule.integer else float(value)
     too_low = rule.low is not None and (value <= rule.low if rule.low_open else value < rule.low)
     too_high = rule.high is not None and (value >= rule.high if rule.high_open else value > rule.high)
     if too_low or too_high or not (rule.integer or math.isfinite(value)):  # NaN is neither low nor high

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpt2.model.config import Range, check_value
 from gpt2.model.tokenizer import get_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -152,23 +153,18 @@ def stream(
             f"the prompt is empty (shape {tuple(idx.shape)}): generation needs at least one token to "
             f"condition on (e.g. <|endoftext|>, id 50256 for GPT-2)"
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     V = model.config.vocab_size
-    if eos_token_id is not None and (
-        isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int) or not 0 <= eos_token_id < V
-    ):
-        raise ValueError(f"eos_token_id must be a token id in [0, {V}) or None, got {eos_token_id!r}")
+    # numpy numbers are taken (as Python ones); NaN, bools and strings are not
+    max_new_tokens = check_value("generate", "max_new_tokens", max_new_tokens, Range(low=0, integer=True))
+    temperature = check_value("generate", "temperature", temperature, Range(low=0))
+    top_k = check_value("generate", "top_k", top_k, Range(low=1, integer=True, optional=True))
+    top_p = check_value("generate", "top_p", top_p, Range(low=0, low_open=True, high=1, optional=True))
+    eos_token_id = check_value(
+        "generate", "eos_token_id", eos_token_id, Range(0, V, high_open=True, optional=True, integer=True)
+    )
+    seed = check_value("generate", "seed", seed, Range(integer=True, optional=True))
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator, not both")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
     # The forward does not check id values (that would stall the GPU on every call), and on CUDA
     # an id out of range is a device-side assert that kills the process: check the prompt once.
     lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
@@ -188,7 +184,7 @@ def stream(
         if not bool(attention_mask[:, -1].all()):
             raise ValueError(
                 "prompts must be left-padded: the last position of every row must be a real token "
-                "(attention_mask True); build them with gpt2.generate.pad_prompts"
+                "(attention_mask True); build them with gpt2.pad_prompts"
             )
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -285,7 +281,7 @@ def stream_text(
     produced: list[int] = []
     shown = ""
     with autocast() if autocast is not None else contextlib.nullcontext():
-        # gpt2.generate.stream rather than model.stream: a torch.compile'd model then runs compiled.
+        # gpt2.stream rather than model.stream: a torch.compile'd model then runs compiled.
         eos = eot if stop_at_eot else None
         tokens = stream(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, eos_token_id=eos, **kwargs)
         for column in tokens:  # (1,)
