@@ -166,6 +166,20 @@ def test_a_model_without_reduction_sum_is_weighted_by_its_targets_and_an_empty_m
     _step_and_compare(model, Batches(batches), batches, tolerance=1e-6)
 
 
+def test_a_loaders_hugging_face_ignore_index_is_refused_before_any_update():
+    """-100 (transformers' ignore index) is no token here: a loader of the user's that sends it
+    stops the step with the fix, before a forward (on a GPU the loss could not check it)."""
+    x = torch.randint(0, 257, (B, T))
+    y = torch.roll(x, -1, 1)
+    y[:, :4] = -100
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    with Trainer(model, _config(), Batches([(x, y)] * MICRO_STEPS), sinks=[]) as trainer:
+        with pytest.raises(ValueError, match=r"or -1 \(not scored\), got -100; .*-100 in Hugging Face"):
+            trainer.train_step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_step_without_scored_targets_is_skipped_without_nan(caplog):
     x = torch.randint(0, 257, (B, T))
     empty = (x, torch.full_like(x, IGNORE_INDEX))

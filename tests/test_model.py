@@ -191,6 +191,25 @@ def test_bad_targets_raise_clear_errors(tiny_config):
         model(idx, idx.float())
 
 
+@pytest.mark.parametrize("bad", [-100, -2, 64, 100])
+def test_targets_that_are_neither_tokens_nor_ignored_are_refused(tiny_config, bad):
+    """Hugging Face's ignore index -100 was scored as token 0, and a padded row's id as an infinite
+    loss: now an error on the CPU, and a NaN loss where the check does not run (GPU tensors)."""
+    from gpt2.model.gpt import linear_cross_entropy
+
+    config = dataclasses.replace(tiny_config, vocab_size=64, pad_vocab_multiple=128)
+    model = _model(config)
+    idx = torch.randint(0, 64, (2, 8))
+    targets = idx.clone()
+    targets[1, 3] = bad
+    with pytest.raises(ValueError, match=rf"targets must be token ids in \[0, 64\) or -1 .*got {bad}"):
+        model(idx, targets)
+    x, weight = torch.randn(16, 8, requires_grad=True), torch.randn(128, 8)
+    assert linear_cross_entropy(x, weight, targets.reshape(-1), 64).isnan()
+    targets[1, 3] = -1  # the ignore index itself is fine
+    assert model(idx, targets)[1].isfinite()
+
+
 def test_bad_position_ids_and_cache_overflow(tiny_config):
     from gpt2.model.generate import KVCache
 
@@ -274,8 +293,13 @@ def _forward_every_way(model: GPT, config: GPTConfig, device: str = "cpu") -> No
 
 
 def test_forward_never_reads_tensor_values_on_the_host(tiny_config, monkeypatch):
-    """.item(), .tolist(), bool(t), int(t)... in forward would each be a GPU sync per call."""
+    """.item(), .tolist(), bool(t), int(t)... in forward would each be a GPU sync per call. The one
+    host read is the targets' range check, which runs only on CPU tensors (no sync there)."""
+    from gpt2.model import gpt as gpt_module
+
     model = _model(tiny_config)
+    monkeypatch.setattr(gpt_module, "check_targets", lambda targets, V: checked.append(targets.device.type))
+    checked: list[str] = []
 
     def forbidden(name):
         def raise_(*args, **kwargs):
@@ -289,6 +313,7 @@ def test_forward_never_reads_tensor_values_on_the_host(tiny_config, monkeypatch)
         with pytest.raises(AssertionError, match="Tensor.item"):  # the trap works
             torch.tensor(1).item()
         _forward_every_way(model, tiny_config)
+    assert checked == ["cpu"]
 
 
 @pytest.mark.gpu

@@ -159,6 +159,22 @@ def test_a_newer_trainer_in_the_same_process_takes_the_lock_over(tmp_path):
     assert not (out / rundir.LOCK_FILE).exists()
 
 
+def test_a_closed_trainer_may_not_write_into_its_former_out_dir(tmp_path):
+    """Its lock is released on close(): another run may own the folder now, and this Trainer's
+    checkpoints (and their pruning) would mix with that run's."""
+    out = tmp_path / "run"
+    with Trainer(_model(), _config(out, max_steps=4), _tokens(), sinks=[]) as first:
+        first.fit(until_step=1)
+    with Trainer(_model(), _config(out, max_steps=4, resume="auto"), _tokens(), sinks=[]) as second:
+        second.fit(until_step=2)
+        with pytest.raises(rundir.RunDirLockedError, match="this Trainer was closed.*make a new Trainer"):
+            first.fit()
+        with pytest.raises(rundir.RunDirLockedError, match="this Trainer was closed"):
+            first.save_checkpoint()
+        assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_000001", "step_000002"]
+        assert (out / rundir.LOCK_FILE).exists()  # still the second's
+
+
 def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(rundir, "fcntl", None)  # e.g. Windows, or a filesystem without flock
     out = tmp_path / "run"

@@ -507,3 +507,19 @@ def test_benchmark_ladder_cpu_smoke(tmp_path):
         r.repeat_ms, r.spread = [10.0, 10.5], 0.05
     note = format_table(results).splitlines()[-1]
     assert note.startswith("note:") and timed[0].rung in note and timed[1].rung not in note
+
+
+def test_a_compiled_model_is_trained_uncompiled_with_a_warning_and_an_empty_out_dir_is_refused(tiny_config, caplog):
+    """torch.compile(model) is unwrapped (checkpoints hold the plain module's names): the Trainer
+    says so and how to compile instead. out_dir="" meant the current directory."""
+    model = _model(tiny_config)
+    with caplog.at_level(logging.WARNING, logger="gpt2.train.trainer"):
+        with Trainer(torch.compile(model, backend="eager"), _config(), _tokens(), sinks=[]) as trainer:
+            assert trainer.model is model
+    assert "training the module inside OptimizedModule, uncompiled (compile=True compiles it)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpt2.train.trainer"):
+        Trainer(model, _config(), _tokens(), sinks=[]).close()
+    assert "uncompiled" not in caplog.text
+    with pytest.raises(ValueError, match=r"TrainConfig.out_dir is empty: give a folder .* or None"):
+        _config(out_dir="")

@@ -30,7 +30,7 @@ class UsageError(Exception):
     """Bad options, values or files: the command line reports it in one line, exit code 2."""
 
 
-# What an export writes (gpt2.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
+# What an export writes (gpt2.model.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
 # only these is an earlier export, which a new one may replace.
 MODEL_EXPORT_FILES = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json", "merges.txt"}
 MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json"}

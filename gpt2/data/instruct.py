@@ -112,11 +112,7 @@ def tokenize_row(instruction: str, input: str, response: str, tokenizer: Any) ->
 
 
 def build_sequences(
-    rows: Iterable[tuple[str, str, str, str]],
-    seq_len: int,
-    *,
-    pack: bool = False,
-    tokenizer: Any = None,
+    rows: Iterable[tuple[str, str, str, str]], seq_len: int, *, pack: bool = False, tokenizer: Any = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(x, y, positions)``: int64 ``(N, seq_len)``, a padded sequence per row or rows packed greedily;
     ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
@@ -228,9 +224,8 @@ class InstructionLoader:
         return int((self.y != IGNORE_INDEX).sum())
 
     def _order_of(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.num_sequences)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
+        n = self.num_sequences
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict]:
         B = self.batch_size

@@ -104,8 +104,7 @@ class Block(nn.Module):
         self, x: torch.Tensor, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
@@ -233,6 +232,8 @@ class GPT(nn.Module):
                 raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {got}")
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+            if targets.device.type == "cpu":  # no device sync: GPU targets make the loss NaN instead
+                check_targets(targets, cfg.vocab_size)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding
@@ -256,11 +257,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after ``idx``; see :func:`gpt2.generate.generate`."""
+        """Sample ``max_new_tokens`` after ``idx``; see :func:`gpt2.model.generate.generate`."""
         return _generate(self, idx, max_new_tokens, **kwargs)
 
     def stream(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> Iterator[torch.Tensor]:
-        """Yield each new token column ``(B,)`` as it is sampled; see :func:`gpt2.generate.stream`."""
+        """Yield each new token column ``(B,)`` as it is sampled; see :func:`gpt2.model.generate.stream`."""
         return _stream(self, idx, max_new_tokens, **kwargs)
 
     @classmethod
@@ -305,6 +306,15 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, reduction == "mean", chunk_rows, dtype, grads)
 
 
+def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
+    """Targets are token ids or ``IGNORE_INDEX``; anything else (Hugging Face's -100) is refused."""
+    if (wrong := (targets < IGNORE_INDEX) | (targets >= vocab_size)).any():
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab_size}) or {IGNORE_INDEX} (not scored), got "
+            f"{int(targets[wrong][0])}; the ignore index is {IGNORE_INDEX} here (-100 in Hugging Face)"
+        )
+
+
 _kept = threading.local()  # the CPU logits buffer of _logits_buffer, one per thread
 
 
@@ -335,7 +345,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # gradients of a batch with no scored target are 0 (as F.cross_entropy's), its mean loss NaN
         scale = 1.0 / count.clamp(min=1) if mean else None
         w, w_grad = weight.to(dtype), weight.to(grad_dtype)
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        # A target that is neither a token nor IGNORE_INDEX (e.g. -100, unchecked on a GPU) makes it NaN.
+        loss = torch.where(((targets < IGNORE_INDEX) | (targets >= vocab_size)).any(), float("nan"), 0.0)
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight, dtype=torch.float32) if need_dw else None
         buffer = _logits_buffer(min(chunk_rows, x.size(0)), weight.size(0), x.device)  # for every chunk

@@ -160,6 +160,8 @@ class TrainConfig:
             self.resume = str(self.resume)  # a pathlib.Path is fine too
         if self.out_dir is not None and not isinstance(self.out_dir, str):
             self.out_dir = str(self.out_dir)
+        if self.out_dir == "":  # Path("") is the current directory
+            raise ValueError("TrainConfig.out_dir is empty: give a folder for the run's files, or None to write none")
         # "tensorboard,wandb" or ["tensorboard", "wandb"] (a CLI flag / YAML list) -> a tuple
         names = [self.log_to] if isinstance(self.log_to, str) else list(self.log_to or ())
         self.log_to = tuple(

@@ -96,9 +96,7 @@ def mfu(
     flops_per_token: float | None, tokens_per_second: float, peak_flops: float | None, world_size: int = 1
 ) -> float | None:
     """Model FLOPs utilisation of one accelerator, as a fraction (0.441 = 44.1%)."""
-    if not flops_per_token or not peak_flops:
-        return None
-    return flops_per_token * tokens_per_second / (peak_flops * world_size)
+    return flops_per_token * tokens_per_second / (peak_flops * world_size) if flops_per_token and peak_flops else None
 
 
 def format_line(record: dict[str, Any]) -> str:

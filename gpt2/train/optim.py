@@ -46,10 +46,7 @@ def param_groups(
             "the model has no trainable parameters (all have requires_grad=False); "
             "unfreeze some, or add LoRA adapters with minlora"
         )
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     logger.info(
         "AdamW groups: %d decayed tensors (%s parameters), %d not decayed (%s parameters)",
         len(decay),

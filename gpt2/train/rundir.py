@@ -185,11 +185,12 @@ class RunLock:
             )
 
     def ensure_held(self) -> None:
-        """Raise if a newer Trainer of this process took this lock over."""
-        if self.taken_over:
+        """Raise if this lock was released (its Trainer closed) or a newer Trainer took it over."""
+        if not self.held:
+            why = "a newer Trainer in this process took it over" if self.taken_over else "this Trainer was closed"
             raise RunDirLockedError(
-                f"this Trainer no longer owns out_dir {self.out_dir}: a newer Trainer in this process took it "
-                "over, so this one may not write there; use the newer one (or close it and resume)"
+                f"this Trainer no longer owns out_dir {self.out_dir}: {why}, so it may not write there "
+                "(another run may own it now); make a new Trainer (resume='auto' continues the run)"
             )
 
     def release(self) -> None:

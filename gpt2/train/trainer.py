@@ -28,10 +28,10 @@ import torch.nn as nn
 from gpt2.data.loader import make_loader
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
-from gpt2.model.gpt import IGNORE_INDEX
+from gpt2.model.gpt import IGNORE_INDEX, check_targets
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import distributed, metrics, rundir
-from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported: `from gpt2.trainer import seed_everything`
+from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported for gpt2.cli
 from gpt2.train.config import TrainConfig
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
@@ -127,6 +127,8 @@ class Trainer:
         seed_everything(config.seed)
 
         self.model = ckpt.unwrap_model(model).to(self.device)  # the raw model
+        if self.model is not model and not config.compile:  # torch.compile(model) would train uncompiled
+            logger.warning("training the module inside %s, uncompiled (compile=True compiles it)", type(model).__name__)
         block_size = getattr(getattr(self.model, "config", None), "block_size", None)
         if block_size is not None and config.seq_len > block_size:
             raise ValueError(
@@ -152,7 +154,7 @@ class Trainer:
         self.train_model: nn.Module = (
             distributed.wrap_ddp(self.eval_model, self.device) if self.dist_env.is_distributed else self.eval_model
         )
-        vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        self.vocab_size = vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
         loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=vocab_size)
         self.train_loader = make_loader(train_data, "train", config.micro_batch_size, config.seq_len, **loader_args)
         self.val_loader = (
@@ -411,6 +413,8 @@ class Trainer:
         # The whole step's micro-batches first (token ids are small): each one's share of the
         # loss needs the number of scored targets of the whole global batch.
         batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
+        for batch in batches if self.vocab_size else ():  # a custom loader's too: -100 is not ignored here
+            check_targets(batch[1], self.vocab_size)
         counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]  # on the CPU: no device sync
         scored = self._global_count(sum(counts))
         if scored == 0:
@@ -530,9 +534,8 @@ class Trainer:
         )
 
     def _last_good(self) -> str:
-        if self.last_checkpoint is None:
-            return "no checkpoint was written in this run"
-        return f"the last good checkpoint is {self.last_checkpoint}"
+        last = self.last_checkpoint
+        return "no checkpoint was written in this run" if last is None else f"the last good checkpoint is {last}"
 
     def _diverged(self, record: dict[str, Any]) -> TrainingDivergedError:
         cfg, n = self.config, self.consecutive_bad_steps
@@ -678,9 +681,8 @@ class Trainer:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
         self._signals.restore()  # kept by an interrupted fit() under DDP until the group is gone
-        if self._run_lock is not None:
+        if self._run_lock is not None:  # kept: a fit() or save after this is refused (ensure_held)
             self._run_lock.release()
-            self._run_lock = None
 
     def __enter__(self) -> Trainer:
         return self
