@@ -180,10 +180,11 @@ def apply_plans(plans: list[Plan]) -> None:
 
 # ---------------------------------------------------------------------- the base an adapter belongs to
 def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Digest of the base weights (values in bf16: one base in any precision); the config is for messages."""
     digest = hashlib.sha256()
     for name in sorted(weights):
-        t = weights[name].detach().cpu().contiguous()
-        digest.update(f"{name} {tuple(t.shape)} {t.dtype}\n".encode())
+        t = weights[name].detach().cpu().to(torch.bfloat16).contiguous()
+        digest.update(f"{name} {tuple(t.shape)}\n".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy())
     cfg = getattr(model, "config", None)  # duck-typed: minlora knows no model family
     if callable(getattr(cfg, "to_dict", None)):
@@ -191,22 +192,20 @@ def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
     elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         cfg = dataclasses.asdict(cfg)
     config = json.loads(json.dumps(cfg, sort_keys=True, default=str)) if isinstance(cfg, dict) else None  # as read
-    summary = json.dumps([digest.hexdigest(), config], sort_keys=True).encode()
-    return {"sha256": hashlib.sha256(summary).hexdigest(), "weights_sha256": digest.hexdigest(), "config": config}
+    return {"sha256": digest.hexdigest(), "config": config}
 
 
 def base_fingerprint(model: nn.Module) -> str:
     """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
-    dtypes, values) and of ``model.config`` (a dataclass or an object with ``to_dict()``) as JSON:
-    what :func:`save_adapter` records and :func:`load_adapter` checks; a trainer can keep it too."""
+    values rounded to bf16): what :func:`save_adapter` records and :func:`load_adapter` checks."""
     if not (sites := lora_sites(model)):
         raise ValueError("base_fingerprint: the model has no LoRA, so no adapted layers; call minlora.add_lora first")
     return _base_record(model, {s.name: s.original for s in sites})["sha256"]
 
 
 def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
-    if saved is None:
-        logger.warning(f"{source}: the adapter (minlora 0.1's) does not record its base model: it cannot be verified")
+    if saved is None or "weights_sha256" in saved:  # minlora 0.1's, or a digest that counted the dtype
+        logger.warning(f"{source}: the adapter (an older minlora's) has no usable base digest: it cannot be verified")
         return
     now = _base_record(model, {site.name: raw_weight(site.module) for site, _ in plans})
     if now["sha256"] == saved.get("sha256"):
@@ -214,10 +213,9 @@ def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, al
     old, new = saved.get("config") or {}, now["config"] or {}
     keys = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
     changes = [f"{k}: {old.get(k)!r} in the adapter, {new.get(k)!r} here" for k in keys[:4]]
-    differs = [f"the model config ({', '.join(changes)})"] if keys else []
-    if now["weights_sha256"] != saved.get("weights_sha256"):
-        differs.append(f"the base weights of the {len(plans)} adapted layers")
-    message = f"{source}: the adapter was trained on another base model: {' and '.join(differs) or 'its record'} differ"
+    config = f" (and the model config: {', '.join(changes)})" if keys else ""
+    message = f"{source}: the adapter was trained on another base model: the base weights of the {len(plans)} "
+    message += f"adapted layers differ{config}"
     if not allow:
         raise AdapterBaseMismatchError(
             f"{message}; load the base model it was trained on, or pass allow_base_mismatch=True to load_adapter"

@@ -148,6 +148,8 @@ def apply_lora(
     layer: nn.Module, register: bool = True, merge: bool = False, lora_config: Mapping = default_lora_config
 ) -> None:
     """minLoRA's per-layer helper for ``model.apply``: add LoRA to ``layer``, or merge / remove its LoRA."""
+    if register and isinstance(lora_config, LoRAConfig):
+        raise TypeError("apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)")
     if register:
         _add_targets([t for t in _targets(layer, lora_config, False) if t[1] is layer], "apply_lora")
     else:

@@ -161,6 +161,12 @@ def test_apply_lora_per_layer_like_minlora():
     assert len(lora_sites(model)) == 2
     model.apply(partial(apply_lora, register=False, merge=True))
     assert not lora_sites(model) and type(model[0]) is nn.Linear
+    # A LoRAConfig selects by names a layer alone does not have: it used to adapt everything.
+    with pytest.raises(TypeError, match=r"a LoRAConfig selects by name .*use add_lora\(model, config\)"):
+        model.apply(partial(apply_lora, lora_config=LoRAConfig(target_modules=["0"])))
+    assert not lora_sites(model)
+    model.apply(partial(apply_lora, lora_config=LoRAConfig(rank=2).to_lora_config()))
+    assert len(lora_sites(model)) == 2
 
 
 # --------------------------------------------------------------------------- no stacking, clear errors
