@@ -156,11 +156,11 @@ def test_scaler_state_that_does_not_fit_is_named(run):
 # ------------------------------------------------------------------------------ 8. adapter checkpoints
 
 
-def _lora_model(seed: int) -> GPT:
+def _lora_model(seed: int, **lora) -> GPT:
     config = _model().config
     torch.manual_seed(seed)
     model = GPT(config)
-    minlora.add_lora(model)
+    minlora.add_lora(model, minlora.LoRAConfig(**lora))
     minlora.mark_only_lora_as_trainable(model)
     return model
 
@@ -178,6 +178,12 @@ def test_adapter_only_checkpoint_onto_another_base_is_named_with_a_way_to_accept
     accepted = _config(out, resume="auto", save_trainable_only=True, allow_base_mismatch=True)
     with Trainer(_lora_model(1), accepted, _tokens(), sinks=[]) as trainer:
         assert trainer.step == 4
+    # Another alpha (or rsLoRA) scales the same factors differently: it continued silently before.
+    for lora in (dict(alpha=32), dict(use_rslora=True)):
+        with pytest.raises(
+            ckpt.CheckpointMismatchError, match=r"another LoRA alpha or rsLoRA setting \(scaling \[2\.0\]"
+        ):
+            Trainer(_lora_model(0, **lora), _config(out, resume="auto", save_trainable_only=True), _tokens(), sinks=[])
 
 
 # ------------------------------------------------------------------------------ 7. the user's files

@@ -116,8 +116,7 @@ def _context(example: dict[str, Any]) -> str:
     if isinstance(example.get("ctx"), str):
         return example["ctx"]
     # The official files: ctx == ctx_a + " " + ctx_b when ctx_b is non-empty.
-    ctx_b = example.get("ctx_b") or ""
-    return example["ctx_a"] + (" " + ctx_b if ctx_b else "")
+    return example["ctx_a"] + (" " + example["ctx_b"] if example.get("ctx_b") else "")
 
 
 def _label(example: dict[str, Any]) -> int:

@@ -232,8 +232,7 @@ class GPT(nn.Module):
                 raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {got}")
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
-            if targets.device.type == "cpu":  # no device sync: GPU targets make the loss NaN instead
-                check_targets(targets, cfg.vocab_size)
+            check_targets(targets, cfg.vocab_size)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding
@@ -307,8 +306,8 @@ def linear_cross_entropy(
 
 
 def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
-    """Targets are token ids or ``IGNORE_INDEX``; anything else (Hugging Face's -100) is refused."""
-    if (wrong := (targets < IGNORE_INDEX) | (targets >= vocab_size)).any():
+    """CPU targets must be token ids or IGNORE_INDEX (not -100); on a GPU (no sync here) the loss is NaN."""
+    if targets.device.type == "cpu" and (wrong := (targets < IGNORE_INDEX) | (targets >= vocab_size)).any():
         raise ValueError(
             f"targets must be token ids in [0, {vocab_size}) or {IGNORE_INDEX} (not scored), got "
             f"{int(targets[wrong][0])}; the ignore index is {IGNORE_INDEX} here (-100 in Hugging Face)"

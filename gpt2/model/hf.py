@@ -296,8 +296,7 @@ def save_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
-    # Drop every other weights file (the other format, a sharded save's index and shards, which
-    # transformers and load_hf_state_dict prefer to a .bin) so no reload picks up stale weights.
+    # Every other weights file goes: an earlier sharded save's index would win over a new .bin on reload.
     keep = out / (_SAFETENSORS if safe_serialization else _BIN)
     for stale in {*out.glob("model*.safetensors*"), *out.glob("pytorch_model*.bin*")} - {keep}:
         stale.unlink()

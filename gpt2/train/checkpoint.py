@@ -155,8 +155,9 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     meta = {"format_version": FORMAT_VERSION, "step": step, "trainable_only": trainable_only, **(metadata or {})}
-    if trainable_only and minlora.lora_sites(raw):
+    if trainable_only and (sites := minlora.lora_sites(raw)):
         meta["base_fingerprint"] = minlora.base_fingerprint(raw)
+        meta["lora_scaling"] = {s.name: s.lora.scaling for s in sites}  # alpha / rank (rsLoRA: / sqrt(rank))
     trainer_state = {
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
@@ -353,6 +354,13 @@ def _check_base(model: nn.Module, data: CheckpointData, allow: bool) -> None:
     raw = unwrap_model(model)
     if not data.trainable_only or saved is None or not minlora.lora_sites(raw):
         return
+    scaling = {s.name: s.lora.scaling for s in minlora.lora_sites(raw)}
+    if data.meta.get("lora_scaling", scaling) != scaling:  # a checkpoint of before this check: nothing to compare
+        raise CheckpointMismatchError(
+            f"checkpoint {data.path} was trained with another LoRA alpha or rsLoRA setting (scaling "
+            f"{sorted(set(data.meta['lora_scaling'].values()))}, this run's {sorted(set(scaling.values()))}): "
+            "resume with the run's --lora settings, or start a new run"
+        )
     if saved != (own := minlora.base_fingerprint(raw)):
         message = (
             f"checkpoint {data.path} holds adapter weights trained on another base model (fingerprint "

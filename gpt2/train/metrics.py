@@ -150,17 +150,14 @@ class JSONLSink:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_jsonable(record)) + "\n")
+        # JSON has no nan/inf literals that every reader accepts: they are written as strings.
+        finite = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(finite) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
-
-
-def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
-    # JSON has no nan/inf literals that every reader accepts; write them as strings.
-    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

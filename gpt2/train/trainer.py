@@ -410,8 +410,7 @@ class Trainer:
         self.train_model.train()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        # The whole step's micro-batches first (token ids are small): each one's share of the
-        # loss needs the number of scored targets of the whole global batch.
+        # All micro-batches first (token ids are small): each one's loss share needs the global scored count.
         batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
         for batch in batches if self.vocab_size else ():  # a custom loader's too: -100 is not ignored here
             check_targets(batch[1], self.vocab_size)
@@ -475,7 +474,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro_step, (batch, count) in enumerate(zip(batches, counts)):
             extras = batch[2] if len(batch) > 2 else {}  # e.g. a packed batch's attn_mask, position_ids
-            x, y, *values = self._to_device(batch[0], batch[1], *extras.values())
+            cuda = self.device.type == "cuda"  # pinned memory: the copy runs alongside the previous step's kernels
+            x, y, *values = [
+                (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
+                for t in (*batch[:2], *extras.values())
+            ]
             kwargs = dict(zip(extras, values))
             # Under DDP, only the last micro-step's backward averages gradients across processes.
             with distributed.no_sync(self.train_model, skip_sync=micro_step < len(batches) - 1):
@@ -490,10 +493,6 @@ class Trainer:
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         # Every process logs (and judges) the loss of the whole global batch.
         return distributed.all_reduce_mean(loss_sum).item()
-
-    def _to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cuda = self.device.type == "cuda"  # pinned memory: the copy runs alongside the previous step's kernels
-        return tuple((t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda) for t in tensors)
 
     def _optimizer_step(self, loss_value: float) -> tuple[float, bool, bool]:
         """Unscale, clip, step (unless non-finite). Returns (grad_norm, skipped, bad)."""
