@@ -154,10 +154,10 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
         old = single_lora(site, source) if has_lora(site.module, site.tensor_name) else new
         shapes = [{n: tuple(getattr(p, n).shape) for n in p.param_names} for p in (old, new)]
         if shapes[0] != shapes[1]:  # another rank, or DoRA on one side only
+            kinds = [f"{'DoRA' if p.use_dora else 'LoRA'} of rank {p.rank}" for p in (new, old)]
             raise ValueError(
-                f"{source}: the adapter has rank {new.rank} for {site.name} but the model's LoRA there has rank "
-                f"{old.rank} (parameters {shapes[0]}, the adapter's {shapes[1]}); call minlora.remove_lora(model) "
-                f"and load again (a model without LoRA gets the adapter's)"
+                f"{source}: the adapter has {kinds[0]} for {site.name} but the model there has {kinds[1]}; call "
+                "minlora.remove_lora(model) and load again (a model without LoRA gets the adapter's)"
             )
     covered = {site.name for site, _ in plans}
     if strict and (extra := [s.name for s in lora_sites(model) if s.name not in covered]):

@@ -97,7 +97,7 @@ def test_rank_mismatch_is_a_clear_error_and_changes_nothing(trained, tmp_path):
     model = fresh_base(base_state)
     add_lora(model, LoRAConfig(rank=8, include_lm_head=True))
     before = {k: v.clone() for k, v in get_lora_state_dict(model).items()}
-    with pytest.raises(ValueError, match="rank 4 for .* the model's LoRA there has rank 8"):
+    with pytest.raises(ValueError, match="adapter has LoRA of rank 4 for .* the model there has LoRA of rank 8"):
         load_adapter(model, path)
     assert all(torch.equal(v, get_lora_state_dict(model)[k]) for k, v in before.items())
     # and the other way round: a rank-8 adapter into a rank-4 model
@@ -106,8 +106,14 @@ def test_rank_mismatch_is_a_clear_error_and_changes_nothing(trained, tmp_path):
     save_adapter(donor, tmp_path / "r8")
     model = tiny_gpt()
     add_lora(model, LoRAConfig(rank=4))
-    with pytest.raises(ValueError, match="has rank 8 .* has rank 4 .*; call minlora.remove_lora"):
+    with pytest.raises(ValueError, match="has LoRA of rank 8 .* has LoRA of rank 4; call minlora.remove_lora"):
         load_adapter(model, tmp_path / "r8")
+    # DoRA at the same rank: the difference is named (it read "rank 4 ... but rank 4")
+    donor = tiny_gpt()
+    add_lora(donor, LoRAConfig(rank=4, use_dora=True))
+    save_adapter(donor, tmp_path / "dora")
+    with pytest.raises(ValueError, match="adapter has DoRA of rank 4 for .* the model there has LoRA of rank 4"):
+        load_adapter(model, tmp_path / "dora")
 
 
 def test_target_and_shape_mismatches_are_clear_errors(trained, tmp_path):
