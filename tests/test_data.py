@@ -358,7 +358,7 @@ def test_loader_bad_inputs(tmp_path):
         TokenLoader(tmp_path / "missing", B, T)
 
     _write_npy_shards(tmp_path / "shards", [37, 5])
-    with pytest.raises(FileNotFoundError, match="'test' in their name"):
+    with pytest.raises(FileNotFoundError, match="no 'test' token files"):
         TokenLoader(tmp_path / "shards", B, T, split="test")
     with pytest.raises(ValueError, match="s_train_000001.npy' has 5 tokens, but one step needs 9"):
         TokenLoader(tmp_path / "shards", B, T, split="train")
@@ -382,3 +382,29 @@ def test_load_state_dict_rejects_states_that_do_not_fit(tmp_path):
     with pytest.raises(ValueError, match="position must be an integer, got '8'"):
         loader.load_state_dict({"shard": 0, "position": "8"})
     assert (loader.shard, loader.position) == (0, 0)  # failed loads change nothing
+
+
+@pytest.mark.parametrize("prefix", ["train", "val", "interval", "trainval", "my-train"])
+def test_a_shard_prefix_holding_train_or_val_does_not_mix_the_splits(tmp_path, prefix):
+    """`gpt2 prepare --input train.txt` writes train_val_000000.npy: the train split used to match
+    it too (the validation shard was trained on), and "interval" made every shard a val shard."""
+    from gpt2.data.sources import training_data
+
+    rng = np.random.default_rng(0)
+    for name, n in ((f"{prefix}_val_000000.npy", 100), (f"{prefix}_train_000001.npy", 300)):
+        np.save(tmp_path / name, rng.integers(0, 50257, size=n, dtype=np.uint16))
+    assert TokenLoader(tmp_path, 2, 8, split="train").num_tokens == 300
+    assert TokenLoader(tmp_path, 2, 8, split="val").num_tokens == 100
+    train, val = training_data(str(tmp_path), None, 0.1)
+    assert TokenLoader(val, 2, 8, split="val").num_tokens == 100  # the folder has a val split
+
+
+def test_nanogpt_and_llm_c_split_names_are_recognised(tmp_path):
+    from gpt2.data.formats import token_files
+
+    names = ["train.bin", "val.bin", "tiny_shakespeare_val.bin", "edufineweb_train_000001.npy", "notes.npy"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")  # the names are what is listed
+    assert [p.name for p in token_files(tmp_path, "val")] == ["tiny_shakespeare_val.bin", "val.bin"]
+    assert [p.name for p in token_files(tmp_path, "train")] == ["edufineweb_train_000001.npy", "train.bin"]
+    assert len(token_files(tmp_path)) == 5

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,20 @@ def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
     )
 
 
-def token_files(directory: Path) -> list[Path]:
-    """The token files (``.npy``/``.bin``, not hidden) in ``directory``, sorted by name."""
+def token_files(directory: Path, split: str | None = None) -> list[Path]:
+    """The token files (``.npy``/``.bin``, not hidden) in ``directory``, sorted by name; with ``split``,
+    those whose last split word (train, val, test, ``split``) is it (``x_val_000000.npy``, ``val.bin``; not the prefix
+    of ``train_val_000000.npy``, nor the "val" in ``interval_train_000001.npy``)."""
+    splits = {"train", "val", "test", split}
+    words = {
+        p: [w for w in re.findall(r"(?:^|[_.-])([a-z]+)(?=[_.-]|$)", p.name) if w in splits][-1:]
+        for p in directory.iterdir()
+    }
     return sorted(
         p
-        for p in directory.iterdir()
+        for p, last in words.items()
         if p.is_file() and p.suffix.lower() in TOKEN_SUFFIXES and not p.name.startswith(".")
+        if split is None or last == [split]
     )
 
 

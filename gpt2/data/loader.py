@@ -176,9 +176,9 @@ class TokenLoader:
             entries = read_manifests(path)
             if entries is None:
                 _warn_unverified(str(path))
-            files = [p for p in token_files(path) if split is None or split in p.name]
+            files = token_files(path, split)
             if not files:
-                what = "token files (.npy/.bin)" if split is None else f"token files with {split!r} in their name"
+                what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"
                 raise FileNotFoundError(
                     f"no {what} in directory {str(path)!r}; write shards with "
                     "gpt2.data.write_shards or tokenize_file, or check the path and split"

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpt2.data.downloads import tiny_shakespeare_path
-from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text
+from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text, token_files
 from gpt2.data.prepare import _encode_text
 from gpt2.model.tokenizer import get_tokenizer
 
@@ -74,6 +74,5 @@ def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple
     if val_data is not None:
         return source, load_token_source(val_data)
     if isinstance(source, Path):  # a directory of shards
-        has_val = any("val" in p.name for p in source.iterdir() if p.suffix in TOKEN_SUFFIXES)
-        return source, source if has_val else None
+        return source, source if token_files(source, "val") else None
     return split_tokens(source, val_fraction, data)
