@@ -171,7 +171,7 @@ def test_native_round_trip_and_a_plain_lora_model_is_told_why_it_does_not_fit(tm
     torch.testing.assert_close(fresh(tokens())[0], source(tokens())[0], rtol=0, atol=0)
     plain = tiny_gpt()
     minlora.add_lora(plain, LoRAConfig(rank=2, include_embeddings=True))
-    with pytest.raises(ValueError, match="lora_magnitude_vector.*remove_lora"):
+    with pytest.raises(ValueError, match="DoRA of rank 2 .* has LoRA of rank 2; call minlora.remove_lora"):
         minlora.load_adapter(plain, path)
 
 

@@ -149,7 +149,7 @@ def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
 
     ours = from_pretrained(hf_dir)
     add_lora(ours, LoRAConfig(rank=8, target_modules=["c_attn"]))
-    with pytest.raises(ValueError, match="has rank 4 .* has rank 8"):
+    with pytest.raises(ValueError, match="has LoRA of rank 4 .* has LoRA of rank 8"):
         import_peft_adapter(ours, tmp_path / "adapter")
     # a model of another depth: the adapter targets a module it does not have
     deeper = peft_model_with_random_adapter(hf_dir, r=4, lora_alpha=8, target_modules=["c_attn"])
