@@ -27,9 +27,9 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class DivergenceMonitor:
-    """Counts the steps in a row whose loss exceeds ``factor`` x the lowest loss so far. The
-    lowest loss is at most the untrained model's first loss, so a run climbing above
-    ``factor`` x that counts too. Its state goes into checkpoints (resume stays exact)."""
+    """Counts the steps in a row whose loss exceeds ``factor`` x the lowest loss so far, and it by
+    over 1 nat (near a loss of 0, twice the best is one noisy batch). The lowest loss is at most the
+    untrained model's first, so a run climbing above that counts too. Its state is checkpointed."""
 
     def __init__(self, factor: float, patience: int) -> None:
         self.factor = factor
@@ -42,7 +42,7 @@ class DivergenceMonitor:
         """Record ``step``'s loss; True once the run has diverged."""
         if not math.isfinite(loss):  # non-finite steps are skipped and counted by the Trainer
             return False
-        if loss > self.factor * self.best:
+        if loss > self.factor * self.best and loss > self.best + 1.0:
             self.streak_start = self.streak_start if self.streak else step
             self.streak += 1
         else:
