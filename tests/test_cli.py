@@ -712,3 +712,17 @@ def test_bench_runs_the_ladder(tmp_path, capsys):
     results = json.loads(out.read_text())["results"]
     assert [r["rung"] for r in results] == ["fp32", "bf16"]
     assert all(r["ms_per_step"] > 0 and len(r["repeat_ms"]) == 2 for r in results)
+
+
+def test_the_resume_line_drops_the_flags_of_a_first_start(monkeypatch):
+    """--overwrite in the printed line made it refuse ("choose one"), --resume-weights-only made it
+    drop the optimizer state: the way back is the run's own flags with --resume auto."""
+    from gpt2.cli import _resume_command
+
+    monkeypatch.delenv("GPT2_LAUNCH_ARGV", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    argv = ["--model", "tiny", "--overwrite", "--resume-weights-only", "--resume", "runs/x/checkpoints/step_000002"]
+    assert (
+        _resume_command("gpt2 train", [*argv, "--max-lr", "1e-3"])
+        == "gpt2 train --model tiny --max-lr 1e-3 --resume auto"
+    )

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -218,6 +219,9 @@ def test_pretrain_interrupted_with_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
+    # the printed way back runs the script by its path (it read "pretrain_shakespeare.py ...")
+    resume = shlex.split(stderr.split("resume with: ")[1].strip())
+    assert resume[:2] == ["python", str(EXAMPLES / "pretrain_shakespeare.py")] and resume[-2:] == ["--resume", "auto"]
     stopped_at = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
     assert 2 <= stopped_at < 1000
     # every checkpoint left is complete: what `--resume auto` continues from (tested in test_cli)

@@ -144,19 +144,25 @@ LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"  # the launcher's own arguments, for its worker
 
 
 def _resume_command(prog: str, argv: Sequence[str]) -> str:
-    """The command that continues an interrupted run: this one with ``--resume auto``."""
+    """The command that continues an interrupted run: this one with ``--resume auto``, without the
+    flags of a first start (``--overwrite`` would now refuse, ``--resume-weights-only`` drop the
+    optimizer state)."""
     words = shlex.split(os.environ.get(LAUNCH_ARGV, "")) or list(argv)
     kept: list[str] = []
     skip = False
+    once = ("--resume=", "--overwrite", "--no-overwrite", "--resume-weights-only", "--no-resume-weights-only")
     for word in words:
-        if skip or word == "--resume" or word.startswith("--resume="):
+        if skip or word == "--resume" or word.startswith(once):
             skip = word == "--resume"
             continue
         kept.append(word)
-    command = shlex.split(prog)
+    # an example script (prog "pretrain_shakespeare.py") by the path it was started with
+    command = [sys.argv[0]] if prog.endswith(".py") else shlex.split(prog)
     if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ:  # under plain torchrun
         torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
         command = [*torchrun, "-m", *command] if command[0] == "gpt2" else [*torchrun, *command]
+    elif prog.endswith(".py"):
+        command = ["python", *command]
     return shlex.join([*command, *kept, "--resume", "auto"])
 
 
