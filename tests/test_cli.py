@@ -26,6 +26,8 @@ from gpt2.cli import COMMANDS, main, parse
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
 
+REPO = Path(__file__).resolve().parents[1]
+
 HELLASWAG = [
     {
         "ctx": "ROMEO: I will",
@@ -587,6 +589,50 @@ def test_finetune_from_a_training_run_in_fp16(trained, tmp_path, capsys, caplog)
     # an adapter on a checkpoint that holds only adapter weights is refused with a clear message
     code, _, err = run(capsys, "sample", "--model", out, "--max-new-tokens", "3")
     assert code == 2 and "only the trainable (adapter) weights" in err
+
+
+@pytest.fixture(scope="module")
+def trained_hf(trained, tmp_path_factory) -> Path:
+    """The tiny run exported as a transformers folder (what `gpt2 finetune --init` usually gets)."""
+    out = tmp_path_factory.mktemp("hf") / "model"
+    assert main(["export", "--model", str(trained), "--out", str(out)]) == 0
+    return out
+
+
+def test_finetune_and_eval_refuse_before_any_work(trained_hf, tmp_path, capsys):
+    """Each was accepted, then failed after training or wrote a wrong result."""
+    weights = (trained_hf / "model.safetensors").read_bytes()
+    finetune = ["finetune", "--init", trained_hf, "--max-steps", "1", "--seq-len", "32", "--out-dir", tmp_path / "run"]
+    same = [tmp_path / "same", tmp_path / "x" / ".." / "same"]  # one folder, spelled two ways
+    cases = [  # (arguments, a key fact of the one-line error)
+        ([*finetune, "--lora.include-embeddings", "--merge-export", tmp_path / "m"], "--lora.include-embeddings"),
+        ([*finetune, "--no-save-trainable-only"], "LoRA checkpoints hold the adapter only"),
+        ([*finetune, "--merge-export", same[0], "--peft-export", same[1]], "are one folder"),
+        ([*finetune, "--merge-export", trained_hf], "the model's own folder"),
+        (
+            ["eval", "--model", trained_hf, "--data", REPO / "examples" / "data" / "instructions.jsonl"],
+            "not plain text",
+        ),
+    ]
+    for argv, message in cases:
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "m").exists() and not (tmp_path / "same").exists()
+    assert (trained_hf / "model.safetensors").read_bytes() == weights
+
+
+def test_finetune_peft_export_names_its_base_as_export_does(trained_hf, tmp_path, capsys):
+    run_dir, peft = tmp_path / "run", tmp_path / "peft"
+    args = ["--max-steps", "1", "--seq-len", "32", "--final-eval-batches", "1", "--num-samples", "0"]
+    code, _, err = run(capsys, "finetune", "--init", trained_hf, *args, "--out-dir", run_dir, "--peft-export", peft)
+    assert code == 0, err
+    code, _, err = run(
+        capsys, "export", "--model", trained_hf, "--adapter", run_dir / "adapter", "--peft-out", tmp_path / "p2"
+    )
+    assert code == 0, err
+    base = json.loads((peft / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(trained_hf.resolve())  # PEFT's AutoPeftModel loads the base from it
+    assert base == json.loads((tmp_path / "p2" / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
 def test_resume_auto_continues_an_interrupted_run(tmp_path, capsys, shared_data):

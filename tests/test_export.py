@@ -45,7 +45,11 @@ def tokenizer_from_cache_only(shared_data, tmp_path, monkeypatch):
 
 
 def _adapter(model: GPT, path, *, use_dora: bool) -> GPT:
-    minlora.add_lora(model, minlora.LoRAConfig(rank=4, use_dora=use_dora))
+    return _adapter_on(model, path, minlora.LoRAConfig(rank=4, use_dora=use_dora))
+
+
+def _adapter_on(model: GPT, path, config: minlora.LoRAConfig) -> GPT:
+    minlora.add_lora(model, config)
     with torch.no_grad():  # B = 0 at init: make the adapter change the outputs
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -110,6 +114,35 @@ def test_peft_base_is_the_hub_id_when_the_model_is_one(base, tmp_path, monkeypat
     _adapter(GPT.from_pretrained(base_dir), tmp_path / "adapter", use_dora=False)
     assert _cli("export", "--model", "gpt2", "--adapter", tmp_path / "adapter", "--peft-out", tmp_path / "p") == 0
     assert json.loads((tmp_path / "p" / "adapter_config.json").read_text())["base_model_name_or_path"] == "gpt2"
+
+
+def test_export_refuses_one_folder_for_both_and_the_models_own_folder(base, tmp_path, capsys):
+    """One folder with the merged weights and adapter_config.json: transformers applies the adapter twice.
+    The model's own folder: its weights would be replaced by the merged ones."""
+    _, base_dir = base
+    _adapter(GPT.from_pretrained(base_dir), tmp_path / "adapter", use_dora=False)
+    files = {p.name: p.read_bytes() for p in base_dir.iterdir()}
+    same = [tmp_path / "same", tmp_path / "x" / ".." / "same"]  # one folder, spelled two ways
+    cases = [
+        (["--out", same[0], "--peft-out", same[1]], "--out and --peft-out are one folder"),
+        (["--out", base_dir], "the model's own folder"),
+        (["--peft-out", base_dir, "--overwrite"], "the model's own folder"),
+    ]
+    for argv, message in cases:
+        assert _cli("export", "--model", base_dir, "--adapter", tmp_path / "adapter", *argv) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "same").exists() and {p.name: p.read_bytes() for p in base_dir.iterdir()} == files
+
+
+@pytest.mark.parametrize("option", ["include_embeddings", "include_lm_head"])
+def test_export_refuses_an_adapter_that_unties_the_head_before_writing_anything(base, tmp_path, capsys, option):
+    """Merging LoRA into the embedding or the head alone unties them; GPT2LMHeadModel holds one tensor."""
+    _, base_dir = base
+    _adapter_on(GPT.from_pretrained(base_dir), tmp_path / "adapter", minlora.LoRAConfig(rank=2, **{option: True}))
+    argv = ["--out", tmp_path / "out", "--peft-out", tmp_path / "peft"]
+    assert _cli("export", "--model", base_dir, "--adapter", tmp_path / "adapter", *argv) == 2
+    assert "the LM head differs from the token embedding" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "peft").exists()
 
 
 def test_dora_is_one_flag_and_sample_runs_with_a_dora_adapter(base, tmp_path, capsys):

@@ -164,6 +164,58 @@ def test_save_gguf_refusals(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
+def _adapter(base_dir, path, tie: bool = False, **config) -> GPT:
+    model = GPT.from_pretrained(base_dir)
+    minlora.add_lora(model, minlora.LoRAConfig(rank=2, **config))
+    if tie:  # one update shared by the head and the embedding
+        minlora.tie_weights(model.lm_head, model.transformer.wte)
+    with torch.no_grad():  # B = 0 at init: make the adapter change the weights
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.05)
+    minlora.save_adapter(model, path)
+    return model
+
+
+@pytest.mark.parametrize("option", ["include_embeddings", "include_lm_head"])
+def test_an_adapter_that_unties_the_head_is_refused_with_nothing_written(tmp_path, capsys, option):
+    """The file holds token_embd only and llama.cpp uses it as the head too: a merged adapter on the
+    embedding or the head alone would make that model silently wrong."""
+    _random_model().save_pretrained(tmp_path / "base")
+    tuned = _adapter(tmp_path / "base", tmp_path / "adapter", **{option: True})
+    out, peft = tmp_path / "m.gguf", tmp_path / "peft"
+    argv = [
+        "export",
+        "--model",
+        tmp_path / "base",
+        "--adapter",
+        tmp_path / "adapter",
+        "--gguf",
+        out,
+        "--peft-out",
+        peft,
+    ]
+    assert main([str(a) for a in argv]) == 2
+    assert "the LM head differs from the token embedding" in capsys.readouterr().err
+    assert not out.exists() and not peft.exists()  # checked before the PEFT adapter is written
+    minlora.merge_lora(tuned)
+    with pytest.raises(ValueError, match="LM head differs from the token embedding"):
+        save_gguf(tuned, out)
+    assert not out.exists()
+
+
+def test_an_adapter_tied_between_head_and_embedding_still_exports(tmp_path):
+    """minlora.tie_weights shares one update: merged, head and embedding stay one tensor."""
+    _random_model().save_pretrained(tmp_path / "base")
+    model = _adapter(tmp_path / "base", tmp_path / "adapter", tie=True, include_embeddings=True, include_lm_head=True)
+    argv = ["export", "--model", tmp_path / "base", "--adapter", tmp_path / "adapter", "--gguf", tmp_path / "m.gguf"]
+    assert main([str(a) for a in [*argv, "--gguf-type", "f32"]]) == 0
+    minlora.merge_lora(model)
+    embd = {t.name: _read_tensor(t) for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}["token_embd.weight"]
+    np.testing.assert_allclose(embd, model.lm_head.weight.detach()[:50257].numpy(), rtol=0, atol=1e-6)
+    assert not np.allclose(embd, _random_model().lm_head.weight.detach()[:50257].numpy())  # the update is in
+
+
 # ---------------------------------------------------------------------------- llama.cpp itself
 @pytest.fixture(scope="module")
 def shakespeare_model(shakespeare_slice) -> GPT:

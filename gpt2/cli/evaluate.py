@@ -9,6 +9,7 @@ from typing import Any
 
 from gpt2.cli.common import Precision, UsageError, load_for_inference, write_json
 from gpt2.cli.layers import Options
+from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import is_text, load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
@@ -49,8 +50,10 @@ class EvalOptions(Options):
 
 def evaluate(options: EvalOptions) -> dict[str, Any]:
     if options.data is None and options.hellaswag is None:
+        raise UsageError("nothing to evaluate: give --data (tokens or text) and/or --hellaswag (a jsonl or 'auto')")
+    if is_instruction_data(options.data):
         raise UsageError(
-            "nothing to evaluate: give --data (tokens or text) and/or --hellaswag (a jsonl path or 'auto')"
+            f"--data {options.data}: .jsonl instruction rows are not plain text; gpt2 finetune reports their val loss"
         )
     hellaswag = resolve_hellaswag(options.hellaswag)  # before the model loads: fail fast
     source = load_token_source(options.data) if options.data is not None else None
@@ -65,18 +68,9 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
             # A text: score its end, the same tokens `gpt2 train --val-fraction` holds out.
             source = split_tokens(source, options.val_fraction, options.data)[1]
         start = time.time()
-        loss = evaluate_loss(
-            model,
-            source,
-            options.batch_size,
-            seq_len,
-            options.max_batches,
-            autocast,
-            split=split,
-            device=device,
-            progress=True,
-            source=options.model + (f" with adapter {options.adapter}" if options.adapter else ""),
-        )
+        name = options.model + (f" with adapter {options.adapter}" if options.adapter else "")
+        args = (model, source, options.batch_size, seq_len, options.max_batches, autocast)
+        loss = evaluate_loss(*args, split=split, device=device, progress=True, source=name)
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], tokens=loss["tokens"])
         print(
             f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | "

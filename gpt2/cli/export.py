@@ -10,7 +10,7 @@ from typing import Literal
 import minlora
 from gpt2.cli.common import MODEL_EXPORT_FILES, PEFT_EXPORT_FILES, UsageError, check_export_dir
 from gpt2.cli.layers import Options
-from gpt2.model.gguf import save_gguf
+from gpt2.model.gguf import check_tied_head, save_gguf
 from gpt2.model.gpt import GPT
 from gpt2.model.hf import resolve_source
 from gpt2.model.loading import apply_adapter
@@ -29,38 +29,32 @@ class ExportOptions(Options):
     peft_out: str | None = None
     """write the adapter in PEFT format here (peft.PeftModel loads it on transformers' GPT-2)"""
     tokenizer_dir: str | None = None
-    """where the tokenizer files --out always gets come from (GPT-2's encoder.json + vocab.bpe); None =
-    $GPT2_TOKENIZER_DIR, else the tokenizer's cache"""
+    """--out's tokenizer files (encoder.json, vocab.bpe); None = $GPT2_TOKENIZER_DIR, else the tokenizer's cache"""
     gguf: str | None = None
     """write one self-contained GGUF file here for llama.cpp (adapter merged, tokenizer embedded)"""
     gguf_type: Literal["f32", "f16", "q8_0"] = "f16"
     """GGUF weight type: f32, f16 or q8_0 (8-bit blocks; norms and biases stay f32)"""
     overwrite: bool = False
-    """write into a non-empty --out / --peft-out that is not an earlier export, or over a --gguf file that is not
-    a GGUF file (only the export's files are replaced)"""
+    """write into a non-empty --out / --peft-out, or over a non-GGUF --gguf file (only the export's files change)"""
 
 
 def export(options: ExportOptions) -> int:
-    """``gpt2 export``: a model (optionally + adapter) -> a transformers directory, a GGUF file,
-    and/or the adapter in PEFT format."""
+    """``gpt2 export``: a model (optionally + adapter) -> the files :class:`ExportOptions` names."""
     if options.out is None and options.peft_out is None and options.gguf is None:
         raise UsageError(
-            "nothing to export: give --out DIR (transformers model), --gguf FILE (llama.cpp) "
-            "and/or --peft-out DIR (PEFT adapter)"
+            "nothing to export: give --out DIR (transformers), --gguf FILE (llama.cpp) and/or --peft-out DIR (PEFT)"
         )
     if options.peft_out is not None and not options.adapter:
         raise UsageError("--peft-out needs --adapter: only a LoRA adapter can be exported in PEFT format")
-    check_export_dir(options.out, "--out", MODEL_EXPORT_FILES, options.overwrite)
-    check_export_dir(options.peft_out, "--peft-out", PEFT_EXPORT_FILES, options.overwrite)
+    check_export_dirs(options.model, ("--out", options.out), ("--peft-out", options.peft_out), options.overwrite)
     _check_gguf_path(options.gguf, options.overwrite)
     model = GPT.from_pretrained(options.model, device="cpu")
     if options.adapter:
         apply_adapter(model, options.adapter)
+        if options.out is not None or options.gguf is not None:
+            check_tied_head(model)  # before the PEFT export is written
         if options.peft_out is not None:
-            # PEFT's AutoPeftModel loads the base from here: the hub id, else the absolute path.
-            source = resolve_source(options.model)
-            base = source if isinstance(source, str) else str(source.resolve())
-            minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=base)
+            minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.model))
             print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
         minlora.merge_lora(model)
     what = "merged model" if options.adapter else "model"
@@ -73,6 +67,29 @@ def export(options: ExportOptions) -> int:
     return 0
 
 
+def peft_base(model: str) -> str:
+    """Where PEFT's AutoPeftModel loads the adapter's base from: the hub id, else the absolute path."""
+    source = resolve_source(model)
+    return source if isinstance(source, str) else str(source.resolve())
+
+
+def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, str | None], overwrite: bool) -> None:
+    """``out`` (the merged model's flag and folder) and ``peft`` (the PEFT adapter's): folders to export into, not the
+    model's (it would be overwritten), not one (transformers would apply the adapter again over merged weights)."""
+    check_export_dir(out[1], out[0], MODEL_EXPORT_FILES, overwrite)
+    check_export_dir(peft[1], peft[0], PEFT_EXPORT_FILES, overwrite)
+    given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}
+    source = resolve_source(model) if given else None
+    for flag, folder in given.items():
+        if isinstance(source, Path) and folder == source.resolve():
+            raise UsageError(f"{flag} {folder} is the model's own folder ({model}): give another folder to export into")
+    if len(set(given.values())) < len(given):
+        raise UsageError(
+            f"{' and '.join(given)} are one folder ({out[1]}): transformers would apply the adapter a second time "
+            "over the merged weights; give two folders"
+        )
+
+
 def _check_gguf_path(path: str | None, overwrite: bool) -> None:
     """An earlier GGUF file may be replaced; a folder or any other file only with --overwrite (a file)."""
     if path is None or not Path(path).exists():
@@ -80,6 +97,5 @@ def _check_gguf_path(path: str | None, overwrite: bool) -> None:
     if Path(path).is_dir():
         raise UsageError(f"--gguf {path} is a folder: give a file name, e.g. {Path(path) / 'model.gguf'}")
     with open(path, "rb") as f:
-        is_gguf = f.read(4) == b"GGUF"
-    if not is_gguf and not overwrite:
-        raise UsageError(f"--gguf {path} exists and is not a GGUF file: give a new file name, or pass --overwrite")
+        if f.read(4) != b"GGUF" and not overwrite:
+            raise UsageError(f"--gguf {path} exists and is not a GGUF file: give a new file name, or pass --overwrite")

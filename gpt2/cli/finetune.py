@@ -11,20 +11,18 @@ import tyro
 
 import minlora
 from gpt2.cli.common import (
-    MODEL_EXPORT_FILES,
-    PEFT_EXPORT_FILES,
     DataOptions,
     Flat,
     InstructionOptions,
     LaunchOptions,
     SamplingOptions,
     UsageError,
-    check_export_dir,
     check_run,
     final_report,
     instruction_prompt,
     write_json,
 )
+from gpt2.cli.export import check_export_dirs, peft_base
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import training_data
@@ -45,7 +43,7 @@ class FinetuneOptions(Options):
     checkpoint / run directory of `gpt2 train`"""
     data: Annotated[DataOptions, Flat] = field(default_factory=DataOptions)
     lora: Annotated[LoRAConfig, tyro.conf.SuppressFixed] = field(default_factory=LoRAConfig)  # target_types: no flag
-    train: Annotated[TrainConfig, Flat] = field(default_factory=TrainConfig)
+    train: Annotated[TrainConfig, Flat] = field(default_factory=lambda: TrainConfig(save_trainable_only=True))
     final_eval_batches: int | None = None
     """batches of the final validation loss; None = the whole validation data"""
     peft_export: str | None = None
@@ -67,18 +65,17 @@ def check(options: FinetuneOptions) -> None:
     """What can be checked before the model is loaded or any process started."""
     check_run(options)
     instruction_prompt(options.instruct.instruction, options.instruct.input)
-    if options.lora.include_lm_head and options.merge_export and not options.full:
-        # Merging LoRA on the tied head unties it (head W + BA, embedding W), but GPT-2's
-        # transformers format always ties the two: the export could not hold the merged model.
+    if (options.lora.include_embeddings or options.lora.include_lm_head) and options.merge_export and not options.full:
         raise UsageError(
-            "--merge-export cannot hold a merged --lora.include-lm-head adapter: transformers' GPT-2 ties the LM "
-            "head to the token embedding, and merging LoRA into the head unties them. Drop "
-            "--lora.include-lm-head, or keep the adapter (and --peft-export) without merging"
+            "--merge-export cannot hold a merged --lora.include-embeddings / --lora.include-lm-head adapter: GPT-2 "
+            "ties the LM head to the token embedding and merging unties them: drop those options, or don't merge"
         )
     if options.full and options.peft_export:
         raise UsageError("--peft-export writes a LoRA adapter; --full trains all weights and has none (drop one)")
-    check_export_dir(options.merge_export, "--merge-export", MODEL_EXPORT_FILES, options.train.overwrite)
-    check_export_dir(options.peft_export, "--peft-export", PEFT_EXPORT_FILES, options.train.overwrite)
+    if not options.full and not options.train.save_trainable_only:
+        raise UsageError("--no-save-trainable-only: LoRA checkpoints hold the adapter only (--full: full fine-tuning)")
+    merged, peft = ("--merge-export", options.merge_export), ("--peft-export", options.peft_export)
+    check_export_dirs(options.init, merged, peft, options.train.overwrite)
 
 
 def finetune(options: FinetuneOptions) -> dict[str, Any]:
@@ -108,21 +105,13 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             lora = f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}"
             print(f"{lora}: {minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
+        report = (trainer, report_val, options.sampling)  # every rank scores, rank 0 samples
+        kwargs = dict(final_eval_batches=options.final_eval_batches, prompt=prompt, save=False)  # _save writes
         if trainer.step == 0:  # a resumed run has no "before" (LoRA's B starts at zero: the pretrained model)
-            kwargs = dict(final_eval_batches=options.final_eval_batches, header="before fine-tuning:", prompt=prompt)
-            measured = final_report(trainer, report_val, options.sampling, save=False, **kwargs)
+            measured = final_report(*report, header="before fine-tuning:", **kwargs)
             before = {f"{k}_before": measured[k] for k in ("val_loss", "samples") if k in measured}
         trainer.fit()
-        results = final_report(
-            trainer,
-            report_val,
-            options.sampling,
-            final_eval_batches=options.final_eval_batches,
-            extra=before,
-            header="after fine-tuning:",
-            prompt=prompt,
-            save=False,  # _save writes results.json, with the adapter's path
-        )  # every rank
+        results = final_report(*report, extra=before, header="after fine-tuning:", **kwargs)
         if not main:
             return {}
         _save(trainer, options, results)
@@ -145,12 +134,9 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
         world_size=env.world_size,
     )
     if env.is_main:
-        print(
-            f"instruction data {options.data.data}: {train.num_rows} training rows in {train.num_sequences} "
-            f"sequences{f', {val.num_rows} validation rows' if val is not None else ''}; loss on "
-            f"{train.num_targets:,} response tokens",
-            flush=True,
-        )
+        held_out = f", {val.num_rows} validation rows" if val is not None else ""
+        counts = f"{train.num_rows} training rows in {train.num_sequences} sequences{held_out}; loss on"
+        print(f"instruction data {options.data.data}: {counts} {train.num_targets:,} response tokens", flush=True)
     return train, val, (rows[0][0], rows[0][1])
 
 
@@ -167,13 +153,11 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
     if out is not None:
         write_json(out / "results.json", results)
     if options.peft_export:  # never with --full: check() refuses it
-        minlora.export_peft_adapter(trainer.model, options.peft_export)
+        minlora.export_peft_adapter(trainer.model, options.peft_export, base_model_name_or_path=peft_base(options.init))
         print(f"wrote PEFT adapter {options.peft_export}")
     if options.merge_export:
         if not options.full:
             minlora.merge_lora(trainer.model)
         trainer.model.save_pretrained(options.merge_export, tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None)
-        print(
-            f"wrote {'merged model ' if not options.full else ''}{options.merge_export} "
-            f"(transformers.GPT2LMHeadModel.from_pretrained loads it)"
-        )
+        merged = "merged model " if not options.full else ""
+        print(f"wrote {merged}{options.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")

@@ -39,10 +39,8 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
 
 def is_text(data: str) -> bool:
     """Whether ``--data`` names text to tokenise (not a token file or shard directory)."""
-    if data == "shakespeare":
-        return True
     path = Path(data).expanduser()
-    return path.is_file() and path.suffix.lower() not in TOKEN_SUFFIXES
+    return data == "shakespeare" or (path.is_file() and path.suffix.lower() not in TOKEN_SUFFIXES)
 
 
 def load_token_source(data: str) -> Any:

@@ -78,6 +78,16 @@ def _vocabulary() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
+def check_tied_head(model: torch.nn.Module) -> None:
+    """GPT-2's transformers and GGUF files hold one tensor for the token embedding and the LM head."""
+    if not torch.equal(model.lm_head.weight, model.transformer.wte.weight):
+        raise ValueError(
+            "the LM head differs from the token embedding (a merged --lora.include-embeddings or "
+            "--lora.include-lm-head adapter unties them), but a GPT-2 transformers or GGUF file holds one tensor "
+            "for both: keep such an adapter unmerged (gpt2 sample --adapter, gpt2 export --peft-out)"
+        )
+
+
 def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
     """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer
     embedded; returns its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and
@@ -90,12 +100,12 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         raise ValueError("the model still carries a LoRA/DoRA adapter: merge it first (minlora.merge_lora(model))")
+    check_tied_head(model)
     if dtype not in GGUF_TYPES:
         raise ValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
     if config.vocab_size != GPT2_VOCAB_SIZE:
         raise ValueError(
-            f"the model has a {config.vocab_size}-token vocabulary; the GGUF file embeds GPT-2's "
-            f"tokenizer, which has {GPT2_VOCAB_SIZE} tokens"
+            f"the model has a {config.vocab_size}-token vocabulary; a GGUF file holds GPT-2's {GPT2_VOCAB_SIZE} tokens"
         )
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     file_type = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else getattr(gguf.LlamaFileType, f"MOSTLY_{dtype.upper()}")
@@ -117,9 +127,8 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         # <|endoftext|> is a control token; the other 50256 are ordinary text.
         writer.add_token_types([gguf.TokenType.NORMAL] * EOT_TOKEN + [gguf.TokenType.CONTROL])
         writer.add_token_merges(merges)
-        writer.add_bos_token_id(EOT_TOKEN)
-        writer.add_eos_token_id(EOT_TOKEN)
-        writer.add_unk_token_id(EOT_TOKEN)
+        for add_token_id in (writer.add_bos_token_id, writer.add_eos_token_id, writer.add_unk_token_id):
+            add_token_id(EOT_TOKEN)
         writer.add_add_bos_token(False)  # GPT-2 prepends nothing, as gpt2 sample does
         for name, tensor in _gguf_tensors(model, config).items():
             data = tensor.numpy()
