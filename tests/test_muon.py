@@ -127,6 +127,28 @@ def test_resume_continues_exactly(tiny_config, tmp_path):
     resumed.close()
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_takes_this_runs_optimizer_settings_with_the_saved_state(tiny_config, tmp_path, optimizer):
+    """A resumed run with another weight decay, betas, eps (or Muon LR) used the checkpoint's values
+    while its config (and its next checkpoint) claimed the new ones."""
+    tokens = torch.randint(0, tiny_config.vocab_size, (4000,))
+    config = _config(out_dir=str(tmp_path), checkpoint_interval=0, optimizer=optimizer)
+    with Trainer(GPT(tiny_config), config, tokens, sinks=[]) as first:
+        first.fit(until_step=2)
+        saved = first.optimizer.state_dict()["state"]
+    changed = {**config.to_dict(), **dict(weight_decay=0.5, betas=(0.8, 0.99), eps=1e-6, muon_lr=0.04)}
+    with Trainer(GPT(tiny_config), TrainConfig(**{**changed, "out_dir": None}), tokens, sinks=[]) as fresh:
+        expected = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in fresh.optimizer.param_groups]
+    assert any(g.get("weight_decay") == 0.5 or g.get("lr_ratio") == 40 for g in expected)  # the settings changed
+    with Trainer(GPT(tiny_config), TrainConfig(**{**changed, "resume": "auto"}), tokens, sinks=[]) as resumed:
+        groups = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in resumed.optimizer.param_groups]
+        assert groups == expected
+        for key, value in saved.items():  # the state itself is the checkpoint's
+            for name, tensor in value.items():
+                torch.testing.assert_close(resumed.optimizer.state_dict()["state"][key][name], tensor, rtol=0, atol=0)
+        resumed.train_step()
+
+
 def test_an_adamw_state_does_not_load_into_muon(tiny_config):
     adamw = build_optimizer(GPT(tiny_config), lr=1e-3)
     muon = build_optimizer(GPT(tiny_config), lr=1e-3, optimizer="muon")

@@ -337,8 +337,11 @@ def load_checkpoint(
     load_state_into(model, data)
     state = data.trainer_state
     if state is not None:
-        if optimizer is not None:
+        if optimizer is not None:  # its state, with this run's settings (weight decay, betas...) but the LR
+            mine = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
             optimizer.load_state_dict(state["optimizer"])
+            for group, settings in zip(optimizer.param_groups, mine):
+                group.update(settings)
         if scaler is not None and scaler.is_enabled():
             if state["scaler"] is not None:
                 scaler.load_state_dict(state["scaler"])

@@ -122,11 +122,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 f"the saved optimizer has groups {saved}, this one {mine}: it was written with another "
                 "TrainConfig.optimizer (or other trainable parameters); resume with the same settings"
             )
-        ratios = [g.get("lr_ratio") for g in self.param_groups]
         super().load_state_dict(state_dict)  # replaces param_groups and state with new objects
-        for group, ratio in zip(self.param_groups, ratios):
-            if ratio is not None:
-                group["lr_ratio"] = ratio  # this run's muon_lr / max_lr, not the checkpoint's
         self._link()
 
 
