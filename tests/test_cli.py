@@ -209,6 +209,10 @@ def test_bad_flags_exit_2_with_one_line(capsys):
         (["--max-steps", "2", "--warmup-steps", "5"], "warmup_steps (5) exceeds"),
         (["--max-lr", "nan"], "max_lr must be"),
         (["--lora.rank", "0"], "LoRAConfig.rank must be"),
+        # checked before training, not at the sample or the final evaluation after it
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        (["--final-eval-batches", "0"], "--final-eval-batches must be >= 1"),
     ]:
         command, common = ("finetune", []) if argv[0].startswith("--lora") else ("train", TINY_TRAIN)
         code, _, err = run(capsys, command, *common, *argv)

@@ -4,6 +4,7 @@ end-of-training report."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,8 +107,8 @@ def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
         raise UsageError(f"--num-samples must be >= {0 if allow_none else 1}, got {s.num_samples}")
     if s.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {s.max_new_tokens}")
-    if s.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {s.temperature}")
+    if not 0 <= s.temperature < math.inf:  # NaN too: before training, not at the sample after it
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
     if s.top_k is not None and s.top_k < 1:
         raise UsageError(f"--top-k must be >= 1 (or None), got {s.top_k}")
     if s.top_p is not None and not 0 < s.top_p <= 1:
@@ -119,6 +120,10 @@ def check_run(options: Any) -> None:
     if options.train.out_dir is not None:
         check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
     check_sampling(options.sampling, allow_none=True)
+    if options.final_eval_batches is not None and options.final_eval_batches < 1:
+        raise UsageError(
+            f"--final-eval-batches must be >= 1 (or None: the whole validation data), got {options.final_eval_batches}"
+        )
     for data in (options.data.data, options.data.val_data):
         if data is not None:
             shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
