@@ -284,6 +284,21 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def test_a_prune_killed_half_way_leaves_a_leftover_not_a_torn_checkpoint(run, monkeypatch):
+    """The delete of an old checkpoint is not atomic: killed during it, the folder was left with some
+    files under its step_* name and never removed. It is renamed away first now."""
+    root = run / "checkpoints"
+    names = [p.name for p in ckpt.list_checkpoints(root)]
+    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda path, **kw: (Path(path) / ckpt.WEIGHTS_FILE).unlink())  # "killed"
+    removed = ckpt.prune_checkpoints(root, keep_last=1)
+    assert [p.name for p in removed] == names[:-1]
+    assert sorted(p.name for p in root.glob("step_*")) == names[-1:]  # no torn step_* left
+    assert len(list(root.glob(".tmp-step_*"))) == len(removed)
+    monkeypatch.undo()
+    ckpt.clean_interrupted_saves(root)  # what the next run does at start, holding the lock
+    assert sorted(p.name for p in root.iterdir()) == names[-1:]
+
+
 def test_leftovers_of_an_interrupted_save_are_cleaned_up_at_start(run, caplog):
     root = run / "checkpoints"
     host, dead, alive = socket.gethostname(), _dead_pid(), ckpt.os.getpid()

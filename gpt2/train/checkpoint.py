@@ -262,8 +262,10 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints and leftovers of crashed saves."""
     checkpoints = list_checkpoints(root)
     removed = checkpoints[: max(0, len(checkpoints) - keep_last)]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+    for path in removed:  # renamed first: a kill during the delete leaves a leftover, not a torn step_*
+        doomed = path.with_name(f"{_TMP_PREFIX}{path.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     # Leftovers of saves that were killed (a save that fails with an exception cleans up itself);
     # only those of dead processes on this host: another process may be saving right now.
     clean_interrupted_saves(root, only_dead=True)
