@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -486,6 +487,26 @@ def test_eval_matches_the_training_run(trained, tmp_path, capsys):
     assert result["tokens"] == reported["val_tokens"]
     assert result["hellaswag_n"] == 3 and 0 <= result["hellaswag_acc_norm"] <= 1
     assert "val loss" in stdout and "hellaswag acc_norm" in stdout
+
+
+def test_eval_of_a_token_file_scores_the_part_training_held_out(trained, tmp_path, capsys, shared_data):
+    """`gpt2 train --data x.npy` holds out its end, and its printed `gpt2 eval --data x.npy` scored the
+    whole file (mostly trained on); a NaN or negative --val-fraction silently scored it all too."""
+    from gpt2.data.sources import split_tokens, text_tokens
+
+    tokens = text_tokens(shared_data / "tinyshakespeare.txt")[:20_000]
+    np.save(tmp_path / "x.npy", tokens)
+    held_out = len(split_tokens(tokens, 0.1, "x")[1])
+    argv = ["eval", "--model", trained, "--data", tmp_path / "x.npy", "--seq-len", "32", "--batch-size", "4"]
+    code, stdout, err = run(capsys, *argv, "--output", tmp_path / "r.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "r.json").read_text())["tokens"] == (held_out - 1) // (4 * 32) * 4 * 32
+    for bad in ("nan", "-0.5"):
+        code, _, err = run(capsys, *argv, "--val-fraction", bad)
+        assert code == 2 and "--val-fraction must be in [0, 1)" in err, err
+    # and `gpt2 train --data docs.jsonl` read its JSON as text
+    code, _, err = run(capsys, "train", *TINY_TRAIN, "--data", REPO / "examples" / "data" / "instructions.jsonl")
+    assert code == 2 and "a .jsonl is no text to train on" in err, err
 
 
 def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data):

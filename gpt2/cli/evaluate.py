@@ -10,7 +10,7 @@ from typing import Any
 from gpt2.cli.common import Precision, UsageError, load_for_inference, write_json
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import is_instruction_data
-from gpt2.data.sources import is_text, load_token_source, split_tokens
+from gpt2.data.sources import load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
 
@@ -64,8 +64,8 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
         if seq_len > model.config.block_size:
             raise UsageError(f"--seq-len {seq_len} exceeds the model's context (block_size {model.config.block_size})")
         split = options.split if isinstance(source, Path) else None
-        if is_text(options.data) and options.val_fraction > 0:
-            # A text: score its end, the same tokens `gpt2 train --val-fraction` holds out.
+        if split is None and options.val_fraction != 0:  # NaN and < 0 are refused by split_tokens
+            # A text or token file: score its end, the same tokens `gpt2 train --val-fraction` holds out.
             source = split_tokens(source, options.val_fraction, options.data)[1]
         start = time.time()
         name = options.model + (f" with adapter {options.adapter}" if options.adapter else "")

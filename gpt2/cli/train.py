@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from gpt2.cli.common import DataOptions, Flat, LaunchOptions, SamplingOptions, UsageError, check_run, final_report
 from gpt2.cli.layers import Options
+from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import training_data
 from gpt2.eval.hellaswag import HellaSwagCallback, resolve_hellaswag
 from gpt2.model.config import SHAPE_NAMES, SHAPES, GPTConfig
@@ -77,6 +78,10 @@ def check(options: TrainOptions) -> None:
     check_run(options)
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")
+    if any(is_instruction_data(d) for d in (options.data.data, options.data.val_data)):  # was read as raw JSON text
+        raise UsageError(
+            "--data: a .jsonl is no text to train on: gpt2 prepare tokenises its 'text' fields, gpt2 finetune its rows"
+        )
     model_config(options.shape, options.train.seq_len)
 
 

@@ -37,12 +37,6 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
     return _encode_text(read_text(path), tokenizer, str(path), progress=False)
 
 
-def is_text(data: str) -> bool:
-    """Whether ``--data`` names text to tokenise (not a token file or shard directory)."""
-    path = Path(data).expanduser()
-    return data == "shakespeare" or (path.is_file() and path.suffix.lower() not in TOKEN_SUFFIXES)
-
-
 def load_token_source(data: str) -> Any:
     """``data`` as something :class:`gpt2.data.TokenLoader` reads: a shard directory or token
     file as is, a text file (or ``shakespeare``) tokenised into an array."""
