@@ -128,8 +128,7 @@ class LoRAConfig:
 
     def _explain_no_match(self, model: nn.Module, pattern: str, heads: set[int]) -> str:
         what = f"LoRAConfig.target_modules: {pattern!r} matches"
-        named = [(n, m) for n, m in model.named_modules() if n and name_matches(n, pattern)]
-        if not named:
+        if not (named := [(n, m) for n, m in model.named_modules() if n and name_matches(n, pattern)]):
             some = [n for n, m in model.named_modules() if n and family_name(m)][:6]
             return f"{what} no module of this {type(model).__name__}; adaptable layers are named like {some}"
         name, module = named[0]

@@ -170,8 +170,7 @@ def add_lora_by_name(
 ) -> None:
     """LoRA on the layers inside every module whose name *contains* one of ``target_module_names``
     (minLoRA's substring rule). An entry that selects no layer is a ``ValueError`` naming it."""
-    names = [target_module_names] if isinstance(target_module_names, str) else list(target_module_names)
-    if not names:
+    if not (names := [target_module_names] if isinstance(target_module_names, str) else list(target_module_names)):
         raise ValueError("add_lora_by_name: target_module_names is empty; name at least one module")
     candidates = _targets(model, lora_config, require_match=False)
     module_names = [name for name, _ in model.named_modules() if name]

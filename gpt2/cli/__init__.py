@@ -144,9 +144,8 @@ LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"  # the launcher's own arguments, for its worker
 
 
 def _resume_command(prog: str, argv: Sequence[str]) -> str:
-    """The command that continues an interrupted run: this one with ``--resume auto``, without the
-    flags of a first start (``--overwrite`` would now refuse, ``--resume-weights-only`` drop the
-    optimizer state)."""
+    """The command that continues an interrupted run: this one with ``--resume auto``, without a first
+    start's flags (``--overwrite`` would now refuse, ``--resume-weights-only`` drop the optimizer state)."""
     words = shlex.split(os.environ.get(LAUNCH_ARGV, "")) or list(argv)
     kept: list[str] = []
     skip = False

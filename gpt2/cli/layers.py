@@ -202,8 +202,7 @@ def parse(
     # user's, it keeps its fraction of the run (tyro builds TrainConfig before we see --max-steps,
     # so it starts from no warmup, which fits any run).
     given = {*defaults, *from_file, *(a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--"))}
-    scale = {"max_steps", "warmup_steps"} <= recipe_values.keys() and "warmup_steps" not in given
-    if scale:
+    if scale := {"max_steps", "warmup_steps"} <= recipe_values.keys() and "warmup_steps" not in given:
         values["warmup_steps"] = 0 if "max_steps" in given else _warmup(recipe_values, values["max_steps"])
     default = cls()  # unchecked: tyro builds (and so checks) the real one
     for key, value in values.items():

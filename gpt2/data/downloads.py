@@ -20,8 +20,7 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the Tiny Shakespeare text: ``$GPT2_TINY_SHAKESPEARE``, else ``tinyshakespeare.txt``
     under ``cache_dir`` (default :func:`default_cache_dir`), downloaded and sha256-checked once."""
-    override = os.environ.get("GPT2_TINY_SHAKESPEARE")
-    if override:
+    if override := os.environ.get("GPT2_TINY_SHAKESPEARE"):
         path = Path(override).expanduser()
         if not path.is_file():
             raise FileNotFoundError(

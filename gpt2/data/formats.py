@@ -62,9 +62,8 @@ def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
 
 
 def token_files(directory: Path, split: str | None = None) -> list[Path]:
-    """The token files (``.npy``/``.bin``, not hidden) in ``directory``, sorted by name; with ``split``,
-    those whose last split word (train, val, test, ``split``) is it (``x_val_000000.npy``, ``val.bin``; not the prefix
-    of ``train_val_000000.npy``, nor the "val" in ``interval_train_000001.npy``)."""
+    """The token files (``.npy``/``.bin``, not hidden) in ``directory``, sorted by name; with ``split``, those
+    whose last split word it is (``x_val_000000.npy``, ``val.bin``; not ``train_val_000000.npy``'s prefix)."""
     splits = {"train", "val", "test", split}
     words = {
         p: [w for w in re.findall(r"(?:^|[_.-])([a-z]+)(?=[_.-]|$)", p.name) if w in splits][-1:]
@@ -109,8 +108,7 @@ def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
                 directory,
                 f"{name} has {path.stat().st_size} bytes, the manifest records {entry['bytes']} (truncated or changed)",
             )
-    unlisted = [p.name for p in token_files(directory) if p.name not in entries]
-    if unlisted:
+    if unlisted := [p.name for p in token_files(directory) if p.name not in entries]:
         raise manifest_mismatch(
             directory, f"{unlisted[0]} is not listed in it ({len(unlisted)} unlisted token file(s): move them out)"
         )

@@ -97,8 +97,7 @@ def read_rows(path: str | Path) -> list[tuple[str, str, str, str]]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"instruction data {str(path)!r} does not exist (a .jsonl file of {_LAYOUTS})")
-    rows = [(*parse_row(row, f"{path}:{line}"), f"{path}:{line}") for line, row in iter_jsonl(path)]
-    if not rows:
+    if not (rows := [(*parse_row(row, f"{path}:{line}"), f"{path}:{line}") for line, row in iter_jsonl(path)]):
         raise ValueError(f"{path}: no rows; each line must be a JSON object ({_LAYOUTS})")
     return rows
 

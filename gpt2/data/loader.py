@@ -176,8 +176,7 @@ class TokenLoader:
             entries = read_manifests(path)
             if entries is None:
                 _warn_unverified(str(path))
-            files = token_files(path, split)
-            if not files:
+            if not (files := token_files(path, split)):
                 what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"
                 raise FileNotFoundError(
                     f"no {what} in directory {str(path)!r}; write shards with "

@@ -43,8 +43,7 @@ def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None 
     if split not in HELLASWAG_URLS:
         raise ValueError(f"unknown HellaSwag split {split!r}; choose one of {sorted(HELLASWAG_URLS)}")
     filename = f"hellaswag_{split}.jsonl"
-    override = os.environ.get(HELLASWAG_ENV)
-    if override:
+    if override := os.environ.get(HELLASWAG_ENV):
         p = Path(override).expanduser()
         if p.is_file():
             if split != "val":
@@ -143,8 +142,7 @@ def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torc
     _check_example(example, "example", 0)
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     label = _label(example)
-    ctx_tokens = list(tokenizer.encode(_context(example)))
-    if not ctx_tokens:
+    if not (ctx_tokens := list(tokenizer.encode(_context(example)))):
         raise ValueError("HellaSwag example has an empty context: nothing to condition the endings on")
     rows, masks = [], []
     for ending in example["endings"]:

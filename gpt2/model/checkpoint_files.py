@@ -82,8 +82,7 @@ def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
 
 def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
     """Raise :class:`NonFiniteWeightsError` naming the tensors of ``state`` that hold inf/nan."""
-    bad = non_finite_tensors(state)
-    if bad:
+    if bad := non_finite_tensors(state):
         raise NonFiniteWeightsError(f"{where}: non-finite values (inf/nan) in {_some(bad)}", [(where, _some(bad))])
 
 
@@ -217,8 +216,7 @@ def read_checkpoint(
         weights, weights_meta = load_weights(path / WEIGHTS_FILE)
     except CheckpointError as e:
         problems += e.problems
-    non_finite = non_finite_tensors(weights)
-    if non_finite:
+    if non_finite := non_finite_tensors(weights):
         problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
     state = _read_trainer_state(path / STATE_FILE, map_location, problems) if trainer_state else None
     read = [META_FILE, WEIGHTS_FILE] + ([STATE_FILE] if trainer_state else [])
@@ -296,8 +294,7 @@ def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str,
     except Exception as e:  # noqa: BLE001 - any failure to read means this file is unusable
         problems.append((str(file), f"cannot be read ({_first_line(e)}; truncated or not written by gpt2?)"))
         return None
-    missing = [key for key in ("optimizer", "scaler", "rng") if not isinstance(state, dict) or key not in state]
-    if missing:
+    if missing := [key for key in ("optimizer", "scaler", "rng") if not isinstance(state, dict) or key not in state]:
         problems.append((str(file), f"lacks {missing}"))
         return None
     return state
@@ -335,8 +332,7 @@ def open_checkpoint(
                 f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one",
                 e.problems,
             ) from None
-    candidates = checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")
-    if not candidates:
+    if not (candidates := checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")):
         raise FileNotFoundError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
             "or a run directory / checkpoints directory that contains one"

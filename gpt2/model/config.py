@@ -16,8 +16,7 @@ GPT2_VOCAB_SIZE = 50257
 def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     """Build the dataclass ``cls`` from a dict (e.g. read from JSON), naming any unknown field."""
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
+    if unknown := sorted(set(data) - known):
         raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
     return cls(**data)
 

@@ -107,8 +107,7 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
         if short.endswith(CONV1D_WEIGHTS):
             value = value.t()
         out["transformer." + short] = value.contiguous()
-    pad = config.padded_vocab_size - config.vocab_size
-    if pad:
+    if pad := config.padded_vocab_size - config.vocab_size:
         # Padded rows are never read (ids >= vocab_size are rejected, their logits sliced off);
         # zeros keep them inert and deterministic.
         wte = out["transformer.wte.weight"]
@@ -123,8 +122,7 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first."""
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
-    parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
-    if parametrized:
+    if parametrized := sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k}):
         raise ValueError(
             f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}"
             f"{' ...' if len(parametrized) > 4 else ''}: merge them into the weights first, e.g. "

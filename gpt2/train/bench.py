@@ -140,8 +140,7 @@ def _time_rung(
 ) -> RungResult:
     from gpt2.train.trainer import Trainer  # the benchmark drives the Trainer itself
 
-    on_cuda = uses_cuda(device)
-    if on_cuda:
+    if on_cuda := uses_cuda(device):
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)  # the same initial weights for every rung
     n_steps = steps * repeats + warmup

@@ -167,8 +167,7 @@ class TrainConfig:
         self.log_to = tuple(
             dict.fromkeys(n.strip().lower() for item in names for n in str(item).split(",") if n.strip())
         )
-        unknown = [n for n in self.log_to if n not in LOG_TARGETS]
-        if unknown:
+        if unknown := [n for n in self.log_to if n not in LOG_TARGETS]:
             raise ValueError(f"TrainConfig.log_to: unknown target(s) {unknown}; choose from {list(LOG_TARGETS)}")
         if self.log_to and self.out_dir is None:
             raise ValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")

@@ -166,10 +166,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a damaged byte spoils its line only
         for line in f:
-            line = line.strip()
-            if not line:
+            if not (line := line.strip()):
                 continue
             try:
                 records.append(json.loads(line))
@@ -199,8 +198,7 @@ def plot_loss_curve(records: Iterable[dict[str, Any]], path: str | os.PathLike) 
     val_steps, val_losses = finite("val_loss")
     if val_steps:
         ax.plot(val_steps, val_losses, "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set(xlabel="step", ylabel="loss")
     ax.grid(alpha=0.3)
     ax.legend()
     path = Path(path)
@@ -244,8 +242,7 @@ class TensorBoardSink:
 def wandb_mode() -> str:
     """``$WANDB_MODE`` if set; else "online" when an API key is configured ($WANDB_API_KEY or a
     ``wandb login`` entry in ~/.netrc), else "offline" (no network needed; ``wandb sync`` uploads later)."""
-    mode = os.environ.get("WANDB_MODE")
-    if mode:
+    if mode := os.environ.get("WANDB_MODE"):
         return mode
     if os.environ.get("WANDB_API_KEY"):
         return "online"

@@ -102,8 +102,7 @@ def inference_autocast(name: str, device: torch.device | str):
 def check_master_weights(model: torch.nn.Module) -> None:
     """Trainable parameters must be fp32: they are the master weights that the optimizer updates
     while the policy picks the compute precision."""
-    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
-    if low:
+    if low := sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}):
         raise ValueError(
             f"trainable parameters must be float32 (master weights), found {low}; keep the model in fp32 "
             f"and choose the compute precision with TrainConfig.precision (e.g. 'bf16')"

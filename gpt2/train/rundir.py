@@ -108,8 +108,7 @@ class RunLock:
                 if fd is None:
                     continue
                 try:
-                    record = _read_record(fd)
-                    if record:
+                    if record := _read_record(fd):
                         self._judge_left_behind(record)
                     _write_record(fd)
                 except BaseException:
@@ -209,9 +208,7 @@ class RunLock:
 def _read_record(fd: int) -> dict[str, Any]:
     try:
         os.lseek(fd, 0, os.SEEK_SET)
-        data = b""
-        while chunk := os.read(fd, 4096):
-            data += chunk
+        data = os.read(fd, 1 << 16)  # a one-line record
         record = json.loads(data.decode("utf-8")) if data.strip() else {}
         return record if isinstance(record, dict) else {}
     except (OSError, ValueError):
@@ -279,8 +276,7 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
     """What of another run ``out_dir`` holds: its checkpoints and metrics (empty: nothing)."""
     out_dir = Path(out_dir)
     found = []
-    steps = ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR)
-    if steps:
+    if steps := ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR):
         names = sorted(p.name for p in steps)
         found.append(f"checkpoints {names[0]}" + (f"..{names[-1]}" if len(names) > 1 else ""))
     metrics = out_dir / "metrics.jsonl"
@@ -295,8 +291,7 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     checkpoint_dir = out_dir / CHECKPOINT_DIR
     own = own_outputs(out_dir)
     foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in own) if out_dir.is_dir() else []
-    clash = [name for name in foreign if name in RUN_FILES]
-    if clash:
+    if clash := [name for name in foreign if name in RUN_FILES]:
         raise RunDirNotEmptyError(
             f"out_dir {out_dir} holds {clash}, which gpt2 did not write there and this run would replace: move "
             "them away or train into another out_dir (overwrite never replaces files that are not gpt2's)"
