@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import logging
 import urllib.error
 import urllib.request
 
@@ -371,8 +372,8 @@ def test_load_state_dict_rejects_states_that_do_not_fit(tmp_path):
     loader = TokenLoader(tmp_path, B, T, split="train")
     with pytest.raises(ValueError, match=r"shard=2 is out of range.*2 shard\(s\) \(valid: 0..1\)"):
         loader.load_state_dict({"shard": 2, "position": 0})
-    with pytest.raises(ValueError, match="position=48 does not fit.*50 tokens and one step needs 9"):
-        loader.load_state_dict({"shard": 1, "position": 48})
+    with pytest.raises(ValueError, match="position=50 does not fit.*50 tokens"):
+        loader.load_state_dict({"shard": 1, "position": 50})
     with pytest.raises(ValueError, match="position=-8"):
         loader.load_state_dict({"shard": 0, "position": -8})
     with pytest.raises(ValueError, match="saved over 3 shard"):
@@ -382,6 +383,20 @@ def test_load_state_dict_rejects_states_that_do_not_fit(tmp_path):
     with pytest.raises(ValueError, match="position must be an integer, got '8'"):
         loader.load_state_dict({"shard": 0, "position": "8"})
     assert (loader.shard, loader.position) == (0, 0)  # failed loads change nothing
+
+
+def test_a_resumed_run_with_a_bigger_step_moves_on_where_the_step_no_longer_fits(tmp_path, caplog):
+    """docs/training.md: another batch size on resume changes the data order, not whether it works.
+    A position near a shard's end, where the saved (smaller) step fitted, was an error."""
+    _write_npy_shards(tmp_path, [37, 50])
+    small = TokenLoader(tmp_path, 1, T, split="train")
+    state = {"shard": 1, "position": 43, "num_shards": 2}  # 43 + 4 + 1 <= 50: one more small step fits
+    small.load_state_dict(state)
+    big = TokenLoader(tmp_path, B, T, split="train")  # 43 + 8 + 1 > 50
+    with caplog.at_level(logging.WARNING, logger="gpt2.data.loader"):
+        big.load_state_dict(state)
+    assert (big.shard, big.position) == (0, 0) and "on to the next shard" in caplog.text
+    big.next_batch()
 
 
 @pytest.mark.parametrize("prefix", ["train", "val", "interval", "trainval", "my-train"])

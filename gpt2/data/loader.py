@@ -280,12 +280,18 @@ class TokenLoader:
                 f"{len(self._shards)} shard(s) (valid: 0..{len(self._shards) - 1})"
             )
         length = self._shards[shard].length
-        if position < 0 or position + self.tokens_per_step + 1 > length:
+        if position < 0 or position >= length:
             raise ValueError(
-                f"loader state position={position} does not fit {self._shards[shard].name}: it has "
-                f"{length} tokens and one step needs {self.tokens_per_step + 1} from the position "
-                "on; was the state saved with other data, batch_size, seq_len or world_size?"
+                f"loader state position={position} does not fit {self._shards[shard].name}: it has {length} "
+                "tokens; was the state saved with other data?"
             )
+        if position + self.tokens_per_step + 1 > length:  # a bigger step than the saved run's: as next_batch
+            logger.warning(
+                "a step of %d tokens no longer fits after position %d: on to the next shard",
+                self.tokens_per_step,
+                position,
+            )
+            shard, position = (shard + 1) % len(self._shards), 0
         self._set_shard(shard)
         self._position = position
 
