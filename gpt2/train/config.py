@@ -207,7 +207,7 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "eval_interval": NON_NEGATIVE_INT,
     "checkpoint_interval": NON_NEGATIVE_INT,
     "keep_last_checkpoints": NON_NEGATIVE_INT,
-    "seed": NON_NEGATIVE_INT,
+    "seed": Range(low=0, high=2**32 - 1, integer=True),  # numpy's seed range
     "max_lr": POSITIVE,
     "min_lr": Range(low=0, optional=True),  # None = max_lr / 10; at most max_lr (checked after)
     "weight_decay": NON_NEGATIVE,
