@@ -136,7 +136,8 @@ class TokenLoader:
                 raise ValueError(
                     f"{shard.name} has {shard.length} tokens, but one step needs {needed} (batch_size "
                     f"{self.batch_size} x seq_len {self.seq_len} x world_size {self.world_size} + 1 for the shifted "
-                    "targets); use a smaller batch_size or seq_len, or more data per shard (or merge short shards)"
+                    "targets); use a smaller --micro-batch-size or --seq-len, or more data (the validation part of a "
+                    "file is its last --val-fraction; short shards can be merged)"
                 )
         self._shard_index, self._position = 0, 0
         self._tokens: np.ndarray | None = None  # the current shard, opened lazily
