@@ -162,8 +162,8 @@ class GPT(nn.Module):
 
         ``kv_cache``, ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask``
         broadcastable to ``(B, n_head, T, S)`` (True = may attend) serve generation and packed
-        rows. Types and shapes are checked, values are not (a device sync every call): ids must
-        lie in ``[0, vocab_size)``, as :mod:`gpt2.model.generate` and the data loader check.
+        rows. Types and shapes are checked, values only on the CPU (a device sync on a GPU): ids must
+        lie in ``[0, vocab_size)`` (generate and the data loader check), targets too or be -1 (else a NaN loss).
         """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids, reduction)
