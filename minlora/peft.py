@@ -94,9 +94,8 @@ def export_peft_adapter(
             parts = {"A.weight": A, "B.weight": B[rows], "magnitude_vector": None if m is None else m[rows]}
         elif family == "Embedding" and lora.fan_in_fan_out:  # PEFT stores the embedding update transposed
             if m is not None and rows.stop is not None:  # DoRA's norms run over the rows: rescaled to the twin's
-                with torch.no_grad():
-                    V = site.original.float() + lora.delta_weight().float()
-                    m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
+                V = (site.original.float() + lora.delta_weight().float()).detach()
+                m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
             parts = {"embedding_A": A[rows].t(), "embedding_B": B.t(), "magnitude_vector": m}
         elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
             parts = {"A.weight": A.reshape(lora.rank, *site.original.shape[1:]), "B.weight": B.reshape(*B.shape, 1, 1)}

@@ -174,8 +174,7 @@ class TokenLoader:
             )
         path = Path(source)
         if path.is_dir():
-            entries = read_manifests(path)
-            if entries is None:
+            if (entries := read_manifests(path)) is None:
                 _warn_unverified(str(path))
             if not (files := token_files(path, split)):
                 what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"

@@ -145,8 +145,7 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     expected["transformer.wte.weight"] = (Vp, C)
     ours = dict(sd)
     # The head and the embedding are one tensor; a state dict may carry it under either name or both.
-    head = ours.pop("lm_head.weight", None)
-    if head is not None:
+    if (head := ours.pop("lm_head.weight", None)) is not None:
         wte = ours.setdefault("transformer.wte.weight", head)
         if wte is not head and not torch.equal(wte, head):
             raise CheckpointMismatchError(
@@ -181,8 +180,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     for key in ("n_embd", "n_layer", "n_head", "vocab_size"):
         if key not in c:
             raise ValueError(f"GPT-2 config has no {key!r}; keys found: {sorted(c)}")
-    n_positions = c.get("n_positions", c.get("n_ctx"))
-    if n_positions is None:
+    if (n_positions := c.get("n_positions", c.get("n_ctx"))) is None:
         raise ValueError("GPT-2 config has neither 'n_positions' nor 'n_ctx' (the context length)")
     if c.get("n_ctx") is not None and c.get("n_positions") is not None and c["n_ctx"] != c["n_positions"]:
         logger.warning(

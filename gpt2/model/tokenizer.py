@@ -217,8 +217,7 @@ class Tokenizer:
                 ids = [int(i) for i in ids]
             except (TypeError, ValueError) as e:
                 raise TypeError(f"decode expects a sequence of integer token ids, got {ids!r:.100}") from e
-        bad = next((i for i in ids if not 0 <= i < self.n_vocab), None)
-        if bad is not None:
+        if (bad := next((i for i in ids if not 0 <= i < self.n_vocab), None)) is not None:
             raise ValueError(
                 f"token id {bad} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
                 "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"

@@ -337,8 +337,7 @@ def load_checkpoint(
 
     data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check)
     load_state_into(model, data)
-    state = data.trainer_state
-    if state is not None:
+    if (state := data.trainer_state) is not None:
         if optimizer is not None:  # its state, with this run's settings (weight decay, betas...) but the LR
             mine = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
             optimizer.load_state_dict(state["optimizer"])

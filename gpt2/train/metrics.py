@@ -86,8 +86,7 @@ def detect_peak_flops(
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
-    peak = peak_flops_for(name, precision)
-    if peak is None:
+    if (peak := peak_flops_for(name, precision)) is None:
         logger.warning("no peak FLOP/s known for %r: MFU not reported (set TrainConfig.peak_flops)", name)
     return peak
 

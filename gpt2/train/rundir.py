@@ -104,8 +104,7 @@ class RunLock:
                 )
                 return self
             for _ in range(20):  # the file may be removed / replaced under us by its releasing owner
-                fd = self._open_locked()
-                if fd is None:
+                if (fd := self._open_locked()) is None:
                     continue
                 try:
                     if record := _read_record(fd):

@@ -338,8 +338,7 @@ class Trainer:
         first_bad = self.monitor.streak_start if self.monitor.streak else self.step - self.consecutive_bad_steps + 1
         reason, position = self._divergence_reason(record), self.train_loader.state_dict()
         kept = (self.recoveries + 1, self.lr_scale * cfg.recovery_lr_factor, self.monitor.state_dict())
-        source = self._restore_good_state(first_bad)
-        if source is None:
+        if (source := self._restore_good_state(first_bad)) is None:
             raise self._diverged(record)
         self.recoveries, self.lr_scale, monitor = kept
         self.monitor.load_state_dict({**monitor, "streak": 0})
