@@ -250,3 +250,14 @@ def test_pad_prompts_errors():
         pad_prompts([])
     with pytest.raises(ValueError, match="pad_id must be a non-negative token id, got -1"):
         pad_prompts([[1]], pad_id=-1)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(top_k=0), dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0)]
+)
+def test_sample_next_refuses_settings_that_would_sample_wrongly(kwargs):
+    """A negative temperature sampled the inverted distribution; top_k=0 failed on a shape."""
+    from gpt2.model.generate import sample_next
+
+    with pytest.raises(ValueError, match="sample_next: need 0 <= temperature < inf, top_k >= 1, 0 < top_p <= 1"):
+        sample_next(torch.randn(2, 10), **kwargs)

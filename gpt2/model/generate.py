@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,11 @@ def sample_next(
     """Pick one token per row from ``logits`` ``(B, V)``; greedy (argmax) when temperature is 0.
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
     Hugging Face's samplers."""
+    bad_k, bad_p = top_k is not None and top_k < 1, top_p is not None and not 0 < top_p <= 1
+    if bad_k or bad_p or not 0 <= temperature < math.inf:  # stream checks them once, before any work
+        raise ValueError(
+            f"sample_next: need 0 <= temperature < inf, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
+        )
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Sampling in fp32: bf16 logits have ~3 significant digits, too coarse for softmax tails.
