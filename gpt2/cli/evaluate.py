@@ -60,7 +60,7 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
     model, autocast, device = load_for_inference(options)
     results: dict[str, Any] = {"model": options.model}
     if source is not None:
-        seq_len = options.seq_len or min(model.config.block_size, 1024)
+        seq_len = min(model.config.block_size, 1024) if options.seq_len is None else options.seq_len
         if seq_len > model.config.block_size:
             raise UsageError(f"--seq-len {seq_len} exceeds the model's context (block_size {model.config.block_size})")
         split = options.split if isinstance(source, Path) else None

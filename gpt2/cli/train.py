@@ -65,7 +65,7 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
     dims = dict(SHAPES[shape.model])
     dims.update({n: getattr(shape, n) for n in ("n_layer", "n_head", "n_embd") if getattr(shape, n) is not None})
     return GPTConfig(
-        block_size=shape.block_size or seq_len,
+        block_size=seq_len if shape.block_size is None else shape.block_size,  # 0: GPTConfig refuses it
         dropout=shape.dropout,
         flash=shape.flash,
         pad_vocab_multiple=shape.pad_vocab_multiple,
