@@ -323,6 +323,12 @@ def test_missing_files_are_clear_errors(capsys, tmp_path, trained):
         (["train", "--config", missing / "cfg.yaml"], "config file"),
         (["prepare", "--input", missing / "a.txt", "--out-dir", tmp_path / "shards"], "does not exist"),
     ]
+    # a HellaSwag row that cannot be scored: refused before training (it stopped the run at the first score)
+    bad_hs = tmp_path / "hs.jsonl"
+    bad_hs.write_text(json.dumps({"ctx": "a", "endings": ["b", "c"], "label": 7}) + "\n")
+    cases.append(
+        (["train", *TINY_TRAIN, "--hellaswag", bad_hs, "--out-dir", tmp_path / "hs"], "hs.jsonl:1: 'label' must be")
+    )
     if not torch.cuda.is_available():  # was a bare AssertionError from torch.cuda
         cases.append((["bench", "--device", "cuda", "--rungs", "fp32"], "CUDA is not available; use device='cpu'"))
     for argv, message in cases:

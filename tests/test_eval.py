@@ -219,8 +219,16 @@ def test_file_format_errors(tmp_path):
     tok = WordTokenizer(WORDS)
     with pytest.raises(ValueError, match="no label"):
         render_example({"ctx": "the", "endings": ["cat", "dog"], "label": ""}, tok)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"'label' must be an ending's index \(0 to 1\), got 5"):
         render_example(_example("the", ["cat", "dog"], 5), tok)
+    # each wrong row is named by file and line when the file is read (before any scoring)
+    wrong = [("label", 5), ("label", True), ("label", 1.9), ("label", None), ("ctx_b", 5)]
+    for n, (key, value) in enumerate(wrong):
+        row = {"ctx_a": "the", "ctx_b": "", "endings": ["cat", "dog"], "label": 0, key: value}
+        path = _write_jsonl(tmp_path / f"w{n}.jsonl", [good, row])
+        with pytest.raises(ValueError, match=rf"w{n}.jsonl:2: (no label|'label' must be|no context)"):
+            list(iterate_hellaswag(path))
+    assert int(next(iterate_hellaswag(_write_jsonl(tmp_path / "s.jsonl", [{**good, "label": "1"}])))["label"]) == 1
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     model = BigramLM(_bigram({}))

@@ -90,11 +90,18 @@ def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
         raise ValueError(
             f"{where}:{line}: 'endings' must be a list of at least 2 strings (HellaSwag has 4), got {endings!r}"
         )
-    if not isinstance(example.get("ctx"), str) and not isinstance(example.get("ctx_a"), str):
+    if not isinstance(example.get("ctx"), str) and not (
+        isinstance(example.get("ctx_a"), str) and isinstance(example.get("ctx_b") or "", str)
+    ):
         raise ValueError(
-            f"{where}:{line}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b'); "
+            f"{where}:{line}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b' strings); "
             f"keys present: {sorted(example)}"
         )
+    if (label := example.get("label")) is None or label == "":
+        raise ValueError(f"{where}:{line}: no label (the official test split is unlabelled): score the val split")
+    valid = type(label) is int or isinstance(label, str) and label.isdigit()  # HF's copy: "1"; not True, not 1.9
+    if not valid or not 0 <= int(label) < len(endings):
+        raise ValueError(f"{where}:{line}: 'label' must be an ending's index (0 to {len(endings) - 1}), got {label!r}")
     return example
 
 
@@ -118,30 +125,12 @@ def _context(example: dict[str, Any]) -> str:
     return example["ctx_a"] + (" " + example["ctx_b"] if example.get("ctx_b") else "")
 
 
-def _label(example: dict[str, Any]) -> int:
-    label = example.get("label")
-    if label is None or label == "":
-        raise ValueError(
-            f"HellaSwag example {example.get('ind', '?')} has no label (the official test split is "
-            f"unlabelled): score the val split instead"
-        )
-    try:
-        label = int(label)  # the Hugging Face copy stores labels as strings
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"HellaSwag label must be an integer, got {label!r}") from e
-    n = len(example["endings"])
-    if not 0 <= label < n:
-        raise ValueError(f"HellaSwag label {label} out of range for {n} endings")
-    return label
-
-
 def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``tokens`` ``(N, T)`` (context + ending i on row i, right-padded with 0), ``mask`` ``(N, T)``
     (1 on the ending tokens, the only ones scored) and the label of one example. Endings are
     encoded with a leading space, as they follow the context's last word in GPT-2's BPE."""
-    _check_example(example, "example", 0)
+    label = int(_check_example(example, "example", 0)["label"])
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
-    label = _label(example)
     if not (ctx_tokens := list(tokenizer.encode(_context(example)))):
         raise ValueError("HellaSwag example has an empty context: nothing to condition the endings on")
     rows, masks = [], []
@@ -255,6 +244,8 @@ def resolve_hellaswag(spec: str | None) -> Path | None:
         raise FileNotFoundError(
             f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it"
         )
+    for _ in iterate_hellaswag(path):  # every row now: a bad one would stop training at its first score
+        pass
     return path
 
 
