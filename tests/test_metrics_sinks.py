@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import sys
 import time
@@ -16,7 +17,7 @@ from gpt2.train.metrics import make_sinks, read_jsonl, wandb_mode
 from gpt2.train.trainer import Trainer
 
 
-def _fit(tmp_path, log_to, steps: int = 4):
+def _fit(tmp_path, log_to, steps: int = 4, **overrides):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     tokens = torch.randint(0, 64, (2048,), generator=torch.Generator().manual_seed(1))
@@ -31,7 +32,7 @@ def _fit(tmp_path, log_to, steps: int = 4):
         device="cpu",
         plot=False,
         progress=False,
-        checkpoint_interval=0,
+        **{"checkpoint_interval": 0, **overrides},
     )
     with Trainer(model, config, tokens, tokens, sinks=[]) as trainer:
         history = trainer.fit()
@@ -73,6 +74,24 @@ def test_tensorboard_sink_writes_every_step(tmp_path):
     assert [e.step for e in events.Scalars("val_loss")] == [2, 4]
     assert [e.value for e in events.Scalars("lr")] == pytest.approx([r["lr"] for r in history], rel=1e-6)
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]  # the JSONL is still written
+
+
+def test_tensorboard_after_a_resume_shows_the_redone_steps_once(tmp_path):
+    """A run that resumes from step 2 after writing steps 1-4 (a crash after step 4, its last
+    checkpoint at 2) redoes 3 and 4: TensorBoard showed both versions, metrics.jsonl only the new."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = _fit(tmp_path, ("tensorboard",), checkpoint_interval=2)
+    shutil.rmtree(run / "checkpoints" / "step_000004")  # as if killed after step 4, before its checkpoint
+    time.sleep(1.1)  # a new event file name (they are named by the second)
+    _, history = _fit(tmp_path, ("tensorboard",), checkpoint_interval=2, resume="auto")
+    assert [r["step"] for r in history] == [3, 4]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss")]
+    assert steps == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("val_loss")] == [2, 4]
 
 
 def _wandb_records(path):

@@ -222,13 +222,14 @@ class TensorBoardSink:
     """Every numeric entry of every record as a TensorBoard scalar (tag = its key) at its step,
     under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``)."""
 
-    def __init__(self, log_dir: str | os.PathLike):
+    def __init__(self, log_dir: str | os.PathLike, purge_step: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
         self.log_dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        # purge_step: a resumed run hides the steps it redoes, as metrics.jsonl drops them
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -294,13 +295,13 @@ class WandbSink:
         self.run.finish()
 
 
-def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict[str, Any] | None = None) -> list[Any]:
-    """The sinks named in ``targets`` (``"tensorboard"``, ``"wandb"``) writing under ``out_dir``."""
+def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict | None = None, step: int = 0) -> list:
+    """The sinks named in ``targets`` (``"tensorboard"``, ``"wandb"``) writing under ``out_dir``, after ``step``."""
     sinks: list[Any] = []
     try:
         for target in targets:
             if target == "tensorboard":
-                sinks.append(TensorBoardSink(Path(out_dir) / "tensorboard"))
+                sinks.append(TensorBoardSink(Path(out_dir) / "tensorboard", purge_step=step + 1 if step else None))
             elif target == "wandb":
                 sinks.append(WandbSink(out_dir, config=config))
             else:
@@ -334,7 +335,7 @@ class FitLog:
             return
         # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
         # first, so a missing package fails before anything else is opened
-        self.extra = make_sinks(config.log_to, out_dir, config.to_dict()) if config.log_to else []
+        self.extra = make_sinks(config.log_to, out_dir, config.to_dict(), step) if config.log_to else []
         try:
             if before_write is not None:
                 before_write()
