@@ -423,3 +423,24 @@ def test_nanogpt_and_llm_c_split_names_are_recognised(tmp_path):
     assert [p.name for p in token_files(tmp_path, "val")] == ["tiny_shakespeare_val.bin", "val.bin"]
     assert [p.name for p in token_files(tmp_path, "train")] == ["edufineweb_train_000001.npy", "train.bin"]
     assert len(token_files(tmp_path)) == 5
+
+
+def test_a_huge_shard_size_needs_no_memory_up_front(tmp_path):
+    """--shard-size 30e9 allocated a 56 GiB buffer before the first token (MemoryError on a tiny
+    input); the buffer now grows with the tokens, and the shards are the same."""
+    from gpt2.data import write_shards
+    from gpt2.data.formats import load_tokens
+
+    class Repeat:  # one document = (its length) tokens, made without a real tokenizer
+        eot_token = 7
+
+        def encode_ordinary(self, doc):
+            return [int(doc[0])] * int(doc[1:])
+
+    docs = ["1" + str(3_000_000), "2" + str(2_500_000), "3" + str(10)]
+    paths = write_shards(
+        docs, tmp_path / "big", prefix="x", shard_size=30_000_000_000, tokenizer=Repeat(), progress=False
+    )
+    tokens = np.concatenate([np.asarray(load_tokens(p)) for p in paths])
+    expected = np.concatenate([[7, *([1] * 3_000_000)], [7, *([2] * 2_500_000)], [7, *([3] * 10)]])
+    assert len(paths) == 1 and np.array_equal(tokens, expected)

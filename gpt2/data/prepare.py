@@ -75,6 +75,7 @@ _worker_tokenizer: Any = None
 def _init_worker(tokenizer: Any) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent handles it
 
 
 def _encode_document_in_worker(doc: Any) -> np.ndarray:
@@ -146,8 +147,8 @@ class _ShardWriter:
         if self.existing and not overwrite:
             raise FileExistsError(
                 f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {prefix!r} (e.g. "
-                f"{self.existing[0].name}); pass overwrite=True to replace them, or choose another directory or prefix "
-                "(mixing old and new shards would corrupt the data set)"
+                f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
+                "directory or prefix (mixing old and new shards would corrupt the data set)"
             )
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
@@ -267,7 +268,7 @@ def write_shards(
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
 
     size = writer.shard_size
-    buffer = np.empty(size, dtype=np.uint16)
+    buffer = np.empty(min(size, 1 << 22), dtype=np.uint16)  # grown as tokens come: --shard-size may be huge
     filled = 0
     bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S, disable=not progress)
     pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,)) if num_workers > 0 else None
@@ -282,6 +283,8 @@ def write_shards(
                 bar.update(len(tokens))
                 while len(tokens):
                     take = min(size - filled, len(tokens))
+                    if filled + take > len(buffer):  # np.resize keeps the first len(buffer) tokens
+                        buffer = np.resize(buffer, min(size, max(filled + take, 2 * len(buffer))))
                     buffer[filled : filled + take] = tokens[:take]
                     filled += take
                     tokens = tokens[take:]
