@@ -444,3 +444,15 @@ def test_a_huge_shard_size_needs_no_memory_up_front(tmp_path):
     tokens = np.concatenate([np.asarray(load_tokens(p)) for p in paths])
     expected = np.concatenate([[7, *([1] * 3_000_000)], [7, *([2] * 2_500_000)], [7, *([3] * 10)]])
     assert len(paths) == 1 and np.array_equal(tokens, expected)
+
+
+def test_preparing_a_second_prefix_into_a_folder_warns_that_training_reads_both(tmp_path, caplog):
+    from gpt2.data import write_shards
+
+    write_shards(["one two three"] * 4, tmp_path, prefix="a", shard_size=8, progress=False)
+    with caplog.at_level(logging.WARNING, logger="gpt2.data.prepare"):
+        write_shards(["four five"] * 4, tmp_path, prefix="a", shard_size=8, progress=False, overwrite=True)
+    assert "also holds other shards" not in caplog.text  # its own shards, replaced
+    with caplog.at_level(logging.WARNING, logger="gpt2.data.prepare"):
+        write_shards(["four five"] * 4, tmp_path, prefix="b", shard_size=8, progress=False)
+    assert "also holds other shards (['a_train_000001.npy'" in caplog.text

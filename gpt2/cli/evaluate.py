@@ -25,11 +25,11 @@ class EvalOptions(Options):
     """a LoRA adapter to add first"""
     data: str | None = None
     """tokens to score: a shard directory (its --split shards), a .npy/.bin token file, a text file or
-    'shakespeare' (texts: their last --val-fraction)"""
+    'shakespeare' (a text or token file: its last --val-fraction)"""
     split: str = "val"
     """which shards of a shard directory to score"""
     val_fraction: float = 0.1
-    """for a text: score its last fraction, the part `gpt2 train` holds out; 0 = the whole text"""
+    """for a text or token file: score its last fraction, the part `gpt2 train` holds out; 0 = all of it"""
     batch_size: int = 4
     """sequences per forward pass"""
     seq_len: int | None = None

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, write_tokens
+from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, token_files, write_tokens
 from gpt2.files import StopSignals, pid_alive, replace_atomically
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
@@ -149,6 +149,11 @@ class _ShardWriter:
                 f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {prefix!r} (e.g. "
                 f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
                 "directory or prefix (mixing old and new shards would corrupt the data set)"
+            )
+        listed = token_files(self.out_dir) if self.out_dir.is_dir() else []
+        if others := sorted(p.name for p in listed if p not in self.existing):  # `train --data <folder>` reads all
+            logger.warning(
+                "%s also holds other shards (%s): training on the folder reads them all", out_dir, others[:3]
             )
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
