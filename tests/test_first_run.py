@@ -127,9 +127,7 @@ def test_printed_next_commands_work_in_a_new_shell(tmp_path, shared_data):
             "1",
             "--max-new-tokens",
             "4",
-            "--seq-len",
-            "16",
-            "--no-progress",
+            "--no-progress",  # no --seq-len: the printed line must fit the 32-token model itself
         ],
         "eval": ["--max-batches", "2"],
     }

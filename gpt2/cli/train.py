@@ -143,5 +143,7 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
         finetune += f"{shlex.quote(str(out_dir) + '-instruct')}   # instruction tuning (docs/lora.md)"
     else:
         finetune = f"--data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}   # LoRA fine-tune it"
-    print(f"  gpt2 finetune --init {run} {finetune}")
+    context = options.train.seq_len if options.shape.block_size is None else options.shape.block_size
+    seq = f" --seq-len {context}" if context < 64 else ""  # the finetune recipe's 64 would not fit the model
+    print(f"  gpt2 finetune --init {run}{seq} {finetune}")
     print(f"  gpt2 eval --model {run} --data {data}   # validation loss of the saved model")
