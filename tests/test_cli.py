@@ -803,3 +803,19 @@ def test_the_resume_line_drops_the_flags_of_a_first_start(monkeypatch):
         _resume_command("gpt2 train", [*argv, "--max-lr", "1e-3"])
         == "gpt2 train --model tiny --max-lr 1e-3 --resume auto"
     )
+
+
+def test_a_peft_export_on_a_run_folder_says_how_to_make_a_base_transformers_reads(trained, tmp_path, capsys):
+    """PEFT's AutoPeftModel loads base_model_name_or_path with transformers, which cannot read a
+    gpt2 run folder: the export says so and how to make one (it failed later, in PEFT)."""
+    import minlora
+
+    model = GPT.from_pretrained(trained)
+    minlora.add_lora(model, minlora.LoRAConfig(rank=2))
+    minlora.save_adapter(model, tmp_path / "adapter")
+    code, out, err = run(
+        capsys, "export", "--model", trained, "--adapter", tmp_path / "adapter", "--peft-out", tmp_path / "p"
+    )
+    assert code == 0, err
+    assert f"note: PEFT loads the base from {trained}, which transformers cannot read" in out
+    assert f"gpt2 export --model {trained} --out DIR" in out

@@ -523,3 +523,26 @@ def test_a_compiled_model_is_trained_uncompiled_with_a_warning_and_an_empty_out_
     assert "uncompiled" not in caplog.text
     with pytest.raises(ValueError, match=r"TrainConfig.out_dir is empty: give a folder .* or None"):
         _config(out_dir="")
+
+
+def test_the_users_sinks_are_closed_with_the_trainer(tiny_config):
+    """docs/training.md: a sink is an object with log(record) and optionally close(); close() was
+    never called, so a file-writing sink was never flushed."""
+
+    class Sink:
+        def __init__(self):
+            self.records, self.closed = [], 0
+
+        def log(self, record):
+            self.records.append(record["step"])
+
+        def close(self):
+            self.closed += 1
+
+    sink = Sink()
+    trainer = Trainer(_model(tiny_config), _config(max_steps=2), _tokens(), sinks=[sink, print])
+    trainer.fit()
+    assert sink.records == [1, 2] and sink.closed == 0  # open between fit() calls
+    trainer.close()
+    trainer.close()
+    assert sink.closed == 1

@@ -69,8 +69,14 @@ def export(options: ExportOptions) -> int:
 
 def peft_base(model: str) -> str:
     """Where PEFT's AutoPeftModel loads the adapter's base from: the hub id, else the absolute path."""
-    source = resolve_source(model)
-    return source if isinstance(source, str) else str(source.resolve())
+    if isinstance(source := resolve_source(model), str):
+        return source
+    if not (source / "config.json").is_file():  # a gpt2 run or checkpoint folder: transformers cannot read it
+        print(
+            f"note: PEFT loads the base from {source}, which transformers cannot read: pass it the folder of "
+            f"`gpt2 export --model {model} --out DIR`, or set base_model_name_or_path to it in adapter_config.json"
+        )
+    return str(source.resolve())
 
 
 def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, str | None], overwrite: bool) -> None:

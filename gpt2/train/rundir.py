@@ -306,8 +306,8 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
             what = "a fresh run (resume=None)" if resume is None else f"a run resuming from {resume}"
             raise RunDirNotEmptyError(
                 f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
-                "Continue that run with resume='auto', train into a new out_dir, or pass overwrite=True to delete "
-                f"its files ({', '.join(RUN_FILES)}) first"
+                "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
+                f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
             )
         if foreign and not overwrite:
             raise RunDirNotEmptyError(
