@@ -68,15 +68,14 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     return value
 
 
-def check_fields(config: Any, rules: dict[str, Range], flags: tuple[str, ...] = ()) -> None:
-    """Check (and normalise in place) every field of ``config`` named in ``rules``, and that
-    each field in ``flags`` is a real bool (``compile="false"`` would otherwise be true)."""
+def check_fields(config: Any, rules: dict[str, Range]) -> None:
+    """Check (and normalise in place) every field of the dataclass ``config`` named in ``rules``, and
+    that each ``bool`` field is a real bool (``compile="false"`` would otherwise be true)."""
     owner = type(config).__name__
     for name, rule in rules.items():
         setattr(config, name, check_value(owner, name, getattr(config, name), rule))
-    for name in flags:
-        value = getattr(config, name)
-        if not isinstance(value, bool):
+    for name in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
+        if not isinstance(value := getattr(config, name), bool):
             raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
 
 
@@ -124,7 +123,7 @@ class GPTConfig:
     flash: bool = True  # F.scaled_dot_product_attention; False = explicit softmax attention
 
     def __post_init__(self) -> None:
-        check_fields(self, GPT_CONFIG_RULES, flags=("bias", "flash"))
+        check_fields(self, GPT_CONFIG_RULES)
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "

@@ -119,7 +119,7 @@ class TrainConfig:
     seed: int = 1337  # seeds torch, numpy and random when the Trainer is built
 
     def __post_init__(self) -> None:
-        check_fields(self, TRAIN_CONFIG_RULES, flags=TRAIN_CONFIG_FLAGS)
+        check_fields(self, TRAIN_CONFIG_RULES)
         if self.total_batch_size is not None:
             tokens_per_micro_batch = self.micro_batch_size * self.seq_len
             if self.total_batch_size % tokens_per_micro_batch != 0:
@@ -217,14 +217,3 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
 }
-TRAIN_CONFIG_FLAGS = (
-    "decay_embeddings",
-    "compile",
-    "save_trainable_only",
-    "resume_weights_only",
-    "allow_base_mismatch",
-    "overwrite",
-    "progress",
-    "plot",
-    "recover",
-)
