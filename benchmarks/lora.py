@@ -101,6 +101,8 @@ def build_lora_model(
         model = peft.inject_adapter_in_model(peft_config, model)
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
+            if "lora_" in name:  # fp32 factors on a low-precision base, as minlora keeps them
+                p.data = p.data.float()
     else:
         raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     return model.train()

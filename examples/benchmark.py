@@ -7,7 +7,7 @@
     python examples/benchmark.py --rungs bf16,compile,fused_adamw
 
 Prints a table of ms/step, tokens/s, MFU (GPUs only) and the speed-up over the first rung.
-This script is `gpt2 bench`: the same code (gpt2.bench.run_ladder), the same options.
+This script is `gpt2 bench`: the same code (gpt2.train.bench.run_ladder), the same options.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.lora import IMPLEMENTATIONS, PRECISIONS, format_results, run_lora_benchmark  # noqa: E402
 from gpt2.model.config import SHAPES  # noqa: E402
+from gpt2.train.distributed import resolve_device  # noqa: E402
 
 
 def main() -> None:
@@ -59,8 +60,31 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines too")
     args = parser.parse_args()
+    try:  # bad values (a rank of 0, no CUDA, a target that matches nothing): one line, exit 2
+        resolve_device(args.device)
+        results = _run(args)
+    except ValueError as e:
+        parser.error(str(e))
+    on_cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.cuda.get_device_name() if on_cuda else (platform.processor() or "CPU")
+    print(
+        f"model={args.model} batch={args.batch_size} seq_len={args.seq_len} precision={args.precision} "
+        f"base={args.base_dtype} compile={args.compile} steps={args.steps}x{args.repeats} rank={args.rank} "
+        f"targets={','.join(args.targets)} device={device} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(format_results(results))
+    if args.json:
+        for r in results:
+            print(json.dumps(r.to_dict()))
 
-    results = run_lora_benchmark(
+
+def _run(args: argparse.Namespace) -> list:
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        raise ValueError(
+            f"--steps and --repeats must be >= 1 and --warmup >= 0, got {args.steps}, {args.repeats}, {args.warmup}"
+        )
+    return run_lora_benchmark(
         args.impl,
         model=args.model,
         batch_size=args.batch_size,
@@ -77,18 +101,6 @@ def main() -> None:
         targets=args.targets,
         repeats=args.repeats,
     )
-    on_cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.cuda.get_device_name() if on_cuda else (platform.processor() or "CPU")
-    print(
-        f"model={args.model} batch={args.batch_size} seq_len={args.seq_len} precision={args.precision} "
-        f"base={args.base_dtype} compile={args.compile} steps={args.steps}x{args.repeats} rank={args.rank} "
-        f"targets={','.join(args.targets)} device={device} torch={torch.__version__} "
-        f"threads={torch.get_num_threads()}"
-    )
-    print(format_results(results))
-    if args.json:
-        for r in results:
-            print(json.dumps(r.to_dict()))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from gpt2 import GPT, GPTConfig
 from gpt2.data import tiny_shakespeare_path
 from gpt2.data.sources import text_tokens
 from gpt2.train.config import TrainConfig
+from gpt2.train.distributed import resolve_device
 from gpt2.train.trainer import Trainer
 
 # fp16's limits (IEEE half precision): largest finite value, smallest normal, smallest subnormal.
@@ -269,7 +270,20 @@ def plot_gradients(grads: np.ndarray, scale: float, path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # bad values (--steps 0, --precisions fp8, cuda without CUDA): one line, exit 2
+        return _main(args)
+    except ValueError as e:
+        print(f"precision_curves.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if unknown := [p for p in precisions if p not in ("fp32", "tf32", "bf16", "fp16")]:
+        raise ValueError(f"--precisions: unknown {unknown}; choose from fp32, tf32, bf16, fp16")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    resolve_device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:

@@ -467,3 +467,18 @@ def test_precision_curves_script(tmp_path):
     stdout = ok(example("precision_curves.py", "--replot", tmp_path / "precision_curves.json", "--out", replot))
     assert (replot / "precision_loss_curves.png").stat().st_size > 1000
     assert sorted(p.name for p in replot.iterdir()) == ["precision_loss_curves.png"] and "training" not in stdout
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("precision_curves.py", ["--precisions", "fp8"], "unknown ['fp8']"),
+        ("precision_curves.py", ["--steps", "0"], "--steps must be >= 1"),
+        ("benchmark_lora.py", ["--model", "tiny", "--device", "cpu", "--rank", "0"], "LoRAConfig.rank must be"),
+        ("benchmark_lora.py", ["--model", "tiny", "--device", "cpu", "--steps", "0"], "--steps and --repeats"),
+    ],
+)
+def test_example_scripts_answer_bad_values_in_one_line(tmp_path, script, args, message):
+    """They ended in a traceback (exit 1) where the other examples give one line and exit 2."""
+    result = example(script, *args, *(["--out", tmp_path] if script == "precision_curves.py" else []))
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

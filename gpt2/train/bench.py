@@ -117,7 +117,7 @@ def run_ladder(
         settings = rung_settings(rung)
         settings["compile"] = settings["compile"] and compile
         if rung == "compile" and not compile:
-            result = RungResult(rung, settings, skipped=True, note="compile disabled (CPU default; pass compile=True)")
+            result = RungResult(rung, settings, skipped=True, note="compile disabled (CPU default: --compile)")
         else:
             gpt_config = model_config(
                 model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
