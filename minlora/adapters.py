@@ -180,7 +180,7 @@ def apply_plans(plans: list[Plan]) -> None:
 
 # ---------------------------------------------------------------------- the base an adapter belongs to
 def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Digest of the base weights (values in bf16: one base in any precision); the config is for messages."""
+    """Digest of the base weights (values in bf16: one base in fp32 or bf16); the config is for messages."""
     digest = hashlib.sha256()
     for name in sorted(weights):
         t = weights[name].detach().cpu().to(torch.bfloat16).contiguous()

@@ -148,8 +148,12 @@ def apply_lora(
     layer: nn.Module, register: bool = True, merge: bool = False, lora_config: Mapping = default_lora_config
 ) -> None:
     """minLoRA's per-layer helper for ``model.apply``: add LoRA to ``layer``, or merge / remove its LoRA."""
-    if register and isinstance(lora_config, LoRAConfig):
-        raise TypeError("apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)")
+    if register and isinstance(lora_config, LoRAConfig):  # its layer types; the names need the model
+        if lora_config.target_modules or lora_config.exclude_modules:
+            raise TypeError(
+                "apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)"
+            )
+        lora_config = lora_config.to_lora_config()
     if register:
         _add_targets([t for t in _targets(layer, lora_config, False) if t[1] is layer], "apply_lora")
     else:

@@ -395,7 +395,7 @@ def test_a_resumed_run_with_a_bigger_step_moves_on_where_the_step_no_longer_fits
     big = TokenLoader(tmp_path, B, T, split="train")  # 43 + 8 + 1 > 50
     with caplog.at_level(logging.WARNING, logger="gpt2.data.loader"):
         big.load_state_dict(state)
-    assert (big.shard, big.position) == (0, 0) and "on to the next shard" in caplog.text
+    assert (big.shard, big.position) == (0, 0) and "no longer fits after 43: next shard" in caplog.text
     big.next_batch()
 
 
@@ -418,11 +418,21 @@ def test_nanogpt_and_llm_c_split_names_are_recognised(tmp_path):
     from gpt2.data.formats import token_files
 
     names = ["train.bin", "val.bin", "tiny_shakespeare_val.bin", "edufineweb_train_000001.npy", "notes.npy"]
+    names += ["validation-00000-of-00001.npy", "train-00000-of-00001.npy", "val0.bin", "shard_train001.npy"]
+    names += ["trainset.npy", "data_valid_1.npy"]  # other tools' names (they were all read before)
     for name in names:
         (tmp_path / name).write_bytes(b"")  # the names are what is listed
-    assert [p.name for p in token_files(tmp_path, "val")] == ["tiny_shakespeare_val.bin", "val.bin"]
-    assert [p.name for p in token_files(tmp_path, "train")] == ["edufineweb_train_000001.npy", "train.bin"]
-    assert len(token_files(tmp_path)) == 5
+    val = ["data_valid_1.npy", "tiny_shakespeare_val.bin", "val.bin", "val0.bin", "validation-00000-of-00001.npy"]
+    assert [p.name for p in token_files(tmp_path, "val")] == val
+    train = [
+        "edufineweb_train_000001.npy",
+        "shard_train001.npy",
+        "train-00000-of-00001.npy",
+        "train.bin",
+        "trainset.npy",
+    ]
+    assert [p.name for p in token_files(tmp_path, "train")] == train
+    assert len(token_files(tmp_path)) == len(names)
 
 
 def test_a_huge_shard_size_needs_no_memory_up_front(tmp_path):

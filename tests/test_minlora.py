@@ -165,8 +165,8 @@ def test_apply_lora_per_layer_like_minlora():
     with pytest.raises(TypeError, match=r"a LoRAConfig selects by name .*use add_lora\(model, config\)"):
         model.apply(partial(apply_lora, lora_config=LoRAConfig(target_modules=["0"])))
     assert not lora_sites(model)
-    model.apply(partial(apply_lora, lora_config=LoRAConfig(rank=2).to_lora_config()))
-    assert len(lora_sites(model)) == 2
+    model.apply(partial(apply_lora, lora_config=LoRAConfig(rank=2)))  # no names: its layer types and settings
+    assert len(lora_sites(model)) == 2 and lora_sites(model)[0].lora.rank == 2
 
 
 # --------------------------------------------------------------------------- no stacking, clear errors

@@ -40,6 +40,12 @@ def _flip_tensor_byte(file: Path, name: str = "transformer.h.0.mlp.c_fc.weight")
     file.write_bytes(bytes(data))
 
 
+def _refresh_sums(checkpoint: Path) -> None:
+    """Re-sign every file of a checkpoint (after a deliberate edit)."""
+    names = [line.split(maxsplit=1)[1] for line in (checkpoint / DIGEST_FILE).read_text().splitlines()]
+    (checkpoint / DIGEST_FILE).write_text("".join(f"{sha256_file(checkpoint / n)}  {n}\n" for n in names))
+
+
 def _rewrite_state(checkpoint: Path, change) -> None:
     """Change trainer_state.pt and re-sign it, as a consistent but foreign checkpoint would be."""
     state = torch.load(checkpoint / ckpt.STATE_FILE, weights_only=True)
@@ -178,6 +184,16 @@ def test_adapter_only_checkpoint_onto_another_base_is_named_with_a_way_to_accept
     accepted = _config(out, resume="auto", save_trainable_only=True, allow_base_mismatch=True)
     with Trainer(_lora_model(1), accepted, _tokens(), sinks=[]) as trainer:
         assert trainer.step == 4
+    # A checkpoint from before this base record (no lora_scaling; the old digest): resumed with a warning.
+    meta_file = out / "checkpoints" / "step_000004" / ckpt.META_FILE
+    meta = json.loads(meta_file.read_text())
+    old = {k: v for k, v in meta.items() if k != "lora_scaling"} | {"base_fingerprint": "0" * 64}
+    meta_file.write_text(json.dumps(old))
+    _refresh_sums(meta_file.parent)
+    with Trainer(_lora_model(0), _config(out, resume="auto", save_trainable_only=True), _tokens(), sinks=[]) as t:
+        assert t.step == 4
+    meta_file.write_text(json.dumps(meta))
+    _refresh_sums(meta_file.parent)
     # Another alpha (or rsLoRA) scales the same factors differently: it continued silently before.
     for lora in (dict(alpha=32), dict(use_rslora=True)):
         with pytest.raises(

@@ -72,10 +72,7 @@ def peft_base(model: str) -> str:
     if isinstance(source := resolve_source(model), str):
         return source
     if not (source / "config.json").is_file():  # a gpt2 run or checkpoint folder: transformers cannot read it
-        print(
-            f"note: PEFT loads the base from {source}, which transformers cannot read: pass it the folder of "
-            f"`gpt2 export --model {model} --out DIR`, or set base_model_name_or_path to it in adapter_config.json"
-        )
+        print(f"note: PEFT's base {source} is no transformers folder: use one of `gpt2 export --model X --out DIR`")
     return str(source.resolve())
 
 

@@ -65,6 +65,8 @@ def check(options: FinetuneOptions) -> None:
     """What can be checked before the model is loaded or any process started."""
     check_run(options)
     instruction_prompt(options.instruct.instruction, options.instruct.input)
+    if is_instruction_data(options.data.val_data) and not is_instruction_data(options.data.data):
+        raise UsageError("--val-data: a .jsonl goes with a .jsonl --data (instruction rows); text trains on text")
     if (options.lora.include_embeddings or options.lora.include_lm_head) and options.merge_export and not options.full:
         raise UsageError(
             "--merge-export cannot hold a merged --lora.include-embeddings / --lora.include-lm-head adapter: GPT-2 "

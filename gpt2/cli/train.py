@@ -78,10 +78,11 @@ def check(options: TrainOptions) -> None:
     check_run(options)
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")
-    if any(is_instruction_data(d) for d in (options.data.data, options.data.val_data)):  # was read as raw JSON text
-        raise UsageError(
-            "--data: a .jsonl is no text to train on: gpt2 prepare tokenises its 'text' fields, gpt2 finetune its rows"
-        )
+    for flag, data in (("--data", options.data.data), ("--val-data", options.data.val_data)):
+        if is_instruction_data(data):  # it was read as raw JSON text
+            raise UsageError(
+                f"{flag}: a .jsonl is no text: gpt2 prepare tokenises its 'text' fields, gpt2 finetune its rows"
+            )
     model_config(options.shape, options.train.seq_len)
 
 

@@ -62,19 +62,22 @@ def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
 
 
 def token_files(directory: Path, split: str | None = None) -> list[Path]:
-    """The token files (``.npy``/``.bin``, not hidden) in ``directory``, sorted by name; with ``split``, those
-    whose last split word it is (``x_val_000000.npy``, ``val.bin``; not ``train_val_000000.npy``'s prefix)."""
-    splits = {"train", "val", "test", split}
-    words = {
-        p: [w for w in re.findall(r"(?:^|[_.-])([a-z]+)(?=[_.-]|$)", p.name) if w in splits][-1:]
-        for p in directory.iterdir()
-    }
+    """The token files (``.npy``/``.bin``, not hidden) in ``directory`` by name; of ``split`` (:func:`split_of`)."""
     return sorted(
         p
-        for p, last in words.items()
+        for p in directory.iterdir()
         if p.is_file() and p.suffix.lower() in TOKEN_SUFFIXES and not p.name.startswith(".")
-        if split is None or last == [split]
+        if split is None or split_of(p.name, split) == split
     )
+
+
+def split_of(name: str, split: str | None = None) -> str | None:
+    """A shard name's last split word (``x_val_0.npy``, ``train0.bin``, ``validation-00000-of-00001``; ``train_val_*``
+    is val, ``interval_*`` no val), else the one split it contains (``trainset.npy``); ``split``: one more word."""
+    names = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test", split: split}
+    if words := [names[w] for w in re.findall(r"(?:^|[_.-])([a-z]+)(?=[_.\-0-9]|$)", name.lower()) if w in names]:
+        return words[-1]
+    return loose[0] if len(loose := [s for s in ("train", "val", "test") if s in name.lower()]) == 1 else None
 
 
 def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:

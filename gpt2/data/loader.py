@@ -286,11 +286,7 @@ class TokenLoader:
                 "tokens; was the state saved with other data?"
             )
         if position + self.tokens_per_step + 1 > length:  # a bigger step than the saved run's: as next_batch
-            logger.warning(
-                "a step of %d tokens no longer fits after position %d: on to the next shard",
-                self.tokens_per_step,
-                position,
-            )
+            logger.warning(f"a step of {self.tokens_per_step} tokens no longer fits after {position}: next shard")
             shard, position = (shard + 1) % len(self._shards), 0
         self._set_shard(shard)
         self._position = position

@@ -90,9 +90,8 @@ def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
         raise ValueError(
             f"{where}:{line}: 'endings' must be a list of at least 2 strings (HellaSwag has 4), got {endings!r}"
         )
-    if not isinstance(example.get("ctx"), str) and not (
-        isinstance(example.get("ctx_a"), str) and isinstance(example.get("ctx_b") or "", str)
-    ):
+    ctx_a, ctx_b = example.get("ctx_a"), example.get("ctx_b") or ""
+    if not isinstance(example.get("ctx"), str) and not (isinstance(ctx_a, str) and isinstance(ctx_b, str)):
         raise ValueError(
             f"{where}:{line}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b' strings); "
             f"keys present: {sorted(example)}"

@@ -38,12 +38,13 @@ class Range:
         if self.integer and self.low == 1 and self.high is None:
             return "a positive integer" + (" (or None)" if self.optional else "")
         kind, bounds = "an integer" if self.integer else "a finite number", ""
+        low, high = (str(b) if isinstance(b, int) else f"{b:g}" for b in (self.low or 0, self.high or 0))
         if self.low is not None and self.high is not None:
-            bounds = f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            bounds = f" in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         elif self.low is not None:
-            bounds = f" {'>' if self.low_open else '>='} {self.low:g}"
+            bounds = f" {'>' if self.low_open else '>='} {low}"
         elif self.high is not None:
-            bounds = f" {'<' if self.high_open else '<='} {self.high:g}"
+            bounds = f" {'<' if self.high_open else '<='} {high}"
         return kind + bounds + (" (or None)" if self.optional else "")
 
 

@@ -84,7 +84,7 @@ def sample_next(
     bad_k, bad_p = top_k is not None and top_k < 1, top_p is not None and not 0 < top_p <= 1
     if bad_k or bad_p or not 0 <= temperature < math.inf:  # stream checks them once, before any work
         raise ValueError(
-            f"sample_next: need 0 <= temperature < inf, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
+            f"sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
         )
     if temperature == 0:
         return logits.argmax(dim=-1)

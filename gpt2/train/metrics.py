@@ -70,10 +70,7 @@ def peak_flops_for(device_name: str, precision: str = "bf16") -> float | None:
     """Peak FLOP/s of the GPU called ``device_name`` (as ``torch.cuda.get_device_name`` says) for
     a precision policy's matmuls ("fp32", "tf32", "bf16" or "fp16"), or None if it is unknown."""
     field = "bf16" if precision == "fp16" else precision
-    for pattern, peaks in PEAK_FLOPS:
-        if re.search(pattern, device_name):
-            return getattr(peaks, field)
-    return None
+    return next((getattr(peaks, field) for pattern, peaks in PEAK_FLOPS if re.search(pattern, device_name)), None)
 
 
 def detect_peak_flops(
@@ -228,7 +225,6 @@ class TensorBoardSink:
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
         self.log_dir = Path(log_dir)
-        # purge_step: a resumed run hides the steps it redoes, as metrics.jsonl drops them
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -242,10 +238,8 @@ class TensorBoardSink:
 def wandb_mode() -> str:
     """``$WANDB_MODE`` if set; else "online" when an API key is configured ($WANDB_API_KEY or a
     ``wandb login`` entry in ~/.netrc), else "offline" (no network needed; ``wandb sync`` uploads later)."""
-    if mode := os.environ.get("WANDB_MODE"):
+    if mode := os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else None):
         return mode
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
     try:
         import netrc
 
