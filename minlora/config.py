@@ -138,7 +138,7 @@ class LoRAConfig:
             return f"{what} the embedding {name!r}; set include_embeddings=True to adapt embeddings"
         return (
             f"{what} {[n for n, _ in named[:4]]}, but each is excluded or not one of target_types (a parent's "
-            f"name does not select its children: use a glob such as '{pattern}.*')"
+            f"name does not select its children: use a glob such as '*{pattern}.*')"
         )
 
     def to_dict(self) -> dict[str, Any]:

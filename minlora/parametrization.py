@@ -37,7 +37,7 @@ def check_float(value: Any, what: str, low: float | None = None, high: float | N
 def raw_weight(module: nn.Module) -> torch.Tensor | None:
     """The stored weight of ``module`` (the original under a parametrization), or None."""
     if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations["weight"].original
+        return getattr(module.parametrizations["weight"], "original", None)  # weight_norm keeps two: none
     return weight if isinstance(weight := getattr(module, "weight", None), nn.Parameter) else None
 
 
@@ -195,7 +195,7 @@ class LoRAParametrization(nn.Module):
         out = F.embedding(idx, W, layer.padding_idx, None, layer.norm_type, layer.scale_grad_by_freq, layer.sparse)
         if not self.enabled:
             return out
-        after_a = F.embedding(idx, self.lora_A.to(out.dtype), padding_idx=layer.padding_idx)  # (..., r)
+        after_a = F.embedding(idx, self.lora_A.to(out.dtype))  # (..., r)
         if self.training and self.lora_dropout_p > 0:  # the input is one-hot: drop the token's whole update
             after_a = after_a * F.dropout(after_a.new_ones(idx.shape + (1,)), self.lora_dropout_p, training=True)
         lora = (after_a * self.scaling) @ self.lora_B.to(out.dtype)
@@ -242,7 +242,8 @@ class LoRAParametrization(nn.Module):
 def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """The ``forward`` of a stock ``nn.Linear`` / ``nn.Embedding`` with LoRA: the fast path, unless the
     weight carries more than one LoRA or we are inside ``parametrize.cached()`` (only the weight path
-    composes with those) or an embedding renormalises its weight in place (``max_norm``)."""
+    composes with those) or an embedding renormalises its weight in place (``max_norm``) or treats rows'
+    gradients apart (``scale_grad_by_freq``, ``padding_idx``: PEFT's fast form differs there)."""
     plist = self.parametrizations["weight"] if "weight" in self.parametrizations else []
     embedding = isinstance(self, nn.Embedding)
     lora = plist[0] if len(plist) == 1 else None
@@ -251,7 +252,7 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
         or not lora.fast_path
         or lora.fan_in_fan_out != embedding
         or parametrize_cache_enabled()
-        or (embedding and self.max_norm is not None)
+        or (embedding and (self.max_norm is not None or self.scale_grad_by_freq or self.padding_idx is not None))
     ):
         return type(self)._minlora_base.forward(self, input)
     W = self.parametrizations["weight"].original

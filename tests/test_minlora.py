@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
@@ -569,3 +570,33 @@ def test_gpt2_124m_shape_merge_parity(all_threads):
     merge_lora(model)
     torch.testing.assert_close(model(x)[0], unmerged, rtol=0, atol=1e-5)
     assert torch.equal(model.transformer.wte.weight, wte)
+
+
+def test_models_with_weight_norm_and_embeddings_with_frequency_scaling():
+    """A new-style weight_norm layer anywhere in the model made add_lora raise AttributeError (its
+    parametrization has original0/original1); an Embedding with scale_grad_by_freq got other
+    gradients on the fast path than on the weight path (the flag was dropped)."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    net = nn.Sequential(nn.Linear(8, 8), weight_norm(nn.Linear(8, 4)))
+    add_lora(net, LoRAConfig(rank=2, exclude_modules=("1",)))
+    assert [s.name for s in lora_sites(net)] == ["0.weight"]
+    with pytest.raises(TypeError, match="no floating-point weight parameter"):
+        add_lora(nn.Sequential(weight_norm(nn.Linear(8, 4))), LoRAConfig(rank=2))
+
+    for kwargs in (dict(scale_grad_by_freq=True), dict(padding_idx=1)):
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 6, **kwargs)
+        add_lora(emb, LoRAConfig(rank=2, include_embeddings=True))
+        with torch.no_grad():
+            emb.parametrizations.weight[0].lora_B.normal_()
+        idx = torch.tensor([[1, 1, 1, 3], [3, 5, 1, 0]])
+        grads = []
+        for cached in (False, True):  # the forward as called, then the weight path
+            emb.zero_grad()
+            with parametrize.cached() if cached else contextlib.nullcontext():
+                (emb(idx) ** 2).sum().backward()
+            grads.append([p.grad.clone() for p in get_lora_params(emb)])
+        for called, weight in zip(*grads):
+            torch.testing.assert_close(called, weight)
