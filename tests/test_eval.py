@@ -320,6 +320,31 @@ def test_evaluate_loss_errors(tiny_config):
         evaluate_loss(model, "/nonexistent/val.bin", 2, 8)
 
 
+def test_evaluating_a_loader_leaves_it_where_it_was(tiny_config):
+    """evaluate_loss reset the caller's loader: one used for training (a callback scoring the train
+    loss, or one loader passed as train and val data) replayed its batches afterwards."""
+    from gpt2 import TokenLoader, TrainConfig, Trainer
+
+    tokens = torch.randint(0, tiny_config.vocab_size, (2000,), generator=torch.Generator().manual_seed(0))
+    loader = TokenLoader(tokens, 2, 8)
+    for _ in range(5):
+        loader.next_batch()
+    before = loader.state_dict()
+    result = evaluate_loss(GPT(tiny_config), loader, 2, 8, max_batches=3)
+    assert result["tokens"] == 3 * 2 * 8 and loader.state_dict() == before
+    with pytest.raises(ValueError, match="the loader reads batches of 2 x 8, not 4 x 16"):
+        evaluate_loss(GPT(tiny_config), loader, 4, 16)
+
+    def losses(val_data):
+        torch.manual_seed(0)
+        config = TrainConfig(micro_batch_size=2, seq_len=8, max_steps=6, eval_interval=2, eval_steps=2, out_dir=None)
+        train = TokenLoader(tokens, 2, 8)
+        with Trainer(GPT(tiny_config), config, train, train if val_data else None, sinks=[]) as trainer:
+            return [r["loss"] for r in trainer.fit()]
+
+    assert losses(val_data=True) == losses(val_data=False)  # the evaluations did not rewind training
+
+
 def test_hellaswag_rejects_token_ids_beyond_the_model_vocabulary(tiny_config):
     """The forward reads no id values (no GPU sync), so ids are checked on the host first."""
     model = GPT(tiny_config)  # 128 tokens

@@ -266,6 +266,17 @@ def test_save_pretrained_over_a_sharded_save_leaves_no_stale_weights(tmp_path, h
     torch.testing.assert_close(from_pretrained(tmp_path).eval()(_ids())[0], ours(_ids())[0], rtol=0, atol=0)
 
 
+def test_save_pretrained_of_a_toy_vocabulary_over_a_gpt2_export_removes_its_tokenizer(tmp_path, shared_data, config):
+    """A model without GPT-2's vocabulary gets no tokenizer files: an earlier export's, left in the
+    folder, made AutoTokenizer produce ids the model does not have."""
+    big = GPT(dataclasses.replace(config, vocab_size=50257))
+    save_pretrained(big, tmp_path, tokenizer_dir=shared_data / "gpt2-tokenizer")
+    assert (tmp_path / "vocab.json").is_file()
+    save_pretrained(GPT(config), tmp_path)
+    assert not [n for n in ("vocab.json", "merges.txt", "tokenizer_config.json") if (tmp_path / n).exists()]
+    assert GPT2LMHeadModel.from_pretrained(tmp_path).config.vocab_size == config.vocab_size
+
+
 def test_padded_vocab_import_and_export(hf_model, hf_dir, tmp_path):
     padded = from_pretrained(hf_dir, pad_vocab_multiple=64)
     wte = padded.transformer.wte.weight

@@ -343,14 +343,19 @@ def make_loader(
 def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches from the start of ``loader``: at most ``max_batches``, and at most one pass (until its
     ``state_dict()`` comes back: a batch read twice would weigh double). Every rank's loader wraps
-    at the same batch, so under DDP all ranks stop together."""
-    loader.reset()
-    start = loader.state_dict() if hasattr(loader, "state_dict") else None
-    if start is None and max_batches is None:
+    at the same batch, so under DDP all ranks stop together. The loader is put back where it was
+    (a training loader scored mid-run would otherwise replay its batches)."""
+    before = loader.state_dict() if hasattr(loader, "state_dict") else None
+    if before is None and max_batches is None:
         raise TypeError("a loader without state_dict() cannot tell where one pass ends: give max_batches")
-    n = 0
-    while max_batches is None or n < max_batches:
-        yield loader.next_batch()
-        n += 1
-        if start is not None and loader.state_dict() == start:
-            return
+    loader.reset()
+    start, n = loader.state_dict() if before is not None else None, 0
+    try:
+        while max_batches is None or n < max_batches:
+            yield loader.next_batch()
+            n += 1
+            if start is not None and loader.state_dict() == start:
+                return
+    finally:
+        if before is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(before)

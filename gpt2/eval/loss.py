@@ -109,6 +109,10 @@ def evaluate_loss(
     device = torch.device(device) if device is not None else _model_device(model)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     loader = data
+    if (sizes := (getattr(data, "batch_size", batch_size), getattr(data, "seq_len", seq_len))) != (batch_size, seq_len):
+        raise ValueError(
+            f"the loader reads batches of {sizes[0]} x {sizes[1]}, not {batch_size} x {seq_len}: build it so"
+        )
     if not hasattr(data, "next_batch"):  # ids checked against the vocabulary on the CPU (forward never syncs to)
         loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
     batches = one_pass(loader, max_batches)
@@ -141,19 +145,13 @@ def evaluate_loss(
         model.train(was_training)
     if world_size > 1:
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
-    total, n_tokens = sums.tolist()
-    n_tokens = int(n_tokens)
+    total, n_tokens = sums[0].item(), int(sums[1])
     if n_tokens == 0:
         raise ValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
     if warn_short and max_batches is not None and seen < max_batches and rank == 0:
         logger.warning(
-            "the evaluation data holds only %d batches of %d x %d tokens; scored those %d once "
-            "instead of max_batches=%d (no batch is read twice)",
-            seen,
-            batch_size,
-            seq_len,
-            seen,
-            max_batches,
+            f"the evaluation data holds only {seen} batches of {batch_size} x {seq_len} tokens; scored those "
+            f"{seen} once instead of max_batches={max_batches} (no batch is read twice)"
         )
     mean = total / n_tokens
     if not math.isfinite(mean):

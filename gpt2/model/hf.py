@@ -312,11 +312,11 @@ def save_pretrained(
     replace_atomically(out / "config.json", lambda f: f.write(config_text.encode("utf-8")))
     if bpe is not None:
         _write_tokenizer(*bpe, out, config)
-    else:
+    else:  # an earlier export's tokenizer would be loaded with this model: removed
+        for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (out / name).unlink(missing_ok=True)
         logger.warning(
-            "no tokenizer files written: the model has %d token ids, GPT-2's tokenizer %d",
-            config.vocab_size,
-            GPT2_VOCAB_SIZE,
+            f"no tokenizer files: the model has {config.vocab_size} token ids, GPT-2's tokenizer {GPT2_VOCAB_SIZE}"
         )
     logger.info("saved %s to %s", type(inner).__name__, out)
     return out

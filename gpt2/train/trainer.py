@@ -681,9 +681,8 @@ class Trainer:
         self._signals.restore()  # kept by an interrupted fit() under DDP until the group is gone
         if self._run_lock is not None:  # kept: a fit() or save after this is refused (ensure_held)
             self._run_lock.release()
-        for sink in getattr(self, "sinks", ()):  # the user's sinks with a close() (set-up may have failed first)
-            getattr(sink, "close", lambda: None)()
-        self.sinks = []  # closed once
+        while getattr(self, "sinks", None):  # the user's sinks with a close(), once (set-up may have failed first)
+            getattr(self.sinks.pop(), "close", lambda: None)()
 
     def __enter__(self) -> Trainer:
         return self
