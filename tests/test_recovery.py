@@ -226,3 +226,20 @@ def test_a_run_near_zero_loss_is_not_diverged_by_noisy_batches():
     assert [monitor.observe(step, loss) for step, loss in enumerate([1.5, 4.0, 9.0], 100)] == [False, False, True]
     fresh = DivergenceMonitor(factor=2.0, patience=2)  # early in a run the factor decides, as before
     assert [fresh.observe(step, loss) for step, loss in enumerate([10.9, 22.0, 25.0], 1)] == [False, False, True]
+
+
+def test_a_stop_in_the_middle_of_bad_steps_keeps_the_good_checkpoint_to_go_back_to(tmp_path):
+    """fit(until_step) (or a stop signal) inside a run of NaN steps saves there, as every stop point
+    is saved; with keep_last_checkpoints=1 that save pruned the last good checkpoint, and the
+    recovery that followed had nothing to go back to (TrainingDivergedError after 0 recoveries)."""
+    model = _model()
+    _nan_loss_on_calls(model, {4, 5, 6})  # steps 4, 5, 6
+    config = _config(
+        max_lr=1e-3, min_lr=1e-4, out_dir=str(tmp_path), checkpoint_interval=2, keep_last_checkpoints=1, max_bad_steps=3
+    )
+    with Trainer(model, config, TOKENS, sinks=[]) as trainer:
+        trainer.fit(5)  # stops after two of the three bad steps
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000005"]
+        trainer.fit()
+        assert trainer.recoveries == 1 and trainer.step == 16
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000016"]  # pruned again once good

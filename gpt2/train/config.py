@@ -62,13 +62,12 @@ class TrainConfig:
     muon_weight_decay: float = 0.0
 
     # --- precision and speed ---------------------------------------------------------------
-    # auto = bf16 on GPUs that support it, fp16 with loss scaling on older GPUs, fp32 on CPU
-    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = "auto"  # auto: bf16 (fp16 on old GPUs), CPU fp32
     compile: bool = False  # torch.compile the model for training and evaluation
     device: str = "auto"  # "auto" = cuda:LOCAL_RANK when CUDA is available, else cpu
 
     # --- evaluation ------------------------------------------------------------------------
-    eval_interval: int = 250  # validation loss every N steps and at the end; 0 = never
+    eval_interval: int = 250  # validation loss every N steps and at the end; 0 = only at the end
     # Micro-batches per process averaged per validation (always the same ones: the validation
     # loader restarts each time); with N processes N times as many rows are read.
     eval_steps: int = 20
@@ -92,20 +91,18 @@ class TrainConfig:
     overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------
-    # Stop with TrainingDivergedError after this many consecutive steps whose loss or gradient
-    # norm was non-finite (each of them is skipped, so the weights stay clean).
-    max_bad_steps: int = 5
+    max_bad_steps: int = 5  # non-finite steps in a row (each skipped) before recovery / TrainingDivergedError
     # Divergence recovery (docs/training.md, "my loss went NaN"): when max_bad_steps non-finite
     # steps come in a row, or the loss stays above divergence_factor x the best loss so far for
     # divergence_patience steps, go back to the newest good checkpoint (or an in-memory copy
     # before the first one), multiply the learning rate by recovery_lr_factor, skip the batches
     # that blew up and go on; after max_recoveries recoveries stop with TrainingDivergedError.
     # recover=False: no divergence detection, non-finite steps stop the run as before.
-    recover: bool = True
-    max_recoveries: int = 3
-    recovery_lr_factor: float = 0.5
-    divergence_factor: float = 2.0
-    divergence_patience: int = 3
+    recover: bool = True  # divergence recovery (above); False: non-finite steps stop the run
+    max_recoveries: int = 3  # recoveries before the run stops with TrainingDivergedError
+    recovery_lr_factor: float = 0.5  # each recovery multiplies the learning rate by this
+    divergence_factor: float = 2.0  # diverging: the loss above this x the best so far (and 1 nat above it)
+    divergence_patience: int = 3  # for this many steps in a row
 
     # --- logging ---------------------------------------------------------------------------
     log_interval: int = 10  # console line every N steps (every step goes to metrics.jsonl)

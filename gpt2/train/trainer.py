@@ -618,6 +618,8 @@ class Trainer:
                 "precision": self.precision.name,
                 "torch_version": torch.__version__,
             }
+            # a save in a run of bad steps (a stop point, a signal) prunes nothing: recovery needs a good one
+            keep = self.config.keep_last_checkpoints if self.consecutive_bad_steps == self.monitor.streak == 0 else 0
             path = ckpt.save_checkpoint(
                 self.checkpoint_dir,
                 self.step,
@@ -625,7 +627,7 @@ class Trainer:
                 self.optimizer,
                 self.scaler,
                 meta,
-                keep_last=self.config.keep_last_checkpoints,
+                keep_last=keep,
                 trainable_only=self.config.save_trainable_only,
                 rng_state=rng,
             )
