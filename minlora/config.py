@@ -1,6 +1,5 @@
-"""``LoRAConfig``: which layers get LoRA and with what settings. It feeds the machinery of minLoRA's
-dict configs (``to_lora_config()``), adding name patterns, exclusions and switches for the
-embeddings and the LM head."""
+"""``LoRAConfig``: which layers get LoRA and with what settings. It feeds the machinery of minLoRA's dict configs
+(``to_lora_config()``), adding name patterns, exclusions and switches for the embeddings and the LM head."""
 
 from __future__ import annotations
 
@@ -45,11 +44,10 @@ def _patterns(value: Any, field_name: str) -> tuple[str, ...]:
 
 @dataclass
 class LoRAConfig:
-    """A layer gets LoRA when it is one of ``target_types`` (``include_embeddings`` adds
-    ``nn.Embedding``), matches a ``target_modules`` pattern (all when None) and no ``exclude_modules``
-    one, and is not an LM head (a linear layer in ``lm_head_names`` or tied to an embedding) unless
-    ``include_lm_head``. ``scaling = alpha / rank`` (``/ sqrt(rank)`` with ``use_rslora``);
-    ``use_dora``: DoRA, see :class:`LoRAParametrization`."""
+    """A layer gets LoRA when it is one of ``target_types`` (``include_embeddings`` adds ``nn.Embedding``), matches a
+    ``target_modules`` pattern (all when None) and no ``exclude_modules`` one, and is not an LM head (a linear layer in
+    ``lm_head_names`` or tied to an embedding) unless ``include_lm_head``. ``scaling = alpha / rank`` (``/ sqrt(rank)``
+    with ``use_rslora``); ``use_dora``: DoRA, see :class:`LoRAParametrization`."""
 
     rank: int = 8
     alpha: float = 16.0

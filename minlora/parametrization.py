@@ -55,8 +55,8 @@ class LoRAParametrization(nn.Module):
     ``fan_in_fan_out`` (embeddings, weight ``(num_embeddings, dim)``): ``A`` ``(fan_in, rank)``, ``B``
     ``(rank, fan_out)``, ``delta = A @ B``, so :func:`minlora.tie_weights` can share one update.
     ``use_dora`` (Liu et al. 2024, computed as PEFT does): ``m * V / ||V||_c`` with ``V = W + scaling * delta``,
-    ``||V||_c`` each output channel's norm (a constant for backprop), ``m`` the learned
-    ``lora_magnitude_vector``, starting at ``||W||_c``.
+    ``||V||_c`` each output channel's norm (a constant for backprop), ``m`` the learned ``lora_magnitude_vector``,
+    starting at ``||W||_c``.
     """
 
     def __init__(
@@ -260,11 +260,10 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the parametrized class
-# parametrize swaps a parametrized module's class for a generated subclass holding the `weight`
-# property. We swap it once more for a class of our own, which adds the fast forward and makes the
-# module deepcopy and pickle (deepcopy goes through __reduce_ex__ too): torch's class refuses pickling,
-# and its deepcopy shares the class between original and copy, so removing a parametrization from one
-# deletes the other's property.
+# parametrize swaps a parametrized module's class for a generated subclass holding the `weight` property. We swap it
+# once more for a class of our own, which adds the fast forward and makes the module deepcopy and pickle (deepcopy goes
+# through __reduce_ex__ too): torch's class refuses pickling, and its deepcopy shares the class between original and
+# copy, so removing a parametrization from one deletes the other's property.
 def _lora_class(base: type, module: nn.Module, tensor_names) -> nn.Module:
     dct: dict[str, Any] = {"_minlora_base": base, "__reduce_ex__": _reduce}
     if getattr(base, "forward", None) in (nn.Linear.forward, nn.Embedding.forward):  # a subclass's own: kept

@@ -44,8 +44,7 @@ _PREFIX = "base_model.model."
 _REMEDY = "export or save the PEFT adapter again"
 # what follows `<module>.lora_` in PEFT's keys
 _ROLES = ("A.weight", "B.weight", "embedding_A", "embedding_B", "magnitude_vector")
-# PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not
-# loaded as something else.
+# PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not loaded as something else.
 _UNSUPPORTED = re.compile(
     "lora_bias|modules_to_save|layer_replication|trainable_token_indices|target_parameters|alora_invocation_tokens"
     "|use_qalora|use_bdlora|arrow_config|kasa_config|velora_config|monteclora_config"

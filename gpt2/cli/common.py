@@ -1,5 +1,4 @@
-"""What several commands share: option groups, the usage error, sampling to stdout, and the
-end-of-training report."""
+"""What several commands share: option groups, the usage error, sampling to stdout, and the end-of-training report."""
 
 from __future__ import annotations
 

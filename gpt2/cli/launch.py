@@ -1,10 +1,9 @@
 """``gpt2 train --nproc-per-node N``: start N worker processes on this machine ourselves.
 
-It does what ``torchrun --standalone --nproc-per-node N -m gpt2 train ...`` does, through the
-elastic agent torchrun is built on, except that a stop signal (Ctrl-C, SIGTERM, SIGHUP) ends the
-run with rank 0's one line (where the checkpoint is, how to resume) and exit code 128 + the
-signal: torchrun's own agent prints a ``SignalException`` traceback the workers cannot change.
-The workers get the launcher's resolved options as a ``--config`` file (what ``--print-config``
+It does what ``torchrun --standalone --nproc-per-node N -m gpt2 train ...`` does, through the elastic agent torchrun is
+built on, except that a stop signal (Ctrl-C, SIGTERM, SIGHUP) ends the run with rank 0's one line (where the checkpoint
+is, how to resume) and exit code 128 + the signal: torchrun's own agent prints a ``SignalException`` traceback the
+workers cannot change. The workers get the launcher's resolved options as a ``--config`` file (what ``--print-config``
 writes), so every rank runs exactly the options the launcher saw.
 """
 

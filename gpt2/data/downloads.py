@@ -12,8 +12,7 @@ from gpt2.files import default_cache_dir, download
 logger = logging.getLogger(__name__)
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-# sha256 of the 1,115,394-byte file, so that a truncated download or an HTML error page is
-# never cached as the corpus.
+# sha256 of the 1,115,394-byte file, so that a truncated download or an HTML error page is never cached as the corpus.
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 

@@ -1,11 +1,10 @@
 """Token files on disk: ``.npy`` arrays and llm.c's headered ``.bin`` shards, read and checked.
 
-``.bin`` is llm.c's shard layout (``dev/data/data_common.py: write_datafile``): 256 little-endian
-int32 (magic, version, token count, zeros), then the tokens; magic 20240520 / version 1 holds
-GPT-2's ``uint16`` ids, 20240801 / version 7 ``uint32`` ones. A ``.bin`` without a header is
-nanoGPT's raw ``uint16`` layout: it says nothing about its dtype, so it is only accepted when it
-fits (an even size, and not the every-other-value-zero pattern of int32 ids). A folder written by
-``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`).
+``.bin`` is llm.c's shard layout (``dev/data/data_common.py: write_datafile``): 256 little-endian int32 (magic, version,
+token count, zeros), then the tokens; magic 20240520 / version 1 holds GPT-2's ``uint16`` ids, 20240801 / version 7
+``uint32`` ones. A ``.bin`` without a header is nanoGPT's raw ``uint16`` layout: it says nothing about its dtype, so it
+is only accepted when it fits (an even size, and not the every-other-value-zero pattern of int32 ids). A folder written
+by ``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`).
 """
 
 from __future__ import annotations
@@ -135,9 +134,8 @@ def read_text(path: str | os.PathLike) -> str:
 
 
 def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int, Any]]:
-    """``(line_number, value)`` for each non-blank line of a JSON-lines file; a malformed line
-    (or one that is not UTF-8) raises ``ValueError`` naming the file and line (``hint`` is
-    appended to that message)."""
+    """``(line_number, value)`` for each non-blank line of a JSON-lines file; a malformed line (or one that is not
+    UTF-8) raises ``ValueError`` naming the file and line (``hint`` is appended to that message)."""
     offset = 0  # byte offset of the line, for the UTF-8 error
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):

@@ -1,8 +1,7 @@
 """Instruction fine-tuning data: JSONL rows -> prompt template -> masked training sequences.
 
-A row is either Alpaca's layout ``{"instruction", "input" (optional), "output"}`` or
-``{"prompt", "response"}`` (a file may mix them). Every row is rendered with one plain-text
-template (:data:`TEMPLATE`)::
+A row is either Alpaca's layout ``{"instruction", "input" (optional), "output"}`` or ``{"prompt", "response"}`` (a file
+may mix them). Every row is rendered with one plain-text template (:data:`TEMPLATE`)::
 
     ### Instruction:
     {instruction}
@@ -18,11 +17,10 @@ boundary is exact and ``gpt2 sample --instruction`` feeds the model the very sam
 The loss is on the response tokens and the closing ``<|endoftext|>`` (so the model learns to
 stop) only: prompt and padding targets are :data:`gpt2.model.IGNORE_INDEX`.
 
-Each row is one sequence padded to ``seq_len``, or with ``pack=True`` rows are packed greedily,
-in order, into ``seq_len + 1``-token windows without splitting a row. Packed rows are isolated:
-batches carry each token's position within its row and a block-diagonal causal mask
-(:func:`packed_inputs`), so every row is computed exactly as it would be alone. The Trainer's
-loss is the mean over the global batch's scored targets (a batch without any is skipped).
+Each row is one sequence padded to ``seq_len``, or with ``pack=True`` rows are packed greedily, in order, into
+``seq_len + 1``-token windows without splitting a row. Packed rows are isolated: batches carry each token's position
+within its row and a block-diagonal causal mask (:func:`packed_inputs`), so every row is computed exactly as it would be
+alone. The Trainer's loss is the mean over the global batch's scored targets (a batch without any is skipped).
 """
 
 from __future__ import annotations
@@ -158,11 +156,10 @@ class InstructionLoader:
     """Batches ``(x, y)`` of instruction sequences (packed: ``(x, y, packed_inputs(...))``), with
     the interface of :class:`gpt2.data.TokenLoader` that the Trainer and evaluation use.
 
-    One step of all ranks takes ``batch_size * world_size`` sequences of the epoch's order, rank
-    ``r`` the ``r``-th ``batch_size``. With ``shuffle`` (training) each epoch has its permutation
-    from ``(seed, epoch)`` and a last partial step is dropped; without (validation) the order is
-    fixed and the last step is padded with all-ignored sequences, so a pass scores every row
-    once. The state is ``{epoch, position}``: resuming continues the same order exactly.
+    One step of all ranks takes ``batch_size * world_size`` sequences of the epoch's order, rank ``r`` the ``r``-th
+    ``batch_size``. With ``shuffle`` (training) each epoch has its permutation from ``(seed, epoch)`` and a last partial
+    step is dropped; without (validation) the order is fixed and the last step is padded with all-ignored sequences, so
+    a pass scores every row once. The state is ``{epoch, position}``: resuming continues the same order exactly.
     """
 
     def __init__(

@@ -97,12 +97,11 @@ class TokenLoader:
     ``source``: a 1-D tensor or array of token ids, a token file (``.npy``/``.bin``), or a
     directory of shards (those whose names contain ``split`` when given, sorted by name).
 
-    One step of all ranks reads the ``B*T*world_size + 1`` tokens from ``position`` of the
-    current shard, rank ``r`` the ``B*T + 1`` from ``position + r*B*T``; when the next step would
-    run past the shard's end the loader moves to the next shard (wrapping around) at position 0.
-    So one rank with batch ``2B`` reads the rows two ranks with batch ``B`` read, and
-    :meth:`state_dict` is rank-independent. With ``vocab_size`` each shard's ids are checked on
-    the CPU when it is opened, so a bad id is named with its file before it reaches the GPU.
+    One step of all ranks reads the ``B*T*world_size + 1`` tokens from ``position`` of the current shard, rank ``r`` the
+    ``B*T + 1`` from ``position + r*B*T``; when the next step would run past the shard's end the loader moves to the
+    next shard (wrapping around) at position 0. So one rank with batch ``2B`` reads the rows two ranks with batch ``B``
+    read, and :meth:`state_dict` is rank-independent. With ``vocab_size`` each shard's ids are checked on the CPU when
+    it is opened, so a bad id is named with its file before it reaches the GPU.
     """
 
     def __init__(

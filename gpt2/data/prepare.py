@@ -259,12 +259,11 @@ def write_shards(
     """Tokenise documents (each led by ``<|endoftext|>``) into shards of exactly ``shard_size``
     tokens (build-nanogpt's 100M by default; the last one shorter) and return their paths.
 
-    The first shard is ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy``,
-    the index counting on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``:
-    any object with ``encode_ordinary`` and ``eot_token``; ``num_workers > 0`` tokenises in a
-    process pool (same shards). The set and its manifest are written whole: a failure
-    (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards
-    with the same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
+    The first shard is ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy``, the index counting
+    on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``: any object with ``encode_ordinary`` and
+    ``eot_token``; ``num_workers > 0`` tokenises in a process pool (same shards). The set and its manifest are written
+    whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards with the
+    same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     tokenizer = writer.tokenizer
@@ -321,10 +320,9 @@ def tokenize_file(
     overwrite: bool = False,
     file_format: str = "npy",
 ) -> list[Path]:
-    """Tokenise one UTF-8 text file, read into memory as one document, into shards as
-    :func:`write_shards` does; its last ``val_fraction`` of tokens are the ``val`` shards (the
-    end of the text, as in nanoGPT's ``prepare.py``, so no passage is in both splits).
-    ``prefix`` defaults to the file's stem. Returns the shard paths.
+    """Tokenise one UTF-8 text file, read into memory as one document, into shards as :func:`write_shards` does; its
+    last ``val_fraction`` of tokens are the ``val`` shards (the end of the text, as in nanoGPT's ``prepare.py``, so no
+    passage is in both splits). ``prefix`` defaults to the file's stem. Returns the shard paths.
     """
     path = Path(path)
     if not path.is_file():

@@ -1,8 +1,7 @@
-"""HellaSwag scored as build-nanogpt (and lm-evaluation-harness's "completion" style) does for a
-base model: each ending is appended to the context and scored by its cross-entropy over the
-*ending tokens only*. ``acc``: the lowest summed loss wins (favours short endings); ``acc_norm``:
-the lowest mean loss per token (build-nanogpt's number; GPT-2 124M scores 0.2955 on val).
-:class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``).
+"""HellaSwag scored as build-nanogpt (and lm-evaluation-harness's "completion" style) does for a base model: each ending
+is appended to the context and scored by its cross-entropy over the *ending tokens only*. ``acc``: the lowest summed
+loss wins (favours short endings); ``acc_norm``: the lowest mean loss per token (build-nanogpt's number; GPT-2 124M
+scores 0.2955 on val). :class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``).
 """
 
 from __future__ import annotations
@@ -193,9 +192,8 @@ def score_hellaswag(
 ) -> dict[str, float]:
     """HellaSwag accuracy of a causal LM on a jsonl file or example dicts: ``{"acc", "acc_norm", "n"}``.
 
-    ``limit`` scores only the first examples. With ``world_size > 1`` (under
-    ``torch.distributed``) rank ``r`` scores examples ``r, r + world_size, ...`` and the counts
-    are summed over ranks, so every rank returns the full result.
+    ``limit`` scores only the first examples. With ``world_size > 1`` (under ``torch.distributed``) rank ``r`` scores
+    examples ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns the full result.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")

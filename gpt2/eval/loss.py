@@ -84,16 +84,14 @@ def evaluate_loss(
 ) -> dict[str, float]:
     """Mean next-token cross-entropy of ``model`` over ``data``: ``{"loss", "perplexity", "tokens"}``.
 
-    ``data``: a 1-D token tensor / array, a token file, a directory of shards (``split`` picks
-    e.g. the "val" ones), or a loader. Batches are read in order from the start, every full batch
-    once or at most ``max_batches``; a batch is never read twice (short data logs a warning
-    unless ``warn_short=False``). A non-finite loss raises :class:`NonFiniteLossError` naming
-    ``source``.
+    ``data``: a 1-D token tensor / array, a token file, a directory of shards (``split`` picks e.g. the "val" ones), or
+    a loader. Batches are read in order from the start, every full batch once or at most ``max_batches``; a batch is
+    never read twice (short data logs a warning unless ``warn_short=False``). A non-finite loss raises
+    :class:`NonFiniteLossError` naming ``source``.
 
-    ``distributed=True`` under ``torchrun``: every rank calls this with the same arguments, rank
-    ``r`` scores batches ``r, r + world_size, ...`` and the sums are all-reduced, so every rank
-    returns the one-process result. A loader built for this rank and world size is read whole by
-    its rank (``max_batches`` then counts per rank).
+    ``distributed=True`` under ``torchrun``: every rank calls this with the same arguments, rank ``r`` scores batches
+    ``r, r + world_size, ...`` and the sums are all-reduced, so every rank returns the one-process result. A loader
+    built for this rank and world size is read whole by its rank (``max_batches`` then counts per rank).
     """
     if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
         raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")

@@ -202,9 +202,8 @@ class CheckpointData:
 def read_checkpoint(
     path: str | os.PathLike, *, trainer_state: bool = True, map_location: str | torch.device = "cpu"
 ) -> CheckpointData:
-    """Read one checkpoint directory and verify every file it reads (the sha256 catches a flipped
-    byte inside a tensor, which passes every other check); a :class:`CheckpointError` lists every
-    problem with its file."""
+    """Read one checkpoint directory and verify every file it reads (the sha256 catches a flipped byte inside a tensor,
+    which passes every other check); a :class:`CheckpointError` lists every problem with its file."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])

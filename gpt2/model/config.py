@@ -23,9 +23,8 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
 
 @dataclass(frozen=True)
 class Range:
-    """The values one numeric config field accepts: finite, of the right kind, within bounds.
-    NaN is refused explicitly: it passes every ``x < 0`` check, and ``grad_clip=nan`` turns every
-    weight NaN in one step."""
+    """The values one numeric config field accepts: finite, of the right kind, within bounds. NaN is refused explicitly:
+    it passes every ``x < 0`` check, and ``grad_clip=nan`` turns every weight NaN in one step."""
 
     low: float | None = None  # None = no lower bound
     high: float | None = None  # None = no upper bound

@@ -89,10 +89,9 @@ def check_tied_head(model: torch.nn.Module) -> None:
 
 
 def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
-    """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer
-    embedded; returns its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and
-    biases stay float32 as in llama.cpp's converter, and rows that do not split into q8_0's
-    32-value blocks fall back to f16."""
+    """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer embedded; returns
+    its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and biases stay float32 as in llama.cpp's
+    converter, and rows that do not split into q8_0's 32-value blocks fall back to f16."""
     gguf = _import_gguf()
     model = unwrap_model(model)
     config = getattr(model, "config", None)

@@ -105,10 +105,9 @@ def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
 
 
 def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
-    """A model name's source: a hub id (``str``) or an existing local path (``Path``). In order: an
-    official name (:data:`OFFICIAL_HUB_IDS`) is the hub; an existing path (``~`` expanded) is
-    local; a ``name`` / ``owner/name`` string is a hub id; anything else (and any ``PathLike``)
-    is a missing path: FileNotFoundError."""
+    """A model name's source: a hub id (``str``) or an existing local path (``Path``). In order: an official name
+    (:data:`OFFICIAL_HUB_IDS`) is the hub; an existing path (``~`` expanded) is local; a ``name`` / ``owner/name``
+    string is a hub id; anything else (and any ``PathLike``) is a missing path: FileNotFoundError."""
     if isinstance(name_or_path, str) and name_or_path in OFFICIAL_HUB_IDS:
         return name_or_path
     if not isinstance(name_or_path, (str, os.PathLike)):
@@ -267,11 +266,10 @@ def save_pretrained(
 ) -> Path:
     """Write ``model`` as a ``transformers.GPT2LMHeadModel`` directory; returns its path.
 
-    ``config.json`` plus ``model.safetensors`` (padding stripped, the tied head stored once), or
-    a tensors-only ``pytorch_model.bin`` with ``safe_serialization=False``. GPT-2's tokenizer
-    files come along (from :func:`gpt2.model.tokenizer.bpe_files`, or ``tokenizer_dir``), so
-    ``AutoTokenizer`` and llama.cpp's converter work on the folder; without ``tokenizer_dir``, a
-    model whose vocabulary is not GPT-2's 50257 tokens gets none.
+    ``config.json`` plus ``model.safetensors`` (padding stripped, the tied head stored once), or a tensors-only
+    ``pytorch_model.bin`` with ``safe_serialization=False``. GPT-2's tokenizer files come along (from
+    :func:`gpt2.model.tokenizer.bpe_files`, or ``tokenizer_dir``), so ``AutoTokenizer`` and llama.cpp's converter work
+    on the folder; without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
     """
     from safetensors.torch import save
 

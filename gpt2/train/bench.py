@@ -1,7 +1,6 @@
-"""The speed-up ladder: one training configuration per rung, each adding one optimisation to
-the rungs above it (:data:`RUNGS`): fp32 (explicit softmax attention, vocab 50257, for-each AdamW),
-TF32 matmuls (CUDA only), bf16 autocast, ``torch.compile``, flash attention (SDPA), the vocabulary
-padded to 50304, fused AdamW.
+"""The speed-up ladder: one training configuration per rung, each adding one optimisation to the rungs above it
+(:data:`RUNGS`): fp32 (explicit softmax attention, vocab 50257, for-each AdamW), TF32 matmuls (CUDA only), bf16
+autocast, ``torch.compile``, flash attention (SDPA), the vocabulary padded to 50304, fused AdamW.
 
 Every rung builds a fresh model from one seed and times :meth:`gpt2.train.trainer.Trainer.train_step`
 itself (data, forward, backward, clipping, optimizer step) after ``warmup`` untimed steps, in
@@ -89,11 +88,10 @@ def run_ladder(
 ) -> list[RungResult]:
     """Time ``repeats`` blocks of ``steps`` training steps (after ``warmup`` untimed ones) for each rung.
 
-    ``compile=None`` compiles on CUDA and skips the compile rung elsewhere (compiling on a CPU
-    takes longer than the whole smoke run; pass True to force it); with ``compile=False`` the
-    later rungs run without compilation. ``vocab_size`` overrides GPT-2's 50257 (a smaller
-    vocabulary keeps CPU smoke runs fast; vocab_pad still rounds it up to a multiple of 64).
-    ``on_result`` is called after each rung.
+    ``compile=None`` compiles on CUDA and skips the compile rung elsewhere (compiling on a CPU takes longer than the
+    whole smoke run; pass True to force it); with ``compile=False`` the later rungs run without compilation.
+    ``vocab_size`` overrides GPT-2's 50257 (a smaller vocabulary keeps CPU smoke runs fast; vocab_pad still rounds it up
+    to a multiple of 64). ``on_result`` is called after each rung.
     """
     rungs = list(RUNGS if rungs is None else rungs)
     for rung in rungs:
@@ -198,10 +196,9 @@ SPREAD_WARNING = 0.10  # repeats further apart than this get a note under the ta
 
 
 def format_table(results: Sequence[RungResult], title: str | None = None) -> str:
-    """A markdown table to paste into an issue: ``title`` (device, torch version, shape) first,
-    then per rung ms/step (median of the repeats), their spread, tokens/s, MFU, peak CUDA memory
-    and speed-up over the first timed rung; then a note naming rungs whose repeats disagree by
-    more than 10%."""
+    """A markdown table to paste into an issue: ``title`` (device, torch version, shape) first, then per rung ms/step
+    (median of the repeats), their spread, tokens/s, MFU, peak CUDA memory and speed-up over the first timed rung; then
+    a note naming rungs whose repeats disagree by more than 10%."""
     lines = [title, ""] if title else []
     lines += [
         "| rung | ms/step | spread | tokens/s | MFU | peak memory | speed-up | note |",

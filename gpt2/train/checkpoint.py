@@ -1,11 +1,10 @@
 """Atomic checkpoints of the raw model, optimizer, loss scaler, RNG states and data position.
 
-``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.pt`` (optimizer, scaler, RNG:
-tensors and containers only), ``trainer_state.json`` and ``SHA256SUMS`` (formats:
-:mod:`gpt2.model.checkpoint_files`). It is written into a temporary directory beside the final
-one, fsynced, then renamed into place: a crash mid-save leaves the previous checkpoints untouched;
-a failed save raises :class:`CheckpointSaveError` naming the previous one. ``trainable_only=True``
-stores the trainable parameters alone (LoRA), with the base model's fingerprint.
+``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.pt`` (optimizer, scaler, RNG: tensors and
+containers only), ``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written
+into a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
+checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the previous one.
+``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint.
 """
 
 from __future__ import annotations
@@ -321,11 +320,10 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and optimizer / scaler / RNG); return its metadata.
 
-    ``path``: a checkpoint, or a ``checkpoints`` / run directory (its newest checkpoint that is
-    intact and fits). All is verified before the model is touched; nothing is unpickled. A state
-    that does not fit raises :class:`CheckpointMismatchError`; ``weights_only`` loads the weights
-    alone. Adapters saved on another base raise :class:`minlora.AdapterBaseMismatchError` unless
-    ``allow_base_mismatch``.
+    ``path``: a checkpoint, or a ``checkpoints`` / run directory (its newest checkpoint that is intact and fits). All is
+    verified before the model is touched; nothing is unpickled. A state that does not fit raises
+    :class:`CheckpointMismatchError`; ``weights_only`` loads the weights alone. Adapters saved on another base raise
+    :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``.
     """
     need_state = not weights_only and (optimizer is not None or scaler is not None or restore_rng)
 

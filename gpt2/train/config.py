@@ -92,11 +92,10 @@ class TrainConfig:
 
     # --- safety ----------------------------------------------------------------------------
     max_bad_steps: int = 5  # non-finite steps in a row (each skipped) before recovery / TrainingDivergedError
-    # Divergence recovery (docs/training.md, "my loss went NaN"): when max_bad_steps non-finite
-    # steps come in a row, or the loss stays above divergence_factor x the best loss so far for
-    # divergence_patience steps, go back to the newest good checkpoint (or an in-memory copy
-    # before the first one), multiply the learning rate by recovery_lr_factor, skip the batches
-    # that blew up and go on; after max_recoveries recoveries stop with TrainingDivergedError.
+    # Divergence recovery (docs/training.md, "my loss went NaN"): when max_bad_steps non-finite steps come in a row, or
+    # the loss stays above divergence_factor x the best loss so far for divergence_patience steps, go back to the newest
+    # good checkpoint (or an in-memory copy before the first one), multiply the learning rate by recovery_lr_factor,
+    # skip the batches that blew up and go on; after max_recoveries recoveries stop with TrainingDivergedError.
     # recover=False: no divergence detection, non-finite steps stop the run as before.
     recover: bool = True  # divergence recovery (above); False: non-finite steps stop the run
     max_recoveries: int = 3  # recoveries before the run stops with TrainingDivergedError

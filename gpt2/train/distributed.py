@@ -107,10 +107,9 @@ def init_process_group(env: DistributedEnv, device: torch.device) -> bool:
 
 
 def destroy_process_group(wait_for_all: bool = True) -> None:
-    """Leave the process group. ``wait_for_all`` first waits at a barrier: rank 0 may still be
-    writing checkpoints and plots, and a rank that tears its gloo connections down under it has
-    been seen to abort ("terminate called without an active exception"). Skip the barrier when
-    leaving because of an error, which the other ranks may never reach."""
+    """Leave the process group. ``wait_for_all`` first waits at a barrier: rank 0 may still be writing checkpoints and
+    plots, and a rank that tears its gloo connections down under it has been seen to abort ("terminate called without an
+    active exception"). Skip the barrier when leaving because of an error, which the other ranks may never reach."""
     if dist.is_available() and dist.is_initialized():
         if wait_for_all:
             dist.barrier()

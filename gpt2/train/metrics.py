@@ -40,10 +40,9 @@ class Peaks(NamedTuple):
     bf16: float  # bf16 / fp16 tensor cores with fp32 accumulation (fp16 on V100 and T4: no bf16)
 
 
-# From NVIDIA's data sheets (H100/H200/GH200, A100, A30, A40, A10, L40S, L40, L4, V100, T4) and the
-# Ampere (GA102) and Ada (AD102) architecture white papers for the RTX cards: dense numbers, i.e.
-# half of the "with sparsity" figures the data sheets print for TF32 and bf16. Patterns are tried
-# in order, so the more specific names come first.
+# From NVIDIA's data sheets (H100/H200/GH200, A100, A30, A40, A10, L40S, L40, L4, V100, T4) and the Ampere (GA102) and
+# Ada (AD102) architecture white papers for the RTX cards: dense numbers, i.e. half of the "with sparsity" figures the
+# data sheets print for TF32 and bf16. Patterns are tried in order, so the more specific names come first.
 PEAK_FLOPS: list[tuple[str, Peaks]] = [
     (r"H200", Peaks(67e12, 494.5e12, 989.5e12)),
     (r"H100.*PCIe", Peaks(51e12, 378e12, 756e12)),
@@ -308,11 +307,10 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
 
 
 class FitLog:
-    """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl``
-    (keeping its records up to ``step``), the Trainer's sinks, the ``TrainConfig.log_to`` sinks and the
-    progress bar. ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it
-    still owns ``out_dir``). :meth:`close` closes (flushes) what this call opened; the Trainer's own
-    sinks stay open for its next call."""
+    """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl`` (keeping its
+    records up to ``step``), the Trainer's sinks, the ``TrainConfig.log_to`` sinks and the progress bar.
+    ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it still owns ``out_dir``).
+    :meth:`close` closes (flushes) what this call opened; the Trainer's own sinks stay open for its next call."""
 
     def __init__(
         self,

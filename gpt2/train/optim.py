@@ -84,10 +84,9 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """:class:`torch.optim.Muon` and :class:`torch.optim.AdamW` as one optimizer: ``param_groups``
-    are the children's own group dicts (AdamW's, then Muon's, tagged ``"optimizer"``) and ``state``
-    one dict shared by both, so state dicts, ``zero_grad``, ``GradScaler`` and clipping see one
-    ordinary optimizer."""
+    """:class:`torch.optim.Muon` and :class:`torch.optim.AdamW` as one optimizer: ``param_groups`` are the children's
+    own group dicts (AdamW's, then Muon's, tagged ``"optimizer"``) and ``state`` one dict shared by both, so state
+    dicts, ``zero_grad``, ``GradScaler`` and clipping see one ordinary optimizer."""
 
     def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon) -> None:
         self.optimizers = (adamw, muon)
@@ -139,9 +138,8 @@ def build_optimizer(
     muon_lr: float = 0.02,
     muon_weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters of ``model`` with :func:`param_groups`; with
-    ``optimizer="muon"`` a :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`,
-    AdamW at peak ``lr`` for the rest."""
+    """AdamW over the trainable parameters of ``model`` with :func:`param_groups`; with ``optimizer="muon"`` a
+    :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`, AdamW at peak ``lr`` for the rest."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
     matrices = muon_params(model) if optimizer == "muon" else []

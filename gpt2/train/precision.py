@@ -1,12 +1,11 @@
 """Precision policies: one object per numeric regime of training.
 
-``fp32`` (IEEE matmuls), ``tf32`` (TF32 tensor cores on CUDA), ``bf16`` and ``fp16`` (autocast).
-The weights always stay fp32: autocast casts them inside each matmul and the optimizer updates the
-fp32 copy, so tiny updates are not rounded away; the loss is computed in fp32 whatever the policy.
-fp16 alone needs dynamic loss scaling (``torch.amp.GradScaler``): its range (max 65,504, smallest
-normal 6e-5) makes gradients overflow or underflow. The scaled loss avoids underflow; ``unscale_``
-runs *before* clipping (the threshold applies to true gradients) and a step with inf/nan gradients
-is skipped while the scale halves (it doubles again every 2,000 good steps).
+``fp32`` (IEEE matmuls), ``tf32`` (TF32 tensor cores on CUDA), ``bf16`` and ``fp16`` (autocast). The weights always stay
+fp32: autocast casts them inside each matmul and the optimizer updates the fp32 copy, so tiny updates are not rounded
+away; the loss is computed in fp32 whatever the policy. fp16 alone needs dynamic loss scaling
+(``torch.amp.GradScaler``): its range (max 65,504, smallest normal 6e-5) makes gradients overflow or underflow. The
+scaled loss avoids underflow; ``unscale_`` runs *before* clipping (the threshold applies to true gradients) and a step
+with inf/nan gradients is skipped while the scale halves (it doubles again every 2,000 good steps).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""What stops a run early and what brings it back: a stop signal (:class:`gpt2.files.StopSignals`)
-ends it at a step boundary with :class:`TrainingInterrupted`; :class:`DivergenceMonitor` says when
-the loss has diverged.
+"""What stops a run early and what brings it back: a stop signal (:class:`gpt2.files.StopSignals`) ends it at a step
+boundary with :class:`TrainingInterrupted`; :class:`DivergenceMonitor` says when the loss has diverged.
 """
 
 from __future__ import annotations
@@ -12,10 +11,9 @@ from typing import Any
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """A stop signal ended :meth:`gpt2.Trainer.fit` at a step boundary, after a checkpoint
-    (``checkpoint`` is None without ``out_dir``). A KeyboardInterrupt, so code that catches
-    Ctrl-C catches it; the command line exits with ``128 + signum`` (130 for Ctrl-C, 143 for
-    SIGTERM, 129 for SIGHUP)."""
+    """A stop signal ended :meth:`gpt2.Trainer.fit` at a step boundary, after a checkpoint (``checkpoint`` is None
+    without ``out_dir``). A KeyboardInterrupt, so code that catches Ctrl-C catches it; the command line exits with
+    ``128 + signum`` (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
 
     def __init__(self, signum: int, *, step: int, checkpoint: Path | None):
         name = signal.Signals(signum).name

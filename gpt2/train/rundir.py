@@ -1,6 +1,5 @@
-"""One run per ``out_dir``. Two processes training into one ``out_dir`` destroy each other's work,
-and a fresh run among another run's checkpoints mixes with them. So :func:`start_run` (rank 0
-works, every rank learns the outcome):
+"""One run per ``out_dir``. Two processes training into one ``out_dir`` destroy each other's work, and a fresh run among
+another run's checkpoints mixes with them. So :func:`start_run` (rank 0 works, every rank learns the outcome):
 
 1. takes ``<out_dir>/run.lock`` (pid, host, start time), ``fcntl.flock``-ed for the run's life: a
    crash leaves no stuck lock on this host; another host's record is refused with how to remove it;

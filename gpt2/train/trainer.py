@@ -3,11 +3,10 @@
     trainer = Trainer(model, TrainConfig(...), train_data, val_data)
     history = trainer.fit()
 
-``trainer.model`` is the raw module (checkpoints and generation use it: no ``_orig_mod.`` /
-``module.`` prefixes), ``trainer.eval_model`` the ``torch.compile``d one when compiling, and
-``trainer.train_model`` that wrapped in DDP under torchrun; all three share the parameters.
-Resuming, skipped steps, divergence recovery and stop signals: docs/training.md ("Checkpoints
-and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`.
+``trainer.model`` is the raw module (checkpoints and generation use it: no ``_orig_mod.`` / ``module.`` prefixes),
+``trainer.eval_model`` the ``torch.compile``d one when compiling, and ``trainer.train_model`` that wrapped in DDP under
+torchrun; all three share the parameters. Resuming, skipped steps, divergence recovery and stop signals:
+docs/training.md ("Checkpoints and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`.
 """
 
 from __future__ import annotations
@@ -328,10 +327,9 @@ class Trainer:
         )
 
     def _recover(self, record: dict[str, Any]) -> None:
-        """Go back to the newest good state (an intact checkpoint written before the trouble
-        began, else the in-memory copy), multiply the learning rate by ``recovery_lr_factor``
-        and go on reading the data *after* the batches that blew up. Every rank decides alike:
-        the loss and gradient norm it judges are all-reduced."""
+        """Go back to the newest good state (an intact checkpoint written before the trouble began, else the in-memory
+        copy), multiply the learning rate by ``recovery_lr_factor`` and go on reading the data *after* the batches that
+        blew up. Every rank decides alike: the loss and gradient norm it judges are all-reduced."""
         cfg = self.config
         if not cfg.recover or self.recoveries >= cfg.max_recoveries:
             raise self._diverged(record)
