@@ -206,11 +206,10 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
         ) from e
     except Exception as e:  # offline, DNS, proxy, timeouts: all end here
         raise ConnectionError(
-            f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could "
-            f"not be reached ({type(e).__name__}: {e}). Either download it once with network access "
-            f"(it is then cached under $HF_HOME, default ~/.cache/huggingface; point HF_HOME or "
-            f"cache_dir= at an existing cache), or pass the path of a local directory holding "
-            f"config.json and model.safetensors, e.g. one written by save_pretrained"
+            f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could not be reached "
+            f"({type(e).__name__}: {e}). Either download it once with network access (it is then cached under "
+            "$HF_HOME, default ~/.cache/huggingface; point HF_HOME or cache_dir= at an existing cache), or pass the "
+            "path of a local directory holding config.json and model.safetensors, e.g. one written by save_pretrained"
         ) from e
     return folder
 

@@ -97,9 +97,8 @@ def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
     if vocab_bpe is None or encoder_json is None:
         found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else "no such directory"
         raise TokenizerNotAvailableError(
-            f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must "
-            "contain GPT-2's vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found "
-            f"{found}"
+            f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must contain GPT-2's "
+            f"vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found {found}"
         )
     return vocab_bpe, encoder_json
 
@@ -126,9 +125,8 @@ class Tokenizer:
         ranks = _read_gpt2_bpe(vocab_bpe, encoder_json)
         if len(ranks) != GPT2_VOCAB_SIZE - 1:
             raise ValueError(
-                f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable "
-                f"tokens; GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + "
-                "<|endoftext|>): are these GPT-2's files?"
+                f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable tokens; GPT-2's BPE "
+                f"has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + <|endoftext|>): are these GPT-2's files?"
             )
         encoding = tiktoken.Encoding(
             name="gpt2",

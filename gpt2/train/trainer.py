@@ -74,10 +74,9 @@ class Trainer:
         model: the raw model, in fp32 (the precision policy handles the low-precision compute).
             Only parameters with ``requires_grad=True`` are trained.
         config: a :class:`gpt2.TrainConfig`.
-        train_data / val_data: tokens, a token file, a shard directory (files named "train" /
-            "val") or a :class:`gpt2.data.TokenLoader` built for this run's micro_batch_size,
-            seq_len, rank and world_size (see :func:`gpt2.data.loader.make_loader`). ``val_data=None``:
-            no validation.
+        train_data / val_data: tokens, a token file, a shard directory (files named "train" / "val") or a
+            :class:`gpt2.data.TokenLoader` built for this run's micro_batch_size, seq_len, rank and world_size (see
+            :func:`gpt2.data.loader.make_loader`). ``val_data=None``: no validation.
         sinks: where the per-step records go besides ``out_dir/metrics.jsonl``: objects with
             ``log(record)`` or callables. Default: a :class:`gpt2.train.metrics.ConsoleSink` printing
             every ``log_interval`` steps; ``[]`` for silence. Only rank 0 calls them.
