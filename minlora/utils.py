@@ -147,9 +147,8 @@ def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
     linear, embedding, lin, emb = _pair(linear, embedding, "tie_weights")
     if lin.use_dora or emb.use_dora:  # DoRA normalises the head's vocab rows but the embedding's dims
         raise ValueError(
-            "tie_weights: DoRA's magnitude belongs to each layer's output channels (the head's vocabulary "
-            "rows, the embedding's dimensions), so one DoRA update cannot be shared; tie plain LoRA, "
-            "or keep the layers untied"
+            "tie_weights: DoRA's magnitude belongs to each layer's output channels (the head's vocabulary rows, the "
+            "embedding's dimensions), so one DoRA update cannot be shared; tie plain LoRA, or keep the layers untied"
         )
     if lin.lora_B.shape != emb.lora_A.shape or lin.lora_A.shape != emb.lora_B.shape:
         raise ValueError(

@@ -154,12 +154,9 @@ class Trainer:
         )
         self.vocab_size = vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
         loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=vocab_size)
-        self.train_loader = make_loader(train_data, "train", config.micro_batch_size, config.seq_len, **loader_args)
-        self.val_loader = (
-            make_loader(val_data, "val", config.micro_batch_size, config.seq_len, **loader_args)
-            if val_data is not None
-            else None
-        )
+        shape = (config.micro_batch_size, config.seq_len)
+        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
+        self.val_loader = make_loader(val_data, "val", *shape, **loader_args) if val_data is not None else None
 
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
