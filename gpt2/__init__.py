@@ -2,8 +2,7 @@
 
 The model (124M to 1.5B presets), generation with a KV cache, Hugging Face weight loading and
 export, the GPT-2 tokenizer, token shards and a rank-aware loader, and a ``Trainer`` with every
-speed-up of the GPT-2 reproductions. ``from gpt2 import GPT, GPTConfig, Trainer, TrainConfig``.
-"""
+speed-up of the GPT-2 reproductions. ``from gpt2 import GPT, GPTConfig, Trainer, TrainConfig``."""
 
 from gpt2.data import (
     TokenLoader,

@@ -84,8 +84,7 @@ def download(
     """Fetch ``url`` into ``dest`` atomically, or raise :class:`DownloadError` saying how to work
     offline (``offline_hint`` then ``dest``). The bytes are checked against ``sha256`` and/or by
     ``validate`` (raising ``ValueError``) first, so a truncated download or an HTML error page is
-    never cached. ``progress``: a byte counter on stderr for downloads slower than half a second.
-    """
+    never cached. ``progress``: a byte counter on stderr for downloads slower than half a second."""
 
     def fail(reason: str) -> DownloadError:
         return DownloadError(

@@ -56,8 +56,7 @@ class LoRAParametrization(nn.Module):
     ``(rank, fan_out)``, ``delta = A @ B``, so :func:`minlora.tie_weights` can share one update.
     ``use_dora`` (Liu et al. 2024, computed as PEFT does): ``m * V / ||V||_c`` with ``V = W + scaling * delta``,
     ``||V||_c`` each output channel's norm (a constant for backprop), ``m`` the learned ``lora_magnitude_vector``,
-    starting at ``||W||_c``.
-    """
+    starting at ``||W||_c``."""
 
     def __init__(
         self,

@@ -4,8 +4,7 @@ Each command is a module of this package holding its options dataclass and the f
 :class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); tyro turns the fields into flags, over the defaults
 :mod:`gpt2.cli.layers` sets. A bad flag, value or file ends with a one-line error and exit code 2; another failure exits
 1 (``GPT2_DEBUG=1`` shows the traceback); Ctrl-C, SIGTERM and SIGHUP stop training at a step boundary with a checkpoint
-and a resume line, exit code 128 + the signal.
-"""
+and a resume line, exit code 128 + the signal."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ It does what ``torchrun --standalone --nproc-per-node N -m gpt2 train ...`` does
 built on, except that a stop signal (Ctrl-C, SIGTERM, SIGHUP) ends the run with rank 0's one line (where the checkpoint
 is, how to resume) and exit code 128 + the signal: torchrun's own agent prints a ``SignalException`` traceback the
 workers cannot change. The workers get the launcher's resolved options as a ``--config`` file (what ``--print-config``
-writes), so every rank runs exactly the options the launcher saw.
-"""
+writes), so every rank runs exactly the options the launcher saw."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml``, or any 
 example script's own defaults, ``--config FILE`` and the flags. All but the flags make the default
 instance tyro parses the flags over, so ``--help`` shows the values a run would use. A YAML file
 maps option names (``max_steps`` or ``max-steps``; a prefixed group such as ``lora`` is a mapping)
-to values converted by tyro's rule for the field's type; ``--print-config`` writes that format.
-"""
+to values converted by tyro's rule for the field's type; ``--print-config`` writes that format."""
 
 from __future__ import annotations
 

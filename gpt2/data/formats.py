@@ -4,8 +4,7 @@
 token count, zeros), then the tokens; magic 20240520 / version 1 holds GPT-2's ``uint16`` ids, 20240801 / version 7
 ``uint32`` ones. A ``.bin`` without a header is nanoGPT's raw ``uint16`` layout: it says nothing about its dtype, so it
 is only accepted when it fits (an even size, and not the every-other-value-zero pattern of int32 ids). A folder written
-by ``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`).
-"""
+by ``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`)."""
 
 from __future__ import annotations
 
@@ -200,8 +199,7 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
 
     ``mmap=True`` memory-maps it, so opening a 100M-token shard costs nothing until its pages are
     read. With ``vocab_size`` every id is checked to be below it. Files that are empty, damaged
-    or ambiguous raise ``ValueError`` naming the file.
-    """
+    or ambiguous raise ``ValueError`` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token file {str(path)!r} does not exist (or is not a file)")

@@ -20,8 +20,7 @@ stop) only: prompt and padding targets are :data:`gpt2.model.IGNORE_INDEX`.
 Each row is one sequence padded to ``seq_len``, or with ``pack=True`` rows are packed greedily, in order, into
 ``seq_len + 1``-token windows without splitting a row. Packed rows are isolated: batches carry each token's position
 within its row and a block-diagonal causal mask (:func:`packed_inputs`), so every row is computed exactly as it would be
-alone. The Trainer's loss is the mean over the global batch's scored targets (a batch without any is skipped).
-"""
+alone. The Trainer's loss is the mean over the global batch's scored targets (a batch without any is skipped)."""
 
 from __future__ import annotations
 
@@ -159,8 +158,7 @@ class InstructionLoader:
     One step of all ranks takes ``batch_size * world_size`` sequences of the epoch's order, rank ``r`` the ``r``-th
     ``batch_size``. With ``shuffle`` (training) each epoch has its permutation from ``(seed, epoch)`` and a last partial
     step is dropped; without (validation) the order is fixed and the last step is padded with all-ignored sequences, so
-    a pass scores every row once. The state is ``{epoch, position}``: resuming continues the same order exactly.
-    """
+    a pass scores every row once. The state is ``{epoch, position}``: resuming continues the same order exactly."""
 
     def __init__(
         self,

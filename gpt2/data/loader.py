@@ -101,8 +101,7 @@ class TokenLoader:
     ``B*T + 1`` from ``position + r*B*T``; when the next step would run past the shard's end the loader moves to the
     next shard (wrapping around) at position 0. So one rank with batch ``2B`` reads the rows two ranks with batch ``B``
     read, and :meth:`state_dict` is rank-independent. With ``vocab_size`` each shard's ids are checked on the CPU when
-    it is opened, so a bad id is named with its file before it reaches the GPU.
-    """
+    it is opened, so a bad id is named with its file before it reaches the GPU."""
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
 """Tokenising text into build-nanogpt's FineWeb-edu layout: 1-D ``uint16`` shards named
 ``{prefix}_{split}_{index:06d}.npy`` (or llm.c's ``.bin``), the first one ``val``. GPT-2's 50257
-ids fit ``uint16``, half the disk and page cache of ``int32``.
-"""
+ids fit ``uint16``, half the disk and page cache of ``int32``."""
 
 from __future__ import annotations
 
@@ -263,8 +262,7 @@ def write_shards(
     on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``: any object with ``encode_ordinary`` and
     ``eot_token``; ``num_workers > 0`` tokenises in a process pool (same shards). The set and its manifest are written
     whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards with the
-    same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
-    """
+    same prefix raise :class:`FileExistsError` unless ``overwrite=True``."""
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     tokenizer = writer.tokenizer
     num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
@@ -322,8 +320,7 @@ def tokenize_file(
 ) -> list[Path]:
     """Tokenise one UTF-8 text file, read into memory as one document, into shards as :func:`write_shards` does; its
     last ``val_fraction`` of tokens are the ``val`` shards (the end of the text, as in nanoGPT's ``prepare.py``, so no
-    passage is in both splits). ``prefix`` defaults to the file's stem. Returns the shard paths.
-    """
+    passage is in both splits). ``prefix`` defaults to the file's stem. Returns the shard paths."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")

@@ -1,8 +1,7 @@
 """HellaSwag scored as build-nanogpt (and lm-evaluation-harness's "completion" style) does for a base model: each ending
 is appended to the context and scored by its cross-entropy over the *ending tokens only*. ``acc``: the lowest summed
 loss wins (favours short endings); ``acc_norm``: the lowest mean loss per token (build-nanogpt's number; GPT-2 124M
-scores 0.2955 on val). :class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``).
-"""
+scores 0.2955 on val). :class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``)."""
 
 from __future__ import annotations
 
@@ -146,8 +145,7 @@ def ending_losses(
     """Summed and mean cross-entropy of the masked (ending) tokens of each row: two ``(N,)``.
 
     Rows longer than the model's context keep their last ``block_size`` tokens (the endings
-    always fit; the context is cropped on the left, the same for every row).
-    """
+    always fit; the context is cropped on the left, the same for every row)."""
     block_size = getattr(getattr(model, "config", None), "block_size", None)
     if block_size is not None and tokens.size(1) > block_size:
         drop = tokens.size(1) - block_size
@@ -193,8 +191,7 @@ def score_hellaswag(
     """HellaSwag accuracy of a causal LM on a jsonl file or example dicts: ``{"acc", "acc_norm", "n"}``.
 
     ``limit`` scores only the first examples. With ``world_size > 1`` (under ``torch.distributed``) rank ``r`` scores
-    examples ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns the full result.
-    """
+    examples ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns the full result."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
     if world_size < 1 or not 0 <= rank < world_size:

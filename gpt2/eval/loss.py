@@ -91,8 +91,7 @@ def evaluate_loss(
 
     ``distributed=True`` under ``torchrun``: every rank calls this with the same arguments, rank ``r`` scores batches
     ``r, r + world_size, ...`` and the sums are all-reduced, so every rank returns the one-process result. A loader
-    built for this rank and world size is read whole by its rank (``max_batches`` then counts per rank).
-    """
+    built for this rank and world size is read whole by its rank (``max_batches`` then counts per rank)."""
     if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
         raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
     rank, world_size = 0, 1

@@ -3,8 +3,7 @@ before any model is touched, and finding the newest intact checkpoint.
 
 A checkpoint is a directory ``step_000100/`` holding ``model.safetensors`` (the weights),
 ``trainer_state.pt`` (optimizer, scaler and RNG states), ``trainer_state.json`` (the step and
-metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format).
-"""
+metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format)."""
 
 from __future__ import annotations
 

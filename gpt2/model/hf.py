@@ -268,8 +268,7 @@ def save_pretrained(
     ``config.json`` plus ``model.safetensors`` (padding stripped, the tied head stored once), or a tensors-only
     ``pytorch_model.bin`` with ``safe_serialization=False``. GPT-2's tokenizer files come along (from
     :func:`gpt2.model.tokenizer.bpe_files`, or ``tokenizer_dir``), so ``AutoTokenizer`` and llama.cpp's converter work
-    on the folder; without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
-    """
+    on the folder; without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none."""
     from safetensors.torch import save
 
     inner = unwrap_model(model)

@@ -63,8 +63,7 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
 
     Conv1D weights are transposed, the embedding is zero-padded to ``padded_vocab_size``,
     ``lm_head.weight`` must equal it (GPT-2 ties them), and with ``bias=False`` the biases must
-    be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape.
-    """
+    be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape."""
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
     sd: dict[str, torch.Tensor] = {}

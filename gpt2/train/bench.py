@@ -5,8 +5,7 @@ autocast, ``torch.compile``, flash attention (SDPA), the vocabulary padded to 50
 Every rung builds a fresh model from one seed and times :meth:`gpt2.train.trainer.Trainer.train_step`
 itself (data, forward, backward, clipping, optimizer step) after ``warmup`` untimed steps, in
 ``repeats`` blocks of ``steps``: ms/step is the median of the blocks' medians and ``spread`` is
-(slowest - fastest block) / median, so a busy machine shows as a large spread, not a wrong number.
-"""
+(slowest - fastest block) / median, so a busy machine shows as a large spread, not a wrong number."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ def run_ladder(
     ``compile=None`` compiles on CUDA and skips the compile rung elsewhere (compiling on a CPU takes longer than the
     whole smoke run; pass True to force it); with ``compile=False`` the later rungs run without compilation.
     ``vocab_size`` overrides GPT-2's 50257 (a smaller vocabulary keeps CPU smoke runs fast; vocab_pad still rounds it up
-    to a multiple of 64). ``on_result`` is called after each rung.
-    """
+    to a multiple of 64). ``on_result`` is called after each rung."""
     rungs = list(RUNGS if rungs is None else rungs)
     for rung in rungs:
         rung_settings(rung)  # validates the name

@@ -4,8 +4,7 @@
 containers only), ``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written
 into a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
 checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the previous one.
-``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint.
-"""
+``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint."""
 
 from __future__ import annotations
 
@@ -140,8 +139,7 @@ def save_checkpoint(
     """Write ``<root>/step_{step:06d}`` atomically and return its path.
 
     Raises :class:`NonFiniteWeightsError` (writing nothing) if any weight is inf/nan.
-    ``keep_last`` > 0 deletes all but the newest ``keep_last`` checkpoints afterwards.
-    """
+    ``keep_last`` > 0 deletes all but the newest ``keep_last`` checkpoints afterwards."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     raw = unwrap_model(model)
@@ -323,8 +321,7 @@ def load_checkpoint(
     ``path``: a checkpoint, or a ``checkpoints`` / run directory (its newest checkpoint that is intact and fits). All is
     verified before the model is touched; nothing is unpickled. A state that does not fit raises
     :class:`CheckpointMismatchError`; ``weights_only`` loads the weights alone. Adapters saved on another base raise
-    :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``.
-    """
+    :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``."""
     need_state = not weights_only and (optimizer is not None or scaler is not None or restore_rng)
 
     def check(data: CheckpointData) -> None:

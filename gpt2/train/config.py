@@ -28,8 +28,7 @@ class TrainConfig:
     """Everything :class:`gpt2.train.trainer.Trainer` needs besides the model and the data.
 
     Steps are counted from 1: the record of step ``s`` describes the ``s``-th optimizer update and
-    ``checkpoints/step_000s`` holds the weights after it.
-    """
+    ``checkpoints/step_000s`` holds the weights after it."""
 
     # --- batch and length of the run -----------------------------------------------------
     micro_batch_size: int = 16  # sequences per forward/backward on one process

@@ -1,7 +1,6 @@
 """Data-parallel training under ``torchrun`` (one process per GPU, told who it is by ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``): process group (NCCL on GPUs, gloo on CPUs), reductions, no_sync.
-No module-level state: the Trainer keeps a :class:`DistributedEnv`.
-"""
+No module-level state: the Trainer keeps a :class:`DistributedEnv`."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ A step record is a plain dict: ``step, loss, lr, grad_norm, dt_ms, tokens_per_se
 scored_tokens, skipped, skipped_steps``, plus ``loss_scale`` (fp16) and ``val_loss`` (evaluation
 steps). ``mfu`` is FLOPs per token (:meth:`gpt2.model.GPT.flops_per_token`) x tokens/s over the
 peak FLOP/s of the run's precision (fp32 runs against the fp32 peak); None on CPU and on GPUs
-missing from :data:`PEAK_FLOPS` unless a peak is given.
-"""
+missing from :data:`PEAK_FLOPS` unless a peak is given."""
 
 from __future__ import annotations
 

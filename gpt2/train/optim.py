@@ -2,8 +2,7 @@
 
 Weight decay suits the matmul matrices (2-D and larger), not biases and LayerNorm gains (1-D);
 embeddings (found by module type, so the tied LM head counts once, as one) are exempt unless
-``decay_embeddings=True`` (build-nanogpt decays them; most later recipes do not).
-"""
+``decay_embeddings=True`` (build-nanogpt decays them; most later recipes do not)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ fp32: autocast casts them inside each matmul and the optimizer updates the fp32 
 away; the loss is computed in fp32 whatever the policy. fp16 alone needs dynamic loss scaling
 (``torch.amp.GradScaler``): its range (max 65,504, smallest normal 6e-5) makes gradients overflow or underflow. The
 scaled loss avoids underflow; ``unscale_`` runs *before* clipping (the threshold applies to true gradients) and a step
-with inf/nan gradients is skipped while the scale halves (it doubles again every 2,000 good steps).
-"""
+with inf/nan gradients is skipped while the scale halves (it doubles again every 2,000 good steps)."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
 
     Only through PyTorch 2.9's ``fp32_precision`` settings: once they are set, the legacy getters
-    (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those.
-    """
+    (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those."""
     value = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = value
     torch.backends.cudnn.conv.fp32_precision = value

@@ -1,6 +1,5 @@
 """What stops a run early and what brings it back: a stop signal (:class:`gpt2.files.StopSignals`) ends it at a step
-boundary with :class:`TrainingInterrupted`; :class:`DivergenceMonitor` says when the loss has diverged.
-"""
+boundary with :class:`TrainingInterrupted`; :class:`DivergenceMonitor` says when the loss has diverged."""
 
 from __future__ import annotations
 

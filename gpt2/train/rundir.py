@@ -7,8 +7,7 @@ another run's checkpoints mixes with them. So :func:`start_run` (rank 0 works, e
 3. refuses files gpt2 did not write where the run would write (always), other files of the user
    (unless ``overwrite``, which keeps them), and another run (unless ``resume`` or ``overwrite``);
    ``out_dir/.gpt2-outputs.json`` lists what gpt2 wrote;
-4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing.
-"""
+4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@
 ``trainer.model`` is the raw module (checkpoints and generation use it: no ``_orig_mod.`` / ``module.`` prefixes),
 ``trainer.eval_model`` the ``torch.compile``d one when compiling, and ``trainer.train_model`` that wrapped in DDP under
 torchrun; all three share the parameters. Resuming, skipped steps, divergence recovery and stop signals:
-docs/training.md ("Checkpoints and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`.
-"""
+docs/training.md ("Checkpoints and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ class Trainer:
             (e.g. a HellaSwag score every N steps), which then reach the sinks and metrics.jsonl.
 
     Under ``torchrun`` the Trainer joins the process group itself (NCCL on CUDA, gloo on CPU);
-    :meth:`close` (or ``with Trainer(...) as trainer:``) leaves it again.
-    """
+    :meth:`close` (or ``with Trainer(...) as trainer:``) leaves it again."""
 
     def __init__(
         self,
@@ -460,8 +458,7 @@ class Trainer:
         Each micro-batch adds the SUM of its targets' losses divided by the global batch's count
         ``scored``, so the gradients add up to the gradient of the mean over every scored target of
         the global batch: a micro-batch (or rank) with 3 response tokens weighs as little as they
-        do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size.
-        """
+        do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size."""
         scale = self.dist_env.world_size / scored
         sums = "reduction" in inspect.signature(self.model.forward).parameters  # as gpt2.GPT
         loss_sum = torch.zeros((), device=self.device)
