@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from gpt2.model.config import Range, check_value
 from gpt2.model.tokenizer import get_tokenizer
@@ -103,6 +107,49 @@ def sample_next(
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
+
+_INT8_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> _int8_head's tuple
+SIEVE_MIN_HEAD = 2**22  # weights in the LM head from which greedy decoding on the CPU reads it in int8
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def _int8_head(model: GPT) -> tuple[torch.Tensor, ...] | None:
+    """For :func:`_greedy`: the head in int8 (transposed), its row scales and bound terms; None for a small,
+    GPU, bf16/fp16, autocast, parametrized or non-finite head. Kept until a fingerprint of it changes."""
+    head, V = model.lm_head, model.config.vocab_size
+    if parametrize.is_parametrized(head) or torch.is_autocast_enabled("cpu"):
+        return None
+    w = head.weight.detach()[:V]  # (without oneDNN, torch._int_mm on the CPU is a plain loop)
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() < SIEVE_MIN_HEAD or not _ONEDNN:
+        return None
+    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0))
+    if (kept := _INT8_HEADS.get(head)) is None or not torch.equal(kept[0], seen):
+        scale = w.abs().amax(1) / 127
+        q = (w / scale.clamp(min=1e-30)[:, None]).round_().to(torch.int8)
+        C, slack = w.size(1), 0.5 + 127 * w.size(1) * 2**-23
+        rows = scale * slack * (q.abs().sum(1, dtype=torch.int32) + C / 2)
+        kept = _INT8_HEADS[head] = (seen, q.t(), scale, rows, slack)
+    return kept[1:] if bool(kept[2].isfinite().all()) else None
+
+
+def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> torch.Tensor:
+    """``argmax(h @ weight[:V].T)`` per row of ``h`` ``(B, C)`` (fp32), the head read in int8 (4x
+    less): each logit is the int8 one within a bound, so only rows whose upper bound reaches the best
+    lower bound can be the argmax, and those are scored in fp32. The same token as the whole fp32
+    head, but for near-ties within fp32 rounding (as between any two matmul kernels)."""
+    q_t, scale, rows, slack = int8
+    sh = h.abs().amax(1, keepdim=True) / 127  # (B, 1): h's int8 unit; the bounds below are in units of it
+    qh = (h / sh.clamp(min=1e-30)).round_().to(torch.int8)
+    approx = torch._int_mm(qh, q_t) * scale  # (B, V) exact integer dot products, scaled
+    # |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding, w's, both); the slack above 1/2
+    # covers the fp32 rounding of the logits themselves (<= 254 C 2^-24 of the bound)
+    bound = torch.addcmul(rows, scale, slack * qh.abs().sum(1, keepdim=True, dtype=torch.int32))
+    maybe = approx + bound >= (approx - bound).amax(1, keepdim=True)  # (B, V)
+    ids = maybe.any(0).nonzero()[:, 0]  # candidates of any row, ascending: argmax's first-index ties
+    if not bool(sh.isfinite().all()) or ids.numel() > scale.numel() // 8:
+        return F.linear(h, weight[: scale.numel()]).argmax(-1)
+    return ids[F.linear(h, weight[ids]).masked_fill(~maybe[:, ids], -math.inf).argmax(-1)]
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +265,9 @@ def _stream(
         cache: KVCache | None = None
         tokens = idx  # everything in the context so far (prompt + generated), (B, t)
         mask = attention_mask  # None or (B, t)
+        # Greedy on the CPU: the head is applied here, through its int8 copy (see _greedy)
+        int8 = _int8_head(model) if temperature == 0 and max_new_tokens >= 32 else None
+        sample = functools.partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         for _ in range(max_new_tokens):
             if tokens.size(1) > block_size:  # keep the last block_size tokens (nanoGPT's crop)
                 tokens = tokens[:, -block_size:]
@@ -231,8 +281,8 @@ def _stream(
             else:
                 step, step_ids = prefill, tokens
                 cache = KVCache.for_model(model, cache_len) if use_cache else None
-            logits = _forward(step, step_ids, cache, mask)  # (B, T, V)
-            nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
+            out = _forward(step, step_ids, cache, mask, int8 is None)[:, -1]  # (B, V) logits or (B, C)
+            nxt = _greedy(out, model.lm_head.weight, int8) if int8 else sample(out)
             if eos_token_id is not None:
                 # Finished rows keep emitting EOS, so the output stays rectangular.
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
@@ -247,13 +297,13 @@ def _stream(
         model.train(was_training)
 
 
-def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
-    """One forward for generation. With padding ``mask`` ``(B, t)`` (cached + new tokens),
-    positions count real tokens only and attention skips pad keys, so a padded prompt yields what
-    it would unpadded. The mask spans the cache's whole buffer, so its shape is the same at
-    every decoding step."""
+def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, head: bool) -> Any:
+    """One forward for generation: logits, or the last LayerNorm's output without ``head``. With
+    padding ``mask`` ``(B, t)`` (cached + new tokens), positions count real tokens only and attention
+    skips pad keys, so a padded prompt yields what it would unpadded. The mask spans the cache's
+    whole buffer, so its shape is the same at every decoding step."""
     if mask is None:
-        return model(ids, kv_cache=cache)[0]
+        return model(ids, kv_cache=cache, head=head)[0]
     T, t = ids.size(1), mask.size(1)
     S = cache.max_len if cache is not None else t  # keys attended over
     position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)  # (B, T), not a view: see _stream
@@ -264,7 +314,7 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
     own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
     own[torch.arange(T), torch.arange(t - T, t)] = True
     attn_mask = (causal[None, None] & keys[:, None, None, :]) | own[None, None]  # (B, 1, T, S)
-    return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask)[0]
+    return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask, head=head)[0]
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:

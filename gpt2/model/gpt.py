@@ -154,11 +154,13 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         reduction: str = "mean",
+        head: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(logits, loss)``: logits ``(B, T, vocab_size)`` without ``targets``; with ``targets``
         ``(B, T)`` the fp32 cross-entropy (``"mean"`` over scored targets or ``"sum"``; targets equal
         to ``IGNORE_INDEX`` are not scored) and ``None`` for the logits, which are never built whole
-        (:func:`linear_cross_entropy`) unless the LM head is parametrized (e.g. LoRA).
+        (:func:`linear_cross_entropy`) unless the LM head is parametrized (e.g. LoRA). ``head=False``
+        returns the last LayerNorm's output ``(B, T, n_embd)`` in place of the logits (no targets).
 
         ``kv_cache``, ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask``
         broadcastable to ``(B, n_head, T, S)`` (True = may attend) serve generation and packed
@@ -166,7 +168,7 @@ class GPT(nn.Module):
         lie in ``[0, vocab_size)`` (generate and the data loader check), targets too or be -1 (else a NaN loss).
         """
         if not torch.compiler.is_compiling():
-            self._check_inputs(idx, targets, kv_cache, position_ids, reduction)
+            self._check_inputs(idx, targets, kv_cache, position_ids, reduction, head)
         T = idx.size(1)
         if kv_cache is not None:
             # Positions and the causal mask come from the cache's position tensor, so a compiled
@@ -183,6 +185,8 @@ class GPT(nn.Module):
             x = block(x, kv_cache, attn_mask)
         x = self.transformer.ln_f(x)
         V = self.config.vocab_size
+        if not head:
+            return x, None
         if targets is not None and not parametrize.is_parametrized(self.lm_head):
             return None, linear_cross_entropy(x, self.lm_head.weight, targets, V, reduction)
         # Padded rows are not tokens: drop them so they are never sampled. (A parametrized head,
@@ -195,11 +199,14 @@ class GPT(nn.Module):
         )
         return logits, loss
 
-    def _check_inputs(self, idx: Any, targets: Any, kv_cache: Any, position_ids: Any, reduction: str) -> None:
+    def _check_inputs(
+        self, idx: Any, targets: Any, kv_cache: Any, position_ids: Any, reduction: str, head: bool
+    ) -> None:
         """The arguments of :meth:`forward`: types and shapes only (Python-side, no device sync)."""
         cfg = self.config
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if reduction not in ("mean", "sum") or (targets is not None and not head):
+            bad = f"reduction must be 'mean' or 'sum', got {reduction!r}"
+            raise ValueError(bad if targets is None or head else "head=False gives no loss: pass no targets")
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
         if idx.dtype not in _INDEX_DTYPES:
