@@ -720,8 +720,14 @@ def test_prepare_text_and_jsonl(tmp_path, capsys):
     n = 1 + len(tok.encode_ordinary(text.read_text()))
     assert sum(len(load_tokens(p)) for p in shards) == n
     assert len(load_tokens(shards[1])) == round(n * 0.25)
+    folder = tmp_path / "texts"  # an empty file in a folder adds nothing (it added a lone <|endoftext|>)
+    folder.mkdir()
+    (folder / "empty.txt").write_text("")
+    (folder / "story.txt").write_text(text.read_text())
+    assert run(capsys, "prepare", "--input", folder, "--out-dir", tmp_path / "e", "--no-progress")[0] == 0
+    assert sum(len(load_tokens(p)) for p in (tmp_path / "e").glob("*.npy")) == n
 
-    rows = [{"body": f"document number {i} " * (i + 1)} for i in range(6)]
+    rows = [{"body": f"document number {i} " * (i + 1)} for i in range(6)] + [{"body": ""}]
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, out, err = run(
@@ -741,7 +747,7 @@ def test_prepare_text_and_jsonl(tmp_path, capsys):
     )
     assert code == 0, err
     total = sum(len(load_tokens(p)) for p in (tmp_path / "b").glob("docs_*.npy"))
-    assert total == sum(1 + len(tok.encode_ordinary(r["body"])) for r in rows)
+    assert total == sum(1 + len(tok.encode_ordinary(r["body"])) for r in rows[:-1])  # no lone EOT for the empty row
     assert (tmp_path / "b" / "docs_val_000000.npy").is_file() and (tmp_path / "b" / "docs_train_000001.npy").is_file()
     # the same again without --overwrite: a clear error instead of mixing old and new shards
     code, _, err = run(

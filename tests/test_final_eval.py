@@ -72,6 +72,8 @@ def test_trainer_evaluate_does_not_wrap_a_short_val_set(caplog):
         second = trainer.evaluate(steps=7)
         exact = trainer.evaluate(steps=3)  # as many batches as there are: no warning needed
         fewer = trainer.evaluate(steps=2)
+        with pytest.raises(ValueError, match="max_batches must be a positive integer"):
+            trainer.evaluate(steps=0)  # not taken for "the default" (it ran eval_steps batches)
     assert first == pytest.approx(expected, rel=1e-5) and second == first == exact
     assert fewer == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-5)  # the cap still works
     warnings = [r.getMessage() for r in caplog.records if "data holds only" in r.getMessage()]

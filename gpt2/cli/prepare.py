@@ -123,9 +123,10 @@ def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
                         f"{path}:{line_no}: expected a JSON object with a string field {text_field!r} "
                         f"(choose the field with --text-field)"
                     )
-                yield row[text_field]
-        else:
-            yield read_text(path)
+                if row[text_field]:  # an empty document would be a lone <|endoftext|>
+                    yield row[text_field]
+        elif text := read_text(path):
+            yield text
 
 
 def _dataset_documents(options: PrepareOptions) -> Iterator[str]:

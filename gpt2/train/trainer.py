@@ -560,7 +560,7 @@ class Trainer:
             self.val_loader,
             cfg.micro_batch_size,
             cfg.seq_len,
-            steps or cfg.eval_steps,
+            cfg.eval_steps if steps is None else steps,  # 0 is refused there, not taken for the default
             self.precision.autocast,
             device=self.device,
             progress=self.is_main and cfg.progress,
@@ -639,14 +639,16 @@ class Trainer:
             weights_only=cfg.resume_weights_only,
             allow_base_mismatch=cfg.allow_base_mismatch,
         )
-        if meta.get("tokens_per_step") != self.tokens_per_step or meta.get("world_size") != self.dist_env.world_size:
+        was, now = (
+            (meta.get("tokens_per_step"), meta.get("world_size")),
+            (self.tokens_per_step, self.dist_env.world_size),
+        )
+        if was != now and self.is_main:  # once, not once per rank
             logger.warning(
                 "checkpoint was written with %s tokens/step on %s process(es), this run uses %s on %s: "
                 "the data order (and so the losses) will differ from an uninterrupted run",
-                meta.get("tokens_per_step"),
-                meta.get("world_size"),
-                self.tokens_per_step,
-                self.dist_env.world_size,
+                *was,
+                *now,
             )
         if not isinstance(meta.get("data"), dict) or "train" not in meta["data"]:
             raise ValueError(
