@@ -205,6 +205,12 @@ def test_kv_cache_rejects_overflow_and_other_batches():
         cache.update(0, torch.zeros(5, 1, 1, 8), torch.zeros(5, 1, 1, 8))
 
 
+def test_a_cache_longer_than_the_context_is_refused_at_its_first_forward(model, tiny_config):
+    big = KVCache.for_model(model, tiny_config.block_size + 8)  # more room than positions to embed
+    with pytest.raises(ValueError, match=f"KV cache of {tiny_config.block_size + 8} positions .* context \\(64\\)"):
+        model(torch.randint(0, tiny_config.vocab_size, (1, 3)), kv_cache=big)  # an IndexError once past 64
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -217,7 +217,7 @@ def test_bad_position_ids_and_cache_overflow(tiny_config):
     idx = torch.randint(0, tiny_config.vocab_size, (1, 4))
     with pytest.raises(ValueError, match=r"position_ids must have shape \(4,\) or \(1, 4\)"):
         model(idx, position_ids=torch.arange(5))
-    with pytest.raises(ValueError, match=r"5 new positions exceed the KV cache's capacity \(4\)"):
+    with pytest.raises(ValueError, match=r"KV cache of 4 positions for 5 new ones"):
         model(torch.randint(0, tiny_config.vocab_size, (1, 5)), kv_cache=KVCache.for_model(model, 4))
 
 

@@ -226,8 +226,11 @@ class GPT(nn.Module):
                 f"sequence length {T} exceeds the model's context (block_size={cfg.block_size}); "
                 f"crop the input to the last {cfg.block_size} tokens"
             )
-        if kv_cache is not None and kv_cache.max_len < T:
-            raise ValueError(f"{T} new positions exceed the KV cache's capacity ({kv_cache.max_len})")
+        if kv_cache is not None and not T <= kv_cache.max_len <= cfg.block_size:  # (its filling is not read: a sync)
+            raise ValueError(
+                f"a KV cache of {kv_cache.max_len} positions for {T} new ones: it needs room for them and no more "
+                f"than the model's context ({cfg.block_size}); use KVCache.for_model(model)"
+            )
         if position_ids is not None:
             if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
                 raise TypeError("position_ids must be an integer tensor (torch.long)")
