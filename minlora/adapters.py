@@ -218,7 +218,8 @@ def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, al
     message += f"adapted layers differ{config}"
     if not allow:
         raise AdapterBaseMismatchError(
-            f"{message}; load the base model it was trained on, or pass allow_base_mismatch=True to load_adapter"
+            f"{message}; load the base model it was trained on, or pass allow_base_mismatch=True to load_adapter "
+            "(--allow-base-mismatch on the command line)"
         )
     logger.warning("%s; loading it anyway (allow_base_mismatch=True)", message)
 

@@ -830,3 +830,27 @@ def test_a_peft_export_on_a_run_folder_says_how_to_make_a_base_transformers_read
     assert code == 0, err
     assert f"note: PEFT's base {trained.resolve()} is no transformers folder" in out or f"PEFT's base {trained}" in out
     assert "gpt2 export --model X --out DIR" in out
+
+
+def test_an_adapter_of_another_base_is_refused_unless_allowed(trained, tmp_path, capsys):
+    """sample / eval / export take --allow-base-mismatch, the flag the refusal names (before, it named
+    only load_adapter's keyword, which these commands had no way to pass)."""
+    import minlora
+
+    model = GPT.from_pretrained(trained)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.add_(0.01)  # another base
+    minlora.add_lora(model, minlora.LoRAConfig(rank=2))
+    minlora.save_adapter(model, tmp_path / "adapter")
+    sample = ["sample", "--model", trained, "--adapter", tmp_path / "adapter", "--max-new-tokens", "2"]
+    code, _, err = run(capsys, *sample)
+    assert code == 2 and "another base model" in err and "--allow-base-mismatch" in err
+    assert run(capsys, *sample, "--allow-base-mismatch")[0] == 0
+    export = ["export", "--model", trained, "--adapter", tmp_path / "adapter", "--out", tmp_path / "hf"]
+    assert run(capsys, *export)[0] == 2 and not (tmp_path / "hf").exists()
+    assert run(capsys, *export, "--allow-base-mismatch")[0] == 0 and (tmp_path / "hf" / "config.json").is_file()
+    np.save(tmp_path / "x.npy", np.arange(300, dtype=np.uint16))
+    code, _, err = run(
+        capsys, "eval", "--model", trained, "--adapter", tmp_path / "adapter", "--data", tmp_path / "x.npy"
+    )
+    assert code == 2 and "--allow-base-mismatch" in err

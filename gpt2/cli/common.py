@@ -134,7 +134,7 @@ def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
     device = resolve_device(options.device)
     model = GPT.from_pretrained(options.model, device=device)
     if options.adapter:
-        apply_adapter(model, options.adapter)
+        apply_adapter(model, options.adapter, options.allow_base_mismatch)
     return model.eval(), inference_autocast(options.precision, device), device
 
 

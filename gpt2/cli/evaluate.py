@@ -23,6 +23,8 @@ class EvalOptions(Options):
     """a hub id, a transformers directory, or a checkpoint / run directory of `gpt2 train`"""
     adapter: str | None = None
     """a LoRA adapter to add first"""
+    allow_base_mismatch: bool = False
+    """load an --adapter recorded on other base weights anyway (a warning instead of the error)"""
     data: str | None = None
     """tokens to score: a shard directory (its --split shards), a .npy/.bin token file, a text file or
     'shakespeare' (a text or token file: its last --val-fraction)"""

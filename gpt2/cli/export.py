@@ -24,6 +24,8 @@ class ExportOptions(Options):
     """the model: a checkpoint / run directory of `gpt2 train`, a transformers directory or a hub id"""
     adapter: str | None = None
     """a LoRA adapter to merge in (from `gpt2 finetune`)"""
+    allow_base_mismatch: bool = False
+    """load an --adapter recorded on other base weights anyway (a warning instead of the error)"""
     out: str | None = None
     """write a transformers.GPT2LMHeadModel directory here (the adapter merged into the weights)"""
     peft_out: str | None = None
@@ -50,7 +52,7 @@ def export(options: ExportOptions) -> int:
     _check_gguf_path(options.gguf, options.overwrite)
     model = GPT.from_pretrained(options.model, device="cpu")
     if options.adapter:
-        apply_adapter(model, options.adapter)
+        apply_adapter(model, options.adapter, options.allow_base_mismatch)
         if options.out is not None or options.gguf is not None:
             check_tied_head(model)  # before the PEFT export is written
         if options.peft_out is not None:

@@ -29,6 +29,8 @@ class SampleOptions(Options):
     `gpt2 train`"""
     adapter: str | None = None
     """a LoRA adapter to add: the `adapter` directory `gpt2 finetune` writes, or a PEFT adapter directory"""
+    allow_base_mismatch: bool = False
+    """load an --adapter recorded on other base weights anyway (a warning instead of the error)"""
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
     instruct: Annotated[InstructionOptions, Flat] = field(default_factory=InstructionOptions)
     seed: int | None = None

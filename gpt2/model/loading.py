@@ -13,15 +13,16 @@ import minlora
 logger = logging.getLogger(__name__)
 
 
-def apply_adapter(model: Any, path: str | os.PathLike[str]) -> Any:
-    """Add the LoRA adapter at ``path`` (:func:`minlora.save_adapter`'s, or a PEFT directory) to ``model``."""
+def apply_adapter(model: Any, path: str | os.PathLike[str], allow_base_mismatch: bool = False) -> Any:
+    """Add the LoRA adapter at ``path`` (:func:`minlora.save_adapter`'s, or a PEFT directory) to ``model``
+    (``allow_base_mismatch``: see :func:`minlora.load_adapter`)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"adapter {str(path)!r} does not exist")
     if path.is_dir() and (path / "adapter_config.json").is_file():
         minlora.import_peft_adapter(model, path)
     else:
-        minlora.load_adapter(model, path)
+        minlora.load_adapter(model, path, allow_base_mismatch=allow_base_mismatch)
     logger.info(
         "applied LoRA adapter %s (%d LoRA layers, %s parameters)",
         path,
