@@ -253,6 +253,10 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
         or parametrize_cache_enabled()
         or (embedding and (self.max_norm is not None or self.scale_grad_by_freq or self.padding_idx is not None))
     ):
+        if embedding and self.sparse:  # the merged weight's gradient must be dense to reach A and B
+            return F.embedding(
+                input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq
+            )
         return type(self)._minlora_base.forward(self, input)
     W = self.parametrizations["weight"].original
     return lora.fast_embedding(input, W, self) if embedding else lora.fast_linear(input, W, self.bias)
