@@ -315,6 +315,14 @@ def test_int8_sieve_picks_the_argmax_of_the_whole_head(monkeypatch):
     assert int(torch.nn.functional.linear(h, W).argmax()) == 11
     assert int(torch._int_mm(torch.full((1, C), 127, dtype=torch.int8), _int8_of(W)[0]).argmax()) == 10
     assert int(gen._greedy(h, W, _int8_of(W))) == 11
+    # Rows far below fp32's normal range (their int8 step is clamped at 1e-30) and logits near fp32's
+    # limit (the int8 ones overflow): the right token, or the whole head, never a wrong one or a crash
+    tiny = -torch.ones(64, 16)
+    tiny[:2] = 0.0
+    tiny[0, 0], tiny[1, 1] = 1e-29, 1.2e-28  # logits 1e-29 (the best) and 6e-30
+    huge = torch.randn(64, 64, generator=g) * 1e37
+    for head, x in ((tiny, torch.tensor([[1.0, 0.05] + [0.0] * 14])), (huge, torch.randn(2, 64, generator=g))):
+        assert torch.equal(gen._greedy(x, head, _int8_of(head)), torch.nn.functional.linear(x, head).argmax(-1))
     # A hidden state of zeros or NaN takes the whole head (every row is a candidate / no bound).
     for odd in (torch.zeros(1, C), torch.full((1, C), float("nan"))):
         assert torch.equal(gen._greedy(odd, W, int8), torch.nn.functional.linear(odd, W).argmax(-1))
@@ -333,6 +341,10 @@ def test_int8_head_only_where_it_is_exact_and_worth_it(monkeypatch, tiny_config)
     assert _int8_of(bad) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _int8_of(W) is None
+    with torch.backends.mkldnn.flags(enabled=False):  # torch._int_mm is then a plain loop, 8x slower
+        assert _int8_of(W) is None
+    # n_embd under 16 (degenerate strides give _int_mm wrong sums) or over 2^17 (its int32 sums overflow)
+    assert _int8_of(torch.randn(64, 1)) is None and _int8_of(torch.randn(1, 2**17 + 1)) is None
     model = GPT(tiny_config)
     assert gen._int8_head(model) is not None
     torch.nn.utils.parametrize.register_parametrization(model.lm_head, "weight", torch.nn.Identity())
@@ -373,6 +385,29 @@ def test_greedy_generation_through_the_int8_head_gives_the_same_tokens(monkeypat
         assert torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(sieved[0], _argmax_loop(model, prompt, 40))
+        model.transformer.ln_f.weight[[3, 17]] = 40.0  # outsize hidden dimensions, as GPT-2's last ones have
+        plain = generate(model, prompt, 32, temperature=0)
+    monkeypatch.setattr(gen, "SIEVE_MIN_HEAD", 0)
+    monkeypatch.setattr(gen.F, "linear", spy)
+    heads.clear()
+    sieved = generate(model, prompt, 32, temperature=0)  # they are taken from fp32 columns, not widening the bounds
+    monkeypatch.undo()
+    assert torch.equal(sieved, plain) and max(heads) < 4000 // 8, heads
+    assert sorted(gen._INT8_HEADS[model.lm_head][4]) == [3, 17]
+
+
+def test_greedy_generation_under_another_default_dtype(monkeypatch, wide_vocab_model):
+    from gpt2.model import generate as gen
+
+    prompt = torch.randint(0, 4000, (1, 4))
+    plain = generate(wide_vocab_model, prompt, 32, temperature=0)
+    monkeypatch.setattr(gen, "SIEVE_MIN_HEAD", 0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the fingerprint and bounds were made in it: a dtype error
+    try:
+        assert torch.equal(generate(wide_vocab_model, prompt, 32, temperature=0), plain)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_the_int8_head_follows_weights_changed_behind_autograd(monkeypatch, wide_vocab_model):

@@ -111,44 +111,56 @@ def sample_next(
 
 _INT8_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> _int8_head's tuple
 SIEVE_MIN_HEAD = 2**22  # weights in the LM head from which greedy decoding on the CPU reads it in int8
-_ONEDNN = torch.backends.mkldnn.is_available()
 
 
-def _int8_head(model: GPT) -> tuple[torch.Tensor, ...] | None:
-    """For :func:`_greedy`: the head in int8 (transposed), its row scales and bound terms; None for a small,
-    GPU, bf16/fp16, autocast, parametrized or non-finite head. Kept until a fingerprint of it changes."""
+def _int8_head(model: GPT) -> tuple[Any, ...] | None:
+    """For :func:`_greedy`: the head in int8 (transposed), its row scales, bound terms and a store of fp32 columns;
+    None for a small, GPU, bf16/fp16, autocast, parametrized or non-finite head, or without oneDNN (torch._int_mm on
+    the CPU is then a plain loop). Kept until a fingerprint of the head's values changes."""
     head, V = model.lm_head, model.config.vocab_size
-    if parametrize.is_parametrized(head) or torch.is_autocast_enabled("cpu"):
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    if parametrize.is_parametrized(head) or torch.is_autocast_enabled("cpu") or not onednn:
         return None
-    w = head.weight.detach()[:V]  # (without oneDNN, torch._int_mm on the CPU is a plain loop)
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() < SIEVE_MIN_HEAD or not _ONEDNN:
+    w = head.weight.detach()[:V]  # C from 16 (degenerate strides below) to 2^17 (int32 sums of 127 * 127 * C)
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() < SIEVE_MIN_HEAD or not 16 <= w.size(1) <= 2**17:
         return None
-    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0))
+    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
     if (kept := _INT8_HEADS.get(head)) is None or not torch.equal(kept[0], seen):
-        scale = w.abs().amax(1) / 127
-        q = (w / scale.clamp(min=1e-30)[:, None]).round_().to(torch.int8)
-        C, slack = w.size(1), 0.5 + 127 * w.size(1) * 2**-23
-        rows = scale * slack * (q.abs().sum(1, dtype=torch.int32) + C / 2)
-        kept = _INT8_HEADS[head] = (seen, q.t(), scale, rows, slack)
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-30)
+        q = (w / scale[:, None]).round_().to(torch.int8)
+        rows = scale * (q.abs().sum(1, dtype=torch.float32) + w.size(1) / 2)  # bounds |w|_1 of each row
+        kept = _INT8_HEADS[head] = (seen, q.t(), scale, rows, {})
     return kept[1:] if bool(kept[2].isfinite().all()) else None
 
 
 def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> torch.Tensor:
-    """``argmax(h @ weight[:V].T)`` per row of ``h`` ``(B, C)`` (fp32), the head read in int8 (4x
-    less): each logit is the int8 one within a bound, so only rows whose upper bound reaches the best
-    lower bound can be the argmax, and those are scored in fp32. The same token as the whole fp32
-    head, but for near-ties within fp32 rounding (as between any two matmul kernels)."""
-    q_t, scale, rows, slack = int8
-    sh = h.abs().amax(1, keepdim=True) / 127  # (B, 1): h's int8 unit; the bounds below are in units of it
-    qh = (h / sh.clamp(min=1e-30)).round_().to(torch.int8)
+    """``argmax(h @ weight[:V].T)`` per row of ``h`` ``(B, C)`` (fp32), the head read in int8 (4x less): each logit is
+    the int8 one within a bound, so only rows whose upper bound reaches the best lower bound can be the argmax, and
+    those are scored in fp32. The same token as the whole fp32 head, but for near-ties within fp32 rounding (as between
+    any two matmul kernels). Outsize dimensions of ``h`` (GPT-2 has a few) would widen every bound: they are left out
+    of the int8 product and added from fp32 columns of the head, kept (at most 64) with its int8 copy."""
+    q_t, scale, rows, cols = int8
+    V, C, absh = scale.numel(), h.size(1), h.abs()
+    out = (absh > 6 * absh.mean(1, keepdim=True)).any(0).nonzero()[:16, 0].tolist()
+    out = [j for j in out if j in cols or len(cols) < 64]
+    for j in out:
+        if j not in cols:
+            cols[j] = weight[:V, j].contiguous()
+    main = h.clone()
+    main[:, out] = 0.0
+    sh = (main.abs().amax(1, keepdim=True) / 127).clamp(min=1e-30)  # (B, 1): the int8 unit, the unit of the bounds
+    qh = (main / sh).round_().to(torch.int8)
     approx = torch._int_mm(qh, q_t) * scale  # (B, V) exact integer dot products, scaled
-    # |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding, w's, both); the slack above 1/2
-    # covers the fp32 rounding of the logits themselves (<= 254 C 2^-24 of the bound)
-    bound = torch.addcmul(rows, scale, slack * qh.abs().sum(1, keepdim=True, dtype=torch.int32))
-    maybe = approx + bound >= (approx - bound).amax(1, keepdim=True)  # (B, V)
+    if out:
+        approx += (h[:, out] / sh) @ torch.stack([cols[j] for j in out])
+    # |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding, w's, both), and the fp32 rounding of the
+    # logits (the reference's, the columns') <= 2 C 2^-24 max|h| |w|_1
+    bound = 0.5 * torch.addcmul(rows, scale, qh.abs().sum(1, keepdim=True, dtype=torch.float32))
+    bound += rows * (absh.amax(1, keepdim=True) / sh * C * 2**-23)
+    maybe = approx + bound >= (approx - bound).amax(1, keepdim=True)  # (B, V); NaN where anything overflowed
     ids = maybe.any(0).nonzero()[:, 0]  # candidates of any row, ascending: argmax's first-index ties
-    if not bool(sh.isfinite().all()) or ids.numel() > scale.numel() // 8:
-        return F.linear(h, weight[: scale.numel()]).argmax(-1)
+    if not 0 < ids.numel() <= V // 8:
+        return F.linear(h, weight[:V]).argmax(-1)
     return ids[F.linear(h, weight[ids]).masked_fill(~maybe[:, ids], -math.inf).argmax(-1)]
 
 
