@@ -143,12 +143,10 @@ def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> tor
     V, C, absh = scale.numel(), h.size(1), h.abs()
     out = (absh > 6 * absh.mean(1, keepdim=True)).any(0).nonzero()[:16, 0].tolist()
     out = [j for j in out if j in cols or len(cols) < 64]
-    for j in out:
-        if j not in cols:
-            cols[j] = weight[:V, j].contiguous()
-    main = h.clone()
-    main[:, out] = 0.0
-    sh = (main.abs().amax(1, keepdim=True) / 127).clamp(min=1e-30)  # (B, 1): the int8 unit, the unit of the bounds
+    cols.update({j: weight[:V, j].contiguous() for j in out if j not in cols})
+    main = h.index_fill(1, torch.tensor(out, dtype=torch.long), 0.0) if out else h
+    # (B, 1): the int8 unit of what is left, and the unit of the bounds
+    sh = ((main.abs() if out else absh).amax(1, keepdim=True) / 127).clamp(min=1e-30)
     qh = (main / sh).round_().to(torch.int8)
     approx = torch._int_mm(qh, q_t) * scale  # (B, V) exact integer dot products, scaled
     if out:
@@ -161,7 +159,7 @@ def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> tor
     ids = maybe.any(0).nonzero()[:, 0]  # candidates of any row, ascending: argmax's first-index ties
     if not 0 < ids.numel() <= V // 8:
         return F.linear(h, weight[:V]).argmax(-1)
-    return ids[F.linear(h, weight[ids]).masked_fill(~maybe[:, ids], -math.inf).argmax(-1)]
+    return ids[F.linear(h, weight.index_select(0, ids)).masked_fill(~maybe.index_select(1, ids), -math.inf).argmax(-1)]
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
