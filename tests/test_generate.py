@@ -341,8 +341,10 @@ def test_int8_head_only_where_it_is_exact_and_worth_it(monkeypatch, tiny_config)
     assert _int8_of(bad) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _int8_of(W) is None
-    with torch.backends.mkldnn.flags(enabled=False):  # torch._int_mm is then a plain loop, 8x slower
+    with monkeypatch.context() as m:
+        m.setattr(torch.backends.mkldnn, "enabled", False)  # torch._int_mm is then a plain loop, 8x slower
         assert _int8_of(W) is None
+    assert torch.backends.mkldnn.enabled
     # n_embd under 16 (degenerate strides give _int_mm wrong sums) or over 2^17 (its int32 sums overflow)
     assert _int8_of(torch.randn(64, 1)) is None and _int8_of(torch.randn(1, 2**17 + 1)) is None
     model = GPT(tiny_config)
