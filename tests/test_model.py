@@ -385,13 +385,20 @@ def test_chunked_loss_matches_full_logits_cross_entropy(tiny_config, precision, 
         torch.testing.assert_close(loss, model(idx, targets)[1] * (targets != -1).sum(), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_cross_entropy_in_uneven_chunks():
+@pytest.mark.parametrize("compiling", [False, True])  # CPU eager: softmax in place; else log_softmax
+def test_linear_cross_entropy_in_uneven_chunks(compiling, monkeypatch):
     from gpt2.model.gpt import linear_cross_entropy
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
 
     x = torch.randn(2, 23, 16, requires_grad=True)
     weight = torch.randn(40, 16, requires_grad=True)  # 40 rows, of which 37 are the vocabulary
     targets = torch.randint(0, 37, (2, 23))
     targets[1, 3:9] = -1
+    with torch.no_grad():  # a row whose target's probability underflows fp32: its loss comes from its logits
+        x[0, 0] *= 50
+        targets[0, 0] = (x[0, 0] @ weight[:37].T).argmin()
+        x[1, 4] = -20 * weight[0]  # an ignored row (it reads column 0, then weighs 0) where column 0 underflows
     loss = linear_cross_entropy(x, weight, targets, 37, chunk_rows=5)
     dx, dw = torch.autograd.grad(loss * 3.0, (x, weight))  # the incoming gradient scales both
     logits = (x @ weight.T)[..., :37]

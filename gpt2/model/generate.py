@@ -28,8 +28,7 @@ class KVCache:
     whole buffer with a mask built from ``pos``: every decoding step has the same shapes and graph,
     so ``torch.compile`` compiles it once. A forward calls :meth:`step`, then each layer :meth:`update`.
     Buffers are made at a layer's first update in the keys' dtype (bf16/fp16 under autocast), as
-    zeros so masked-out slots never hold NaN.
-    """
+    zeros so masked-out slots never hold NaN."""
 
     def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
         if n_layer < 1 or max_len < 1:
@@ -203,8 +202,7 @@ def stream(
     the context is cropped to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked
     when this is called, not at the first ``next``. Of ``torch.compile(model)`` or ``model.compile()``
     only the decoding step runs compiled, one graph for every token (one dynamic graph more after
-    another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
-    """
+    another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled."""
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(

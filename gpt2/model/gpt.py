@@ -46,10 +46,10 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        # c_attn's output is [q | k | v], each n_embd wide and made of n_head slices of head_dim:
-        # split it into q, k, v of shape (B, nh, T, hs) (views, no copy).
-        qkv = rearrange(self.c_attn(x), "b t (qkv nh hs) -> qkv b nh t hs", qkv=3, nh=self.n_head)
-        q, k, v = qkv.unbind(0)
+        # c_attn's output is [q | k | v], each n_embd wide and made of n_head slices of head_dim: views
+        # (B, nh, T, hs). Split before the heads, the flash backward's gradients are (B, T, C) views and
+        # only the split's concatenation copies them (unbind's stack then a reshape copied twice).
+        q, k, v = (rearrange(t, "b t (nh hs) -> b nh t hs", nh=self.n_head) for t in self.c_attn(x).chunk(3, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs): the whole static buffer
         # Without a mask queries and keys start at the same position (training, a prompt with no
@@ -165,8 +165,7 @@ class GPT(nn.Module):
         ``kv_cache``, ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask``
         broadcastable to ``(B, n_head, T, S)`` (True = may attend) serve generation and packed
         rows. Types and shapes are checked, values only on the CPU (a device sync on a GPU): ids must
-        lie in ``[0, vocab_size)`` (generate and the data loader check), targets too or be -1 (else a NaN loss).
-        """
+        lie in ``[0, vocab_size)`` (generate and the data loader check), targets too or be -1 (else a NaN loss)."""
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids, reduction, head)
         T = idx.size(1)
@@ -365,24 +364,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 logits = buffer[: xc.size(0)]  # (n, V_padded) fp32
                 torch.mm(xc, w.T, out=logits) if dtype == torch.float32 else logits.copy_(xc.to(dtype) @ w.T)
                 logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
-                # In place, no second chunk-sized tensor: shifted = logits - max, exp(shifted), and
-                # loss = log(sum exp(shifted)) - shifted[target] (4 passes; log_softmax + exp took 5).
-                shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))
-                target_logit = shifted.gather(1, t[:, None]).squeeze(1)
-                exp = shifted.exp_()
-                sum_exp = exp.sum(dim=-1)
-                loss += ((sum_exp.log() - target_logit) * keep).sum()
+                rows = torch.arange(logits.size(0), device=logits.device)
+                if logits.is_cpu and not torch.compiler.is_compiling():
+                    # softmax in place (one fused pass per row, which its kernel reads before writing it),
+                    # the loss -log p[target]; rows whose p[target] underflowed get it from their logits
+                    target_logit, p = logits[rows, t], torch._softmax(logits, -1, False, out=logits)
+                    row_loss = -(p_target := p[rows, t]).log()
+                    low = (p_target < 1e-30) & keep  # usually no row: no branch on the values
+                    again = (xc[low].to(dtype) @ w.T)[:, :vocab_size].float()
+                    row_loss[low] = again.logsumexp(-1) - target_logit[low]
+                else:  # out of place, and no host sync
+                    row_loss, p = -(logp := logits.log_softmax(-1))[rows, t], logp.exp_()
+                loss += row_loss.where(keep, 0.0).sum()  # an ignored row's may be inf
                 if not (need_dx or need_dw):
                     continue
-                # d loss / d logits = (softmax - one_hot(target)) * weight, zero for ignored rows
-                weight_row = keep.float() if scale is None else keep * scale
-                g = exp.mul_((weight_row / sum_exp)[:, None])
-                g[torch.arange(g.size(0), device=g.device), t] -= weight_row
-                g = g.to(grad_dtype)  # rounded as the plain loss's gradient would be
+                # d loss / d logits = (softmax - one_hot(target)) * weight_row, zero for ignored rows. In fp32
+                # the row weights go on the matmuls' small sides (a pass fewer over the logits); in bf16 on g
+                # before it is rounded, as the plain loss's gradient is.
+                g, wr = p, (keep.float() if scale is None else keep * scale)[:, None]
+                g[rows, t] -= 1
+                g, wr = (g, wr) if grad_dtype == torch.float32 else (g.mul_(wr).to(grad_dtype), 1.0)
                 if need_dx:
-                    dx[s : s + chunk_rows] = g @ w_grad
+                    dx[s : s + chunk_rows] = (g @ w_grad) * wr
                 if need_dw:  # fp32: straight into dw, no weight-sized temporary per chunk
-                    dw.addmm_(g.T, xc) if g.dtype == xc.dtype == dw.dtype else dw.add_(g.T @ xc.to(grad_dtype))
+                    dw.addmm_(g.T, xc * wr) if g.dtype == dw.dtype else dw.add_(g.T @ xc.to(grad_dtype))
         ctx.save_for_backward(dx, dw)
         return loss / count if mean else loss
 
