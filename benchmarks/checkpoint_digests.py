@@ -1,5 +1,6 @@
 """What checkpoint digests (SHA256SUMS) cost: save and load+verify time of one checkpoint, and the
-share of it spent hashing. CPU time on one thread (time.process_time)."""
+share of it spent hashing. CPU time on one thread (time.process_time).
+"""
 
 from __future__ import annotations
 

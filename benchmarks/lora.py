@@ -59,7 +59,8 @@ class BenchResult:
 
 def model_config(name: str, seq_len: int):
     """One of the library's named shapes (``gpt2`` = 124M, ``mini``, ``tiny``, ...; ``gpt2.config.SHAPES``)
-    with GPT-2's vocabulary padded to 50304."""
+    with GPT-2's vocabulary padded to 50304.
+    """
     from gpt2.model.config import SHAPES, GPTConfig
 
     if name not in SHAPES:
@@ -123,7 +124,8 @@ def time_training_steps(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[float], float | None, float]:
     """Run ``warmup`` then ``steps`` LoRA training steps; returns (step seconds, peak MiB or None, first loss).
-    ``progress`` (if given) gets a line when the warm-up (where compilation happens) is done."""
+    ``progress`` (if given) gets a line when the warm-up (where compilation happens) is done.
+    """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -196,7 +198,8 @@ def run_lora_benchmark(
     the median over all timed steps of all rounds, the peak memory the largest of the rounds.
 
     ``progress`` gets a one-line status before and after every run (default: printed to stderr,
-    so a long benchmark is never silent; pass ``lambda line: None`` to silence it)."""
+    so a long benchmark is never silent; pass ``lambda line: None`` to silence it).
+    """
     if progress is None:
 
         def progress(line: str) -> None:

@@ -123,7 +123,8 @@ def train(precision: str, tokens: np.ndarray, vocab: int, args: argparse.Namespa
 
 class ProgressLines:
     """A Trainer sink: one line at most every ``every`` seconds (and at the last step), so a slow
-    run (fp16 autocast on a CPU: minutes) is never silent for long."""
+    run (fp16 autocast on a CPU: minutes) is never silent for long.
+    """
 
     def __init__(self, name: str, steps: int, every: float = 5.0):
         self.name, self.steps, self.every = name, steps, every
@@ -154,7 +155,8 @@ def gradient_sample(trainer: Trainer) -> np.ndarray:
 
 def plot_losses(runs: list[dict], path: Path) -> None:
     """Loss per step (each precision its own colour, line style and marker), the difference from
-    fp32 (the curves themselves overlap), and the fp16 run's loss scale."""
+    fp32 (the curves themselves overlap), and the fp16 run's loss scale.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -2,7 +2,8 @@
 
 The model (124M to 1.5B presets), generation with a KV cache, Hugging Face weight loading and
 export, the GPT-2 tokenizer, token shards and a rank-aware loader, and a ``Trainer`` with every
-speed-up of the GPT-2 reproductions. ``from gpt2 import GPT, GPTConfig, Trainer, TrainConfig``."""
+speed-up of the GPT-2 reproductions. ``from gpt2 import GPT, GPTConfig, Trainer, TrainConfig``.
+"""
 
 from gpt2.data import (
     TokenLoader,
@@ -12,6 +13,7 @@ from gpt2.data import (
     tokenize_file,
     write_shards,
 )
+from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.eval.hellaswag import hellaswag_path, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
 from gpt2.files import DownloadError
@@ -32,6 +34,10 @@ from gpt2.train.trainer import Trainer, TrainingDivergedError
 from_pretrained = GPT.from_pretrained  # gpt2.from_pretrained("gpt2") -> GPT
 
 __all__ = [
+    # errors: every one gpt2 raises on purpose is a Gpt2Error
+    "Gpt2Error",
+    "InvalidValueError",
+    "MissingFileError",
     # model and generation
     "GPT",
     "GPTConfig",

@@ -1,5 +1,6 @@
 """Filesystem rules every layer shares: the cache folder, checksummed downloads, atomic writes,
-whether a pid is alive, and stop signals held off at a safe point."""
+whether a pid is alive, and stop signals held off at a safe point.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from gpt2.errors import Gpt2Error
+
 logger = logging.getLogger(__name__)
 
 _DOWNLOAD_TIMEOUT_S = 60
@@ -26,7 +29,7 @@ _CHUNK_BYTES = 1 << 16
 _BAR_DELAY_S = 0.5
 
 
-class DownloadError(ConnectionError):
+class DownloadError(Gpt2Error, ConnectionError):
     """A file could not be downloaded (no network, bad response, checksum mismatch)."""
 
 
@@ -42,7 +45,8 @@ def replace_atomically(dest: str | os.PathLike, write: Callable[[Any], object], 
     """``write(f)`` into a temporary file beside ``dest``, fsync it, then rename it over ``dest``:
     readers and a crash (a power loss too, thanks to the fsync) see the old file or the whole new
     one. ``open`` gives the file the user's umask (``mkstemp`` would make it 0600). ``to_path=True``:
-    ``write(tmp_path)``, for writers that open the file themselves (gguf's)."""
+    ``write(tmp_path)``, for writers that open the file themselves (gguf's).
+    """
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
@@ -84,7 +88,8 @@ def download(
     """Fetch ``url`` into ``dest`` atomically, or raise :class:`DownloadError` saying how to work
     offline (``offline_hint`` then ``dest``). The bytes are checked against ``sha256`` and/or by
     ``validate`` (raising ``ValueError``) first, so a truncated download or an HTML error page is
-    never cached. ``progress``: a byte counter on stderr for downloads slower than half a second."""
+    never cached. ``progress``: a byte counter on stderr for downloads slower than half a second.
+    """
 
     def fail(reason: str) -> DownloadError:
         return DownloadError(
@@ -135,7 +140,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 class StopSignals:
     """While installed (main thread only: Python runs handlers there), a stop signal sets
     ``received`` instead of raising. The ``force_after``-th one stops at once (KeyboardInterrupt):
-    under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's)."""
+    under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's).
+    """
 
     def __init__(self, force_after: float = 3) -> None:
         self.force_after = force_after

@@ -1,5 +1,6 @@
 """minlora: LoRA (and DoRA) through ``torch.nn.utils.parametrize``, no change to the model's code; a
-superset of cccntu/minLoRA, fixed, with :class:`LoRAConfig`, a fast forward, and minlora / PEFT files."""
+superset of cccntu/minLoRA, fixed, with :class:`LoRAConfig`, a fast forward, and minlora / PEFT files.
+"""
 
 from .adapters import (
     AdapterBaseMismatchError,
@@ -10,6 +11,7 @@ from .adapters import (
     save_adapter,
 )
 from .config import LoRAConfig
+from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
 from .model import (
     LoRAParametrization,
     LoRASite,
@@ -76,6 +78,9 @@ __all__ = [
     "load_adapter",
     "export_peft_adapter",
     "import_peft_adapter",
+    "MinloraError",
+    "LoRAValueError",
+    "LoRAFileNotFoundError",
     "AdapterFileError",
     "NonFiniteAdapterError",
     "AdapterBaseMismatchError",

@@ -1,5 +1,6 @@
 """The private ``torch.nn.utils.parametrize`` names minlora relies on, in one place: a torch release
-that renames one fails here, at import, naming it."""
+that renames one fails here, at import, naming it.
+"""
 
 from __future__ import annotations
 

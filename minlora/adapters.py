@@ -1,7 +1,8 @@
 """minlora's adapter file and the all-or-nothing loading PEFT interop shares. One ``adapter.safetensors``
 (renamed into place: never torn nor mixed with another save): ``<module>.<tensor>.lora_A`` / ``.lora_B``
 (/ ``.lora_magnitude_vector``), and under the metadata key ``"minlora"`` the JSON config: per target
-layer, weight shape and settings, tied pairs, the base model's fingerprint. minlora 0.1's two files load."""
+layer, weight shape and settings, tied pairs, the base model's fingerprint. minlora 0.1's two files load.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
+from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
 from .model import LoRASite, has_lora, lora_sites, register_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
@@ -32,7 +34,7 @@ Plan = tuple[LoRASite, LoRAParametrization]  # where to load, and a LoRA built f
 logger = logging.getLogger(__name__)
 
 
-class AdapterFileError(ValueError):
+class AdapterFileError(MinloraError, ValueError):
     """An adapter file that cannot be used; the message names it, what is wrong and what to do."""
 
 
@@ -40,7 +42,7 @@ class NonFiniteAdapterError(AdapterFileError):
     """NaN / inf adapter weights: in a file being loaded, or in a model being saved (nothing is written)."""
 
 
-class AdapterBaseMismatchError(ValueError):
+class AdapterBaseMismatchError(MinloraError, ValueError):
     """The adapter was saved from another base model than the one it is loaded into (:func:`base_fingerprint`)."""
 
 
@@ -98,16 +100,18 @@ def check_values(tensors: dict[str, torch.Tensor], where: Any, caller: str, reme
 
 def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
     if len(site.lora_indices) != 1:
-        raise ValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
+        raise LoRAValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
     return site.lora
 
 
 def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASite], dict[str, torch.Tensor]]:
     """The LoRA sites of ``model`` and their parameters ``<site>.<param>`` on the CPU, finite, in ``dtype``."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+        raise LoRAValueError(
+            f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}"
+        )
     if not (sites := lora_sites(model)):
-        raise ValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
+        raise LoRAValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
     tensors = {  # clones: safetensors refuses tensors sharing memory (tie_weights)
         f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous().clone()
         for site in sites
@@ -124,7 +128,7 @@ def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
         return model.get_submodule(module_name)
     except AttributeError:
         some = [n for n, m in model.named_modules() if n and family_name(m)][:6]
-        raise ValueError(
+        raise LoRAValueError(
             f"{source} targets {module_name!r} but this {type(model).__name__} has no such module "
             f"(layers are named like {some}); was the adapter made for another model shape?"
         ) from None
@@ -133,14 +137,15 @@ def get_module(model: nn.Module, module_name: str, source: str) -> nn.Module:
 @torch.no_grad()
 def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], **settings: Any) -> Plan:
     """A LoRA for ``site`` holding ``tensors``, its layout taken from the layer's weight; ``settings``
-    are :class:`LoRAParametrization`'s keywords."""
+    are :class:`LoRAParametrization`'s keywords.
+    """
     family = family_name(site.module)
     if family is None or raw_weight(site.module) is None or site.tensor_name != "weight":
-        raise ValueError(f"{source}: {site.name} is not the weight of a Linear, Embedding or Conv2d layer")
+        raise LoRAValueError(f"{source}: {site.name} is not the weight of a Linear, Embedding or Conv2d layer")
     lora = FAMILIES[family][1](site.module, **settings)
     for name, value in tensors.items():
         if value.shape != getattr(lora, name).shape:
-            raise ValueError(
+            raise LoRAValueError(
                 f"{source}: the adapter's {name} for {site.name} has shape {tuple(value.shape)}; at rank "
                 f"{lora.rank} this layer needs {tuple(getattr(lora, name).shape)}"
             )
@@ -155,13 +160,13 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
         shapes = [{n: tuple(getattr(p, n).shape) for n in p.param_names} for p in (old, new)]
         if shapes[0] != shapes[1]:  # another rank, or DoRA on one side only
             kinds = [f"{'DoRA' if p.use_dora else 'LoRA'} of rank {p.rank}" for p in (new, old)]
-            raise ValueError(
+            raise LoRAValueError(
                 f"{source}: the adapter has {kinds[0]} for {site.name} but the model there has {kinds[1]}; call "
                 "minlora.remove_lora(model) and load again (a model without LoRA gets the adapter's)"
             )
     covered = {site.name for site, _ in plans}
     if strict and (extra := [s.name for s in lora_sites(model) if s.name not in covered]):
-        raise ValueError(
+        raise LoRAValueError(
             f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
             f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora"
         )
@@ -197,9 +202,12 @@ def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
 
 def base_fingerprint(model: nn.Module) -> str:
     """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
-    values rounded to bf16): what :func:`save_adapter` records and :func:`load_adapter` checks."""
+    values rounded to bf16): what :func:`save_adapter` records and :func:`load_adapter` checks.
+    """
     if not (sites := lora_sites(model)):
-        raise ValueError("base_fingerprint: the model has no LoRA, so no adapted layers; call minlora.add_lora first")
+        raise LoRAValueError(
+            "base_fingerprint: the model has no LoRA, so no adapted layers; call minlora.add_lora first"
+        )
     return _base_record(model, {s.name: s.original for s in sites})["sha256"]
 
 
@@ -229,12 +237,13 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
     """Write the LoRA of ``model`` with its config to ``path``, a directory (``adapter.safetensors``
     inside) or a ``.safetensors`` file; returns ``path``. ``dtype`` stores the factors in another
     precision (``torch.bfloat16`` halves the file). The file is replaced atomically; NaN / inf
-    weights are refused (:class:`NonFiniteAdapterError`) and the file on disk stays as it was."""
+    weights are refused (:class:`NonFiniteAdapterError`) and the file on disk stays as it was.
+    """
     sites, tensors = lora_tensors(model, "save_adapter", dtype)
     path = Path(path)
     file = path if path.suffix == ".safetensors" else path / ADAPTER_FILE_NAME
     if path.is_file() and file != path:
-        raise ValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
+        raise LoRAValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
     targets = {
         s.name: {"layer": family_name(s.module), "weight_shape": list(s.original.shape)}
         | {k: getattr(s.lora, k) for k in _SETTINGS}
@@ -310,7 +319,7 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
             )
     else:
         peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" * (path / "adapter_config.json").is_file()
-        raise FileNotFoundError(
+        raise LoRAFileNotFoundError(
             f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
             f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}"
         )
@@ -322,7 +331,8 @@ def load_adapter(
 ) -> nn.Module:
     """Load a :func:`save_adapter` adapter into ``model``: layers without LoRA get the adapter's, layers
     with LoRA must have its rank. All is checked before the model changes: ``ValueError`` (with ``strict``,
-    model LoRA the adapter does not cover too), :class:`AdapterFileError`, :class:`AdapterBaseMismatchError`."""
+    model LoRA the adapter does not cover too), :class:`AdapterFileError`, :class:`AdapterBaseMismatchError`.
+    """
     tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
     params = {t: PARAM_NAMES[: 2 + (s.get("use_dora") is True)] for t, s in config["targets"].items()}
@@ -338,7 +348,7 @@ def load_adapter(
         site = LoRASite(module_name, get_module(model, module_name, source), tensor_name)
         weight = raw_weight(site.module)
         if family_name(site.module) != spec["layer"] or weight is None or list(weight.shape) != spec["weight_shape"]:
-            raise ValueError(
+            raise LoRAValueError(
                 f"{source}: {name} is a {type(site.module).__name__} weight of shape "
                 f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} weight of "
                 f"shape {tuple(spec['weight_shape'])} in the adapter: made for a model of another shape"

@@ -1,5 +1,6 @@
 """``LoRAConfig``: which layers get LoRA and with what settings. It feeds the machinery of minLoRA's dict configs
-(``to_lora_config()``), adding name patterns, exclusions and switches for the embeddings and the LM head."""
+(``to_lora_config()``), adding name patterns, exclusions and switches for the embeddings and the LM head.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Callable
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
+from .errors import LoRAValueError
 from .parametrization import LoRAParametrization, check_float, check_int, raw_weight
 
 # Layer families LoRA adapts, with the constructor for each.
@@ -38,7 +40,7 @@ def name_matches(name: str, pattern: str) -> bool:
 def _patterns(value: Any, field_name: str) -> tuple[str, ...]:
     value = (value,) if isinstance(value, str) else tuple(value)
     if not value or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"LoRAConfig.{field_name} must be non-empty strings (name patterns), got {value!r}")
+        raise LoRAValueError(f"LoRAConfig.{field_name} must be non-empty strings (name patterns), got {value!r}")
     return value
 
 
@@ -47,7 +49,8 @@ class LoRAConfig:
     """A layer gets LoRA when it is one of ``target_types`` (``include_embeddings`` adds ``nn.Embedding``), matches a
     ``target_modules`` pattern (all when None) and no ``exclude_modules`` one, and is not an LM head (a linear layer in
     ``lm_head_names`` or tied to an embedding) unless ``include_lm_head``. ``scaling = alpha / rank`` (``/ sqrt(rank)``
-    with ``use_rslora``); ``use_dora``: DoRA, see :class:`LoRAParametrization`."""
+    with ``use_rslora``); ``use_dora``: DoRA, see :class:`LoRAParametrization`.
+    """
 
     rank: int = 8
     alpha: float = 16.0
@@ -68,7 +71,7 @@ class LoRAConfig:
         check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
         for flag in ("include_embeddings", "include_lm_head", "use_rslora", "use_dora"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
+                raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
             self.target_modules = _patterns(self.target_modules, "target_modules")
         self.exclude_modules = _patterns(self.exclude_modules, "exclude_modules") if self.exclude_modules else ()
@@ -77,7 +80,7 @@ class LoRAConfig:
         self.target_types = tuple(FAMILIES[t][0] if isinstance(t, str) and t in FAMILIES else t for t in types)
         for t in self.target_types:
             if not isinstance(t, type) or family_name(t) is None:
-                raise ValueError(f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts {sorted(FAMILIES)}")
+                raise LoRAValueError(f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts {sorted(FAMILIES)}")
 
     @property
     def layer_types(self) -> tuple[type, ...]:
@@ -94,7 +97,8 @@ class LoRAConfig:
 
     def targets(self, model: nn.Module, require_match: bool = True) -> list[tuple[str, nn.Module, str, Callable]]:
         """``(name, module, "weight", factory)`` for every layer this config selects; with
-        ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why."""
+        ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why.
+        """
         tied = {id(w) for m in model.modules() if family_name(m) == "Embedding" and (w := raw_weight(m)) is not None}
         heads = {  # LM heads: named so, or a linear layer tied to an embedding
             id(m)
@@ -115,9 +119,9 @@ class LoRAConfig:
                 hit.update(matched)
                 selected.append((name, module, "weight", self.factory(layer_type)))
         for pattern in (p for p in self.target_modules or () if p not in hit and require_match):
-            raise ValueError(self._explain_no_match(model, pattern, heads))
+            raise LoRAValueError(self._explain_no_match(model, pattern, heads))
         if require_match and not selected:
-            raise ValueError(
+            raise LoRAValueError(
                 f"LoRAConfig selects no layer of this {type(model).__name__}: target_types="
                 f"{[t.__name__ for t in self.layer_types]}, target_modules={self.target_modules}, "
                 f"exclude_modules={self.exclude_modules}, include_lm_head={self.include_lm_head}"
@@ -148,5 +152,7 @@ class LoRAConfig:
     def from_dict(cls, data: dict[str, Any]) -> LoRAConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         if set(data) - known:
-            raise ValueError(f"unknown LoRAConfig field(s) {sorted(set(data) - known)}; known fields: {sorted(known)}")
+            raise LoRAValueError(
+                f"unknown LoRAConfig field(s) {sorted(set(data) - known)}; known fields: {sorted(known)}"
+            )
         return cls(**data)

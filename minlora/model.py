@@ -1,6 +1,7 @@
 """Adding, merging and removing LoRA (minLoRA's API; a config is its dict ``{layer_type: {tensor_name:
 factory}}`` or a :class:`LoRAConfig`). Unlike minLoRA: adding LoRA where one sits is a logged no-op;
-merge / remove touch LoRA only; a merge computes in fp32 and gives the layer a new ``Parameter``."""
+merge / remove touch LoRA only; a merge computes in fp32 and gives the layer a new ``Parameter``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from .config import LoRAConfig
+from .errors import LoRAValueError
 from .parametrization import LoRAParametrization, install_lora_class
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match:
     ]
     if not targets and require_match:
         types = sorted(t.__name__ for t in lora_config)
-        raise ValueError(
+        raise LoRAValueError(
             f"add_lora: the model has no layer of the types in lora_config ({types}); nothing to put LoRA on"
         )
     return targets
@@ -127,7 +129,7 @@ def _add_targets(targets: list[Target], caller: str) -> None:
                 f"{caller}: the factory for {full} returned a {type(lora).__name__}, not a LoRAParametrization"
             )
         if lora.rank > min(lora.fan_in, lora.fan_out):  # a larger rank only adds parameters that cannot help
-            raise ValueError(
+            raise LoRAValueError(
                 f"{caller}: rank {lora.rank} does not fit {full} (weight shape "
                 f"{tuple(getattr(module, tensor_name).shape)}): the rank must be between 1 and min(in_features, "
                 f"out_features) = {min(lora.fan_in, lora.fan_out)} for every targeted layer; lower it or leave this "
@@ -163,7 +165,8 @@ def apply_lora(
 def add_lora(model: nn.Module, lora_config: LoRAConfig | Mapping = default_lora_config) -> None:
     """Put LoRA on the layers ``lora_config`` selects (default: every ``nn.Linear``). A tensor that
     already carries LoRA is left alone (logged). ``ValueError`` when the config selects no layer or
-    the rank exceeds a targeted layer's ``min(in_features, out_features)``."""
+    the rank exceeds a targeted layer's ``min(in_features, out_features)``.
+    """
     _add_targets(_targets(model, lora_config), "add_lora")
 
 
@@ -173,17 +176,20 @@ def add_lora_by_name(
     lora_config: LoRAConfig | Mapping = default_lora_config,
 ) -> None:
     """LoRA on the layers inside every module whose name *contains* one of ``target_module_names``
-    (minLoRA's substring rule). An entry that selects no layer is a ``ValueError`` naming it."""
+    (minLoRA's substring rule). An entry that selects no layer is a ``ValueError`` naming it.
+    """
     if not (names := [target_module_names] if isinstance(target_module_names, str) else list(target_module_names)):
-        raise ValueError("add_lora_by_name: target_module_names is empty; name at least one module")
+        raise LoRAValueError("add_lora_by_name: target_module_names is empty; name at least one module")
     candidates = _targets(model, lora_config, require_match=False)
     module_names = [name for name, _ in model.named_modules() if name]
     chosen: list[Target] = []
     for target in names:
         if not (matched := [n for n in module_names if target in n]):
-            raise ValueError(f"add_lora_by_name: {target!r} matches no module name; names look like {module_names[:6]}")
+            raise LoRAValueError(
+                f"add_lora_by_name: {target!r} matches no module name; names look like {module_names[:6]}"
+            )
         if not (hits := [t for t in candidates if any(t[0] == m or t[0].startswith(m + ".") for m in matched)]):
-            raise ValueError(
+            raise LoRAValueError(
                 f"add_lora_by_name: {target!r} matches {matched[:4]} but none of them is or contains a "
                 f"layer the LoRA config applies to"
             )
@@ -194,7 +200,8 @@ def add_lora_by_name(
 def merge_lora(model: nn.Module) -> None:
     """Fold every LoRA into its weight (in fp32, then cast) and remove it; outputs stay the same. A weight
     shared with a layer not merged the same way (GPT-2's tied head) is untied (logged); layers sharing
-    weight *and* update (:func:`minlora.tie_weights`) stay shared."""
+    weight *and* update (:func:`minlora.tie_weights`) stay shared.
+    """
     _unlora(model, True, lora_sites(model))
 
 
@@ -207,7 +214,7 @@ def remove_lora(model: nn.Module) -> None:
 def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
     for site in sites if merge else ():
         if site.lora_indices != list(range(len(site.lora_indices))):
-            raise ValueError(
+            raise LoRAValueError(
                 f"merge_lora: the LoRA on {site.name} follows another parametrization "
                 f"({[type(p).__name__ for p in site.plist]}); it cannot be folded into the stored "
                 f"weight. Remove the other parametrization first, or use remove_lora"

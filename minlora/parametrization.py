@@ -1,6 +1,7 @@
 """``LoRAParametrization`` (``W -> W + s * B @ A``, or DoRA). The *weight path* is plain ``parametrize``
 (reading ``module.weight`` builds the adapted weight); the *fast path*, a ``forward`` for parametrized
-``nn.Linear`` / ``nn.Embedding``, adds the low-rank branch on the activations: no weight-sized gradient."""
+``nn.Linear`` / ``nn.Embedding``, adds the low-rank branch on the activations: no weight-sized gradient.
+"""
 
 from __future__ import annotations
 
@@ -14,24 +15,25 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from ._torch_compat import inject_property, parametrize_cache_enabled
+from .errors import LoRAValueError
 
 PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")  # the last one DoRA's only
 
 
 def check_int(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a rank
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        raise LoRAValueError(f"{what} must be a positive integer, got {value!r}")
 
 
 def check_float(value: Any, what: str, low: float | None = None, high: float | None = None, low_open: bool = False):
     """A finite number in ``[low, high)`` (``(low, high)`` with ``low_open``), else ``ValueError`` naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+        raise LoRAValueError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value):  # first: nan < 0 is False, so a range check alone lets NaN through
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
+        raise LoRAValueError(f"{what} must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low) or high is not None and value >= high:
         lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
-        raise ValueError(f"{what} must be in {'(' if low_open else '['}{lo}, {hi}), got {value!r}")
+        raise LoRAValueError(f"{what} must be in {'(' if low_open else '['}{lo}, {hi}), got {value!r}")
 
 
 def raw_weight(module: nn.Module) -> torch.Tensor | None:
@@ -56,7 +58,8 @@ class LoRAParametrization(nn.Module):
     ``(rank, fan_out)``, ``delta = A @ B``, so :func:`minlora.tie_weights` can share one update.
     ``use_dora`` (Liu et al. 2024, computed as PEFT does): ``m * V / ||V||_c`` with ``V = W + scaling * delta``,
     ``||V||_c`` each output channel's norm (a constant for backprop), ``m`` the learned ``lora_magnitude_vector``,
-    starting at ``||W||_c``."""
+    starting at ``||W||_c``.
+    """
 
     def __init__(
         self,
@@ -76,7 +79,7 @@ class LoRAParametrization(nn.Module):
         check_float(lora_dropout_p, "LoRAParametrization: lora_dropout_p", low=0.0, high=1.0)
         check_float(lora_alpha, "LoRAParametrization: lora_alpha")  # negative only flips the update, but
         if lora_alpha == 0:  # zero would silently switch the adapter off
-            raise ValueError("LoRAParametrization: lora_alpha must not be 0 (the adapter would do nothing)")
+            raise LoRAValueError("LoRAParametrization: lora_alpha must not be 0 (the adapter would do nothing)")
         self.fan_in, self.fan_out, self.fan_in_fan_out, self.rank = fan_in, fan_out, bool(fan_in_fan_out), rank
         self.lora_dropout_p, self.use_rslora, self.use_dora = float(lora_dropout_p), False, bool(use_dora)
         self.set_scaling(lora_alpha, use_rslora)
@@ -242,7 +245,8 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """The ``forward`` of a stock ``nn.Linear`` / ``nn.Embedding`` with LoRA: the fast path, unless the
     weight carries more than one LoRA or we are inside ``parametrize.cached()`` (only the weight path
     composes with those) or an embedding renormalises its weight in place (``max_norm``) or treats rows'
-    gradients apart (``scale_grad_by_freq``, ``padding_idx``: PEFT's fast form differs there)."""
+    gradients apart (``scale_grad_by_freq``, ``padding_idx``: PEFT's fast form differs there).
+    """
     plist = self.parametrizations["weight"] if "weight" in self.parametrizations else []
     embedding = isinstance(self, nn.Embedding)
     lora = plist[0] if len(plist) == 1 else None

@@ -4,7 +4,8 @@
 ``.lora_magnitude_vector``. A model whose PEFT twin differs says how in a method ``peft_adapter_layout()``
 returning a dict, every key optional: ``vocab_size`` (the twin's real vocabulary), ``padded_vocab_modules``
 (layers with padded vocab rows: never sampled nor inputs, so cutting them on export, zeros on import, is
-exact), ``fan_in_fan_out`` (True: the twin's layers are transformers' ``Conv1D``)."""
+exact), ``fan_in_fan_out`` (True: the twin's layers are transformers' ``Conv1D``).
+"""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from .adapters import (
     write_atomic,
 )
 from .config import family_name, name_matches, raw_weight
+from .errors import LoRAFileNotFoundError, LoRAValueError
 from .model import LoRASite
 from .parametrization import check_float, check_int
 
@@ -76,7 +78,8 @@ def export_peft_adapter(
 ) -> Path:
     """Write the LoRA of ``model`` as a PEFT adapter directory for a twin with the same module names
     (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` defaults to the model's
-    ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``."""
+    ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``.
+    """
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
     tensors, loras = {}, {site.module_name: site.lora for site in sites}
@@ -85,7 +88,7 @@ def export_peft_adapter(
         A, B, m = (ours.get(f"{site.name}.{n}") for n in ("lora_A", "lora_B", "lora_magnitude_vector"))
         rows = slice(real if id(site.module) in padded else None)  # the twin has no padded vocabulary rows
         if len(site.plist) != 1 or site.tensor_name != "weight":
-            raise ValueError(
+            raise LoRAValueError(
                 f"export_peft_adapter: {site.name} has parametrizations {[type(p).__name__ for p in site.plist]}; "
                 f"PEFT expresses a LoRA alone on a weight only"
             )
@@ -100,14 +103,14 @@ def export_peft_adapter(
             parts = {"A.weight": A.reshape(lora.rank, *site.original.shape[1:]), "B.weight": B.reshape(*B.shape, 1, 1)}
             parts["magnitude_vector"] = None if m is None else m.reshape(1, -1, 1, 1)  # PEFT's conv norm shape
         else:
-            raise ValueError(
+            raise LoRAValueError(
                 f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
                 f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})"
             )
         tensors |= {key + role: t for role, t in parts.items() if t is not None}
     for flag in ("use_rslora", "use_dora"):
         if len({getattr(p, flag) for p in loras.values()}) != 1:
-            raise ValueError(
+            raise LoRAValueError(
                 f"export_peft_adapter: {flag} is on for some layers and off for others; PEFT has one "
                 f"{flag} flag for the adapter: export the two groups as two adapters"
             )
@@ -145,24 +148,26 @@ def export_peft_adapter(
 
 def _check_config(config: dict[str, Any], where: str) -> None:
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
+        raise LoRAValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
     for key in (k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)):
-        raise ValueError(f"{where} sets {key}={config[key]!r}, an option minlora does not support (LoRA and DoRA only)")
+        raise LoRAValueError(
+            f"{where} sets {key}={config[key]!r}, an option minlora does not support (LoRA and DoRA only)"
+        )
     if config.get("bias", "none") != "none":
-        raise ValueError(f"{where} has bias={config['bias']!r} (trained biases); minlora loads bias='none' only")
+        raise LoRAValueError(f"{where} has bias={config['bias']!r} (trained biases); minlora loads bias='none' only")
     try:  # the checks LoRAConfig uses, their messages naming the field
         check_int(config.get("r", 8), "r")
         check_float(config.get("lora_alpha", 8), "lora_alpha")
         check_float(config.get("lora_dropout") or 0.0, "lora_dropout", low=0.0, high=1.0)
         for key, check in (("rank_pattern", check_int), ("alpha_pattern", check_float)):
             if not isinstance(patterns := config.get(key) or {}, dict):
-                raise ValueError(f"{key} must be a map of module patterns to values, got {patterns!r}")
+                raise LoRAValueError(f"{key} must be a map of module patterns to values, got {patterns!r}")
             for pattern, value in patterns.items():
                 check(value, f"{key}[{pattern!r}]")
                 re.compile(pattern)
         for flag in ("use_rslora", "use_dora"):
             if not isinstance(config.get(flag, False), bool):
-                raise ValueError(f"{flag} must be true or false, got {config[flag]!r}")
+                raise LoRAValueError(f"{flag} must be true or false, got {config[flag]!r}")
     except (ValueError, TypeError, re.error) as e:
         raise AdapterFileError(f"{where}: {e}; {_REMEDY}") from None
 
@@ -181,11 +186,12 @@ def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool) -> tor
 
 def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
     """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names), as :func:`load_adapter`
-    does (``rank_pattern`` / ``alpha_pattern`` honoured); unsupported options are a ``ValueError``."""
+    does (``rank_pattern`` / ``alpha_pattern`` honoured); unsupported options are a ``ValueError``.
+    """
     path = Path(directory)
     file, config_file = path / PEFT_WEIGHTS_NAME, path / PEFT_CONFIG_NAME
     if not config_file.is_file() or not file.is_file():
-        raise FileNotFoundError(
+        raise LoRAFileNotFoundError(
             f"import_peft_adapter: {path} needs {PEFT_CONFIG_NAME} and {PEFT_WEIGHTS_NAME} (an adapter_model.bin: "
             f"load it with peft and save_pretrained it again, which writes safetensors)"
         )
@@ -199,14 +205,14 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     for key, tensor in state.items():
         module_name, _, role = key[len(_PREFIX) :].rpartition(".lora_")
         if not key.startswith(_PREFIX) or role not in _ROLES:
-            raise ValueError(
+            raise LoRAValueError(
                 f"{source}: unexpected key {key!r} in {file}; minlora reads {_PREFIX}<module>.lora_ followed by "
                 f"one of {list(_ROLES)} (an adapter name in the key, as in 'lora_A.default.weight', means "
                 f"a raw state dict, not a saved adapter)"
             )
         factors.setdefault(module_name, {})[role] = tensor
     if not factors:
-        raise ValueError(f"{source}: the adapter holds no LoRA factors")
+        raise LoRAValueError(f"{source}: the adapter holds no LoRA factors")
     _, real, padded = _layout(model, "import_peft_adapter")
     dora, dropout, plans = config.get("use_dora", False), float(config.get("lora_dropout") or 0.0), []
     for module_name, parts in factors.items():
@@ -215,7 +221,7 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         rows = 0 if weight is None else weight.shape[0]  # no weight: make_plan says so
         embedding = family_name(site.module) == "Embedding"
         if set(parts) != {*(_ROLES[2:4] if embedding else _ROLES[:2]), *_ROLES[4:] * dora}:
-            raise ValueError(
+            raise LoRAValueError(
                 f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
                 f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
                 f"and with use_dora={dora} {'a' if dora else 'no'} lora_magnitude_vector"
@@ -227,7 +233,7 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
             B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
         rank = _pattern_value(config.get("rank_pattern") or {}, module_name, config.get("r", 8))
         if (A.shape[1] if embedding else A.shape[0]) != rank:
-            raise ValueError(
+            raise LoRAValueError(
                 f"{source}: {module_name} has rank-{A.shape[1] if embedding else A.shape[0]} factors but "
                 f"the config says r={rank}; adapter_config.json does not match the adapter weights"
             )

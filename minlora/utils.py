@@ -1,5 +1,6 @@
 """minLoRA's ``minlora.utils`` helpers plus training conveniences. LoRA parameters are found by type
-(those of :class:`LoRAParametrization` modules); :func:`name_is_lora` is kept for minLoRA code."""
+(those of :class:`LoRAParametrization` modules); :func:`name_is_lora` is kept for minLoRA code.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 import torch
 import torch.nn as nn
 
+from .errors import LoRAValueError
 from .model import has_lora, iter_lora_modules, lora_sites
 from .parametrization import PARAM_NAMES, LoRAParametrization
 
@@ -95,21 +97,22 @@ def get_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str, torch.Tensor]]) -> nn.Module:
     """Load several LoRA state dicts and keep each; :func:`select_lora` switches between them. The
-    last one is active afterwards (as in minLoRA)."""
+    last one is active afterwards (as in minLoRA).
+    """
     if not (wanted := _named_lora_params(model, remove_duplicate=False)):
-        raise ValueError("load_multiple_lora: the model has no LoRA; call minlora.add_lora(model) first")
+        raise LoRAValueError("load_multiple_lora: the model has no LoRA; call minlora.add_lora(model) first")
     model.apply(apply_to_lora(LoRAParametrization.clear_stored_adapters))
     i = -1
     for i, state_dict in enumerate(lora_state_dicts):
         if extra := sorted(set(state_dict) - set(wanted)):
-            raise ValueError(
+            raise LoRAValueError(
                 f"load_multiple_lora: state dict #{i} has keys that are not LoRA factors of this model, "
                 f"e.g. {extra[:3]}; pass minlora.get_lora_state_dict outputs"
             )
         model.load_state_dict(dict(state_dict), strict=False)
         model.apply(apply_to_lora(LoRAParametrization.store_adapter))
     if i < 0:
-        raise ValueError("load_multiple_lora: no state dicts given; pass at least one")
+        raise LoRAValueError("load_multiple_lora: no state dicts given; pass at least one")
     return model
 
 
@@ -121,18 +124,19 @@ def select_lora(model: nn.Module, index: int) -> nn.Module:
 
 def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     """``(head, embedding, head's LoRA, embedding's LoRA)`` for two layers in either order (minLoRA's
-    examples pass the embedding first): the embedding's LoRA has the ``fan_in_fan_out`` layout."""
+    examples pass the embedding first): the embedding's LoRA has the ``fan_in_fan_out`` layout.
+    """
     loras = []
     for layer in (a, b):
         plist = layer.parametrizations["weight"] if has_lora(layer, "weight") else []
         if len(found := [p for p in plist if isinstance(p, LoRAParametrization)]) != 1:
-            raise ValueError(
+            raise LoRAValueError(
                 f"{caller}: {type(layer).__name__} has {len(found) or 'no'} LoRA on its weight; it needs one "
                 f"LoRA on each of the two layers (minlora.add_lora first)"
             )
         loras += found
     if loras[0].fan_in_fan_out == loras[1].fan_in_fan_out:
-        raise ValueError(
+        raise LoRAValueError(
             f"{caller} needs one layer with LoRA from from_linear (the head) and one with LoRA from "
             f"from_embedding (the embedding); both of {type(a).__name__} and {type(b).__name__} have "
             f"{'an embedding' if loras[0].fan_in_fan_out else 'a linear'} layout"
@@ -143,15 +147,16 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
     """Share one weight *and one LoRA update* between a linear head and an embedding, in either order
     (minLoRA): the embedding's ``lora_A`` becomes the head's ``lora_B`` and vice versa. Without it,
-    LoRA on GPT-2's tied head adapts the head only."""
+    LoRA on GPT-2's tied head adapts the head only.
+    """
     linear, embedding, lin, emb = _pair(linear, embedding, "tie_weights")
     if lin.use_dora or emb.use_dora:  # DoRA normalises the head's vocab rows but the embedding's dims
-        raise ValueError(
+        raise LoRAValueError(
             "tie_weights: DoRA's magnitude belongs to each layer's output channels (the head's vocabulary rows, the "
             "embedding's dimensions), so one DoRA update cannot be shared; tie plain LoRA, or keep the layers untied"
         )
     if lin.lora_B.shape != emb.lora_A.shape or lin.lora_A.shape != emb.lora_B.shape:
-        raise ValueError(
+        raise LoRAValueError(
             f"tie_weights: the linear layer's lora_A / lora_B {tuple(lin.lora_A.shape)} / {tuple(lin.lora_B.shape)} "
             f"do not fit the embedding's {tuple(emb.lora_A.shape)} / {tuple(emb.lora_B.shape)}; the ranks and "
             f"the (vocab, dim) shapes must agree"
@@ -172,9 +177,9 @@ def untie_weights(linear: nn.Module, embedding: nn.Module) -> None:
 def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     """Freeze everything but LoRA; ``bias``: ``"none"``, ``"all"`` biases, or ``"lora_only"`` (those of LoRA layers)."""
     if bias not in ("none", "all", "lora_only"):
-        raise ValueError(f"mark_only_lora_as_trainable: bias must be 'none', 'all' or 'lora_only', got {bias!r}")
+        raise LoRAValueError(f"mark_only_lora_as_trainable: bias must be 'none', 'all' or 'lora_only', got {bias!r}")
     if not (trainable := list(get_lora_params(model))):
-        raise ValueError("mark_only_lora_as_trainable: the model has no LoRA; call minlora.add_lora(model) first")
+        raise LoRAValueError("mark_only_lora_as_trainable: the model has no LoRA; call minlora.add_lora(model) first")
     trainable += list(get_bias_params(model)) if bias == "all" else []
     if bias == "lora_only":
         trainable += [b for s in lora_sites(model) if isinstance(b := getattr(s.module, "bias", None), nn.Parameter)]

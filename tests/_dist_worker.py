@@ -96,7 +96,8 @@ VAL_BATCHES = 5  # odd: under 2 ranks one scores 3 batches and the other 2
 
 def final_eval(out_dir: str) -> dict:
     """No training: the same weights on every rank, so the final report must give the
-    one-process loss whatever the number of ranks."""
+    one-process loss whatever the number of ranks.
+    """
     from gpt2.cli.common import SamplingOptions, final_report
 
     torch.manual_seed(0)
@@ -139,7 +140,8 @@ def final_eval(out_dir: str) -> dict:
 def lora(out_dir: str) -> dict:
     """Train a LoRA GPT with the Trainer and save its adapter. Same global batch either way:
     128 tokens per step = 2 sequences x 16 tokens x 4 micro-steps on one process, or x 2
-    micro-steps x 2 processes."""
+    micro-steps x 2 processes.
+    """
     from minlora.adapters import save_adapter
     from minlora.config import LoRAConfig
     from minlora.model import add_lora
@@ -182,7 +184,8 @@ def _hold_lock(out_dir: str, ready) -> None:
 
 def locked(out_dir: str) -> dict:
     """out_dir is held by another process (see __main__): rank 0 finds it locked, and rank 1
-    must raise too instead of waiting for rank 0 forever."""
+    must raise too instead of waiting for rank 0 forever.
+    """
     from gpt2.train.rundir import RunDirLockedError
 
     rank = int(os.environ.get("RANK", "0"))
@@ -234,7 +237,8 @@ def uneven_rows(n: int, seed: int = 0) -> list[tuple[str, str, str, str]]:
 
 def instruct(out_dir: str) -> dict:
     """The same global batch of 8 sequences per step: 2 per micro-step x 4 micro-steps on one
-    process, or x 2 micro-steps x 2 processes; unpacked and packed."""
+    process, or x 2 micro-steps x 2 processes; unpacked and packed.
+    """
     from gpt2.data.instruct import InstructionLoader
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,5 +1,6 @@
 """The tiny Trainer runs that the checkpoint and run-directory tests share: a 1-layer, 16-wide
-GPT over a 64-token vocabulary, random tokens, and a TrainConfig that checkpoints often."""
+GPT over a 64-token vocabulary, random tokens, and a TrainConfig that checkpoints often.
+"""
 
 from __future__ import annotations
 

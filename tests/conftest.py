@@ -41,7 +41,8 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def shakespeare_slice(tmp_path_factory) -> Path | None:
     """The first 64 KB of Tiny Shakespeare (~16k tokens, a 17th of the file): plenty for the few
-    steps of the CLI and example runs, and a 17th of the tokenising per run."""
+    steps of the CLI and example runs, and a 17th of the tokenising per run.
+    """
     full = os.environ.get("GPT2_TINY_SHAKESPEARE")
     if not full or not Path(full).is_file():
         return None
@@ -61,7 +62,8 @@ def shakespeare_file(shakespeare_slice) -> Path:
 @pytest.fixture(scope="module")
 def small_shakespeare(shakespeare_slice):
     """Point $GPT2_TINY_SHAKESPEARE (the `shakespeare` data source) at the slice for one test
-    module (not globally: tests/test_data.py checks the real file)."""
+    module (not globally: tests/test_data.py checks the real file).
+    """
     if shakespeare_slice is None:
         yield None
         return
@@ -87,7 +89,8 @@ def all_threads():
 def _one_thread(request):
     """Tiny models: a second intra-op thread costs more in synchronisation than it saves, and far
     more when other processes share the cores (a parallel region waits for a descheduled
-    thread). Only tests that ask for `all_threads` (124M shapes) keep them all."""
+    thread). Only tests that ask for `all_threads` (124M shapes) keep them all.
+    """
     threads = torch.get_num_threads()
     if "all_threads" not in request.fixturenames:
         torch.set_num_threads(1)
@@ -118,7 +121,8 @@ class DistRun:
 @pytest.fixture(scope="session")
 def dist_run(tmp_path_factory) -> DistRun:
     """All library-level DDP jobs (tests/_dist_worker.py) in ONE torchrun launch of 2 gloo
-    processes: interpreter start-up and rendezvous cost more than the jobs themselves."""
+    processes: interpreter start-up and rendezvous cost more than the jobs themselves.
+    """
     out = tmp_path_factory.mktemp("dist")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))

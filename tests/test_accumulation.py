@@ -1,7 +1,8 @@
 """Token-exact gradient accumulation (issue 18): one Trainer step over N micro-batches gives the
 gradient of ONE batch holding all their rows, the mean over every scored target, however
 unevenly the targets fall on the micro-batches; fp16 (loss-scaled) and bf16 too, compiled too.
-2 processes vs 1: tests/test_distributed.py."""
+2 processes vs 1: tests/test_distributed.py.
+"""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def test_pretraining_micro_batches_give_the_one_batch_gradient():
 def test_low_precision_micro_batches_give_the_one_batch_gradient(precision, tolerance):
     """Under autocast (fp16: through the GradScaler, unscaled before the comparison) the step's
     gradient is the big batch's up to the low precision's rounding (bf16 ~2e-3, fp16 ~4e-4 here);
-    the mean of means is off by more than 5e-2 (checked in the fp32 test)."""
+    the mean of means is off by more than 5e-2 (checked in the fp32 test).
+    """
     model, reader = _model(), _instruction_loader(True)
     batches = [reader.next_batch() for _ in range(MICRO_STEPS)]
     record = _step_and_compare(model, _instruction_loader(True), batches, tolerance=tolerance, precision=precision)
@@ -168,7 +170,8 @@ def test_a_model_without_reduction_sum_is_weighted_by_its_targets_and_an_empty_m
 
 def test_a_loaders_hugging_face_ignore_index_is_refused_before_any_update():
     """-100 (transformers' ignore index) is no token here: a loader of the user's that sends it
-    stops the step with the fix, before a forward (on a GPU the loss could not check it)."""
+    stops the step with the fix, before a forward (on a GPU the loss could not check it).
+    """
     x = torch.randint(0, 257, (B, T))
     y = torch.roll(x, -1, 1)
     y[:, :4] = -100

@@ -1,5 +1,6 @@
 """Damaged checkpoints and failed saves: every case ends in success (the newest intact checkpoint)
-or in one error that names the file and what is wrong with it; nothing is lost or left behind."""
+or in one error that names the file and what is wrong with it; nothing is lost or left behind.
+"""
 
 from __future__ import annotations
 
@@ -286,7 +287,8 @@ def _dead_pid() -> int:
 
 def test_a_prune_killed_half_way_leaves_a_leftover_not_a_torn_checkpoint(run, monkeypatch):
     """The delete of an old checkpoint is not atomic: killed during it, the folder was left with some
-    files under its step_* name and never removed. It is renamed away first now."""
+    files under its step_* name and never removed. It is renamed away first now.
+    """
     root = run / "checkpoints"
     names = [p.name for p in ckpt.list_checkpoints(root)]
     monkeypatch.setattr(ckpt.shutil, "rmtree", lambda path, **kw: (Path(path) / ckpt.WEIGHTS_FILE).unlink())  # "killed"

@@ -106,7 +106,8 @@ def _small_shakespeare(small_shakespeare):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> tuple[Path, str]:
     """A 4-step tiny run of `gpt2 train` on Tiny Shakespeare with HellaSwag every 2 steps, and
-    its console output; shared by the tests below."""
+    its console output; shared by the tests below.
+    """
     if not os.environ.get("GPT2_TINY_SHAKESPEARE"):
         pytest.skip("Tiny Shakespeare not available offline (../shared/data)")
     out = tmp_path_factory.mktemp("run") / "shakespeare"
@@ -341,7 +342,8 @@ def test_installed_entry_point(tmp_path):
     """The real entry point, started once: the console script declared in pyproject.toml, the one
     installed beside this interpreter (not whatever `gpt2` comes first on PATH: the venv may not
     be activated); `python -m gpt2` where it is not installed (the dist tests start that one too).
-    Exit code 2 and no traceback on a bad value."""
+    Exit code 2 and no traceback on a bad value.
+    """
     bindir = Path(sys.executable).parent
     script = next((p for p in (bindir / "gpt2", bindir / "gpt2.exe") if p.is_file()), None)
     launcher = [str(script)] if script is not None else [sys.executable, "-m", "gpt2"]
@@ -497,7 +499,8 @@ def test_eval_matches_the_training_run(trained, tmp_path, capsys):
 
 def test_eval_of_a_token_file_scores_the_part_training_held_out(trained, tmp_path, capsys, shared_data):
     """`gpt2 train --data x.npy` holds out its end, and its printed `gpt2 eval --data x.npy` scored the
-    whole file (mostly trained on); a NaN or negative --val-fraction silently scored it all too."""
+    whole file (mostly trained on); a NaN or negative --val-fraction silently scored it all too.
+    """
     from gpt2.data.sources import split_tokens, text_tokens
 
     tokens = text_tokens(shared_data / "tinyshakespeare.txt")[:20_000]
@@ -577,7 +580,8 @@ def test_export_writes_a_transformers_directory(trained, tmp_path, capsys):
 
 def test_finetune_from_a_training_run_in_fp16(trained, tmp_path, capsys, caplog):
     """`gpt2 finetune --init <run dir>`: LoRA on our own checkpoint, fp16 with loss scaling; the
-    adapter then samples through `gpt2 sample --adapter`."""
+    adapter then samples through `gpt2 sample --adapter`.
+    """
     out = tmp_path / "lora"
     code, stdout, err = run(
         capsys,
@@ -673,7 +677,8 @@ def test_finetune_peft_export_names_its_base_as_export_does(trained_hf, tmp_path
 
 def test_resume_auto_continues_an_interrupted_run(tmp_path, capsys, shared_data):
     """A run that stopped after step 5 (its last checkpoint: step 4) continues with
-    `--resume auto` and ends exactly where the uninterrupted run ends."""
+    `--resume auto` and ends exactly where the uninterrupted run ends.
+    """
     argv = [
         "train",
         *TINY_TRAIN,
@@ -804,7 +809,8 @@ def test_bench_runs_the_ladder(tmp_path, capsys):
 
 def test_the_resume_line_drops_the_flags_of_a_first_start(monkeypatch):
     """--overwrite in the printed line made it refuse ("choose one"), --resume-weights-only made it
-    drop the optimizer state: the way back is the run's own flags with --resume auto."""
+    drop the optimizer state: the way back is the run's own flags with --resume auto.
+    """
     from gpt2.cli import _resume_command
 
     monkeypatch.delenv("GPT2_LAUNCH_ARGV", raising=False)
@@ -818,7 +824,8 @@ def test_the_resume_line_drops_the_flags_of_a_first_start(monkeypatch):
 
 def test_a_peft_export_on_a_run_folder_says_how_to_make_a_base_transformers_reads(trained, tmp_path, capsys):
     """PEFT's AutoPeftModel loads base_model_name_or_path with transformers, which cannot read a
-    gpt2 run folder: the export says so and how to make one (it failed later, in PEFT)."""
+    gpt2 run folder: the export says so and how to make one (it failed later, in PEFT).
+    """
     import minlora
 
     model = GPT.from_pretrained(trained)
@@ -834,7 +841,8 @@ def test_a_peft_export_on_a_run_folder_says_how_to_make_a_base_transformers_read
 
 def test_an_adapter_of_another_base_is_refused_unless_allowed(trained, tmp_path, capsys):
     """sample / eval / export take --allow-base-mismatch, the flag the refusal names (before, it named
-    only load_adapter's keyword, which these commands had no way to pass)."""
+    only load_adapter's keyword, which these commands had no way to pass).
+    """
     import minlora
 
     model = GPT.from_pretrained(trained)

@@ -1,5 +1,6 @@
 """Every numeric field of GPTConfig / TrainConfig is checked when the config is built: finite,
-of the right kind (no bools, no strings, no floats for int fields) and within its range."""
+of the right kind (no bools, no strings, no floats for int fields) and within its range.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from gpt2.train.config import TrainConfig
 
 def _fields_of(cls: type, kind: type) -> list[str]:
     """Names of the fields whose annotation holds ``kind`` (``float``, ``float | None``...), read
-    from the class itself so that a field added later is tested too."""
+    from the class itself so that a field added later is tested too.
+    """
     hints = typing.get_type_hints(cls)
     names = []
     for f in dataclasses.fields(cls):
@@ -149,7 +151,8 @@ def test_defaults_and_none_pass():
 
 def test_numpy_numbers_are_taken_as_python_ones():
     """A sweep script's np.int64 / np.float32 values were refused with "must be a positive
-    integer, got np.int64(100)"; they are numbers, stored as Python ones."""
+    integer, got np.int64(100)"; they are numbers, stored as Python ones.
+    """
     import numpy as np
     import torch
 

@@ -1,5 +1,6 @@
 """On a CUDA GPU: every rung of the `gpt2 bench` ladder, fp16 loss scaling, fused AdamW, compile
-with LoRA, Muon, peak memory. Skipped without a GPU (``pytest -m gpu`` runs just these)."""
+with LoRA, Muon, peak memory. Skipped without a GPU (``pytest -m gpu`` runs just these).
+"""
 
 from __future__ import annotations
 

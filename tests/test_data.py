@@ -233,7 +233,8 @@ def _write_npy_shards(directory, lengths, seed=0):
 def _reference_reads(shards, step):
     """(shard, position) of every step, written independently of the loader: the positions of a
     shard are 0, step, 2*step, ... as long as a whole step (+1 target token) fits, then the next
-    shard, cycling forever."""
+    shard, cycling forever.
+    """
     for index in itertools.cycle(range(len(shards))):
         for position in range(0, len(shards[index]) - step, step):
             yield index, position
@@ -387,7 +388,8 @@ def test_load_state_dict_rejects_states_that_do_not_fit(tmp_path):
 
 def test_a_resumed_run_with_a_bigger_step_moves_on_where_the_step_no_longer_fits(tmp_path, caplog):
     """docs/training.md: another batch size on resume changes the data order, not whether it works.
-    A position near a shard's end, where the saved (smaller) step fitted, was an error."""
+    A position near a shard's end, where the saved (smaller) step fitted, was an error.
+    """
     _write_npy_shards(tmp_path, [37, 50])
     small = TokenLoader(tmp_path, 1, T, split="train")
     state = {"shard": 1, "position": 43, "num_shards": 2}  # 43 + 4 + 1 <= 50: one more small step fits
@@ -402,7 +404,8 @@ def test_a_resumed_run_with_a_bigger_step_moves_on_where_the_step_no_longer_fits
 @pytest.mark.parametrize("prefix", ["train", "val", "interval", "trainval", "my-train"])
 def test_a_shard_prefix_holding_train_or_val_does_not_mix_the_splits(tmp_path, prefix):
     """`gpt2 prepare --input train.txt` writes train_val_000000.npy: the train split used to match
-    it too (the validation shard was trained on), and "interval" made every shard a val shard."""
+    it too (the validation shard was trained on), and "interval" made every shard a val shard.
+    """
     from gpt2.data.sources import training_data
 
     rng = np.random.default_rng(0)
@@ -437,7 +440,8 @@ def test_nanogpt_and_llm_c_split_names_are_recognised(tmp_path):
 
 def test_a_huge_shard_size_needs_no_memory_up_front(tmp_path):
     """--shard-size 30e9 allocated a 56 GiB buffer before the first token (MemoryError on a tiny
-    input); the buffer now grows with the tokens, and the shards are the same."""
+    input); the buffer now grows with the tokens, and the shards are the same.
+    """
     from gpt2.data import write_shards
     from gpt2.data.formats import load_tokens
 

@@ -1,5 +1,6 @@
 """Bad and ambiguous data files: each gets a clear error naming the file (issue 8), and llm.c's
-headered .bin shards round-trip."""
+headered .bin shards round-trip.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ B, T = 2, 8
 
 def read_llmc_bin(path) -> np.ndarray:
     """A reader written from llm.c (dev/data/data_common.py, llmc/dataloader.h): 256 int32 of
-    header, [0] magic, [1] version, [2] token count, then the tokens."""
+    header, [0] magic, [1] version, [2] token count, then the tokens.
+    """
     raw = path.read_bytes()
     header = np.frombuffer(raw[: 256 * 4], dtype="<i4")
     layouts = {(20240520, 1): "<u2", (20240801, 7): "<u4"}

@@ -1,5 +1,6 @@
 """`prepare` is atomic (issue 15 item 6): shards and their manifest are written whole or not at
-all, and a folder whose shards do not match its manifest is refused by the loader."""
+all, and a folder whose shards do not match its manifest is refused by the loader.
+"""
 
 from __future__ import annotations
 

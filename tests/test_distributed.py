@@ -78,7 +78,8 @@ def test_two_gloo_processes_match_one_process(tmp_path, dist_run):
 @pytest.mark.parametrize("pack", [False, True])
 def test_two_gloo_processes_match_one_process_on_uneven_instruction_rows(tmp_path, dist_run, pack):
     """Token-exact loss across ranks: the 2 ranks' micro-batches hold different numbers of
-    response tokens, yet the loss, gradient norm and weights are those of one process."""
+    response tokens, yet the loss, gradient norm and weights are those of one process.
+    """
     ranks = [r[f"pack={pack}"] for r in dist_run.reports("instruct")]
     single = dist_job("instruct", tmp_path)[f"pack={pack}"]
     assert ranks[0]["scored_tokens"] == ranks[1]["scored_tokens"] == single["scored_tokens"]

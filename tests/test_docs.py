@@ -38,7 +38,8 @@ def _line(text: str, pos: int) -> int:
 
 def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]], list[tuple[int, str]]]:
     """(line, x) for the dotted names and the repo paths in code spans and blocks, and for the
-    import statements of python blocks."""
+    import statements of python blocks.
+    """
     chunks: list[tuple[int, str]] = []  # (first line, code): each code block line, each span
     imports: list[tuple[int, str]] = []
     prose = []  # the text with fenced lines blanked, so spans keep their line numbers

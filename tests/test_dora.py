@@ -1,5 +1,6 @@
 """DoRA (LoRAConfig(use_dora=True)): the math, the fast path, merge / remove, tied weights, adapter
-files, and parity with PEFT's DoRA both ways on transformers' GPT-2."""
+files, and parity with PEFT's DoRA both ways on transformers' GPT-2.
+"""
 
 from __future__ import annotations
 
@@ -230,7 +231,8 @@ def test_peft_dora_adapter_loads_here_with_the_same_logits(hf_dir, tmp_path, pad
 @pytest.mark.parametrize("targets", [["c_attn", "c_fc", "lm_head"], ["c_attn", "wte"]])
 def test_dora_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad, targets):
     """With padding, the embedding's DoRA norms run over padded rows the twin does not have: the
-    exported magnitudes are rescaled to the twin's rows (they were off by ~3e-4)."""
+    exported magnitudes are rescaled to the twin's rows (they were off by ~3e-4).
+    """
     ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
     config = LoRAConfig(rank=4, alpha=8, use_dora=True, target_modules=targets, include_lm_head=True)
     minlora.add_lora(ours, dataclasses.replace(config, include_embeddings="wte" in targets))

@@ -39,7 +39,8 @@ class WordTokenizer:
 class BigramLM(nn.Module):
     """A language model whose next-token distribution depends only on the current token:
     logits[b, t] = log_probs[idx[b, t]]. With log-probabilities as logits, the cross-entropy
-    of a token is exactly -log p, so the expected HellaSwag losses are known in closed form."""
+    of a token is exactly -log p, so the expected HellaSwag losses are known in closed form.
+    """
 
     def __init__(self, log_probs: torch.Tensor, block_size: int = 64) -> None:
         super().__init__()
@@ -55,7 +56,8 @@ WORDS = ["<pad>", "the", "cat", "sat", "on", "mat", "dog", "flew", "moon", "a", 
 
 def _bigram(pairs: dict[tuple[str, str], float], words=WORDS) -> torch.Tensor:
     """(V, V) log-probabilities: each listed pair gets its probability, the rest of the row's
-    mass is spread evenly over the other tokens."""
+    mass is spread evenly over the other tokens.
+    """
     V = len(words)
     ix = {w: i for i, w in enumerate(words)}
     probs = torch.zeros(V, V, dtype=torch.float64)
@@ -322,7 +324,8 @@ def test_evaluate_loss_errors(tiny_config):
 
 def test_evaluating_a_loader_leaves_it_where_it_was(tiny_config):
     """evaluate_loss reset the caller's loader: one used for training (a callback scoring the train
-    loss, or one loader passed as train and val data) replayed its batches afterwards."""
+    loss, or one loader passed as train and val data) replayed its batches afterwards.
+    """
     from gpt2 import TokenLoader, TrainConfig, Trainer
 
     tokens = torch.randint(0, tiny_config.vocab_size, (2000,), generator=torch.Generator().manual_seed(0))
@@ -367,7 +370,8 @@ def test_evaluate_loss_checks_token_ids_before_the_model(tiny_config):
 # --------------------------------------------------------------------------- non-finite loss
 def test_gpt2_eval_of_a_broken_model_exits_non_zero_naming_it(tmp_path):
     """A model whose loss is NaN (here a NaN final layer norm) is never reported as a number
-    with exit 0: one line naming the model directory, exit 2 (a bad input)."""
+    with exit 0: one line naming the model directory, exit 2 (a bad input).
+    """
     import subprocess
     import sys
 
@@ -393,7 +397,8 @@ def test_gpt2_eval_of_a_broken_model_exits_non_zero_naming_it(tmp_path):
 
 def test_trainer_evaluation_of_a_non_finite_model_raises_naming_the_run(tmp_path):
     """Trainer.evaluate and the end-of-training evaluation (gpt2.cli.common.val_loss, what
-    `gpt2 train` reports) refuse a NaN loss with an error naming the run directory."""
+    `gpt2 train` reports) refuse a NaN loss with an error naming the run directory.
+    """
     from gpt2 import TrainConfig
     from gpt2.cli.common import val_loss
     from gpt2.eval.loss import NonFiniteLossError

@@ -83,7 +83,8 @@ def script(name: str, *args: object, timeout: float = 300, env: dict | None = No
 def example(name: str, *args: object) -> subprocess.CompletedProcess:
     """Run examples/<name> in this process, as `python examples/<name> ARGS` would: as __main__,
     with sys.argv set, stdout and stderr captured, the library's INFO log lines on stdout (what
-    the command line does), and its exit code."""
+    the command line does), and its exit code.
+    """
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(out)
     root, argv = logging.getLogger(), sys.argv
@@ -364,7 +365,8 @@ def test_prepare_fineweb_example_local_files(tmp_path):
 def test_train_gpt2_124m_under_torchrun_on_cpu(tmp_path, hellaswag, shared_data):
     """The 124M recipe's loop (grad accumulation, DDP over gloo, val loss, HellaSwag split over
     ranks, checkpoints) with a tiny model and 2 CPU processes, in one torchrun launch. (That the
-    recipe resumes by default is tested in test_cli; resuming itself in test_cli and test_trainer.)"""
+    recipe resumes by default is tested in test_cli; resuming itself in test_cli and test_trainer.)
+    """
     from gpt2.data import write_shards
 
     shards = tmp_path / "shards"

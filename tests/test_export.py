@@ -1,6 +1,7 @@
 """``gpt2 export --out`` folders that work everywhere with no extra flags: transformers'
 ``pipeline`` and ``AutoTokenizer`` (the tokenizer comes along), PEFT (the adapter names its base),
-and LoRA / DoRA adapters merged in."""
+and LoRA / DoRA adapters merged in.
+"""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def test_peft_base_is_the_hub_id_when_the_model_is_one(base, tmp_path, monkeypat
 
 def test_export_refuses_one_folder_for_both_and_the_models_own_folder(base, tmp_path, capsys):
     """One folder with the merged weights and adapter_config.json: transformers applies the adapter twice.
-    The model's own folder: its weights would be replaced by the merged ones."""
+    The model's own folder: its weights would be replaced by the merged ones.
+    """
     _, base_dir = base
     _adapter(GPT.from_pretrained(base_dir), tmp_path / "adapter", use_dora=False)
     files = {p.name: p.read_bytes() for p in base_dir.iterdir()}

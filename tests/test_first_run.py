@@ -1,6 +1,7 @@
 """The first run as a new user lives it: seed the caches from offline copies, train, then run the
 three commands the run prints at its end, each in a fresh process with a clean environment (no
-GPT2_TOKENIZER_DIR / GPT2_TINY_SHAKESPEARE, HOME and the temp dir in a tmp folder)."""
+GPT2_TOKENIZER_DIR / GPT2_TINY_SHAKESPEARE, HOME and the temp dir in a tmp folder).
+"""
 
 from __future__ import annotations
 

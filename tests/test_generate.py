@@ -132,7 +132,8 @@ def test_batched_left_padded_prompts_equal_each_prompt_alone(model, tiny_config)
 
 def test_compiled_decoding_is_one_graph_plain_and_padded(model, prompt):
     """Dynamo only (the "eager" backend; Inductor is tests/test_inductor.py): the prompts' forwards
-    run uncompiled and no decoding-step input is a view whose strides change with the length."""
+    run uncompiled and no decoding-step input is a view whose strides change with the length.
+    """
     from torch._dynamo.utils import counters
 
     compiled = torch.compile(model, backend="eager")
@@ -414,7 +415,8 @@ def test_greedy_generation_under_another_default_dtype(monkeypatch, wide_vocab_m
 
 def test_the_int8_head_follows_weights_changed_behind_autograd(monkeypatch, wide_vocab_model):
     """`.data` edits do not bump a tensor's version: the kept int8 head is checked against the weights'
-    values (a fingerprint) at every call, so generation never uses a stale one."""
+    values (a fingerprint) at every call, so generation never uses a stale one.
+    """
     from gpt2.model import generate as gen
 
     monkeypatch.setattr(gen, "SIEVE_MIN_HEAD", 0)

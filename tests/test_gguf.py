@@ -1,6 +1,7 @@
 """GGUF export: the file read back with gguf's own reader (every tensor, the metadata, the
 tokenizer), adapters merged by ``gpt2 export --gguf``, and, where llama-cpp-python is installed,
-llama.cpp's logits and greedy tokens against ours on a briefly trained model."""
+llama.cpp's logits and greedy tokens against ours on a briefly trained model.
+"""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def _expected_tensors(model: GPT) -> dict[str, torch.Tensor]:
 
 def _read_tensor(t) -> np.ndarray:
     """A tensor of the file as float32 (rows, columns), q8_0 decoded by hand: blocks of one
-    float16 scale and 32 int8 values."""
+    float16 scale and 32 int8 values.
+    """
     if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
         blocks = np.asarray(t.data).reshape(-1, 34)
         scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
@@ -180,7 +182,8 @@ def _adapter(base_dir, path, tie: bool = False, **config) -> GPT:
 @pytest.mark.parametrize("option", ["include_embeddings", "include_lm_head"])
 def test_an_adapter_that_unties_the_head_is_refused_with_nothing_written(tmp_path, capsys, option):
     """The file holds token_embd only and llama.cpp uses it as the head too: a merged adapter on the
-    embedding or the head alone would make that model silently wrong."""
+    embedding or the head alone would make that model silently wrong.
+    """
     _random_model().save_pretrained(tmp_path / "base")
     tuned = _adapter(tmp_path / "base", tmp_path / "adapter", **{option: True})
     out, peft = tmp_path / "m.gguf", tmp_path / "peft"
@@ -220,7 +223,8 @@ def test_an_adapter_tied_between_head_and_embedding_still_exports(tmp_path):
 @pytest.fixture(scope="module")
 def shakespeare_model(shakespeare_slice) -> GPT:
     """The tiny model after 100 AdamW steps on Tiny Shakespeare: random weights make near-ties
-    between logits, where any rounding flips the top token; a trained model has clear winners."""
+    between logits, where any rounding flips the top token; a trained model has clear winners.
+    """
     pytest.importorskip("llama_cpp")  # before the training: only its test needs the model
     if shakespeare_slice is None:
         pytest.skip("the offline data in ../shared/data is needed")

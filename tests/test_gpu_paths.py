@@ -1,5 +1,6 @@
 """GPU code paths checked on a CPU by faking the parts: the process group a failed Trainer set-up
-leaves behind, and each rank's CUDA RNG state in checkpoints."""
+leaves behind, and each rank's CUDA RNG state in checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from gpt2.train.trainer import Trainer
 @pytest.fixture
 def one_process_group(monkeypatch, tmp_path):
     """The Trainer believes it is rank 0 of 2 (so it joins a group), but the group it creates is a
-    one-process gloo group on a FileStore: nothing waits for a second rank."""
+    one-process gloo group on a FileStore: nothing waits for a second rank.
+    """
     real_init = dist.init_process_group
     joined = []
 
@@ -44,7 +46,8 @@ def test_failed_trainer_setup_leaves_the_process_group(one_process_group, tiny_c
 
 class FakeCuda:
     """torch.cuda's RNG functions for a process on GPU ``device``; every GPU's state differs.
-    get/set_rng_state_all fail: they would touch (create a context on) every visible GPU."""
+    get/set_rng_state_all fail: they would touch (create a context on) every visible GPU.
+    """
 
     def __init__(self, monkeypatch, device: int):
         self.device, self.set_calls = device, []

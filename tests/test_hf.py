@@ -35,7 +35,8 @@ TINY = dict(n_positions=32, n_embd=32, n_layer=2, n_head=4, vocab_size=100, bos_
 
 def _randomise(model: torch.nn.Module, seed: int = 0) -> None:
     """Every tensor random and distinct (HF initialises biases to 0 and LayerNorms to 1, which
-    would hide a swapped bias or a missed LayerNorm in the conversion)."""
+    would hide a swapped bias or a missed LayerNorm in the conversion).
+    """
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -100,7 +101,8 @@ def test_from_pretrained_dtype_device_dropout(hf_dir):
 
 def _legacy_state_dict(hf_model: GPT2LMHeadModel, prefix: bool) -> dict[str, torch.Tensor]:
     """What old transformers versions saved: the causal-mask buffers included, and (for GPT2Model
-    checkpoints such as the hub's ``gpt2``) keys without ``transformer.`` and no ``lm_head``."""
+    checkpoints such as the hub's ``gpt2``) keys without ``transformer.`` and no ``lm_head``.
+    """
     sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
     if not prefix:
         sd = {k.removeprefix("transformer."): v for k, v in sd.items() if k != "lm_head.weight"}
@@ -251,7 +253,8 @@ def test_save_pretrained_pytorch_bin_and_tokenizer(tmp_path, hf_model, shared_da
 @pytest.mark.parametrize("safe_serialization", [True, False])
 def test_save_pretrained_over_a_sharded_save_leaves_no_stale_weights(tmp_path, hf_model, safe_serialization):
     """An index (and its shards) of an earlier save would win over a new pytorch_model.bin, in
-    transformers and in our loader: every other weights file goes."""
+    transformers and in our loader: every other weights file goes.
+    """
     hf_model.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded safetensors
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     shard, sd = "pytorch_model-00001-of-00001.bin", hf_model.state_dict()  # and a sharded .bin
@@ -268,7 +271,8 @@ def test_save_pretrained_over_a_sharded_save_leaves_no_stale_weights(tmp_path, h
 
 def test_save_pretrained_of_a_toy_vocabulary_over_a_gpt2_export_removes_its_tokenizer(tmp_path, shared_data, config):
     """A model without GPT-2's vocabulary gets no tokenizer files: an earlier export's, left in the
-    folder, made AutoTokenizer produce ids the model does not have."""
+    folder, made AutoTokenizer produce ids the model does not have.
+    """
     big = GPT(dataclasses.replace(config, vocab_size=50257))
     save_pretrained(big, tmp_path, tokenizer_dir=shared_data / "gpt2-tokenizer")
     assert (tmp_path / "vocab.json").is_file()

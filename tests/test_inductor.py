@@ -77,7 +77,8 @@ def _lora_trainer(out, compile: bool) -> Trainer:
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA model trained by the Trainer with compile=True for two steps (one checkpoint), and
-    the same run in eager mode."""
+    the same run in eager mode.
+    """
     _fresh_dynamo()
     trainer = _lora_trainer(tmp_path_factory.mktemp("compiled"), compile=True)
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
@@ -113,7 +114,8 @@ def test_lora_trainer_step_is_one_graph_and_matches_eager(lora_run):
 def compiled_generation():
     """Greedy generation through a compiled GPT from a 5-token prompt, then from a 1-token one
     with the same cache length: the prompts' forwards run uncompiled and every decoding step has
-    the same shapes (static KV cache), so one graph serves every token of both calls."""
+    the same shapes (static KV cache), so one graph serves every token of both calls.
+    """
     _fresh_dynamo()
     torch.manual_seed(0)
     model = GPT(CONFIG).eval()

@@ -1,6 +1,7 @@
 """Instruction fine-tuning (gpt2.instruct): template, exact loss masks, row errors, the loader's
 batches and resume, learning a small handmade set, and `gpt2 finetune --data x.jsonl` /
-`gpt2 sample --instruction` end to end."""
+`gpt2 sample --instruction` end to end.
+"""
 
 from __future__ import annotations
 
@@ -126,7 +127,8 @@ def test_loss_and_evaluation_average_over_response_tokens_only(tmp_path, tok):
 @pytest.mark.parametrize("flash", [True, False])
 def test_packed_rows_are_isolated_each_scores_as_if_alone(tok, flash):
     """A packed window's logits and loss equal those of its rows run one by one (SDPA with the
-    block-diagonal mask, and the written-out attention); plain causal attention would not."""
+    block-diagonal mask, and the written-out attention); plain causal attention would not.
+    """
     rows = read_rows(DATA)
     seq_len = 96
     loader = InstructionLoader(rows, 4, seq_len, pack=True, shuffle=False, tokenizer=tok)
@@ -254,7 +256,8 @@ def result_of(loader):
 def _compact(loaders):
     """Remap the token ids the data uses to 0..V-1 (in place), so a model with a V-token output
     layer learns them: the real 50257-way layer makes each step ~50x slower on a shared CPU, and
-    what is tested here is the masked loss, not the vocabulary."""
+    what is tested here is the masked loss, not the vocabulary.
+    """
     used = np.unique(np.concatenate([np.concatenate([l.x.ravel(), l.y[l.y != IGNORE_INDEX]]) for l in loaders]))
     lookup = {int(t): i for i, t in enumerate(used)}
     remap = np.vectorize(lambda t: lookup.get(int(t), t))

@@ -7,7 +7,8 @@ A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the laun
 worker. The tests start the run in a new session and signal that group the same way; a
 scheduler's SIGTERM goes to the launcher only (Kubernetes signals PID 1), which forwards it. Each
 launch of 2 workers costs several seconds of interpreter start-up, so each `--nproc-per-node`
-run serves several checks."""
+run serves several checks.
+"""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def interrupt_after_step_2(
     launcher: list[str], shakespeare_file: Path, out: Path, *extra: str, sig: int = signal.SIGINT, group: bool = True
 ) -> tuple[int, str, str]:
     """Start a long run, send ``sig`` once step 2 is logged (to the process group, as a
-    terminal's Ctrl-C does, or with ``group=False`` to the launcher only, as a scheduler does)."""
+    terminal's Ctrl-C does, or with ``group=False`` to the launcher only, as a scheduler does).
+    """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,8 @@ def stop_line(stderr: str, prog: str = "gpt2 train") -> str:
 
 def check_stopped(stderr: str, out: Path, signame: str) -> tuple[int, list[str]]:
     """The line names the signal, the step, its checkpoint (which exists) and a resume command;
-    the lock is released. Returns the step and the resume command's arguments after `gpt2`."""
+    the lock is released. Returns the step and the resume command's arguments after `gpt2`.
+    """
     line = stop_line(stderr)
     match = re.search(rf"interrupted by {signame} after step (\d+); checkpoint (\S+); resume with: (.+)$", line)
     assert match, line
@@ -153,7 +156,8 @@ def losses(out: Path) -> list[float]:
 @pytest.mark.dist
 def test_ctrl_c_with_nproc_per_node_is_one_line_and_exit_130(nproc_run):
     """Both ranks stop after the same step, rank 0 saves it, both leave the process group
-    together: no gloo abort ("terminate called without an active exception"), no traceback."""
+    together: no gloo abort ("terminate called without an active exception"), no traceback.
+    """
     code, stdout, stderr, out = nproc_run
     assert "2 process(es)" in stdout
     assert code == 130, stderr
@@ -169,7 +173,8 @@ def test_two_process_cli_run_equals_one_process(nproc_run, shakespeare_file, tmp
     """2 gloo processes x 1 micro-step and 1 process x 2 micro-steps: the same 128-token global
     batch, the same seed, the same losses. The workers get the launcher's resolved options as a
     config file (gpt2.launch), so this covers more than plain torchrun, whose ranks parse the
-    same flags (started below and in test_examples)."""
+    same flags (started below and in test_examples).
+    """
     code, stdout, _, out = nproc_run
     assert "2 process(es), 1 micro-step(s)" in stdout
     assert main(train_args(shakespeare_file, tmp_path / "single", 2, *SAME_RUN)) == 0
@@ -183,7 +188,8 @@ def test_two_process_cli_run_equals_one_process(nproc_run, shakespeare_file, tmp
 @pytest.mark.dist
 def test_ctrl_c_under_torchrun_workers_exit_quietly(tmp_path, shakespeare_file):
     """Under plain torchrun the workers stop with one line; the only traceback left is the one
-    torchrun's own agent prints for its SignalException (not ours to change; see gpt2.launch)."""
+    torchrun's own agent prints for its SignalException (not ours to change; see gpt2.launch).
+    """
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpt2"]
     code, stdout, stderr = interrupt_after_step_2(launcher, shakespeare_file, tmp_path / "run")
     assert "2 process(es)" in stdout
@@ -194,7 +200,8 @@ def test_ctrl_c_under_torchrun_workers_exit_quietly(tmp_path, shakespeare_file):
 
 def test_sigterm_checkpoints_and_resume_equals_an_uninterrupted_run(tmp_path, shakespeare_file):
     """One process, SIGTERM (what SLURM and Kubernetes send): exit 143, a checkpoint at the step
-    boundary; the printed resume command continues to the losses of a run never stopped."""
+    boundary; the printed resume command continues to the losses of a run never stopped.
+    """
     out = tmp_path / "run"
     code, _, stderr = interrupt_after_step_2(
         [sys.executable, "-m", "gpt2"], shakespeare_file, out, *SAME_RUN, sig=signal.SIGTERM
@@ -218,7 +225,8 @@ def test_sighup_stops_like_ctrl_c_with_exit_129(tmp_path, shakespeare_file):
 def test_sigterm_to_the_launcher_stops_every_rank_and_resumes(tmp_path, shakespeare_file):
     """SIGTERM to `gpt2 train --nproc-per-node 2` alone (as Kubernetes sends it): the launcher
     forwards it, both ranks agree on the stop step, exit 143; the resumed 2-process run ends
-    where a 1-process run of the same global batch does (the same steps; see the test above)."""
+    where a 1-process run of the same global batch does (the same steps; see the test above).
+    """
     out = tmp_path / "run"
     launcher = [sys.executable, "-m", "gpt2"]
     code, _, stderr = interrupt_after_step_2(
@@ -236,7 +244,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_resumes(tmp_path, shakespe
 def test_a_signal_during_a_save_lets_it_complete_then_stops(tmp_path, monkeypatch):
     """In-process: SIGTERM arrives while the step-2 checkpoint is being written. The save
     completes (intact, loadable), fit() raises TrainingInterrupted at that step, the handlers
-    are restored afterwards, and resume='auto' continues from the checkpoint."""
+    are restored afterwards, and resume='auto' continues from the checkpoint.
+    """
     from gpt2 import GPT, GPTConfig, TrainConfig
     from gpt2.train import checkpoint as ckpt
     from gpt2.train.recovery import TrainingInterrupted

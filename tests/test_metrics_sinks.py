@@ -78,7 +78,8 @@ def test_tensorboard_sink_writes_every_step(tmp_path):
 
 def test_tensorboard_after_a_resume_shows_the_redone_steps_once(tmp_path):
     """A run that resumes from step 2 after writing steps 1-4 (a crash after step 4, its last
-    checkpoint at 2) redoes 3 and 4: TensorBoard showed both versions, metrics.jsonl only the new."""
+    checkpoint at 2) redoes 3 and 4: TensorBoard showed both versions, metrics.jsonl only the new.
+    """
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -181,7 +182,8 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, target, module):
 
 def test_validation_and_final_evaluation_show_progress(tmp_path, capsys):
     """No silent evaluation: a 'val' bar (and 'evaluating' on the training bar) inside fit, an
-    'eval' bar for evaluate_loss(progress=True), which computes the same loss as without it."""
+    'eval' bar for evaluate_loss(progress=True), which computes the same loss as without it.
+    """
     from gpt2.eval.loss import evaluate_loss
 
     torch.manual_seed(0)

@@ -575,7 +575,8 @@ def test_gpt2_124m_shape_merge_parity(all_threads):
 def test_models_with_weight_norm_and_embeddings_with_frequency_scaling():
     """A new-style weight_norm layer anywhere in the model made add_lora raise AttributeError (its
     parametrization has original0/original1); an Embedding with scale_grad_by_freq got other
-    gradients on the fast path than on the weight path (the flag was dropped)."""
+    gradients on the fast path than on the weight path (the flag was dropped).
+    """
     from torch.nn.utils import parametrize
     from torch.nn.utils.parametrizations import weight_norm
 

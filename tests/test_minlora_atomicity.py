@@ -1,5 +1,6 @@
 """minlora adapters are all-or-nothing: damaged files get a named error and leave the model as it
-was; an interrupted save_adapter leaves the old adapter or the new one; tie_weights in either order."""
+was; an interrupted save_adapter leaves the old adapter or the new one; tie_weights in either order.
+"""
 
 from __future__ import annotations
 
@@ -190,7 +191,8 @@ def test_damaged_weights_are_a_named_error_and_change_nothing(saved, case):
 # --------------------------------------------------------------------------- minlora 0.1's two files
 def to_legacy(path: Path, save_id: str = "0123abcd") -> Path:
     """Turn a saved adapter into the layout minlora 0.1 wrote: minlora_adapter.json (the config, with
-    format_version 1 and a save id) + minlora_adapter.safetensors (the factors, the same save id)."""
+    format_version 1 and a save id) + minlora_adapter.safetensors (the factors, the same save id).
+    """
     tensors, metadata = read_adapter(path)
     config = json.loads(metadata["minlora"])
     config.update(format_version=1, save_id=save_id)
@@ -381,7 +383,8 @@ def test_failed_write_during_save_keeps_the_old_adapter_and_no_tmp(tmp_path, mon
 def crash_images(path: Path, new: nn.Module, monkeypatch, tmp_path: Path) -> dict[str, Path]:
     """Run ``save_adapter(new, path)`` and copy the directory, as it is on disk, at every point where
     a crash could stop the save: mid-write of the new file, before and after the rename. A copy is
-    exactly what a killed process would leave (no cleanup)."""
+    exactly what a killed process would leave (no cleanup).
+    """
     import shutil
 
     import minlora.adapters as adapters
@@ -412,7 +415,8 @@ def crash_images(path: Path, new: nn.Module, monkeypatch, tmp_path: Path) -> dic
 
 def test_a_crash_at_any_step_leaves_the_old_or_the_new_adapter(tmp_path, monkeypatch):
     """Overwriting an adapter: until the rename the directory loads as the old adapter, afterwards
-    as the new one; never a mix. The next save replaces a stale temp file."""
+    as the new one; never a mix. The next save replaces a stale temp file.
+    """
     old, new = lora_model(1), lora_model(2)
     path = save_adapter(old, tmp_path / "adapter")
     images = crash_images(path, new, monkeypatch, tmp_path)

@@ -1,5 +1,6 @@
 """Adapters know their base model (base_fingerprint), NaN / inf never reach or leave an adapter file,
-and adapter files get the user's umask."""
+and adapter files get the user's umask.
+"""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def test_loading_onto_other_base_weights_is_refused_unless_allowed(tmp_path, cap
 def test_loading_onto_the_same_weights_with_other_settings_or_precision_works(tmp_path):
     """A base trained with dropout 0.1 (the GPU recipe) or loaded in bf16 is the base the adapter
     was trained on: it loads. Other weights are refused and the config's differences
-    are named as a hint."""
+    are named as a hint.
+    """
     source = lora_gpt()
     path = minlora.save_adapter(source, tmp_path / "adapter")
     same = tiny_gpt(dropout=0.1, flash=False)
@@ -127,7 +129,8 @@ def test_an_adapter_without_a_fingerprint_loads_with_one_warning(tmp_path, caplo
 
 def test_an_adapter_with_the_earlier_digest_loads_with_one_warning(tmp_path, caplog):
     """Before, the digest counted the dtype and the whole config (a bf16 base or dropout 0.1 was
-    "another base"): such a record cannot be compared with today's, so it is not held against it."""
+    "another base"): such a record cannot be compared with today's, so it is not held against it.
+    """
     from safetensors.torch import save_file
 
     path = minlora.save_adapter(lora_gpt(), tmp_path / "adapter")

@@ -194,7 +194,8 @@ def test_bad_targets_raise_clear_errors(tiny_config):
 @pytest.mark.parametrize("bad", [-100, -2, 64, 100])
 def test_targets_that_are_neither_tokens_nor_ignored_are_refused(tiny_config, bad):
     """Hugging Face's ignore index -100 was scored as token 0, and a padded row's id as an infinite
-    loss: now an error on the CPU, and a NaN loss where the check does not run (GPU tensors)."""
+    loss: now an error on the CPU, and a NaN loss where the check does not run (GPU tensors).
+    """
     from gpt2.model.gpt import linear_cross_entropy
 
     config = dataclasses.replace(tiny_config, vocab_size=64, pad_vocab_multiple=128)
@@ -277,7 +278,8 @@ def test_gpt_rejects_non_config():
 
 def _forward_every_way(model: GPT, config: GPTConfig, device: str = "cpu") -> None:
     """Forward as training (targets, with ignored positions), as a cached generation step, and as
-    a padded-prompt step with explicit positions and mask."""
+    a padded-prompt step with explicit positions and mask.
+    """
     from gpt2.model.generate import KVCache
 
     V = config.vocab_size
@@ -294,7 +296,8 @@ def _forward_every_way(model: GPT, config: GPTConfig, device: str = "cpu") -> No
 
 def test_forward_never_reads_tensor_values_on_the_host(tiny_config, monkeypatch):
     """.item(), .tolist(), bool(t), int(t)... in forward would each be a GPU sync per call. The one
-    host read is the targets' range check, which runs only on CPU tensors (no sync there)."""
+    host read is the targets' range check, which runs only on CPU tensors (no sync there).
+    """
     from gpt2.model import gpt as gpt_module
 
     model = _model(tiny_config)
@@ -364,7 +367,8 @@ def _loss_and_grads(model: GPT, loss_fn, scaler=None):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_chunked_loss_matches_full_logits_cross_entropy(tiny_config, precision, tol, reduction):
     """The chunked loss (padded vocab, ignored targets) gives the plain loss and gradients, under
-    autocast too; fp16 through a GradScaler, whose scaled gradients must survive."""
+    autocast too; fp16 through a GradScaler, whose scaled gradients must survive.
+    """
     model = GPT(dataclasses.replace(tiny_config, vocab_size=100, pad_vocab_multiple=64)).train()
     idx = torch.randint(0, 100, (3, 16))
     targets = torch.randint(0, 100, (3, 16))
@@ -416,7 +420,8 @@ def test_linear_cross_entropy_in_uneven_chunks(compiling, monkeypatch):
 def test_loss_buffer_kept_between_calls_serves_any_size_and_inference_mode():
     """On CPU the logits buffer outlives a call: made under inference_mode, it must still take
     in-place writes outside it; a larger call grows it; another thread has its own. Each call gives
-    the plain loss and gradient."""
+    the plain loss and gradient.
+    """
     import threading
 
     from gpt2.model import gpt as gpt_module

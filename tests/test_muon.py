@@ -1,6 +1,7 @@
 """Muon (TrainConfig.optimizer="muon"): which parameters it trains, the composite optimizer against
 torch's two optimizers run side by side, the schedule, exact resume, gradient accumulation, the
-fp16 GradScaler, LoRA and DDP."""
+fp16 GradScaler, LoRA and DDP.
+"""
 
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def test_resume_continues_exactly(tiny_config, tmp_path):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_takes_this_runs_optimizer_settings_with_the_saved_state(tiny_config, tmp_path, optimizer):
     """A resumed run with another weight decay, betas, eps (or Muon LR) used the checkpoint's values
-    while its config (and its next checkpoint) claimed the new ones."""
+    while its config (and its next checkpoint) claimed the new ones.
+    """
     tokens = torch.randint(0, tiny_config.vocab_size, (4000,))
     config = _config(out_dir=str(tmp_path), checkpoint_interval=0, optimizer=optimizer)
     with Trainer(GPT(tiny_config), config, tokens, sinks=[]) as first:

@@ -23,7 +23,8 @@ VOCAB = 100  # not a multiple of 64: with pad_vocab_multiple=64 our model has 12
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A randomly initialised transformers GPT-2 saved to disk (nothing is downloaded); the tests
-    only read it."""
+    only read it.
+    """
     config = transformers.GPT2Config(
         n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
     )

@@ -43,7 +43,8 @@ def test_loss_is_fp32_under_autocast(tiny_config):
 
 def _overflow_once(model, at_call: int, factor: float = 1e8):
     """Multiply the loss of the ``at_call``-th forward by ``factor``: finite in fp32, but its
-    gradients overflow fp16 (max 65,504) in the backward of the autocast matmuls."""
+    gradients overflow fp16 (max 65,504) in the backward of the autocast matmuls.
+    """
     calls = {"n": 0}
 
     def hook(module, inputs, output):
@@ -197,7 +198,8 @@ def test_tf32_switch_uses_only_fp32_precision():
 def test_no_module_but_precision_touches_the_tf32_switches():
     """On PyTorch >= 2.9 the legacy getters (``torch.backends.cuda.matmul.allow_tf32``,
     ``torch.get_float32_matmul_precision``) raise once the new ``fp32_precision`` API was set, which
-    ``set_tf32`` does: no other module may read or set TF32 through either API."""
+    ``set_tf32`` does: no other module may read or set TF32 through either API.
+    """
     import re
     from pathlib import Path
 

@@ -65,7 +65,8 @@ def test_minlora_example_runs(tmp_path, monkeypatch, offline_pretrained):
 
 def test_run_sh_hands_its_arguments_to_the_example_and_reruns_continue(tmp_path):
     """`bash run.sh ARGS`: setup.sh gets no extras (it once read ARGS as its own and pip failed),
-    the example gets ARGS; with no arguments it continues the run in runs/shakespeare."""
+    the example gets ARGS; with no arguments it continues the run in runs/shakespeare.
+    """
     import shutil
     import subprocess
 

@@ -3,7 +3,8 @@ learning rate, the batches that blew up skipped; a run that never diverges is un
 stays exact across a recovery, and after max_recoveries the run stops with TrainingDivergedError.
 
 The model is tiny and learns a repeating token pattern; at max_lr=3.0 (fp32) its loss jumps from
-~4 to hundreds within a few steps and stays there, which is what divergence looks like."""
+~4 to hundreds within a few steps and stays there, which is what divergence looks like.
+"""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def test_a_run_that_never_diverges_is_bit_for_bit_unchanged():
 def test_non_finite_steps_go_back_to_the_last_good_state_and_skip_their_batches():
     """NaN losses on steps 4-6 (max_bad_steps=3): back to the copy taken at step 2 (the last
     due checkpoint), LR halved, the batches of steps 3-6 skipped. The reference is a plain run
-    of 2 steps that then skips 4 batches and halves its LR."""
+    of 2 steps that then skips 4 batches and halves its LR.
+    """
     config = _config(max_lr=0.01, min_lr=None, max_bad_steps=3, checkpoint_interval=2, recovery_lr_factor=0.5)
     model = _model()
     _nan_loss_on_calls(model, {4, 5, 6})
@@ -113,7 +115,8 @@ def test_non_finite_steps_go_back_to_the_last_good_state_and_skip_their_batches(
 
 def test_resume_is_exact_across_a_recovery(tmp_path):
     """Checkpoints record the LR factor, the recovery count and the divergence monitor: a run
-    stopped after its recovery and resumed ends where the uninterrupted one does."""
+    stopped after its recovery and resumed ends where the uninterrupted one does.
+    """
     whole, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "whole")))
     assert whole.recoveries >= 1
     stopped, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "parts")), until=12)
@@ -176,7 +179,8 @@ def test_recovery_settings_are_validated(field, value):
 def test_every_rank_takes_the_same_recovery_decision(tmp_path, shakespeare_file):
     """`gpt2 train --nproc-per-node 2` at max_lr=3: both ranks judge the all-reduced loss, so
     they recover at the same step to the same state; the losses equal a 1-process run of the
-    same global batch (which also recovers), recovery included."""
+    same global batch (which also recovers), recovery included.
+    """
     import json
     import os
     import subprocess
@@ -216,7 +220,8 @@ def test_every_rank_takes_the_same_recovery_decision(tmp_path, shakespeare_file)
 
 def test_a_run_near_zero_loss_is_not_diverged_by_noisy_batches():
     """A model that fits its data down to 0.0165 sees batches of 0.03-0.19 (2-11x the best): noise,
-    not divergence. It took three recoveries and TrainingDivergedError before the 1-nat margin."""
+    not divergence. It took three recoveries and TrainingDivergedError before the 1-nat margin.
+    """
     from gpt2.train.recovery import DivergenceMonitor
 
     monitor = DivergenceMonitor(factor=2.0, patience=3)
@@ -231,7 +236,8 @@ def test_a_run_near_zero_loss_is_not_diverged_by_noisy_batches():
 def test_a_stop_in_the_middle_of_bad_steps_keeps_the_good_checkpoint_to_go_back_to(tmp_path):
     """fit(until_step) (or a stop signal) inside a run of NaN steps saves there, as every stop point
     is saved; with keep_last_checkpoints=1 that save pruned the last good checkpoint, and the
-    recovery that followed had nothing to go back to (TrainingDivergedError after 0 recoveries)."""
+    recovery that followed had nothing to go back to (TrainingDivergedError after 0 recoveries).
+    """
     model = _model()
     _nan_loss_on_calls(model, {4, 5, 6})  # steps 4, 5, 6
     config = _config(

@@ -1,6 +1,7 @@
 """Reliability round 2 (issue 15): damaged checkpoints found by their digests, state that does not
 fit, adapter checkpoints on another base, files the user owns, input files that are not what they
-claim, and the permissions of what is written. Each case ends in one named error or in success."""
+claim, and the permissions of what is written. Each case ends in one named error or in success.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _tree(path: Path) -> dict[str, bytes | None]:
 
 def _flip_tensor_byte(file: Path, name: str = "transformer.h.0.mlp.c_fc.weight") -> None:
     """Flip an exponent bit of the first float32 of tensor ``name`` inside the data: the header,
-    the size and every value stay valid and finite (0.02 becomes ~1e-21), only the content differs."""
+    the size and every value stay valid and finite (0.02 becomes ~1e-21), only the content differs.
+    """
     data = bytearray(file.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
     begin = json.loads(data[8 : 8 + header_len])[name]["data_offsets"][0]

@@ -1,5 +1,6 @@
 """One run per out_dir: the lock (another process, a crashed one, another host, another Trainer in
-this process) and the fresh-run check (refusal with the ways out, overwrite, resume)."""
+this process) and the fresh-run check (refusal with the ways out, overwrite, resume).
+"""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ _model, _tokens = tiny_model, tiny_tokens
 
 def _hold_lock_in_subprocess(out_dir: Path) -> mp.process.BaseProcess:
     """Another process (forked: no interpreter start-up) that takes out_dir's lock and keeps it
-    until it is killed."""
+    until it is killed.
+    """
     ready = _FORK.Event()
     proc = _FORK.Process(target=_hold, args=(str(out_dir), ready), daemon=True)
     proc.start()
@@ -161,7 +163,8 @@ def test_a_newer_trainer_in_the_same_process_takes_the_lock_over(tmp_path):
 
 def test_a_closed_trainer_may_not_write_into_its_former_out_dir(tmp_path):
     """Its lock is released on close(): another run may own the folder now, and this Trainer's
-    checkpoints (and their pruning) would mix with that run's."""
+    checkpoints (and their pruning) would mix with that run's.
+    """
     out = tmp_path / "run"
     with Trainer(_model(), _config(out, max_steps=4), _tokens(), sinks=[]) as first:
         first.fit(until_step=1)
@@ -319,7 +322,8 @@ def test_overwrite_flag_and_the_refusal_in_command_line_terms(tmp_path, capsys):
 def test_under_ddp_every_rank_fails_together_when_out_dir_is_locked(dist_run):
     """tests/_dist_worker.py's "locked" job: another process holds out_dir; rank 0 finds it
     locked, and rank 1 must raise too instead of waiting for rank 0 forever (the launch would
-    then hang until its timeout)."""
+    then hang until its timeout).
+    """
     rank0, rank1 = dist_run.reports("locked")
     assert rank0["refused"] and rank1["refused"], (rank0, rank1)
     assert "raised on rank 0" in rank1["refused"]

@@ -1,7 +1,8 @@
 """--seed makes a run reproducible from the first step: the initial weights (train) and LoRA's
 random A matrices (finetune) are seeded, not only the data order. (That a 2-process run equals a
 1-process run of the same global batch is tested in tests/test_interrupt.py, on the one
-2-process launch it makes.)"""
+2-process launch it makes.)
+"""
 
 from __future__ import annotations
 

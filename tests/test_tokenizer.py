@@ -162,7 +162,8 @@ def test_from_files_errors(tmp_path):
 def test_cache_folder_downloads_once_and_offline_error_says_how(shared_data, tmp_path, monkeypatch, fresh_cache):
     """Without GPT2_TOKENIZER_DIR the files come from <cache>/gpt2-tokenizer, downloaded there
     (sha256-checked) on first use; offline, the error says how to point at local files and
-    nothing is left in the cache."""
+    nothing is left in the cache.
+    """
     monkeypatch.delenv("GPT2_TOKENIZER_DIR", raising=False)
     monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "offline"))
     fetched = []

@@ -1,5 +1,6 @@
 """The Trainer: learning, gradient accumulation, exact resume, NaN guard, config, data, metrics,
-compile, and the benchmark ladder. Tiny models on CPU."""
+compile, and the benchmark ladder. Tiny models on CPU.
+"""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ class _CrashAt:
 
 def test_resume_after_crash_is_bit_exact(tiny_config, tmp_path):
     """8 uninterrupted steps == crash after 6 (last checkpoint at 4) + resume to 8: same losses,
-    validation losses, weights and optimizer state, bit for bit (dropout on, so RNG matters)."""
+    validation losses, weights and optimizer state, bit for bit (dropout on, so RNG matters).
+    """
     tokens, val = _tokens(), _tokens(1024, seed=2)
     kwargs = dict(max_steps=8, warmup_steps=2, eval_interval=3, eval_steps=2, checkpoint_interval=4)
 
@@ -511,7 +513,8 @@ def test_benchmark_ladder_cpu_smoke(tmp_path):
 
 def test_a_compiled_model_is_trained_uncompiled_with_a_warning_and_an_empty_out_dir_is_refused(tiny_config, caplog):
     """torch.compile(model) is unwrapped (checkpoints hold the plain module's names): the Trainer
-    says so and how to compile instead. out_dir="" meant the current directory."""
+    says so and how to compile instead. out_dir="" meant the current directory.
+    """
     model = _model(tiny_config)
     with caplog.at_level(logging.WARNING, logger="gpt2.train.trainer"):
         with Trainer(torch.compile(model, backend="eager"), _config(), _tokens(), sinks=[]) as trainer:
@@ -527,7 +530,8 @@ def test_a_compiled_model_is_trained_uncompiled_with_a_warning_and_an_empty_out_
 
 def test_the_users_sinks_are_closed_with_the_trainer(tiny_config):
     """docs/training.md: a sink is an object with log(record) and optionally close(); close() was
-    never called, so a file-writing sink was never flushed."""
+    never called, so a file-writing sink was never flushed.
+    """
 
     class Sink:
         def __init__(self):

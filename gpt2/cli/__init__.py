@@ -4,7 +4,8 @@ Each command is a module of this package holding its options dataclass and the f
 :class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); tyro turns the fields into flags, over the defaults
 :mod:`gpt2.cli.layers` sets. A bad flag, value or file ends with a one-line error and exit code 2; another failure exits
 1 (``GPT2_DEBUG=1`` shows the traceback); Ctrl-C, SIGTERM and SIGHUP stop training at a step boundary with a checkpoint
-and a resume line, exit code 128 + the signal."""
+and a resume line, exit code 128 + the signal.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 from gpt2.cli.common import UsageError
 from gpt2.cli.layers import OptionError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
+from gpt2.errors import InvalidValueError
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
 EXIT_FAILURE = 1
@@ -63,7 +65,8 @@ def parse(
     description: str | None = None,
 ) -> tuple[Any, bool]:
     """The options of ``cmd`` from recipe, script defaults, config file and ``argv``; and
-    whether ``--print-config`` asked to print them instead of running."""
+    whether ``--print-config`` asked to print them instead of running.
+    """
     options = parse_options(
         cmd.options, list(argv), prog=prog, recipe=cmd.recipe, defaults=defaults, description=description
     )
@@ -81,9 +84,10 @@ def run_command(
     """Run one command with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
 
     ``defaults`` (option name -> value, or ``recipe``) sit between the recipe and ``--config``:
-    this is how each example script sets its own. ``prog`` and ``description`` set ``--help``."""
+    this is how each example script sets its own. ``prog`` and ``description`` set ``--help``.
+    """
     if name not in COMMANDS:
-        raise ValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
+        raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
     cmd = COMMANDS[name]
     prog = prog or f"gpt2 {name}"
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -143,7 +147,8 @@ LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"  # the launcher's own arguments, for its worker
 
 def _resume_command(prog: str, argv: Sequence[str]) -> str:
     """The command that continues an interrupted run: this one with ``--resume auto``, without a first
-    start's flags (``--overwrite`` would now refuse, ``--resume-weights-only`` drop the optimizer state)."""
+    start's flags (``--overwrite`` would now refuse, ``--resume-weights-only`` drop the optimizer state).
+    """
     words = shlex.split(os.environ.get(LAUNCH_ARGV, "")) or list(argv)
     kept: list[str] = []
     skip = False

@@ -13,6 +13,7 @@ import torch
 import tyro
 
 from gpt2.data.sources import shakespeare_or_path
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
@@ -26,7 +27,7 @@ Flat = tyro.conf.OmitArgPrefixes
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 
 
-class UsageError(Exception):
+class UsageError(Gpt2Error):
     """Bad options, values or files: the command line reports it in one line, exit code 2."""
 
 
@@ -39,7 +40,8 @@ PEFT_EXPORT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README
 
 def check_export_dir(path: str | None, flag: str, own: set[str], overwrite: bool) -> None:
     """Refuse to export into a file, or into a folder holding anything but an earlier export, unless
-    ``overwrite`` (which still replaces only the export's own files)."""
+    ``overwrite`` (which still replaces only the export's own files).
+    """
     if path is None:
         return
     folder = Path(path).expanduser()
@@ -98,7 +100,7 @@ class LaunchOptions:
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+            raise InvalidValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
 
 
 def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
@@ -130,7 +132,8 @@ def check_run(options: Any) -> None:
 
 def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
     """``options.model`` with ``options.adapter`` on ``options.device`` in eval mode, the autocast of
-    ``options.precision`` and the device (``gpt2 sample`` and ``gpt2 eval``)."""
+    ``options.precision`` and the device (``gpt2 sample`` and ``gpt2 eval``).
+    """
     device = resolve_device(options.device)
     model = GPT.from_pretrained(options.model, device=device)
     if options.adapter:
@@ -159,7 +162,8 @@ def print_samples(
     prompt: str | None = None,
 ) -> list[str]:
     """``s.num_samples`` samples, streamed to stdout; returns their texts. ``prompt`` (an
-    instruction template) replaces ``s.prompt`` and is not echoed: only the response is shown."""
+    instruction template) replaces ``s.prompt`` and is not echoed: only the response is shown.
+    """
     generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
     sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator, autocast=autocast)
@@ -181,7 +185,8 @@ def print_samples(
 
 def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:
     """Validation loss of ``trainer.model`` over ``val`` (at most ``max_batches`` batches). Every
-    rank calls this: each scores its share and the sums are all-reduced."""
+    rank calls this: each scores its share and the sums are all-reduced.
+    """
     from gpt2.eval.loss import evaluate_loss
 
     split = "val" if isinstance(val, Path) else None
@@ -212,7 +217,8 @@ def final_report(
     save: bool = True,
 ) -> dict[str, Any]:
     """Validation loss (every rank calls this), then on rank 0 samples and (``save``) ``results.json``
-    in the run directory; ranks other than 0 return ``{}``."""
+    in the run directory; ranks other than 0 return ``{}``.
+    """
     results: dict[str, Any] = {"step": trainer.step, **(extra or {})}
     if val is not None:
         loss = val_loss(trainer, val, final_eval_batches)

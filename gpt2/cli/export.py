@@ -1,5 +1,6 @@
 """``gpt2 export``: a model (optionally + adapter) -> a transformers directory with its tokenizer,
-a GGUF file for llama.cpp, and/or the adapter in PEFT format."""
+a GGUF file for llama.cpp, and/or the adapter in PEFT format.
+"""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def peft_base(model: str) -> str:
 
 def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, str | None], overwrite: bool) -> None:
     """``out`` (the merged model's flag and folder) and ``peft`` (the PEFT adapter's): folders to export into, not the
-    model's (it would be overwritten), not one (transformers would apply the adapter again over merged weights)."""
+    model's (it would be overwritten), not one (transformers would apply the adapter again over merged weights).
+    """
     check_export_dir(out[1], out[0], MODEL_EXPORT_FILES, overwrite)
     check_export_dir(peft[1], peft[0], PEFT_EXPORT_FILES, overwrite)
     given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}

@@ -36,7 +36,8 @@ from minlora import LoRAConfig
 @dataclass
 class FinetuneOptions(Options):
     """gpt2 finetune: LoRA (or --full) fine-tuning of GPT-2 weights on a text, or on instruction rows
-    (--data x.jsonl: Alpaca or prompt/response rows, loss on the responses only; docs/lora.md)."""
+    (--data x.jsonl: Alpaca or prompt/response rows, loss on the responses only; docs/lora.md).
+    """
 
     init: str = "gpt2"
     """the weights to start from: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a
@@ -122,7 +123,8 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
 
 def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, tuple[str, str]]:
     """Loaders of instruction rows, and the (instruction, input) the samples answer by default:
-    the first validation row's (the first training row's without validation)."""
+    the first validation row's (the first training row's without validation).
+    """
     env = env_from_environ()
     train, val, rows = instruction_loaders(
         options.data.data,
@@ -144,7 +146,8 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
 
 def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> None:
     """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full),
-    results.json, then the optional PEFT and transformers exports."""
+    results.json, then the optional PEFT and transformers exports.
+    """
     out = trainer.out_dir  # None writes nothing there (never ./adapter)
     if out is not None and options.full:
         print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")

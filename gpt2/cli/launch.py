@@ -4,7 +4,8 @@ It does what ``torchrun --standalone --nproc-per-node N -m gpt2 train ...`` does
 built on, except that a stop signal (Ctrl-C, SIGTERM, SIGHUP) ends the run with rank 0's one line (where the checkpoint
 is, how to resume) and exit code 128 + the signal: torchrun's own agent prints a ``SignalException`` traceback the
 workers cannot change. The workers get the launcher's resolved options as a ``--config`` file (what ``--print-config``
-writes), so every rank runs exactly the options the launcher saw."""
+writes), so every rank runs exactly the options the launcher saw.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ SHUTDOWN_SECONDS = 300
 
 def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: str) -> int:
     """Run ``python -m gpt2 <command> --config <config_yaml>`` in ``nproc_per_node`` processes;
-    returns the exit code (the first failed rank's, or 128 + the stop signal)."""
+    returns the exit code (the first failed rank's, or 128 + the stop signal).
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

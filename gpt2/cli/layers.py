@@ -3,7 +3,8 @@ dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml``, or any 
 example script's own defaults, ``--config FILE`` and the flags. All but the flags make the default
 instance tyro parses the flags over, so ``--help`` shows the values a run would use. A YAML file
 maps option names (``max_steps`` or ``max-steps``; a prefixed group such as ``lora`` is a mapping)
-to values converted by tyro's rule for the field's type; ``--print-config`` writes that format."""
+to values converted by tyro's rule for the field's type; ``--print-config`` writes that format.
+"""
 
 from __future__ import annotations
 
@@ -17,17 +18,20 @@ import tyro
 import yaml
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
+from gpt2.errors import Gpt2Error
+
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RENAMED = {"gpt2-124m": "gpt2-124m-fineweb"}  # earlier recipe names (CHANGELOG.md)
 
 
-class ConfigError(ValueError):
+class ConfigError(Gpt2Error, ValueError):
     """A recipe or config file that does not fit the command's options."""
 
 
-class OptionError(Exception):
+class OptionError(Gpt2Error):
     """A value an options dataclass rejected while tyro built it (not a ValueError, so that tyro
-    lets it through instead of drawing its own error box): one line, exit code 2."""
+    lets it through instead of drawing its own error box): one line, exit code 2.
+    """
 
 
 @dataclasses.dataclass
@@ -54,7 +58,8 @@ def _spec(hint: Any) -> PrimitiveConstructorSpec | None:
 @functools.cache
 def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
     """``{YAML key: (attribute path, type)}`` for every option of ``cls``: a group marked
-    ``OmitArgPrefixes`` is flat (``max_steps``), another opens a level (``lora.rank``)."""
+    ``OmitArgPrefixes`` is flat (``max_steps``), another opens a level (``lora.rank``).
+    """
     out = {}
     for name, hint in typing.get_type_hints(cls, include_extras=True).items():
         base, *extras = typing.get_args(hint) if typing.get_origin(hint) is typing.Annotated else (hint,)

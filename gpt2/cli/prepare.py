@@ -12,12 +12,14 @@ from typing import Literal
 from gpt2.cli.common import UsageError
 from gpt2.cli.layers import Options
 from gpt2.data import iter_jsonl, load_tokens, read_text, tokenize_file, write_shards
+from gpt2.errors import InvalidValueError, MissingFileError
 
 
 @dataclass
 class PrepareOptions(Options):
     """gpt2 prepare: tokenise documents with GPT-2's BPE into uint16 token shards (build-nanogpt's layout:
-    the first shard is the val split, the others train; one text file is split by --val-fraction instead)."""
+    the first shard is the val split, the others train; one text file is split by --val-fraction instead).
+    """
 
     input: tuple[str, ...] = ()
     """text files (one document each), .jsonl files (one document per line) or directories of them"""
@@ -104,12 +106,12 @@ def _expand_inputs(inputs: list[str]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in (".txt", ".jsonl", ".md"))
             if not found:
-                raise FileNotFoundError(f"directory {str(path)!r} has no .txt, .md or .jsonl files")
+                raise MissingFileError(f"directory {str(path)!r} has no .txt, .md or .jsonl files")
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"input {item!r} does not exist")
+            raise MissingFileError(f"input {item!r} does not exist")
     return files
 
 
@@ -119,7 +121,7 @@ def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
         if path.suffix.lower() == ".jsonl":
             for line_no, row in iter_jsonl(path):
                 if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                    raise ValueError(
+                    raise InvalidValueError(
                         f"{path}:{line_no}: expected a JSON object with a string field {text_field!r} "
                         f"(choose the field with --text-field)"
                     )
@@ -141,7 +143,7 @@ def _dataset_documents(options: PrepareOptions) -> Iterator[str]:
     for row in ds:
         text = row.get(options.text_field)
         if not isinstance(text, str):
-            raise ValueError(
+            raise InvalidValueError(
                 f"dataset {options.dataset!r} rows have no string field {options.text_field!r} "
                 f"(fields: {sorted(row)}); choose it with --text-field"
             )

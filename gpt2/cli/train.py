@@ -61,7 +61,8 @@ class TrainOptions(Options):
 
 def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
     """The GPTConfig of ``--model`` with the ``--n-layer`` / ``--n-head`` / ``--n-embd`` / ...
-    overrides; the context defaults to ``--seq-len``."""
+    overrides; the context defaults to ``--seq-len``.
+    """
     dims = dict(SHAPES[shape.model])
     dims.update({n: getattr(shape, n) for n in ("n_layer", "n_head", "n_embd") if getattr(shape, n) is not None})
     return GPTConfig(
@@ -119,7 +120,8 @@ def train(options: TrainOptions) -> dict[str, Any]:
 
 def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     """Where the outputs are and three commands to try next. They name only files and the run
-    directory (no environment variables), so they work from the same directory in a new shell."""
+    directory (no environment variables), so they work from the same directory in a new shell.
+    """
     run = shlex.quote(str(out_dir))
     print(f"\noutputs in {out_dir}/:")
     for entry in sorted(out_dir.iterdir()):

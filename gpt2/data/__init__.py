@@ -1,6 +1,7 @@
 """Token data: Tiny Shakespeare (:mod:`.downloads`), text -> shards with a manifest (:mod:`.prepare`),
 ``.npy`` / llm.c ``.bin`` token files (:mod:`.formats`), the rank-aware :class:`TokenLoader`
-(:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`)."""
+(:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`).
+"""
 
 from gpt2.data.downloads import (
     TINY_SHAKESPEARE_SHA256,

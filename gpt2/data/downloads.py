@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from gpt2.data.formats import read_text
+from gpt2.errors import MissingFileError
 from gpt2.files import default_cache_dir, download
 
 logger = logging.getLogger(__name__)
@@ -18,11 +19,12 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 
 def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the Tiny Shakespeare text: ``$GPT2_TINY_SHAKESPEARE``, else ``tinyshakespeare.txt``
-    under ``cache_dir`` (default :func:`default_cache_dir`), downloaded and sha256-checked once."""
+    under ``cache_dir`` (default :func:`default_cache_dir`), downloaded and sha256-checked once.
+    """
     if override := os.environ.get("GPT2_TINY_SHAKESPEARE"):
         path = Path(override).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"GPT2_TINY_SHAKESPEARE={override!r} is not a file; point it at the Tiny Shakespeare text (e.g. "
                 "../shared/data/tinyshakespeare.txt) or unset it to download and cache the file"
             )

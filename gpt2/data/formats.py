@@ -4,7 +4,8 @@
 token count, zeros), then the tokens; magic 20240520 / version 1 holds GPT-2's ``uint16`` ids, 20240801 / version 7
 ``uint32`` ones. A ``.bin`` without a header is nanoGPT's raw ``uint16`` layout: it says nothing about its dtype, so it
 is only accepted when it fits (an even size, and not the every-other-value-zero pattern of int32 ids). A folder written
-by ``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`)."""
+by ``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import replace_atomically
 
 # File suffixes the loader understands (the CLI reads anything else as text to tokenise).
@@ -48,7 +50,7 @@ def _convert_hint(path: Path) -> str:
     )
 
 
-class ShardManifestError(ValueError):
+class ShardManifestError(Gpt2Error, ValueError):
     """A shard folder that does not match its manifest: a shard missing, extra, truncated or changed."""
 
 
@@ -71,7 +73,8 @@ def token_files(directory: Path, split: str | None = None) -> list[Path]:
 
 def split_of(name: str, split: str | None = None) -> str | None:
     """A shard name's last split word (``x_val_0.npy``, ``train0.bin``, ``validation-00000-of-00001``; ``train_val_*``
-    is val, ``interval_*`` no val), else the one split it contains (``trainset.npy``); ``split``: one more word."""
+    is val, ``interval_*`` no val), else the one split it contains (``trainset.npy``); ``split``: one more word.
+    """
     names = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test", split: split}
     if words := [names[w] for w in re.findall(r"(?:^|[_.-])([a-z]+)(?=[_.\-0-9]|$)", name.lower()) if w in names]:
         return words[-1]
@@ -81,7 +84,8 @@ def split_of(name: str, split: str | None = None) -> str | None:
 def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
     """Every shard the manifests in ``directory`` list, by file name (``None``: no manifest). The
     cheap checks run on every call (each listed shard exists with its size, none is unlisted; the
-    manifest is intact and no ``prepare`` was killed mid-move), raising :class:`ShardManifestError`."""
+    manifest is intact and no ``prepare`` was killed mid-move), raising :class:`ShardManifestError`.
+    """
     entries: dict[str, dict[str, Any]] | None = None
     for path in sorted(directory.glob(f"*{MANIFEST_SUFFIX}")):
         try:
@@ -118,14 +122,15 @@ def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
 
 def read_text(path: str | os.PathLike) -> str:
     """A UTF-8 text file's contents; anything else raises ``ValueError`` naming the file and the
-    byte offset of the first invalid byte (a binary file given as text, a Latin-1 file, ...)."""
+    byte offset of the first invalid byte (a binary file given as text, a Latin-1 file, ...).
+    """
     path = Path(path)
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(
+        raise InvalidValueError(
             f"{str(path)!r} is not UTF-8 text: byte offset {e.start} (line {line}) holds "
             f"{data[e.start : e.start + 4]!r} ({e.reason}). Convert the text to UTF-8 (e.g. "
             "iconv -f latin1 -t utf-8), or if it holds token ids give it a .npy/.bin suffix"
@@ -134,14 +139,15 @@ def read_text(path: str | os.PathLike) -> str:
 
 def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int, Any]]:
     """``(line_number, value)`` for each non-blank line of a JSON-lines file; a malformed line (or one that is not
-    UTF-8) raises ``ValueError`` naming the file and line (``hint`` is appended to that message)."""
+    UTF-8) raises ``ValueError`` naming the file and line (``hint`` is appended to that message).
+    """
     offset = 0  # byte offset of the line, for the UTF-8 error
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(
+                raise InvalidValueError(
                     f"{path}:{line_no}: not UTF-8 text (byte offset {offset + e.start} in the file "
                     f"holds {raw[e.start : e.start + 4]!r}){hint}"
                 ) from None
@@ -151,25 +157,26 @@ def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int
             try:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}){hint}") from e
+                raise InvalidValueError(f"{path}:{line_no}: not valid JSON ({e.msg}){hint}") from e
 
 
 def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
     """Write 1-D token ids atomically: ``.npy`` a ``uint16`` array, ``.bin`` llm.c's layout
-    (``uint16``, which llm.c's GPT-2 trainer reads, when every id fits, else ``uint32``)."""
+    (``uint16``, which llm.c's GPT-2 trainer reads, when every id fits, else ``uint32``).
+    """
     path = Path(path)
     array = np.asarray(tokens)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"tokens must be a 1-D integer array, got {array.dtype} {array.shape}")
+        raise InvalidValueError(f"tokens must be a 1-D integer array, got {array.dtype} {array.shape}")
     if array.size == 0:
-        raise ValueError(f"no tokens to write to {str(path)!r} (a token file must not be empty)")
+        raise InvalidValueError(f"no tokens to write to {str(path)!r} (a token file must not be empty)")
     wide = int(array.max()) >= 2**16
     if int(array.min()) < 0:
-        raise ValueError(f"token ids must be >= 0, got {int(array.min())} (writing {str(path)!r})")
+        raise InvalidValueError(f"token ids must be >= 0, got {int(array.min())} (writing {str(path)!r})")
     suffix = path.suffix.lower()
     if suffix == ".npy":
         if wide:
-            raise ValueError(
+            raise InvalidValueError(
                 f"token id {int(array.max())} does not fit a uint16 .npy shard ({str(path)!r}); "
                 "write a .bin shard, which holds uint32 ids"
             )
@@ -177,7 +184,7 @@ def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
         replace_atomically(path, lambda f: np.save(f, data, allow_pickle=False))
     elif suffix == ".bin":
         if len(array) >= 2**31:
-            raise ValueError(f"{len(array)} tokens do not fit one .bin shard (at most 2**31 - 1)")
+            raise InvalidValueError(f"{len(array)} tokens do not fit one .bin shard (at most 2**31 - 1)")
         magic = BIN_MAGIC_UINT32 if wide else BIN_MAGIC_UINT16
         version, dtype = BIN_LAYOUTS[magic]
         header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
@@ -190,7 +197,7 @@ def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
 
         replace_atomically(path, write)
     else:
-        raise ValueError(f"token files end in .npy or .bin, got {str(path)!r}")
+        raise InvalidValueError(f"token files end in .npy or .bin, got {str(path)!r}")
     return path
 
 
@@ -199,31 +206,32 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
 
     ``mmap=True`` memory-maps it, so opening a 100M-token shard costs nothing until its pages are
     read. With ``vocab_size`` every id is checked to be below it. Files that are empty, damaged
-    or ambiguous raise ``ValueError`` naming the file."""
+    or ambiguous raise ``ValueError`` naming the file.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"token file {str(path)!r} does not exist (or is not a file)")
+        raise MissingFileError(f"token file {str(path)!r} does not exist (or is not a file)")
     suffix = path.suffix.lower()
     if suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:
             # Not a .npy file, a truncated one, or an object array (which needs pickle).
-            raise ValueError(
+            raise InvalidValueError(
                 f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
                 f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
             ) from e
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(
+            raise InvalidValueError(
                 f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype {tokens.dtype}; expected a "
                 "1-D array of integer token ids (e.g. np.save(path, ids.astype(np.uint16).reshape(-1)))"
             )
     elif suffix == ".bin":
         tokens = _load_bin(path, mmap)
     else:
-        raise ValueError(f"unsupported token file {str(path)!r}: expected a .npy array or a .bin token file")
+        raise InvalidValueError(f"unsupported token file {str(path)!r}: expected a .npy array or a .bin token file")
     if len(tokens) == 0:
-        raise ValueError(
+        raise InvalidValueError(
             f"token file {str(path)!r} holds no tokens; re-create it (e.g. with `gpt2 prepare`) or remove it"
         )
     if vocab_size is not None:
@@ -234,7 +242,7 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
 def _load_bin(path: Path, mmap: bool) -> np.ndarray:
     size = path.stat().st_size
     if size == 0:
-        raise ValueError(f"token file {str(path)!r} is empty (0 bytes); re-create it or remove it")
+        raise InvalidValueError(f"token file {str(path)!r} is empty (0 bytes); re-create it or remove it")
     head = np.fromfile(path, dtype="<i4", count=min(size // 4, BIN_HEADER_INTS))
     if len(head) and int(head[0]) in BIN_LAYOUTS:
         dtype, count, offset = _check_bin_header(path, size, head)
@@ -251,12 +259,12 @@ def _check_bin_header(path: Path, size: int, head: np.ndarray) -> tuple[np.dtype
     magic = int(head[0])
     version, dtype = BIN_LAYOUTS[magic]
     if len(head) < BIN_HEADER_INTS:
-        raise ValueError(
+        raise InvalidValueError(
             f"token file {str(path)!r} starts with llm.c's magic {magic} but has {size} bytes, "
             f"less than the {BIN_HEADER_BYTES}-byte header: it is truncated; re-create it"
         )
     if int(head[1]) != version:
-        raise ValueError(
+        raise InvalidValueError(
             f"token file {str(path)!r} has llm.c magic {magic} with version {int(head[1])}; only "
             f"version {version} is known for that magic ({dtype.name} tokens). Re-create it with "
             "`gpt2 prepare` or a matching llm.c dev/data script"
@@ -264,10 +272,10 @@ def _check_bin_header(path: Path, size: int, head: np.ndarray) -> tuple[np.dtype
     count = int(head[2])
     expected = BIN_HEADER_BYTES + count * dtype.itemsize
     if count <= 0:
-        raise ValueError(f"token file {str(path)!r} has a header saying it holds {count} tokens")
+        raise InvalidValueError(f"token file {str(path)!r} has a header saying it holds {count} tokens")
     if size != expected:
         what = "truncated" if size < expected else "longer than its header says"
-        raise ValueError(
+        raise InvalidValueError(
             f"token file {str(path)!r} is {what}: its header says {count} {dtype.name} tokens "
             f"({expected} bytes with the header) but the file has {size} bytes; re-create it"
         )
@@ -277,14 +285,14 @@ def _check_bin_header(path: Path, size: int, head: np.ndarray) -> tuple[np.dtype
 def _check_headerless_bin(path: Path, size: int, head: np.ndarray) -> None:
     """Refuse a headerless .bin that is not plausibly raw uint16 ids."""
     if size % 2:
-        raise ValueError(
+        raise InvalidValueError(
             f"token file {str(path)!r} has {size} bytes, an odd number, and no llm.c header: a "
             "headerless .bin must hold uint16 ids (2 bytes each, nanoGPT's prepare.py layout); " + _convert_hint(path)
         )
     # An llm.c-style header with a magic we do not know: zeros after [2], a count that fits.
     header_like = len(head) == BIN_HEADER_INTS and not head[3:].any() and head[2] > 0
     if header_like and size - BIN_HEADER_BYTES in (int(head[2]) * 2, int(head[2]) * 4):
-        raise ValueError(
+        raise InvalidValueError(
             f"token file {str(path)!r} starts with an llm.c-style header whose magic "
             f"{int(head[0])} is neither {BIN_MAGIC_UINT16} (uint16 tokens) nor "
             f"{BIN_MAGIC_UINT32} (uint32 tokens); re-create it with `gpt2 prepare`"
@@ -294,7 +302,7 @@ def _check_headerless_bin(path: Path, size: int, head: np.ndarray) -> None:
     # int32 (or int64) ids below 65536 read as uint16 leave every second value zero; real text
     # never tokenises to that pattern.
     if len(sample) >= 8 and not sample[1::2].any() and sample[0::2].any():
-        raise ValueError(
+        raise InvalidValueError(
             f"token file {str(path)!r} has no llm.c header and looks like int32 token ids (every "
             "other uint16 value is 0), which would be read as uint16 with zeros between the ids; " + _convert_hint(path)
         )
@@ -307,11 +315,11 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
     if np.issubdtype(tokens.dtype, np.signedinteger):
         low = int(tokens.min())
         if low < 0:
-            raise ValueError(f"{where} holds token id {low}; token ids must be >= 0")
+            raise InvalidValueError(f"{where} holds token id {low}; token ids must be >= 0")
     high = int(tokens.max())
     if high >= vocab_size:
         position = int(np.argmax(np.asarray(tokens) >= vocab_size))  # only on the error path
-        raise ValueError(
+        raise InvalidValueError(
             f"{where} holds token id {high} (the first id out of range is at position {position}), "
             f"but the model's vocabulary has {vocab_size} ids (0..{vocab_size - 1}): tokenise the "
             "data with the model's tokenizer, or use a model with a larger vocab_size"

@@ -20,7 +20,8 @@ stop) only: prompt and padding targets are :data:`gpt2.model.IGNORE_INDEX`.
 Each row is one sequence padded to ``seq_len``, or with ``pack=True`` rows are packed greedily, in order, into
 ``seq_len + 1``-token windows without splitting a row. Packed rows are isolated: batches carry each token's position
 within its row and a block-diagonal causal mask (:func:`packed_inputs`), so every row is computed exactly as it would be
-alone. The Trainer's loss is the mean over the global batch's scored targets (a batch without any is skipped)."""
+alone. The Trainer's loss is the mean over the global batch's scored targets (a batch without any is skipped).
+"""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from gpt2.data import iter_jsonl
+from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.model.config import POSITIVE_INT, check_value
 from gpt2.model.gpt import IGNORE_INDEX
 from gpt2.model.tokenizer import get_tokenizer
@@ -62,27 +64,28 @@ def render(instruction: str, input: str, response: str, eot: str = "<|endoftext|
 
 def parse_row(row: Any, where: str) -> tuple[str, str, str]:
     """``(instruction, input, response)`` of one JSON row; a ValueError naming ``where`` (file:line)
-    and the field for anything else."""
+    and the field for anything else.
+    """
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: a row must be a JSON object ({_LAYOUTS}), got {type(row).__name__}")
+        raise InvalidValueError(f"{where}: a row must be a JSON object ({_LAYOUTS}), got {type(row).__name__}")
     if "instruction" in row or "output" in row:
         keys = (("instruction", True), ("input", False), ("output", True))
     elif "prompt" in row or "response" in row:
         keys = (("prompt", True), ("response", True))
     else:
         found = ", ".join(sorted(row)) or "none"
-        raise ValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
+        raise InvalidValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
     values = []
     for key, required in keys:
         if required and key not in row:
-            raise ValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
+            raise InvalidValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
         value = row.get(key)
         if value is None and not required:  # an absent or null input is an empty one
             value = ""
         if not isinstance(value, str):
-            raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__} ({value!r:.40})")
+            raise InvalidValueError(f"{where}: {key!r} must be a string, got {type(value).__name__} ({value!r:.40})")
         if required and not value.strip():
-            raise ValueError(f"{where}: {key!r} is empty; give it some text or drop the row")
+            raise InvalidValueError(f"{where}: {key!r} is empty; give it some text or drop the row")
         values.append(value)
     if len(values) == 2:  # prompt / response: the prompt is the instruction, no input
         return values[0], "", values[1]
@@ -93,15 +96,16 @@ def read_rows(path: str | Path) -> list[tuple[str, str, str, str]]:
     """The rows of a JSONL file as ``(instruction, input, response, "file:line")``."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"instruction data {str(path)!r} does not exist (a .jsonl file of {_LAYOUTS})")
+        raise MissingFileError(f"instruction data {str(path)!r} does not exist (a .jsonl file of {_LAYOUTS})")
     if not (rows := [(*parse_row(row, f"{path}:{line}"), f"{path}:{line}") for line, row in iter_jsonl(path)]):
-        raise ValueError(f"{path}: no rows; each line must be a JSON object ({_LAYOUTS})")
+        raise InvalidValueError(f"{path}: no rows; each line must be a JSON object ({_LAYOUTS})")
     return rows
 
 
 def tokenize_row(instruction: str, input: str, response: str, tokenizer: Any) -> tuple[list[int], list[bool]]:
     """``(ids, mask)``: the row's tokens and, per token, whether it is a response token (a
-    target). The prompt and the response are encoded separately (see the module docstring)."""
+    target). The prompt and the response are encoded separately (see the module docstring).
+    """
     prompt = tokenizer.encode_ordinary(render_prompt(instruction, input))
     answer = tokenizer.encode_ordinary(response) + [tokenizer.eot_token]
     return prompt + answer, [False] * len(prompt) + [True] * len(answer)
@@ -112,14 +116,15 @@ def build_sequences(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(x, y, positions)``: int64 ``(N, seq_len)``, a padded sequence per row or rows packed greedily;
     ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
-    token's position within its row (trailing padding counts as one more row)."""
+    token's position within its row (trailing padding counts as one more row).
+    """
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     eot = tokenizer.eot_token
     windows: list[tuple[list[int], list[bool], list[int]]] = []
     for instruction, input, response, where in rows:
         ids, mask = tokenize_row(instruction, input, response, tokenizer)
         if len(ids) > seq_len + 1:
-            raise ValueError(
+            raise InvalidValueError(
                 f"{where}: the row is {len(ids)} tokens with the template, longer than a sequence (--seq-len {seq_len} "
                 f"+ 1 = {seq_len + 1}); raise --seq-len (up to the model's context) or shorten the row"
             )
@@ -143,7 +148,8 @@ def build_sequences(
 def packed_inputs(positions: torch.Tensor) -> dict[str, torch.Tensor]:
     """The forward keyword arguments that isolate packed rows, from each token's position within
     its row (B, T): ``position_ids`` and a boolean ``attn_mask`` (B, 1, T, T) in which a token sees
-    the tokens of its own row up to itself (block-diagonal causal), the mask SDPA takes."""
+    the tokens of its own row up to itself (block-diagonal causal), the mask SDPA takes.
+    """
     t = torch.arange(positions.size(1))
     row_start = t - positions  # (B, T): where each query's row begins
     key = t[None, None, :]  # (1, 1, T)
@@ -158,7 +164,8 @@ class InstructionLoader:
     One step of all ranks takes ``batch_size * world_size`` sequences of the epoch's order, rank ``r`` the ``r``-th
     ``batch_size``. With ``shuffle`` (training) each epoch has its permutation from ``(seed, epoch)`` and a last partial
     step is dropped; without (validation) the order is fixed and the last step is padded with all-ignored sequences, so
-    a pass scores every row once. The state is ``{epoch, position}``: resuming continues the same order exactly."""
+    a pass scores every row once. The state is ``{epoch, position}``: resuming continues the same order exactly.
+    """
 
     def __init__(
         self,
@@ -176,7 +183,7 @@ class InstructionLoader:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
             check_value("InstructionLoader", name, value, POSITIVE_INT)
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
+            raise InvalidValueError(f"rank={rank} is outside [0, world_size={world_size})")
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.pack, self.shuffle, self.seed = pack, shuffle, seed
         tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
@@ -184,11 +191,11 @@ class InstructionLoader:
         rows = read_rows(source) if isinstance(source, (str, Path)) else list(source)
         self.num_rows = len(rows)
         if not rows:
-            raise ValueError("no instruction rows to load")
+            raise InvalidValueError("no instruction rows to load")
         self.x, self.y, self.positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
         self.num_sequences = len(self.x)
         if shuffle and self.num_sequences < batch_size * world_size:
-            raise ValueError(
+            raise InvalidValueError(
                 f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
                 f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
             )
@@ -197,7 +204,8 @@ class InstructionLoader:
 
     def unsharded(self) -> InstructionLoader:
         """The same sequences for one process (rank 0 of 1), at the start: what rank 0 scores
-        alone (``evaluate_loss``) after a distributed run."""
+        alone (``evaluate_loss``) after a distributed run.
+        """
         view = InstructionLoader.__new__(InstructionLoader)
         view.__dict__.update(self.__dict__, rank=0, world_size=1)
         view.steps_per_epoch = view._steps_per_epoch()
@@ -249,9 +257,11 @@ class InstructionLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "epoch" not in state or "position" not in state:
-            raise ValueError(f"instruction loader state must be a dict with 'epoch' and 'position', got {state!r}")
+            raise InvalidValueError(
+                f"instruction loader state must be a dict with 'epoch' and 'position', got {state!r}"
+            )
         if state.get("num_sequences", self.num_sequences) != self.num_sequences:
-            raise ValueError(
+            raise InvalidValueError(
                 f"the checkpoint's instruction data had {state['num_sequences']} sequences, this data has "
                 f"{self.num_sequences}; resume with the same --data, --seq-len and --pack / --no-pack"
             )
@@ -263,12 +273,12 @@ class InstructionLoader:
 def split_rows(rows: list[Any], val_fraction: float, what: str) -> tuple[list[Any], list[Any]]:
     """The first ``1 - val_fraction`` of the rows for training, the rest (the end) for validation."""
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise InvalidValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     n_val = int(round(len(rows) * val_fraction))
     if val_fraction > 0 and n_val == 0:
         n_val = 1  # a fraction asks for validation: hold out at least one row
     if n_val and n_val >= len(rows):
-        raise ValueError(f"{what} has {len(rows)} rows, too few to hold out --val-fraction {val_fraction}")
+        raise InvalidValueError(f"{what} has {len(rows)} rows, too few to hold out --val-fraction {val_fraction}")
     return rows[: len(rows) - n_val], rows[len(rows) - n_val :]
 
 
@@ -285,11 +295,12 @@ def instruction_loaders(
     world_size: int = 1,
 ) -> tuple[Any, Any, list[Any]]:
     """``(train_loader, val_loader or None, val_rows)`` for ``gpt2 finetune --data x.jsonl``:
-    ``--val-data`` (another .jsonl) or the last ``--val-fraction`` of the rows for validation."""
+    ``--val-data`` (another .jsonl) or the last ``--val-fraction`` of the rows for validation.
+    """
     rows = read_rows(data)
     if val_data is not None:
         if not is_instruction_data(val_data):
-            raise ValueError(f"--val-data {val_data!r} must be a .jsonl file like --data ({_LAYOUTS})")
+            raise InvalidValueError(f"--val-data {val_data!r} must be a .jsonl file like --data ({_LAYOUTS})")
         train_rows, val_rows = rows, read_rows(val_data)
     else:
         train_rows, val_rows = split_rows(rows, val_fraction, data)

@@ -1,5 +1,6 @@
 """The batch loader: ``(x, y)`` batches from token arrays, files or shard directories, read the
-way build-nanogpt's ``DataLoaderLite`` does, with a position that can be saved and restored."""
+way build-nanogpt's ``DataLoaderLite`` does, with a position that can be saved and restored.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from gpt2.data.formats import check_token_ids, load_tokens, manifest_mismatch, read_manifests, token_files
+from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import POSITIVE_INT, Range, check_value
 
@@ -40,12 +42,12 @@ def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
         if not np.issubdtype(array.dtype, np.integer):
             raise TypeError(f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16)")
     if array.ndim != 1:
-        raise ValueError(
+        raise InvalidValueError(
             f"token array has shape {tuple(array.shape)}; expected a 1-D sequence of token ids "
             "(flatten it first, e.g. tokens.reshape(-1))"
         )
     if array.size and np.issubdtype(array.dtype, np.signedinteger) and int(array.min()) < 0:
-        raise ValueError(f"token array holds a negative id ({int(array.min())}); ids must be >= 0")
+        raise InvalidValueError(f"token array holds a negative id ({int(array.min())}); ids must be >= 0")
     return array
 
 
@@ -60,7 +62,8 @@ def _warn_unverified(directory: str) -> None:
 
 class _Shard:
     """One token sequence: an in-memory array, or a file opened lazily (memory-mapped), checked
-    against its manifest entry when its folder has one."""
+    against its manifest entry when its folder has one.
+    """
 
     __slots__ = ("name", "path", "array", "length", "checked_vocab", "sha256")
 
@@ -101,7 +104,8 @@ class TokenLoader:
     ``B*T + 1`` from ``position + r*B*T``; when the next step would run past the shard's end the loader moves to the
     next shard (wrapping around) at position 0. So one rank with batch ``2B`` reads the rows two ranks with batch ``B``
     read, and :meth:`state_dict` is rank-independent. With ``vocab_size`` each shard's ids are checked on the CPU when
-    it is opened, so a bad id is named with its file before it reaches the GPU."""
+    it is opened, so a bad id is named with its file before it reaches the GPU.
+    """
 
     def __init__(
         self,
@@ -119,19 +123,19 @@ class TokenLoader:
         self.world_size = check_value("TokenLoader", "world_size", world_size, POSITIVE_INT)
         self.rank = check_value("TokenLoader", "rank", rank, _INT)
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(
+            raise InvalidValueError(
                 f"rank={self.rank} is outside [0, world_size={self.world_size}); pass the "
                 "process's rank from torch.distributed (or the RANK environment variable)"
             )
         if split is not None and (not isinstance(split, str) or not split):
-            raise ValueError(f"split must be a non-empty string such as 'train' or 'val', got {split!r}")
+            raise InvalidValueError(f"split must be a non-empty string such as 'train' or 'val', got {split!r}")
         self.split = split
         self._source_desc, self._shards = self._resolve(source, split)
 
         needed = self.tokens_per_step + 1
         for shard in self._shards:
             if shard.length < needed:
-                raise ValueError(
+                raise InvalidValueError(
                     f"{shard.name} has {shard.length} tokens, but one step needs {needed} (batch_size "
                     f"{self.batch_size} x seq_len {self.seq_len} x world_size {self.world_size} + 1 for the shifted "
                     "targets); use a smaller --micro-batch-size or --seq-len, or more data (the validation part of a "
@@ -145,7 +149,8 @@ class TokenLoader:
     @property
     def vocab_size(self) -> int | None:
         """Ids must be below this (the model's vocabulary); ``None``: not checked. Each shard is
-        checked once, when it is first opened (the first one as soon as this is set)."""
+        checked once, when it is first opened (the first one as soon as this is set).
+        """
         return self._vocab_size
 
     @vocab_size.setter
@@ -159,7 +164,7 @@ class TokenLoader:
     def _resolve(source: TokenSource, split: str | None) -> tuple[str, list[_Shard]]:
         if isinstance(source, (torch.Tensor, np.ndarray)):
             if split is not None:
-                raise ValueError(
+                raise InvalidValueError(
                     f"split={split!r} only selects files from a directory of shards; an in-memory "
                     "token array has no splits, so pass split=None (or the split's own array)"
                 )
@@ -176,19 +181,19 @@ class TokenLoader:
                 _warn_unverified(str(path))
             if not (files := token_files(path, split)):
                 what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"
-                raise FileNotFoundError(
+                raise MissingFileError(
                     f"no {what} in directory {str(path)!r}; write shards with "
                     "gpt2.data.write_shards or tokenize_file, or check the path and split"
                 )
             return str(path), [_Shard(f"shard {str(p)!r}", path=p, entry=(entries or {}).get(p.name)) for p in files]
         if path.is_file():
             if split is not None and split not in path.name:
-                raise ValueError(
+                raise InvalidValueError(
                     f"split={split!r} does not match token file {str(path)!r} (its name does not contain {split!r}); "
                     "pass the directory of shards, the right file, or split=None"
                 )
             return str(path), [_Shard(f"token file {str(path)!r}", path=path)]
-        raise FileNotFoundError(f"token source {str(path)!r} does not exist")
+        raise MissingFileError(f"token source {str(path)!r} does not exist")
 
     @property
     def tokens_per_step(self) -> int:
@@ -262,24 +267,24 @@ class TokenLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly where :meth:`state_dict` was taken (``num_shards`` optional)."""
         if not isinstance(state, dict) or "shard" not in state or "position" not in state:
-            raise ValueError(
+            raise InvalidValueError(
                 f"loader state must be a dict with 'shard' and 'position' (from state_dict()), got {state!r}"
             )
         shard = check_value("loader state", "shard", state["shard"], _INT)
         position = check_value("loader state", "position", state["position"], _INT)
         if "num_shards" in state and state["num_shards"] != len(self._shards):
-            raise ValueError(
+            raise InvalidValueError(
                 f"loader state was saved over {state['num_shards']} shard(s) but this loader's source "
                 f"{self._source_desc} has {len(self._shards)}; resume with the same data (and split)"
             )
         if not 0 <= shard < len(self._shards):
-            raise ValueError(
+            raise InvalidValueError(
                 f"loader state shard={shard} is out of range: the source {self._source_desc} has "
                 f"{len(self._shards)} shard(s) (valid: 0..{len(self._shards) - 1})"
             )
         length = self._shards[shard].length
         if position < 0 or position >= length:
-            raise ValueError(
+            raise InvalidValueError(
                 f"loader state position={position} does not fit {self._shards[shard].name}: it has {length} "
                 "tokens; was the state saved with other data?"
             )
@@ -310,7 +315,8 @@ def make_loader(
 ) -> Any:
     """The loader the Trainer reads ``split`` (``"train"`` / ``"val"``) from: ``data`` as a
     :class:`TokenLoader` (a directory gives its ``split`` shards), or a ready loader, which must
-    have been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size``."""
+    have been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size``.
+    """
     if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
         expected = {"batch_size": batch_size, "seq_len": seq_len, "rank": rank, "world_size": world_size}
         wrong = [
@@ -319,7 +325,7 @@ def make_loader(
             if getattr(data, name, want) != want
         ]
         if wrong:
-            raise ValueError(
+            raise InvalidValueError(
                 f"the {split} loader does not fit this run: {', '.join(wrong)}. Build it as "
                 f"TokenLoader(source, {batch_size}, {seq_len}, rank={rank}, "
                 f"world_size={world_size}), or pass the tokens / path and let the Trainer build it"
@@ -342,7 +348,8 @@ def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torc
     """Batches from the start of ``loader``: at most ``max_batches``, and at most one pass (until its
     ``state_dict()`` comes back: a batch read twice would weigh double). Every rank's loader wraps
     at the same batch, so under DDP all ranks stop together. The loader is put back where it was
-    (a training loader scored mid-run would otherwise replay its batches)."""
+    (a training loader scored mid-run would otherwise replay its batches).
+    """
     before = loader.state_dict() if hasattr(loader, "state_dict") else None
     if before is None and max_batches is None:
         raise TypeError("a loader without state_dict() cannot tell where one pass ends: give max_batches")

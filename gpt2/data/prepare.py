@@ -1,6 +1,7 @@
 """Tokenising text into build-nanogpt's FineWeb-edu layout: 1-D ``uint16`` shards named
 ``{prefix}_{split}_{index:06d}.npy`` (or llm.c's ``.bin``), the first one ``val``. GPT-2's 50257
-ids fit ``uint16``, half the disk and page cache of ``int32``."""
+ids fit ``uint16``, half the disk and page cache of ``int32``.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, token_files, write_tokens
+from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import StopSignals, pid_alive, replace_atomically
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
@@ -49,7 +51,7 @@ def _to_uint16(ids: Any, where: str) -> np.ndarray:
     array = np.asarray(ids, dtype=np.int64)
     if array.size and (int(array.min()) < 0 or int(array.max()) >= _UINT16_LIMIT):
         bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
-        raise ValueError(
+        raise InvalidValueError(
             f"token id {bad} in {where} does not fit uint16 (0..{_UINT16_LIMIT - 1}); uint16 "
             "shards only hold vocabularies of up to 65536 ids, such as GPT-2's 50257"
         )
@@ -58,7 +60,8 @@ def _to_uint16(ids: Any, where: str) -> np.ndarray:
 
 def _encode_document(doc: Any, tokenizer: Any) -> np.ndarray:
     """``<|endoftext|>`` then the document's ids, as uint16 (build-nanogpt's ``tokenize``): the
-    token *before* each document marks where documents start in the concatenated stream."""
+    token *before* each document marks where documents start in the concatenated stream.
+    """
     if not isinstance(doc, str):
         raise TypeError(
             f"documents must be str, got {type(doc).__name__}; for dataset rows pass the text "
@@ -85,7 +88,8 @@ def _text_pieces(text: str, size: int) -> Iterator[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut just before a newline
     that sits between two non-space characters. GPT-2's pre-tokeniser always splits there (no
     pattern joins a newline to the word before it, and a lone newline before a word is its
-    own piece), so encoding the pieces gives exactly the ids of encoding the whole text."""
+    own piece), so encoding the pieces gives exactly the ids of encoding the whole text.
+    """
     start = 0
     while len(text) - start > size:
         cut = text.find("\n", start + size)
@@ -110,7 +114,7 @@ def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.nda
     return _to_uint16(np.concatenate(parts), f"the text {desc!r}")
 
 
-class ShardWriteError(OSError):
+class ShardWriteError(Gpt2Error, OSError):
     """Writing a data set failed (disk full, no permission, ...); its folder was left as it was."""
 
 
@@ -123,13 +127,14 @@ class _ShardWriter:
     """Writes a data set whole: the numbered shards (the index runs across splits, as in
     build-nanogpt), then their manifest, go into a hidden staging folder inside ``out_dir``, and
     only a complete set is moved into place (the manifest last), replacing the shards of an
-    earlier run with this prefix. An error or Ctrl-C before that leaves ``out_dir`` as it was."""
+    earlier run with this prefix. An error or Ctrl-C before that leaves ``out_dir`` as it was.
+    """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
         if not isinstance(prefix, str) or not prefix or os.sep in prefix or (os.altsep and os.altsep in prefix):
-            raise ValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
+            raise InvalidValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
         if file_format not in _FORMATS:
-            raise ValueError(
+            raise InvalidValueError(
                 f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), got {file_format!r}"
             )
         self.prefix, self.file_format = prefix, file_format
@@ -262,7 +267,8 @@ def write_shards(
     on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``: any object with ``encode_ordinary`` and
     ``eot_token``; ``num_workers > 0`` tokenises in a process pool (same shards). The set and its manifest are written
     whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards with the
-    same prefix raise :class:`FileExistsError` unless ``overwrite=True``."""
+    same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
+    """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     tokenizer = writer.tokenizer
     num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
@@ -297,7 +303,7 @@ def write_shards(
             if filled:
                 writer.write(buffer[:filled], "train" if writer.written else "val")
             if not writer.written:
-                raise ValueError("write_shards got no documents; docs was empty")
+                raise InvalidValueError("write_shards got no documents; docs was empty")
     finally:
         bar.close()
         if pool is not None:
@@ -320,23 +326,26 @@ def tokenize_file(
 ) -> list[Path]:
     """Tokenise one UTF-8 text file, read into memory as one document, into shards as :func:`write_shards` does; its
     last ``val_fraction`` of tokens are the ``val`` shards (the end of the text, as in nanoGPT's ``prepare.py``, so no
-    passage is in both splits). ``prefix`` defaults to the file's stem. Returns the shard paths."""
+    passage is in both splits). ``prefix`` defaults to the file's stem. Returns the shard paths.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
+        raise MissingFileError(f"text file {str(path)!r} does not exist")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}")
+        raise InvalidValueError(
+            f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}"
+        )
     writer = _ShardWriter(
         out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format, tokenizer
     )
 
     text = read_text(path)
     if not text.strip():
-        raise ValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
+        raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
     tokens = _encode_text(text, writer.tokenizer, f"tokenising {path.name}", progress)
     n_val = round(len(tokens) * val_fraction)
     if val_fraction > 0 and not 0 < n_val < len(tokens):
-        raise ValueError(
+        raise InvalidValueError(
             f"{str(path)!r} has only {len(tokens)} tokens, too few to split with "
             f"val_fraction={val_fraction}: use a longer text or val_fraction=0"
         )

@@ -1,5 +1,6 @@
 """What ``--data`` means: ``shakespeare``, a text file, a token file or a shard directory, turned
-into the ``(train, val)`` sources a :class:`~gpt2.data.TokenLoader` reads."""
+into the ``(train, val)`` sources a :class:`~gpt2.data.TokenLoader` reads.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ import numpy as np
 from gpt2.data.downloads import tiny_shakespeare_path
 from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text, token_files
 from gpt2.data.prepare import _encode_text
+from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.model.tokenizer import get_tokenizer
 
 
 def shakespeare_or_path(data: str) -> Path:
     """``shakespeare`` -> the Tiny Shakespeare text (downloaded once, or $GPT2_TINY_SHAKESPEARE);
-    anything else must be an existing path."""
+    anything else must be an existing path.
+    """
     if data == "shakespeare":
         return tiny_shakespeare_path()
     path = Path(data).expanduser()
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"data {data!r} does not exist; give a text file, a token file (.npy/.bin), a directory "
             f"of token shards (gpt2 prepare writes them) or 'shakespeare'"
         )
@@ -31,7 +34,8 @@ def shakespeare_or_path(data: str) -> Path:
 
 def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
-    (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory)."""
+    (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory).
+    """
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused
     return _encode_text(read_text(path), tokenizer, str(path), progress=False)
@@ -39,7 +43,8 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
 
 def load_token_source(data: str) -> Any:
     """``data`` as something :class:`gpt2.data.TokenLoader` reads: a shard directory or token
-    file as is, a text file (or ``shakespeare``) tokenised into an array."""
+    file as is, a text file (or ``shakespeare``) tokenised into an array.
+    """
     path = shakespeare_or_path(data)
     if path.is_dir():
         return path
@@ -48,20 +53,22 @@ def load_token_source(data: str) -> Any:
 
 def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np.ndarray, np.ndarray | None]:
     """The first ``1 - val_fraction`` of the tokens for training, the rest for validation (the
-    end of the text, as nanoGPT's prepare.py does, so no passage is in both)."""
+    end of the text, as nanoGPT's prepare.py does, so no passage is in both).
+    """
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise InvalidValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if val_fraction == 0:
         return tokens, None
     n_val = int(round(len(tokens) * val_fraction))
     if n_val < 2 or n_val >= len(tokens) - 1:
-        raise ValueError(f"{what} has {len(tokens)} tokens, too few to split with --val-fraction {val_fraction}")
+        raise InvalidValueError(f"{what} has {len(tokens)} tokens, too few to split with --val-fraction {val_fraction}")
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
 
 def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple[Any, Any]:
     """``(train, val)`` sources for the Trainer from ``--data`` / ``--val-data``: a shard directory
-    gives its ``val`` shards (if any) for validation, a file is split by ``val_fraction``."""
+    gives its ``val`` shards (if any) for validation, a file is split by ``val_fraction``.
+    """
     source = load_token_source(data)
     if val_data is not None:
         return source, load_token_source(val_data)

@@ -1,7 +1,8 @@
 """HellaSwag scored as build-nanogpt (and lm-evaluation-harness's "completion" style) does for a base model: each ending
 is appended to the context and scored by its cross-entropy over the *ending tokens only*. ``acc``: the lowest summed
 loss wins (favours short endings); ``acc_norm``: the lowest mean loss per token (build-nanogpt's number; GPT-2 124M
-scores 0.2955 on val). :class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``)."""
+scores 0.2955 on val). :class:`HellaSwagCallback` scores it inside ``Trainer.fit`` (``gpt2 train --hellaswag``).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from gpt2.data import iter_jsonl
+from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
 from gpt2.files import default_cache_dir, download
 from gpt2.model.tokenizer import get_tokenizer
@@ -37,21 +39,22 @@ HELLASWAG_ENV = "GPT2_HELLASWAG"
 def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Path of the HellaSwag ``split`` jsonl: in ``$GPT2_HELLASWAG`` (the val file, or a directory
     of ``hellaswag_<split>.jsonl``), else in ``cache_dir`` (default ``<cache>/hellaswag``), where a
-    missing file is downloaded, checked and written atomically."""
+    missing file is downloaded, checked and written atomically.
+    """
     if split not in HELLASWAG_URLS:
-        raise ValueError(f"unknown HellaSwag split {split!r}; choose one of {sorted(HELLASWAG_URLS)}")
+        raise InvalidValueError(f"unknown HellaSwag split {split!r}; choose one of {sorted(HELLASWAG_URLS)}")
     filename = f"hellaswag_{split}.jsonl"
     if override := os.environ.get(HELLASWAG_ENV):
         p = Path(override).expanduser()
         if p.is_file():
             if split != "val":
-                raise ValueError(
+                raise InvalidValueError(
                     f"${HELLASWAG_ENV}={override} is a file, used for the val split only; for the "
                     f"{split!r} split point ${HELLASWAG_ENV} at a directory holding {filename}"
                 )
             return p
         if not p.is_dir():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"${HELLASWAG_ENV}={override} does not exist; point it at hellaswag_val.jsonl or at "
                 f"a directory for the HellaSwag files, or unset it to use the download cache"
             )
@@ -77,37 +80,42 @@ def _validate_hellaswag(data: bytes) -> None:
     try:
         _check_example(json.loads(first), "line", 1)
     except json.JSONDecodeError as e:
-        raise ValueError(f"line 1 is not JSON ({e.msg})") from e
+        raise InvalidValueError(f"line 1 is not JSON ({e.msg})") from e
 
 
 def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
     if not isinstance(example, dict):
-        raise ValueError(f"{where}:{line}: expected a JSON object, got {type(example).__name__}")
+        raise InvalidValueError(f"{where}:{line}: expected a JSON object, got {type(example).__name__}")
     endings = example.get("endings")
     if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
-        raise ValueError(
+        raise InvalidValueError(
             f"{where}:{line}: 'endings' must be a list of at least 2 strings (HellaSwag has 4), got {endings!r}"
         )
     ctx_a, ctx_b = example.get("ctx_a"), example.get("ctx_b") or ""
     if not isinstance(example.get("ctx"), str) and not (isinstance(ctx_a, str) and isinstance(ctx_b, str)):
-        raise ValueError(
+        raise InvalidValueError(
             f"{where}:{line}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b' strings); "
             f"keys present: {sorted(example)}"
         )
     if (label := example.get("label")) is None or label == "":
-        raise ValueError(f"{where}:{line}: no label (the official test split is unlabelled): score the val split")
+        raise InvalidValueError(
+            f"{where}:{line}: no label (the official test split is unlabelled): score the val split"
+        )
     valid = type(label) is int or isinstance(label, str) and label.isdigit()  # HF's copy: "1"; not True, not 1.9
     if not valid or not 0 <= int(label) < len(endings):
-        raise ValueError(f"{where}:{line}: 'label' must be an ending's index (0 to {len(endings) - 1}), got {label!r}")
+        raise InvalidValueError(
+            f"{where}:{line}: 'label' must be an ending's index (0 to {len(endings) - 1}), got {label!r}"
+        )
     return example
 
 
 def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """The examples of a HellaSwag jsonl file (``ctx`` or ``ctx_a`` + ``ctx_b``, ``endings``,
-    ``label``); a malformed line raises ``ValueError`` naming the file and line."""
+    ``label``); a malformed line raises ``ValueError`` naming the file and line.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"HellaSwag file {str(path)!r} not found; use gpt2.hellaswag_path() to download "
             f"it, or pass the path of hellaswag_val.jsonl"
         )
@@ -125,11 +133,12 @@ def _context(example: dict[str, Any]) -> str:
 def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``tokens`` ``(N, T)`` (context + ending i on row i, right-padded with 0), ``mask`` ``(N, T)``
     (1 on the ending tokens, the only ones scored) and the label of one example. Endings are
-    encoded with a leading space, as they follow the context's last word in GPT-2's BPE."""
+    encoded with a leading space, as they follow the context's last word in GPT-2's BPE.
+    """
     label = int(_check_example(example, "example", 0)["label"])
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     if not (ctx_tokens := list(tokenizer.encode(_context(example)))):
-        raise ValueError("HellaSwag example has an empty context: nothing to condition the endings on")
+        raise InvalidValueError("HellaSwag example has an empty context: nothing to condition the endings on")
     rows, masks = [], []
     for ending in example["endings"]:
         end_tokens = list(tokenizer.encode(" " + ending))
@@ -145,13 +154,14 @@ def ending_losses(
     """Summed and mean cross-entropy of the masked (ending) tokens of each row: two ``(N,)``.
 
     Rows longer than the model's context keep their last ``block_size`` tokens (the endings
-    always fit; the context is cropped on the left, the same for every row)."""
+    always fit; the context is cropped on the left, the same for every row).
+    """
     block_size = getattr(getattr(model, "config", None), "block_size", None)
     if block_size is not None and tokens.size(1) > block_size:
         drop = tokens.size(1) - block_size
         first_ending = int(mask.argmax(dim=1).min())
         if drop >= first_ending:  # we would lose the token that predicts the first ending token
-            raise ValueError(
+            raise InvalidValueError(
                 f"a HellaSwag ending is too long for the model's context (block_size={block_size}, "
                 f"row length {tokens.size(1)}, context length {first_ending})"
             )
@@ -160,7 +170,7 @@ def ending_losses(
     if vocab_size is not None and tokens.device.type == "cpu" and int(tokens.max()) >= vocab_size:
         # Checked here, on the host: the model's forward does not read ids (a GPU sync), and on
         # CUDA an id past the embedding is a device-side assert instead of an error.
-        raise ValueError(
+        raise InvalidValueError(
             f"the tokenizer produced token id {int(tokens.max())}, but the model has vocab_size={vocab_size}: "
             f"HellaSwag needs a model over the GPT-2 vocabulary (50257 tokens) or a matching tokenizer="
         )
@@ -191,11 +201,12 @@ def score_hellaswag(
     """HellaSwag accuracy of a causal LM on a jsonl file or example dicts: ``{"acc", "acc_norm", "n"}``.
 
     ``limit`` scores only the first examples. With ``world_size > 1`` (under ``torch.distributed``) rank ``r`` scores
-    examples ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns the full result."""
+    examples ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns the full result.
+    """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+        raise InvalidValueError(f"limit must be a positive integer or None, got {limit!r}")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        raise InvalidValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
     if device is not None:
@@ -224,7 +235,7 @@ def score_hellaswag(
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
     correct, correct_norm, n = counts.tolist()
     if n == 0:
-        raise ValueError("no HellaSwag example was scored: the file or iterable is empty")
+        raise InvalidValueError("no HellaSwag example was scored: the file or iterable is empty")
     return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
 
 
@@ -235,9 +246,7 @@ def resolve_hellaswag(spec: str | None) -> Path | None:
         return hellaswag_path("val")
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
-            f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it"
-        )
+        raise MissingFileError(f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it")
     for _ in iterate_hellaswag(path):  # every row now: a bad one would stop training at its first score
         pass
     return path
@@ -246,7 +255,8 @@ def resolve_hellaswag(spec: str | None) -> Path | None:
 class HellaSwagCallback:
     """A Trainer callback: HellaSwag every ``interval`` steps and after the last one, on every
     rank (each scores its share), into the step's record (``hellaswag_acc`` / ``_acc_norm`` /
-    ``_n`` in metrics.jsonl, which a resumed run truncates and continues like every metric)."""
+    ``_n`` in metrics.jsonl, which a resumed run truncates and continues like every metric).
+    """
 
     def __init__(self, path: Path, interval: int, limit: int | None) -> None:
         self.path, self.interval, self.limit = path, interval, limit

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from gpt2.data.loader import TokenLoader, one_pass
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.model.gpt import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextMan
 
 def _logits(output: Any) -> torch.Tensor:
     """Logits from a forward output: GPT's ``(logits, loss)`` tuple, a bare tensor, or an
-    object with ``.logits`` (a ``transformers`` model)."""
+    object with ``.logits`` (a ``transformers`` model).
+    """
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -58,7 +60,7 @@ def _logits(output: Any) -> torch.Tensor:
     )
 
 
-class NonFiniteLossError(ValueError):
+class NonFiniteLossError(Gpt2Error, ValueError):
     """The evaluated loss is inf or NaN: the model (its weights or activations) is broken."""
 
     def __init__(self, message: str, loss: float):
@@ -91,15 +93,16 @@ def evaluate_loss(
 
     ``distributed=True`` under ``torchrun``: every rank calls this with the same arguments, rank ``r`` scores batches
     ``r, r + world_size, ...`` and the sums are all-reduced, so every rank returns the one-process result. A loader
-    built for this rank and world size is read whole by its rank (``max_batches`` then counts per rank)."""
+    built for this rank and world size is read whole by its rank (``max_batches`` then counts per rank).
+    """
     if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
-        raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
+        raise InvalidValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
     rank, world_size = 0, 1
     if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     per_rank = world_size > 1 and getattr(data, "world_size", 1) == world_size  # this rank's share already
     if world_size > 1 and not per_rank and getattr(data, "world_size", 1) != 1:
-        raise ValueError(
+        raise InvalidValueError(
             "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
             "token file, a one-process TokenLoader (world_size=1) or one built for this rank and world size"
         )
@@ -107,7 +110,7 @@ def evaluate_loss(
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     loader = data
     if (sizes := (getattr(data, "batch_size", batch_size), getattr(data, "seq_len", seq_len))) != (batch_size, seq_len):
-        raise ValueError(
+        raise InvalidValueError(
             f"the loader reads batches of {sizes[0]} x {sizes[1]}, not {batch_size} x {seq_len}: build it so"
         )
     if not hasattr(data, "next_batch"):  # ids checked against the vocabulary on the CPU (forward never syncs to)
@@ -144,7 +147,7 @@ def evaluate_loss(
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
     total, n_tokens = sums[0].item(), int(sums[1])
     if n_tokens == 0:
-        raise ValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
+        raise InvalidValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
     if warn_short and max_batches is not None and seen < max_batches and rank == 0:
         logger.warning(
             f"the evaluation data holds only {seen} batches of {batch_size} x {seq_len} tokens; scored those "

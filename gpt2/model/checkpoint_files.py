@@ -3,7 +3,8 @@ before any model is touched, and finding the newest intact checkpoint.
 
 A checkpoint is a directory ``step_000100/`` holding ``model.safetensors`` (the weights),
 ``trainer_state.pt`` (optimizer, scaler and RNG states), ``trainer_state.json`` (the step and
-metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format)."""
+metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from torch.nn.parallel import DistributedDataParallel
 
+from gpt2.errors import Gpt2Error, MissingFileError
 from gpt2.files import replace_atomically
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ FORMAT_VERSION = 2
 
 def unwrap_model(module: nn.Module) -> nn.Module:
     """The module under DDP / DataParallel and ``torch.compile`` wrappers, in any nesting (by type:
-    a model of one's own with a ``module`` attribute is left alone)."""
+    a model of one's own with a ``module`` attribute is left alone).
+    """
     # Only look the compile wrapper's class up if torch.compile has been used in this process:
     # importing torch._dynamo just to check costs seconds.
     compiled_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
@@ -53,7 +56,7 @@ def unwrap_model(module: nn.Module) -> nn.Module:
             return module
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Gpt2Error, ValueError):
     """A checkpoint that cannot be used; ``problems`` lists its ``(file, what is wrong)`` pairs."""
 
     def __init__(self, message: str, problems: list[tuple[str, str]] | None = None) -> None:
@@ -67,10 +70,11 @@ class NonFiniteWeightsError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """Weights (missing, unexpected or wrong-shape keys) or optimizer / loss-scaler state that do not fit
-    the model and optimizer they are loaded into."""
+    the model and optimizer they are loaded into.
+    """
 
 
-class CheckpointSaveError(OSError):
+class CheckpointSaveError(Gpt2Error, OSError):
     """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
 
 
@@ -94,7 +98,8 @@ def save_weights(
 ) -> None:
     """Write a state dict as safetensors (atomically, with the user's umask), storing tensors that
     share memory once: exact aliases (a tied weight) become metadata entries ``{alias: kept name}``;
-    other partial overlaps are copied so the file is valid."""
+    other partial overlaps are copied so the file is valid.
+    """
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -119,7 +124,8 @@ def save_weights(
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(state_dict, metadata)`` from :func:`save_weights`, aliases filled back in; a truncated or
-    damaged file (safetensors checks the header against the size) raises :class:`CheckpointError`."""
+    damaged file (safetensors checks the header against the size) raises :class:`CheckpointError`.
+    """
     path = Path(path)
     if not path.is_file():
         raise _file_error(path, "is not a file" if path.exists() else "is missing")
@@ -179,7 +185,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``root`` (a ``checkpoints`` directory), or None: every
-    ``step_*`` directory there was renamed into place complete."""
+    ``step_*`` directory there was renamed into place complete.
+    """
     return next((p for p in checkpoint_candidates(root) if is_complete(p)), None)
 
 
@@ -202,7 +209,8 @@ def read_checkpoint(
     path: str | os.PathLike, *, trainer_state: bool = True, map_location: str | torch.device = "cpu"
 ) -> CheckpointData:
     """Read one checkpoint directory and verify every file it reads (the sha256 catches a flipped byte inside a tensor,
-    which passes every other check); a :class:`CheckpointError` lists every problem with its file."""
+    which passes every other check); a :class:`CheckpointError` lists every problem with its file.
+    """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
@@ -227,7 +235,8 @@ def read_checkpoint(
 
 def _check_digests(path: Path, meta: dict | None, names: list[str], problems: list[tuple[str, str]]) -> None:
     """Compare each of ``names`` with its sha256 in ``SHA256SUMS`` (files already found damaged
-    are skipped: their own problem says more)."""
+    are skipped: their own problem says more).
+    """
     sums = path / DIGEST_FILE
     if not sums.is_file():
         if meta is not None and meta.get("format_version", 1) >= 2:
@@ -311,7 +320,8 @@ def open_checkpoint(
     check: Callable[[CheckpointData], None] | None = None,
 ) -> CheckpointData:
     """:func:`read_checkpoint` of ``path``, or of a run / ``checkpoints`` directory's newest usable
-    checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning."""
+    checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning.
+    """
     path = Path(path)
 
     def read(candidate: Path) -> CheckpointData:
@@ -322,7 +332,7 @@ def open_checkpoint(
 
     if checkpoint_step(path) is not None or is_complete(path):  # one checkpoint: no fallback
         if not path.exists():
-            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+            raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
         try:
             return read(path)
         except CheckpointError as e:
@@ -331,7 +341,7 @@ def open_checkpoint(
                 e.problems,
             ) from None
     if not (candidates := checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")):
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
             "or a run directory / checkpoints directory that contains one"
         )
@@ -357,7 +367,8 @@ def open_checkpoint(
 
 def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = False) -> None:
     """Load ``data``'s weights into the raw ``model``; a :class:`CheckpointMismatchError` naming the
-    tensors that do not fit touches nothing. ``check_only``: only that check."""
+    tensors that do not fit touches nothing. ``check_only``: only that check.
+    """
     own = unwrap_model(model).state_dict()
     unexpected = sorted(set(data.weights) - set(own))
     missing = [] if data.trainable_only else sorted(set(own) - set(data.weights))  # frozen rest: the model's

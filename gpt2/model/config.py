@@ -1,5 +1,6 @@
 """Typed, validated configuration for the GPT-2 model (field names as in nanoGPT), and the field
-checks every config dataclass uses."""
+checks every config dataclass uses.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from gpt2.errors import InvalidValueError
+
 # GPT-2's byte-level BPE has 50,257 tokens: 50,000 merges + 256 byte tokens + <|endoftext|>.
 GPT2_VOCAB_SIZE = 50257
 
@@ -17,14 +20,15 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     """Build the dataclass ``cls`` from a dict (e.g. read from JSON), naming any unknown field."""
     known = {f.name for f in dataclasses.fields(cls)}
     if unknown := sorted(set(data) - known):
-        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
+        raise InvalidValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
     return cls(**data)
 
 
 @dataclass(frozen=True)
 class Range:
     """The values one numeric config field accepts: finite, of the right kind, within bounds. NaN is refused explicitly:
-    it passes every ``x < 0`` check, and ``grad_clip=nan`` turns every weight NaN in one step."""
+    it passes every ``x < 0`` check, and ``grad_clip=nan`` turns every weight NaN in one step.
+    """
 
     low: float | None = None  # None = no lower bound
     high: float | None = None  # None = no upper bound
@@ -49,7 +53,8 @@ class Range:
 
 def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     """``value`` checked against ``rule`` (a float field's int becomes a float); a ValueError
-    naming ``owner.name`` otherwise."""
+    naming ``owner.name`` otherwise.
+    """
     if value is None and rule.optional:
         return None
     ok_type = isinstance(value, numbers.Integral) if rule.integer else isinstance(value, numbers.Real)  # numpy's too
@@ -59,24 +64,25 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
             hint = " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)" if not rule.integer else " (not a string)"
         elif isinstance(value, float) and rule.integer:
             hint = " (not a float)"
-        raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
+        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
     value = int(value) if rule.integer else float(value)
     too_low = rule.low is not None and (value <= rule.low if rule.low_open else value < rule.low)
     too_high = rule.high is not None and (value >= rule.high if rule.high_open else value > rule.high)
     if too_low or too_high or not (rule.integer or math.isfinite(value)):  # NaN is neither low nor high
-        raise ValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}")
+        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}")
     return value
 
 
 def check_fields(config: Any, rules: dict[str, Range]) -> None:
     """Check (and normalise in place) every field of the dataclass ``config`` named in ``rules``, and
-    that each ``bool`` field is a real bool (``compile="false"`` would otherwise be true)."""
+    that each ``bool`` field is a real bool (``compile="false"`` would otherwise be true).
+    """
     owner = type(config).__name__
     for name, rule in rules.items():
         setattr(config, name, check_value(owner, name, getattr(config, name), rule))
     for name in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
         if not isinstance(value := getattr(config, name), bool):
-            raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
+            raise InvalidValueError(f"{owner}.{name} must be True or False, got {value!r}")
 
 
 POSITIVE_INT = Range(low=1, integer=True)
@@ -109,7 +115,8 @@ SHAPE_NAMES = tuple(SHAPES)
 class GPTConfig:
     """Shape and regularisation of a GPT-2 model. ``pad_vocab_multiple`` rounds the embedding and
     LM-head rows up (64: 50257 -> 50304, faster on GPUs); the padded rows are sliced off the
-    logits, so they are never sampled and never change the loss."""
+    logits, so they are never sampled and never change the loss.
+    """
 
     block_size: int = 1024  # maximum context length (number of learned positions)
     vocab_size: int = GPT2_VOCAB_SIZE
@@ -125,7 +132,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         check_fields(self, GPT_CONFIG_RULES)
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
+            raise InvalidValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
                 f"each head gets n_embd // n_head channels"
             )
@@ -144,7 +151,7 @@ class GPTConfig:
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
         """A preset (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``) with optional overrides."""
         if name not in PRESETS:
-            raise ValueError(f"unknown GPT-2 preset {name!r}; choose one of {sorted(PRESETS)}")
+            raise InvalidValueError(f"unknown GPT-2 preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Sampling from a GPT: temperature, top-k, top-p, greedy, EOS, batched prompts, and a KV cache
-(decoding one token is one (B, 1) forward, with the same tokens as without the cache)."""
+(decoding one token is one (B, 1) forward, with the same tokens as without the cache).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
+from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
 from gpt2.model.tokenizer import get_tokenizer
 
@@ -28,11 +30,12 @@ class KVCache:
     whole buffer with a mask built from ``pos``: every decoding step has the same shapes and graph,
     so ``torch.compile`` compiles it once. A forward calls :meth:`step`, then each layer :meth:`update`.
     Buffers are made at a layer's first update in the keys' dtype (bf16/fp16 under autocast), as
-    zeros so masked-out slots never hold NaN."""
+    zeros so masked-out slots never hold NaN.
+    """
 
     def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
         if n_layer < 1 or max_len < 1:
-            raise ValueError(f"KVCache needs n_layer >= 1 and max_len >= 1, got {n_layer}, {max_len}")
+            raise InvalidValueError(f"KVCache needs n_layer >= 1 and max_len >= 1, got {n_layer}, {max_len}")
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
@@ -46,14 +49,16 @@ class KVCache:
 
     def step(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Start a forward over ``T`` new tokens: their absolute positions ``(T,)`` (where the
-        layers' updates write) and the ``(T, max_len)`` boolean causal mask (True = may attend)."""
+        layers' updates write) and the ``(T, max_len)`` boolean causal mask (True = may attend).
+        """
         self.index = self.pos + torch.arange(T, device=self.pos.device)
         self.pos += T
         return self.index, torch.arange(self.max_len, device=self.pos.device) <= self.index[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` ``(B, nh, T, hs)`` at the positions of :meth:`step`; return the whole buffers
-        ``(B, nh, max_len, hs)``."""
+        ``(B, nh, max_len, hs)``.
+        """
         B, nh, _, hs = k.shape
         if self.k[layer] is None:
             self.k[layer] = k.new_zeros(B, nh, self.max_len, hs)
@@ -83,10 +88,11 @@ def sample_next(
 ) -> torch.Tensor:
     """Pick one token per row from ``logits`` ``(B, V)``; greedy (argmax) when temperature is 0.
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
-    Hugging Face's samplers."""
+    Hugging Face's samplers.
+    """
     bad_k, bad_p = top_k is not None and top_k < 1, top_p is not None and not 0 < top_p <= 1
     if bad_k or bad_p or not 0 <= temperature < math.inf:  # stream checks them once, before any work
-        raise ValueError(
+        raise InvalidValueError(
             f"sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
         )
     if temperature == 0:
@@ -115,7 +121,8 @@ SIEVE_MIN_HEAD = 2**22  # weights in the LM head from which greedy decoding on t
 def _int8_head(model: GPT) -> tuple[Any, ...] | None:
     """For :func:`_greedy`: the head in int8 (transposed), its row scales, bound terms and a store of fp32 columns;
     None for a small, GPU, bf16/fp16, autocast, parametrized or non-finite head, or without oneDNN (torch._int_mm on
-    the CPU is then a plain loop). Kept until a fingerprint of the head's values changes."""
+    the CPU is then a plain loop). Kept until a fingerprint of the head's values changes.
+    """
     head, V = model.lm_head, model.config.vocab_size
     onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
     if parametrize.is_parametrized(head) or torch.is_autocast_enabled("cpu") or not onednn:
@@ -137,7 +144,8 @@ def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> tor
     the int8 one within a bound, so only rows whose upper bound reaches the best lower bound can be the argmax, and
     those are scored in fp32. The same token as the whole fp32 head, but for near-ties within fp32 rounding (as between
     any two matmul kernels). Outsize dimensions of ``h`` (GPT-2 has a few) would widen every bound: they are left out
-    of the int8 product and added from fp32 columns of the head, kept (at most 64) with its int8 copy."""
+    of the int8 product and added from fp32 columns of the head, kept (at most 64) with its int8 copy.
+    """
     q_t, scale, rows, cols = int8
     V, C, absh = scale.numel(), h.size(1), h.abs()
     out = (absh > 6 * absh.mean(1, keepdim=True)).any(0).nonzero()[:16, 0].tolist()
@@ -163,14 +171,15 @@ def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> tor
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts of different lengths: ``(ids, attention_mask)``, both ``(B, T)``. Left, so
-    every row's next token is sampled from the last column; pad positions are masked out."""
+    every row's next token is sampled from the last column; pad positions are masked out.
+    """
     if isinstance(prompts, torch.Tensor) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+        raise InvalidValueError("prompts must be a non-empty list of token-id lists")
     if any(len(p) == 0 for p in prompts):
         empty = [i for i, p in enumerate(prompts) if len(p) == 0]
-        raise ValueError(f"every prompt needs at least one token; prompts {empty} are empty")
+        raise InvalidValueError(f"every prompt needs at least one token; prompts {empty} are empty")
     if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
-        raise ValueError(f"pad_id must be a non-negative token id, got {pad_id!r}")
+        raise InvalidValueError(f"pad_id must be a non-negative token id, got {pad_id!r}")
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), T), dtype=torch.bool)
@@ -202,15 +211,16 @@ def stream(
     the context is cropped to the last ``block_size`` (nanoGPT's behaviour). Arguments are checked
     when this is called, not at the first ``next``. Of ``torch.compile(model)`` or ``model.compile()``
     only the decoding step runs compiled, one graph for every token (one dynamic graph more after
-    another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled."""
+    another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
+    """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise ValueError(
+        raise InvalidValueError(
             f"idx must be a (batch, sequence) tensor of token ids (torch.long), got {got}; "
             f"for one prompt use torch.tensor([ids])"
         )
     if idx.size(0) == 0 or idx.size(1) == 0:
-        raise ValueError(
+        raise InvalidValueError(
             f"the prompt is empty (shape {tuple(idx.shape)}): generation needs at least one token to "
             f"condition on (e.g. <|endoftext|>, id 50256 for GPT-2)"
         )
@@ -225,13 +235,13 @@ def stream(
     )
     seed = check_value("generate", "seed", seed, Range(integer=True, optional=True))
     if seed is not None and generator is not None:
-        raise ValueError("pass either seed or generator, not both")
+        raise InvalidValueError("pass either seed or generator, not both")
     # The forward does not check id values (that would stall the GPU on every call), and on CUDA
     # an id out of range is a device-side assert that kills the process: check the prompt once.
     lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
     if lo < 0 or hi >= V:
         bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < V][:5]
-        raise ValueError(
+        raise InvalidValueError(
             f"prompt token ids must be in [0, {V}) (the model's vocab_size), got {bad} "
             f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
         )
@@ -240,10 +250,10 @@ def stream(
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
             got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-            raise ValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+            raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
         attention_mask = attention_mask.to(device=device, dtype=torch.bool)
         if not bool(attention_mask[:, -1].all()):
-            raise ValueError(
+            raise InvalidValueError(
                 "prompts must be left-padded: the last position of every row must be a real token "
                 "(attention_mask True); build them with gpt2.pad_prompts"
             )
@@ -309,7 +319,8 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
     """One forward for generation: logits, or the last LayerNorm's output without ``head``. With
     padding ``mask`` ``(B, t)`` (cached + new tokens), positions count real tokens only and attention
     skips pad keys, so a padded prompt yields what it would unpadded. The mask spans the cache's
-    whole buffer, so its shape is the same at every decoding step."""
+    whole buffer, so its shape is the same at every decoding step.
+    """
     if mask is None:
         return model(ids, kv_cache=cache, head=head)[0]
     T, t = ids.size(1), mask.size(1)
@@ -327,7 +338,8 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``; keyword arguments as in
-    :func:`stream` (with ``eos_token_id``, ``n`` is smaller when every row finished early)."""
+    :func:`stream` (with ``eos_token_id``, ``n`` is smaller when every row finished early).
+    """
     new = list(stream(model, idx, max_new_tokens, **kwargs))
     idx = idx.to(model.device).long()
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
@@ -338,7 +350,8 @@ def stream_text(
 ) -> Iterator[str]:
     """Yield the text of one sample piece by piece; an empty ``prompt`` starts from ``<|endoftext|>``.
     ``autocast`` is a zero-argument callable returning the context to sample in, or None; the
-    other keyword arguments (``temperature``, ``top_k``, ``top_p``, ``generator``) as in :func:`stream`."""
+    other keyword arguments (``temperature``, ``top_k``, ``top_p``, ``generator``) as in :func:`stream`.
+    """
     tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     ids = tokenizer.encode(prompt) if prompt else [eot]

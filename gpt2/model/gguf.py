@@ -1,6 +1,7 @@
 """A GPT -> one self-contained GGUF file (weights + GPT-2 tokenizer) that llama.cpp runs, written
 with llama.cpp's ``gguf`` package under the names its own converter (``convert_hf_to_gguf.py``,
-``GPT2Model``) uses, so llama.cpp treats it as a converted ``gpt2``."""
+``GPT2Model``) uses, so llama.cpp treats it as a converted ``gpt2``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
+from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
@@ -44,7 +46,8 @@ def _import_gguf() -> Any:
 
 def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> float32 tensor, vocabulary padding cut off. No transposes: llama.cpp keeps
-    matrices as (out, in) like ``nn.Linear``; zero biases for ``bias=False`` (its graph needs them)."""
+    matrices as (out, in) like ``nn.Linear``; zero biases for ``bias=False`` (its graph needs them).
+    """
     gguf = _import_gguf()
     sd = unwrap_model(model).state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -67,12 +70,15 @@ def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.
 
 def _vocabulary() -> tuple[list[str], list[str]]:
     """GPT-2's tokens (id order, in its byte-to-printable-character form) and BPE merges, from the
-    same files :func:`gpt2.model.tokenizer.get_tokenizer` reads."""
+    same files :func:`gpt2.model.tokenizer.get_tokenizer` reads.
+    """
     vocab_bpe, encoder_json = bpe_files()
     encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
     tokens = sorted(encoder, key=encoder.__getitem__)
     if len(tokens) != GPT2_VOCAB_SIZE or encoder[tokens[-1]] != EOT_TOKEN:
-        raise ValueError(f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {GPT2_VOCAB_SIZE}")
+        raise InvalidValueError(
+            f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {GPT2_VOCAB_SIZE}"
+        )
     # vocab.bpe: a "#version" header, then one "left right" merge per line in priority order.
     merges = [line for line in vocab_bpe.read_text(encoding="utf-8").splitlines()[1:] if line]
     return tokens, merges
@@ -81,7 +87,7 @@ def _vocabulary() -> tuple[list[str], list[str]]:
 def check_tied_head(model: torch.nn.Module) -> None:
     """GPT-2's transformers and GGUF files hold one tensor for the token embedding and the LM head."""
     if not torch.equal(model.lm_head.weight, model.transformer.wte.weight):
-        raise ValueError(
+        raise InvalidValueError(
             "the LM head differs from the token embedding (a merged --lora.include-embeddings or "
             "--lora.include-lm-head adapter unties them), but a GPT-2 transformers or GGUF file holds one tensor "
             "for both: keep such an adapter unmerged (gpt2 sample --adapter, gpt2 export --peft-out)"
@@ -91,19 +97,22 @@ def check_tied_head(model: torch.nn.Module) -> None:
 def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
     """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer embedded; returns
     its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and biases stay float32 as in llama.cpp's
-    converter, and rows that do not split into q8_0's 32-value blocks fall back to f16."""
+    converter, and rows that do not split into q8_0's 32-value blocks fall back to f16.
+    """
     gguf = _import_gguf()
     model = unwrap_model(model)
     config = getattr(model, "config", None)
     if not isinstance(config, GPTConfig):
         raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
     if any(parametrize.is_parametrized(m) for m in model.modules()):
-        raise ValueError("the model still carries a LoRA/DoRA adapter: merge it first (minlora.merge_lora(model))")
+        raise InvalidValueError(
+            "the model still carries a LoRA/DoRA adapter: merge it first (minlora.merge_lora(model))"
+        )
     check_tied_head(model)
     if dtype not in GGUF_TYPES:
-        raise ValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
+        raise InvalidValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
     if config.vocab_size != GPT2_VOCAB_SIZE:
-        raise ValueError(
+        raise InvalidValueError(
             f"the model has a {config.vocab_size}-token vocabulary; a GGUF file holds GPT-2's {GPT2_VOCAB_SIZE} tokens"
         )
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())

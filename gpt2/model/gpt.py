@@ -1,6 +1,7 @@
 """The GPT-2 model under GPT-2's module names (``transformer.h.0.attn.c_attn``, ``lm_head``), so
 state dicts and LoRA targets read as in nanoGPT and ``transformers``; every projection is a plain
-``nn.Linear``, which ``minlora`` parametrizes without touching this file."""
+``nn.Linear``, which ``minlora`` parametrizes without touching this file.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.utils import parametrize
 
+from gpt2.errors import InvalidValueError
 from gpt2.model import hf
 from gpt2.model.config import GPTConfig
 from gpt2.model.generate import generate as _generate
@@ -165,7 +167,8 @@ class GPT(nn.Module):
         ``kv_cache``, ``position_ids`` ``(T,)`` or ``(B, T)`` and a boolean ``attn_mask``
         broadcastable to ``(B, n_head, T, S)`` (True = may attend) serve generation and packed
         rows. Types and shapes are checked, values only on the CPU (a device sync on a GPU): ids must
-        lie in ``[0, vocab_size)`` (generate and the data loader check), targets too or be -1 (else a NaN loss)."""
+        lie in ``[0, vocab_size)`` (generate and the data loader check), targets too or be -1 (else a NaN loss).
+        """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids, reduction, head)
         T = idx.size(1)
@@ -205,7 +208,7 @@ class GPT(nn.Module):
         cfg = self.config
         if reduction not in ("mean", "sum") or (targets is not None and not head):
             bad = f"reduction must be 'mean' or 'sum', got {reduction!r}"
-            raise ValueError(bad if targets is None or head else "head=False gives no loss: pass no targets")
+            raise InvalidValueError(bad if targets is None or head else "head=False gives no loss: pass no targets")
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
         if idx.dtype not in _INDEX_DTYPES:
@@ -213,20 +216,20 @@ class GPT(nn.Module):
                 f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; convert with idx.long()"
             )
         if idx.dim() != 2:
-            raise ValueError(
+            raise InvalidValueError(
                 f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; "
                 f"for a single sequence use idx[None]"
             )
         B, T = idx.shape
         if B == 0 or T == 0:
-            raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
+            raise InvalidValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
         if cfg.block_size < T:
-            raise ValueError(
+            raise InvalidValueError(
                 f"sequence length {T} exceeds the model's context (block_size={cfg.block_size}); "
                 f"crop the input to the last {cfg.block_size} tokens"
             )
         if kv_cache is not None and not T <= kv_cache.max_len <= cfg.block_size:  # (its filling is not read: a sync)
-            raise ValueError(
+            raise InvalidValueError(
                 f"a KV cache of {kv_cache.max_len} positions for {T} new ones: it needs room for them and no more "
                 f"than the model's context ({cfg.block_size}); use KVCache.for_model(model)"
             )
@@ -234,18 +237,21 @@ class GPT(nn.Module):
             if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
                 raise TypeError("position_ids must be an integer tensor (torch.long)")
             if position_ids.shape not in ((T,), (B, T)):
-                raise ValueError(f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}")
+                raise InvalidValueError(
+                    f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}"
+                )
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.dtype not in _INDEX_DTYPES:
                 got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
                 raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {got}")
             if targets.shape != idx.shape:
-                raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+                raise InvalidValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
             check_targets(targets, cfg.vocab_size)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding
-        (the token embedding is tied to the LM head and counts as its weight)."""
+        (the token embedding is tied to the LM head and counts as its weight).
+        """
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.transformer.wpe.weight.numel()
@@ -253,7 +259,8 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward) from the PaLM appendix B estimate:
-        6 * N for the matmuls with the weights plus 12 * L * H * Q * T for attention."""
+        6 * N for the matmuls with the weights plus 12 * L * H * Q * T for attention.
+        """
         cfg = self.config
         T = seq_len or cfg.block_size
         N = self.num_params(non_embedding=True)
@@ -275,7 +282,8 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> GPT:
         """``cls`` with the weights of a hub id, ``transformers`` directory or ``gpt2 train`` checkpoint;
-        see :func:`gpt2.model.hf.from_pretrained`."""
+        see :func:`gpt2.model.hf.from_pretrained`.
+        """
         return hf.from_pretrained(name_or_path, model_class=cls, **kwargs)
 
     def save_pretrained(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
@@ -284,7 +292,8 @@ class GPT(nn.Module):
 
     def peft_adapter_layout(self) -> dict[str, Any]:
         """How this model differs from its ``GPT2LMHeadModel`` twin, for minlora's PEFT export/import:
-        padded vocabulary rows, and the twin's ``Conv1D`` layers (PEFT's ``fan_in_fan_out=True``)."""
+        padded vocabulary rows, and the twin's ``Conv1D`` layers (PEFT's ``fan_in_fan_out=True``).
+        """
         return {
             "vocab_size": self.config.vocab_size,
             "padded_vocab_modules": ["transformer.wte", "lm_head"],
@@ -306,7 +315,8 @@ def linear_cross_entropy(
     chunk_rows: int = LOSS_CHUNK_ROWS,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight)[..., :vocab_size].float(), targets, ignore_index=IGNORE_INDEX)``
-    (value and gradients, autocast too: matmuls in its dtype, softmax in fp32) without the whole logits."""
+    (value and gradients, autocast too: matmuls in its dtype, softmax in fp32) without the whole logits.
+    """
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -317,7 +327,7 @@ def linear_cross_entropy(
 def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
     """CPU targets must be token ids or IGNORE_INDEX (not -100); on a GPU (no sync here) the loss is NaN."""
     if targets.device.type == "cpu" and (wrong := (targets < IGNORE_INDEX) | (targets >= vocab_size)).any():
-        raise ValueError(
+        raise InvalidValueError(
             f"targets must be token ids in [0, {vocab_size}) or {IGNORE_INDEX} (not scored), got "
             f"{int(targets[wrong][0])}; the ignore index is {IGNORE_INDEX} here (-100 in Hugging Face)"
         )
@@ -328,7 +338,8 @@ _kept = threading.local()  # the CPU logits buffer of _logits_buffer, one per th
 
 def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     """A ``(rows, cols)`` fp32 buffer. On CPU one is kept between calls: a fresh 100-200 MB block costs
-    ~65 ms of page faults each time (glibc returns blocks over 32 MB to the OS when they are freed)."""
+    ~65 ms of page faults each time (glibc returns blocks over 32 MB to the OS when they are freed).
+    """
     if device.type != "cpu" or torch.compiler.is_compiling():
         return torch.empty(rows, cols, dtype=torch.float32, device=device)
     if getattr(_kept, "logits", None) is None or _kept.logits.numel() < rows * cols:
@@ -339,7 +350,8 @@ def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """The gradients are computed in the forward, chunk by chunk, while each chunk's logits
-    exist (no recomputation); the backward only scales them by the incoming gradient."""
+    exist (no recomputation); the backward only scales them by the incoming gradient.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, targets, vocab_size, mean, chunk_rows, dtype, grads):

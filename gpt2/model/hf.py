@@ -1,6 +1,7 @@
 """Hugging Face interop: :func:`from_pretrained` (hub ids, ``transformers`` directories, and the
 run / checkpoint directories of ``gpt2 train``: every ``--model``) and :func:`save_pretrained`.
-The pure state-dict and config conversion lives in :mod:`gpt2.model.hf_convert`."""
+The pure state-dict and config conversion lives in :mod:`gpt2.model.hf_convert`.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import (
     _first_line,
@@ -44,7 +46,8 @@ _BIN_INDEX = "pytorch_model.bin.index.json"
 
 def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a ``transformers`` directory: safetensors, else ``.bin`` (plain tensors only, so
-    no pickled code runs), each whole or sharded."""
+    no pickled code runs), each whole or sharded.
+    """
     from safetensors.torch import load_file
 
     d = Path(directory)
@@ -57,13 +60,13 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     if (d / _BIN_INDEX).is_file():
         return _load_sharded(d, _BIN_INDEX, _torch_load)
     found = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"no weights in {str(d)!r}: expected {_SAFETENSORS}, {_SAFETENSORS_INDEX}, {_BIN} or {_BIN_INDEX}; "
         f"found {found}"
     )
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(Gpt2Error, ValueError):
     """A ``.bin`` file that holds pickled Python objects besides tensors (refused: unpickling runs code)."""
 
 
@@ -87,7 +90,7 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(
+        raise InvalidValueError(
             f"{path} is not valid JSON ({_first_line(e)}): truncated or overwritten? Restore it from the model's source"
         ) from None
 
@@ -95,11 +98,11 @@ def _read_json(path: Path) -> Any:
 def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
     weight_map = _read_json(d / index_name).get("weight_map")
     if not isinstance(weight_map, dict):
-        raise ValueError(f"{d / index_name} has no 'weight_map' dict: not a transformers shard index")
+        raise InvalidValueError(f"{d / index_name} has no 'weight_map' dict: not a transformers shard index")
     out: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         if not (d / shard).is_file():
-            raise FileNotFoundError(f"shard {shard!r} listed in {index_name} is missing from {str(d)!r}")
+            raise MissingFileError(f"shard {shard!r} listed in {index_name} is missing from {str(d)!r}")
         out.update(load(d / shard))
     return out
 
@@ -107,7 +110,8 @@ def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
 def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
     """A model name's source: a hub id (``str``) or an existing local path (``Path``). In order: an official name
     (:data:`OFFICIAL_HUB_IDS`) is the hub; an existing path (``~`` expanded) is local; a ``name`` / ``owner/name``
-    string is a hub id; anything else (and any ``PathLike``) is a missing path: FileNotFoundError."""
+    string is a hub id; anything else (and any ``PathLike``) is a missing path: FileNotFoundError.
+    """
     if isinstance(name_or_path, str) and name_or_path in OFFICIAL_HUB_IDS:
         return name_or_path
     if not isinstance(name_or_path, (str, os.PathLike)):
@@ -118,7 +122,7 @@ def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
         return path
     if isinstance(name_or_path, str) and _HUB_ID.match(name) is not None:
         return name
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"{name!r} does not exist: it is neither an existing directory nor a Hugging Face hub id "
         f"(such as 'gpt2' or 'owner/model'); check the path"
     )
@@ -141,7 +145,7 @@ def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
     if not (source / "config.json").is_file() and not _is_checkpoint_like(source):
         found = sorted(p.name for p in source.iterdir())[:10]
         hub = f"; for the hub model {source.name!r} write its bare name" if source.name in OFFICIAL_HUB_IDS else ""
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{spec!r} holds no model: neither a transformers directory (no config.json) nor a gpt2 "
             f"checkpoint (no trainer_state.json) or run directory (no checkpoints/); found {found}{hub}"
         )
@@ -162,19 +166,19 @@ def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn
     data = open_checkpoint(path, trainer_state=False)  # verified: files, header, size, finite weights
     checkpoint, model_config = data.path, data.meta.get("model_config")
     if not isinstance(model_config, dict):
-        raise ValueError(
+        raise InvalidValueError(
             f"checkpoint {str(checkpoint)!r} does not record its model configuration "
             f"('model_config' in trainer_state.json), so the model cannot be rebuilt from it"
         )
     if data.meta.get("trainable_only") or data.trainable_only:
-        raise ValueError(
+        raise InvalidValueError(
             f"checkpoint {str(checkpoint)!r} holds only the trainable (adapter) weights; load the base "
             f"model and pass this run's adapter with --adapter instead"
         )
     try:
         model = model_class(GPTConfig.from_dict(model_config))
     except (TypeError, ValueError) as e:
-        raise ValueError(
+        raise InvalidValueError(
             f"checkpoint {str(checkpoint)!r}: 'model_config' in trainer_state.json is not a valid GPTConfig ({e})"
         ) from None
     load_state_into(model, data)
@@ -198,9 +202,9 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
             if any(folder.glob("model*.safetensors")):
                 break
     except RevisionNotFoundError as e:
-        raise FileNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
+        raise MissingFileError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
     except RepositoryNotFoundError as e:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{repo_id!r} is no local path and the hub has no such (accessible) model repo; "
             f"check the name, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
@@ -228,7 +232,8 @@ def from_pretrained(
     """A ``model_class(config)`` in eval mode with the weights of whatever ``--model`` takes (see
     :func:`resolve_source`): a hub id, a ``transformers`` directory, or a ``gpt2 train``
     checkpoint / run directory (built with its recorded config: ``pad_vocab_multiple`` and
-    ``dropout`` do not apply). ``dtype`` defaults to float32 (master weights for training)."""
+    ``dropout`` do not apply). ``dtype`` defaults to float32 (master weights for training).
+    """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
@@ -240,7 +245,7 @@ def from_pretrained(
     try:
         config = config_from_hf(hf_config, pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{directory / 'config.json'}: {e}") from None
+        raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
     hf_sd = load_hf_state_dict(directory)
     refuse_non_finite(hf_sd, f"refusing to load {directory}")  # NaN/inf weights never enter a model
     sd = hf_to_gpt_state_dict(hf_sd, config)
@@ -268,7 +273,8 @@ def save_pretrained(
     ``config.json`` plus ``model.safetensors`` (padding stripped, the tied head stored once), or a tensors-only
     ``pytorch_model.bin`` with ``safe_serialization=False``. GPT-2's tokenizer files come along (from
     :func:`gpt2.model.tokenizer.bpe_files`, or ``tokenizer_dir``), so ``AutoTokenizer`` and llama.cpp's converter work
-    on the folder; without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none."""
+    on the folder; without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
+    """
     from safetensors.torch import save
 
     inner = unwrap_model(model)
@@ -321,7 +327,8 @@ def save_pretrained(
 def _write_tokenizer(vocab_bpe: Path, encoder_json: Path, out: Path, config: GPTConfig) -> None:
     """GPT-2's BPE files under transformers' names (encoder.json is vocab.json and vocab.bpe is
     merges.txt, byte for byte: OpenAI's release and the hub's gpt2 repo ship the same files), and
-    the tokenizer settings of the hub's gpt2: ``<|endoftext|>`` as BOS, EOS and UNK, no padding."""
+    the tokenizer settings of the hub's gpt2: ``<|endoftext|>`` as BOS, EOS and UNK, no padding.
+    """
     for src, name in ((encoder_json, "vocab.json"), (vocab_bpe, "merges.txt")):
         replace_atomically(out / name, lambda f, src=src: f.write(src.read_bytes()))
     special = {name: ENDOFTEXT for name in ("bos_token", "eos_token", "unk_token")}

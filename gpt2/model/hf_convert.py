@@ -1,5 +1,6 @@
 """GPT-2 state dicts and configs converted between ``transformers``' layout and :class:`gpt2.GPT`'s:
-pure functions, no I/O (:mod:`gpt2.model.hf` reads and writes directories)."""
+pure functions, no I/O (:mod:`gpt2.model.hf` reads and writes directories).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from gpt2.errors import InvalidValueError
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.tokenizer import EOT_TOKEN
@@ -63,7 +65,8 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
 
     Conv1D weights are transposed, the embedding is zero-padded to ``padded_vocab_size``,
     ``lm_head.weight`` must equal it (GPT-2 ties them), and with ``bias=False`` the biases must
-    be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape."""
+    be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape.
+    """
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
     sd: dict[str, torch.Tensor] = {}
@@ -118,11 +121,12 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
 def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Map :class:`gpt2.GPT`'s state dict onto ``transformers.GPT2LMHeadModel``'s: Conv1D weights
     transposed, padding stripped, zero biases for ``bias=False`` (GPT2LMHeadModel always has them),
-    ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first."""
+    ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
+    """
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
     if parametrized := sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k}):
-        raise ValueError(
+        raise InvalidValueError(
             f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}"
             f"{' ...' if len(parametrized) > 4 else ''}: merge them into the weights first, e.g. "
             f"minlora.merge_lora(model), then save"
@@ -167,7 +171,8 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
 def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     """A :class:`GPTConfig` from a ``transformers.GPT2Config`` or its ``config.json`` dict; architectures
     this model does not implement are rejected with the reason. ``overrides`` set our own fields
-    (``pad_vocab_multiple``, ``dropout``, ``flash``); dropout is 0 unless given (HF's ``*_pdrop`` are ignored)."""
+    (``pad_vocab_multiple``, ``dropout``, ``flash``); dropout is 0 unless given (HF's ``*_pdrop`` are ignored).
+    """
     if hasattr(hf_config, "to_dict"):
         hf_config = hf_config.to_dict()
     if not isinstance(hf_config, Mapping):
@@ -175,12 +180,12 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     c = dict(hf_config)
     model_type = c.get("model_type", "gpt2")
     if model_type != "gpt2":
-        raise ValueError(f"not a GPT-2 config: model_type is {model_type!r}, expected 'gpt2'")
+        raise InvalidValueError(f"not a GPT-2 config: model_type is {model_type!r}, expected 'gpt2'")
     for key in ("n_embd", "n_layer", "n_head", "vocab_size"):
         if key not in c:
-            raise ValueError(f"GPT-2 config has no {key!r}; keys found: {sorted(c)}")
+            raise InvalidValueError(f"GPT-2 config has no {key!r}; keys found: {sorted(c)}")
     if (n_positions := c.get("n_positions", c.get("n_ctx"))) is None:
-        raise ValueError("GPT-2 config has neither 'n_positions' nor 'n_ctx' (the context length)")
+        raise InvalidValueError("GPT-2 config has neither 'n_positions' nor 'n_ctx' (the context length)")
     if c.get("n_ctx") is not None and c.get("n_positions") is not None and c["n_ctx"] != c["n_positions"]:
         logger.warning(
             "config has n_ctx=%s != n_positions=%s; using n_positions (the size of wpe)", c["n_ctx"], c["n_positions"]
@@ -203,7 +208,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
         if bool(c.get(key, ours)) != ours:
             unsupported.append(f"{key}={not ours} ({why})")
     if unsupported:
-        raise ValueError("unsupported GPT-2 config: " + "; ".join(unsupported))
+        raise InvalidValueError("unsupported GPT-2 config: " + "; ".join(unsupported))
     fields = dict(
         block_size=int(n_positions),
         vocab_size=int(c["vocab_size"]),
@@ -219,7 +224,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
 
 def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
     """The ``config.json`` dict of a ``transformers.GPT2LMHeadModel`` with ``config``'s shape
-    (``transformers.GPT2Config(**d)`` builds the object)."""
+    (``transformers.GPT2Config(**d)`` builds the object).
+    """
     eot = EOT_TOKEN if config.vocab_size > EOT_TOKEN else None  # BOS and EOS, if the vocabulary has it
     return {
         "architectures": ["GPT2LMHeadModel"],

@@ -1,6 +1,7 @@
 """The GPT-2 byte-level BPE tokenizer, through tiktoken, from ``GPT2_TOKENIZER_DIR`` (GPT-2's
 ``vocab.bpe`` + ``encoder.json``, or Hugging Face's ``merges.txt`` + ``vocab.json``) or else
-``<cache>/gpt2-tokenizer``, where the two files are downloaded from OpenAI, sha256-checked."""
+``<cache>/gpt2-tokenizer``, where the two files are downloaded from OpenAI, sha256-checked.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import tiktoken
 import torch
 
+from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import DownloadError, default_cache_dir, download
 from gpt2.model.config import GPT2_VOCAB_SIZE
 
@@ -38,14 +40,15 @@ BPE_SHA256 = {
 AllowedSpecial = Union[Literal["all"], Collection[str]]
 
 
-class TokenizerNotAvailableError(RuntimeError):
+class TokenizerNotAvailableError(Gpt2Error, RuntimeError):
     """The GPT-2 BPE files could not be read or downloaded."""
 
 
 def _gpt2_byte_alphabet() -> dict[str, int]:
     """Each character of GPT-2's printable byte alphabet -> its byte. Printable non-space bytes
     stand for themselves, the other 68 are chr(256), chr(257), ... in byte order; this order
-    is also the ranks of the 256 single-byte tokens (ids 0..255)."""
+    is also the ranks of the 256 single-byte tokens (ids 0..255).
+    """
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
     alphabet = {chr(b): b for b in printable}
@@ -55,14 +58,17 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
 
 def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
     """Mergeable ranks (token bytes -> id), rebuilt from the merge list (tiktoken needs id order ==
-    merge priority) and checked against ``encoder.json``, so a mismatched pair is caught here."""
+    merge priority) and checked against ``encoder.json``, so a mismatched pair is caught here.
+    """
     alphabet = _gpt2_byte_alphabet()
 
     def to_bytes(token: str, where: Path) -> bytes:
         try:
             return bytes(alphabet[ch] for ch in token)
         except KeyError as e:
-            raise ValueError(f"{str(where)!r}: token {token!r} has a character outside GPT-2's byte alphabet") from e
+            raise InvalidValueError(
+                f"{str(where)!r}: token {token!r} has a character outside GPT-2's byte alphabet"
+            ) from e
 
     ranks = {bytes([b]): i for i, b in enumerate(alphabet.values())}
     lines = vocab_bpe.read_text(encoding="utf-8").split("\n")
@@ -72,14 +78,14 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
             continue
         parts = line.split()
         if len(parts) != 2:
-            raise ValueError(f"{str(vocab_bpe)!r} line {line_no}: expected two tokens to merge, got {line!r}")
+            raise InvalidValueError(f"{str(vocab_bpe)!r} line {line_no}: expected two tokens to merge, got {line!r}")
         ranks[to_bytes(parts[0], vocab_bpe) + to_bytes(parts[1], vocab_bpe)] = len(ranks)
 
     encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
     expected = {to_bytes(token, encoder_json): i for token, i in encoder.items() if token != ENDOFTEXT}
     if ranks != expected:
         bad = next((t for t in expected if ranks.get(t) != expected[t]), None)
-        raise ValueError(
+        raise InvalidValueError(
             f"{str(vocab_bpe)!r} and {str(encoder_json)!r} do not describe the same vocabulary "
             f"({len(ranks)} tokens from the merges, {len(expected)} in the encoder; first "
             f"disagreement: {bad!r}); use the vocab.bpe and encoder.json of the same GPT-2 release"
@@ -105,11 +111,12 @@ def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
 
 class Tokenizer:
     """GPT-2's BPE (50257 ids, ``<|endoftext|>`` = 50256) over a :class:`tiktoken.Encoding`; decodes
-    tensors and arrays and checks ids. :func:`get_tokenizer` gives the shared instance."""
+    tensors and arrays and checks ids. :func:`get_tokenizer` gives the shared instance.
+    """
 
     def __init__(self, encoding: tiktoken.Encoding):
         if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != GPT2_VOCAB_SIZE:
-            raise ValueError(
+            raise InvalidValueError(
                 f"encoding {encoding.name!r} has eot_token={encoding.eot_token} and n_vocab="
                 f"{encoding.n_vocab}; GPT-2's BPE has {EOT_TOKEN} and {GPT2_VOCAB_SIZE}"
             )
@@ -121,10 +128,10 @@ class Tokenizer:
         vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
         for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
             if not path.is_file():
-                raise FileNotFoundError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
+                raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
         ranks = _read_gpt2_bpe(vocab_bpe, encoder_json)
         if len(ranks) != GPT2_VOCAB_SIZE - 1:
-            raise ValueError(
+            raise InvalidValueError(
                 f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable tokens; GPT-2's BPE "
                 f"has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + <|endoftext|>): are these GPT-2's files?"
             )
@@ -154,7 +161,8 @@ class Tokenizer:
         self, text: str, *, allowed_special: AllowedSpecial = "all", disallowed_special: AllowedSpecial = "all"
     ) -> list[int]:
         """Text -> ids; ``<|endoftext|>`` becomes 50256 (as in nanoGPT's ``sample.py``), an error with
-        ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`."""
+        ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`.
+        """
         _check_text(text)
         return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=disallowed_special)
 
@@ -183,13 +191,14 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
         """Ids (a list, a 1-D integer array or tensor on any device, or one id) -> text; a token
-        boundary inside a multi-byte character becomes U+FFFD with ``errors="replace"``."""
+        boundary inside a multi-byte character becomes U+FFFD with ``errors="replace"``.
+        """
         return self.encoding.decode(self._to_ids(ids), errors=errors)
 
     def decode_batch(self, batch: Iterable[Any] | np.ndarray | torch.Tensor, *, errors: str = "replace") -> list[str]:
         """Decode each row of a (B, T) tensor/array or each sequence of a list."""
         if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim != 2:
-            raise ValueError(f"decode_batch expects a 2-D (B, T) batch of ids, got shape {tuple(batch.shape)}")
+            raise InvalidValueError(f"decode_batch expects a 2-D (B, T) batch of ids, got shape {tuple(batch.shape)}")
         return [self.decode(row, errors=errors) for row in batch]
 
     def _to_ids(self, ids: Any) -> list[int]:
@@ -201,7 +210,7 @@ class Tokenizer:
             if not integer:
                 raise TypeError(f"cannot decode ids of dtype {ids.dtype}; token ids must be integers")
             if ids.ndim > 1:
-                raise ValueError(
+                raise InvalidValueError(
                     f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}; "
                     "use decode_batch for a (B, T) batch"
                 )
@@ -216,7 +225,7 @@ class Tokenizer:
             except (TypeError, ValueError) as e:
                 raise TypeError(f"decode expects a sequence of integer token ids, got {ids!r:.100}") from e
         if (bad := next((i for i in ids if not 0 <= i < self.n_vocab), None)) is not None:
-            raise ValueError(
+            raise InvalidValueError(
                 f"token id {bad} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
                 "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
             )
@@ -266,7 +275,8 @@ def _cached_bpe_files() -> tuple[Path, Path]:
 
 def bpe_files(tokenizer_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """The ``(vocab.bpe, encoder.json)`` :func:`get_tokenizer` reads (and exports copy): from
-    ``tokenizer_dir`` or ``GPT2_TOKENIZER_DIR`` if set, else the cache (downloaded on first use)."""
+    ``tokenizer_dir`` or ``GPT2_TOKENIZER_DIR`` if set, else the cache (downloaded on first use).
+    """
     tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR") or None
     return _find_bpe_files(Path(tokenizer_dir)) if tokenizer_dir else _cached_bpe_files()
 
@@ -279,5 +289,6 @@ def _load_tokenizer(tokenizer_dir: str | None, cache_dir: Path) -> Tokenizer:
 
 def get_tokenizer() -> Tokenizer:
     """The shared GPT-2 tokenizer from :func:`bpe_files`, cached per source (a failure is not, so
-    a fixed environment works on the next call); :class:`TokenizerNotAvailableError` otherwise."""
+    a fixed environment works on the next call); :class:`TokenizerNotAvailableError` otherwise.
+    """
     return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None, bpe_cache_dir())

@@ -5,7 +5,8 @@ autocast, ``torch.compile``, flash attention (SDPA), the vocabulary padded to 50
 Every rung builds a fresh model from one seed and times :meth:`gpt2.train.trainer.Trainer.train_step`
 itself (data, forward, backward, clipping, optimizer step) after ``warmup`` untimed steps, in
 ``repeats`` blocks of ``steps``: ms/step is the median of the blocks' medians and ``spread`` is
-(slowest - fastest block) / median, so a busy machine shows as a large spread, not a wrong number."""
+(slowest - fastest block) / median, so a busy machine shows as a large spread, not a wrong number.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gpt2.errors import InvalidValueError
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
@@ -52,7 +54,7 @@ class RungResult:
 def rung_settings(rung: str) -> dict[str, Any]:
     """The cumulative settings of ``rung``: everything up to and including it is switched on."""
     if rung not in RUNGS:
-        raise ValueError(f"unknown rung {rung!r}; choose from {RUNGS}")
+        raise InvalidValueError(f"unknown rung {rung!r}; choose from {RUNGS}")
     on = set(RUNGS[: RUNGS.index(rung) + 1])
     return {
         "precision": "bf16" if "bf16" in on else ("tf32" if "tf32" in on else "fp32"),
@@ -66,7 +68,7 @@ def rung_settings(rung: str) -> dict[str, Any]:
 def model_config(model: str, **overrides: Any) -> GPTConfig:
     """A shape of SHAPES: the GPT-2 presets, or "tiny" for CPU smoke runs (GPT-2's vocabulary)."""
     if model not in SHAPES:
-        raise ValueError(f"unknown model {model!r}; choose from {sorted(SHAPES)}")
+        raise InvalidValueError(f"unknown model {model!r}; choose from {sorted(SHAPES)}")
     return GPTConfig(**{**SHAPES[model], **overrides})
 
 
@@ -90,12 +92,13 @@ def run_ladder(
     ``compile=None`` compiles on CUDA and skips the compile rung elsewhere (compiling on a CPU takes longer than the
     whole smoke run; pass True to force it); with ``compile=False`` the later rungs run without compilation.
     ``vocab_size`` overrides GPT-2's 50257 (a smaller vocabulary keeps CPU smoke runs fast; vocab_pad still rounds it up
-    to a multiple of 64). ``on_result`` is called after each rung."""
+    to a multiple of 64). ``on_result`` is called after each rung.
+    """
     rungs = list(RUNGS if rungs is None else rungs)
     for rung in rungs:
         rung_settings(rung)  # validates the name
     if steps < 1 or warmup < 0 or repeats < 1:
-        raise ValueError(
+        raise InvalidValueError(
             f"steps and repeats must be >= 1 and warmup >= 0, got steps={steps}, repeats={repeats}, warmup={warmup}"
         )
     shape = {"vocab_size": vocab_size} if vocab_size is not None else {}
@@ -196,7 +199,8 @@ SPREAD_WARNING = 0.10  # repeats further apart than this get a note under the ta
 def format_table(results: Sequence[RungResult], title: str | None = None) -> str:
     """A markdown table to paste into an issue: ``title`` (device, torch version, shape) first, then per rung ms/step
     (median of the repeats), their spread, tokens/s, MFU, peak CUDA memory and speed-up over the first timed rung; then
-    a note naming rungs whose repeats disagree by more than 10%."""
+    a note naming rungs whose repeats disagree by more than 10%.
+    """
     lines = [title, ""] if title else []
     lines += [
         "| rung | ms/step | spread | tokens/s | MFU | peak memory | speed-up | note |",

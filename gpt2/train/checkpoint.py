@@ -4,7 +4,8 @@
 containers only), ``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written
 into a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
 checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the previous one.
-``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint."""
+``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 
 import minlora
+from gpt2.errors import InvalidValueError
 from gpt2.files import pid_alive, replace_atomically
 from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
     DIGEST_FILE,
@@ -65,7 +67,8 @@ logger = logging.getLogger(__name__)
 def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
     """torch CPU, numpy and Python ``random`` states, and this process's own GPU's CUDA state under
     ``"cuda_by_rank"`` (reading every visible GPU's would create a CUDA context on each from every
-    rank). ``all_ranks``: a collective gathering every rank's CUDA state, for rank 0 to save."""
+    rank). ``all_ranks``: a collective gathering every rank's CUDA state, for rank 0 to save.
+    """
     version, internal, gauss_next = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state: dict[str, Any] = {
@@ -139,9 +142,10 @@ def save_checkpoint(
     """Write ``<root>/step_{step:06d}`` atomically and return its path.
 
     Raises :class:`NonFiniteWeightsError` (writing nothing) if any weight is inf/nan.
-    ``keep_last`` > 0 deletes all but the newest ``keep_last`` checkpoints afterwards."""
+    ``keep_last`` > 0 deletes all but the newest ``keep_last`` checkpoints afterwards.
+    """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
     raw = unwrap_model(model)
     # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
     # deduplicated when writing), so loading restores each name.
@@ -273,7 +277,8 @@ def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False)
     """Remove what a killed save left in ``root`` (``.tmp-step_*``, ``.old-step_*``; an ``.old-`` copy
     whose ``step_*`` is missing, the process having died between the two renames, is renamed back);
     returns what it did. ``only_dead``: only leftovers of dead processes on this host (without it,
-    the caller holds the run's lock: no other process saves here)."""
+    the caller holds the run's lock: no other process saves here).
+    """
     root = Path(root)
     done: list[str] = []
     for path in root.iterdir() if root.is_dir() else ():
@@ -321,7 +326,8 @@ def load_checkpoint(
     ``path``: a checkpoint, or a ``checkpoints`` / run directory (its newest checkpoint that is intact and fits). All is
     verified before the model is touched; nothing is unpickled. A state that does not fit raises
     :class:`CheckpointMismatchError`; ``weights_only`` loads the weights alone. Adapters saved on another base raise
-    :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``."""
+    :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``.
+    """
     need_state = not weights_only and (optimizer is not None or scaler is not None or restore_rng)
 
     def check(data: CheckpointData) -> None:
@@ -375,7 +381,8 @@ def _check_base(model: nn.Module, data: CheckpointData, allow: bool) -> None:
 
 def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: CheckpointData) -> None:
     """Raise :class:`CheckpointMismatchError` unless the saved optimizer state fits ``optimizer`` (as
-    many groups and parameters, every state tensor of its parameter's shape) and the scaler's is one."""
+    many groups and parameters, every state tensor of its parameter's shape) and the scaler's is one.
+    """
     saved, saved_scaler = data.trainer_state["optimizer"], data.trainer_state["scaler"]  # type: ignore[index]
 
     def mismatch(what: str, why: str) -> CheckpointMismatchError:
@@ -408,7 +415,8 @@ def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: Checkpoint
 
 def seed_everything(seed: int) -> None:
     """Seed torch (CPU and CUDA), numpy and Python ``random``: the start of the RNG states that
-    :func:`capture_rng_state` saves with a checkpoint."""
+    :func:`capture_rng_state` saves with a checkpoint.
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gpt2.errors import InvalidValueError
 from gpt2.model.config import (
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
@@ -28,7 +29,8 @@ class TrainConfig:
     """Everything :class:`gpt2.train.trainer.Trainer` needs besides the model and the data.
 
     Steps are counted from 1: the record of step ``s`` describes the ``s``-th optimizer update and
-    ``checkpoints/step_000s`` holds the weights after it."""
+    ``checkpoints/step_000s`` holds the weights after it.
+    """
 
     # --- batch and length of the run -----------------------------------------------------
     micro_batch_size: int = 16  # sequences per forward/backward on one process
@@ -118,37 +120,37 @@ class TrainConfig:
         if self.total_batch_size is not None:
             tokens_per_micro_batch = self.micro_batch_size * self.seq_len
             if self.total_batch_size % tokens_per_micro_batch != 0:
-                raise ValueError(
+                raise InvalidValueError(
                     f"TrainConfig.total_batch_size ({self.total_batch_size:,} tokens) must be a multiple of "
                     f"micro_batch_size * seq_len = {self.micro_batch_size} * {self.seq_len} = "
                     f"{tokens_per_micro_batch:,} tokens (times the number of processes); e.g. use "
                     f"{max(1, round(self.total_batch_size / tokens_per_micro_batch)) * tokens_per_micro_batch:,}"
                 )
         if self.min_lr is not None and self.min_lr > self.max_lr:
-            raise ValueError(
+            raise InvalidValueError(
                 f"TrainConfig.min_lr ({self.min_lr!r}) is larger than max_lr ({self.max_lr!r}): the cosine "
                 "schedule decays from max_lr down to min_lr; lower min_lr or leave it None (max_lr / 10)"
             )
         if self.warmup_steps > self.max_steps:
-            raise ValueError(
+            raise InvalidValueError(
                 f"TrainConfig.warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps}): "
                 "the warmup would never finish; use fewer warmup steps or a longer run"
             )
         # A JSON round trip gives a list; a string would unpack into characters, so refuse it first.
         if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
-            raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+            raise InvalidValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = tuple(
             check_value("TrainConfig", f"betas[{i}]", b, PROBABILITY)  # type: ignore[assignment]
             for i, b in enumerate(self.betas)
         )
         if self.precision not in PRECISIONS:
-            raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise InvalidValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"TrainConfig.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise InvalidValueError(f"TrainConfig.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.fused_adamw not in ("auto", True, False):
-            raise ValueError(f"TrainConfig.fused_adamw must be 'auto', True or False, got {self.fused_adamw!r}")
+            raise InvalidValueError(f"TrainConfig.fused_adamw must be 'auto', True or False, got {self.fused_adamw!r}")
         if not isinstance(self.device, str) or not self.device:
-            raise ValueError(
+            raise InvalidValueError(
                 f"TrainConfig.device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}"
             )
         if self.resume is not None and not isinstance(self.resume, str):
@@ -156,18 +158,20 @@ class TrainConfig:
         if self.out_dir is not None and not isinstance(self.out_dir, str):
             self.out_dir = str(self.out_dir)
         if self.out_dir == "":  # Path("") is the current directory
-            raise ValueError("TrainConfig.out_dir is empty: give a folder for the run's files, or None to write none")
+            raise InvalidValueError(
+                "TrainConfig.out_dir is empty: give a folder for the run's files, or None to write none"
+            )
         # "tensorboard,wandb" or ["tensorboard", "wandb"] (a CLI flag / YAML list) -> a tuple
         names = [self.log_to] if isinstance(self.log_to, str) else list(self.log_to or ())
         self.log_to = tuple(
             dict.fromkeys(n.strip().lower() for item in names for n in str(item).split(",") if n.strip())
         )
         if unknown := [n for n in self.log_to if n not in LOG_TARGETS]:
-            raise ValueError(f"TrainConfig.log_to: unknown target(s) {unknown}; choose from {list(LOG_TARGETS)}")
+            raise InvalidValueError(f"TrainConfig.log_to: unknown target(s) {unknown}; choose from {list(LOG_TARGETS)}")
         if self.log_to and self.out_dir is None:
-            raise ValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
+            raise InvalidValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
         if self.resume == "auto" and self.out_dir is None:
-            raise ValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
+            raise InvalidValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
 
     @property
     def final_lr(self) -> float:

@@ -1,6 +1,7 @@
 """Data-parallel training under ``torchrun`` (one process per GPU, told who it is by ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``): process group (NCCL on GPUs, gloo on CPUs), reductions, no_sync.
-No module-level state: the Trainer keeps a :class:`DistributedEnv`."""
+No module-level state: the Trainer keeps a :class:`DistributedEnv`.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+
+from gpt2.errors import InvalidValueError
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +49,12 @@ def env_from_environ(environ: Mapping[str, str] | None = None) -> DistributedEnv
         try:
             values[key] = default if raw in (None, "") else int(raw)
         except ValueError:
-            raise ValueError(f"environment variable {key}={raw!r} is not an integer; launch with torchrun") from None
+            raise InvalidValueError(
+                f"environment variable {key}={raw!r} is not an integer; launch with torchrun"
+            ) from None
     env = DistributedEnv(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"])
     if env.world_size < 1 or not 0 <= env.rank < env.world_size or env.local_rank < 0:
-        raise ValueError(
+        raise InvalidValueError(
             f"inconsistent torchrun environment: RANK={env.rank}, LOCAL_RANK={env.local_rank}, "
             f"WORLD_SIZE={env.world_size} (need 0 <= RANK < WORLD_SIZE)"
         )
@@ -64,7 +69,8 @@ def uses_cuda(device: str | torch.device | None) -> bool:
 
 def resolve_device(device: str | torch.device | None, env: DistributedEnv | None = None) -> torch.device:
     """``"auto"`` = ``cuda:LOCAL_RANK`` when CUDA is available, else cpu; ``"cuda"`` under DDP
-    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's)."""
+    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's).
+    """
     env = env or env_from_environ()
     device = device or "auto"
     if isinstance(device, torch.device):
@@ -75,10 +81,14 @@ def resolve_device(device: str | torch.device | None, env: DistributedEnv | None
         try:
             resolved = torch.device(device)
         except RuntimeError as err:
-            raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N' ({err})") from None
+            raise InvalidValueError(
+                f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N' ({err})"
+            ) from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r} requested but CUDA is not available; use device='cpu' or 'auto'")
+            raise InvalidValueError(
+                f"device {str(device)!r} requested but CUDA is not available; use device='cpu' or 'auto'"
+            )
         if resolved.index is None:
             resolved = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(resolved)
@@ -87,7 +97,8 @@ def resolve_device(device: str | torch.device | None, env: DistributedEnv | None
 
 def init_process_group(env: DistributedEnv, device: torch.device) -> bool:
     """Join the job's process group when there is more than one process; True when this call
-    created it (the caller destroys it), False for one process or a group the user made."""
+    created it (the caller destroys it), False for one process or a group the user made.
+    """
     if not env.is_distributed:
         return False
     if not dist.is_available():
@@ -108,7 +119,8 @@ def init_process_group(env: DistributedEnv, device: torch.device) -> bool:
 def destroy_process_group(wait_for_all: bool = True) -> None:
     """Leave the process group. ``wait_for_all`` first waits at a barrier: rank 0 may still be writing checkpoints and
     plots, and a rank that tears its gloo connections down under it has been seen to abort ("terminate called without an
-    active exception"). Skip the barrier when leaving because of an error, which the other ranks may never reach."""
+    active exception"). Skip the barrier when leaving because of an error, which the other ranks may never reach.
+    """
     if dist.is_available() and dist.is_initialized():
         if wait_for_all:
             dist.barrier()
@@ -148,5 +160,6 @@ def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel
 
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:
     """Skip DDP's gradient all-reduce inside this context (forward and backward) when ``skip_sync``:
-    during accumulation only the last micro-step needs it, earlier syncs only cost communication."""
+    during accumulation only the last micro-step needs it, earlier syncs only cost communication.
+    """
     return module.no_sync() if skip_sync and isinstance(module, DistributedDataParallel) else contextlib.nullcontext()

@@ -4,7 +4,8 @@ A step record is a plain dict: ``step, loss, lr, grad_norm, dt_ms, tokens_per_se
 scored_tokens, skipped, skipped_steps``, plus ``loss_scale`` (fp16) and ``val_loss`` (evaluation
 steps). ``mfu`` is FLOPs per token (:meth:`gpt2.model.GPT.flops_per_token`) x tokens/s over the
 peak FLOP/s of the run's precision (fp32 runs against the fp32 peak); None on CPU and on GPUs
-missing from :data:`PEAK_FLOPS` unless a peak is given."""
+missing from :data:`PEAK_FLOPS` unless a peak is given.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple, Union
 import torch
 from tqdm.auto import tqdm  # a widget in notebooks
 
+from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
 
@@ -66,7 +68,8 @@ PEAK_FLOPS: list[tuple[str, Peaks]] = [
 
 def peak_flops_for(device_name: str, precision: str = "bf16") -> float | None:
     """Peak FLOP/s of the GPU called ``device_name`` (as ``torch.cuda.get_device_name`` says) for
-    a precision policy's matmuls ("fp32", "tf32", "bf16" or "fp16"), or None if it is unknown."""
+    a precision policy's matmuls ("fp32", "tf32", "bf16" or "fp16"), or None if it is unknown.
+    """
     field = "bf16" if precision == "fp16" else precision
     return next((getattr(peaks, field) for pattern, peaks in PEAK_FLOPS if re.search(pattern, device_name)), None)
 
@@ -95,7 +98,8 @@ def mfu(
 
 def format_line(record: dict[str, Any]) -> str:
     """``step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | mfu 44.1%``, then
-    when present ``| val 4.9000``, ``| scale 65536`` and ``| skipped (N total)``."""
+    when present ``| val 4.9000``, ``| scale 65536`` and ``| skipped (N total)``.
+    """
     parts = [
         f"step {record['step']}",
         f"loss {record['loss']:.4f}",
@@ -117,11 +121,12 @@ def format_line(record: dict[str, Any]) -> str:
 
 class ConsoleSink:
     """Writes :func:`format_line` for every ``interval``-th step, the first step, evaluation steps
-    and skipped steps. ``write`` defaults to ``tqdm.write`` (stdout, above the progress bar)."""
+    and skipped steps. ``write`` defaults to ``tqdm.write`` (stdout, above the progress bar).
+    """
 
     def __init__(self, interval: int = 1, write: Callable[[str], None] | None = None):
         if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+            raise InvalidValueError(f"interval must be >= 1, got {interval}")
         self.interval = interval
         self.write = write or tqdm.write  # above an active progress bar instead of through it
 
@@ -134,7 +139,8 @@ class ConsoleSink:
 class JSONLSink:
     """Appends one JSON object per record to ``path`` (flushed each time, so a crash loses nothing).
     ``keep_until_step``: the file's records up to that step are kept (a resumed run continues the
-    log without the steps it redoes); 0 starts a new log."""
+    log without the steps it redoes); 0 starts a new log.
+    """
 
     def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
         self.path = Path(path)
@@ -215,7 +221,8 @@ def _missing(package: str, extra: str, e: ImportError) -> ImportError:
 
 class TensorBoardSink:
     """Every numeric entry of every record as a TensorBoard scalar (tag = its key) at its step,
-    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``)."""
+    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``).
+    """
 
     def __init__(self, log_dir: str | os.PathLike, purge_step: int | None = None):
         try:
@@ -235,7 +242,8 @@ class TensorBoardSink:
 
 def wandb_mode() -> str:
     """``$WANDB_MODE`` if set; else "online" when an API key is configured ($WANDB_API_KEY or a
-    ``wandb login`` entry in ~/.netrc), else "offline" (no network needed; ``wandb sync`` uploads later)."""
+    ``wandb login`` entry in ~/.netrc), else "offline" (no network needed; ``wandb sync`` uploads later).
+    """
     if mode := os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else None):
         return mode
     try:
@@ -251,7 +259,8 @@ def wandb_mode() -> str:
 class WandbSink:
     """Every numeric entry of every record to a Weights & Biases run in ``out_dir/wandb``, named by
     the arguments, else ``$WANDB_PROJECT`` / ``$WANDB_NAME``, else ``"gpt2"`` / the run directory's
-    name; in :func:`wandb_mode` (offline runs: ``wandb sync <out_dir>/wandb/offline-run-*``)."""
+    name; in :func:`wandb_mode` (offline runs: ``wandb sync <out_dir>/wandb/offline-run-*``).
+    """
 
     def __init__(
         self,
@@ -297,7 +306,7 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
             elif target == "wandb":
                 sinks.append(WandbSink(out_dir, config=config))
             else:
-                raise ValueError(f"unknown log target {target!r}; choose from {LOG_TARGETS}")
+                raise InvalidValueError(f"unknown log target {target!r}; choose from {LOG_TARGETS}")
     except BaseException:
         for sink in sinks:  # the ones already started
             sink.close()
@@ -309,7 +318,8 @@ class FitLog:
     """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl`` (keeping its
     records up to ``step``), the Trainer's sinks, the ``TrainConfig.log_to`` sinks and the progress bar.
     ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it still owns ``out_dir``).
-    :meth:`close` closes (flushes) what this call opened; the Trainer's own sinks stay open for its next call."""
+    :meth:`close` closes (flushes) what this call opened; the Trainer's own sinks stay open for its next call.
+    """
 
     def __init__(
         self,

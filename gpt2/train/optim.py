@@ -2,7 +2,8 @@
 
 Weight decay suits the matmul matrices (2-D and larger), not biases and LayerNorm gains (1-D);
 embeddings (found by module type, so the tied LM head counts once, as one) are exempt unless
-``decay_embeddings=True`` (build-nanogpt decays them; most later recipes do not)."""
+``decay_embeddings=True`` (build-nanogpt decays them; most later recipes do not).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gpt2.errors import InvalidValueError
 from gpt2.train.config import OPTIMIZERS
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,8 @@ def param_groups(
     model: nn.Module, weight_decay: float, decay_embeddings: bool = False, exclude: frozenset[int] = frozenset()
 ) -> list[dict[str, Any]]:
     """The AdamW groups ``{"params": decayed, "weight_decay": wd}`` and ``{"params": rest, 0.0}``
-    (empty ones dropped): a tied parameter once, frozen ones and ``exclude``'s ids (Muon's) not at all."""
+    (empty ones dropped): a tied parameter once, frozen ones and ``exclude``'s ids (Muon's) not at all.
+    """
     embedding_ids = {
         id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()
     }
@@ -41,7 +44,7 @@ def param_groups(
         else:
             no_decay.append(p)
     if not decay and not no_decay and not exclude:
-        raise ValueError(
+        raise InvalidValueError(
             "the model has no trainable parameters (all have requires_grad=False); "
             "unfreeze some, or add LoRA adapters with minlora"
         )
@@ -58,7 +61,8 @@ def param_groups(
 
 def use_fused_adamw(model: nn.Module, fused: bool | str = "auto") -> bool:
     """Resolve ``fused``: "auto" = the fused kernel (one launch for all parameters, milliseconds
-    per step at GPT-2 size) when every trainable parameter is on CUDA."""
+    per step at GPT-2 size) when every trainable parameter is on CUDA.
+    """
     if fused == "auto":
         params = [p for p in model.parameters() if p.requires_grad]
         return bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
@@ -69,7 +73,8 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
     """The hidden matrices that Muon trains: the trainable weights of ``nn.Linear`` layers inside
     the model's sub-modules (the blocks). Not a Linear that is a direct child of the model (the
     output head) nor one whose weight is an ``nn.Embedding``'s (the tied head), and not LoRA
-    factors: with a frozen base there is nothing for Muon (see docs/training.md)."""
+    factors: with a frozen base there is nothing for Muon (see docs/training.md).
+    """
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = {id(m) for m in model.children()}
     found: dict[int, nn.Parameter] = {}
@@ -85,7 +90,8 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
 class MuonAdamW(torch.optim.Optimizer):
     """:class:`torch.optim.Muon` and :class:`torch.optim.AdamW` as one optimizer: ``param_groups`` are the children's
     own group dicts (AdamW's, then Muon's, tagged ``"optimizer"``) and ``state`` one dict shared by both, so state
-    dicts, ``zero_grad``, ``GradScaler`` and clipping see one ordinary optimizer."""
+    dicts, ``zero_grad``, ``GradScaler`` and clipping see one ordinary optimizer.
+    """
 
     def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon) -> None:
         self.optimizers = (adamw, muon)
@@ -116,7 +122,7 @@ class MuonAdamW(torch.optim.Optimizer):
         saved = [g.get("optimizer", "adamw") for g in state_dict["param_groups"]]
         mine = [g["optimizer"] for g in self.param_groups]
         if saved != mine:
-            raise ValueError(
+            raise InvalidValueError(
                 f"the saved optimizer has groups {saved}, this one {mine}: it was written with another "
                 "TrainConfig.optimizer (or other trainable parameters); resume with the same settings"
             )
@@ -138,9 +144,10 @@ def build_optimizer(
     muon_weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters of ``model`` with :func:`param_groups`; with ``optimizer="muon"`` a
-    :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`, AdamW at peak ``lr`` for the rest."""
+    :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`, AdamW at peak ``lr`` for the rest.
+    """
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
+        raise InvalidValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
     matrices = muon_params(model) if optimizer == "muon" else []
     if optimizer == "muon" and not matrices:
         logger.warning("optimizer='muon': no trainable hidden matrices (a frozen base?), so AdamW trains everything")
@@ -165,7 +172,8 @@ def build_optimizer(
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
     """Learning rate of the update with 0-based index ``step``: linear warmup (the first update
-    not wasted at lr 0), then a half cosine from ``max_lr`` to ``min_lr`` at ``max_steps``."""
+    not wasted at lr 0), then a half cosine from ``max_lr`` to ``min_lr`` at ``max_steps``.
+    """
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps or max_steps <= warmup_steps:
@@ -177,6 +185,7 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_ste
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the schedule's ``lr`` (of peak ``max_lr``); a group with an ``lr_ratio`` (Muon's) gets
-    ``lr * lr_ratio``, so every group follows the schedule from its own peak."""
+    ``lr * lr_ratio``, so every group follows the schedule from its own peak.
+    """
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_ratio", 1.0)

@@ -5,7 +5,8 @@ fp32: autocast casts them inside each matmul and the optimizer updates the fp32 
 away; the loss is computed in fp32 whatever the policy. fp16 alone needs dynamic loss scaling
 (``torch.amp.GradScaler``): its range (max 65,504, smallest normal 6e-5) makes gradients overflow or underflow. The
 scaled loss avoids underflow; ``unscale_`` runs *before* clipping (the threshold applies to true gradients) and a step
-with inf/nan gradients is skipped while the scale halves (it doubles again every 2,000 good steps)."""
+with inf/nan gradients is skipped while the scale halves (it doubles again every 2,000 good steps).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
+
+from gpt2.errors import InvalidValueError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,8 @@ def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
 
     Only through PyTorch 2.9's ``fp32_precision`` settings: once they are set, the legacy getters
-    (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those."""
+    (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those.
+    """
     value = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = value
     torch.backends.cudnn.conv.fp32_precision = value
@@ -75,9 +79,9 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
     if name == "auto":
         name = default_precision(device)
     if name not in POLICY_NAMES:
-        raise ValueError(f"unknown precision {name!r}; choose 'auto' or one of {POLICY_NAMES}")
+        raise InvalidValueError(f"unknown precision {name!r}; choose 'auto' or one of {POLICY_NAMES}")
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise ValueError(
+        raise InvalidValueError(
             f"precision='bf16' but {torch.cuda.get_device_name(device)} has no bf16 tensor cores "
             "(needs compute capability 8.0+, e.g. A100/RTX 30xx); use precision='fp16' (loss-scaled) or 'auto'"
         )
@@ -90,7 +94,8 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
 
 def inference_autocast(name: str, device: torch.device | str):
     """For sampling and evaluation: apply the policy ``name`` (``auto`` picks per device) and
-    return its autocast context factory."""
+    return its autocast context factory.
+    """
     policy = resolve_precision(name, device)
     policy.apply()
     return policy.autocast
@@ -98,9 +103,10 @@ def inference_autocast(name: str, device: torch.device | str):
 
 def check_master_weights(model: torch.nn.Module) -> None:
     """Trainable parameters must be fp32: they are the master weights that the optimizer updates
-    while the policy picks the compute precision."""
+    while the policy picks the compute precision.
+    """
     if low := sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}):
-        raise ValueError(
+        raise InvalidValueError(
             f"trainable parameters must be float32 (master weights), found {low}; keep the model in fp32 "
             f"and choose the compute precision with TrainConfig.precision (e.g. 'bf16')"
         )

@@ -1,5 +1,6 @@
 """What stops a run early and what brings it back: a stop signal (:class:`gpt2.files.StopSignals`) ends it at a step
-boundary with :class:`TrainingInterrupted`; :class:`DivergenceMonitor` says when the loss has diverged."""
+boundary with :class:`TrainingInterrupted`; :class:`DivergenceMonitor` says when the loss has diverged.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 class TrainingInterrupted(KeyboardInterrupt):
     """A stop signal ended :meth:`gpt2.Trainer.fit` at a step boundary, after a checkpoint (``checkpoint`` is None
     without ``out_dir``). A KeyboardInterrupt, so code that catches Ctrl-C catches it; the command line exits with
-    ``128 + signum`` (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
+    ``128 + signum`` (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
+    """
 
     def __init__(self, signum: int, *, step: int, checkpoint: Path | None):
         name = signal.Signals(signum).name
@@ -26,7 +28,8 @@ class TrainingInterrupted(KeyboardInterrupt):
 class DivergenceMonitor:
     """Counts the steps in a row whose loss exceeds ``factor`` x the lowest loss so far, and it by
     over 1 nat (near a loss of 0, twice the best is one noisy batch). The lowest loss is at most the
-    untrained model's first, so a run climbing above that counts too. Its state is checkpointed."""
+    untrained model's first, so a run climbing above that counts too. Its state is checkpointed.
+    """
 
     def __init__(self, factor: float, patience: int) -> None:
         self.factor = factor

@@ -7,7 +7,8 @@ another run's checkpoints mixes with them. So :func:`start_run` (rank 0 works, e
 3. refuses files gpt2 did not write where the run would write (always), other files of the user
    (unless ``overwrite``, which keeps them), and another run (unless ``resume`` or ``overwrite``);
    ``out_dir/.gpt2-outputs.json`` lists what gpt2 wrote;
-4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing."""
+4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import pid_alive, replace_atomically
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import _active
@@ -46,7 +48,7 @@ RUN_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "results.json", "adapt
 MANIFEST_FILE = ".gpt2-outputs.json"
 
 
-class RunDirError(FileExistsError):
+class RunDirError(Gpt2Error, FileExistsError):
     """``out_dir`` cannot be used by this run (see the message for the ways out)."""
 
 
@@ -252,7 +254,8 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 def own_outputs(out_dir: str | os.PathLike) -> set[str]:
     """The names in ``out_dir`` that gpt2 wrote (its manifest, :data:`MANIFEST_FILE`). A run
-    directory from before the manifest counts as holding :data:`RUN_FILES`."""
+    directory from before the manifest counts as holding :data:`RUN_FILES`.
+    """
     out_dir = Path(out_dir)
     try:
         names = set(json.loads((out_dir / MANIFEST_FILE).read_text(encoding="utf-8")))
@@ -284,7 +287,8 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
 
 def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[Path]:
     """Refuse what this run would mix with or replace; return what ``overwrite`` will delete once
-    the run has started (nothing is deleted here, so a failed resume changes nothing)."""
+    the run has started (nothing is deleted here, so a failed resume changes nothing).
+    """
     checkpoint_dir = out_dir / CHECKPOINT_DIR
     own = own_outputs(out_dir)
     foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in own) if out_dir.is_dir() else []
@@ -341,9 +345,10 @@ def start_run(
 ) -> RunLock | None:
     """The steps of the module docstring; ``load(path)`` resumes on every rank. Rank 0 returns the
     held :class:`RunLock` (others None); call it on all ranks: all raise when any fails, and a
-    failure leaves ``out_dir`` as it was (no lock, not even a new empty directory)."""
+    failure leaves ``out_dir`` as it was (no lock, not even a new empty directory).
+    """
     if overwrite and resume == "auto":
-        raise ValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
+        raise InvalidValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
     out = Path(out_dir) if out_dir is not None else None
     lock = RunLock(out) if out is not None and is_main else None
     created = out is not None and not out.exists()
@@ -389,7 +394,8 @@ def start_run(
 
 def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     """``fn()`` on every process; if it raises on any of them, every process raises (so none is
-    left waiting at a collective for one that died). One process: just ``fn()``."""
+    left waiting at a collective for one that died). One process: just ``fn()``.
+    """
     if not _active():
         return fn()
     error: BaseException | None = None

@@ -6,7 +6,8 @@
 ``trainer.model`` is the raw module (checkpoints and generation use it: no ``_orig_mod.`` / ``module.`` prefixes),
 ``trainer.eval_model`` the ``torch.compile``d one when compiling, and ``trainer.train_model`` that wrapped in DDP under
 torchrun; all three share the parameters. Resuming, skipped steps, divergence recovery and stop signals:
-docs/training.md ("Checkpoints and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`."""
+docs/training.md ("Checkpoints and resuming", "When a run goes wrong") and the safety fields of :class:`TrainConfig`.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from gpt2.data.loader import make_loader
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
@@ -39,9 +41,10 @@ from gpt2.train.recovery import DivergenceMonitor, TrainingInterrupted
 logger = logging.getLogger(__name__)
 
 
-class TrainingDivergedError(RuntimeError):
+class TrainingDivergedError(Gpt2Error, RuntimeError):
     """Training diverged (non-finite steps, or a loss run-away) and could not recover, or the weights
-    to be saved are non-finite."""
+    to be saved are non-finite.
+    """
 
     def __init__(self, message: str, *, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None):
         super().__init__(message)
@@ -57,7 +60,7 @@ def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
     if config.total_batch_size is None:
         return 1
     if config.total_batch_size % per_micro_step != 0:
-        raise ValueError(
+        raise InvalidValueError(
             f"total_batch_size={config.total_batch_size:,} tokens is not divisible by micro_batch_size x "
             f"seq_len x world_size = {config.micro_batch_size} x {config.seq_len} x {world_size} = "
             f"{per_micro_step:,} tokens; pick a total_batch_size that is a multiple of {per_micro_step:,} "
@@ -84,7 +87,8 @@ class Trainer:
             (e.g. a HellaSwag score every N steps), which then reach the sinks and metrics.jsonl.
 
     Under ``torchrun`` the Trainer joins the process group itself (NCCL on CUDA, gloo on CPU);
-    :meth:`close` (or ``with Trainer(...) as trainer:``) leaves it again."""
+    :meth:`close` (or ``with Trainer(...) as trainer:``) leaves it again.
+    """
 
     def __init__(
         self,
@@ -127,7 +131,7 @@ class Trainer:
             logger.warning("training the module inside %s, uncompiled (compile=True compiles it)", type(model).__name__)
         block_size = getattr(getattr(self.model, "config", None), "block_size", None)
         if block_size is not None and config.seq_len > block_size:
-            raise ValueError(
+            raise InvalidValueError(
                 f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
                 "train on shorter sequences or build the model with a larger block_size"
             )
@@ -212,7 +216,8 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
         """Train until ``max_steps`` (or ``until_step``, then with a checkpoint that ``resume="auto"``
-        continues; the LR schedule still runs to ``max_steps``); return this call's step records."""
+        continues; the LR schedule still runs to ``max_steps``); return this call's step records.
+        """
         cfg = self.config
         stop = cfg.max_steps if until_step is None else min(int(until_step), cfg.max_steps)
         if self.step >= stop:
@@ -298,7 +303,8 @@ class Trainer:
     def _memory_snapshot(self) -> dict[str, Any]:
         """The trainable weights, optimizer and scaler state, data position, counters and RNG,
         copied to the CPU: about 3x the trainable parameters' size with AdamW (documented in
-        docs/training.md). Frozen weights (a LoRA base) never change, so they are not copied."""
+        docs/training.md). Frozen weights (a LoRA base) never change, so they are not copied.
+        """
 
         def to_cpu(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
@@ -323,7 +329,8 @@ class Trainer:
     def _recover(self, record: dict[str, Any]) -> None:
         """Go back to the newest good state (an intact checkpoint written before the trouble began, else the in-memory
         copy), multiply the learning rate by ``recovery_lr_factor`` and go on reading the data *after* the batches that
-        blew up. Every rank decides alike: the loss and gradient norm it judges are all-reduced."""
+        blew up. Every rank decides alike: the loss and gradient norm it judges are all-reduced.
+        """
         cfg = self.config
         if not cfg.recover or self.recoveries >= cfg.max_recoveries:
             raise self._diverged(record)
@@ -352,7 +359,8 @@ class Trainer:
 
     def _restore_good_state(self, first_bad: int) -> str | None:
         """Load the newest intact checkpoint older than step ``first_bad`` (else the in-memory
-        copy); returns what was loaded, or None when there is nothing to go back to."""
+        copy); returns what was loaded, or None when there is nothing to go back to.
+        """
         if self.checkpoint_dir is not None:
             for path in ckpt.checkpoint_candidates(self.checkpoint_dir):
                 if (ckpt.checkpoint_step(path) or 0) >= first_bad:
@@ -458,7 +466,8 @@ class Trainer:
         Each micro-batch adds the SUM of its targets' losses divided by the global batch's count
         ``scored``, so the gradients add up to the gradient of the mean over every scored target of
         the global batch: a micro-batch (or rank) with 3 response tokens weighs as little as they
-        do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size."""
+        do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size.
+        """
         scale = self.dist_env.world_size / scored
         sums = "reduction" in inspect.signature(self.model.forward).parameters  # as gpt2.GPT
         loss_sum = torch.zeros((), device=self.device)
@@ -550,9 +559,10 @@ class Trainer:
     def evaluate(self, steps: int | None = None) -> float:
         """Mean validation loss per scored token over the same first ``steps`` (default ``eval_steps``)
         batches of each process every time (:func:`gpt2.eval.loss.evaluate_loss`, which raises
-        :class:`~gpt2.eval.loss.NonFiniteLossError` for an inf/nan loss)."""
+        :class:`~gpt2.eval.loss.NonFiniteLossError` for an inf/nan loss).
+        """
         if self.val_loader is None:
-            raise ValueError("no validation data: pass val_data to the Trainer")
+            raise InvalidValueError("no validation data: pass val_data to the Trainer")
         cfg = self.config
         where = f"out_dir {self.out_dir}" if self.out_dir is not None else "no out_dir"
         result = evaluate_loss(
@@ -577,7 +587,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
         """Checkpoint the current step under ``out_dir/checkpoints`` (rank 0 writes; all ranks
-        return the path). Raises :class:`TrainingDivergedError` instead of saving non-finite weights."""
+        return the path). Raises :class:`TrainingDivergedError` instead of saving non-finite weights.
+        """
         if self.checkpoint_dir is None:
             return None
         bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
@@ -628,7 +639,8 @@ class Trainer:
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore everything from a checkpoint (see :func:`gpt2.train.checkpoint.load_checkpoint`): weights,
         optimizer, loss scaler, RNG, data position, step and counters; with ``resume_weights_only`` the
-        weights, data position and step only (the optimizer and loss scaler start fresh)."""
+        weights, data position and step only (the optimizer and loss scaler start fresh).
+        """
         cfg = self.config
         meta = ckpt.load_checkpoint(
             path,
@@ -651,7 +663,7 @@ class Trainer:
                 *now,
             )
         if not isinstance(meta.get("data"), dict) or "train" not in meta["data"]:
-            raise ValueError(
+            raise InvalidValueError(
                 f"checkpoint {meta['path']} records no data-loader position ('data' in "
                 f"{ckpt.META_FILE}): it was not written by the Trainer, so it cannot be resumed"
             )
@@ -669,7 +681,8 @@ class Trainer:
     # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:
         """Leave the process group if this Trainer created it (by default at a barrier, see
-        :func:`gpt2.train.distributed.destroy_process_group`), then release the ``out_dir`` lock."""
+        :func:`gpt2.train.distributed.destroy_process_group`), then release the ``out_dir`` lock.
+        """
         if self._owns_process_group:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
