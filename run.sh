@@ -8,4 +8,12 @@ source scripts/setup.sh ""  # no extras (without an argument it would see this s
 # Run again with no arguments, it continues the run in runs/shakespeare (or, finished, reports it
 # again); with arguments, a run already there is refused unless --resume auto / --overwrite says how.
 [ $# -eq 0 ] && set -- --resume auto
-exec "$PYTHON" examples/pretrain_shakespeare.py "$@"
+status=0
+"$PYTHON" examples/pretrain_shakespeare.py "$@" || status=$?
+# The commands printed above need the environment setup.sh made: say how to get it in a new shell.
+if [ "$PYTHON" = .venv/bin/python ]; then
+    echo
+    echo "The project is installed in .venv: in a new shell, run  source .venv/bin/activate  first"
+    echo "(or call its programs directly: .venv/bin/gpt2 --help, .venv/bin/python examples/sample.py --help)."
+fi
+exit "$status"
