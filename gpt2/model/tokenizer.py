@@ -23,7 +23,8 @@ from gpt2.model.config import GPT2_VOCAB_SIZE
 __all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
 
 ENDOFTEXT = "<|endoftext|>"
-EOT_TOKEN = 50256  # id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes)
+# The id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes).
+EOT_TOKEN = 50256
 
 # GPT-2's pre-tokenisation pattern, as published in openai/gpt-2 src/encoder.py: contractions,
 # letters, digits and other symbols (each optionally led by one space), then whitespace runs
@@ -101,7 +102,9 @@ def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
 
     vocab_bpe, encoder_json = first("vocab.bpe", "merges.txt"), first("encoder.json", "vocab.json")
     if vocab_bpe is None or encoder_json is None:
-        found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else "no such directory"
+        found: Any = "no such directory"
+        if directory.is_dir():
+            found = sorted(p.name for p in directory.iterdir())
         raise TokenizerNotAvailableError(
             f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must contain GPT-2's "
             f"vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found {found}"
@@ -203,18 +206,7 @@ class Tokenizer:
 
     def _to_ids(self, ids: Any) -> list[int]:
         if isinstance(ids, (torch.Tensor, np.ndarray)):
-            if isinstance(ids, torch.Tensor):
-                integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
-            else:
-                integer = np.issubdtype(ids.dtype, np.integer)
-            if not integer:
-                raise TypeError(f"cannot decode ids of dtype {ids.dtype}; token ids must be integers")
-            if ids.ndim > 1:
-                raise InvalidValueError(
-                    f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}; "
-                    "use decode_batch for a (B, T) batch"
-                )
-            ids = ids.tolist() if ids.ndim else [ids.item()]
+            ids = _array_to_ids(ids)
         elif isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
             ids = [int(ids)]
         elif isinstance(ids, str):
@@ -224,15 +216,33 @@ class Tokenizer:
                 ids = [int(i) for i in ids]
             except (TypeError, ValueError) as e:
                 raise TypeError(f"decode expects a sequence of integer token ids, got {ids!r:.100}") from e
-        if (bad := next((i for i in ids if not 0 <= i < self.n_vocab), None)) is not None:
-            raise InvalidValueError(
-                f"token id {bad} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
-                "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
-            )
+        for i in ids:
+            if not 0 <= i < self.n_vocab:
+                raise InvalidValueError(
+                    f"token id {i} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
+                    "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
+                )
         return ids
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.encoding.name!r}, n_vocab={self.n_vocab}, eot_token={self.eot_token})"
+
+
+def _array_to_ids(ids: torch.Tensor | np.ndarray) -> list[int]:
+    """The ids of a 0-D or 1-D integer tensor or array, as a list."""
+    if isinstance(ids, torch.Tensor):
+        integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+    else:
+        integer = np.issubdtype(ids.dtype, np.integer)
+    if not integer:
+        raise TypeError(f"cannot decode ids of dtype {ids.dtype}; token ids must be integers")
+    if ids.ndim > 1:
+        raise InvalidValueError(
+            f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}; use decode_batch for a (B, T) batch"
+        )
+    if ids.ndim == 0:
+        return [ids.item()]
+    return ids.tolist()
 
 
 def _check_text(text: Any) -> None:
