@@ -5,7 +5,6 @@ with llama.cpp's ``gguf`` package under the names its own converter (``convert_h
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -18,7 +17,7 @@ from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
-from gpt2.model.tokenizer import EOT_TOKEN, bpe_files
+from gpt2.model.tokenizer import EOT_TOKEN, bpe_files, read_bpe_files
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +75,15 @@ def _vocabulary() -> tuple[list[str], list[str]]:
     same files :func:`gpt2.model.tokenizer.get_tokenizer` reads.
     """
     vocab_bpe, encoder_json = bpe_files()
-    encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
+    vocabulary = read_bpe_files(vocab_bpe, encoder_json)
+    encoder = vocabulary.encoder
     tokens = sorted(encoder, key=encoder.__getitem__)
+    # The merges checked the other 50256; the file's token list needs <|endoftext|> too, last.
     if len(tokens) != GPT2_VOCAB_SIZE or encoder[tokens[-1]] != EOT_TOKEN:
         raise InvalidValueError(
             f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {GPT2_VOCAB_SIZE}"
         )
-    # vocab.bpe: a "#version" header, then one "left right" merge per line in priority order.
-    merges = [line for line in vocab_bpe.read_text(encoding="utf-8").splitlines()[1:] if line]
-    return tokens, merges
+    return tokens, vocabulary.merges
 
 
 def check_tied_head(model: torch.nn.Module) -> None:

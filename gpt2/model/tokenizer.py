@@ -9,6 +9,7 @@ import functools
 import json
 import os
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -57,9 +58,40 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
     return alphabet
 
 
-def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
-    """Mergeable ranks (token bytes -> id), rebuilt from the merge list (tiktoken needs id order ==
-    merge priority) and checked against ``encoder.json``, so a mismatched pair is caught here.
+@dataclass(frozen=True)
+class BpeVocabulary:
+    """GPT-2's two BPE files, read and checked against each other by :func:`read_bpe_files`."""
+
+    # Token bytes -> id, rebuilt from the merge list: tiktoken needs id order == merge priority.
+    ranks: dict[bytes, int]
+    # The merges in priority order, each "left right" as vocab.bpe writes it.
+    merges: list[str]
+    # encoder.json: each token (GPT-2's printable form of its bytes) -> its id.
+    encoder: dict[str, int]
+
+
+def read_bpe_files(vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike) -> BpeVocabulary:
+    """Read GPT-2's ``vocab.bpe`` (or ``merges.txt``) and ``encoder.json`` (or ``vocab.json``) and check
+    them: the merges rebuild the encoder's ids exactly, and they are GPT-2's 50257. The one reader of
+    these files: :meth:`Tokenizer.from_files` and the GGUF export use it.
+    """
+    vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
+    for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
+        if not path.is_file():
+            raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
+    vocabulary = _read_gpt2_bpe(vocab_bpe, encoder_json)
+    if len(vocabulary.ranks) != GPT2_VOCAB_SIZE - 1:
+        raise InvalidValueError(
+            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(vocabulary.ranks)} mergeable tokens; "
+            f"GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + <|endoftext|>): are these GPT-2's "
+            "files?"
+        )
+    return vocabulary
+
+
+def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> BpeVocabulary:
+    """The merges, the mergeable ranks rebuilt from them, and ``encoder.json``, checked against
+    the ranks, so a mismatched pair is caught here.
     """
     alphabet = _gpt2_byte_alphabet()
 
@@ -72,6 +104,7 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
             ) from e
 
     ranks = {bytes([b]): i for i, b in enumerate(alphabet.values())}
+    merges = []
     lines = vocab_bpe.read_text(encoding="utf-8").split("\n")
     # The first line is a version header ("#version: 0.2"); the file ends with a newline.
     for line_no, line in enumerate(lines[1:], start=2):
@@ -81,6 +114,7 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
         if len(parts) != 2:
             raise InvalidValueError(f"{str(vocab_bpe)!r} line {line_no}: expected two tokens to merge, got {line!r}")
         ranks[to_bytes(parts[0], vocab_bpe) + to_bytes(parts[1], vocab_bpe)] = len(ranks)
+        merges.append(f"{parts[0]} {parts[1]}")
 
     encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
     expected = {to_bytes(token, encoder_json): i for token, i in encoder.items() if token != ENDOFTEXT}
@@ -91,7 +125,7 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
             f"({len(ranks)} tokens from the merges, {len(expected)} in the encoder; first "
             f"disagreement: {bad!r}); use the vocab.bpe and encoder.json of the same GPT-2 release"
         )
-    return ranks
+    return BpeVocabulary(ranks, merges, encoder)
 
 
 def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
@@ -128,20 +162,10 @@ class Tokenizer:
     @classmethod
     def from_files(cls, vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike) -> Tokenizer:
         """From local GPT-2 BPE files (``vocab.bpe``/``merges.txt``, ``encoder.json``/``vocab.json``)."""
-        vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
-        for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
-            if not path.is_file():
-                raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
-        ranks = _read_gpt2_bpe(vocab_bpe, encoder_json)
-        if len(ranks) != GPT2_VOCAB_SIZE - 1:
-            raise InvalidValueError(
-                f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable tokens; GPT-2's BPE "
-                f"has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + <|endoftext|>): are these GPT-2's files?"
-            )
         encoding = tiktoken.Encoding(
             name="gpt2",
             pat_str=GPT2_PATTERN,
-            mergeable_ranks=ranks,
+            mergeable_ranks=read_bpe_files(vocab_bpe, encoder_json).ranks,
             special_tokens={ENDOFTEXT: EOT_TOKEN},
             explicit_n_vocab=GPT2_VOCAB_SIZE,
         )
