@@ -1,12 +1,27 @@
-"""The GPT-2 byte-level BPE tokenizer, through tiktoken, from ``GPT2_TOKENIZER_DIR`` (GPT-2's
-``vocab.bpe`` + ``encoder.json``, or Hugging Face's ``merges.txt`` + ``vocab.json``) or else
-``<cache>/gpt2-tokenizer``, where the two files are downloaded from OpenAI, sha256-checked.
+"""The GPT-2 byte-level BPE tokenizer, through tiktoken.
+
+Its two files, GPT-2's ``vocab.bpe`` and ``encoder.json``, are looked up in this order:
+
+1. ``GPT2_TOKENIZER_DIR`` (or an explicit ``tokenizer_dir``, ``--tokenizer-dir``): a folder with
+   ``vocab.bpe`` + ``encoder.json``, or Hugging Face's ``merges.txt`` + ``vocab.json``. When set,
+   it must hold them: nothing else is tried.
+2. tiktoken's cache, where ``tiktoken.get_encoding("gpt2")`` keeps the same two files under the
+   sha1 of their URL: ``TIKTOKEN_CACHE_DIR``, then ``DATA_GYM_CACHE_DIR`` (the variables tiktoken
+   reads; each where set and not empty). A file is taken only if its sha256 is GPT-2's.
+3. The project's cache, ``<cache>/gpt2-tokenizer`` (``~/.cache/gpt2`` unless ``GPT2_CACHE_DIR`` or
+   ``XDG_CACHE_HOME`` says otherwise).
+4. A download from OpenAI into the project's cache, sha256-checked.
+
+Each file is looked up on its own from step 2 on, so an offline tiktoken cache never leads to a
+download attempt.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -23,6 +38,8 @@ from gpt2.model.config import GPT2_VOCAB_SIZE
 
 __all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
 
+logger = logging.getLogger(__name__)
+
 ENDOFTEXT = "<|endoftext|>"
 # The id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes).
 EOT_TOKEN = 50256
@@ -38,6 +55,9 @@ BPE_SHA256 = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
 }
+
+# tiktoken's own cache folders, in the order tiktoken reads them (tiktoken/load.py).
+TIKTOKEN_CACHE_VARIABLES = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
 
 AllowedSpecial = Union[Literal["all"], Collection[str]]
 
@@ -288,36 +308,79 @@ def bpe_cache_dir() -> Path:
     return default_cache_dir() / "gpt2-tokenizer"
 
 
-def _cached_bpe_files() -> tuple[Path, Path]:
-    directory = bpe_cache_dir()
-    for name, sha256 in BPE_SHA256.items():
-        if not (directory / name).is_file():
-            try:
-                download(
-                    _GPT2_BPE_URL + name,
-                    directory / name,
-                    sha256=sha256,
-                    what=f"GPT-2's {name}",
-                    offline_hint="set GPT2_TOKENIZER_DIR to a folder with vocab.bpe and encoder.json (or a "
-                    "Hugging Face gpt2 folder with merges.txt and vocab.json), or copy the file to",
-                    progress=False,
-                )
-            except DownloadError as e:
-                raise TokenizerNotAvailableError(str(e)) from e
-    return directory / "vocab.bpe", directory / "encoder.json"
+def tiktoken_cache_dirs() -> list[Path]:
+    """The folders of tiktoken's cache that the environment names: ``TIKTOKEN_CACHE_DIR``, then
+    ``DATA_GYM_CACHE_DIR`` (an empty value, which turns tiktoken's cache off, names none).
+    """
+    return [Path(os.environ[name]) for name in TIKTOKEN_CACHE_VARIABLES if os.environ.get(name)]
+
+
+def tiktoken_cache_name(url: str) -> str:
+    """The name tiktoken gives the file downloaded from ``url`` in its cache: the sha1 of the URL
+    (``tiktoken.load.read_file_cached``). tiktoken has no public function that only finds a cached
+    file (``read_file_cached`` downloads a missing one), so this follows its rule.
+    """
+    return hashlib.sha1(url.encode(), usedforsecurity=False).hexdigest()
+
+
+def _has_sha256(path: Path, sha256: str) -> bool:
+    """Whether ``path`` is a file with this sha256 (a file that differs is passed over, with a warning)."""
+    if not path.is_file():
+        return False
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        logger.warning("passing over %s in tiktoken's cache: %s", path, e)
+        return False
+    if hashlib.sha256(data).hexdigest() != sha256:
+        logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
+        return False
+    return True
+
+
+def _bpe_file(name: str, sha256: str) -> Path:
+    """GPT-2's ``name`` (``vocab.bpe`` or ``encoder.json``) from tiktoken's cache, else from the
+    project's cache, downloaded there first if it is missing.
+    """
+    url = _GPT2_BPE_URL + name
+    for directory in tiktoken_cache_dirs():
+        path = directory / tiktoken_cache_name(url)
+        if _has_sha256(path, sha256):
+            return path
+    path = bpe_cache_dir() / name
+    if path.is_file():
+        return path
+    try:
+        download(
+            url,
+            path,
+            sha256=sha256,
+            what=f"GPT-2's {name}",
+            offline_hint="set GPT2_TOKENIZER_DIR to a folder with vocab.bpe and encoder.json (or a Hugging Face "
+            "gpt2 folder with merges.txt and vocab.json), or TIKTOKEN_CACHE_DIR to a tiktoken cache that holds "
+            "GPT-2's files, or copy the file to",
+            progress=False,
+        )
+    except DownloadError as e:
+        raise TokenizerNotAvailableError(str(e)) from e
+    return path
 
 
 def bpe_files(tokenizer_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """The ``(vocab.bpe, encoder.json)`` :func:`get_tokenizer` reads (and exports copy): from
-    ``tokenizer_dir`` or ``GPT2_TOKENIZER_DIR`` if set, else the cache (downloaded on first use).
+    ``tokenizer_dir`` or ``GPT2_TOKENIZER_DIR`` if set, else from the caches in the order the
+    module's docstring gives (downloaded on first use).
     """
-    tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR") or None
-    return _find_bpe_files(Path(tokenizer_dir)) if tokenizer_dir else _cached_bpe_files()
+    tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR")
+    if tokenizer_dir:
+        return _find_bpe_files(Path(tokenizer_dir))
+    return _bpe_file("vocab.bpe", BPE_SHA256["vocab.bpe"]), _bpe_file("encoder.json", BPE_SHA256["encoder.json"])
 
 
 @functools.cache
-def _load_tokenizer(tokenizer_dir: str | None, cache_dir: Path) -> Tokenizer:
-    del tokenizer_dir, cache_dir  # the cache key: bpe_files() reads the same two settings
+def _load_tokenizer(tokenizer_dir: str | None, tiktoken_dirs: tuple[Path, ...], cache_dir: Path) -> Tokenizer:
+    # The arguments are the cache key only: bpe_files() reads the same settings.
+    del tokenizer_dir, tiktoken_dirs, cache_dir
     return Tokenizer.from_files(*bpe_files())
 
 
@@ -325,4 +388,4 @@ def get_tokenizer() -> Tokenizer:
     """The shared GPT-2 tokenizer from :func:`bpe_files`, cached per source (a failure is not, so
     a fixed environment works on the next call); :class:`TokenizerNotAvailableError` otherwise.
     """
-    return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None, bpe_cache_dir())
+    return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None, tuple(tiktoken_cache_dirs()), bpe_cache_dir())
