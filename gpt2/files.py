@@ -52,11 +52,13 @@ def replace_atomically(dest: str | os.PathLike, write: Callable[[Any], object], 
     try:
         if to_path:
             write(tmp)
-        with open(tmp, "r+b" if to_path else "wb") as f:
-            if not to_path:
+            with open(tmp, "r+b") as f:
+                os.fsync(f.fileno())
+        else:
+            with open(tmp, "wb") as f:
                 write(f)
                 f.flush()
-            os.fsync(f.fileno())
+                os.fsync(f.fileno())
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -68,7 +70,8 @@ def pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except PermissionError:  # it exists, but belongs to someone else
+    except PermissionError:
+        # It exists, but belongs to someone else.
         return True
     except (OSError, OverflowError):
         return False
@@ -97,29 +100,11 @@ def download(
         )
 
     logger.info("downloading %s from %s to %s", what, url, dest)
-    buffer = io.BytesIO()
     try:
-        with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT_S) as response:
-            # The bar starts once the server has answered: never an empty bar before that.
-            headers = getattr(response, "headers", None)
-            length = headers.get("Content-Length") if headers is not None else None
-            total = int(length) if length and length.isdigit() else None
-            with tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc=what,
-                delay=_BAR_DELAY_S,
-                disable=not progress,
-            ) as bar:
-                while chunk := response.read(_CHUNK_BYTES):
-                    buffer.write(chunk)
-                    bar.update(len(chunk))
+        data, total = _fetch(url, what, progress)
     # URLError, HTTPError and timeouts are OSErrors; ValueError covers a malformed URL.
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise fail(f"{type(e).__name__}: {e}") from e
-    data = buffer.getvalue()
     if total is not None and len(data) != total:
         raise fail(f"the connection closed after {len(data)} of {total} bytes")
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -131,6 +116,38 @@ def download(
             raise fail(f"the response is not {what} ({e})") from e
     dest.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(dest, lambda f: f.write(data))
+
+
+def _fetch(url: str, what: str, progress: bool) -> tuple[bytes, int | None]:
+    """``(the bytes received, the length the server announced or None)``, with a progress bar."""
+    buffer = io.BytesIO()
+    with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT_S) as response:
+        # The bar starts once the server has answered: never an empty bar before that.
+        total = _content_length(response)
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=what,
+            delay=_BAR_DELAY_S,
+            disable=not progress,
+        ) as bar:
+            for chunk in iter(lambda: response.read(_CHUNK_BYTES), b""):
+                buffer.write(chunk)
+                bar.update(len(chunk))
+    return buffer.getvalue(), total
+
+
+def _content_length(response: Any) -> int | None:
+    """The ``Content-Length`` a response announces, or None (no headers, no or no numeric length)."""
+    headers = getattr(response, "headers", None)
+    if headers is None:
+        return None
+    length = headers.get("Content-Length")
+    if not (length and length.isdigit()):
+        return None
+    return int(length)
 
 
 # Ctrl-C; what SLURM and Kubernetes send before they kill a job; a closed terminal or SSH session.
@@ -150,7 +167,8 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
-        self.received, self._count = 0, 0  # a new fit() after an interruption starts afresh
+        # A new fit() after an interruption starts afresh.
+        self.received, self._count = 0, 0
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -165,5 +183,8 @@ class StopSignals:
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+            # None: the handler was not installed from Python; the default one is the closest.
+            if previous is None:
+                previous = signal.SIG_DFL
+            signal.signal(sig, previous)
         self._previous.clear()

@@ -38,10 +38,13 @@ def base(tmp_path):
 
 @pytest.fixture
 def tokenizer_from_cache_only(shared_data, tmp_path, monkeypatch):
-    """No GPT2_TOKENIZER_DIR: the BPE files come from the tokenizer's cache folder, as for a user."""
+    """No GPT2_TOKENIZER_DIR (nor a tiktoken cache): the BPE files come from the tokenizer's cache
+    folder, as for a user.
+    """
     cache = tmp_path / "cache"
     shutil.copytree(shared_data / "gpt2-tokenizer", cache / "gpt2-tokenizer")
-    monkeypatch.delenv("GPT2_TOKENIZER_DIR", raising=False)
+    for name in ("GPT2_TOKENIZER_DIR", "TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GPT2_CACHE_DIR", str(cache))
 
 

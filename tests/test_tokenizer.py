@@ -33,7 +33,7 @@ TRICKY = [
 
 @pytest.fixture
 def fresh_cache():
-    """get_tokenizer() caches per GPT2_TOKENIZER_DIR; start and end these tests with it empty."""
+    """get_tokenizer() caches per source setting; start and end these tests with it empty."""
     _load_tokenizer.cache_clear()
     yield
     _load_tokenizer.cache_clear()
@@ -160,11 +160,12 @@ def test_from_files_errors(tmp_path):
 
 
 def test_cache_folder_downloads_once_and_offline_error_says_how(shared_data, tmp_path, monkeypatch, fresh_cache):
-    """Without GPT2_TOKENIZER_DIR the files come from <cache>/gpt2-tokenizer, downloaded there
-    (sha256-checked) on first use; offline, the error says how to point at local files and
-    nothing is left in the cache.
+    """Without GPT2_TOKENIZER_DIR (nor a tiktoken cache) the files come from <cache>/gpt2-tokenizer,
+    downloaded there (sha256-checked) on first use; offline, the error says how to point at local
+    files and nothing is left in the cache.
     """
-    monkeypatch.delenv("GPT2_TOKENIZER_DIR", raising=False)
+    for name in ("GPT2_TOKENIZER_DIR", "TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "offline"))
     fetched = []
 

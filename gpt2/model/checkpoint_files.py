@@ -85,12 +85,17 @@ def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
 
 def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
     """Raise :class:`NonFiniteWeightsError` naming the tensors of ``state`` that hold inf/nan."""
-    if bad := non_finite_tensors(state):
+    bad = non_finite_tensors(state)
+    if bad:
         raise NonFiniteWeightsError(f"{where}: non-finite values (inf/nan) in {_some(bad)}", [(where, _some(bad))])
 
 
 def _some(names: list[str], n: int = 5) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+    """The first ``n`` names, and how many more there are."""
+    listed = ", ".join(names[:n])
+    if len(names) > n:
+        listed += f" and {len(names) - n} more"
+    return listed
 
 
 def save_weights(
@@ -112,13 +117,15 @@ def save_weights(
             aliases[name] = seen[key]
             continue
         if t.numel() and ptr in storages:
-            t = t.clone()  # shares memory with another tensor but is not the same view
+            # It shares memory with another tensor but is not the same view.
+            t = t.clone()
         elif t.numel():
             storages.add(ptr)
             seen[key] = name
         tensors[name] = t.contiguous().cpu()
     meta = {"format": "pt", "aliases": json.dumps(aliases, sort_keys=True), **(metadata or {})}
-    data = save(tensors, metadata=meta)  # bytes: safetensors' own save_file makes its files 0600
+    # Bytes, written by replace_atomically: safetensors' own save_file makes its files 0600.
+    data = save(tensors, metadata=meta)
     replace_atomically(path, lambda f: f.write(data))
 
 
@@ -127,8 +134,10 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     damaged file (safetensors checks the header against the size) raises :class:`CheckpointError`.
     """
     path = Path(path)
+    if not path.exists():
+        raise _file_error(path, "is missing")
     if not path.is_file():
-        raise _file_error(path, "is not a file" if path.exists() else "is missing")
+        raise _file_error(path, "is not a file")
     try:
         with safe_open(str(path), "pt") as f:
             metadata = f.metadata() or {}
@@ -155,7 +164,7 @@ def _first_line(e: BaseException) -> str:
 def sha256_file(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
+        for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -163,7 +172,9 @@ def sha256_file(path: str | os.PathLike) -> str:
 def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The step encoded in a ``step_000100`` directory name, else None."""
     match = _STEP_DIR.match(Path(path).name)
-    return int(match.group(1)) if match else None
+    if match is None:
+        return None
+    return int(match.group(1))
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -174,7 +185,9 @@ def is_complete(path: str | os.PathLike) -> bool:
 def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
     """Every ``step_*`` directory under ``root``, complete or not, newest step first."""
     root = Path(root)
-    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()] if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
     return sorted(found, key=checkpoint_step, reverse=True)  # type: ignore[arg-type]
 
 
@@ -195,10 +208,13 @@ class CheckpointData:
     """A checkpoint read into memory and verified (see :func:`read_checkpoint`)."""
 
     path: Path
-    meta: dict[str, Any]  # trainer_state.json
-    weights: dict[str, torch.Tensor]  # aliases filled back in
+    # trainer_state.json
+    meta: dict[str, Any]
+    # Aliases filled back in.
+    weights: dict[str, torch.Tensor]
     weights_meta: dict[str, str] = field(default_factory=dict)
-    trainer_state: dict[str, Any] | None = None  # trainer_state.pt, when asked for
+    # trainer_state.pt, when asked for.
+    trainer_state: dict[str, Any] | None = None
 
     @property
     def trainable_only(self) -> bool:
@@ -222,32 +238,29 @@ def read_checkpoint(
         weights, weights_meta = load_weights(path / WEIGHTS_FILE)
     except CheckpointError as e:
         problems += e.problems
-    if non_finite := non_finite_tensors(weights):
+    non_finite = non_finite_tensors(weights)
+    if non_finite:
         problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
-    state = _read_trainer_state(path / STATE_FILE, map_location, problems) if trainer_state else None
-    read = [META_FILE, WEIGHTS_FILE] + ([STATE_FILE] if trainer_state else [])
+    read = [META_FILE, WEIGHTS_FILE]
+    state = None
+    if trainer_state:
+        state = _read_trainer_state(path / STATE_FILE, map_location, problems)
+        read.append(STATE_FILE)
     _check_digests(path, meta, read, problems)
-    if problems:
-        cls = NonFiniteWeightsError if non_finite and len(problems) == 1 else CheckpointError
-        raise cls(f"checkpoint {path} is damaged: {_describe(problems, path)}", problems)
-    return CheckpointData(path, meta, weights, weights_meta, state)  # type: ignore[arg-type]
+    if not problems:
+        return CheckpointData(path, meta, weights, weights_meta, state)  # type: ignore[arg-type]
+    message = f"checkpoint {path} is damaged: {_describe(problems, path)}"
+    if non_finite and len(problems) == 1:
+        raise NonFiniteWeightsError(message, problems)
+    raise CheckpointError(message, problems)
 
 
 def _check_digests(path: Path, meta: dict | None, names: list[str], problems: list[tuple[str, str]]) -> None:
     """Compare each of ``names`` with its sha256 in ``SHA256SUMS`` (files already found damaged
     are skipped: their own problem says more).
     """
-    sums = path / DIGEST_FILE
-    if not sums.is_file():
-        if meta is not None and meta.get("format_version", 1) >= 2:
-            problems.append((str(sums), "is missing"))
-        elif meta is not None:
-            logger.warning("checkpoint %s predates checksums (no %s): its files cannot be verified", path, DIGEST_FILE)
-        return
-    try:
-        expected = dict(reversed(line.split(maxsplit=1)) for line in sums.read_text("utf-8").splitlines())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        problems.append((str(sums), f"cannot be read ({_first_line(e)})"))
+    expected = _read_digests(path, meta, problems)
+    if expected is None:
         return
     damaged = {file for file, _ in problems}
     for name in names:
@@ -255,12 +268,31 @@ def _check_digests(path: Path, meta: dict | None, names: list[str], problems: li
         if file in damaged:
             continue
         if name not in expected:
-            problems.append((str(sums), f"has no digest of {name} (damaged)"))
+            problems.append((str(path / DIGEST_FILE), f"has no digest of {name} (damaged)"))
         elif sha256_file(file) != expected[name]:
             problems.append((file, f"does not match its sha256 in {DIGEST_FILE}: the file is damaged"))
 
 
+def _read_digests(path: Path, meta: dict | None, problems: list[tuple[str, str]]) -> dict[str, str] | None:
+    """``SHA256SUMS`` as ``{file name: sha256}``, or None where there is nothing to compare with: the
+    file is unreadable, or missing (a problem from format version 2 on, a warning before).
+    """
+    sums = path / DIGEST_FILE
+    if sums.is_file():
+        try:
+            return dict(reversed(line.split(maxsplit=1)) for line in sums.read_text("utf-8").splitlines())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            problems.append((str(sums), f"cannot be read ({_first_line(e)})"))
+            return None
+    if meta is not None and meta.get("format_version", 1) >= 2:
+        problems.append((str(sums), "is missing"))
+    elif meta is not None:
+        logger.warning("checkpoint %s predates checksums (no %s): its files cannot be verified", path, DIGEST_FILE)
+    return None
+
+
 def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """``trainer_state.json``, or None if it is missing or not a JSON object; its fields are checked."""
     file = path / META_FILE
     if not file.is_file():
         problems.append((str(file), "is missing"))
@@ -276,18 +308,26 @@ def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | 
     if not isinstance(meta, dict):
         problems.append((str(file), "does not hold a JSON object"))
         return None
+    _check_meta_fields(path, meta, problems)
+    return meta
+
+
+def _check_meta_fields(path: Path, meta: dict[str, Any], problems: list[tuple[str, str]]) -> None:
+    """Check the step (a number, the one in the directory's name) and the format version (one this
+    gpt2 reads; a newer one is a problem, and is then treated as 1) of ``meta``.
+    """
+    file = str(path / META_FILE)
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        problems.append((str(file), f"field 'step' is {step!r}, not a step number"))
+        problems.append((file, f"field 'step' is {step!r}, not a step number"))
     elif checkpoint_step(path) is not None and checkpoint_step(path) != step:
-        problems.append((str(file), f"field 'step' is {step} but the directory is {path.name}"))
+        problems.append((file, f"field 'step' is {step} but the directory is {path.name}"))
     version = meta.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         problems.append(
-            (str(file), f"format_version {version!r} is newer than this gpt2 reads ({FORMAT_VERSION}); upgrade gpt2")
+            (file, f"format_version {version!r} is newer than this gpt2 reads ({FORMAT_VERSION}); upgrade gpt2")
         )
         meta["format_version"] = 1
-    return meta
 
 
 def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
@@ -301,7 +341,8 @@ def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str,
     except Exception as e:  # noqa: BLE001 - any failure to read means this file is unusable
         problems.append((str(file), f"cannot be read ({_first_line(e)}; truncated or not written by gpt2?)"))
         return None
-    if missing := [key for key in ("optimizer", "scaler", "rng") if not isinstance(state, dict) or key not in state]:
+    missing = [key for key in ("optimizer", "scaler", "rng") if not isinstance(state, dict) or key not in state]
+    if missing:
         problems.append((str(file), f"lacks {missing}"))
         return None
     return state
@@ -330,39 +371,58 @@ def open_checkpoint(
             check(data)
         return data
 
-    if checkpoint_step(path) is not None or is_complete(path):  # one checkpoint: no fallback
-        if not path.exists():
-            raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
-        try:
-            return read(path)
-        except CheckpointError as e:
-            raise type(e)(
-                f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one",
-                e.problems,
-            ) from None
-    if not (candidates := checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")):
+    if checkpoint_step(path) is not None or is_complete(path):
+        return _open_one(path, read)
+    return _open_newest(path, read)
+
+
+def _open_one(path: Path, read: Callable[[Path], CheckpointData]) -> CheckpointData:
+    """The one checkpoint ``path`` (no fallback); its error says how to use the newest intact one instead."""
+    if not path.exists():
+        raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        return read(path)
+    except CheckpointError as e:
+        raise type(e)(
+            f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one",
+            e.problems,
+        ) from None
+
+
+def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> CheckpointData:
+    """The newest checkpoint under a run or ``checkpoints`` directory that ``read`` accepts."""
+    candidates = checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")
+    if not candidates:
         raise MissingFileError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
             "or a run directory / checkpoints directory that contains one"
         )
     problems: list[tuple[str, str]] = []
-    hints = []
+    # The fix each checkpoint that does not fit this run suggests: the last sentence of its error.
+    hints: list[str] = []
     for candidate in candidates:
         try:
             data = read(candidate)
         except CheckpointError as e:
-            mismatch = isinstance(e, CheckpointMismatchError)
-            what = "checkpoint %s, which does not fit this run" if mismatch else "damaged checkpoint %s"
-            logger.warning(f"skipping {what}: %s", candidate, _describe(e.problems, candidate))
+            found = _describe(e.problems, candidate)
+            if isinstance(e, CheckpointMismatchError):
+                logger.warning("skipping checkpoint %s, which does not fit this run: %s", candidate, found)
+                hints.append(str(e).rsplit(". ", 1)[-1])
+            else:
+                logger.warning("skipping damaged checkpoint %s: %s", candidate, found)
             problems += e.problems
-            hints += [str(e).rsplit(". ", 1)[-1]] if mismatch else []
             continue
         if candidate != candidates[0]:
             logger.warning("using %s, the newest intact checkpoint in %s", candidate, candidate.parent)
         return data
-    fix = hints[0] if hints else "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
-    kind, where = (CheckpointMismatchError if len(hints) == len(candidates) else CheckpointError), candidates[0].parent
-    raise kind(f"no intact checkpoint that fits this run in {where}: {_describe(problems, where)}. {fix}", problems)
+    where = candidates[0].parent
+    message = f"no intact checkpoint that fits this run in {where}: {_describe(problems, where)}"
+    if len(hints) == len(candidates):
+        raise CheckpointMismatchError(f"{message}. {hints[0]}", problems)
+    fix = "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
+    if hints:
+        fix = hints[0]
+    raise CheckpointError(f"{message}. {fix}", problems)
 
 
 def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = False) -> None:
@@ -371,19 +431,27 @@ def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = F
     """
     own = unwrap_model(model).state_dict()
     unexpected = sorted(set(data.weights) - set(own))
-    missing = [] if data.trainable_only else sorted(set(own) - set(data.weights))  # frozen rest: the model's
+    # A checkpoint of the trainable weights only leaves the frozen rest as the model has it.
+    missing = []
+    if not data.trainable_only:
+        missing = sorted(set(own) - set(data.weights))
     shapes = [
         f"{name} {list(t.shape)} vs the model's {list(own[name].shape)}"
         for name, t in data.weights.items()
         if name in own and t.shape != own[name].shape
     ]
     parts = [f"{what} [{_some(names)}]" for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
-    parts += [f"shape mismatch in {shapes[:3]}"] if shapes else []
+    if shapes:
+        parts.append(f"shape mismatch in {shapes[:3]}")
     if parts:
+        # The problem list gives one example: a wrong shape, else the missing or unexpected keys.
+        example = parts[0]
+        if shapes:
+            example = shapes[0]
         raise CheckpointMismatchError(
             f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): it was saved from a model "
             "with another configuration or other adapters. A new run needs its own out_dir (or overwrite=True)",
-            [(str(data.path), f"weights of another model ({(shapes or [parts[0]])[0]}, ...)")],
+            [(str(data.path), f"weights of another model ({example}, ...)")],
         )
     if not check_only:
         unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)

@@ -19,9 +19,22 @@ GPT2_VOCAB_SIZE = 50257
 def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     """Build the dataclass ``cls`` from a dict (e.g. read from JSON), naming any unknown field."""
     known = {f.name for f in dataclasses.fields(cls)}
-    if unknown := sorted(set(data) - known):
+    unknown = sorted(set(data) - known)
+    if unknown:
         raise InvalidValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
     return cls(**data)
+
+
+# How a bound is written in messages, by whether it is open: (interval bracket, comparison).
+_LOW_SPELLING = {False: ("[", ">="), True: ("(", ">")}
+_HIGH_SPELLING = {False: ("]", "<="), True: (")", "<")}
+
+
+def _number(bound: float) -> str:
+    """A bound as messages write it: an int as it is, a float in ``%g`` form (``1e-05``, ``0.5``)."""
+    if isinstance(bound, int):
+        return str(bound)
+    return f"{bound:g}"
 
 
 @dataclass(frozen=True)
@@ -30,25 +43,70 @@ class Range:
     it passes every ``x < 0`` check, and ``grad_clip=nan`` turns every weight NaN in one step.
     """
 
-    low: float | None = None  # None = no lower bound
-    high: float | None = None  # None = no upper bound
-    low_open: bool = False  # True: ``low`` itself is not allowed (x > low)
-    high_open: bool = False  # True: ``high`` itself is not allowed (x < high)
-    optional: bool = False  # None is allowed (and kept)
-    integer: bool = False  # an int (no bool, no float); else a float (ints are converted)
+    # None: no lower bound.
+    low: float | None = None
+    # None: no upper bound.
+    high: float | None = None
+    # True: ``low`` itself is not allowed (x > low).
+    low_open: bool = False
+    # True: ``high`` itself is not allowed (x < high).
+    high_open: bool = False
+    # None is allowed (and kept).
+    optional: bool = False
+    # An int (no bool, no float); else a float (ints are converted).
+    integer: bool = False
 
     def describe(self) -> str:
+        """The accepted values in words, as error messages say them: ``a finite number in [0, 1)``."""
         if self.integer and self.low == 1 and self.high is None:
-            return "a positive integer" + (" (or None)" if self.optional else "")
-        kind, bounds = "an integer" if self.integer else "a finite number", ""
-        low, high = (str(b) if isinstance(b, int) else f"{b:g}" for b in (self.low or 0, self.high or 0))
+            text = "a positive integer"
+        elif self.integer:
+            text = "an integer" + self._bounds()
+        else:
+            text = "a finite number" + self._bounds()
+        if self.optional:
+            text += " (or None)"
+        return text
+
+    def _bounds(self) -> str:
+        low_bracket, low_comparison = _LOW_SPELLING[self.low_open]
+        high_bracket, high_comparison = _HIGH_SPELLING[self.high_open]
         if self.low is not None and self.high is not None:
-            bounds = f" in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
-        elif self.low is not None:
-            bounds = f" {'>' if self.low_open else '>='} {low}"
-        elif self.high is not None:
-            bounds = f" {'<' if self.high_open else '<='} {high}"
-        return kind + bounds + (" (or None)" if self.optional else "")
+            return f" in {low_bracket}{_number(self.low)}, {_number(self.high)}{high_bracket}"
+        if self.low is not None:
+            return f" {low_comparison} {_number(self.low)}"
+        if self.high is not None:
+            return f" {high_comparison} {_number(self.high)}"
+        return ""
+
+    def has_kind(self, value: Any) -> bool:
+        """Whether ``value`` is a number of this field's kind (numpy's scalars count; a bool never does)."""
+        if isinstance(value, bool):
+            return False
+        if self.integer:
+            return isinstance(value, numbers.Integral)
+        return isinstance(value, numbers.Real)
+
+    def contains(self, value: float) -> bool:
+        """Whether the number ``value`` is finite and within bounds (NaN is neither low nor high, so it is
+        refused here by name).
+        """
+        if not (self.integer or math.isfinite(value)):
+            return False
+        too_low = self.low is not None and (value < self.low or (self.low_open and value == self.low))
+        too_high = self.high is not None and (value > self.high or (self.high_open and value == self.high))
+        return not (too_low or too_high)
+
+
+def _kind_hint(value: Any, rule: Range) -> str:
+    """What a value of the wrong kind most likely means, for the error message."""
+    if isinstance(value, str) and rule.integer:
+        return " (not a string)"
+    if isinstance(value, str):
+        return " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)"
+    if isinstance(value, float) and rule.integer:
+        return " (not a float)"
+    return ""
 
 
 def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
@@ -57,18 +115,13 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     """
     if value is None and rule.optional:
         return None
-    ok_type = isinstance(value, numbers.Integral) if rule.integer else isinstance(value, numbers.Real)  # numpy's too
-    if isinstance(value, bool) or not ok_type:
-        hint = ""
-        if isinstance(value, str):
-            hint = " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)" if not rule.integer else " (not a string)"
-        elif isinstance(value, float) and rule.integer:
-            hint = " (not a float)"
-        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
-    value = int(value) if rule.integer else float(value)
-    too_low = rule.low is not None and (value <= rule.low if rule.low_open else value < rule.low)
-    too_high = rule.high is not None and (value >= rule.high if rule.high_open else value > rule.high)
-    if too_low or too_high or not (rule.integer or math.isfinite(value)):  # NaN is neither low nor high
+    if not rule.has_kind(value):
+        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{_kind_hint(value, rule)}")
+    if rule.integer:
+        value = int(value)
+    else:
+        value = float(value)
+    if not rule.contains(value):
         raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}")
     return value
 
@@ -80,16 +133,21 @@ def check_fields(config: Any, rules: dict[str, Range]) -> None:
     owner = type(config).__name__
     for name, rule in rules.items():
         setattr(config, name, check_value(owner, name, getattr(config, name), rule))
-    for name in (f.name for f in dataclasses.fields(config) if f.type in ("bool", bool)):
-        if not isinstance(value := getattr(config, name), bool):
-            raise InvalidValueError(f"{owner}.{name} must be True or False, got {value!r}")
+    for f in dataclasses.fields(config):
+        if f.type not in ("bool", bool):
+            continue
+        value = getattr(config, f.name)
+        if not isinstance(value, bool):
+            raise InvalidValueError(f"{owner}.{f.name} must be True or False, got {value!r}")
 
 
 POSITIVE_INT = Range(low=1, integer=True)
 NON_NEGATIVE_INT = Range(low=0, integer=True)
-POSITIVE = Range(low=0, low_open=True)  # a finite float > 0
+# A finite float > 0.
+POSITIVE = Range(low=0, low_open=True)
 NON_NEGATIVE = Range(low=0)
-PROBABILITY = Range(low=0, high=1, high_open=True)  # [0, 1): dropout, Adam's betas
+# [0, 1): dropout, Adam's betas.
+PROBABILITY = Range(low=0, high=1, high_open=True)
 
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -106,7 +164,8 @@ SHAPES: dict[str, dict[str, int]] = {
     # ~7M parameters, 6.4M of them the 50257 x 128 token embedding: trains at a few steps per
     # second on a laptop CPU, where the 50257-way softmax is most of the cost.
     "mini": dict(n_layer=4, n_head=4, n_embd=128),
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32),  # for tests and smoke runs
+    # For tests and smoke runs.
+    "tiny": dict(n_layer=2, n_head=2, n_embd=32),
 }
 SHAPE_NAMES = tuple(SHAPES)
 
@@ -118,16 +177,21 @@ class GPTConfig:
     logits, so they are never sampled and never change the loss.
     """
 
-    block_size: int = 1024  # maximum context length (number of learned positions)
+    # The maximum context length (the number of learned positions).
+    block_size: int = 1024
     vocab_size: int = GPT2_VOCAB_SIZE
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
-    pad_vocab_multiple: int = 1  # 1 = no padding; 64 gives 50304 for GPT-2
-    layer_norm_epsilon: float = 1e-5  # GPT-2's value
-    flash: bool = True  # F.scaled_dot_product_attention; False = explicit softmax attention
+    # Biases in the Linear and LayerNorm layers, as in GPT-2.
+    bias: bool = True
+    # 1: no padding; 64 gives 50304 rows for GPT-2.
+    pad_vocab_multiple: int = 1
+    # GPT-2's value.
+    layer_norm_epsilon: float = 1e-5
+    # F.scaled_dot_product_attention; False: explicit softmax attention.
+    flash: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, GPT_CONFIG_RULES)

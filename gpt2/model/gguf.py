@@ -5,7 +5,6 @@ with llama.cpp's ``gguf`` package under the names its own converter (``convert_h
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -18,11 +17,13 @@ from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
-from gpt2.model.tokenizer import EOT_TOKEN, bpe_files
+from gpt2.model.tokenizer import EOT_TOKEN, bpe_files, read_bpe_files
 
 logger = logging.getLogger(__name__)
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
+# Each type's gguf.LlamaFileType member: what the file says its matrices are.
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
 
 # Our module name -> llama.cpp's tensor (gguf.MODEL_TENSOR member); block tensors take the layer.
 _GLOBAL = {"transformer.wte": "TOKEN_EMBD", "transformer.wpe": "POS_EMBD", "transformer.ln_f": "OUTPUT_NORM"}
@@ -53,7 +54,8 @@ def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
 
     def put(prefix: str, kind: str, block: int | None = None) -> None:
-        name, weight = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=block), sd[f"{prefix}.weight"]
+        name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=block)
+        weight = sd[f"{prefix}.weight"]
         out[f"{name}.weight"] = weight
         if not prefix.endswith(("wte", "wpe")):
             out[f"{name}.bias"] = sd.get(f"{prefix}.bias", torch.zeros(weight.shape[0]))
@@ -73,15 +75,15 @@ def _vocabulary() -> tuple[list[str], list[str]]:
     same files :func:`gpt2.model.tokenizer.get_tokenizer` reads.
     """
     vocab_bpe, encoder_json = bpe_files()
-    encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
+    vocabulary = read_bpe_files(vocab_bpe, encoder_json)
+    encoder = vocabulary.encoder
     tokens = sorted(encoder, key=encoder.__getitem__)
+    # The merges checked the other 50256; the file's token list needs <|endoftext|> too, last.
     if len(tokens) != GPT2_VOCAB_SIZE or encoder[tokens[-1]] != EOT_TOKEN:
         raise InvalidValueError(
             f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {GPT2_VOCAB_SIZE}"
         )
-    # vocab.bpe: a "#version" header, then one "left right" merge per line in priority order.
-    merges = [line for line in vocab_bpe.read_text(encoding="utf-8").splitlines()[1:] if line]
-    return tokens, merges
+    return tokens, vocabulary.merges
 
 
 def check_tied_head(model: torch.nn.Module) -> None:
@@ -94,13 +96,8 @@ def check_tied_head(model: torch.nn.Module) -> None:
         )
 
 
-def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
-    """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer embedded; returns
-    its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and biases stay float32 as in llama.cpp's
-    converter, and rows that do not split into q8_0's 32-value blocks fall back to f16.
-    """
-    gguf = _import_gguf()
-    model = unwrap_model(model)
+def _check_exportable(model: torch.nn.Module, dtype: str) -> GPTConfig:
+    """The config of ``model`` (unwrapped) if a GGUF file of type ``dtype`` can hold it."""
     config = getattr(model, "config", None)
     if not isinstance(config, GPTConfig):
         raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
@@ -115,8 +112,19 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         raise InvalidValueError(
             f"the model has a {config.vocab_size}-token vocabulary; a GGUF file holds GPT-2's {GPT2_VOCAB_SIZE} tokens"
         )
+    return config
+
+
+def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
+    """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer embedded; returns
+    its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and biases stay float32 as in llama.cpp's
+    converter, and rows that do not split into q8_0's 32-value blocks fall back to f16.
+    """
+    gguf = _import_gguf()
+    model = unwrap_model(model)
+    config = _check_exportable(model, dtype)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
-    file_type = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else getattr(gguf.LlamaFileType, f"MOSTLY_{dtype.upper()}")
+    file_type = getattr(gguf.LlamaFileType, _FILE_TYPES[dtype])
     tokens, merges = _vocabulary()
     path = Path(path)
 
@@ -129,21 +137,27 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         writer.add_head_count(config.n_head)
         writer.add_layer_norm_eps(config.layer_norm_epsilon)
         writer.add_file_type(file_type)
-        writer.add_tokenizer_model("gpt2")  # byte-level BPE
-        writer.add_tokenizer_pre("gpt-2")  # GPT-2's pre-tokenisation regex
+        # Byte-level BPE, with GPT-2's pre-tokenisation regex.
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
         writer.add_token_list(tokens)
         # <|endoftext|> is a control token; the other 50256 are ordinary text.
         writer.add_token_types([gguf.TokenType.NORMAL] * EOT_TOKEN + [gguf.TokenType.CONTROL])
         writer.add_token_merges(merges)
         for add_token_id in (writer.add_bos_token_id, writer.add_eos_token_id, writer.add_unk_token_id):
             add_token_id(EOT_TOKEN)
-        writer.add_add_bos_token(False)  # GPT-2 prepends nothing, as gpt2 sample does
+        # GPT-2 prepends nothing, as gpt2 sample does.
+        writer.add_add_bos_token(False)
         for name, tensor in _gguf_tensors(model, config).items():
             data = tensor.numpy()
-            kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+            # The matrices in the asked type; norms and biases stay float32.
+            kind = gguf.GGMLQuantizationType.F32
+            if data.ndim == 2:
+                kind = qtype
             try:
                 data = gguf.quants.quantize(data, kind)
-            except gguf.QuantError:  # a row length not divisible by q8_0's 32-value block
+            except gguf.QuantError:
+                # A row length that is not a multiple of q8_0's 32-value block.
                 kind = gguf.GGMLQuantizationType.F16
                 data = gguf.quants.quantize(data, kind)
             writer.add_tensor(name, data, raw_dtype=kind)

@@ -59,7 +59,9 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
         return _torch_load(d / _BIN)
     if (d / _BIN_INDEX).is_file():
         return _load_sharded(d, _BIN_INDEX, _torch_load)
-    found = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    found = []
+    if d.is_dir():
+        found = sorted(p.name for p in d.iterdir())
     raise MissingFileError(
         f"no weights in {str(d)!r}: expected {_SAFETENSORS}, {_SAFETENSORS_INDEX}, {_BIN} or {_BIN_INDEX}; "
         f"found {found}"
@@ -74,8 +76,11 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL (\S+)", str(e))  # torch names the first refused class
-        what = f"such as {found.group(1)}" if found else _first_line(e)
+        # torch names the first class it refused.
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = _first_line(e)
+        if found:
+            what = f"such as {found.group(1)}"
         target = path.with_name(_SAFETENSORS)
         raise UnsafeCheckpointError(
             f"refused to read {path}: besides tensors it holds pickled Python objects ({what}), and unpickling "
@@ -144,7 +149,9 @@ def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
         )
     if not (source / "config.json").is_file() and not _is_checkpoint_like(source):
         found = sorted(p.name for p in source.iterdir())[:10]
-        hub = f"; for the hub model {source.name!r} write its bare name" if source.name in OFFICIAL_HUB_IDS else ""
+        hub = ""
+        if source.name in OFFICIAL_HUB_IDS:
+            hub = f"; for the hub model {source.name!r} write its bare name"
         raise MissingFileError(
             f"{spec!r} holds no model: neither a transformers directory (no config.json) nor a gpt2 "
             f"checkpoint (no trainer_state.json) or run directory (no checkpoints/); found {found}{hub}"
@@ -163,7 +170,8 @@ def _is_checkpoint_like(directory: Path) -> bool:
 
 def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn.Module:
     """The model of a ``gpt2 train`` checkpoint (or a run's newest intact one), built from its recorded config."""
-    data = open_checkpoint(path, trainer_state=False)  # verified: files, header, size, finite weights
+    # Verified: its files, the safetensors header and size, finite weights.
+    data = open_checkpoint(path, trainer_state=False)
     checkpoint, model_config = data.path, data.meta.get("model_config")
     if not isinstance(model_config, dict):
         raise InvalidValueError(
@@ -190,7 +198,8 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
 
     try:
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
-    except ImportError:  # huggingface_hub < 0.22 keeps them in utils
+    except ImportError:
+        # huggingface_hub < 0.22 keeps them in utils.
         from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
 
     # Only what loading needs: the config and safetensors weights; .bin only as a fallback for
@@ -208,7 +217,8 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
             f"{repo_id!r} is no local path and the hub has no such (accessible) model repo; "
             f"check the name, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
-    except Exception as e:  # offline, DNS, proxy, timeouts: all end here
+    except Exception as e:
+        # Offline, DNS, proxy, timeouts: all end here.
         raise ConnectionError(
             f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could not be reached "
             f"({type(e).__name__}: {e}). Either download it once with network access (it is then cached under "
@@ -237,28 +247,47 @@ def from_pretrained(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
-    if not (directory / "config.json").is_file():  # a checkpoint: its own config, padding and all
+    if not (directory / "config.json").is_file():
+        # A checkpoint: built with its own config, padding and all.
         model = _from_checkpoint(directory, model_class).to(device=device, dtype=dtype)
         logger.info("loaded %s (%s parameters)", name_or_path, f"{model.num_params():,}")
         return model.eval()
-    hf_config = _read_json(directory / "config.json")
     try:
-        config = config_from_hf(hf_config, pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
+        config = config_from_hf(
+            _read_json(directory / "config.json"), pad_vocab_multiple=pad_vocab_multiple, dropout=dropout
+        )
     except (TypeError, ValueError) as e:
         raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
+    model = _from_transformers_weights(directory, config, model_class, device, dtype or torch.float32)
+    source = ""
+    if Path(str(name_or_path)).expanduser() != Path(directory):
+        source = f" from {directory}"
+    logger.info("loaded %s (%s parameters)%s", name_or_path, f"{model.num_params():,}", source)
+    return model.eval()
+
+
+def _from_transformers_weights(
+    directory: Path,
+    config: GPTConfig,
+    model_class: type[torch.nn.Module],
+    device: str | torch.device | None,
+    dtype: torch.dtype,
+) -> torch.nn.Module:
+    """``model_class(config)`` holding the weights of the ``transformers`` directory, on ``device`` in ``dtype``."""
     hf_sd = load_hf_state_dict(directory)
-    refuse_non_finite(hf_sd, f"refusing to load {directory}")  # NaN/inf weights never enter a model
+    # NaN/inf weights never enter a model.
+    refuse_non_finite(hf_sd, f"refusing to load {directory}")
     sd = hf_to_gpt_state_dict(hf_sd, config)
-    sd = {k: v.to(device=device, dtype=dtype or torch.float32) for k, v in sd.items() if k != "lm_head.weight"}
-    sd["lm_head.weight"] = sd["transformer.wte.weight"]  # tied: moved once
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if k != "lm_head.weight"}
+    # Tied: the one tensor is moved once.
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
     # Build on the meta device (no memory, no random init), then adopt the loaded tensors.
     with torch.device("meta"):
         model = model_class(config)
     model.load_state_dict(sd, strict=True, assign=True)
-    model.lm_head.weight = model.transformer.wte.weight  # assign=True made two Parameters: re-tie
-    source = "" if Path(str(name_or_path)).expanduser() == Path(directory) else f" from {directory}"
-    logger.info("loaded %s (%s parameters)%s", name_or_path, f"{model.num_params():,}", source)
-    return model.eval()
+    # assign=True made two Parameters: tie them again.
+    model.lm_head.weight = model.transformer.wte.weight
+    return model
 
 
 def save_pretrained(
@@ -278,7 +307,8 @@ def save_pretrained(
     from safetensors.torch import save
 
     inner = unwrap_model(model)
-    if not isinstance(getattr(inner, "config", None), GPTConfig):  # a gpt2.GPT (or subclass)
+    # A gpt2.GPT (or a subclass) has a GPTConfig.
+    if not isinstance(getattr(inner, "config", None), GPTConfig):
         raise TypeError(
             f"save_pretrained expects a gpt2.GPT (optionally compiled/DDP-wrapped), got {type(inner).__name__}"
         )
@@ -286,7 +316,9 @@ def save_pretrained(
     # Found before anything is written: an export without its tokenizer would load but decode
     # nothing (transformers then builds a 1-token vocabulary). A model with another vocabulary
     # size (a test toy) has no use for GPT-2's, unless asked for with tokenizer_dir.
-    bpe = bpe_files(tokenizer_dir) if tokenizer_dir or config.vocab_size == GPT2_VOCAB_SIZE else None
+    bpe = None
+    if tokenizer_dir or config.vocab_size == GPT2_VOCAB_SIZE:
+        bpe = bpe_files(tokenizer_dir)
     hf_sd = gpt_to_hf_state_dict(inner.state_dict(), config)
     # transformers re-ties lm_head to the embedding on load; safetensors refuses shared tensors.
     del hf_sd["lm_head.weight"]
@@ -299,7 +331,9 @@ def save_pretrained(
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
     # Every other weights file goes: an earlier sharded save's index would win over a new .bin on reload.
-    keep = out / (_SAFETENSORS if safe_serialization else _BIN)
+    keep = out / _BIN
+    if safe_serialization:
+        keep = out / _SAFETENSORS
     for stale in {*out.glob("model*.safetensors*"), *out.glob("pytorch_model*.bin*")} - {keep}:
         stale.unlink()
     # Each file is written under a temporary name and renamed into place, weights first: a crash
@@ -314,7 +348,8 @@ def save_pretrained(
     replace_atomically(out / "config.json", lambda f: f.write(config_text.encode("utf-8")))
     if bpe is not None:
         _write_tokenizer(*bpe, out, config)
-    else:  # an earlier export's tokenizer would be loaded with this model: removed
+    else:
+        # An earlier export's tokenizer would be loaded with this model: removed.
         for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             (out / name).unlink(missing_ok=True)
         logger.warning(

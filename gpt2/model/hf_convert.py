@@ -41,7 +41,8 @@ def _hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.n_layer):
         for name, weight in block.items():
             shapes[f"h.{i}.{name}.weight"] = weight
-            shapes[f"h.{i}.{name}.bias"] = weight[-1:]  # Conv1D's (in, out): a bias per output
+            # Conv1D's weight is (in, out): a bias per output.
+            shapes[f"h.{i}.{name}.bias"] = weight[-1:]
     return shapes
 
 
@@ -60,15 +61,15 @@ def _check_keys(
         raise CheckpointMismatchError(f"{what} does not match the model config:\n  {listed}{more}{hint}")
 
 
-def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Map a ``transformers`` GPT-2 state dict (GPT2LMHeadModel or GPT2Model keys) onto :class:`gpt2.GPT`'s.
-
-    Conv1D weights are transposed, the embedding is zero-padded to ``padded_vocab_size``,
-    ``lm_head.weight`` must equal it (GPT-2 ties them), and with ``bias=False`` the biases must
-    be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape.
-    """
+def _require_gpt_config(config: Any) -> None:
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+
+
+def _strip_hf_prefix(hf_sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """``(tensors by GPT2Model name, lm_head.weight or None)``: the ``transformer.`` prefix
+    dropped, the causal-mask buffers skipped.
+    """
     sd: dict[str, torch.Tensor] = {}
     lm_head = None
     for key, value in hf_sd.items():
@@ -82,62 +83,96 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
             raise CheckpointMismatchError(f"key {short!r} appears twice (with and without 'transformer.')")
         sd[short] = value
     if "wte.weight" not in sd and lm_head is not None:
-        sd["wte.weight"] = lm_head  # a tied checkpoint may keep the shared tensor under the head's name
-    expected = _hf_shapes(config)
+        # A tied checkpoint may keep the shared tensor under the head's name.
+        sd["wte.weight"] = lm_head
+    return sd, lm_head
+
+
+def _check_hf_head_tied(lm_head: torch.Tensor | None, wte: torch.Tensor) -> None:
+    # torch.equal is False on tensors of other shapes too.
+    if lm_head is None or lm_head is wte or torch.equal(lm_head, wte):
+        return
+    raise CheckpointMismatchError(
+        f"key 'lm_head.weight' differs from 'transformer.wte.weight' (shapes {tuple(lm_head.shape)} and "
+        f"{tuple(wte.shape)}): this checkpoint does not tie its LM head to the token embedding, which GPT-2 "
+        "(and this model) requires"
+    )
+
+
+def _hf_tensor_to_gpt(short: str, value: torch.Tensor, config: GPTConfig) -> torch.Tensor | None:
+    """One tensor in our layout (Conv1D weights transposed), or None for a zero bias that
+    ``bias=False`` drops.
+    """
+    if short.endswith(".bias") and not config.bias:
+        if bool(value.count_nonzero()):
+            raise CheckpointMismatchError(
+                f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
+            )
+        return None
+    if short.endswith(CONV1D_WEIGHTS):
+        value = value.t()
+    return value.contiguous()
+
+
+def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Map a ``transformers`` GPT-2 state dict (GPT2LMHeadModel or GPT2Model keys) onto :class:`gpt2.GPT`'s.
+
+    Conv1D weights are transposed, the embedding is zero-padded to ``padded_vocab_size``,
+    ``lm_head.weight`` must equal it (GPT-2 ties them), and with ``bias=False`` the biases must
+    be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape.
+    """
+    _require_gpt_config(config)
+    sd, lm_head = _strip_hf_prefix(hf_sd)
     _check_keys(
         sd,
-        expected,
+        _hf_shapes(config),
         "Hugging Face GPT-2 state dict",
         hint="\nIs the checkpoint a GPT-2 of this size? (config_from_hf builds the matching config)",
     )
-    wte = sd["wte.weight"]
-    if lm_head is not None and lm_head is not wte and not torch.equal(lm_head, wte):  # False on other shapes too
-        raise CheckpointMismatchError(
-            f"key 'lm_head.weight' differs from 'transformer.wte.weight' (shapes {tuple(lm_head.shape)} and "
-            f"{tuple(wte.shape)}): this checkpoint does not tie its LM head to the token embedding, which GPT-2 "
-            "(and this model) requires"
-        )
+    _check_hf_head_tied(lm_head, sd["wte.weight"])
 
     out: dict[str, torch.Tensor] = {}
     for short, value in sd.items():
-        if short.endswith(".bias") and not config.bias:
-            if bool(value.count_nonzero()):
-                raise CheckpointMismatchError(
-                    f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
-                )
-            continue
-        if short.endswith(CONV1D_WEIGHTS):
-            value = value.t()
-        out["transformer." + short] = value.contiguous()
-    if pad := config.padded_vocab_size - config.vocab_size:
+        converted = _hf_tensor_to_gpt(short, value, config)
+        if converted is not None:
+            out["transformer." + short] = converted
+    pad = config.padded_vocab_size - config.vocab_size
+    if pad:
         # Padded rows are never read (ids >= vocab_size are rejected, their logits sliced off);
         # zeros keep them inert and deterministic.
         wte = out["transformer.wte.weight"]
         out["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(pad, wte.size(1))])
-    out["lm_head.weight"] = out["transformer.wte.weight"]  # tied: one tensor under both names
+    # Tied: one tensor under both names.
+    out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
-def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Map :class:`gpt2.GPT`'s state dict onto ``transformers.GPT2LMHeadModel``'s: Conv1D weights
-    transposed, padding stripped, zero biases for ``bias=False`` (GPT2LMHeadModel always has them),
-    ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
-    """
-    if not isinstance(config, GPTConfig):
-        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
-    if parametrized := sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k}):
-        raise InvalidValueError(
-            f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}"
-            f"{' ...' if len(parametrized) > 4 else ''}: merge them into the weights first, e.g. "
-            f"minlora.merge_lora(model), then save"
-        )
-    wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
-    hint = ""
-    if wrapped:
-        hint = f"\nKeys start with {wrapped}: pass the unwrapped model's state dict (model._orig_mod for "
-        hint += "torch.compile, model.module for DDP)"
+def _refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
+    parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
+    if not parametrized:
+        return
+    more = ""
+    if len(parametrized) > 4:
+        more = " ..."
+    raise InvalidValueError(
+        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}{more}: merge them into the "
+        f"weights first, e.g. minlora.merge_lora(model), then save"
+    )
 
-    C, Vp = config.n_embd, config.padded_vocab_size
+
+def _wrapped_hint(sd: Mapping[str, torch.Tensor]) -> str:
+    """What to pass instead of a compiled or DDP model's state dict (its keys carry the wrapper's prefix)."""
+    wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
+    if not wrapped:
+        return ""
+    return (
+        f"\nKeys start with {wrapped}: pass the unwrapped model's state dict (model._orig_mod for "
+        "torch.compile, model.module for DDP)"
+    )
+
+
+def _gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of :class:`gpt2.GPT`'s state dict but the head, with its shape."""
     expected: dict[str, tuple[int, ...]] = {}
     for short, shape in _hf_shapes(config).items():
         if short.endswith(".bias") and not config.bias:
@@ -145,19 +180,43 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
         if short.endswith(CONV1D_WEIGHTS):
             shape = shape[::-1]
         expected["transformer." + short] = shape
-    expected["transformer.wte.weight"] = (Vp, C)
-    ours = dict(sd)
-    # The head and the embedding are one tensor; a state dict may carry it under either name or both.
-    if (head := ours.pop("lm_head.weight", None)) is not None:
-        wte = ours.setdefault("transformer.wte.weight", head)
-        if wte is not head and not torch.equal(wte, head):
-            raise CheckpointMismatchError(
-                "'lm_head.weight' differs from 'transformer.wte.weight': GPT-2 ties them, untied "
-                "weights cannot be exported to GPT2LMHeadModel"
-            )
-    _check_keys(ours, expected, "GPT state dict", hint=hint)
+    expected["transformer.wte.weight"] = (config.padded_vocab_size, config.n_embd)
+    return expected
 
-    out = {k: v.t().contiguous() if k.endswith(CONV1D_WEIGHTS) else v for k, v in ours.items()}
+
+def _fold_head_into_embedding(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` without ``lm_head.weight``: the head and the embedding are one tensor, which a state
+    dict may carry under either name or both.
+    """
+    ours = dict(sd)
+    head = ours.pop("lm_head.weight", None)
+    if head is None:
+        return ours
+    wte = ours.setdefault("transformer.wte.weight", head)
+    if wte is not head and not torch.equal(wte, head):
+        raise CheckpointMismatchError(
+            "'lm_head.weight' differs from 'transformer.wte.weight': GPT-2 ties them, untied "
+            "weights cannot be exported to GPT2LMHeadModel"
+        )
+    return ours
+
+
+def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Map :class:`gpt2.GPT`'s state dict onto ``transformers.GPT2LMHeadModel``'s: Conv1D weights
+    transposed, padding stripped, zero biases for ``bias=False`` (GPT2LMHeadModel always has them),
+    ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
+    """
+    _require_gpt_config(config)
+    _refuse_parametrized(sd)
+    hint = _wrapped_hint(sd)
+    ours = _fold_head_into_embedding(sd)
+    _check_keys(ours, _gpt_shapes(config), "GPT state dict", hint=hint)
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in ours.items():
+        if key.endswith(CONV1D_WEIGHTS):
+            value = value.t().contiguous()
+        out[key] = value
     out["transformer.wte.weight"] = out["transformer.wte.weight"][: config.vocab_size]
     if not config.bias:
         like = out["transformer.wte.weight"]
@@ -168,11 +227,18 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     return out
 
 
-def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
-    """A :class:`GPTConfig` from a ``transformers.GPT2Config`` or its ``config.json`` dict; architectures
-    this model does not implement are rejected with the reason. ``overrides`` set our own fields
-    (``pad_vocab_multiple``, ``dropout``, ``flash``); dropout is 0 unless given (HF's ``*_pdrop`` are ignored).
-    """
+# Flags of transformers' GPT2Config with the one value this model implements, and why.
+_FIXED_FLAGS = (
+    ("scale_attn_by_inverse_layer_idx", False, "attention scores are not scaled per layer"),
+    ("reorder_and_upcast_attn", False, "Mistral-style attention upcast is not implemented"),
+    ("scale_attn_weights", True, "attention always scales by 1/sqrt(head_dim)"),
+    ("add_cross_attention", False, "decoder-only model, no cross-attention"),
+    ("tie_word_embeddings", True, "the LM head is tied to the token embedding"),
+)
+
+
+def _hf_config_dict(hf_config: Any) -> dict[str, Any]:
+    """A GPT-2 ``config.json`` dict, with the keys every GPT-2 config has."""
     if hasattr(hf_config, "to_dict"):
         hf_config = hf_config.to_dict()
     if not isinstance(hf_config, Mapping):
@@ -184,12 +250,23 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     for key in ("n_embd", "n_layer", "n_head", "vocab_size"):
         if key not in c:
             raise InvalidValueError(f"GPT-2 config has no {key!r}; keys found: {sorted(c)}")
-    if (n_positions := c.get("n_positions", c.get("n_ctx"))) is None:
+    return c
+
+
+def _context_length(c: dict[str, Any]) -> Any:
+    """``n_positions`` (the size of wpe), else the older ``n_ctx``."""
+    n_positions = c.get("n_positions", c.get("n_ctx"))
+    if n_positions is None:
         raise InvalidValueError("GPT-2 config has neither 'n_positions' nor 'n_ctx' (the context length)")
     if c.get("n_ctx") is not None and c.get("n_positions") is not None and c["n_ctx"] != c["n_positions"]:
         logger.warning(
             "config has n_ctx=%s != n_positions=%s; using n_positions (the size of wpe)", c["n_ctx"], c["n_positions"]
         )
+    return n_positions
+
+
+def _unsupported_settings(c: dict[str, Any]) -> list[str]:
+    """Each setting of the config that this model does not implement, with the reason."""
     unsupported = []
     act = c.get("activation_function", "gelu_new")
     if act not in _TANH_GELUS:
@@ -197,16 +274,20 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     n_inner = c.get("n_inner")
     if n_inner is not None and n_inner != 4 * c["n_embd"]:
         unsupported.append(f"n_inner={n_inner} (this model's MLP is 4 * n_embd = {4 * c['n_embd']} wide)")
-    # Flags with the one value this model implements, and why.
-    for key, ours, why in (
-        ("scale_attn_by_inverse_layer_idx", False, "attention scores are not scaled per layer"),
-        ("reorder_and_upcast_attn", False, "Mistral-style attention upcast is not implemented"),
-        ("scale_attn_weights", True, "attention always scales by 1/sqrt(head_dim)"),
-        ("add_cross_attention", False, "decoder-only model, no cross-attention"),
-        ("tie_word_embeddings", True, "the LM head is tied to the token embedding"),
-    ):
+    for key, ours, why in _FIXED_FLAGS:
         if bool(c.get(key, ours)) != ours:
             unsupported.append(f"{key}={not ours} ({why})")
+    return unsupported
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
+    """A :class:`GPTConfig` from a ``transformers.GPT2Config`` or its ``config.json`` dict; architectures
+    this model does not implement are rejected with the reason. ``overrides`` set our own fields
+    (``pad_vocab_multiple``, ``dropout``, ``flash``); dropout is 0 unless given (HF's ``*_pdrop`` are ignored).
+    """
+    c = _hf_config_dict(hf_config)
+    n_positions = _context_length(c)
+    unsupported = _unsupported_settings(c)
     if unsupported:
         raise InvalidValueError("unsupported GPT-2 config: " + "; ".join(unsupported))
     fields = dict(
@@ -216,7 +297,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
         n_head=int(c["n_head"]),
         n_embd=int(c["n_embd"]),
         layer_norm_epsilon=float(c.get("layer_norm_epsilon", 1e-5)),
-        bias=True,  # GPT2LMHeadModel always has biases
+        # GPT2LMHeadModel always has biases.
+        bias=True,
         dropout=0.0,
     )
     return GPTConfig(**{**fields, **overrides})
@@ -226,17 +308,22 @@ def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
     """The ``config.json`` dict of a ``transformers.GPT2LMHeadModel`` with ``config``'s shape
     (``transformers.GPT2Config(**d)`` builds the object).
     """
-    eot = EOT_TOKEN if config.vocab_size > EOT_TOKEN else None  # BOS and EOS, if the vocabulary has it
+    # BOS and EOS, if the vocabulary has <|endoftext|>.
+    eot = None
+    if config.vocab_size > EOT_TOKEN:
+        eot = EOT_TOKEN
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
-        "vocab_size": config.vocab_size,  # the real vocabulary: padding is stripped on export
+        # The real vocabulary: padding is stripped on export.
+        "vocab_size": config.vocab_size,
         "n_positions": config.block_size,
         "n_ctx": config.block_size,
         "n_embd": config.n_embd,
         "n_layer": config.n_layer,
         "n_head": config.n_head,
-        "n_inner": None,  # None = 4 * n_embd
+        # None: 4 * n_embd.
+        "n_inner": None,
         "activation_function": "gelu_new",
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,

@@ -1,14 +1,30 @@
-"""The GPT-2 byte-level BPE tokenizer, through tiktoken, from ``GPT2_TOKENIZER_DIR`` (GPT-2's
-``vocab.bpe`` + ``encoder.json``, or Hugging Face's ``merges.txt`` + ``vocab.json``) or else
-``<cache>/gpt2-tokenizer``, where the two files are downloaded from OpenAI, sha256-checked.
+"""The GPT-2 byte-level BPE tokenizer, through tiktoken.
+
+Its two files, GPT-2's ``vocab.bpe`` and ``encoder.json``, are looked up in this order:
+
+1. ``GPT2_TOKENIZER_DIR`` (or an explicit ``tokenizer_dir``, ``--tokenizer-dir``): a folder with
+   ``vocab.bpe`` + ``encoder.json``, or Hugging Face's ``merges.txt`` + ``vocab.json``. When set,
+   it must hold them: nothing else is tried.
+2. tiktoken's cache, where ``tiktoken.get_encoding("gpt2")`` keeps the same two files under the
+   sha1 of their URL: ``TIKTOKEN_CACHE_DIR``, then ``DATA_GYM_CACHE_DIR`` (the variables tiktoken
+   reads; each where set and not empty). A file is taken only if its sha256 is GPT-2's.
+3. The project's cache, ``<cache>/gpt2-tokenizer`` (``~/.cache/gpt2`` unless ``GPT2_CACHE_DIR`` or
+   ``XDG_CACHE_HOME`` says otherwise).
+4. A download from OpenAI into the project's cache, sha256-checked.
+
+Each file is looked up on its own from step 2 on, so an offline tiktoken cache never leads to a
+download attempt.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -22,8 +38,11 @@ from gpt2.model.config import GPT2_VOCAB_SIZE
 
 __all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
 
+logger = logging.getLogger(__name__)
+
 ENDOFTEXT = "<|endoftext|>"
-EOT_TOKEN = 50256  # id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes)
+# The id of <|endoftext|>: the last of GPT-2's 50257 ids (50000 merges + 256 bytes).
+EOT_TOKEN = 50256
 
 # GPT-2's pre-tokenisation pattern, as published in openai/gpt-2 src/encoder.py: contractions,
 # letters, digits and other symbols (each optionally led by one space), then whitespace runs
@@ -36,6 +55,9 @@ BPE_SHA256 = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
 }
+
+# tiktoken's own cache folders, in the order tiktoken reads them (tiktoken/load.py).
+TIKTOKEN_CACHE_VARIABLES = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
 
 AllowedSpecial = Union[Literal["all"], Collection[str]]
 
@@ -56,9 +78,40 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
     return alphabet
 
 
-def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
-    """Mergeable ranks (token bytes -> id), rebuilt from the merge list (tiktoken needs id order ==
-    merge priority) and checked against ``encoder.json``, so a mismatched pair is caught here.
+@dataclass(frozen=True)
+class BpeVocabulary:
+    """GPT-2's two BPE files, read and checked against each other by :func:`read_bpe_files`."""
+
+    # Token bytes -> id, rebuilt from the merge list: tiktoken needs id order == merge priority.
+    ranks: dict[bytes, int]
+    # The merges in priority order, each "left right" as vocab.bpe writes it.
+    merges: list[str]
+    # encoder.json: each token (GPT-2's printable form of its bytes) -> its id.
+    encoder: dict[str, int]
+
+
+def read_bpe_files(vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike) -> BpeVocabulary:
+    """Read GPT-2's ``vocab.bpe`` (or ``merges.txt``) and ``encoder.json`` (or ``vocab.json``) and check
+    them: the merges rebuild the encoder's ids exactly, and they are GPT-2's 50257. The one reader of
+    these files: :meth:`Tokenizer.from_files` and the GGUF export use it.
+    """
+    vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
+    for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
+        if not path.is_file():
+            raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
+    vocabulary = _read_gpt2_bpe(vocab_bpe, encoder_json)
+    if len(vocabulary.ranks) != GPT2_VOCAB_SIZE - 1:
+        raise InvalidValueError(
+            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(vocabulary.ranks)} mergeable tokens; "
+            f"GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + <|endoftext|>): are these GPT-2's "
+            "files?"
+        )
+    return vocabulary
+
+
+def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> BpeVocabulary:
+    """The merges, the mergeable ranks rebuilt from them, and ``encoder.json``, checked against
+    the ranks, so a mismatched pair is caught here.
     """
     alphabet = _gpt2_byte_alphabet()
 
@@ -71,6 +124,7 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
             ) from e
 
     ranks = {bytes([b]): i for i, b in enumerate(alphabet.values())}
+    merges = []
     lines = vocab_bpe.read_text(encoding="utf-8").split("\n")
     # The first line is a version header ("#version: 0.2"); the file ends with a newline.
     for line_no, line in enumerate(lines[1:], start=2):
@@ -80,6 +134,7 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
         if len(parts) != 2:
             raise InvalidValueError(f"{str(vocab_bpe)!r} line {line_no}: expected two tokens to merge, got {line!r}")
         ranks[to_bytes(parts[0], vocab_bpe) + to_bytes(parts[1], vocab_bpe)] = len(ranks)
+        merges.append(f"{parts[0]} {parts[1]}")
 
     encoder = json.loads(encoder_json.read_text(encoding="utf-8"))
     expected = {to_bytes(token, encoder_json): i for token, i in encoder.items() if token != ENDOFTEXT}
@@ -90,7 +145,7 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> dict[bytes, int]:
             f"({len(ranks)} tokens from the merges, {len(expected)} in the encoder; first "
             f"disagreement: {bad!r}); use the vocab.bpe and encoder.json of the same GPT-2 release"
         )
-    return ranks
+    return BpeVocabulary(ranks, merges, encoder)
 
 
 def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
@@ -101,7 +156,9 @@ def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
 
     vocab_bpe, encoder_json = first("vocab.bpe", "merges.txt"), first("encoder.json", "vocab.json")
     if vocab_bpe is None or encoder_json is None:
-        found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else "no such directory"
+        found: Any = "no such directory"
+        if directory.is_dir():
+            found = sorted(p.name for p in directory.iterdir())
         raise TokenizerNotAvailableError(
             f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must contain GPT-2's "
             f"vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found {found}"
@@ -125,20 +182,10 @@ class Tokenizer:
     @classmethod
     def from_files(cls, vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike) -> Tokenizer:
         """From local GPT-2 BPE files (``vocab.bpe``/``merges.txt``, ``encoder.json``/``vocab.json``)."""
-        vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
-        for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
-            if not path.is_file():
-                raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
-        ranks = _read_gpt2_bpe(vocab_bpe, encoder_json)
-        if len(ranks) != GPT2_VOCAB_SIZE - 1:
-            raise InvalidValueError(
-                f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable tokens; GPT-2's BPE "
-                f"has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + <|endoftext|>): are these GPT-2's files?"
-            )
         encoding = tiktoken.Encoding(
             name="gpt2",
             pat_str=GPT2_PATTERN,
-            mergeable_ranks=ranks,
+            mergeable_ranks=read_bpe_files(vocab_bpe, encoder_json).ranks,
             special_tokens={ENDOFTEXT: EOT_TOKEN},
             explicit_n_vocab=GPT2_VOCAB_SIZE,
         )
@@ -203,18 +250,7 @@ class Tokenizer:
 
     def _to_ids(self, ids: Any) -> list[int]:
         if isinstance(ids, (torch.Tensor, np.ndarray)):
-            if isinstance(ids, torch.Tensor):
-                integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
-            else:
-                integer = np.issubdtype(ids.dtype, np.integer)
-            if not integer:
-                raise TypeError(f"cannot decode ids of dtype {ids.dtype}; token ids must be integers")
-            if ids.ndim > 1:
-                raise InvalidValueError(
-                    f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}; "
-                    "use decode_batch for a (B, T) batch"
-                )
-            ids = ids.tolist() if ids.ndim else [ids.item()]
+            ids = _array_to_ids(ids)
         elif isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
             ids = [int(ids)]
         elif isinstance(ids, str):
@@ -224,15 +260,33 @@ class Tokenizer:
                 ids = [int(i) for i in ids]
             except (TypeError, ValueError) as e:
                 raise TypeError(f"decode expects a sequence of integer token ids, got {ids!r:.100}") from e
-        if (bad := next((i for i in ids if not 0 <= i < self.n_vocab), None)) is not None:
-            raise InvalidValueError(
-                f"token id {bad} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
-                "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
-            )
+        for i in ids:
+            if not 0 <= i < self.n_vocab:
+                raise InvalidValueError(
+                    f"token id {i} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
+                    "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
+                )
         return ids
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.encoding.name!r}, n_vocab={self.n_vocab}, eot_token={self.eot_token})"
+
+
+def _array_to_ids(ids: torch.Tensor | np.ndarray) -> list[int]:
+    """The ids of a 0-D or 1-D integer tensor or array, as a list."""
+    if isinstance(ids, torch.Tensor):
+        integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+    else:
+        integer = np.issubdtype(ids.dtype, np.integer)
+    if not integer:
+        raise TypeError(f"cannot decode ids of dtype {ids.dtype}; token ids must be integers")
+    if ids.ndim > 1:
+        raise InvalidValueError(
+            f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}; use decode_batch for a (B, T) batch"
+        )
+    if ids.ndim == 0:
+        return [ids.item()]
+    return ids.tolist()
 
 
 def _check_text(text: Any) -> None:
@@ -254,36 +308,79 @@ def bpe_cache_dir() -> Path:
     return default_cache_dir() / "gpt2-tokenizer"
 
 
-def _cached_bpe_files() -> tuple[Path, Path]:
-    directory = bpe_cache_dir()
-    for name, sha256 in BPE_SHA256.items():
-        if not (directory / name).is_file():
-            try:
-                download(
-                    _GPT2_BPE_URL + name,
-                    directory / name,
-                    sha256=sha256,
-                    what=f"GPT-2's {name}",
-                    offline_hint="set GPT2_TOKENIZER_DIR to a folder with vocab.bpe and encoder.json (or a "
-                    "Hugging Face gpt2 folder with merges.txt and vocab.json), or copy the file to",
-                    progress=False,
-                )
-            except DownloadError as e:
-                raise TokenizerNotAvailableError(str(e)) from e
-    return directory / "vocab.bpe", directory / "encoder.json"
+def tiktoken_cache_dirs() -> list[Path]:
+    """The folders of tiktoken's cache that the environment names: ``TIKTOKEN_CACHE_DIR``, then
+    ``DATA_GYM_CACHE_DIR`` (an empty value, which turns tiktoken's cache off, names none).
+    """
+    return [Path(os.environ[name]) for name in TIKTOKEN_CACHE_VARIABLES if os.environ.get(name)]
+
+
+def tiktoken_cache_name(url: str) -> str:
+    """The name tiktoken gives the file downloaded from ``url`` in its cache: the sha1 of the URL
+    (``tiktoken.load.read_file_cached``). tiktoken has no public function that only finds a cached
+    file (``read_file_cached`` downloads a missing one), so this follows its rule.
+    """
+    return hashlib.sha1(url.encode(), usedforsecurity=False).hexdigest()
+
+
+def _has_sha256(path: Path, sha256: str) -> bool:
+    """Whether ``path`` is a file with this sha256 (a file that differs is passed over, with a warning)."""
+    if not path.is_file():
+        return False
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        logger.warning("passing over %s in tiktoken's cache: %s", path, e)
+        return False
+    if hashlib.sha256(data).hexdigest() != sha256:
+        logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
+        return False
+    return True
+
+
+def _bpe_file(name: str, sha256: str) -> Path:
+    """GPT-2's ``name`` (``vocab.bpe`` or ``encoder.json``) from tiktoken's cache, else from the
+    project's cache, downloaded there first if it is missing.
+    """
+    url = _GPT2_BPE_URL + name
+    for directory in tiktoken_cache_dirs():
+        path = directory / tiktoken_cache_name(url)
+        if _has_sha256(path, sha256):
+            return path
+    path = bpe_cache_dir() / name
+    if path.is_file():
+        return path
+    try:
+        download(
+            url,
+            path,
+            sha256=sha256,
+            what=f"GPT-2's {name}",
+            offline_hint="set GPT2_TOKENIZER_DIR to a folder with vocab.bpe and encoder.json (or a Hugging Face "
+            "gpt2 folder with merges.txt and vocab.json), or TIKTOKEN_CACHE_DIR to a tiktoken cache that holds "
+            "GPT-2's files, or copy the file to",
+            progress=False,
+        )
+    except DownloadError as e:
+        raise TokenizerNotAvailableError(str(e)) from e
+    return path
 
 
 def bpe_files(tokenizer_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """The ``(vocab.bpe, encoder.json)`` :func:`get_tokenizer` reads (and exports copy): from
-    ``tokenizer_dir`` or ``GPT2_TOKENIZER_DIR`` if set, else the cache (downloaded on first use).
+    ``tokenizer_dir`` or ``GPT2_TOKENIZER_DIR`` if set, else from the caches in the order the
+    module's docstring gives (downloaded on first use).
     """
-    tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR") or None
-    return _find_bpe_files(Path(tokenizer_dir)) if tokenizer_dir else _cached_bpe_files()
+    tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR")
+    if tokenizer_dir:
+        return _find_bpe_files(Path(tokenizer_dir))
+    return _bpe_file("vocab.bpe", BPE_SHA256["vocab.bpe"]), _bpe_file("encoder.json", BPE_SHA256["encoder.json"])
 
 
 @functools.cache
-def _load_tokenizer(tokenizer_dir: str | None, cache_dir: Path) -> Tokenizer:
-    del tokenizer_dir, cache_dir  # the cache key: bpe_files() reads the same two settings
+def _load_tokenizer(tokenizer_dir: str | None, tiktoken_dirs: tuple[Path, ...], cache_dir: Path) -> Tokenizer:
+    # The arguments are the cache key only: bpe_files() reads the same settings.
+    del tokenizer_dir, tiktoken_dirs, cache_dir
     return Tokenizer.from_files(*bpe_files())
 
 
@@ -291,4 +388,4 @@ def get_tokenizer() -> Tokenizer:
     """The shared GPT-2 tokenizer from :func:`bpe_files`, cached per source (a failure is not, so
     a fixed environment works on the next call); :class:`TokenizerNotAvailableError` otherwise.
     """
-    return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None, bpe_cache_dir())
+    return _load_tokenizer(os.environ.get("GPT2_TOKENIZER_DIR") or None, tuple(tiktoken_cache_dirs()), bpe_cache_dir())
