@@ -49,8 +49,11 @@ def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") ->
 
 def _to_uint16(ids: Any, where: str) -> np.ndarray:
     array = np.asarray(ids, dtype=np.int64)
-    if array.size and (int(array.min()) < 0 or int(array.max()) >= _UINT16_LIMIT):
-        bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
+    if not array.size:
+        return array.astype(np.uint16)
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= _UINT16_LIMIT:
+        bad = low if low < 0 else high
         raise InvalidValueError(
             f"token id {bad} in {where} does not fit uint16 (0..{_UINT16_LIMIT - 1}); uint16 "
             "shards only hold vocabularies of up to 65536 ids, such as GPT-2's 50257"
@@ -77,7 +80,8 @@ _worker_tokenizer: Any = None
 def _init_worker(tokenizer: Any) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent handles it
+    # Ctrl-C reaches the whole process group: the parent handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode_document_in_worker(doc: Any) -> np.ndarray:
@@ -131,7 +135,7 @@ class _ShardWriter:
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
-        if not isinstance(prefix, str) or not prefix or os.sep in prefix or (os.altsep and os.altsep in prefix):
+        if not _is_file_name_prefix(prefix):
             raise InvalidValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
         if file_format not in _FORMATS:
             raise InvalidValueError(
@@ -139,28 +143,40 @@ class _ShardWriter:
             )
         self.prefix, self.file_format = prefix, file_format
         self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+        if tokenizer is None:
+            tokenizer = get_tokenizer()
+        self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
-        self.existing = sorted(
-            p
-            for split in ("val", "train")
-            for suffix in _FORMATS
-            for p in self.out_dir.glob(f"{glob.escape(prefix)}_{split}_*.{suffix}")
-        )
+        self.existing = self._own_shards()
         if self.existing and not overwrite:
             raise FileExistsError(
                 f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {prefix!r} (e.g. "
                 f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
                 "directory or prefix (mixing old and new shards would corrupt the data set)"
             )
-        listed = token_files(self.out_dir) if self.out_dir.is_dir() else []
-        if others := sorted(p.name for p in listed if p not in self.existing):  # `train --data <folder>` reads all
-            logger.warning(
-                "%s also holds other shards (%s): training on the folder reads them all", out_dir, others[:3]
-            )
+        self._warn_about_other_shards()
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
+
+    def _own_shards(self) -> list[Path]:
+        """The shards of an earlier data set with this prefix, which this one replaces."""
+        return sorted(
+            p
+            for split in ("val", "train")
+            for suffix in _FORMATS
+            for p in self.out_dir.glob(f"{glob.escape(self.prefix)}_{split}_*.{suffix}")
+        )
+
+    def _warn_about_other_shards(self) -> None:
+        """`train --data <folder>` reads every shard of the folder: say when other shards are there."""
+        if not self.out_dir.is_dir():
+            return
+        others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
+        if others:
+            logger.warning(
+                "%s also holds other shards (%s): training on the folder reads them all", self.out_dir, others[:3]
+            )
 
     def __enter__(self) -> _ShardWriter:
         self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
@@ -203,9 +219,14 @@ class _ShardWriter:
                 committed = True
         finally:
             shutil.rmtree(self.stage, ignore_errors=True)
-            for path in [] if committed else self.created:  # a folder this prepare made goes again
-                with contextlib.suppress(OSError):
-                    path.rmdir()
+            if not committed:
+                self._remove_created_folders()
+
+    def _remove_created_folders(self) -> None:
+        """A failed prepare takes away the folders it made (the deepest first)."""
+        for path in self.created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
     def _commit(self) -> None:
         tok = self.tokenizer
@@ -218,9 +239,12 @@ class _ShardWriter:
         _write_json(self.stage / self.manifest.name, manifest)
         # Stands as the manifest while shards move, so a folder left by a kill -9 is refused.
         _write_json(self.stage / ".pending", {"format": MANIFEST_FORMAT, "pending": True})
-        old = self.stage / ".old"  # the replaced files, kept until the new set is in place
+        # The replaced files, kept until the new set is in place.
+        old = self.stage / ".old"
         old.mkdir()
-        moves = [(self.manifest, old / self.manifest.name)] if self.manifest.exists() else []
+        moves: list[tuple[Path, Path]] = []
+        if self.manifest.exists():
+            moves.append((self.manifest, old / self.manifest.name))
         moves += [(self.stage / ".pending", self.manifest)]
         moves += [(p, old / p.name) for p in self.existing]
         moves += [(self.stage / p.name, p) for p in self.written]
@@ -237,11 +261,43 @@ class _ShardWriter:
                 os.replace(dst, src)
             raise
         else:
-            shutil.rmtree(self.stage, ignore_errors=True)  # the replaced files; before a held signal ends us
+            # The replaced files go before a held signal ends the process.
+            shutil.rmtree(self.stage, ignore_errors=True)
         finally:
             signals.restore()
             if signals.received:
                 signal.raise_signal(signals.received)
+
+
+def _is_file_name_prefix(prefix: Any) -> bool:
+    """A non-empty string without a path separator."""
+    if not isinstance(prefix, str) or not prefix:
+        return False
+    return os.sep not in prefix and not (os.altsep and os.altsep in prefix)
+
+
+def _fixed_size_pieces(encoded: Iterable[np.ndarray], size: int, bar: Any) -> Iterator[np.ndarray]:
+    """The documents' tokens as one stream cut into pieces of exactly ``size`` tokens (the last one
+    shorter), counted on ``bar``. Each piece is a view of one buffer, valid until the next is asked for.
+    """
+    # Grown as tokens come, not allocated at ``size``: --shard-size may be huge.
+    buffer = np.empty(min(size, 1 << 22), dtype=np.uint16)
+    filled = 0
+    for tokens in encoded:
+        bar.update(len(tokens))
+        while len(tokens):
+            take = min(size - filled, len(tokens))
+            if filled + take > len(buffer):
+                # np.resize keeps the first len(buffer) tokens.
+                buffer = np.resize(buffer, min(size, max(filled + take, 2 * len(buffer))))
+            buffer[filled : filled + take] = tokens[:take]
+            filled += take
+            tokens = tokens[take:]
+            if filled == size:
+                yield buffer
+                filled = 0
+    if filled:
+        yield buffer[:filled]
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -275,11 +331,10 @@ def write_shards(
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
 
-    size = writer.shard_size
-    buffer = np.empty(min(size, 1 << 22), dtype=np.uint16)  # grown as tokens come: --shard-size may be huge
-    filled = 0
     bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S, disable=not progress)
-    pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,)) if num_workers > 0 else None
+    pool = None
+    if num_workers > 0:
+        pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,))
     try:
         with writer:
             if pool is not None:
@@ -287,21 +342,11 @@ def write_shards(
                 encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
             else:
                 encoded = (_encode_document(doc, tokenizer) for doc in docs)
-            for tokens in encoded:
-                bar.update(len(tokens))
-                while len(tokens):
-                    take = min(size - filled, len(tokens))
-                    if filled + take > len(buffer):  # np.resize keeps the first len(buffer) tokens
-                        buffer = np.resize(buffer, min(size, max(filled + take, 2 * len(buffer))))
-                    buffer[filled : filled + take] = tokens[:take]
-                    filled += take
-                    tokens = tokens[take:]
-                    if filled == size:
-                        writer.write(buffer, "train" if writer.written else "val")
-                        filled = 0
-                        bar.set_description(f"{prefix} shard {len(writer.written)}")
-            if filled:
-                writer.write(buffer[:filled], "train" if writer.written else "val")
+            for piece in _fixed_size_pieces(encoded, writer.shard_size, bar):
+                # build-nanogpt's layout: the first shard is the val split.
+                split = "train" if writer.written else "val"
+                writer.write(piece, split)
+                bar.set_description(f"{prefix} shard {len(writer.written)}")
             if not writer.written:
                 raise InvalidValueError("write_shards got no documents; docs was empty")
     finally:
@@ -335,9 +380,9 @@ def tokenize_file(
         raise InvalidValueError(
             f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}"
         )
-    writer = _ShardWriter(
-        out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format, tokenizer
-    )
+    if prefix is None:
+        prefix = path.stem
+    writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
 
     text = read_text(path)
     if not text.strip():
