@@ -13,6 +13,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,57 @@ class ShardManifestError(Gpt2Error, ValueError):
     """A shard folder that does not match its manifest: a shard missing, extra, truncated or changed."""
 
 
-def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
-    return ShardManifestError(
-        f"shard folder {str(directory)!r} does not match its manifest: {problem}; re-run `gpt2 prepare` "
-        "(or write_shards / tokenize_file) with overwrite to write the data set again"
-    )
+class DamagedManifestError(ShardManifestError):
+    """A manifest file that cannot be read as one: which shards it lists is unknown."""
+
+
+_PREPARE_AGAIN = "re-run `gpt2 prepare` (or write_shards / tokenize_file) with overwrite to write the data set again"
+# prepare replaces only the shards a manifest lists, so a manifest that lists none it can read goes by hand first.
+_DELETE_FIRST = (
+    "delete it and the shards of its prefix, then re-run `gpt2 prepare` (or write_shards / tokenize_file) "
+    "to write the data set again"
+)
+
+
+def manifest_mismatch(directory: Path, problem: str, advice: str = _PREPARE_AGAIN) -> ShardManifestError:
+    return ShardManifestError(f"shard folder {str(directory)!r} does not match its manifest: {problem}; {advice}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One ``{prefix}.shards.json``: the shards it lists, by file name. While a ``prepare`` moves its shards
+    into place a marker stands in its place (``pending``), which lists as ``moving`` every shard name it
+    may have moved in or out (None in a marker from before those were recorded).
+    """
+
+    shards: dict[str, dict[str, Any]]
+    pending: bool = False
+    moving: tuple[str, ...] | None = None
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest file ``path``, checked; :class:`DamagedManifestError` when it is not one."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if manifest.get("pending") is True:
+            moving = manifest.get("names")
+            if moving is not None:
+                moving = tuple(_shard_file_name(name) for name in moving)
+            return Manifest({}, pending=True, moving=moving)
+        shards = {
+            _shard_file_name(e["name"]): {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]}
+            for e in manifest["shards"]
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DamagedManifestError(f"{path.name} is damaged ({type(e).__name__}: {e})") from None
+    return Manifest(shards)
+
+
+def _shard_file_name(name: Any) -> str:
+    """A shard name from a manifest: a file in the manifest's own folder, never a path elsewhere."""
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+        raise ValueError(f"shard name {name!r} is not a file name")
+    return name
 
 
 def token_files(directory: Path, split: str | None = None) -> list[Path]:
@@ -118,17 +165,16 @@ def _read_manifest(directory: Path, path: Path) -> dict[str, dict[str, Any]]:
     leaves while it moves shards into place, raises :class:`ShardManifestError`.
     """
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        if manifest.get("pending") is not True:
-            return {
-                e["name"]: {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]}
-                for e in manifest["shards"]
-            }
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise manifest_mismatch(directory, f"{path.name} is damaged ({type(e).__name__}: {e})") from None
-    raise manifest_mismatch(
-        directory, f"{path.name} marks a prepare that was stopped while moving its shards into place"
-    )
+        manifest = read_manifest(path)
+    except DamagedManifestError as e:
+        raise manifest_mismatch(directory, str(e), _DELETE_FIRST) from None
+    if not manifest.pending:
+        return manifest.shards
+    problem = f"{path.name} marks a prepare that was stopped while moving its shards into place"
+    # A marker that does not say which shards it moved leaves prepare none it may replace.
+    if manifest.moving is None:
+        raise manifest_mismatch(directory, problem, _DELETE_FIRST)
+    raise manifest_mismatch(directory, problem)
 
 
 def read_text(path: str | os.PathLike) -> str:

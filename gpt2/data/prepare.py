@@ -6,17 +6,13 @@ ids fit ``uint16``, half the disk and page cache of ``int32``.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import math
 import multiprocessing
 import os
 import re
-import shutil
 import signal
-import socket
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +20,19 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, token_files, write_tokens
+from gpt2.data.formats import (
+    MANIFEST_FORMAT,
+    MANIFEST_SUFFIX,
+    DamagedManifestError,
+    ShardManifestError,
+    read_manifest,
+    read_text,
+    token_files,
+    write_tokens,
+)
+from gpt2.data.staging import StagingFolder, remove_old_stages
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
-from gpt2.files import StopSignals, pid_alive, replace_atomically
+from gpt2.files import StopSignals, replace_atomically
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 from gpt2.model.tokenizer import get_tokenizer
@@ -122,16 +128,12 @@ class ShardWriteError(Gpt2Error, OSError):
     """Writing a data set failed (disk full, no permission, ...); its folder was left as it was."""
 
 
-# A prepare stages its data set in a hidden folder .prepare-<pid>-<host>-<random> inside out_dir;
-# one whose process is gone (on this host) is the leftover of a killed prepare.
-_STAGE = re.compile(r"\.prepare-(\d+)-(.+)-\w+")
-
-
 class _ShardWriter:
     """Writes a data set whole: the numbered shards (the index runs across splits, as in
-    build-nanogpt), then their manifest, go into a hidden staging folder inside ``out_dir``, and
-    only a complete set is moved into place (the manifest last), replacing the shards of an
-    earlier run with this prefix. An error or Ctrl-C before that leaves ``out_dir`` as it was.
+    build-nanogpt), then their manifest, go into the hidden staging folder of this prefix inside
+    ``out_dir`` (:class:`~gpt2.data.staging.StagingFolder`, whose lock keeps a second prepare of the
+    prefix out), and only a complete set is moved into place (the manifest last), replacing the shards
+    the prefix's manifest lists. An error or Ctrl-C before that leaves ``out_dir`` as it was.
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
@@ -141,53 +143,89 @@ class _ShardWriter:
             raise InvalidValueError(
                 f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), got {file_format!r}"
             )
-        self.prefix, self.file_format = prefix, file_format
+        self.prefix, self.file_format, self.overwrite = prefix, file_format, overwrite
         self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
         if tokenizer is None:
             tokenizer = get_tokenizer()
         self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
-        self.existing = self._own_shards()
-        if self.existing and not overwrite:
-            raise FileExistsError(
-                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {prefix!r} (e.g. "
-                f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
-                "directory or prefix (mixing old and new shards would corrupt the data set)"
-            )
-        self._warn_about_other_shards()
+        self.staging = StagingFolder(self.out_dir, prefix)
+        self.stage = self.staging.path
+        self.existing: list[Path] = []
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
 
-    def _own_shards(self) -> list[Path]:
-        """The shards of an earlier data set with this prefix, which this one replaces."""
-        return sorted(
-            p
-            for split in ("val", "train")
-            for suffix in _FORMATS
-            for p in self.out_dir.glob(f"{glob.escape(self.prefix)}_{split}_*.{suffix}")
+    def __enter__(self) -> _ShardWriter:
+        """Lock this prefix's staging folder, then find the shards this data set replaces (refusing
+        them without ``overwrite``), all before the documents are read.
+        """
+        self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.staging.acquire()
+            self.existing = self._listed_shards()
+            self._refuse_to_replace()
+        except BaseException:
+            self._close(committed=False)
+            raise
+        self._warn_about_other_shards()
+        remove_old_stages(self.out_dir)
+        return self
+
+    def _listed_shards(self) -> list[Path]:
+        """The shards of this prefix's manifest (those still there): the only files it replaces. A
+        manifest that cannot say which they are is refused, with or without ``overwrite``.
+        """
+        if not self.manifest.exists():
+            return []
+        try:
+            manifest = read_manifest(self.manifest)
+        except DamagedManifestError as e:
+            raise self._unknown_shards(str(e)) from None
+        names: Iterable[str] = manifest.shards
+        if manifest.pending:
+            if manifest.moving is None:
+                raise self._unknown_shards(
+                    f"{self.manifest.name} marks a prepare that was stopped while moving its shards into place"
+                )
+            names = manifest.moving
+        return sorted(p for p in (self.out_dir / name for name in names) if p.is_file())
+
+    def _unknown_shards(self, problem: str) -> ShardManifestError:
+        return ShardManifestError(
+            f"{problem}, so which shards in {str(self.out_dir)!r} have prefix {self.prefix!r} is unknown; prepare "
+            "replaces only the shards a manifest lists, so it stops here, even with --overwrite (overwrite=True): "
+            f"delete {str(self.manifest)!r} and the {self.prefix!r} shards, or choose another directory or prefix"
         )
+
+    def _refuse_to_replace(self) -> None:
+        """Without ``overwrite`` an earlier data set of this prefix stays; files named as this prefix's
+        shards that its manifest does not list stay in any case (the new ones could land on them).
+        """
+        if self.existing and not self.overwrite:
+            raise FileExistsError(
+                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {self.prefix!r} (e.g. "
+                f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
+                "directory or prefix (mixing old and new shards would corrupt the data set)"
+            )
+        own_name = re.compile(rf"{re.escape(self.prefix)}_(val|train)_\d{{6,}}\.({'|'.join(_FORMATS)})")
+        unlisted = [p.name for p in token_files(self.out_dir) if own_name.fullmatch(p.name) and p not in self.existing]
+        if unlisted:
+            raise FileExistsError(
+                f"{str(self.out_dir)!r} holds {len(unlisted)} file(s) named as shards of prefix {self.prefix!r} (e.g. "
+                f"{unlisted[0]}) that no {self.manifest.name} lists (written by another tool or an older version); "
+                "prepare replaces only the shards a manifest lists, even with --overwrite (overwrite=True): move them "
+                "out, or choose another directory or prefix"
+            )
 
     def _warn_about_other_shards(self) -> None:
         """`train --data <folder>` reads every shard of the folder: say when other shards are there."""
-        if not self.out_dir.is_dir():
-            return
         others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
         if others:
             logger.warning(
                 "%s also holds other shards (%s): training on the folder reads them all", self.out_dir, others[:3]
             )
-
-    def __enter__(self) -> _ShardWriter:
-        self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        for path in self.out_dir.glob(".prepare-*"):
-            match = _STAGE.fullmatch(path.name)
-            if match and match[2] == socket.gethostname() and not pid_alive(int(match[1])):
-                logger.warning("removing %s, left by a prepare that was killed", path)
-                shutil.rmtree(path, ignore_errors=True)
-        self.stage = Path(tempfile.mkdtemp(prefix=f".prepare-{os.getpid()}-{socket.gethostname()}-", dir=self.out_dir))
-        return self
 
     def write(self, tokens: np.ndarray, split: str) -> None:
         name = shard_name(self.prefix, split, len(self.written), self.file_format)
@@ -211,19 +249,29 @@ class _ShardWriter:
             ) from e
 
     def __exit__(self, kind, error, traceback) -> None:
+        # Stop signals wait until the moves are done (or undone) and the staging folder, the lock with
+        # it, is gone: a data set is never moved in half, and no lock is left behind.
+        signals = StopSignals(force_after=math.inf)
         committed = False
         try:
             if kind is None:
+                signals.install()
                 with self._writing():
                     self._commit()
                 committed = True
         finally:
-            shutil.rmtree(self.stage, ignore_errors=True)
-            if not committed:
-                self._remove_created_folders()
+            self._close(committed)
+            signals.restore()
+            if signals.received:
+                signal.raise_signal(signals.received)
 
-    def _remove_created_folders(self) -> None:
-        """A failed prepare takes away the folders it made (the deepest first)."""
+    def _close(self, committed: bool) -> None:
+        """Remove the staging folder (the replaced files, or an unfinished set) and unlock; a failed
+        prepare also takes away the folders it made (the deepest first).
+        """
+        self.staging.release()
+        if committed:
+            return
         for path in self.created:
             with contextlib.suppress(OSError):
                 path.rmdir()
@@ -237,8 +285,10 @@ class _ShardWriter:
             "shards": self.entries,
         }
         _write_json(self.stage / self.manifest.name, manifest)
-        # Stands as the manifest while shards move, so a folder left by a kill -9 is refused.
-        _write_json(self.stage / ".pending", {"format": MANIFEST_FORMAT, "pending": True})
+        # Stands as the manifest while shards move, so a folder left by a kill -9 is refused; it
+        # names every shard on the move, so that the next prepare knows which to replace.
+        moving = sorted({p.name for p in self.existing} | {p.name for p in self.written})
+        _write_json(self.stage / ".pending", {"format": MANIFEST_FORMAT, "pending": True, "names": moving})
         # The replaced files, kept until the new set is in place.
         old = self.stage / ".old"
         old.mkdir()
@@ -250,8 +300,6 @@ class _ShardWriter:
         moves += [(self.stage / p.name, p) for p in self.written]
         moves.append((self.stage / self.manifest.name, self.manifest))
         done: list[tuple[Path, Path]] = []
-        # Stop signals wait until the moves are done (or undone): a data set is never moved in half.
-        signals = StopSignals(force_after=math.inf).install()
         try:
             for src, dst in moves:
                 os.replace(src, dst)
@@ -260,13 +308,6 @@ class _ShardWriter:
             for src, dst in reversed(done):
                 os.replace(dst, src)
             raise
-        else:
-            # The replaced files go before a held signal ends the process.
-            shutil.rmtree(self.stage, ignore_errors=True)
-        finally:
-            signals.restore()
-            if signals.received:
-                signal.raise_signal(signals.received)
 
 
 def _is_file_name_prefix(prefix: Any) -> bool:
@@ -322,8 +363,10 @@ def write_shards(
     The first shard is ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy``, the index counting
     on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``: any object with ``encode_ordinary`` and
     ``eot_token``; ``num_workers > 0`` tokenises in a process pool (same shards). The set and its manifest are written
-    whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards with the
-    same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
+    whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. The shards that
+    ``{prefix}.shards.json`` lists (an earlier data set) raise :class:`FileExistsError` unless ``overwrite=True``, which
+    replaces those and no other file; a second prepare of ``prefix`` into ``out_dir`` while this one runs raises
+    :class:`~gpt2.data.staging.PrepareLockedError`.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     tokenizer = writer.tokenizer
@@ -383,11 +426,26 @@ def tokenize_file(
     if prefix is None:
         prefix = path.stem
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
+    # The folder is locked, and an earlier data set refused, before the text is read.
+    with writer:
+        chunks = _text_file_chunks(path, writer.tokenizer, val_fraction, writer.shard_size, progress)
+        for chunk, split in tqdm(
+            chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
+        ):
+            writer.write(chunk, split)
+    return writer.written
 
+
+def _text_file_chunks(
+    path: Path, tokenizer: Any, val_fraction: float, size: int, progress: bool
+) -> list[tuple[np.ndarray, str]]:
+    """The text file's tokens as ``(shard, split)`` pieces of at most ``size`` tokens: its last
+    ``val_fraction`` the val split, the rest the train split.
+    """
     text = read_text(path)
     if not text.strip():
         raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-    tokens = _encode_text(text, writer.tokenizer, f"tokenising {path.name}", progress)
+    tokens = _encode_text(text, tokenizer, f"tokenising {path.name}", progress)
     n_val = round(len(tokens) * val_fraction)
     if val_fraction > 0 and not 0 < n_val < len(tokens):
         raise InvalidValueError(
@@ -395,12 +453,6 @@ def tokenize_file(
             f"val_fraction={val_fraction}: use a longer text or val_fraction=0"
         )
     val, train = tokens[len(tokens) - n_val :], tokens[: len(tokens) - n_val]
-    size = writer.shard_size
     chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
     chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
-    with writer:
-        for chunk, split in tqdm(
-            chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
-        ):
-            writer.write(chunk, split)
-    return writer.written
+    return chunks
