@@ -47,7 +47,8 @@ from gpt2.train.config import TrainConfig
 from gpt2.train.trainer import Trainer
 
 MODES = ("padded", "packed", "packed-causal")
-PROMPT_MEAN, RESPONSE_MEAN = 27.8, 64.6  # Alpaca's mean prompt and completion lengths (tokens)
+# Alpaca's mean prompt and completion lengths (tokens).
+PROMPT_MEAN, RESPONSE_MEAN = 27.8, 64.6
 PROMPT_SIGMA, RESPONSE_SIGMA = 0.6, 1.0
 
 
@@ -71,9 +72,12 @@ def alpaca_like_rows(n: int, seq_len: int, text: str, tokenizer, seed: int = 0) 
     rows = []
     while len(rows) < n:
         prompt, response = lognormal(PROMPT_MEAN, PROMPT_SIGMA), lognormal(RESPONSE_MEAN, RESPONSE_SIGMA)
-        has_input = rng.random() < 0.4
-        instruction = take(prompt - prompt // 2 if has_input else prompt)
-        row = (instruction, take(prompt // 2) if has_input else "", take(response), f"row {len(rows)}")
+        # About 40% of Alpaca's rows have an input; here it holds half of the prompt.
+        if rng.random() < 0.4:
+            instruction, input = take(prompt - prompt // 2), take(prompt // 2)
+        else:
+            instruction, input = take(prompt), ""
+        row = (instruction, input, take(response), f"row {len(rows)}")
         if len(tokenize_row(*row[:3], tokenizer)[0]) <= seq_len + 1:
             rows.append(row)
     return rows
@@ -115,9 +119,12 @@ def run(rows: int, seq_len: int, batch_size: int, steps: int, rounds: int, model
     for mode in MODES:
         loader = InstructionLoader(data, batch_size, seq_len, pack=mode != "padded", seed=seed, tokenizer=tokenizer)
         loaders[mode] = loader
-        train_data = _Causal(loader) if mode == "packed-causal" else loader
+        train_data = loader
+        if mode == "packed-causal":
+            train_data = _Causal(loader)
         trainers[mode] = Trainer(copy.deepcopy(base), config, train_data, sinks=[])
-        trainers[mode].train_step()  # warm-up, not timed
+        # A warm-up step, not timed.
+        trainers[mode].train_step()
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(rounds):
         for mode in MODES:

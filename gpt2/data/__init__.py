@@ -1,6 +1,6 @@
-"""Token data: Tiny Shakespeare (:mod:`.downloads`), text -> shards with a manifest (:mod:`.prepare`),
-``.npy`` / llm.c ``.bin`` token files (:mod:`.formats`), the rank-aware :class:`TokenLoader`
-(:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`).
+"""Token data: Tiny Shakespeare (:mod:`.downloads`), text -> shards with a manifest (:mod:`.prepare`, each
+prefix staged and locked by :mod:`.staging`), ``.npy`` / llm.c ``.bin`` token files (:mod:`.formats`), the rank-aware
+:class:`TokenLoader` (:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`).
 """
 
 from gpt2.data.downloads import (
@@ -20,11 +20,13 @@ from gpt2.data.formats import (
 )
 from gpt2.data.loader import TokenLoader, TokenSource
 from gpt2.data.prepare import ShardWriteError, shard_name, tokenize_file, write_shards
+from gpt2.data.staging import PrepareLockedError
 
 __all__ = [
     "TINY_SHAKESPEARE_SHA256",
     "TINY_SHAKESPEARE_URL",
     "TOKEN_SUFFIXES",
+    "PrepareLockedError",
     "ShardManifestError",
     "ShardWriteError",
     "TokenLoader",

@@ -21,7 +21,8 @@ def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the Tiny Shakespeare text: ``$GPT2_TINY_SHAKESPEARE``, else ``tinyshakespeare.txt``
     under ``cache_dir`` (default :func:`default_cache_dir`), downloaded and sha256-checked once.
     """
-    if override := os.environ.get("GPT2_TINY_SHAKESPEARE"):
+    override = os.environ.get("GPT2_TINY_SHAKESPEARE")
+    if override:
         path = Path(override).expanduser()
         if not path.is_file():
             raise MissingFileError(
@@ -29,8 +30,9 @@ def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
                 "../shared/data/tinyshakespeare.txt) or unset it to download and cache the file"
             )
         return path
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    path = cache / "tinyshakespeare.txt"
+    if cache_dir is None:
+        cache_dir = default_cache_dir()
+    path = Path(cache_dir).expanduser() / "tinyshakespeare.txt"
     if path.is_file():
         return path
     download(
@@ -46,5 +48,6 @@ def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def load_tiny_shakespeare(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None) -> str:
     """The Tiny Shakespeare text: from ``path`` if given, else :func:`tiny_shakespeare_path`."""
-    path = Path(path) if path is not None else tiny_shakespeare_path(cache_dir)
+    if path is None:
+        path = tiny_shakespeare_path(cache_dir)
     return read_text(path)

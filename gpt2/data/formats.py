@@ -13,6 +13,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,57 @@ class ShardManifestError(Gpt2Error, ValueError):
     """A shard folder that does not match its manifest: a shard missing, extra, truncated or changed."""
 
 
-def manifest_mismatch(directory: Path, problem: str) -> ShardManifestError:
-    return ShardManifestError(
-        f"shard folder {str(directory)!r} does not match its manifest: {problem}; re-run `gpt2 prepare` "
-        "(or write_shards / tokenize_file) with overwrite to write the data set again"
-    )
+class DamagedManifestError(ShardManifestError):
+    """A manifest file that cannot be read as one: which shards it lists is unknown."""
+
+
+_PREPARE_AGAIN = "re-run `gpt2 prepare` (or write_shards / tokenize_file) with overwrite to write the data set again"
+# prepare replaces only the shards a manifest lists, so a manifest that lists none it can read goes by hand first.
+_DELETE_FIRST = (
+    "delete it and the shards of its prefix, then re-run `gpt2 prepare` (or write_shards / tokenize_file) "
+    "to write the data set again"
+)
+
+
+def manifest_mismatch(directory: Path, problem: str, advice: str = _PREPARE_AGAIN) -> ShardManifestError:
+    return ShardManifestError(f"shard folder {str(directory)!r} does not match its manifest: {problem}; {advice}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One ``{prefix}.shards.json``: the shards it lists, by file name. While a ``prepare`` moves its shards
+    into place a marker stands in its place (``pending``), which lists as ``moving`` every shard name it
+    may have moved in or out (None in a marker from before those were recorded).
+    """
+
+    shards: dict[str, dict[str, Any]]
+    pending: bool = False
+    moving: tuple[str, ...] | None = None
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest file ``path``, checked; :class:`DamagedManifestError` when it is not one."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if manifest.get("pending") is True:
+            moving = manifest.get("names")
+            if moving is not None:
+                moving = tuple(_shard_file_name(name) for name in moving)
+            return Manifest({}, pending=True, moving=moving)
+        shards = {
+            _shard_file_name(e["name"]): {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]}
+            for e in manifest["shards"]
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DamagedManifestError(f"{path.name} is damaged ({type(e).__name__}: {e})") from None
+    return Manifest(shards)
+
+
+def _shard_file_name(name: Any) -> str:
+    """A shard name from a manifest: a file in the manifest's own folder, never a path elsewhere."""
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+        raise ValueError(f"shard name {name!r} is not a file name")
+    return name
 
 
 def token_files(directory: Path, split: str | None = None) -> list[Path]:
@@ -76,9 +123,13 @@ def split_of(name: str, split: str | None = None) -> str | None:
     is val, ``interval_*`` no val), else the one split it contains (``trainset.npy``); ``split``: one more word.
     """
     names = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test", split: split}
-    if words := [names[w] for w in re.findall(r"(?:^|[_.-])([a-z]+)(?=[_.\-0-9]|$)", name.lower()) if w in names]:
+    words = [names[w] for w in re.findall(r"(?:^|[_.-])([a-z]+)(?=[_.\-0-9]|$)", name.lower()) if w in names]
+    if words:
         return words[-1]
-    return loose[0] if len(loose := [s for s in ("train", "val", "test") if s in name.lower()]) == 1 else None
+    loose = [s for s in ("train", "val", "test") if s in name.lower()]
+    if len(loose) == 1:
+        return loose[0]
+    return None
 
 
 def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
@@ -86,24 +137,12 @@ def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
     cheap checks run on every call (each listed shard exists with its size, none is unlisted; the
     manifest is intact and no ``prepare`` was killed mid-move), raising :class:`ShardManifestError`.
     """
-    entries: dict[str, dict[str, Any]] | None = None
-    for path in sorted(directory.glob(f"*{MANIFEST_SUFFIX}")):
-        try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-            pending = manifest.get("pending") is True
-            shards = [] if pending else manifest["shards"]
-            listed = {
-                e["name"]: {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]} for e in shards
-            }
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise manifest_mismatch(directory, f"{path.name} is damaged ({type(e).__name__}: {e})") from None
-        if pending:
-            raise manifest_mismatch(
-                directory, f"{path.name} marks a prepare that was stopped while moving its shards into place"
-            )
-        entries = {**(entries or {}), **listed}
-    if entries is None:
+    manifests = sorted(directory.glob(f"*{MANIFEST_SUFFIX}"))
+    if not manifests:
         return None
+    entries: dict[str, dict[str, Any]] = {}
+    for path in manifests:
+        entries.update(_read_manifest(directory, path))
     for name, entry in entries.items():
         path = directory / name
         if not path.is_file():
@@ -113,11 +152,29 @@ def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
                 directory,
                 f"{name} has {path.stat().st_size} bytes, the manifest records {entry['bytes']} (truncated or changed)",
             )
-    if unlisted := [p.name for p in token_files(directory) if p.name not in entries]:
+    unlisted = [p.name for p in token_files(directory) if p.name not in entries]
+    if unlisted:
         raise manifest_mismatch(
             directory, f"{unlisted[0]} is not listed in it ({len(unlisted)} unlisted token file(s): move them out)"
         )
     return entries
+
+
+def _read_manifest(directory: Path, path: Path) -> dict[str, dict[str, Any]]:
+    """The shards one manifest lists, by file name; a damaged manifest, or the marker a ``prepare``
+    leaves while it moves shards into place, raises :class:`ShardManifestError`.
+    """
+    try:
+        manifest = read_manifest(path)
+    except DamagedManifestError as e:
+        raise manifest_mismatch(directory, str(e), _DELETE_FIRST) from None
+    if not manifest.pending:
+        return manifest.shards
+    problem = f"{path.name} marks a prepare that was stopped while moving its shards into place"
+    # A marker that does not say which shards it moved leaves prepare none it may replace.
+    if manifest.moving is None:
+        raise manifest_mismatch(directory, problem, _DELETE_FIRST)
+    raise manifest_mismatch(directory, problem)
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -141,7 +198,8 @@ def iter_jsonl(path: str | os.PathLike, *, hint: str = "") -> Iterator[tuple[int
     """``(line_number, value)`` for each non-blank line of a JSON-lines file; a malformed line (or one that is not
     UTF-8) raises ``ValueError`` naming the file and line (``hint`` is appended to that message).
     """
-    offset = 0  # byte offset of the line, for the UTF-8 error
+    # The byte offset of the line, for the UTF-8 error.
+    offset = 0
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
@@ -170,35 +228,39 @@ def write_tokens(path: str | os.PathLike, tokens: Any) -> Path:
         raise InvalidValueError(f"tokens must be a 1-D integer array, got {array.dtype} {array.shape}")
     if array.size == 0:
         raise InvalidValueError(f"no tokens to write to {str(path)!r} (a token file must not be empty)")
-    wide = int(array.max()) >= 2**16
     if int(array.min()) < 0:
         raise InvalidValueError(f"token ids must be >= 0, got {int(array.min())} (writing {str(path)!r})")
-    suffix = path.suffix.lower()
-    if suffix == ".npy":
-        if wide:
-            raise InvalidValueError(
-                f"token id {int(array.max())} does not fit a uint16 .npy shard ({str(path)!r}); "
-                "write a .bin shard, which holds uint32 ids"
-            )
-        data = array.astype(np.uint16, copy=False)
-        replace_atomically(path, lambda f: np.save(f, data, allow_pickle=False))
-    elif suffix == ".bin":
-        if len(array) >= 2**31:
-            raise InvalidValueError(f"{len(array)} tokens do not fit one .bin shard (at most 2**31 - 1)")
-        magic = BIN_MAGIC_UINT32 if wide else BIN_MAGIC_UINT16
-        version, dtype = BIN_LAYOUTS[magic]
-        header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
-        header[:3] = magic, version, len(array)
-        data = array.astype(dtype, copy=False)
-
-        def write(f) -> None:
-            f.write(header.tobytes())
-            f.write(data.tobytes())
-
-        replace_atomically(path, write)
-    else:
+    writers = {".npy": _write_npy, ".bin": _write_bin}
+    if path.suffix.lower() not in writers:
         raise InvalidValueError(f"token files end in .npy or .bin, got {str(path)!r}")
+    writers[path.suffix.lower()](path, array)
     return path
+
+
+def _write_npy(path: Path, array: np.ndarray) -> None:
+    if int(array.max()) >= 2**16:
+        raise InvalidValueError(
+            f"token id {int(array.max())} does not fit a uint16 .npy shard ({str(path)!r}); "
+            "write a .bin shard, which holds uint32 ids"
+        )
+    data = array.astype(np.uint16, copy=False)
+    replace_atomically(path, lambda f: np.save(f, data, allow_pickle=False))
+
+
+def _write_bin(path: Path, array: np.ndarray) -> None:
+    if len(array) >= 2**31:
+        raise InvalidValueError(f"{len(array)} tokens do not fit one .bin shard (at most 2**31 - 1)")
+    magic = BIN_MAGIC_UINT16 if int(array.max()) < 2**16 else BIN_MAGIC_UINT32
+    version, dtype = BIN_LAYOUTS[magic]
+    header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
+    header[:3] = magic, version, len(array)
+    data = array.astype(dtype, copy=False)
+
+    def write(f) -> None:
+        f.write(header.tobytes())
+        f.write(data.tobytes())
+
+    replace_atomically(path, write)
 
 
 def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int | None = None) -> np.ndarray:
@@ -211,31 +273,34 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"token file {str(path)!r} does not exist (or is not a file)")
-    suffix = path.suffix.lower()
-    if suffix == ".npy":
-        try:
-            tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            # Not a .npy file, a truncated one, or an object array (which needs pickle).
-            raise InvalidValueError(
-                f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
-                f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
-            ) from e
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise InvalidValueError(
-                f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype {tokens.dtype}; expected a "
-                "1-D array of integer token ids (e.g. np.save(path, ids.astype(np.uint16).reshape(-1)))"
-            )
-    elif suffix == ".bin":
-        tokens = _load_bin(path, mmap)
-    else:
+    readers = {".npy": _load_npy, ".bin": _load_bin}
+    if path.suffix.lower() not in readers:
         raise InvalidValueError(f"unsupported token file {str(path)!r}: expected a .npy array or a .bin token file")
+    tokens = readers[path.suffix.lower()](path, mmap)
     if len(tokens) == 0:
         raise InvalidValueError(
             f"token file {str(path)!r} holds no tokens; re-create it (e.g. with `gpt2 prepare`) or remove it"
         )
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, f"token file {str(path)!r}")
+    return tokens
+
+
+def _load_npy(path: Path, mmap: bool) -> np.ndarray:
+    mmap_mode = "r" if mmap else None
+    try:
+        tokens = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        # Not a .npy file, a truncated one, or an object array (which needs pickle).
+        raise InvalidValueError(
+            f"could not read token file {str(path)!r} as a .npy array (damaged, truncated or "
+            f"not a .npy file: {e}); re-create it, e.g. with `gpt2 prepare`"
+        ) from e
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise InvalidValueError(
+            f"token file {str(path)!r} holds an array of shape {tokens.shape} and dtype {tokens.dtype}; expected a "
+            "1-D array of integer token ids (e.g. np.save(path, ids.astype(np.uint16).reshape(-1)))"
+        )
     return tokens
 
 
@@ -318,7 +383,8 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
             raise InvalidValueError(f"{where} holds token id {low}; token ids must be >= 0")
     high = int(tokens.max())
     if high >= vocab_size:
-        position = int(np.argmax(np.asarray(tokens) >= vocab_size))  # only on the error path
+        # Searched for only on the error path.
+        position = int(np.argmax(np.asarray(tokens) >= vocab_size))
         raise InvalidValueError(
             f"{where} holds token id {high} (the first id out of range is at position {position}), "
             f"but the model's vocabulary has {vocab_size} ids (0..{vocab_size - 1}): tokenise the "

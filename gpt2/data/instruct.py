@@ -44,6 +44,9 @@ INPUT_BLOCK = "### Input:\n{input}\n\n"
 JSONL_SUFFIXES = (".jsonl",)
 
 _LAYOUTS = 'Alpaca rows {"instruction", "input" (optional), "output"} or {"prompt", "response"}'
+# The fields of each row layout, as (name, required).
+_ALPACA_FIELDS = (("instruction", True), ("input", False), ("output", True))
+_PROMPT_FIELDS = (("prompt", True), ("response", True))
 
 
 def is_instruction_data(data: Any) -> bool:
@@ -69,27 +72,28 @@ def parse_row(row: Any, where: str) -> tuple[str, str, str]:
     if not isinstance(row, dict):
         raise InvalidValueError(f"{where}: a row must be a JSON object ({_LAYOUTS}), got {type(row).__name__}")
     if "instruction" in row or "output" in row:
-        keys = (("instruction", True), ("input", False), ("output", True))
-    elif "prompt" in row or "response" in row:
-        keys = (("prompt", True), ("response", True))
-    else:
-        found = ", ".join(sorted(row)) or "none"
-        raise InvalidValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
-    values = []
-    for key, required in keys:
-        if required and key not in row:
-            raise InvalidValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
-        value = row.get(key)
-        if value is None and not required:  # an absent or null input is an empty one
-            value = ""
-        if not isinstance(value, str):
-            raise InvalidValueError(f"{where}: {key!r} must be a string, got {type(value).__name__} ({value!r:.40})")
-        if required and not value.strip():
-            raise InvalidValueError(f"{where}: {key!r} is empty; give it some text or drop the row")
-        values.append(value)
-    if len(values) == 2:  # prompt / response: the prompt is the instruction, no input
-        return values[0], "", values[1]
-    return values[0], values[1], values[2]
+        instruction, input, response = (_field(row, key, required, where) for key, required in _ALPACA_FIELDS)
+        return instruction, input, response
+    if "prompt" in row or "response" in row:
+        # The prompt is the instruction, with no input.
+        prompt, response = (_field(row, key, required, where) for key, required in _PROMPT_FIELDS)
+        return prompt, "", response
+    found = ", ".join(sorted(row)) or "none"
+    raise InvalidValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
+
+
+def _field(row: dict[str, Any], key: str, required: bool, where: str) -> str:
+    """One text field of a row, checked; an absent or null optional field (the input) is empty."""
+    if required and key not in row:
+        raise InvalidValueError(f"{where}: missing {key!r} ({_LAYOUTS})")
+    value = row.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidValueError(f"{where}: {key!r} must be a string, got {type(value).__name__} ({value!r:.40})")
+    if required and not value.strip():
+        raise InvalidValueError(f"{where}: {key!r} is empty; give it some text or drop the row")
+    return value
 
 
 def read_rows(path: str | Path) -> list[tuple[str, str, str, str]]:
@@ -97,7 +101,8 @@ def read_rows(path: str | Path) -> list[tuple[str, str, str, str]]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise MissingFileError(f"instruction data {str(path)!r} does not exist (a .jsonl file of {_LAYOUTS})")
-    if not (rows := [(*parse_row(row, f"{path}:{line}"), f"{path}:{line}") for line, row in iter_jsonl(path)]):
+    rows = [(*parse_row(row, f"{path}:{line}"), f"{path}:{line}") for line, row in iter_jsonl(path)]
+    if not rows:
         raise InvalidValueError(f"{path}: no rows; each line must be a JSON object ({_LAYOUTS})")
     return rows
 
@@ -118,7 +123,8 @@ def build_sequences(
     ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
     token's position within its row (trailing padding counts as one more row).
     """
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+    if tokenizer is None:
+        tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     windows: list[tuple[list[int], list[bool], list[int]]] = []
     for instruction, input, response, where in rows:
@@ -129,19 +135,23 @@ def build_sequences(
                 f"+ 1 = {seq_len + 1}); raise --seq-len (up to the model's context) or shorten the row"
             )
         if not (pack and windows and len(windows[-1][0]) + len(ids) <= seq_len + 1):
-            windows.append(([], [], []))  # a new window: a row is never split
+            # A new window: a row is never split.
+            windows.append(([], [], []))
         windows[-1][0].extend(ids)
         windows[-1][1].extend(mask)
         windows[-1][2].extend(range(len(ids)))
-    x = np.full((len(windows), seq_len), eot, dtype=np.int64)  # padding input: <|endoftext|>
+    # The padding's input is <|endoftext|>.
+    x = np.full((len(windows), seq_len), eot, dtype=np.int64)
     y = np.full((len(windows), seq_len), IGNORE_INDEX, dtype=np.int64)
     positions = np.tile(np.arange(seq_len, dtype=np.int64), (len(windows), 1))
     for i, (ids, mask, pos) in enumerate(windows):
-        n = len(ids) - 1  # positions with a next token
+        # The positions with a next token.
+        n = len(ids) - 1
         x[i, : min(n + 1, seq_len)] = ids[:seq_len]
         y[i, :n] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
         positions[i, : min(n + 1, seq_len)] = pos[:seq_len]
-        positions[i, n + 1 :] -= n + 1  # the padding: one more row, from position 0
+        # The padding after them counts as one more row, from position 0.
+        positions[i, n + 1 :] -= n + 1
     return x, y, positions
 
 
@@ -151,7 +161,8 @@ def packed_inputs(positions: torch.Tensor) -> dict[str, torch.Tensor]:
     the tokens of its own row up to itself (block-diagonal causal), the mask SDPA takes.
     """
     t = torch.arange(positions.size(1))
-    row_start = t - positions  # (B, T): where each query's row begins
+    # Where each query's row begins.
+    row_start = t - positions  # (B, T)
     key = t[None, None, :]  # (1, 1, T)
     attn_mask = (key >= row_start[:, :, None]) & (key <= t[None, :, None])  # (B, T, T)
     return {"position_ids": positions, "attn_mask": attn_mask[:, None]}
@@ -186,9 +197,13 @@ class InstructionLoader:
             raise InvalidValueError(f"rank={rank} is outside [0, world_size={world_size})")
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.pack, self.shuffle, self.seed = pack, shuffle, seed
-        tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+        if tokenizer is None:
+            tokenizer = get_tokenizer()
         self.pad_id = tokenizer.eot_token
-        rows = read_rows(source) if isinstance(source, (str, Path)) else list(source)
+        if isinstance(source, (str, Path)):
+            rows = read_rows(source)
+        else:
+            rows = list(source)
         self.num_rows = len(rows)
         if not rows:
             raise InvalidValueError("no instruction rows to load")
@@ -214,7 +229,11 @@ class InstructionLoader:
 
     def _steps_per_epoch(self) -> int:
         per_step = self.batch_size * self.world_size
-        return self.num_sequences // per_step if self.shuffle else math.ceil(self.num_sequences / per_step)
+        if self.shuffle:
+            # Training drops a last partial step.
+            return self.num_sequences // per_step
+        # Validation pads its last step, so that a pass scores every row.
+        return math.ceil(self.num_sequences / per_step)
 
     @property
     def tokens_per_step(self) -> int:
@@ -226,8 +245,9 @@ class InstructionLoader:
         return int((self.y != IGNORE_INDEX).sum())
 
     def _order_of(self, epoch: int) -> np.ndarray:
-        n = self.num_sequences
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
+        return np.arange(self.num_sequences)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict]:
         B = self.batch_size
@@ -236,11 +256,13 @@ class InstructionLoader:
         x = np.full((B, self.seq_len), self.pad_id, dtype=np.int64)
         y = np.full((B, self.seq_len), IGNORE_INDEX, dtype=np.int64)
         positions = np.tile(np.arange(self.seq_len, dtype=np.int64), (B, 1))
-        x[: len(picked)], y[: len(picked)] = self.x[picked], self.y[picked]  # the rest: all-ignored padding
+        # The rest of the batch (a last padded step) is all-ignored padding.
+        x[: len(picked)], y[: len(picked)] = self.x[picked], self.y[picked]
         positions[: len(picked)] = self.positions[picked]
         self._position += B * self.world_size
         if self._position >= self.steps_per_epoch * B * self.world_size:
-            if self.shuffle:  # an unshuffled loader stays at epoch 0, so a pass ends where it began
+            # An unshuffled loader stays at epoch 0, so that a pass ends where it began.
+            if self.shuffle:
                 self._epoch += 1
                 self._order = self._order_of(self._epoch)
             self._position = 0
@@ -276,7 +298,8 @@ def split_rows(rows: list[Any], val_fraction: float, what: str) -> tuple[list[An
         raise InvalidValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     n_val = int(round(len(rows) * val_fraction))
     if val_fraction > 0 and n_val == 0:
-        n_val = 1  # a fraction asks for validation: hold out at least one row
+        # A fraction asks for validation: hold out at least one row.
+        n_val = 1
     if n_val and n_val >= len(rows):
         raise InvalidValueError(f"{what} has {len(rows)} rows, too few to hold out --val-fraction {val_fraction}")
     return rows[: len(rows) - n_val], rows[len(rows) - n_val :]
@@ -306,7 +329,9 @@ def instruction_loaders(
         train_rows, val_rows = split_rows(rows, val_fraction, data)
     common = dict(rank=rank, world_size=world_size)
     train = InstructionLoader(train_rows, batch_size, seq_len, shuffle=True, seed=seed, pack=pack, **common)
+    if not val_rows:
+        return train, None, train_rows
     # Validation scores each row alone, as at inference, whatever --pack says: the losses of packed
     # and unpacked runs compare, and evaluation reads plain (x, y) batches.
-    val = InstructionLoader(val_rows, batch_size, seq_len, shuffle=False, **common) if val_rows else None
-    return train, val, val_rows or train_rows
+    val = InstructionLoader(val_rows, batch_size, seq_len, shuffle=False, **common)
+    return train, val, val_rows

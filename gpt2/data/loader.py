@@ -20,7 +20,8 @@ from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import POSITIVE_INT, Range, check_value
 
 logger = logging.getLogger(__name__)
-_INT = Range(integer=True)  # bounds checked where the message can say more (rank, state)
+# Any integer: the bounds are checked where the message can say more (rank, state).
+_INT = Range(integer=True)
 
 TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
 
@@ -69,15 +70,22 @@ class _Shard:
 
     def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, entry=None):
         self.name, self.path, self.array = name, path, array
-        # Opening an .npy memory map only reads its header, so measuring every shard up front is
-        # cheap and lets the constructor reject a too-short shard before training starts.
-        self.length = len(array) if array is not None else len(load_tokens(path))
-        self.checked_vocab: int | None = None  # the vocab_size its ids were last checked against
-        self.sha256 = entry["sha256"] if entry is not None else None  # None: nothing (more) to verify
-        if entry is not None and self.length != entry["tokens"]:
-            raise manifest_mismatch(
-                path.parent, f"{path.name} holds {self.length} tokens, the manifest records {entry['tokens']}"
-            )
+        if array is not None:
+            self.length = len(array)
+        else:
+            # Opening an .npy memory map only reads its header, so measuring every shard up front is
+            # cheap and lets the constructor reject a too-short shard before training starts.
+            self.length = len(load_tokens(path))
+        # The vocab_size its ids were last checked against.
+        self.checked_vocab: int | None = None
+        # The digest still to verify; None: nothing (more) to verify.
+        self.sha256: str | None = None
+        if entry is not None:
+            if self.length != entry["tokens"]:
+                raise manifest_mismatch(
+                    path.parent, f"{path.name} holds {self.length} tokens, the manifest records {entry['tokens']}"
+                )
+            self.sha256 = entry["sha256"]
 
     def open(self, vocab_size: int | None) -> np.ndarray:
         # The digest reads the whole shard, so it is checked once, when the shard is first opened
@@ -85,13 +93,31 @@ class _Shard:
         if self.sha256 is not None and sha256_file(self.path) != self.sha256:
             raise manifest_mismatch(self.path.parent, f"{self.path.name} has changed (its sha256 differs)")
         self.sha256 = None
-        tokens = self.array if self.array is not None else load_tokens(self.path)
+        tokens = self.array
+        if tokens is None:
+            tokens = load_tokens(self.path)
         # One pass over the shard (numpy on the memory map, no GPU involved), only the first
         # time it is opened for a given vocabulary.
         if vocab_size is not None and self.checked_vocab != vocab_size:
             check_token_ids(tokens, vocab_size, self.name)
             self.checked_vocab = vocab_size
         return tokens
+
+
+def _directory_shards(path: Path, split: str | None) -> list[_Shard]:
+    """The shards of a directory (of ``split``), each checked against the folder's manifest if it has one."""
+    entries = read_manifests(path)
+    if entries is None:
+        _warn_unverified(str(path))
+        entries = {}
+    files = token_files(path, split)
+    if not files:
+        what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"
+        raise MissingFileError(
+            f"no {what} in directory {str(path)!r}; write shards with "
+            "gpt2.data.write_shards or tokenize_file, or check the path and split"
+        )
+    return [_Shard(f"shard {str(p)!r}", path=p, entry=entries.get(p.name)) for p in files]
 
 
 class TokenLoader:
@@ -142,9 +168,11 @@ class TokenLoader:
                     "file is its last --val-fraction; short shards can be merged)"
                 )
         self._shard_index, self._position = 0, 0
-        self._tokens: np.ndarray | None = None  # the current shard, opened lazily
+        # The current shard, opened lazily.
+        self._tokens: np.ndarray | None = None
         self._vocab_size: int | None = None
-        self.vocab_size = vocab_size  # checks the first shard's ids now
+        # Setting it checks the first shard's ids now.
+        self.vocab_size = vocab_size
 
     @property
     def vocab_size(self) -> int | None:
@@ -157,7 +185,8 @@ class TokenLoader:
     def vocab_size(self, value: int | None) -> None:
         self._vocab_size = check_value("TokenLoader", "vocab_size", value, Range(low=1, integer=True, optional=True))
         if value is not None:
-            self._tokens = None  # reopen (and check) the current shard
+            # Reopen (and so check) the current shard.
+            self._tokens = None
             self._current()
 
     @staticmethod
@@ -177,15 +206,7 @@ class TokenLoader:
             )
         path = Path(source)
         if path.is_dir():
-            if (entries := read_manifests(path)) is None:
-                _warn_unverified(str(path))
-            if not (files := token_files(path, split)):
-                what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"
-                raise MissingFileError(
-                    f"no {what} in directory {str(path)!r}; write shards with "
-                    "gpt2.data.write_shards or tokenize_file, or check the path and split"
-                )
-            return str(path), [_Shard(f"shard {str(p)!r}", path=p, entry=(entries or {}).get(p.name)) for p in files]
+            return str(path), _directory_shards(path, split)
         if path.is_file():
             if split is not None and split not in path.name:
                 raise InvalidValueError(
@@ -231,7 +252,8 @@ class TokenLoader:
 
     def _set_shard(self, index: int) -> None:
         if index != self._shard_index:
-            self._tokens = None  # drop the old memory map; the new shard opens on first read
+            # Drop the old memory map; the new shard opens on first read.
+            self._tokens = None
         self._shard_index = index
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,14 +310,17 @@ class TokenLoader:
                 f"loader state position={position} does not fit {self._shards[shard].name}: it has {length} "
                 "tokens; was the state saved with other data?"
             )
-        if position + self.tokens_per_step + 1 > length:  # a bigger step than the saved run's: as next_batch
+        # A bigger step than the saved run's no longer fits: move on as next_batch does.
+        if position + self.tokens_per_step + 1 > length:
             logger.warning(f"a step of {self.tokens_per_step} tokens no longer fits after {position}: next shard")
             shard, position = (shard + 1) % len(self._shards), 0
         self._set_shard(shard)
         self._position = position
 
     def __repr__(self) -> str:
-        split = f", split={self.split!r}" if self.split is not None else ""
+        split = ""
+        if self.split is not None:
+            split = f", split={self.split!r}"
         return (
             f"{type(self).__name__}(source={self._source_desc!r}{split}, shards={len(self._shards)}, "
             f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, rank={self.rank}, "
@@ -317,7 +342,8 @@ def make_loader(
     :class:`TokenLoader` (a directory gives its ``split`` shards), or a ready loader, which must
     have been built with this run's ``batch_size``, ``seq_len``, ``rank`` and ``world_size``.
     """
-    if hasattr(data, "next_batch"):  # a TokenLoader (or one with its interface)
+    # A TokenLoader, or a loader with its interface.
+    if hasattr(data, "next_batch"):
         expected = {"batch_size": batch_size, "seq_len": seq_len, "rank": rank, "world_size": world_size}
         wrong = [
             f"{name}={getattr(data, name)!r} (this run needs {want!r})"
@@ -334,9 +360,16 @@ def make_loader(
             data.vocab_size = vocab_size
         return data
     if isinstance(data, (str, os.PathLike, torch.Tensor, np.ndarray)):
-        split_arg = split if isinstance(data, (str, os.PathLike)) and Path(data).is_dir() else None
+        # Only a directory has splits to choose from.
+        is_directory = isinstance(data, (str, os.PathLike)) and Path(data).is_dir()
         return TokenLoader(
-            data, batch_size, seq_len, rank=rank, world_size=world_size, split=split_arg, vocab_size=vocab_size
+            data,
+            batch_size,
+            seq_len,
+            rank=rank,
+            world_size=world_size,
+            split=split if is_directory else None,
+            vocab_size=vocab_size,
         )
     raise TypeError(
         f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "
@@ -350,17 +383,23 @@ def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torc
     at the same batch, so under DDP all ranks stop together. The loader is put back where it was
     (a training loader scored mid-run would otherwise replay its batches).
     """
-    before = loader.state_dict() if hasattr(loader, "state_dict") else None
-    if before is None and max_batches is None:
-        raise TypeError("a loader without state_dict() cannot tell where one pass ends: give max_batches")
+    if not hasattr(loader, "state_dict"):
+        if max_batches is None:
+            raise TypeError("a loader without state_dict() cannot tell where one pass ends: give max_batches")
+        loader.reset()
+        for _ in range(max_batches):
+            yield loader.next_batch()
+        return
+    before = loader.state_dict()
     loader.reset()
-    start, n = loader.state_dict() if before is not None else None, 0
+    start = loader.state_dict()
+    n = 0
     try:
         while max_batches is None or n < max_batches:
             yield loader.next_batch()
             n += 1
-            if start is not None and loader.state_dict() == start:
+            if loader.state_dict() == start:
                 return
     finally:
-        if before is not None and hasattr(loader, "load_state_dict"):
+        if hasattr(loader, "load_state_dict"):
             loader.load_state_dict(before)

@@ -6,17 +6,13 @@ ids fit ``uint16``, half the disk and page cache of ``int32``.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import math
 import multiprocessing
 import os
 import re
-import shutil
 import signal
-import socket
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +20,19 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data.formats import MANIFEST_FORMAT, MANIFEST_SUFFIX, read_text, token_files, write_tokens
+from gpt2.data.formats import (
+    MANIFEST_FORMAT,
+    MANIFEST_SUFFIX,
+    DamagedManifestError,
+    ShardManifestError,
+    read_manifest,
+    read_text,
+    token_files,
+    write_tokens,
+)
+from gpt2.data.staging import StagingFolder, remove_old_stages
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
-from gpt2.files import StopSignals, pid_alive, replace_atomically
+from gpt2.files import StopSignals, replace_atomically
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 from gpt2.model.tokenizer import get_tokenizer
@@ -49,8 +55,11 @@ def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") ->
 
 def _to_uint16(ids: Any, where: str) -> np.ndarray:
     array = np.asarray(ids, dtype=np.int64)
-    if array.size and (int(array.min()) < 0 or int(array.max()) >= _UINT16_LIMIT):
-        bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
+    if not array.size:
+        return array.astype(np.uint16)
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= _UINT16_LIMIT:
+        bad = low if low < 0 else high
         raise InvalidValueError(
             f"token id {bad} in {where} does not fit uint16 (0..{_UINT16_LIMIT - 1}); uint16 "
             "shards only hold vocabularies of up to 65536 ids, such as GPT-2's 50257"
@@ -77,7 +86,8 @@ _worker_tokenizer: Any = None
 def _init_worker(tokenizer: Any) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent handles it
+    # Ctrl-C reaches the whole process group: the parent handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode_document_in_worker(doc: Any) -> np.ndarray:
@@ -118,60 +128,104 @@ class ShardWriteError(Gpt2Error, OSError):
     """Writing a data set failed (disk full, no permission, ...); its folder was left as it was."""
 
 
-# A prepare stages its data set in a hidden folder .prepare-<pid>-<host>-<random> inside out_dir;
-# one whose process is gone (on this host) is the leftover of a killed prepare.
-_STAGE = re.compile(r"\.prepare-(\d+)-(.+)-\w+")
-
-
 class _ShardWriter:
     """Writes a data set whole: the numbered shards (the index runs across splits, as in
-    build-nanogpt), then their manifest, go into a hidden staging folder inside ``out_dir``, and
-    only a complete set is moved into place (the manifest last), replacing the shards of an
-    earlier run with this prefix. An error or Ctrl-C before that leaves ``out_dir`` as it was.
+    build-nanogpt), then their manifest, go into the hidden staging folder of this prefix inside
+    ``out_dir`` (:class:`~gpt2.data.staging.StagingFolder`, whose lock keeps a second prepare of the
+    prefix out), and only a complete set is moved into place (the manifest last), replacing the shards
+    the prefix's manifest lists. An error or Ctrl-C before that leaves ``out_dir`` as it was.
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
-        if not isinstance(prefix, str) or not prefix or os.sep in prefix or (os.altsep and os.altsep in prefix):
+        if not _is_file_name_prefix(prefix):
             raise InvalidValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
         if file_format not in _FORMATS:
             raise InvalidValueError(
                 f"file_format must be 'npy' (numpy shards) or 'bin' (llm.c's headered shards), got {file_format!r}"
             )
-        self.prefix, self.file_format = prefix, file_format
+        self.prefix, self.file_format, self.overwrite = prefix, file_format, overwrite
         self.shard_size = check_value("write_shards", "shard_size", shard_size, POSITIVE_INT)
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+        if tokenizer is None:
+            tokenizer = get_tokenizer()
+        self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
-        self.existing = sorted(
-            p
-            for split in ("val", "train")
-            for suffix in _FORMATS
-            for p in self.out_dir.glob(f"{glob.escape(prefix)}_{split}_*.{suffix}")
-        )
-        if self.existing and not overwrite:
-            raise FileExistsError(
-                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {prefix!r} (e.g. "
-                f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
-                "directory or prefix (mixing old and new shards would corrupt the data set)"
-            )
-        listed = token_files(self.out_dir) if self.out_dir.is_dir() else []
-        if others := sorted(p.name for p in listed if p not in self.existing):  # `train --data <folder>` reads all
-            logger.warning(
-                "%s also holds other shards (%s): training on the folder reads them all", out_dir, others[:3]
-            )
+        self.staging = StagingFolder(self.out_dir, prefix)
+        self.stage = self.staging.path
+        self.existing: list[Path] = []
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
 
     def __enter__(self) -> _ShardWriter:
+        """Lock this prefix's staging folder, then find the shards this data set replaces (refusing
+        them without ``overwrite``), all before the documents are read.
+        """
         self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        for path in self.out_dir.glob(".prepare-*"):
-            match = _STAGE.fullmatch(path.name)
-            if match and match[2] == socket.gethostname() and not pid_alive(int(match[1])):
-                logger.warning("removing %s, left by a prepare that was killed", path)
-                shutil.rmtree(path, ignore_errors=True)
-        self.stage = Path(tempfile.mkdtemp(prefix=f".prepare-{os.getpid()}-{socket.gethostname()}-", dir=self.out_dir))
+        try:
+            self.staging.acquire()
+            self.existing = self._listed_shards()
+            self._refuse_to_replace()
+        except BaseException:
+            self._close(committed=False)
+            raise
+        self._warn_about_other_shards()
+        remove_old_stages(self.out_dir)
         return self
+
+    def _listed_shards(self) -> list[Path]:
+        """The shards of this prefix's manifest (those still there): the only files it replaces. A
+        manifest that cannot say which they are is refused, with or without ``overwrite``.
+        """
+        if not self.manifest.exists():
+            return []
+        try:
+            manifest = read_manifest(self.manifest)
+        except DamagedManifestError as e:
+            raise self._unknown_shards(str(e)) from None
+        names: Iterable[str] = manifest.shards
+        if manifest.pending:
+            if manifest.moving is None:
+                raise self._unknown_shards(
+                    f"{self.manifest.name} marks a prepare that was stopped while moving its shards into place"
+                )
+            names = manifest.moving
+        return sorted(p for p in (self.out_dir / name for name in names) if p.is_file())
+
+    def _unknown_shards(self, problem: str) -> ShardManifestError:
+        return ShardManifestError(
+            f"{problem}, so which shards in {str(self.out_dir)!r} have prefix {self.prefix!r} is unknown; prepare "
+            "replaces only the shards a manifest lists, so it stops here, even with --overwrite (overwrite=True): "
+            f"delete {str(self.manifest)!r} and the {self.prefix!r} shards, or choose another directory or prefix"
+        )
+
+    def _refuse_to_replace(self) -> None:
+        """Without ``overwrite`` an earlier data set of this prefix stays; files named as this prefix's
+        shards that its manifest does not list stay in any case (the new ones could land on them).
+        """
+        if self.existing and not self.overwrite:
+            raise FileExistsError(
+                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {self.prefix!r} (e.g. "
+                f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
+                "directory or prefix (mixing old and new shards would corrupt the data set)"
+            )
+        own_name = re.compile(rf"{re.escape(self.prefix)}_(val|train)_\d{{6,}}\.({'|'.join(_FORMATS)})")
+        unlisted = [p.name for p in token_files(self.out_dir) if own_name.fullmatch(p.name) and p not in self.existing]
+        if unlisted:
+            raise FileExistsError(
+                f"{str(self.out_dir)!r} holds {len(unlisted)} file(s) named as shards of prefix {self.prefix!r} (e.g. "
+                f"{unlisted[0]}) that no {self.manifest.name} lists (written by another tool or an older version); "
+                "prepare replaces only the shards a manifest lists, even with --overwrite (overwrite=True): move them "
+                "out, or choose another directory or prefix"
+            )
+
+    def _warn_about_other_shards(self) -> None:
+        """`train --data <folder>` reads every shard of the folder: say when other shards are there."""
+        others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
+        if others:
+            logger.warning(
+                "%s also holds other shards (%s): training on the folder reads them all", self.out_dir, others[:3]
+            )
 
     def write(self, tokens: np.ndarray, split: str) -> None:
         name = shard_name(self.prefix, split, len(self.written), self.file_format)
@@ -195,17 +249,32 @@ class _ShardWriter:
             ) from e
 
     def __exit__(self, kind, error, traceback) -> None:
+        # Stop signals wait until the moves are done (or undone) and the staging folder, the lock with
+        # it, is gone: a data set is never moved in half, and no lock is left behind.
+        signals = StopSignals(force_after=math.inf)
         committed = False
         try:
             if kind is None:
+                signals.install()
                 with self._writing():
                     self._commit()
                 committed = True
         finally:
-            shutil.rmtree(self.stage, ignore_errors=True)
-            for path in [] if committed else self.created:  # a folder this prepare made goes again
-                with contextlib.suppress(OSError):
-                    path.rmdir()
+            self._close(committed)
+            signals.restore()
+            if signals.received:
+                signal.raise_signal(signals.received)
+
+    def _close(self, committed: bool) -> None:
+        """Remove the staging folder (the replaced files, or an unfinished set) and unlock; a failed
+        prepare also takes away the folders it made (the deepest first).
+        """
+        self.staging.release()
+        if committed:
+            return
+        for path in self.created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
     def _commit(self) -> None:
         tok = self.tokenizer
@@ -216,18 +285,21 @@ class _ShardWriter:
             "shards": self.entries,
         }
         _write_json(self.stage / self.manifest.name, manifest)
-        # Stands as the manifest while shards move, so a folder left by a kill -9 is refused.
-        _write_json(self.stage / ".pending", {"format": MANIFEST_FORMAT, "pending": True})
-        old = self.stage / ".old"  # the replaced files, kept until the new set is in place
+        # Stands as the manifest while shards move, so a folder left by a kill -9 is refused; it
+        # names every shard on the move, so that the next prepare knows which to replace.
+        moving = sorted({p.name for p in self.existing} | {p.name for p in self.written})
+        _write_json(self.stage / ".pending", {"format": MANIFEST_FORMAT, "pending": True, "names": moving})
+        # The replaced files, kept until the new set is in place.
+        old = self.stage / ".old"
         old.mkdir()
-        moves = [(self.manifest, old / self.manifest.name)] if self.manifest.exists() else []
+        moves: list[tuple[Path, Path]] = []
+        if self.manifest.exists():
+            moves.append((self.manifest, old / self.manifest.name))
         moves += [(self.stage / ".pending", self.manifest)]
         moves += [(p, old / p.name) for p in self.existing]
         moves += [(self.stage / p.name, p) for p in self.written]
         moves.append((self.stage / self.manifest.name, self.manifest))
         done: list[tuple[Path, Path]] = []
-        # Stop signals wait until the moves are done (or undone): a data set is never moved in half.
-        signals = StopSignals(force_after=math.inf).install()
         try:
             for src, dst in moves:
                 os.replace(src, dst)
@@ -236,12 +308,37 @@ class _ShardWriter:
             for src, dst in reversed(done):
                 os.replace(dst, src)
             raise
-        else:
-            shutil.rmtree(self.stage, ignore_errors=True)  # the replaced files; before a held signal ends us
-        finally:
-            signals.restore()
-            if signals.received:
-                signal.raise_signal(signals.received)
+
+
+def _is_file_name_prefix(prefix: Any) -> bool:
+    """A non-empty string without a path separator."""
+    if not isinstance(prefix, str) or not prefix:
+        return False
+    return os.sep not in prefix and not (os.altsep and os.altsep in prefix)
+
+
+def _fixed_size_pieces(encoded: Iterable[np.ndarray], size: int, bar: Any) -> Iterator[np.ndarray]:
+    """The documents' tokens as one stream cut into pieces of exactly ``size`` tokens (the last one
+    shorter), counted on ``bar``. Each piece is a view of one buffer, valid until the next is asked for.
+    """
+    # Grown as tokens come, not allocated at ``size``: --shard-size may be huge.
+    buffer = np.empty(min(size, 1 << 22), dtype=np.uint16)
+    filled = 0
+    for tokens in encoded:
+        bar.update(len(tokens))
+        while len(tokens):
+            take = min(size - filled, len(tokens))
+            if filled + take > len(buffer):
+                # np.resize keeps the first len(buffer) tokens.
+                buffer = np.resize(buffer, min(size, max(filled + take, 2 * len(buffer))))
+            buffer[filled : filled + take] = tokens[:take]
+            filled += take
+            tokens = tokens[take:]
+            if filled == size:
+                yield buffer
+                filled = 0
+    if filled:
+        yield buffer[:filled]
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -266,8 +363,10 @@ def write_shards(
     The first shard is ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy``, the index counting
     on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``: any object with ``encode_ordinary`` and
     ``eot_token``; ``num_workers > 0`` tokenises in a process pool (same shards). The set and its manifest are written
-    whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. Shards with the
-    same prefix raise :class:`FileExistsError` unless ``overwrite=True``.
+    whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. The shards that
+    ``{prefix}.shards.json`` lists (an earlier data set) raise :class:`FileExistsError` unless ``overwrite=True``, which
+    replaces those and no other file; a second prepare of ``prefix`` into ``out_dir`` while this one runs raises
+    :class:`~gpt2.data.staging.PrepareLockedError`.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     tokenizer = writer.tokenizer
@@ -275,11 +374,10 @@ def write_shards(
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
 
-    size = writer.shard_size
-    buffer = np.empty(min(size, 1 << 22), dtype=np.uint16)  # grown as tokens come: --shard-size may be huge
-    filled = 0
     bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S, disable=not progress)
-    pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,)) if num_workers > 0 else None
+    pool = None
+    if num_workers > 0:
+        pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,))
     try:
         with writer:
             if pool is not None:
@@ -287,21 +385,11 @@ def write_shards(
                 encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
             else:
                 encoded = (_encode_document(doc, tokenizer) for doc in docs)
-            for tokens in encoded:
-                bar.update(len(tokens))
-                while len(tokens):
-                    take = min(size - filled, len(tokens))
-                    if filled + take > len(buffer):  # np.resize keeps the first len(buffer) tokens
-                        buffer = np.resize(buffer, min(size, max(filled + take, 2 * len(buffer))))
-                    buffer[filled : filled + take] = tokens[:take]
-                    filled += take
-                    tokens = tokens[take:]
-                    if filled == size:
-                        writer.write(buffer, "train" if writer.written else "val")
-                        filled = 0
-                        bar.set_description(f"{prefix} shard {len(writer.written)}")
-            if filled:
-                writer.write(buffer[:filled], "train" if writer.written else "val")
+            for piece in _fixed_size_pieces(encoded, writer.shard_size, bar):
+                # build-nanogpt's layout: the first shard is the val split.
+                split = "train" if writer.written else "val"
+                writer.write(piece, split)
+                bar.set_description(f"{prefix} shard {len(writer.written)}")
             if not writer.written:
                 raise InvalidValueError("write_shards got no documents; docs was empty")
     finally:
@@ -335,14 +423,29 @@ def tokenize_file(
         raise InvalidValueError(
             f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}"
         )
-    writer = _ShardWriter(
-        out_dir, prefix if prefix is not None else path.stem, shard_size, overwrite, file_format, tokenizer
-    )
+    if prefix is None:
+        prefix = path.stem
+    writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
+    # The folder is locked, and an earlier data set refused, before the text is read.
+    with writer:
+        chunks = _text_file_chunks(path, writer.tokenizer, val_fraction, writer.shard_size, progress)
+        for chunk, split in tqdm(
+            chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
+        ):
+            writer.write(chunk, split)
+    return writer.written
 
+
+def _text_file_chunks(
+    path: Path, tokenizer: Any, val_fraction: float, size: int, progress: bool
+) -> list[tuple[np.ndarray, str]]:
+    """The text file's tokens as ``(shard, split)`` pieces of at most ``size`` tokens: its last
+    ``val_fraction`` the val split, the rest the train split.
+    """
     text = read_text(path)
     if not text.strip():
         raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-    tokens = _encode_text(text, writer.tokenizer, f"tokenising {path.name}", progress)
+    tokens = _encode_text(text, tokenizer, f"tokenising {path.name}", progress)
     n_val = round(len(tokens) * val_fraction)
     if val_fraction > 0 and not 0 < n_val < len(tokens):
         raise InvalidValueError(
@@ -350,12 +453,6 @@ def tokenize_file(
             f"val_fraction={val_fraction}: use a longer text or val_fraction=0"
         )
     val, train = tokens[len(tokens) - n_val :], tokens[: len(tokens) - n_val]
-    size = writer.shard_size
     chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
     chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
-    with writer:
-        for chunk, split in tqdm(
-            chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
-        ):
-            writer.write(chunk, split)
-    return writer.written
+    return chunks

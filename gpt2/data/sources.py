@@ -36,8 +36,9 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory).
     """
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
-    # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused
+    if tokenizer is None:
+        tokenizer = get_tokenizer()
+    # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused.
     return _encode_text(read_text(path), tokenizer, str(path), progress=False)
 
 
@@ -48,7 +49,9 @@ def load_token_source(data: str) -> Any:
     path = shakespeare_or_path(data)
     if path.is_dir():
         return path
-    return np.asarray(load_tokens(path)) if path.suffix.lower() in TOKEN_SUFFIXES else text_tokens(path)
+    if path.suffix.lower() in TOKEN_SUFFIXES:
+        return np.asarray(load_tokens(path))
+    return text_tokens(path)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -72,6 +75,9 @@ def training_data(data: str, val_data: str | None, val_fraction: float) -> tuple
     source = load_token_source(data)
     if val_data is not None:
         return source, load_token_source(val_data)
-    if isinstance(source, Path):  # a directory of shards
-        return source, source if token_files(source, "val") else None
-    return split_tokens(source, val_fraction, data)
+    if not isinstance(source, Path):
+        return split_tokens(source, val_fraction, data)
+    # A directory of shards: its val shards validate, when it has any.
+    if token_files(source, "val"):
+        return source, source
+    return source, None
