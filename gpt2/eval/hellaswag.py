@@ -44,24 +44,13 @@ def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None 
     if split not in HELLASWAG_URLS:
         raise InvalidValueError(f"unknown HellaSwag split {split!r}; choose one of {sorted(HELLASWAG_URLS)}")
     filename = f"hellaswag_{split}.jsonl"
-    if override := os.environ.get(HELLASWAG_ENV):
-        p = Path(override).expanduser()
-        if p.is_file():
-            if split != "val":
-                raise InvalidValueError(
-                    f"${HELLASWAG_ENV}={override} is a file, used for the val split only; for the "
-                    f"{split!r} split point ${HELLASWAG_ENV} at a directory holding {filename}"
-                )
-            return p
-        if not p.is_dir():
-            raise MissingFileError(
-                f"${HELLASWAG_ENV}={override} does not exist; point it at hellaswag_val.jsonl or at "
-                f"a directory for the HellaSwag files, or unset it to use the download cache"
-            )
-        directory = p
+    override = os.environ.get(HELLASWAG_ENV)
+    if override:
+        path = _path_from_env(override, split, filename)
+    elif cache_dir is not None:
+        path = Path(cache_dir).expanduser() / filename
     else:
-        directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir() / "hellaswag"
-    path = directory / filename
+        path = default_cache_dir() / "hellaswag" / filename
     if path.is_file():
         return path
     download(
@@ -74,6 +63,24 @@ def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None 
     return path
 
 
+def _path_from_env(override: str, split: str, filename: str) -> Path:
+    """``$GPT2_HELLASWAG``'s val file, or ``filename`` in its directory."""
+    p = Path(override).expanduser()
+    if p.is_file():
+        if split != "val":
+            raise InvalidValueError(
+                f"${HELLASWAG_ENV}={override} is a file, used for the val split only; for the "
+                f"{split!r} split point ${HELLASWAG_ENV} at a directory holding {filename}"
+            )
+        return p
+    if not p.is_dir():
+        raise MissingFileError(
+            f"${HELLASWAG_ENV}={override} does not exist; point it at hellaswag_val.jsonl or at "
+            f"a directory for the HellaSwag files, or unset it to use the download cache"
+        )
+    return p / filename
+
+
 def _validate_hellaswag(data: bytes) -> None:
     """A proxy or captive portal can answer with HTML: refuse to cache what is not HellaSwag."""
     first = data.split(b"\n", 1)[0]
@@ -84,29 +91,43 @@ def _validate_hellaswag(data: bytes) -> None:
 
 
 def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
+    """``example`` if it is a HellaSwag example (``where:line`` names it in the error otherwise)."""
+    at = f"{where}:{line}"
     if not isinstance(example, dict):
-        raise InvalidValueError(f"{where}:{line}: expected a JSON object, got {type(example).__name__}")
+        raise InvalidValueError(f"{at}: expected a JSON object, got {type(example).__name__}")
+    _check_endings(example, at)
+    _check_context(example, at)
+    _check_label(example, at)
+    return example
+
+
+def _check_endings(example: dict[str, Any], at: str) -> None:
     endings = example.get("endings")
     if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
         raise InvalidValueError(
-            f"{where}:{line}: 'endings' must be a list of at least 2 strings (HellaSwag has 4), got {endings!r}"
+            f"{at}: 'endings' must be a list of at least 2 strings (HellaSwag has 4), got {endings!r}"
         )
+
+
+def _check_context(example: dict[str, Any], at: str) -> None:
+    """A ``ctx`` string, or ``ctx_a`` and ``ctx_b`` strings (``ctx_b`` may be missing or empty)."""
     ctx_a, ctx_b = example.get("ctx_a"), example.get("ctx_b") or ""
     if not isinstance(example.get("ctx"), str) and not (isinstance(ctx_a, str) and isinstance(ctx_b, str)):
         raise InvalidValueError(
-            f"{where}:{line}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b' strings); "
+            f"{at}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b' strings); "
             f"keys present: {sorted(example)}"
         )
-    if (label := example.get("label")) is None or label == "":
-        raise InvalidValueError(
-            f"{where}:{line}: no label (the official test split is unlabelled): score the val split"
-        )
-    valid = type(label) is int or isinstance(label, str) and label.isdigit()  # HF's copy: "1"; not True, not 1.9
-    if not valid or not 0 <= int(label) < len(endings):
-        raise InvalidValueError(
-            f"{where}:{line}: 'label' must be an ending's index (0 to {len(endings) - 1}), got {label!r}"
-        )
-    return example
+
+
+def _check_label(example: dict[str, Any], at: str) -> None:
+    """The index of an ending, as an int or (HF's copy) a string of digits: "1"; not True, not 1.9."""
+    label = example.get("label")
+    if label is None or label == "":
+        raise InvalidValueError(f"{at}: no label (the official test split is unlabelled): score the val split")
+    n_endings = len(example["endings"])
+    valid = type(label) is int or isinstance(label, str) and label.isdigit()
+    if not valid or not 0 <= int(label) < n_endings:
+        raise InvalidValueError(f"{at}: 'label' must be an ending's index (0 to {n_endings - 1}), got {label!r}")
 
 
 def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
@@ -127,7 +148,9 @@ def _context(example: dict[str, Any]) -> str:
     if isinstance(example.get("ctx"), str):
         return example["ctx"]
     # The official files: ctx == ctx_a + " " + ctx_b when ctx_b is non-empty.
-    return example["ctx_a"] + (" " + example["ctx_b"] if example.get("ctx_b") else "")
+    if example.get("ctx_b"):
+        return example["ctx_a"] + " " + example["ctx_b"]
+    return example["ctx_a"]
 
 
 def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -135,9 +158,17 @@ def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torc
     (1 on the ending tokens, the only ones scored) and the label of one example. Endings are
     encoded with a leading space, as they follow the context's last word in GPT-2's BPE.
     """
-    label = int(_check_example(example, "example", 0)["label"])
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
-    if not (ctx_tokens := list(tokenizer.encode(_context(example)))):
+    _check_example(example, "example", 0)
+    return _render_checked(example, tokenizer)
+
+
+def _render_checked(example: dict[str, Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`render_example` of an example already checked."""
+    label = int(example["label"])
+    if tokenizer is None:
+        tokenizer = get_tokenizer()
+    ctx_tokens = list(tokenizer.encode(_context(example)))
+    if not ctx_tokens:
         raise InvalidValueError("HellaSwag example has an empty context: nothing to condition the endings on")
     rows, masks = [], []
     for ending in example["endings"]:
@@ -160,7 +191,8 @@ def ending_losses(
     if block_size is not None and tokens.size(1) > block_size:
         drop = tokens.size(1) - block_size
         first_ending = int(mask.argmax(dim=1).min())
-        if drop >= first_ending:  # we would lose the token that predicts the first ending token
+        # Cropping would lose the token that predicts the first ending token.
+        if drop >= first_ending:
             raise InvalidValueError(
                 f"a HellaSwag ending is too long for the model's context (block_size={block_size}, "
                 f"row length {tokens.size(1)}, context length {first_ending})"
@@ -203,33 +235,17 @@ def score_hellaswag(
     ``limit`` scores only the first examples. With ``world_size > 1`` (under ``torch.distributed``) rank ``r`` scores
     examples ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns the full result.
     """
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InvalidValueError(f"limit must be a positive integer or None, got {limit!r}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise InvalidValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-    if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
+    _check_limit_and_share(limit, rank, world_size)
     if device is not None:
         model = model.to(device)
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
-    examples = path_or_examples
-    if isinstance(examples, (str, os.PathLike)):
-        examples = iterate_hellaswag(examples)
-    was_training = model.training
-    model.eval()
-    # counts: correct (sum), correct (mean), examples
-    counts = torch.zeros(3, dtype=torch.long)
-    try:
-        for i, example in enumerate(itertools.islice(examples, limit)):
-            if i % world_size != rank:
-                continue
-            tokens, mask, label = render_example(example, tokenizer)
-            sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
-            counts[0] += int(sum_loss.argmin()) == label
-            counts[1] += int(mean_loss.argmin()) == label
-            counts[2] += 1
-    finally:
-        model.train(was_training)
+    if tokenizer is None:
+        tokenizer = get_tokenizer()
+    if isinstance(path_or_examples, (str, os.PathLike)):
+        # The file reader checks each example, naming its line.
+        examples = iterate_hellaswag(path_or_examples)
+    else:
+        examples = (_check_example(example, "example", 0) for example in path_or_examples)
+    counts = _count_correct(model, itertools.islice(examples, limit), tokenizer, autocast, rank, world_size)
     if world_size > 1:
         counts = counts.to(_model_device(model))
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
@@ -237,6 +253,43 @@ def score_hellaswag(
     if n == 0:
         raise InvalidValueError("no HellaSwag example was scored: the file or iterable is empty")
     return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
+
+
+def _check_limit_and_share(limit: int | None, rank: int, world_size: int) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidValueError(f"limit must be a positive integer or None, got {limit!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+    if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
+
+
+def _count_correct(
+    model: nn.Module,
+    examples: Iterable[dict[str, Any]],
+    tokenizer: Any,
+    autocast: AutocastArg,
+    rank: int,
+    world_size: int,
+) -> torch.Tensor:
+    """``[correct by summed loss, correct by mean loss, examples]`` over this rank's share of ``examples``
+    (checked ones; every ``world_size``-th from ``rank``), the model in eval mode meanwhile.
+    """
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(3, dtype=torch.long)
+    try:
+        for i, example in enumerate(examples):
+            if i % world_size != rank:
+                continue
+            tokens, mask, label = _render_checked(example, tokenizer)
+            sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
+            counts[0] += int(sum_loss.argmin()) == label
+            counts[1] += int(mean_loss.argmin()) == label
+            counts[2] += 1
+    finally:
+        model.train(was_training)
+    return counts
 
 
 def resolve_hellaswag(spec: str | None) -> Path | None:
@@ -247,7 +300,8 @@ def resolve_hellaswag(spec: str | None) -> Path | None:
     path = Path(spec).expanduser()
     if not path.is_file():
         raise MissingFileError(f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it")
-    for _ in iterate_hellaswag(path):  # every row now: a bad one would stop training at its first score
+    # Every row now: a bad one would stop training at its first score.
+    for _ in iterate_hellaswag(path):
         pass
     return path
 
@@ -263,7 +317,8 @@ class HellaSwagCallback:
         self.last: dict[str, Any] | None = None
 
     def __call__(self, trainer: Any, record: dict[str, Any]) -> None:
-        if trainer.due(self.interval):  # the Trainer's rule for evaluations and checkpoints
+        # The Trainer's rule for evaluations and checkpoints.
+        if trainer.due(self.interval):
             result = self.score(trainer)
             record.update(hellaswag_acc=result["acc"], hellaswag_acc_norm=result["acc_norm"], hellaswag_n=result["n"])
 
@@ -281,8 +336,9 @@ class HellaSwagCallback:
             world_size=env.world_size,
         )
         self.last = {"step": trainer.step, **result}
+        # Logging, not print: the command line shows it above the progress bar.
         if trainer.is_main:
-            logger.info(  # logging, not print: the command line shows it above the progress bar
+            logger.info(
                 f"step {trainer.step} | hellaswag acc_norm {result['acc_norm']:.4f} | acc {result['acc']:.4f} | "
                 f"{result['n']} examples | {time.time() - start:.1f} s"
             )

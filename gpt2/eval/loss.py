@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ContextManager, Union
 
 import torch
@@ -95,57 +95,20 @@ def evaluate_loss(
     ``r, r + world_size, ...`` and the sums are all-reduced, so every rank returns the one-process result. A loader
     built for this rank and world size is read whole by its rank (``max_batches`` then counts per rank).
     """
-    if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
-        raise InvalidValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
-    rank, world_size = 0, 1
-    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    per_rank = world_size > 1 and getattr(data, "world_size", 1) == world_size  # this rank's share already
-    if world_size > 1 and not per_rank and getattr(data, "world_size", 1) != 1:
-        raise InvalidValueError(
-            "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
-            "token file, a one-process TokenLoader (world_size=1) or one built for this rank and world size"
-        )
-    device = torch.device(device) if device is not None else _model_device(model)
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    loader = data
-    if (sizes := (getattr(data, "batch_size", batch_size), getattr(data, "seq_len", seq_len))) != (batch_size, seq_len):
-        raise InvalidValueError(
-            f"the loader reads batches of {sizes[0]} x {sizes[1]}, not {batch_size} x {seq_len}: build it so"
-        )
-    if not hasattr(data, "next_batch"):  # ids checked against the vocabulary on the CPU (forward never syncs to)
-        loader = TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
+    _check_max_batches(max_batches)
+    rank, world_size = _rank_and_world_size(distributed)
+    per_rank = _is_per_rank(data, world_size)
+    if device is not None:
+        device = torch.device(device)
+    else:
+        device = _model_device(model)
+    loader = _eval_loader(model, data, batch_size, seq_len, split)
     batches = one_pass(loader, max_batches)
     if progress:
-        known = [n for n in (max_batches, getattr(loader, "batches_per_pass", None)) if n]  # the bar's total
-        batches = tqdm(
-            batches, total=min(known, default=None), desc="eval", unit="batch", dynamic_ncols=True, leave=False
-        )
-    was_training = model.training
-    model.eval()
-    # [summed loss, scored tokens]: float64 so a long pass loses no precision, one tensor so the
-    # ranks combine both in one all-reduce.
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    seen = 0  # batches in the sequence (all ranks' shares)
-    try:
-        for i, (x, y) in enumerate(batches):
-            seen += 1
-            if not per_rank and i % world_size != rank:
-                continue  # another rank's share
-            x, y = x.to(device), y.to(device)
-            with _autocast_context(autocast, device):
-                logits = _logits(model(x)).float()
-            # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
-            # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
-            # scored and not counted, so the mean is over the scored tokens only.
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-            sums[0] += loss.double()
-            sums[1] += (y != IGNORE_INDEX).sum()
-    finally:
-        model.train(was_training)
-    if world_size > 1:
-        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
-    total, n_tokens = sums[0].item(), int(sums[1])
+        batches = _progress_bar(batches, loader, max_batches)
+    total, n_tokens, seen = _summed_loss(
+        model, batches, device, autocast, rank=rank, world_size=world_size, per_rank=per_rank
+    )
     if n_tokens == 0:
         raise InvalidValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
     if warn_short and max_batches is not None and seen < max_batches and rank == 0:
@@ -153,6 +116,112 @@ def evaluate_loss(
             f"the evaluation data holds only {seen} batches of {batch_size} x {seq_len} tokens; scored those "
             f"{seen} once instead of max_batches={max_batches} (no batch is read twice)"
         )
+    mean = _finite_mean(total, n_tokens, source)
+    return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
+
+
+def _check_max_batches(max_batches: int | None) -> None:
+    if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
+        raise InvalidValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
+
+
+def _rank_and_world_size(distributed: bool) -> tuple[int, int]:
+    """This process's rank and the world size under ``distributed=True`` in a process group, else ``(0, 1)``."""
+    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _is_per_rank(data: Any, world_size: int) -> bool:
+    """Whether ``data`` is a loader built for this rank and world size (this rank's share already); under
+    ``distributed=True`` any other loader must be a one-process one.
+    """
+    if world_size == 1:
+        return False
+    data_world_size = getattr(data, "world_size", 1)
+    if data_world_size == world_size:
+        return True
+    if data_world_size != 1:
+        raise InvalidValueError(
+            "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
+            "token file, a one-process TokenLoader (world_size=1) or one built for this rank and world size"
+        )
+    return False
+
+
+def _eval_loader(model: nn.Module, data: Any, batch_size: int, seq_len: int, split: str | None) -> Any:
+    """``data`` itself if it is a loader (of ``batch_size`` x ``seq_len`` batches), else a
+    :class:`TokenLoader` of it.
+    """
+    sizes = (getattr(data, "batch_size", batch_size), getattr(data, "seq_len", seq_len))
+    if sizes != (batch_size, seq_len):
+        raise InvalidValueError(
+            f"the loader reads batches of {sizes[0]} x {sizes[1]}, not {batch_size} x {seq_len}: build it so"
+        )
+    if hasattr(data, "next_batch"):
+        return data
+    # Ids are checked against the vocabulary on the CPU (the forward never syncs to).
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
+
+
+def _progress_bar(batches: Iterator[Any], loader: Any, max_batches: int | None) -> Iterator[Any]:
+    # The bar's total: the fewer of max_batches and the loader's batches in one pass, where known.
+    known = [n for n in (max_batches, getattr(loader, "batches_per_pass", None)) if n]
+    return tqdm(batches, total=min(known, default=None), desc="eval", unit="batch", dynamic_ncols=True, leave=False)
+
+
+def _summed_loss(
+    model: nn.Module,
+    batches: Iterable[Any],
+    device: torch.device,
+    autocast: AutocastArg,
+    *,
+    rank: int,
+    world_size: int,
+    per_rank: bool,
+) -> tuple[float, int, int]:
+    """``(summed loss, scored tokens, batches seen)`` over all ranks, the model in eval mode meanwhile.
+    Rank ``r`` scores batches ``r, r + world_size, ...``, or all of them when ``per_rank`` (its own loader).
+    """
+    was_training = model.training
+    model.eval()
+    # [summed loss, scored tokens]: float64 so a long pass loses no precision, one tensor so the
+    # ranks combine both in one all-reduce.
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    # Batches in the sequence (all ranks' shares).
+    seen = 0
+    try:
+        for i, (x, y) in enumerate(batches):
+            seen += 1
+            # Another rank's share.
+            if not per_rank and i % world_size != rank:
+                continue
+            loss, scored = _batch_loss(model, x.to(device), y.to(device), device, autocast)
+            sums[0] += loss.double()
+            sums[1] += scored
+    finally:
+        model.train(was_training)
+    if world_size > 1:
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
+    return sums[0].item(), int(sums[1]), seen
+
+
+def _batch_loss(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, autocast: AutocastArg
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed loss of one batch and its number of scored tokens."""
+    with _autocast_context(autocast, device):
+        logits = _logits(model(x)).float()
+    # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
+    # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
+    # scored and not counted, so the mean is over the scored tokens only.
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    return loss, (y != IGNORE_INDEX).sum()
+
+
+def _finite_mean(total: float, n_tokens: int, source: str) -> float:
+    """The mean loss per token; :class:`NonFiniteLossError` if it is inf or NaN."""
     mean = total / n_tokens
     if not math.isfinite(mean):
         raise NonFiniteLossError(
@@ -160,4 +229,4 @@ def evaluate_loss(
             "overflow (a diverged run or a damaged file?); evaluate an earlier checkpoint, or try fp32",
             mean,
         )
-    return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
+    return mean

@@ -17,6 +17,7 @@ import random
 import shutil
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +86,13 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
+    by_rank: dict[int, torch.Tensor] = {}
     if all_ranks and _active():
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, cuda)
         by_rank = {rank: s for rank, s in enumerate(gathered) if s is not None}
-    else:
-        by_rank = {_rank(): cuda} if cuda is not None else {}
+    elif cuda is not None:
+        by_rank = {_rank(): cuda}
     if by_rank:
         state["cuda_by_rank"] = by_rank
     return state
@@ -110,7 +112,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         (npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
     )
     cuda_states = state.get("cuda_by_rank")
-    if cuda_states is None and state.get("cuda"):  # older checkpoints: every GPU's state as rank 0 saw it
+    # Older checkpoints: every GPU's state as rank 0 saw it.
+    if cuda_states is None and state.get("cuda"):
         cuda_states = {0: state["cuda"][0]}
     if cuda_states and torch.cuda.is_available():
         rank = _rank()
@@ -147,38 +150,81 @@ def save_checkpoint(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
     raw = unwrap_model(model)
-    # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
-    # deduplicated when writing), so loading restores each name.
-    named = raw.named_parameters(remove_duplicate=False)
-    state = {n: p.detach() for n, p in named if p.requires_grad} if trainable_only else dict(raw.state_dict())
+    state = _weights_to_save(raw, trainable_only)
     refuse_non_finite(state, f"refusing to save checkpoint at step {step}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    meta = {"format_version": FORMAT_VERSION, "step": step, "trainable_only": trainable_only, **(metadata or {})}
-    if trainable_only and (sites := minlora.lora_sites(raw)):
-        meta["base_fingerprint"] = minlora.base_fingerprint(raw)
-        meta["lora_scaling"] = {s.name: s.lora.scaling for s in sites}  # alpha / rank (rsLoRA: / sqrt(rank))
-    trainer_state = {
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        "rng": rng_state if rng_state is not None else capture_rng_state(),
-    }
+    meta = _checkpoint_meta(raw, step, trainable_only, metadata)
+    trainer_state = _trainer_state(optimizer, scaler, rng_state)
     meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    weights_meta = {"step": str(step), "trainable_only": str(trainable_only)}
+    # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
+    writers: list[tuple[str, Callable[[Path], None]]] = [
+        (WEIGHTS_FILE, lambda path: save_weights(state, path, weights_meta)),
+        (STATE_FILE, lambda path: replace_atomically(path, lambda f: torch.save(trainer_state, f))),
+        (META_FILE, lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))),
+    ]
+    _write_checkpoint_dir(root, final, writers)
+    if keep_last:
+        prune_checkpoints(root, keep_last)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _weights_to_save(raw: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The whole state dict, or the trainable parameters alone."""
+    if not trainable_only:
+        return dict(raw.state_dict())
+    # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
+    # deduplicated when writing), so loading restores each name.
+    named = raw.named_parameters(remove_duplicate=False)
+    return {n: p.detach() for n, p in named if p.requires_grad}
+
+
+def _checkpoint_meta(
+    raw: nn.Module, step: int, trainable_only: bool, metadata: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``trainer_state.json``'s content; an adapter-only checkpoint also records its base model."""
+    meta = {"format_version": FORMAT_VERSION, "step": step, "trainable_only": trainable_only, **(metadata or {})}
+    if not trainable_only:
+        return meta
+    sites = minlora.lora_sites(raw)
+    if sites:
+        meta["base_fingerprint"] = minlora.base_fingerprint(raw)
+        # alpha / rank (rsLoRA: / sqrt(rank))
+        meta["lora_scaling"] = {s.name: s.lora.scaling for s in sites}
+    return meta
+
+
+def _trainer_state(optimizer: Any, scaler: Any, rng_state: dict[str, Any] | None) -> dict[str, Any]:
+    """``trainer_state.pt``'s content: None for an optimizer or enabled scaler the run has not."""
+    state: dict[str, Any] = {"optimizer": None, "scaler": None, "rng": rng_state}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scaler is not None and scaler.is_enabled():
+        state["scaler"] = scaler.state_dict()
+    if rng_state is None:
+        state["rng"] = capture_rng_state()
+    return state
+
+
+def _write_checkpoint_dir(root: Path, final: Path, writers: list[tuple[str, Callable[[Path], None]]]) -> None:
+    """Write each ``(name, write(path))`` of ``writers`` and their SHA256SUMS into a temporary directory, then
+    rename it to ``final``. A failure removes the temporary directory; an I/O one (disk full) raises
+    :class:`CheckpointSaveError` naming the file being written.
+    """
     # A unique name beside the final one (same filesystem, so the rename is atomic); os.mkdir
     # honours the umask, unlike tempfile.mkdtemp's private 0700.
     tmp = root / f"{_TMP_PREFIX}{final.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
     writing = "the temporary directory"
     try:
         tmp.mkdir()
-        writing = WEIGHTS_FILE
-        save_weights(state, tmp / WEIGHTS_FILE, {"step": str(step), "trainable_only": str(trainable_only)})
-        writing = STATE_FILE
-        replace_atomically(tmp / STATE_FILE, lambda f: torch.save(trainer_state, f))
-        writing = META_FILE
-        replace_atomically(tmp / META_FILE, lambda f: f.write(meta_bytes))
+        for name, write in writers:
+            writing = name
+            write(tmp / name)
         writing = DIGEST_FILE
-        sums = "".join(f"{sha256_file(tmp / name)}  {name}\n" for name in (WEIGHTS_FILE, STATE_FILE, META_FILE))
+        sums = "".join(f"{sha256_file(tmp / name)}  {name}\n" for name, _ in writers)
         replace_atomically(tmp / DIGEST_FILE, lambda f: f.write(sums.encode()))
         writing = "the checkpoint directory"
         _fsync_dir(tmp)
@@ -191,10 +237,6 @@ def save_checkpoint(
         if isinstance(e, (OSError, RuntimeError, SafetensorError)):
             raise _save_error(root, final, writing, e) from e
         raise
-    if keep_last:
-        prune_checkpoints(root, keep_last)
-    logger.info("saved checkpoint %s", final)
-    return final
 
 
 _TMP_PREFIX = ".tmp-"
@@ -208,14 +250,19 @@ def _owner_tag() -> str:
 
 def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> CheckpointSaveError:
     previous = [p for p in list_checkpoints(root) if p != final]
-    if final.is_dir():  # the same step saved again: the old copy of it is still in place
+    # The same step saved again: the old copy of it is still in place.
+    if final.is_dir():
         kept = f"the previous copy {final} is intact"
     elif previous:
         kept = f"the previous checkpoint {previous[-1]} is intact (resume='auto' continues from it)"
     else:
         kept = f"there is no earlier checkpoint in {root}"
-    full = getattr(e, "errno", None) == 28 or "No space" in str(e)
-    fix = ("Free disk space" if full else "Check the disk") + " (or point out_dir at another disk), then resume"
+    disk_full = getattr(e, "errno", None) == 28 or "No space" in str(e)
+    if disk_full:
+        fix = "Free disk space"
+    else:
+        fix = "Check the disk"
+    fix += " (or point out_dir at another disk), then resume"
     err = CheckpointSaveError(
         f"could not save checkpoint {final.name} in {root}: writing {writing} failed ({_first_line(e)}); "
         f"nothing of it was kept and {kept}. {fix}"
@@ -230,7 +277,9 @@ def _json_safe(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {str(k): _json_safe(v) for k, v in value.items()}
-    return [_json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:
@@ -243,7 +292,8 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     try:
         os.replace(tmp, final)
     except BaseException:
-        os.replace(old, final)  # put the previous copy back
+        # Put the previous copy back.
+        os.replace(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
 
@@ -263,7 +313,8 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints and leftovers of crashed saves."""
     checkpoints = list_checkpoints(root)
     removed = checkpoints[: max(0, len(checkpoints) - keep_last)]
-    for path in removed:  # renamed first: a kill during the delete leaves a leftover, not a torn step_*
+    # Each is renamed first: a kill during the delete leaves a leftover, not a torn step_*.
+    for path in removed:
         doomed = path.with_name(f"{_TMP_PREFIX}{path.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}")
         os.replace(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -281,7 +332,9 @@ def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False)
     """
     root = Path(root)
     done: list[str] = []
-    for path in root.iterdir() if root.is_dir() else ():
+    if not root.is_dir():
+        return done
+    for path in root.iterdir():
         name = path.name
         if not name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
             continue
@@ -300,10 +353,14 @@ def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False)
 
 def _writer_is_dead(name: str) -> bool:
     """Whether the ``<host>-<pid>`` in a temporary name is a process of this host that is gone."""
-    tag = name if name.startswith(_OLD_PREFIX) else name.rsplit("-", 1)[0]
+    tag = name
+    # ``.tmp-`` names end in ``-<host>-<pid>-<random>``, ``.old-`` ones in ``-<host>-<pid>``.
+    if not name.startswith(_OLD_PREFIX):
+        tag = name.rsplit("-", 1)[0]
     host, _, pid = tag.rpartition("-")
+    # Another host's, or an old name without the owner: leave it.
     if not pid.isdigit() or not host.endswith(socket.gethostname()):
-        return False  # another host's, or an old name without the owner: leave it
+        return False
     return not pid_alive(int(pid))
 
 
@@ -332,43 +389,58 @@ def load_checkpoint(
 
     def check(data: CheckpointData) -> None:
         _check_base(model, data, allow_base_mismatch)
-        load_state_into(model, data, check_only=True)  # another model's weights first: its optimizer cannot fit
+        # Another model's weights first: its optimizer state cannot fit.
+        load_state_into(model, data, check_only=True)
         if need_state:
             _check_state(model, optimizer, scaler, data)
 
     data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check)
     load_state_into(model, data)
-    if (state := data.trainer_state) is not None:
-        if optimizer is not None:  # its state, with this run's settings (weight decay, betas...) but the LR
-            mine = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-            optimizer.load_state_dict(state["optimizer"])
-            for group, settings in zip(optimizer.param_groups, mine):
-                group.update(settings)
+    state = data.trainer_state
+    if state is not None:
+        if optimizer is not None:
+            _restore_optimizer(optimizer, state["optimizer"])
         if scaler is not None and scaler.is_enabled():
-            if state["scaler"] is not None:
-                scaler.load_state_dict(state["scaler"])
-            else:
-                logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", data.path)
+            _restore_scaler(scaler, state["scaler"], data.path)
         if restore_rng:
             restore_rng_state(state["rng"])
     return {**data.meta, "path": str(data.path)}
 
 
+def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """The saved optimizer state, with this run's settings (weight decay, betas...) but the LR."""
+    mine = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, settings in zip(optimizer.param_groups, mine):
+        group.update(settings)
+
+
+def _restore_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any] | None, path: Path) -> None:
+    if saved is not None:
+        scaler.load_state_dict(saved)
+    else:
+        logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", path)
+
+
 def _check_base(model: nn.Module, data: CheckpointData, allow: bool) -> None:
+    """Refuse adapters saved with other LoRA scalings or (unless ``allow``) on another base model."""
     saved = data.meta.get("base_fingerprint")
     raw = unwrap_model(model)
     if not data.trainable_only or saved is None or not minlora.lora_sites(raw):
         return
-    if "lora_scaling" not in data.meta:  # written before the digest left out dtype and config: not comparable
+    # Written before the digest left out dtype and config: not comparable.
+    if "lora_scaling" not in data.meta:
         logger.warning("checkpoint %s records its base model in an earlier form: it is not verified", data.path)
         return
-    if data.meta["lora_scaling"] != (scaling := {s.name: s.lora.scaling for s in minlora.lora_sites(raw)}):
+    scaling = {s.name: s.lora.scaling for s in minlora.lora_sites(raw)}
+    if data.meta["lora_scaling"] != scaling:
         raise CheckpointMismatchError(
             f"checkpoint {data.path} was trained with another LoRA alpha or rsLoRA setting (scaling "
             f"{sorted(set(data.meta['lora_scaling'].values()))}, this run's {sorted(set(scaling.values()))}): "
             "resume with the run's --lora settings, or start a new run"
         )
-    if saved != (own := minlora.base_fingerprint(raw)):
+    own = minlora.base_fingerprint(raw)
+    if saved != own:
         message = (
             f"checkpoint {data.path} holds adapter weights trained on another base model (fingerprint "
             f"{saved[:12]}, this model's is {own[:12]}): resume onto the base it was trained on, or pass "
@@ -384,33 +456,54 @@ def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: Checkpoint
     many groups and parameters, every state tensor of its parameter's shape) and the scaler's is one.
     """
     saved, saved_scaler = data.trainer_state["optimizer"], data.trainer_state["scaler"]  # type: ignore[index]
-
-    def mismatch(what: str, why: str) -> CheckpointMismatchError:
-        return CheckpointMismatchError(
-            f"checkpoint {data.path}: the {what} state in {STATE_FILE} does not fit this run ({why}). To start from "
-            "the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
-            [(str(data.path / STATE_FILE), f"{what} state does not fit ({why})")],
-        )
-
     if scaler is not None and scaler.is_enabled() and saved_scaler is not None:
-        scale = saved_scaler.get("scale") if isinstance(saved_scaler, dict) else None
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise mismatch("loss-scaler", f"scale {scale!r}")
-    if optimizer is None:
-        return
+        _check_scaler_state(saved_scaler, data)
+    if optimizer is not None:
+        _check_optimizer_state(model, optimizer, saved, data)
+
+
+def _state_mismatch(data: CheckpointData, what: str, why: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"checkpoint {data.path}: the {what} state in {STATE_FILE} does not fit this run ({why}). To start from "
+        "the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
+        [(str(data.path / STATE_FILE), f"{what} state does not fit ({why})")],
+    )
+
+
+def _check_scaler_state(saved_scaler: Any, data: CheckpointData) -> None:
+    """The saved loss-scaler state must hold a finite, positive scale."""
+    scale = None
+    if isinstance(saved_scaler, dict):
+        scale = saved_scaler.get("scale")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise _state_mismatch(data, "loss-scaler", f"scale {scale!r}")
+
+
+def _check_optimizer_state(model: nn.Module, optimizer: Any, saved: Any, data: CheckpointData) -> None:
+    """The saved optimizer state must have ``optimizer``'s groups, and each state tensor its parameter's shape."""
+    if saved is None:
+        raise _state_mismatch(data, "optimizer", "there is none")
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
-        raise mismatch("optimizer", "there is none" if saved is None else "not an optimizer's")
+        raise _state_mismatch(data, "optimizer", "not an optimizer's")
     groups = [len(g["params"]) for g in optimizer.param_groups]
     saved_groups = [len(g.get("params", ())) for g in saved["param_groups"]]
     if groups != saved_groups:
-        raise mismatch("optimizer", f"parameters per group {saved_groups}, the optimizer has {groups}")
+        raise _state_mismatch(data, "optimizer", f"parameters per group {saved_groups}, the optimizer has {groups}")
+    wrong_shape = _wrong_shape(model, optimizer, saved)
+    if wrong_shape is not None:
+        raise _state_mismatch(data, "optimizer", wrong_shape)
+
+
+def _wrong_shape(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> str | None:
+    """The first saved state tensor (e.g. Adam's ``exp_avg``) whose shape is not its parameter's, described."""
     names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in saved["param_groups"] for i in g["params"]]
-    for p, i in zip([p for g in optimizer.param_groups for p in g["params"]], ids):
+    for p, i in zip(params, ids):
         for key, value in saved.get("state", {}).get(i, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
-                why = f"{key} of {names.get(id(p), i)} is {list(value.shape)}, the parameter {list(p.shape)}"
-                raise mismatch("optimizer", why)
+                return f"{key} of {names.get(id(p), i)} is {list(value.shape)}, the parameter {list(p.shape)}"
+    return None
 
 
 def seed_everything(seed: int) -> None:
@@ -419,4 +512,5 @@ def seed_everything(seed: int) -> None:
     """
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
+    # Also seeds every CUDA device.
+    torch.manual_seed(seed)

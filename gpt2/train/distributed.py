@@ -27,7 +27,8 @@ class DistributedEnv:
     """Who this process is in a (possibly one-process) data-parallel job."""
 
     rank: int = 0
-    local_rank: int = 0  # index on this machine: which GPU to use
+    # Index on this machine: which GPU to use.
+    local_rank: int = 0
     world_size: int = 1
 
     @property
@@ -42,12 +43,16 @@ class DistributedEnv:
 
 def env_from_environ(environ: Mapping[str, str] | None = None) -> DistributedEnv:
     """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` as ``torchrun`` sets them (absent = 1 process)."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     values = {}
     for key, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
         raw = environ.get(key)
+        if raw in (None, ""):
+            values[key] = default
+            continue
         try:
-            values[key] = default if raw in (None, "") else int(raw)
+            values[key] = int(raw)
         except ValueError:
             raise InvalidValueError(
                 f"environment variable {key}={raw!r} is not an integer; launch with torchrun"
@@ -64,7 +69,9 @@ def env_from_environ(environ: Mapping[str, str] | None = None) -> DistributedEnv
 def uses_cuda(device: str | torch.device | None) -> bool:
     """Whether ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...) means a CUDA GPU here."""
     device = str(device or "auto").lower()
-    return torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if device == "auto":
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def resolve_device(device: str | torch.device | None, env: DistributedEnv | None = None) -> torch.device:
@@ -137,7 +144,8 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if dist.get_backend() == "nccl":
         dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
-    else:  # gloo has no AVG
+    else:
+        # gloo has no AVG.
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor /= dist.get_world_size()
     return tensor
@@ -147,19 +155,26 @@ def all_reduce_max(value: int) -> int:
     """The largest ``value`` over all processes (``value`` itself with one process)."""
     if not _active():
         return value
-    tensor = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    device = "cpu"
+    # NCCL reduces GPU tensors only.
+    if dist.get_backend() == "nccl":
+        device = "cuda"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
 
 
 def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     """DistributedDataParallel around ``module`` (already compiled, if compiling)."""
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids)
+    if device.type == "cuda":
+        return DistributedDataParallel(module, device_ids=[device.index])
+    return DistributedDataParallel(module, device_ids=None)
 
 
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:
     """Skip DDP's gradient all-reduce inside this context (forward and backward) when ``skip_sync``:
     during accumulation only the last micro-step needs it, earlier syncs only cost communication.
     """
-    return module.no_sync() if skip_sync and isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+    if skip_sync and isinstance(module, DistributedDataParallel):
+        return module.no_sync()
+    return contextlib.nullcontext()

@@ -34,7 +34,8 @@ from gpt2.train.distributed import _active
 
 try:
     import fcntl
-except ImportError:  # Windows: the pid/host record alone (created exclusively) is the lock
+# Windows: the pid/host record alone (created exclusively) is the lock.
+except ImportError:
     fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class RunLock:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / LOCK_FILE
         self._fd: int | None = None
-        self.taken_over = False  # a newer Trainer in this process took the lock from this one
+        # A newer Trainer in this process took the lock from this one.
+        self.taken_over = False
 
     @property
     def held(self) -> bool:
@@ -93,36 +95,46 @@ class RunLock:
             key = (os.getpid(), os.path.realpath(self.path))
             previous = _HELD.get(key)
             if previous is not None and previous.held:
-                # The same process: the older Trainer is abandoned (it can no longer save).
-                self._fd, previous._fd = previous._fd, None
-                previous.taken_over = True
-                _HELD[key] = self
-                logger.warning(
-                    "another Trainer in this process was using %s; this one takes it over "
-                    "(the older one can no longer save checkpoints)",
-                    self.out_dir,
-                )
-                return self
-            for _ in range(20):  # the file may be removed / replaced under us by its releasing owner
-                if (fd := self._open_locked()) is None:
-                    continue
-                try:
-                    if record := _read_record(fd):
-                        self._judge_left_behind(record)
-                    _write_record(fd)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._fd = fd
-                _HELD[key] = self
-                return self
-            raise RunDirLockedError(
-                f"could not lock out_dir {self.out_dir}: {self.path} keeps changing; is another run starting in it?"
-            )
+                self._take_over(previous)
+            else:
+                self._fd = self._lock_file()
+            _HELD[key] = self
+            return self
         except RunDirError:
             raise
-        except OSError as e:  # unwritable or full disk: say which file, keep the errno (and class)
+        # Unwritable or full disk: say which file, keep the errno (and class).
+        except OSError as e:
             raise OSError(e.errno, f"cannot lock out_dir {self.out_dir}: {e.strerror or e}", str(self.path)) from None
+
+    def _take_over(self, previous: RunLock) -> None:
+        """The same process holds the lock: the older Trainer is abandoned (it can no longer save)."""
+        self._fd, previous._fd = previous._fd, None
+        previous.taken_over = True
+        logger.warning(
+            "another Trainer in this process was using %s; this one takes it over "
+            "(the older one can no longer save checkpoints)",
+            self.out_dir,
+        )
+
+    def _lock_file(self) -> int:
+        """An fd of the lock file, locked by this process and holding its record."""
+        # The file may be removed / replaced under us by its releasing owner: try again.
+        for _ in range(20):
+            fd = self._open_locked()
+            if fd is None:
+                continue
+            try:
+                record = _read_record(fd)
+                if record:
+                    self._judge_left_behind(record)
+                _write_record(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        raise RunDirLockedError(
+            f"could not lock out_dir {self.out_dir}: {self.path} keeps changing; is another run starting in it?"
+        )
 
     def _open_locked(self) -> int | None:
         """An fd of the lock file that this process holds, None to try again; raises if busy."""
@@ -138,8 +150,10 @@ class RunLock:
                 os.close(fd)
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
-                return self._open_exclusive()  # this filesystem has no flock
-            try:  # the file we locked must still be the one at the path (not unlinked by its owner)
+                # This filesystem has no flock.
+                return self._open_exclusive()
+            # The file we locked must still be the one at the path (not unlinked by its owner).
+            try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
                 same = False
@@ -172,7 +186,8 @@ class RunLock:
                 f"(started {record.get('started', '?')}), which cannot be checked from here; if that run is "
                 f"really gone, delete {self.path} and start again, or use another out_dir"
             )
-        if record.get("pid") is None:  # garbage in the file: nobody holds the flock, so nobody owns it
+        # Garbage in the file: nobody holds the flock, so nobody owns it.
+        if record.get("pid") is None:
             logger.warning("taking over %s (its record was unreadable and nobody holds it)", self.path)
         elif record.get("pid") != os.getpid():
             logger.warning(
@@ -184,20 +199,25 @@ class RunLock:
 
     def ensure_held(self) -> None:
         """Raise if this lock was released (its Trainer closed) or a newer Trainer took it over."""
-        if not self.held:
-            why = "a newer Trainer in this process took it over" if self.taken_over else "this Trainer was closed"
-            raise RunDirLockedError(
-                f"this Trainer no longer owns out_dir {self.out_dir}: {why}, so it may not write there "
-                "(another run may own it now); make a new Trainer (resume='auto' continues the run)"
-            )
+        if self.held:
+            return
+        if self.taken_over:
+            why = "a newer Trainer in this process took it over"
+        else:
+            why = "this Trainer was closed"
+        raise RunDirLockedError(
+            f"this Trainer no longer owns out_dir {self.out_dir}: {why}, so it may not write there "
+            "(another run may own it now); make a new Trainer (resume='auto' continues the run)"
+        )
 
     def release(self) -> None:
         """Remove the lock file and unlock; a no-op when not held."""
         if self._fd is None:
             return
         key = (os.getpid(), os.path.realpath(self.path))
+        # Unlinked while still locked, so nobody locks the old file.
         with contextlib.suppress(OSError):
-            self.path.unlink(missing_ok=True)  # while still locked, so nobody locks the old file
+            self.path.unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = None
         if _HELD.get(key) is self:
@@ -205,13 +225,19 @@ class RunLock:
 
 
 def _read_record(fd: int) -> dict[str, Any]:
+    """The lock file's record: ``{}`` when empty or not a JSON object, ``{"unreadable": True}`` on an error."""
     try:
         os.lseek(fd, 0, os.SEEK_SET)
-        data = os.read(fd, 1 << 16)  # a one-line record
-        record = json.loads(data.decode("utf-8")) if data.strip() else {}
-        return record if isinstance(record, dict) else {}
+        # A one-line record.
+        data = os.read(fd, 1 << 16)
+        if not data.strip():
+            return {}
+        record = json.loads(data.decode("utf-8"))
     except (OSError, ValueError):
         return {"unreadable": True}
+    if not isinstance(record, dict):
+        return {}
+    return record
 
 
 def _write_record(fd: int) -> None:
@@ -246,7 +272,10 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        where = "is a file" if existing == path else f"lies under the file {existing}"
+        if existing == path:
+            where = "is a file"
+        else:
+            where = f"lies under the file {existing}"
         raise RunDirError(f"out_dir {out_dir} {where}: give a directory (new or one of an earlier run)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RunDirError(f"out_dir {out_dir} cannot be written ({existing} is not writable): choose another out_dir")
@@ -260,8 +289,11 @@ def own_outputs(out_dir: str | os.PathLike) -> set[str]:
     try:
         names = set(json.loads((out_dir / MANIFEST_FILE).read_text(encoding="utf-8")))
     except FileNotFoundError:
-        names = set(RUN_FILES) if existing_run(out_dir) else set()
-    except (OSError, ValueError, TypeError):  # unreadable: claim nothing, so nothing is deleted
+        names = set()
+        if existing_run(out_dir):
+            names = set(RUN_FILES)
+    # Unreadable: claim nothing, so nothing is deleted.
+    except (OSError, ValueError, TypeError):
         names = set()
     return names | {LOCK_FILE, MANIFEST_FILE}
 
@@ -276,9 +308,11 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
     """What of another run ``out_dir`` holds: its checkpoints and metrics (empty: nothing)."""
     out_dir = Path(out_dir)
     found = []
-    if steps := ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR):
-        names = sorted(p.name for p in steps)
-        found.append(f"checkpoints {names[0]}" + (f"..{names[-1]}" if len(names) > 1 else ""))
+    names = sorted(p.name for p in ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR))
+    if len(names) == 1:
+        found.append(f"checkpoints {names[0]}")
+    elif names:
+        found.append(f"checkpoints {names[0]}..{names[-1]}")
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
@@ -291,38 +325,71 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     """
     checkpoint_dir = out_dir / CHECKPOINT_DIR
     own = own_outputs(out_dir)
-    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in own) if out_dir.is_dir() else []
-    if clash := [name for name in foreign if name in RUN_FILES]:
+    foreign = _foreign_names(out_dir, own)
+    _refuse_replacing_foreign(out_dir, foreign)
+    realpath = os.path.realpath
+    if resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))):
+        # Continues whatever run is there (or starts one): its newest usable checkpoint.
+        return []
+    if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
+        return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
+    return _check_fresh_run(out_dir, resume, overwrite, own, foreign)
+
+
+def _foreign_names(out_dir: Path, own: set[str]) -> list[str]:
+    """The names in ``out_dir`` that gpt2 did not write, sorted."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(p.name for p in out_dir.iterdir() if p.name not in own)
+
+
+def _refuse_replacing_foreign(out_dir: Path, foreign: list[str]) -> None:
+    """Files of the user's under a name this run writes (always refused, even with overwrite)."""
+    clash = [name for name in foreign if name in RUN_FILES]
+    if clash:
         raise RunDirNotEmptyError(
             f"out_dir {out_dir} holds {clash}, which gpt2 did not write there and this run would replace: move "
             "them away or train into another out_dir (overwrite never replaces files that are not gpt2's)"
         )
-    realpath = os.path.realpath
-    this_run = resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir)))
-    if this_run:  # continues whatever run is there (or starts one): its newest usable checkpoint
-        return []
-    if resume is None or not Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
-        # A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run.
-        found = existing_run(out_dir)
-        if found and not overwrite:
-            what = "a fresh run (resume=None)" if resume is None else f"a run resuming from {resume}"
-            raise RunDirNotEmptyError(
-                f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
-                "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
-                f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
-            )
-        if foreign and not overwrite:
-            raise RunDirNotEmptyError(
-                f"out_dir {out_dir} holds files gpt2 did not write ({', '.join(foreign[:5])}"
-                f"{' ...' if len(foreign) > 5 else ''}): train into a new or empty out_dir, or pass overwrite=True "
-                "(--overwrite): your files are kept, only gpt2's own files there are replaced"
-            )
-        return [out_dir / name for name in RUN_FILES if name in own and (out_dir / name).exists()]
-    # Resuming from an older checkpoint of this very run: the newer ones are another future.
+
+
+def _check_fresh_run(
+    out_dir: Path, resume: str | None, overwrite: bool, own: set[str], foreign: list[str]
+) -> list[Path]:
+    """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
+    files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
+    """
+    found = existing_run(out_dir)
+    if found and not overwrite:
+        if resume is None:
+            what = "a fresh run (resume=None)"
+        else:
+            what = f"a run resuming from {resume}"
+        raise RunDirNotEmptyError(
+            f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
+            "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
+            f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
+        )
+    if foreign and not overwrite:
+        more = ""
+        if len(foreign) > 5:
+            more = " ..."
+        raise RunDirNotEmptyError(
+            f"out_dir {out_dir} holds files gpt2 did not write ({', '.join(foreign[:5])}{more}): train into a new "
+            "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
+            "there are replaced"
+        )
+    return [out_dir / name for name in RUN_FILES if name in own and (out_dir / name).exists()]
+
+
+def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) -> list[Path]:
+    """Resuming from an older checkpoint of this very run: the newer ones are another future,
+    refused unless ``overwrite`` (which deletes them).
+    """
     step = ckpt.checkpoint_step(Path(resume))
-    newer = [
-        p for p in ckpt.checkpoint_candidates(checkpoint_dir) if step is not None and ckpt.checkpoint_step(p) > step
-    ]
+    newer = []
+    if step is not None:
+        newer = [p for p in ckpt.checkpoint_candidates(checkpoint_dir) if ckpt.checkpoint_step(p) > step]
     if newer and not overwrite:
         raise RunDirNotEmptyError(
             f"resume={resume!r} is older than checkpoints {', '.join(sorted(p.name for p in newer))} in "
@@ -349,47 +416,70 @@ def start_run(
     """
     if overwrite and resume == "auto":
         raise InvalidValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
-    out = Path(out_dir) if out_dir is not None else None
-    lock = RunLock(out) if out is not None and is_main else None
+    out = None
+    if out_dir is not None:
+        out = Path(out_dir)
+    lock = None
+    if out is not None and is_main:
+        lock = RunLock(out)
     created = out is not None and not out.exists()
-    doomed: list[Path] = []
-
-    def claim() -> None:
-        if lock is None:
-            return
-        check_out_dir(lock.out_dir)
-        lock.acquire()
-        for line in ckpt.clean_interrupted_saves(lock.out_dir / CHECKPOINT_DIR):
-            logger.warning("cleaning up an interrupted save in %s: %s", lock.out_dir / CHECKPOINT_DIR, line)
-        doomed.extend(_check_run_dir(lock.out_dir, resume, overwrite))
-
-    def finish() -> None:
-        if lock is None:
-            return
-        for path in doomed:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        if doomed:
-            logger.warning("overwrite=True: deleted %s", ", ".join(str(p) for p in doomed))
-        record_outputs(lock.out_dir, RUN_FILES)
-
     try:
-        run_on_all_ranks(claim)
-        if resume == "auto" and out is not None and not ckpt.checkpoint_candidates(out / CHECKPOINT_DIR):
-            logger.info("resume='auto': no checkpoint in %s, starting from scratch", out / CHECKPOINT_DIR)
-        elif resume is not None:
-            target = Path(resume) if resume != "auto" else out / CHECKPOINT_DIR  # type: ignore[operator]
-            run_on_all_ranks(lambda: load(target))
-        run_on_all_ranks(finish)
+        doomed = run_on_all_ranks(lambda: _claim(lock, resume, overwrite))
+        _resume(out, resume, load)
+        run_on_all_ranks(lambda: _finish(lock, doomed))
     except BaseException:
-        if lock is not None:
-            lock.release()
-            if created and lock.out_dir.is_dir() and not any(lock.out_dir.iterdir()):
-                lock.out_dir.rmdir()
+        _give_up(lock, created)
         raise
     return lock
+
+
+def _claim(lock: RunLock | None, resume: str | None, overwrite: bool) -> list[Path]:
+    """Rank 0: steps 1 to 3 of the module docstring; returns what ``overwrite`` will delete."""
+    if lock is None:
+        return []
+    check_out_dir(lock.out_dir)
+    lock.acquire()
+    checkpoint_dir = lock.out_dir / CHECKPOINT_DIR
+    for line in ckpt.clean_interrupted_saves(checkpoint_dir):
+        logger.warning("cleaning up an interrupted save in %s: %s", checkpoint_dir, line)
+    return _check_run_dir(lock.out_dir, resume, overwrite)
+
+
+def _resume(out: Path | None, resume: str | None, load: Callable[[Path], Any]) -> None:
+    """``load`` the checkpoint ``resume`` names on every rank (resume='auto' with none yet: a fresh start)."""
+    if resume is None:
+        return
+    if resume != "auto":
+        target = Path(resume)
+    else:
+        target = out / CHECKPOINT_DIR  # type: ignore[operator]
+        if not ckpt.checkpoint_candidates(target):
+            logger.info("resume='auto': no checkpoint in %s, starting from scratch", target)
+            return
+    run_on_all_ranks(lambda: load(target))
+
+
+def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
+    """Rank 0, once the run has started: delete what ``overwrite`` replaces, and list the run's files."""
+    if lock is None:
+        return
+    for path in doomed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if doomed:
+        logger.warning("overwrite=True: deleted %s", ", ".join(str(p) for p in doomed))
+    record_outputs(lock.out_dir, RUN_FILES)
+
+
+def _give_up(lock: RunLock | None, created: bool) -> None:
+    """After a failure: release the lock and remove the ``out_dir`` this run created, if still empty."""
+    if lock is None:
+        return
+    lock.release()
+    if created and lock.out_dir.is_dir() and not any(lock.out_dir.iterdir()):
+        lock.out_dir.rmdir()
 
 
 def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
@@ -405,7 +495,10 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     except Exception as e:  # noqa: BLE001 - handed to the other ranks, then raised here
         error = e
     outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, None if error is None else (type(error).__name__, str(error)))
+    mine = None
+    if error is not None:
+        mine = (type(error).__name__, str(error))
+    dist.all_gather_object(outcomes, mine)
     if error is not None:
         raise error
     for rank, outcome in enumerate(outcomes):
@@ -416,7 +509,8 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     return result
 
 
-_ERRORS: dict[str, type[Exception]] = {  # what another rank's error is re-raised as, by name
+# What another rank's error is re-raised as, by name.
+_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (RunDirError, RunDirLockedError, RunDirNotEmptyError, ValueError, FileNotFoundError, KeyError)
     + (PermissionError, ckpt.CheckpointError, ckpt.CheckpointMismatchError, ckpt.NonFiniteWeightsError)
