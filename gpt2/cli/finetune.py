@@ -95,7 +95,9 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
         train_data, val = training_data(options.data.data, options.data.val_data, options.data.val_fraction)
     # The before/after val loss covers the whole val data: every rank scores its share of it (see
     # val_loss), so it needs the unsharded instruction loader, not this rank's part.
-    report_val = val.unsharded() if hasattr(val, "unsharded") else val
+    report_val = val
+    if hasattr(val, "unsharded"):
+        report_val = val.unsharded()
     seed_everything(config.seed)  # --seed fixes LoRA's random A matrices too, not only the data order
     if not options.full:
         minlora.add_lora(model, lora_config=options.lora)
@@ -138,9 +140,12 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
         world_size=env.world_size,
     )
     if env.is_main:
-        held_out = f", {val.num_rows} validation rows" if val is not None else ""
-        counts = f"{train.num_rows} training rows in {train.num_sequences} sequences{held_out}; loss on"
-        print(f"instruction data {options.data.data}: {counts} {train.num_targets:,} response tokens", flush=True)
+        counts = f"{train.num_rows} training rows in {train.num_sequences} sequences"
+        if val is not None:
+            counts += f", {val.num_rows} validation rows"
+        print(
+            f"instruction data {options.data.data}: {counts}; loss on {train.num_targets:,} response tokens", flush=True
+        )
     return train, val, (rows[0][0], rows[0][1])
 
 
@@ -148,21 +153,24 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
     """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full),
     results.json, then the optional PEFT and transformers exports.
     """
-    out = trainer.out_dir  # None writes nothing there (never ./adapter)
-    if out is not None and options.full:
-        print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
-    elif out is not None:
-        adapter = minlora.save_adapter(trainer.model, out / "adapter")
-        results["adapter"] = str(adapter)
-        print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+    # No run directory (--out-dir None) writes nothing there (never ./adapter).
+    out = trainer.out_dir
     if out is not None:
+        if options.full:
+            print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+        else:
+            adapter = minlora.save_adapter(trainer.model, out / "adapter")
+            results["adapter"] = str(adapter)
+            print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
         write_json(out / "results.json", results)
-    if options.peft_export:  # never with --full: check() refuses it
+    # never with --full: check() refuses it
+    if options.peft_export:
         minlora.export_peft_adapter(trainer.model, options.peft_export, base_model_name_or_path=peft_base(options.init))
         print(f"wrote PEFT adapter {options.peft_export}")
     if options.merge_export:
+        what = ""
         if not options.full:
             minlora.merge_lora(trainer.model)
+            what = "merged model "
         trainer.model.save_pretrained(options.merge_export, tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None)
-        merged = "merged model " if not options.full else ""
-        print(f"wrote {merged}{options.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+        print(f"wrote {what}{options.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")

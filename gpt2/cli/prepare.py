@@ -127,8 +127,10 @@ def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
                     )
                 if row[text_field]:  # an empty document would be a lone <|endoftext|>
                     yield row[text_field]
-        elif text := read_text(path):
-            yield text
+        else:
+            text = read_text(path)
+            if text:
+                yield text
 
 
 def _dataset_documents(options: PrepareOptions) -> Iterator[str]:
