@@ -20,19 +20,18 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gpt2.cli.common import UsageError
-from gpt2.cli.layers import OptionError, dump_yaml
+from gpt2.cli.layers import UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
 from gpt2.errors import InvalidValueError
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
 EXIT_FAILURE = 1
-# The errors that mean the input cannot be used (a flag, value or file): exit code 2, the message
-# alone. gpt2's own (gpt2.Gpt2Error) keep these builtin bases; a run that failed (TrainingDivergedError,
-# a full disk...) exits 1.
+# The errors that mean the input cannot be used (a bad flag, value or file): exit code 2 and the
+# message alone. gpt2.cli's own errors are all UsageErrors; every other gpt2.Gpt2Error also has a
+# builtin base, which decides: a run that failed (TrainingDivergedError, a RuntimeError; a full
+# disk, an OSError) exits 1. TokenizerNotAvailableError (_report_error) is a RuntimeError about input.
 USAGE_ERRORS = (
     UsageError,
-    OptionError,
     ValueError,
     TypeError,
     ConnectionError,

@@ -1,4 +1,6 @@
-"""What several commands share: option groups, the usage error, sampling to stdout, and the end-of-training report."""
+"""What several commands share: option groups, the usage error (defined in :mod:`gpt2.cli.layers`, the
+package's lowest module), checks, sampling to stdout, and the end-of-training report.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
+from gpt2.cli.layers import UsageError
 from gpt2.data.sources import shakespeare_or_path
-from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
@@ -25,10 +28,6 @@ from gpt2.train.rundir import check_out_dir
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
 Flat = tyro.conf.OmitArgPrefixes
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
-
-
-class UsageError(Gpt2Error):
-    """Bad options, values or files: the command line reports it in one line, exit code 2."""
 
 
 # What an export writes (gpt2.model.hf.save_pretrained, minlora.export_peft_adapter): a folder holding

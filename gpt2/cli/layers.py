@@ -32,13 +32,19 @@ RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RENAMED = {"gpt2-124m": "gpt2-124m-fineweb"}  # earlier recipe names (CHANGELOG.md)
 
 
-class ConfigError(Gpt2Error, ValueError):
+class UsageError(Gpt2Error):
+    """Bad options, values or files: the command line reports it in one line, exit code 2. The
+    base of gpt2.cli's own errors (commands import it from :mod:`gpt2.cli.common`).
+    """
+
+
+class ConfigError(UsageError, ValueError):
     """A recipe or config file that does not fit the command's options."""
 
 
-class OptionError(Gpt2Error):
+class OptionError(UsageError):
     """A value an options dataclass rejected while tyro built it (not a ValueError, so that tyro
-    lets it through instead of drawing its own error box): one line, exit code 2.
+    lets it through instead of drawing its own error box).
     """
 
 
