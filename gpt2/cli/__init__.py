@@ -24,7 +24,8 @@ from gpt2.cli.layers import UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
 from gpt2.errors import InvalidValueError
 
-EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
+# argparse's code for a bad command line; we use it for every input error.
+EXIT_USAGE = 2
 EXIT_FAILURE = 1
 # The errors that mean the input cannot be used (a bad flag, value or file): exit code 2 and the
 # message alone. gpt2.cli's own errors are all UsageErrors; every other gpt2.Gpt2Error also has a
@@ -135,7 +136,8 @@ def _run(name: str, argv: list[str], prog: str, defaults: dict[str, Any] | None,
     if launch is not None and launch.nproc_per_node > 1 and "RANK" not in os.environ:
         return _launch(name, options, argv, prog)
     result = cmd.function(options)
-    if isinstance(result, int):  # prepare and export return an exit code, the others their results
+    # Prepare and export return an exit code, the others their results.
+    if isinstance(result, int):
         return result
     return 0
 
@@ -187,7 +189,8 @@ def _report_error(e: Exception, prog: str) -> int:
     return EXIT_FAILURE
 
 
-LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"  # the launcher's own arguments, for its workers' resume line
+# The launcher's own arguments, for its workers' resume line.
+LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"
 # The flags of a first start: `--overwrite` would now refuse, `--resume-weights-only` drop the optimizer state.
 FIRST_START_FLAGS = ("--resume=", "--overwrite", "--no-overwrite", "--resume-weights-only", "--no-resume-weights-only")
 

@@ -125,7 +125,8 @@ def check_sampling(s: SamplingOptions, *, fewest: int = 1) -> None:
 def check_run(options: Any) -> None:
     """What ``gpt2 train`` and ``gpt2 finetune`` check before any data is read or process started."""
     if options.train.out_dir is not None:
-        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
+        # A file, or not writable: one error before any work.
+        check_out_dir(options.train.out_dir)
     check_sampling(options.sampling, fewest=0)  # 0: no samples after training
     if options.final_eval_batches is not None and options.final_eval_batches < 1:
         raise UsageError(
@@ -133,7 +134,8 @@ def check_run(options: Any) -> None:
         )
     for data in (options.data.data, options.data.val_data):
         if data is not None:
-            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
+            # Check that it exists (Tiny Shakespeare: downloaded once, here).
+            shakespeare_or_path(data)
 
 
 def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
@@ -256,5 +258,6 @@ def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2) + "\n"
-    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # never a half-written file
+    # Never a half-written file.
+    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))
     print(f"wrote {path}")

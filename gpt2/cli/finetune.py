@@ -86,11 +86,13 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir).
     config = dataclasses.replace(options.train, save_trainable_only=not options.full)
     model = GPT.from_pretrained(options.init, device="cpu")
-    model.train()  # the Trainer refuses a --seq-len beyond the model's block_size
+    # The Trainer refuses a --seq-len beyond the model's block_size.
+    model.train()
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     if is_instruction_data(options.data.data):
         train_data, val, first_row = _instruction_data(options, config)
-        prompt = prompt or instruction_prompt(*first_row)  # samples answer the first held-out row
+        # Samples answer the first held-out row.
+        prompt = prompt or instruction_prompt(*first_row)
     else:
         train_data, val = training_data(options.data.data, options.data.val_data, options.data.val_fraction)
     # The before/after val loss covers the whole val data: every rank scores its share of it (see
@@ -98,7 +100,8 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     report_val = val
     if hasattr(val, "unsharded"):
         report_val = val.unsharded()
-    seed_everything(config.seed)  # --seed fixes LoRA's random A matrices too, not only the data order
+    # --seed fixes LoRA's random A matrices too, not only the data order.
+    seed_everything(config.seed)
     if not options.full:
         minlora.add_lora(model, lora_config=options.lora)
         minlora.mark_only_lora_as_trainable(model)
@@ -110,9 +113,11 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             lora = f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}"
             print(f"{lora}: {minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
-        report = (trainer, report_val, options.sampling)  # every rank scores, rank 0 samples
+        # Every rank scores, rank 0 samples.
+        report = (trainer, report_val, options.sampling)
         kwargs = dict(final_eval_batches=options.final_eval_batches, prompt=prompt, save=False)  # _save writes
-        if trainer.step == 0:  # a resumed run has no "before" (LoRA's B starts at zero: the pretrained model)
+        # A resumed run has no "before" (LoRA's B starts at zero: the pretrained model).
+        if trainer.step == 0:
             measured = final_report(*report, header="before fine-tuning:", **kwargs)
             before = {f"{k}_before": measured[k] for k in ("val_loss", "samples") if k in measured}
         trainer.fit()

@@ -97,7 +97,8 @@ def dump_yaml(options: Any, header: str) -> str:
     nested: dict[str, Any] = {}
     for key, (path, _) in option_fields(type(options)).items():
         if key in ("recipe", "config", "print_config"):
-            continue  # already applied: the values below are the whole story
+            # Applied already: the values below are the whole story.
+            continue
         value = functools.reduce(getattr, path, options)
         if isinstance(value, tuple):
             value = list(value)
@@ -250,12 +251,12 @@ def parse(
             cls, args=argv, default=_unchecked(cls, values), prog=prog, description=description or cls.__doc__
         )
     if rescale:
-        warmup = recipe_warmup(planned, options.train.max_steps)
+        warmup = _recipe_warmup(planned, options.train.max_steps)
         options.train = dataclasses.replace(options.train, warmup_steps=warmup)
     return options
 
 
-def recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
+def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
     """The recipe's warmup for a run of ``steps`` steps: its share of the recipe's run, at most
     the recipe's warmup.
     """
@@ -281,7 +282,8 @@ def _unchecked(cls: type, values: dict[str, Any]) -> Any:
 # multi-line error box. The rule below gives tyro its usual constructor of each dataclass, wrapped
 # so that such an error leaves tyro as an OptionError: the command line's one line, exit code 2.
 _LIBRARY_ERRORS = ConstructorRegistry()
-# Marks the one look-up of tyro's own rule for a dataclass, which the rule below then passes on.
+# The rule below finds tyro's own rule for a dataclass by asking the registry again with this marker
+# among the field's markers; it passes such a look-up on (returns None) instead of answering itself.
 _TYROS_RULE = object()
 
 

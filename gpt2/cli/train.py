@@ -87,7 +87,8 @@ def check(options: TrainOptions) -> None:
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")
     for flag, data in (("--data", options.data.data), ("--val-data", options.data.val_data)):
-        if is_instruction_data(data):  # it was read as raw JSON text
+        # A .jsonl would be read as raw JSON text.
+        if is_instruction_data(data):
             raise UsageError(
                 f"{flag}: a .jsonl is no text: gpt2 prepare tokenises its 'text' fields, gpt2 finetune its rows"
             )
