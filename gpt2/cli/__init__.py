@@ -20,13 +20,29 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gpt2.cli.common import UsageError
-from gpt2.cli.layers import OptionError, dump_yaml
+from gpt2.cli.layers import UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
 from gpt2.errors import InvalidValueError
 
-EXIT_USAGE = 2  # argparse's code for a bad command line; we use it for every input error
+# argparse's code for a bad command line; we use it for every input error.
+EXIT_USAGE = 2
 EXIT_FAILURE = 1
+# The errors that mean the input cannot be used (a bad flag, value or file): exit code 2 and the
+# message alone. gpt2.cli's own errors are all UsageErrors; every other gpt2.Gpt2Error also has a
+# builtin base, which decides: a run that failed (TrainingDivergedError, a RuntimeError; a full
+# disk, an OSError) exits 1. TokenizerNotAvailableError (_report_error) is a RuntimeError about input.
+USAGE_ERRORS = (
+    UsageError,
+    ValueError,
+    TypeError,
+    ConnectionError,
+    ImportError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 
 class Command(NamedTuple):
@@ -37,8 +53,12 @@ class Command(NamedTuple):
     recipe: str | None = None
 
     @property
+    def module(self) -> Any:
+        return importlib.import_module(f"gpt2.cli.{self.module_name}")
+
+    @property
     def function(self) -> Any:
-        return getattr(importlib.import_module(f"gpt2.cli.{self.module_name}"), self.module_name)
+        return getattr(self.module, self.module_name)
 
     @property
     def options(self) -> type:
@@ -88,84 +108,127 @@ def run_command(
     """
     if name not in COMMANDS:
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
-    cmd = COMMANDS[name]
     prog = prog or f"gpt2 {name}"
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _arguments(argv)
     _setup_logging()
     try:
-        try:
-            options, print_config = parse(cmd, argv, prog=prog, defaults=defaults, description=description)
-        except SystemExit as e:  # --help (0) or a bad flag (2, tyro printed why)
-            return int(e.code or 0)
-        if print_config:
-            sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
-            return 0
-        launch = getattr(options, "launch", None)  # train and finetune can start their own workers
-        nproc = launch.nproc_per_node if launch is not None else 1
-        if nproc > 1 and "RANK" not in os.environ:  # start the workers, unless we are one
-            from gpt2.cli.launch import launch_workers
-
-            # Check the options once here (a bad value is one line, not one per rank); each worker
-            # then reads these resolved options.
-            importlib.import_module(f"gpt2.cli.{cmd.module_name}").check(options)
-            os.environ[LAUNCH_ARGV] = shlex.join(argv)  # for the workers' resume line
-            single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
-            try:
-                return launch_workers(name, dump_yaml(single, f"# {prog}: options of the launcher\n"), nproc, prog)
-            finally:  # only the workers read it: a later command in this process must not
-                del os.environ[LAUNCH_ARGV]
-        result = cmd.function(options)
-        return result if isinstance(result, int) else 0
+        return _run(name, argv, prog, defaults, description)
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
-        # Under torchrun the signal reaches every rank and the agent forwards another: ignore
-        # further ones (no second traceback while exiting) and let only rank 0 say it.
-        signum = getattr(e, "signum", signal.SIGINT)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if int(os.environ.get("RANK", "0") or 0) == 0:
-            checkpoint = getattr(e, "checkpoint", None)
-            resume = f"; resume with: {_resume_command(prog, argv)}" if checkpoint is not None else ""
-            print(f"\n{prog}: {e if str(e) else 'interrupted'}{resume}", file=sys.stderr)
-        return 128 + int(signum)
+        return _report_interrupt(e, prog, argv)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
         if os.environ.get("GPT2_DEBUG", "") not in ("", "0"):
             raise
-        from gpt2.model.tokenizer import TokenizerNotAvailableError
-
-        bad_files = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
-        bad_input = (UsageError, OptionError, ValueError, TypeError, ConnectionError, ImportError)
-        code = EXIT_USAGE if isinstance(e, (*bad_files, *bad_input, TokenizerNotAvailableError)) else EXIT_FAILURE
-        kind = "error" if code == EXIT_USAGE else f"error ({type(e).__name__})"
-        text = f"missing key {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
-        print(f"{prog}: {kind}: {' '.join(text.split())}", file=sys.stderr)
-        if code == EXIT_FAILURE:
-            print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
-        return code
+        return _report_error(e, prog)
 
 
-LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"  # the launcher's own arguments, for its workers' resume line
+def _run(name: str, argv: list[str], prog: str, defaults: dict[str, Any] | None, description: str | None) -> int:
+    """Parse the options, then print them, start the workers or run the command."""
+    cmd = COMMANDS[name]
+    try:
+        options, print_config = parse(cmd, argv, prog=prog, defaults=defaults, description=description)
+    except SystemExit as e:  # --help (0) or a bad flag (2, tyro printed why)
+        return int(e.code or 0)
+    if print_config:
+        sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
+        return 0
+    # train and finetune can start their own workers (unless this process is one)
+    launch = getattr(options, "launch", None)
+    if launch is not None and launch.nproc_per_node > 1 and "RANK" not in os.environ:
+        return _launch(name, options, argv, prog)
+    result = cmd.function(options)
+    # Prepare and export return an exit code, the others their results.
+    if isinstance(result, int):
+        return result
+    return 0
+
+
+def _launch(name: str, options: Any, argv: list[str], prog: str) -> int:
+    """Start ``--nproc-per-node`` workers, each reading these resolved options."""
+    from gpt2.cli.launch import launch_workers
+
+    # Check the options once here: a bad value is one line, not one per rank.
+    COMMANDS[name].module.check(options)
+    single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
+    config = dump_yaml(single, f"# {prog}: options of the launcher\n")
+    # The workers' resume line repeats the launcher's arguments. Only the workers read them: a
+    # later command in this process must not.
+    os.environ[LAUNCH_ARGV] = shlex.join(argv)
+    try:
+        return launch_workers(name, config, options.launch.nproc_per_node, prog)
+    finally:
+        del os.environ[LAUNCH_ARGV]
+
+
+def _report_interrupt(e: KeyboardInterrupt, prog: str, argv: list[str]) -> int:
+    """Rank 0's line for a stopped run (and how to resume it); returns 128 + the signal."""
+    # Under torchrun the signal reaches every rank and the agent forwards another: ignore
+    # further ones (no second traceback while exiting) and let only rank 0 say it.
+    signum = getattr(e, "signum", signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _rank() == 0:
+        message = str(e) or "interrupted"
+        if getattr(e, "checkpoint", None) is not None:
+            message += f"; resume with: {_resume_command(prog, argv)}"
+        print(f"\n{prog}: {message}", file=sys.stderr)
+    return 128 + int(signum)
+
+
+def _report_error(e: Exception, prog: str) -> int:
+    """One line for ``e``; returns the exit code: 2 for input that cannot be used, else 1."""
+    from gpt2.model.tokenizer import TokenizerNotAvailableError
+
+    text = str(e) or type(e).__name__
+    if isinstance(e, KeyError):
+        text = f"missing key {e}"
+    text = " ".join(text.split())
+    if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
+        print(f"{prog}: error: {text}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{prog}: error ({type(e).__name__}): {text}", file=sys.stderr)
+    print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+# The launcher's own arguments, for its workers' resume line.
+LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"
+# The flags of a first start: `--overwrite` would now refuse, `--resume-weights-only` drop the optimizer state.
+FIRST_START_FLAGS = ("--resume=", "--overwrite", "--no-overwrite", "--resume-weights-only", "--no-resume-weights-only")
 
 
 def _resume_command(prog: str, argv: Sequence[str]) -> str:
     """The command that continues an interrupted run: this one with ``--resume auto``, without a first
-    start's flags (``--overwrite`` would now refuse, ``--resume-weights-only`` drop the optimizer state).
+    start's flags.
     """
-    words = shlex.split(os.environ.get(LAUNCH_ARGV, "")) or list(argv)
-    kept: list[str] = []
-    skip = False
-    once = ("--resume=", "--overwrite", "--no-overwrite", "--resume-weights-only", "--no-resume-weights-only")
+    words = iter(shlex.split(os.environ.get(LAUNCH_ARGV, "")) or argv)
+    kept = []
     for word in words:
-        if skip or word == "--resume" or word.startswith(once):
-            skip = word == "--resume"
-            continue
-        kept.append(word)
-    # an example script (prog "pretrain_shakespeare.py") by the path it was started with
-    command = [sys.argv[0]] if prog.endswith(".py") else shlex.split(prog)
-    if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ:  # under plain torchrun
-        torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
-        command = [*torchrun, "-m", *command] if command[0] == "gpt2" else [*torchrun, *command]
-    elif prog.endswith(".py"):
-        command = ["python", *command]
-    return shlex.join([*command, *kept, "--resume", "auto"])
+        if word == "--resume":
+            next(words, None)  # and its value
+        elif not word.startswith(FIRST_START_FLAGS):
+            kept.append(word)
+    return shlex.join([*_started_as(prog), *kept, "--resume", "auto"])
+
+
+def _started_as(prog: str) -> list[str]:
+    """The words that started this command: ``gpt2 train``, ``python examples/x.py``, either under torchrun."""
+    # An example script (prog "pretrain_shakespeare.py") by the path it was started with.
+    if prog.endswith(".py"):
+        command = [sys.argv[0]]
+    else:
+        command = shlex.split(prog)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ  # not our own launcher
+    if not under_torchrun:
+        if prog.endswith(".py"):
+            return ["python", *command]
+        return command
+    torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
+    if command[0] == "gpt2":
+        return [*torchrun, "-m", *command]
+    return [*torchrun, *command]
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 class _StdoutHandler(logging.Handler):
@@ -189,17 +252,18 @@ def _setup_logging() -> None:
     handler = _StdoutHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root.addHandler(handler)
-    root.setLevel(logging.INFO if int(os.environ.get("RANK", "0") or 0) == 0 else logging.WARNING)
+    root.setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``gpt2 <command> [options]``; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        width = max(len(n) for n in COMMANDS)
-        commands = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
-        print(TOP_HELP.format(commands=commands))
-        return 0 if argv else EXIT_USAGE
+    argv = _arguments(argv)
+    if not argv:  # no command: the help, as a usage error
+        print(_top_help())
+        return EXIT_USAGE
+    if argv[0] in ("-h", "--help"):
+        print(_top_help())
+        return 0
     if argv[0] == "--version":
         from gpt2 import __version__
 
@@ -212,6 +276,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_USAGE
     return run_command(argv[0], argv[1:])
+
+
+def _arguments(argv: Sequence[str] | None) -> list[str]:
+    """``argv``, or this process's command-line arguments."""
+    if argv is None:
+        return sys.argv[1:]
+    return list(argv)
+
+
+def _top_help() -> str:
+    width = max(len(n) for n in COMMANDS)
+    commands = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
+    return TOP_HELP.format(commands=commands)
 
 
 TOP_HELP = """usage: gpt2 <command> [options]     (also: python -m gpt2 <command>)

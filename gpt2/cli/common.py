@@ -1,4 +1,6 @@
-"""What several commands share: option groups, the usage error, sampling to stdout, and the end-of-training report."""
+"""What several commands share: option groups, the usage error (defined in :mod:`gpt2.cli.layers`, the
+package's lowest module), checks, sampling to stdout, and the end-of-training report.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
+from gpt2.cli.layers import UsageError
 from gpt2.data.sources import shakespeare_or_path
-from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
@@ -25,10 +28,6 @@ from gpt2.train.rundir import check_out_dir
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
 Flat = tyro.conf.OmitArgPrefixes
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
-
-
-class UsageError(Gpt2Error):
-    """Bad options, values or files: the command line reports it in one line, exit code 2."""
 
 
 # What an export writes (gpt2.model.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
@@ -45,14 +44,18 @@ def check_export_dir(path: str | None, flag: str, own: set[str], overwrite: bool
     if path is None:
         return
     folder = Path(path).expanduser()
-    if folder.exists() and not folder.is_dir():
+    if not folder.exists():  # a new folder
+        return
+    if not folder.is_dir():
         raise UsageError(f"{flag} {path} is a file: give a folder (new, or an earlier export)")
-    other = sorted(p.name for p in folder.iterdir() if p.name not in own) if folder.is_dir() else []
+    other = sorted(p.name for p in folder.iterdir() if p.name not in own)
     if other and not overwrite:
+        shown = ", ".join(other[:5])
+        if len(other) > 5:
+            shown += " ..."
         raise UsageError(
-            f"{flag} {path} is not empty and not an earlier export (it holds {', '.join(other[:5])}"
-            f"{' ...' if len(other) > 5 else ''}): give a new or empty folder, or pass --overwrite to write the "
-            "export's files into it (nothing else there is touched)"
+            f"{flag} {path} is not empty and not an earlier export (it holds {shown}): give a new or empty "
+            "folder, or pass --overwrite to write the export's files into it (nothing else there is touched)"
         )
 
 
@@ -103,12 +106,15 @@ class LaunchOptions:
             raise InvalidValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
 
 
-def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
-    if s.num_samples < (0 if allow_none else 1):
-        raise UsageError(f"--num-samples must be >= {0 if allow_none else 1}, got {s.num_samples}")
+def check_sampling(s: SamplingOptions, *, fewest: int = 1) -> None:
+    """The sampling options, checked before any model is loaded or trained (gpt2.model.generate
+    refuses the same values, but only when it samples: after training). ``fewest``: samples.
+    """
+    if s.num_samples < fewest:
+        raise UsageError(f"--num-samples must be >= {fewest}, got {s.num_samples}")
     if s.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {s.max_new_tokens}")
-    if not 0 <= s.temperature < math.inf:  # NaN too: before training, not at the sample after it
+    if not 0 <= s.temperature < math.inf:  # NaN too
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
     if s.top_k is not None and s.top_k < 1:
         raise UsageError(f"--top-k must be >= 1 (or None), got {s.top_k}")
@@ -119,15 +125,17 @@ def check_sampling(s: SamplingOptions, *, allow_none: bool = False) -> None:
 def check_run(options: Any) -> None:
     """What ``gpt2 train`` and ``gpt2 finetune`` check before any data is read or process started."""
     if options.train.out_dir is not None:
-        check_out_dir(options.train.out_dir)  # a file, or not writable: one error before any work
-    check_sampling(options.sampling, allow_none=True)
+        # A file, or not writable: one error before any work.
+        check_out_dir(options.train.out_dir)
+    check_sampling(options.sampling, fewest=0)  # 0: no samples after training
     if options.final_eval_batches is not None and options.final_eval_batches < 1:
         raise UsageError(
             f"--final-eval-batches must be >= 1 (or None: the whole validation data), got {options.final_eval_batches}"
         )
     for data in (options.data.data, options.data.val_data):
         if data is not None:
-            shakespeare_or_path(data)  # it exists (Tiny Shakespeare: downloaded once, here)
+            # Check that it exists (Tiny Shakespeare: downloaded once, here).
+            shakespeare_or_path(data)
 
 
 def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
@@ -164,22 +172,26 @@ def print_samples(
     """``s.num_samples`` samples, streamed to stdout; returns their texts. ``prompt`` (an
     instruction template) replaces ``s.prompt`` and is not echoed: only the response is shown.
     """
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
     generator = torch.Generator(device=next(model.parameters()).device)
-    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    generator.manual_seed(seed)
     sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator, autocast=autocast)
-    shown = prompt is None
-    prompt = s.prompt if prompt is None else prompt
+    echo = prompt is None
+    if echo:
+        prompt = s.prompt
     texts = []
     for i in range(s.num_samples):
         print(f"--- {f'{header} sample {i + 1}/{s.num_samples}'.strip()} ---")
-        if shown:
+        text = ""
+        if echo:
+            text = prompt
             print(prompt, end="", flush=True)
-        pieces = []
         for piece in stream_text(model, prompt, s.max_new_tokens, **sampling):
-            pieces.append(piece)
+            text += piece
             print(piece, end="", flush=True)
         print()
-        texts.append((prompt if shown else "") + "".join(pieces))
+        texts.append(text)
     return texts
 
 
@@ -246,5 +258,6 @@ def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2) + "\n"
-    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # never a half-written file
+    # Never a half-written file.
+    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))
     print(f"wrote {path}")

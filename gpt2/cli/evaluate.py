@@ -57,27 +57,15 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
         raise UsageError(
             f"--data {options.data}: .jsonl instruction rows are not plain text; gpt2 finetune reports their val loss"
         )
-    hellaswag = resolve_hellaswag(options.hellaswag)  # before the model loads: fail fast
-    source = load_token_source(options.data) if options.data is not None else None
+    # Both files before the model loads: fail fast.
+    hellaswag = resolve_hellaswag(options.hellaswag)
+    source = None
+    if options.data is not None:
+        source = load_token_source(options.data)
     model, autocast, device = load_for_inference(options)
     results: dict[str, Any] = {"model": options.model}
     if source is not None:
-        seq_len = min(model.config.block_size, 1024) if options.seq_len is None else options.seq_len
-        if seq_len > model.config.block_size:
-            raise UsageError(f"--seq-len {seq_len} exceeds the model's context (block_size {model.config.block_size})")
-        split = options.split if isinstance(source, Path) else None
-        if split is None and options.val_fraction != 0:  # NaN and < 0 are refused by split_tokens
-            # A text or token file: score its end, the same tokens `gpt2 train --val-fraction` holds out.
-            source = split_tokens(source, options.val_fraction, options.data)[1]
-        start = time.time()
-        name = options.model + (f" with adapter {options.adapter}" if options.adapter else "")
-        args = (model, source, options.batch_size, seq_len, options.max_batches, autocast)
-        loss = evaluate_loss(*args, split=split, device=device, progress=True, source=name)
-        results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], tokens=loss["tokens"])
-        print(
-            f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | "
-            f"{loss['tokens']:,} tokens | {time.time() - start:.1f} s"
-        )
+        results.update(_score_tokens(options, source, model, autocast, device))
     if hellaswag is not None:
         start = time.time()
         hs = score_hellaswag(model, hellaswag, limit=options.hellaswag_limit, autocast=autocast)
@@ -89,3 +77,30 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
     if options.output:
         write_json(options.output, results)
     return results
+
+
+def _score_tokens(options: EvalOptions, source: Any, model: Any, autocast: Any, device: Any) -> dict[str, Any]:
+    """The validation loss of ``source``: a shard directory's ``--split``, or a text or token file's end."""
+    seq_len = options.seq_len
+    if seq_len is None:
+        seq_len = min(model.config.block_size, 1024)
+    if seq_len > model.config.block_size:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's context (block_size {model.config.block_size})")
+    split = None
+    if isinstance(source, Path):
+        split = options.split
+    elif options.val_fraction != 0:
+        # A text or token file: score its end, the same tokens `gpt2 train --val-fraction` holds out
+        # (split_tokens refuses NaN and a fraction < 0).
+        source = split_tokens(source, options.val_fraction, options.data)[1]
+    name = options.model
+    if options.adapter:
+        name += f" with adapter {options.adapter}"
+    start = time.time()
+    args = (model, source, options.batch_size, seq_len, options.max_batches, autocast)
+    loss = evaluate_loss(*args, split=split, device=device, progress=True, source=name)
+    print(
+        f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | "
+        f"{loss['tokens']:,} tokens | {time.time() - start:.1f} s"
+    )
+    return {"val_loss": loss["loss"], "perplexity": loss["perplexity"], "tokens": loss["tokens"]}

@@ -52,15 +52,10 @@ def export(options: ExportOptions) -> int:
     check_export_dirs(options.model, ("--out", options.out), ("--peft-out", options.peft_out), options.overwrite)
     _check_gguf_path(options.gguf, options.overwrite)
     model = GPT.from_pretrained(options.model, device="cpu")
+    what = "model"
     if options.adapter:
-        apply_adapter(model, options.adapter, options.allow_base_mismatch)
-        if options.out is not None or options.gguf is not None:
-            check_tied_head(model)  # before the PEFT export is written
-        if options.peft_out is not None:
-            minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.model))
-            print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
-        minlora.merge_lora(model)
-    what = "merged model" if options.adapter else "model"
+        _merge_adapter(model, options)
+        what = "merged model"
     if options.out is not None:
         model.save_pretrained(options.out, tokenizer_dir=options.tokenizer_dir)
         print(f"wrote {what} {options.out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
@@ -70,11 +65,25 @@ def export(options: ExportOptions) -> int:
     return 0
 
 
+def _merge_adapter(model: GPT, options: ExportOptions) -> None:
+    """Add ``--adapter`` to ``model``, write it in PEFT format (``--peft-out``), then merge it in."""
+    apply_adapter(model, options.adapter, options.allow_base_mismatch)
+    # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
+    if options.out is not None or options.gguf is not None:
+        check_tied_head(model)
+    if options.peft_out is not None:
+        minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.model))
+        print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
+    minlora.merge_lora(model)
+
+
 def peft_base(model: str) -> str:
     """Where PEFT's AutoPeftModel loads the adapter's base from: the hub id, else the absolute path."""
-    if isinstance(source := resolve_source(model), str):
+    source = resolve_source(model)
+    if isinstance(source, str):
         return source
-    if not (source / "config.json").is_file():  # a gpt2 run or checkpoint folder: transformers cannot read it
+    # A gpt2 run or checkpoint folder: transformers cannot read it.
+    if not (source / "config.json").is_file():
         print(f"note: PEFT's base {source} is no transformers folder: use one of `gpt2 export --model X --out DIR`")
     return str(source.resolve())
 
@@ -86,7 +95,9 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
     check_export_dir(out[1], out[0], MODEL_EXPORT_FILES, overwrite)
     check_export_dir(peft[1], peft[0], PEFT_EXPORT_FILES, overwrite)
     given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}
-    source = resolve_source(model) if given else None
+    if not given:
+        return
+    source = resolve_source(model)
     for flag, folder in given.items():
         if isinstance(source, Path) and folder == source.resolve():
             raise UsageError(f"{flag} {folder} is the model's own folder ({model}): give another folder to export into")

@@ -86,17 +86,22 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
     # LoRA checkpoints hold the adapter only; --full ones the whole model (gpt2 sample --model out_dir).
     config = dataclasses.replace(options.train, save_trainable_only=not options.full)
     model = GPT.from_pretrained(options.init, device="cpu")
-    model.train()  # the Trainer refuses a --seq-len beyond the model's block_size
+    # The Trainer refuses a --seq-len beyond the model's block_size.
+    model.train()
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     if is_instruction_data(options.data.data):
         train_data, val, first_row = _instruction_data(options, config)
-        prompt = prompt or instruction_prompt(*first_row)  # samples answer the first held-out row
+        # Samples answer the first held-out row.
+        prompt = prompt or instruction_prompt(*first_row)
     else:
         train_data, val = training_data(options.data.data, options.data.val_data, options.data.val_fraction)
     # The before/after val loss covers the whole val data: every rank scores its share of it (see
     # val_loss), so it needs the unsharded instruction loader, not this rank's part.
-    report_val = val.unsharded() if hasattr(val, "unsharded") else val
-    seed_everything(config.seed)  # --seed fixes LoRA's random A matrices too, not only the data order
+    report_val = val
+    if hasattr(val, "unsharded"):
+        report_val = val.unsharded()
+    # --seed fixes LoRA's random A matrices too, not only the data order.
+    seed_everything(config.seed)
     if not options.full:
         minlora.add_lora(model, lora_config=options.lora)
         minlora.mark_only_lora_as_trainable(model)
@@ -108,9 +113,11 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             lora = f"LoRA rank {options.lora.rank}, alpha {options.lora.alpha:g} on {options.init}"
             print(f"{lora}: {minlora.count_parameters(model)}", flush=True)
         before: dict[str, Any] = {}
-        report = (trainer, report_val, options.sampling)  # every rank scores, rank 0 samples
+        # Every rank scores, rank 0 samples.
+        report = (trainer, report_val, options.sampling)
         kwargs = dict(final_eval_batches=options.final_eval_batches, prompt=prompt, save=False)  # _save writes
-        if trainer.step == 0:  # a resumed run has no "before" (LoRA's B starts at zero: the pretrained model)
+        # A resumed run has no "before" (LoRA's B starts at zero: the pretrained model).
+        if trainer.step == 0:
             measured = final_report(*report, header="before fine-tuning:", **kwargs)
             before = {f"{k}_before": measured[k] for k in ("val_loss", "samples") if k in measured}
         trainer.fit()
@@ -138,9 +145,12 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
         world_size=env.world_size,
     )
     if env.is_main:
-        held_out = f", {val.num_rows} validation rows" if val is not None else ""
-        counts = f"{train.num_rows} training rows in {train.num_sequences} sequences{held_out}; loss on"
-        print(f"instruction data {options.data.data}: {counts} {train.num_targets:,} response tokens", flush=True)
+        counts = f"{train.num_rows} training rows in {train.num_sequences} sequences"
+        if val is not None:
+            counts += f", {val.num_rows} validation rows"
+        print(
+            f"instruction data {options.data.data}: {counts}; loss on {train.num_targets:,} response tokens", flush=True
+        )
     return train, val, (rows[0][0], rows[0][1])
 
 
@@ -148,21 +158,24 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
     """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full),
     results.json, then the optional PEFT and transformers exports.
     """
-    out = trainer.out_dir  # None writes nothing there (never ./adapter)
-    if out is not None and options.full:
-        print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
-    elif out is not None:
-        adapter = minlora.save_adapter(trainer.model, out / "adapter")
-        results["adapter"] = str(adapter)
-        print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+    # No run directory (--out-dir None) writes nothing there (never ./adapter).
+    out = trainer.out_dir
     if out is not None:
+        if options.full:
+            print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+        else:
+            adapter = minlora.save_adapter(trainer.model, out / "adapter")
+            results["adapter"] = str(adapter)
+            print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
         write_json(out / "results.json", results)
-    if options.peft_export:  # never with --full: check() refuses it
+    # never with --full: check() refuses it
+    if options.peft_export:
         minlora.export_peft_adapter(trainer.model, options.peft_export, base_model_name_or_path=peft_base(options.init))
         print(f"wrote PEFT adapter {options.peft_export}")
     if options.merge_export:
+        what = ""
         if not options.full:
             minlora.merge_lora(trainer.model)
+            what = "merged model "
         trainer.model.save_pretrained(options.merge_export, tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None)
-        merged = "merged model " if not options.full else ""
-        print(f"wrote {merged}{options.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+        print(f"wrote {what}{options.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")

@@ -45,7 +45,8 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
             run_id=str(uuid.uuid4()),
             rdzv_backend="c10d",
             rdzv_endpoint="localhost:0",  # what torchrun --standalone uses
-            max_restarts=0,  # a failed rank fails the run; restarting would repeat the failure
+            # A failed rank fails the run; restarting would repeat the failure.
+            max_restarts=0,
             shutdown_timeout=SHUTDOWN_SECONDS,
         )
         try:

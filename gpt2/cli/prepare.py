@@ -65,7 +65,8 @@ def prepare(options: PrepareOptions) -> int:
         overwrite=options.overwrite,
         file_format=options.format,
     )
-    if options.input:  # local files win over a --dataset default (e.g. prepare_fineweb.py's)
+    # Local files win over a --dataset default (e.g. prepare_fineweb.py's).
+    if options.input:
         files = _expand_inputs(options.input)
         if len(files) == 1 and files[0].suffix.lower() != ".jsonl":
             # One text: split by token count (the end of the text is the validation set).
@@ -125,10 +126,13 @@ def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
                         f"{path}:{line_no}: expected a JSON object with a string field {text_field!r} "
                         f"(choose the field with --text-field)"
                     )
-                if row[text_field]:  # an empty document would be a lone <|endoftext|>
+                # An empty document would be a lone <|endoftext|>.
+                if row[text_field]:
                     yield row[text_field]
-        elif text := read_text(path):
-            yield text
+        else:
+            text = read_text(path)
+            if text:
+                yield text
 
 
 def _dataset_documents(options: PrepareOptions) -> Iterator[str]:

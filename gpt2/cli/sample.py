@@ -45,7 +45,8 @@ class SampleOptions(Options):
 
 def sample(options: SampleOptions) -> int:
     check_sampling(options.sampling)
-    prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)  # only the response is printed
+    # An instruction's template: only the response is printed.
+    prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     model, autocast, _ = load_for_inference(options)
     if options.compile:
         model = torch.compile(model)

@@ -66,12 +66,19 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
     dims = dict(SHAPES[shape.model])
     dims.update({n: getattr(shape, n) for n in ("n_layer", "n_head", "n_embd") if getattr(shape, n) is not None})
     return GPTConfig(
-        block_size=seq_len if shape.block_size is None else shape.block_size,  # 0: GPTConfig refuses it
+        block_size=context_length(shape, seq_len),
         dropout=shape.dropout,
         flash=shape.flash,
         pad_vocab_multiple=shape.pad_vocab_multiple,
         **dims,
     )
+
+
+def context_length(shape: ModelShape, seq_len: int) -> int:
+    """``--block-size``, or ``--seq-len`` without one (a block size of 0: GPTConfig refuses it)."""
+    if shape.block_size is None:
+        return seq_len
+    return shape.block_size
 
 
 def check(options: TrainOptions) -> None:
@@ -80,7 +87,8 @@ def check(options: TrainOptions) -> None:
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")
     for flag, data in (("--data", options.data.data), ("--val-data", options.data.val_data)):
-        if is_instruction_data(data):  # it was read as raw JSON text
+        # A .jsonl would be read as raw JSON text.
+        if is_instruction_data(data):
             raise UsageError(
                 f"{flag}: a .jsonl is no text: gpt2 prepare tokenises its 'text' fields, gpt2 finetune its rows"
             )
@@ -93,60 +101,88 @@ def train(options: TrainOptions) -> dict[str, Any]:
     gpt_config = model_config(options.shape, config.seq_len)
     hellaswag = resolve_hellaswag(options.hellaswag)
     train_data, val = training_data(options.data.data, options.data.val_data, options.data.val_fraction)
-    seed_everything(config.seed)  # --seed fixes the initial weights too, not only the data order
+    # --seed fixes the initial weights too, not only the data order.
+    seed_everything(config.seed)
     model = GPT(gpt_config)
-    callback = HellaSwagCallback(hellaswag, options.hellaswag_interval, options.hellaswag_limit) if hellaswag else None
+    callbacks = []
+    if hellaswag:
+        callbacks.append(HellaSwagCallback(hellaswag, options.hellaswag_interval, options.hellaswag_limit))
     start = time.time()
-    with Trainer(model, config, train_data, val, callbacks=[callback] if callback else ()) as trainer:
+    with Trainer(model, config, train_data, val, callbacks=callbacks) as trainer:
         if trainer.is_main:
-            print(
-                f"GPT {options.shape.model}: {model.num_params():,} parameters ({gpt_config.n_layer} layers, "
-                f"{gpt_config.n_head} heads, {gpt_config.n_embd} wide, context {gpt_config.block_size}); "
-                f"{trainer.tokens_per_step:,} tokens per step, {config.max_steps} steps, {trainer.precision.name}"
-                f"{', compiled' if config.compile else ''} on {trainer.device}",
-                flush=True,
-            )
+            print(_run_line(options, model, trainer), flush=True)
         trainer.fit()
         extra: dict[str, Any] = {"train_seconds": round(time.time() - start, 1)}
-        if callback is not None:  # the last HellaSwag score (scored now if the run was already complete)
-            extra["hellaswag"] = callback.last if callback.last is not None else callback.score(trainer)
+        if callbacks:
+            extra["hellaswag"] = _last_score(callbacks[0], trainer)
+        # every rank: the evaluation is split
         results = final_report(
             trainer, val, options.sampling, final_eval_batches=options.final_eval_batches, extra=extra
-        )  # every rank: the evaluation is split
+        )
         if trainer.is_main and trainer.out_dir is not None:
             print_next_steps(trainer.out_dir, options)
         return results
+
+
+def _run_line(options: TrainOptions, model: GPT, trainer: Trainer) -> str:
+    """The model's shape and size, and how it trains."""
+    shape, config = model.config, options.train
+    how = trainer.precision.name
+    if config.compile:
+        how += ", compiled"
+    return (
+        f"GPT {options.shape.model}: {model.num_params():,} parameters ({shape.n_layer} layers, "
+        f"{shape.n_head} heads, {shape.n_embd} wide, context {shape.block_size}); "
+        f"{trainer.tokens_per_step:,} tokens per step, {config.max_steps} steps, {how} on {trainer.device}"
+    )
+
+
+def _last_score(callback: HellaSwagCallback, trainer: Trainer) -> dict[str, Any]:
+    """The last HellaSwag score, scored now if the run was already complete (nothing to score during it)."""
+    if callback.last is None:
+        return callback.score(trainer)
+    return callback.last
 
 
 def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     """Where the outputs are and three commands to try next. They name only files and the run
     directory (no environment variables), so they work from the same directory in a new shell.
     """
-    run = shlex.quote(str(out_dir))
     print(f"\noutputs in {out_dir}/:")
     for entry in sorted(out_dir.iterdir()):
-        if entry.name.startswith(".") or entry.name == LOCK_FILE:  # the lock is released on exit
-            continue
-        if entry.is_dir():
-            names = sorted(p.name for p in entry.iterdir())
-            what = ", ".join(names) if len(names) <= 3 else f"{len(names)}: ..., {names[-2]}, {names[-1]}"
-        else:
-            what = f"{entry.stat().st_size:,} bytes"
-        print(f"  {entry.name}{'/' if entry.is_dir() else ''}  ({what})")
+        # the lock is released on exit
+        if not entry.name.startswith(".") and entry.name != LOCK_FILE:
+            print(f"  {_describe(entry)}")
+    run = shlex.quote(str(out_dir))
     prompt = shlex.quote(options.sampling.prompt or "ROMEO:")
     # The training text (and its held-out fraction, when not the default) for fine-tuning and eval.
     data = shlex.quote(str(options.data.data))
     if options.data.val_fraction != 0.1:
         data += f" --val-fraction {options.data.val_fraction:g}"
-    print("next, try:")
-    print(f"  gpt2 sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
-    instructions = Path("examples/data/instructions.jsonl")  # in the checkout (docs/lora.md)
+    finetune = f"gpt2 finetune --init {run}"
+    # the finetune recipe's 64 tokens would not fit a shorter context
+    context = context_length(options.shape, options.train.seq_len)
+    if context < 64:
+        finetune += f" --seq-len {context}"
+    # In the checkout, docs/lora.md's instruction rows; elsewhere, LoRA on the training text.
+    instructions = Path("examples/data/instructions.jsonl")
     if instructions.is_file():
-        finetune = f"--data {instructions} --full --max-lr 2e-3 --micro-batch-size 8 --max-steps 150 --out-dir "
+        finetune += f" --data {instructions} --full --max-lr 2e-3 --micro-batch-size 8 --max-steps 150 --out-dir "
         finetune += f"{shlex.quote(str(out_dir) + '-instruct')}   # instruction tuning (docs/lora.md)"
     else:
-        finetune = f"--data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}   # LoRA fine-tune it"
-    context = options.train.seq_len if options.shape.block_size is None else options.shape.block_size
-    seq = f" --seq-len {context}" if context < 64 else ""  # the finetune recipe's 64 would not fit the model
-    print(f"  gpt2 finetune --init {run}{seq} {finetune}")
+        finetune += f" --data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}   # LoRA fine-tune it"
+    print("next, try:")
+    print(f"  gpt2 sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
+    print(f"  {finetune}")
     print(f"  gpt2 eval --model {run} --data {data}   # validation loss of the saved model")
+
+
+def _describe(entry: Path) -> str:
+    """A file with its size, a folder with its first (or last two) entries."""
+    if not entry.is_dir():
+        return f"{entry.name}  ({entry.stat().st_size:,} bytes)"
+    names = sorted(p.name for p in entry.iterdir())
+    listing = ", ".join(names)
+    if len(names) > 3:
+        listing = f"{len(names)}: ..., {names[-2]}, {names[-1]}"
+    return f"{entry.name}/  ({listing})"
