@@ -6,6 +6,7 @@ merge / remove touch LoRA only; a merge computes in fp32 and gives the layer a n
 from __future__ import annotations
 
 import logging
+import warnings
 from functools import partial
 from typing import Callable, Iterator, Mapping, NamedTuple
 
@@ -120,8 +121,10 @@ def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match:
 
 
 def _add_targets(targets: list[Target], caller: str) -> None:
-    """Build every LoRA, check it fits its layer, then register them all (nothing is added on error)."""
-    todo, skipped, seen = [], [], set()
+    """Build every LoRA, then register them all (nothing is added on error); warn once about ranks
+    above what a layer can use.
+    """
+    todo, skipped, seen, oversized = [], [], set(), []
     for name, module, tensor_name, factory in targets:
         full = tensor_path(name, tensor_name)
         if (id(module), tensor_name) in seen:
@@ -135,22 +138,38 @@ def _add_targets(targets: list[Target], caller: str) -> None:
             raise TypeError(
                 f"{caller}: the factory for {full} returned a {type(lora).__name__}, not a LoRAParametrization"
             )
-        # a larger rank only adds parameters that cannot help
-        if lora.rank > min(lora.fan_in, lora.fan_out):
-            raise LoRAValueError(
-                f"{caller}: rank {lora.rank} does not fit {full} (weight shape "
-                f"{tuple(getattr(module, tensor_name).shape)}): the rank must be between 1 and min(in_features, "
-                f"out_features) = {min(lora.fan_in, lora.fan_out)} for every targeted layer; lower it or leave this "
-                f"layer out"
-            )
+        useful = min(lora.fan_in, lora.fan_out)
+        if lora.rank > useful:
+            shape = tuple(getattr(module, tensor_name).shape)
+            oversized.append(f"{full} (weight shape {shape}) has rank {lora.rank}, useful maximum {useful}")
         todo.append((module, tensor_name, lora))
     for module, tensor_name, lora in todo:
         register_lora(module, tensor_name, lora)
+    if oversized:
+        _warn_oversized_rank(oversized, caller)
     if skipped:
         logger.warning(
             f"{caller}: {len(skipped)} tensor(s) already carry a LoRA adapter and were left unchanged (no second "
             f"adapter is stacked), e.g. {skipped[:3]}; call minlora.remove_lora(model) first to replace them"
         )
+
+
+def _warn_oversized_rank(oversized: list[str], caller: str) -> None:
+    """One warning for every layer of one call whose rank exceeds ``min(in_features, out_features)``.
+
+    Such a rank is wasteful, not wrong: the update ``B @ A`` cannot have a higher rank than that, so the
+    extra rank only adds parameters. minLoRA and PEFT accept it (minLoRA's own demo puts its default rank 4
+    on an ``nn.Linear(7, 3)``), and so does minlora.
+    """
+    shown = "; ".join(oversized[:6])
+    if len(oversized) > 6:
+        shown += f"; and {len(oversized) - 6} more"
+    warnings.warn(
+        f"{caller}: LoRA rank above min(in_features, out_features) on {len(oversized)} layer(s): {shown}. The "
+        f"update B @ A cannot have a higher rank, so it works but the extra rank only adds parameters; lower the "
+        f"rank or leave those layers out to save them",
+        stacklevel=4,
+    )
 
 
 # ---------------------------------------------------------------------- minLoRA API
@@ -173,8 +192,9 @@ def apply_lora(
 
 def add_lora(model: nn.Module, lora_config: LoRAConfig | Mapping = default_lora_config) -> None:
     """Put LoRA on the layers ``lora_config`` selects (default: every ``nn.Linear``). A tensor that
-    already carries LoRA is left alone (logged). ``ValueError`` when the config selects no layer or
-    the rank exceeds a targeted layer's ``min(in_features, out_features)``.
+    already carries LoRA is left alone (logged). ``ValueError`` when the config selects no layer. A rank
+    above a layer's ``min(in_features, out_features)`` is accepted, as in minLoRA and PEFT, with one
+    warning naming such layers (the extra rank only adds parameters).
     """
     _add_targets(_targets(model, lora_config), "add_lora")
 
