@@ -56,6 +56,15 @@ def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[s
     return value
 
 
+# LoRAConfig's numeric settings and their ranges: (field, check, the check's bounds).
+_NUMBER_FIELDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
+    ("rank", check_int, {}),
+    ("alpha", check_float, {"low": 0.0, "low_open": True}),
+    ("dropout", check_float, {"low": 0.0, "high": 1.0}),
+)
+_SWITCHES = ("include_embeddings", "include_lm_head", "use_rslora", "use_dora")
+
+
 def _layer_type(value: Any) -> Any:
     """A family name (``"Linear"``) as its layer type; anything else as given (checked by the caller)."""
     if isinstance(value, str) and value in FAMILIES:
@@ -102,17 +111,17 @@ class LoRAConfig:
     lm_head_names: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self) -> None:
-        # Checked when the config is built, not at the first forward (alpha=nan: every logit NaN).
-        check_int(self.rank, "LoRAConfig.rank")
-        check_float(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True)
-        check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
-        for flag in ("include_embeddings", "include_lm_head", "use_rslora", "use_dora"):
+        # The one place the settings are checked: when the config is built, not at the first forward
+        # (alpha=nan would make every logit NaN).
+        for field, check, bounds in _NUMBER_FIELDS:
+            check(getattr(self, field), f"LoRAConfig.{field}", **bounds)
+        for flag in _SWITCHES:
             if not isinstance(getattr(self, flag), bool):
                 raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
             self.target_modules = _patterns(self.target_modules, "target_modules")
-        self.exclude_modules = _patterns(self.exclude_modules, "exclude_modules", empty_ok=True)
-        self.lm_head_names = _patterns(self.lm_head_names, "lm_head_names", empty_ok=True)
+        for field in ("exclude_modules", "lm_head_names"):
+            setattr(self, field, _patterns(getattr(self, field), field, empty_ok=True))
         types = self.target_types
         if isinstance(types, (type, str)):
             types = (types,)

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from .config import LoRAConfig
-from .errors import LoRAValueError
+from .errors import LoRATypeError, LoRAValueError
 from .parametrization import LoRAParametrization, install_lora_class
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match:
     if isinstance(lora_config, LoRAConfig):
         return lora_config.targets(model, require_match)
     if not isinstance(lora_config, Mapping) or not all(isinstance(k, type) for k in lora_config):
-        raise TypeError(
+        raise LoRATypeError(
             "lora_config must be a minlora.LoRAConfig or a dict {layer_type: {tensor_name: factory}} "
             f"such as minlora.default_lora_config, got {type(lora_config).__name__}"
         )
@@ -135,7 +135,7 @@ def _add_targets(targets: list[Target], caller: str) -> None:
             continue
         lora = factory(module)
         if not isinstance(lora, LoRAParametrization):
-            raise TypeError(
+            raise LoRATypeError(
                 f"{caller}: the factory for {full} returned a {type(lora).__name__}, not a LoRAParametrization"
             )
         useful = min(lora.fan_in, lora.fan_out)
@@ -180,7 +180,7 @@ def apply_lora(
     # a LoRAConfig's layer types apply to one layer; its name patterns need the model
     if register and isinstance(lora_config, LoRAConfig):
         if lora_config.target_modules or lora_config.exclude_modules:
-            raise TypeError(
+            raise LoRATypeError(
                 "apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)"
             )
         lora_config = lora_config.to_lora_config()

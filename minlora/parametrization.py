@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from ._torch_compat import inject_property, parametrize_cache_enabled
-from .errors import LoRAValueError
+from .errors import LoRAIndexError, LoRATypeError, LoRAValueError
 
 # the last one DoRA's only
 PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
@@ -54,7 +54,7 @@ def raw_weight(module: nn.Module) -> torch.Tensor | None:
 def _weight_of(layer: nn.Module) -> torch.Tensor:
     weight = raw_weight(layer)
     if weight is None or not weight.is_floating_point():
-        raise TypeError(f"{type(layer).__name__} has no floating-point weight parameter to put LoRA on")
+        raise LoRATypeError(f"{type(layer).__name__} has no floating-point weight parameter to put LoRA on")
     return weight
 
 
@@ -97,7 +97,7 @@ class LoRAParametrization(nn.Module):
         self.lora_dropout_p = float(lora_dropout_p)
         self.use_rslora = False
         self.use_dora = bool(use_dora)
-        self.set_scaling(lora_alpha, use_rslora)
+        self._set_scaling(lora_alpha, use_rslora)
         # False: the identity (disable_lora)
         self.enabled = True
         # False: always the weight path (set_fast_path)
@@ -134,7 +134,12 @@ class LoRAParametrization(nn.Module):
         return cls(fan_in, fan_out, True, *args, **kwargs)
 
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
+        """``scaling = lora_alpha / rank`` (``/ sqrt(rank)`` with rsLoRA); ``use_rslora=None`` keeps the setting."""
         check_float(lora_alpha, "set_scaling: lora_alpha")
+        self._set_scaling(lora_alpha, use_rslora)
+
+    def _set_scaling(self, lora_alpha: float, use_rslora: bool | None) -> None:
+        """:meth:`set_scaling` for an alpha already checked (the constructor checks its own)."""
         if use_rslora is not None:
             self.use_rslora = bool(use_rslora)
         self.lora_alpha = lora_alpha
@@ -292,7 +297,7 @@ class LoRAParametrization(nn.Module):
     @torch.no_grad()
     def select_stored_adapter(self, index: int) -> None:
         if not -self._num_stored <= index < self._num_stored:
-            raise IndexError(
+            raise LoRAIndexError(
                 f"select_lora: adapter index {index} out of range; {self._num_stored} adapter(s) were "
                 f"loaded with load_multiple_lora"
             )

@@ -15,7 +15,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -35,7 +35,7 @@ from .adapters import (
     write_atomic,
 )
 from .config import family_name, name_matches, raw_weight
-from .errors import LoRAFileNotFoundError, LoRAValueError
+from .errors import LoRAFileNotFoundError, LoRATypeError, LoRAValueError
 from .model import LoRASite
 from .parametrization import PARAM_NAMES, LoRAParametrization, check_float, check_int
 
@@ -54,6 +54,24 @@ _UNSUPPORTED = re.compile(
 )
 
 
+# PEFT's defaults for the settings minlora reads, where adapter_config.json leaves them out
+_DEFAULTS: dict[str, Any] = {
+    "r": 8,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "use_rslora": False,
+    "use_dora": False,
+}
+# adapter_config.json's numbers and their ranges: (key, check, the check's bounds)
+_NUMBERS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
+    ("r", check_int, {}),
+    ("lora_alpha", check_float, {}),
+    ("lora_dropout", check_float, {"low": 0.0, "high": 1.0}),
+)
+
+
 def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, set[int]]:
     """``(layout, the twin's vocabulary rows, ids of the layers whose vocabulary is padded)``."""
     layout = getattr(model, LAYOUT_METHOD, dict)()
@@ -65,7 +83,7 @@ def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, 
         if real:
             modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []]
     if not isinstance(layout, dict) or set(layout) - known or any(raw_weight(m) is None for m in modules):
-        raise TypeError(
+        raise LoRATypeError(
             f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
             f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
@@ -208,8 +226,10 @@ def _target_modules(model: nn.Module, names: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------- import
-def _check_config(config: dict[str, Any], where: str) -> None:
-    """adapter_config.json holds a LoRA adapter minlora can load, with valid settings."""
+def _check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """adapter_config.json holds a LoRA adapter minlora can load; returns it with PEFT's defaults filled
+    in (:data:`_DEFAULTS`) and its settings checked.
+    """
     if config.get("peft_type") != "LORA":
         raise LoRAValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
     unsupported = [k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)]
@@ -220,31 +240,37 @@ def _check_config(config: dict[str, Any], where: str) -> None:
         )
     if config.get("bias", "none") != "none":
         raise LoRAValueError(f"{where} has bias={config['bias']!r} (trained biases); minlora loads bias='none' only")
+    settings = dict(config)
+    for key, default in _DEFAULTS.items():
+        settings.setdefault(key, default)
+    # an empty dropout or pattern map (null, 0, {}) reads as the default too
+    for key in ("lora_dropout", "rank_pattern", "alpha_pattern"):
+        settings[key] = settings[key] or _DEFAULTS[key]
     try:
-        _check_settings(config)
+        _check_settings(settings)
     except (ValueError, TypeError, re.error) as e:
         raise AdapterFileError(f"{where}: {e}; {_REMEDY}") from None
+    return settings
 
 
-def _check_settings(config: dict[str, Any]) -> None:
-    """The checks LoRAConfig uses, their messages naming the key; absent keys take PEFT's defaults."""
-    check_int(config.get("r", 8), "r")
-    check_float(config.get("lora_alpha", 8), "lora_alpha")
-    check_float(config.get("lora_dropout") or 0.0, "lora_dropout", low=0.0, high=1.0)
+def _check_settings(settings: dict[str, Any]) -> None:
+    """The checks LoRAConfig uses, their messages naming the key."""
+    for key, check, bounds in _NUMBERS:
+        check(settings[key], key, **bounds)
     for key, check in (("rank_pattern", check_int), ("alpha_pattern", check_float)):
-        patterns = config.get(key) or {}
+        patterns = settings[key]
         if not isinstance(patterns, dict):
             raise LoRAValueError(f"{key} must be a map of module patterns to values, got {patterns!r}")
         for pattern, value in patterns.items():
             check(value, f"{key}[{pattern!r}]")
             re.compile(pattern)
     for flag in ("use_rslora", "use_dora"):
-        if not isinstance(config.get(flag, False), bool):
-            raise LoRAValueError(f"{flag} must be true or false, got {config[flag]!r}")
+        if not isinstance(settings[flag], bool):
+            raise LoRAValueError(f"{flag} must be true or false, got {settings[flag]!r}")
 
 
 def _read_peft(path: Path, source: str) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """The PEFT adapter directory ``path``: its checked config, and its finite factors as
+    """The PEFT adapter directory ``path``: its checked config (defaults filled in), and its finite factors as
     ``{module name: {role: tensor}}`` (roles as in ``_ROLES``).
     """
     file, config_file = path / PEFT_WEIGHTS_NAME, path / PEFT_CONFIG_NAME
@@ -254,7 +280,7 @@ def _read_peft(path: Path, source: str) -> tuple[dict[str, Any], dict[str, dict[
             f"load it with peft and save_pretrained it again, which writes safetensors)"
         )
     config = parse_json(config_file, config_file, "import_peft_adapter", _REMEDY)
-    _check_config(config, f"import_peft_adapter: {config_file}")
+    config = _check_config(config, f"import_peft_adapter: {config_file}")
     state, _ = read_safetensors(file, "import_peft_adapter", _REMEDY)
     state = {k: v for k, v in state.items() if not k.endswith(".base_layer.weight")}
     check_values(state, file, source, _REMEDY)
@@ -319,7 +345,7 @@ def _peft_plan(
     if weight is not None:
         rows = weight.shape[0]
     embedding = family_name(site.module) == "Embedding"
-    dora = config.get("use_dora", False)
+    dora = config["use_dora"]
     if set(parts) != _expected_roles(embedding, dora):
         raise LoRAValueError(
             f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
@@ -336,13 +362,13 @@ def _peft_plan(
         A = parts["A.weight"].flatten(1)
         B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
         factor_rank = A.shape[0]
-    rank = _pattern_value(config.get("rank_pattern") or {}, module_name, config.get("r", 8))
+    rank = _pattern_value(config["rank_pattern"], module_name, config["r"])
     if factor_rank != rank:
         raise LoRAValueError(
             f"{source}: {module_name} has rank-{factor_rank} factors but "
             f"the config says r={rank}; adapter_config.json does not match the adapter weights"
         )
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module_name, config.get("lora_alpha", 8))
+    alpha = _pattern_value(config["alpha_pattern"], module_name, config["lora_alpha"])
     tensors = {"lora_A": A, "lora_B": B}
     if dora:
         # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
@@ -350,8 +376,8 @@ def _peft_plan(
         if not embedding:
             M = _pad_rows(M, rows, real, pad)
         tensors["lora_magnitude_vector"] = M
-    dropout = float(config.get("lora_dropout") or 0.0)
-    settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config.get("use_rslora", False), use_dora=dora)
+    dropout = float(config["lora_dropout"])
+    settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config["use_rslora"], use_dora=dora)
     return make_plan(site, source, tensors, lora_dropout_p=dropout, **settings)
 
 

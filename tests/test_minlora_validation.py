@@ -220,3 +220,29 @@ def test_check_float_names_open_ends_of_a_range():
     with pytest.raises(ValueError, match=r"x must be in \(0, inf\), got 0"):
         check_float(0, "x", low=0, low_open=True)
     check_float(1.5, "x", high=2)  # inside: no error
+
+
+def test_every_deliberate_error_is_a_minlora_error_and_keeps_its_builtin_base():
+    linear = nn.Linear(4, 4)
+    cases = [
+        # a config of the wrong kind
+        (lambda: minlora.add_lora(linear, [nn.Linear]), TypeError),
+        # a factory that does not return a LoRAParametrization
+        (lambda: minlora.add_lora(linear, {nn.Linear: {"weight": lambda layer: nn.Identity()}}), TypeError),
+        # a layer without a floating-point weight
+        (lambda: LoRAParametrization.from_linear(nn.Identity()), TypeError),
+        # a name-based LoRAConfig given to the per-layer helper
+        (lambda: minlora.apply_lora(linear, lora_config=LoRAConfig(target_modules=["x"])), TypeError),
+        # settings
+        (lambda: LoRAConfig(rank=0), ValueError),
+    ]
+    for call, builtin in cases:
+        with pytest.raises(minlora.MinloraError) as info:
+            call()
+        assert isinstance(info.value, builtin)
+    assert not minlora.lora_sites(linear)
+    minlora.add_lora(linear, LoRAConfig(rank=2))
+    minlora.load_multiple_lora(linear, [minlora.get_lora_state_dict(linear)])
+    with pytest.raises(minlora.LoRAIndexError, match="out of range") as info:
+        minlora.select_lora(linear, 1)
+    assert isinstance(info.value, IndexError) and isinstance(info.value, minlora.MinloraError)
