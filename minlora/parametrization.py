@@ -338,9 +338,13 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
 def _fast_path_lora(module: nn.Module, embedding: bool) -> LoRAParametrization | None:
     """The weight's one LoRA when the fast path may run it, else None (see :func:`_fast_forward`)."""
-    if "weight" not in module.parametrizations or len(module.parametrizations["weight"]) != 1:
+    parametrizations = module.parametrizations
+    if "weight" not in parametrizations:
         return None
-    lora = module.parametrizations["weight"][0]
+    plist = parametrizations["weight"]
+    if len(plist) != 1:
+        return None
+    lora = plist[0]
     if not isinstance(lora, LoRAParametrization) or not lora.fast_path or lora.fan_in_fan_out != embedding:
         return None
     if parametrize_cache_enabled():

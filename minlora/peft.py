@@ -52,8 +52,6 @@ _UNSUPPORTED = re.compile(
     "lora_bias|modules_to_save|layer_replication|trainable_token_indices|target_parameters|alora_invocation_tokens"
     "|use_qalora|use_bdlora|arrow_config|kasa_config|velora_config|monteclora_config"
 )
-
-
 # PEFT's defaults for the settings minlora reads, where adapter_config.json leaves them out
 _DEFAULTS: dict[str, Any] = {
     "r": 8,
