@@ -47,11 +47,14 @@ __all__ = [
 @dataclass
 class BenchResult:
     impl: str
-    step_ms: float  # median wall time of one optimizer step (over all timed steps of all rounds)
+    # median wall time of one optimizer step (over all timed steps of all rounds)
+    step_ms: float
     tokens_per_second: float
-    peak_memory_mib: float | None  # torch.cuda.max_memory_allocated over the timed steps; None off CUDA
+    # torch.cuda.max_memory_allocated over the timed steps; None off CUDA
+    peak_memory_mib: float | None
     trainable_params: int
-    first_loss: float  # equal across implementations: every adapter starts as a no-op (B = 0)
+    # equal across implementations: every adapter starts as a no-op (B = 0)
+    first_loss: float
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,9 +68,10 @@ def model_config(name: str, seq_len: int):
 
     if name not in SHAPES:
         raise ValueError(f"unknown benchmark model {name!r}; use one of {', '.join(SHAPES)}")
-    return GPTConfig(
-        block_size=max(1024 if name.startswith("gpt2") else 256, seq_len), pad_vocab_multiple=64, **SHAPES[name]
-    )
+    context = 256
+    if name.startswith("gpt2"):
+        context = 1024
+    return GPTConfig(block_size=max(context, seq_len), pad_vocab_multiple=64, **SHAPES[name])
 
 
 def build_lora_model(
@@ -102,7 +106,8 @@ def build_lora_model(
         model = peft.inject_adapter_in_model(peft_config, model)
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
-            if "lora_" in name:  # fp32 factors on a low-precision base, as minlora keeps them
+            # fp32 factors on a low-precision base, as minlora keeps them
+            if "lora_" in name:
                 p.data = p.data.float()
     else:
         raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLEMENTATIONS}")
@@ -131,15 +136,21 @@ def time_training_steps(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda" or None)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    step_model = torch.compile(model) if compile else model
+    scaler = None
+    if precision == "fp16":
+        scaler = torch.amp.GradScaler(device.type)
+    step_model = model
+    if compile:
+        step_model = torch.compile(model)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator).to(device)
     y = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator).to(device)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        ctx = contextlib.nullcontext()
+        if autocast_dtype:
+            ctx = torch.autocast(device.type, dtype=autocast_dtype)
         with ctx:
             _, loss = step_model(x, y)
         if scaler is not None:
@@ -170,7 +181,9 @@ def time_training_steps(
         step()
         sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    peak = None
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
     return times, peak, first_loss
 
 
@@ -208,11 +221,11 @@ def run_lora_benchmark(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if base_dtype not in _DTYPES:
-        raise ValueError(f"base_dtype must be one of {sorted(_DTYPES)}, got {base_dtype!r}")
-    if steps < 1 or repeats < 1:
-        raise ValueError(f"steps and repeats must be >= 1, got steps={steps}, repeats={repeats}")
-    config = model_config(model, seq_len) if isinstance(model, str) else model  # a name or a GPTConfig
+    _check_run_settings(base_dtype, steps, repeats)
+    # a shape's name or a GPTConfig
+    config = model
+    if isinstance(model, str):
+        config = model_config(model, seq_len)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     peaks: dict[str, float | None] = {}
     first: dict[str, tuple[float, int]] = {}
@@ -258,25 +271,41 @@ def run_lora_benchmark(
                 peaks[impl] = max(peak, peaks.get(impl) or 0.0)
             first.setdefault(impl, (first_loss, sum(p.numel() for p in net.parameters() if p.requires_grad)))
             del net
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            if compile:
-                torch._dynamo.reset()
-    results = []
-    for impl in impls:
-        step_s = statistics.median(times[impl])
-        results.append(
-            BenchResult(
-                impl=impl,
-                step_ms=step_s * 1000,
-                tokens_per_second=batch_size * seq_len / step_s,
-                peak_memory_mib=peaks.get(impl),
-                trainable_params=first[impl][1],
-                first_loss=first[impl][0],
-            )
-        )
-    return results
+            _release_memory(dev, compile)
+    return [
+        _result(impl, times[impl], peaks.get(impl), *first[impl], tokens_per_step=batch_size * seq_len)
+        for impl in impls
+    ]
+
+
+def _check_run_settings(base_dtype: str, steps: int, repeats: int) -> None:
+    if base_dtype not in _DTYPES:
+        raise ValueError(f"base_dtype must be one of {sorted(_DTYPES)}, got {base_dtype!r}")
+    if steps < 1 or repeats < 1:
+        raise ValueError(f"steps and repeats must be >= 1, got steps={steps}, repeats={repeats}")
+
+
+def _release_memory(device: torch.device, compiled: bool) -> None:
+    """Free what a finished run held (its model already deleted), so the next run's peak is its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if compiled:
+        torch.compiler.reset()
+
+
+def _result(
+    impl: str, times: list[float], peak: float | None, first_loss: float, trainable: int, *, tokens_per_step: int
+) -> BenchResult:
+    step_s = statistics.median(times)
+    return BenchResult(
+        impl=impl,
+        step_ms=step_s * 1000,
+        tokens_per_second=tokens_per_step / step_s,
+        peak_memory_mib=peak,
+        trainable_params=trainable,
+        first_loss=first_loss,
+    )
 
 
 def format_results(results: Sequence[BenchResult]) -> str:
@@ -286,7 +315,9 @@ def format_results(results: Sequence[BenchResult]) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        peak = f"{r.peak_memory_mib:,.0f}" if r.peak_memory_mib is not None else "n/a (CPU)"
+        peak = "n/a (CPU)"
+        if r.peak_memory_mib is not None:
+            peak = f"{r.peak_memory_mib:,.0f}"
         lines.append(
             f"| {r.impl} | {r.step_ms:,.1f} | {r.tokens_per_second:,.0f} | {peak} | {r.trainable_params:,} | "
             f"{r.first_loss:.4f} |"

@@ -11,7 +11,7 @@ from .adapters import (
     save_adapter,
 )
 from .config import LoRAConfig
-from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
+from .errors import LoRAFileNotFoundError, LoRAIndexError, LoRATypeError, LoRAValueError, MinloraError
 from .model import (
     LoRAParametrization,
     LoRASite,
@@ -81,6 +81,8 @@ __all__ = [
     "MinloraError",
     "LoRAValueError",
     "LoRAFileNotFoundError",
+    "LoRATypeError",
+    "LoRAIndexError",
     "AdapterFileError",
     "NonFiniteAdapterError",
     "AdapterBaseMismatchError",

@@ -25,4 +25,5 @@ inject_property = parametrize._inject_property
 
 
 def parametrize_cache_enabled() -> bool:
-    return bool(parametrize._cache_enabled)  # true inside `parametrize.cached()`; a counter, read each call
+    # true inside `parametrize.cached()`; a counter, so it is read at each call
+    return bool(parametrize._cache_enabled)

@@ -26,11 +26,17 @@ from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
-LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME = "minlora_adapter.json", "minlora_adapter.safetensors"  # minlora 0.1
-_FORMAT, _VERSION = "minlora.adapter", 2  # version 1: minlora 0.1's two files
-_SETTINGS = ("rank", "lora_alpha", "use_rslora", "lora_dropout_p", "use_dora")  # per target, as LoRAParametrization
+# minlora 0.1's two files
+LEGACY_CONFIG_NAME = "minlora_adapter.json"
+LEGACY_WEIGHTS_NAME = "minlora_adapter.safetensors"
+_FORMAT = "minlora.adapter"
+# version 1: minlora 0.1's two files
+_VERSION = 2
+# the settings of each target, named as LoRAParametrization's keywords
+_SETTINGS = ("rank", "lora_alpha", "use_rslora", "lora_dropout_p", "use_dora")
 _REMEDY = "save the adapter again with minlora.save_adapter"
-Plan = tuple[LoRASite, LoRAParametrization]  # where to load, and a LoRA built from the file
+# where to load, and a LoRA built from the file
+Plan = tuple[LoRASite, LoRAParametrization]
 logger = logging.getLogger(__name__)
 
 
@@ -51,15 +57,17 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """``write(tmp)`` beside ``path``, fsync, rename over ``path``: the old file or the new one, never a torn one."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.unlink(missing_ok=True)  # a stale one a crash left
+        # a stale one a crash left
+        tmp.unlink(missing_ok=True)
         # Created 0o666 so the kernel applies the umask (reading it means setting it, racing other threads);
         # safetensors alone would write 0o600, making every adapter private.
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         mode = os.stat(tmp).st_mode & 0o777
         write(tmp)
         os.chmod(tmp, mode)
+        # on disk before the rename publishes it
         with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())  # on disk before the rename publishes it
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -68,7 +76,10 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 def parse_json(source: Path | str, where: Any, caller: str, remedy: str) -> dict[str, Any]:
     """The JSON object in a file (a ``Path``) or a string, else :class:`AdapterFileError` naming ``where``."""
     try:
-        data = json.loads(source.read_text(encoding="utf-8") if isinstance(source, Path) else source)
+        if isinstance(source, Path):
+            data = json.loads(source.read_text(encoding="utf-8"))
+        else:
+            data = json.loads(source)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterFileError(f"{caller}: {where} is not valid JSON ({e}): damaged or truncated; {remedy}") from None
     if not isinstance(data, dict):
@@ -80,7 +91,8 @@ def read_safetensors(path: Path, caller: str, remedy: str) -> tuple[dict[str, to
     try:
         with safe_open(str(path), framework="pt") as f:
             return {key: f.get_tensor(key) for key in f.keys()}, dict(f.metadata() or {})
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # what a damaged file raises
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        # what a damaged file raises
         raise AdapterFileError(
             f"{caller}: {path} is not a readable safetensors file ({type(e).__name__}: {e}); "
             f"the file is damaged or truncated; {remedy}"
@@ -110,9 +122,11 @@ def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASi
         raise LoRAValueError(
             f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}"
         )
-    if not (sites := lora_sites(model)):
+    sites = lora_sites(model)
+    if not sites:
         raise LoRAValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
-    tensors = {  # clones: safetensors refuses tensors sharing memory (tie_weights)
+    # clones: safetensors refuses tensors sharing memory (tie_weights)
+    tensors = {
         f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous().clone()
         for site in sites
         for name in site.lora.param_names
@@ -156,20 +170,36 @@ def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], **s
 def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) -> None:
     """What could stop a load half-way, checked before anything changes."""
     for site, new in plans:
-        old = single_lora(site, source) if has_lora(site.module, site.tensor_name) else new
-        shapes = [{n: tuple(getattr(p, n).shape) for n in p.param_names} for p in (old, new)]
-        if shapes[0] != shapes[1]:  # another rank, or DoRA on one side only
-            kinds = [f"{'DoRA' if p.use_dora else 'LoRA'} of rank {p.rank}" for p in (new, old)]
+        if not has_lora(site.module, site.tensor_name):
+            continue
+        old = single_lora(site, source)
+        # another rank, or DoRA on one side only
+        if _factor_shapes(old) != _factor_shapes(new):
             raise LoRAValueError(
-                f"{source}: the adapter has {kinds[0]} for {site.name} but the model there has {kinds[1]}; call "
-                "minlora.remove_lora(model) and load again (a model without LoRA gets the adapter's)"
+                f"{source}: the adapter has {_describe(new)} for {site.name} but the model there has "
+                f"{_describe(old)}; call minlora.remove_lora(model) and load again (a model without LoRA gets "
+                "the adapter's)"
             )
+    if not strict:
+        return
     covered = {site.name for site, _ in plans}
-    if strict and (extra := [s.name for s in lora_sites(model) if s.name not in covered]):
+    extra = [s.name for s in lora_sites(model) if s.name not in covered]
+    if extra:
         raise LoRAValueError(
             f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
             f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora"
         )
+
+
+def _factor_shapes(lora: LoRAParametrization) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(getattr(lora, name).shape) for name in lora.param_names}
+
+
+def _describe(lora: LoRAParametrization) -> str:
+    """``"LoRA of rank 8"`` / ``"DoRA of rank 8"``."""
+    if lora.use_dora:
+        return f"DoRA of rank {lora.rank}"
+    return f"LoRA of rank {lora.rank}"
 
 
 @torch.no_grad()
@@ -178,7 +208,8 @@ def apply_plans(plans: list[Plan]) -> None:
         if not has_lora(site.module, site.tensor_name):
             register_lora(site.module, site.tensor_name, new, fresh=False)
             continue
-        site.lora.set_scaling(new.lora_alpha, new.use_rslora)  # the adapter was trained with its own
+        # the adapter was trained with its own scaling
+        site.lora.set_scaling(new.lora_alpha, new.use_rslora)
         for name in new.param_names:
             getattr(site.lora, name).copy_(getattr(new, name))
 
@@ -191,20 +222,28 @@ def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
         t = weights[name].detach().cpu().to(torch.bfloat16).contiguous()
         digest.update(f"{name} {tuple(t.shape)}\n".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy())
-    cfg = getattr(model, "config", None)  # duck-typed: minlora knows no model family
+    return {"sha256": digest.hexdigest(), "config": _model_config(model)}
+
+
+def _model_config(model: nn.Module) -> dict[str, Any] | None:
+    """``model.config`` as a JSON object (as it reads back from the file), or None."""
+    # duck-typed: minlora knows no model family
+    cfg = getattr(model, "config", None)
     if callable(getattr(cfg, "to_dict", None)):
         cfg = cfg.to_dict()
     elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         cfg = dataclasses.asdict(cfg)
-    config = json.loads(json.dumps(cfg, sort_keys=True, default=str)) if isinstance(cfg, dict) else None  # as read
-    return {"sha256": digest.hexdigest(), "config": config}
+    if not isinstance(cfg, dict):
+        return None
+    return json.loads(json.dumps(cfg, sort_keys=True, default=str))
 
 
 def base_fingerprint(model: nn.Module) -> str:
     """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
     values rounded to bf16): what :func:`save_adapter` records and :func:`load_adapter` checks.
     """
-    if not (sites := lora_sites(model)):
+    sites = lora_sites(model)
+    if not sites:
         raise LoRAValueError(
             "base_fingerprint: the model has no LoRA, so no adapted layers; call minlora.add_lora first"
         )
@@ -212,7 +251,8 @@ def base_fingerprint(model: nn.Module) -> str:
 
 
 def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
-    if saved is None or "weights_sha256" in saved:  # minlora 0.1's, or a digest that counted the dtype
+    # minlora 0.1's (none), or a digest that counted the dtype
+    if saved is None or "weights_sha256" in saved:
         logger.warning(f"{source}: the adapter (an older minlora's) has no usable base digest: it cannot be verified")
         return
     now = _base_record(model, {site.name: raw_weight(site.module) for site, _ in plans})
@@ -241,7 +281,9 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
     """
     sites, tensors = lora_tensors(model, "save_adapter", dtype)
     path = Path(path)
-    file = path if path.suffix == ".safetensors" else path / ADAPTER_FILE_NAME
+    file = path
+    if path.suffix != ".safetensors":
+        file = path / ADAPTER_FILE_NAME
     if path.is_file() and file != path:
         raise LoRAValueError(f"save_adapter: {path} is a file; pass a directory or a path ending in .safetensors")
     targets = {
@@ -249,7 +291,8 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
         | {k: getattr(s.lora, k) for k in _SETTINGS}
         for s in sites
     }
-    ties = [  # tie_weights: the embedding's factors are the head's, swapped
+    # tie_weights: the embedding's factors are the head's, swapped
+    ties = [
         {"linear": a.name, "embedding": b.name}
         for a in sites
         for b in sites
@@ -260,72 +303,142 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
     file.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "minlora": json.dumps(config, sort_keys=True)}
     write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    # an older adapter left beside it would only confuse
     for old in (LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME):
-        (file.parent / old).unlink(missing_ok=True)  # an older adapter left beside it would only confuse
+        (file.parent / old).unlink(missing_ok=True)
     return path
 
 
-def _check_config(config: dict[str, Any], where: Any) -> None:
-    """The structure; the values are checked as the LoRAs are built from them (:func:`make_plan`)."""
-    targets, tied, version = config.get("targets"), config.get("tied", []), config.get("format_version")
-    problem = None
+# ---------------------------------------------------------------------- reading and checking the file
+def _format_problem(config: dict[str, Any]) -> str | None:
     if config.get("format") != _FORMAT:
-        problem = (
-            f"format={config.get('format')!r}: it is not a minlora adapter (a PEFT one goes to import_peft_adapter)"
-        )
-    elif version not in (1, _VERSION):
-        newer = "; upgrade minlora to load it" if isinstance(version, int) and version > _VERSION else ""
-        problem = f"format_version={version!r}, but this minlora reads versions 1 and {_VERSION}{newer}"
-    elif not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
-        problem = f"'targets' must be a non-empty object of objects, got {targets!r}"
-    elif missing := [
-        (n, k) for n, t in targets.items() for k in _SETTINGS[:2] + ("layer", "weight_shape") if k not in t
-    ]:
-        problem = f"targets[{missing[0][0]!r}] lacks the field {missing[0][1]!r}"
-    elif not isinstance(config.get("base", {}), dict):
-        problem = f"'base' must be an object (the base model's fingerprint), got {config['base']!r}"
-    elif not isinstance(tied, list) or not all(
-        isinstance(t, dict)
-        and set(t) == {"linear", "embedding"}
-        and all(isinstance(v, str) and v in targets for v in t.values())
-        for t in tied
-    ):
-        problem = f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
-    if problem:
-        raise AdapterFileError(f"load_adapter: {where}: {problem}; {_REMEDY}")
+        return f"format={config.get('format')!r}: it is not a minlora adapter (a PEFT one goes to import_peft_adapter)"
+    return None
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
-    """``(tensors, config, file)`` of the adapter at ``path`` (a directory or the file), config checked."""
-    file, legacy = path / ADAPTER_FILE_NAME if path.is_dir() else path, path / LEGACY_CONFIG_NAME
+def _version_problem(config: dict[str, Any]) -> str | None:
+    version = config.get("format_version")
+    if version in (1, _VERSION):
+        return None
+    newer = ""
+    if isinstance(version, int) and version > _VERSION:
+        newer = "; upgrade minlora to load it"
+    return f"format_version={version!r}, but this minlora reads versions 1 and {_VERSION}{newer}"
+
+
+def _targets_problem(config: dict[str, Any]) -> str | None:
+    targets = config.get("targets")
+    if not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
+        return f"'targets' must be a non-empty object of objects, got {targets!r}"
+    for name, target in targets.items():
+        for key in _SETTINGS[:2] + ("layer", "weight_shape"):
+            if key not in target:
+                return f"targets[{name!r}] lacks the field {key!r}"
+    return None
+
+
+def _base_problem(config: dict[str, Any]) -> str | None:
+    if not isinstance(config.get("base", {}), dict):
+        return f"'base' must be an object (the base model's fingerprint), got {config['base']!r}"
+    return None
+
+
+def _tied_problem(config: dict[str, Any]) -> str | None:
+    tied = config.get("tied", [])
+    if not isinstance(tied, list) or not all(_is_tie(t, config["targets"]) for t in tied):
+        return f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
+    return None
+
+
+def _is_tie(entry: Any, targets: dict[str, Any]) -> bool:
+    """``{"linear": <target>, "embedding": <target>}``."""
+    if not isinstance(entry, dict) or set(entry) != {"linear", "embedding"}:
+        return False
+    return all(isinstance(v, str) and v in targets for v in entry.values())
+
+
+# The structure of the config, checked in this order (each check may rely on the ones before); the values
+# are checked as the LoRAs are built from them (make_plan).
+_CONFIG_CHECKS = (_format_problem, _version_problem, _targets_problem, _base_problem, _tied_problem)
+
+
+def _check_config(config: dict[str, Any], where: Any) -> None:
+    for check in _CONFIG_CHECKS:
+        problem = check(config)
+        if problem:
+            raise AdapterFileError(f"load_adapter: {where}: {problem}; {_REMEDY}")
+
+
+def _factor_names(spec: dict[str, Any]) -> tuple[str, ...]:
+    """The tensors a target of the config has: ``lora_A``, ``lora_B``, and DoRA's magnitude."""
+    if spec.get("use_dora") is True:
+        return PARAM_NAMES
+    return PARAM_NAMES[:2]
+
+
+def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
+    """``(tensors, config, file)`` of the adapter at ``path`` (a directory or the file): the config's
+    structure checked, and the tensors exactly those it lists, each floating-point and finite.
+    """
+    file = path
+    if path.is_dir():
+        file = path / ADAPTER_FILE_NAME
     if file.is_file():
-        tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
-        if "minlora" not in metadata:
-            raise AdapterFileError(
-                f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
-                f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
-            )
-        config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
-        _check_config(config, file)
-    elif legacy.is_file():
-        config = parse_json(legacy, legacy, "load_adapter", _REMEDY)
-        _check_config(config, legacy)
+        tensors, config = _read_adapter_file(file)
+    elif (path / LEGACY_CONFIG_NAME).is_file():
+        tensors, config = _read_legacy_files(path)
         file = path / LEGACY_WEIGHTS_NAME
-        tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
-        if metadata.get("minlora_save_id") != config.get("save_id"):  # minlora 0.1 wrote one id into both
-            raise AdapterFileError(
-                f"load_adapter: {file} (save {metadata.get('minlora_save_id')}) and {LEGACY_CONFIG_NAME} (save "
-                f"{config.get('save_id')}) come from two different saves; copy both files of one save, or {_REMEDY}"
-            )
     else:
-        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)" * (path / "adapter_config.json").is_file()
-        raise LoRAFileNotFoundError(
-            f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
-            f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}"
-        )
+        raise _no_adapter_error(path)
+    expected = {f"{target}.{p}" for target, spec in config["targets"].items() for p in _factor_names(spec)}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise AdapterFileError(f"{source}: {file} lacks {missing[:4]}; the file is incomplete; {_REMEDY}")
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        raise AdapterFileError(f"{source}: {file} holds {unexpected[:4]}, which its config does not list; {_REMEDY}")
+    check_values(tensors, file, source, _REMEDY)
     return tensors, config, file
 
 
+def _read_adapter_file(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
+    if "minlora" not in metadata:
+        raise AdapterFileError(
+            f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
+            f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
+        )
+    config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
+    _check_config(config, file)
+    return tensors, config
+
+
+def _read_legacy_files(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """minlora 0.1's JSON config and safetensors weights, written with one save id in both."""
+    legacy = path / LEGACY_CONFIG_NAME
+    config = parse_json(legacy, legacy, "load_adapter", _REMEDY)
+    _check_config(config, legacy)
+    file = path / LEGACY_WEIGHTS_NAME
+    tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
+    if metadata.get("minlora_save_id") != config.get("save_id"):
+        raise AdapterFileError(
+            f"load_adapter: {file} (save {metadata.get('minlora_save_id')}) and {LEGACY_CONFIG_NAME} (save "
+            f"{config.get('save_id')}) come from two different saves; copy both files of one save, or {_REMEDY}"
+        )
+    return tensors, config
+
+
+def _no_adapter_error(path: Path) -> LoRAFileNotFoundError:
+    peft = ""
+    if (path / "adapter_config.json").is_file():
+        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)"
+    return LoRAFileNotFoundError(
+        f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
+        f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}"
+    )
+
+
+# ---------------------------------------------------------------------- loading
 def load_adapter(
     model: nn.Module, path: str | os.PathLike, *, strict: bool = True, allow_base_mismatch: bool = False
 ) -> nn.Module:
@@ -333,35 +446,52 @@ def load_adapter(
     with LoRA must have its rank. All is checked before the model changes: ``ValueError`` (with ``strict``,
     model LoRA the adapter does not cover too), :class:`AdapterFileError`, :class:`AdapterBaseMismatchError`.
     """
-    tensors, config, file = _read(Path(path))
     source = f"load_adapter({path})"
-    params = {t: PARAM_NAMES[: 2 + (s.get("use_dora") is True)] for t, s in config["targets"].items()}
-    expected = {f"{target}.{p}" for target, names in params.items() for p in names}
-    if missing := sorted(expected - set(tensors)):
-        raise AdapterFileError(f"{source}: {file} lacks {missing[:4]}; the file is incomplete; {_REMEDY}")
-    if unexpected := sorted(set(tensors) - expected):
-        raise AdapterFileError(f"{source}: {file} holds {unexpected[:4]}, which its config does not list; {_REMEDY}")
-    check_values(tensors, file, source, _REMEDY)
-    plans = []
-    for name, spec in config["targets"].items():
-        module_name, _, tensor_name = name.rpartition(".")
-        site = LoRASite(module_name, get_module(model, module_name, source), tensor_name)
-        weight = raw_weight(site.module)
-        if family_name(site.module) != spec["layer"] or weight is None or list(weight.shape) != spec["weight_shape"]:
-            raise LoRAValueError(
-                f"{source}: {name} is a {type(site.module).__name__} weight of shape "
-                f"{None if weight is None else tuple(weight.shape)} in the model but a {spec['layer']} weight of "
-                f"shape {tuple(spec['weight_shape'])} in the adapter: made for a model of another shape"
-            )
-        factors = {p: tensors[f"{name}.{p}"] for p in params[name]}
-        settings = {k: spec[k] for k in _SETTINGS if k in spec}
-        try:
-            plans.append(make_plan(site, source, factors, **settings))
-        except (TypeError, ValueError) as e:  # a bad rank / alpha / dropout, or a factor of the wrong shape
-            raise AdapterFileError(f"{source}: {file}: targets[{name!r}]: {e}; {_REMEDY}") from None
-    by_name, ties = {site.name: (site.module, lora) for site, lora in plans}, []
-    for tie in config.get("tied", []):  # the factors must hold one update: tying would drop values otherwise
-        (head, lin), (embedding, emb) = by_name[tie["linear"]], by_name[tie["embedding"]]
+    tensors, config, file = _read(Path(path), source)
+    plans = [_plan_target(model, name, spec, tensors, source, file) for name, spec in config["targets"].items()]
+    ties = _tied_layers(config.get("tied", []), plans, source)
+    check_plans(model, plans, source, strict)
+    _check_base(config.get("base"), model, plans, source, allow_base_mismatch)
+    apply_plans(plans)
+    for head, embedding in ties:
+        tie_weights(head, embedding)
+    return model
+
+
+def _plan_target(
+    model: nn.Module, name: str, spec: dict[str, Any], tensors: dict[str, torch.Tensor], source: str, file: Path
+) -> Plan:
+    """The plan for the config's target ``name`` (``<module>.<tensor>``), checked against the model's layer."""
+    module_name, _, tensor_name = name.rpartition(".")
+    site = LoRASite(module_name, get_module(model, module_name, source), tensor_name)
+    weight = raw_weight(site.module)
+    shape = None
+    if weight is not None:
+        shape = tuple(weight.shape)
+    if family_name(site.module) != spec["layer"] or shape is None or list(shape) != spec["weight_shape"]:
+        raise LoRAValueError(
+            f"{source}: {name} is a {type(site.module).__name__} weight of shape "
+            f"{shape} in the model but a {spec['layer']} weight of "
+            f"shape {tuple(spec['weight_shape'])} in the adapter: made for a model of another shape"
+        )
+    factors = {p: tensors[f"{name}.{p}"] for p in _factor_names(spec)}
+    settings = {k: spec[k] for k in _SETTINGS if k in spec}
+    try:
+        return make_plan(site, source, factors, **settings)
+    except (TypeError, ValueError) as e:
+        # a bad rank / alpha / dropout, or a factor of the wrong shape
+        raise AdapterFileError(f"{source}: {file}: targets[{name!r}]: {e}; {_REMEDY}") from None
+
+
+def _tied_layers(tied: list[dict[str, str]], plans: list[Plan], source: str) -> list[tuple[nn.Module, nn.Module]]:
+    """``(head, embedding)`` for each tied pair of the config, whose factors must hold one update (tying
+    would drop values otherwise).
+    """
+    by_name = {site.name: (site.module, lora) for site, lora in plans}
+    ties = []
+    for tie in tied:
+        head, lin = by_name[tie["linear"]]
+        embedding, emb = by_name[tie["embedding"]]
         one_update = torch.equal(lin.lora_A, emb.lora_B) and torch.equal(lin.lora_B, emb.lora_A)
         if lin.fan_in_fan_out or not emb.fan_in_fan_out or not one_update:
             raise AdapterFileError(
@@ -369,9 +499,4 @@ def load_adapter(
                 f"holding one update (the embedding's lora_A is the head's lora_B); {_REMEDY}"
             )
         ties.append((head, embedding))
-    check_plans(model, plans, source, strict)
-    _check_base(config.get("base"), model, plans, source, allow_base_mismatch)
-    apply_plans(plans)
-    for head, embedding in ties:
-        tie_weights(head, embedding)
-    return model
+    return ties

@@ -26,8 +26,14 @@ FAMILIES: dict[str, tuple[type, Callable[..., LoRAParametrization]]] = {
 
 def family_name(layer: nn.Module | type) -> str | None:
     """``"Linear"``, ``"Embedding"``, ``"Conv2d"`` for a layer (or layer type) LoRA adapts, else None."""
-    layer_type = layer if isinstance(layer, type) else parametrize.type_before_parametrizations(layer)
-    return next((name for name, (family, _) in FAMILIES.items() if issubclass(layer_type, family)), None)
+    if isinstance(layer, type):
+        layer_type = layer
+    else:
+        layer_type = parametrize.type_before_parametrizations(layer)
+    for name, (family, _) in FAMILIES.items():
+        if issubclass(layer_type, family):
+            return name
+    return None
 
 
 def name_matches(name: str, pattern: str) -> bool:
@@ -37,11 +43,51 @@ def name_matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def _patterns(value: Any, field_name: str) -> tuple[str, ...]:
-    value = (value,) if isinstance(value, str) else tuple(value)
+def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[str, ...]:
+    """``value`` (a pattern or several) as a tuple of patterns; with ``empty_ok``, nothing is ``()``."""
+    if empty_ok and not value:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    else:
+        value = tuple(value)
     if not value or not all(isinstance(v, str) and v for v in value):
         raise LoRAValueError(f"LoRAConfig.{field_name} must be non-empty strings (name patterns), got {value!r}")
     return value
+
+
+# LoRAConfig's numeric settings and their ranges: (field, check, the check's bounds).
+_NUMBER_FIELDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
+    ("rank", check_int, {}),
+    ("alpha", check_float, {"low": 0.0, "low_open": True}),
+    ("dropout", check_float, {"low": 0.0, "high": 1.0}),
+)
+_SWITCHES = ("include_embeddings", "include_lm_head", "use_rslora", "use_dora")
+
+
+def _layer_type(value: Any) -> Any:
+    """A family name (``"Linear"``) as its layer type; anything else as given (checked by the caller)."""
+    if isinstance(value, str) and value in FAMILIES:
+        return FAMILIES[value][0]
+    return value
+
+
+def _lm_heads(model: nn.Module, head_names: tuple[str, ...]) -> set[int]:
+    """The ids of ``model``'s LM heads: linear layers named so, or sharing an embedding's weight."""
+    embedding_weights = set()
+    for module in model.modules():
+        if family_name(module) != "Embedding":
+            continue
+        weight = raw_weight(module)
+        if weight is not None:
+            embedding_weights.add(id(weight))
+    heads = set()
+    for name, module in model.named_modules():
+        if family_name(module) != "Linear":
+            continue
+        if id(raw_weight(module)) in embedding_weights or any(name_matches(name, h) for h in head_names):
+            heads.add(id(module))
+    return heads
 
 
 @dataclass
@@ -65,27 +111,31 @@ class LoRAConfig:
     lm_head_names: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self) -> None:
-        # Checked when the config is built, not at the first forward (alpha=nan: every logit NaN).
-        check_int(self.rank, "LoRAConfig.rank")
-        check_float(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True)
-        check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
-        for flag in ("include_embeddings", "include_lm_head", "use_rslora", "use_dora"):
+        # The one place the settings are checked: when the config is built, not at the first forward
+        # (alpha=nan would make every logit NaN).
+        for field, check, bounds in _NUMBER_FIELDS:
+            check(getattr(self, field), f"LoRAConfig.{field}", **bounds)
+        for flag in _SWITCHES:
             if not isinstance(getattr(self, flag), bool):
                 raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
             self.target_modules = _patterns(self.target_modules, "target_modules")
-        self.exclude_modules = _patterns(self.exclude_modules, "exclude_modules") if self.exclude_modules else ()
-        self.lm_head_names = _patterns(self.lm_head_names, "lm_head_names") if self.lm_head_names else ()
-        types = (self.target_types,) if isinstance(self.target_types, (type, str)) else self.target_types
-        self.target_types = tuple(FAMILIES[t][0] if isinstance(t, str) and t in FAMILIES else t for t in types)
+        for field in ("exclude_modules", "lm_head_names"):
+            setattr(self, field, _patterns(getattr(self, field), field, empty_ok=True))
+        types = self.target_types
+        if isinstance(types, (type, str)):
+            types = (types,)
+        self.target_types = tuple(_layer_type(t) for t in types)
         for t in self.target_types:
             if not isinstance(t, type) or family_name(t) is None:
                 raise LoRAValueError(f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts {sorted(FAMILIES)}")
 
     @property
     def layer_types(self) -> tuple[type, ...]:
-        extra = (nn.Embedding,) if self.include_embeddings and nn.Embedding not in self.target_types else ()
-        return tuple(self.target_types) + extra
+        types = tuple(self.target_types)
+        if self.include_embeddings and nn.Embedding not in types:
+            types += (nn.Embedding,)
+        return types
 
     def factory(self, layer_type: type) -> Callable[[nn.Module], LoRAParametrization]:
         settings = dict(lora_dropout_p=float(self.dropout), lora_alpha=self.alpha, use_rslora=self.use_rslora)
@@ -99,38 +149,42 @@ class LoRAConfig:
         """``(name, module, "weight", factory)`` for every layer this config selects; with
         ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why.
         """
-        tied = {id(w) for m in model.modules() if family_name(m) == "Embedding" and (w := raw_weight(m)) is not None}
-        heads = {  # LM heads: named so, or a linear layer tied to an embedding
-            id(m)
-            for name, m in model.named_modules()
-            if family_name(m) == "Linear"
-            and (id(raw_weight(m)) in tied or any(name_matches(name, h) for h in self.lm_head_names))
-        }
+        heads = _lm_heads(model, self.lm_head_names)
         selected, hit = [], set()
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
-            skip = any(name_matches(name, p) for p in self.exclude_modules) or (
-                id(module) in heads and not self.include_lm_head
-            )
-            if not issubclass(layer_type, self.layer_types) or skip:
+            if not issubclass(layer_type, self.layer_types) or self._excluded(name, module, heads):
                 continue
             matched = [p for p in self.target_modules or () if name_matches(name, p)]
             if self.target_modules is None or matched:
                 hit.update(matched)
                 selected.append((name, module, "weight", self.factory(layer_type)))
-        for pattern in (p for p in self.target_modules or () if p not in hit and require_match):
-            raise LoRAValueError(self._explain_no_match(model, pattern, heads))
-        if require_match and not selected:
+        if require_match:
+            self._check_selection(model, selected, hit, heads)
+        return selected
+
+    def _excluded(self, name: str, module: nn.Module, heads: set[int]) -> bool:
+        """An ``exclude_modules`` match, or an LM head without ``include_lm_head``."""
+        if any(name_matches(name, p) for p in self.exclude_modules):
+            return True
+        return id(module) in heads and not self.include_lm_head
+
+    def _check_selection(self, model: nn.Module, selected: list, hit: set[str], heads: set[int]) -> None:
+        """Every ``target_modules`` pattern selected a layer, and the config selected one at all."""
+        for pattern in self.target_modules or ():
+            if pattern not in hit:
+                raise LoRAValueError(self._explain_no_match(model, pattern, heads))
+        if not selected:
             raise LoRAValueError(
                 f"LoRAConfig selects no layer of this {type(model).__name__}: target_types="
                 f"{[t.__name__ for t in self.layer_types]}, target_modules={self.target_modules}, "
                 f"exclude_modules={self.exclude_modules}, include_lm_head={self.include_lm_head}"
             )
-        return selected
 
     def _explain_no_match(self, model: nn.Module, pattern: str, heads: set[int]) -> str:
         what = f"LoRAConfig.target_modules: {pattern!r} matches"
-        if not (named := [(n, m) for n, m in model.named_modules() if n and name_matches(n, pattern)]):
+        named = [(n, m) for n, m in model.named_modules() if n and name_matches(n, pattern)]
+        if not named:
             some = [n for n, m in model.named_modules() if n and family_name(m)][:6]
             return f"{what} no module of this {type(model).__name__}; adaptable layers are named like {some}"
         name, module = named[0]
@@ -146,7 +200,10 @@ class LoRAConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["target_types"] = [family_name(t) for t in self.target_types]
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+        for key, value in data.items():
+            if isinstance(value, tuple):
+                data[key] = list(value)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoRAConfig:

@@ -6,7 +6,8 @@ merge / remove touch LoRA only; a merge computes in fp32 and gives the layer a n
 from __future__ import annotations
 
 import logging
-from functools import partial, reduce
+import warnings
+from functools import partial
 from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from .config import LoRAConfig
-from .errors import LoRAValueError
+from .errors import LoRATypeError, LoRAValueError
 from .parametrization import LoRAParametrization, install_lora_class
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,13 @@ default_lora_config = {nn.Linear: {"weight": partial(LoRAParametrization.from_li
 Target = tuple[str, nn.Module, str, Callable[[nn.Module], LoRAParametrization]]
 
 
+def tensor_path(module_name: str, tensor_name: str) -> str:
+    """``"<module_name>.<tensor_name>"``, or the tensor name alone on the root module."""
+    if module_name:
+        return f"{module_name}.{tensor_name}"
+    return tensor_name
+
+
 class LoRASite(NamedTuple):
     """One parametrized tensor carrying LoRA: ``module.<tensor_name>``, the module at ``module_name``."""
 
@@ -35,7 +43,7 @@ class LoRASite(NamedTuple):
 
     @property
     def name(self) -> str:
-        return f"{self.module_name}.{self.tensor_name}" if self.module_name else self.tensor_name
+        return tensor_path(self.module_name, self.tensor_name)
 
     @property
     def plist(self) -> parametrize.ParametrizationList:
@@ -76,11 +84,10 @@ def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
 
 def register_lora(module: nn.Module, tensor_name: str, lora: LoRAParametrization, fresh: bool = True) -> None:
     """Register ``lora`` on ``module.<tensor_name>``; a ``fresh`` DoRA's magnitude starts at the weight's norms."""
-    original = (
-        module.parametrizations[tensor_name].original
-        if parametrize.is_parametrized(module, tensor_name)
-        else getattr(module, tensor_name)
-    )
+    if parametrize.is_parametrized(module, tensor_name):
+        original = module.parametrizations[tensor_name].original
+    else:
+        original = getattr(module, tensor_name)
     # fp32 factors on fp16 / bf16 weights: small updates are not rounded away and GradScaler can
     # unscale their gradients (it refuses fp16 grads); fp32 / fp64 weights keep their dtype.
     lora.to(device=original.device, dtype=torch.promote_types(original.dtype, torch.float32))
@@ -95,7 +102,7 @@ def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match:
     if isinstance(lora_config, LoRAConfig):
         return lora_config.targets(model, require_match)
     if not isinstance(lora_config, Mapping) or not all(isinstance(k, type) for k in lora_config):
-        raise TypeError(
+        raise LoRATypeError(
             "lora_config must be a minlora.LoRAConfig or a dict {layer_type: {tensor_name: factory}} "
             f"such as minlora.default_lora_config, got {type(lora_config).__name__}"
         )
@@ -114,30 +121,32 @@ def _targets(model: nn.Module, lora_config: LoRAConfig | Mapping, require_match:
 
 
 def _add_targets(targets: list[Target], caller: str) -> None:
-    """Build every LoRA, check it fits its layer, then register them all (nothing is added on error)."""
-    todo, skipped, seen = [], [], set()
+    """Build every LoRA, then register them all (nothing is added on error); warn once about ranks
+    above what a layer can use.
+    """
+    todo, skipped, seen, oversized = [], [], set(), []
     for name, module, tensor_name, factory in targets:
-        full = f"{name}.{tensor_name}" if name else tensor_name
+        full = tensor_path(name, tensor_name)
         if (id(module), tensor_name) in seen:
             continue
         seen.add((id(module), tensor_name))
         if has_lora(module, tensor_name):
             skipped.append(full)
             continue
-        if not isinstance(lora := factory(module), LoRAParametrization):
-            raise TypeError(
+        lora = factory(module)
+        if not isinstance(lora, LoRAParametrization):
+            raise LoRATypeError(
                 f"{caller}: the factory for {full} returned a {type(lora).__name__}, not a LoRAParametrization"
             )
-        if lora.rank > min(lora.fan_in, lora.fan_out):  # a larger rank only adds parameters that cannot help
-            raise LoRAValueError(
-                f"{caller}: rank {lora.rank} does not fit {full} (weight shape "
-                f"{tuple(getattr(module, tensor_name).shape)}): the rank must be between 1 and min(in_features, "
-                f"out_features) = {min(lora.fan_in, lora.fan_out)} for every targeted layer; lower it or leave this "
-                f"layer out"
-            )
+        useful = min(lora.fan_in, lora.fan_out)
+        if lora.rank > useful:
+            shape = tuple(getattr(module, tensor_name).shape)
+            oversized.append(f"{full} (weight shape {shape}) has rank {lora.rank}, useful maximum {useful}")
         todo.append((module, tensor_name, lora))
     for module, tensor_name, lora in todo:
         register_lora(module, tensor_name, lora)
+    if oversized:
+        _warn_oversized_rank(oversized, caller)
     if skipped:
         logger.warning(
             f"{caller}: {len(skipped)} tensor(s) already carry a LoRA adapter and were left unchanged (no second "
@@ -145,14 +154,33 @@ def _add_targets(targets: list[Target], caller: str) -> None:
         )
 
 
+def _warn_oversized_rank(oversized: list[str], caller: str) -> None:
+    """One warning for every layer of one call whose rank exceeds ``min(in_features, out_features)``.
+
+    Such a rank is wasteful, not wrong: the update ``B @ A`` cannot have a higher rank than that, so the
+    extra rank only adds parameters. minLoRA and PEFT accept it (minLoRA's own demo puts its default rank 4
+    on an ``nn.Linear(7, 3)``), and so does minlora.
+    """
+    shown = "; ".join(oversized[:6])
+    if len(oversized) > 6:
+        shown += f"; and {len(oversized) - 6} more"
+    warnings.warn(
+        f"{caller}: LoRA rank above min(in_features, out_features) on {len(oversized)} layer(s): {shown}. The "
+        f"update B @ A cannot have a higher rank, so it works but the extra rank only adds parameters; lower the "
+        f"rank or leave those layers out to save them",
+        stacklevel=4,
+    )
+
+
 # ---------------------------------------------------------------------- minLoRA API
 def apply_lora(
     layer: nn.Module, register: bool = True, merge: bool = False, lora_config: Mapping = default_lora_config
 ) -> None:
     """minLoRA's per-layer helper for ``model.apply``: add LoRA to ``layer``, or merge / remove its LoRA."""
-    if register and isinstance(lora_config, LoRAConfig):  # its layer types; the names need the model
+    # a LoRAConfig's layer types apply to one layer; its name patterns need the model
+    if register and isinstance(lora_config, LoRAConfig):
         if lora_config.target_modules or lora_config.exclude_modules:
-            raise TypeError(
+            raise LoRATypeError(
                 "apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)"
             )
         lora_config = lora_config.to_lora_config()
@@ -164,8 +192,9 @@ def apply_lora(
 
 def add_lora(model: nn.Module, lora_config: LoRAConfig | Mapping = default_lora_config) -> None:
     """Put LoRA on the layers ``lora_config`` selects (default: every ``nn.Linear``). A tensor that
-    already carries LoRA is left alone (logged). ``ValueError`` when the config selects no layer or
-    the rank exceeds a targeted layer's ``min(in_features, out_features)``.
+    already carries LoRA is left alone (logged). ``ValueError`` when the config selects no layer. A rank
+    above a layer's ``min(in_features, out_features)`` is accepted, as in minLoRA and PEFT, with one
+    warning naming such layers (the extra rank only adds parameters).
     """
     _add_targets(_targets(model, lora_config), "add_lora")
 
@@ -178,23 +207,34 @@ def add_lora_by_name(
     """LoRA on the layers inside every module whose name *contains* one of ``target_module_names``
     (minLoRA's substring rule). An entry that selects no layer is a ``ValueError`` naming it.
     """
-    if not (names := [target_module_names] if isinstance(target_module_names, str) else list(target_module_names)):
+    if isinstance(target_module_names, str):
+        names = [target_module_names]
+    else:
+        names = list(target_module_names)
+    if not names:
         raise LoRAValueError("add_lora_by_name: target_module_names is empty; name at least one module")
     candidates = _targets(model, lora_config, require_match=False)
     module_names = [name for name, _ in model.named_modules() if name]
     chosen: list[Target] = []
     for target in names:
-        if not (matched := [n for n in module_names if target in n]):
+        matched = [n for n in module_names if target in n]
+        if not matched:
             raise LoRAValueError(
                 f"add_lora_by_name: {target!r} matches no module name; names look like {module_names[:6]}"
             )
-        if not (hits := [t for t in candidates if any(t[0] == m or t[0].startswith(m + ".") for m in matched)]):
+        hits = [t for t in candidates if any(_is_inside(t[0], m) for m in matched)]
+        if not hits:
             raise LoRAValueError(
                 f"add_lora_by_name: {target!r} matches {matched[:4]} but none of them is or contains a "
                 f"layer the LoRA config applies to"
             )
         chosen += hits
     _add_targets(chosen, "add_lora_by_name")
+
+
+def _is_inside(name: str, module_name: str) -> bool:
+    """``name`` is the module ``module_name`` or one inside it."""
+    return name == module_name or name.startswith(module_name + ".")
 
 
 def merge_lora(model: nn.Module) -> None:
@@ -212,34 +252,72 @@ def remove_lora(model: nn.Module) -> None:
 
 @torch.no_grad()
 def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
-    for site in sites if merge else ():
+    if not merge:
+        for site in sites:
+            _drop_loras(site, None)
+        return
+    _check_mergeable(sites)
+    originals = [site.original for site in sites]
+    # every merged value first, while all originals are untouched (GPT-2's head and embedding share one)
+    values = [_merged_value(site) for site in sites]
+    # id(original) -> the merged tensors made from it
+    made: dict[int, list[nn.Parameter]] = {}
+    for site, original, value in zip(sites, originals, values):
+        _drop_loras(site, _merged_parameter(made, original, value))
+    _warn_if_untied(model, sites, originals, made)
+
+
+def _check_mergeable(sites: list[LoRASite]) -> None:
+    for site in sites:
         if site.lora_indices != list(range(len(site.lora_indices))):
             raise LoRAValueError(
                 f"merge_lora: the LoRA on {site.name} follows another parametrization "
                 f"({[type(p).__name__ for p in site.plist]}); it cannot be folded into the stored "
                 f"weight. Remove the other parametrization first, or use remove_lora"
             )
-    originals = [site.original for site in sites]
-    # every merged value first, while all originals are untouched (GPT-2's head and embedding share one)
-    values = [reduce(lambda v, i: s.plist[i].merged(v), s.lora_indices, s.original) if merge else None for s in sites]
-    made: dict[int, list[nn.Parameter]] = {}  # id(original) -> the merged tensors made from it
-    for site, original, value in zip(sites, originals, values):
-        new, plist, indices = None, site.plist, site.lora_indices
-        if value is not None:  # layers sharing weight and update (tie_weights) keep sharing one tensor
-            known = made.setdefault(id(original), [])
-            if (new := next((p for p in known if p.shape == value.shape and torch.equal(p, value)), None)) is None:
-                known.append(new := nn.Parameter(value, requires_grad=original.requires_grad))
-        if len(indices) == len(plist):
-            parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
-            if new is not None:
-                setattr(site.module, site.tensor_name, new)
-            continue
-        if new is not None:  # the parametrizations after the LoRA now apply to the merged weight
-            plist.original = new
-        for i in reversed(indices):
-            del plist[i]
+
+
+def _merged_value(site: LoRASite) -> torch.Tensor:
+    """The stored weight with every LoRA of ``site`` folded in."""
+    value = site.original
+    for i in site.lora_indices:
+        value = site.plist[i].merged(value)
+    return value
+
+
+def _merged_parameter(made: dict[int, list[nn.Parameter]], original: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
+    """A new ``Parameter`` holding ``value``, or the one already made from ``original`` with the same
+    value: layers sharing weight and update (tie_weights) keep sharing one tensor.
+    """
+    known = made.setdefault(id(original), [])
+    for param in known:
+        if param.shape == value.shape and torch.equal(param, value):
+            return param
+    param = nn.Parameter(value, requires_grad=original.requires_grad)
+    known.append(param)
+    return param
+
+
+def _drop_loras(site: LoRASite, merged: nn.Parameter | None) -> None:
+    """Remove the LoRAs of ``site``; ``merged``, when given, becomes its stored weight."""
+    plist, indices = site.plist, site.lora_indices
+    if len(indices) == len(plist):
+        parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
+        if merged is not None:
+            setattr(site.module, site.tensor_name, merged)
+        return
+    # the parametrizations after the LoRA now apply to the merged weight
+    if merged is not None:
+        plist.original = merged
+    for i in reversed(indices):
+        del plist[i]
+
+
+def _warn_if_untied(model: nn.Module, sites: list[LoRASite], originals: list, made: dict) -> None:
+    """Log the merged layers whose weight another layer still holds unmerged, or that merged differently."""
     kept = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    if broken := [s.name for s, o in zip(sites, originals) if merge and (id(o) in kept or len(made[id(o)]) > 1)]:
+    broken = [s.name for s, o in zip(sites, originals) if id(o) in kept or len(made[id(o)]) > 1]
+    if broken:
         logger.warning(
             f"merge_lora: {broken} shared its weight with a layer not merged the same way; the merged layers got "
             f"their own weight and the others keep W: outputs are the LoRA model's but the weights are no longer tied"

@@ -15,37 +15,46 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from ._torch_compat import inject_property, parametrize_cache_enabled
-from .errors import LoRAValueError
+from .errors import LoRAIndexError, LoRATypeError, LoRAValueError
 
-PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")  # the last one DoRA's only
+# the last one DoRA's only
+PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 
 def check_int(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a rank
+    # True is an int to Python, but not a rank
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LoRAValueError(f"{what} must be a positive integer, got {value!r}")
 
 
-def check_float(value: Any, what: str, low: float | None = None, high: float | None = None, low_open: bool = False):
+def check_float(value: Any, what: str, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> None:
     """A finite number in ``[low, high)`` (``(low, high)`` with ``low_open``), else ``ValueError`` naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LoRAValueError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):  # first: nan < 0 is False, so a range check alone lets NaN through
+    # before the range: nan < 0 is False, so a range check alone lets NaN through
+    if not math.isfinite(value):
         raise LoRAValueError(f"{what} must be a finite number, got {value!r}")
-    if low is not None and (value <= low if low_open else value < low) or high is not None and value >= high:
-        lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
-        raise LoRAValueError(f"{what} must be in {'(' if low_open else '['}{lo}, {hi}), got {value!r}")
+    too_low = value < low or (low_open and value == low)
+    if too_low or value >= high:
+        opening = "(" if low_open else "["
+        raise LoRAValueError(f"{what} must be in {opening}{low:g}, {high:g}), got {value!r}")
 
 
 def raw_weight(module: nn.Module) -> torch.Tensor | None:
     """The stored weight of ``module`` (the original under a parametrization), or None."""
     if parametrize.is_parametrized(module, "weight"):
-        return getattr(module.parametrizations["weight"], "original", None)  # weight_norm keeps two: none
-    return weight if isinstance(weight := getattr(module, "weight", None), nn.Parameter) else None
+        # weight_norm keeps two tensors and no `original`: None
+        return getattr(module.parametrizations["weight"], "original", None)
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, nn.Parameter):
+        return weight
+    return None
 
 
 def _weight_of(layer: nn.Module) -> torch.Tensor:
-    if (weight := raw_weight(layer)) is None or not weight.is_floating_point():
-        raise TypeError(f"{type(layer).__name__} has no floating-point weight parameter to put LoRA on")
+    weight = raw_weight(layer)
+    if weight is None or not weight.is_floating_point():
+        raise LoRATypeError(f"{type(layer).__name__} has no floating-point weight parameter to put LoRA on")
     return weight
 
 
@@ -77,20 +86,35 @@ class LoRAParametrization(nn.Module):
         for name, value in (("fan_in", fan_in), ("fan_out", fan_out), ("rank", rank)):
             check_int(value, f"LoRAParametrization: {name}")
         check_float(lora_dropout_p, "LoRAParametrization: lora_dropout_p", low=0.0, high=1.0)
-        check_float(lora_alpha, "LoRAParametrization: lora_alpha")  # negative only flips the update, but
-        if lora_alpha == 0:  # zero would silently switch the adapter off
+        # a negative alpha only flips the update, but zero would silently switch the adapter off
+        check_float(lora_alpha, "LoRAParametrization: lora_alpha")
+        if lora_alpha == 0:
             raise LoRAValueError("LoRAParametrization: lora_alpha must not be 0 (the adapter would do nothing)")
-        self.fan_in, self.fan_out, self.fan_in_fan_out, self.rank = fan_in, fan_out, bool(fan_in_fan_out), rank
-        self.lora_dropout_p, self.use_rslora, self.use_dora = float(lora_dropout_p), False, bool(use_dora)
-        self.set_scaling(lora_alpha, use_rslora)
-        self.enabled = True  # False: the identity (disable_lora)
-        self.fast_path = True  # False: always the weight path (set_fast_path)
-        self.lora_A = nn.Parameter(torch.empty((fan_in, rank) if self.fan_in_fan_out else (rank, fan_in)))
-        self.lora_B = nn.Parameter(torch.zeros((rank, fan_out) if self.fan_in_fan_out else (fan_out, rank)))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default, as minLoRA and PEFT
+        self.fan_in = fan_in
+        self.fan_out = fan_out
+        self.fan_in_fan_out = bool(fan_in_fan_out)
+        self.rank = rank
+        self.lora_dropout_p = float(lora_dropout_p)
+        self.use_rslora = False
+        self.use_dora = bool(use_dora)
+        self._set_scaling(lora_alpha, use_rslora)
+        # False: the identity (disable_lora)
+        self.enabled = True
+        # False: always the weight path (set_fast_path)
+        self.fast_path = True
+        if self.fan_in_fan_out:
+            a_shape, b_shape = (fan_in, rank), (rank, fan_out)
+        else:
+            a_shape, b_shape = (rank, fan_in), (fan_out, rank)
+        self.lora_A = nn.Parameter(torch.empty(a_shape))
+        self.lora_B = nn.Parameter(torch.zeros(b_shape))
+        # nn.Linear's default init, as minLoRA and PEFT
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         if self.use_dora:
-            self.lora_magnitude_vector = nn.Parameter(torch.ones(fan_out))  # set by init_magnitude
-        self._num_stored = 0  # adapters kept by load_multiple_lora
+            # set from the weight by init_magnitude
+            self.lora_magnitude_vector = nn.Parameter(torch.ones(fan_out))
+        # how many adapters load_multiple_lora keeps in buffers
+        self._num_stored = 0
 
     # positional settings after the layer: rank, lora_dropout_p, lora_alpha (minLoRA's order)
     @classmethod
@@ -100,7 +124,8 @@ class LoRAParametrization(nn.Module):
 
     @classmethod
     def from_conv2d(cls, layer: nn.Module, *args: Any, **kwargs: Any) -> LoRAParametrization:
-        weight = _weight_of(layer)  # (out, in, kh, kw): the update is (out, in * kh * kw)
+        # the weight is (out, in, kh, kw); the update is (out, in * kh * kw)
+        weight = _weight_of(layer)
         return cls(weight[0].numel(), weight.shape[0], False, *args, **kwargs)
 
     @classmethod
@@ -109,14 +134,30 @@ class LoRAParametrization(nn.Module):
         return cls(fan_in, fan_out, True, *args, **kwargs)
 
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
+        """``scaling = lora_alpha / rank`` (``/ sqrt(rank)`` with rsLoRA); ``use_rslora=None`` keeps the setting."""
         check_float(lora_alpha, "set_scaling: lora_alpha")
-        self.use_rslora = self.use_rslora if use_rslora is None else bool(use_rslora)
+        self._set_scaling(lora_alpha, use_rslora)
+
+    def _set_scaling(self, lora_alpha: float, use_rslora: bool | None) -> None:
+        """:meth:`set_scaling` for an alpha already checked (the constructor checks its own)."""
+        if use_rslora is not None:
+            self.use_rslora = bool(use_rslora)
         self.lora_alpha = lora_alpha
-        self.scaling = lora_alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        divisor = math.sqrt(self.rank) if self.use_rslora else self.rank
+        self.scaling = lora_alpha / divisor
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return PARAM_NAMES if self.use_dora else PARAM_NAMES[:2]
+        if self.use_dora:
+            return PARAM_NAMES
+        return PARAM_NAMES[:2]
+
+    @property
+    def norm_dim(self) -> int:
+        """The weight dimension DoRA's per-output-channel norm runs over (the input one)."""
+        if self.fan_in_fan_out:
+            return 0
+        return 1
 
     def enable_lora(self) -> None:
         self.enabled = True
@@ -127,13 +168,16 @@ class LoRAParametrization(nn.Module):
     # ------------------------------------------------------------------ the weight path
     def delta_weight(self, A: torch.Tensor | None = None) -> torch.Tensor:
         """``scaling * delta``, 2-D in the layer's layout."""
-        A = self.lora_A if A is None else A
-        return (A @ self.lora_B if self.fan_in_fan_out else self.lora_B @ A) * self.scaling
+        if A is None:
+            A = self.lora_A
+        if self.fan_in_fan_out:
+            return (A @ self.lora_B) * self.scaling
+        return (self.lora_B @ A) * self.scaling
 
     def dora_scale(self, W: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """``m / ||W + delta||_c`` per output channel, for the 2-D weight and ``scaling * delta``."""
         # PEFT (and the paper, sec. 4.3) treat the norm as a constant: no gradient flows through it.
-        norm = torch.linalg.norm((W + delta).detach(), dim=0 if self.fan_in_fan_out else 1)
+        norm = torch.linalg.norm((W + delta).detach(), dim=self.norm_dim)
         # A zero channel stays zero whatever it is scaled by; PEFT would divide 0 by 0 there (NaN).
         return self.lora_magnitude_vector / torch.where(norm == 0, torch.ones_like(norm), norm)
 
@@ -142,34 +186,51 @@ class LoRAParametrization(nn.Module):
         """DoRA's ``m = ||W + scaling * delta||_c`` (``||W||_c`` while ``B`` is zero), as PEFT starts it."""
         delta = self.delta_weight()
         W = W.to(delta.dtype).reshape(delta.shape)
-        self.lora_magnitude_vector.copy_(torch.linalg.norm(W + delta, dim=0 if self.fan_in_fan_out else 1))
+        self.lora_magnitude_vector.copy_(torch.linalg.norm(W + delta, dim=self.norm_dim))
 
     def _adapt(self, X: torch.Tensor, dropout: bool) -> torch.Tensor:
         A = self.lora_A
         if dropout and self.lora_dropout_p > 0:
             # minLoRA's trick: one mask over the input features, shared by the batch, folded into A
             # (the fast path drops the activations themselves, as in the LoRA paper).
-            mask_shape = (A.shape[0], 1) if self.fan_in_fan_out else (1, A.shape[1])
+            if self.fan_in_fan_out:
+                mask_shape = (A.shape[0], 1)
+            else:
+                mask_shape = (1, A.shape[1])
             A = A * F.dropout(A.new_ones(mask_shape), self.lora_dropout_p, training=True)
         delta = self.delta_weight(A)
         # Add in the (fp32) LoRA dtype, then cast back: parametrize needs the weight's dtype kept.
-        W = X.to(torch.promote_types(delta.dtype, X.dtype)).reshape(delta.shape)  # conv: (out, in * kh * kw)
+        # A conv weight is seen as (out, in * kh * kw).
+        W = X.to(torch.promote_types(delta.dtype, X.dtype)).reshape(delta.shape)
         out = W + delta
-        if self.use_dora:  # the norm of the whole update, as PEFT's, whatever dropout did to A
-            scale = self.dora_scale(W, delta if A is self.lora_A else self.delta_weight())
-            out = out * (scale.view(1, -1) if self.fan_in_fan_out else scale.view(-1, 1))
+        if self.use_dora:
+            out = out * self._dora_channel_scale(W, delta, dropped=A is not self.lora_A)
         return out.reshape(X.shape).to(X.dtype)
 
+    def _dora_channel_scale(self, W: torch.Tensor, delta: torch.Tensor, dropped: bool) -> torch.Tensor:
+        """DoRA's scale, shaped to multiply the 2-D weight's output channels."""
+        # the norm is that of the whole update, as PEFT's, whatever dropout did to A
+        if dropped:
+            delta = self.delta_weight()
+        scale = self.dora_scale(W, delta)
+        if self.fan_in_fan_out:
+            return scale.view(1, -1)
+        return scale.view(-1, 1)
+
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        return self._adapt(X, dropout=self.training) if self.enabled else X
+        if not self.enabled:
+            return X
+        return self._adapt(X, dropout=self.training)
 
     @torch.no_grad()
     def merged(self, X: torch.Tensor) -> torch.Tensor:
         """``forward(X)`` without dropout, computed in fp32 or better (never under autocast); ``X``'s dtype kept."""
         if not self.enabled:
             return X.clone()
-        on = X.device.type in ("cpu", "cuda")
-        with torch.autocast(X.device.type, enabled=False) if on else contextlib.nullcontext():
+        no_autocast = contextlib.nullcontext()
+        if X.device.type in ("cpu", "cuda"):
+            no_autocast = torch.autocast(X.device.type, enabled=False)
+        with no_autocast:
             return self._adapt(X.to(torch.promote_types(X.dtype, torch.float32)), dropout=False).to(X.dtype)
 
     # ------------------------------------------------------------------ the fast path
@@ -180,17 +241,28 @@ class LoRAParametrization(nn.Module):
         # fp32 factors on a low-precision base: the branch runs in the activations' dtype, as under
         # autocast; the casts are differentiable, so the factors still get fp32 gradients.
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        dropped = F.dropout(x, self.lora_dropout_p, training=True) if self.training and self.lora_dropout_p > 0 else x
-        after_a = F.linear(dropped, A) * self.scaling  # scaling the rank-r intermediate is cheaper
-        if not self.use_dora:  # in 2-D, so B's product is added into the base output in place (no temporary)
+        dropped = x
+        if self.training and self.lora_dropout_p > 0:
+            dropped = F.dropout(x, self.lora_dropout_p, training=True)
+        # scaling the rank-r intermediate is cheaper than scaling the output
+        after_a = F.linear(dropped, A) * self.scaling
+        if not self.use_dora:
+            # in 2-D, so B's product is added into the base output in place (no temporary)
             out = F.linear(x.reshape(-1, x.size(-1)), W, bias)
-            return out.addmm_(after_a.reshape(-1, A.size(0)).to(out.dtype), B.T.to(out.dtype)).view(*x.shape[:-1], -1)
-        out, lora = F.linear(x, W, bias), F.linear(after_a, B)
+            out.addmm_(after_a.reshape(-1, A.size(0)).to(out.dtype), B.T.to(out.dtype))
+            return out.view(*x.shape[:-1], -1)
+        out = F.linear(x, W, bias)
+        lora = F.linear(after_a, B)
         # PEFT's DoRA forward: out + (m / ||V||_c - 1) * (x W^T) + m / ||V||_c * lora, where x W^T
         # (no bias) is recomputed on the dropped input when dropout is on. The norm needs W + s * B @ A,
         # a weight-sized tensor as in PEFT, but no weight-sized gradient.
         scale = self.dora_scale(W, self.delta_weight()).to(out.dtype)
-        base = F.linear(dropped, W) if dropped is not x else out if bias is None else out - bias
+        if dropped is not x:
+            base = F.linear(dropped, W)
+        elif bias is None:
+            base = out
+        else:
+            base = out - bias
         return out + (scale - 1) * base + scale * lora
 
     def fast_embedding(self, idx: torch.Tensor, W: torch.Tensor, layer: nn.Embedding) -> torch.Tensor:
@@ -198,7 +270,8 @@ class LoRAParametrization(nn.Module):
         if not self.enabled:
             return out
         after_a = F.embedding(idx, self.lora_A.to(out.dtype))  # (..., r)
-        if self.training and self.lora_dropout_p > 0:  # the input is one-hot: drop the token's whole update
+        if self.training and self.lora_dropout_p > 0:
+            # the input is one-hot: dropout drops the token's whole update
             after_a = after_a * F.dropout(after_a.new_ones(idx.shape + (1,)), self.lora_dropout_p, training=True)
         lora = (after_a * self.scaling) @ self.lora_B.to(out.dtype)
         if not self.use_dora:
@@ -224,11 +297,12 @@ class LoRAParametrization(nn.Module):
     @torch.no_grad()
     def select_stored_adapter(self, index: int) -> None:
         if not -self._num_stored <= index < self._num_stored:
-            raise IndexError(
+            raise LoRAIndexError(
                 f"select_lora: adapter index {index} out of range; {self._num_stored} adapter(s) were "
                 f"loaded with load_multiple_lora"
             )
-        for name in self.param_names:  # copied in place: an optimizer keeps pointing at the parameters
+        # copied in place: an optimizer keeps pointing at the parameters
+        for name in self.param_names:
             getattr(self, name).copy_(getattr(self, f"stored_{name}_{index % self._num_stored}"))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
@@ -247,23 +321,37 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     composes with those) or an embedding renormalises its weight in place (``max_norm``) or treats rows'
     gradients apart (``scale_grad_by_freq``, ``padding_idx``: PEFT's fast form differs there).
     """
-    plist = self.parametrizations["weight"] if "weight" in self.parametrizations else []
     embedding = isinstance(self, nn.Embedding)
-    lora = plist[0] if len(plist) == 1 else None
-    if (
-        not isinstance(lora, LoRAParametrization)
-        or not lora.fast_path
-        or lora.fan_in_fan_out != embedding
-        or parametrize_cache_enabled()
-        or (embedding and (self.max_norm is not None or self.scale_grad_by_freq or self.padding_idx is not None))
-    ):
-        if embedding and self.sparse:  # the merged weight's gradient must be dense to reach A and B
+    lora = _fast_path_lora(self, embedding)
+    if lora is None:
+        if embedding and self.sparse:
+            # the merged weight's gradient must be dense to reach A and B
             return F.embedding(
                 input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq
             )
         return type(self)._minlora_base.forward(self, input)
     W = self.parametrizations["weight"].original
-    return lora.fast_embedding(input, W, self) if embedding else lora.fast_linear(input, W, self.bias)
+    if embedding:
+        return lora.fast_embedding(input, W, self)
+    return lora.fast_linear(input, W, self.bias)
+
+
+def _fast_path_lora(module: nn.Module, embedding: bool) -> LoRAParametrization | None:
+    """The weight's one LoRA when the fast path may run it, else None (see :func:`_fast_forward`)."""
+    parametrizations = module.parametrizations
+    if "weight" not in parametrizations:
+        return None
+    plist = parametrizations["weight"]
+    if len(plist) != 1:
+        return None
+    lora = plist[0]
+    if not isinstance(lora, LoRAParametrization) or not lora.fast_path or lora.fan_in_fan_out != embedding:
+        return None
+    if parametrize_cache_enabled():
+        return None
+    if embedding and (module.max_norm is not None or module.scale_grad_by_freq or module.padding_idx is not None):
+        return None
+    return lora
 
 
 # ---------------------------------------------------------------------- the parametrized class
@@ -273,7 +361,8 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 # copy, so removing a parametrization from one deletes the other's property.
 def _lora_class(base: type, module: nn.Module, tensor_names) -> nn.Module:
     dct: dict[str, Any] = {"_minlora_base": base, "__reduce_ex__": _reduce}
-    if getattr(base, "forward", None) in (nn.Linear.forward, nn.Embedding.forward):  # a subclass's own: kept
+    # a subclass's own forward is kept
+    if getattr(base, "forward", None) in (nn.Linear.forward, nn.Embedding.forward):
         dct["forward"] = _fast_forward
     module.__class__ = type(f"Parametrized{base.__name__}", (base,), dct)
     for tensor_name in tensor_names:

@@ -15,7 +15,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from .adapters import (
     AdapterFileError,
+    Plan,
     apply_plans,
     check_plans,
     check_values,
@@ -34,9 +35,9 @@ from .adapters import (
     write_atomic,
 )
 from .config import family_name, name_matches, raw_weight
-from .errors import LoRAFileNotFoundError, LoRAValueError
+from .errors import LoRAFileNotFoundError, LoRATypeError, LoRAValueError
 from .model import LoRASite
-from .parametrization import check_float, check_int
+from .parametrization import PARAM_NAMES, LoRAParametrization, check_float, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +52,43 @@ _UNSUPPORTED = re.compile(
     "lora_bias|modules_to_save|layer_replication|trainable_token_indices|target_parameters|alora_invocation_tokens"
     "|use_qalora|use_bdlora|arrow_config|kasa_config|velora_config|monteclora_config"
 )
+# PEFT's defaults for the settings minlora reads, where adapter_config.json leaves them out
+_DEFAULTS: dict[str, Any] = {
+    "r": 8,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "use_rslora": False,
+    "use_dora": False,
+}
+# adapter_config.json's numbers and their ranges: (key, check, the check's bounds)
+_NUMBERS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
+    ("r", check_int, {}),
+    ("lora_alpha", check_float, {}),
+    ("lora_dropout", check_float, {"low": 0.0, "high": 1.0}),
+)
 
 
 def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, set[int]]:
     """``(layout, the twin's vocabulary rows, ids of the layers whose vocabulary is padded)``."""
     layout = getattr(model, LAYOUT_METHOD, dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
-    real = layout.get("vocab_size") if isinstance(layout, dict) else None
-    modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []] if real else []
+    real = None
+    modules = []
+    if isinstance(layout, dict):
+        real = layout.get("vocab_size")
+        if real:
+            modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []]
     if not isinstance(layout, dict) or set(layout) - known or any(raw_weight(m) is None for m in modules):
-        raise TypeError(
+        raise LoRATypeError(
             f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
             f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
     return layout, real, {id(m) for m in modules if raw_weight(m).shape[0] != real}
 
 
+# ---------------------------------------------------------------------- export
 def export_peft_adapter(
     model: nn.Module,
     directory: str | os.PathLike,
@@ -82,62 +104,14 @@ def export_peft_adapter(
     """
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
-    tensors, loras = {}, {site.module_name: site.lora for site in sites}
+    tensors = {}
     for site in sites:
-        lora, family, key = site.lora, family_name(site.module), _PREFIX + site.module_name + ".lora_"
-        A, B, m = (ours.get(f"{site.name}.{n}") for n in ("lora_A", "lora_B", "lora_magnitude_vector"))
-        rows = slice(real if id(site.module) in padded else None)  # the twin has no padded vocabulary rows
-        if len(site.plist) != 1 or site.tensor_name != "weight":
-            raise LoRAValueError(
-                f"export_peft_adapter: {site.name} has parametrizations {[type(p).__name__ for p in site.plist]}; "
-                f"PEFT expresses a LoRA alone on a weight only"
-            )
-        if family == "Linear" and not lora.fan_in_fan_out:
-            parts = {"A.weight": A, "B.weight": B[rows], "magnitude_vector": None if m is None else m[rows]}
-        elif family == "Embedding" and lora.fan_in_fan_out:  # PEFT stores the embedding update transposed
-            if m is not None and rows.stop is not None:  # DoRA's norms run over the rows: rescaled to the twin's
-                V = (site.original.float() + lora.delta_weight().float()).detach()
-                m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
-            parts = {"embedding_A": A[rows].t(), "embedding_B": B.t(), "magnitude_vector": m}
-        elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
-            parts = {"A.weight": A.reshape(lora.rank, *site.original.shape[1:]), "B.weight": B.reshape(*B.shape, 1, 1)}
-            parts["magnitude_vector"] = None if m is None else m.reshape(1, -1, 1, 1)  # PEFT's conv norm shape
-        else:
-            raise LoRAValueError(
-                f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
-                f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})"
-            )
-        tensors |= {key + role: t for role, t in parts.items() if t is not None}
-    for flag in ("use_rslora", "use_dora"):
-        if len({getattr(p, flag) for p in loras.values()}) != 1:
-            raise LoRAValueError(
-                f"export_peft_adapter: {flag} is on for some layers and off for others; PEFT has one "
-                f"{flag} flag for the adapter: export the two groups as two adapters"
-            )
-    rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
-    alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
-    if len(dropouts := sorted({p.lora_dropout_p for p in loras.values()})) > 1:
-        logger.warning("export_peft_adapter: layers use dropouts %s; PEFT has one, writing the largest", dropouts)
-    # target_modules: the last name components (["c_attn", "c_fc"]) where PEFT's suffix matching selects
-    # exactly these modules with them, the full names otherwise
-    suffixes = sorted({n.rsplit(".", 1)[-1] for n in loras})
-    selected = {n for n, _ in model.named_modules() if n and any(name_matches(n, s) for s in suffixes)}
-    config = {  # PEFT fills in the options not written here with their defaults
-        "peft_type": "LORA",
-        "task_type": task_type,
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": dropouts[-1],
-        "bias": "none",
-        "inference_mode": True,
-        "target_modules": suffixes if selected == set(loras) else sorted(loras),
-        "use_rslora": sites[0].lora.use_rslora,
-        "use_dora": sites[0].lora.use_dora,
-        "fan_in_fan_out": bool(layout.get("fan_in_fan_out", False) if fan_in_fan_out is None else fan_in_fan_out),
-        "rank_pattern": {re.escape(n): p.rank for n, p in loras.items() if p.rank != rank},
-        "alpha_pattern": {re.escape(n): p.lora_alpha for n, p in loras.items() if p.lora_alpha != alpha},
-    }
+        tensors |= _peft_tensors(site, ours, real, padded)
+    if fan_in_fan_out is None:
+        fan_in_fan_out = layout.get("fan_in_fan_out", False)
+    config = _peft_config(model, {site.module_name: site.lora for site in sites})
+    config |= {"task_type": task_type, "base_model_name_or_path": base_model_name_or_path}
+    config["fan_in_fan_out"] = bool(fan_in_fan_out)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,49 +120,157 @@ def export_peft_adapter(
     return out
 
 
-def _check_config(config: dict[str, Any], where: str) -> None:
+def _peft_tensors(
+    site: LoRASite, ours: dict[str, torch.Tensor], real: int | None, padded: set[int]
+) -> dict[str, torch.Tensor]:
+    """PEFT's tensors for one LoRA, keyed as in its file; ``ours`` holds the factors as saved."""
+    if len(site.plist) != 1 or site.tensor_name != "weight":
+        raise LoRAValueError(
+            f"export_peft_adapter: {site.name} has parametrizations {[type(p).__name__ for p in site.plist]}; "
+            f"PEFT expresses a LoRA alone on a weight only"
+        )
+    A, B, m = (ours.get(f"{site.name}.{n}") for n in PARAM_NAMES)
+    # the twin has no padded vocabulary rows
+    rows = slice(None)
+    if id(site.module) in padded:
+        rows = slice(real)
+    family, lora = family_name(site.module), site.lora
+    if family == "Linear" and not lora.fan_in_fan_out:
+        parts = _linear_parts(A, B, m, rows)
+    elif family == "Embedding" and lora.fan_in_fan_out:
+        parts = _embedding_parts(site, A, B, m, rows)
+    elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
+        parts = _conv_parts(site, A, B, m)
+    else:
+        raise LoRAValueError(
+            f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
+            f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})"
+        )
+    key = _PREFIX + site.module_name + ".lora_"
+    return {key + role: t for role, t in parts.items()}
+
+
+def _linear_parts(A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None, rows: slice) -> dict[str, torch.Tensor]:
+    parts = {"A.weight": A, "B.weight": B[rows]}
+    if m is not None:
+        parts["magnitude_vector"] = m[rows]
+    return parts
+
+
+def _conv_parts(site: LoRASite, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """PEFT's conv factors are (r, in, kh, kw) and (out, r, 1, 1)."""
+    parts = {"A.weight": A.reshape(site.lora.rank, *site.original.shape[1:]), "B.weight": B.reshape(*B.shape, 1, 1)}
+    if m is not None:
+        # PEFT's conv norm shape
+        parts["magnitude_vector"] = m.reshape(1, -1, 1, 1)
+    return parts
+
+
+def _embedding_parts(
+    site: LoRASite, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None, rows: slice
+) -> dict[str, torch.Tensor]:
+    """PEFT stores the embedding update transposed."""
+    parts = {"embedding_A": A[rows].t(), "embedding_B": B.t()}
+    if m is None:
+        return parts
+    if rows.stop is not None:
+        # DoRA's norms run over the rows: rescaled to the twin's
+        V = (site.original.float() + site.lora.delta_weight().float()).detach()
+        m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
+    parts["magnitude_vector"] = m
+    return parts
+
+
+def _peft_config(model: nn.Module, loras: dict[str, LoRAParametrization]) -> dict[str, Any]:
+    """The adapter_config.json of ``loras`` (by module name) less the caller's fields; PEFT fills in the
+    options not written here with their defaults.
+    """
+    for flag in ("use_rslora", "use_dora"):
+        if len({getattr(p, flag) for p in loras.values()}) != 1:
+            raise LoRAValueError(
+                f"export_peft_adapter: {flag} is on for some layers and off for others; PEFT has one "
+                f"{flag} flag for the adapter: export the two groups as two adapters"
+            )
+    rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
+    alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
+    dropouts = sorted({p.lora_dropout_p for p in loras.values()})
+    if len(dropouts) > 1:
+        logger.warning("export_peft_adapter: layers use dropouts %s; PEFT has one, writing the largest", dropouts)
+    first = next(iter(loras.values()))
+    return {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropouts[-1],
+        "bias": "none",
+        "inference_mode": True,
+        "target_modules": _target_modules(model, list(loras)),
+        "use_rslora": first.use_rslora,
+        "use_dora": first.use_dora,
+        "rank_pattern": {re.escape(n): p.rank for n, p in loras.items() if p.rank != rank},
+        "alpha_pattern": {re.escape(n): p.lora_alpha for n, p in loras.items() if p.lora_alpha != alpha},
+    }
+
+
+def _target_modules(model: nn.Module, names: list[str]) -> list[str]:
+    """The last name components (``["c_attn", "c_fc"]``) where PEFT's suffix matching selects exactly
+    the modules ``names`` with them, else the full names.
+    """
+    suffixes = sorted({n.rsplit(".", 1)[-1] for n in names})
+    selected = {n for n, _ in model.named_modules() if n and any(name_matches(n, s) for s in suffixes)}
+    if selected == set(names):
+        return suffixes
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------- import
+def _check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """adapter_config.json holds a LoRA adapter minlora can load; returns it with PEFT's defaults filled
+    in (:data:`_DEFAULTS`) and its settings checked.
+    """
     if config.get("peft_type") != "LORA":
         raise LoRAValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
-    for key in (k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)):
+    unsupported = [k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)]
+    if unsupported:
+        key = unsupported[0]
         raise LoRAValueError(
             f"{where} sets {key}={config[key]!r}, an option minlora does not support (LoRA and DoRA only)"
         )
     if config.get("bias", "none") != "none":
         raise LoRAValueError(f"{where} has bias={config['bias']!r} (trained biases); minlora loads bias='none' only")
-    try:  # the checks LoRAConfig uses, their messages naming the field
-        check_int(config.get("r", 8), "r")
-        check_float(config.get("lora_alpha", 8), "lora_alpha")
-        check_float(config.get("lora_dropout") or 0.0, "lora_dropout", low=0.0, high=1.0)
-        for key, check in (("rank_pattern", check_int), ("alpha_pattern", check_float)):
-            if not isinstance(patterns := config.get(key) or {}, dict):
-                raise LoRAValueError(f"{key} must be a map of module patterns to values, got {patterns!r}")
-            for pattern, value in patterns.items():
-                check(value, f"{key}[{pattern!r}]")
-                re.compile(pattern)
-        for flag in ("use_rslora", "use_dora"):
-            if not isinstance(config.get(flag, False), bool):
-                raise LoRAValueError(f"{flag} must be true or false, got {config[flag]!r}")
+    settings = dict(config)
+    for key, default in _DEFAULTS.items():
+        settings.setdefault(key, default)
+    # an empty dropout or pattern map (null, 0, {}) reads as the default too
+    for key in ("lora_dropout", "rank_pattern", "alpha_pattern"):
+        settings[key] = settings[key] or _DEFAULTS[key]
+    try:
+        _check_settings(settings)
     except (ValueError, TypeError, re.error) as e:
         raise AdapterFileError(f"{where}: {e}; {_REMEDY}") from None
+    return settings
 
 
-def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
-    # PEFT's rule (peft.utils.other.get_pattern_key): the first key whose regex matches a dotted suffix.
-    return next((v for k, v in patterns.items() if re.match(rf"(.*\.)?({k})$", module_name)), default)
+def _check_settings(settings: dict[str, Any]) -> None:
+    """The checks LoRAConfig uses, their messages naming the key."""
+    for key, check, bounds in _NUMBERS:
+        check(settings[key], key, **bounds)
+    for key, check in (("rank_pattern", check_int), ("alpha_pattern", check_float)):
+        patterns = settings[key]
+        if not isinstance(patterns, dict):
+            raise LoRAValueError(f"{key} must be a map of module patterns to values, got {patterns!r}")
+        for pattern, value in patterns.items():
+            check(value, f"{key}[{pattern!r}]")
+            re.compile(pattern)
+    for flag in ("use_rslora", "use_dora"):
+        if not isinstance(settings[flag], bool):
+            raise LoRAValueError(f"{flag} must be true or false, got {settings[flag]!r}")
 
 
-def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool) -> torch.Tensor:
-    """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
-    if padded and t.shape[0] == real and rows > real:
-        return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
-    return t  # a wrong row count is caught with the other shapes (make_plan)
-
-
-def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names), as :func:`load_adapter`
-    does (``rank_pattern`` / ``alpha_pattern`` honoured); unsupported options are a ``ValueError``.
+def _read_peft(path: Path, source: str) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """The PEFT adapter directory ``path``: its checked config (defaults filled in), and its finite factors as
+    ``{module name: {role: tensor}}`` (roles as in ``_ROLES``).
     """
-    path = Path(directory)
     file, config_file = path / PEFT_WEIGHTS_NAME, path / PEFT_CONFIG_NAME
     if not config_file.is_file() or not file.is_file():
         raise LoRAFileNotFoundError(
@@ -196,9 +278,8 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
             f"load it with peft and save_pretrained it again, which writes safetensors)"
         )
     config = parse_json(config_file, config_file, "import_peft_adapter", _REMEDY)
-    _check_config(config, f"import_peft_adapter: {config_file}")
+    config = _check_config(config, f"import_peft_adapter: {config_file}")
     state, _ = read_safetensors(file, "import_peft_adapter", _REMEDY)
-    source = f"import_peft_adapter({path})"
     state = {k: v for k, v in state.items() if not k.endswith(".base_layer.weight")}
     check_values(state, file, source, _REMEDY)
     factors: dict[str, dict[str, torch.Tensor]] = {}
@@ -213,37 +294,97 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
         factors.setdefault(module_name, {})[role] = tensor
     if not factors:
         raise LoRAValueError(f"{source}: the adapter holds no LoRA factors")
+    return config, factors
+
+
+def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
+    """PEFT's rule (``peft.utils.other.get_pattern_key``): the value of the first key whose regex
+    matches a dotted suffix of ``module_name``, else ``default``.
+    """
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return value
+    return default
+
+
+def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool) -> torch.Tensor:
+    """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
+    if padded and t.shape[0] == real and rows > real:
+        return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
+    # a wrong row count is caught with the other shapes (make_plan)
+    return t
+
+
+def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True) -> nn.Module:
+    """Load a PEFT LoRA / DoRA adapter directory into ``model`` (same module names), as :func:`load_adapter`
+    does (``rank_pattern`` / ``alpha_pattern`` honoured); unsupported options are a ``ValueError``.
+    """
+    path = Path(directory)
+    source = f"import_peft_adapter({path})"
+    config, factors = _read_peft(path, source)
     _, real, padded = _layout(model, "import_peft_adapter")
-    dora, dropout, plans = config.get("use_dora", False), float(config.get("lora_dropout") or 0.0), []
+    plans = []
     for module_name, parts in factors.items():
         site = LoRASite(module_name, get_module(model, module_name, source), "weight")
-        weight, pad = raw_weight(site.module), id(site.module) in padded
-        rows = 0 if weight is None else weight.shape[0]  # no weight: make_plan says so
-        embedding = family_name(site.module) == "Embedding"
-        if set(parts) != {*(_ROLES[2:4] if embedding else _ROLES[:2]), *_ROLES[4:] * dora}:
-            raise LoRAValueError(
-                f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
-                f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
-                f"and with use_dora={dora} {'a' if dora else 'no'} lora_magnitude_vector"
-            )
-        if embedding:  # ours: A (V, r), B (r, dim)
-            A, B = _pad_rows(parts["embedding_A"].t(), rows, real, pad), parts["embedding_B"].t()
-        else:  # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
-            A = parts["A.weight"].flatten(1)
-            B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
-        rank = _pattern_value(config.get("rank_pattern") or {}, module_name, config.get("r", 8))
-        if (A.shape[1] if embedding else A.shape[0]) != rank:
-            raise LoRAValueError(
-                f"{source}: {module_name} has rank-{A.shape[1] if embedding else A.shape[0]} factors but "
-                f"the config says r={rank}; adapter_config.json does not match the adapter weights"
-            )
-        alpha = _pattern_value(config.get("alpha_pattern") or {}, module_name, config.get("lora_alpha", 8))
-        tensors = {"lora_A": A, "lora_B": B}
-        if dora:  # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
-            M = parts["magnitude_vector"].reshape(-1)
-            tensors["lora_magnitude_vector"] = M if embedding else _pad_rows(M, rows, real, pad)
-        settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config.get("use_rslora", False), use_dora=dora)
-        plans.append(make_plan(site, source, tensors, lora_dropout_p=dropout, **settings))
+        plans.append(_peft_plan(site, parts, config, real, id(site.module) in padded, source))
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model
+
+
+def _peft_plan(
+    site: LoRASite, parts: dict[str, torch.Tensor], config: dict[str, Any], real: int | None, pad: bool, source: str
+) -> Plan:
+    """The plan for one module's PEFT factors ``parts``; ``pad``: its vocabulary rows are padded."""
+    module_name = site.module_name
+    weight = raw_weight(site.module)
+    # no weight: make_plan says so
+    rows = 0
+    if weight is not None:
+        rows = weight.shape[0]
+    embedding = family_name(site.module) == "Embedding"
+    dora = config["use_dora"]
+    if set(parts) != _expected_roles(embedding, dora):
+        raise LoRAValueError(
+            f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
+            f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
+            f"and with use_dora={dora} {'a' if dora else 'no'} lora_magnitude_vector"
+        )
+    if embedding:
+        # ours: A (V, r), B (r, dim)
+        A = _pad_rows(parts["embedding_A"].t(), rows, real, pad)
+        B = parts["embedding_B"].t()
+        factor_rank = A.shape[1]
+    else:
+        # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
+        A = parts["A.weight"].flatten(1)
+        B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
+        factor_rank = A.shape[0]
+    rank = _pattern_value(config["rank_pattern"], module_name, config["r"])
+    if factor_rank != rank:
+        raise LoRAValueError(
+            f"{source}: {module_name} has rank-{factor_rank} factors but "
+            f"the config says r={rank}; adapter_config.json does not match the adapter weights"
+        )
+    alpha = _pattern_value(config["alpha_pattern"], module_name, config["lora_alpha"])
+    tensors = {"lora_A": A, "lora_B": B}
+    if dora:
+        # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
+        M = parts["magnitude_vector"].reshape(-1)
+        if not embedding:
+            M = _pad_rows(M, rows, real, pad)
+        tensors["lora_magnitude_vector"] = M
+    dropout = float(config["lora_dropout"])
+    settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config["use_rslora"], use_dora=dora)
+    return make_plan(site, source, tensors, lora_dropout_p=dropout, **settings)
+
+
+def _expected_roles(embedding: bool, dora: bool) -> set[str]:
+    """The roles (``_ROLES``) PEFT stores for one layer."""
+    if embedding:
+        roles = {"embedding_A", "embedding_B"}
+    else:
+        roles = {"A.weight", "B.weight"}
+    if dora:
+        roles.add("magnitude_vector")
+    return roles

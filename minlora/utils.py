@@ -19,14 +19,21 @@ logger = logging.getLogger(__name__)
 
 def apply_to_lora(fn: Callable[[LoRAParametrization], None]) -> Callable[[nn.Module], None]:
     """Wrap ``fn`` for ``model.apply``: it is called on every :class:`LoRAParametrization`."""
-    return lambda layer: fn(layer) if isinstance(layer, LoRAParametrization) else None
+
+    def apply(layer: nn.Module) -> None:
+        if isinstance(layer, LoRAParametrization):
+            return fn(layer)
+        return None
+
+    return apply
 
 
 class _LoRASwitch:
     """The switch is made at the call; with ``with``, every LoRA gets its previous state back on exit."""
 
     def __init__(self, model: nn.Module, enabled: bool) -> None:
-        self.model, self._previous = model, [(p, p.enabled) for p in iter_lora_modules(model)]
+        self.model = model
+        self._previous = [(p, p.enabled) for p in iter_lora_modules(model)]
         for p, _ in self._previous:
             p.enabled = enabled
 
@@ -54,7 +61,8 @@ def set_fast_path(model: nn.Module, enabled: bool = True) -> None:
 
 
 def name_is_lora(name: str) -> bool:
-    parts = name.split(".")  # minLoRA's test: ....parametrizations.<tensor>.<i>.lora_A
+    # minLoRA's test: ....parametrizations.<tensor>.<i>.lora_A
+    parts = name.split(".")
     return len(parts) >= 4 and parts[-4] == "parametrizations" and parts[-1] in PARAM_NAMES
 
 
@@ -64,7 +72,8 @@ def name_is_bias(name: str) -> bool:
 
 def _logged(named: Iterable[tuple[str, nn.Parameter]], print_shapes: bool) -> Iterator[nn.Parameter]:
     for name, param in named:
-        if print_shapes:  # logged, not printed, in library code
+        # logged, not printed: this is library code
+        if print_shapes:
             logger.info("%s %s", name, tuple(param.shape))
         yield param
 
@@ -72,7 +81,8 @@ def _logged(named: Iterable[tuple[str, nn.Parameter]], print_shapes: bool) -> It
 def get_params_by_name(
     model: nn.Module, print_shapes: bool = False, name_filter: Callable[[str], bool] | None = None
 ) -> Iterator[nn.Parameter]:
-    return _logged(((n, p) for n, p in model.named_parameters() if name_filter is None or name_filter(n)), print_shapes)
+    named = ((n, p) for n, p in model.named_parameters() if name_filter is None or name_filter(n))
+    return _logged(named, print_shapes)
 
 
 def _named_lora_params(model: nn.Module, remove_duplicate: bool = True) -> dict[str, nn.Parameter]:
@@ -99,12 +109,14 @@ def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str,
     """Load several LoRA state dicts and keep each; :func:`select_lora` switches between them. The
     last one is active afterwards (as in minLoRA).
     """
-    if not (wanted := _named_lora_params(model, remove_duplicate=False)):
+    wanted = _named_lora_params(model, remove_duplicate=False)
+    if not wanted:
         raise LoRAValueError("load_multiple_lora: the model has no LoRA; call minlora.add_lora(model) first")
     model.apply(apply_to_lora(LoRAParametrization.clear_stored_adapters))
     i = -1
     for i, state_dict in enumerate(lora_state_dicts):
-        if extra := sorted(set(state_dict) - set(wanted)):
+        extra = sorted(set(state_dict) - set(wanted))
+        if extra:
             raise LoRAValueError(
                 f"load_multiple_lora: state dict #{i} has keys that are not LoRA factors of this model, "
                 f"e.g. {extra[:3]}; pass minlora.get_lora_state_dict outputs"
@@ -126,22 +138,30 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     """``(head, embedding, head's LoRA, embedding's LoRA)`` for two layers in either order (minLoRA's
     examples pass the embedding first): the embedding's LoRA has the ``fan_in_fan_out`` layout.
     """
-    loras = []
-    for layer in (a, b):
-        plist = layer.parametrizations["weight"] if has_lora(layer, "weight") else []
-        if len(found := [p for p in plist if isinstance(p, LoRAParametrization)]) != 1:
-            raise LoRAValueError(
-                f"{caller}: {type(layer).__name__} has {len(found) or 'no'} LoRA on its weight; it needs one "
-                f"LoRA on each of the two layers (minlora.add_lora first)"
-            )
-        loras += found
+    loras = [_single_weight_lora(layer, caller) for layer in (a, b)]
     if loras[0].fan_in_fan_out == loras[1].fan_in_fan_out:
+        layout = "an embedding" if loras[0].fan_in_fan_out else "a linear"
         raise LoRAValueError(
             f"{caller} needs one layer with LoRA from from_linear (the head) and one with LoRA from "
             f"from_embedding (the embedding); both of {type(a).__name__} and {type(b).__name__} have "
-            f"{'an embedding' if loras[0].fan_in_fan_out else 'a linear'} layout"
+            f"{layout} layout"
         )
-    return (b, a, loras[1], loras[0]) if loras[0].fan_in_fan_out else (a, b, loras[0], loras[1])
+    if loras[0].fan_in_fan_out:
+        return b, a, loras[1], loras[0]
+    return a, b, loras[0], loras[1]
+
+
+def _single_weight_lora(layer: nn.Module, caller: str) -> LoRAParametrization:
+    """The one LoRA on ``layer.weight``, else a ``ValueError`` naming ``caller``."""
+    found = []
+    if has_lora(layer, "weight"):
+        found = [p for p in layer.parametrizations["weight"] if isinstance(p, LoRAParametrization)]
+    if len(found) != 1:
+        raise LoRAValueError(
+            f"{caller}: {type(layer).__name__} has {len(found) or 'no'} LoRA on its weight; it needs one "
+            f"LoRA on each of the two layers (minlora.add_lora first)"
+        )
+    return found[0]
 
 
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
@@ -150,7 +170,8 @@ def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
     LoRA on GPT-2's tied head adapts the head only.
     """
     linear, embedding, lin, emb = _pair(linear, embedding, "tie_weights")
-    if lin.use_dora or emb.use_dora:  # DoRA normalises the head's vocab rows but the embedding's dims
+    # DoRA normalises the head's vocabulary rows but the embedding's dimensions
+    if lin.use_dora or emb.use_dora:
         raise LoRAValueError(
             "tie_weights: DoRA's magnitude belongs to each layer's output channels (the head's vocabulary rows, the "
             "embedding's dimensions), so one DoRA update cannot be shared; tie plain LoRA, or keep the layers untied"
@@ -178,11 +199,14 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     """Freeze everything but LoRA; ``bias``: ``"none"``, ``"all"`` biases, or ``"lora_only"`` (those of LoRA layers)."""
     if bias not in ("none", "all", "lora_only"):
         raise LoRAValueError(f"mark_only_lora_as_trainable: bias must be 'none', 'all' or 'lora_only', got {bias!r}")
-    if not (trainable := list(get_lora_params(model))):
+    trainable = list(get_lora_params(model))
+    if not trainable:
         raise LoRAValueError("mark_only_lora_as_trainable: the model has no LoRA; call minlora.add_lora(model) first")
-    trainable += list(get_bias_params(model)) if bias == "all" else []
+    if bias == "all":
+        trainable += list(get_bias_params(model))
     if bias == "lora_only":
-        trainable += [b for s in lora_sites(model) if isinstance(b := getattr(s.module, "bias", None), nn.Parameter)]
+        biases = [getattr(site.module, "bias", None) for site in lora_sites(model)]
+        trainable += [b for b in biases if isinstance(b, nn.Parameter)]
     model.requires_grad_(False)
     for param in trainable:
         param.requires_grad_(True)

@@ -63,7 +63,7 @@ def tokens(batch: int = 2, T: int = 16, vocab: int = 128) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- minLoRA README workflow
 def test_readme_workflow_on_a_linear_model():
-    # minLoRA's README has a Linear(5, 3) with rank 4; minlora refuses a rank above min(in, out)
+    # minLoRA's README has a Linear(5, 3); rank 4 fits every layer of this one (a larger rank warns)
     model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 4))
     x = torch.randn(4, 5)
     y0 = model(x)

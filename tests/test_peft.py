@@ -184,3 +184,37 @@ def test_a_wrong_layout_method_is_a_clear_error(tmp_path, layout):
     with pytest.raises(TypeError, match=r"Net.peft_adapter_layout\(\) must return a dict with keys among"):
         export_peft_adapter(model, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+
+
+def test_a_rank_above_a_layers_smaller_side_moves_both_ways(hf_dir, tmp_path):
+    """Wasteful, not wrong: PEFT accepts r=40 on 32-wide layers, and so does minlora (add_lora warns)."""
+    targets = ["c_attn", "c_proj"]
+    peft_model = peft_model_with_random_adapter(hf_dir, r=40, lora_alpha=8, target_modules=targets)
+    x = torch.randint(0, VOCAB, (2, 16))
+    expected = peft_model(x).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model.save_pretrained(tmp_path / "from_peft")
+    ours = from_pretrained(hf_dir)
+    with warnings.catch_warnings():
+        # importing warns about nothing: the adapter is what it is
+        warnings.simplefilter("error")
+        import_peft_adapter(ours, tmp_path / "from_peft")
+    assert {s.lora.rank for s in lora_sites(ours)} == {40}
+    torch.testing.assert_close(ours(x)[0], expected, rtol=0, atol=1e-5)
+
+    # and back: a rank-40 LoRA made here (one warning) exports to a PEFT adapter PEFT computes the same
+    mine = from_pretrained(hf_dir)
+    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn\.weight .* useful maximum 32") as record:
+        add_lora(mine, LoRAConfig(rank=40, alpha=8, target_modules=targets))
+    assert len(record) == 1
+    with torch.no_grad():
+        for p in get_lora_params(mine):
+            p.normal_(0.0, 0.2)
+    expected = mine(x)[0]
+    export_peft_adapter(mine, tmp_path / "from_minlora")
+    assert json.loads((tmp_path / "from_minlora" / PEFT_CONFIG_NAME).read_text())["r"] == 40
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = peft.PeftModel.from_pretrained(hf_model(hf_dir), tmp_path / "from_minlora").eval()
+    torch.testing.assert_close(loaded(x).logits, expected, rtol=0, atol=1e-5)
