@@ -39,8 +39,10 @@ class KVCache:
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
-        self.pos = torch.zeros((), dtype=torch.long, device=device)  # positions cached so far
-        self.index: torch.Tensor | None = None  # where update writes: the current step's positions
+        # positions cached so far
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        # where update writes: the current step's positions
+        self.index: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -213,17 +215,7 @@ def stream(
     only the decoding step runs compiled, one graph for every token (one dynamic graph more after
     another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
     """
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
-        got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise InvalidValueError(
-            f"idx must be a (batch, sequence) tensor of token ids (torch.long), got {got}; "
-            f"for one prompt use torch.tensor([ids])"
-        )
-    if idx.size(0) == 0 or idx.size(1) == 0:
-        raise InvalidValueError(
-            f"the prompt is empty (shape {tuple(idx.shape)}): generation needs at least one token to "
-            f"condition on (e.g. <|endoftext|>, id 50256 for GPT-2)"
-        )
+    _check_prompt_shape(idx)
     V = model.config.vocab_size
     # numpy numbers are taken (as Python ones); NaN, bools and strings are not
     max_new_tokens = check_value("generate", "max_new_tokens", max_new_tokens, Range(low=0, integer=True))
@@ -236,27 +228,11 @@ def stream(
     seed = check_value("generate", "seed", seed, Range(integer=True, optional=True))
     if seed is not None and generator is not None:
         raise InvalidValueError("pass either seed or generator, not both")
-    # The forward does not check id values (that would stall the GPU on every call), and on CUDA
-    # an id out of range is a device-side assert that kills the process: check the prompt once.
-    lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
-    if lo < 0 or hi >= V:
-        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < V][:5]
-        raise InvalidValueError(
-            f"prompt token ids must be in [0, {V}) (the model's vocab_size), got {bad} "
-            f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
-        )
+    _check_prompt_ids(idx, V)
     device = model.device
     idx = idx.to(device).long()
     if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-            raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
-        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
-        if not bool(attention_mask[:, -1].all()):
-            raise InvalidValueError(
-                "prompts must be left-padded: the last position of every row must be a real token "
-                "(attention_mask True); build them with gpt2.pad_prompts"
-            )
+        attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
     return _stream(
@@ -264,15 +240,58 @@ def stream(
     )
 
 
+def _check_prompt_shape(idx: Any) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
+        got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise InvalidValueError(
+            f"idx must be a (batch, sequence) tensor of token ids (torch.long), got {got}; "
+            f"for one prompt use torch.tensor([ids])"
+        )
+    if idx.size(0) == 0 or idx.size(1) == 0:
+        raise InvalidValueError(
+            f"the prompt is empty (shape {tuple(idx.shape)}): generation needs at least one token to "
+            f"condition on (e.g. <|endoftext|>, id 50256 for GPT-2)"
+        )
+
+
+def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
+    """The forward does not check id values (that would stall the GPU on every call), and on CUDA an
+    id out of range is a device-side assert that kills the process: the prompt is checked once, here.
+    """
+    lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
+    if lo < 0 or hi >= vocab_size:
+        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < vocab_size][:5]
+        raise InvalidValueError(
+            f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad} "
+            f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
+        )
+
+
+def _checked_attention_mask(attention_mask: Any, idx: torch.Tensor) -> torch.Tensor:
+    """``attention_mask`` as a boolean tensor on ``idx``'s device, once it is known to be of left-padded prompts."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+    attention_mask = attention_mask.to(device=idx.device, dtype=torch.bool)
+    if not bool(attention_mask[:, -1].all()):
+        raise InvalidValueError(
+            "prompts must be left-padded: the last position of every row must be a real token "
+            "(attention_mask True); build them with gpt2.pad_prompts"
+        )
+    return attention_mask
+
+
 @torch.no_grad()
 def _stream(
     model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
-    model.eval()  # no dropout while sampling; the caller's mode is restored below
+    # no dropout while sampling; the caller's mode is restored below
+    model.eval()
     # The prompt's forward runs uncompiled (see stream); it allocates the cache's buffers too.
-    prefill = getattr(model, "_orig_mod", model)  # torch.compile(model): the module inside
-    if getattr(prefill, "_compiled_call_impl", None) is not None:  # model.compile(): its own forward
+    # torch.compile(model): the module inside; model.compile(): its own forward.
+    prefill = getattr(model, "_orig_mod", model)
+    if getattr(prefill, "_compiled_call_impl", None) is not None:
         prefill = prefill.forward
     try:
         block_size = model.config.block_size
@@ -281,26 +300,32 @@ def _stream(
         cache_len = min(block_size, idx.size(1) + max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         cache: KVCache | None = None
-        tokens = idx  # everything in the context so far (prompt + generated), (B, t)
-        mask = attention_mask  # None or (B, t)
+        # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
+        tokens, mask = idx, attention_mask
         # Greedy on the CPU: the head is applied here, through its int8 copy (see _greedy)
-        int8 = _int8_head(model) if temperature == 0 and max_new_tokens >= 32 else None
+        int8 = None
+        if temperature == 0 and max_new_tokens >= 32:
+            int8 = _int8_head(model)
         sample = functools.partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         for _ in range(max_new_tokens):
-            if tokens.size(1) > block_size:  # keep the last block_size tokens (nanoGPT's crop)
-                tokens = tokens[:, -block_size:]
-                mask = mask[:, -block_size:] if mask is not None else None
+            if tokens.size(1) > block_size:
+                tokens, mask = _crop(tokens, mask, block_size)
                 # Positions are learned and absolute: after a crop every token sits one position
                 # earlier, so the cached keys are stale and the window is recomputed.
                 cache = None
-            if use_cache and cache is not None:
+            if cache is not None:
                 # (B, 1), the newest token: a copy, as a view's stride would grow (a recompile each step)
                 step, step_ids = model, tokens[:, -1:].clone(memory_format=torch.contiguous_format)
             else:
                 step, step_ids = prefill, tokens
-                cache = KVCache.for_model(model, cache_len) if use_cache else None
-            out = _forward(step, step_ids, cache, mask, int8 is None)[:, -1]  # (B, V) logits or (B, C)
-            nxt = _greedy(out, model.lm_head.weight, int8) if int8 else sample(out)
+                if use_cache:
+                    cache = KVCache.for_model(model, cache_len)
+            # (B, V) logits, or (B, C) hidden states for the int8 head
+            out = _forward(step, step_ids, cache, mask, int8 is None)[:, -1]
+            if int8 is not None:
+                nxt = _greedy(out, model.lm_head.weight, int8)
+            else:
+                nxt = sample(out)
             if eos_token_id is not None:
                 # Finished rows keep emitting EOS, so the output stays rectangular.
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
@@ -315,6 +340,13 @@ def _stream(
         model.train(was_training)
 
 
+def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The last ``block_size`` tokens and their mask (nanoGPT's crop)."""
+    if mask is not None:
+        mask = mask[:, -block_size:]
+    return tokens[:, -block_size:], mask
+
+
 def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, head: bool) -> Any:
     """One forward for generation: logits, or the last LayerNorm's output without ``head``. With
     padding ``mask`` ``(B, t)`` (cached + new tokens), positions count real tokens only and attention
@@ -324,9 +356,12 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
     if mask is None:
         return model(ids, kv_cache=cache, head=head)[0]
     T, t = ids.size(1), mask.size(1)
-    S = cache.max_len if cache is not None else t  # keys attended over
-    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)  # (B, T), not a view: see _stream
-    keys = torch.nn.functional.pad(mask, (0, S - t))  # (B, S): slots not written yet are False
+    # keys attended over
+    S = cache.max_len if cache is not None else t
+    # (B, T), not a view: see _stream
+    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)
+    # (B, S): slots not written yet are False
+    keys = torch.nn.functional.pad(mask, (0, S - t))
     causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
     # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
     # query may see itself (pad positions' outputs are never used).
@@ -342,7 +377,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> to
     """
     new = list(stream(model, idx, max_new_tokens, **kwargs))
     idx = idx.to(model.device).long()
-    return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
+    if not new:
+        return idx
+    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
 
 
 def stream_text(
@@ -355,13 +392,16 @@ def stream_text(
     tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     ids = tokenizer.encode(prompt) if prompt else [eot]
+    eos = eot if stop_at_eot else None
+    if autocast is None:
+        autocast = contextlib.nullcontext
     produced: list[int] = []
     shown = ""
-    with autocast() if autocast is not None else contextlib.nullcontext():
+    with autocast():
         # gpt2.stream rather than model.stream: a torch.compile'd model then runs compiled.
-        eos = eot if stop_at_eot else None
         tokens = stream(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, eos_token_id=eos, **kwargs)
-        for column in tokens:  # (1,)
+        # each column is (1,)
+        for column in tokens:
             token = int(column[0])
             if stop_at_eot and token == eot:
                 break
