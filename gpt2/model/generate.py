@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
 from gpt2.model.tokenizer import get_tokenizer
+from gpt2.torch_compat import int_mm, uncompiled
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpt2.model.gpt import GPT
@@ -122,7 +123,7 @@ SIEVE_MIN_HEAD = 2**22  # weights in the LM head from which greedy decoding on t
 
 def _int8_head(model: GPT) -> tuple[Any, ...] | None:
     """For :func:`_greedy`: the head in int8 (transposed), its row scales, bound terms and a store of fp32 columns;
-    None for a small, GPU, bf16/fp16, autocast, parametrized or non-finite head, or without oneDNN (torch._int_mm on
+    None for a small, GPU, bf16/fp16, autocast, parametrized or non-finite head, or without oneDNN (int_mm on
     the CPU is then a plain loop). Kept until a fingerprint of the head's values changes.
     """
     head, V = model.lm_head, model.config.vocab_size
@@ -157,7 +158,7 @@ def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> tor
     # (B, 1): the int8 unit of what is left, and the unit of the bounds
     sh = ((main.abs() if out else absh).amax(1, keepdim=True) / 127).clamp(min=1e-30)
     qh = (main / sh).round_().to(torch.int8)
-    approx = torch._int_mm(qh, q_t) * scale  # (B, V) exact integer dot products, scaled
+    approx = int_mm(qh, q_t) * scale  # (B, V) exact integer dot products, scaled
     if out:
         approx += (h[:, out] / sh) @ torch.stack([cols[j] for j in out])
     # |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding, w's, both), and the fp32 rounding of the
@@ -289,10 +290,7 @@ def _stream(
     # no dropout while sampling; the caller's mode is restored below
     model.eval()
     # The prompt's forward runs uncompiled (see stream); it allocates the cache's buffers too.
-    # torch.compile(model): the module inside; model.compile(): its own forward.
-    prefill = getattr(model, "_orig_mod", model)
-    if getattr(prefill, "_compiled_call_impl", None) is not None:
-        prefill = prefill.forward
+    prefill = uncompiled(model)
     try:
         block_size = model.config.block_size
         B = idx.size(0)

@@ -482,10 +482,10 @@ def _loss_and_softmax(
         logp = logits.log_softmax(-1)
         row_loss = -logp[rows, t]
         return row_loss, logp.exp_()
-    # On CPU the softmax overwrites the logits (one fused pass per row, which its kernel reads before
-    # writing it); the target's logit is read first.
+    # On CPU the softmax overwrites the logits (no second logits-sized block); the target's logit is
+    # read first.
     target_logit = logits[rows, t]
-    p = torch._softmax(logits, -1, False, out=logits)
+    p = _softmax_in_place(logits)
     p_target = p[rows, t]
     row_loss = -p_target.log()
     # Rows whose p[target] underflowed get their loss from their logits, computed again (the buffer
@@ -494,6 +494,12 @@ def _loss_and_softmax(
     again = (xc[low].to(dtype) @ w.T)[:, :vocab_size].float()
     row_loss[low] = again.logsumexp(-1) - target_logit[low]
     return row_loss, p
+
+
+def _softmax_in_place(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.softmax(-1)``, written over ``logits``: exp(x - max), then divided by the row sums."""
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(-1, keepdim=True))
 
 
 def _logits_grad(
