@@ -7,18 +7,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils import parametrize
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
+from gpt2.model.int8_head import Int8Head, greedy_tokens, select_int8_head
 from gpt2.model.tokenizer import get_tokenizer
-from gpt2.torch_compat import int_mm, uncompiled
+from gpt2.torch_compat import uncompiled
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpt2.model.gpt import GPT
@@ -117,61 +115,6 @@ def sample_next(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
 
 
-_INT8_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> _int8_head's tuple
-SIEVE_MIN_HEAD = 2**22  # weights in the LM head from which greedy decoding on the CPU reads it in int8
-
-
-def _int8_head(model: GPT) -> tuple[Any, ...] | None:
-    """For :func:`_greedy`: the head in int8 (transposed), its row scales, bound terms and a store of fp32 columns;
-    None for a small, GPU, bf16/fp16, autocast, parametrized or non-finite head, or without oneDNN (int_mm on
-    the CPU is then a plain loop). Kept until a fingerprint of the head's values changes.
-    """
-    head, V = model.lm_head, model.config.vocab_size
-    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-    if parametrize.is_parametrized(head) or torch.is_autocast_enabled("cpu") or not onednn:
-        return None
-    w = head.weight.detach()[:V]  # C from 16 (degenerate strides below) to 2^17 (int32 sums of 127 * 127 * C)
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() < SIEVE_MIN_HEAD or not 16 <= w.size(1) <= 2**17:
-        return None
-    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
-    if (kept := _INT8_HEADS.get(head)) is None or not torch.equal(kept[0], seen):
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-30)
-        q = (w / scale[:, None]).round_().to(torch.int8)
-        rows = scale * (q.abs().sum(1, dtype=torch.float32) + w.size(1) / 2)  # bounds |w|_1 of each row
-        kept = _INT8_HEADS[head] = (seen, q.t(), scale, rows, {})
-    return kept[1:] if bool(kept[2].isfinite().all()) else None
-
-
-def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> torch.Tensor:
-    """``argmax(h @ weight[:V].T)`` per row of ``h`` ``(B, C)`` (fp32), the head read in int8 (4x less): each logit is
-    the int8 one within a bound, so only rows whose upper bound reaches the best lower bound can be the argmax, and
-    those are scored in fp32. The same token as the whole fp32 head, but for near-ties within fp32 rounding (as between
-    any two matmul kernels). Outsize dimensions of ``h`` (GPT-2 has a few) would widen every bound: they are left out
-    of the int8 product and added from fp32 columns of the head, kept (at most 64) with its int8 copy.
-    """
-    q_t, scale, rows, cols = int8
-    V, C, absh = scale.numel(), h.size(1), h.abs()
-    out = (absh > 6 * absh.mean(1, keepdim=True)).any(0).nonzero()[:16, 0].tolist()
-    out = [j for j in out if j in cols or len(cols) < 64]
-    cols.update({j: weight[:V, j].contiguous() for j in out if j not in cols})
-    main = h.index_fill(1, torch.tensor(out, dtype=torch.long), 0.0) if out else h
-    # (B, 1): the int8 unit of what is left, and the unit of the bounds
-    sh = ((main.abs() if out else absh).amax(1, keepdim=True) / 127).clamp(min=1e-30)
-    qh = (main / sh).round_().to(torch.int8)
-    approx = int_mm(qh, q_t) * scale  # (B, V) exact integer dot products, scaled
-    if out:
-        approx += (h[:, out] / sh) @ torch.stack([cols[j] for j in out])
-    # |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding, w's, both), and the fp32 rounding of the
-    # logits (the reference's, the columns') <= 2 C 2^-24 max|h| |w|_1
-    bound = 0.5 * torch.addcmul(rows, scale, qh.abs().sum(1, keepdim=True, dtype=torch.float32))
-    bound += rows * (absh.amax(1, keepdim=True) / sh * C * 2**-23)
-    maybe = approx + bound >= (approx - bound).amax(1, keepdim=True)  # (B, V); NaN where anything overflowed
-    ids = maybe.any(0).nonzero()[:, 0]  # candidates of any row, ascending: argmax's first-index ties
-    if not 0 < ids.numel() <= V // 8:
-        return F.linear(h, weight[:V]).argmax(-1)
-    return ids[F.linear(h, weight.index_select(0, ids)).masked_fill(~maybe.index_select(1, ids), -math.inf).argmax(-1)]
-
-
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts of different lengths: ``(ids, attention_mask)``, both ``(B, T)``. Left, so
     every row's next token is sampled from the last column; pad positions are masked out.
@@ -204,6 +147,7 @@ def stream(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     attention_mask: torch.Tensor | None = None,
+    int8_head: bool | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, ``(B,)``, one step at a time.
 
@@ -215,6 +159,11 @@ def stream(
     when this is called, not at the first ``next``. Of ``torch.compile(model)`` or ``model.compile()``
     only the decoding step runs compiled, one graph for every token (one dynamic graph more after
     another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
+
+    ``int8_head``: greedy decoding on the CPU may read the LM head in int8, with the same tokens
+    (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
+    32 new tokens, a large fp32 head); True does wherever it applies and raises a ValueError saying
+    why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head); False never does.
     """
     _check_prompt_shape(idx)
     V = model.config.vocab_size
@@ -236,8 +185,9 @@ def stream(
         attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
+    int8 = select_int8_head(model, int8_head, temperature, max_new_tokens)
     return _stream(
-        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
+        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask, int8
     )
 
 
@@ -284,7 +234,17 @@ def _checked_attention_mask(attention_mask: Any, idx: torch.Tensor) -> torch.Ten
 
 @torch.no_grad()
 def _stream(
-    model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
+    model,
+    idx,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    eos_token_id,
+    generator,
+    use_cache,
+    attention_mask,
+    int8: Int8Head | None,
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
     # no dropout while sampling; the caller's mode is restored below
@@ -300,10 +260,6 @@ def _stream(
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
         tokens, mask = idx, attention_mask
-        # Greedy on the CPU: the head is applied here, through its int8 copy (see _greedy)
-        int8 = None
-        if temperature == 0 and max_new_tokens >= 32:
-            int8 = _int8_head(model)
         sample = functools.partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         for _ in range(max_new_tokens):
             if tokens.size(1) > block_size:
@@ -318,10 +274,10 @@ def _stream(
                 step, step_ids = prefill, tokens
                 if use_cache:
                     cache = KVCache.for_model(model, cache_len)
-            # (B, V) logits, or (B, C) hidden states for the int8 head
+            # (B, V) logits, or (B, C) hidden states when the int8 head is applied here
             out = _forward(step, step_ids, cache, mask, int8 is None)[:, -1]
             if int8 is not None:
-                nxt = _greedy(out, model.lm_head.weight, int8)
+                nxt = greedy_tokens(out, model.lm_head.weight, int8)
             else:
                 nxt = sample(out)
             if eos_token_id is not None:
