@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from gpt2.model.generate import KVCache, generate, pad_prompts, sample_next, stream
+from gpt2.model.generate import KVCache, SamplingConfig, generate, pad_prompts, sample_next, stream
 from gpt2.model.gpt import GPT
 
 
@@ -268,6 +268,28 @@ def test_sample_next_refuses_settings_that_would_sample_wrongly(kwargs):
 
     with pytest.raises(ValueError, match="sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got"):
         sample_next(torch.randn(2, 10), **kwargs)
+
+
+def test_sampling_config_checks_and_normalises_once():
+    """The one check of the sampling arguments (stream's, sample_next's, and the command line's to call)."""
+    import numpy as np
+
+    config = SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(5), top_p=1)
+    assert (config.temperature, config.top_k, config.top_p) == (0.5, 5, 1.0)
+    assert type(config.temperature) is float and type(config.top_k) is int and type(config.top_p) is float
+    assert SamplingConfig() == SamplingConfig(1.0, None, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.top_k = 0
+    for kwargs, message in [
+        (dict(temperature=-0.1), r"generate.temperature must be a finite number >= 0, got -0.1"),
+        (dict(temperature=float("inf")), r"generate.temperature must be a finite number >= 0, got inf"),
+        (dict(temperature=True), r"generate.temperature must be a finite number >= 0, got True"),
+        (dict(top_k=0), r"generate.top_k must be a positive integer \(or None\), got 0"),
+        (dict(top_k=2.0), r"generate.top_k must be a positive integer \(or None\), got 2.0 \(not a float\)"),
+        (dict(top_p=1.5), r"generate.top_p must be a finite number in \(0, 1\] \(or None\), got 1.5"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingConfig(**kwargs)
 
 
 def test_forward_without_the_head_returns_the_last_layernorm(model, prompt):

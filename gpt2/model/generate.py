@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,6 +80,31 @@ class KVCache:
         return cls(model.config.n_layer, max_len or model.config.block_size, model.device)
 
 
+# The rules of the sampling arguments, checked in one place: SamplingConfig.
+SAMPLING_RULES = {
+    "temperature": Range(low=0),
+    "top_k": Range(low=1, integer=True, optional=True),
+    "top_p": Range(low=0, low_open=True, high=1, optional=True),
+}
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is picked: ``temperature`` (0 is greedy), ``top_k``, ``top_p``; checked when
+    made. numpy numbers are taken (as Python ones); NaN, bools and strings are not. An invalid value
+    raises a ValueError naming it, e.g. ``generate.top_k must be a positive integer (or None), got 0``.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, rule in SAMPLING_RULES.items():
+            # frozen: the checked (normalised) value is set the way dataclasses set fields
+            object.__setattr__(self, name, check_value("generate", name, getattr(self, name), rule))
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -91,11 +116,18 @@ def sample_next(
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
     Hugging Face's samplers.
     """
-    bad_k, bad_p = top_k is not None and top_k < 1, top_p is not None and not 0 < top_p <= 1
-    if bad_k or bad_p or not 0 <= temperature < math.inf:  # stream checks them once, before any work
+    try:
+        sampling = SamplingConfig(temperature, top_k, top_p)
+    except InvalidValueError as error:
         raise InvalidValueError(
             f"sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
-        )
+        ) from error
+    return _sample(logits, sampling, generator)
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`sample_next` with its arguments checked (stream checks them once, before any work)."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Sampling in fp32: bf16 logits have ~3 significant digits, too coarse for softmax tails.
@@ -169,9 +201,7 @@ def stream(
     V = model.config.vocab_size
     # numpy numbers are taken (as Python ones); NaN, bools and strings are not
     max_new_tokens = check_value("generate", "max_new_tokens", max_new_tokens, Range(low=0, integer=True))
-    temperature = check_value("generate", "temperature", temperature, Range(low=0))
-    top_k = check_value("generate", "top_k", top_k, Range(low=1, integer=True, optional=True))
-    top_p = check_value("generate", "top_p", top_p, Range(low=0, low_open=True, high=1, optional=True))
+    sampling = SamplingConfig(temperature, top_k, top_p)
     eos_token_id = check_value(
         "generate", "eos_token_id", eos_token_id, Range(0, V, high_open=True, optional=True, integer=True)
     )
@@ -185,10 +215,9 @@ def stream(
         attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    int8 = select_int8_head(model, int8_head, temperature, max_new_tokens)
-    return _stream(
-        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask, int8
-    )
+    int8 = select_int8_head(model, int8_head, sampling.temperature, max_new_tokens)
+    sample = functools.partial(_sample, sampling=sampling, generator=generator)
+    return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask, int8)
 
 
 def _check_prompt_shape(idx: Any) -> None:
@@ -234,16 +263,13 @@ def _checked_attention_mask(attention_mask: Any, idx: torch.Tensor) -> torch.Ten
 
 @torch.no_grad()
 def _stream(
-    model,
-    idx,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    eos_token_id,
-    generator,
-    use_cache,
-    attention_mask,
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    sample: Callable[[torch.Tensor], torch.Tensor],
+    eos_token_id: int | None,
+    use_cache: bool,
+    attention_mask: torch.Tensor | None,
     int8: Int8Head | None,
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
@@ -260,7 +286,6 @@ def _stream(
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
         tokens, mask = idx, attention_mask
-        sample = functools.partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         for _ in range(max_new_tokens):
             if tokens.size(1) > block_size:
                 tokens, mask = _crop(tokens, mask, block_size)
