@@ -3,3 +3,51 @@
 Each entry says why the public API does not do, and the torch versions it was checked on. Nothing
 else in the package may name ``torch._*`` or ``torch.ops`` (``tests/test_torch_compat.py``).
 """
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of int8 matrices ``(m, k) @ (k, n)``, summed exactly in int32.
+
+    Why private: no public operator multiplies int8 matrices into int32 (``torch.matmul`` of two int8
+    tensors returns int8, wrapped around). ``torch._int_mm`` runs oneDNN's int8 GEMM on the CPU (with
+    oneDNN disabled it is a plain loop, ~8x slower: the int8 greedy head checks that first).
+    Checked on torch 2.13 (the int8 greedy head came after the suite's run on 2.11).
+    """
+    return torch._int_mm(a, b)
+
+
+def unwrap_compiled(module: Any) -> Any:
+    """The module under ``torch.compile(module)``'s wrapper; ``module`` itself if it is not one.
+
+    Why private: the wrapper (``torch._dynamo.eval_frame.OptimizedModule``) has no public class name
+    or accessor for the module it wraps (``_orig_mod``). The class is looked up only if
+    ``torch._dynamo`` is loaded already: without it nothing is compiled, and importing it costs
+    seconds. Checked on torch 2.11 and 2.13.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper_type = getattr(eval_frame, "OptimizedModule", None)
+    if wrapper_type is not None and isinstance(module, wrapper_type):
+        return module._orig_mod
+    return module
+
+
+def uncompiled(module: Any) -> Callable[..., Any]:
+    """What runs ``module``'s forward without compiling it: the module under ``torch.compile``'s
+    wrapper, or the plain ``forward`` of a module compiled in place by ``module.compile()``.
+
+    Why private: ``nn.Module.compile()`` keeps the compiled call in ``_compiled_call_impl`` (None when
+    not compiled), and no public flag says whether a module was compiled in place; calling the
+    module always runs the compiled call. Checked on torch 2.13 (added after the suite's run on 2.11).
+    """
+    inner = unwrap_compiled(module)
+    if getattr(inner, "_compiled_call_impl", None) is not None:
+        return inner.forward
+    return inner

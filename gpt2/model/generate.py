@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils import parametrize
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
+from gpt2.model.int8_head import Int8Head, greedy_tokens, select_int8_head
 from gpt2.model.tokenizer import get_tokenizer
+from gpt2.torch_compat import uncompiled
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpt2.model.gpt import GPT
@@ -39,8 +38,10 @@ class KVCache:
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
-        self.pos = torch.zeros((), dtype=torch.long, device=device)  # positions cached so far
-        self.index: torch.Tensor | None = None  # where update writes: the current step's positions
+        # positions cached so far
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        # where update writes: the current step's positions
+        self.index: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -79,6 +80,31 @@ class KVCache:
         return cls(model.config.n_layer, max_len or model.config.block_size, model.device)
 
 
+# The rules of the sampling arguments, checked in one place: SamplingConfig.
+SAMPLING_RULES = {
+    "temperature": Range(low=0),
+    "top_k": Range(low=1, integer=True, optional=True),
+    "top_p": Range(low=0, low_open=True, high=1, optional=True),
+}
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is picked: ``temperature`` (0 is greedy), ``top_k``, ``top_p``; checked when
+    made. numpy numbers are taken (as Python ones); NaN, bools and strings are not. An invalid value
+    raises a ValueError naming it, e.g. ``generate.top_k must be a positive integer (or None), got 0``.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, rule in SAMPLING_RULES.items():
+            # frozen: the checked (normalised) value is set the way dataclasses set fields
+            object.__setattr__(self, name, check_value("generate", name, getattr(self, name), rule))
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -90,11 +116,18 @@ def sample_next(
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
     Hugging Face's samplers.
     """
-    bad_k, bad_p = top_k is not None and top_k < 1, top_p is not None and not 0 < top_p <= 1
-    if bad_k or bad_p or not 0 <= temperature < math.inf:  # stream checks them once, before any work
+    try:
+        sampling = SamplingConfig(temperature, top_k, top_p)
+    except InvalidValueError as error:
         raise InvalidValueError(
             f"sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
-        )
+        ) from error
+    return _sample(logits, sampling, generator)
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`sample_next` with its arguments checked (stream checks them once, before any work)."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Sampling in fp32: bf16 logits have ~3 significant digits, too coarse for softmax tails.
@@ -112,61 +145,6 @@ def sample_next(
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
-
-
-_INT8_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> _int8_head's tuple
-SIEVE_MIN_HEAD = 2**22  # weights in the LM head from which greedy decoding on the CPU reads it in int8
-
-
-def _int8_head(model: GPT) -> tuple[Any, ...] | None:
-    """For :func:`_greedy`: the head in int8 (transposed), its row scales, bound terms and a store of fp32 columns;
-    None for a small, GPU, bf16/fp16, autocast, parametrized or non-finite head, or without oneDNN (torch._int_mm on
-    the CPU is then a plain loop). Kept until a fingerprint of the head's values changes.
-    """
-    head, V = model.lm_head, model.config.vocab_size
-    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-    if parametrize.is_parametrized(head) or torch.is_autocast_enabled("cpu") or not onednn:
-        return None
-    w = head.weight.detach()[:V]  # C from 16 (degenerate strides below) to 2^17 (int32 sums of 127 * 127 * C)
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() < SIEVE_MIN_HEAD or not 16 <= w.size(1) <= 2**17:
-        return None
-    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
-    if (kept := _INT8_HEADS.get(head)) is None or not torch.equal(kept[0], seen):
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-30)
-        q = (w / scale[:, None]).round_().to(torch.int8)
-        rows = scale * (q.abs().sum(1, dtype=torch.float32) + w.size(1) / 2)  # bounds |w|_1 of each row
-        kept = _INT8_HEADS[head] = (seen, q.t(), scale, rows, {})
-    return kept[1:] if bool(kept[2].isfinite().all()) else None
-
-
-def _greedy(h: torch.Tensor, weight: torch.Tensor, int8: tuple[Any, ...]) -> torch.Tensor:
-    """``argmax(h @ weight[:V].T)`` per row of ``h`` ``(B, C)`` (fp32), the head read in int8 (4x less): each logit is
-    the int8 one within a bound, so only rows whose upper bound reaches the best lower bound can be the argmax, and
-    those are scored in fp32. The same token as the whole fp32 head, but for near-ties within fp32 rounding (as between
-    any two matmul kernels). Outsize dimensions of ``h`` (GPT-2 has a few) would widen every bound: they are left out
-    of the int8 product and added from fp32 columns of the head, kept (at most 64) with its int8 copy.
-    """
-    q_t, scale, rows, cols = int8
-    V, C, absh = scale.numel(), h.size(1), h.abs()
-    out = (absh > 6 * absh.mean(1, keepdim=True)).any(0).nonzero()[:16, 0].tolist()
-    out = [j for j in out if j in cols or len(cols) < 64]
-    cols.update({j: weight[:V, j].contiguous() for j in out if j not in cols})
-    main = h.index_fill(1, torch.tensor(out, dtype=torch.long), 0.0) if out else h
-    # (B, 1): the int8 unit of what is left, and the unit of the bounds
-    sh = ((main.abs() if out else absh).amax(1, keepdim=True) / 127).clamp(min=1e-30)
-    qh = (main / sh).round_().to(torch.int8)
-    approx = torch._int_mm(qh, q_t) * scale  # (B, V) exact integer dot products, scaled
-    if out:
-        approx += (h[:, out] / sh) @ torch.stack([cols[j] for j in out])
-    # |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding, w's, both), and the fp32 rounding of the
-    # logits (the reference's, the columns') <= 2 C 2^-24 max|h| |w|_1
-    bound = 0.5 * torch.addcmul(rows, scale, qh.abs().sum(1, keepdim=True, dtype=torch.float32))
-    bound += rows * (absh.amax(1, keepdim=True) / sh * C * 2**-23)
-    maybe = approx + bound >= (approx - bound).amax(1, keepdim=True)  # (B, V); NaN where anything overflowed
-    ids = maybe.any(0).nonzero()[:, 0]  # candidates of any row, ascending: argmax's first-index ties
-    if not 0 < ids.numel() <= V // 8:
-        return F.linear(h, weight[:V]).argmax(-1)
-    return ids[F.linear(h, weight.index_select(0, ids)).masked_fill(~maybe.index_select(1, ids), -math.inf).argmax(-1)]
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +179,7 @@ def stream(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     attention_mask: torch.Tensor | None = None,
+    int8_head: bool | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, ``(B,)``, one step at a time.
 
@@ -212,7 +191,36 @@ def stream(
     when this is called, not at the first ``next``. Of ``torch.compile(model)`` or ``model.compile()``
     only the decoding step runs compiled, one graph for every token (one dynamic graph more after
     another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
+
+    ``int8_head``: greedy decoding on the CPU may read the LM head in int8, with the same tokens
+    (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
+    32 new tokens, a large fp32 head); True does wherever it applies and raises a ValueError saying
+    why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head); False never does.
     """
+    _check_prompt_shape(idx)
+    V = model.config.vocab_size
+    # numpy numbers are taken (as Python ones); NaN, bools and strings are not
+    max_new_tokens = check_value("generate", "max_new_tokens", max_new_tokens, Range(low=0, integer=True))
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    eos_token_id = check_value(
+        "generate", "eos_token_id", eos_token_id, Range(0, V, high_open=True, optional=True, integer=True)
+    )
+    seed = check_value("generate", "seed", seed, Range(integer=True, optional=True))
+    if seed is not None and generator is not None:
+        raise InvalidValueError("pass either seed or generator, not both")
+    _check_prompt_ids(idx, V)
+    device = model.device
+    idx = idx.to(device).long()
+    if attention_mask is not None:
+        attention_mask = _checked_attention_mask(attention_mask, idx)
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    int8 = select_int8_head(model, int8_head, sampling.temperature, max_new_tokens)
+    sample = functools.partial(_sample, sampling=sampling, generator=generator)
+    return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask, int8)
+
+
+def _check_prompt_shape(idx: Any) -> None:
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
         got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise InvalidValueError(
@@ -224,56 +232,51 @@ def stream(
             f"the prompt is empty (shape {tuple(idx.shape)}): generation needs at least one token to "
             f"condition on (e.g. <|endoftext|>, id 50256 for GPT-2)"
         )
-    V = model.config.vocab_size
-    # numpy numbers are taken (as Python ones); NaN, bools and strings are not
-    max_new_tokens = check_value("generate", "max_new_tokens", max_new_tokens, Range(low=0, integer=True))
-    temperature = check_value("generate", "temperature", temperature, Range(low=0))
-    top_k = check_value("generate", "top_k", top_k, Range(low=1, integer=True, optional=True))
-    top_p = check_value("generate", "top_p", top_p, Range(low=0, low_open=True, high=1, optional=True))
-    eos_token_id = check_value(
-        "generate", "eos_token_id", eos_token_id, Range(0, V, high_open=True, optional=True, integer=True)
-    )
-    seed = check_value("generate", "seed", seed, Range(integer=True, optional=True))
-    if seed is not None and generator is not None:
-        raise InvalidValueError("pass either seed or generator, not both")
-    # The forward does not check id values (that would stall the GPU on every call), and on CUDA
-    # an id out of range is a device-side assert that kills the process: check the prompt once.
+
+
+def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
+    """The forward does not check id values (that would stall the GPU on every call), and on CUDA an
+    id out of range is a device-side assert that kills the process: the prompt is checked once, here.
+    """
     lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
-    if lo < 0 or hi >= V:
-        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < V][:5]
+    if lo < 0 or hi >= vocab_size:
+        bad = [int(i) for i in idx.flatten().tolist() if not 0 <= i < vocab_size][:5]
         raise InvalidValueError(
-            f"prompt token ids must be in [0, {V}) (the model's vocab_size), got {bad} "
+            f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad} "
             f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
         )
-    device = model.device
-    idx = idx.to(device).long()
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-            raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
-        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
-        if not bool(attention_mask[:, -1].all()):
-            raise InvalidValueError(
-                "prompts must be left-padded: the last position of every row must be a real token "
-                "(attention_mask True); build them with gpt2.pad_prompts"
-            )
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    return _stream(
-        model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
-    )
+
+
+def _checked_attention_mask(attention_mask: Any, idx: torch.Tensor) -> torch.Tensor:
+    """``attention_mask`` as a boolean tensor on ``idx``'s device, once it is known to be of left-padded prompts."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+    attention_mask = attention_mask.to(device=idx.device, dtype=torch.bool)
+    if not bool(attention_mask[:, -1].all()):
+        raise InvalidValueError(
+            "prompts must be left-padded: the last position of every row must be a real token "
+            "(attention_mask True); build them with gpt2.pad_prompts"
+        )
+    return attention_mask
 
 
 @torch.no_grad()
 def _stream(
-    model, idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, use_cache, attention_mask
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    sample: Callable[[torch.Tensor], torch.Tensor],
+    eos_token_id: int | None,
+    use_cache: bool,
+    attention_mask: torch.Tensor | None,
+    int8: Int8Head | None,
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
-    model.eval()  # no dropout while sampling; the caller's mode is restored below
+    # no dropout while sampling; the caller's mode is restored below
+    model.eval()
     # The prompt's forward runs uncompiled (see stream); it allocates the cache's buffers too.
-    prefill = getattr(model, "_orig_mod", model)  # torch.compile(model): the module inside
-    if getattr(prefill, "_compiled_call_impl", None) is not None:  # model.compile(): its own forward
-        prefill = prefill.forward
+    prefill = uncompiled(model)
     try:
         block_size = model.config.block_size
         B = idx.size(0)
@@ -281,26 +284,27 @@ def _stream(
         cache_len = min(block_size, idx.size(1) + max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         cache: KVCache | None = None
-        tokens = idx  # everything in the context so far (prompt + generated), (B, t)
-        mask = attention_mask  # None or (B, t)
-        # Greedy on the CPU: the head is applied here, through its int8 copy (see _greedy)
-        int8 = _int8_head(model) if temperature == 0 and max_new_tokens >= 32 else None
-        sample = functools.partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
+        tokens, mask = idx, attention_mask
         for _ in range(max_new_tokens):
-            if tokens.size(1) > block_size:  # keep the last block_size tokens (nanoGPT's crop)
-                tokens = tokens[:, -block_size:]
-                mask = mask[:, -block_size:] if mask is not None else None
+            if tokens.size(1) > block_size:
+                tokens, mask = _crop(tokens, mask, block_size)
                 # Positions are learned and absolute: after a crop every token sits one position
                 # earlier, so the cached keys are stale and the window is recomputed.
                 cache = None
-            if use_cache and cache is not None:
+            if cache is not None:
                 # (B, 1), the newest token: a copy, as a view's stride would grow (a recompile each step)
                 step, step_ids = model, tokens[:, -1:].clone(memory_format=torch.contiguous_format)
             else:
                 step, step_ids = prefill, tokens
-                cache = KVCache.for_model(model, cache_len) if use_cache else None
-            out = _forward(step, step_ids, cache, mask, int8 is None)[:, -1]  # (B, V) logits or (B, C)
-            nxt = _greedy(out, model.lm_head.weight, int8) if int8 else sample(out)
+                if use_cache:
+                    cache = KVCache.for_model(model, cache_len)
+            # (B, V) logits, or (B, C) hidden states when the int8 head is applied here
+            out = _forward(step, step_ids, cache, mask, int8 is None)[:, -1]
+            if int8 is not None:
+                nxt = greedy_tokens(out, model.lm_head.weight, int8)
+            else:
+                nxt = sample(out)
             if eos_token_id is not None:
                 # Finished rows keep emitting EOS, so the output stays rectangular.
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
@@ -315,6 +319,13 @@ def _stream(
         model.train(was_training)
 
 
+def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The last ``block_size`` tokens and their mask (nanoGPT's crop)."""
+    if mask is not None:
+        mask = mask[:, -block_size:]
+    return tokens[:, -block_size:], mask
+
+
 def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, head: bool) -> Any:
     """One forward for generation: logits, or the last LayerNorm's output without ``head``. With
     padding ``mask`` ``(B, t)`` (cached + new tokens), positions count real tokens only and attention
@@ -324,9 +335,12 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
     if mask is None:
         return model(ids, kv_cache=cache, head=head)[0]
     T, t = ids.size(1), mask.size(1)
-    S = cache.max_len if cache is not None else t  # keys attended over
-    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)  # (B, T), not a view: see _stream
-    keys = torch.nn.functional.pad(mask, (0, S - t))  # (B, S): slots not written yet are False
+    # keys attended over
+    S = cache.max_len if cache is not None else t
+    # (B, T), not a view: see _stream
+    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)
+    # (B, S): slots not written yet are False
+    keys = torch.nn.functional.pad(mask, (0, S - t))
     causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
     # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
     # query may see itself (pad positions' outputs are never used).
@@ -342,7 +356,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> to
     """
     new = list(stream(model, idx, max_new_tokens, **kwargs))
     idx = idx.to(model.device).long()
-    return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
+    if not new:
+        return idx
+    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
 
 
 def stream_text(
@@ -355,13 +371,16 @@ def stream_text(
     tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     ids = tokenizer.encode(prompt) if prompt else [eot]
+    eos = eot if stop_at_eot else None
+    if autocast is None:
+        autocast = contextlib.nullcontext
     produced: list[int] = []
     shown = ""
-    with autocast() if autocast is not None else contextlib.nullcontext():
+    with autocast():
         # gpt2.stream rather than model.stream: a torch.compile'd model then runs compiled.
-        eos = eot if stop_at_eot else None
         tokens = stream(model, torch.tensor([ids], dtype=torch.long), max_new_tokens, eos_token_id=eos, **kwargs)
-        for column in tokens:  # (1,)
+        # each column is (1,)
+        for column in tokens:
             token = int(column[0])
             if stop_at_eot and token == eot:
                 break

@@ -53,14 +53,16 @@ class CausalSelfAttention(nn.Module):
         # only the split's concatenation copies them (unbind's stack then a reshape copied twice).
         q, k, v = (rearrange(t, "b t (nh hs) -> b nh t hs", nh=self.n_head) for t in self.c_attn(x).chunk(3, -1))
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, L, hs): the whole static buffer
+            # (B, nh, L, hs): the whole static buffer
+            k, v = kv_cache.update(self.layer_idx, k, v)
         # Without a mask queries and keys start at the same position (training, a prompt with no
         # cache); a cache or padded prompts always come with an explicit boolean mask.
         is_causal = attn_mask is None
         dropout_p = self.dropout if self.training else 0.0
         attend = F.scaled_dot_product_attention if self.flash else _manual_attention
         y = attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
-        y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, C): heads side by side again
+        # (B, T, C): heads side by side again
+        y = rearrange(y, "b nh t hs -> b t (nh hs)")
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -74,7 +76,8 @@ def _manual_attention(
         attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
     if attn_mask is not None:
         att = att.masked_fill(~attn_mask, float("-inf"))
-    att = F.softmax(att.float(), dim=-1).to(q.dtype)  # softmax in fp32
+    # softmax in fp32
+    att = F.softmax(att.float(), dim=-1).to(q.dtype)
     att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
     return att @ v  # (B, nh, T, hs)
 
@@ -83,7 +86,8 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        # GPT-2 used the tanh approximation
+        self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True  # type: ignore[attr-defined]
         self.dropout = nn.Dropout(config.dropout)
@@ -171,24 +175,22 @@ class GPT(nn.Module):
         """
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids, reduction, head)
-        T = idx.size(1)
-        if kv_cache is not None:
-            # Positions and the causal mask come from the cache's position tensor, so a compiled
-            # decoding step has the same graph at every token; built once, not in every layer.
-            positions, causal = kv_cache.step(T)
-            position_ids = positions if position_ids is None else position_ids
-            attn_mask = causal if attn_mask is None else attn_mask
-        elif position_ids is None:
-            position_ids = torch.arange(T, dtype=torch.long, device=idx.device)
+        position_ids, attn_mask = _positions_and_mask(idx, kv_cache, position_ids, attn_mask)
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)
         x = self.transformer.drop(tok_emb + pos_emb)
         for block in self.transformer.h:
             x = block(x, kv_cache, attn_mask)
         x = self.transformer.ln_f(x)
-        V = self.config.vocab_size
         if not head:
             return x, None
+        return self._logits_and_loss(x, targets, reduction)
+
+    def _logits_and_loss(
+        self, x: torch.Tensor, targets: torch.Tensor | None, reduction: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The LM head on the last LayerNorm's output ``x``, and the loss when there are targets."""
+        V = self.config.vocab_size
         if targets is not None and not parametrize.is_parametrized(self.lm_head):
             return None, linear_cross_entropy(x, self.lm_head.weight, targets, V, reduction)
         # Padded rows are not tokens: drop them so they are never sampled. (A parametrized head,
@@ -205,48 +207,20 @@ class GPT(nn.Module):
         self, idx: Any, targets: Any, kv_cache: Any, position_ids: Any, reduction: str, head: bool
     ) -> None:
         """The arguments of :meth:`forward`: types and shapes only (Python-side, no device sync)."""
-        cfg = self.config
-        if reduction not in ("mean", "sum") or (targets is not None and not head):
-            bad = f"reduction must be 'mean' or 'sum', got {reduction!r}"
-            raise InvalidValueError(bad if targets is None or head else "head=False gives no loss: pass no targets")
-        if not isinstance(idx, torch.Tensor):
-            raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
-        if idx.dtype not in _INDEX_DTYPES:
-            raise TypeError(
-                f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; convert with idx.long()"
-            )
-        if idx.dim() != 2:
-            raise InvalidValueError(
-                f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; "
-                f"for a single sequence use idx[None]"
-            )
-        B, T = idx.shape
-        if B == 0 or T == 0:
-            raise InvalidValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
-        if cfg.block_size < T:
-            raise InvalidValueError(
-                f"sequence length {T} exceeds the model's context (block_size={cfg.block_size}); "
-                f"crop the input to the last {cfg.block_size} tokens"
-            )
-        if kv_cache is not None and not T <= kv_cache.max_len <= cfg.block_size:  # (its filling is not read: a sync)
+        _check_reduction(reduction, targets, head)
+        _check_idx(idx, self.config.block_size)
+        T = idx.size(1)
+        # The cache's filling is not read: that would be a device sync.
+        if kv_cache is not None and not T <= kv_cache.max_len <= self.config.block_size:
             raise InvalidValueError(
                 f"a KV cache of {kv_cache.max_len} positions for {T} new ones: it needs room for them and no more "
-                f"than the model's context ({cfg.block_size}); use KVCache.for_model(model)"
+                f"than the model's context ({self.config.block_size}); use KVCache.for_model(model)"
             )
         if position_ids is not None:
-            if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
-                raise TypeError("position_ids must be an integer tensor (torch.long)")
-            if position_ids.shape not in ((T,), (B, T)):
-                raise InvalidValueError(
-                    f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}"
-                )
+            _check_position_ids(position_ids, idx)
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.dtype not in _INDEX_DTYPES:
-                got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
-                raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {got}")
-            if targets.shape != idx.shape:
-                raise InvalidValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
-            check_targets(targets, cfg.vocab_size)
+            _check_target_tensor(targets, idx)
+            check_targets(targets, self.config.vocab_size)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding
@@ -320,20 +294,90 @@ def linear_cross_entropy(
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    grads = torch.is_grad_enabled() and (x.requires_grad, weight.requires_grad)
+    # Inside the autograd.Function's forward grad mode is off: which gradients are needed is decided here.
+    grad_mode = torch.is_grad_enabled()
+    grads = (grad_mode and x.requires_grad, grad_mode and weight.requires_grad)
     return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, reduction == "mean", chunk_rows, dtype, grads)
+
+
+def _positions_and_mask(
+    idx: torch.Tensor, kv_cache: KVCache | None, position_ids: torch.Tensor | None, attn_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The position ids and attention mask of a forward over ``idx``: the caller's, else the cache's,
+    else ``0..T-1`` and no mask (causal attention).
+    """
+    T = idx.size(1)
+    if kv_cache is not None:
+        # Positions and the causal mask come from the cache's position tensor, so a compiled
+        # decoding step has the same graph at every token; built once, not in every layer.
+        positions, causal = kv_cache.step(T)
+        if position_ids is None:
+            position_ids = positions
+        if attn_mask is None:
+            attn_mask = causal
+    elif position_ids is None:
+        position_ids = torch.arange(T, dtype=torch.long, device=idx.device)
+    return position_ids, attn_mask
+
+
+def _check_reduction(reduction: str, targets: Any, head: bool) -> None:
+    if targets is not None and not head:
+        raise InvalidValueError("head=False gives no loss: pass no targets")
+    if reduction not in ("mean", "sum"):
+        raise InvalidValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def _check_idx(idx: Any, block_size: int) -> None:
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; convert with idx.long()")
+    if idx.dim() != 2:
+        raise InvalidValueError(
+            f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; for a single sequence use idx[None]"
+        )
+    B, T = idx.shape
+    if B == 0 or T == 0:
+        raise InvalidValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
+    if block_size < T:
+        raise InvalidValueError(
+            f"sequence length {T} exceeds the model's context (block_size={block_size}); "
+            f"crop the input to the last {block_size} tokens"
+        )
+
+
+def _check_position_ids(position_ids: Any, idx: torch.Tensor) -> None:
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
+        raise TypeError("position_ids must be an integer tensor (torch.long)")
+    B, T = idx.shape
+    if position_ids.shape not in ((T,), (B, T)):
+        raise InvalidValueError(f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}")
+
+
+def _check_target_tensor(targets: Any, idx: torch.Tensor) -> None:
+    """Type and shape; their values are :func:`check_targets`'."""
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {type(targets).__name__}")
+    if targets.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {targets.dtype}")
+    if targets.shape != idx.shape:
+        raise InvalidValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
 
 
 def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
     """CPU targets must be token ids or IGNORE_INDEX (not -100); on a GPU (no sync here) the loss is NaN."""
-    if targets.device.type == "cpu" and (wrong := (targets < IGNORE_INDEX) | (targets >= vocab_size)).any():
+    if targets.device.type != "cpu":
+        return
+    wrong = (targets < IGNORE_INDEX) | (targets >= vocab_size)
+    if wrong.any():
         raise InvalidValueError(
             f"targets must be token ids in [0, {vocab_size}) or {IGNORE_INDEX} (not scored), got "
             f"{int(targets[wrong][0])}; the ignore index is {IGNORE_INDEX} here (-100 in Hugging Face)"
         )
 
 
-_kept = threading.local()  # the CPU logits buffer of _logits_buffer, one per thread
+# the CPU logits buffer of _logits_buffer, one per thread
+_kept = threading.local()
 
 
 def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -343,7 +387,8 @@ def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     if device.type != "cpu" or torch.compiler.is_compiling():
         return torch.empty(rows, cols, dtype=torch.float32, device=device)
     if getattr(_kept, "logits", None) is None or _kept.logits.numel() < rows * cols:
-        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+        # a normal tensor: usable in and out of inference mode
+        with torch.inference_mode(False):
             _kept.logits = torch.empty(rows * cols, dtype=torch.float32)
     return _kept.logits[: rows * cols].view(rows, cols)
 
@@ -355,54 +400,127 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, vocab_size, mean, chunk_rows, dtype, grads):
-        need_dx, need_dw = grads or (False, False)
+        need_dx, need_dw = grads
         # fp16 gradients are not scaled yet (the loss scaler multiplies the loss after this), so
         # small ones would underflow: their matmuls run in fp32. bf16 has fp32's range.
         grad_dtype = torch.float32 if dtype == torch.float16 else dtype
         scored = targets != IGNORE_INDEX
-        safe_targets = targets.clamp(min=0)  # ignored rows read column 0, then weigh 0
+        # ignored rows read column 0, then weigh 0
+        safe_targets = targets.clamp(min=0)
         count = scored.sum()
-        # gradients of a batch with no scored target are 0 (as F.cross_entropy's), its mean loss NaN
-        scale = 1.0 / count.clamp(min=1) if mean else None
+        # Each row's weight in the gradients: 0 for an ignored row, 1 (1 / count for the mean) for a
+        # scored one. A batch with no scored target has zero gradients (as F.cross_entropy's) and a NaN mean.
+        if mean:
+            row_weights = scored * (1.0 / count.clamp(min=1))
+        else:
+            row_weights = scored.float()
         w, w_grad = weight.to(dtype), weight.to(grad_dtype)
         # A target that is neither a token nor IGNORE_INDEX (e.g. -100, unchecked on a GPU) makes it NaN.
         loss = torch.where(((targets < IGNORE_INDEX) | (targets >= vocab_size)).any(), float("nan"), 0.0)
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros_like(weight, dtype=torch.float32) if need_dw else None
-        buffer = _logits_buffer(min(chunk_rows, x.size(0)), weight.size(0), x.device)  # for every chunk
+        # one buffer for every chunk's logits
+        buffer = _logits_buffer(min(chunk_rows, x.size(0)), weight.size(0), x.device)
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
-                xc, t, keep = x[s : s + chunk_rows], safe_targets[s : s + chunk_rows], scored[s : s + chunk_rows]
-                logits = buffer[: xc.size(0)]  # (n, V_padded) fp32
-                torch.mm(xc, w.T, out=logits) if dtype == torch.float32 else logits.copy_(xc.to(dtype) @ w.T)
-                logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
+                chunk = slice(s, s + chunk_rows)
+                xc, t, keep = x[chunk], safe_targets[chunk], scored[chunk]
+                logits = _chunk_logits(xc, w, dtype, vocab_size, buffer[: xc.size(0)])
                 rows = torch.arange(logits.size(0), device=logits.device)
-                if logits.is_cpu and not torch.compiler.is_compiling():
-                    # softmax in place (one fused pass per row, which its kernel reads before writing it),
-                    # the loss -log p[target]; rows whose p[target] underflowed get it from their logits
-                    target_logit, p = logits[rows, t], torch._softmax(logits, -1, False, out=logits)
-                    row_loss = -(p_target := p[rows, t]).log()
-                    low = (p_target < 1e-30) & keep  # usually no row: no branch on the values
-                    again = (xc[low].to(dtype) @ w.T)[:, :vocab_size].float()
-                    row_loss[low] = again.logsumexp(-1) - target_logit[low]
-                else:  # out of place, and no host sync
-                    row_loss, p = -(logp := logits.log_softmax(-1))[rows, t], logp.exp_()
-                loss += row_loss.where(keep, 0.0).sum()  # an ignored row's may be inf
+                row_loss, p = _loss_and_softmax(logits, rows, t, keep, xc, w, dtype, vocab_size)
+                # an ignored row's loss may be inf
+                loss += row_loss.where(keep, 0.0).sum()
                 if not (need_dx or need_dw):
                     continue
-                # d loss / d logits = (softmax - one_hot(target)) * weight_row, zero for ignored rows. In fp32
-                # the row weights go on the matmuls' small sides (a pass fewer over the logits); in bf16 on g
-                # before it is rounded, as the plain loss's gradient is.
-                g, wr = p, (keep.float() if scale is None else keep * scale)[:, None]
-                g[rows, t] -= 1
-                g, wr = (g, wr) if grad_dtype == torch.float32 else (g.mul_(wr).to(grad_dtype), 1.0)
-                if need_dx:
-                    dx[s : s + chunk_rows] = (g @ w_grad) * wr
-                if need_dw:  # fp32: straight into dw, no weight-sized temporary per chunk
-                    dw.addmm_(g.T, xc * wr) if g.dtype == dw.dtype else dw.add_(g.T @ xc.to(grad_dtype))
+                g, wr = _logits_grad(p, rows, t, row_weights[chunk, None], grad_dtype)
+                if dx is not None:
+                    dx[chunk] = (g @ w_grad) * wr
+                if dw is not None:
+                    _add_weight_grad(dw, g, xc, wr, grad_dtype)
         ctx.save_for_backward(dx, dw)
-        return loss / count if mean else loss
+        if mean:
+            return loss / count
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return (*(None if g is None else g * grad_loss for g in ctx.saved_tensors), *[None] * 6)  # dx, dw
+        dx, dw = ctx.saved_tensors
+        if dx is not None:
+            dx = dx * grad_loss
+        if dw is not None:
+            dw = dw * grad_loss
+        # no gradient for targets, vocab_size, mean, chunk_rows, dtype, grads
+        return dx, dw, None, None, None, None, None, None
+
+
+def _chunk_logits(
+    xc: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, vocab_size: int, out: torch.Tensor
+) -> torch.Tensor:
+    """``xc @ w.T``, the matmul in ``dtype``, written into the fp32 buffer ``out`` ``(n, V_padded)``."""
+    if dtype == torch.float32:
+        torch.mm(xc, w.T, out=out)
+    else:
+        out.copy_(xc.to(dtype) @ w.T)
+    # padded rows of the head are not tokens
+    out[:, vocab_size:] = float("-inf")
+    return out
+
+
+def _loss_and_softmax(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    t: torch.Tensor,
+    keep: torch.Tensor,
+    xc: torch.Tensor,
+    w: torch.Tensor,
+    dtype: torch.dtype,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's loss ``-log p[target]`` and the softmax ``p`` of the fp32 ``logits`` ``(n, V_padded)``."""
+    if not logits.is_cpu or torch.compiler.is_compiling():
+        # out of place, and no host sync
+        logp = logits.log_softmax(-1)
+        row_loss = -logp[rows, t]
+        return row_loss, logp.exp_()
+    # On CPU the softmax overwrites the logits (no second logits-sized block); the target's logit is
+    # read first.
+    target_logit = logits[rows, t]
+    p = _softmax_in_place(logits)
+    p_target = p[rows, t]
+    row_loss = -p_target.log()
+    # Rows whose p[target] underflowed get their loss from their logits, computed again (the buffer
+    # now holds p). Usually there is no such row: no branch on the values.
+    low = (p_target < 1e-30) & keep
+    again = (xc[low].to(dtype) @ w.T)[:, :vocab_size].float()
+    row_loss[low] = again.logsumexp(-1) - target_logit[low]
+    return row_loss, p
+
+
+def _softmax_in_place(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.softmax(-1)``, written over ``logits``: exp(x - max), then divided by the row sums."""
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(-1, keepdim=True))
+
+
+def _logits_grad(
+    p: torch.Tensor, rows: torch.Tensor, t: torch.Tensor, wr: torch.Tensor, grad_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """d loss / d logits = (softmax - one_hot(target)) * row weight, made in ``p``'s memory: ``(g, wr)``,
+    the row weights ``wr`` ``(n, 1)`` still to apply to the products with ``g``, or 1.0.
+    """
+    p[rows, t] -= 1
+    if grad_dtype == torch.float32:
+        # The row weights go on the matmuls' small sides: a pass fewer over the logits.
+        return p, wr
+    # bf16: on g before it is rounded, as the plain loss's gradient is.
+    return p.mul_(wr).to(grad_dtype), 1.0
+
+
+def _add_weight_grad(
+    dw: torch.Tensor, g: torch.Tensor, xc: torch.Tensor, wr: torch.Tensor | float, grad_dtype: torch.dtype
+) -> None:
+    if g.dtype == dw.dtype:
+        # fp32: straight into dw, no weight-sized temporary per chunk
+        dw.addmm_(g.T, xc * wr)
+    else:
+        dw.add_(g.T @ xc.to(grad_dtype))

@@ -1,0 +1,191 @@
+"""Greedy decoding on the CPU with the LM head read in int8: the same tokens as the fp32 head, a
+quarter of the head's bytes read per token.
+
+The bound it relies on. The head's rows are rounded to int8 with a step ``scale`` per row, the hidden
+state ``h`` with a step ``sh`` per row of ``h``; the int8 logit is the exact integer dot product,
+scaled. Each int8 logit is then within a proven bound of the fp32 one:
+
+    |h.w - int8 logit| <= sh scale / 2 (|q_h|_1 + |q_w|_1 + C/2)    (h's rounding, w's, both)
+                        + 2 C 2^-24 max|h| |w|_1                     (the fp32 logits' own rounding)
+
+A token can be the argmax only if its upper bound (int8 logit + bound) reaches the best lower bound
+(the largest int8 logit - bound) of its row. Only those candidates (14 of 50,257 per token at 124M)
+are scored again in fp32, and the best of them is the token: the fp32 head's argmax, but for
+near-ties within fp32 rounding (as between any two matmul kernels). When more than an eighth of the
+vocabulary are candidates, or the int8 logits overflow, the whole fp32 head is used.
+
+``generate(..., int8_head=None)`` (the default) uses it for greedy decoding of at least 32 tokens on
+the CPU, with an fp32 head of at least ``SIEVE_MIN_HEAD`` weights (where it pays: 1.27-1.34x faster
+at 124M, docs/benchmarks.md); ``True`` uses it wherever it gives the fp32 head's tokens, and refuses
+with the reason elsewhere; ``False`` never uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+
+from gpt2.errors import InvalidValueError
+from gpt2.torch_compat import int_mm
+
+# weights in the LM head from which greedy decoding on the CPU reads it in int8 by default
+SIEVE_MIN_HEAD = 2**22
+# new tokens from which it does by default: the int8 copy is made (or checked) once per call
+MIN_NEW_TOKENS = 32
+# the most fp32 columns of the head kept for outsize hidden dimensions
+MAX_KEPT_COLUMNS = 64
+
+
+class Int8Head(NamedTuple):
+    """An LM head of ``V`` rows and ``C`` columns in int8, with what :func:`greedy_tokens` needs."""
+
+    # (C, V) int8: the head rounded row by row, transposed for the matmul
+    q_t: torch.Tensor
+    # (V,): each row's int8 step
+    scale: torch.Tensor
+    # (V,): each row's |w|_1 bound, scale (|q|_1 + C/2)
+    rows: torch.Tensor
+    # fp32 columns of the head for outsize hidden dimensions, by dimension (grows to MAX_KEPT_COLUMNS)
+    cols: dict[int, torch.Tensor]
+
+
+# lm_head -> (a fingerprint of its values, its Int8Head)
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the int8 head cannot give the fp32 head's tokens for ``model`` (or would be a slow loop), or None."""
+    head = model.lm_head
+    if parametrize.is_parametrized(head):
+        return "the LM head is parametrized (e.g. LoRA on it)"
+    w = head.weight
+    if w.device.type != "cpu":
+        return f"the LM head is on {w.device.type}, and the int8 head runs on the CPU"
+    if w.dtype != torch.float32:
+        return f"the LM head is {w.dtype}, not torch.float32"
+    # Under 16 columns degenerate strides give int_mm wrong sums; over 2^17 its int32 sums of 127 * 127 * C overflow.
+    if not 16 <= w.size(1) <= 2**17:
+        return f"n_embd={w.size(1)} is outside [16, 2**17], where int8 matmuls sum exactly"
+    if torch.is_autocast_enabled("cpu"):
+        return "CPU autocast is on: the head's logits would be in its dtype"
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return (
+            "oneDNN is unavailable or disabled (torch.backends.mkldnn): int8 matmuls would be a plain loop, ~8x slower"
+        )
+    return None
+
+
+def quantize_head(model: Any, min_weights: int | None = None) -> Int8Head | None:
+    """``model``'s LM head in int8, kept until a fingerprint of its values changes. None where
+    :func:`unsupported_reason` says so, for a head of fewer than ``min_weights`` (default
+    ``SIEVE_MIN_HEAD``) weights, where the int8 pass would not pay, or for a head with a non-finite weight.
+    """
+    if min_weights is None:
+        min_weights = SIEVE_MIN_HEAD
+    if unsupported_reason(model) is not None:
+        return None
+    head = model.lm_head
+    w = head.weight.detach()[: model.config.vocab_size]
+    if w.numel() < min_weights:
+        return None
+    # `.data` edits bump no version counter: a fingerprint of the values tells whether the kept copy is stale.
+    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+    kept = _KEPT.get(head)
+    if kept is None or not torch.equal(kept[0], seen):
+        kept = _KEPT[head] = (seen, _quantize(w))
+    int8 = kept[1]
+    if not bool(int8.scale.isfinite().all()):
+        return None
+    return int8
+
+
+def _quantize(w: torch.Tensor) -> Int8Head:
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-30)
+    q = (w / scale[:, None]).round_().to(torch.int8)
+    rows = scale * (q.abs().sum(1, dtype=torch.float32) + w.size(1) / 2)
+    return Int8Head(q.t(), scale, rows, {})
+
+
+def select_int8_head(model: Any, requested: bool | None, temperature: float, max_new_tokens: int) -> Int8Head | None:
+    """The int8 head that generation uses, or None: ``requested`` is generate's ``int8_head`` switch
+    (None: where it applies and pays; True: wherever it applies, else an error saying why; False: never).
+    """
+    if requested is not None and not isinstance(requested, bool):
+        raise InvalidValueError(f"generate.int8_head must be True, False or None (automatic), got {requested!r}")
+    if requested is False:
+        return None
+    if requested is None:
+        if temperature != 0 or max_new_tokens < MIN_NEW_TOKENS:
+            return None
+        return quantize_head(model)
+    if temperature != 0:
+        reason = f"it picks the most likely token, for greedy decoding (temperature=0), not temperature={temperature}"
+    else:
+        reason = unsupported_reason(model)
+    if reason is None:
+        int8 = quantize_head(model, min_weights=0)
+        if int8 is not None:
+            return int8
+        reason = "the LM head has a weight that is not finite"
+    raise InvalidValueError(
+        f"int8_head=True, but the int8 greedy head cannot be used: {reason}; "
+        f"pass int8_head=None (used where it applies) or False"
+    )
+
+
+def greedy_tokens(h: torch.Tensor, weight: torch.Tensor, int8: Int8Head) -> torch.Tensor:
+    """``argmax(h @ weight[:V].T)`` per row of ``h`` ``(B, C)`` (fp32), the head read in ``int8``:
+    only tokens whose int8 logit's upper bound reaches the row's best lower bound are scored in fp32
+    (see the module's docstring). Outsize dimensions of ``h`` (GPT-2 has a few) would widen every
+    bound: they are left out of the int8 product and added from fp32 columns of the head.
+    """
+    V, C = int8.scale.numel(), h.size(1)
+    absh = h.abs()
+    out = _outsize_dimensions(absh, weight, int8)
+    if out:
+        main = h.index_fill(1, torch.tensor(out, dtype=torch.long), 0.0)
+        top = main.abs().amax(1, keepdim=True)
+    else:
+        main = h
+        top = absh.amax(1, keepdim=True)
+    # (B, 1): the int8 step of what is left of h, and the unit of the logits and bounds below
+    sh = (top / 127).clamp(min=1e-30)
+    qh = (main / sh).round_().to(torch.int8)
+    # (B, V): exact integer dot products, scaled
+    approx = int_mm(qh, int8.q_t) * int8.scale
+    if out:
+        approx += (h[:, out] / sh) @ torch.stack([int8.cols[j] for j in out])
+    bound = _bound(int8, qh, absh, sh, C)
+    # (B, V); NaN where anything overflowed
+    maybe = approx + bound >= (approx - bound).amax(1, keepdim=True)
+    # candidates of any row, ascending: argmax's first-index ties
+    ids = maybe.any(0).nonzero()[:, 0]
+    if not 0 < ids.numel() <= V // 8:
+        return F.linear(h, weight[:V]).argmax(-1)
+    scores = F.linear(h, weight.index_select(0, ids)).masked_fill(~maybe.index_select(1, ids), -math.inf)
+    return ids[scores.argmax(-1)]
+
+
+def _outsize_dimensions(absh: torch.Tensor, weight: torch.Tensor, int8: Int8Head) -> list[int]:
+    """Up to 16 dimensions of ``h`` above 6x a row's mean magnitude, whose fp32 columns of the head
+    are kept in ``int8.cols`` (at most ``MAX_KEPT_COLUMNS``; new ones are taken here).
+    """
+    V, cols = int8.scale.numel(), int8.cols
+    out = (absh > 6 * absh.mean(1, keepdim=True)).any(0).nonzero()[:16, 0].tolist()
+    out = [j for j in out if j in cols or len(cols) < MAX_KEPT_COLUMNS]
+    cols.update({j: weight[:V, j].contiguous() for j in out if j not in cols})
+    return out
+
+
+def _bound(int8: Int8Head, qh: torch.Tensor, absh: torch.Tensor, sh: torch.Tensor, C: int) -> torch.Tensor:
+    """``(B, V)``, in units of ``sh``: |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding,
+    w's, both), plus the fp32 rounding of the logits (the reference's, the columns') <= 2 C 2^-24 max|h| |w|_1.
+    """
+    bound = 0.5 * torch.addcmul(int8.rows, int8.scale, qh.abs().sum(1, keepdim=True, dtype=torch.float32))
+    bound += int8.rows * (absh.amax(1, keepdim=True) / sh * C * 2**-23)
+    return bound
