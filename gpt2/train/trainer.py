@@ -32,7 +32,7 @@ from gpt2.model.gpt import IGNORE_INDEX, check_targets
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import distributed, metrics, rundir
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported for gpt2.cli
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
@@ -52,21 +52,6 @@ class TrainingDivergedError(Gpt2Error, RuntimeError):
         self.loss = loss
         self.grad_norm = grad_norm
         self.last_checkpoint = last_checkpoint
-
-
-def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
-    """Micro-steps per optimizer step so that one step sees ``total_batch_size`` tokens."""
-    per_micro_step = config.micro_batch_size * config.seq_len * world_size
-    if config.total_batch_size is None:
-        return 1
-    if config.total_batch_size % per_micro_step != 0:
-        raise InvalidValueError(
-            f"total_batch_size={config.total_batch_size:,} tokens is not divisible by micro_batch_size x "
-            f"seq_len x world_size = {config.micro_batch_size} x {config.seq_len} x {world_size} = "
-            f"{per_micro_step:,} tokens; pick a total_batch_size that is a multiple of {per_micro_step:,} "
-            f"(e.g. {max(1, config.total_batch_size // per_micro_step) * per_micro_step:,}) or change the micro-batch"
-        )
-    return config.total_batch_size // per_micro_step
 
 
 class Trainer:
