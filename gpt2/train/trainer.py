@@ -121,18 +121,7 @@ class Trainer:
                 "train on shorter sequences or build the model with a larger block_size"
             )
         check_master_weights(self.model)
-        self.optimizer = build_optimizer(
-            self.model,
-            lr=config.max_lr,
-            weight_decay=config.weight_decay,
-            betas=config.betas,
-            eps=config.eps,
-            fused=config.fused_adamw,
-            decay_embeddings=config.decay_embeddings,
-            optimizer=config.optimizer,
-            muon_lr=config.muon_lr,
-            muon_weight_decay=config.muon_weight_decay,
-        )
+        self.optimizer = build_optimizer(self.model, config)
         self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.scaler = self.precision.make_scaler()
         self.eval_model: nn.Module = torch.compile(self.model) if config.compile else self.model
