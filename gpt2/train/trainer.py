@@ -11,7 +11,6 @@ docs/training.md ("Checkpoints and resuming", "When a run goes wrong") and the s
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import math
@@ -25,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from gpt2.data.loader import make_loader
-from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.errors import InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
@@ -36,22 +35,15 @@ from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
-from gpt2.train.recovery import DivergenceMonitor, TrainingInterrupted
+from gpt2.train.recovery import (
+    DivergenceMonitor,
+    RecoveryPolicy,
+    TrainingDivergedError,
+    TrainingInterrupted,
+    last_good,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingDivergedError(Gpt2Error, RuntimeError):
-    """Training diverged (non-finite steps, or a loss run-away) and could not recover, or the weights
-    to be saved are non-finite.
-    """
-
-    def __init__(self, message: str, *, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None):
-        super().__init__(message)
-        self.step = step
-        self.loss = loss
-        self.grad_norm = grad_norm
-        self.last_checkpoint = last_checkpoint
 
 
 class Trainer:
@@ -144,15 +136,11 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.step = 0  # completed optimizer steps
         self.skipped_steps = 0
-        self.consecutive_bad_steps = 0
         self.best_val_loss: float | None = None
         self.last_checkpoint: Path | None = None
         self.history: list[dict[str, Any]] = []  # records of this process's fit() calls
-        # Divergence recovery (saved in checkpoints: see recovery_state) and stop signals.
-        self.monitor = DivergenceMonitor(config.divergence_factor, config.divergence_patience)
-        self.recoveries = 0
-        self.lr_scale = 1.0  # recovery_lr_factor ** recoveries: multiplies the scheduled LR
-        self._snapshot: dict[str, Any] | None = None  # in-memory good state before a checkpoint exists
+        # Divergence recovery: its counters are saved in checkpoints (see recovery_state).
+        self.recovery = RecoveryPolicy(config)
         self._warned_short_val = False
         logger.info(
             "training on %s with %s, %d process(es), %d micro-step(s) of %d x %d tokens = %s tokens per step",
@@ -187,6 +175,35 @@ class Trainer:
     def checkpoint_dir(self) -> Path | None:
         return self.out_dir / rundir.CHECKPOINT_DIR if self.out_dir is not None else None
 
+    # ------------------------------------------------------------------ divergence recovery (self.recovery)
+    @property
+    def monitor(self) -> DivergenceMonitor:
+        return self.recovery.monitor
+
+    @property
+    def recoveries(self) -> int:
+        return self.recovery.recoveries
+
+    @property
+    def lr_scale(self) -> float:
+        """``recovery_lr_factor ** recoveries``: multiplies the scheduled learning rate."""
+        return self.recovery.lr_scale
+
+    @lr_scale.setter
+    def lr_scale(self, value: float) -> None:
+        self.recovery.lr_scale = value
+
+    @property
+    def consecutive_bad_steps(self) -> int:
+        return self.recovery.consecutive_bad_steps
+
+    def recovery_state(self) -> dict[str, Any]:
+        """What a checkpoint records about divergence recovery (resume stays exact across one)."""
+        return self.recovery.state_dict()
+
+    def load_recovery_state(self, state: dict[str, Any] | None) -> None:
+        self.recovery.load_state_dict(state)
+
     # ------------------------------------------------------------------ training
     def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
         """Train until ``max_steps`` (or ``until_step``, then with a checkpoint that ``resume="auto"``
@@ -209,15 +226,12 @@ class Trainer:
         history: list[dict[str, Any]] = []
         pending = False  # a checkpoint is due but was postponed
         signals = self._signals.install()
-        if cfg.recover and self.last_checkpoint is None:
-            self._snapshot = self._memory_snapshot()  # somewhere to go back to before the first checkpoint
+        self.recovery.begin(self)
         interrupted = False
         try:
             while self.step < stop:
                 record = self.train_step()
-                # (a step with no scored target reports loss 0: no evidence either way)
-                judged = cfg.recover and record.get("scored_tokens", 1) > 0
-                diverged = judged and self.monitor.observe(self.step, record["loss"])
+                diverged = self.recovery.judge(self.step, record)
                 if self.due(cfg.eval_interval) and self.val_loader is not None:
                     log.status("evaluating ...")  # evaluation takes a while on a CPU: say so on the bar
                     try:
@@ -230,21 +244,21 @@ class Trainer:
                 log.emit(record)
                 history.append(record)
                 saved = False
-                if diverged or self.consecutive_bad_steps >= cfg.max_bad_steps:
-                    self._recover(record)  # or raise TrainingDivergedError
-                elif self.out_dir is not None or self._snapshot is not None:
+                if diverged:
+                    self.recovery.recover(self, record)  # or raise TrainingDivergedError
+                elif self.out_dir is not None or self.recovery.snapshot is not None:
                     pending = pending or self.due(cfg.checkpoint_interval) or self.step == stop
                     # A checkpoint waits for a good step: during a run of skipped (or diverging)
                     # steps the last good checkpoint stays the newest one. The stop point is always
                     # saved (the weights are finite: skipped steps never touch them).
-                    good = self.consecutive_bad_steps == 0 and self.monitor.streak == 0
+                    good = self.recovery.good
                     if pending and (good or (self.step == stop and self.out_dir is not None)):
                         # A checkpoint (then no in-memory copy is needed), or a fresh in-memory copy.
                         if self.out_dir is not None:
                             self.save_checkpoint()
-                            self._snapshot = None
+                            self.recovery.drop_snapshot()
                         else:
-                            self._snapshot = self._memory_snapshot()
+                            self.recovery.refresh_snapshot(self)
                         saved, pending = self.out_dir is not None, False
                 self._stop_if_signalled(saved)
         except TrainingInterrupted:
@@ -273,102 +287,6 @@ class Trainer:
             self.save_checkpoint()
         raise TrainingInterrupted(signum, step=self.step, checkpoint=self.last_checkpoint)
 
-    # ------------------------------------------------------------------ divergence recovery
-    def _memory_snapshot(self) -> dict[str, Any]:
-        """The trainable weights, optimizer and scaler state, data position, counters and RNG,
-        copied to the CPU: about 3x the trainable parameters' size with AdamW (documented in
-        docs/training.md). Frozen weights (a LoRA base) never change, so they are not copied.
-        """
-
-        def to_cpu(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return value.detach().to("cpu", copy=True)
-            if isinstance(value, dict):
-                return {k: to_cpu(v) for k, v in value.items()}
-            return type(value)(to_cpu(v) for v in value) if isinstance(value, (list, tuple)) else copy.deepcopy(value)
-
-        return to_cpu(
-            {
-                "weights": {n: p for n, p in self.model.named_parameters() if p.requires_grad},
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "loader": self.train_loader.state_dict(),
-                "step": self.step,
-                "skipped_steps": self.skipped_steps,
-                "best_val_loss": self.best_val_loss,
-                "rng": ckpt.capture_rng_state(),
-            }
-        )
-
-    def _recover(self, record: dict[str, Any]) -> None:
-        """Go back to the newest good state (an intact checkpoint written before the trouble began, else the in-memory
-        copy), multiply the learning rate by ``recovery_lr_factor`` and go on reading the data *after* the batches that
-        blew up. Every rank decides alike: the loss and gradient norm it judges are all-reduced.
-        """
-        cfg = self.config
-        if not cfg.recover or self.recoveries >= cfg.max_recoveries:
-            raise self._diverged(record)
-        first_bad = self.monitor.streak_start if self.monitor.streak else self.step - self.consecutive_bad_steps + 1
-        reason, position = self._divergence_reason(record), self.train_loader.state_dict()
-        kept = (self.recoveries + 1, self.lr_scale * cfg.recovery_lr_factor, self.monitor.state_dict())
-        if (source := self._restore_good_state(first_bad)) is None:
-            raise self._diverged(record)
-        self.recoveries, self.lr_scale, monitor = kept
-        self.monitor.load_state_dict({**monitor, "streak": 0})
-        self.consecutive_bad_steps = 0
-        self.train_loader.load_state_dict(position)
-        logger.warning(
-            "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
-            "steps %d-%d",
-            record["step"],
-            reason,
-            self.recoveries,
-            cfg.max_recoveries,
-            self.step,
-            source,
-            self.lr_scale,
-            self.step + 1,
-            record["step"],
-        )
-
-    def _restore_good_state(self, first_bad: int) -> str | None:
-        """Load the newest intact checkpoint older than step ``first_bad`` (else the in-memory
-        copy); returns what was loaded, or None when there is nothing to go back to.
-        """
-        if self.checkpoint_dir is not None:
-            for path in ckpt.checkpoint_candidates(self.checkpoint_dir):
-                if (ckpt.checkpoint_step(path) or 0) >= first_bad:
-                    continue
-                try:
-                    self.load_checkpoint(path)
-                    return f"checkpoint {path}"
-                except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
-                    logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
-        snap = self._snapshot
-        if snap is None or snap["step"] >= first_bad:
-            return None
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if name in snap["weights"]:
-                    p.copy_(snap["weights"][name])
-        self.optimizer.load_state_dict(snap["optimizer"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(snap["scaler"])
-        self.train_loader.load_state_dict(snap["loader"])
-        self.step, self.skipped_steps, self.best_val_loss = snap["step"], snap["skipped_steps"], snap["best_val_loss"]
-        ckpt.restore_rng_state(snap["rng"])
-        return "in-memory copy"
-
-    def recovery_state(self) -> dict[str, Any]:
-        """What a checkpoint records about divergence recovery (resume stays exact across one)."""
-        return {"recoveries": self.recoveries, "lr_scale": self.lr_scale, "monitor": self.monitor.state_dict()}
-
-    def load_recovery_state(self, state: dict[str, Any] | None) -> None:
-        state = state or {}
-        self.recoveries = int(state.get("recoveries", 0))
-        self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.monitor.load_state_dict(state.get("monitor"))
-
     def due(self, interval: int) -> bool:
         """Is the step just taken due for a task run every ``interval`` steps (0 = never)? The last step is."""
         return self.step == self.config.max_steps or (interval > 0 and self.step % interval == 0)
@@ -376,7 +294,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record."""
         cfg = self.config
-        lr = self.lr_scale * lr_at(
+        lr = self.recovery.lr_scale * lr_at(
             self.step, max_lr=cfg.max_lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
         )
         set_lr(self.optimizer, lr)
@@ -490,44 +408,8 @@ class Trainer:
         if skipped:
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)  # the non-finite gradients go nowhere
-        self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if bad else 0
+        self.recovery.count_step(bad)
         return grad_norm, skipped, bad
-
-    def _divergence_reason(self, record: dict[str, Any]) -> str:
-        scale = f", loss scale {record['loss_scale']:g}" if "loss_scale" in record else ""
-        if self.consecutive_bad_steps >= self.config.max_bad_steps:
-            return (
-                f"{self.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient norm "
-                f"(last: loss {record['loss']}, grad norm {record['grad_norm']}{scale})"
-            )
-        return (
-            f"the loss stayed above {self.monitor.factor:g} x the best loss so far ({self.monitor.best:.4g}) for "
-            f"{self.monitor.streak} steps (last: {record['loss']:.4g})"
-        )
-
-    def _last_good(self) -> str:
-        last = self.last_checkpoint
-        return "no checkpoint was written in this run" if last is None else f"the last good checkpoint is {last}"
-
-    def _diverged(self, record: dict[str, Any]) -> TrainingDivergedError:
-        cfg, n = self.config, self.consecutive_bad_steps
-        message = f"training diverged at step {self.step}"
-        if cfg.recover:
-            message += f" after {self.recoveries} recoveries (max_recoveries={cfg.max_recoveries})"
-        message += f": {self._divergence_reason(record)}."
-        if n >= cfg.max_bad_steps:
-            message += f" Those steps were skipped, so the weights are still those of step {self.step - n}."
-        message += (
-            f" {self._last_good()}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume "
-            "from the checkpoint."
-        )
-        return TrainingDivergedError(
-            message,
-            step=self.step,
-            loss=record["loss"],
-            grad_norm=record["grad_norm"],
-            last_checkpoint=self.last_checkpoint,
-        )
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, steps: int | None = None) -> float:
@@ -569,7 +451,7 @@ class Trainer:
         if bad:  # checked on every rank, so all of them stop together
             raise TrainingDivergedError(
                 f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); "
-                f"{self._last_good()}",
+                f"{last_good(self.last_checkpoint)}",
                 step=self.step,
                 loss=math.nan,
                 grad_norm=math.nan,
@@ -594,8 +476,6 @@ class Trainer:
                 "precision": self.precision.name,
                 "torch_version": torch.__version__,
             }
-            # a save in a run of bad steps (a stop point, a signal) prunes nothing: recovery needs a good one
-            keep = self.config.keep_last_checkpoints if self.consecutive_bad_steps == self.monitor.streak == 0 else 0
             path = ckpt.save_checkpoint(
                 self.checkpoint_dir,
                 self.step,
@@ -603,7 +483,7 @@ class Trainer:
                 self.optimizer,
                 self.scaler,
                 meta,
-                keep_last=keep,
+                keep_last=self.recovery.checkpoints_to_keep(),
                 trainable_only=self.config.save_trainable_only,
                 rng_state=rng,
             )
@@ -645,8 +525,7 @@ class Trainer:
         self.step = int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.best_val_loss = meta.get("best_val_loss")
-        self.consecutive_bad_steps = 0
-        self.load_recovery_state(meta.get("recovery"))
+        self.recovery.resume(meta.get("recovery"))
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
