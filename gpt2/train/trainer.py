@@ -42,6 +42,7 @@ from gpt2.train.recovery import (
     TrainingInterrupted,
     last_good,
 )
+from gpt2.train.schedule import CheckpointSchedule, is_due
 
 logger = logging.getLogger(__name__)
 
@@ -92,53 +93,19 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
         self.config = config
-        self.dist_env = distributed.env_from_environ()
-        self.device = distributed.resolve_device(config.device, self.dist_env)
-        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
-        self.precision = resolve_precision(config.precision, self.device)
-        self.precision.apply()
-        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
-        self.tokens_per_step = (
-            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
-        )
+        self._setup_processes()
         seed_everything(config.seed)
-
-        self.model = ckpt.unwrap_model(model).to(self.device)  # the raw model
-        if self.model is not model and not config.compile:  # torch.compile(model) would train uncompiled
-            logger.warning("training the module inside %s, uncompiled (compile=True compiles it)", type(model).__name__)
-        block_size = getattr(getattr(self.model, "config", None), "block_size", None)
-        if block_size is not None and config.seq_len > block_size:
-            raise InvalidValueError(
-                f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
-                "train on shorter sequences or build the model with a larger block_size"
-            )
-        check_master_weights(self.model)
-        self.optimizer = build_optimizer(self.model, config)
-        self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.scaler = self.precision.make_scaler()
-        self.eval_model: nn.Module = torch.compile(self.model) if config.compile else self.model
-        self.train_model: nn.Module = (
-            distributed.wrap_ddp(self.eval_model, self.device) if self.dist_env.is_distributed else self.eval_model
-        )
-        self.vocab_size = vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=vocab_size)
-        shape = (config.micro_batch_size, config.seq_len)
-        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
-        self.val_loader = make_loader(val_data, "val", *shape, **loader_args) if val_data is not None else None
-
-        flops = getattr(self.model, "flops_per_token", None)
-        self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
-        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
-        self.sinks: list[Sink] = (
-            ([ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)) if self.is_main else []
-        )
-
+        self._setup_model(model)
+        self._setup_data(train_data, val_data)
+        self._setup_metrics(sinks)
         self.callbacks = list(callbacks)
-        self.step = 0  # completed optimizer steps
+        # completed optimizer steps
+        self.step = 0
         self.skipped_steps = 0
         self.best_val_loss: float | None = None
         self.last_checkpoint: Path | None = None
-        self.history: list[dict[str, Any]] = []  # records of this process's fit() calls
+        # the records of this process's fit() calls
+        self.history: list[dict[str, Any]] = []
         # Divergence recovery: its counters are saved in checkpoints (see recovery_state).
         self.recovery = RecoveryPolicy(config)
         self._warned_short_val = False
@@ -163,6 +130,68 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ set-up helpers
+    def _setup_processes(self) -> None:
+        """This process's place in the run: device, process group, precision, batch split."""
+        config = self.config
+        self.dist_env = distributed.env_from_environ()
+        self.device = distributed.resolve_device(config.device, self.dist_env)
+        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
+        self.precision = resolve_precision(config.precision, self.device)
+        self.precision.apply()
+        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
+        self.tokens_per_step = (
+            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
+        )
+
+    def _setup_model(self, model: nn.Module) -> None:
+        """The raw model on the device, its optimizer and loss scaler, and the compiled / DDP-wrapped views of it."""
+        config = self.config
+        self.model = ckpt.unwrap_model(model).to(self.device)
+        # torch.compile(model) would train uncompiled
+        if self.model is not model and not config.compile:
+            logger.warning("training the module inside %s, uncompiled (compile=True compiles it)", type(model).__name__)
+        block_size = getattr(getattr(self.model, "config", None), "block_size", None)
+        if block_size is not None and config.seq_len > block_size:
+            raise InvalidValueError(
+                f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
+                "train on shorter sequences or build the model with a larger block_size"
+            )
+        check_master_weights(self.model)
+        self.optimizer = build_optimizer(self.model, config)
+        self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.scaler = self.precision.make_scaler()
+        self.eval_model: nn.Module = self.model
+        if config.compile:
+            self.eval_model = torch.compile(self.model)
+        self.train_model: nn.Module = self.eval_model
+        if self.dist_env.is_distributed:
+            self.train_model = distributed.wrap_ddp(self.eval_model, self.device)
+
+    def _setup_data(self, train_data: Any, val_data: Any) -> None:
+        """This rank's training and validation loaders (``val_data=None``: no validation)."""
+        config = self.config
+        self.vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=self.vocab_size)
+        shape = (config.micro_batch_size, config.seq_len)
+        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
+        self.val_loader = None
+        if val_data is not None:
+            self.val_loader = make_loader(val_data, "val", *shape, **loader_args)
+
+    def _setup_metrics(self, sinks: Iterable[Sink] | None) -> None:
+        """What MFU is measured against, and where rank 0's records go (a console line by default)."""
+        config = self.config
+        flops = getattr(self.model, "flops_per_token", None)
+        self.flops_per_token: float | None = None
+        if callable(flops):
+            self.flops_per_token = flops(config.seq_len)
+        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
+        self.sinks: list[Sink] = []
+        if self.is_main and sinks is None:
+            self.sinks = [ConsoleSink(interval=config.log_interval)]
+        elif self.is_main:
+            self.sinks = list(sinks)
+
     @property
     def is_main(self) -> bool:
         return self.dist_env.is_main
@@ -173,7 +202,9 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path | None:
-        return self.out_dir / rundir.CHECKPOINT_DIR if self.out_dir is not None else None
+        if self.out_dir is None:
+            return None
+        return self.out_dir / rundir.CHECKPOINT_DIR
 
     # ------------------------------------------------------------------ divergence recovery (self.recovery)
     @property
@@ -214,72 +245,103 @@ class Trainer:
         if self.step >= stop:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
-        # metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress bar
-        log = FitLog(
-            self.sinks,
-            cfg,
-            out_dir=self.out_dir,
-            step=self.step,
-            is_main=self.is_main,
-            before_write=self._run_lock.ensure_held if self._run_lock is not None else None,
-        )
+        log = self._open_fit_log()
+        schedule = CheckpointSchedule(cfg.checkpoint_interval, cfg.max_steps, stop)
         history: list[dict[str, Any]] = []
-        pending = False  # a checkpoint is due but was postponed
         signals = self._signals.install()
         self.recovery.begin(self)
         interrupted = False
         try:
             while self.step < stop:
                 record = self.train_step()
-                diverged = self.recovery.judge(self.step, record)
-                if self.due(cfg.eval_interval) and self.val_loader is not None:
-                    log.status("evaluating ...")  # evaluation takes a while on a CPU: say so on the bar
-                    try:
-                        record["val_loss"] = self.evaluate()
-                    except NonFiniteLossError as e:  # the training loss decides about divergence
-                        record["val_loss"] = e.loss
-                for callback in self.callbacks:
-                    callback(self, record)
-                self.history.append(record)
-                log.emit(record)
+                in_trouble = self.recovery.judge(self.step, record)
+                self._validate_if_due(record, log)
+                self._publish(record, log)
                 history.append(record)
                 saved = False
-                if diverged:
-                    self.recovery.recover(self, record)  # or raise TrainingDivergedError
-                elif self.out_dir is not None or self.recovery.snapshot is not None:
-                    pending = pending or self.due(cfg.checkpoint_interval) or self.step == stop
-                    # A checkpoint waits for a good step: during a run of skipped (or diverging)
-                    # steps the last good checkpoint stays the newest one. The stop point is always
-                    # saved (the weights are finite: skipped steps never touch them).
-                    good = self.recovery.good
-                    if pending and (good or (self.step == stop and self.out_dir is not None)):
-                        # A checkpoint (then no in-memory copy is needed), or a fresh in-memory copy.
-                        if self.out_dir is not None:
-                            self.save_checkpoint()
-                            self.recovery.drop_snapshot()
-                        else:
-                            self.recovery.refresh_snapshot(self)
-                        saved, pending = self.out_dir is not None, False
+                if in_trouble:
+                    # back to the newest good state, or TrainingDivergedError
+                    self.recovery.recover(self, record)
+                else:
+                    saved = self._save_if_due(schedule)
                 self._stop_if_signalled(saved)
         except TrainingInterrupted:
             interrupted = True
             raise
         finally:
-            log.close()
-            # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
-            # it leaves the process group: close() restores the handlers after that.
-            if not (interrupted and self.dist_env.is_distributed):
-                signals.restore()
-        if self.is_main and self.out_dir is not None and cfg.plot:
+            self._close_fit_log(log, signals, interrupted)
+        self._plot_loss_curve()
+        return history
+
+    def _open_fit_log(self) -> FitLog:
+        """Where one fit() call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and
+        the progress bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
+        """
+        before_write = None
+        if self._run_lock is not None:
+            before_write = self._run_lock.ensure_held
+        return FitLog(
+            self.sinks,
+            self.config,
+            out_dir=self.out_dir,
+            step=self.step,
+            is_main=self.is_main,
+            before_write=before_write,
+        )
+
+    def _close_fit_log(self, log: FitLog, signals: StopSignals, interrupted: bool) -> None:
+        log.close()
+        # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
+        # it leaves the process group: close() restores the handlers after that.
+        if not (interrupted and self.dist_env.is_distributed):
+            signals.restore()
+
+    def _validate_if_due(self, record: dict[str, Any], log: FitLog) -> None:
+        """Add the validation loss to the record of a step due for one (``eval_interval``)."""
+        if self.val_loader is None or not self.due(self.config.eval_interval):
+            return
+        # evaluation takes a while on a CPU: say so on the bar
+        log.status("evaluating ...")
+        try:
+            record["val_loss"] = self.evaluate()
+        except NonFiniteLossError as e:
+            # the training loss decides about divergence
+            record["val_loss"] = e.loss
+
+    def _publish(self, record: dict[str, Any], log: FitLog) -> None:
+        """The callbacks (which may add entries), then the history, metrics.jsonl and the sinks."""
+        for callback in self.callbacks:
+            callback(self, record)
+        self.history.append(record)
+        log.emit(record)
+
+    def _save_if_due(self, schedule: CheckpointSchedule) -> bool:
+        """Save what ``schedule`` says is due: a checkpoint (then no in-memory copy is needed) or, without an
+        out_dir, a fresh in-memory copy for divergence recovery. True when a checkpoint was written.
+        """
+        to_disk = self.out_dir is not None
+        if not to_disk and self.recovery.snapshot is None:
+            return False
+        if not schedule.save_now(self.step, good=self.recovery.good, to_disk=to_disk):
+            return False
+        if not to_disk:
+            self.recovery.refresh_snapshot(self)
+            return False
+        self.save_checkpoint()
+        self.recovery.drop_snapshot()
+        return True
+
+    def _plot_loss_curve(self) -> None:
+        if self.is_main and self.out_dir is not None and self.config.plot:
             metrics.plot_loss_curve(
                 metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
             )
-        return history
 
     def _stop_if_signalled(self, saved: bool) -> None:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
         signum = self._signals.received
-        if self.dist_env.is_distributed:  # every rank stops after the same step
+        # every rank stops after the same step
+        if self.dist_env.is_distributed:
             signum = distributed.all_reduce_max(signum)
         if not signum:
             return
@@ -289,7 +351,7 @@ class Trainer:
 
     def due(self, interval: int) -> bool:
         """Is the step just taken due for a task run every ``interval`` steps (0 = never)? The last step is."""
-        return self.step == self.config.max_steps or (interval > 0 and self.step % interval == 0)
+        return is_due(self.step, interval, self.config.max_steps)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record."""
@@ -301,11 +363,9 @@ class Trainer:
         self.train_model.train()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        # All micro-batches first (token ids are small): each one's loss share needs the global scored count.
-        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
-        for batch in batches if self.vocab_size else ():  # a custom loader's too: -100 is not ignored here
-            check_targets(batch[1], self.vocab_size)
-        counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]  # on the CPU: no device sync
+        batches = self._read_batches()
+        # counted on the CPU: no device sync
+        counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
         scored = self._global_count(sum(counts))
         if scored == 0:
             # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
@@ -316,7 +376,8 @@ class Trainer:
             loss_value = self._accumulate(batches, counts, scored)
             grad_norm, skipped, bad = self._optimizer_step(loss_value)
         if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the step's kernels are queued asynchronously: time them all
+            # the step's kernels are queued asynchronously: time them all
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens_per_second = self.tokens_per_step / dt
@@ -335,14 +396,19 @@ class Trainer:
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
         if skipped:
-            if scored == 0:
-                why = "the global batch has no scored targets (every target is IGNORE_INDEX)"
-            elif bad:
-                why = "non-finite loss or gradient norm"
-            else:
-                why = f"fp16 gradients overflowed, loss scale lowered to {record['loss_scale']:g}"
-            logger.warning("step %d skipped (%s): loss %s, grad norm %s", self.step, why, loss_value, grad_norm)
+            _warn_skipped(record, bad)
         return record
+
+    def _read_batches(self) -> list[tuple]:
+        """The step's micro-batches, all read first (token ids are small): each one's loss share needs the
+        global count of scored targets.
+        """
+        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
+        # A custom loader's targets are checked too: -100 is not ignored here.
+        if self.vocab_size:
+            for batch in batches:
+                check_targets(batch[1], self.vocab_size)
+        return batches
 
     def _global_count(self, local: int) -> int:
         """``local`` summed over all processes (float64 holds any count exactly)."""
@@ -361,35 +427,59 @@ class Trainer:
         do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size.
         """
         scale = self.dist_env.world_size / scored
-        sums = "reduction" in inspect.signature(self.model.forward).parameters  # as gpt2.GPT
+        # a model that can sum its targets' losses itself, as gpt2.GPT
+        sums = "reduction" in inspect.signature(self.model.forward).parameters
         loss_sum = torch.zeros((), device=self.device)
         for micro_step, (batch, count) in enumerate(zip(batches, counts)):
-            extras = batch[2] if len(batch) > 2 else {}  # e.g. a packed batch's attn_mask, position_ids
-            cuda = self.device.type == "cuda"  # pinned memory: the copy runs alongside the previous step's kernels
-            x, y, *values = [
-                (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
-                for t in (*batch[:2], *extras.values())
-            ]
-            kwargs = dict(zip(extras, values))
+            x, y, kwargs = self._to_device(batch)
             # Under DDP, only the last micro-step's backward averages gradients across processes.
             with distributed.no_sync(self.train_model, skip_sync=micro_step < len(batches) - 1):
                 with self.precision.autocast():
-                    if sums:
-                        _, loss = self.train_model(x, y, reduction="sum", **kwargs)
-                    else:  # forward(idx, targets) -> (logits, mean loss): the mean of no targets is NaN
-                        _, loss = self.train_model(x, y, **kwargs)
-                        loss = loss * count if count else loss.nan_to_num(0.0) * 0.0
+                    loss = self._summed_loss(x, y, kwargs, count, sums)
                 loss = loss * scale
                 loss_sum += loss.detach()
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
         # Every process logs (and judges) the loss of the whole global batch.
         return distributed.all_reduce_mean(loss_sum).item()
+
+    def _to_device(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """A micro-batch's inputs, targets and extra model arguments (e.g. a packed batch's attn_mask and
+        position_ids) on the device. On CUDA through pinned memory: the copy runs alongside the previous
+        step's kernels.
+        """
+        extras = batch[2] if len(batch) > 2 else {}
+        cuda = self.device.type == "cuda"
+        tensors = [*batch[:2], *extras.values()]
+        if cuda:
+            tensors = [t.pin_memory() for t in tensors]
+        x, y, *values = [t.to(self.device, non_blocking=cuda) for t in tensors]
+        return x, y, dict(zip(extras, values))
+
+    def _summed_loss(
+        self, x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, Any], count: int, sums: bool
+    ) -> torch.Tensor:
+        """The sum of the micro-batch's ``count`` targets' losses: from the model itself when it ``sums``
+        (``reduction="sum"``), else its mean loss times ``count``.
+        """
+        if sums:
+            _, loss = self.train_model(x, y, reduction="sum", **kwargs)
+            return loss
+        # forward(idx, targets) -> (logits, mean loss): the mean of no targets is NaN
+        _, loss = self.train_model(x, y, **kwargs)
+        if count:
+            return loss * count
+        return loss.nan_to_num(0.0) * 0.0
 
     def _optimizer_step(self, loss_value: float) -> tuple[float, bool, bool]:
         """Unscale, clip, step (unless non-finite). Returns (grad_norm, skipped, bad)."""
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        max_norm = self.config.grad_clip or math.inf  # inf: measure the norm, change nothing
+            # clip the true gradients, not the scaled ones
+            self.scaler.unscale_(self.optimizer)
+        # inf: measure the norm, change nothing
+        max_norm = self.config.grad_clip or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         skipped = bad = not finite
@@ -400,14 +490,16 @@ class Trainer:
             scale = self.scaler.get_scale()
             if finite:
                 self.scaler.step(self.optimizer)
-            self.scaler.update()  # lowers the scale when unscale_ found inf/nan gradients
+            # lowers the scale when unscale_ found inf/nan gradients
+            self.scaler.update()
             # Overflow of *scaled* fp16 gradients is the scaler searching for its scale (normal);
             # a non-finite loss, or an overflow at scale <= 1, is a real numerical problem.
             overflow = self.scaler.get_scale() < scale
             bad = bad and not (overflow and math.isfinite(loss_value) and scale > 1.0)
         if skipped:
             self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)  # the non-finite gradients go nowhere
+            # the non-finite gradients go nowhere
+            self.optimizer.zero_grad(set_to_none=True)
         self.recovery.count_step(bad)
         return grad_norm, skipped, bad
 
@@ -426,7 +518,8 @@ class Trainer:
             self.val_loader,
             cfg.micro_batch_size,
             cfg.seq_len,
-            cfg.eval_steps if steps is None else steps,  # 0 is refused there, not taken for the default
+            # steps=0 is refused there, not taken for the default
+            cfg.eval_steps if steps is None else steps,
             self.precision.autocast,
             device=self.device,
             progress=self.is_main and cfg.progress,
@@ -448,7 +541,8 @@ class Trainer:
         if self.checkpoint_dir is None:
             return None
         bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
-        if bad:  # checked on every rank, so all of them stop together
+        # checked on every rank, so all of them stop together
+        if bad:
             raise TrainingDivergedError(
                 f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); "
                 f"{last_good(self.last_checkpoint)}",
@@ -458,8 +552,10 @@ class Trainer:
                 last_checkpoint=self.last_checkpoint,
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
-        rng = ckpt.capture_rng_state(all_ranks=True)  # a collective: every rank's CUDA RNG state
-        if self.is_main:  # once it checked it still owns out_dir
+        # a collective: every rank's CUDA RNG state
+        rng = ckpt.capture_rng_state(all_ranks=True)
+        # rank 0 writes, once it checked that it still owns out_dir
+        if self.is_main:
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
             model_config = getattr(self.model, "config", None)
@@ -509,7 +605,8 @@ class Trainer:
             (meta.get("tokens_per_step"), meta.get("world_size")),
             (self.tokens_per_step, self.dist_env.world_size),
         )
-        if was != now and self.is_main:  # once, not once per rank
+        # once, not once per rank
+        if was != now and self.is_main:
             logger.warning(
                 "checkpoint was written with %s tokens/step on %s process(es), this run uses %s on %s: "
                 "the data order (and so the losses) will differ from an uninterrupted run",
@@ -539,10 +636,13 @@ class Trainer:
         if self._owns_process_group:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
-        self._signals.restore()  # kept by an interrupted fit() under DDP until the group is gone
-        if self._run_lock is not None:  # kept: a fit() or save after this is refused (ensure_held)
+        # kept by an interrupted fit() under DDP until the group is gone
+        self._signals.restore()
+        # the lock object is kept: a fit() or save after this is refused (ensure_held)
+        if self._run_lock is not None:
             self._run_lock.release()
-        while getattr(self, "sinks", None):  # the user's sinks with a close(), once (set-up may have failed first)
+        # the user's sinks with a close(), once (set-up may have failed before there were sinks)
+        while getattr(self, "sinks", None):
             getattr(self.sinks.pop(), "close", lambda: None)()
 
     def __enter__(self) -> Trainer:
@@ -551,3 +651,16 @@ class Trainer:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         # After an error other ranks may never arrive; a stop signal stops them all at one step.
         self.close(wait_for_all=exc_type is None or issubclass(exc_type, TrainingInterrupted))
+
+
+def _warn_skipped(record: dict[str, Any], bad: bool) -> None:
+    """Say why the step of ``record`` changed no weight."""
+    if record["scored_tokens"] == 0:
+        why = "the global batch has no scored targets (every target is IGNORE_INDEX)"
+    elif bad:
+        why = "non-finite loss or gradient norm"
+    else:
+        why = f"fp16 gradients overflowed, loss scale lowered to {record['loss_scale']:g}"
+    logger.warning(
+        "step %d skipped (%s): loss %s, grad norm %s", record["step"], why, record["loss"], record["grad_norm"]
+    )
