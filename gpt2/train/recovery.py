@@ -185,16 +185,15 @@ class RecoveryPolicy:
             raise self.diverged(trainer, record)
         reason = self._reason(record)
         position = trainer.train_loader.state_dict()
-        # Loading a checkpoint restores its recovery state too: what this recovery changes is decided first.
-        recoveries, lr_scale, monitor = (
-            self.recoveries + 1,
-            self.lr_scale * cfg.recovery_lr_factor,
-            self.monitor.state_dict(),
-        )
+        # Loading a checkpoint restores its recovery state too: what this recovery changes is taken first.
+        recoveries = self.recoveries + 1
+        lr_scale = self.lr_scale * cfg.recovery_lr_factor
+        monitor = self.monitor.state_dict()
         source = self._go_back(trainer, before_step=self._trouble_start(trainer.step))
         if source is None:
             raise self.diverged(trainer, record)
-        self.recoveries, self.lr_scale = recoveries, lr_scale
+        self.recoveries = recoveries
+        self.lr_scale = lr_scale
         self.monitor.load_state_dict({**monitor, "streak": 0})
         self.consecutive_bad_steps = 0
         trainer.train_loader.load_state_dict(position)
@@ -238,7 +237,8 @@ class RecoveryPolicy:
 
     def diverged(self, trainer: Trainer, record: dict[str, Any]) -> TrainingDivergedError:
         """The error that stops a run which diverged at ``record``'s step and could not (or may not) go back."""
-        cfg, n = self.config, self.consecutive_bad_steps
+        cfg = self.config
+        n = self.consecutive_bad_steps
         message = f"training diverged at step {trainer.step}"
         if cfg.recover:
             message += f" after {self.recoveries} recoveries (max_recoveries={cfg.max_recoveries})"
