@@ -29,12 +29,13 @@ def one_step(variant: str, batch: int, seq: int) -> dict[str, float]:
 
     from gpt2.model.config import GPTConfig
     from gpt2.model.gpt import GPT
+    from gpt2.train.config import TrainConfig
     from gpt2.train.optim import build_optimizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name("gpt2", pad_vocab_multiple=64)).train()
-    optimizer = build_optimizer(model, lr=6e-4)
+    optimizer = build_optimizer(model, TrainConfig(max_lr=6e-4))
     x = torch.randint(0, 50257, (batch, seq))
     y = torch.randint(0, 50257, (batch, seq))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2 import GPT, GPTConfig
+from gpt2 import GPT, GPTConfig, TrainConfig
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 
 DATA = Path("/work/shared/data/tinyshakespeare.txt")
@@ -58,7 +58,7 @@ def run(optimizer: str, lr: float, muon_lr: float, seed: int, args, train, val_b
     """Train until the validation loss reaches ``args.target`` (or ``args.max_steps``)."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(block_size=args.seq_len, vocab_size=256, n_layer=4, n_head=4, n_embd=128))
-    opt = build_optimizer(model, lr=lr, optimizer=optimizer, muon_lr=muon_lr)
+    opt = build_optimizer(model, TrainConfig(max_lr=lr, optimizer=optimizer, muon_lr=muon_lr))
     generator = torch.Generator().manual_seed(1000 + seed)  # the same batches for both optimizers
     cpu = 0.0
     for step in range(args.max_steps):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
+from gpt2.train.config import TrainConfig
 from gpt2.train.optim import build_optimizer
 
 LAYERS, WIDTH, HEADS, BATCH, SEQ, VOCAB = 4, 128, 4, 8, 128, 50257
@@ -117,7 +118,7 @@ def build(which: str, autocast: bool):
             n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, block_size=SEQ, vocab_size=VOCAB, pad_vocab_multiple=64
         )
         model = GPT(config).train()
-        optimizer = build_optimizer(model, lr=LR, weight_decay=0.1, decay_embeddings=True)
+        optimizer = build_optimizer(model, TrainConfig(max_lr=LR, weight_decay=0.1, decay_embeddings=True))
     else:
         model = PeerGPT().train()
         optimizer = peer_optimizer(model)

@@ -38,6 +38,7 @@ from gpt2.data import tiny_shakespeare_path
 from gpt2.data.sources import text_tokens
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import resolve_device
+from gpt2.train.precision import POLICY_NAMES
 from gpt2.train.trainer import Trainer
 
 # fp16's limits (IEEE half precision): largest finite value, smallest normal, smallest subnormal.
@@ -281,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    if unknown := [p for p in precisions if p not in ("fp32", "tf32", "bf16", "fp16")]:
-        raise ValueError(f"--precisions: unknown {unknown}; choose from fp32, tf32, bf16, fp16")
+    unknown = [p for p in precisions if p not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"--precisions: unknown {unknown}; choose from {', '.join(POLICY_NAMES)}")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     resolve_device(args.device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gpt2 import GPT
+from gpt2 import GPT, TrainConfig
 from gpt2.train.optim import build_optimizer, lr_at, param_groups, set_lr, use_fused_adamw
 
 
@@ -66,6 +66,24 @@ def test_build_optimizer_fused_and_foreach(model):
     fused.step()
     set_lr(fused, 5e-4)
     assert all(g["lr"] == 5e-4 for g in fused.param_groups)
+
+
+def test_build_optimizer_takes_a_train_config_and_the_older_keywords(model):
+    """build_optimizer(model, config) reads the TrainConfig's optimizer fields; keywords (TrainConfig's
+    names, or the older lr / fused) override them, and with no config they alone set the optimizer.
+    """
+    config = TrainConfig(max_lr=2e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-6, decay_embeddings=True)
+    opt = build_optimizer(model, config)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (2e-3, 0.05, (0.8, 0.9), 1e-6)
+    assert id(model.transformer.wte.weight) in _ids(group)
+    again = build_optimizer(model, lr=2e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-6, decay_embeddings=True)
+    assert [(g["lr"], g["weight_decay"], _ids(g)) for g in again.param_groups] == [
+        (g["lr"], g["weight_decay"], _ids(g)) for g in opt.param_groups
+    ]
+    assert build_optimizer(model, config, max_lr=1e-4).param_groups[0]["lr"] == 1e-4
+    with pytest.raises(ValueError, match="TrainConfig.optimizer must be one of"):
+        build_optimizer(model, optimizer="sgd")
 
 
 def test_lr_schedule_warmup_cosine_floor():

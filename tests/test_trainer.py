@@ -17,7 +17,7 @@ import torch
 from gpt2 import GPT, GPTConfig
 from gpt2.data import TokenLoader
 from gpt2.train import checkpoint as ckpt
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import (
     PEAK_FLOPS,
     ConsoleSink,
@@ -26,7 +26,7 @@ from gpt2.train.metrics import (
     plot_loss_curve,
     read_jsonl,
 )
-from gpt2.train.trainer import Trainer, TrainingDivergedError, grad_accum_steps
+from gpt2.train.trainer import Trainer, TrainingDivergedError
 
 
 def _config(**overrides) -> TrainConfig:

@@ -10,7 +10,7 @@ import torch
 from gpt2.cli.common import write_json
 from gpt2.cli.layers import Options
 from gpt2.model.config import SHAPE_NAMES
-from gpt2.train.bench import RUNGS, format_table, run_ladder
+from gpt2.train.bench import RUNGS, RungResult, format_table, run_ladder
 from gpt2.train.distributed import resolve_device
 
 
@@ -45,8 +45,11 @@ class BenchOptions(Options):
 
 
 def bench(options: BenchOptions) -> list[Any]:
-    rungs = [r.strip() for r in options.rungs.split(",") if r.strip()] if options.rungs else list(RUNGS)
-    device = resolve_device(options.device)  # "cuda" without CUDA: the Trainer's error, before any work
+    rungs = list(RUNGS)
+    if options.rungs:
+        rungs = [r.strip() for r in options.rungs.split(",") if r.strip()]
+    # "cuda" without CUDA: the Trainer's error, before any work
+    device = resolve_device(options.device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     title = (
         f"`gpt2 bench` on {where}, torch {torch.__version__}: {options.model}, B={options.batch_size}, "
@@ -66,14 +69,21 @@ def bench(options: BenchOptions) -> list[Any]:
         peak_flops=options.peak_flops,
         vocab_size=options.vocab_size,
         # one line per rung as it finishes (a compiled rung takes a minute), then the table
-        on_result=lambda r: print(
-            f"  {r.rung}: " + (r.note if r.skipped else f"{r.ms_per_step:.1f} ms/step"), flush=True
-        ),
+        on_result=_print_rung,
     )
     print()
-    print(format_table(results, title))  # markdown: paste it into an issue as it is
+    # markdown: paste it into an issue as it is
+    print(format_table(results, title))
     if options.json:
         write_json(
             options.json, {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}
         )
     return results
+
+
+def _print_rung(result: RungResult) -> None:
+    """``  bf16: 41.2 ms/step``, or the note of a skipped rung."""
+    if result.skipped:
+        print(f"  {result.rung}: {result.note}", flush=True)
+    else:
+        print(f"  {result.rung}: {result.ms_per_step:.1f} ms/step", flush=True)

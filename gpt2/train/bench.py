@@ -56,8 +56,10 @@ def rung_settings(rung: str) -> dict[str, Any]:
     if rung not in RUNGS:
         raise InvalidValueError(f"unknown rung {rung!r}; choose from {RUNGS}")
     on = set(RUNGS[: RUNGS.index(rung) + 1])
+    # The precision rungs come in this order: the last one switched on is the step's precision.
+    precision = [name for name in ("fp32", "tf32", "bf16") if name in on][-1]
     return {
-        "precision": "bf16" if "bf16" in on else ("tf32" if "tf32" in on else "fp32"),
+        "precision": precision,
         "compile": "compile" in on,
         "flash": "flash" in on,
         "pad_vocab_multiple": 64 if "vocab_pad" in on else 1,
@@ -96,52 +98,86 @@ def run_ladder(
     """
     rungs = list(RUNGS if rungs is None else rungs)
     for rung in rungs:
-        rung_settings(rung)  # validates the name
+        # validates the name
+        rung_settings(rung)
     if steps < 1 or warmup < 0 or repeats < 1:
         raise InvalidValueError(
             f"steps and repeats must be >= 1 and warmup >= 0, got steps={steps}, repeats={repeats}, warmup={warmup}"
         )
-    shape = {"vocab_size": vocab_size} if vocab_size is not None else {}
-    base = model_config(model, **shape)  # the Trainer refuses a seq_len beyond its block_size
+    shape = {}
+    if vocab_size is not None:
+        shape["vocab_size"] = vocab_size
+    # the Trainer refuses a seq_len beyond its block_size
+    base = model_config(model, **shape)
     on_cuda = uses_cuda(device)
-    compile = on_cuda if compile is None else compile
+    if compile is None:
+        compile = on_cuda
     # One token stream for every rung; random ids are enough to time a step.
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(
         0, base.vocab_size, ((steps * repeats + warmup) * batch_size * seq_len + 1,), generator=generator
     )
+    timing = dict(
+        tokens=tokens,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        steps=steps,
+        warmup=warmup,
+        repeats=repeats,
+        device=device,
+        peak_flops=peak_flops,
+    )
 
     results = []
     for rung in rungs:
-        settings = rung_settings(rung)
-        settings["compile"] = settings["compile"] and compile
-        if rung == "compile" and not compile:
-            result = RungResult(rung, settings, skipped=True, note="compile disabled (CPU default: --compile)")
-        else:
-            gpt_config = model_config(
-                model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
-            )
-            result = _time_rung(
-                gpt_config, rung, settings, tokens, batch_size, seq_len, steps, warmup, repeats, device, peak_flops
-            )
-            if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
-                result.note = "without compile"
-            if rung == "tf32" and not on_cuda:
-                result.note = "TF32 is CUDA-only: same as fp32 here"
+        result = _run_rung(rung, model, shape, compile=compile, on_cuda=on_cuda, timing=timing)
         results.append(result)
         if on_result:
             on_result(result)
     return results
 
 
-def _time_rung(
-    gpt_config, rung, settings, tokens, batch_size, seq_len, steps, warmup, repeats, device, peak_flops
+def _run_rung(
+    rung: str, model: str, shape: dict[str, Any], *, compile: bool, on_cuda: bool, timing: dict[str, Any]
 ) -> RungResult:
-    from gpt2.train.trainer import Trainer  # the benchmark drives the Trainer itself
+    """One rung of :func:`run_ladder`: timed (with a note where it differs from its name), or skipped."""
+    settings = rung_settings(rung)
+    settings["compile"] = settings["compile"] and compile
+    if rung == "compile" and not compile:
+        return RungResult(rung, settings, skipped=True, note="compile disabled (CPU default: --compile)")
+    gpt_config = model_config(
+        model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
+    )
+    result = _time_rung(gpt_config, rung, settings, **timing)
+    if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
+        result.note = "without compile"
+    if rung == "tf32" and not on_cuda:
+        result.note = "TF32 is CUDA-only: same as fp32 here"
+    return result
 
-    if on_cuda := uses_cuda(device):
+
+def _time_rung(
+    gpt_config: GPTConfig,
+    rung: str,
+    settings: dict[str, Any],
+    *,
+    tokens: torch.Tensor,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    warmup: int,
+    repeats: int,
+    device: str,
+    peak_flops: float | None,
+) -> RungResult:
+    # the benchmark drives the Trainer itself
+    from gpt2.train.trainer import Trainer
+
+    on_cuda = uses_cuda(device)
+    if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)  # the same initial weights for every rung
+    # the same initial weights for every rung
+    torch.manual_seed(0)
     n_steps = steps * repeats + warmup
     config = TrainConfig(
         micro_batch_size=batch_size,
@@ -156,7 +192,8 @@ def _time_rung(
         eval_interval=0,
         peak_flops=peak_flops,
         seed=0,
-        max_bad_steps=n_steps,  # random tokens: a skipped step would still be timed honestly
+        # random tokens: a skipped step would still be timed honestly
+        max_bad_steps=n_steps,
     )
     # The Trainer's set-up lines (INFO) for every rung would bury the table; warnings still show.
     library = logging.getLogger("gpt2")
@@ -166,7 +203,9 @@ def _time_rung(
         trainer = Trainer(GPT(gpt_config), config, tokens, sinks=[])
         records = [trainer.train_step() for _ in range(n_steps)][warmup:]
         flops_per_token, peak = trainer.flops_per_token, trainer.peak_flops
-        memory = torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None
+        memory = None
+        if on_cuda:
+            memory = torch.cuda.max_memory_allocated() / 2**30
         del trainer
     finally:
         library.setLevel(level)
@@ -201,31 +240,52 @@ def format_table(results: Sequence[RungResult], title: str | None = None) -> str
     (median of the repeats), their spread, tokens/s, MFU, peak CUDA memory and speed-up over the first timed rung; then
     a note naming rungs whose repeats disagree by more than 10%.
     """
-    lines = [title, ""] if title else []
+    lines = []
+    if title:
+        lines += [title, ""]
     lines += [
         "| rung | ms/step | spread | tokens/s | MFU | peak memory | speed-up | note |",
         "|---|--:|--:|--:|--:|--:|--:|---|",
     ]
     baseline = next((r.ms_per_step for r in results if r.ms_per_step), None)
-    for r in results:
-        if r.skipped or r.ms_per_step is None:
-            lines.append(f"| {r.rung} | - | | - | | | | {r.note} |")
-            continue
-        mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else ""
-        speedup = f"{baseline / r.ms_per_step:.2f}x" if baseline else ""
-        spread = f"{100 * r.spread:.0f}%" if r.spread is not None and len(r.repeat_ms) > 1 else ""
-        memory = f"{r.peak_memory_gib:.1f} GiB" if r.peak_memory_gib is not None else ""
-        lines.append(
-            f"| {r.rung} | {r.ms_per_step:.1f} | {spread} | {r.tokens_per_second:,.0f} | {mfu} | {memory} "
-            f"| {speedup} | {r.note} |"
-        )
-    noisy = [r.rung for r in results if r.spread is not None and len(r.repeat_ms) > 1 and r.spread > SPREAD_WARNING]
+    lines += [_table_row(r, baseline) for r in results]
+    return "\n".join(lines + _table_notes(results))
+
+
+def _table_row(r: RungResult, baseline: float | None) -> str:
+    """One rung's row of :func:`format_table`; an empty cell where a number is unknown."""
+    if r.skipped or r.ms_per_step is None:
+        return f"| {r.rung} | - | | - | | | | {r.note} |"
+    cells = {"mfu": "", "memory": "", "speedup": "", "spread": ""}
+    if r.mfu is not None:
+        cells["mfu"] = f"{100 * r.mfu:.1f}%"
+    if r.peak_memory_gib is not None:
+        cells["memory"] = f"{r.peak_memory_gib:.1f} GiB"
+    if baseline:
+        cells["speedup"] = f"{baseline / r.ms_per_step:.2f}x"
+    if _has_spread(r):
+        cells["spread"] = f"{100 * r.spread:.0f}%"
+    return (
+        f"| {r.rung} | {r.ms_per_step:.1f} | {cells['spread']} | {r.tokens_per_second:,.0f} | {cells['mfu']} "
+        f"| {cells['memory']} | {cells['speedup']} | {r.note} |"
+    )
+
+
+def _has_spread(r: RungResult) -> bool:
+    """A spread means something only between two repeats or more."""
+    return r.spread is not None and len(r.repeat_ms) > 1
+
+
+def _table_notes(results: Sequence[RungResult]) -> list[str]:
+    """The lines under the table: how ms/step was taken, and which rungs' repeats disagree."""
+    notes = []
     repeats = max((len(r.repeat_ms) for r in results), default=0)
     if repeats > 1:
-        lines.append(f"\nms/step: median of {repeats} repeats; spread: (slowest - fastest repeat) / median")
+        notes.append(f"\nms/step: median of {repeats} repeats; spread: (slowest - fastest repeat) / median")
+    noisy = [r.rung for r in results if _has_spread(r) and r.spread > SPREAD_WARNING]
     if noisy:
-        lines.append(
+        notes.append(
             f"note: the repeats of {', '.join(noisy)} differ by more than {100 * SPREAD_WARNING:.0f}%: the machine "
             "was busy or the clock varied; treat those rows as rough, or rerun with more --steps / --repeats"
         )
-    return "\n".join(lines)
+    return notes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import (
@@ -19,7 +19,10 @@ from gpt2.model.config import (
     check_value,
 )
 
-PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")  # see gpt2.train.precision
+# TrainConfig.precision (and the commands' --precision): "auto" picks per device, the others name a policy
+# of gpt2.train.precision.
+Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.train.metrics.make_sinks
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer; see gpt2.train.optim
 
@@ -63,7 +66,7 @@ class TrainConfig:
     muon_weight_decay: float = 0.0
 
     # --- precision and speed ---------------------------------------------------------------
-    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16"] = "auto"  # auto: bf16 (fp16 on old GPUs), CPU fp32
+    precision: Precision = "auto"  # auto: bf16 (fp16 on old GPUs), CPU fp32
     compile: bool = False  # torch.compile the model for training and evaluation
     device: str = "auto"  # "auto" = cuda:LOCAL_RANK when CUDA is available, else cpu
 
@@ -116,16 +119,27 @@ class TrainConfig:
     seed: int = 1337  # seeds torch, numpy and random when the Trainer is built
 
     def __post_init__(self) -> None:
+        # One check after another, in this order: the first problem found is the one reported.
         check_fields(self, TRAIN_CONFIG_RULES)
-        if self.total_batch_size is not None:
-            tokens_per_micro_batch = self.micro_batch_size * self.seq_len
-            if self.total_batch_size % tokens_per_micro_batch != 0:
-                raise InvalidValueError(
-                    f"TrainConfig.total_batch_size ({self.total_batch_size:,} tokens) must be a multiple of "
-                    f"micro_batch_size * seq_len = {self.micro_batch_size} * {self.seq_len} = "
-                    f"{tokens_per_micro_batch:,} tokens (times the number of processes); e.g. use "
-                    f"{max(1, round(self.total_batch_size / tokens_per_micro_batch)) * tokens_per_micro_batch:,}"
-                )
+        grad_accum_steps(self, world_size=1)
+        self._check_schedule()
+        self.betas = _checked_betas(self.betas)
+        for name, (choices, described) in TRAIN_CONFIG_CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise InvalidValueError(f"TrainConfig.{name} must be {described}, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise InvalidValueError(
+                f"TrainConfig.device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}"
+            )
+        self._normalise_paths()
+        self.log_to = _parsed_log_to(self.log_to)
+        if self.log_to and self.out_dir is None:
+            raise InvalidValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
+        if self.resume == "auto" and self.out_dir is None:
+            raise InvalidValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
+
+    def _check_schedule(self) -> None:
+        """The learning-rate schedule's fields agree with each other."""
         if self.min_lr is not None and self.min_lr > self.max_lr:
             raise InvalidValueError(
                 f"TrainConfig.min_lr ({self.min_lr!r}) is larger than max_lr ({self.max_lr!r}): the cosine "
@@ -136,42 +150,18 @@ class TrainConfig:
                 f"TrainConfig.warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps}): "
                 "the warmup would never finish; use fewer warmup steps or a longer run"
             )
-        # A JSON round trip gives a list; a string would unpack into characters, so refuse it first.
-        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
-            raise InvalidValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
-        self.betas = tuple(
-            check_value("TrainConfig", f"betas[{i}]", b, PROBABILITY)  # type: ignore[assignment]
-            for i, b in enumerate(self.betas)
-        )
-        if self.precision not in PRECISIONS:
-            raise InvalidValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise InvalidValueError(f"TrainConfig.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.fused_adamw not in ("auto", True, False):
-            raise InvalidValueError(f"TrainConfig.fused_adamw must be 'auto', True or False, got {self.fused_adamw!r}")
-        if not isinstance(self.device, str) or not self.device:
-            raise InvalidValueError(
-                f"TrainConfig.device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}"
-            )
+
+    def _normalise_paths(self) -> None:
+        """``resume`` and ``out_dir`` as strings (a ``pathlib.Path`` is fine too); an empty ``out_dir`` is refused."""
         if self.resume is not None and not isinstance(self.resume, str):
-            self.resume = str(self.resume)  # a pathlib.Path is fine too
+            self.resume = str(self.resume)
         if self.out_dir is not None and not isinstance(self.out_dir, str):
             self.out_dir = str(self.out_dir)
-        if self.out_dir == "":  # Path("") is the current directory
+        # Path("") is the current directory
+        if self.out_dir == "":
             raise InvalidValueError(
                 "TrainConfig.out_dir is empty: give a folder for the run's files, or None to write none"
             )
-        # "tensorboard,wandb" or ["tensorboard", "wandb"] (a CLI flag / YAML list) -> a tuple
-        names = [self.log_to] if isinstance(self.log_to, str) else list(self.log_to or ())
-        self.log_to = tuple(
-            dict.fromkeys(n.strip().lower() for item in names for n in str(item).split(",") if n.strip())
-        )
-        if unknown := [n for n in self.log_to if n not in LOG_TARGETS]:
-            raise InvalidValueError(f"TrainConfig.log_to: unknown target(s) {unknown}; choose from {list(LOG_TARGETS)}")
-        if self.log_to and self.out_dir is None:
-            raise InvalidValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
-        if self.resume == "auto" and self.out_dir is None:
-            raise InvalidValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
 
     @property
     def final_lr(self) -> float:
@@ -187,6 +177,49 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return _from_dict(cls, data)
+
+
+def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
+    """Micro-steps per optimizer step so that one step sees ``total_batch_size`` tokens over ``world_size``
+    processes. The one owner of the rule that ``total_batch_size`` splits into whole micro-batches:
+    TrainConfig checks it for one process, the Trainer for the processes it runs on.
+    """
+    per_micro_step = config.micro_batch_size * config.seq_len * world_size
+    if config.total_batch_size is None:
+        return 1
+    if config.total_batch_size % per_micro_step != 0:
+        nearest = max(1, round(config.total_batch_size / per_micro_step)) * per_micro_step
+        raise InvalidValueError(
+            f"TrainConfig.total_batch_size={config.total_batch_size:,} tokens is not divisible by micro_batch_size x "
+            f"seq_len x world_size = {config.micro_batch_size} x {config.seq_len} x {world_size} = "
+            f"{per_micro_step:,} tokens; pick a total_batch_size that is a multiple of micro_batch_size * seq_len * "
+            f"world_size (e.g. {nearest:,}) or change the micro-batch"
+        )
+    return config.total_batch_size // per_micro_step
+
+
+def _checked_betas(betas: Any) -> tuple[float, float]:
+    """Adam's two betas, each in [0, 1), as a tuple."""
+    # A JSON round trip gives a list; a string would unpack into characters, so refuse it first.
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise InvalidValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {betas!r}")
+    first, second = (check_value("TrainConfig", f"betas[{i}]", b, PROBABILITY) for i, b in enumerate(betas))
+    return (first, second)
+
+
+def _parsed_log_to(log_to: Any) -> tuple[str, ...]:
+    """``"tensorboard,wandb"`` or ``["tensorboard", "wandb"]`` (a CLI flag / YAML list) as a tuple of known
+    targets, each once.
+    """
+    if isinstance(log_to, str):
+        items = [log_to]
+    else:
+        items = list(log_to or ())
+    names = tuple(dict.fromkeys(n.strip().lower() for item in items for n in str(item).split(",") if n.strip()))
+    unknown = [n for n in names if n not in LOG_TARGETS]
+    if unknown:
+        raise InvalidValueError(f"TrainConfig.log_to: unknown target(s) {unknown}; choose from {list(LOG_TARGETS)}")
+    return names
 
 
 # What each numeric TrainConfig field accepts (checked in __post_init__, before anything else).
@@ -215,4 +248,11 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "eps": POSITIVE,
     "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
+}
+
+# The fields that take one of a few values: what they accept, and how the error message says it.
+TRAIN_CONFIG_CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "precision": (PRECISIONS, f"one of {PRECISIONS}"),
+    "optimizer": (OPTIMIZERS, f"one of {OPTIMIZERS}"),
+    "fused_adamw": (("auto", True, False), "'auto', True or False"),
 }

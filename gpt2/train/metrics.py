@@ -84,7 +84,8 @@ def detect_peak_flops(
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
-    if (peak := peak_flops_for(name, precision)) is None:
+    peak = peak_flops_for(name, precision)
+    if peak is None:
         logger.warning("no peak FLOP/s known for %r: MFU not reported (set TrainConfig.peak_flops)", name)
     return peak
 
@@ -92,8 +93,12 @@ def detect_peak_flops(
 def mfu(
     flops_per_token: float | None, tokens_per_second: float, peak_flops: float | None, world_size: int = 1
 ) -> float | None:
-    """Model FLOPs utilisation of one accelerator, as a fraction (0.441 = 44.1%)."""
-    return flops_per_token * tokens_per_second / (peak_flops * world_size) if flops_per_token and peak_flops else None
+    """Model FLOPs utilisation of one accelerator, as a fraction (0.441 = 44.1%); None without a
+    model FLOP count or a peak to compare with.
+    """
+    if not flops_per_token or not peak_flops:
+        return None
+    return flops_per_token * tokens_per_second / (peak_flops * world_size)
 
 
 def format_line(record: dict[str, Any]) -> str:
@@ -128,7 +133,8 @@ class ConsoleSink:
         if interval < 1:
             raise InvalidValueError(f"interval must be >= 1, got {interval}")
         self.interval = interval
-        self.write = write or tqdm.write  # above an active progress bar instead of through it
+        # tqdm.write prints above an active progress bar instead of through it
+        self.write = write or tqdm.write
 
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -145,7 +151,9 @@ class JSONLSink:
     def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= keep_until_step] if keep_until_step else []
+        kept = []
+        if keep_until_step:
+            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= keep_until_step]
         replace_atomically(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
         self._file = open(self.path, "a", encoding="utf-8")
 
@@ -166,9 +174,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     records = []
-    with open(path, encoding="utf-8", errors="replace") as f:  # a damaged byte spoils its line only
+    # errors="replace": a damaged byte spoils its line only
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            if not (line := line.strip()):
+            line = line.strip()
+            if not line:
                 continue
             try:
                 records.append(json.loads(line))
@@ -244,8 +254,10 @@ def wandb_mode() -> str:
     """``$WANDB_MODE`` if set; else "online" when an API key is configured ($WANDB_API_KEY or a
     ``wandb login`` entry in ~/.netrc), else "offline" (no network needed; ``wandb sync`` uploads later).
     """
-    if mode := os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else None):
-        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
     try:
         import netrc
 
@@ -308,7 +320,8 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
             else:
                 raise InvalidValueError(f"unknown log target {target!r}; choose from {LOG_TARGETS}")
     except BaseException:
-        for sink in sinks:  # the ones already started
+        # close the ones already started
+        for sink in sinks:
             sink.close()
         raise
     return sinks
@@ -331,12 +344,17 @@ class FitLog:
         is_main: bool,
         before_write: Callable[[], None] | None = None,
     ) -> None:
-        self.sinks, self.extra, self.jsonl, self.bar = list(sinks) if is_main else [], [], None, None
+        self.sinks: list[Sink] = []
+        self.extra: list[Any] = []
+        self.jsonl: JSONLSink | None = None
+        self.bar: Any = None
         if not is_main:
             return
+        self.sinks = list(sinks)
         # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
         # first, so a missing package fails before anything else is opened
-        self.extra = make_sinks(config.log_to, out_dir, config.to_dict(), step) if config.log_to else []
+        if config.log_to:
+            self.extra = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
             if before_write is not None:
                 before_write()
@@ -344,7 +362,8 @@ class FitLog:
                 self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
             if config.progress:
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
-        except BaseException:  # e.g. out_dir taken over by another run: close the sinks just opened
+        except BaseException:
+            # e.g. out_dir taken over by another run: close the sinks just opened
             self.close()
             raise
 
@@ -352,7 +371,10 @@ class FitLog:
         if self.jsonl is not None:
             self.jsonl.log(record)
         for sink in [*self.sinks, *self.extra]:
-            sink.log(record) if hasattr(sink, "log") else sink(record)
+            if hasattr(sink, "log"):
+                sink.log(record)
+            else:
+                sink(record)
         if self.bar is not None:
             # postfix first: update() redraws the bar, which then shows this step's loss
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)

@@ -7,6 +7,7 @@ embeddings (found by module type, so the tied LM head counts once, as one) are e
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from gpt2.errors import InvalidValueError
-from gpt2.train.config import OPTIMIZERS
+from gpt2.train.config import OPTIMIZERS, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,33 +31,41 @@ def param_groups(
     """The AdamW groups ``{"params": decayed, "weight_decay": wd}`` and ``{"params": rest, 0.0}``
     (empty ones dropped): a tied parameter once, frozen ones and ``exclude``'s ids (Muon's) not at all.
     """
-    embedding_ids = {
-        id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()
-    }
+    # Matrices decay; vectors (biases, gains) never do, embeddings only when asked to.
+    exempt = set() if decay_embeddings else _embedding_ids(model)
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    for _, p in model.named_parameters():  # named_parameters() yields a shared tensor once
-        if not p.requires_grad or id(p) in exclude:
-            continue
-        is_embedding = id(p) in embedding_ids
-        if p.dim() >= 2 and (decay_embeddings or not is_embedding):
+    # named_parameters() yields a shared tensor once
+    trainable = [p for _, p in model.named_parameters() if p.requires_grad and id(p) not in exclude]
+    for p in trainable:
+        if p.dim() >= 2 and id(p) not in exempt:
             decay.append(p)
         else:
             no_decay.append(p)
-    if not decay and not no_decay and not exclude:
+    if not trainable and not exclude:
         raise InvalidValueError(
             "the model has no trainable parameters (all have requires_grad=False); "
             "unfreeze some, or add LoRA adapters with minlora"
         )
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     logger.info(
         "AdamW groups: %d decayed tensors (%s parameters), %d not decayed (%s parameters)",
         len(decay),
-        f"{sum(p.numel() for p in decay):,}",
+        _count(decay),
         len(no_decay),
-        f"{sum(p.numel() for p in no_decay):,}",
+        _count(no_decay),
     )
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def _count(params: list[nn.Parameter]) -> str:
+    """How many numbers ``params`` hold, for a log line: ``"124,439,808"``."""
+    return f"{sum(p.numel() for p in params):,}"
+
+
+def _embedding_ids(model: nn.Module) -> set[int]:
+    """The ids of every ``nn.Embedding``'s parameters (the tied LM head is the token table itself)."""
+    return {id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()}
 
 
 def use_fused_adamw(model: nn.Module, fused: bool | str = "auto") -> bool:
@@ -130,44 +139,49 @@ class MuonAdamW(torch.optim.Optimizer):
         self._link()
 
 
-def build_optimizer(
-    model: nn.Module,
-    *,
-    lr: float,
-    weight_decay: float = 0.1,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    fused: bool | str = "auto",
-    decay_embeddings: bool = False,
-    optimizer: str = "adamw",
-    muon_lr: float = 0.02,
-    muon_weight_decay: float = 0.0,
-) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters of ``model`` with :func:`param_groups`; with ``optimizer="muon"`` a
-    :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`, AdamW at peak ``lr`` for the rest.
+def build_optimizer(model: nn.Module, config: TrainConfig | None = None, /, **settings: Any) -> torch.optim.Optimizer:
+    """The optimizer that ``config`` (a :class:`~gpt2.train.config.TrainConfig`) asks for, over the trainable
+    parameters of ``model``: AdamW at peak ``max_lr`` with :func:`param_groups`; with ``optimizer="muon"`` a
+    :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`, AdamW for the rest.
+
+    Keywords override ``config``'s fields (without a config, TrainConfig's defaults): TrainConfig's names, and the
+    older ``lr`` (for ``max_lr``) and ``fused`` (for ``fused_adamw``): ``build_optimizer(model, lr=1e-3)``.
     """
-    if optimizer not in OPTIMIZERS:
-        raise InvalidValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
-    matrices = muon_params(model) if optimizer == "muon" else []
-    if optimizer == "muon" and not matrices:
-        logger.warning("optimizer='muon': no trainable hidden matrices (a frozen base?), so AdamW trains everything")
-    groups = param_groups(model, weight_decay, decay_embeddings, exclude=frozenset(map(id, matrices)))
-    use_fused = use_fused_adamw(model, fused)
-    # Without the fused kernel, the multi-tensor ("foreach") implementation: torch picks it by
-    # default only for CUDA tensors, and on a CPU the per-tensor loop is several times slower.
-    adamw = (
-        torch.optim.AdamW(
-            groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None, foreach=None if use_fused else True
-        )
-        if groups
-        else None
-    )
+    config = dataclasses.replace(config or TrainConfig(), **{_RENAMED.get(k, k): v for k, v in settings.items()})
+    matrices: list[nn.Parameter] = []
+    if config.optimizer == "muon":
+        matrices = muon_params(model)
+        if not matrices:
+            logger.warning(
+                "optimizer='muon': no trainable hidden matrices (a frozen base?), so AdamW trains everything"
+            )
+    groups = param_groups(model, config.weight_decay, config.decay_embeddings, exclude=frozenset(map(id, matrices)))
+    adamw = _adamw(model, groups, config) if groups else None
     if not matrices:
         return adamw
-    logger.info("Muon: %d hidden matrices (%s parameters)", len(matrices), f"{sum(p.numel() for p in matrices):,}")
-    muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=muon_weight_decay, momentum=MUON_MOMENTUM)
-    muon.param_groups[0]["lr_ratio"] = muon_lr / lr
-    return MuonAdamW(adamw, muon) if adamw is not None else muon  # Muon alone: nothing else is trainable
+    logger.info("Muon: %d hidden matrices (%s parameters)", len(matrices), _count(matrices))
+    muon = torch.optim.Muon(matrices, lr=config.muon_lr, weight_decay=config.muon_weight_decay, momentum=MUON_MOMENTUM)
+    muon.param_groups[0]["lr_ratio"] = config.muon_lr / config.max_lr
+    if adamw is None:
+        # Muon alone: nothing else is trainable
+        return muon
+    return MuonAdamW(adamw, muon)
+
+
+# build_optimizer's keywords from before it took a TrainConfig, and the TrainConfig fields they set.
+_RENAMED = {"lr": "max_lr", "fused": "fused_adamw"}
+
+
+def _adamw(model: nn.Module, groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over ``groups``: the fused kernel when :func:`use_fused_adamw` says so, else the multi-tensor
+    ("foreach") implementation: torch picks that by default only for CUDA tensors, and on a CPU the per-tensor loop
+    is several times slower.
+    """
+    if use_fused_adamw(model, config.fused_adamw):
+        implementation = {"fused": True}
+    else:
+        implementation = {"foreach": True}
+    return torch.optim.AdamW(groups, lr=config.max_lr, betas=tuple(config.betas), eps=config.eps, **implementation)
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:

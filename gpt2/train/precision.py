@@ -18,10 +18,12 @@ from typing import ContextManager
 import torch
 
 from gpt2.errors import InvalidValueError
+from gpt2.train.config import PRECISIONS
 
 logger = logging.getLogger(__name__)
 
-POLICY_NAMES = ("fp32", "tf32", "bf16", "fp16")
+# The policies ("auto" is none: it picks one of them per device).
+POLICY_NAMES = tuple(name for name in PRECISIONS if name != "auto")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,8 @@ class PrecisionPolicy:
     tf32: bool  # allow TF32 tensor-core matmuls for the fp32 matmuls that remain
     uses_scaler: bool  # dynamic loss scaling (fp16 only)
 
-    param_dtype = torch.float32  # master weights are always fp32
+    # master weights are always fp32
+    param_dtype = torch.float32
 
     def apply(self) -> None:
         """Set the process-wide fp32 matmul precision on CUDA (CPU matmuls stay bit-reproducible)."""
@@ -43,12 +46,15 @@ class PrecisionPolicy:
 
     def autocast(self) -> ContextManager:
         """The context the forward pass (and only it) runs in."""
-        on = self.autocast_dtype is not None
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype) if on else contextlib.nullcontext()
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def make_scaler(self) -> torch.amp.GradScaler | None:
         """A fresh ``GradScaler`` for fp16, else None."""
-        return torch.amp.GradScaler(self.device_type) if self.uses_scaler else None
+        if not self.uses_scaler:
+            return None
+        return torch.amp.GradScaler(self.device_type)
 
     def __str__(self) -> str:
         return f"{self.name} on {self.device_type}"
@@ -68,9 +74,11 @@ def set_tf32(enabled: bool) -> None:
 def default_precision(device: torch.device | str) -> str:
     """bf16 on CUDA GPUs that support it, fp16 (with loss scaling) on older CUDA GPUs, else fp32."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-    return "fp32"
+    if device.type != "cuda":
+        return "fp32"
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16"
+    return "fp16"
 
 
 def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
@@ -105,7 +113,8 @@ def check_master_weights(model: torch.nn.Module) -> None:
     """Trainable parameters must be fp32: they are the master weights that the optimizer updates
     while the policy picks the compute precision.
     """
-    if low := sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}):
+    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if low:
         raise InvalidValueError(
             f"trainable parameters must be float32 (master weights), found {low}; keep the model in fp32 "
             f"and choose the compute precision with TrainConfig.precision (e.g. 'bf16')"

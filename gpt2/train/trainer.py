@@ -11,7 +11,6 @@ docs/training.md ("Checkpoints and resuming", "When a run goes wrong") and the s
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import math
@@ -25,48 +24,27 @@ import torch
 import torch.nn as nn
 
 from gpt2.data.loader import make_loader
-from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.errors import InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import distributed, metrics, rundir
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported for gpt2.cli
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
-from gpt2.train.recovery import DivergenceMonitor, TrainingInterrupted
+from gpt2.train.recovery import (
+    DivergenceMonitor,
+    RecoveryPolicy,
+    TrainingDivergedError,
+    TrainingInterrupted,
+    last_good,
+)
+from gpt2.train.schedule import CheckpointSchedule, is_due
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingDivergedError(Gpt2Error, RuntimeError):
-    """Training diverged (non-finite steps, or a loss run-away) and could not recover, or the weights
-    to be saved are non-finite.
-    """
-
-    def __init__(self, message: str, *, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None):
-        super().__init__(message)
-        self.step = step
-        self.loss = loss
-        self.grad_norm = grad_norm
-        self.last_checkpoint = last_checkpoint
-
-
-def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
-    """Micro-steps per optimizer step so that one step sees ``total_batch_size`` tokens."""
-    per_micro_step = config.micro_batch_size * config.seq_len * world_size
-    if config.total_batch_size is None:
-        return 1
-    if config.total_batch_size % per_micro_step != 0:
-        raise InvalidValueError(
-            f"total_batch_size={config.total_batch_size:,} tokens is not divisible by micro_batch_size x "
-            f"seq_len x world_size = {config.micro_batch_size} x {config.seq_len} x {world_size} = "
-            f"{per_micro_step:,} tokens; pick a total_batch_size that is a multiple of {per_micro_step:,} "
-            f"(e.g. {max(1, config.total_batch_size // per_micro_step) * per_micro_step:,}) or change the micro-batch"
-        )
-    return config.total_batch_size // per_micro_step
 
 
 class Trainer:
@@ -115,70 +93,21 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
         self.config = config
-        self.dist_env = distributed.env_from_environ()
-        self.device = distributed.resolve_device(config.device, self.dist_env)
-        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
-        self.precision = resolve_precision(config.precision, self.device)
-        self.precision.apply()
-        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
-        self.tokens_per_step = (
-            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
-        )
+        self._setup_processes()
         seed_everything(config.seed)
-
-        self.model = ckpt.unwrap_model(model).to(self.device)  # the raw model
-        if self.model is not model and not config.compile:  # torch.compile(model) would train uncompiled
-            logger.warning("training the module inside %s, uncompiled (compile=True compiles it)", type(model).__name__)
-        block_size = getattr(getattr(self.model, "config", None), "block_size", None)
-        if block_size is not None and config.seq_len > block_size:
-            raise InvalidValueError(
-                f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
-                "train on shorter sequences or build the model with a larger block_size"
-            )
-        check_master_weights(self.model)
-        self.optimizer = build_optimizer(
-            self.model,
-            lr=config.max_lr,
-            weight_decay=config.weight_decay,
-            betas=config.betas,
-            eps=config.eps,
-            fused=config.fused_adamw,
-            decay_embeddings=config.decay_embeddings,
-            optimizer=config.optimizer,
-            muon_lr=config.muon_lr,
-            muon_weight_decay=config.muon_weight_decay,
-        )
-        self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.scaler = self.precision.make_scaler()
-        self.eval_model: nn.Module = torch.compile(self.model) if config.compile else self.model
-        self.train_model: nn.Module = (
-            distributed.wrap_ddp(self.eval_model, self.device) if self.dist_env.is_distributed else self.eval_model
-        )
-        self.vocab_size = vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=vocab_size)
-        shape = (config.micro_batch_size, config.seq_len)
-        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
-        self.val_loader = make_loader(val_data, "val", *shape, **loader_args) if val_data is not None else None
-
-        flops = getattr(self.model, "flops_per_token", None)
-        self.flops_per_token: float | None = flops(config.seq_len) if callable(flops) else None
-        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
-        self.sinks: list[Sink] = (
-            ([ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)) if self.is_main else []
-        )
-
+        self._setup_model(model)
+        self._setup_data(train_data, val_data)
+        self._setup_metrics(sinks)
         self.callbacks = list(callbacks)
-        self.step = 0  # completed optimizer steps
+        # completed optimizer steps
+        self.step = 0
         self.skipped_steps = 0
-        self.consecutive_bad_steps = 0
         self.best_val_loss: float | None = None
         self.last_checkpoint: Path | None = None
-        self.history: list[dict[str, Any]] = []  # records of this process's fit() calls
-        # Divergence recovery (saved in checkpoints: see recovery_state) and stop signals.
-        self.monitor = DivergenceMonitor(config.divergence_factor, config.divergence_patience)
-        self.recoveries = 0
-        self.lr_scale = 1.0  # recovery_lr_factor ** recoveries: multiplies the scheduled LR
-        self._snapshot: dict[str, Any] | None = None  # in-memory good state before a checkpoint exists
+        # the records of this process's fit() calls
+        self.history: list[dict[str, Any]] = []
+        # Divergence recovery: its counters are saved in checkpoints (see recovery_state).
+        self.recovery = RecoveryPolicy(config)
         self._warned_short_val = False
         logger.info(
             "training on %s with %s, %d process(es), %d micro-step(s) of %d x %d tokens = %s tokens per step",
@@ -201,6 +130,68 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ set-up helpers
+    def _setup_processes(self) -> None:
+        """This process's place in the run: device, process group, precision, batch split."""
+        config = self.config
+        self.dist_env = distributed.env_from_environ()
+        self.device = distributed.resolve_device(config.device, self.dist_env)
+        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
+        self.precision = resolve_precision(config.precision, self.device)
+        self.precision.apply()
+        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
+        self.tokens_per_step = (
+            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
+        )
+
+    def _setup_model(self, model: nn.Module) -> None:
+        """The raw model on the device, its optimizer and loss scaler, and the compiled / DDP-wrapped views of it."""
+        config = self.config
+        self.model = ckpt.unwrap_model(model).to(self.device)
+        # torch.compile(model) would train uncompiled
+        if self.model is not model and not config.compile:
+            logger.warning("training the module inside %s, uncompiled (compile=True compiles it)", type(model).__name__)
+        block_size = getattr(getattr(self.model, "config", None), "block_size", None)
+        if block_size is not None and config.seq_len > block_size:
+            raise InvalidValueError(
+                f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
+                "train on shorter sequences or build the model with a larger block_size"
+            )
+        check_master_weights(self.model)
+        self.optimizer = build_optimizer(self.model, config)
+        self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.scaler = self.precision.make_scaler()
+        self.eval_model: nn.Module = self.model
+        if config.compile:
+            self.eval_model = torch.compile(self.model)
+        self.train_model: nn.Module = self.eval_model
+        if self.dist_env.is_distributed:
+            self.train_model = distributed.wrap_ddp(self.eval_model, self.device)
+
+    def _setup_data(self, train_data: Any, val_data: Any) -> None:
+        """This rank's training and validation loaders (``val_data=None``: no validation)."""
+        config = self.config
+        self.vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=self.vocab_size)
+        shape = (config.micro_batch_size, config.seq_len)
+        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
+        self.val_loader = None
+        if val_data is not None:
+            self.val_loader = make_loader(val_data, "val", *shape, **loader_args)
+
+    def _setup_metrics(self, sinks: Iterable[Sink] | None) -> None:
+        """What MFU is measured against, and where rank 0's records go (a console line by default)."""
+        config = self.config
+        flops = getattr(self.model, "flops_per_token", None)
+        self.flops_per_token: float | None = None
+        if callable(flops):
+            self.flops_per_token = flops(config.seq_len)
+        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
+        self.sinks: list[Sink] = []
+        if self.is_main and sinks is None:
+            self.sinks = [ConsoleSink(interval=config.log_interval)]
+        elif self.is_main:
+            self.sinks = list(sinks)
+
     @property
     def is_main(self) -> bool:
         return self.dist_env.is_main
@@ -211,7 +202,38 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path | None:
-        return self.out_dir / rundir.CHECKPOINT_DIR if self.out_dir is not None else None
+        if self.out_dir is None:
+            return None
+        return self.out_dir / rundir.CHECKPOINT_DIR
+
+    # ------------------------------------------------------------------ divergence recovery (self.recovery)
+    @property
+    def monitor(self) -> DivergenceMonitor:
+        return self.recovery.monitor
+
+    @property
+    def recoveries(self) -> int:
+        return self.recovery.recoveries
+
+    @property
+    def lr_scale(self) -> float:
+        """``recovery_lr_factor ** recoveries``: multiplies the scheduled learning rate."""
+        return self.recovery.lr_scale
+
+    @lr_scale.setter
+    def lr_scale(self, value: float) -> None:
+        self.recovery.lr_scale = value
+
+    @property
+    def consecutive_bad_steps(self) -> int:
+        return self.recovery.consecutive_bad_steps
+
+    def recovery_state(self) -> dict[str, Any]:
+        """What a checkpoint records about divergence recovery (resume stays exact across one)."""
+        return self.recovery.state_dict()
+
+    def load_recovery_state(self, state: dict[str, Any] | None) -> None:
+        self.recovery.load_state_dict(state)
 
     # ------------------------------------------------------------------ training
     def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
@@ -223,75 +245,103 @@ class Trainer:
         if self.step >= stop:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
-        # metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress bar
-        log = FitLog(
-            self.sinks,
-            cfg,
-            out_dir=self.out_dir,
-            step=self.step,
-            is_main=self.is_main,
-            before_write=self._run_lock.ensure_held if self._run_lock is not None else None,
-        )
+        log = self._open_fit_log()
+        schedule = CheckpointSchedule(cfg.checkpoint_interval, cfg.max_steps, stop)
         history: list[dict[str, Any]] = []
-        pending = False  # a checkpoint is due but was postponed
         signals = self._signals.install()
-        if cfg.recover and self.last_checkpoint is None:
-            self._snapshot = self._memory_snapshot()  # somewhere to go back to before the first checkpoint
+        self.recovery.begin(self)
         interrupted = False
         try:
             while self.step < stop:
                 record = self.train_step()
-                # (a step with no scored target reports loss 0: no evidence either way)
-                judged = cfg.recover and record.get("scored_tokens", 1) > 0
-                diverged = judged and self.monitor.observe(self.step, record["loss"])
-                if self.due(cfg.eval_interval) and self.val_loader is not None:
-                    log.status("evaluating ...")  # evaluation takes a while on a CPU: say so on the bar
-                    try:
-                        record["val_loss"] = self.evaluate()
-                    except NonFiniteLossError as e:  # the training loss decides about divergence
-                        record["val_loss"] = e.loss
-                for callback in self.callbacks:
-                    callback(self, record)
-                self.history.append(record)
-                log.emit(record)
+                in_trouble = self.recovery.judge(self.step, record)
+                self._validate_if_due(record, log)
+                self._publish(record, log)
                 history.append(record)
                 saved = False
-                if diverged or self.consecutive_bad_steps >= cfg.max_bad_steps:
-                    self._recover(record)  # or raise TrainingDivergedError
-                elif self.out_dir is not None or self._snapshot is not None:
-                    pending = pending or self.due(cfg.checkpoint_interval) or self.step == stop
-                    # A checkpoint waits for a good step: during a run of skipped (or diverging)
-                    # steps the last good checkpoint stays the newest one. The stop point is always
-                    # saved (the weights are finite: skipped steps never touch them).
-                    good = self.consecutive_bad_steps == 0 and self.monitor.streak == 0
-                    if pending and (good or (self.step == stop and self.out_dir is not None)):
-                        # A checkpoint (then no in-memory copy is needed), or a fresh in-memory copy.
-                        if self.out_dir is not None:
-                            self.save_checkpoint()
-                            self._snapshot = None
-                        else:
-                            self._snapshot = self._memory_snapshot()
-                        saved, pending = self.out_dir is not None, False
+                if in_trouble:
+                    # back to the newest good state, or TrainingDivergedError
+                    self.recovery.recover(self, record)
+                else:
+                    saved = self._save_if_due(schedule)
                 self._stop_if_signalled(saved)
         except TrainingInterrupted:
             interrupted = True
             raise
         finally:
-            log.close()
-            # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
-            # it leaves the process group: close() restores the handlers after that.
-            if not (interrupted and self.dist_env.is_distributed):
-                signals.restore()
-        if self.is_main and self.out_dir is not None and cfg.plot:
+            self._close_fit_log(log, signals, interrupted)
+        self._plot_loss_curve()
+        return history
+
+    def _open_fit_log(self) -> FitLog:
+        """Where one fit() call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and
+        the progress bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
+        """
+        before_write = None
+        if self._run_lock is not None:
+            before_write = self._run_lock.ensure_held
+        return FitLog(
+            self.sinks,
+            self.config,
+            out_dir=self.out_dir,
+            step=self.step,
+            is_main=self.is_main,
+            before_write=before_write,
+        )
+
+    def _close_fit_log(self, log: FitLog, signals: StopSignals, interrupted: bool) -> None:
+        log.close()
+        # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
+        # it leaves the process group: close() restores the handlers after that.
+        if not (interrupted and self.dist_env.is_distributed):
+            signals.restore()
+
+    def _validate_if_due(self, record: dict[str, Any], log: FitLog) -> None:
+        """Add the validation loss to the record of a step due for one (``eval_interval``)."""
+        if self.val_loader is None or not self.due(self.config.eval_interval):
+            return
+        # evaluation takes a while on a CPU: say so on the bar
+        log.status("evaluating ...")
+        try:
+            record["val_loss"] = self.evaluate()
+        except NonFiniteLossError as e:
+            # the training loss decides about divergence
+            record["val_loss"] = e.loss
+
+    def _publish(self, record: dict[str, Any], log: FitLog) -> None:
+        """The callbacks (which may add entries), then the history, metrics.jsonl and the sinks."""
+        for callback in self.callbacks:
+            callback(self, record)
+        self.history.append(record)
+        log.emit(record)
+
+    def _save_if_due(self, schedule: CheckpointSchedule) -> bool:
+        """Save what ``schedule`` says is due: a checkpoint (then no in-memory copy is needed) or, without an
+        out_dir, a fresh in-memory copy for divergence recovery. True when a checkpoint was written.
+        """
+        to_disk = self.out_dir is not None
+        if not to_disk and self.recovery.snapshot is None:
+            return False
+        if not schedule.save_now(self.step, good=self.recovery.good, to_disk=to_disk):
+            return False
+        if not to_disk:
+            self.recovery.refresh_snapshot(self)
+            return False
+        self.save_checkpoint()
+        self.recovery.drop_snapshot()
+        return True
+
+    def _plot_loss_curve(self) -> None:
+        if self.is_main and self.out_dir is not None and self.config.plot:
             metrics.plot_loss_curve(
                 metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
             )
-        return history
 
     def _stop_if_signalled(self, saved: bool) -> None:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
         signum = self._signals.received
-        if self.dist_env.is_distributed:  # every rank stops after the same step
+        # every rank stops after the same step
+        if self.dist_env.is_distributed:
             signum = distributed.all_reduce_max(signum)
         if not signum:
             return
@@ -299,121 +349,23 @@ class Trainer:
             self.save_checkpoint()
         raise TrainingInterrupted(signum, step=self.step, checkpoint=self.last_checkpoint)
 
-    # ------------------------------------------------------------------ divergence recovery
-    def _memory_snapshot(self) -> dict[str, Any]:
-        """The trainable weights, optimizer and scaler state, data position, counters and RNG,
-        copied to the CPU: about 3x the trainable parameters' size with AdamW (documented in
-        docs/training.md). Frozen weights (a LoRA base) never change, so they are not copied.
-        """
-
-        def to_cpu(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return value.detach().to("cpu", copy=True)
-            if isinstance(value, dict):
-                return {k: to_cpu(v) for k, v in value.items()}
-            return type(value)(to_cpu(v) for v in value) if isinstance(value, (list, tuple)) else copy.deepcopy(value)
-
-        return to_cpu(
-            {
-                "weights": {n: p for n, p in self.model.named_parameters() if p.requires_grad},
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "loader": self.train_loader.state_dict(),
-                "step": self.step,
-                "skipped_steps": self.skipped_steps,
-                "best_val_loss": self.best_val_loss,
-                "rng": ckpt.capture_rng_state(),
-            }
-        )
-
-    def _recover(self, record: dict[str, Any]) -> None:
-        """Go back to the newest good state (an intact checkpoint written before the trouble began, else the in-memory
-        copy), multiply the learning rate by ``recovery_lr_factor`` and go on reading the data *after* the batches that
-        blew up. Every rank decides alike: the loss and gradient norm it judges are all-reduced.
-        """
-        cfg = self.config
-        if not cfg.recover or self.recoveries >= cfg.max_recoveries:
-            raise self._diverged(record)
-        first_bad = self.monitor.streak_start if self.monitor.streak else self.step - self.consecutive_bad_steps + 1
-        reason, position = self._divergence_reason(record), self.train_loader.state_dict()
-        kept = (self.recoveries + 1, self.lr_scale * cfg.recovery_lr_factor, self.monitor.state_dict())
-        if (source := self._restore_good_state(first_bad)) is None:
-            raise self._diverged(record)
-        self.recoveries, self.lr_scale, monitor = kept
-        self.monitor.load_state_dict({**monitor, "streak": 0})
-        self.consecutive_bad_steps = 0
-        self.train_loader.load_state_dict(position)
-        logger.warning(
-            "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
-            "steps %d-%d",
-            record["step"],
-            reason,
-            self.recoveries,
-            cfg.max_recoveries,
-            self.step,
-            source,
-            self.lr_scale,
-            self.step + 1,
-            record["step"],
-        )
-
-    def _restore_good_state(self, first_bad: int) -> str | None:
-        """Load the newest intact checkpoint older than step ``first_bad`` (else the in-memory
-        copy); returns what was loaded, or None when there is nothing to go back to.
-        """
-        if self.checkpoint_dir is not None:
-            for path in ckpt.checkpoint_candidates(self.checkpoint_dir):
-                if (ckpt.checkpoint_step(path) or 0) >= first_bad:
-                    continue
-                try:
-                    self.load_checkpoint(path)
-                    return f"checkpoint {path}"
-                except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
-                    logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
-        snap = self._snapshot
-        if snap is None or snap["step"] >= first_bad:
-            return None
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if name in snap["weights"]:
-                    p.copy_(snap["weights"][name])
-        self.optimizer.load_state_dict(snap["optimizer"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(snap["scaler"])
-        self.train_loader.load_state_dict(snap["loader"])
-        self.step, self.skipped_steps, self.best_val_loss = snap["step"], snap["skipped_steps"], snap["best_val_loss"]
-        ckpt.restore_rng_state(snap["rng"])
-        return "in-memory copy"
-
-    def recovery_state(self) -> dict[str, Any]:
-        """What a checkpoint records about divergence recovery (resume stays exact across one)."""
-        return {"recoveries": self.recoveries, "lr_scale": self.lr_scale, "monitor": self.monitor.state_dict()}
-
-    def load_recovery_state(self, state: dict[str, Any] | None) -> None:
-        state = state or {}
-        self.recoveries = int(state.get("recoveries", 0))
-        self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.monitor.load_state_dict(state.get("monitor"))
-
     def due(self, interval: int) -> bool:
         """Is the step just taken due for a task run every ``interval`` steps (0 = never)? The last step is."""
-        return self.step == self.config.max_steps or (interval > 0 and self.step % interval == 0)
+        return is_due(self.step, interval, self.config.max_steps)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record."""
         cfg = self.config
-        lr = self.lr_scale * lr_at(
+        lr = self.recovery.lr_scale * lr_at(
             self.step, max_lr=cfg.max_lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
         )
         set_lr(self.optimizer, lr)
         self.train_model.train()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        # All micro-batches first (token ids are small): each one's loss share needs the global scored count.
-        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
-        for batch in batches if self.vocab_size else ():  # a custom loader's too: -100 is not ignored here
-            check_targets(batch[1], self.vocab_size)
-        counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]  # on the CPU: no device sync
+        batches = self._read_batches()
+        # counted on the CPU: no device sync
+        counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
         scored = self._global_count(sum(counts))
         if scored == 0:
             # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
@@ -424,7 +376,8 @@ class Trainer:
             loss_value = self._accumulate(batches, counts, scored)
             grad_norm, skipped, bad = self._optimizer_step(loss_value)
         if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the step's kernels are queued asynchronously: time them all
+            # the step's kernels are queued asynchronously: time them all
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens_per_second = self.tokens_per_step / dt
@@ -443,14 +396,19 @@ class Trainer:
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
         if skipped:
-            if scored == 0:
-                why = "the global batch has no scored targets (every target is IGNORE_INDEX)"
-            elif bad:
-                why = "non-finite loss or gradient norm"
-            else:
-                why = f"fp16 gradients overflowed, loss scale lowered to {record['loss_scale']:g}"
-            logger.warning("step %d skipped (%s): loss %s, grad norm %s", self.step, why, loss_value, grad_norm)
+            _warn_skipped(record, bad)
         return record
+
+    def _read_batches(self) -> list[tuple]:
+        """The step's micro-batches, all read first (token ids are small): each one's loss share needs the
+        global count of scored targets.
+        """
+        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
+        # A custom loader's targets are checked too: -100 is not ignored here.
+        if self.vocab_size:
+            for batch in batches:
+                check_targets(batch[1], self.vocab_size)
+        return batches
 
     def _global_count(self, local: int) -> int:
         """``local`` summed over all processes (float64 holds any count exactly)."""
@@ -469,35 +427,59 @@ class Trainer:
         do, not as much as one with 300. DDP averages gradients over the ranks: hence x world_size.
         """
         scale = self.dist_env.world_size / scored
-        sums = "reduction" in inspect.signature(self.model.forward).parameters  # as gpt2.GPT
+        # a model that can sum its targets' losses itself, as gpt2.GPT
+        sums = "reduction" in inspect.signature(self.model.forward).parameters
         loss_sum = torch.zeros((), device=self.device)
         for micro_step, (batch, count) in enumerate(zip(batches, counts)):
-            extras = batch[2] if len(batch) > 2 else {}  # e.g. a packed batch's attn_mask, position_ids
-            cuda = self.device.type == "cuda"  # pinned memory: the copy runs alongside the previous step's kernels
-            x, y, *values = [
-                (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
-                for t in (*batch[:2], *extras.values())
-            ]
-            kwargs = dict(zip(extras, values))
+            x, y, kwargs = self._to_device(batch)
             # Under DDP, only the last micro-step's backward averages gradients across processes.
             with distributed.no_sync(self.train_model, skip_sync=micro_step < len(batches) - 1):
                 with self.precision.autocast():
-                    if sums:
-                        _, loss = self.train_model(x, y, reduction="sum", **kwargs)
-                    else:  # forward(idx, targets) -> (logits, mean loss): the mean of no targets is NaN
-                        _, loss = self.train_model(x, y, **kwargs)
-                        loss = loss * count if count else loss.nan_to_num(0.0) * 0.0
+                    loss = self._summed_loss(x, y, kwargs, count, sums)
                 loss = loss * scale
                 loss_sum += loss.detach()
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
         # Every process logs (and judges) the loss of the whole global batch.
         return distributed.all_reduce_mean(loss_sum).item()
+
+    def _to_device(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """A micro-batch's inputs, targets and extra model arguments (e.g. a packed batch's attn_mask and
+        position_ids) on the device. On CUDA through pinned memory: the copy runs alongside the previous
+        step's kernels.
+        """
+        extras = batch[2] if len(batch) > 2 else {}
+        cuda = self.device.type == "cuda"
+        tensors = [*batch[:2], *extras.values()]
+        if cuda:
+            tensors = [t.pin_memory() for t in tensors]
+        x, y, *values = [t.to(self.device, non_blocking=cuda) for t in tensors]
+        return x, y, dict(zip(extras, values))
+
+    def _summed_loss(
+        self, x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, Any], count: int, sums: bool
+    ) -> torch.Tensor:
+        """The sum of the micro-batch's ``count`` targets' losses: from the model itself when it ``sums``
+        (``reduction="sum"``), else its mean loss times ``count``.
+        """
+        if sums:
+            _, loss = self.train_model(x, y, reduction="sum", **kwargs)
+            return loss
+        # forward(idx, targets) -> (logits, mean loss): the mean of no targets is NaN
+        _, loss = self.train_model(x, y, **kwargs)
+        if count:
+            return loss * count
+        return loss.nan_to_num(0.0) * 0.0
 
     def _optimizer_step(self, loss_value: float) -> tuple[float, bool, bool]:
         """Unscale, clip, step (unless non-finite). Returns (grad_norm, skipped, bad)."""
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        max_norm = self.config.grad_clip or math.inf  # inf: measure the norm, change nothing
+            # clip the true gradients, not the scaled ones
+            self.scaler.unscale_(self.optimizer)
+        # inf: measure the norm, change nothing
+        max_norm = self.config.grad_clip or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         skipped = bad = not finite
@@ -508,52 +490,18 @@ class Trainer:
             scale = self.scaler.get_scale()
             if finite:
                 self.scaler.step(self.optimizer)
-            self.scaler.update()  # lowers the scale when unscale_ found inf/nan gradients
+            # lowers the scale when unscale_ found inf/nan gradients
+            self.scaler.update()
             # Overflow of *scaled* fp16 gradients is the scaler searching for its scale (normal);
             # a non-finite loss, or an overflow at scale <= 1, is a real numerical problem.
             overflow = self.scaler.get_scale() < scale
             bad = bad and not (overflow and math.isfinite(loss_value) and scale > 1.0)
         if skipped:
             self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)  # the non-finite gradients go nowhere
-        self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if bad else 0
+            # the non-finite gradients go nowhere
+            self.optimizer.zero_grad(set_to_none=True)
+        self.recovery.count_step(bad)
         return grad_norm, skipped, bad
-
-    def _divergence_reason(self, record: dict[str, Any]) -> str:
-        scale = f", loss scale {record['loss_scale']:g}" if "loss_scale" in record else ""
-        if self.consecutive_bad_steps >= self.config.max_bad_steps:
-            return (
-                f"{self.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient norm "
-                f"(last: loss {record['loss']}, grad norm {record['grad_norm']}{scale})"
-            )
-        return (
-            f"the loss stayed above {self.monitor.factor:g} x the best loss so far ({self.monitor.best:.4g}) for "
-            f"{self.monitor.streak} steps (last: {record['loss']:.4g})"
-        )
-
-    def _last_good(self) -> str:
-        last = self.last_checkpoint
-        return "no checkpoint was written in this run" if last is None else f"the last good checkpoint is {last}"
-
-    def _diverged(self, record: dict[str, Any]) -> TrainingDivergedError:
-        cfg, n = self.config, self.consecutive_bad_steps
-        message = f"training diverged at step {self.step}"
-        if cfg.recover:
-            message += f" after {self.recoveries} recoveries (max_recoveries={cfg.max_recoveries})"
-        message += f": {self._divergence_reason(record)}."
-        if n >= cfg.max_bad_steps:
-            message += f" Those steps were skipped, so the weights are still those of step {self.step - n}."
-        message += (
-            f" {self._last_good()}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume "
-            "from the checkpoint."
-        )
-        return TrainingDivergedError(
-            message,
-            step=self.step,
-            loss=record["loss"],
-            grad_norm=record["grad_norm"],
-            last_checkpoint=self.last_checkpoint,
-        )
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, steps: int | None = None) -> float:
@@ -570,7 +518,8 @@ class Trainer:
             self.val_loader,
             cfg.micro_batch_size,
             cfg.seq_len,
-            cfg.eval_steps if steps is None else steps,  # 0 is refused there, not taken for the default
+            # steps=0 is refused there, not taken for the default
+            cfg.eval_steps if steps is None else steps,
             self.precision.autocast,
             device=self.device,
             progress=self.is_main and cfg.progress,
@@ -592,18 +541,21 @@ class Trainer:
         if self.checkpoint_dir is None:
             return None
         bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
-        if bad:  # checked on every rank, so all of them stop together
+        # checked on every rank, so all of them stop together
+        if bad:
             raise TrainingDivergedError(
                 f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); "
-                f"{self._last_good()}",
+                f"{last_good(self.last_checkpoint)}",
                 step=self.step,
                 loss=math.nan,
                 grad_norm=math.nan,
                 last_checkpoint=self.last_checkpoint,
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
-        rng = ckpt.capture_rng_state(all_ranks=True)  # a collective: every rank's CUDA RNG state
-        if self.is_main:  # once it checked it still owns out_dir
+        # a collective: every rank's CUDA RNG state
+        rng = ckpt.capture_rng_state(all_ranks=True)
+        # rank 0 writes, once it checked that it still owns out_dir
+        if self.is_main:
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
             model_config = getattr(self.model, "config", None)
@@ -620,8 +572,6 @@ class Trainer:
                 "precision": self.precision.name,
                 "torch_version": torch.__version__,
             }
-            # a save in a run of bad steps (a stop point, a signal) prunes nothing: recovery needs a good one
-            keep = self.config.keep_last_checkpoints if self.consecutive_bad_steps == self.monitor.streak == 0 else 0
             path = ckpt.save_checkpoint(
                 self.checkpoint_dir,
                 self.step,
@@ -629,7 +579,7 @@ class Trainer:
                 self.optimizer,
                 self.scaler,
                 meta,
-                keep_last=keep,
+                keep_last=self.recovery.checkpoints_to_keep(),
                 trainable_only=self.config.save_trainable_only,
                 rng_state=rng,
             )
@@ -655,7 +605,8 @@ class Trainer:
             (meta.get("tokens_per_step"), meta.get("world_size")),
             (self.tokens_per_step, self.dist_env.world_size),
         )
-        if was != now and self.is_main:  # once, not once per rank
+        # once, not once per rank
+        if was != now and self.is_main:
             logger.warning(
                 "checkpoint was written with %s tokens/step on %s process(es), this run uses %s on %s: "
                 "the data order (and so the losses) will differ from an uninterrupted run",
@@ -671,8 +622,7 @@ class Trainer:
         self.step = int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.best_val_loss = meta.get("best_val_loss")
-        self.consecutive_bad_steps = 0
-        self.load_recovery_state(meta.get("recovery"))
+        self.recovery.resume(meta.get("recovery"))
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
@@ -686,10 +636,13 @@ class Trainer:
         if self._owns_process_group:
             distributed.destroy_process_group(wait_for_all)
             self._owns_process_group = False
-        self._signals.restore()  # kept by an interrupted fit() under DDP until the group is gone
-        if self._run_lock is not None:  # kept: a fit() or save after this is refused (ensure_held)
+        # kept by an interrupted fit() under DDP until the group is gone
+        self._signals.restore()
+        # the lock object is kept: a fit() or save after this is refused (ensure_held)
+        if self._run_lock is not None:
             self._run_lock.release()
-        while getattr(self, "sinks", None):  # the user's sinks with a close(), once (set-up may have failed first)
+        # the user's sinks with a close(), once (set-up may have failed before there were sinks)
+        while getattr(self, "sinks", None):
             getattr(self.sinks.pop(), "close", lambda: None)()
 
     def __enter__(self) -> Trainer:
@@ -698,3 +651,16 @@ class Trainer:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         # After an error other ranks may never arrive; a stop signal stops them all at one step.
         self.close(wait_for_all=exc_type is None or issubclass(exc_type, TrainingInterrupted))
+
+
+def _warn_skipped(record: dict[str, Any], bad: bool) -> None:
+    """Say why the step of ``record`` changed no weight."""
+    if record["scored_tokens"] == 0:
+        why = "the global batch has no scored targets (every target is IGNORE_INDEX)"
+    elif bad:
+        why = "non-finite loss or gradient norm"
+    else:
+        why = f"fp16 gradients overflowed, loss scale lowered to {record['loss_scale']:g}"
+    logger.warning(
+        "step %d skipped (%s): loss %s, grad norm %s", record["step"], why, record["loss"], record["grad_norm"]
+    )
