@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.utils import parametrize
 
+from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 from gpt2.model import hf
 from gpt2.model.config import GPTConfig
@@ -485,7 +486,7 @@ def _loss_and_softmax(
     # On CPU the softmax overwrites the logits (no second logits-sized block); the target's logit is
     # read first.
     target_logit = logits[rows, t]
-    p = _softmax_in_place(logits)
+    p = torch_compat.softmax_in_place(logits)
     p_target = p[rows, t]
     row_loss = -p_target.log()
     # Rows whose p[target] underflowed get their loss from their logits, computed again (the buffer
@@ -494,12 +495,6 @@ def _loss_and_softmax(
     again = (xc[low].to(dtype) @ w.T)[:, :vocab_size].float()
     row_loss[low] = again.logsumexp(-1) - target_logit[low]
     return row_loss, p
-
-
-def _softmax_in_place(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.softmax(-1)``, written over ``logits``: exp(x - max), then divided by the row sums."""
-    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-    return logits.div_(logits.sum(-1, keepdim=True))
 
 
 def _logits_grad(
