@@ -9,4 +9,10 @@ source scripts/setup.sh dev
 "$PYTHON" -m ruff format --check --quiet gpt2 minlora tests examples benchmarks scripts
 lint_imports=("$PYTHON" -c "from importlinter.cli import lint_imports_command as c; c()" --no-cache)
 "${lint_imports[@]}" >/dev/null || "${lint_imports[@]}"  # the contracts: pyproject.toml [tool.importlinter]
+# The readability budget beyond ruff (statement ternaries, ternary and walrus density, radon
+# complexity, private torch names outside *compat* modules), where the shared hooks sit beside the checkout.
+readability=../shared/hooks/readability.py
+if [ -f "$readability" ]; then
+    "$PYTHON" "$readability" >/dev/null 2>&1 || "$PYTHON" "$readability"
+fi
 exec "$PYTHON" -m pytest -q --durations=15 "$@"

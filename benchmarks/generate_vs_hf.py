@@ -32,14 +32,29 @@ from gpt2.model.gpt import GPT
 from gpt2.model.hf_convert import config_from_hf, hf_to_gpt_state_dict
 
 
-def main() -> None:
+def time_interleaved(runs: dict, rounds: int, clock) -> dict[str, list[float]]:
+    """Each run's time in every round, the runs alternating within a round (A B C, A B C, ...)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = clock()
+            run()
+            times[name].append(clock() - start)
+    return times
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--prompt", type=int, default=8, help="prompt length in tokens")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled model (its cold compile)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (> 1: wall time)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     torch.manual_seed(0)
@@ -78,12 +93,7 @@ def main() -> None:
     with torch.no_grad():
         outputs = {name: run() for name, run in runs.items()}  # warm-up, and the tokens to compare
         runs["matmuls only"] = matmuls_only
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(args.rounds):
-            for name, run in runs.items():
-                start = clock()
-                run()
-                times[name].append(clock() - start)
+        times = time_interleaved(runs, args.rounds, clock)
     if not args.no_compile:
         graphs = (
             f"compiled: first call {warm_s:.1f} s wall (compiling), {built} graph(s) (the decoding step); "
