@@ -29,7 +29,8 @@ The record describes the names *in* its folder, so an export folder is recorded 
 (the folder holds the export and nothing else) and a single file (a GGUF file, ``gpt2 eval
 --output``) is recorded the same way. Keyed by name, the record still reads as the list of names to
 code written for the older format (``set(json.load(f))``). It is written atomically
-(:func:`gpt2.files.replace_atomically`), and entries whose path is gone are dropped at each write.
+(:func:`gpt2.files.replace_atomically`), and entries whose path is gone are dropped at each write
+(legacy names excepted: the older code lists its names before it writes them).
 
 A damaged record (not JSON, neither an object nor a list, an entry of the wrong shape) is named in
 a warning. What cannot be read claims nothing, so nothing of it is replaced or deleted; the valid
@@ -190,6 +191,7 @@ def remove_owned(
             removed += mine
         else:
             removed.append(path)
+            del entries[name]
     if removed:
         # What is gone is dropped from the record; a record that cannot be rewritten only keeps
         # entries for absent paths, which claim nothing (the next write drops them).
@@ -457,7 +459,8 @@ def _write(folder: Path, entries: dict[str, Entry]) -> None:
     """Replace ``folder``'s record atomically with ``entries``, less what is gone; none left: no record."""
     kept = {}
     for name, entry in entries.items():
-        if os.path.lexists(folder / name):
+        # A legacy name stays while absent: the run directory's older code lists names before writing them.
+        if entry == LEGACY or os.path.lexists(folder / name):
             kept[name] = _without_missing(folder / name, entry)
     path = folder / RECORD_FILE
     if not kept:

@@ -17,6 +17,7 @@ from gpt2.model.config import GPTConfig
 from gpt2.model.gguf import _gguf_tensors, save_gguf
 from gpt2.model.gpt import GPT
 from gpt2.model.tokenizer import bpe_files, get_tokenizer
+from gpt2.outputs import NotOursError
 
 gguf = pytest.importorskip("gguf")
 
@@ -164,6 +165,26 @@ def test_save_gguf_refusals(tmp_path):
     with pytest.raises(TypeError, match="expects a gpt2.GPT"):
         save_gguf(torch.nn.Linear(2, 2), tmp_path / "m.gguf")
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_save_gguf_replaces_only_its_own_earlier_file(tmp_path):
+    """Issue 27: any llama.cpp model is a GGUF file, so only the record shows which one gpt2 wrote."""
+    model = _random_model()
+    theirs = tmp_path / "llama.gguf"
+    theirs.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(NotOursError, match=r"llama.gguf exists and gpt2 has no record .* overwrite=True"):
+        save_gguf(model, theirs, dtype="f32")
+    assert theirs.read_bytes() == b"GGUF" + bytes(60)
+
+    path = save_gguf(model, tmp_path / "m.gguf", dtype="f32")
+    save_gguf(model, path, dtype="f16")  # its own earlier export
+    with open(path, "r+b") as f:  # changed since
+        f.seek(-1, 2)
+        f.write(b"x")
+    with pytest.raises(NotOursError, match="m.gguf has changed since gpt2 wrote it"):
+        save_gguf(model, path)
+    save_gguf(model, theirs, dtype="f32", overwrite=True)
+    assert len(gguf.GGUFReader(theirs).tensors) == len(_expected_tensors(model))
 
 
 def _adapter(base_dir, path, tie: bool = False, **config) -> GPT:

@@ -107,14 +107,14 @@ def test_a_legacy_list_record_counts_only_where_the_caller_allows_and_is_rebuilt
     assert remove_owned(tmp_path, ["metrics.jsonl"]) == ([], [metrics])
 
     _write(tmp_path / "results.json", "{}")
-    record_written(tmp_path / "results.json")  # rebuilt in the new format; absent names dropped
+    record_written(tmp_path / "results.json")  # rebuilt in the new format
     record = _record(tmp_path)
-    assert record["checkpoints"] == record["metrics.jsonl"] == {"legacy": True} and "wandb" not in record
-    assert set(record) == {"checkpoints", "metrics.jsonl", "results.json"}  # the names, read as the old reader did
+    assert record["checkpoints"] == record["wandb"] == {"legacy": True}
+    assert set(record) == {"checkpoints", "metrics.jsonl", "wandb", "results.json"}  # names, as the old reader read
 
     removed, kept = remove_owned(tmp_path, ["checkpoints", "metrics.jsonl"], legacy=True)
     assert sorted(removed) == [tmp_path / "checkpoints", metrics] and kept == []
-    assert set(_record(tmp_path)) == {"results.json"}
+    assert set(_record(tmp_path)) == {"results.json", "wandb"}
 
 
 def test_a_damaged_record_is_named_claims_nothing_it_cannot_read_and_is_rebuilt(tmp_path, caplog):

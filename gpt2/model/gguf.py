@@ -13,10 +13,12 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
+from gpt2 import outputs
 from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
+from gpt2.model.hf import OVERWRITE_FLAG
 from gpt2.model.tokenizer import EOT_TOKEN, bpe_files, read_bpe_files
 
 logger = logging.getLogger(__name__)
@@ -115,14 +117,19 @@ def _check_exportable(model: torch.nn.Module, dtype: str) -> GPTConfig:
     return config
 
 
-def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
+def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16", overwrite: bool = False) -> Path:
     """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer embedded; returns
     its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and biases stay float32 as in llama.cpp's
     converter, and rows that do not split into q8_0's 32-value blocks fall back to f16.
+
+    An existing ``path`` is replaced only where it is an earlier export that gpt2 recorded and that has not
+    changed since (:mod:`gpt2.outputs`), or with ``overwrite=True``: any llama.cpp model is a GGUF file,
+    so neither the name nor the format shows that gpt2 wrote it.
     """
     gguf = _import_gguf()
     model = unwrap_model(model)
     config = _check_exportable(model, dtype)
+    outputs.check_replaceable(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     file_type = getattr(gguf.LlamaFileType, _FILE_TYPES[dtype])
     tokens, merges = _vocabulary()
@@ -168,5 +175,6 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
 
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(path, write, to_path=True)
+    outputs.record_written(path)
     logger.info("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
     return path
