@@ -167,6 +167,27 @@ def test_save_gguf_refusals(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
+@pytest.mark.parametrize("dtype, big", [("f16", 7e4), ("f16", -1e6), ("q8_0", 1e7)])
+def test_a_weight_the_type_cannot_hold_keeps_its_tensor_in_f32(tmp_path, caplog, dtype, big):
+    """Issue 27: f16 holds |x| <= 65504 and q8_0's f16 block scales |x| / 127 no more; beyond that the
+    file held inf (and exited 0). That tensor is f32 instead, named in a warning; the others keep the type.
+    """
+    model = _random_model()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[3, 5] = big
+    with caplog.at_level("WARNING", logger="gpt2.model.gguf"):
+        reader = gguf.GGUFReader(save_gguf(model, tmp_path / "m.gguf", dtype=dtype))
+    tensors = {t.name: t for t in reader.tensors}
+    for name, t in tensors.items():
+        assert np.isfinite(_read_tensor(t)).all(), name
+    up = tensors["blk.1.ffn_up.weight"]
+    assert up.tensor_type == gguf.GGMLQuantizationType.F32
+    np.testing.assert_array_equal(_read_tensor(up), model.transformer.h[1].mlp.c_fc.weight.detach().numpy())
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == getattr(gguf.GGMLQuantizationType, dtype.upper())
+    assert "blk.1.ffn_up.weight holds values up to" in caplog.text and f"beyond what {dtype} can hold" in caplog.text
+    assert caplog.text.count("GGUF export:") == 1
+
+
 def test_save_gguf_replaces_only_its_own_earlier_file(tmp_path):
     """Issue 27: any llama.cpp model is a GGUF file, so only the record shows which one gpt2 wrote."""
     model = _random_model()
