@@ -158,6 +158,10 @@ class StopSignals:
     """While installed (main thread only: Python runs handlers there), a stop signal sets
     ``received`` instead of raising. The ``force_after``-th one stops at once (KeyboardInterrupt):
     under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's).
+
+    A signal that is ignored when it is installed stays ignored, as Unix users expect:
+    ``nohup gpt2 train ... &`` keeps training when the terminal closes (nohup ignores SIGHUP), and
+    so does a process started under ``trap '' HUP``, or a shell script's background job (SIGINT).
     """
 
     def __init__(self, force_after: float = 3) -> None:
@@ -171,6 +175,8 @@ class StopSignals:
         self.received, self._count = 0, 0
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) == signal.SIG_IGN:
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

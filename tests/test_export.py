@@ -17,6 +17,7 @@ from gpt2.cli import main
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.model.tokenizer import get_tokenizer
+from gpt2.outputs import RECORD_FILE, NotOursError
 
 TINY = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32, pad_vocab_multiple=64)
 
@@ -160,3 +161,38 @@ def test_dora_is_one_flag_and_sample_runs_with_a_dora_adapter(base, tmp_path, ca
     with_dora = capsys.readouterr().out
     assert _cli("sample", *args, "--device", "cpu") == 0
     assert with_dora != capsys.readouterr().out  # the adapter was applied
+
+
+def test_an_export_replaces_only_its_own_earlier_files(base, tmp_path, capsys):
+    """Issue 27: save_pretrained replaces what it recorded writing, nothing else; a file the user
+    changed since is refused in one line naming it and the flag, before anything is written.
+    """
+    model, base_dir = base
+    out = tmp_path / "out"
+    model.save_pretrained(out)
+    # The record is in the parent: the folder holds the export and nothing else.
+    recorded = json.loads((tmp_path / RECORD_FILE).read_text())["out"]["files"]
+    assert sorted(recorded) == sorted(p.name for p in out.iterdir())
+    (out / "config.json").write_text('{"edited": "by hand"}')
+    assert _cli("export", "--model", base_dir, "--out", out) == 2
+    assert f"{out / 'config.json'} has changed since gpt2 wrote it" in capsys.readouterr().err
+
+    weights = (out / "model.safetensors").read_bytes()
+    with pytest.raises(NotOursError, match=r"config.json has changed since .* pass overwrite=True \(--overwrite\)"):
+        model.save_pretrained(out, safe_serialization=False)
+    assert (out / "model.safetensors").read_bytes() == weights and not (out / "pytorch_model.bin").exists()
+    model.save_pretrained(out, overwrite=True)
+    assert "edited" not in (out / "config.json").read_text()
+
+    # A user's files beside the export, even one named like a weights file, are never touched.
+    (out / "notes.txt").write_text("mine")
+    (out / "model_backup.safetensors").write_bytes(weights)
+    model.save_pretrained(out, safe_serialization=False)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model_backup.safetensors").read_bytes() == weights
+    assert not (out / "model.safetensors").exists()  # its own earlier weights: replaced by the .bin
+
+    # An export from before the record: the export's own names are replaced as before.
+    (tmp_path / RECORD_FILE).unlink()
+    (out / "config.json").write_text('{"edited": "by hand"}')
+    model.save_pretrained(out)
+    assert "edited" not in (out / "config.json").read_text()

@@ -17,6 +17,7 @@ from gpt2.model.config import GPTConfig
 from gpt2.model.gguf import _gguf_tensors, save_gguf
 from gpt2.model.gpt import GPT
 from gpt2.model.tokenizer import bpe_files, get_tokenizer
+from gpt2.outputs import NotOursError
 
 gguf = pytest.importorskip("gguf")
 
@@ -164,6 +165,47 @@ def test_save_gguf_refusals(tmp_path):
     with pytest.raises(TypeError, match="expects a gpt2.GPT"):
         save_gguf(torch.nn.Linear(2, 2), tmp_path / "m.gguf")
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("dtype, big", [("f16", 7e4), ("f16", -1e6), ("q8_0", 1e7)])
+def test_a_weight_the_type_cannot_hold_keeps_its_tensor_in_f32(tmp_path, caplog, dtype, big):
+    """Issue 27: f16 holds |x| <= 65504 and q8_0's f16 block scales |x| / 127 no more; beyond that the
+    file held inf (and exited 0). That tensor is f32 instead, named in a warning; the others keep the type.
+    """
+    model = _random_model()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[3, 5] = big
+    with caplog.at_level("WARNING", logger="gpt2.model.gguf"):
+        reader = gguf.GGUFReader(save_gguf(model, tmp_path / "m.gguf", dtype=dtype))
+    tensors = {t.name: t for t in reader.tensors}
+    for name, t in tensors.items():
+        assert np.isfinite(_read_tensor(t)).all(), name
+    up = tensors["blk.1.ffn_up.weight"]
+    assert up.tensor_type == gguf.GGMLQuantizationType.F32
+    np.testing.assert_array_equal(_read_tensor(up), model.transformer.h[1].mlp.c_fc.weight.detach().numpy())
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == getattr(gguf.GGMLQuantizationType, dtype.upper())
+    assert "blk.1.ffn_up.weight holds values up to" in caplog.text and f"beyond what {dtype} can hold" in caplog.text
+    assert caplog.text.count("GGUF export:") == 1
+
+
+def test_save_gguf_replaces_only_its_own_earlier_file(tmp_path):
+    """Issue 27: any llama.cpp model is a GGUF file, so only the record shows which one gpt2 wrote."""
+    model = _random_model()
+    theirs = tmp_path / "llama.gguf"
+    theirs.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(NotOursError, match=r"llama.gguf exists and gpt2 has no record .* overwrite=True"):
+        save_gguf(model, theirs, dtype="f32")
+    assert theirs.read_bytes() == b"GGUF" + bytes(60)
+
+    path = save_gguf(model, tmp_path / "m.gguf", dtype="f32")
+    save_gguf(model, path, dtype="f16")  # its own earlier export
+    with open(path, "r+b") as f:  # changed since
+        f.seek(-1, 2)
+        f.write(b"x")
+    with pytest.raises(NotOursError, match="m.gguf has changed since gpt2 wrote it"):
+        save_gguf(model, path)
+    save_gguf(model, theirs, dtype="f32", overwrite=True)
+    assert len(gguf.GGUFReader(theirs).tensors) == len(_expected_tensors(model))
 
 
 def _adapter(base_dir, path, tie: bool = False, **config) -> GPT:

@@ -1,6 +1,13 @@
 """A GPT -> one self-contained GGUF file (weights + GPT-2 tokenizer) that llama.cpp runs, written
 with llama.cpp's ``gguf`` package under the names its own converter (``convert_hf_to_gguf.py``,
 ``GPT2Model``) uses, so llama.cpp treats it as a converted ``gpt2``.
+
+The file never holds a value its type cannot: f16 holds magnitudes up to 65504 and q8_0 stores each
+32-value block's scale (its largest magnitude / 127) in f16, so beyond that they would write ``inf``.
+A matrix with such a weight is written in f32 instead, with a warning naming it: the file's other
+matrices keep the asked type, and llama.cpp reads files whose tensors differ in type (norms and
+biases are f32 in every file anyway). Refusing would leave no way to export such a model, and
+clipping would change it silently.
 """
 
 from __future__ import annotations
@@ -10,13 +17,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.utils import parametrize
 
+from gpt2 import outputs
 from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
+from gpt2.model.hf import OVERWRITE_FLAG
 from gpt2.model.tokenizer import EOT_TOKEN, bpe_files, read_bpe_files
 
 logger = logging.getLogger(__name__)
@@ -115,14 +125,52 @@ def _check_exportable(model: torch.nn.Module, dtype: str) -> GPTConfig:
     return config
 
 
-def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16") -> Path:
+def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
+    """``(bytes, type)`` of the tensor ``name``: ``data`` in ``kind``, or f16 where q8_0's 32-value
+    blocks do not divide its rows, or f32 with a warning where the type cannot hold its values.
+    """
+    try:
+        encoded = _quantize(gguf, data, kind)
+    except gguf.QuantError:
+        # A row length that is not a multiple of q8_0's 32-value block.
+        kind = gguf.GGMLQuantizationType.F16
+        encoded = _quantize(gguf, data, kind)
+    if kind == gguf.GGMLQuantizationType.F32:
+        return encoded, kind
+    # f16 holds |x| <= 65504, and q8_0's f16 block scales |x| / 127 no more: beyond that, inf.
+    with np.errstate(over="ignore", invalid="ignore"):
+        overflow = np.isfinite(data) & ~np.isfinite(gguf.quants.dequantize(encoded, kind))
+    if not overflow.any():
+        return encoded, kind
+    logger.warning(
+        "GGUF export: %s holds values up to %.4g, beyond what %s can hold (they would be written as inf): "
+        "this tensor is written as f32",
+        name,
+        float(np.abs(data[overflow]).max()),
+        kind.name.lower(),
+    )
+    return data, gguf.GGMLQuantizationType.F32
+
+
+def _quantize(gguf: Any, data: np.ndarray, kind: Any) -> np.ndarray:
+    """gguf's quantize, without numpy's overflow warning (:func:`_encode` names the tensor instead)."""
+    with np.errstate(over="ignore"):
+        return gguf.quants.quantize(data, kind)
+
+
+def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16", overwrite: bool = False) -> Path:
     """Write ``model`` (a :class:`gpt2.GPT`, adapters merged) as a GGUF file with GPT-2's tokenizer embedded; returns
     its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and biases stay float32 as in llama.cpp's
     converter, and rows that do not split into q8_0's 32-value blocks fall back to f16.
+
+    An existing ``path`` is replaced only where it is an earlier export that gpt2 recorded and that has not
+    changed since (:mod:`gpt2.outputs`), or with ``overwrite=True``: any llama.cpp model is a GGUF file,
+    so neither the name nor the format shows that gpt2 wrote it.
     """
     gguf = _import_gguf()
     model = unwrap_model(model)
     config = _check_exportable(model, dtype)
+    outputs.check_replaceable(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     file_type = getattr(gguf.LlamaFileType, _FILE_TYPES[dtype])
     tokens, merges = _vocabulary()
@@ -154,12 +202,7 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
             kind = gguf.GGMLQuantizationType.F32
             if data.ndim == 2:
                 kind = qtype
-            try:
-                data = gguf.quants.quantize(data, kind)
-            except gguf.QuantError:
-                # A row length that is not a multiple of q8_0's 32-value block.
-                kind = gguf.GGMLQuantizationType.F16
-                data = gguf.quants.quantize(data, kind)
+            data, kind = _encode(gguf, name, data, kind)
             writer.add_tensor(name, data, raw_dtype=kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -168,5 +211,6 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
 
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(path, write, to_path=True)
+    outputs.record_written(path)
     logger.info("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
     return path

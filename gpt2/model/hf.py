@@ -10,11 +10,13 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gpt2 import outputs
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import replace_atomically
 from gpt2.model.checkpoint_files import (
@@ -42,6 +44,11 @@ _SAFETENSORS = "model.safetensors"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN = "pytorch_model.bin"
 _BIN_INDEX = "pytorch_model.bin.index.json"
+# transformers' weights files, whole or sharded, and their index files: an export replaces them all.
+_WEIGHTS_NAME = re.compile(r"(model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)(\.index\.json)?")
+_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+# How a caller allows replacing what gpt2 did not write (or what changed since), in Python and on the command line.
+OVERWRITE_FLAG = "overwrite=True (--overwrite)"
 
 
 def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -296,6 +303,7 @@ def save_pretrained(
     *,
     safe_serialization: bool = True,
     tokenizer_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` as a ``transformers.GPT2LMHeadModel`` directory; returns its path.
 
@@ -303,6 +311,9 @@ def save_pretrained(
     ``pytorch_model.bin`` with ``safe_serialization=False``. GPT-2's tokenizer files come along (from
     :func:`gpt2.model.tokenizer.bpe_files`, or ``tokenizer_dir``), so ``AutoTokenizer`` and llama.cpp's converter work
     on the folder; without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
+
+    Into a folder holding an earlier export, it replaces only that export's files (:mod:`gpt2.outputs`; a file
+    there that gpt2 did not write, or that changed since, needs ``overwrite=True``), and records what it wrote.
     """
     from safetensors.torch import save
 
@@ -330,12 +341,10 @@ def save_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
-    # Every other weights file goes: an earlier sharded save's index would win over a new .bin on reload.
-    keep = out / _BIN
-    if safe_serialization:
-        keep = out / _SAFETENSORS
-    for stale in {*out.glob("model*.safetensors*"), *out.glob("pytorch_model*.bin*")} - {keep}:
-        stale.unlink()
+    written, stale, old_tokenizer = _export_files(out, safe_serialization, bpe is not None)
+    _check_replaceable(out, [*written, *stale, *old_tokenizer], overwrite)
+    for name in stale:
+        (out / name).unlink()
     # Each file is written under a temporary name and renamed into place, weights first: a crash
     # leaves whole files behind, never a truncated one that transformers would fail to read. Bytes
     # through replace_atomically: safetensors' save_file would make the file 0600, not the umask's.
@@ -349,14 +358,45 @@ def save_pretrained(
     if bpe is not None:
         _write_tokenizer(*bpe, out, config)
     else:
-        # An earlier export's tokenizer would be loaded with this model: removed.
-        for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in old_tokenizer:
             (out / name).unlink(missing_ok=True)
         logger.warning(
             f"no tokenizer files: the model has {config.vocab_size} token ids, GPT-2's tokenizer {GPT2_VOCAB_SIZE}"
         )
+    outputs.record_written(out, files=written)
     logger.info("saved %s to %s", type(inner).__name__, out)
     return out
+
+
+def _export_files(out: Path, safe_serialization: bool, tokenizer: bool) -> tuple[list[str], list[str], list[str]]:
+    """The names an export into ``out`` writes, the weights files it deletes first, and the
+    tokenizer files it deletes once the model is written.
+    """
+    weights = _BIN
+    if safe_serialization:
+        weights = _SAFETENSORS
+    written = [weights, "config.json"]
+    # Every other weights file goes: an earlier sharded save's index would win over a new .bin on reload.
+    stale = sorted(p.name for p in out.iterdir() if _WEIGHTS_NAME.fullmatch(p.name) and p.name != weights)
+    # Without a tokenizer of its own, an earlier export's would be loaded with this model.
+    old_tokenizer: list[str] = []
+    if tokenizer:
+        written += _TOKENIZER_FILES
+    else:
+        old_tokenizer = [name for name in ("tokenizer.json", *_TOKENIZER_FILES) if os.path.lexists(out / name)]
+    return written, stale, old_tokenizer
+
+
+def _check_replaceable(out: Path, names: Iterable[str], overwrite: bool) -> None:
+    """Refuse, before anything is written, to replace or delete a file in ``out`` that gpt2 cannot
+    prove it wrote. An export from before gpt2 recorded its exports has no record: its files, which
+    bear the export's own names, are replaced as before (``gpt2 export`` first checks that the
+    folder holds nothing but such names, or has ``--overwrite``).
+    """
+    if not outputs.is_recorded(out):
+        return
+    for name in names:
+        outputs.check_replaceable(out / name, overwrite=overwrite, flag=OVERWRITE_FLAG, within=out)
 
 
 def _write_tokenizer(vocab_bpe: Path, encoder_json: Path, out: Path, config: GPTConfig) -> None:
