@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SHELL_BLOCKS = {"bash", "sh", "console"}
 FENCE = re.compile(r"^\s*```\s*(\w*)")
 
@@ -44,6 +45,7 @@ def doc_commands(path: Path) -> list[DocCommand]:
     language = None
     pending, start = "", 0
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        # A fence opens a block, naming its language, and a bare one closes it.
         fence = FENCE.match(line)
         if fence and language is None:
             language = fence.group(1) or "text"
@@ -54,6 +56,7 @@ def doc_commands(path: Path) -> list[DocCommand]:
         if language not in SHELL_BLOCKS:
             continue
         if not pending:
+            # In a console block the `$ ` lines are commands and the others their output.
             if language == "console":
                 if not line.startswith("$ "):
                     continue
@@ -145,7 +148,12 @@ def _run_program(program: str, args: list[str], stdout_file: str | None) -> tupl
     executable = Path(sys.executable).parent / program
     if not executable.is_file():
         raise FileNotFoundError(f"{program}: not in the environment's bin folder {executable.parent}")
-    env = {**os.environ, "PATH": f"{executable.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # The environment's bin folder first on PATH, as `source .venv/bin/activate` puts it; this checkout's gpt2.
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join(filter(None, [str(executable.parent), os.environ.get("PATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
     result = subprocess.run([str(executable), *args], capture_output=True, text=True, env=env, timeout=300)
     if stdout_file is not None:
         Path(stdout_file).write_text(result.stdout, encoding="utf-8")

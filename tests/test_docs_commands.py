@@ -61,6 +61,8 @@ class Instead:
 
 @dataclass(frozen=True)
 class Skip:
+    """Do not run the command that starts with `starts`, for the reason `why`."""
+
     starts: str
     why: str
 
@@ -70,16 +72,19 @@ TINY = "--model tiny --seq-len 32 --micro-batch-size 2"
 # After the few steps of a run: one validation batch, 4 sampled tokens, no plot (matplotlib) and no bars.
 QUIET = "--warmup-steps 1 --eval-interval 0 --final-eval-batches 1 --max-new-tokens 4 --no-plot --no-progress"
 TINY_RUN = f"gpt2 train {TINY} --max-steps 2 {QUIET}"
-# `gpt2 bench` and benchmark_lora.py: one timed step of a tiny model.
+# `gpt2 bench`: one timed step of a tiny model.
 BENCH = "--model tiny --steps 1 --warmup 0 --repeats 1 --batch-size 2 --seq-len 16"
 
-RUN_SH = "run.sh itself is tests/test_first_run.py's; a tiny run stands in for the runs/shakespeare it makes"
+RUN_SH = (
+    "run.sh itself is run by tests/test_first_run.py (its training and the commands it prints) and "
+    "tests/test_readme.py (its arguments); here a tiny run stands in for the runs/shakespeare it makes"
+)
 TEST_SH = "test.sh runs the test suite, this file included"
 LLAMA_CLI = "needs llama.cpp's llama-cli; tests/test_gguf.py runs such a file in llama-cpp-python where it is installed"
 
 TABLES: dict[str, list[Run | Instead | Skip]] = {
     "README.md": [
-        Skip("bash run.sh", "tests/test_first_run.py runs run.sh's training and the commands it prints"),
+        Skip("bash run.sh", "tests/test_first_run.py runs its training and the commands it prints"),
         Skip("bash test.sh", TEST_SH),
     ],
     "docs/quickstart.md": [
@@ -158,7 +163,10 @@ TABLES: dict[str, list[Run | Instead | Skip]] = {
             append=QUIET,
             creates=("runs/instruct-dora/adapter",),
         ),
-        Skip("python examples/benchmark_lora.py --model gpt2", "needs a GPU: bf16 and torch.compile at the 124M shape"),
+        Skip(
+            "python examples/benchmark_lora.py --model gpt2",
+            "needs a GPU: on a CPU, torch.compile and bf16 steps of the 124M shape take many minutes",
+        ),
         Run(
             "python examples/benchmark_lora.py --model tiny --device cpu",
             shrink={"--steps 5": "--steps 1", "--repeats 3": "--repeats 1"},
