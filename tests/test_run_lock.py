@@ -4,6 +4,7 @@ this process) and the fresh-run check (refusal with the ways out, overwrite, res
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import multiprocessing as mp
@@ -192,6 +193,23 @@ def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         rundir.RunLock(out).acquire().release()
     assert f"pid {proc.pid} that held it is no longer running" in caplog.text
+
+
+def test_on_a_filesystem_whose_flock_fails_the_creator_of_the_lock_file_holds_it(tmp_path, monkeypatch):
+    # Some network filesystems have fcntl but refuse flock (ENOLCK): the first run must still start
+    # (it used to find its own just-created empty lock file and refuse itself), a second is refused.
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_flock)
+    out = tmp_path / "run"
+    lock = rundir.RunLock(out).acquire()
+    assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    # A second run (a forked child: it inherits the patch) is refused, naming this one.
+    answer = _try_lock(out)
+    assert answer.startswith("refused") and f"pid {os.getpid()}" in answer
+    lock.release()
+    assert _try_lock(out) == "acquired"
 
 
 def test_unwritable_or_full_out_dir_names_the_lock_file(tmp_path, monkeypatch):

@@ -139,7 +139,10 @@ class RunLock:
     def _open_locked(self) -> int | None:
         """An fd of the lock file that this process holds, None to try again; raises if busy."""
         if fcntl is not None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            opened = self._open_or_create()
+            if opened is None:
+                return None
+            fd, created = opened
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -147,10 +150,13 @@ class RunLock:
                 os.close(fd)
                 raise RunDirLockedError(_busy_message(self.out_dir, self.path, record)) from None
             except OSError as e:
-                os.close(fd)
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    os.close(fd)
                     raise
-                # This filesystem has no flock.
+                # This filesystem has no flock: the file's creator owns the lock, as without fcntl.
+                if created:
+                    return fd
+                os.close(fd)
                 return self._open_exclusive()
             # The file we locked must still be the one at the path (not unlinked by its owner).
             try:
@@ -162,6 +168,22 @@ class RunLock:
                 return None
             return fd
         return self._open_exclusive()
+
+    def _open_or_create(self) -> tuple[int, bool] | None:
+        """An fd of the lock file and whether this call created it (None: try again). Knowing who
+        created it matters where flock is missing: an O_CREAT open would leave an empty file that
+        the exclusive-create fallback then takes for another run's lock.
+        """
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(self.path, os.O_RDWR | cloexec), False
+        except FileNotFoundError:
+            pass
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | cloexec, 0o644), True
+        except FileExistsError:
+            # Created between the two opens by another starting run: look again.
+            return None
 
     def _open_exclusive(self) -> int | None:
         """Without flock: whoever creates the file owns the lock."""
