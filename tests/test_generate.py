@@ -270,6 +270,30 @@ def test_sample_next_refuses_settings_that_would_sample_wrongly(kwargs):
         sample_next(torch.randn(2, 10), **kwargs)
 
 
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_a_temperature_so_small_that_logits_overflow_samples_the_largest_logit(top_k):
+    """--temperature 1e-40 passed validation and crashed in multinomial (logits / T was inf, the softmax NaN)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, -2.0, 0.25, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        picked = sample_next(logits, temperature=1e-40, top_k=top_k, generator=generator)
+        assert picked.tolist() == [1, 0]
+
+
+def test_logits_near_the_float_limit_sample_without_nan():
+    big = torch.finfo(torch.float32).max
+    logits = torch.tensor([[big, -big, 0.0], [-big, 0.5 * big, big]])
+    generator = torch.Generator().manual_seed(0)
+    assert sample_next(logits, temperature=0.5, generator=generator).tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_refused_in_one_line(bad):
+    logits = torch.tensor([[0.0, bad, 1.0]])
+    with pytest.raises(ValueError, match="logits hold NaN or \\+inf"):
+        sample_next(logits, temperature=0.7)
+
+
 def test_sampling_config_checks_and_normalises_once():
     """The one check of the sampling arguments (stream's, sample_next's, and the command line's to call)."""
     import numpy as np

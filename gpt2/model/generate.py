@@ -130,8 +130,7 @@ def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gen
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     if temperature == 0:
         return logits.argmax(dim=-1)
-    # Sampling in fp32: bf16 logits have ~3 significant digits, too coarse for softmax tails.
-    logits = logits.float() / temperature
+    logits = _scaled_logits(logits, temperature)
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -145,6 +144,29 @@ def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gen
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in fp32 (bf16 logits have ~3 significant digits, too coarse for
+    softmax tails), for every temperature > 0 and every finite logit.
+
+    A temperature so small (1e-40) or logits so large (near fp32's limit) that the quotient overflows
+    would make the softmax NaN; then each row's distances from its largest logit are divided in
+    float64 instead: the same softmax, which for such a temperature picks the largest logit
+    (greedy, ties shared). Non-finite logits (NaN, +inf, a row with no finite logit) are refused.
+    """
+    logits = logits.float()
+    scaled = logits / temperature
+    # One host sync per token: the common case is this one check.
+    if torch.isfinite(scaled.amax(dim=-1)).all():
+        return scaled
+    top = logits.amax(dim=-1, keepdim=True)
+    if not torch.isfinite(top).all():
+        raise InvalidValueError(
+            "the model's logits hold NaN or +inf (or a row with no finite logit), so no token can be "
+            "sampled: the weights or the input are broken (check the model with a forward pass)"
+        )
+    return ((logits.double() - top) / temperature).float()
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
