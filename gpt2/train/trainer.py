@@ -230,7 +230,7 @@ class Trainer:
 
     def recovery_state(self) -> dict[str, Any]:
         """What a checkpoint records about divergence recovery (resume stays exact across one)."""
-        return self.recovery.state_dict()
+        return self.recovery.checkpoint_state(self.checkpoint_dir)
 
     def load_recovery_state(self, state: dict[str, Any] | None) -> None:
         self.recovery.load_state_dict(state)
@@ -316,11 +316,12 @@ class Trainer:
         log.emit(record)
 
     def _save_if_due(self, schedule: CheckpointSchedule) -> bool:
-        """Save what ``schedule`` says is due: a checkpoint (then no in-memory copy is needed) or, without an
-        out_dir, a fresh in-memory copy for divergence recovery. True when a checkpoint was written.
+        """Save what ``schedule`` says is due: a checkpoint or, without an out_dir, a fresh in-memory copy for
+        divergence recovery. True when a checkpoint was written.
         """
         to_disk = self.out_dir is not None
-        if not to_disk and self.recovery.snapshot is None:
+        # without recovery there is no in-memory copy to refresh
+        if not to_disk and not self.config.recover:
             return False
         if not schedule.save_now(self.step, good=self.recovery.good, to_disk=to_disk):
             return False
@@ -328,7 +329,6 @@ class Trainer:
             self.recovery.refresh_snapshot(self)
             return False
         self.save_checkpoint()
-        self.recovery.drop_snapshot()
         return True
 
     def _plot_loss_curve(self) -> None:
@@ -579,11 +579,12 @@ class Trainer:
                 self.optimizer,
                 self.scaler,
                 meta,
-                keep_last=self.recovery.checkpoints_to_keep(),
+                keep_last=self.recovery.checkpoints_to_keep(self.checkpoint_dir, self.step),
                 trainable_only=self.config.save_trainable_only,
                 rng_state=rng,
             )
         self.last_checkpoint = path
+        self.recovery.saved_checkpoint(self.step)
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
@@ -622,7 +623,7 @@ class Trainer:
         self.step = int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.best_val_loss = meta.get("best_val_loss")
-        self.recovery.resume(meta.get("recovery"))
+        self.recovery.resume(meta.get("recovery"), self.step)
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
