@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+import types
 
+import pytest
 import torch
 
 from gpt2 import GPT, GPTConfig, TrainConfig
+from gpt2.train.metrics import WandbSink, read_jsonl
 from gpt2.train.trainer import Trainer
 
 PATTERN = torch.randint(0, 64, (97,), generator=torch.Generator().manual_seed(1))
@@ -96,3 +100,53 @@ def test_no_save_prunes_the_newest_confirmed_checkpoint(tmp_path):
         assert meta["recovery"]["confirmed"] == [3, 4]
         trainer.fit()
     assert _checkpoints(tmp_path) == ["step_000012"]
+
+
+def test_a_recovery_rewinds_the_metrics_as_a_resume_does(tmp_path):
+    """After going back to step k, metrics.jsonl and TensorBoard hold each step once, in order, with the values
+    of the steps that counted; the abandoned steps stayed (16 records for 12 steps, TensorBoard showing both).
+    """
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path), log_to=("tensorboard",)))
+    assert trainer.recoveries >= 1
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 13))
+    # the records of the last branch: the last one logged for each step
+    final = {r["step"]: r["loss"] for r in trainer.history}
+    assert [r["loss"] for r in records] == [final[s] for s in range(1, 13)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = events.Scalars("loss")
+    assert [e.step for e in losses] == list(range(1, 13))
+    assert [e.value for e in losses] == pytest.approx([final[s] for s in range(1, 13)], rel=1e-6)
+
+
+def test_wandb_logs_the_steps_redone_after_a_recovery(tmp_path, monkeypatch):
+    """W&B ignores a step lower than the last one logged: its own step keeps growing, the training step is
+    logged as "step" (the charts' x-axis), so the steps redone after a recovery are not lost.
+    """
+    logged: list[tuple[dict, int]] = []
+
+    class Run:
+        dir = str(tmp_path / "wandb" / "run-x" / "files")
+
+        def define_metric(self, name, step_metric=None):
+            pass
+
+        def log(self, data, step):
+            logged.append((data, step))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run()))
+    sink = WandbSink(tmp_path, mode="disabled")
+    for step in (1, 2, 3):
+        sink.log({"step": step, "loss": float(step)})
+    sink.rewind(1)
+    for step in (2, 3):
+        sink.log({"step": step, "loss": 10.0 * step})
+    assert [step for _, step in logged] == [1, 2, 3, 4, 5]
+    assert [data["step"] for data, _ in logged] == [1, 2, 3, 2, 3]

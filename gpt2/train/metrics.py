@@ -151,9 +151,17 @@ class JSONLSink:
     def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: Any = None
+        self.rewind(keep_until_step)
+
+    def rewind(self, step: int) -> None:
+        """Keep the file's records up to ``step`` (0: none) and append after them: the run goes on after
+        ``step`` (a resume from it, or a divergence recovery gone back to it).
+        """
+        self.close()
         kept = []
-        if keep_until_step:
-            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= keep_until_step]
+        if step:
+            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
         replace_atomically(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
         self._file = open(self.path, "a", encoding="utf-8")
 
@@ -164,7 +172,7 @@ class JSONLSink:
         self._file.flush()
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
 
 
@@ -231,7 +239,8 @@ def _missing(package: str, extra: str, e: ImportError) -> ImportError:
 
 class TensorBoardSink:
     """Every numeric entry of every record as a TensorBoard scalar (tag = its key) at its step,
-    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``).
+    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``). ``purge_step``: TensorBoard
+    drops what earlier event files logged from that step on (a resumed run redoes those steps).
     """
 
     def __init__(self, log_dir: str | os.PathLike, purge_step: int | None = None):
@@ -240,7 +249,15 @@ class TensorBoardSink:
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
         self.log_dir = Path(log_dir)
+        self._writer_type = SummaryWriter
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+
+    def rewind(self, step: int) -> None:
+        """The run goes on after ``step`` (a divergence recovery went back to it): a new event file, purging the
+        later steps as a resume from ``step`` does.
+        """
+        self.writer.close()
+        self.writer = self._writer_type(log_dir=str(self.log_dir), purge_step=step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -300,9 +317,21 @@ class WandbSink:
         self.run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
         if self.mode == "offline":
             logger.info("W&B offline run in %s (upload later with: wandb sync %s)", self.run_dir, self.run_dir)
+        # W&B ignores a record logged at a lower step than the last one, so its own step only grows (it equals the
+        # training step until a recovery goes back); the charts plot against the training step, logged as "step".
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.wandb_step = 0
 
     def log(self, record: dict[str, Any]) -> None:
-        self.run.log(_scalars(record), step=int(record["step"]))
+        step = int(record["step"])
+        self.wandb_step = max(self.wandb_step + 1, step)
+        self.run.log({**_scalars(record), "step": step}, step=self.wandb_step)
+
+    def rewind(self, step: int) -> None:
+        """The run goes on after ``step`` (a divergence recovery went back to it). W&B history cannot be cut:
+        the steps redone are logged again (at their training step, at new W&B steps).
+        """
 
     def close(self) -> None:
         self.run.finish()
@@ -348,6 +377,7 @@ class FitLog:
         self.extra: list[Any] = []
         self.jsonl: JSONLSink | None = None
         self.bar: Any = None
+        self.before_write = before_write
         if not is_main:
             return
         self.sinks = list(sinks)
@@ -379,6 +409,20 @@ class FitLog:
             # postfix first: update() redraws the bar, which then shows this step's loss
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             self.bar.update(1)
+
+    def rewind(self, step: int) -> None:
+        """The run goes on after ``step`` (a divergence recovery went back to it), as after a resume from ``step``:
+        metrics.jsonl keeps its records up to ``step``, TensorBoard purges the later ones, the progress bar shows
+        ``step``; a sink of the Trainer's with a ``rewind(step)`` method is told too.
+        """
+        if self.jsonl is not None and self.before_write is not None:
+            self.before_write()
+        for sink in [self.jsonl, *self.sinks, *self.extra]:
+            if hasattr(sink, "rewind"):
+                sink.rewind(step)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
 
     def status(self, text: str) -> None:
         """Show ``text`` on the bar until the next record (e.g. while evaluating)."""

@@ -260,8 +260,9 @@ class Trainer:
                 history.append(record)
                 saved = False
                 if in_trouble:
-                    # back to the newest good state, or TrainingDivergedError
+                    # back to the newest good state, or TrainingDivergedError; the metrics go back with it
                     self.recovery.recover(self, record)
+                    log.rewind(self.step)
                 else:
                     saved = self._save_if_due(schedule)
                 self._stop_if_signalled(saved)
