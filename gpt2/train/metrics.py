@@ -9,6 +9,8 @@ missing from :data:`PEAK_FLOPS` unless a peak is given.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -21,9 +23,11 @@ from typing import Any, NamedTuple, Union
 import torch
 from tqdm.auto import tqdm  # a widget in notebooks
 
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
+from gpt2.train import checkpoint as ckpt
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
+from gpt2.train.rundir import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +128,45 @@ def format_line(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+class RunOutputError(Gpt2Error, OSError):
+    """Writing a run's output (metrics.jsonl, a checkpoint) failed, e.g. on a full disk. The message (one line) names
+    the file, what to do and the newest intact checkpoint; ``errno`` and ``filename`` are the failed write's.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.errno = errno
+        self.filename = filename
+
+    def __str__(self) -> str:
+        # OSError's own str() shows "[Errno n] strerror: filename" once filename is set
+        return self.message
+
+
+def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir: Path | None) -> RunOutputError:
+    """The :class:`RunOutputError` for ``e``, raised while ``doing`` (e.g. "appending to") ``path``: it names the
+    newest complete checkpoint under ``checkpoint_dir``, which a resume continues from.
+    """
+    newest = None
+    if checkpoint_dir is not None:
+        newest = ckpt.find_latest_checkpoint(checkpoint_dir)
+    kept = "no checkpoint of this run is on disk yet"
+    then = "start the run again"
+    if newest is not None:
+        kept = f"the newest checkpoint {newest} is intact"
+        then = "resume (resume='auto' continues from it)"
+    fix = "Check the disk"
+    if e.errno == errno.ENOSPC:
+        fix = "Free disk space"
+    why = " ".join(str(e).split())
+    return RunOutputError(
+        f"{doing} {path} failed ({why}); {kept}. {fix} (or point out_dir at another disk), then {then}",
+        errno=e.errno,
+        filename=str(path),
+    )
+
+
 class ConsoleSink:
     """Writes :func:`format_line` for every ``interval``-th step, the first step, evaluation steps
     and skipped steps. ``write`` defaults to ``tqdm.write`` (stdout, above the progress bar).
@@ -145,11 +188,13 @@ class ConsoleSink:
 class JSONLSink:
     """Appends one JSON object per record to ``path`` (flushed each time, so a crash loses nothing).
     ``keep_until_step``: the file's records up to that step are kept (a resumed run continues the
-    log without the steps it redoes); 0 starts a new log.
+    log without the steps it redoes); 0 starts a new log. A failed write (a full disk) raises
+    :class:`RunOutputError`, naming the newest checkpoint under ``checkpoint_dir``.
     """
 
-    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
+    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0, checkpoint_dir: Path | None = None):
         self.path = Path(path)
+        self.checkpoint_dir = checkpoint_dir
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Any = None
         self.rewind(keep_until_step)
@@ -162,14 +207,24 @@ class JSONLSink:
         kept = []
         if step:
             kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
-        replace_atomically(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-        self._file = open(self.path, "a", encoding="utf-8")
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        try:
+            replace_atomically(self.path, lambda f: f.write(text.encode()))
+            self._file = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            raise output_error(self.path, "rewriting", e, self.checkpoint_dir) from e
 
     def log(self, record: dict[str, Any]) -> None:
         # JSON has no nan/inf literals that every reader accepts: they are written as strings.
         finite = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(finite) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(finite) + "\n")
+            self._file.flush()
+        except OSError as e:
+            # the unwritten line would fail again when the file is closed
+            with contextlib.suppress(OSError):
+                self._file.close()
+            raise output_error(self.path, "appending to", e, self.checkpoint_dir) from e
 
     def close(self) -> None:
         if self._file is not None and not self._file.closed:
@@ -389,7 +444,9 @@ class FitLog:
             if before_write is not None:
                 before_write()
             if out_dir is not None:
-                self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
+                self.jsonl = JSONLSink(
+                    out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR
+                )
             if config.progress:
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         except BaseException:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from gpt2.data.loader import make_loader
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
@@ -559,34 +559,50 @@ class Trainer:
         if self.is_main:
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
-            model_config = getattr(self.model, "config", None)
-            meta = {
-                "config": self.config.to_dict(),
-                "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
-                "data": {"train": self.train_loader.state_dict()},
-                "best_val_loss": self.best_val_loss,
-                "skipped_steps": self.skipped_steps,
-                "recovery": self.recovery_state(),
-                "world_size": self.dist_env.world_size,
-                "grad_accum_steps": self.grad_accum_steps,
-                "tokens_per_step": self.tokens_per_step,
-                "precision": self.precision.name,
-                "torch_version": torch.__version__,
-            }
-            path = ckpt.save_checkpoint(
-                self.checkpoint_dir,
+            path = self._write_checkpoint(self.checkpoint_dir, rng)
+        self.last_checkpoint = path
+        self.recovery.saved_checkpoint(self.step)
+        return path
+
+    def _write_checkpoint(self, checkpoint_dir: Path, rng: dict[str, Any]) -> Path:
+        """Write this step's checkpoint under ``checkpoint_dir`` (rank 0). A failed write is one line naming the
+        file and the newest intact checkpoint: :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the
+        checkpoint module, or a :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
+        """
+        try:
+            return ckpt.save_checkpoint(
+                checkpoint_dir,
                 self.step,
                 self.model,
                 self.optimizer,
                 self.scaler,
-                meta,
-                keep_last=self.recovery.checkpoints_to_keep(self.checkpoint_dir, self.step),
+                self._checkpoint_meta(),
+                keep_last=self.recovery.checkpoints_to_keep(checkpoint_dir, self.step),
                 trainable_only=self.config.save_trainable_only,
                 rng_state=rng,
             )
-        self.last_checkpoint = path
-        self.recovery.saved_checkpoint(self.step)
-        return path
+        except Gpt2Error:
+            raise
+        except OSError as e:
+            where = e.filename or checkpoint_dir / f"step_{self.step:06d}"
+            raise metrics.output_error(where, "saving the checkpoint into", e, checkpoint_dir) from e
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint's trainer_state.json records besides the step: settings, data position, counters."""
+        model_config = getattr(self.model, "config", None)
+        return {
+            "config": self.config.to_dict(),
+            "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
+            "data": {"train": self.train_loader.state_dict()},
+            "best_val_loss": self.best_val_loss,
+            "skipped_steps": self.skipped_steps,
+            "recovery": self.recovery_state(),
+            "world_size": self.dist_env.world_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "precision": self.precision.name,
+            "torch_version": torch.__version__,
+        }
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore everything from a checkpoint (see :func:`gpt2.train.checkpoint.load_checkpoint`): weights,
