@@ -57,7 +57,9 @@ class TrainConfig:
     # Weight decay on the embeddings (token table, tied to the LM head, and positions).
     # build-nanogpt decays them (True); the default follows the common practice of exempting them.
     decay_embeddings: bool = False
-    fused_adamw: bool | Literal["auto"] = "auto"  # "auto" = fused kernel when every parameter is on CUDA
+    # "auto": the fused AdamW kernel wherever torch has one for the parameters' device and dtype (CUDA, and the CPU
+    # since torch 2.4; checked, not assumed), else the multi-tensor ("foreach") one.
+    fused_adamw: bool | Literal["auto"] = "auto"
     # "muon": torch.optim.Muon for the blocks' matrices, AdamW (max_lr, betas...) for embeddings,
     # head, biases and gains (docs/training.md).
     optimizer: Literal["adamw", "muon"] = "adamw"
