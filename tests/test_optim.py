@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from gpt2 import GPT, TrainConfig
+from gpt2.train import optim
 from gpt2.train.optim import build_optimizer, lr_at, param_groups, set_lr, use_fused_adamw
 
 
@@ -55,10 +56,10 @@ def test_only_trainable_parameters_are_optimised(model):
 
 
 def test_build_optimizer_fused_and_foreach(model):
-    assert use_fused_adamw(model, "auto") is False  # CPU parameters: the for-each implementation
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=False)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert opt.param_groups[0]["betas"] == (0.9, 0.95) and not opt.param_groups[0]["fused"]
+    assert opt.param_groups[0]["foreach"] is True
     fused = build_optimizer(model, lr=1e-3, fused=True)  # fused AdamW also runs on CPU in torch >= 2.4
     assert fused.param_groups[0]["fused"] is True
     x = torch.randint(0, model.config.vocab_size, (2, 8))
@@ -66,6 +67,38 @@ def test_build_optimizer_fused_and_foreach(model):
     fused.step()
     set_lr(fused, 5e-4)
     assert all(g["lr"] == 5e-4 for g in fused.param_groups)
+
+
+@pytest.fixture
+def fresh_fused_check():
+    """fused_adamw_supported's cached answers are dropped before and after the test."""
+    optim.fused_adamw_supported.cache_clear()
+    yield
+    optim.fused_adamw_supported.cache_clear()
+
+
+def test_auto_picks_fused_adamw_wherever_torch_has_it(model, monkeypatch, fresh_fused_check):
+    """On this CPU (torch >= 2.4) "auto" takes the fused kernel for fp32 parameters; a torch without one (the
+    check's step fails, as torch's own check at the first step does) gets the multi-tensor implementation.
+    """
+    assert use_fused_adamw(model, "auto") is True
+    assert build_optimizer(model, lr=1e-3).param_groups[0]["fused"] is True
+
+    class NoFusedAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            if self.param_groups[0]["fused"]:
+                raise RuntimeError(
+                    "`fused=True` requires all the params to be floating point Tensors of supported devices"
+                )
+            return super().step(closure)
+
+    optim.fused_adamw_supported.cache_clear()
+    monkeypatch.setattr(torch.optim, "AdamW", NoFusedAdamW)
+    assert use_fused_adamw(model, "auto") is False
+    group = build_optimizer(model, lr=1e-3).param_groups[0]
+    assert not group["fused"] and group["foreach"] is True
+    # asked once per device and dtype
+    assert optim.fused_adamw_supported.cache_info().currsize == 1
 
 
 def test_build_optimizer_takes_a_train_config_and_the_older_keywords(model):

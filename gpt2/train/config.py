@@ -57,7 +57,9 @@ class TrainConfig:
     # Weight decay on the embeddings (token table, tied to the LM head, and positions).
     # build-nanogpt decays them (True); the default follows the common practice of exempting them.
     decay_embeddings: bool = False
-    fused_adamw: bool | Literal["auto"] = "auto"  # "auto" = fused kernel when every parameter is on CUDA
+    # "auto": the fused AdamW kernel wherever torch has one for the parameters' device and dtype (CUDA, and the CPU
+    # since torch 2.4; checked, not assumed), else the multi-tensor ("foreach") one.
+    fused_adamw: bool | Literal["auto"] = "auto"
     # "muon": torch.optim.Muon for the blocks' matrices, AdamW (max_lr, betas...) for embeddings,
     # head, biases and gains (docs/training.md).
     optimizer: Literal["adamw", "muon"] = "adamw"
@@ -79,7 +81,8 @@ class TrainConfig:
     # --- checkpoints -----------------------------------------------------------------------
     out_dir: str | None = "out"  # metrics.jsonl, loss.png, checkpoints/; None = write nothing
     checkpoint_interval: int = 1000  # checkpoint every N steps and at the end; 0 = only at the end
-    keep_last_checkpoints: int = 3  # older checkpoints are deleted; 0 = keep all
+    # Older checkpoints are deleted, except the newest one confirmed good (recovery goes back to it); 0 = keep all.
+    keep_last_checkpoints: int = 3
     # Save only parameters with requires_grad=True (e.g. LoRA adapters on a frozen base): small
     # checkpoints; resuming then needs the same base weights in the model passed to the Trainer.
     save_trainable_only: bool = False
@@ -98,8 +101,9 @@ class TrainConfig:
     max_bad_steps: int = 5  # non-finite steps in a row (each skipped) before recovery / TrainingDivergedError
     # Divergence recovery (docs/training.md, "my loss went NaN"): when max_bad_steps non-finite steps come in a row, or
     # the loss stays above divergence_factor x the best loss so far for divergence_patience steps, go back to the newest
-    # good checkpoint (or an in-memory copy before the first one), multiply the learning rate by recovery_lr_factor,
-    # skip the batches that blew up and go on; after max_recoveries recoveries stop with TrainingDivergedError.
+    # checkpoint confirmed good, i.e. whose next step had a good loss (or an in-memory copy before the first one),
+    # multiply the learning rate by recovery_lr_factor, skip the batches that blew up and go on; after max_recoveries
+    # recoveries stop with TrainingDivergedError.
     # recover=False: no divergence detection, non-finite steps stop the run as before.
     recover: bool = True  # divergence recovery (above); False: non-finite steps stop the run
     max_recoveries: int = 3  # recoveries before the run stops with TrainingDivergedError

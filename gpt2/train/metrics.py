@@ -9,6 +9,8 @@ missing from :data:`PEAK_FLOPS` unless a peak is given.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -21,9 +23,11 @@ from typing import Any, NamedTuple, Union
 import torch
 from tqdm.auto import tqdm  # a widget in notebooks
 
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
+from gpt2.train import checkpoint as ckpt
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
+from gpt2.train.rundir import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +128,45 @@ def format_line(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+class RunOutputError(Gpt2Error, OSError):
+    """Writing a run's output (metrics.jsonl, a checkpoint) failed, e.g. on a full disk. The message (one line) names
+    the file, what to do and the newest intact checkpoint; ``errno`` and ``filename`` are the failed write's.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.errno = errno
+        self.filename = filename
+
+    def __str__(self) -> str:
+        # OSError's own str() shows "[Errno n] strerror: filename" once filename is set
+        return self.message
+
+
+def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir: Path | None) -> RunOutputError:
+    """The :class:`RunOutputError` for ``e``, raised while ``doing`` (e.g. "appending to") ``path``: it names the
+    newest complete checkpoint under ``checkpoint_dir``, which a resume continues from.
+    """
+    newest = None
+    if checkpoint_dir is not None:
+        newest = ckpt.find_latest_checkpoint(checkpoint_dir)
+    kept = "no checkpoint of this run is on disk yet"
+    then = "start the run again"
+    if newest is not None:
+        kept = f"the newest checkpoint {newest} is intact"
+        then = "resume (resume='auto' continues from it)"
+    fix = "Check the disk"
+    if e.errno == errno.ENOSPC:
+        fix = "Free disk space"
+    why = " ".join(str(e).split())
+    return RunOutputError(
+        f"{doing} {path} failed ({why}); {kept}. {fix} (or point out_dir at another disk), then {then}",
+        errno=e.errno,
+        filename=str(path),
+    )
+
+
 class ConsoleSink:
     """Writes :func:`format_line` for every ``interval``-th step, the first step, evaluation steps
     and skipped steps. ``write`` defaults to ``tqdm.write`` (stdout, above the progress bar).
@@ -145,26 +188,46 @@ class ConsoleSink:
 class JSONLSink:
     """Appends one JSON object per record to ``path`` (flushed each time, so a crash loses nothing).
     ``keep_until_step``: the file's records up to that step are kept (a resumed run continues the
-    log without the steps it redoes); 0 starts a new log.
+    log without the steps it redoes); 0 starts a new log. A failed write (a full disk) raises
+    :class:`RunOutputError`, naming the newest checkpoint under ``checkpoint_dir``.
     """
 
-    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
+    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0, checkpoint_dir: Path | None = None):
         self.path = Path(path)
+        self.checkpoint_dir = checkpoint_dir
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: Any = None
+        self.rewind(keep_until_step)
+
+    def rewind(self, step: int) -> None:
+        """Keep the file's records up to ``step`` (0: none) and append after them: the run goes on after
+        ``step`` (a resume from it, or a divergence recovery gone back to it).
+        """
+        self.close()
         kept = []
-        if keep_until_step:
-            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= keep_until_step]
-        replace_atomically(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-        self._file = open(self.path, "a", encoding="utf-8")
+        if step:
+            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        try:
+            replace_atomically(self.path, lambda f: f.write(text.encode()))
+            self._file = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            raise output_error(self.path, "rewriting", e, self.checkpoint_dir) from e
 
     def log(self, record: dict[str, Any]) -> None:
         # JSON has no nan/inf literals that every reader accepts: they are written as strings.
         finite = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(finite) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(finite) + "\n")
+            self._file.flush()
+        except OSError as e:
+            # the unwritten line would fail again when the file is closed
+            with contextlib.suppress(OSError):
+                self._file.close()
+            raise output_error(self.path, "appending to", e, self.checkpoint_dir) from e
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
 
 
@@ -231,7 +294,8 @@ def _missing(package: str, extra: str, e: ImportError) -> ImportError:
 
 class TensorBoardSink:
     """Every numeric entry of every record as a TensorBoard scalar (tag = its key) at its step,
-    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``).
+    under ``log_dir`` (``tensorboard --logdir <out_dir>/tensorboard``). ``purge_step``: TensorBoard
+    drops what earlier event files logged from that step on (a resumed run redoes those steps).
     """
 
     def __init__(self, log_dir: str | os.PathLike, purge_step: int | None = None):
@@ -240,7 +304,15 @@ class TensorBoardSink:
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
         self.log_dir = Path(log_dir)
+        self._writer_type = SummaryWriter
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+
+    def rewind(self, step: int) -> None:
+        """The run goes on after ``step`` (a divergence recovery went back to it): a new event file, purging the
+        later steps as a resume from ``step`` does.
+        """
+        self.writer.close()
+        self.writer = self._writer_type(log_dir=str(self.log_dir), purge_step=step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -300,9 +372,21 @@ class WandbSink:
         self.run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
         if self.mode == "offline":
             logger.info("W&B offline run in %s (upload later with: wandb sync %s)", self.run_dir, self.run_dir)
+        # W&B ignores a record logged at a lower step than the last one, so its own step only grows (it equals the
+        # training step until a recovery goes back); the charts plot against the training step, logged as "step".
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.wandb_step = 0
 
     def log(self, record: dict[str, Any]) -> None:
-        self.run.log(_scalars(record), step=int(record["step"]))
+        step = int(record["step"])
+        self.wandb_step = max(self.wandb_step + 1, step)
+        self.run.log({**_scalars(record), "step": step}, step=self.wandb_step)
+
+    def rewind(self, step: int) -> None:
+        """The run goes on after ``step`` (a divergence recovery went back to it). W&B history cannot be cut:
+        the steps redone are logged again (at their training step, at new W&B steps).
+        """
 
     def close(self) -> None:
         self.run.finish()
@@ -348,6 +432,7 @@ class FitLog:
         self.extra: list[Any] = []
         self.jsonl: JSONLSink | None = None
         self.bar: Any = None
+        self.before_write = before_write
         if not is_main:
             return
         self.sinks = list(sinks)
@@ -359,7 +444,9 @@ class FitLog:
             if before_write is not None:
                 before_write()
             if out_dir is not None:
-                self.jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
+                self.jsonl = JSONLSink(
+                    out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR
+                )
             if config.progress:
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         except BaseException:
@@ -379,6 +466,20 @@ class FitLog:
             # postfix first: update() redraws the bar, which then shows this step's loss
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             self.bar.update(1)
+
+    def rewind(self, step: int) -> None:
+        """The run goes on after ``step`` (a divergence recovery went back to it), as after a resume from ``step``:
+        metrics.jsonl keeps its records up to ``step``, TensorBoard purges the later ones, the progress bar shows
+        ``step``; a sink of the Trainer's with a ``rewind(step)`` method is told too.
+        """
+        if self.jsonl is not None and self.before_write is not None:
+            self.before_write()
+        for sink in [self.jsonl, *self.sinks, *self.extra]:
+            if hasattr(sink, "rewind"):
+                sink.rewind(step)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
 
     def status(self, text: str) -> None:
         """Show ``text`` on the bar until the next record (e.g. while evaluating)."""

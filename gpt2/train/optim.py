@@ -8,6 +8,7 @@ embeddings (found by module type, so the tied LM head counts once, as one) are e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -69,13 +70,28 @@ def _embedding_ids(model: nn.Module) -> set[int]:
 
 
 def use_fused_adamw(model: nn.Module, fused: bool | str = "auto") -> bool:
-    """Resolve ``fused``: "auto" = the fused kernel (one launch for all parameters, milliseconds
-    per step at GPT-2 size) when every trainable parameter is on CUDA.
+    """Resolve ``fused``: "auto" = the fused kernel (one pass over all parameters; on CUDA one launch,
+    milliseconds per step at GPT-2 size) when the installed torch has one for the device and dtype of
+    every trainable parameter (:func:`fused_adamw_supported`: CUDA, and the CPU since torch 2.4).
     """
-    if fused == "auto":
-        params = [p for p in model.parameters() if p.requires_grad]
-        return bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
-    return bool(fused)
+    if fused != "auto":
+        return bool(fused)
+    kinds = {(p.device, p.dtype) for p in model.parameters() if p.requires_grad}
+    return bool(kinds) and all(fused_adamw_supported(device, dtype) for device, dtype in kinds)
+
+
+@functools.cache
+def fused_adamw_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the installed torch steps a fused AdamW over ``dtype`` parameters on ``device``: tried once per
+    device and dtype on a two-element tensor, as torch checks at the first step (not when it is built).
+    """
+    try:
+        p = nn.Parameter(torch.zeros(2, device=device, dtype=dtype))
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+    except Exception:  # noqa: BLE001 - whatever the reason, there is no fused kernel to use here
+        return False
+    return True
 
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
@@ -173,9 +189,9 @@ _RENAMED = {"lr": "max_lr", "fused": "fused_adamw"}
 
 
 def _adamw(model: nn.Module, groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over ``groups``: the fused kernel when :func:`use_fused_adamw` says so, else the multi-tensor
-    ("foreach") implementation: torch picks that by default only for CUDA tensors, and on a CPU the per-tensor loop
-    is several times slower.
+    """AdamW over ``groups`` (also the AdamW half of :class:`MuonAdamW`): the fused kernel when
+    :func:`use_fused_adamw` says so, else the multi-tensor ("foreach") implementation: torch picks that by default
+    only for CUDA tensors, and on a CPU the per-tensor loop is several times slower.
     """
     if use_fused_adamw(model, config.fused_adamw):
         implementation = {"fused": True}

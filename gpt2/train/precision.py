@@ -71,21 +71,55 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.conv.fp32_precision = value
 
 
+# The CPU features (as torch.cpu.get_capabilities() names them) that multiply bf16 matrices natively, and their
+# names in a log line. Without one, bf16 autocast on a CPU converts and computes in fp32, slower than plain fp32.
+NATIVE_BF16_FEATURES = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16"}
+
+
+def cpu_native_bf16() -> str | None:
+    """The feature with which this CPU multiplies bf16 natively ("AMX", "AVX512-BF16"), else None; read from
+    ``torch.cpu.get_capabilities()`` (torch's cpuinfo, torch 2.13), None on a torch without it.
+    """
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if get_capabilities is None:
+        return None
+    capabilities = get_capabilities()
+    for feature, name in NATIVE_BF16_FEATURES.items():
+        if capabilities.get(feature):
+            return name
+    return None
+
+
 def default_precision(device: torch.device | str) -> str:
-    """bf16 on CUDA GPUs that support it, fp16 (with loss scaling) on older CUDA GPUs, else fp32."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "fp32"
-    if torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bf16"
-    return "fp16"
+    """bf16 on CUDA GPUs that support it, fp16 (with loss scaling) on older CUDA GPUs, bf16 on CPUs that multiply
+    it natively (:func:`cpu_native_bf16`), else fp32.
+    """
+    name, _ = _auto_precision(torch.device(device))
+    return name
+
+
+def _auto_precision(device: torch.device) -> tuple[str, str]:
+    """What ``precision="auto"`` picks on ``device``, and why, in words."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16", "this GPU has bf16 tensor cores"
+        return "fp16", "this GPU has no bf16 tensor cores (fp16, loss-scaled)"
+    if device.type != "cpu":
+        return "fp32", f"the default on {device.type}"
+    native = cpu_native_bf16()
+    if native is not None:
+        return "bf16", f"this CPU multiplies bf16 natively ({native})"
+    return "fp32", f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 matmul"
 
 
 def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
-    """The policy for ``name`` (``"auto"`` or one of :data:`POLICY_NAMES`) on ``device``."""
+    """The policy for ``name`` (``"auto"`` or one of :data:`POLICY_NAMES`) on ``device``; what ``"auto"`` picked,
+    and why, is logged.
+    """
     device = torch.device(device)
     if name == "auto":
-        name = default_precision(device)
+        name, why = _auto_precision(device)
+        logger.info("precision auto -> %s: %s", name, why)
     if name not in POLICY_NAMES:
         raise InvalidValueError(f"unknown precision {name!r}; choose 'auto' or one of {POLICY_NAMES}")
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):

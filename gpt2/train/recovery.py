@@ -10,6 +10,7 @@ import copy
 import logging
 import math
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,9 +112,12 @@ class RecoveryPolicy:
       steps in a row (``consecutive_bad_steps``);
     - what a recovery changed: ``recoveries`` so far and ``lr_scale`` (``recovery_lr_factor ** recoveries``, which
       multiplies the scheduled learning rate); checkpoints record these with the monitor (:meth:`state_dict`);
-    - the states to go back to: checkpoints written before the trouble began and, before the first one exists,
-      an in-memory ``snapshot``; so that one is always there, a save in a run of bad steps prunes no checkpoint
-      (:meth:`checkpoints_to_keep`).
+    - the states to go back to: only states it has seen succeed. The loss of step s is measured on the weights of
+      step s - 1, so a state saved after step s (a checkpoint, or an in-memory copy) is *confirmed* good only once
+      step s + 1's loss was judged good; until then it waits in ``unconfirmed``, and a bad step s + 1 refutes it.
+      Confirmed are the steps of checkpoints in ``confirmed`` (recorded in each checkpoint, so a resume knows the
+      older ones) and the in-memory ``snapshot``, kept until a checkpoint is confirmed. So that one is always
+      there, no save prunes the newest confirmed checkpoint (:meth:`checkpoints_to_keep`).
 
     Every rank decides alike: the loss and gradient norm it judges are all-reduced.
     """
@@ -124,8 +128,13 @@ class RecoveryPolicy:
         self.recoveries = 0
         self.lr_scale = 1.0
         self.consecutive_bad_steps = 0
-        # The trainable weights, optimizer, data position, counters and RNG before a checkpoint exists.
+        # The steps of the checkpoints confirmed good.
+        self.confirmed: set[int] = set()
+        # A confirmed in-memory copy (trainable weights, optimizer, data position, counters, RNG), kept until a
+        # checkpoint is confirmed.
         self.snapshot: dict[str, Any] | None = None
+        # The newest saved state, waiting for the judgement of the step after it.
+        self.unconfirmed: _Saved | None = None
 
     # ------------------------------------------------------------------ judging steps
     def count_step(self, bad: bool) -> None:
@@ -141,37 +150,78 @@ class RecoveryPolicy:
         """Show the monitor step ``step``'s ``record``; True when the run must go back (or, with ``recover=False``,
         stop): the loss has diverged, or ``max_bad_steps`` steps in a row were non-finite.
         """
-        # A step with no scored target reports loss 0: no evidence either way.
+        # A step with no scored target reports loss 0 (and changes no weight): no evidence either way.
         judged = self.config.recover and record.get("scored_tokens", 1) > 0
         diverged = judged and self.monitor.observe(step, record["loss"])
+        if judged:
+            self._settle(good=self.good)
         return diverged or self.consecutive_bad_steps >= self.config.max_bad_steps
+
+    def _settle(self, good: bool) -> None:
+        """The step after the newest saved state was judged: ``good`` confirms that state, a bad step refutes it."""
+        saved = self.unconfirmed
+        self.unconfirmed = None
+        if saved is None or not good:
+            return
+        if saved.snapshot is not None:
+            self.snapshot = saved.snapshot
+            return
+        self.confirmed.add(saved.step)
+        # A confirmed checkpoint is newer than any in-memory copy: that copy is not needed any more.
+        self.snapshot = None
 
     @property
     def good(self) -> bool:
         """The last step was neither skipped nor part of a diverging streak: a state worth saving."""
         return self.consecutive_bad_steps == 0 and self.monitor.streak == 0
 
-    def checkpoints_to_keep(self) -> int:
-        """``keep_last_checkpoints`` for a save now: a save in a run of bad steps (a stop point, a signal) prunes
-        nothing, as the recovery that may follow needs a good checkpoint to go back to.
+    def checkpoints_to_keep(self, checkpoint_dir: Path | None = None, step: int = 0) -> int:
+        """``keep_last_checkpoints`` for a save of ``step`` now, into ``checkpoint_dir``: a save in a run of bad steps
+        (a stop point, a signal) prunes nothing, and no save prunes the newest confirmed checkpoint, as the recovery
+        that may follow needs it to go back to (so up to the newest ``keep_last_checkpoints`` and every checkpoint
+        from the newest confirmed one on are kept). The run's last step prunes as it is told: no recovery follows.
         """
-        if self.good:
-            return self.config.keep_last_checkpoints
-        return 0
+        keep = self.config.keep_last_checkpoints
+        if not self.good:
+            return 0
+        if not keep or not self.config.recover or checkpoint_dir is None or step >= self.config.max_steps:
+            return keep
+        newest_confirmed = self._newest_confirmed(checkpoint_dir)
+        if newest_confirmed is None:
+            return keep
+        first_kept = ckpt.checkpoint_step(newest_confirmed) or 0
+        # the steps on disk after the save (the same step saved again replaces its old copy)
+        steps = {ckpt.checkpoint_step(p) or 0 for p in ckpt.list_checkpoints(checkpoint_dir)} | {step}
+        return max(keep, len([s for s in steps if s >= first_kept]))
+
+    def _newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
+        """The newest complete checkpoint under ``checkpoint_dir`` confirmed good, or None."""
+        if checkpoint_dir is None:
+            return None
+        for path in reversed(ckpt.list_checkpoints(checkpoint_dir)):
+            if ckpt.checkpoint_step(path) in self.confirmed:
+                return path
+        return None
 
     # ------------------------------------------------------------------ the in-memory good state
     def begin(self, trainer: Trainer) -> None:
-        """At the start of a ``fit()``: without a checkpoint yet, copy the state so there is somewhere to go back to."""
-        if self.config.recover and trainer.last_checkpoint is None:
-            self.snapshot = _capture(trainer)
+        """At the start of a ``fit()``: without a checkpoint yet, copy the state so there is somewhere to go back to
+        (once the first step confirms it).
+        """
+        if not self.config.recover or trainer.last_checkpoint is not None:
+            return
+        if self.unconfirmed is None or self.unconfirmed.step != trainer.step:
+            self.refresh_snapshot(trainer)
 
     def refresh_snapshot(self, trainer: Trainer) -> None:
-        """A fresh in-memory copy of the (good) state ``trainer`` is in."""
-        self.snapshot = _capture(trainer)
+        """A fresh in-memory copy of the (good) state ``trainer`` is in; the confirmed one stays until the next step
+        confirms this one (both are held for that one step).
+        """
+        self.unconfirmed = _Saved(trainer.step, _capture(trainer))
 
-    def drop_snapshot(self) -> None:
-        """A checkpoint was written: no in-memory copy is needed any more."""
-        self.snapshot = None
+    def saved_checkpoint(self, step: int) -> None:
+        """A checkpoint of ``step`` was written: the newest saved state, until the next step confirms it."""
+        self.unconfirmed = _Saved(step)
 
     # ------------------------------------------------------------------ going back
     def recover(self, trainer: Trainer, record: dict[str, Any]) -> None:
@@ -189,13 +239,17 @@ class RecoveryPolicy:
         recoveries = self.recoveries + 1
         lr_scale = self.lr_scale * cfg.recovery_lr_factor
         monitor = self.monitor.state_dict()
+        confirmed = set(self.confirmed)
         source = self._go_back(trainer, before_step=self._trouble_start(trainer.step))
         if source is None:
-            raise self.diverged(trainer, record)
+            raise self.diverged(trainer, record, nothing_confirmed=True)
         self.recoveries = recoveries
         self.lr_scale = lr_scale
         self.monitor.load_state_dict({**monitor, "streak": 0})
         self.consecutive_bad_steps = 0
+        # The state gone back to was confirmed; checkpoints after it belong to the abandoned steps.
+        self.confirmed = {step for step in confirmed if step <= trainer.step}
+        self.unconfirmed = None
         trainer.train_loader.load_state_dict(position)
         logger.warning(
             "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
@@ -218,12 +272,13 @@ class RecoveryPolicy:
         return step - self.consecutive_bad_steps + 1
 
     def _go_back(self, trainer: Trainer, before_step: int) -> str | None:
-        """Load the newest intact checkpoint older than ``before_step`` (else the in-memory copy); returns what was
-        loaded, or None when there is nothing to go back to.
+        """Load the newest intact confirmed checkpoint older than ``before_step`` (else the confirmed in-memory copy);
+        returns what was loaded, or None when there is nothing to go back to.
         """
         if trainer.checkpoint_dir is not None:
             for path in ckpt.checkpoint_candidates(trainer.checkpoint_dir):
-                if (ckpt.checkpoint_step(path) or 0) >= before_step:
+                step = ckpt.checkpoint_step(path) or 0
+                if step >= before_step or step not in self.confirmed:
                     continue
                 try:
                     trainer.load_checkpoint(path)
@@ -235,8 +290,12 @@ class RecoveryPolicy:
         _restore(trainer, self.snapshot)
         return "in-memory copy"
 
-    def diverged(self, trainer: Trainer, record: dict[str, Any]) -> TrainingDivergedError:
-        """The error that stops a run which diverged at ``record``'s step and could not (or may not) go back."""
+    def diverged(
+        self, trainer: Trainer, record: dict[str, Any], *, nothing_confirmed: bool = False
+    ) -> TrainingDivergedError:
+        """The error that stops a run which diverged at ``record``'s step and could not (or may not) go back;
+        ``nothing_confirmed``: no saved state was confirmed good to go back to.
+        """
         cfg = self.config
         n = self.consecutive_bad_steps
         message = f"training diverged at step {trainer.step}"
@@ -245,8 +304,15 @@ class RecoveryPolicy:
         message += f": {self._reason(record)}."
         if n >= cfg.max_bad_steps:
             message += f" Those steps were skipped, so the weights are still those of step {trainer.step - n}."
+        if nothing_confirmed:
+            message += (
+                " There was nothing to go back to: no state saved before the trouble was confirmed good (a saved state"
+                " is, once the step after it had a good loss)."
+            )
+        # The newest checkpoint confirmed good; without one, the newest written (it was written on a good step).
+        checkpoint = self._newest_confirmed(trainer.checkpoint_dir) or trainer.last_checkpoint
         message += (
-            f" {last_good(trainer.last_checkpoint)}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then "
+            f" {last_good(checkpoint)}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then "
             "resume from the checkpoint."
         )
         return TrainingDivergedError(
@@ -254,7 +320,7 @@ class RecoveryPolicy:
             step=trainer.step,
             loss=record["loss"],
             grad_norm=record["grad_norm"],
-            last_checkpoint=trainer.last_checkpoint,
+            last_checkpoint=checkpoint,
         )
 
     def _reason(self, record: dict[str, Any]) -> str:
@@ -274,20 +340,45 @@ class RecoveryPolicy:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint records (``meta["recovery"]``), so that resume stays exact across a recovery."""
+        """The counters and the monitor, so that resume stays exact across a recovery."""
         return {"recoveries": self.recoveries, "lr_scale": self.lr_scale, "monitor": self.monitor.state_dict()}
 
+    def checkpoint_state(self, checkpoint_dir: Path | None = None) -> dict[str, Any]:
+        """What a checkpoint records (``meta["recovery"]``): :meth:`state_dict` and the steps of the checkpoints
+        under ``checkpoint_dir`` confirmed good so far (the one being written is not yet).
+        """
+        on_disk = set()
+        if checkpoint_dir is not None:
+            on_disk = {ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoint_dir)}
+        return {**self.state_dict(), "confirmed": sorted(self.confirmed & on_disk)}
+
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """The counters and monitor :meth:`state_dict` recorded (none: a fresh run's)."""
+        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's; a checkpoint written before
+        confirmations were recorded confirms none).
+        """
         state = state or {}
         self.recoveries = int(state.get("recoveries", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.monitor.load_state_dict(state.get("monitor"))
+        self.confirmed = {int(step) for step in state.get("confirmed", [])}
 
-    def resume(self, state: dict[str, Any] | None) -> None:
-        """After loading a checkpoint: its recovery state, and no bad steps in a row."""
+    def resume(self, state: dict[str, Any] | None, step: int | None = None) -> None:
+        """After loading the checkpoint of ``step``: its recovery state, no bad steps in a row, and that checkpoint
+        waiting for the next step to confirm it.
+        """
         self.consecutive_bad_steps = 0
         self.load_state_dict(state)
+        self.unconfirmed = None
+        if step is not None:
+            self.unconfirmed = _Saved(step)
+
+
+@dataclass
+class _Saved:
+    """A saved state waiting for the judgement of the step after it: an in-memory copy, or (None) a checkpoint."""
+
+    step: int
+    snapshot: dict[str, Any] | None = None
 
 
 def _capture(trainer: Trainer) -> dict[str, Any]:

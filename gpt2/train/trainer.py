@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from gpt2.data.loader import make_loader
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
@@ -230,7 +230,7 @@ class Trainer:
 
     def recovery_state(self) -> dict[str, Any]:
         """What a checkpoint records about divergence recovery (resume stays exact across one)."""
-        return self.recovery.state_dict()
+        return self.recovery.checkpoint_state(self.checkpoint_dir)
 
     def load_recovery_state(self, state: dict[str, Any] | None) -> None:
         self.recovery.load_state_dict(state)
@@ -260,8 +260,9 @@ class Trainer:
                 history.append(record)
                 saved = False
                 if in_trouble:
-                    # back to the newest good state, or TrainingDivergedError
+                    # back to the newest good state, or TrainingDivergedError; the metrics go back with it
                     self.recovery.recover(self, record)
+                    log.rewind(self.step)
                 else:
                     saved = self._save_if_due(schedule)
                 self._stop_if_signalled(saved)
@@ -316,11 +317,12 @@ class Trainer:
         log.emit(record)
 
     def _save_if_due(self, schedule: CheckpointSchedule) -> bool:
-        """Save what ``schedule`` says is due: a checkpoint (then no in-memory copy is needed) or, without an
-        out_dir, a fresh in-memory copy for divergence recovery. True when a checkpoint was written.
+        """Save what ``schedule`` says is due: a checkpoint or, without an out_dir, a fresh in-memory copy for
+        divergence recovery. True when a checkpoint was written.
         """
         to_disk = self.out_dir is not None
-        if not to_disk and self.recovery.snapshot is None:
+        # without recovery there is no in-memory copy to refresh
+        if not to_disk and not self.config.recover:
             return False
         if not schedule.save_now(self.step, good=self.recovery.good, to_disk=to_disk):
             return False
@@ -328,7 +330,6 @@ class Trainer:
             self.recovery.refresh_snapshot(self)
             return False
         self.save_checkpoint()
-        self.recovery.drop_snapshot()
         return True
 
     def _plot_loss_curve(self) -> None:
@@ -558,33 +559,50 @@ class Trainer:
         if self.is_main:
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
-            model_config = getattr(self.model, "config", None)
-            meta = {
-                "config": self.config.to_dict(),
-                "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
-                "data": {"train": self.train_loader.state_dict()},
-                "best_val_loss": self.best_val_loss,
-                "skipped_steps": self.skipped_steps,
-                "recovery": self.recovery_state(),
-                "world_size": self.dist_env.world_size,
-                "grad_accum_steps": self.grad_accum_steps,
-                "tokens_per_step": self.tokens_per_step,
-                "precision": self.precision.name,
-                "torch_version": torch.__version__,
-            }
-            path = ckpt.save_checkpoint(
-                self.checkpoint_dir,
+            path = self._write_checkpoint(self.checkpoint_dir, rng)
+        self.last_checkpoint = path
+        self.recovery.saved_checkpoint(self.step)
+        return path
+
+    def _write_checkpoint(self, checkpoint_dir: Path, rng: dict[str, Any]) -> Path:
+        """Write this step's checkpoint under ``checkpoint_dir`` (rank 0). A failed write is one line naming the
+        file and the newest intact checkpoint: :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the
+        checkpoint module, or a :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
+        """
+        try:
+            return ckpt.save_checkpoint(
+                checkpoint_dir,
                 self.step,
                 self.model,
                 self.optimizer,
                 self.scaler,
-                meta,
-                keep_last=self.recovery.checkpoints_to_keep(),
+                self._checkpoint_meta(),
+                keep_last=self.recovery.checkpoints_to_keep(checkpoint_dir, self.step),
                 trainable_only=self.config.save_trainable_only,
                 rng_state=rng,
             )
-        self.last_checkpoint = path
-        return path
+        except Gpt2Error:
+            raise
+        except OSError as e:
+            where = e.filename or checkpoint_dir / f"step_{self.step:06d}"
+            raise metrics.output_error(where, "saving the checkpoint into", e, checkpoint_dir) from e
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint's trainer_state.json records besides the step: settings, data position, counters."""
+        model_config = getattr(self.model, "config", None)
+        return {
+            "config": self.config.to_dict(),
+            "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
+            "data": {"train": self.train_loader.state_dict()},
+            "best_val_loss": self.best_val_loss,
+            "skipped_steps": self.skipped_steps,
+            "recovery": self.recovery_state(),
+            "world_size": self.dist_env.world_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "precision": self.precision.name,
+            "torch_version": torch.__version__,
+        }
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore everything from a checkpoint (see :func:`gpt2.train.checkpoint.load_checkpoint`): weights,
@@ -622,7 +640,7 @@ class Trainer:
         self.step = int(meta["step"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.best_val_loss = meta.get("best_val_loss")
-        self.recovery.resume(meta.get("recovery"))
+        self.recovery.resume(meta.get("recovery"), self.step)
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
