@@ -26,7 +26,7 @@ from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_confi
 from gpt2.model.tokenizer import EOT_TOKEN, Tokenizer, TokenizerNotAvailableError, get_tokenizer
 from gpt2.train.checkpoint import NonFiniteWeightsError, find_latest_checkpoint, load_checkpoint, save_checkpoint
 from gpt2.train.config import TrainConfig
-from gpt2.train.metrics import ConsoleSink, JSONLSink
+from gpt2.train.metrics import ConsoleSink, JSONLSink, RunOutputError
 from gpt2.train.optim import build_optimizer, lr_at
 from gpt2.train.precision import PrecisionPolicy, resolve_precision
 from gpt2.train.trainer import Trainer, TrainingDivergedError
@@ -72,6 +72,7 @@ __all__ = [
     "Trainer",
     "TrainConfig",
     "TrainingDivergedError",
+    "RunOutputError",
     "PrecisionPolicy",
     "resolve_precision",
     "build_optimizer",

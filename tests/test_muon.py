@@ -74,7 +74,9 @@ def test_step_equals_torch_muon_and_adamw_side_by_side(tiny_config):
     torch.manual_seed(0)
     model = GPT(tiny_config)
     reference = copy.deepcopy(model)
-    opt = build_optimizer(model, lr=1e-3, optimizer="muon", muon_lr=0.02, muon_weight_decay=0.01)
+    # fused=False: the reference below is torch's foreach AdamW, which the fused kernel (now picked
+    # on CPUs too) matches only to ~2e-7.
+    opt = build_optimizer(model, lr=1e-3, optimizer="muon", muon_lr=0.02, muon_weight_decay=0.01, fused=False)
     assert isinstance(opt, MuonAdamW) and isinstance(opt, torch.optim.Optimizer)
     hidden = _block_matrices(reference)
     rest = [p for p in reference.parameters() if all(p is not h for h in hidden)]
