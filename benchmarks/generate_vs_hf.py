@@ -30,6 +30,7 @@ from gpt2.model.config import GPTConfig
 from gpt2.model.generate import generate
 from gpt2.model.gpt import GPT
 from gpt2.model.hf_convert import config_from_hf, hf_to_gpt_state_dict
+from gpt2.train.precision import describe_machine
 
 
 def time_interleaved(runs: dict, rounds: int, clock) -> dict[str, list[float]]:
@@ -101,7 +102,7 @@ def main() -> None:
             f"graph breaks: {sum(counters['graph_break'].values())}"
         )
     same = all(torch.equal(out, outputs["transformers"]) for out in outputs.values())
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, 124M random weights")
+    print(f"{describe_machine()}, transformers {transformers.__version__}, 124M random weights")
     kind = "CPU time, 1 thread" if args.threads == 1 else f"wall time, {args.threads} threads"
     print(f"greedy, batch 1, prompt {args.prompt} tokens, {n} new tokens; {kind}, median of {args.rounds} rounds")
     rates = {name: n / statistics.median(ts) for name, ts in times.items()}

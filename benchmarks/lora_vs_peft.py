@@ -110,7 +110,11 @@ def main() -> None:
     ours, peer = results["minlora"], results["peft"]
     time_ratio = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(ours, peer))
     mem_ratio = statistics.median(a["peak_mib"] / b["peak_mib"] for a, b in zip(ours, peer))
-    print(f"\nGPT-2 124M, B={args.batch_size}, T={args.seq_len}, LoRA r=8 on c_attn, fp32, one thread")
+    # Imported here: the parent process only starts the measured ones (its own size is not measured).
+    from gpt2.train.precision import describe_machine
+
+    print(f"\n{describe_machine(threads=1)}")
+    print(f"GPT-2 124M, B={args.batch_size}, T={args.seq_len}, LoRA r=8 on c_attn, fp32, one thread")
     print("| library | CPU s per step (median) | peak RSS MiB (median) |")
     print("|---|---:|---:|")
     for lib, runs in results.items():

@@ -81,6 +81,10 @@ def main() -> None:
         if child.returncode != 0:
             raise SystemExit(f"the {v} step failed (exit code {child.returncode})")
         results[v] = json.loads(out.strip().splitlines()[-1])
+    # Imported here: the parent process only starts the measured ones (its own size is not measured).
+    from gpt2.train.precision import describe_machine
+
+    print(describe_machine())
     print(f"GPT-2 124M, one fp32 training step on CPU, B={args.batch} T={args.seq}; peak RSS per process")
     for v, r in results.items():
         print(

@@ -29,6 +29,7 @@ from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
 from gpt2.train.optim import build_optimizer
+from gpt2.train.precision import describe_machine
 
 LAYERS, WIDTH, HEADS, BATCH, SEQ, VOCAB = 4, 128, 4, 8, 128, 50257
 LR = 6e-4
@@ -129,14 +130,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
+    parser.add_argument(
+        "--precisions",
+        default="fp32,bf16",
+        help="comma-separated, of fp32 and bf16 (bf16 is emulated, and very slow, on CPUs without AMX or AVX512-BF16)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
-    print(f"torch {torch.__version__}, 1 thread, {LAYERS} layers x {WIDTH} wide, B={BATCH} T={SEQ}, CPU time per step")
+    print(f"{describe_machine()}; {LAYERS} layers x {WIDTH} wide, B={BATCH} T={SEQ}, CPU time per step")
     header = ("precision", "ours ms", "nanogpt ms", "ours/nanogpt", "loss ours", "loss nanogpt")
     print("{:<9} {:>9} {:>11} {:>13} {:>10} {:>13}".format(*header))
-    for precision in ("fp32", "bf16"):
+    for precision in args.precisions.split(","):
         steps = {name: build(name, precision == "bf16") for name in ("ours", "nanogpt")}
         times: dict[str, list[float]] = {name: [] for name in steps}
         losses = {name: math.nan for name in steps}

@@ -218,3 +218,13 @@ def test_no_module_but_precision_touches_the_tf32_switches():
         if switches.search(line)
     ]
     assert hits == []
+
+
+def test_describe_machine_names_the_cpu_its_bf16_features_torch_and_threads(monkeypatch):
+    from gpt2.train.precision import describe_machine
+
+    fake = {"cpu_name": "Intel Xeon Platinum", "amx_bf16": True, "avx512_bf16": False}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: fake)
+    line = describe_machine("cpu", threads=1)
+    assert line.startswith("Intel Xeon Platinum (") and "; AMX, no AVX512-BF16)" in line
+    assert f"torch {torch.__version__}" in line and line.endswith("1 thread(s)")

@@ -12,6 +12,7 @@ from gpt2.cli.layers import Options
 from gpt2.model.config import SHAPE_NAMES
 from gpt2.train.bench import RUNGS, RungResult, format_table, run_ladder
 from gpt2.train.distributed import resolve_device
+from gpt2.train.precision import describe_machine
 
 
 @dataclass
@@ -50,9 +51,9 @@ def bench(options: BenchOptions) -> list[Any]:
         rungs = [r.strip() for r in options.rungs.split(",") if r.strip()]
     # "cuda" without CUDA: the Trainer's error, before any work
     device = resolve_device(options.device)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    where = describe_machine(device)
     title = (
-        f"`gpt2 bench` on {where}, torch {torch.__version__}: {options.model}, B={options.batch_size}, "
+        f"`gpt2 bench` on {where}: {options.model}, B={options.batch_size}, "
         f"T={options.seq_len}, {options.repeats} x {options.steps} timed steps after {options.warmup} warm-up steps"
     )
     print(title, flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import platform
 from dataclasses import dataclass
 from typing import ContextManager
 
@@ -88,6 +89,31 @@ def cpu_native_bf16() -> str | None:
         if capabilities.get(feature):
             return name
     return None
+
+
+def describe_machine(device: torch.device | str = "cpu", threads: int | None = None) -> str:
+    """One line naming the machine a measurement ran on, read from the machine itself: the GPU, or
+    the CPU's model and the features that decide its bf16 speed (AMX, AVX512-BF16), with torch's
+    version and the intra-op thread count. Every benchmark prints it beside its numbers.
+    """
+    device = torch.device(device)
+    if threads is None:
+        threads = torch.get_num_threads()
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    capabilities = {}
+    if get_capabilities is not None:
+        capabilities = get_capabilities()
+    name = capabilities.get("cpu_name") or platform.processor() or "unknown CPU"
+    features = []
+    for feature, label in NATIVE_BF16_FEATURES.items():
+        if capabilities.get(feature):
+            features.append(label)
+        else:
+            features.append(f"no {label}")
+    simd = torch.backends.cpu.get_cpu_capability()
+    return f"{name} ({simd}; {', '.join(features)}), torch {torch.__version__}, {threads} thread(s)"
 
 
 def default_precision(device: torch.device | str) -> str:
