@@ -352,7 +352,8 @@ def test_written_files_get_the_users_umask(run, tmp_path):
     try:
         path = ckpt.save_checkpoint(tmp_path / "ckpts", 1, _model(), torch.optim.AdamW(_model().parameters()))
         _model().save_pretrained(tmp_path / "export")
-        rundir.record_outputs(tmp_path, ["x"])
+        (tmp_path / "results.json").write_text("{}")
+        rundir.record_outputs(tmp_path, ["results.json"])
     finally:
         os.umask(old)
     files = [*path.iterdir(), *(tmp_path / "export").iterdir(), tmp_path / rundir.MANIFEST_FILE]

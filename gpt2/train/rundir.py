@@ -6,8 +6,11 @@ another run's checkpoints mixes with them. So :func:`start_run` (rank 0 works, e
 2. removes what an interrupted save left in ``checkpoints/``;
 3. refuses files gpt2 did not write where the run would write (always), other files of the user
    (unless ``overwrite``, which keeps them), and another run (unless ``resume`` or ``overwrite``);
-   ``out_dir/.gpt2-outputs.json`` lists what gpt2 wrote;
-4. resumes, and only then deletes what ``overwrite`` replaces: a failed resume changes nothing.
+   ``out_dir/.gpt2-outputs.json`` records what gpt2 wrote there (:mod:`gpt2.outputs`: each name
+   recorded after it is written, with its size and sha256, a checkpoint by its ``SHA256SUMS``);
+4. resumes, and only then deletes what ``overwrite`` replaces, only what the record proves is
+   gpt2's (a file of the user's inside a run folder is kept and named): a failed resume changes
+   nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gpt2 import outputs
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import pid_alive, replace_atomically
 from gpt2.train import checkpoint as ckpt
@@ -43,10 +47,14 @@ logger = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
 CHECKPOINT_DIR = "checkpoints"
 # What a run writes into out_dir (the Trainer: checkpoints, metrics, plot, metric sinks; the
-# train and finetune commands: results.json and the LoRA adapter). They are listed in the
-# manifest MANIFEST_FILE once a run starts; overwrite=True deletes those listed, nothing else.
-RUN_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "results.json", "adapter", "tensorboard", "wandb")
-MANIFEST_FILE = ".gpt2-outputs.json"
+# train and finetune commands: results.json and the LoRA adapter). Each is recorded in the record
+# MANIFEST_FILE after it is written (record_outputs); overwrite=True deletes what the record proves
+# is gpt2's, nothing else.
+TRAINER_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "tensorboard", "wandb")
+RUN_FILES = (*TRAINER_FILES, "results.json", "adapter")
+MANIFEST_FILE = outputs.RECORD_FILE
+# A log the Trainer only appends to (a resume or a recovery cuts it back, then appends again).
+_APPENDED = {"metrics.jsonl"}
 
 
 class RunDirError(Gpt2Error, FileExistsError):
@@ -304,26 +312,49 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 
 def own_outputs(out_dir: str | os.PathLike) -> set[str]:
-    """The names in ``out_dir`` that gpt2 wrote (its manifest, :data:`MANIFEST_FILE`). A run
-    directory from before the manifest counts as holding :data:`RUN_FILES`.
+    """The names in ``out_dir`` that gpt2 wrote (its record, :data:`MANIFEST_FILE`).
+
+    A run directory with a run in it (checkpoints, metrics) but no readable record, one from before
+    the record or one whose record is damaged (named in a warning by :mod:`gpt2.outputs`), counts as
+    holding :data:`RUN_FILES` under the older rule: ``resume`` continues it, ``overwrite`` replaces
+    those names (see :func:`_legacy_record`).
     """
     out_dir = Path(out_dir)
-    try:
-        names = set(json.loads((out_dir / MANIFEST_FILE).read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        names = set()
-        if existing_run(out_dir):
-            names = set(RUN_FILES)
-    # Unreadable: claim nothing, so nothing is deleted.
-    except (OSError, ValueError, TypeError):
-        names = set()
+    names = outputs.recorded_names(out_dir)
+    if not names and existing_run(out_dir):
+        names = set(RUN_FILES)
     return names | {LOCK_FILE, MANIFEST_FILE}
 
 
 def record_outputs(out_dir: str | os.PathLike, names: Iterable[str]) -> None:
-    """Add ``names`` to ``out_dir``'s manifest of what gpt2 wrote there."""
-    listed = sorted((own_outputs(out_dir) | set(names)) - {LOCK_FILE, MANIFEST_FILE})
-    replace_atomically(Path(out_dir) / MANIFEST_FILE, lambda f: f.write((json.dumps(listed) + "\n").encode()))
+    """Record in ``out_dir``'s record, after writing them, those of the run files ``names`` that exist:
+    a checkpoint folder by its checkpoints' ``SHA256SUMS``, another folder by its files' sizes and
+    sha256, ``metrics.jsonl`` as a log that is appended to, another file by its size and sha256.
+    Links are never recorded (gpt2 writes none).
+    """
+    out_dir = Path(out_dir)
+    for name in names:
+        path = out_dir / name
+        if path.is_symlink() or not path.exists():
+            continue
+        if name == CHECKPOINT_DIR:
+            outputs.record_written(path, digests=ckpt.DIGEST_FILE)
+        elif path.is_dir():
+            outputs.record_written(path, files=_files_in(path))
+        else:
+            outputs.record_written(path, appends=name in _APPENDED)
+
+
+def _files_in(folder: Path) -> list[str]:
+    """The regular files under ``folder`` (not through links), as ``/``-separated relative paths."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for file in files:
+            path = Path(root, file)
+            if path.is_file() and not path.is_symlink():
+                found.append(path.relative_to(folder).as_posix())
+    return found
 
 
 def existing_run(out_dir: str | os.PathLike) -> list[str]:
@@ -482,17 +513,47 @@ def _resume(out: Path | None, resume: str | None, load: Callable[[Path], Any]) -
 
 
 def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
-    """Rank 0, once the run has started: delete what ``overwrite`` replaces, and list the run's files."""
+    """Rank 0, once the run has started: delete what ``overwrite`` replaces. The run's names in out_dir
+    go through :func:`gpt2.outputs.remove_owned` (only what the record proves is gpt2's; what it keeps
+    is named); newer checkpoints of this run (resuming an older one) are checkpoint folders of its own
+    checkpoint directory.
+    """
     if lock is None:
         return
-    for path in doomed:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    if doomed:
-        logger.warning("overwrite=True: deleted %s", ", ".join(str(p) for p in doomed))
-    record_outputs(lock.out_dir, RUN_FILES)
+    out_dir = lock.out_dir
+    names = [path.name for path in doomed if path.parent == out_dir]
+    newer_checkpoints = [path for path in doomed if path.parent != out_dir]
+    for path in newer_checkpoints:
+        shutil.rmtree(path)
+    removed: list[Path] = []
+    kept: list[Path] = []
+    if names:
+        _legacy_record(out_dir)
+        removed, kept = outputs.remove_owned(out_dir, names, legacy=True)
+    removed += newer_checkpoints
+    if removed:
+        logger.warning("overwrite=True: deleted %s", ", ".join(str(p) for p in removed))
+    if kept:
+        logger.warning(
+            "overwrite=True kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
+            ", ".join(str(p) for p in kept),
+        )
+
+
+def _legacy_record(out_dir: Path) -> None:
+    """A run directory without a readable record (an older gpt2's, or a damaged record): write the
+    older format, the list of :data:`RUN_FILES` (read as names without identity, see
+    :mod:`gpt2.outputs`), so that ``overwrite`` replaces those names as the older rule did.
+    """
+    if outputs.recorded_names(out_dir) or not existing_run(out_dir):
+        return
+    logger.warning(
+        "%s has no readable record of what gpt2 wrote there: it is rebuilt from the run on disk (%s)",
+        out_dir,
+        ", ".join(existing_run(out_dir)),
+    )
+    text = json.dumps(sorted(RUN_FILES)) + "\n"
+    replace_atomically(out_dir / MANIFEST_FILE, lambda f: f.write(text.encode("utf-8")))
 
 
 def _give_up(lock: RunLock | None, created: bool) -> None:

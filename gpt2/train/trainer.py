@@ -272,6 +272,7 @@ class Trainer:
         finally:
             self._close_fit_log(log, signals, interrupted)
         self._plot_loss_curve()
+        self._record_outputs()
         return history
 
     def _open_fit_log(self) -> FitLog:
@@ -281,7 +282,7 @@ class Trainer:
         before_write = None
         if self._run_lock is not None:
             before_write = self._run_lock.ensure_held
-        return FitLog(
+        log = FitLog(
             self.sinks,
             self.config,
             out_dir=self.out_dir,
@@ -289,9 +290,21 @@ class Trainer:
             is_main=self.is_main,
             before_write=before_write,
         )
+        # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
+        # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
+        self._record_outputs()
+        return log
+
+    def _record_outputs(self) -> None:
+        """Record in out_dir's record what the Trainer has written there (rank 0), so that a later
+        ``overwrite`` may replace it and nothing else (:func:`gpt2.train.rundir.record_outputs`).
+        """
+        if self.is_main and self.out_dir is not None:
+            rundir.record_outputs(self.out_dir, rundir.TRAINER_FILES)
 
     def _close_fit_log(self, log: FitLog, signals: StopSignals, interrupted: bool) -> None:
         log.close()
+        self._record_outputs()
         # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
         # it leaves the process group: close() restores the handlers after that.
         if not (interrupted and self.dist_env.is_distributed):
@@ -560,6 +573,7 @@ class Trainer:
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
             path = self._write_checkpoint(self.checkpoint_dir, rng)
+            self._record_outputs()
         self.last_checkpoint = path
         self.recovery.saved_checkpoint(self.step)
         return path
