@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -104,6 +105,22 @@ class LaunchOptions:
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise InvalidValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+
+
+def program(name: str) -> str:
+    """How a new shell starts the program ``name`` (``gpt2``) installed beside this Python: by its name, or by its
+    path when this Python is a virtual environment that is not activated (its folder of programs is not on PATH),
+    relative to the working directory when inside it (``.venv/bin/gpt2``).
+    """
+    folder = Path(sys.executable).parent
+    on_path = {Path(p).absolute() for p in os.environ.get("PATH", "").split(os.pathsep) if p}
+    path = folder / name
+    # Not a virtual environment, an activated one, or not installed there (a source checkout on PYTHONPATH).
+    if sys.prefix == sys.base_prefix or folder.absolute() in on_path or not path.is_file():
+        return name
+    if path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    return str(path)
 
 
 def check_sampling(s: SamplingOptions, *, fewest: int = 1) -> None:

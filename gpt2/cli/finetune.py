@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -20,6 +21,7 @@ from gpt2.cli.common import (
     check_run,
     final_report,
     instruction_prompt,
+    program,
     write_json,
 )
 from gpt2.cli.export import check_export_dirs, peft_base
@@ -160,13 +162,14 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
     """
     # No run directory (--out-dir None) writes nothing there (never ./adapter).
     out = trainer.out_dir
+    sample = f"{shlex.quote(program('gpt2'))} sample --model"
     if out is not None:
         if options.full:
-            print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+            print(f"saved the fine-tuned model in {out} ({sample} {out})")
         else:
             adapter = minlora.save_adapter(trainer.model, out / "adapter")
             results["adapter"] = str(adapter)
-            print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+            print(f"saved adapter {adapter} ({sample} {options.init} --adapter {adapter})")
         write_json(out / "results.json", results)
     # never with --full: check() refuses it
     if options.peft_export:

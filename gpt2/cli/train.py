@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from gpt2.cli.common import DataOptions, Flat, LaunchOptions, SamplingOptions, UsageError, check_run, final_report
+from gpt2.cli.common import (
+    DataOptions,
+    Flat,
+    LaunchOptions,
+    SamplingOptions,
+    UsageError,
+    check_run,
+    final_report,
+    program,
+)
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import training_data
@@ -145,8 +154,9 @@ def _last_score(callback: HellaSwagCallback, trainer: Trainer) -> dict[str, Any]
 
 
 def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
-    """Where the outputs are and three commands to try next. They name only files and the run
-    directory (no environment variables), so they work from the same directory in a new shell.
+    """Where the outputs are and three commands to try next. They name only files, the run directory
+    and the ``gpt2`` program (by its path when its virtual environment is not activated: see
+    :func:`gpt2.cli.common.program`), so they work from the same directory in a new shell.
     """
     print(f"\noutputs in {out_dir}/:")
     for entry in sorted(out_dir.iterdir()):
@@ -159,7 +169,8 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     data = shlex.quote(str(options.data.data))
     if options.data.val_fraction != 0.1:
         data += f" --val-fraction {options.data.val_fraction:g}"
-    finetune = f"gpt2 finetune --init {run}"
+    gpt2 = shlex.quote(program("gpt2"))
+    finetune = f"{gpt2} finetune --init {run}"
     # the finetune recipe's 64 tokens would not fit a shorter context
     context = context_length(options.shape, options.train.seq_len)
     if context < 64:
@@ -172,9 +183,9 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     else:
         finetune += f" --data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}   # LoRA fine-tune it"
     print("next, try:")
-    print(f"  gpt2 sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
+    print(f"  {gpt2} sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
     print(f"  {finetune}")
-    print(f"  gpt2 eval --model {run} --data {data}   # validation loss of the saved model")
+    print(f"  {gpt2} eval --model {run} --data {data}   # validation loss of the saved model")
 
 
 def _describe(entry: Path) -> str:
