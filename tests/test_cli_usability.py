@@ -5,10 +5,33 @@ one line for a failed write (disk full, read-only folder) that says what is inta
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import pytest
+
+from gpt2.cli import main
 from gpt2.cli.train import TrainOptions, print_next_steps
+
+# A 2-layer, 32-wide model on 32-token sequences, 2 steps, no samples: seconds on a CPU.
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "4", "--warmup-steps", "1", "--eval-interval", "0"]
+TINY += ["--max-steps", "2", "--checkpoint-interval", "1", "--num-samples", "0", "--no-progress", "--no-plot"]
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def tiny_run(tmp_path, shakespeare_file, capsys) -> list[str]:
+    """The arguments of a finished 2-step `gpt2 train` run in tmp_path/run."""
+    argv = ["train", *TINY, "--data", str(shakespeare_file), "--out-dir", str(tmp_path / "run")]
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    return argv
 
 
 # --------------------------------------------------------------------------- commands for a new shell
@@ -44,3 +67,25 @@ def test_next_commands_name_the_programs_of_a_virtual_environment_that_is_not_ac
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setattr(sys, "prefix", sys.base_prefix)
     assert next_programs(capsys, tmp_path / run) == {"gpt2"}
+
+
+# --------------------------------------------------------------------------- a finished run again
+def test_a_finished_run_started_again_reports_its_results_json(tiny_run, tmp_path, capsys, monkeypatch):
+    """run.sh with no arguments resumes runs/shakespeare: a finished run scored its whole validation
+    set again (52 s on the CPU recipe) to say what results.json already says.
+    """
+    import gpt2.cli.common
+
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    scored = []
+    monkeypatch.setattr(gpt2.cli.common, "val_loss", lambda *a, **k: scored.append(1) or {})
+    code, out, err = run(capsys, *tiny_run, "--resume", "auto")
+    assert code == 0, err
+    line = f"already done: {tmp_path / 'run'} reached step 2; val loss {results['val_loss']:.4f} (from results.json)"
+    assert line in out and "next, try:" in out and not scored
+    # A results.json of another step (or none) is no report of this checkpoint: it is scored as before.
+    (tmp_path / "run" / "results.json").write_text(json.dumps({**results, "step": 1}))
+    monkeypatch.undo()
+    code, out, err = run(capsys, *tiny_run, "--resume", "auto")
+    assert code == 0 and "already done" not in out and "val loss" in out, err
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 2

@@ -271,6 +271,21 @@ def final_report(
     return results
 
 
+def finished_results(trainer: Any) -> dict[str, Any] | None:
+    """The ``results.json`` of a run that had already reached ``max_steps`` when it was resumed, if it is
+    that step's: a rerun reports it instead of scoring the validation data again. Else None.
+    """
+    if trainer.out_dir is None or trainer.last_checkpoint is None or trainer.step < trainer.config.max_steps:
+        return None
+    try:
+        results = json.loads((trainer.out_dir / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(results, dict) or results.get("step") != trainer.step:
+        return None
+    return results
+
+
 def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from gpt2.cli.common import (
     UsageError,
     check_run,
     final_report,
+    finished_results,
     program,
 )
 from gpt2.cli.layers import Options
@@ -118,6 +119,9 @@ def train(options: TrainOptions) -> dict[str, Any]:
         callbacks.append(HellaSwagCallback(hellaswag, options.hellaswag_interval, options.hellaswag_limit))
     start = time.time()
     with Trainer(model, config, train_data, val, callbacks=callbacks) as trainer:
+        done = finished_results(trainer)
+        if done is not None:
+            return _report_done(trainer, done, options)
         if trainer.is_main:
             print(_run_line(options, model, trainer), flush=True)
         trainer.fit()
@@ -144,6 +148,18 @@ def _run_line(options: TrainOptions, model: GPT, trainer: Trainer) -> str:
         f"{shape.n_head} heads, {shape.n_embd} wide, context {shape.block_size}); "
         f"{trainer.tokens_per_step:,} tokens per step, {config.max_steps} steps, {how} on {trainer.device}"
     )
+
+
+def _report_done(trainer: Trainer, results: dict[str, Any], options: TrainOptions) -> dict[str, Any]:
+    """A finished run started again: its ``results.json`` (see :func:`gpt2.cli.common.finished_results`)."""
+    if not trainer.is_main:
+        return {}
+    line = f"already done: {trainer.out_dir} reached step {trainer.step}"
+    if isinstance(results.get("val_loss"), (int, float)):
+        line += f"; val loss {results['val_loss']:.4f}"
+    print(f"{line} (from results.json)")
+    print_next_steps(trainer.out_dir, options)
+    return results
 
 
 def _last_score(callback: HellaSwagCallback, trainer: Trainer) -> dict[str, Any]:
