@@ -89,3 +89,40 @@ def test_a_finished_run_started_again_reports_its_results_json(tiny_run, tmp_pat
     code, out, err = run(capsys, *tiny_run, "--resume", "auto")
     assert code == 0 and "already done" not in out and "val loss" in out, err
     assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 2
+
+
+# --------------------------------------------------------------------------- one-line argument errors
+def test_a_mistyped_flag_is_one_line_naming_the_closest(capsys):
+    """It was tyro's box of 10-13 lines; now one line on stderr, exit code 2."""
+    code, out, err = run(capsys, "train", "--max-step", "10")
+    assert (code, out) == (2, "")
+    assert (
+        err
+        == "gpt2 train: --max-step: unknown option; did you mean --max-steps? (gpt2 train --help lists every option)\n"
+    )
+    code, _, err = run(capsys, "finetune", "--lora.rnak", "4")
+    assert code == 2 and err.startswith("gpt2 finetune: --lora.rnak: unknown option; did you mean --lora.rank?"), err
+    code, _, err = run(capsys, "eval", "--bogus-flag")
+    assert code == 2 and err == "gpt2 eval: --bogus-flag: unknown option (gpt2 eval --help lists every option)\n"
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["train", "--max-steps", "ten"], "gpt2 train: --max-steps: expected an integer, got 'ten'"),
+        (["train", "--max_steps", "ten"], "gpt2 train: --max-steps: expected an integer, got 'ten'"),
+        (["train", "--max-steps"], "gpt2 train: --max-steps: expected an integer, got nothing"),
+        (["train", "--max-lr", "fast"], "gpt2 train: --max-lr: expected a number, got 'fast'"),
+        (["train", "--top-k", "all"], "gpt2 train: --top-k: expected an integer or None, got 'all'"),
+        (
+            ["train", "--precision", "fp8"],
+            "gpt2 train: --precision: expected one of auto, fp32, tf32, bf16, fp16, got 'fp8'",
+        ),
+        (["train", "--betas", "0.9"], "gpt2 train: --betas: expected FLOAT FLOAT, got '0.9'"),
+        (["finetune", "--lora.rank", "x"], "gpt2 finetune: --lora.rank: expected an integer, got 'x'"),
+        (["sample", "-n", "x"], "gpt2 sample: --num-samples: expected an integer"),
+    ],
+)
+def test_a_bad_value_is_one_line(capsys, argv, line):
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", line + "\n")

@@ -20,7 +20,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gpt2.cli.layers import UsageError, dump_yaml
+from gpt2.cli.layers import ArgumentError, UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
 from gpt2.errors import InvalidValueError
 
@@ -181,6 +181,10 @@ def _report_error(e: Exception, prog: str) -> int:
     if isinstance(e, KeyError):
         text = f"missing key {e}"
     text = " ".join(text.split())
+    # A flag or value the command cannot read: its message names the flag.
+    if isinstance(e, ArgumentError):
+        print(f"{prog}: {text}", file=sys.stderr)
+        return EXIT_USAGE
     if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
         print(f"{prog}: error: {text}", file=sys.stderr)
         return EXIT_USAGE

@@ -4,13 +4,19 @@ example script's own defaults, ``--config FILE`` and the flags. :func:`parse` me
 flags, in that order, into the default instance tyro parses the flags over, so ``--help`` shows the
 values a run would use. A YAML file maps option names (``max_steps`` or ``max-steps``; a prefixed
 group such as ``lora`` is a mapping) to values converted by tyro's rule for the field's type;
-``--print-config`` writes that format.
+``--print-config`` writes that format. A flag the command does not have (checked before tyro reads
+the flags) or a value tyro cannot read is one :class:`ArgumentError` line, not tyro's error box.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import functools
+import io
+import re
+import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +46,12 @@ class UsageError(Gpt2Error):
 
 class ConfigError(UsageError, ValueError):
     """A recipe or config file that does not fit the command's options."""
+
+
+class ArgumentError(UsageError):
+    """A flag the command does not have, or a value it cannot read: the command line prints the
+    message after the command's name alone (``gpt2 train: --max-steps: expected an integer, got 'ten'``).
+    """
 
 
 class OptionError(UsageError):
@@ -90,6 +102,18 @@ def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
         elif _spec(base) is not None:
             out[name] = ((name,), base)
     return out
+
+
+@functools.cache
+def flags(cls: type) -> tuple[str, ...]:
+    """Every ``--flag`` of ``cls``: ``--help``, each option's, and a yes/no option's ``--no-`` form."""
+    out = ["--help"]
+    for key, (_, hint) in option_fields(cls).items():
+        *group, name = key.split(".")
+        out.append("--" + key.replace("_", "-"))
+        if hint is bool:
+            out.append("--" + ".".join([*group, f"no_{name}"]).replace("_", "-"))
+    return tuple(out)
 
 
 def dump_yaml(options: Any, header: str) -> str:
@@ -183,34 +207,42 @@ def recipe_path(name: str, on_cuda: bool) -> Path:
 
 # --------------------------------------------------------------------------- parsing
 class CommandLine(NamedTuple):
-    """What the flags say before tyro reads them: the files to read (the recipe's for ``--device``'s
-    machine) and which options they set. This is the one place that reads ``argv`` by hand.
+    """What the flags say before tyro reads them: each ``--flag`` given, with the words after its last
+    occurrence (``--name X Y`` or ``--name=X``). This is the one place that reads ``argv`` by hand.
     """
 
-    config: str | None
-    recipe: str | None
-    device: str | None
-    options: frozenset[str]
+    given: dict[str, tuple[str, ...]]
 
     @classmethod
     def read(cls, argv: Sequence[str]) -> CommandLine:
-        """The last value of each of ``--config``, ``--recipe``, ``--device`` (``--name X`` or
-        ``--name=X``), and the option names of every ``--flag``.
-        """
-        values: dict[str, str] = {}
-        names = set()
-        for i, arg in enumerate(argv):
-            if not arg.startswith("--"):
-                continue
-            flag, equals, value = arg.partition("=")
-            names.add(flag[2:].replace("-", "_"))
-            if flag not in ("--config", "--recipe", "--device"):
-                continue
-            if equals:
-                values[flag] = value
-            elif i + 1 < len(argv):
-                values[flag] = argv[i + 1]
-        return cls(values.get("--config"), values.get("--recipe"), values.get("--device"), frozenset(names))
+        given: dict[str, tuple[str, ...]] = {}
+        flag = None
+        for arg in argv:
+            if arg.startswith("--") and arg != "--":
+                flag, equals, value = arg.partition("=")
+                given[flag] = ()
+                if equals:
+                    given[flag] = (value,)
+            # A short option (-n), or the end of the options (--): words no --flag of ours takes.
+            elif _is_option(arg):
+                flag = None
+            elif flag is not None:
+                given[flag] += (arg,)
+        return cls(given)
+
+    def value(self, flag: str) -> str | None:
+        """The first word after the last ``flag`` (``--config``, ``--recipe``, ``--device``), if any."""
+        return next(iter(self.given.get(flag, ())), None)
+
+    @property
+    def options(self) -> set[str]:
+        """The option names of the flags (``max_steps`` for ``--max-steps``)."""
+        return {flag[2:].replace("-", "_") for flag in self.given}
+
+
+def _is_option(word: str) -> bool:
+    """``-n``, ``--x``, ``--``: not a value (``-1`` and ``-.5`` are)."""
+    return word.startswith("-") and word[1:2] not in ("", ".", *"0123456789")
 
 
 def parse(
@@ -228,16 +260,17 @@ def parse(
     from gpt2.train.distributed import uses_cuda
 
     line = CommandLine.read(argv)
+    check_flags(cls, line, prog)
     script = dict(defaults or {})
     config = {}
-    if line.config:
-        config = read_yaml(Path(line.config).expanduser(), cls, "config file")
+    if line.value("--config"):
+        config = read_yaml(Path(line.value("--config")).expanduser(), cls, "config file")
     # The recipe the flags name, else the config file, else the script, else the command's own.
-    named = (line.recipe, config.pop("recipe", None), script.pop("recipe", None), recipe)
+    named = (line.value("--recipe"), config.pop("recipe", None), script.pop("recipe", None), recipe)
     recipe = next((name for name in named if name), None)
     planned = {}
     if recipe:
-        planned = read_yaml(recipe_path(recipe, uses_cuda(line.device)), cls, "recipe")
+        planned = read_yaml(recipe_path(recipe, uses_cuda(line.value("--device"))), cls, "recipe")
     values = {**planned, **script, **config, "recipe": recipe}
     # A recipe's warmup belongs to its run length. With another max_steps and no warmup of the
     # user's, it keeps its share of the run: TrainConfig (which tyro builds before we see the final
@@ -246,14 +279,97 @@ def parse(
     rescale = {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user
     if rescale:
         values["warmup_steps"] = 0
+    description = description or cls.__doc__
     with _LIBRARY_ERRORS:
-        options = tyro.cli(
-            cls, args=argv, default=_unchecked(cls, values), prog=prog, description=description or cls.__doc__
-        )
+        options = _tyro_cli(cls, argv, line, default=_unchecked(cls, values), prog=prog, description=description)
     if rescale:
         warmup = _recipe_warmup(planned, options.train.max_steps)
         options.train = dataclasses.replace(options.train, warmup_steps=warmup)
     return options
+
+
+def check_flags(cls: type, line: CommandLine, prog: str) -> None:
+    """Refuse a flag ``cls`` does not have, naming the closest one (tyro's box of near matches is
+    ten lines or more).
+    """
+    known = flags(cls)
+    for flag in line.given:
+        # tyro reads --max_steps as --max-steps
+        if flag.replace("_", "-") in known:
+            continue
+        message = f"{flag}: unknown option"
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+        if close:
+            message += f"; did you mean {close[0]}?"
+        raise ArgumentError(f"{message} ({prog} --help lists every option)")
+
+
+def _tyro_cli(cls: type, argv: list[str], line: CommandLine, *, prog: str, **kwargs: Any) -> Any:
+    """``tyro.cli``, with its error box for a value it cannot read (``--max-steps ten``) turned into
+    one :class:`ArgumentError`.
+    """
+    box = io.StringIO()
+    failed = False
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(cls, args=argv, prog=prog, **kwargs)
+    except SystemExit as e:
+        # 2: the input was refused (0: --help)
+        failed = e.code == 2
+        if failed:
+            raise ArgumentError(_value_error(box.getvalue(), cls, line, prog)) from None
+        raise
+    finally:
+        # Whatever else was written there (a warning) still reaches the user.
+        if not failed:
+            sys.stderr.write(box.getvalue())
+
+
+def _value_error(box: str, cls: type, line: CommandLine, prog: str) -> str:
+    """One line for tyro's error box: ``--max-steps: expected an integer, got 'ten'`` where the box
+    names an option, else the box's first paragraph.
+    """
+    message = _first_paragraph(box)
+    fields = option_fields(cls)
+    # tyro names the flag as --help shows it (--max-steps for --max_steps, -n/--num-samples for -n).
+    given = {flag.replace("_", "-"): words for flag, words in line.given.items()}
+    for flag in re.findall(r"--[\w.-]*\w", message):
+        key = flag[2:].replace("-", "_")
+        if key not in fields:
+            continue
+        message = f"{flag}: expected {_expected(_spec(fields[key][1]))}"
+        if flag in given:
+            message += ", got " + (" ".join(repr(word) for word in given[flag]) or "nothing")
+        return message
+    return f"{message} ({prog} --help lists every option)"
+
+
+def _first_paragraph(box: str) -> str:
+    """The text of tyro's error box up to its first rule, on one line (or all of ``box`` if it is no box)."""
+    lines = []
+    for line in box.strip().splitlines()[1:]:
+        text = line.strip().strip("│").strip()
+        if text.startswith(("─", "╰")):
+            break
+        lines.append(text)
+    if not lines:
+        return " ".join(box.split())
+    return " ".join(" ".join(lines).split())
+
+
+# How tyro's metavars read.
+KINDS = {"INT": "an integer", "FLOAT": "a number", "STR": "a text", "{None}": "None"}
+
+
+def _expected(spec: PrimitiveConstructorSpec) -> str:
+    """What a flag takes: ``one of auto, fp32``, ``an integer or None``, or tyro's ``FLOAT FLOAT``."""
+    if spec.choices:
+        return "one of " + ", ".join(spec.choices)
+    kinds = [KINDS.get(part) for part in spec.metavar.split("|")]
+    if spec.nargs != 1 or None in kinds:
+        return spec.metavar
+    # None last: "an integer or None"
+    return " or ".join(sorted(kinds, key=lambda kind: kind == "None"))
 
 
 def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
