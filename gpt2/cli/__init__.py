@@ -71,7 +71,7 @@ COMMANDS: dict[str, Command] = {
     "sample": Command("sample", "stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)"),
     "prepare": Command("prepare", "tokenise text files, jsonl files or a Hugging Face dataset into token shards"),
     "eval": Command("evaluate", "validation loss / perplexity on token data, and HellaSwag accuracy", "eval"),
-    "export": Command("export", "write a transformers directory (LoRA merged in) and/or a PEFT adapter"),
+    "export": Command("export", "write a transformers directory, a GGUF file (llama.cpp) and/or a PEFT adapter"),
     "bench": Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash, vocab pad...", "bench"),
 }
 

@@ -14,8 +14,10 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import inspect
 import io
 import re
+import shlex
 import sys
 import typing
 from collections.abc import Sequence
@@ -29,6 +31,7 @@ from tyro.constructors import (
     PrimitiveConstructorSpec,
     PrimitiveTypeInfo,
     StructConstructorSpec,
+    StructFieldSpec,
     StructTypeInfo,
 )
 
@@ -279,8 +282,9 @@ def parse(
     rescale = {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user
     if rescale:
         values["warmup_steps"] = 0
-    description = description or cls.__doc__
-    with _LIBRARY_ERRORS:
+    # Without its indentation, tyro joins a docstring's lines (it keeps a break before an indented one).
+    description = description or inspect.cleandoc(cls.__doc__)
+    with _COMMAND_LINE_RULES:
         options = _tyro_cli(cls, argv, line, default=_unchecked(cls, values), prog=prog, description=description)
     if rescale:
         warmup = _recipe_warmup(planned, options.train.max_steps)
@@ -345,16 +349,19 @@ def _value_error(box: str, cls: type, line: CommandLine, prog: str) -> str:
 
 
 def _first_paragraph(box: str) -> str:
-    """The text of tyro's error box up to its first rule, on one line (or all of ``box`` if it is no box)."""
-    lines = []
+    """The message of tyro's error box (after its title, up to the next rule or blank line) on one
+    line; a box of ``│ ─ ╰`` on a UTF-8 terminal, of spaces and ``-`` elsewhere.
+    """
+    paragraph: list[str] = []
     for line in box.strip().splitlines()[1:]:
         text = line.strip().strip("│").strip()
-        if text.startswith(("─", "╰")):
-            break
-        lines.append(text)
-    if not lines:
-        return " ".join(box.split())
-    return " ".join(" ".join(lines).split())
+        # a rule, a border or a blank line
+        if set(text) <= set("─-╰╯"):
+            if paragraph:
+                break
+            continue
+        paragraph.append(text)
+    return " ".join(" ".join(paragraph).split())
 
 
 # How tyro's metavars read.
@@ -397,14 +404,15 @@ def _unchecked(cls: type, values: dict[str, Any]) -> Any:
 # raises (TrainConfig's and LoRAConfig's checks raise gpt2's InvalidValueError) becomes tyro's
 # multi-line error box. The rule below gives tyro its usual constructor of each dataclass, wrapped
 # so that such an error leaves tyro as an OptionError: the command line's one line, exit code 2.
-_LIBRARY_ERRORS = ConstructorRegistry()
+# It also makes each field's --help text read well (see _readable).
+_COMMAND_LINE_RULES = ConstructorRegistry()
 # The rule below finds tyro's own rule for a dataclass by asking the registry again with this marker
 # among the field's markers; it passes such a look-up on (returns None) instead of answering itself.
 _TYROS_RULE = object()
 
 
-@_LIBRARY_ERRORS.struct_rule
-def _raise_option_error(info: StructTypeInfo) -> Any:
+@_COMMAND_LINE_RULES.struct_rule
+def _command_line_rule(info: StructTypeInfo) -> Any:
     if not dataclasses.is_dataclass(info.type) or _TYROS_RULE in info.markers:
         return None
     spec = ConstructorRegistry.get_struct_spec(dataclasses.replace(info, markers=(*info.markers, _TYROS_RULE)))
@@ -417,4 +425,48 @@ def _raise_option_error(info: StructTypeInfo) -> Any:
         except ValueError as e:
             raise OptionError(str(e)) from e
 
-    return dataclasses.replace(spec, instantiate=instantiate)
+    return dataclasses.replace(spec, instantiate=instantiate, fields=tuple(map(_readable, spec.fields)))
+
+
+def _readable(field: StructFieldSpec) -> StructFieldSpec:
+    """``field`` with its help on one line (tyro keeps a docstring's line break before an indented or
+    non-letter line: mid-sentence here) and its default as it would be typed (see :func:`_default_hint`).
+    """
+    helptext = field.helptext
+
+    def one_line() -> str | None:
+        text = helptext
+        if callable(text):
+            text = text()
+        if text is None:
+            return None
+        return " ".join(text.split())
+
+    field = dataclasses.replace(field, helptext=one_line)
+    base = field.type
+    if typing.get_origin(base) is Annotated:
+        base = typing.get_args(base)[0]
+    # A group of options (DataOptions...) has no default of its own to show.
+    if dataclasses.is_dataclass(base):
+        return field
+    return dataclasses.replace(field, type=Annotated[field.type, tyro.conf.arg(help_behavior_hint=_default_hint)])
+
+
+def _default_hint(label: str) -> str:
+    """``(default: ...)`` for tyro's default ``label``, which quotes each word for a shell: a word as is,
+    in double quotes where it holds a space (``"Hello, I'm a language model,"``); nothing for an empty list.
+    """
+    try:
+        words = shlex.split(label)
+    except ValueError:
+        return f"(default: {label})"
+    if not words:
+        return ""
+    return f"(default: {' '.join(map(_as_typed, words))})"
+
+
+def _as_typed(word: str) -> str:
+    """``word`` as is, or in double quotes where it is empty or holds a space."""
+    if word and not any(c.isspace() for c in word):
+        return word
+    return f'"{word}"'
