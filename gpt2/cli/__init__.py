@@ -93,6 +93,18 @@ def parse(
     return options, options.print_config
 
 
+@dataclasses.dataclass
+class _Invocation:
+    """A command being run, as its reports need it: its name, ``prog`` and arguments, and its
+    options once they are parsed.
+    """
+
+    name: str
+    prog: str
+    argv: list[str]
+    options: Any = None
+
+
 def run_command(
     name: str,
     argv: Sequence[str] | None = None,
@@ -108,33 +120,33 @@ def run_command(
     """
     if name not in COMMANDS:
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
-    prog = prog or f"gpt2 {name}"
-    argv = _arguments(argv)
+    command = _Invocation(name, prog or f"gpt2 {name}", _arguments(argv))
     _setup_logging()
     try:
-        return _run(name, argv, prog, defaults, description)
+        return _run(command, defaults, description)
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
-        return _report_interrupt(e, prog, argv)
+        return _report_interrupt(e, command)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
         if os.environ.get("GPT2_DEBUG", "") not in ("", "0"):
             raise
-        return _report_error(e, prog)
+        return _report_error(e, command)
 
 
-def _run(name: str, argv: list[str], prog: str, defaults: dict[str, Any] | None, description: str | None) -> int:
+def _run(command: _Invocation, defaults: dict[str, Any] | None, description: str | None) -> int:
     """Parse the options, then print them, start the workers or run the command."""
-    cmd = COMMANDS[name]
+    cmd, prog, argv = COMMANDS[command.name], command.prog, command.argv
     try:
         options, print_config = parse(cmd, argv, prog=prog, defaults=defaults, description=description)
-    except SystemExit as e:  # --help (0) or a bad flag (2, tyro printed why)
+    except SystemExit as e:  # --help (0)
         return int(e.code or 0)
+    command.options = options
     if print_config:
         sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
         return 0
     # train and finetune can start their own workers (unless this process is one)
     launch = getattr(options, "launch", None)
     if launch is not None and launch.nproc_per_node > 1 and "RANK" not in os.environ:
-        return _launch(name, options, argv, prog)
+        return _launch(command.name, options, argv, prog)
     result = cmd.function(options)
     # Prepare and export return an exit code, the others their results.
     if isinstance(result, int):
@@ -159,7 +171,7 @@ def _launch(name: str, options: Any, argv: list[str], prog: str) -> int:
         del os.environ[LAUNCH_ARGV]
 
 
-def _report_interrupt(e: KeyboardInterrupt, prog: str, argv: list[str]) -> int:
+def _report_interrupt(e: KeyboardInterrupt, command: _Invocation) -> int:
     """Rank 0's line for a stopped run (and how to resume it); returns 128 + the signal."""
     # Under torchrun the signal reaches every rank and the agent forwards another: ignore
     # further ones (no second traceback while exiting) and let only rank 0 say it.
@@ -168,15 +180,19 @@ def _report_interrupt(e: KeyboardInterrupt, prog: str, argv: list[str]) -> int:
     if _rank() == 0:
         message = str(e) or "interrupted"
         if getattr(e, "checkpoint", None) is not None:
-            message += f"; resume with: {_resume_command(prog, argv)}"
-        print(f"\n{prog}: {message}", file=sys.stderr)
+            message += f"; resume with: {_resume_command(command.prog, command.argv, command.options)}"
+        print(f"\n{command.prog}: {message}", file=sys.stderr)
     return 128 + int(signum)
 
 
-def _report_error(e: Exception, prog: str) -> int:
+def _report_error(e: Exception, command: _Invocation) -> int:
     """One line for ``e``; returns the exit code: 2 for input that cannot be used, else 1."""
     from gpt2.model.tokenizer import TokenizerNotAvailableError
 
+    prog = command.prog
+    code = EXIT_FAILURE
+    if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
+        code = EXIT_USAGE
     text = str(e) or type(e).__name__
     if isinstance(e, KeyError):
         text = f"missing key {e}"
@@ -184,13 +200,12 @@ def _report_error(e: Exception, prog: str) -> int:
     # A flag or value the command cannot read: its message names the flag.
     if isinstance(e, ArgumentError):
         print(f"{prog}: {text}", file=sys.stderr)
-        return EXIT_USAGE
-    if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
+    elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"{prog}: error ({type(e).__name__}): {text}", file=sys.stderr)
-    print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
-    return EXIT_FAILURE
+    else:
+        print(f"{prog}: error ({type(e).__name__}): {text}", file=sys.stderr)
+        print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
+    return code
 
 
 # The launcher's own arguments, for its workers' resume line.
@@ -199,9 +214,13 @@ LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"
 FIRST_START_FLAGS = ("--resume=", "--overwrite", "--no-overwrite", "--resume-weights-only", "--no-resume-weights-only")
 
 
-def _resume_command(prog: str, argv: Sequence[str]) -> str:
+# Options a --config file or recipe may set that would stop the resume line: the flags that undo them.
+UNDO_FIRST_START = {"overwrite": "--no-overwrite", "resume_weights_only": "--no-resume-weights-only"}
+
+
+def _resume_command(prog: str, argv: Sequence[str], options: Any = None) -> str:
     """The command that continues an interrupted run: this one with ``--resume auto``, without a first
-    start's flags.
+    start's flags, and with the flags that undo the ones ``options`` got from a file.
     """
     words = iter(shlex.split(os.environ.get(LAUNCH_ARGV, "")) or argv)
     kept = []
@@ -210,6 +229,8 @@ def _resume_command(prog: str, argv: Sequence[str]) -> str:
             next(words, None)  # and its value
         elif not word.startswith(FIRST_START_FLAGS):
             kept.append(word)
+    train = getattr(options, "train", None)
+    kept += [flag for name, flag in UNDO_FIRST_START.items() if getattr(train, name, False)]
     return shlex.join([*_started_as(prog), *kept, "--resume", "auto"])
 
 

@@ -60,6 +60,8 @@ def prepare(options: PrepareOptions) -> int:
         )
     if options.max_docs is not None and options.max_docs < 1:
         raise UsageError(f"--max-docs must be >= 1, got {options.max_docs}")
+    if options.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0 (0: tokenise in this process), got {options.num_workers}")
     start = time.time()
     shards = dict(
         shard_size=options.shard_size,
