@@ -5,6 +5,7 @@ one line for a failed write (disk full, read-only folder) that says what is inta
 
 from __future__ import annotations
 
+import errno
 import json
 import shlex
 import signal
@@ -179,3 +180,71 @@ def test_a_dangling_symlink_out_dir_is_named_as_such(tmp_path, shakespeare_file,
     assert code == 2 and len(err.splitlines()) == 1, err
     if "dangling symlink" not in err:
         pytest.xfail("the check belongs in gpt2/train/rundir.py check_out_dir (a dangling symlink is no folder)")
+
+
+# --------------------------------------------------------------------------- a failed write
+def test_a_full_disk_is_one_line_with_the_intact_checkpoint_and_the_resume_command(
+    tmp_path, shakespeare_file, capsys, monkeypatch
+):
+    """ENOSPC writing results.json after the last step: it was two lines (the error, GPT2_DEBUG) with
+    nothing on what survived.
+    """
+    import gpt2.cli.common
+
+    def full_disk(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(gpt2.cli.common, "write_json", full_disk)
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "train", *TINY, "--data", shakespeare_file, "--out-dir", out)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    what = "No space left on device; free some space on that disk, or write to another one"
+    intact = f"checkpoint {out / 'checkpoints' / 'step_000002'} is intact"
+    assert err.startswith(f"gpt2 train: error: {out / 'results.json'}: {what}; {intact}; resume with: gpt2 train "), err
+    # The resume command works: the run is complete, results.json written this time.
+    monkeypatch.undo()
+    code, _, err = run(capsys, *shlex.split(err.split("resume with: ")[1])[1:])
+    assert code == 0 and json.loads((out / "results.json").read_text())["step"] == 2, err
+
+
+def test_the_intact_checkpoint_is_the_newest_that_verifies(tiny_run, tmp_path):
+    from gpt2.cli.common import intact_checkpoint
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert intact_checkpoint(tmp_path / "run") == checkpoints / "step_000002"
+    weights = checkpoints / "step_000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert intact_checkpoint(tmp_path / "run") == checkpoints / "step_000001"
+    assert intact_checkpoint(tmp_path / "nothing") is None
+
+
+@pytest.mark.parametrize(
+    "error,code,line",
+    [
+        (OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x"), 1, "/mnt/ro/x: Read-only file system; choose a"),
+        (PermissionError(errno.EACCES, "Permission denied", "/x"), 2, "/x: Permission denied; choose a folder you"),
+        (
+            FileNotFoundError(errno.ENOENT, "No such file or directory", "a", None, "b"),
+            2,
+            "a -> b: No such file or directory; check the path",
+        ),
+        (
+            OSError(errno.ELOOP, "Too many levels of symbolic links", "/l"),
+            1,
+            "/l: Too many levels of symbolic links; check the path",
+        ),
+    ],
+)
+def test_a_failed_read_or_write_names_the_file_and_what_to_do(error, code, line, tmp_path, capsys, monkeypatch):
+    """Any command; the exit code is as before (2 for the OSErrors that mean input: a missing file...)."""
+    import gpt2.cli.prepare
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(gpt2.cli.prepare, "tokenize_file", fail)
+    (tmp_path / "a.txt").write_text("some text")
+    result, _, err = run(capsys, "prepare", "--input", tmp_path / "a.txt", "--out-dir", tmp_path / "s")
+    assert result == code and err.startswith(f"gpt2 prepare: error: {line}") and len(err.splitlines()) == 1, err

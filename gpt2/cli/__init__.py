@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from gpt2.cli.layers import ArgumentError, UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 
 # argparse's code for a bad command line; we use it for every input error.
 EXIT_USAGE = 2
@@ -200,12 +200,38 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     # A flag or value the command cannot read: its message names the flag.
     if isinstance(e, ArgumentError):
         print(f"{prog}: {text}", file=sys.stderr)
+    elif _is_system_error(e):
+        print(f"{prog}: error: {_system_error(e, command)}", file=sys.stderr)
     elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
     else:
         print(f"{prog}: error ({type(e).__name__}): {text}", file=sys.stderr)
         print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
     return code
+
+
+def _is_system_error(e: Exception) -> bool:
+    """A read or write that failed (a full disk, a read-only folder...), not a file or folder of the
+    user's that gpt2 refused (a MissingFileError, a RunDirError: their messages say it all).
+    """
+    return isinstance(e, OSError) and not (isinstance(e, Gpt2Error) and isinstance(e, USAGE_ERRORS))
+
+
+def _system_error(e: OSError, command: _Invocation) -> str:
+    """The file, what happened and what to do; for a training run (on rank 0), also its newest
+    intact checkpoint and the command that resumes from it.
+    """
+    from gpt2.cli.common import intact_checkpoint, system_error_text
+
+    text = system_error_text(e)
+    out_dir = getattr(getattr(command.options, "train", None), "out_dir", None)
+    if out_dir is None or _rank() != 0:
+        return text
+    checkpoint = intact_checkpoint(out_dir)
+    if checkpoint is None:
+        return text
+    resume = _resume_command(command.prog, command.argv, command.options)
+    return f"{text}; checkpoint {checkpoint} is intact; resume with: {resume}"
 
 
 # The launcher's own arguments, for its workers' resume line.

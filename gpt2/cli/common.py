@@ -4,6 +4,7 @@ package's lowest module), checks, sampling to stdout, and the end-of-training re
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -17,14 +18,16 @@ import tyro
 
 from gpt2.cli.layers import UsageError
 from gpt2.data.sources import shakespeare_or_path
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
+from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
-from gpt2.train.rundir import check_out_dir
+from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir
+from minlora.errors import MinloraError
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
 Flat = tyro.conf.OmitArgPrefixes
@@ -284,6 +287,45 @@ def finished_results(trainer: Any) -> dict[str, Any] | None:
     if not isinstance(results, dict) or results.get("step") != trainer.step:
         return None
     return results
+
+
+# What to do about a read or write the system refused, by its errno.
+WRITABLE = "choose a folder you can write to (or change its permissions)"
+SYSTEM_ERROR_ADVICE = {
+    errno.ENOSPC: "free some space on that disk, or write to another one",
+    errno.EDQUOT: "free some space (the disk quota is used up), or write to another disk",
+    errno.EROFS: "choose a folder you can write to (that file system is read-only)",
+    errno.EACCES: WRITABLE,
+    errno.EPERM: WRITABLE,
+    errno.ENOENT: "check the path: a folder that does not exist, or a symlink to nothing?",
+    errno.ELOOP: "check the path: a symlink that leads back to itself?",
+}
+
+
+def system_error_text(e: OSError) -> str:
+    """One line for a read or write that failed: the file, what happened and what to do. The
+    library's own errors (a checkpoint that could not be saved...) say all of it themselves.
+    """
+    if isinstance(e, (Gpt2Error, MinloraError)):
+        return " ".join(str(e).split())
+    files = [str(name) for name in (e.filename, e.filename2) if name is not None]
+    text = " ".join((e.strerror or str(e)).split())
+    if files:
+        text = f"{' -> '.join(files)}: {text}"
+    if e.errno in SYSTEM_ERROR_ADVICE:
+        text += f"; {SYSTEM_ERROR_ADVICE[e.errno]}"
+    return text
+
+
+def intact_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest checkpoint under ``out_dir/checkpoints`` whose files all verify, or None."""
+    for path in ckpt.checkpoint_candidates(Path(out_dir) / CHECKPOINT_DIR):
+        try:
+            ckpt.read_checkpoint(path)
+        except (ckpt.CheckpointError, OSError):
+            continue
+        return path
+    return None
 
 
 def write_json(path: str | Path, data: Any) -> None:
