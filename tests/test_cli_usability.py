@@ -131,6 +131,16 @@ def test_a_bad_value_is_one_line(capsys, argv, line):
     assert (code, out, err) == (2, "", line + "\n")
 
 
+def test_values_that_look_like_flags_are_still_values():
+    """The check of the flags reads them as tyro does: a prompt "--- x", a -inf, a -1 are values."""
+    from gpt2.cli import COMMANDS, parse
+
+    argv = ["--prompt", "--- x", "--temperature", "-inf", "--top-k", "-1", "--device", "cpu"]
+    options, _ = parse(COMMANDS["train"], argv, prog="gpt2 train")
+    sampling = options.sampling
+    assert (sampling.prompt, sampling.temperature, sampling.top_k) == ("--- x", float("-inf"), -1)
+
+
 # --------------------------------------------------------------------------- resume lines that work
 def test_the_resume_line_works_after_a_config_file_set_overwrite(tmp_path, shakespeare_file, capsys, monkeypatch):
     """The line repeated --config (overwrite: true) with --resume auto, which TrainConfig refuses

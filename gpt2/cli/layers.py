@@ -221,13 +221,14 @@ class CommandLine(NamedTuple):
         given: dict[str, tuple[str, ...]] = {}
         flag = None
         for arg in argv:
-            if arg.startswith("--") and arg != "--":
+            # As tyro reads them: a flag is dashes and a letter (a prompt "--- x" is a value).
+            if arg.startswith("--") and arg[2:3].isalpha():
                 flag, equals, value = arg.partition("=")
                 given[flag] = ()
                 if equals:
                     given[flag] = (value,)
             # A short option (-n), or the end of the options (--): words no --flag of ours takes.
-            elif _is_option(arg):
+            elif arg == "--" or _is_short_option(arg):
                 flag = None
             elif flag is not None:
                 given[flag] += (arg,)
@@ -243,9 +244,9 @@ class CommandLine(NamedTuple):
         return {flag[2:].replace("-", "_") for flag in self.given}
 
 
-def _is_option(word: str) -> bool:
-    """``-n``, ``--x``, ``--``: not a value (``-1`` and ``-.5`` are)."""
-    return word.startswith("-") and word[1:2] not in ("", ".", *"0123456789")
+def _is_short_option(word: str) -> bool:
+    """``-n``; not a value such as ``-1``, ``-.5`` or ``-inf``."""
+    return word.startswith("-") and word[1:2].isalpha() and word[1:].lower() not in ("inf", "nan", "infinity")
 
 
 def parse(
