@@ -22,8 +22,8 @@ STALE_YET = {
     "--weight-decay": "TrainConfig.weight_decay's comment calls the recipe's value GPT-3's (gpt2/train/config.py)",
     "--plot": "TrainConfig.plot's comment names the [plot] extra: matplotlib is a dependency (gpt2/train/config.py)",
 }
-# The values the help of these flags attributes to GPT-3.
-GPT3 = {"--max-lr": "0.0006", "--weight-decay": "0.1"}
+# The values the help of these flags attributes to GPT-3: as --help shows a default, as the help writes it.
+GPT3 = {"--max-lr": ("0.0006", "6e-4"), "--weight-decay": ("0.1", "0.1")}
 
 
 class Entry:
@@ -147,8 +147,9 @@ def test_no_source_comments_or_stale_claims(helps):
     assert "GGUF" in terminal_output(["--help"])
     stale = set()
     for _, _, entry in all_entries(helps):
-        gpt3 = GPT3.get(entry.name)
-        if gpt3 is not None and "GPT-3" in entry.text and entry.default != gpt3:
+        # "GPT-3's value" next to a recipe's other default, without saying which value GPT-3's is
+        shown, written = GPT3.get(entry.name, (None, None))
+        if shown and "GPT-3" in entry.text and entry.default != shown and written not in entry.text:
             stale.add(entry.name)
         if "[plot] extra" in entry.text:
             stale.add(entry.name)

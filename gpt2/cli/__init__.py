@@ -3,8 +3,9 @@
 Each command is a module of this package holding its options dataclass and the function that runs it (``gpt2 train``:
 :class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); tyro turns the fields into flags, over the defaults
 :mod:`gpt2.cli.layers` sets. A bad flag, value or file ends with a one-line error and exit code 2; another failure exits
-1 (``GPT2_DEBUG=1`` shows the traceback); Ctrl-C, SIGTERM and SIGHUP stop training at a step boundary with a checkpoint
-and a resume line, exit code 128 + the signal.
+1 (``GPT2_DEBUG=1`` shows the traceback). A read or write the system refused (a full disk, a read-only folder) is one
+line naming the file and what to do, and for a training run its intact checkpoint and the resume command. Ctrl-C,
+SIGTERM and SIGHUP stop training at a step boundary with a checkpoint and a resume line, exit code 128 + the signal.
 """
 
 from __future__ import annotations
