@@ -3,8 +3,9 @@
 Each command is a module of this package holding its options dataclass and the function that runs it (``gpt2 train``:
 :class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); tyro turns the fields into flags, over the defaults
 :mod:`gpt2.cli.layers` sets. A bad flag, value or file ends with a one-line error and exit code 2; another failure exits
-1 (``GPT2_DEBUG=1`` shows the traceback); Ctrl-C, SIGTERM and SIGHUP stop training at a step boundary with a checkpoint
-and a resume line, exit code 128 + the signal.
+1 (``GPT2_DEBUG=1`` shows the traceback). A read or write the system refused (a full disk, a read-only folder) is one
+line naming the file and what to do, and for a training run its intact checkpoint and the resume command. Ctrl-C,
+SIGTERM and SIGHUP stop training at a step boundary with a checkpoint and a resume line, exit code 128 + the signal.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gpt2.cli.layers import UsageError, dump_yaml
+from gpt2.cli.layers import ArgumentError, UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 
 # argparse's code for a bad command line; we use it for every input error.
 EXIT_USAGE = 2
@@ -71,7 +72,7 @@ COMMANDS: dict[str, Command] = {
     "sample": Command("sample", "stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)"),
     "prepare": Command("prepare", "tokenise text files, jsonl files or a Hugging Face dataset into token shards"),
     "eval": Command("evaluate", "validation loss / perplexity on token data, and HellaSwag accuracy", "eval"),
-    "export": Command("export", "write a transformers directory (LoRA merged in) and/or a PEFT adapter"),
+    "export": Command("export", "write a transformers directory, a GGUF file (llama.cpp) and/or a PEFT adapter"),
     "bench": Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash, vocab pad...", "bench"),
 }
 
@@ -93,6 +94,18 @@ def parse(
     return options, options.print_config
 
 
+@dataclasses.dataclass
+class _Invocation:
+    """A command being run, as its reports need it: its name, ``prog`` and arguments, and its
+    options once they are parsed.
+    """
+
+    name: str
+    prog: str
+    argv: list[str]
+    options: Any = None
+
+
 def run_command(
     name: str,
     argv: Sequence[str] | None = None,
@@ -108,33 +121,33 @@ def run_command(
     """
     if name not in COMMANDS:
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
-    prog = prog or f"gpt2 {name}"
-    argv = _arguments(argv)
+    command = _Invocation(name, prog or f"gpt2 {name}", _arguments(argv))
     _setup_logging()
     try:
-        return _run(name, argv, prog, defaults, description)
+        return _run(command, defaults, description)
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
-        return _report_interrupt(e, prog, argv)
+        return _report_interrupt(e, command)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
         if os.environ.get("GPT2_DEBUG", "") not in ("", "0"):
             raise
-        return _report_error(e, prog)
+        return _report_error(e, command)
 
 
-def _run(name: str, argv: list[str], prog: str, defaults: dict[str, Any] | None, description: str | None) -> int:
+def _run(command: _Invocation, defaults: dict[str, Any] | None, description: str | None) -> int:
     """Parse the options, then print them, start the workers or run the command."""
-    cmd = COMMANDS[name]
+    cmd, prog, argv = COMMANDS[command.name], command.prog, command.argv
     try:
         options, print_config = parse(cmd, argv, prog=prog, defaults=defaults, description=description)
-    except SystemExit as e:  # --help (0) or a bad flag (2, tyro printed why)
+    except SystemExit as e:  # --help (0)
         return int(e.code or 0)
+    command.options = options
     if print_config:
         sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
         return 0
     # train and finetune can start their own workers (unless this process is one)
     launch = getattr(options, "launch", None)
     if launch is not None and launch.nproc_per_node > 1 and "RANK" not in os.environ:
-        return _launch(name, options, argv, prog)
+        return _launch(command.name, options, argv, prog)
     result = cmd.function(options)
     # Prepare and export return an exit code, the others their results.
     if isinstance(result, int):
@@ -159,7 +172,7 @@ def _launch(name: str, options: Any, argv: list[str], prog: str) -> int:
         del os.environ[LAUNCH_ARGV]
 
 
-def _report_interrupt(e: KeyboardInterrupt, prog: str, argv: list[str]) -> int:
+def _report_interrupt(e: KeyboardInterrupt, command: _Invocation) -> int:
     """Rank 0's line for a stopped run (and how to resume it); returns 128 + the signal."""
     # Under torchrun the signal reaches every rank and the agent forwards another: ignore
     # further ones (no second traceback while exiting) and let only rank 0 say it.
@@ -168,25 +181,58 @@ def _report_interrupt(e: KeyboardInterrupt, prog: str, argv: list[str]) -> int:
     if _rank() == 0:
         message = str(e) or "interrupted"
         if getattr(e, "checkpoint", None) is not None:
-            message += f"; resume with: {_resume_command(prog, argv)}"
-        print(f"\n{prog}: {message}", file=sys.stderr)
+            message += f"; resume with: {_resume_command(command.prog, command.argv, command.options)}"
+        print(f"\n{command.prog}: {message}", file=sys.stderr)
     return 128 + int(signum)
 
 
-def _report_error(e: Exception, prog: str) -> int:
+def _report_error(e: Exception, command: _Invocation) -> int:
     """One line for ``e``; returns the exit code: 2 for input that cannot be used, else 1."""
     from gpt2.model.tokenizer import TokenizerNotAvailableError
 
+    prog = command.prog
+    code = EXIT_FAILURE
+    if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
+        code = EXIT_USAGE
     text = str(e) or type(e).__name__
     if isinstance(e, KeyError):
         text = f"missing key {e}"
     text = " ".join(text.split())
-    if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
+    # A flag or value the command cannot read: its message names the flag.
+    if isinstance(e, ArgumentError):
+        print(f"{prog}: {text}", file=sys.stderr)
+    elif _is_system_error(e):
+        print(f"{prog}: error: {_system_error(e, command)}", file=sys.stderr)
+    elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"{prog}: error ({type(e).__name__}): {text}", file=sys.stderr)
-    print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
-    return EXIT_FAILURE
+    else:
+        print(f"{prog}: error ({type(e).__name__}): {text}", file=sys.stderr)
+        print(f"{prog}: set GPT2_DEBUG=1 for the full traceback", file=sys.stderr)
+    return code
+
+
+def _is_system_error(e: Exception) -> bool:
+    """A read or write that failed (a full disk, a read-only folder...), not a file or folder of the
+    user's that gpt2 refused (a MissingFileError, a RunDirError: their messages say it all).
+    """
+    return isinstance(e, OSError) and not (isinstance(e, Gpt2Error) and isinstance(e, USAGE_ERRORS))
+
+
+def _system_error(e: OSError, command: _Invocation) -> str:
+    """The file, what happened and what to do; for a training run (on rank 0), also its newest
+    intact checkpoint and the command that resumes from it.
+    """
+    from gpt2.cli.common import intact_checkpoint, system_error_text
+
+    text = system_error_text(e)
+    out_dir = getattr(getattr(command.options, "train", None), "out_dir", None)
+    if out_dir is None or _rank() != 0:
+        return text
+    checkpoint = intact_checkpoint(out_dir)
+    if checkpoint is None:
+        return text
+    resume = _resume_command(command.prog, command.argv, command.options)
+    return f"{text}; checkpoint {checkpoint} is intact; resume with: {resume}"
 
 
 # The launcher's own arguments, for its workers' resume line.
@@ -195,9 +241,13 @@ LAUNCH_ARGV = "GPT2_LAUNCH_ARGV"
 FIRST_START_FLAGS = ("--resume=", "--overwrite", "--no-overwrite", "--resume-weights-only", "--no-resume-weights-only")
 
 
-def _resume_command(prog: str, argv: Sequence[str]) -> str:
+# Options a --config file or recipe may set that would stop the resume line: the flags that undo them.
+UNDO_FIRST_START = {"overwrite": "--no-overwrite", "resume_weights_only": "--no-resume-weights-only"}
+
+
+def _resume_command(prog: str, argv: Sequence[str], options: Any = None) -> str:
     """The command that continues an interrupted run: this one with ``--resume auto``, without a first
-    start's flags.
+    start's flags, and with the flags that undo the ones ``options`` got from a file.
     """
     words = iter(shlex.split(os.environ.get(LAUNCH_ARGV, "")) or argv)
     kept = []
@@ -206,6 +256,8 @@ def _resume_command(prog: str, argv: Sequence[str]) -> str:
             next(words, None)  # and its value
         elif not word.startswith(FIRST_START_FLAGS):
             kept.append(word)
+    train = getattr(options, "train", None)
+    kept += [flag for name, flag in UNDO_FIRST_START.items() if getattr(train, name, False)]
     return shlex.join([*_started_as(prog), *kept, "--resume", "auto"])
 
 

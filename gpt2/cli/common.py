@@ -4,9 +4,11 @@ package's lowest module), checks, sampling to stdout, and the end-of-training re
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,14 +18,16 @@ import tyro
 
 from gpt2.cli.layers import UsageError
 from gpt2.data.sources import shakespeare_or_path
-from gpt2.errors import InvalidValueError
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
+from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
-from gpt2.train.rundir import check_out_dir
+from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir
+from minlora.errors import MinloraError
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
 Flat = tyro.conf.OmitArgPrefixes
@@ -104,6 +108,22 @@ class LaunchOptions:
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise InvalidValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+
+
+def program(name: str) -> str:
+    """How a new shell starts the program ``name`` (``gpt2``) installed beside this Python: by its name, or by its
+    path when this Python is a virtual environment that is not activated (its folder of programs is not on PATH),
+    relative to the working directory when inside it (``.venv/bin/gpt2``).
+    """
+    folder = Path(sys.executable).parent
+    on_path = {Path(p).absolute() for p in os.environ.get("PATH", "").split(os.pathsep) if p}
+    path = folder / name
+    # Not a virtual environment, an activated one, or not installed there (a source checkout on PYTHONPATH).
+    if sys.prefix == sys.base_prefix or folder.absolute() in on_path or not path.is_file():
+        return name
+    if path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    return str(path)
 
 
 def check_sampling(s: SamplingOptions, *, fewest: int = 1) -> None:
@@ -252,6 +272,60 @@ def final_report(
     if save and trainer.out_dir is not None:
         write_json(trainer.out_dir / "results.json", results)
     return results
+
+
+def finished_results(trainer: Any) -> dict[str, Any] | None:
+    """The ``results.json`` of a run that had already reached ``max_steps`` when it was resumed, if it is
+    that step's: a rerun reports it instead of scoring the validation data again. Else None.
+    """
+    if trainer.out_dir is None or trainer.last_checkpoint is None or trainer.step < trainer.config.max_steps:
+        return None
+    try:
+        results = json.loads((trainer.out_dir / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(results, dict) or results.get("step") != trainer.step:
+        return None
+    return results
+
+
+# What to do about a read or write the system refused, by its errno.
+WRITABLE = "choose a folder you can write to (or change its permissions)"
+SYSTEM_ERROR_ADVICE = {
+    errno.ENOSPC: "free some space on that disk, or write to another one",
+    errno.EDQUOT: "free some space (the disk quota is used up), or write to another disk",
+    errno.EROFS: "choose a folder you can write to (that file system is read-only)",
+    errno.EACCES: WRITABLE,
+    errno.EPERM: WRITABLE,
+    errno.ENOENT: "check the path: a folder that does not exist, or a symlink to nothing?",
+    errno.ELOOP: "check the path: a symlink that leads back to itself?",
+}
+
+
+def system_error_text(e: OSError) -> str:
+    """One line for a read or write that failed: the file, what happened and what to do. The
+    library's own errors (a checkpoint that could not be saved...) say all of it themselves.
+    """
+    if isinstance(e, (Gpt2Error, MinloraError)):
+        return " ".join(str(e).split())
+    files = [str(name) for name in (e.filename, e.filename2) if name is not None]
+    text = " ".join((e.strerror or str(e)).split())
+    if files:
+        text = f"{' -> '.join(files)}: {text}"
+    if e.errno in SYSTEM_ERROR_ADVICE:
+        text += f"; {SYSTEM_ERROR_ADVICE[e.errno]}"
+    return text
+
+
+def intact_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest checkpoint under ``out_dir/checkpoints`` whose files all verify, or None."""
+    for path in ckpt.checkpoint_candidates(Path(out_dir) / CHECKPOINT_DIR):
+        try:
+            ckpt.read_checkpoint(path)
+        except (ckpt.CheckpointError, OSError):
+            continue
+        return path
+    return None
 
 
 def write_json(path: str | Path, data: Any) -> None:

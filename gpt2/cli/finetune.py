@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -20,6 +21,7 @@ from gpt2.cli.common import (
     check_run,
     final_report,
     instruction_prompt,
+    program,
     write_json,
 )
 from gpt2.cli.export import check_export_dirs, peft_base
@@ -35,15 +37,18 @@ from minlora import LoRAConfig
 
 @dataclass
 class FinetuneOptions(Options):
-    """gpt2 finetune: LoRA (or --full) fine-tuning of GPT-2 weights on a text, or on instruction rows
-    (--data x.jsonl: Alpaca or prompt/response rows, loss on the responses only; docs/lora.md).
+    """gpt2 finetune: LoRA (or --full) fine-tuning of GPT-2 weights on a text, or on instruction rows.
+
+    Instruction rows: --data x.jsonl of Alpaca or prompt/response rows, loss on the responses only (docs/lora.md).
     """
 
     init: str = "gpt2"
     """the weights to start from: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a
     checkpoint / run directory of `gpt2 train`"""
     data: Annotated[DataOptions, Flat] = field(default_factory=DataOptions)
-    lora: Annotated[LoRAConfig, tyro.conf.SuppressFixed] = field(default_factory=LoRAConfig)  # target_types: no flag
+    # SuppressFixed: no --lora.target-types (LoRAConfig.target_types holds layer classes, which no flag can give).
+    lora: Annotated[LoRAConfig, tyro.conf.SuppressFixed] = field(default_factory=LoRAConfig)
+    """which layers get LoRA, and its rank and scaling (minlora.LoRAConfig); --full trains every weight instead"""
     train: Annotated[TrainConfig, Flat] = field(default_factory=lambda: TrainConfig(save_trainable_only=True))
     final_eval_batches: int | None = None
     """batches of the final validation loss; None = the whole validation data"""
@@ -160,13 +165,14 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
     """
     # No run directory (--out-dir None) writes nothing there (never ./adapter).
     out = trainer.out_dir
+    sample = f"{shlex.quote(program('gpt2'))} sample --model"
     if out is not None:
         if options.full:
-            print(f"saved the fine-tuned model in {out} (gpt2 sample --model {out})")
+            print(f"saved the fine-tuned model in {out} ({sample} {out})")
         else:
             adapter = minlora.save_adapter(trainer.model, out / "adapter")
             results["adapter"] = str(adapter)
-            print(f"saved adapter {adapter} (gpt2 sample --model {options.init} --adapter {adapter})")
+            print(f"saved adapter {adapter} ({sample} {options.init} --adapter {adapter})")
         write_json(out / "results.json", results)
     # never with --full: check() refuses it
     if options.peft_export:

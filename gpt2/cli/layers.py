@@ -4,13 +4,21 @@ example script's own defaults, ``--config FILE`` and the flags. :func:`parse` me
 flags, in that order, into the default instance tyro parses the flags over, so ``--help`` shows the
 values a run would use. A YAML file maps option names (``max_steps`` or ``max-steps``; a prefixed
 group such as ``lora`` is a mapping) to values converted by tyro's rule for the field's type;
-``--print-config`` writes that format.
+``--print-config`` writes that format. A flag the command does not have (checked before tyro reads
+the flags) or a value tyro cannot read is one :class:`ArgumentError` line, not tyro's error box.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import functools
+import inspect
+import io
+import re
+import shlex
+import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +31,7 @@ from tyro.constructors import (
     PrimitiveConstructorSpec,
     PrimitiveTypeInfo,
     StructConstructorSpec,
+    StructFieldSpec,
     StructTypeInfo,
 )
 
@@ -40,6 +49,12 @@ class UsageError(Gpt2Error):
 
 class ConfigError(UsageError, ValueError):
     """A recipe or config file that does not fit the command's options."""
+
+
+class ArgumentError(UsageError):
+    """A flag the command does not have, or a value it cannot read: the command line prints the
+    message after the command's name alone (``gpt2 train: --max-steps: expected an integer, got 'ten'``).
+    """
 
 
 class OptionError(UsageError):
@@ -90,6 +105,18 @@ def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
         elif _spec(base) is not None:
             out[name] = ((name,), base)
     return out
+
+
+@functools.cache
+def flags(cls: type) -> tuple[str, ...]:
+    """Every ``--flag`` of ``cls``: ``--help``, each option's, and a yes/no option's ``--no-`` form."""
+    out = ["--help"]
+    for key, (_, hint) in option_fields(cls).items():
+        *group, name = key.split(".")
+        out.append("--" + key.replace("_", "-"))
+        if hint is bool:
+            out.append("--" + ".".join([*group, f"no_{name}"]).replace("_", "-"))
+    return tuple(out)
 
 
 def dump_yaml(options: Any, header: str) -> str:
@@ -183,34 +210,43 @@ def recipe_path(name: str, on_cuda: bool) -> Path:
 
 # --------------------------------------------------------------------------- parsing
 class CommandLine(NamedTuple):
-    """What the flags say before tyro reads them: the files to read (the recipe's for ``--device``'s
-    machine) and which options they set. This is the one place that reads ``argv`` by hand.
+    """What the flags say before tyro reads them: each ``--flag`` given, with the words after its last
+    occurrence (``--name X Y`` or ``--name=X``). This is the one place that reads ``argv`` by hand.
     """
 
-    config: str | None
-    recipe: str | None
-    device: str | None
-    options: frozenset[str]
+    given: dict[str, tuple[str, ...]]
 
     @classmethod
     def read(cls, argv: Sequence[str]) -> CommandLine:
-        """The last value of each of ``--config``, ``--recipe``, ``--device`` (``--name X`` or
-        ``--name=X``), and the option names of every ``--flag``.
-        """
-        values: dict[str, str] = {}
-        names = set()
-        for i, arg in enumerate(argv):
-            if not arg.startswith("--"):
-                continue
-            flag, equals, value = arg.partition("=")
-            names.add(flag[2:].replace("-", "_"))
-            if flag not in ("--config", "--recipe", "--device"):
-                continue
-            if equals:
-                values[flag] = value
-            elif i + 1 < len(argv):
-                values[flag] = argv[i + 1]
-        return cls(values.get("--config"), values.get("--recipe"), values.get("--device"), frozenset(names))
+        given: dict[str, tuple[str, ...]] = {}
+        flag = None
+        for arg in argv:
+            # As tyro reads them: a flag is dashes and a letter (a prompt "--- x" is a value).
+            if arg.startswith("--") and arg[2:3].isalpha():
+                flag, equals, value = arg.partition("=")
+                given[flag] = ()
+                if equals:
+                    given[flag] = (value,)
+            # A short option (-n), or the end of the options (--): words no --flag of ours takes.
+            elif arg == "--" or _is_short_option(arg):
+                flag = None
+            elif flag is not None:
+                given[flag] += (arg,)
+        return cls(given)
+
+    def value(self, flag: str) -> str | None:
+        """The first word after the last ``flag`` (``--config``, ``--recipe``, ``--device``), if any."""
+        return next(iter(self.given.get(flag, ())), None)
+
+    @property
+    def options(self) -> set[str]:
+        """The option names of the flags (``max_steps`` for ``--max-steps``)."""
+        return {flag[2:].replace("-", "_") for flag in self.given}
+
+
+def _is_short_option(word: str) -> bool:
+    """``-n``; not a value such as ``-1``, ``-.5`` or ``-inf``."""
+    return word.startswith("-") and word[1:2].isalpha() and word[1:].lower() not in ("inf", "nan", "infinity")
 
 
 def parse(
@@ -228,16 +264,17 @@ def parse(
     from gpt2.train.distributed import uses_cuda
 
     line = CommandLine.read(argv)
+    check_flags(cls, line, prog)
     script = dict(defaults or {})
     config = {}
-    if line.config:
-        config = read_yaml(Path(line.config).expanduser(), cls, "config file")
+    if line.value("--config"):
+        config = read_yaml(Path(line.value("--config")).expanduser(), cls, "config file")
     # The recipe the flags name, else the config file, else the script, else the command's own.
-    named = (line.recipe, config.pop("recipe", None), script.pop("recipe", None), recipe)
+    named = (line.value("--recipe"), config.pop("recipe", None), script.pop("recipe", None), recipe)
     recipe = next((name for name in named if name), None)
     planned = {}
     if recipe:
-        planned = read_yaml(recipe_path(recipe, uses_cuda(line.device)), cls, "recipe")
+        planned = read_yaml(recipe_path(recipe, uses_cuda(line.value("--device"))), cls, "recipe")
     values = {**planned, **script, **config, "recipe": recipe}
     # A recipe's warmup belongs to its run length. With another max_steps and no warmup of the
     # user's, it keeps its share of the run: TrainConfig (which tyro builds before we see the final
@@ -246,14 +283,101 @@ def parse(
     rescale = {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user
     if rescale:
         values["warmup_steps"] = 0
-    with _LIBRARY_ERRORS:
-        options = tyro.cli(
-            cls, args=argv, default=_unchecked(cls, values), prog=prog, description=description or cls.__doc__
-        )
+    # Without its indentation, tyro joins a docstring's lines (it keeps a break before an indented one).
+    description = description or inspect.cleandoc(cls.__doc__)
+    with _COMMAND_LINE_RULES:
+        options = _tyro_cli(cls, argv, line, default=_unchecked(cls, values), prog=prog, description=description)
     if rescale:
         warmup = _recipe_warmup(planned, options.train.max_steps)
         options.train = dataclasses.replace(options.train, warmup_steps=warmup)
     return options
+
+
+def check_flags(cls: type, line: CommandLine, prog: str) -> None:
+    """Refuse a flag ``cls`` does not have, naming the closest one (tyro's box of near matches is
+    ten lines or more).
+    """
+    known = flags(cls)
+    for flag in line.given:
+        # tyro reads --max_steps as --max-steps
+        if flag.replace("_", "-") in known:
+            continue
+        message = f"{flag}: unknown option"
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+        if close:
+            message += f"; did you mean {close[0]}?"
+        raise ArgumentError(f"{message} ({prog} --help lists every option)")
+
+
+def _tyro_cli(cls: type, argv: list[str], line: CommandLine, *, prog: str, **kwargs: Any) -> Any:
+    """``tyro.cli``, with its error box for a value it cannot read (``--max-steps ten``) turned into
+    one :class:`ArgumentError`.
+    """
+    box = io.StringIO()
+    failed = False
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(cls, args=argv, prog=prog, **kwargs)
+    except SystemExit as e:
+        # 2: the input was refused (0: --help)
+        failed = e.code == 2
+        if failed:
+            raise ArgumentError(_value_error(box.getvalue(), cls, line, prog)) from None
+        raise
+    finally:
+        # Whatever else was written there (a warning) still reaches the user.
+        if not failed:
+            sys.stderr.write(box.getvalue())
+
+
+def _value_error(box: str, cls: type, line: CommandLine, prog: str) -> str:
+    """One line for tyro's error box: ``--max-steps: expected an integer, got 'ten'`` where the box
+    names an option, else the box's first paragraph.
+    """
+    message = _first_paragraph(box)
+    fields = option_fields(cls)
+    # tyro names the flag as --help shows it (--max-steps for --max_steps, -n/--num-samples for -n).
+    given = {flag.replace("_", "-"): words for flag, words in line.given.items()}
+    for flag in re.findall(r"--[\w.-]*\w", message):
+        key = flag[2:].replace("-", "_")
+        if key not in fields:
+            continue
+        message = f"{flag}: expected {_expected(_spec(fields[key][1]))}"
+        if flag in given:
+            message += ", got " + (" ".join(repr(word) for word in given[flag]) or "nothing")
+        return message
+    return f"{message} ({prog} --help lists every option)"
+
+
+def _first_paragraph(box: str) -> str:
+    """The message of tyro's error box (after its title, up to the next rule or blank line) on one
+    line; a box of ``│ ─ ╰`` on a UTF-8 terminal, of spaces and ``-`` elsewhere.
+    """
+    paragraph: list[str] = []
+    for line in box.strip().splitlines()[1:]:
+        text = line.strip().strip("│").strip()
+        # a rule, a border or a blank line
+        if set(text) <= set("─-╰╯"):
+            if paragraph:
+                break
+            continue
+        paragraph.append(text)
+    return " ".join(" ".join(paragraph).split())
+
+
+# How tyro's metavars read.
+KINDS = {"INT": "an integer", "FLOAT": "a number", "STR": "a text", "{None}": "None"}
+
+
+def _expected(spec: PrimitiveConstructorSpec) -> str:
+    """What a flag takes: ``one of auto, fp32``, ``an integer or None``, or tyro's ``FLOAT FLOAT``."""
+    if spec.choices:
+        return "one of " + ", ".join(spec.choices)
+    kinds = [KINDS.get(part) for part in spec.metavar.split("|")]
+    if spec.nargs != 1 or None in kinds:
+        return spec.metavar
+    # None last: "an integer or None"
+    return " or ".join(sorted(kinds, key=lambda kind: kind == "None"))
 
 
 def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
@@ -281,14 +405,15 @@ def _unchecked(cls: type, values: dict[str, Any]) -> Any:
 # raises (TrainConfig's and LoRAConfig's checks raise gpt2's InvalidValueError) becomes tyro's
 # multi-line error box. The rule below gives tyro its usual constructor of each dataclass, wrapped
 # so that such an error leaves tyro as an OptionError: the command line's one line, exit code 2.
-_LIBRARY_ERRORS = ConstructorRegistry()
+# It also makes each field's --help text read well (see _readable).
+_COMMAND_LINE_RULES = ConstructorRegistry()
 # The rule below finds tyro's own rule for a dataclass by asking the registry again with this marker
 # among the field's markers; it passes such a look-up on (returns None) instead of answering itself.
 _TYROS_RULE = object()
 
 
-@_LIBRARY_ERRORS.struct_rule
-def _raise_option_error(info: StructTypeInfo) -> Any:
+@_COMMAND_LINE_RULES.struct_rule
+def _command_line_rule(info: StructTypeInfo) -> Any:
     if not dataclasses.is_dataclass(info.type) or _TYROS_RULE in info.markers:
         return None
     spec = ConstructorRegistry.get_struct_spec(dataclasses.replace(info, markers=(*info.markers, _TYROS_RULE)))
@@ -301,4 +426,48 @@ def _raise_option_error(info: StructTypeInfo) -> Any:
         except ValueError as e:
             raise OptionError(str(e)) from e
 
-    return dataclasses.replace(spec, instantiate=instantiate)
+    return dataclasses.replace(spec, instantiate=instantiate, fields=tuple(map(_readable, spec.fields)))
+
+
+def _readable(field: StructFieldSpec) -> StructFieldSpec:
+    """``field`` with its help on one line (tyro keeps a docstring's line break before an indented or
+    non-letter line: mid-sentence here) and its default as it would be typed (see :func:`_default_hint`).
+    """
+    helptext = field.helptext
+
+    def one_line() -> str | None:
+        text = helptext
+        if callable(text):
+            text = text()
+        if text is None:
+            return None
+        return " ".join(text.split())
+
+    field = dataclasses.replace(field, helptext=one_line)
+    base = field.type
+    if typing.get_origin(base) is Annotated:
+        base = typing.get_args(base)[0]
+    # A group of options (DataOptions...) has no default of its own to show.
+    if dataclasses.is_dataclass(base):
+        return field
+    return dataclasses.replace(field, type=Annotated[field.type, tyro.conf.arg(help_behavior_hint=_default_hint)])
+
+
+def _default_hint(label: str) -> str:
+    """``(default: ...)`` for tyro's default ``label``, which quotes each word for a shell: a word as is,
+    in double quotes where it holds a space (``"Hello, I'm a language model,"``); nothing for an empty list.
+    """
+    try:
+        words = shlex.split(label)
+    except ValueError:
+        return f"(default: {label})"
+    if not words:
+        return ""
+    return f"(default: {' '.join(map(_as_typed, words))})"
+
+
+def _as_typed(word: str) -> str:
+    """``word`` as is, or in double quotes where it is empty or holds a space."""
+    if word and not any(c.isspace() for c in word):
+        return word
+    return f'"{word}"'

@@ -17,8 +17,10 @@ from gpt2.errors import InvalidValueError, MissingFileError
 
 @dataclass
 class PrepareOptions(Options):
-    """gpt2 prepare: tokenise documents with GPT-2's BPE into uint16 token shards (build-nanogpt's layout:
-    the first shard is the val split, the others train; one text file is split by --val-fraction instead).
+    """gpt2 prepare: tokenise documents with GPT-2's BPE into uint16 token shards.
+
+    build-nanogpt's layout: the first shard is the val split, the others train. One text file is split by
+    --val-fraction instead.
     """
 
     input: tuple[str, ...] = ()
@@ -58,6 +60,8 @@ def prepare(options: PrepareOptions) -> int:
         )
     if options.max_docs is not None and options.max_docs < 1:
         raise UsageError(f"--max-docs must be >= 1, got {options.max_docs}")
+    if options.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0 (0: tokenise in this process), got {options.num_workers}")
     start = time.time()
     shards = dict(
         shard_size=options.shard_size,

@@ -8,7 +8,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from gpt2.cli.common import DataOptions, Flat, LaunchOptions, SamplingOptions, UsageError, check_run, final_report
+from gpt2.cli.common import (
+    DataOptions,
+    Flat,
+    LaunchOptions,
+    SamplingOptions,
+    UsageError,
+    check_run,
+    final_report,
+    finished_results,
+    program,
+)
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import training_data
@@ -109,6 +119,9 @@ def train(options: TrainOptions) -> dict[str, Any]:
         callbacks.append(HellaSwagCallback(hellaswag, options.hellaswag_interval, options.hellaswag_limit))
     start = time.time()
     with Trainer(model, config, train_data, val, callbacks=callbacks) as trainer:
+        done = finished_results(trainer)
+        if done is not None:
+            return _report_done(trainer, done, options)
         if trainer.is_main:
             print(_run_line(options, model, trainer), flush=True)
         trainer.fit()
@@ -137,6 +150,18 @@ def _run_line(options: TrainOptions, model: GPT, trainer: Trainer) -> str:
     )
 
 
+def _report_done(trainer: Trainer, results: dict[str, Any], options: TrainOptions) -> dict[str, Any]:
+    """A finished run started again: its ``results.json`` (see :func:`gpt2.cli.common.finished_results`)."""
+    if not trainer.is_main:
+        return {}
+    line = f"already done: {trainer.out_dir} reached step {trainer.step}"
+    if isinstance(results.get("val_loss"), (int, float)):
+        line += f"; val loss {results['val_loss']:.4f}"
+    print(f"{line} (from results.json)")
+    print_next_steps(trainer.out_dir, options)
+    return results
+
+
 def _last_score(callback: HellaSwagCallback, trainer: Trainer) -> dict[str, Any]:
     """The last HellaSwag score, scored now if the run was already complete (nothing to score during it)."""
     if callback.last is None:
@@ -145,8 +170,9 @@ def _last_score(callback: HellaSwagCallback, trainer: Trainer) -> dict[str, Any]
 
 
 def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
-    """Where the outputs are and three commands to try next. They name only files and the run
-    directory (no environment variables), so they work from the same directory in a new shell.
+    """Where the outputs are and three commands to try next. They name only files, the run directory
+    and the ``gpt2`` program (by its path when its virtual environment is not activated: see
+    :func:`gpt2.cli.common.program`), so they work from the same directory in a new shell.
     """
     print(f"\noutputs in {out_dir}/:")
     for entry in sorted(out_dir.iterdir()):
@@ -159,7 +185,8 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     data = shlex.quote(str(options.data.data))
     if options.data.val_fraction != 0.1:
         data += f" --val-fraction {options.data.val_fraction:g}"
-    finetune = f"gpt2 finetune --init {run}"
+    gpt2 = shlex.quote(program("gpt2"))
+    finetune = f"{gpt2} finetune --init {run}"
     # the finetune recipe's 64 tokens would not fit a shorter context
     context = context_length(options.shape, options.train.seq_len)
     if context < 64:
@@ -172,9 +199,9 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     else:
         finetune += f" --data {data} --out-dir {shlex.quote(str(out_dir) + '-lora')}   # LoRA fine-tune it"
     print("next, try:")
-    print(f"  gpt2 sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
+    print(f"  {gpt2} sample --model {run} --prompt {prompt} --max-new-tokens 100   # sample from the model")
     print(f"  {finetune}")
-    print(f"  gpt2 eval --model {run} --data {data}   # validation loss of the saved model")
+    print(f"  {gpt2} eval --model {run} --data {data}   # validation loss of the saved model")
 
 
 def _describe(entry: Path) -> str:
