@@ -98,16 +98,28 @@ class LoRAConfig:
     with ``use_rslora``); ``use_dora``: DoRA, see :class:`LoRAParametrization`.
     """
 
+    # rank r of the update B @ A
     rank: int = 8
+    # the update is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)
     alpha: float = 16.0
+    # dropout on the LoRA branch's input
     dropout: float = 0.0
+    # name patterns of the layers to adapt (a glob, a name or a dotted suffix such as attn.c_attn); None = every
+    # layer of the adapted types
     target_modules: tuple[str, ...] | None = None
+    # layer types to adapt
     target_types: tuple[type, ...] = (nn.Linear,)
+    # name patterns of layers never adapted
     exclude_modules: tuple[str, ...] = ()
+    # also adapt embeddings (nn.Embedding)
     include_embeddings: bool = False
+    # also adapt the LM head (a layer in lm_head_names, or one tied to an embedding)
     include_lm_head: bool = False
+    # rank-stabilised scaling alpha / sqrt(rank)
     use_rslora: bool = False
+    # DoRA: also learn a magnitude per output
     use_dora: bool = False
+    # names of LM-head layers, skipped unless include_lm_head
     lm_head_names: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self) -> None:

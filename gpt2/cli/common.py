@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
+from gpt2 import outputs
 from gpt2.cli.layers import UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import Gpt2Error, InvalidValueError
@@ -329,9 +330,12 @@ def intact_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def write_json(path: str | Path, data: Any) -> None:
+    """Write ``data`` to ``path`` whole (never a half-written file), then record that gpt2 wrote it, so
+    that a later write may replace it (:mod:`gpt2.outputs`; the caller checked that it may).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2) + "\n"
-    # Never a half-written file.
     replace_atomically(path, lambda f: f.write(text.encode("utf-8")))
+    outputs.record_written(path)
     print(f"wrote {path}")

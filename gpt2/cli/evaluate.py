@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpt2 import outputs
 from gpt2.cli.common import Precision, UsageError, load_for_inference, write_json
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import is_instruction_data
@@ -47,7 +48,9 @@ class EvalOptions(Options):
     precision: Precision = "auto"
     """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"""
     output: str | None = None
-    """also write the results to this JSON file"""
+    """also write the results to this JSON file (a file gpt2 wrote is replaced; any other only with --overwrite)"""
+    overwrite: bool = False
+    """let --output replace an existing file that gpt2 did not write (or that changed since)"""
 
 
 def evaluate(options: EvalOptions) -> dict[str, Any]:
@@ -57,7 +60,9 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
         raise UsageError(
             f"--data {options.data}: .jsonl instruction rows are not plain text; gpt2 finetune reports their val loss"
         )
-    # Both files before the model loads: fail fast.
+    # The output and both input files before the model loads: fail fast.
+    if options.output:
+        _check_output(options.output, options.overwrite)
     hellaswag = resolve_hellaswag(options.hellaswag)
     source = None
     if options.data is not None:
@@ -77,6 +82,16 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
     if options.output:
         write_json(options.output, results)
     return results
+
+
+def _check_output(output: str, overwrite: bool) -> None:
+    """``--output`` may replace only a file gpt2 wrote (a run's results.json is; a checkpoint's
+    trainer_state.json, or any file of the user's, is not) unless ``--overwrite``.
+    """
+    try:
+        outputs.check_replaceable(output, overwrite=overwrite, flag="--overwrite")
+    except outputs.NotOursError as e:
+        raise UsageError(f"--output {e}") from None
 
 
 def _score_tokens(options: EvalOptions, source: Any, model: Any, autocast: Any, device: Any) -> dict[str, Any]:

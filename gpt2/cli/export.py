@@ -57,10 +57,10 @@ def export(options: ExportOptions) -> int:
         _merge_adapter(model, options)
         what = "merged model"
     if options.out is not None:
-        model.save_pretrained(options.out, tokenizer_dir=options.tokenizer_dir)
+        model.save_pretrained(options.out, tokenizer_dir=options.tokenizer_dir, overwrite=options.overwrite)
         print(f"wrote {what} {options.out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
     if options.gguf is not None:
-        save_gguf(model, options.gguf, dtype=options.gguf_type)
+        save_gguf(model, options.gguf, dtype=options.gguf_type, overwrite=options.overwrite)
         print(f"wrote {what} {options.gguf} ({options.gguf_type}; run with llama.cpp: llama-cli -m {options.gguf})")
     return 0
 
@@ -109,7 +109,9 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
 
 
 def _check_gguf_path(path: str | None, overwrite: bool) -> None:
-    """An earlier GGUF file may be replaced; a folder or any other file only with --overwrite (a file)."""
+    """An earlier GGUF file gpt2 wrote (recorded) may be replaced; another file only with --overwrite, a folder never
+    (the rule itself is gpt2.outputs', applied again by save_gguf).
+    """
     if path is None or not Path(path).exists():
         return
     if Path(path).is_dir():

@@ -29,6 +29,7 @@ from gpt2.cli.layers import Options
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import training_data
 from gpt2.model.gpt import GPT
+from gpt2.train import rundir
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import env_from_environ
 from gpt2.train.trainer import Trainer, seed_everything
@@ -171,6 +172,8 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
             print(f"saved the fine-tuned model in {out} ({sample} {out})")
         else:
             adapter = minlora.save_adapter(trainer.model, out / "adapter")
+            # the run's from now on: --overwrite may replace it, and nothing of the user's beside it
+            rundir.record_outputs(out, ["adapter"])
             results["adapter"] = str(adapter)
             print(f"saved adapter {adapter} ({sample} {options.init} --adapter {adapter})")
         write_json(out / "results.json", results)
@@ -183,5 +186,9 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
         if not options.full:
             minlora.merge_lora(trainer.model)
             what = "merged model "
-        trainer.model.save_pretrained(options.merge_export, tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None)
+        trainer.model.save_pretrained(
+            options.merge_export,
+            tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None,
+            overwrite=options.train.overwrite,
+        )
         print(f"wrote {what}{options.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")

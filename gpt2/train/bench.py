@@ -144,7 +144,7 @@ def _run_rung(
     settings = rung_settings(rung)
     settings["compile"] = settings["compile"] and compile
     if rung == "compile" and not compile:
-        return RungResult(rung, settings, skipped=True, note="compile disabled (CPU default: --compile)")
+        return RungResult(rung, settings, skipped=True, note="skipped: compiling on a CPU is slow (--compile times it)")
     gpt_config = model_config(
         model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
     )

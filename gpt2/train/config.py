@@ -44,11 +44,13 @@ class TrainConfig:
     max_steps: int = 1000  # optimizer steps in the whole run (a resumed run continues to it)
 
     # --- optimizer and schedule ------------------------------------------------------------
-    max_lr: float = 6e-4  # GPT-3 small's peak learning rate (GPT-3 paper, table 2.1)
+    # peak learning rate (6e-4 is GPT-3 small's: GPT-3 paper, table 2.1)
+    max_lr: float = 6e-4
     # Floor of the cosine decay; None = max_lr / 10, the ratio GPT-3 and build-nanogpt use.
     min_lr: float | None = None
     warmup_steps: int = 0  # linear warmup from max_lr / warmup_steps to max_lr
-    weight_decay: float = 0.1  # GPT-3's value, on 2-D weights only (see decay_embeddings)
+    # AdamW weight decay, on 2-D weights only (see decay_embeddings); 0.1 is GPT-3's
+    weight_decay: float = 0.1
     # GPT-3 used beta2 = 0.95 instead of Adam's 0.999: the second-moment estimate then forgets
     # old gradients faster, which keeps updates stable when gradient scales shift during training.
     betas: tuple[float, float] = (0.9, 0.95)
@@ -116,7 +118,8 @@ class TrainConfig:
     progress: bool = True  # tqdm progress bar on rank 0
     # Peak FLOP/s of one accelerator for MFU; None = looked up from the GPU's name.
     peak_flops: float | None = None
-    plot: bool = True  # loss-curve PNG at the end (needs matplotlib, the [plot] extra)
+    # loss-curve PNG (loss.png) at the end
+    plot: bool = True
     # Extra metric sinks on rank 0: "tensorboard" (out_dir/tensorboard) and/or "wandb" (out_dir/wandb,
     # offline without an API key); the console and metrics.jsonl are always written.
     log_to: tuple[str, ...] = ()

@@ -300,6 +300,11 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
     """Raise :class:`RunDirError` if ``out_dir`` is a file, lies under one, or cannot be written."""
     path = existing = Path(out_dir).absolute()
     while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():
+            raise RunDirError(
+                f"out_dir {out_dir}: {existing} is a dangling symlink (to {os.readlink(existing)}): create its "
+                "target, or give another out_dir"
+            )
         existing = existing.parent
     if not existing.is_dir():
         if existing == path:
