@@ -33,3 +33,27 @@ def tiny_model() -> GPT:
 
 def tiny_tokens() -> torch.Tensor:
     return torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(1))
+
+
+# A learnable token stream (a 97-token pattern repeated): a safe LR brings the loss well below its start.
+DIVERGING_PATTERN = torch.randint(0, 64, (97,), generator=torch.Generator().manual_seed(1))
+DIVERGING_TOKENS = DIVERGING_PATTERN.repeat(60)
+
+
+def diverging_config(**overrides) -> TrainConfig:
+    """The recovery tests' run: LR 3.0 diverges on :data:`DIVERGING_TOKENS`; each recovery cuts it 10x."""
+    base = dict(
+        micro_batch_size=4,
+        seq_len=32,
+        max_steps=16,
+        max_lr=3.0,
+        min_lr=0.3,
+        precision="fp32",
+        device="cpu",
+        out_dir=None,
+        progress=False,
+        eval_interval=0,
+        plot=False,
+        recovery_lr_factor=0.1,
+    )
+    return TrainConfig(**{**base, **overrides})

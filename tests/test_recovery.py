@@ -13,13 +13,13 @@ import math
 
 import pytest
 import torch
+from _tiny_run import DIVERGING_PATTERN, DIVERGING_TOKENS, diverging_config
 
 from gpt2 import GPT, GPTConfig, TrainConfig
 from gpt2.train.optim import lr_at
 from gpt2.train.trainer import Trainer, TrainingDivergedError
 
-PATTERN = torch.randint(0, 64, (97,), generator=torch.Generator().manual_seed(1))
-TOKENS = PATTERN.repeat(60)  # learnable: a safe LR brings the loss well below its start
+PATTERN, TOKENS = DIVERGING_PATTERN, DIVERGING_TOKENS
 
 
 def _model(seed: int = 0) -> GPT:
@@ -28,21 +28,7 @@ def _model(seed: int = 0) -> GPT:
 
 
 def _config(**overrides) -> TrainConfig:
-    base = dict(
-        micro_batch_size=4,
-        seq_len=32,
-        max_steps=16,
-        max_lr=3.0,
-        min_lr=0.3,
-        precision="fp32",
-        device="cpu",
-        out_dir=None,
-        progress=False,
-        eval_interval=0,
-        plot=False,
-        recovery_lr_factor=0.1,
-    )
-    return TrainConfig(**{**base, **overrides})
+    return diverging_config(**overrides)
 
 
 def _fit(config: TrainConfig, model: GPT | None = None, until: int | None = None) -> tuple[Trainer, list[dict]]:

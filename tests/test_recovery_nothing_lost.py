@@ -14,31 +14,17 @@ import types
 
 import pytest
 import torch
+from _tiny_run import DIVERGING_PATTERN, DIVERGING_TOKENS, diverging_config
 
 from gpt2 import GPT, GPTConfig, TrainConfig
 from gpt2.train.metrics import WandbSink, read_jsonl
 from gpt2.train.trainer import Trainer
 
-PATTERN = torch.randint(0, 64, (97,), generator=torch.Generator().manual_seed(1))
-TOKENS = PATTERN.repeat(60)
+PATTERN, TOKENS = DIVERGING_PATTERN, DIVERGING_TOKENS
 
 
 def _config(**overrides) -> TrainConfig:
-    base = dict(
-        micro_batch_size=4,
-        seq_len=32,
-        max_steps=12,
-        max_lr=3.0,
-        min_lr=0.3,
-        precision="fp32",
-        device="cpu",
-        out_dir=None,
-        progress=False,
-        eval_interval=0,
-        plot=False,
-        recovery_lr_factor=0.1,
-    )
-    return TrainConfig(**{**base, **overrides})
+    return diverging_config(**{"max_steps": 12, **overrides})
 
 
 def _fit(config: TrainConfig) -> Trainer:
