@@ -9,8 +9,10 @@ writes), so every rank runs exactly the options the launcher saw.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -18,6 +20,34 @@ import uuid
 # How long the workers have after a stop signal to finish their step and save, before SIGKILL
 # (torchrun's default, 30 s, can be shorter than one step plus a save of a large model).
 SHUTDOWN_SECONDS = 300
+
+
+# The signals torchrun's agent turns into a stop of every worker (its own default list).
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def _signals_not_ignored() -> list[str]:
+    """The agent's stop signals that this process does not ignore: one ignored when the run starts
+    (``nohup``: SIGHUP, ``trap '' HUP``) stays ignored, by the agent as by the workers, which
+    inherit the ignored disposition and keep it (gpt2.files.StopSignals).
+    """
+    return [name for name in _AGENT_SIGNALS if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN]
+
+
+@contextlib.contextmanager
+def _agent_handles(names: list[str]):
+    """Tell torchrun's agent which signals to handle (its public TORCHELASTIC_SIGNALS_TO_HANDLE
+    variable), unless the user set it; put the variable back after.
+    """
+    variable = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+    if variable in os.environ:
+        yield
+        return
+    os.environ[variable] = ",".join(names)
+    try:
+        yield
+    finally:
+        del os.environ[variable]
 
 
 def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: str) -> int:
@@ -50,7 +80,8 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
             shutdown_timeout=SHUTDOWN_SECONDS,
         )
         try:
-            elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", path)
+            with _agent_handles(_signals_not_ignored()):
+                elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", path)
         except SignalException as e:
             # The agent forwarded the signal and waited for the workers: each stopped at the same
             # step boundary with exit code 128 + signal, and rank 0 said where to resume.
