@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 from collections.abc import Callable
@@ -338,6 +339,10 @@ def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str,
         # weights_only: nothing is unpickled; a damaged archive raises RuntimeError from the zip
         # reader, a foreign pickle an UnpicklingError: every one becomes a problem of this file.
         state = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own text suggests weights_only=False, which would run code from the file: never say that.
+        problems.append((str(file), "holds pickled Python objects besides tensors (never unpickled: that runs code)"))
+        return None
     except Exception as e:  # noqa: BLE001 - any failure to read means this file is unusable
         problems.append((str(file), f"cannot be read ({_first_line(e)}; truncated or not written by gpt2?)"))
         return None
