@@ -101,6 +101,8 @@ def export_peft_adapter(
     """Write the LoRA of ``model`` as a PEFT adapter directory for a twin with the same module names
     (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` defaults to the model's
     ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``.
+    ``base_model_name_or_path`` defaults to the model's ``name_or_path`` attribute, where it has one
+    (``gpt2.GPT.from_pretrained`` records the hub id or folder it loaded).
     """
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
@@ -110,6 +112,8 @@ def export_peft_adapter(
     if fan_in_fan_out is None:
         fan_in_fan_out = layout.get("fan_in_fan_out", False)
     config = _peft_config(model, {site.module_name: site.lora for site in sites})
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(model, "name_or_path", None)
     config |= {"task_type": task_type, "base_model_name_or_path": base_model_name_or_path}
     config["fan_in_fan_out"] = bool(fan_in_fan_out)
     tensors = {k: v.contiguous() for k, v in tensors.items()}

@@ -4,6 +4,7 @@ a GGUF file for llama.cpp, and/or the adapter in PEFT format.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -54,19 +55,24 @@ def export(options: ExportOptions) -> int:
     model = GPT.from_pretrained(options.model, device="cpu")
     what = "model"
     if options.adapter:
-        _merge_adapter(model, options)
+        _add_adapter(model, options)
+    # Merged only for the files that hold merged weights: a PEFT adapter alone needs no merge (and
+    # merging an adapter on the LM head would warn about the weights it unties).
+    if options.adapter and (options.out is not None or options.gguf is not None):
+        minlora.merge_lora(model)
         what = "merged model"
     if options.out is not None:
         model.save_pretrained(options.out, tokenizer_dir=options.tokenizer_dir, overwrite=options.overwrite)
         print(f"wrote {what} {options.out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
     if options.gguf is not None:
-        save_gguf(model, options.gguf, dtype=options.gguf_type, overwrite=options.overwrite)
-        print(f"wrote {what} {options.gguf} ({options.gguf_type}; run with llama.cpp: llama-cli -m {options.gguf})")
+        path = save_gguf(model, options.gguf, dtype=options.gguf_type, overwrite=options.overwrite)
+        size = f"{path.stat().st_size / 1e6:.1f} MB"
+        print(f"wrote {what} {path} ({options.gguf_type}, {size}; run with llama.cpp: llama-cli -m {path})")
     return 0
 
 
-def _merge_adapter(model: GPT, options: ExportOptions) -> None:
-    """Add ``--adapter`` to ``model``, write it in PEFT format (``--peft-out``), then merge it in."""
+def _add_adapter(model: GPT, options: ExportOptions) -> None:
+    """Add ``--adapter`` to ``model`` and write it in PEFT format (``--peft-out``)."""
     apply_adapter(model, options.adapter, options.allow_base_mismatch)
     # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
     if options.out is not None or options.gguf is not None:
@@ -74,7 +80,6 @@ def _merge_adapter(model: GPT, options: ExportOptions) -> None:
     if options.peft_out is not None:
         minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.model))
         print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
-    minlora.merge_lora(model)
 
 
 def peft_base(model: str) -> str:
@@ -84,7 +89,11 @@ def peft_base(model: str) -> str:
         return source
     # A gpt2 run or checkpoint folder: transformers cannot read it.
     if not (source / "config.json").is_file():
-        print(f"note: PEFT's base {source} is no transformers folder: use one of `gpt2 export --model X --out DIR`")
+        print(
+            f"note: PEFT's base {source} is a gpt2 run or checkpoint folder, which transformers cannot load; write "
+            f"it as one with `gpt2 export --model {shlex.quote(model)} --out DIR` and load the adapter on DIR "
+            "(peft.PeftModel.from_pretrained)"
+        )
     return str(source.resolve())
 
 

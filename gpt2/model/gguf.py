@@ -12,8 +12,11 @@ clipping would change it silently.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +213,24 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         writer.close()
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    replace_atomically(path, write, to_path=True)
+    with _quiet_gguf():
+        replace_atomically(path, write, to_path=True)
     outputs.record_written(path)
-    logger.info("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
+    # Debug only: the caller says what it wrote (gpt2 export prints one line per file).
+    logger.debug("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
     return path
+
+
+@contextlib.contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """The gguf package's progress chatter silenced (its info logs name the temporary file, and a
+    dry run prints): its warnings still show.
+    """
+    gguf_logger = logging.getLogger("gguf")
+    level = gguf_logger.level
+    gguf_logger.setLevel(max(level, logging.WARNING))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        gguf_logger.setLevel(level)

@@ -5,6 +5,7 @@ The pure state-dict and config conversion lives in :mod:`gpt2.model.hf_convert`.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -122,7 +123,8 @@ def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
 def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
     """A model name's source: a hub id (``str``) or an existing local path (``Path``). In order: an official name
     (:data:`OFFICIAL_HUB_IDS`) is the hub; an existing path (``~`` expanded) is local; a ``name`` / ``owner/name``
-    string is a hub id; anything else (and any ``PathLike``) is a missing path: FileNotFoundError.
+    string that does not read as a local path (:func:`_local_reason`) is a hub id; anything else (and any
+    ``PathLike``) is a missing path: FileNotFoundError, naming the closest existing name where one is close.
     """
     if isinstance(name_or_path, str) and name_or_path in OFFICIAL_HUB_IDS:
         return name_or_path
@@ -132,12 +134,54 @@ def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
     path = Path(name).expanduser()
     if path.exists():
         return path
-    if isinstance(name_or_path, str) and _HUB_ID.match(name) is not None:
+    hub_shaped = isinstance(name_or_path, str) and _HUB_ID.match(name) is not None
+    local = _local_reason(name)
+    if hub_shaped and not local:
         return name
+    why = ""
+    if hub_shaped:
+        why = f" (read as a path: {local})"
     raise MissingFileError(
         f"{name!r} does not exist: it is neither an existing directory nor a Hugging Face hub id "
-        f"(such as 'gpt2' or 'owner/model'); check the path"
+        f"(such as 'gpt2' or 'owner/model'){why}; {_path_hint(name)}"
     )
+
+
+# A name ending so names a file, never a hub repo.
+_FILE_SUFFIXES = frozenset({".bin", ".ckpt", ".gguf", ".json", ".pt", ".pth", ".safetensors", ".txt"})
+
+
+def _local_reason(name: str) -> str:
+    """Why a hub-shaped ``name`` still reads as a local path: it ends with a file suffix, or its
+    owner part (``runs`` in ``runs/shakespere``) is a local folder. Empty where it does not.
+    """
+    suffix = Path(name).suffix
+    if suffix in _FILE_SUFFIXES:
+        return f"it ends with {suffix}"
+    owner, separator, _ = name.partition("/")
+    if separator and Path(owner).is_dir():
+        return f"{owner}/ is a local folder"
+    return ""
+
+
+def _path_hint(name: str) -> str:
+    """The missing ``name`` with its first missing part replaced by the closest entry of the
+    folder above it ("did you mean ...?"), else advice to check the path.
+    """
+    parts = Path(name).parts
+    # The nearest existing folder above the first missing part.
+    missing = 0
+    while missing < len(parts) and Path(*parts[: missing + 1]).expanduser().exists():
+        missing += 1
+    parent = Path(*parts[:missing]).expanduser()
+    entries = []
+    if parent.is_dir():
+        entries = [p.name for p in parent.iterdir()]
+    close = difflib.get_close_matches(parts[missing], entries, n=1)
+    if not close:
+        return "check the path"
+    suggestion = Path(*parts[:missing], close[0], *parts[missing + 1 :])
+    return f"did you mean {str(suggestion)!r}?"
 
 
 def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
@@ -200,6 +244,22 @@ def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn
     return model
 
 
+class HubUnreachableError(Gpt2Error, ConnectionError):
+    """A hub id that could not be downloaded: offline, no network, or no cached copy."""
+
+
+# What huggingface_hub raises offline for a model it has not cached.
+_OFFLINE_ERRORS = frozenset({"LocalEntryNotFoundError", "OfflineModeIsEnabled"})
+
+
+def _unreachable_reason(e: Exception) -> str:
+    """Offline mode where that is why (huggingface_hub's message says little more), else ``e``'s first line."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    if offline and type(e).__name__ in _OFFLINE_ERRORS:
+        return "offline mode is on (HF_HUB_OFFLINE=1) and no copy is cached"
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
 def _download(repo_id: str, cache_dir, revision) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -225,13 +285,14 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
             f"check the name, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
     except Exception as e:
-        # Offline, DNS, proxy, timeouts: all end here.
-        raise ConnectionError(
+        # Offline, DNS, proxy, timeouts: all end here, in one message (huggingface_hub's chained
+        # tracebacks run to hundreds of lines and say no more).
+        raise HubUnreachableError(
             f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could not be reached "
-            f"({type(e).__name__}: {e}). Either download it once with network access (it is then cached under "
+            f"({_unreachable_reason(e)}). Either download it once with network access (it is then cached under "
             "$HF_HOME, default ~/.cache/huggingface; point HF_HOME or cache_dir= at an existing cache), or pass the "
             "path of a local directory holding config.json and model.safetensors, e.g. one written by save_pretrained"
-        ) from e
+        ) from None
     return folder
 
 
@@ -250,6 +311,10 @@ def from_pretrained(
     :func:`resolve_source`): a hub id, a ``transformers`` directory, or a ``gpt2 train``
     checkpoint / run directory (built with its recorded config: ``pad_vocab_multiple`` and
     ``dropout`` do not apply). ``dtype`` defaults to float32 (master weights for training).
+
+    The model's ``name_or_path`` is where ``transformers`` loads the same weights from (minlora's PEFT
+    export writes it as the adapter's base): the hub id, or the absolute path of the ``transformers``
+    directory; None for a ``gpt2 train`` checkpoint, which transformers cannot read.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
@@ -257,6 +322,7 @@ def from_pretrained(
     if not (directory / "config.json").is_file():
         # A checkpoint: built with its own config, padding and all.
         model = _from_checkpoint(directory, model_class).to(device=device, dtype=dtype)
+        model.name_or_path = None
         logger.info("loaded %s (%s parameters)", name_or_path, f"{model.num_params():,}")
         return model.eval()
     try:
@@ -266,6 +332,9 @@ def from_pretrained(
     except (TypeError, ValueError) as e:
         raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
     model = _from_transformers_weights(directory, config, model_class, device, dtype or torch.float32)
+    model.name_or_path = str(directory.resolve())
+    if isinstance(resolve_source(name_or_path), str):
+        model.name_or_path = str(name_or_path)
     source = ""
     if Path(str(name_or_path)).expanduser() != Path(directory):
         source = f" from {directory}"
