@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from gpt2.data.loader import TokenLoader, one_pass
+from gpt2.data.prepare import progress_enabled
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.model.gpt import IGNORE_INDEX
 
@@ -104,7 +105,7 @@ def evaluate_loss(
         device = _model_device(model)
     loader = _eval_loader(model, data, batch_size, seq_len, split)
     batches = one_pass(loader, max_batches)
-    if progress:
+    if progress_enabled(progress):
         batches = _progress_bar(batches, loader, max_batches)
     total, n_tokens, seen = _summed_loss(
         model, batches, device, autocast, rank=rank, world_size=world_size, per_rank=per_rank
