@@ -65,3 +65,54 @@ def test_prepare_bars_only_on_a_terminal(tmp_path, monkeypatch, capsys, terminal
 def test_progress_not_requested_is_never_shown(monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert prepare.progress_enabled(True) and not prepare.progress_enabled(False)
+
+
+# ------------------------------------------------------------------ few tokens, short data
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        (6, "val loss 2.3100 | perplexity 10.07 (from only 6 tokens: a rough estimate)"),
+        (1, "val loss 2.3100 | perplexity 10.07 (from only 1 token: a rough estimate)"),
+        (4096, "val loss 2.3100 | perplexity 10.07 | 4,096 tokens"),
+    ],
+)
+def test_final_report_flags_a_perplexity_from_few_tokens(monkeypatch, capsys, tokens, expected):
+    from types import SimpleNamespace
+
+    from gpt2.cli import common
+
+    loss = {"loss": 2.31, "perplexity": 10.07, "tokens": tokens}
+    monkeypatch.setattr(common, "val_loss", lambda *args: loss)
+    trainer = SimpleNamespace(step=2, is_main=True, out_dir=None)
+    sampling = SimpleNamespace(num_samples=0)
+    common.final_report(trainer, "val", sampling, final_eval_batches=None, header="after fine-tuning:")
+    assert capsys.readouterr().out == f"after fine-tuning: {expected}\n"
+
+
+class _UncountedLoader:
+    """A loader that cannot tell its batches per pass (as the instruction loaders)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.batch_size, self.seq_len = inner.batch_size, inner.seq_len
+
+    def __getattr__(self, name):
+        if name == "batches_per_pass":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_short_data_warning_and_bar_agree_on_one_batch(monkeypatch, capsys, caplog):
+    from gpt2.data.loader import TokenLoader
+
+    model, tokens = _model_and_tokens()
+    loader = _UncountedLoader(TokenLoader(tokens[: 2 * 16 + 1], 2, 16))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    evaluate_loss(model, loader, 2, 16, max_batches=4, progress=True)
+    warning = "holds only 1 batch of 2 x 16 tokens; scored it once instead of max_batches=4"
+    assert warning in caplog.text
+    # the bar's last frame counts the batches read, not max_batches
+    frames = [frame for frame in capsys.readouterr().err.split("\r") if frame.startswith("eval")]
+    assert "1/1" in frames[-1]
