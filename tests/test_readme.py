@@ -36,7 +36,7 @@ def offline_pretrained(monkeypatch):
     monkeypatch.setattr(GPT, "from_pretrained", classmethod(lambda cls, name, **kw: tiny(name, **kw)))
 
 
-def test_gpt2_example_runs(tmp_path, monkeypatch, offline_pretrained, shared_data):
+def test_gpt2_example_runs(tmp_path, monkeypatch, capsys, offline_pretrained, shared_data):
     monkeypatch.chdir(tmp_path)
     code = readme_blocks()["gpt2 in ten lines"]
     shrink = {
@@ -52,6 +52,9 @@ def test_gpt2_example_runs(tmp_path, monkeypatch, offline_pretrained, shared_dat
     exec(compile(code, "README.md", "exec"), namespace)
     assert (tmp_path / "runs" / "shakespeare" / "metrics.jsonl").is_file()
     assert isinstance(namespace["gpt"], gpt2.GPT)
+    # the sample is printed as text, not as a tensor of token ids
+    text = gpt2.get_tokenizer().decode(namespace["ids"][0])
+    assert capsys.readouterr().out.endswith(f"\n{text}\n") and "tensor(" not in text
 
 
 def test_minlora_example_runs(tmp_path, monkeypatch, offline_pretrained):

@@ -238,6 +238,23 @@ def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float
     )
 
 
+# From fewer scored tokens than this a perplexity is a rough estimate, and its line says so.
+FEW_TOKENS = 200
+
+
+def loss_line(loss: dict[str, Any]) -> str:
+    """``val loss ... | perplexity ... | N tokens`` for :func:`~gpt2.eval.loss.evaluate_loss`'s result; from fewer
+    than :data:`FEW_TOKENS` tokens the perplexity is marked as a rough estimate.
+    """
+    head = f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f}"
+    tokens = loss["tokens"]
+    if tokens >= FEW_TOKENS:
+        return f"{head} | {tokens:,} tokens"
+    if tokens == 1:
+        return f"{head} (from only 1 token: a rough estimate)"
+    return f"{head} (from only {tokens} tokens: a rough estimate)"
+
+
 def final_report(
     trainer: Any,
     val: Any,
@@ -257,8 +274,7 @@ def final_report(
         loss = val_loss(trainer, val, final_eval_batches)
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
         if trainer.is_main:
-            line = f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | {loss['tokens']:,} tokens"
-            print(f"{header} {line}".strip())
+            print(f"{header} {loss_line(loss)}".strip())
     if not trainer.is_main:
         return {}
     if sampling.num_samples > 0:

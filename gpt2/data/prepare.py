@@ -13,12 +13,17 @@ import multiprocessing
 import os
 import re
 import signal
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
+
+# the class tqdm.auto chose (already imported, so no second notebook-mode warning)
+from tqdm.autonotebook import tqdm as chosen_tqdm
+from tqdm.std import tqdm as console_tqdm
 
 from gpt2.data.formats import (
     MANIFEST_FORMAT,
@@ -46,6 +51,18 @@ _FORMATS = ("npy", "bin")
 # bar; bars appear only once a job has run this many seconds, so quick jobs print nothing.
 _TEXT_CHUNK_CHARS = 1 << 20
 _BAR_DELAY_S = 1.0
+
+
+def progress_enabled(requested: bool) -> bool:
+    """Whether to show a progress bar that was ``requested``: in a notebook (a widget) or where stderr is a
+    terminal. A console bar redirected to a log file leaves carriage returns and escape codes in it; the
+    metric lines on stdout report progress there instead.
+    """
+    if not requested:
+        return False
+    if chosen_tqdm is not console_tqdm:
+        return True
+    return sys.stderr is not None and sys.stderr.isatty()
 
 
 def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") -> str:
@@ -116,7 +133,13 @@ def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.nda
     """One document's uint16 ids (as :func:`_encode_document`), with a progress bar."""
     parts = [np.asarray([tokenizer.eot_token], dtype=np.int64)]
     with tqdm(
-        total=len(text), unit="char", unit_scale=True, desc=desc, delay=_BAR_DELAY_S, disable=not progress, leave=False
+        total=len(text),
+        unit="char",
+        unit_scale=True,
+        desc=desc,
+        delay=_BAR_DELAY_S,
+        disable=not progress_enabled(progress),
+        leave=False,
     ) as bar:
         for piece in _text_pieces(text, _TEXT_CHUNK_CHARS):
             parts.append(np.asarray(tokenizer.encode_ordinary(piece), dtype=np.int64))
@@ -374,7 +397,13 @@ def write_shards(
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
 
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shard 0", delay=_BAR_DELAY_S, disable=not progress)
+    bar = tqdm(
+        unit="tok",
+        unit_scale=True,
+        desc=f"{prefix} shard 0",
+        delay=_BAR_DELAY_S,
+        disable=not progress_enabled(progress),
+    )
     pool = None
     if num_workers > 0:
         pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,))
@@ -430,7 +459,11 @@ def tokenize_file(
     with writer:
         chunks = _text_file_chunks(path, writer.tokenizer, val_fraction, writer.shard_size, progress)
         for chunk, split in tqdm(
-            chunks, desc=f"writing {writer.prefix} shards", unit="shard", delay=_BAR_DELAY_S, disable=not progress
+            chunks,
+            desc=f"writing {writer.prefix} shards",
+            unit="shard",
+            delay=_BAR_DELAY_S,
+            disable=not progress_enabled(progress),
         ):
             writer.write(chunk, split)
     return writer.written

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from gpt2.data.loader import TokenLoader, one_pass
+from gpt2.data.prepare import progress_enabled
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.model.gpt import IGNORE_INDEX
 
@@ -104,7 +105,7 @@ def evaluate_loss(
         device = _model_device(model)
     loader = _eval_loader(model, data, batch_size, seq_len, split)
     batches = one_pass(loader, max_batches)
-    if progress:
+    if progress_enabled(progress):
         batches = _progress_bar(batches, loader, max_batches)
     total, n_tokens, seen = _summed_loss(
         model, batches, device, autocast, rank=rank, world_size=world_size, per_rank=per_rank
@@ -112,10 +113,7 @@ def evaluate_loss(
     if n_tokens == 0:
         raise InvalidValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
     if warn_short and max_batches is not None and seen < max_batches and rank == 0:
-        logger.warning(
-            f"the evaluation data holds only {seen} batches of {batch_size} x {seq_len} tokens; scored those "
-            f"{seen} once instead of max_batches={max_batches} (no batch is read twice)"
-        )
+        _warn_short(seen, batch_size, seq_len, max_batches)
     mean = _finite_mean(total, n_tokens, source)
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
 
@@ -165,10 +163,28 @@ def _eval_loader(model: nn.Module, data: Any, batch_size: int, seq_len: int, spl
     return TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
 
 
+def _warn_short(seen: int, batch_size: int, seq_len: int, max_batches: int) -> None:
+    if seen == 1:
+        held, scored = "1 batch", "it"
+    else:
+        held, scored = f"{seen} batches", f"those {seen}"
+    logger.warning(
+        f"the evaluation data holds only {held} of {batch_size} x {seq_len} tokens; scored {scored} "
+        f"once instead of max_batches={max_batches} (no batch is read twice)"
+    )
+
+
 def _progress_bar(batches: Iterator[Any], loader: Any, max_batches: int | None) -> Iterator[Any]:
-    # The bar's total: the fewer of max_batches and the loader's batches in one pass, where known.
+    """``batches`` through an "eval" bar. Its total: the fewer of max_batches and the loader's batches in one pass,
+    where known; data that ends sooner sets it to the batches read, as the short-data warning says.
+    """
     known = [n for n in (max_batches, getattr(loader, "batches_per_pass", None)) if n]
-    return tqdm(batches, total=min(known, default=None), desc="eval", unit="batch", dynamic_ncols=True, leave=False)
+    with tqdm(total=min(known, default=None), desc="eval", unit="batch", dynamic_ncols=True, leave=False) as bar:
+        for batch in batches:
+            yield batch
+            bar.update(1)
+        bar.total = bar.n
+        bar.refresh()
 
 
 def _summed_loss(

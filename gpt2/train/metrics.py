@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Union
 import torch
 from tqdm.auto import tqdm  # a widget in notebooks
 
+from gpt2.data.prepare import progress_enabled
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
 from gpt2.train import checkpoint as ckpt
@@ -447,7 +448,7 @@ class FitLog:
                 self.jsonl = JSONLSink(
                     out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR
                 )
-            if config.progress:
+            if progress_enabled(config.progress):
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         except BaseException:
             # e.g. out_dir taken over by another run: close the sinks just opened
