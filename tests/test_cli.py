@@ -523,7 +523,9 @@ def test_eval_of_a_token_file_scores_the_part_training_held_out(trained, tmp_pat
     assert code == 2 and "--val-data: a .jsonl goes with a .jsonl --data" in err, err
 
 
-def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data):
+def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data, monkeypatch):
+    # the progress bar shows on a terminal only: be one
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     from gpt2.data import write_shards
 
     shards = tmp_path / "shards"

@@ -257,3 +257,14 @@ def test_a_failed_read_or_write_names_the_file_and_what_to_do(error, code, line,
     (tmp_path / "a.txt").write_text("some text")
     result, _, err = run(capsys, "prepare", "--input", tmp_path / "a.txt", "--out-dir", tmp_path / "s")
     assert result == code and err.startswith(f"gpt2 prepare: error: {line}") and len(err.splitlines()) == 1, err
+
+
+def test_under_torchrun_only_rank_0_reports_a_usage_error(tmp_path, capsys, monkeypatch):
+    """torchrun with a missing data folder printed the same one-line error once per rank."""
+    missing = str(tmp_path / "no-such-data")
+    monkeypatch.setenv("RANK", "1")
+    code, _, err = run(capsys, "train", *TINY, "--data", missing, "--out-dir", tmp_path / "run")
+    assert (code, err) == (2, "")
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run(capsys, "train", *TINY, "--data", missing, "--out-dir", tmp_path / "run")
+    assert code == 2 and len(err.splitlines()) == 1 and "no-such-data" in err

@@ -5,6 +5,7 @@ headered .bin shards round-trip.
 from __future__ import annotations
 
 import io
+import sys
 import urllib.request
 
 import numpy as np
@@ -264,6 +265,8 @@ def test_tokenising_in_pieces_matches_one_pass(shared_data, monkeypatch):
 
 
 def test_progress_bars_show_on_stderr(tmp_path, monkeypatch, capsys):
+    # bars show on a terminal only (a redirected log gets none): be one
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     text = "Speak, speak.\nYou are all resolved rather to die than to famish?\n" * 50
     (tmp_path / "t.txt").write_text(text)
     monkeypatch.setattr(prepare, "_BAR_DELAY_S", 0)

@@ -180,10 +180,12 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, target, module):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_validation_and_final_evaluation_show_progress(tmp_path, capsys):
+def test_validation_and_final_evaluation_show_progress(tmp_path, capsys, monkeypatch):
     """No silent evaluation: a 'val' bar (and 'evaluating' on the training bar) inside fit, an
     'eval' bar for evaluate_loss(progress=True), which computes the same loss as without it.
     """
+    # bars show on a terminal only (a redirected log gets the metric lines): be one
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     from gpt2.eval.loss import evaluate_loss
 
     torch.manual_seed(0)

@@ -198,6 +198,10 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     if isinstance(e, KeyError):
         text = f"missing key {e}"
     text = " ".join(text.split())
+    # Under torchrun every rank meets the same bad input: rank 0 says it once. Other failures (out
+    # of memory on one rank) are said by the rank that met them.
+    if code == EXIT_USAGE and _rank() != 0:
+        return code
     # A flag or value the command cannot read: its message names the flag.
     if isinstance(e, ArgumentError):
         print(f"{prog}: {text}", file=sys.stderr)

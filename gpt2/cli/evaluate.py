@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2 import outputs
-from gpt2.cli.common import Precision, UsageError, load_for_inference, write_json
+from gpt2.cli.common import Precision, UsageError, load_for_inference, loss_line, write_json
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import load_token_source, split_tokens
@@ -114,8 +114,5 @@ def _score_tokens(options: EvalOptions, source: Any, model: Any, autocast: Any, 
     start = time.time()
     args = (model, source, options.batch_size, seq_len, options.max_batches, autocast)
     loss = evaluate_loss(*args, split=split, device=device, progress=True, source=name)
-    print(
-        f"val loss {loss['loss']:.4f} | perplexity {loss['perplexity']:.2f} | "
-        f"{loss['tokens']:,} tokens | {time.time() - start:.1f} s"
-    )
+    print(f"{loss_line(loss)} | {time.time() - start:.1f} s")
     return {"val_loss": loss["loss"], "perplexity": loss["perplexity"], "tokens": loss["tokens"]}
