@@ -74,6 +74,8 @@ QUIET = "--warmup-steps 1 --eval-interval 0 --final-eval-batches 1 --max-new-tok
 TINY_RUN = f"gpt2 train {TINY} --max-steps 2 {QUIET}"
 # `gpt2 bench`: one timed step of a tiny model.
 BENCH = "--model tiny --steps 1 --warmup 0 --repeats 1 --batch-size 2 --seq-len 16"
+# The instruction-tuning commands of the LoRA guide, on two micro-batches of two rows.
+FINETUNE_SHRINK = {"--micro-batch-size 8": "--micro-batch-size 2", "--max-steps 150": "--max-steps 2"}
 
 RUN_SH = (
     "run.sh itself is run by tests/test_first_run.py (its training and the commands it prints) and "
@@ -135,14 +137,14 @@ TABLES: dict[str, list[Run | Instead | Skip]] = {
         Instead("bash run.sh", f"{TINY_RUN} --block-size 64 --out-dir runs/shakespeare", RUN_SH),
         Run(
             "python examples/finetune_lora.py --init runs/shakespeare --data examples/data/instructions.jsonl --full",
-            shrink={"--micro-batch-size 8": "--micro-batch-size 2", "--max-steps 150": "--max-steps 2"},
+            shrink=FINETUNE_SHRINK,
             append=QUIET,
             creates=("runs/instruct/checkpoints/step_000002",),
         ),
         Run("python -m gpt2 sample --model runs/instruct --instruction", append="--max-new-tokens 4"),
         Run(
             "python -m gpt2 finetune --init runs/shakespeare --data examples/data/instructions.jsonl",
-            shrink={"--micro-batch-size 8": "--micro-batch-size 2", "--max-steps 150": "--max-steps 2"},
+            shrink=FINETUNE_SHRINK,
             append=QUIET,
             creates=("runs/instruct-lora/adapter",),
         ),
@@ -159,7 +161,7 @@ TABLES: dict[str, list[Run | Instead | Skip]] = {
         Run("gpt2 sample --model gpt2 --adapter runs/gpt2-instruct/adapter", append="--max-new-tokens 4"),
         Run(
             "gpt2 finetune --init runs/shakespeare --data examples/data/instructions.jsonl",
-            shrink={"--micro-batch-size 8": "--micro-batch-size 2", "--max-steps 150": "--max-steps 2"},
+            shrink=FINETUNE_SHRINK,
             append=QUIET,
             creates=("runs/instruct-dora/adapter",),
         ),

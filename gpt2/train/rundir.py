@@ -550,12 +550,15 @@ def _legacy_record(out_dir: Path) -> None:
     older format, the list of :data:`RUN_FILES` (read as names without identity, see
     :mod:`gpt2.outputs`), so that ``overwrite`` replaces those names as the older rule did.
     """
-    if outputs.recorded_names(out_dir) or not existing_run(out_dir):
+    if outputs.recorded_names(out_dir):
+        return
+    found = existing_run(out_dir)
+    if not found:
         return
     logger.warning(
         "%s has no readable record of what gpt2 wrote there: it is rebuilt from the run on disk (%s)",
         out_dir,
-        ", ".join(existing_run(out_dir)),
+        ", ".join(found),
     )
     text = json.dumps(sorted(RUN_FILES)) + "\n"
     replace_atomically(out_dir / MANIFEST_FILE, lambda f: f.write(text.encode("utf-8")))
