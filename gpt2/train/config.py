@@ -25,6 +25,7 @@ Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.train.metrics.make_sinks
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer; see gpt2.train.optim
+STRATEGIES = ("ddp", "fsdp")  # TrainConfig.strategy; see gpt2.train.distributed
 
 
 @dataclass
@@ -73,6 +74,18 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 (fp16 on old GPUs), CPU fp32
     compile: bool = False  # torch.compile the model for training and evaluation
     device: str = "auto"  # "auto" = cuda:LOCAL_RANK when CUDA is available, else cpu
+
+    # --- processes and memory ------------------------------------------------------------
+    # How the processes of a torchrun job share the model. "ddp": each holds all of it (weights, gradients,
+    # AdamW's moments: 16 bytes a parameter in fp32) and gradients are averaged. "fsdp": FSDP2
+    # (torch.distributed.fsdp.fully_shard) keeps 1/N of each on each of N processes and gathers a block's
+    # weights only while it runs; checkpoints are then sharded (docs/distributed.md). One process: the same.
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # ddp: each process holds the whole model; fsdp: 1/N of it (FSDP2)
+    # Keep only each transformer block's input during the forward and recompute the rest in the backward:
+    # about a third more compute for far less activation memory (long sequences, large micro-batches).
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward: less memory
+    # micro_batch_size="auto" on a CPU: the memory (GiB) one process may use (on a GPU its memory is the limit).
+    memory_limit_gb: float | None = None  # micro_batch_size="auto" on a CPU: GiB one process may use
 
     # --- evaluation ------------------------------------------------------------------------
     eval_interval: int = 250  # validation loss every N steps and at the end; 0 = only at the end
@@ -255,11 +268,13 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "eps": POSITIVE,
     "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
+    "memory_limit_gb": Range(low=0, low_open=True, optional=True),
 }
 
 # The fields that take one of a few values: what they accept, and how the error message says it.
 TRAIN_CONFIG_CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
     "precision": (PRECISIONS, f"one of {PRECISIONS}"),
     "optimizer": (OPTIMIZERS, f"one of {OPTIMIZERS}"),
+    "strategy": (STRATEGIES, f"one of {STRATEGIES}"),
     "fused_adamw": (("auto", True, False), "'auto', True or False"),
 }
