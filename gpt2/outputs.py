@@ -255,58 +255,80 @@ def _sort(path: Path, entry: Entry, legacy: bool) -> tuple[list[Path], list[Path
 
 
 def _sort_folder(
-    folder: Path, prefix: str, entry: Entry, everything: bool, mine: list[Path], others: list[Path]
+    folder: Path,
+    prefix: str,
+    entry: Entry,
+    everything: bool,
+    mine: list[Path],
+    others: list[Path],
+    vouched: dict[Path, str] | None = None,
 ) -> None:
     """Sort the files under ``folder`` (``prefix``: its path in the recorded folder) into ``mine``
     and ``others``, entering no link. ``everything``: every plain file is gpt2's (a trusted legacy folder).
+    ``vouched``: the sha256 of files below, from the digest files of the folders above (a sharded checkpoint's
+    ``SHA256SUMS`` lists ``shards/...``).
     """
     digests = entry.get("digests")
-    sums = None
-    if digests is not None:
-        sums = _read_digests(folder / digests)
+    sums, vouched = _folder_digests(folder, digests, vouched)
     with os.scandir(folder) as scan:
         items = sorted(scan, key=lambda item: item.name)
-    matched = set()
     for item in items:
         path = Path(item.path)
         if sums is not None and item.name == digests:
             # Judged below, once the files it lists are.
             continue
         if item.is_dir(follow_symlinks=False):
-            _sort_folder(path, f"{prefix}{item.name}/", entry, everything, mine, others)
-        elif item.is_file(follow_symlinks=False) and (everything or _listed(path, prefix + item.name, entry, sums)):
+            _sort_folder(path, f"{prefix}{item.name}/", entry, everything, mine, others, vouched)
+        elif item.is_file(follow_symlinks=False) and (everything or _listed(path, prefix + item.name, entry, vouched)):
             mine.append(path)
-            matched.add(item.name)
         else:
             # A link (never gpt2's), or a file gpt2 did not write or that changed since.
             others.append(path)
     if sums is None:
         return
-    if {name for name in sums if os.path.lexists(folder / name)} <= matched:
+    if {folder / name for name in sums if os.path.lexists(folder / name)} <= set(mine):
         mine.append(folder / digests)
     else:
         others.append(folder / digests)
 
 
-def _listed(path: Path, rel: str, entry: Entry, sums: dict[str, str] | None) -> bool:
-    """Whether the folder's ``files`` or the digest file beside ``path`` give its bytes."""
+def _folder_digests(
+    folder: Path, digests: str | None, vouched: dict[Path, str] | None
+) -> tuple[dict[str, str] | None, dict[Path, str]]:
+    """The digest file ``digests`` of ``folder`` (None if there is none), and ``vouched`` with what it lists."""
+    vouched = dict(vouched or {})
+    sums = None
+    if digests is not None:
+        sums = _read_digests(folder / digests)
+    if sums is not None:
+        vouched.update({folder / name: sha256 for name, sha256 in sums.items()})
+    return sums, vouched
+
+
+def _listed(path: Path, rel: str, entry: Entry, vouched: dict[Path, str]) -> bool:
+    """Whether the folder's ``files`` or a digest file beside or above ``path`` give its bytes."""
     identity = entry.get("files", {}).get(rel)
     if identity is not None and _matches(path, identity):
         return True
-    return sums is not None and path.name in sums and sums[path.name] == _file_sha256(path)
+    return path in vouched and vouched[path] == _file_sha256(path)
 
 
 def _vouched(path: Path, digests: str) -> bool:
-    """Whether the digest file ``digests`` beside ``path`` lists it with its sha256 (or is that
-    file, with everything it lists intact).
+    """Whether the digest file ``digests`` beside ``path`` (or one folder up, as a sharded checkpoint's lists its
+    ``shards/...``) lists it with its sha256 (or ``path`` is that file, with everything it lists intact).
     """
-    sums = _read_digests(path.parent / digests)
-    if sums is None:
-        return False
     if path.name == digests:
+        sums = _read_digests(path)
+        if sums is None:
+            return False
         present = [name for name in sums if os.path.lexists(path.parent / name)]
         return all(sums[name] == _file_sha256(path.parent / name) for name in present)
-    return path.name in sums and sums[path.name] == _file_sha256(path)
+    for folder in (path.parent, path.parent.parent):
+        sums = _read_digests(folder / digests)
+        rel = path.relative_to(folder).as_posix()
+        if sums is not None and rel in sums:
+            return sums[rel] == _file_sha256(path)
+    return False
 
 
 def _read_digests(path: Path) -> dict[str, str] | None:
@@ -320,7 +342,8 @@ def _read_digests(path: Path) -> dict[str, str] | None:
         return None
     for line in filter(None, lines):
         match = _DIGEST_LINE.fullmatch(line)
-        if match is None or not _is_name(match[2]):
+        # a name, or a path below (a sharded checkpoint's shards/...)
+        if match is None or not _is_relative_path(match[2]):
             return None
         sums[match[2]] = match[1]
     return sums

@@ -69,6 +69,8 @@ class Skip:
 
 # The model of `gpt2 train`: 2 layers, 32 wide, 32-token sequences, 2 per batch.
 TINY = "--model tiny --seq-len 32 --micro-batch-size 2"
+# The two "nodes" of docs/distributed.md must run at the same time: tests/test_fsdp.py runs them so.
+TWO_NODES = "the two lines run together: tests/test_fsdp.py::test_two_node_launch_of_the_docs"
 # After the few steps of a run: one validation batch, 4 sampled tokens, no plot (matplotlib) and no bars.
 QUIET = "--warmup-steps 1 --eval-interval 0 --final-eval-batches 1 --max-new-tokens 4 --no-plot --no-progress"
 TINY_RUN = f"gpt2 train {TINY} --max-steps 2 {QUIET}"
@@ -202,8 +204,18 @@ TABLES: dict[str, list[Run | Instead | Skip]] = {
             # three Python processes (torchrun and two workers) and a gloo rendezvous: 20 s and more
             marks=("slow", "dist"),
         ),
+        Run(
+            "torchrun --standalone --nproc_per_node 2 -m gpt2 train --recipe shakespeare --model tiny --device cpu "
+            "--strategy fsdp",
+            shrink={"--max-steps 20": "--max-steps 2"},
+            append=f"--seq-len 32 --micro-batch-size 2 {QUIET}",
+            creates=("runs/fsdp/checkpoints/step_000002/shards/__1_0.distcp",),
+            marks=("slow", "dist"),
+        ),
         Skip("torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0", "needs two machines with 8 GPUs each"),
         Skip("torchrun --nnodes 2 --nproc_per_node 8 --node_rank 1", "needs two machines with 8 GPUs each"),
+        Skip("torchrun --nnodes 2 --nproc_per_node 1 --node_rank 0", TWO_NODES),
+        Skip("torchrun --nnodes 2 --nproc_per_node 1 --node_rank 1", TWO_NODES),
     ],
     "docs/training.md": [
         Skip("pip install 'gpt2-minlora[tensorboard]'", "needs the network; the test environment has the extras"),

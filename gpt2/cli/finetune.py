@@ -128,9 +128,11 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
             before = {f"{k}_before": measured[k] for k in ("val_loss", "samples") if k in measured}
         trainer.fit()
         results = final_report(*report, extra=before, header="after fine-tuning:", **kwargs)
+        # Under FSDP every rank takes part in gathering the model whole (rank 0 gets it).
+        model = trainer.full_model()
         if not main:
             return {}
-        _save(trainer, options, results)
+        _save(trainer, model, options, results)
         return results
 
 
@@ -160,9 +162,9 @@ def _instruction_data(options: FinetuneOptions, config: Any) -> tuple[Any, Any, 
     return train, val, (rows[0][0], rows[0][1])
 
 
-def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> None:
-    """Rank 0, after training: the adapter (LoRA) or a note on the run directory (--full),
-    results.json, then the optional PEFT and transformers exports.
+def _save(trainer: Any, model: Any, options: FinetuneOptions, results: dict[str, Any]) -> None:
+    """Rank 0, after training: the adapter (LoRA) of ``model`` (the trained model, whole) or a note on the run
+    directory (--full), results.json, then the optional PEFT and transformers exports.
     """
     # No run directory (--out-dir None) writes nothing there (never ./adapter).
     out = trainer.out_dir
@@ -171,7 +173,7 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
         if options.full:
             print(f"saved the fine-tuned model in {out} ({sample} {out})")
         else:
-            adapter = minlora.save_adapter(trainer.model, out / "adapter")
+            adapter = minlora.save_adapter(model, out / "adapter")
             # the run's from now on: --overwrite may replace it, and nothing of the user's beside it
             rundir.record_outputs(out, ["adapter"])
             results["adapter"] = str(adapter)
@@ -179,14 +181,14 @@ def _save(trainer: Any, options: FinetuneOptions, results: dict[str, Any]) -> No
         write_json(out / "results.json", results)
     # never with --full: check() refuses it
     if options.peft_export:
-        minlora.export_peft_adapter(trainer.model, options.peft_export, base_model_name_or_path=peft_base(options.init))
+        minlora.export_peft_adapter(model, options.peft_export, base_model_name_or_path=peft_base(options.init))
         print(f"wrote PEFT adapter {options.peft_export}")
     if options.merge_export:
         what = ""
         if not options.full:
-            minlora.merge_lora(trainer.model)
+            minlora.merge_lora(model)
             what = "merged model "
-        trainer.model.save_pretrained(
+        model.save_pretrained(
             options.merge_export,
             tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None,
             overwrite=options.train.overwrite,

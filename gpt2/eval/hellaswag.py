@@ -22,6 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from gpt2.data import iter_jsonl
 from gpt2.errors import InvalidValueError, MissingFileError
+from gpt2.eval import lockstep
 from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
 from gpt2.files import default_cache_dir, download
 from gpt2.model.tokenizer import get_tokenizer
@@ -278,8 +279,11 @@ def _count_correct(
     was_training = model.training
     model.eval()
     counts = torch.zeros(3, dtype=torch.long)
+    seen = 0
+    example = None
     try:
         for i, example in enumerate(examples):
+            seen += 1
             if i % world_size != rank:
                 continue
             tokens, mask, label = _render_checked(example, tokenizer)
@@ -287,6 +291,11 @@ def _count_correct(
             counts[0] += int(sum_loss.argmin()) == label
             counts[1] += int(mean_loss.argmin()) == label
             counts[2] += 1
+        # A sharded model's forward is a collective: a rank without an example in the last round scores
+        # another rank's (not counted) so that every rank runs as many forwards.
+        if lockstep.owes_forward(model, seen, rank, world_size):
+            tokens, mask, _ = _render_checked(example, tokenizer)
+            ending_losses(model, tokens, mask, autocast)
     finally:
         model.train(was_training)
     return counts

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from gpt2.data.loader import TokenLoader, one_pass
 from gpt2.data.prepare import progress_enabled
 from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.eval import lockstep
 from gpt2.model.gpt import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ def _summed_loss(
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     # Batches in the sequence (all ranks' shares).
     seen = 0
+    x = y = None
     try:
         for i, (x, y) in enumerate(batches):
             seen += 1
@@ -216,6 +218,10 @@ def _summed_loss(
             loss, scored = _batch_loss(model, x.to(device), y.to(device), device, autocast)
             sums[0] += loss.double()
             sums[1] += scored
+        # A sharded model's forward is a collective: a rank without a batch in the last round runs one
+        # anyway (another rank's, not counted) so that every rank runs as many.
+        if not per_rank and lockstep.owes_forward(model, seen, rank, world_size):
+            _batch_loss(model, x.to(device), y.to(device), device, autocast)
     finally:
         model.train(was_training)
     if world_size > 1:

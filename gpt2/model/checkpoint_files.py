@@ -4,6 +4,12 @@ before any model is touched, and finding the newest intact checkpoint.
 A checkpoint is a directory ``step_000100/`` holding ``model.safetensors`` (the weights),
 ``trainer_state.pt`` (optimizer, scaler and RNG states), ``trainer_state.json`` (the step and
 metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format).
+
+A *sharded* checkpoint (written under FSDP, format version 3) holds ``shards/`` in place of
+``model.safetensors``: a ``torch.distributed.checkpoint`` directory (``.metadata`` and one
+``__<rank>_0.distcp`` per process) with the weights under ``model.`` and the optimizer state under
+``optim.``; ``trainer_state.pt`` then keeps the loss scaler and RNG states, and ``SHA256SUMS`` lists
+every file, the shards included. :func:`read_checkpoint` reads either into one process.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import os
 import pickle
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
@@ -39,6 +47,14 @@ CHECKPOINT_FILES = (WEIGHTS_FILE, STATE_FILE, META_FILE)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # 1: the three files; 2: SHA256SUMS too (a version-2 checkpoint without it is damaged).
 FORMAT_VERSION = 2
+# 3: sharded (FSDP): shards/ in place of model.safetensors. A gpt2 that reads version 2 at most says
+# "newer than this gpt2 reads; upgrade gpt2" about it, instead of calling it damaged.
+SHARDED_FORMAT_VERSION = 3
+SHARDS_DIR = "shards"
+# torch.distributed.checkpoint's index of the shards: written last, after every shard.
+SHARDS_INDEX = f"{SHARDS_DIR}/.metadata"
+# The prefixes under which a sharded checkpoint stores the weights and the optimizer state.
+MODEL_KEY, OPTIM_KEY = "model", "optim"
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:
@@ -80,8 +96,12 @@ class CheckpointSaveError(Gpt2Error, OSError):
 
 
 def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
-    """Names of floating-point tensors holding inf or nan."""
-    return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    """Names of floating-point tensors holding inf or nan (tensors on the ``meta`` device hold no values)."""
+    return [
+        name
+        for name, t in state.items()
+        if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())
+    ]
 
 
 def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
@@ -178,9 +198,20 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
     return int(match.group(1))
 
 
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory ``path`` is a sharded one (``shards/``, written under FSDP)."""
+    return (Path(path) / SHARDS_DIR).is_dir()
+
+
 def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds every file of a checkpoint (regular or sharded); their content is checked on reading."""
     path = Path(path)
-    return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
+    if not path.is_dir():
+        return False
+    names = CHECKPOINT_FILES
+    if is_sharded(path):
+        names = (META_FILE, STATE_FILE, SHARDS_INDEX)
+    return all((path / name).is_file() for name in names)
 
 
 def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
@@ -223,37 +254,132 @@ class CheckpointData:
 
 
 def read_checkpoint(
-    path: str | os.PathLike, *, trainer_state: bool = True, map_location: str | torch.device = "cpu"
+    path: str | os.PathLike,
+    *,
+    trainer_state: bool = True,
+    map_location: str | torch.device = "cpu",
+    weights: bool = True,
 ) -> CheckpointData:
     """Read one checkpoint directory and verify every file it reads (the sha256 catches a flipped byte inside a tensor,
     which passes every other check); a :class:`CheckpointError` lists every problem with its file.
+
+    A sharded checkpoint's weights are gathered whole into this process; with ``weights=False`` they are left on
+    disk and ``CheckpointData.weights`` holds tensors on the ``meta`` device, of the right names, shapes and dtypes
+    (for checking that they fit a model whose shards will be loaded with :mod:`gpt2.train.sharded`).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
     problems: list[tuple[str, str]] = []
     meta = _read_meta(path, problems)
-    weights: dict[str, torch.Tensor] = {}
-    weights_meta: dict[str, str] = {}
-    try:
-        weights, weights_meta = load_weights(path / WEIGHTS_FILE)
-    except CheckpointError as e:
-        problems += e.problems
-    non_finite = non_finite_tensors(weights)
-    if non_finite:
-        problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
-    read = [META_FILE, WEIGHTS_FILE]
+    read = [META_FILE]
     state = None
     if trainer_state:
         state = _read_trainer_state(path / STATE_FILE, map_location, problems)
         read.append(STATE_FILE)
-    _check_digests(path, meta, read, problems)
+    if is_sharded(path):
+        read += _shard_files(path, problems)
+        # Verified before the shards are read: torch.distributed.checkpoint checks no content.
+        _check_digests(path, meta, read, problems)
+        weights, weights_meta = _read_sharded_weights(path, meta, weights, problems)
+        non_finite = non_finite_tensors(weights)
+        if non_finite:
+            problems.append((str(path / SHARDS_DIR), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
+    else:
+        weights, weights_meta = _read_weights(path, problems)
+        non_finite = non_finite_tensors(weights)
+        if non_finite:
+            problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
+        read.append(WEIGHTS_FILE)
+        _check_digests(path, meta, read, problems)
     if not problems:
         return CheckpointData(path, meta, weights, weights_meta, state)  # type: ignore[arg-type]
     message = f"checkpoint {path} is damaged: {_describe(problems, path)}"
     if non_finite and len(problems) == 1:
         raise NonFiniteWeightsError(message, problems)
     raise CheckpointError(message, problems)
+
+
+def _read_weights(path: Path, problems: list[tuple[str, str]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``model.safetensors``'s weights and metadata; empty ones (and a problem) when it cannot be read."""
+    try:
+        return load_weights(path / WEIGHTS_FILE)
+    except CheckpointError as e:
+        problems += e.problems
+        return {}, {}
+
+
+def _shard_files(path: Path, problems: list[tuple[str, str]]) -> list[str]:
+    """The files under ``shards/`` (names relative to the checkpoint), each a problem where it is not
+    listed in SHA256SUMS: a shard nobody vouches for is not read.
+    """
+    listed = _listed_digests(path)
+    found = sorted(str(p.relative_to(path)) for p in (path / SHARDS_DIR).rglob("*") if p.is_file())
+    for name in found:
+        if listed is not None and name not in listed:
+            problems.append((str(path / name), f"is not listed in {DIGEST_FILE} (left by another save?)"))
+    # A listed shard that is gone is found by _check_digests.
+    missing = sorted(name for name in listed or () if name.startswith(SHARDS_DIR + "/") and name not in found)
+    return found + missing
+
+
+def _listed_digests(path: Path) -> dict[str, str] | None:
+    """SHA256SUMS as ``{name: sha256}`` without reporting problems (:func:`_read_digests` does that)."""
+    try:
+        return _parse_digests((path / DIGEST_FILE).read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _parse_digests(text: str) -> dict[str, str]:
+    """``sha256  name`` lines (``sha256sum``'s format) as ``{name: sha256}``."""
+    return dict(reversed(line.split(maxsplit=1)) for line in text.splitlines())
+
+
+def load_shards_into(state: dict[str, Any], shards: Path, *, no_dist: bool) -> None:
+    """``torch.distributed.checkpoint.load`` of the directory ``shards`` into ``state``, in place; ``no_dist``:
+    this process alone (without it, every process of the job calls this).
+    """
+    with warnings.catch_warnings():
+        # Said on every single-process load, which is what no_dist asks for.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(shards)), no_dist=no_dist)
+
+
+def _read_sharded_weights(
+    path: Path, meta: dict[str, Any] | None, whole: bool, problems: list[tuple[str, str]]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A sharded checkpoint's weights, gathered from every shard into full tensors (``whole``) or as ``meta``
+    tensors of their shapes; nothing (the problems say why) when its files are damaged.
+    """
+    weights_meta = {}
+    if meta is not None:
+        weights_meta = {"step": str(meta.get("step")), "trainable_only": str(meta.get("trainable_only", False))}
+    if problems:
+        return {}, weights_meta
+    reader = dcp.FileSystemReader(str(path / SHARDS_DIR))
+    try:
+        index = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - an unreadable index makes the checkpoint unusable, whatever the cause
+        problems.append((str(path / SHARDS_INDEX), f"cannot be read ({_first_line(e)})"))
+        return {}, weights_meta
+    prefix = MODEL_KEY + "."
+    device = "cpu"
+    if not whole:
+        device = "meta"
+    weights = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+        for key, entry in index.items()
+        if key.startswith(prefix) and hasattr(entry, "size")
+    }
+    if whole:
+        try:
+            # no_dist: this process alone reads, even inside a process group (rank 0 sampling after training).
+            load_shards_into(weights, path / SHARDS_DIR, no_dist=True)
+        except Exception as e:  # noqa: BLE001 - the digests matched, so this is a format problem: report it as one
+            problems.append((str(path / SHARDS_DIR), f"cannot be read ({_first_line(e)})"))
+            return {}, weights_meta
+    return {key.removeprefix(prefix): tensor for key, tensor in weights.items()}, weights_meta
 
 
 def _check_digests(path: Path, meta: dict | None, names: list[str], problems: list[tuple[str, str]]) -> None:
@@ -270,6 +396,8 @@ def _check_digests(path: Path, meta: dict | None, names: list[str], problems: li
             continue
         if name not in expected:
             problems.append((str(path / DIGEST_FILE), f"has no digest of {name} (damaged)"))
+        elif not Path(file).is_file():
+            problems.append((file, "is missing"))
         elif sha256_file(file) != expected[name]:
             problems.append((file, f"does not match its sha256 in {DIGEST_FILE}: the file is damaged"))
 
@@ -281,7 +409,7 @@ def _read_digests(path: Path, meta: dict | None, problems: list[tuple[str, str]]
     sums = path / DIGEST_FILE
     if sums.is_file():
         try:
-            return dict(reversed(line.split(maxsplit=1)) for line in sums.read_text("utf-8").splitlines())
+            return _parse_digests(sums.read_text("utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             problems.append((str(sums), f"cannot be read ({_first_line(e)})"))
             return None
@@ -324,9 +452,9 @@ def _check_meta_fields(path: Path, meta: dict[str, Any], problems: list[tuple[st
     elif checkpoint_step(path) is not None and checkpoint_step(path) != step:
         problems.append((file, f"field 'step' is {step} but the directory is {path.name}"))
     version = meta.get("format_version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or version > SHARDED_FORMAT_VERSION:
         problems.append(
-            (file, f"format_version {version!r} is newer than this gpt2 reads ({FORMAT_VERSION}); upgrade gpt2")
+            (file, f"format_version {version!r} is newer than this gpt2 reads ({SHARDED_FORMAT_VERSION}); upgrade gpt2")
         )
         meta["format_version"] = 1
 
@@ -364,6 +492,7 @@ def open_checkpoint(
     trainer_state: bool = True,
     map_location: str | torch.device = "cpu",
     check: Callable[[CheckpointData], None] | None = None,
+    weights: bool = True,
 ) -> CheckpointData:
     """:func:`read_checkpoint` of ``path``, or of a run / ``checkpoints`` directory's newest usable
     checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning.
@@ -371,7 +500,7 @@ def open_checkpoint(
     path = Path(path)
 
     def read(candidate: Path) -> CheckpointData:
-        data = read_checkpoint(candidate, trainer_state=trainer_state, map_location=map_location)
+        data = read_checkpoint(candidate, trainer_state=trainer_state, map_location=map_location, weights=weights)
         if check is not None:
             check(data)
         return data

@@ -34,6 +34,8 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     DIGEST_FILE,
     FORMAT_VERSION,
     META_FILE,
+    SHARDED_FORMAT_VERSION,
+    SHARDS_DIR,
     STATE_FILE,
     WEIGHTS_FILE,
     CheckpointData,
@@ -46,6 +48,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     checkpoint_step,
     find_latest_checkpoint,
     is_complete,
+    is_sharded,
     list_checkpoints,
     load_state_into,
     load_weights,
@@ -57,6 +60,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     sha256_file,
     unwrap_model,
 )
+from gpt2.train import fsdp, sharded
 from gpt2.train.distributed import _active
 
 logger = logging.getLogger(__name__)
@@ -172,6 +176,111 @@ def save_checkpoint(
     return final
 
 
+def save_sharded_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    metadata: dict[str, Any] | None = None,
+    *,
+    keep_last: int | None = None,
+    trainable_only: bool = False,
+    rng_state: dict[str, Any] | None = None,
+    base_fingerprint: str | None = None,
+    before_write: Callable[[], None] | None = None,
+) -> Path:
+    """Write ``<root>/step_{step:06d}`` as a sharded checkpoint: EVERY process of the job calls this, and each
+    writes its own shards of the model and optimizer state (no process gathers the whole model). Rank 0
+    names the temporary directory, writes the rest (scaler and RNG states, metadata, SHA256SUMS of every
+    file) and renames it into place, so the checkpoint appears whole or not at all, as
+    :func:`save_checkpoint`'s. Every process returns the path, or raises the same error.
+    ``before_write``: called on rank 0 before anything is written (the run's lock check).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
+    raw = unwrap_model(model)
+    bad = fsdp.non_finite_parameters(raw)
+    if bad:
+        raise NonFiniteWeightsError(
+            f"refusing to save checkpoint at step {step}: non-finite values (inf/nan) in {', '.join(bad[:5])}"
+        )
+    root = Path(root)
+    final = root / f"step_{step:06d}"
+    is_main = dist.get_rank() == 0
+    tmp = _agree(is_main, lambda: _start_sharded(root, final, before_write), f"starting checkpoint {final.name}")
+    try:
+        sharded.write_shards(tmp, raw, optimizer, trainable_only)
+    except BaseException as e:
+        # torch.distributed.checkpoint raised on every process: rank 0 cleans up.
+        if is_main:
+            raise _failed_save(root, final, tmp, SHARDS_DIR, e) from e
+        raise
+    meta = _checkpoint_meta(raw, step, trainable_only, metadata, base_fingerprint, SHARDED_FORMAT_VERSION)
+
+    def finish() -> Path:
+        _finish_sharded(root, final, tmp, meta, _trainer_state(None, scaler, rng_state))
+        if keep_last:
+            prune_checkpoints(root, keep_last)
+        logger.info("saved sharded checkpoint %s", final)
+        return final
+
+    return _agree(is_main, finish, f"finishing checkpoint {final.name}")
+
+
+def _start_sharded(root: Path, final: Path, before_write: Callable[[], None] | None) -> Path:
+    """Rank 0: the run's lock checked, the empty temporary directory every process writes its shards into."""
+    if before_write is not None:
+        before_write()
+    tmp = _temporary_dir(root, final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _save_error(root, final, "the temporary directory", e) from e
+    return tmp
+
+
+def _finish_sharded(root: Path, final: Path, tmp: Path, meta: dict[str, Any], state: dict[str, Any]) -> None:
+    """Rank 0, once every shard is written: trainer_state.pt and .json, SHA256SUMS of every file, the rename."""
+    meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    writing = STATE_FILE
+    try:
+        replace_atomically(tmp / STATE_FILE, lambda f: torch.save(state, f))
+        writing = META_FILE
+        replace_atomically(tmp / META_FILE, lambda f: f.write(meta_bytes))
+        writing = DIGEST_FILE
+        shards = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDS_DIR).rglob("*") if p.is_file())
+        _write_digests(tmp, [STATE_FILE, META_FILE, *shards])
+        writing = "the checkpoint directory"
+        _move_durably(tmp, final)
+    except BaseException as e:
+        error = _failed_save(root, final, tmp, writing, e)
+        if error is e:
+            raise
+        raise error from e
+
+
+def _agree(is_main: bool, work: Callable[[], Any], what: str) -> Any:
+    """Run ``work`` on rank 0 and tell every process how it went: its result, or on every other rank a
+    :class:`CheckpointSaveError` carrying rank 0's error (no rank goes on while another has failed).
+    """
+    outcome: list[Any] = [None, None]
+    error: BaseException | None = None
+    if is_main:
+        try:
+            outcome[0] = work()
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks before it is raised
+            error = e
+            outcome[1] = f"{type(e).__name__}: {_first_line(e)}"
+    dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[1] is not None:
+        raise CheckpointSaveError(f"rank 0 failed {what}: {outcome[1]}")
+    return outcome[0]
+
+
 def _weights_to_save(raw: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
     """The whole state dict, or the trainable parameters alone."""
     if not trainable_only:
@@ -183,15 +292,22 @@ def _weights_to_save(raw: nn.Module, trainable_only: bool) -> dict[str, torch.Te
 
 
 def _checkpoint_meta(
-    raw: nn.Module, step: int, trainable_only: bool, metadata: dict[str, Any] | None
+    raw: nn.Module,
+    step: int,
+    trainable_only: bool,
+    metadata: dict[str, Any] | None,
+    base_fingerprint: str | None = None,
+    version: int = FORMAT_VERSION,
 ) -> dict[str, Any]:
-    """``trainer_state.json``'s content; an adapter-only checkpoint also records its base model."""
-    meta = {"format_version": FORMAT_VERSION, "step": step, "trainable_only": trainable_only, **(metadata or {})}
+    """``trainer_state.json``'s content; an adapter-only checkpoint also records its base model (its
+    ``base_fingerprint``, computed here when not given: a sharded model's must be given).
+    """
+    meta = {"format_version": version, "step": step, "trainable_only": trainable_only, **(metadata or {})}
     if not trainable_only:
         return meta
     sites = minlora.lora_sites(raw)
     if sites:
-        meta["base_fingerprint"] = minlora.base_fingerprint(raw)
+        meta["base_fingerprint"] = base_fingerprint or minlora.base_fingerprint(raw)
         # alpha / rank (rsLoRA: / sqrt(rank))
         meta["lora_scaling"] = {s.name: s.lora.scaling for s in sites}
     return meta
@@ -214,29 +330,52 @@ def _write_checkpoint_dir(root: Path, final: Path, writers: list[tuple[str, Call
     rename it to ``final``. A failure removes the temporary directory; an I/O one (disk full) raises
     :class:`CheckpointSaveError` naming the file being written.
     """
-    # A unique name beside the final one (same filesystem, so the rename is atomic); os.mkdir
-    # honours the umask, unlike tempfile.mkdtemp's private 0700.
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
+    tmp = _temporary_dir(root, final)
     writing = "the temporary directory"
     try:
+        # os.mkdir honours the umask, unlike tempfile.mkdtemp's private 0700.
         tmp.mkdir()
         for name, write in writers:
             writing = name
             write(tmp / name)
         writing = DIGEST_FILE
-        sums = "".join(f"{sha256_file(tmp / name)}  {name}\n" for name, _ in writers)
-        replace_atomically(tmp / DIGEST_FILE, lambda f: f.write(sums.encode()))
+        _write_digests(tmp, [name for name, _ in writers])
         writing = "the checkpoint directory"
-        _fsync_dir(tmp)
-        _move_into_place(tmp, final)
-        _fsync_dir(root)
+        _move_durably(tmp, final)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        # Disk full shows up as OSError (ENOSPC), as torch.save's "enforce fail at
-        # inline_container.cc" RuntimeError, or as a SafetensorError: one message for all.
-        if isinstance(e, (OSError, RuntimeError, SafetensorError)):
-            raise _save_error(root, final, writing, e) from e
-        raise
+        error = _failed_save(root, final, tmp, writing, e)
+        if error is e:
+            raise
+        raise error from e
+
+
+def _temporary_dir(root: Path, final: Path) -> Path:
+    """A unique name beside ``final`` (same filesystem, so the rename into place is atomic)."""
+    return root / f"{_TMP_PREFIX}{final.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
+
+
+def _write_digests(tmp: Path, names: list[str]) -> None:
+    """``SHA256SUMS`` of ``names`` (paths inside ``tmp``), in ``sha256sum -c`` format."""
+    sums = "".join(f"{sha256_file(tmp / name)}  {name}\n" for name in names)
+    replace_atomically(tmp / DIGEST_FILE, lambda f: f.write(sums.encode()))
+
+
+def _move_durably(tmp: Path, final: Path) -> None:
+    """Make ``tmp``'s entries durable, rename it to ``final`` and make the rename durable."""
+    _fsync_dir(tmp)
+    _move_into_place(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _failed_save(root: Path, final: Path, tmp: Path, writing: str, e: BaseException) -> BaseException:
+    """Remove the temporary directory of a failed save; the error to raise: disk full shows up as OSError
+    (ENOSPC), as torch.save's "enforce fail at inline_container.cc" RuntimeError, or as a SafetensorError,
+    and each becomes one :class:`CheckpointSaveError`; anything else is raised as it is.
+    """
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(e, (OSError, RuntimeError, SafetensorError)):
+        return _save_error(root, final, writing, e)
+    return e
 
 
 _TMP_PREFIX = ".tmp-"
@@ -377,34 +516,60 @@ def load_checkpoint(
     map_location: str | torch.device = "cpu",
     weights_only: bool = False,
     allow_base_mismatch: bool = False,
+    base_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and optimizer / scaler / RNG); return its metadata.
 
     ``path``: a checkpoint, or a ``checkpoints`` / run directory (its newest checkpoint that is intact and fits). All is
     verified before the model is touched; nothing is unpickled. A state that does not fit raises
     :class:`CheckpointMismatchError`; ``weights_only`` loads the weights alone. Adapters saved on another base raise
-    :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch``.
+    :class:`minlora.AdapterBaseMismatchError` unless ``allow_base_mismatch`` (a model sharded by FSDP needs its
+    ``base_fingerprint``, taken before it was sharded).
+
+    Regular and sharded checkpoints load into models sharded by FSDP or not, on any number of processes: every
+    process of a job calls this for a sharded checkpoint or a sharded model (:mod:`gpt2.train.sharded`).
     """
     need_state = not weights_only and (optimizer is not None or scaler is not None or restore_rng)
 
     def check(data: CheckpointData) -> None:
-        _check_base(model, data, allow_base_mismatch)
+        _check_base(model, data, allow_base_mismatch, base_fingerprint)
         # Another model's weights first: its optimizer state cannot fit.
         load_state_into(model, data, check_only=True)
         if need_state:
             _check_state(model, optimizer, scaler, data)
 
-    data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check)
-    load_state_into(model, data)
+    # weights=False: a sharded checkpoint's shards stay on disk until they load straight into their places.
+    data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check, weights=False)
     state = data.trainer_state
+    saved_optimizer = None
+    if state is not None and optimizer is not None:
+        saved_optimizer = state["optimizer"]
+    _load_weights_and_optimizer(model, data, optimizer if state is not None else None, saved_optimizer)
     if state is not None:
-        if optimizer is not None:
-            _restore_optimizer(optimizer, state["optimizer"])
         if scaler is not None and scaler.is_enabled():
             _restore_scaler(scaler, state["scaler"], data.path)
         if restore_rng:
             restore_rng_state(state["rng"])
     return {**data.meta, "path": str(data.path)}
+
+
+def _load_weights_and_optimizer(model: nn.Module, data: CheckpointData, optimizer: Any, saved_optimizer: Any) -> None:
+    """The weights (and given an ``optimizer``, its state) of ``data`` into ``model``, by the pair of formats:
+    shards into any model; whole tensors into a sharded model; whole tensors into a whole model.
+    """
+    raw = unwrap_model(model)
+    if is_sharded(data.path):
+        sharded.load_shards(data.path, raw, optimizer, data.trainable_only)
+        return
+    weights = data.weights
+    if not weights or any(t.is_meta for t in weights.values()):
+        weights, _ = load_weights(data.path / WEIGHTS_FILE)
+    if fsdp.is_sharded(raw):
+        sharded.load_whole(raw, weights, optimizer, saved_optimizer, strict=not data.trainable_only)
+        return
+    load_state_into(model, CheckpointData(data.path, data.meta, weights, data.weights_meta))
+    if optimizer is not None:
+        _restore_optimizer(optimizer, saved_optimizer)
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
@@ -422,8 +587,10 @@ def _restore_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any] | None, 
         logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", path)
 
 
-def _check_base(model: nn.Module, data: CheckpointData, allow: bool) -> None:
-    """Refuse adapters saved with other LoRA scalings or (unless ``allow``) on another base model."""
+def _check_base(model: nn.Module, data: CheckpointData, allow: bool, own: str | None = None) -> None:
+    """Refuse adapters saved with other LoRA scalings or (unless ``allow``) on another base model (the model's
+    fingerprint ``own``, computed here when not given).
+    """
     saved = data.meta.get("base_fingerprint")
     raw = unwrap_model(model)
     if not data.trainable_only or saved is None or not minlora.lora_sites(raw):
@@ -439,7 +606,8 @@ def _check_base(model: nn.Module, data: CheckpointData, allow: bool) -> None:
             f"{sorted(set(data.meta['lora_scaling'].values()))}, this run's {sorted(set(scaling.values()))}): "
             "resume with the run's --lora settings, or start a new run"
         )
-    own = minlora.base_fingerprint(raw)
+    if own is None:
+        own = minlora.base_fingerprint(raw)
     if saved != own:
         message = (
             f"checkpoint {data.path} holds adapter weights trained on another base model (fingerprint "
@@ -458,7 +626,8 @@ def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: Checkpoint
     saved, saved_scaler = data.trainer_state["optimizer"], data.trainer_state["scaler"]  # type: ignore[index]
     if scaler is not None and scaler.is_enabled() and saved_scaler is not None:
         _check_scaler_state(saved_scaler, data)
-    if optimizer is not None:
+    # A sharded checkpoint's optimizer state is in its shards: loading them checks that it fits.
+    if optimizer is not None and not is_sharded(data.path):
         _check_optimizer_state(model, optimizer, saved, data)
 
 

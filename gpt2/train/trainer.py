@@ -23,13 +23,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+import minlora
 from gpt2.data.loader import make_loader
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
 from gpt2.train import checkpoint as ckpt
-from gpt2.train import distributed, metrics, rundir
+from gpt2.train import distributed, fsdp, metrics, rundir
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported for gpt2.cli
 from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
@@ -157,6 +158,7 @@ class Trainer:
                 "train on shorter sequences or build the model with a larger block_size"
             )
         check_master_weights(self.model)
+        self._shard_if_fsdp()
         self.optimizer = build_optimizer(self.model, config)
         self._trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.scaler = self.precision.make_scaler()
@@ -164,8 +166,26 @@ class Trainer:
         if config.compile:
             self.eval_model = torch.compile(self.model)
         self.train_model: nn.Module = self.eval_model
-        if self.dist_env.is_distributed:
+        if self.dist_env.is_distributed and not self.sharded:
             self.train_model = distributed.wrap_ddp(self.eval_model, self.device)
+
+    def _shard_if_fsdp(self) -> None:
+        """``strategy="fsdp"`` with more than one process: shard the raw model in place (before the optimizer is
+        built on its shards). What needs the whole model is taken first: the LoRA base's fingerprint (checkpoints
+        record it) and an empty twin of the model (:meth:`full_model` fills it).
+        """
+        self.sharded = self.config.strategy == "fsdp" and self.dist_env.is_distributed
+        self._base_fingerprint: str | None = None
+        self._twin: nn.Module | None = None
+        if self.config.strategy == "fsdp" and not self.sharded:
+            logger.info("strategy='fsdp' with one process: nothing to shard, it trains as one process does")
+        if not self.sharded:
+            return
+        fsdp.refuse_unsupported(self.config)
+        if minlora.lora_sites(self.model):
+            self._base_fingerprint = minlora.base_fingerprint(self.model)
+        self._twin = fsdp.empty_twin(self.model)
+        fsdp.shard_model(self.model, self.device, self.precision.name)
 
     def _setup_data(self, train_data: Any, val_data: Any) -> None:
         """This rank's training and validation loaders (``val_data=None``: no validation)."""
@@ -446,8 +466,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro_step, (batch, count) in enumerate(zip(batches, counts)):
             x, y, kwargs = self._to_device(batch)
-            # Under DDP, only the last micro-step's backward averages gradients across processes.
-            with distributed.no_sync(self.train_model, skip_sync=micro_step < len(batches) - 1):
+            # Under DDP and FSDP, only the last micro-step's backward averages gradients across processes.
+            last = micro_step == len(batches) - 1
+            with distributed.no_sync(self.train_model, skip_sync=not last), fsdp.gradient_sync(self.model, last):
                 with self.precision.autocast():
                     loss = self._summed_loss(x, y, kwargs, count, sums)
                 loss = loss * scale
@@ -494,7 +515,8 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         # inf: measure the norm, change nothing
         max_norm = self.config.grad_clip or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm))
+        # Under FSDP the norm is a DTensor over every process's shards: its full value is a collective.
+        grad_norm = float(fsdp.full_value(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm)))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         skipped = bad = not finite
         if self.scaler is None:
@@ -554,7 +576,10 @@ class Trainer:
         """
         if self.checkpoint_dir is None:
             return None
-        bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
+        if self.sharded:
+            bad = fsdp.non_finite_parameters(self.model)
+        else:
+            bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
         # checked on every rank, so all of them stop together
         if bad:
             raise TrainingDivergedError(
@@ -568,32 +593,54 @@ class Trainer:
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         # a collective: every rank's CUDA RNG state
         rng = ckpt.capture_rng_state(all_ranks=True)
-        # rank 0 writes, once it checked that it still owns out_dir
-        if self.is_main:
+        if self.sharded:
+            # every rank writes its shards; rank 0 checks first that it still owns out_dir
+            path = self._write_checkpoint(self.checkpoint_dir, rng)
+        elif self.is_main:
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
             path = self._write_checkpoint(self.checkpoint_dir, rng)
+        if self.is_main:
             self._record_outputs()
         self.last_checkpoint = path
         self.recovery.saved_checkpoint(self.step)
         return path
 
     def _write_checkpoint(self, checkpoint_dir: Path, rng: dict[str, Any]) -> Path:
-        """Write this step's checkpoint under ``checkpoint_dir`` (rank 0). A failed write is one line naming the
-        file and the newest intact checkpoint: :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the
-        checkpoint module, or a :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
+        """Write this step's checkpoint under ``checkpoint_dir`` (rank 0; every rank under FSDP, each its shards).
+        A failed write is one line naming the file and the newest intact checkpoint:
+        :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the checkpoint module, or a
+        :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
         """
+        common = dict(
+            keep_last=self.recovery.checkpoints_to_keep(checkpoint_dir, self.step),
+            trainable_only=self.config.save_trainable_only,
+            rng_state=rng,
+        )
         try:
-            return ckpt.save_checkpoint(
+            if not self.sharded:
+                return ckpt.save_checkpoint(
+                    checkpoint_dir,
+                    self.step,
+                    self.model,
+                    self.optimizer,
+                    self.scaler,
+                    self._checkpoint_meta(),
+                    **common,
+                )
+            before_write = None
+            if self._run_lock is not None:
+                before_write = self._run_lock.ensure_held
+            return ckpt.save_sharded_checkpoint(
                 checkpoint_dir,
                 self.step,
                 self.model,
                 self.optimizer,
                 self.scaler,
                 self._checkpoint_meta(),
-                keep_last=self.recovery.checkpoints_to_keep(checkpoint_dir, self.step),
-                trainable_only=self.config.save_trainable_only,
-                rng_state=rng,
+                base_fingerprint=self._base_fingerprint,
+                before_write=before_write,
+                **common,
             )
         except Gpt2Error:
             raise
@@ -612,6 +659,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "recovery": self.recovery_state(),
             "world_size": self.dist_env.world_size,
+            "strategy": self._strategy_name(),
             "grad_accum_steps": self.grad_accum_steps,
             "tokens_per_step": self.tokens_per_step,
             "precision": self.precision.name,
@@ -632,6 +680,7 @@ class Trainer:
             restore_rng=True,
             weights_only=cfg.resume_weights_only,
             allow_base_mismatch=cfg.allow_base_mismatch,
+            base_fingerprint=self._base_fingerprint,
         )
         was, now = (
             (meta.get("tokens_per_step"), meta.get("world_size")),
@@ -659,6 +708,24 @@ class Trainer:
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
         return meta
+
+    def _strategy_name(self) -> str:
+        """How this run's processes share the model: "single", "ddp" or "fsdp" (checkpoints record it)."""
+        if not self.dist_env.is_distributed:
+            return "single"
+        return self.config.strategy
+
+    def full_model(self) -> nn.Module | None:
+        """The trained model whole, as one plain module (for sampling, saving adapters, exporting): the raw model
+        itself, except under FSDP, where EVERY process must call this (the shards are gathered to rank 0, into a
+        twin of the model on the CPU) and ranks other than 0 get None.
+        """
+        if not self.sharded:
+            return self.model
+        state = fsdp.gather_full_state(self.model)
+        if not self.is_main:
+            return None
+        return fsdp.fill_twin(self._twin, state)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:

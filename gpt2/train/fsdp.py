@@ -1,0 +1,150 @@
+"""``strategy="fsdp"``: the model sharded across the processes with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each transformer block is one FSDP unit and the rest of the model (embeddings, the tied LM head, the last
+LayerNorm) the root unit, all on a 1-D device mesh over the job's processes. Every parameter becomes a
+``DTensor`` holding 1/N of its rows on each of N processes; a unit's whole weights exist only while the unit
+runs (gathered before its forward and again before its backward), and its gradients are reduce-scattered
+back to shards. AdamW's moments follow the shards, so weights, gradients and optimizer state all take 1/N
+of the memory DDP needs. The tied embedding and head are one parameter of the root unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from gpt2.errors import InvalidValueError
+
+logger = logging.getLogger(__name__)
+
+# Our precision name -> the dtype FSDP gathers the weights in for the forward and backward. The gradients
+# are reduced in fp32 and the shards (the optimizer's master weights) stay fp32 whatever the compute dtype.
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def refuse_unsupported(config: Any) -> None:
+    """Raise :class:`InvalidValueError` for a setting FSDP cannot train with, saying why and what to use."""
+    if config.optimizer == "muon":
+        raise InvalidValueError(
+            "strategy='fsdp' with optimizer='muon' is refused: Muon orthogonalises each whole weight matrix, and "
+            "under FSDP every process holds only a slice of its rows; use strategy='ddp' or optimizer='adamw'"
+        )
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for one of our precision names: bf16 / fp16 gather the weights in that dtype
+    (half the communication) and reduce the gradients in fp32; fp32 and tf32 change nothing.
+    """
+    dtype = _COMPUTE_DTYPES.get(precision)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The sub-modules sharded as units of their own: a GPT's transformer blocks (any model with
+    ``transformer.h``); for other models none, and the whole model is one unit.
+    """
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    logger.info("%s has no transformer.h: FSDP shards it as one unit", type(model).__name__)
+    return []
+
+
+def shard_model(model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+    """Shard ``model`` in place over every process of the job (its parameters become DTensors), each
+    block its own unit, the rest the root unit; returns ``model``. Build the optimizer after this.
+    """
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = mixed_precision_policy(precision)
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    logger.info(
+        "FSDP: %s sharded over %d processes (%s compute)", type(model).__name__, dist.get_world_size(), precision
+    )
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (the raw module) was sharded by :func:`shard_model`."""
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: nn.Module, sync: bool) -> ContextManager:
+    """FSDP: reduce-scatter the gradients in this backward only when ``sync`` (the last micro-step of an
+    accumulation); the earlier ones accumulate unsharded gradients locally, with no communication.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value (a collective: every process calls it); any other tensor itself."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def non_finite_parameters(model: nn.Module) -> list[str]:
+    """Names of the floating-point parameters and buffers holding inf/nan on ANY process (a collective):
+    each process checks its own shards, then all agree.
+    """
+    local = []
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            local.append(name)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return sorted({name for names in gathered for name in names})
+
+
+def empty_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` (not yet sharded) whose parameters and buffers are on the ``meta`` device: its
+    structure (LoRA parametrizations and tied weights included) without its memory, for :func:`fill_twin`.
+    """
+    # deepcopy looks every object up in its memo first: each parameter (a tied one once) and buffer
+    # is "copied" as an empty meta tensor of its shape.
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded ``model``'s state dict as whole tensors on rank 0's CPU (a collective; the other ranks get an
+    empty dict).
+    """
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def fill_twin(twin: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """The :func:`empty_twin` ``twin`` on the CPU holding ``state`` (weights tied as in the model); returns it."""
+    # Parameters reached under several names (a tied embedding and head) are one tensor again after to_empty.
+    names_of: dict[int, list[str]] = {}
+    for name, p in twin.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    twin.to_empty(device="cpu")
+    for names in names_of.values():
+        kept = twin.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(twin.get_submodule(owner), attr, kept)
+    twin.load_state_dict(state)
+    return twin

@@ -1,0 +1,123 @@
+"""The weights and optimizer state of a sharded checkpoint (``shards/``), through ``torch.distributed.checkpoint``.
+
+Under FSDP every process writes its own shards of the weights and of AdamW's moments: no process ever holds the
+whole model. The index (``shards/.metadata``) records each tensor's global shape, so the shards load into any
+number of processes, sharded or not: 2 FSDP processes -> 1 process, -> 4 FSDP processes, -> 2 DDP processes.
+The optimizer state is keyed by parameter name, not by position, for the same reason. The atomic directory,
+its SHA256SUMS and the rest of the checkpoint are :mod:`gpt2.train.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from gpt2.model.checkpoint_files import (
+    MODEL_KEY,
+    OPTIM_KEY,
+    SHARDS_DIR,
+    CheckpointMismatchError,
+    _first_line,
+    load_shards_into,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _in_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def write_shards(directory: Path, model: nn.Module, optimizer: Any, trainable_only: bool) -> None:
+    """Every process writes its shards of ``model`` (its trainable weights alone with ``trainable_only``) and of
+    ``optimizer``'s state into ``directory/shards`` (a collective under FSDP).
+    """
+    state: dict[str, Any] = {MODEL_KEY: _model_state(model, trainable_only)}
+    if optimizer is not None:
+        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory / SHARDS_DIR)))
+
+
+def load_shards(checkpoint: Path, model: nn.Module, optimizer: Any, trainable_only: bool) -> None:
+    """Load a sharded checkpoint's weights (and, given an ``optimizer``, its state) into ``model``, sharded by FSDP
+    or not, on however many processes (every process of a job calls it; one process alone needs no process group).
+    The optimizer keeps this run's settings (weight decay, betas...) but the saved state and learning rate.
+    """
+    state: dict[str, Any] = {MODEL_KEY: _model_state(model, trainable_only)}
+    if optimizer is not None:
+        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    settings = _settings(optimizer)
+    try:
+        load_shards_into(state, checkpoint / SHARDS_DIR, no_dist=not _in_process_group())
+    except Exception as e:  # noqa: BLE001 - DCP raises its own CheckpointException (or RuntimeError) for a misfit
+        raise CheckpointMismatchError(
+            f"checkpoint {checkpoint}: its shards do not fit this model or optimizer ({_first_line(e)}). To start "
+            "from the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
+            [(str(checkpoint / SHARDS_DIR), "do not fit this run")],
+        ) from None
+    set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=not trainable_only))
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY])
+        _restore_settings(optimizer, settings)
+
+
+def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """``model``'s state dict (DTensors under FSDP), or its trainable parameters alone under every name they have
+    (a LoRA checkpoint; torch's ``ignore_frozen_params`` keeps a frozen weight tied to another name).
+    """
+    state = get_model_state_dict(model)
+    if not trainable_only:
+        return state
+    trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {name: value for name, value in state.items() if name in trainable}
+
+
+def load_whole(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: Any, saved: Any, strict: bool) -> None:
+    """Load a regular checkpoint (whole tensors; optimizer state keyed by position) into a model sharded by FSDP:
+    each process keeps its own shards of the whole tensors it read.
+    """
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(model, weights, options=options)
+    if optimizer is None:
+        return
+    settings = _settings(optimizer)
+    set_optimizer_state_dict(model, optimizer, _keyed_by_name(model, optimizer, saved), options=options)
+    _restore_settings(optimizer, settings)
+
+
+def _keyed_by_name(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()``'s form (parameters numbered in the optimizer's order) turned into
+    torch.distributed.checkpoint's (parameters named), pairing the numbers with this optimizer's parameters.
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    numbers = [i for group in saved["param_groups"] for i in group["params"]]
+    name_of = {i: names[id(p)] for i, p in zip(numbers, params)}
+    state = {name_of[i]: value for i, value in saved["state"].items() if i in name_of}
+    groups = [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _settings(optimizer: Any) -> list[dict[str, Any]] | None:
+    """This run's optimizer settings per group (all but the parameters and the learning rate)."""
+    if optimizer is None:
+        return None
+    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+
+
+def _restore_settings(optimizer: Any, settings: list[dict[str, Any]] | None) -> None:
+    for group, mine in zip(optimizer.param_groups, settings or ()):
+        group.update(mine)
