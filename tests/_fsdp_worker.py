@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -90,6 +91,40 @@ def train(out_dir: str, *, lora: bool = False, **overrides) -> dict:
     return _write(out_dir, report)
 
 
+def interrupted(out_dir: str) -> dict:
+    """SIGTERM reaches rank 1 during step 2: every rank stops after that step, and the sharded checkpoint of it
+    is saved by all of them.
+    """
+    from gpt2.train.recovery import TrainingInterrupted
+
+    def signal_rank_1(trainer: Trainer, record: dict) -> None:
+        if trainer.dist_env.rank == 1 and record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    data = tokens()
+    config = TrainConfig(
+        micro_batch_size=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        total_batch_size=TOTAL_BATCH,
+        max_steps=MAX_STEPS,
+        eval_interval=0,
+        checkpoint_interval=0,
+        out_dir=out_dir,
+        progress=False,
+        device="cpu",
+        precision="fp32",
+        plot=False,
+        strategy="fsdp",
+    )
+    report = {"rank": int(os.environ["RANK"]), "stopped": None}
+    with Trainer(tiny_model(), config, data, sinks=[], callbacks=[signal_rank_1]) as trainer:
+        try:
+            trainer.fit()
+        except TrainingInterrupted as e:
+            report["stopped"] = {"step": e.step, "checkpoint": str(e.checkpoint)}
+    return _write(out_dir, report)
+
+
 def _write(out_dir: str, report: dict) -> dict:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
@@ -109,6 +144,7 @@ def jobs(out: Path, reference: Path) -> dict:
         # one process -> FSDP on two: the regular checkpoint's whole tensors are sharded on loading
         "single_to_fsdp": lambda: train(str(out / "single_to_fsdp"), strategy="fsdp", resume=str(reference_step3)),
         "lora_fsdp": lambda: train(str(out / "lora_fsdp"), strategy="fsdp", lora=True),
+        "interrupted": lambda: interrupted(str(out / "interrupted")),
     }
 
 

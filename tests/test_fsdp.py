@@ -122,6 +122,14 @@ def test_one_process_checkpoint_resumes_under_fsdp(runs):
         _close(report["losses"], reference["losses"][3:])
 
 
+def test_a_stop_signal_saves_the_sharded_checkpoint_of_that_step(runs):
+    for report in _reports(runs, "interrupted"):
+        assert report["stopped"] is not None and report["stopped"]["step"] == 2
+        assert report["stopped"]["checkpoint"].endswith("step_000002")
+    step = runs["root"] / "jobs" / "interrupted" / "checkpoints" / "step_000002"
+    assert read_checkpoint(step, trainer_state=True, weights=False).meta["step"] == 2
+
+
 def test_sharded_checkpoint_resumes_on_one_process(runs, tmp_path):
     step3 = runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000003"
     report = _worker().train(str(tmp_path / "run"), resume=str(step3))
