@@ -125,6 +125,35 @@ def interrupted(out_dir: str) -> dict:
     return _write(out_dir, report)
 
 
+def save_fails(out_dir: str) -> dict:
+    """Rank 0's part of a sharded save fails (disk full while writing SHA256SUMS): every rank must raise, none
+    may train on, and nothing of the checkpoint may be left.
+    """
+    import errno
+
+    from gpt2.train import checkpoint as ckpt
+
+    rank = int(os.environ["RANK"])
+    real = ckpt._write_digests
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 0:
+        ckpt._write_digests = disk_full
+    error = None
+    try:
+        train(out_dir, strategy="fsdp", max_steps=1, checkpoint_interval=1)
+    except Exception as e:  # noqa: BLE001 - the error is the report
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        ckpt._write_digests = real
+    left = (
+        sorted(p.name for p in Path(out_dir, "checkpoints").iterdir()) if Path(out_dir, "checkpoints").is_dir() else []
+    )
+    return _write(out_dir, {"rank": rank, "raised": error, "left": left})
+
+
 def _write(out_dir: str, report: dict) -> dict:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
@@ -145,6 +174,7 @@ def jobs(out: Path, reference: Path) -> dict:
         "single_to_fsdp": lambda: train(str(out / "single_to_fsdp"), strategy="fsdp", resume=str(reference_step3)),
         "lora_fsdp": lambda: train(str(out / "lora_fsdp"), strategy="fsdp", lora=True),
         "interrupted": lambda: interrupted(str(out / "interrupted")),
+        "save_fails": lambda: save_fails(str(out / "save_fails")),
     }
 
 

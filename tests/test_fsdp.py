@@ -130,6 +130,14 @@ def test_a_stop_signal_saves_the_sharded_checkpoint_of_that_step(runs):
     assert read_checkpoint(step, trainer_state=True, weights=False).meta["step"] == 2
 
 
+def test_a_failed_sharded_save_stops_every_rank_and_leaves_nothing(runs):
+    rank0, rank1 = _reports(runs, "save_fails")
+    assert rank0["raised"].startswith("CheckpointSaveError: could not save checkpoint step_000001")
+    assert "No space left on device" in rank0["raised"] and "nothing of it was kept" in rank0["raised"]
+    assert rank1["raised"].startswith("CheckpointSaveError: rank 0 failed finishing checkpoint step_000001")
+    assert rank0["left"] == rank1["left"] == []
+
+
 def test_sharded_checkpoint_resumes_on_one_process(runs, tmp_path):
     step3 = runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000003"
     report = _worker().train(str(tmp_path / "run"), resume=str(step3))
