@@ -19,6 +19,8 @@ one-process reference:
 - ``instruct``: instruction rows of very uneven response lengths, unpacked and packed (rows
   isolated): the loss is the mean over the global batch's response tokens, so 2 ranks x 2
   micro-steps equal 1 rank x 4 (tests/test_distributed.py).
+- ``activation_checkpointing``: ``train`` with the blocks recomputed in the backward: the same
+  losses as ``train`` (tests/test_distributed.py).
 
 The worker creates the process group itself, so the Trainers join it instead of creating and
 destroying one each.
@@ -279,7 +281,22 @@ def muon(out_dir: str) -> dict:
     return train(out_dir, optimizer="muon", muon_lr=0.02)
 
 
-JOBS = {"train": train, "final_eval": final_eval, "lora": lora, "locked": locked, "instruct": instruct, "muon": muon}
+def activation_checkpointing(out_dir: str) -> dict:
+    """``train`` with activation checkpointing: DDP's gradient hooks fire in the recomputing backward
+    (tests/test_distributed.py).
+    """
+    return train(out_dir, activation_checkpointing=True)
+
+
+JOBS = {
+    "train": train,
+    "final_eval": final_eval,
+    "lora": lora,
+    "locked": locked,
+    "instruct": instruct,
+    "muon": muon,
+    "activation_checkpointing": activation_checkpointing,
+}
 
 
 if __name__ == "__main__":

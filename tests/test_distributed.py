@@ -75,6 +75,20 @@ def test_two_gloo_processes_match_one_process(tmp_path, dist_run):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_two_gloo_processes_with_activation_checkpointing_match_without(dist_run):
+    """The ``train`` job with the blocks recomputed in the backward: the same losses, gradient norms and
+    validation losses as without, on both ranks.
+    """
+    plain, checkpointed = dist_run.reports("train"), dist_run.reports("activation_checkpointing")
+    for rank in (0, 1):
+        # no validation at some steps: None, as nan
+        for key in ("losses", "grad_norms", "val_losses"):
+            got, want = ([float("nan") if v is None else v for v in r[rank][key]] for r in (checkpointed, plain))
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("pack", [False, True])
 def test_two_gloo_processes_match_one_process_on_uneven_instruction_rows(tmp_path, dist_run, pack):
     """Token-exact loss across ranks: the 2 ranks' micro-batches hold different numbers of

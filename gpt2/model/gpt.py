@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.utils import parametrize
+from torch.utils.checkpoint import checkpoint
 
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
@@ -117,6 +118,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2. ``forward(idx, targets=None) -> (logits, loss)``; see :meth:`forward`."""
 
+    # set_activation_checkpointing switches it on
+    activation_checkpointing: bool = False
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if not isinstance(config, GPTConfig):
@@ -180,8 +184,16 @@ class GPT(nn.Module):
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)
         x = self.transformer.drop(tok_emb + pos_emb)
+        # Only a training forward whose graph is kept saves activations worth dropping; decoding with a
+        # cache writes into it, which a recomputation would repeat.
+        recompute = self.activation_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x, kv_cache, attn_mask)
+            if recompute:
+                # Each block keeps only its input; the backward runs it again, with the RNG state of the
+                # first run (dropout draws the same masks). Non-reentrant: works with DDP and torch.compile.
+                x = checkpoint(block, x, None, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, kv_cache, attn_mask)
         x = self.transformer.ln_f(x)
         if not head:
             return x, None
@@ -222,6 +234,14 @@ class GPT(nn.Module):
         if targets is not None:
             _check_target_tensor(targets, idx)
             check_targets(targets, self.config.vocab_size)
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> GPT:
+        """Activation checkpointing: a training forward keeps only each block's input and the backward
+        recomputes the block (about a third more compute for far less activation memory; same losses and
+        gradients, dropout included). Evaluation, ``no_grad`` and generation are unaffected. Returns the model.
+        """
+        self.activation_checkpointing = bool(enabled)
+        return self
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` drops the position embedding

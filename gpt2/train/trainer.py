@@ -157,6 +157,8 @@ class Trainer:
                 f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
                 "train on shorter sequences or build the model with a larger block_size"
             )
+        if config.activation_checkpointing:
+            _enable_activation_checkpointing(self.model)
         check_master_weights(self.model)
         self._shard_if_fsdp()
         self.optimizer = build_optimizer(self.model, config)
@@ -763,3 +765,14 @@ def _warn_skipped(record: dict[str, Any], bad: bool) -> None:
     logger.warning(
         "step %d skipped (%s): loss %s, grad norm %s", record["step"], why, record["loss"], record["grad_norm"]
     )
+
+
+def _enable_activation_checkpointing(model: nn.Module) -> None:
+    """``TrainConfig.activation_checkpointing``: switched on in the raw model, before compiling and wrapping."""
+    switch = getattr(model, "set_activation_checkpointing", None)
+    if not callable(switch):
+        raise InvalidValueError(
+            f"activation_checkpointing=True needs a model with a set_activation_checkpointing() method (gpt2's GPT "
+            f"and its subclasses); {type(model).__name__} has none: train it with activation_checkpointing=False"
+        )
+    switch(True)
