@@ -173,6 +173,8 @@ def jobs(out: Path, reference: Path) -> dict:
         # one process -> FSDP on two: the regular checkpoint's whole tensors are sharded on loading
         "single_to_fsdp": lambda: train(str(out / "single_to_fsdp"), strategy="fsdp", resume=str(reference_step3)),
         "lora_fsdp": lambda: train(str(out / "lora_fsdp"), strategy="fsdp", lora=True),
+        # each FSDP block recomputed in the backward (its weights gathered again for it)
+        "fsdp_ac": lambda: train(str(out / "fsdp_ac"), strategy="fsdp", activation_checkpointing=True),
         "interrupted": lambda: interrupted(str(out / "interrupted")),
         "save_fails": lambda: save_fails(str(out / "save_fails")),
     }

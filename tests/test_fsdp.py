@@ -90,6 +90,13 @@ def test_fsdp_trains_as_one_process(runs):
     _close([sums[k] for k in sorted(sums)], [reference["weight_sums"][k] for k in sorted(sums)])
 
 
+def test_fsdp_with_activation_checkpointing_trains_as_one_process(runs):
+    reference = runs["reference"]
+    for report in _reports(runs, "fsdp_ac"):
+        _close(report["losses"], reference["losses"])
+        _close(report["grad_norms"], reference["grad_norms"])
+
+
 def test_fsdp_checkpoint_is_sharded_and_checksummed(runs):
     step = runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000005"
     shards = sorted(p.name for p in (step / SHARDS_DIR).iterdir())
