@@ -208,6 +208,8 @@ def test_fsdp_refuses_muon_in_one_line(monkeypatch):
 
     with pytest.raises(InvalidValueError, match="Muon orthogonalises each whole weight matrix"):
         fsdp.refuse_unsupported(TrainConfig(strategy="fsdp", optimizer="muon"))
+    with pytest.raises(InvalidValueError, match="micro_batch_size='auto' is refused"):
+        fsdp.refuse_unsupported(TrainConfig(strategy="fsdp", micro_batch_size="auto"))
 
 
 def test_fsdp_with_one_process_trains_unsharded(tmp_path, caplog):

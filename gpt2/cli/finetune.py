@@ -74,6 +74,9 @@ def check(options: FinetuneOptions) -> None:
     instruction_prompt(options.instruct.instruction, options.instruct.input)
     if is_instruction_data(options.data.val_data) and not is_instruction_data(options.data.data):
         raise UsageError("--val-data: a .jsonl goes with a .jsonl --data (instruction rows); text trains on text")
+    # Instruction rows are packed into batches of the micro-batch size before the Trainer could search for one.
+    if is_instruction_data(options.data.data) and options.train.micro_batch_size == "auto":
+        raise UsageError("--micro-batch-size auto works on text data; with instruction rows (.jsonl) give a number")
     if (options.lora.include_embeddings or options.lora.include_lm_head) and options.merge_export and not options.full:
         raise UsageError(
             "--merge-export cannot hold a merged --lora.include-embeddings / --lora.include-lm-head adapter: GPT-2 "

@@ -26,6 +26,7 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.train.metrics.make_sinks
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer; see gpt2.train.optim
 STRATEGIES = ("ddp", "fsdp")  # TrainConfig.strategy; see gpt2.train.distributed
+AUTO = "auto"  # TrainConfig.micro_batch_size="auto": found when the Trainer starts (gpt2.train.batch_finder)
 
 
 @dataclass
@@ -37,7 +38,9 @@ class TrainConfig:
     """
 
     # --- batch and length of the run -----------------------------------------------------
-    micro_batch_size: int = 16  # sequences per forward/backward on one process
+    # Sequences per forward/backward on one process; "auto": the largest that fits in memory, found when the Trainer
+    # starts (gpt2.train.batch_finder; on a CPU within memory_limit_gb), with total_batch_size kept by accumulation.
+    micro_batch_size: int | Literal["auto"] = 16  # sequences per forward/backward on one process, or auto
     seq_len: int = 1024  # tokens per sequence (at most the model's block_size)
     # Tokens per optimizer step over all processes and accumulation micro-steps; GPT-2 small
     # used ~0.5M (2**19 = 524,288). None = one micro-batch per process (no accumulation).
@@ -140,8 +143,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # One check after another, in this order: the first problem found is the one reported.
+        for name, rule in TRAIN_CONFIG_OR_AUTO.items():
+            setattr(self, name, _checked_or_auto(name, getattr(self, name), rule))
         check_fields(self, TRAIN_CONFIG_RULES)
-        grad_accum_steps(self, world_size=1)
+        self._check_batch_split()
         self._check_schedule()
         self.betas = _checked_betas(self.betas)
         for name, (choices, described) in TRAIN_CONFIG_CHOICES.items():
@@ -157,6 +162,15 @@ class TrainConfig:
             raise InvalidValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
         if self.resume == "auto" and self.out_dir is None:
             raise InvalidValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
+
+    def _check_batch_split(self) -> None:
+        """total_batch_size splits into whole micro-batches on one process; with micro_batch_size="auto" (found when
+        the Trainer starts) into whole sequences, which every size the search may choose divides.
+        """
+        if self.micro_batch_size == AUTO:
+            sequences_per_process(self, world_size=1)
+        else:
+            grad_accum_steps(self, world_size=1)
 
     def _check_schedule(self) -> None:
         """The learning-rate schedule's fields agree with each other."""
@@ -202,8 +216,14 @@ class TrainConfig:
 def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
     """Micro-steps per optimizer step so that one step sees ``total_batch_size`` tokens over ``world_size``
     processes. The one owner of the rule that ``total_batch_size`` splits into whole micro-batches:
-    TrainConfig checks it for one process, the Trainer for the processes it runs on.
+    TrainConfig checks it for one process, the Trainer for the processes it runs on. A ``micro_batch_size`` of
+    "auto" has none until the Trainer has found the size (:mod:`gpt2.train.batch_finder`).
     """
+    if config.micro_batch_size == AUTO:
+        raise InvalidValueError(
+            "TrainConfig.micro_batch_size='auto' has no accumulation steps until the Trainer has found the size "
+            "(gpt2.train.batch_finder.resolve_micro_batch_size); give a number to compute them before that"
+        )
     per_micro_step = config.micro_batch_size * config.seq_len * world_size
     if config.total_batch_size is None:
         return 1
@@ -216,6 +236,32 @@ def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
             f"world_size (e.g. {nearest:,}) or change the micro-batch"
         )
     return config.total_batch_size // per_micro_step
+
+
+def sequences_per_process(config: TrainConfig, world_size: int) -> int | None:
+    """Sequences each of ``world_size`` processes reads per optimizer step: ``total_batch_size / (seq_len x
+    world_size)`` (None without a total_batch_size). Every size ``micro_batch_size="auto"`` may choose divides it.
+    """
+    if config.total_batch_size is None:
+        return None
+    per_sequence = config.seq_len * world_size
+    if config.total_batch_size % per_sequence != 0:
+        nearest = max(1, round(config.total_batch_size / per_sequence)) * per_sequence
+        raise InvalidValueError(
+            f"TrainConfig.total_batch_size={config.total_batch_size:,} tokens is not divisible by seq_len x world_size "
+            f"= {config.seq_len} x {world_size} = {per_sequence:,} tokens, so micro_batch_size='auto' cannot split it "
+            f"into whole sequences per process; pick a multiple of seq_len * world_size (e.g. {nearest:,})"
+        )
+    return config.total_batch_size // per_sequence
+
+
+def _checked_or_auto(name: str, value: Any, rule: Range) -> Any:
+    """A field that takes ``rule``'s numbers or "auto": "auto", or the number as :func:`check_value` stores it."""
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
+    if not (rule.has_kind(value) and rule.contains(value)):
+        raise InvalidValueError(f"TrainConfig.{name} must be {rule.describe()} or '{AUTO}', got {value!r}")
+    return check_value("TrainConfig", name, value, rule)
 
 
 def _checked_betas(betas: Any) -> tuple[float, float]:
@@ -244,7 +290,6 @@ def _parsed_log_to(log_to: Any) -> tuple[str, ...]:
 
 # What each numeric TrainConfig field accepts (checked in __post_init__, before anything else).
 TRAIN_CONFIG_RULES: dict[str, Range] = {
-    "micro_batch_size": POSITIVE_INT,
     "seq_len": POSITIVE_INT,
     "max_steps": POSITIVE_INT,
     "total_batch_size": Range(low=1, integer=True, optional=True),
@@ -270,6 +315,9 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
     "memory_limit_gb": Range(low=0, low_open=True, optional=True),
 }
+
+# The numeric fields that also take "auto" (checked first, in this order): what their numbers must be.
+TRAIN_CONFIG_OR_AUTO: dict[str, Range] = {"micro_batch_size": POSITIVE_INT}
 
 # The fields that take one of a few values: what they accept, and how the error message says it.
 TRAIN_CONFIG_CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {

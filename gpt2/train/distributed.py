@@ -178,3 +178,18 @@ def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:
     if skip_sync and isinstance(module, DistributedDataParallel):
         return module.no_sync()
     return contextlib.nullcontext()
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` over all processes (``value`` itself with one process): e.g. whether a micro-batch
+    fitted on every one (:mod:`gpt2.train.batch_finder`).
+    """
+    if not _active():
+        return value
+    device = "cpu"
+    # NCCL reduces GPU tensors only.
+    if dist.get_backend() == "nccl":
+        device = "cuda"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

@@ -34,6 +34,12 @@ _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def refuse_unsupported(config: Any) -> None:
     """Raise :class:`InvalidValueError` for a setting FSDP cannot train with, saying why and what to use."""
+    if config.micro_batch_size == "auto":
+        raise InvalidValueError(
+            "strategy='fsdp' with micro_batch_size='auto' is refused: under FSDP each trial's forward is a "
+            "collective, and one process running out of memory in it would leave the others waiting; give a number "
+            "(docs/distributed.md has a table of what fits)"
+        )
     if config.optimizer == "muon":
         raise InvalidValueError(
             "strategy='fsdp' with optimizer='muon' is refused: Muon orthogonalises each whole weight matrix, and "

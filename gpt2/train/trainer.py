@@ -29,8 +29,8 @@ from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
+from gpt2.train import batch_finder, distributed, fsdp, metrics, rundir
 from gpt2.train import checkpoint as ckpt
-from gpt2.train import distributed, fsdp, metrics, rundir
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported for gpt2.cli
 from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
@@ -97,6 +97,7 @@ class Trainer:
         self._setup_processes()
         seed_everything(config.seed)
         self._setup_model(model)
+        self._setup_batch(train_data, val_data)
         self._setup_data(train_data, val_data)
         self._setup_metrics(sinks)
         self.callbacks = list(callbacks)
@@ -116,7 +117,7 @@ class Trainer:
             self.precision.name,
             self.dist_env.world_size,
             self.grad_accum_steps,
-            config.micro_batch_size,
+            self.config.micro_batch_size,
             config.seq_len,
             f"{self.tokens_per_step:,}",
         )
@@ -139,10 +140,6 @@ class Trainer:
         self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
         self.precision = resolve_precision(config.precision, self.device)
         self.precision.apply()
-        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
-        self.tokens_per_step = (
-            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
-        )
 
     def _setup_model(self, model: nn.Module) -> None:
         """The raw model on the device, its optimizer and loss scaler, and the compiled / DDP-wrapped views of it."""
@@ -188,6 +185,25 @@ class Trainer:
             self._base_fingerprint = minlora.base_fingerprint(self.model)
         self._twin = fsdp.empty_twin(self.model)
         fsdp.shard_model(self.model, self.device, self.precision.name)
+
+    def _setup_batch(self, train_data: Any, val_data: Any) -> None:
+        """The micro-batch (micro_batch_size="auto": the largest that fits this model on this device, see
+        :mod:`gpt2.train.batch_finder`) and the accumulation that makes up ``total_batch_size``.
+        """
+        self.config = batch_finder.resolve_micro_batch_size(
+            self.config,
+            self.model,
+            self.optimizer,
+            self.precision.autocast,
+            device=self.device,
+            env=self.dist_env,
+            data=(("train", train_data), ("val", val_data)),
+        )
+        config = self.config
+        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
+        self.tokens_per_step = (
+            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
+        )
 
     def _setup_data(self, train_data: Any, val_data: Any) -> None:
         """This rank's training and validation loaders (``val_data=None``: no validation)."""

@@ -1,0 +1,466 @@
+"""``micro_batch_size="auto"``: the largest micro-batch that fits, found when the Trainer starts.
+
+Which sizes: those that divide the sequences each process reads per step (``total_batch_size / (seq_len x
+world_size)``), so that accumulation keeps ``total_batch_size`` exactly; without a ``total_batch_size`` (one
+micro-batch per step, so the step grows with it) the powers of two up to :data:`MAX_AUTO_SEQUENCES`.
+
+How: doubling, then backing off. The smallest size first, then the smallest size at least twice the last one that
+fitted, until one does not (or none is left); then halving the gap between the largest size that fitted and the
+smallest that did not: at most log2(largest size) + log2(number of sizes) trials, and on the powers of two none more
+than twice the size that fits. A failing trial stops where memory runs out; starting from the largest size instead
+would ask for up to a thousand sequences to fail on, and a search downwards tries every size above the answer.
+
+Each trial is one real forward and backward of the raw model on its device, at the run's ``seq_len`` and precision
+(``autocast``), on random tokens, with the gradients and the optimizer state already allocated: before the trials,
+zero gradients and one optimizer step at learning rate 0 (which moves no weight) allocate them, as a run's second step
+has them. The raw model runs eagerly: a compiled one would compile again for every size (and its activations are no
+larger); under DDP it talks to no other process, and the gradient buckets DDP made when it wrapped the model are in
+GPU memory already (on a CPU they are only mapped until the first step fills them: the limit keeps their size free).
+Afterwards the gradients and the optimizer state are dropped again and the RNG is as it was: training starts exactly
+as with the size given as a number.
+
+Out of memory: ``torch.cuda.OutOfMemoryError`` on a GPU. A CPU has no such error: Linux lets a process allocate
+until its OOM killer ends it. So on a CPU "auto" needs ``memory_limit_gb``, and each trial runs with the
+address-space limit (``RLIMIT_AS``) lowered to what the process has mapped now plus ``memory_limit_gb`` minus what it
+holds in memory now: an allocation past it fails, and torch raises "DefaultCPUAllocator: can't allocate memory",
+which backs off like a GPU's error. The old limit comes back after each trial. Checked with glibc 2.36, torch 2.13
+and OpenMP (2 and 4 threads): every failure point of a forward/backward raises cleanly and the process goes on; a
+first forward/backward on a few tokens before any limit starts the thread pools (a thread that cannot start would
+abort the process).
+
+Under torchrun all processes try the same sizes in lock step and a size counts as fitting only when it fits on every
+one (:func:`gpt2.train.distributed.all_reduce_min`): they end on the same size. Resuming (``resume``), the size the
+checkpoint's run used is taken again when its ``seq_len`` and number of processes are this run's: the same data order
+and no search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gpt2.data.loader import make_loader
+from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.model.checkpoint_files import META_FILE, checkpoint_candidates, checkpoint_step, is_complete
+from gpt2.train import distributed
+from gpt2.train.config import AUTO, TrainConfig, sequences_per_process
+from gpt2.train.distributed import DistributedEnv
+
+logger = logging.getLogger(__name__)
+
+# Without a total_batch_size, the largest micro-batch tried (sequences): far past what a GPU holds at GPT-2's
+# 1024 tokens, and a step of a million tokens at 1024 tokens each.
+MAX_AUTO_SEQUENCES = 1024
+# Tokens of the first forward/backward, before any limit: it starts the thread pools and one-time buffers.
+WARMUP_TOKENS = 8
+# What torch's errors say when an allocation failed (CPU allocator, CUDA, MPS, std::bad_alloc, ENOMEM, cuBLAS).
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "bad_alloc", "alloc_failed")
+GIB = 2**30
+
+
+class NoMicroBatchFitsError(Gpt2Error, MemoryError):
+    """Not even one sequence of ``seq_len`` tokens fits (with the model, its gradients and optimizer state)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One size tried, and whether it fitted (on every process)."""
+
+    size: int
+    fitted: bool
+
+
+# --------------------------------------------------------------------------- which sizes, in which order
+def candidate_sizes(per_process: int | None, cap: int = MAX_AUTO_SEQUENCES) -> list[int]:
+    """The micro-batch sizes "auto" may choose, smallest first: the divisors of ``per_process`` (the sequences one
+    process reads per step), or without one the powers of two up to ``cap``.
+    """
+    if per_process is None:
+        return [2**k for k in range(cap.bit_length()) if 2**k <= cap]
+    small = [d for d in range(1, math.isqrt(per_process) + 1) if per_process % d == 0]
+    return sorted({*small, *(per_process // d for d in small)})
+
+
+def search(
+    sizes: list[int], fits: Callable[[int], bool], agree: Callable[[bool], bool] = bool
+) -> tuple[int | None, list[Trial]]:
+    """The largest of ``sizes`` (ascending) for which ``fits`` holds, by doubling then bisecting (module docstring),
+    assuming that a size fits when a larger one does. ``agree(fitted)`` turns one process's answer into every
+    process's (all must call it for the same sizes). Returns it (None: not even the smallest) and the trials.
+    """
+    trials: list[Trial] = []
+
+    def attempt(index: int) -> bool:
+        fitted = agree(fits(sizes[index]))
+        trials.append(Trial(sizes[index], fitted))
+        return fitted
+
+    # sizes[fitting] fitted, sizes[failing] did not (-1 and len(sizes): none known yet)
+    fitting, failing, index = -1, len(sizes), 0
+    while index < failing:
+        if not attempt(index):
+            failing = index
+            break
+        fitting = index
+        index = _next_doubling(sizes, index)
+    while failing - fitting > 1:
+        middle = (fitting + failing) // 2
+        if attempt(middle):
+            fitting = middle
+        else:
+            failing = middle
+    if fitting < 0:
+        return None, trials
+    return sizes[fitting], trials
+
+
+def _next_doubling(sizes: list[int], index: int) -> int:
+    """The index of the smallest size at least twice ``sizes[index]``, else of the largest (past the end after it)."""
+    if index == len(sizes) - 1:
+        return len(sizes)
+    return next((i for i in range(index + 1, len(sizes)) if sizes[i] >= 2 * sizes[index]), len(sizes) - 1)
+
+
+def describe(trials: list[Trial]) -> str:
+    """``1, 2, 4, 8 out of memory, 6``: the sizes in the order tried."""
+    return ", ".join(f"{t.size}" if t.fitted else f"{t.size} out of memory" for t in trials)
+
+
+# --------------------------------------------------------------------------- out of memory
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says that an allocation failed (and nothing else went wrong)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(words in text for words in OUT_OF_MEMORY_WORDS)
+
+
+def memory_now() -> tuple[int, int]:
+    """(bytes mapped, bytes resident) of this process, from Linux's ``/proc/self/statm``."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm", encoding="ascii") as file:
+        mapped, resident = file.read().split()[:2]
+    return int(mapped) * page, int(resident) * page
+
+
+@contextlib.contextmanager
+def address_space_limit(limit_bytes: int) -> Iterator[None]:
+    """Within this block, this process may map at most ``limit_bytes`` minus what it holds in memory now: Linux's
+    ``RLIMIT_AS`` (soft limit; a lower one already set stays) is lowered to the bytes mapped now plus that. Memory
+    mapped but not yet used (reserved heap, thread stacks) may still fill without a new mapping, but what is in use
+    stays about within ``limit_bytes``. The old limit comes back on the way out, whatever happens.
+    """
+    import resource
+
+    mapped, resident = memory_now()
+    if resident >= limit_bytes:
+        raise NoMicroBatchFitsError(
+            f"this process already holds {resident / GIB:.2f} GiB, as much as the limit of {limit_bytes / GIB:.2f} GiB"
+        )
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    lowered = mapped + (limit_bytes - resident)
+    for bound in (soft, hard):
+        if bound != resource.RLIM_INFINITY:
+            lowered = min(lowered, bound)
+    resource.setrlimit(resource.RLIMIT_AS, (lowered, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+# --------------------------------------------------------------------------- trials on the real model
+class Probe:
+    """Runs trials on ``module`` (one forward and backward of ``size`` random sequences) with the gradients and the
+    optimizer state allocated; :meth:`close` drops them again. ``limit_bytes``: each trial under
+    :func:`address_space_limit` (a CPU); None: the device's own memory is the limit (a GPU).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        autocast: Callable[[], Any],
+        *,
+        device: torch.device,
+        seq_len: int,
+        vocab_size: int,
+        limit_bytes: int | None = None,
+    ) -> None:
+        # ``module(x, y) -> (logits, loss)``, on ``device``; ``optimizer`` holds its trainable parameters.
+        self.module, self.optimizer, self.autocast = module, optimizer, autocast
+        self.device, self.seq_len, self.vocab_size, self.limit_bytes = device, seq_len, vocab_size, limit_bytes
+        self._tokens = torch.Generator().manual_seed(0)
+        self._was_training = module.training
+
+    def open(self) -> bool:
+        """Warm up on a few tokens (no limit yet), then allocate the gradients and the optimizer state as a run's
+        second step has them. False when even that does not fit.
+        """
+        self.module.train()
+        if not self._run(1, min(WARMUP_TOKENS, self.seq_len), limited=False):
+            return False
+        trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for param in trainable:
+                param.grad = torch.zeros_like(param)
+            # Learning rate 0 and zero gradients: AdamW's decay (1 - lr * wd) and update are exactly nothing.
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+            return self._guarded(self.optimizer.step)
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+
+    def __call__(self, size: int) -> bool:
+        """Whether a forward and backward of ``size`` sequences fits."""
+        fitted = self._run(size, self.seq_len, limited=True)
+        self._free()
+        return fitted
+
+    def close(self) -> None:
+        """Drop the gradients and the optimizer state: the run starts as with a number given."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+        self.module.train(self._was_training)
+        self._free()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _run(self, size: int, tokens: int, *, limited: bool) -> bool:
+        x = torch.randint(0, self.vocab_size, (size, tokens), generator=self._tokens).to(self.device)
+        limit = contextlib.nullcontext()
+        if limited and self.limit_bytes is not None:
+            # a process already at the limit fails here, as a MemoryError: the same answer on every process
+            limit = address_space_limit(self.limit_bytes)
+
+        def forward_backward() -> None:
+            with limit:
+                with self.autocast():
+                    _, loss = self.module(x, x)
+                loss.backward()
+
+        return self._guarded(forward_backward)
+
+    def _guarded(self, work: Callable[[], Any]) -> bool:
+        """``work()``; False when it ran out of memory (its tensors are gone once this returns)."""
+        try:
+            work()
+            if self.device.type == "cuda":
+                # a kernel's failure would otherwise surface later
+                torch.cuda.synchronize(self.device)
+            return True
+        except (RuntimeError, MemoryError) as error:
+            if not is_out_of_memory(error):
+                raise
+            return False
+
+    def _free(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- the Trainer's entry point
+def resolve_micro_batch_size(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    autocast: Callable[[], Any],
+    *,
+    device: torch.device,
+    env: DistributedEnv | None = None,
+    data: Sequence[tuple[str, Any]] = (),
+) -> TrainConfig:
+    """``config`` itself when its ``micro_batch_size`` is a number; with "auto" a copy with the size the checkpoint
+    it resumes recorded, or else the largest that fits (module docstring). ``model``: the raw model on ``device``
+    (not compiled, not DDP-wrapped); ``optimizer``: its optimizer; ``autocast()``: the run's precision; ``env``: this
+    process's place in the job (default: one process); ``data``: ``(split, source)`` pairs as the Trainer gets them
+    (a size must leave one step in each). Logs one line on the main process.
+    """
+    if config.micro_batch_size != AUTO:
+        return config
+    env = env or DistributedEnv()
+    per_process = sequences_per_process(config, env.world_size)
+    every = candidate_sizes(per_process)
+    sizes = sizes_the_data_holds(every, data, config.seq_len, env)
+    recorded = recorded_micro_batch_size(config, env.world_size, sizes)
+    if recorded is not None:
+        size, how = recorded
+    else:
+        size, how = _find(config, (model, optimizer, autocast), device, env.world_size, sizes)
+    if sizes[-1] < every[-1]:
+        how += f"; the data holds steps of {sizes[-1]} at most"
+    steps = 1
+    if per_process is not None:
+        steps = per_process // size
+    if env.is_main:
+        logger.info(
+            "micro-batch size auto: %d sequences of %d tokens %s; accumulation %d micro-step%s per step",
+            size,
+            config.seq_len,
+            how,
+            steps,
+            "s" * (steps != 1),
+        )
+    return dataclasses.replace(config, micro_batch_size=size)
+
+
+def sizes_the_data_holds(
+    sizes: list[int], data: Sequence[tuple[str, Any]], seq_len: int, env: DistributedEnv
+) -> list[int]:
+    """The sizes of ``sizes`` (ascending) for which every ``(split, source)`` of ``data`` holds one step (each of its
+    shards ``size x seq_len x world_size + 1`` tokens), checked by building its loader. A ready loader is refused:
+    its batch size is fixed. The data's own problems (a missing file, too few tokens for one sequence) raise here,
+    as the Trainer would raise them.
+    """
+    sources = [(split, source) for split, source in data if source is not None]
+    for split, source in sources:
+        if hasattr(source, "next_batch"):
+            raise InvalidValueError(
+                f"micro_batch_size='auto' chooses the batch size, so the Trainer builds the loaders: pass the "
+                f"{split} tokens, token file or shard directory, not a {type(source).__name__} built for one size"
+            )
+
+    def holds(size: int) -> bool:
+        try:
+            for split, source in sources:
+                make_loader(source, split, size, seq_len, rank=env.rank, world_size=env.world_size)
+        except InvalidValueError:
+            if size == sizes[0]:
+                raise
+            return False
+        return True
+
+    largest, _ = search(sizes, holds)
+    return [size for size in sizes if size <= largest]
+
+
+def _find(
+    config: TrainConfig, training: tuple, device: torch.device, world_size: int, sizes: list[int]
+) -> tuple[int, str]:
+    """The search on the model of ``training`` (model, optimizer, autocast): (size, how it was found, for the log
+    line).
+    """
+    model, optimizer, autocast = training
+    limit = _limit_bytes(config, device)
+    trials_limit = limit
+    if limit is not None and world_size > 1 and config.strategy == "ddp":
+        # DDP's gradient buckets (a copy of the gradients) are mapped on a CPU but not yet in memory: keep room for them
+        trials_limit -= sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None) or 1
+    probe = Probe(
+        model,
+        optimizer,
+        autocast,
+        device=device,
+        seq_len=config.seq_len,
+        vocab_size=vocab_size,
+        limit_bytes=trials_limit,
+    )
+    agree = _agreement(world_size)
+    cuda_rng = [device] if device.type == "cuda" else []
+    # dropout draws from the RNG: the run's random numbers stay those of a run with a number given
+    with torch.random.fork_rng(devices=cuda_rng):
+        try:
+            ready = agree(probe.open())
+            size, trials = None, []
+            if ready:
+                size, trials = search(sizes, probe, agree)
+        finally:
+            probe.close()
+    if size is None:
+        raise NoMicroBatchFitsError(_nothing_fits(config, device, limit, trials))
+    where = f"on {device}"
+    if limit is not None:
+        where = f"in {config.memory_limit_gb:g} GiB (memory_limit_gb)"
+    return size, f"fit {where} (tried {describe(trials)})"
+
+
+def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
+    """The CPU's limit in bytes (None on a GPU), refused in one line where a CPU run cannot be held to one."""
+    if device.type != "cpu":
+        if config.memory_limit_gb is not None:
+            logger.warning("memory_limit_gb applies on a CPU; on %s its own memory is the limit", device)
+        return None
+    if config.memory_limit_gb is None:
+        raise InvalidValueError(
+            "micro_batch_size='auto' on a CPU needs memory_limit_gb (--memory-limit-gb GiB, e.g. 8): the memory one "
+            "process may use; a CPU has no out-of-memory error to back off from (Linux's OOM killer ends the process)"
+        )
+    if not sys.platform.startswith("linux"):
+        raise InvalidValueError(
+            f"micro_batch_size='auto' on a CPU holds the search to memory_limit_gb with Linux's RLIMIT_AS, which "
+            f"{sys.platform} does not enforce; give micro_batch_size a number"
+        )
+    return int(config.memory_limit_gb * GIB)
+
+
+def _agreement(world_size: int) -> Callable[[bool], bool]:
+    """One process's answer as every process's: fitted only where it fitted on all of them."""
+    if world_size == 1:
+        return bool
+    return lambda fitted: bool(distributed.all_reduce_min(int(fitted)))
+
+
+def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, trials: list[Trial]) -> str:
+    """Why no size fitted, and what to do."""
+    where = f"the memory of {device}"
+    if limit is not None:
+        resident = memory_now()[1] / GIB
+        where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {resident:.2f} GiB)"
+    if not trials:
+        return (
+            f"the model with its gradients and optimizer state does not fit in {where}: no micro_batch_size='auto' "
+            "can; train a smaller model, or give it more memory"
+        )
+    return (
+        f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {describe(trials)}); lower seq_len, "
+        "use activation_checkpointing or a lower precision, or give it more memory"
+    )
+
+
+# --------------------------------------------------------------------------- resuming
+def recorded_micro_batch_size(config: TrainConfig, world_size: int, sizes: list[int]) -> tuple[int, str] | None:
+    """The micro-batch size recorded by the checkpoint ``config.resume`` names, with the log line's words, where this
+    run can take it again (same ``seq_len`` and number of processes, one of ``sizes``); else None.
+    """
+    checkpoint = _resumed_checkpoint(config)
+    if checkpoint is None:
+        return None
+    try:
+        meta = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8"))
+        recorded = meta["config"]
+        size, seq_len, processes = recorded["micro_batch_size"], recorded["seq_len"], meta["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        # the resume itself says what is wrong with it
+        return None
+    if size not in sizes or (seq_len, processes) != (config.seq_len, world_size):
+        return None
+    return size, f"as recorded in {checkpoint} (same data order; no search)"
+
+
+def _resumed_checkpoint(config: TrainConfig) -> Path | None:
+    """The checkpoint a resume would most likely load: the one named, or the newest complete one in the folder."""
+    if config.resume is None:
+        return None
+    target = Path(config.resume)
+    if config.resume == "auto" and config.out_dir is not None:
+        target = Path(config.out_dir) / "checkpoints"
+    if checkpoint_step(target) is not None or is_complete(target):
+        return target
+    candidates = checkpoint_candidates(target) or checkpoint_candidates(target / "checkpoints")
+    return next((c for c in candidates if is_complete(c)), None)
