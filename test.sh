@@ -15,4 +15,7 @@ readability=../shared/hooks/readability.py
 if [ -f "$readability" ]; then
     "$PYTHON" "$readability" >/dev/null 2>&1 || "$PYTHON" "$readability"
 fi
-exec "$PYTHON" -m pytest -q --durations=15 "$@"
+# The tests in parallel (pytest-xdist): a worker per core, at most 8 (each holds torch and a few
+# models); each test file runs whole in one worker, so a module's fixtures are built once.
+# `bash test.sh -n 0 ...` runs them in this process (e.g. for --pdb).
+exec "$PYTHON" -m pytest -q --durations=15 -n auto --maxprocesses 8 --dist loadfile "$@"

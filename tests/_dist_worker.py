@@ -21,6 +21,9 @@ one-process reference:
   micro-steps equal 1 rank x 4 (tests/test_distributed.py).
 - ``activation_checkpointing``: ``train`` with the blocks recomputed in the backward: the same
   losses as ``train`` (tests/test_distributed.py).
+- ``muon``: ``train`` with the Muon optimizer (tests/test_muon.py).
+- ``recovery``: a diverging run that recovers: every rank takes the same decision
+  (tests/test_recovery.py).
 
 The worker creates the process group itself, so the Trainers join it instead of creating and
 destroying one each.
@@ -29,6 +32,7 @@ destroying one each.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import sys
@@ -276,6 +280,51 @@ def instruct(out_dir: str) -> dict:
     return _write(out_dir, report)
 
 
+# --------------------------------------------------------------------------- recovery
+class _Messages(logging.Handler):
+    """The messages of the records it sees."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def recovery(out_dir: str) -> dict:
+    """A run that diverges at a constant max_lr=3 (tests/test_recovery.py): every rank judges the
+    all-reduced loss, so they recover at the same step to the same state. The same global batch
+    of 128 tokens per step either way: 2 x 32 tokens x 2 micro-steps on one process, or x 1
+    micro-step x 2 processes.
+    """
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tiny_run import DIVERGING_TOKENS, diverging_config
+
+    handler = _Messages()
+    logging.getLogger("gpt2").addHandler(handler)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    config = diverging_config(
+        micro_batch_size=2,
+        total_batch_size=128,
+        max_steps=8,
+        warmup_steps=0,
+        min_lr=3.0,
+        recovery_lr_factor=0.01,
+        checkpoint_interval=3,
+        out_dir=out_dir,
+    )
+    try:
+        with Trainer(model, config, DIVERGING_TOKENS, sinks=[]) as trainer:
+            trainer.fit()
+            rank, recoveries = trainer.dist_env.rank, trainer.recoveries
+    finally:
+        logging.getLogger("gpt2").removeHandler(handler)
+    recovery_lines = [m for m in handler.messages if "recovery " in m]
+    return _write(out_dir, {"rank": rank, "recoveries": recoveries, "recovery_lines": recovery_lines})
+
+
 def muon(out_dir: str) -> dict:
     """``train`` with Muon for the blocks' matrices (tests/test_muon.py)."""
     return train(out_dir, optimizer="muon", muon_lr=0.02)
@@ -296,6 +345,7 @@ JOBS = {
     "instruct": instruct,
     "muon": muon,
     "activation_checkpointing": activation_checkpointing,
+    "recovery": recovery,
 }
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,24 @@ if (SHARED_DATA / "gpt2-tokenizer").is_dir():
 if (SHARED_DATA / "tinyshakespeare.txt").is_file():
     os.environ.setdefault("GPT2_TINY_SHAKESPEARE", str(SHARED_DATA / "tinyshakespeare.txt"))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (test.sh runs one worker per core) every worker and every process a test starts
+# gets one intra-op thread: a second one per process would only oversubscribe the shared cores.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    THREADS = 1
+else:
+    THREADS = max(1, min(2, os.cpu_count() or 1))
+torch.set_num_threads(THREADS)
+
+# A shell without job control starts a background job (`bash test.sh &` in a script) with SIGINT and
+# SIGQUIT ignored, and the runs the stop-signal tests start would inherit that: they would not stop
+# on Ctrl-C. The tests expect what a terminal gives.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 @pytest.fixture
@@ -82,7 +100,9 @@ def tiny_config():
 
 @pytest.fixture
 def all_threads():
-    """For the few tests on 124M shapes: every intra-op thread (see _one_thread)."""
+    """For the few tests on 124M shapes: every intra-op thread the process has (see _one_thread;
+    one under xdist, where the other workers use the other cores).
+    """
 
 
 @pytest.fixture(autouse=True)
@@ -118,12 +138,37 @@ class DistRun:
         return reports
 
 
+def session_root(tmp_path_factory) -> Path:
+    """A folder shared by every pytest-xdist worker of this session (the session's own basetemp
+    without xdist): what one worker makes there, the others find.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if XDIST_WORKER:
+        root = root.parent
+    return root
+
+
 @pytest.fixture(scope="session")
 def dist_run(tmp_path_factory) -> DistRun:
     """All library-level DDP jobs (tests/_dist_worker.py) in ONE torchrun launch of 2 gloo
-    processes: interpreter start-up and rendezvous cost more than the jobs themselves.
+    processes: interpreter start-up and rendezvous cost more than the jobs themselves. Under
+    pytest-xdist the first worker that needs it launches it; the others wait for it and read it.
     """
-    out = tmp_path_factory.mktemp("dist")
+    from filelock import FileLock
+
+    root = session_root(tmp_path_factory)
+    out, record = root / "dist", root / "dist" / "torchrun.json"
+    with FileLock(str(root / "dist.lock")):
+        if not record.is_file():
+            proc = _launch_dist_worker(out)
+            done = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            record.write_text(json.dumps(done))
+    done = json.loads(record.read_text())
+    return DistRun(out, subprocess.CompletedProcess(["torchrun"], **done))
+
+
+def _launch_dist_worker(out: Path) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
     cmd = [
@@ -136,8 +181,7 @@ def dist_run(tmp_path_factory) -> DistRun:
         str(Path(__file__).parent / "_dist_worker.py"),
         str(out),
     ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    return DistRun(out, proc)
+    return subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
 def dist_job(name: str, out_dir: Path) -> dict:

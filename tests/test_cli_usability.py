@@ -268,3 +268,27 @@ def test_under_torchrun_only_rank_0_reports_a_usage_error(tmp_path, capsys, monk
     monkeypatch.setenv("RANK", "0")
     code, _, err = run(capsys, "train", *TINY, "--data", missing, "--out-dir", tmp_path / "run")
     assert code == 2 and len(err.splitlines()) == 1 and "no-such-data" in err
+
+
+@pytest.mark.parametrize(("rank", "shown"), [("0", "an info line\na warning\n"), ("1", "a warning\n")])
+def test_under_torchrun_ranks_other_than_0_show_the_librarys_warnings_only(capsys, monkeypatch, rank, shown):
+    """The command line's log lines: rank 0 shows the library's INFO lines, the other ranks only its
+    warnings (a recovery decision, which each rank logs for itself: tests/test_recovery.py).
+    """
+    import logging
+
+    from gpt2 import cli
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    # pytest's own handlers out of the way: the command line leaves a root logger with handlers alone
+    root.handlers.clear()
+    monkeypatch.setenv("RANK", rank)
+    try:
+        cli._setup_logging()
+        logging.getLogger("gpt2.train.trainer").info("an info line")
+        logging.getLogger("gpt2.train.trainer").warning("a warning")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert capsys.readouterr().out == shown

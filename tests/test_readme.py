@@ -36,11 +36,15 @@ def offline_pretrained(monkeypatch):
     monkeypatch.setattr(GPT, "from_pretrained", classmethod(lambda cls, name, **kw: tiny(name, **kw)))
 
 
-def test_gpt2_example_runs(tmp_path, monkeypatch, capsys, offline_pretrained, shared_data):
+def test_gpt2_example_runs(tmp_path, monkeypatch, capsys, offline_pretrained, shared_data, small_shakespeare):
+    """Shrunk to a 2-layer, 32-wide model, 3 steps, 2 validation batches (not 20 of the 4-layer,
+    128-wide model over GPT-2's vocabulary), on the 64 KB slice of Tiny Shakespeare.
+    """
     monkeypatch.chdir(tmp_path)
     code = readme_blocks()["gpt2 in ten lines"]
     shrink = {
-        "max_steps=200": "max_steps=3",
+        "n_layer=4, n_head=4, n_embd=128": "n_layer=2, n_head=2, n_embd=32",
+        "max_steps=200": "max_steps=3, eval_steps=2",
         "warmup_steps=20": "warmup_steps=1",
         "micro_batch_size=16": "micro_batch_size=2",
         "total_batch_size=16 * 128": "total_batch_size=2 * 128",

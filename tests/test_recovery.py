@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from _tiny_run import DIVERGING_PATTERN, DIVERGING_TOKENS, diverging_config
+from conftest import dist_job
 
 from gpt2 import GPT, GPTConfig, TrainConfig
 from gpt2.train.optim import lr_at
@@ -162,49 +164,28 @@ def test_recovery_settings_are_validated(field, value):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_every_rank_takes_the_same_recovery_decision(tmp_path, shakespeare_file, caplog):
-    """`gpt2 train --nproc-per-node 2` at max_lr=3: both ranks judge the all-reduced loss, so
-    they recover at the same step to the same state; the losses equal a 1-process run of the
-    same global batch (which also recovers), recovery included.
+def test_every_rank_takes_the_same_recovery_decision(tmp_path, dist_run):
+    """2 gloo processes at max_lr=3 (tests/_dist_worker.py's ``recovery`` job, in the session's one
+    torchrun launch): both ranks judge the all-reduced loss, so they recover at the same step to
+    the same state, each logging its decision once; the losses equal a 1-process run of the same
+    global batch (which also recovers), recovery included, and metrics.jsonl went back with it.
     """
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from gpt2.cli import main
-
-    def args(out: Path) -> list[str]:
-        return [
-            "train", "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--total-batch-size", "128",
-            "--max-steps", "8", "--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0", "--no-progress",
-            "--no-plot", "--device", "cpu", "--precision", "fp32", "--seed", "11", "--warmup-steps", "0",
-            "--max-lr", "3", "--min-lr", "3", "--recovery-lr-factor", "0.01", "--checkpoint-interval", "3",
-            "--data", str(shakespeare_file), "--out-dir", str(out),
-        ]  # fmt: skip
 
     def losses(out: Path) -> list[float]:
         return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    two = subprocess.run(
-        [sys.executable, "-m", "gpt2", *args(tmp_path / "two"), "--nproc-per-node", "2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert two.returncode == 0, two.stderr
-    assert two.stdout.count("recovery 1 of 3") == 2  # each rank logs its own (identical) decision, once
-    with caplog.at_level(logging.WARNING, logger="gpt2"):
-        assert main(args(tmp_path / "one")) == 0
-    assert "recovery 1 of 3" in caplog.text
-    one = losses(tmp_path / "one")
+    ranks = dist_run.reports("recovery")
+    one = dist_job("recovery", tmp_path)
+    assert one["recoveries"] >= 1 and "recovery 1 of 3" in one["recovery_lines"][0]
+    for rank in ranks:
+        assert rank["recoveries"] == one["recoveries"]
+        assert len(rank["recovery_lines"]) == rank["recoveries"]  # each rank logs each decision once
+    assert ranks[0]["recovery_lines"] == ranks[1]["recovery_lines"]
     # the recovery went back, and metrics.jsonl with it: each step once
-    assert len(one) == 8
-    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(one), rtol=1e-4, atol=1e-5)
+    assert len(losses(tmp_path)) == 8
+    two = losses(dist_run.out / "recovery")
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(losses(tmp_path)), rtol=1e-4, atol=1e-5)
 
 
 def test_a_run_near_zero_loss_is_not_diverged_by_noisy_batches():

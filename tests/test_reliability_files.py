@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 import minlora
+from gpt2.cli import main
 from gpt2.model.checkpoint_files import DIGEST_FILE, sha256_file
 from gpt2.model.gpt import GPT
 from gpt2.train import checkpoint as ckpt
@@ -246,34 +246,38 @@ def test_a_failed_resume_leaves_out_dir_exactly_as_it_was(run, tmp_path):
     assert not fresh.exists()
 
 
-def _gpt2(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(
-        [sys.executable, "-m", "gpt2", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
-    )
+def _gpt2(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`gpt2 ARGS` through the command line's main() in this process, as tests/test_cli.py runs it
+    (an interpreter start per call would cost more than the checks; the installed entry point is
+    started once there): the exit code and what it printed.
+    """
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["gpt2", *args], code, out, err)
 
 
-def test_out_dir_that_is_a_file_is_one_error_before_any_work(tmp_path):
+def test_out_dir_that_is_a_file_is_one_error_before_any_work(tmp_path, capsys):
     (tmp_path / "taken").write_text("a file")
     for out in ("taken", "taken/run"):
-        proc = _gpt2("train", "--out-dir", str(tmp_path / out), "--data", str(tmp_path / "no-such.txt"))
+        proc = _gpt2(capsys, "train", "--out-dir", str(tmp_path / out), "--data", str(tmp_path / "no-such.txt"))
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.count("\n") == 1 and "is a file" in proc.stderr or "under the file" in proc.stderr
         assert "no-such.txt" not in proc.stderr  # refused before the data was even looked at
 
 
-def test_export_into_a_folder_that_is_not_an_earlier_export_is_refused(run, tmp_path):
+def test_export_into_a_folder_that_is_not_an_earlier_export_is_refused(run, tmp_path, capsys):
     target = tmp_path / "export"
     target.mkdir()
     (target / "thesis.tex").write_text("mine")
-    proc = _gpt2("export", "--model", str(run), "--out", str(target))
+    proc = _gpt2(capsys, "export", "--model", str(run), "--out", str(target))
     assert proc.returncode == 2 and "not an earlier export" in proc.stderr and "--overwrite" in proc.stderr
     assert sorted(p.name for p in target.iterdir()) == ["thesis.tex"]
-    assert _gpt2("export", "--model", str(run), "--out", str(target), "--overwrite").returncode == 0
+    assert _gpt2(capsys, "export", "--model", str(run), "--out", str(target), "--overwrite").returncode == 0
     assert (target / "thesis.tex").read_text() == "mine" and (target / "model.safetensors").is_file()
     # an earlier export is replaced without --overwrite
     (target / "thesis.tex").unlink()
-    assert _gpt2("export", "--model", str(run), "--out", str(target)).returncode == 0
+    assert _gpt2(capsys, "export", "--model", str(run), "--out", str(target)).returncode == 0
 
 
 # ------------------------------------------------------------------------------ 4, 9. Hugging Face folders
@@ -319,7 +323,7 @@ def test_non_finite_weights_in_a_hf_folder_are_named(tmp_path):
 # ------------------------------------------------------------------------------ 10. input files
 
 
-def test_input_files_that_are_not_what_they_claim_are_one_line(tmp_path):
+def test_input_files_that_are_not_what_they_claim_are_one_line(tmp_path, capsys):
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp_path / "folder.yaml").mkdir()
     cases = {
@@ -328,7 +332,7 @@ def test_input_files_that_are_not_what_they_claim_are_one_line(tmp_path):
         "missing.yaml": "does not exist",
     }
     for name, words in cases.items():
-        proc = _gpt2("train", "--config", str(tmp_path / name), "--max-steps", "1")
+        proc = _gpt2(capsys, "train", "--config", str(tmp_path / name), "--max-steps", "1")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert words in proc.stderr and name in proc.stderr and proc.stderr.count("\n") == 1
     folder = _hf_folder(tmp_path / "hf")
@@ -339,7 +343,7 @@ def test_input_files_that_are_not_what_they_claim_are_one_line(tmp_path):
     }
     for text, words in hf_cases.items():
         (folder / "config.json").write_text(text)
-        proc = _gpt2("sample", "--model", str(folder), "--max-new-tokens", "1")
+        proc = _gpt2(capsys, "sample", "--model", str(folder), "--max-new-tokens", "1")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert words in proc.stderr and str(folder / "config.json") in proc.stderr
 

@@ -17,10 +17,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # A stand-in for the interpreter: pip calls are recorded, not run; sys.prefix is a folder of the
-# test's (the install stamp lives there); everything else is the real python.
+# test's (the install stamp lives there); setup.sh's import checks (is torch there, is the project
+# installed) succeed without importing torch (seconds each); everything else is the real python.
 FAKE_PYTHON = """#!/usr/bin/env bash
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "pip $*" >> "$FAKE_LOG"; exit 0; fi
 if [ "$1" = "-c" ] && [ "$2" = "import sys; print(sys.prefix)" ]; then echo "$FAKE_PREFIX"; exit 0; fi
+if [ "$1" = "-c" ] && { [ "$2" = "import torch" ] || [ "$2" = "import gpt2, minlora" ]; }; then exit 0; fi
 exec "$REAL_PYTHON" "$@"
 """
 
