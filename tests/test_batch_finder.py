@@ -204,7 +204,8 @@ def _no_autocast():
 
 # --------------------------------------------------------------------------- the CPU's memory limit, for real
 # Each scenario: GiB above what the process holds when it starts, and total_batch_size (0: None).
-SCENARIOS = {"plenty": (4.0, 8 * 64), "tight": (0.06, 0), "none left": (-0.01, 8 * 64)}
+# "none left": 100 MiB below what it holds (10 MiB was within what the allocator may hand back meanwhile).
+SCENARIOS = {"plenty": (4.0, 8 * 64), "tight": (0.06, 0), "none left": (-0.1, 8 * 64)}
 LIMITED = """
 import json, logging, math, resource, sys, torch
 from gpt2 import GPT, GPTConfig
@@ -280,7 +281,9 @@ def test_cpu_memory_limit_backs_off_and_leaves_the_run_as_it_was(limited):
 def test_cpu_memory_limit_below_what_the_process_holds(limited):
     result, log = limited["none left"]
     assert result["limit_restored"], log
-    assert "not even one sequence of 64 tokens fits in TrainConfig.memory_limit_gb=" in result["error"]
+    assert "error" in result, (result, log)
+    # nothing fits: not the model's gradients and optimizer state, or not one sequence besides them
+    assert "fit" in result["error"] and "in TrainConfig.memory_limit_gb=" in result["error"], result["error"]
 
 
 # --------------------------------------------------------------------------- configuration and the Trainer

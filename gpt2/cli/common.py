@@ -275,13 +275,13 @@ def final_report(
         results.update(val_loss=loss["loss"], perplexity=loss["perplexity"], val_tokens=loss["tokens"])
         if trainer.is_main:
             print(f"{header} {loss_line(loss)}".strip())
-    model = trainer.model
+    model = None
     if sampling.num_samples > 0:
         # Under FSDP every rank takes part in gathering the model whole (rank 0 gets it).
         model = trainer.full_model()
     if not trainer.is_main:
         return {}
-    if sampling.num_samples > 0:
+    if model is not None:
         results["samples"] = print_samples(
             model,
             sampling,
