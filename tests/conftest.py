@@ -123,6 +123,34 @@ def _seed():
     torch.manual_seed(0)
 
 
+def signal_after_step(monkeypatch, step: int, signum: int) -> None:
+    """Every Trainer in this process gets signal ``signum`` once its step ``step`` is done, as from
+    another process but at a known point: a run in this process stands in for one started in a new
+    interpreter (seconds of start-up each) where only the signal's handling is under test.
+    """
+    from gpt2.train.trainer import Trainer
+
+    train_step = Trainer.train_step
+
+    def then_signal(self):
+        record = train_step(self)
+        if self.step == step:
+            signal.raise_signal(signum)
+        return record
+
+    monkeypatch.setattr(Trainer, "train_step", then_signal)
+
+
+@pytest.fixture
+def keep_sigint():
+    """A stopped command-line run ignores Ctrl-C from then on (the process is about to exit): the
+    test process gets its own handler back.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
 # --------------------------------------------------------------------------- one torchrun launch
 class DistRun:
     """The reports of tests/_dist_worker.py's jobs from one 2-process torchrun launch."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import signal_after_step
 
 from gpt2.cli import main
 
@@ -213,9 +214,14 @@ def test_sigterm_checkpoints_and_resume_equals_an_uninterrupted_run(tmp_path, sh
     assert losses(out) == losses(tmp_path / "whole")  # bit for bit on CPU
 
 
-def test_sighup_stops_like_ctrl_c_with_exit_129(tmp_path, shakespeare_file):
+def test_sighup_stops_like_ctrl_c_with_exit_129(tmp_path, shakespeare_file, capsys, monkeypatch, keep_sigint):
+    """SIGHUP after step 2 of a run in this process (signals from other processes: the tests
+    around): exit 129, one line, the checkpoint, the lock released.
+    """
     out = tmp_path / "run"
-    code, _, stderr = interrupt_after_step_2([sys.executable, "-m", "gpt2"], shakespeare_file, out, sig=signal.SIGHUP)
+    signal_after_step(monkeypatch, 2, signal.SIGHUP)
+    code = main(train_args(shakespeare_file, out, 100000))
+    stderr = capsys.readouterr().err
     assert code == 129, stderr
     check_stopped(stderr, out, "SIGHUP")
 
