@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import os
@@ -47,6 +48,20 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
     signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, test.sh hands the workers whole files in collection order
+    (--dist loadfile --no-loadscope-reorder): the files with the most slow or multi-process tests
+    first, so that none of the long ones starts last while the other workers sit idle. Within a
+    file, and among files of equal weight, the order stays.
+    """
+    if not XDIST_WORKER:
+        return
+    weight = collections.Counter(
+        item.path for item in items if any(item.iter_markers("slow")) or any(item.iter_markers("dist"))
+    )
+    items.sort(key=lambda item: -weight[item.path])
 
 
 @pytest.fixture
