@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -154,6 +155,17 @@ def signal_after_step(monkeypatch, step: int, signum: int) -> None:
         return record
 
     monkeypatch.setattr(Trainer, "train_step", then_signal)
+
+
+def forked(target, *args) -> multiprocessing.Process:
+    """``target(*args)`` started in a forked child of this process: another process (its own pid,
+    locks and signals) with this one's modules already imported, so no interpreter start-up
+    (seconds with torch). ``join()`` it, then ``exitcode``: 0, 1 after an exception, -N after
+    signal N.
+    """
+    process = multiprocessing.get_context("fork").Process(target=target, args=args, daemon=True)
+    process.start()
+    return process
 
 
 @pytest.fixture
