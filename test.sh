@@ -16,6 +16,7 @@ if [ -f "$readability" ]; then
     "$PYTHON" "$readability" >/dev/null 2>&1 || "$PYTHON" "$readability"
 fi
 # The tests in parallel (pytest-xdist): a worker per core, at most 8 (each holds torch and a few
-# models); each test file runs whole in one worker, so a module's fixtures are built once.
-# `bash test.sh -n 0 ...` runs them in this process (e.g. for --pdb).
-exec "$PYTHON" -m pytest -q --durations=15 -n auto --maxprocesses 8 --dist loadfile "$@"
+# models); each test file runs whole in one worker, so a module's fixtures are built once, the
+# longest files first (tests/conftest.py orders them). `bash test.sh -n 0 ...` runs them all in
+# this process (e.g. for --pdb).
+exec "$PYTHON" -m pytest -q --durations=15 -n auto --maxprocesses 8 --dist loadfile --no-loadscope-reorder "$@"

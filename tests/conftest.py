@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -47,6 +49,20 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
     signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, test.sh hands the workers whole files in collection order
+    (--dist loadfile --no-loadscope-reorder): the files with the most slow or multi-process tests
+    first, so that none of the long ones starts last while the other workers sit idle. Within a
+    file, and among files of equal weight, the order stays.
+    """
+    if not XDIST_WORKER:
+        return
+    weight = collections.Counter(
+        item.path for item in items if any(item.iter_markers("slow")) or any(item.iter_markers("dist"))
+    )
+    items.sort(key=lambda item: -weight[item.path])
 
 
 @pytest.fixture
@@ -121,6 +137,45 @@ def _one_thread(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def signal_after_step(monkeypatch, step: int, signum: int) -> None:
+    """Every Trainer in this process gets signal ``signum`` once its step ``step`` is done, as from
+    another process but at a known point: a run in this process stands in for one started in a new
+    interpreter (seconds of start-up each) where only the signal's handling is under test.
+    """
+    from gpt2.train.trainer import Trainer
+
+    train_step = Trainer.train_step
+
+    def then_signal(self):
+        record = train_step(self)
+        if self.step == step:
+            signal.raise_signal(signum)
+        return record
+
+    monkeypatch.setattr(Trainer, "train_step", then_signal)
+
+
+def forked(target, *args) -> multiprocessing.Process:
+    """``target(*args)`` started in a forked child of this process: another process (its own pid,
+    locks and signals) with this one's modules already imported, so no interpreter start-up
+    (seconds with torch). ``join()`` it, then ``exitcode``: 0, 1 after an exception, -N after
+    signal N.
+    """
+    process = multiprocessing.get_context("fork").Process(target=target, args=args, daemon=True)
+    process.start()
+    return process
+
+
+@pytest.fixture
+def keep_sigint():
+    """A stopped command-line run ignores Ctrl-C from then on (the process is about to exit): the
+    test process gets its own handler back.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
 
 
 # --------------------------------------------------------------------------- one torchrun launch

@@ -11,18 +11,15 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import forked
 
 from gpt2.data import ShardManifestError, ShardWriteError, TokenLoader, load_tokens, prepare, write_shards, write_tokens
 from gpt2.data.loader import make_loader
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 B, T = 1, 4
 OLD = ["an earlier data set, " * 3, "kept when a prepare fails"]
 NEW = ["First Citizen: Before we proceed any further, hear me speak.", "All: Speak, speak.", "Resolved." * 4]
@@ -152,27 +149,16 @@ def test_a_folder_without_manifest_loads_with_one_warning(tmp_path, caplog):
     assert str(nanogpt) in warnings[0] and str(llmc) in warnings[1]
 
 
-def run_script(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    prelude = "from tests.test_data_manifest import *\n"
-    return subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        timeout=120,
-    )
-
-
 def test_leftovers_of_a_killed_prepare_are_removed_by_the_next(tmp_path):
     out = tmp_path / "data"
-    killed = run_script(f"""
-        def docs():
-            yield from NEW
-            os.kill(os.getpid(), signal.SIGKILL)  # killed after some shards are written
-        prepare_into(Path({str(out)!r}), docs())
-    """)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+    def docs():
+        yield from NEW
+        os.kill(os.getpid(), signal.SIGKILL)  # killed after some shards are written
+
+    killed = forked(lambda: prepare_into(out, docs()))
+    killed.join(timeout=120)
+    assert killed.exitcode == -signal.SIGKILL
     (leftover,) = os.listdir(out)  # nothing but the hidden staging folder, shards inside
     assert leftover.startswith(".prepare-") and any((out / leftover).glob("t_*.npy"))
     with pytest.raises(FileNotFoundError, match="no token files"):
@@ -236,16 +222,22 @@ def test_ctrl_c_or_a_bad_input_while_writing_discards_the_new_data_set(earlier, 
 
 def test_a_signal_while_moving_into_place_completes_the_data_set(earlier):
     # SIGTERM (what schedulers send) arrives as the first new shard is moved into place.
-    done = run_script(f"""
-        out, real_replace = Path({str(earlier)!r}), os.replace
+    def signalled_while_moving() -> None:
+        real_replace = os.replace
+
         def replace(src, dst):
-            if Path(dst).name.startswith("t_") and Path(dst).parent == out:
+            if Path(dst).name.startswith("t_") and Path(dst).parent == earlier:
                 os.kill(os.getpid(), signal.SIGTERM)
             real_replace(src, dst)
+
+        # in the forked process only, which has SIGTERM's default action, as a new one does
         os.replace = replace
-        prepare_into(out, NEW, overwrite=True)
-    """)
-    assert done.returncode == -signal.SIGTERM, done.stderr  # the signal still ends the process ...
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        prepare_into(earlier, NEW, overwrite=True)
+
+    done = forked(signalled_while_moving)
+    done.join(timeout=120)
+    assert done.exitcode == -signal.SIGTERM  # the signal still ends the process ...
     np.testing.assert_array_equal(read_all(earlier, "val"), stream(NEW)[:16])  # ... after the move
     np.testing.assert_array_equal(read_all(earlier, "train"), stream(NEW)[16:])
     assert (earlier / "notes.txt").read_text() == "the user's"

@@ -10,19 +10,16 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import forked
 
 from gpt2.cli import main
 from gpt2.data import PrepareLockedError, ShardManifestError, TokenLoader, load_tokens, staging, write_shards
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 30
 
 
@@ -104,43 +101,24 @@ def test_a_second_prepare_of_the_prefix_is_refused_while_the_first_runs(tmp_path
     assert TokenLoader(out, 1, 4, vocab_size=257).num_shards == len(paths) + 2
 
 
-def run_script(code: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    prelude = "import os, sys, time\nfrom pathlib import Path\nfrom tests.test_data_prepare import *\n"
-    return subprocess.Popen(
-        [sys.executable, "-c", prelude + textwrap.dedent(code), *args],
-        env=env,
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for(path: Path, process, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert process.poll() is None, process.communicate()
+        assert process.is_alive(), f"the other prepare ended (exit code {process.exitcode})"
         assert time.monotonic() < deadline, f"{path} did not appear"
         time.sleep(0.05)
 
 
 def test_gpt2_prepare_is_refused_in_one_line_while_another_process_prepares_the_prefix(tmp_path, capsys):
     out, ready, go = tmp_path / "data", tmp_path / "ready", tmp_path / "go"
-    first = run_script(
-        """
-        out, ready, go = map(Path, sys.argv[1:])
-        def docs():
-            yield "the first prepare's document"
-            ready.write_text(str(os.getpid()))
-            while not go.exists():
-                time.sleep(0.05)
-        prepare_bytes(out, docs(), prefix="corpus")
-        """,
-        str(out),
-        str(ready),
-        str(go),
-    )
+
+    def docs():
+        yield "the first prepare's document"
+        ready.write_text(str(os.getpid()))
+        while not go.exists():
+            time.sleep(0.05)
+
+    first = forked(lambda: prepare_bytes(out, docs(), prefix="corpus"))
     try:
         wait_for(ready, first)
         (tmp_path / "corpus.txt").write_text(TEXT)
@@ -150,10 +128,11 @@ def test_gpt2_prepare_is_refused_in_one_line_while_another_process_prepares_the_
         assert err.count("\n") == 1 and f"gpt2 prepare: error: another prepare (pid {first.pid} on host" in err
         assert "is writing prefix 'corpus' into" in err and "wait for it to finish" in err
         go.touch()
-        assert first.wait(timeout=120) == 0, first.communicate()
+        first.join(timeout=120)
+        assert first.exitcode == 0
     finally:
         first.kill()
-        first.communicate()
+        first.join()
     # The lock went with the first prepare: the next one replaces its data set.
     assert cli_prepare(tmp_path / "corpus.txt", out, "--overwrite") == 0
     assert sorted(p.name for p in out.iterdir()) == [
@@ -165,17 +144,14 @@ def test_gpt2_prepare_is_refused_in_one_line_while_another_process_prepares_the_
 
 def test_a_lock_left_by_a_killed_prepare_is_taken_over(tmp_path, caplog):
     out = tmp_path / "data"
-    killed = run_script(
-        """
-        def docs():
-            yield "some documents " * 4
-            os.kill(os.getpid(), signal.SIGKILL)
-        prepare_bytes(Path(sys.argv[1]), docs())
-        """,
-        str(out),
-    )
-    killed.communicate(timeout=120)
-    assert killed.returncode == -signal.SIGKILL
+
+    def docs():
+        yield "some documents " * 4
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    killed = forked(lambda: prepare_bytes(out, docs()))
+    killed.join(timeout=120)
+    assert killed.exitcode == -signal.SIGKILL
     folder = out / ".prepare-t.staging"
     assert json.loads((folder / ".lock").read_text())["pid"] == killed.pid
     with caplog.at_level(logging.WARNING, logger="gpt2.data.staging"):
@@ -228,9 +204,10 @@ def test_a_damaged_manifest_is_refused_with_or_without_overwrite(tmp_path, damag
 def test_a_prepare_killed_while_moving_is_repaired_by_the_next_with_overwrite(tmp_path):
     out = tmp_path / "data"
     prepare_bytes(out, ["an earlier data set, " * 4])
-    killed = run_script(
-        """
-        out, real_replace, moved_in = Path(sys.argv[1]), os.replace, []
+
+    def killed_while_moving() -> None:
+        real_replace, moved_in = os.replace, []
+
         def replace(src, dst):
             real_replace(src, dst)
             if Path(src).parent.name == ".prepare-t.staging" and Path(dst).parent == out:
@@ -238,13 +215,13 @@ def test_a_prepare_killed_while_moving_is_repaired_by_the_next_with_overwrite(tm
             # The marker is in, the old shards are moved aside, and the first new shard is in.
             if len(moved_in) == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-        os.replace = replace
+
+        os.replace = replace  # in the forked process only
         prepare_bytes(out, ["a new data set, " * 6], overwrite=True)
-        """,
-        str(out),
-    )
-    killed.communicate(timeout=120)
-    assert killed.returncode == -signal.SIGKILL
+
+    killed = forked(killed_while_moving)
+    killed.join(timeout=120)
+    assert killed.exitcode == -signal.SIGKILL
     with pytest.raises(ShardManifestError, match="stopped while moving its shards into place.*with overwrite"):
         TokenLoader(out, 1, 4)
     with pytest.raises(FileExistsError, match="already holds .* shard\\(s\\) with prefix 't'"):

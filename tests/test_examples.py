@@ -4,9 +4,10 @@ Each test checks what the script promises: files in the run directory, metrics, 
 adapter that loads, a merged model that `transformers` loads with the same logits, shards, a
 run that stops cleanly on Ctrl-C, and the 124M recipe under `torchrun` with 2 CPU processes.
 Most run in this process, as ``python examples/<name> ...`` would (``__main__``, ``sys.argv``,
-its exit code): an interpreter start per run would cost more than the runs. Ctrl-C and torchrun
-need a real process. `gpt2 train` itself is tested in tests/test_cli.py (what
-pretrain_shakespeare.py runs; resume is tested there and in tests/test_trainer.py).
+its exit code): an interpreter start per run would cost more than the runs (Ctrl-C too: the
+signal is raised in this process after step 2). torchrun needs real processes. `gpt2 train`
+itself is tested in tests/test_cli.py (what pretrain_shakespeare.py runs; resume is tested there
+and in tests/test_trainer.py).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import signal_after_step
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -65,19 +66,6 @@ TINY = [
     "--log-interval",
     "1",
 ]
-
-
-def script(name: str, *args: object, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run examples/<name> in a new interpreter (Ctrl-C, torchrun); the environment is inherited."""
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=env,
-    )
-    return result
 
 
 def example(name: str, *args: object) -> subprocess.CompletedProcess:
@@ -180,9 +168,11 @@ def test_every_example_has_help(name, capsys, monkeypatch):
 
 
 # --------------------------------------------------------------------------- pretraining
-@pytest.mark.slow
-def test_pretrain_interrupted_with_ctrl_c(tmp_path):
-    """Ctrl-C (SIGINT) stops the run with one line and exit code 130, its checkpoints intact."""
+def test_pretrain_interrupted_with_ctrl_c(tmp_path, monkeypatch, keep_sigint):
+    """Ctrl-C (SIGINT) stops the run with one line and exit code 130, its checkpoints intact. The
+    signal comes after step 2 of the script run in this process (Ctrl-C from a terminal, to every
+    process of a run: tests/test_interrupt.py).
+    """
     out = tmp_path / "run"
     args = [
         *TINY,
@@ -200,26 +190,10 @@ def test_pretrain_interrupted_with_ctrl_c(tmp_path):
         "--max-steps",
         "1000",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "pretrain_shakespeare.py"), *map(str, args)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        deadline = time.time() + 240
-        while not (out / "checkpoints" / "step_000002").is_dir():
-            assert proc.poll() is None, proc.communicate()
-            assert time.time() < deadline, "no checkpoint within 240 s"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
+    signal_after_step(monkeypatch, 2, signal.SIGINT)
+    result = example("pretrain_shakespeare.py", *args)
+    stderr = result.stderr
+    assert result.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
     # the printed way back runs the script by its path (it read "pretrain_shakespeare.py ...")
     resume = shlex.split(stderr.split("resume with: ")[1].strip())
     assert resume[:2] == ["python", str(EXAMPLES / "pretrain_shakespeare.py")] and resume[-2:] == ["--resume", "auto"]

@@ -23,8 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from conftest import signal_after_step
 
 from gpt2.cli import main
 
@@ -47,7 +49,7 @@ SAME_RUN = [
 ]
 
 
-def train_args(shakespeare_file: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
+def train_args(data: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
     return [
         "train",
         "--model",
@@ -71,7 +73,7 @@ def train_args(shakespeare_file: Path, out: Path, max_steps: int, *extra: str) -
         "--log-interval",
         "1",
         "--data",
-        str(shakespeare_file),
+        str(data),
         "--out-dir",
         str(out),
         *extra,
@@ -79,7 +81,7 @@ def train_args(shakespeare_file: Path, out: Path, max_steps: int, *extra: str) -
 
 
 def interrupt_after_step_2(
-    launcher: list[str], shakespeare_file: Path, out: Path, *extra: str, sig: int = signal.SIGINT, group: bool = True
+    launcher: list[str], data: Path, out: Path, *extra: str, sig: int = signal.SIGINT, group: bool = True
 ) -> tuple[int, str, str]:
     """Start a long run, send ``sig`` once step 2 is logged (to the process group, as a
     terminal's Ctrl-C does, or with ``group=False`` to the launcher only, as a scheduler does).
@@ -90,7 +92,7 @@ def interrupt_after_step_2(
     log_out, log_err = out.parent / "stdout.txt", out.parent / "stderr.txt"
     with open(log_out, "w") as fo, open(log_err, "w") as fe:
         proc = subprocess.Popen(
-            [*launcher, *train_args(shakespeare_file, out, 100000, *extra)],
+            [*launcher, *train_args(data, out, 100000, *extra)],
             cwd=REPO,
             env=env,
             stdout=fo,
@@ -112,11 +114,24 @@ def interrupt_after_step_2(
 
 
 @pytest.fixture(scope="module")
-def nproc_run(tmp_path_factory, shakespeare_file) -> tuple[int, str, str, Path]:
+def shakespeare_tokens(tmp_path_factory, shakespeare_file) -> Path:
+    """The 64 KB slice's GPT-2 tokens in a .npy file (what `--data` reads of the text itself): every
+    process these tests start would otherwise load the tokenizer and encode the text (a second or
+    so each).
+    """
+    from gpt2.data.sources import text_tokens
+
+    path = tmp_path_factory.mktemp("tokens") / "shakespeare.npy"
+    np.save(path, text_tokens(shakespeare_file))
+    return path
+
+
+@pytest.fixture(scope="module")
+def nproc_run(tmp_path_factory, shakespeare_tokens) -> tuple[int, str, str, Path]:
     """`gpt2 train --nproc-per-node 2`, stopped by Ctrl-C after step 2."""
     out = tmp_path_factory.mktemp("nproc") / "run"
     code, stdout, stderr = interrupt_after_step_2(
-        [sys.executable, "-m", "gpt2"], shakespeare_file, out, "--nproc-per-node", "2", *SAME_RUN
+        [sys.executable, "-m", "gpt2"], shakespeare_tokens, out, "--nproc-per-node", "2", *SAME_RUN
     )
     return code, stdout, stderr, out
 
@@ -169,7 +184,7 @@ def test_ctrl_c_with_nproc_per_node_is_one_line_and_exit_130(nproc_run):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_process_cli_run_equals_one_process(nproc_run, shakespeare_file, tmp_path):
+def test_two_process_cli_run_equals_one_process(nproc_run, shakespeare_tokens, tmp_path):
     """2 gloo processes x 1 micro-step and 1 process x 2 micro-steps: the same 128-token global
     batch, the same seed, the same losses. The workers get the launcher's resolved options as a
     config file (gpt2.launch), so this covers more than plain torchrun, whose ranks parse the
@@ -177,7 +192,7 @@ def test_two_process_cli_run_equals_one_process(nproc_run, shakespeare_file, tmp
     """
     code, stdout, _, out = nproc_run
     assert "2 process(es), 1 micro-step(s)" in stdout
-    assert main(train_args(shakespeare_file, tmp_path / "single", 2, *SAME_RUN)) == 0
+    assert main(train_args(shakespeare_tokens, tmp_path / "single", 2, *SAME_RUN)) == 0
     two, one = losses(out)[:2], losses(tmp_path / "single")
     assert len(two) == len(one) == 2
     # Only the summation order differs (all-reduce vs local accumulation).
@@ -186,43 +201,48 @@ def test_two_process_cli_run_equals_one_process(nproc_run, shakespeare_file, tmp
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ctrl_c_under_torchrun_workers_exit_quietly(tmp_path, shakespeare_file):
+def test_ctrl_c_under_torchrun_workers_exit_quietly(tmp_path, shakespeare_tokens):
     """Under plain torchrun the workers stop with one line; the only traceback left is the one
     torchrun's own agent prints for its SignalException (not ours to change; see gpt2.launch).
     """
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpt2"]
-    code, stdout, stderr = interrupt_after_step_2(launcher, shakespeare_file, tmp_path / "run")
+    code, stdout, stderr = interrupt_after_step_2(launcher, shakespeare_tokens, tmp_path / "run")
     assert "2 process(es)" in stdout
     assert stderr.count("gpt2 train: interrupted") == 1  # rank 0 says it, once
     assert stderr.count("Traceback") <= 1 and ("Traceback" not in stderr or "SignalException" in stderr)
     assert code != 0
 
 
-def test_sigterm_checkpoints_and_resume_equals_an_uninterrupted_run(tmp_path, shakespeare_file):
+def test_sigterm_checkpoints_and_resume_equals_an_uninterrupted_run(tmp_path, shakespeare_tokens):
     """One process, SIGTERM (what SLURM and Kubernetes send): exit 143, a checkpoint at the step
     boundary; the printed resume command continues to the losses of a run never stopped.
     """
     out = tmp_path / "run"
     code, _, stderr = interrupt_after_step_2(
-        [sys.executable, "-m", "gpt2"], shakespeare_file, out, *SAME_RUN, sig=signal.SIGTERM
+        [sys.executable, "-m", "gpt2"], shakespeare_tokens, out, *SAME_RUN, sig=signal.SIGTERM
     )
     assert code == 143, stderr
     step, command = check_stopped(stderr, out, "SIGTERM")
     assert main(resume(command, step + 2)) == 0
-    assert main(train_args(shakespeare_file, tmp_path / "whole", step + 2, *SAME_RUN)) == 0
+    assert main(train_args(shakespeare_tokens, tmp_path / "whole", step + 2, *SAME_RUN)) == 0
     assert losses(out) == losses(tmp_path / "whole")  # bit for bit on CPU
 
 
-def test_sighup_stops_like_ctrl_c_with_exit_129(tmp_path, shakespeare_file):
+def test_sighup_stops_like_ctrl_c_with_exit_129(tmp_path, shakespeare_tokens, capsys, monkeypatch, keep_sigint):
+    """SIGHUP after step 2 of a run in this process (signals from other processes: the tests
+    around): exit 129, one line, the checkpoint, the lock released.
+    """
     out = tmp_path / "run"
-    code, _, stderr = interrupt_after_step_2([sys.executable, "-m", "gpt2"], shakespeare_file, out, sig=signal.SIGHUP)
+    signal_after_step(monkeypatch, 2, signal.SIGHUP)
+    code = main(train_args(shakespeare_tokens, out, 100000))
+    stderr = capsys.readouterr().err
     assert code == 129, stderr
     check_stopped(stderr, out, "SIGHUP")
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_sigterm_to_the_launcher_stops_every_rank_and_resumes(tmp_path, shakespeare_file):
+def test_sigterm_to_the_launcher_stops_every_rank_and_resumes(tmp_path, shakespeare_tokens):
     """SIGTERM to `gpt2 train --nproc-per-node 2` alone (as Kubernetes sends it): the launcher
     forwards it, both ranks agree on the stop step, exit 143; the resumed 2-process run ends
     where a 1-process run of the same global batch does (the same steps; see the test above).
@@ -230,14 +250,14 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_resumes(tmp_path, shakespe
     out = tmp_path / "run"
     launcher = [sys.executable, "-m", "gpt2"]
     code, _, stderr = interrupt_after_step_2(
-        launcher, shakespeare_file, out, "--nproc-per-node", "2", *SAME_RUN, sig=signal.SIGTERM, group=False
+        launcher, shakespeare_tokens, out, "--nproc-per-node", "2", *SAME_RUN, sig=signal.SIGTERM, group=False
     )
     assert code == 143, stderr
     step, command = check_stopped(stderr, out, "SIGTERM")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     done = subprocess.run([*launcher, *resume(command, step + 2)], cwd=REPO, env=env, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
-    assert main(train_args(shakespeare_file, tmp_path / "one", step + 2, *SAME_RUN)) == 0
+    assert main(train_args(shakespeare_tokens, tmp_path / "one", step + 2, *SAME_RUN)) == 0
     torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
 
 

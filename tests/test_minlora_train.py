@@ -109,23 +109,22 @@ def test_trainer_sees_only_lora_and_adapter_checkpoint_round_trip(tmp_path):
 @pytest.mark.slow
 def test_lora_gpt_compiles_without_graph_breaks_or_recompiles():
     from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
 
     model = lora_gpt()
     model.train()
     x = torch.randint(0, 128, (2, 16))
     torch._dynamo.reset()
-    explanation = torch._dynamo.explain(model)(x, x)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert explanation.graph_count == 1
-
-    torch._dynamo.reset()
+    counters.clear()
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
     eager = model(x, x)[1]
     for _ in range(3):
         loss = compiled(x, x)[1]
         loss.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])  # the reasons of any break
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+    # one graph for the forward, and repeated LoRA steps do not recompile
     assert counter.frame_count == 1, "repeated LoRA steps must not recompile"
     with disable_lora(model):  # plain bool state: one guarded variant, no graph break
         compiled(x, x)

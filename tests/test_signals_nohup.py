@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from conftest import signal_after_step
 
+from gpt2.cli import main
 from gpt2.files import StopSignals
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
 
 
@@ -53,48 +49,23 @@ def test_a_sighup_not_ignored_still_stops():
     assert signal.getsignal(signal.SIGHUP) == before
 
 
-def _train(shakespeare_file: Path, out: Path, steps: int) -> list[str]:
+def test_nohup_train_keeps_training_through_a_hangup(tmp_path, shakespeare_file, sighup_ignored, capsys, monkeypatch):
+    """`nohup gpt2 train ...`: SIGHUP is ignored when the run starts (nohup sets SIG_IGN, which exec
+    keeps; here this process does, and runs the command line's main()). The terminal closes
+    (SIGHUP) after step 2: the run goes on to its last step, exit 0.
+    """
+    steps = 4
+    signal_after_step(monkeypatch, 2, signal.SIGHUP)
     args = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", str(steps)]
     args += ["--val-fraction", "0", "--eval-interval", "0", "--num-samples", "0", "--no-progress", "--no-plot"]
     args += ["--device", "cpu", "--log-interval", "1", "--checkpoint-interval", "0"]
-    return [sys.executable, "-m", "gpt2", "train", *args, "--data", str(shakespeare_file), "--out-dir", str(out)]
-
-
-def test_nohup_train_keeps_training_through_a_hangup(tmp_path, shakespeare_file):
-    """The terminal closes (SIGHUP) during `nohup gpt2 train`: the run goes on to its last step, exit 0."""
-    steps = 40
-    command = _train(shakespeare_file, tmp_path / "run", steps)
-    preexec = None
-    if shutil.which("nohup"):
-        command = ["nohup", *command]
-    else:
-        # What nohup does: SIGHUP ignored, which exec keeps.
-        def preexec() -> None:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    log_out, log_err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, preexec_fn=preexec
-        )
-        try:
-            deadline = time.time() + 240
-            while "step 2 " not in log_out.read_text():
-                assert proc.poll() is None, log_err.read_text()
-                assert time.time() < deadline, "no step 2 within 240 s"
-                time.sleep(0.05)
-            assert proc.poll() is None, "the run ended before the hangup: give it more steps"
-            os.kill(proc.pid, signal.SIGHUP)
-            proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode == 0, log_err.read_text()
-    assert "interrupted" not in log_err.read_text()
+    code = main(["train", *args, "--data", str(shakespeare_file), "--out-dir", str(tmp_path / "run")])
+    stderr = capsys.readouterr().err
+    assert code == 0, stderr
+    assert "interrupted" not in stderr
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics if line.strip()][-1] == steps
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # still ignored after the run
 
 
 def test_torchruns_agent_leaves_a_signal_ignored_at_start_ignored(monkeypatch):
