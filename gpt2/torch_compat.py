@@ -102,16 +102,23 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
         return torch.ops.quantized.linear_prepack(quantized, None)
 
 
-def int8_matmul(x: torch.Tensor, packed: Any) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor:
     """``x @ (q * scale[:, None]).T`` in fp32 for :func:`pack_int8`'s ``packed``, where ``x`` ``(M, K)`` (fp32)
     holds integers in ``[-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]``: the integer products are summed exactly
-    (in int32), then scaled. Why private: see :func:`pack_int8`.
+    (in int32), then scaled. With ``step`` (a Python float), ``x`` is any fp32 matrix whose magnitudes are at
+    most ``INT8_ACTIVATION_MAX * step``: it is rounded to ``round(x / step)`` by the kernel and the products
+    are scaled by ``step`` too (one step for the whole matrix: at batch 1, one call does what a row's rounding,
+    product and scaling take five operations for). Why private: see :func:`pack_int8`.
     """
     if isinstance(packed, tuple):
         q_t, scale = packed
+        if step != 1.0:
+            x = (x / step).round_()
         out = int_mm(x.to(torch.int8), q_t).float()
         if scale is not None:
             out *= scale
+        if step != 1.0:
+            out *= step
         return out
-    # x is exact in fbgemm's quint8 with scale 1 and zero point 64: each value is (x + 64) in [1, 127]
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 64, packed)
+    # fbgemm rounds x / step to quint8 with zero point 64: each value is round(x / step) + 64, in [1, 127]
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, step, 64, packed)
