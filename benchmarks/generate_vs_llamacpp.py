@@ -64,8 +64,8 @@ def llama_runs(model: GPT, folder: Path, prompt: list[int], n: int) -> dict[str,
     """llama.cpp greedy runs of ``model`` exported as f32 and q8_0 GGUF files, or none (a note says why)."""
     try:
         import llama_cpp
-    except ImportError:
-        print("llama.cpp: skipped (llama-cpp-python is not installed: pip install llama-cpp-python)")
+    except ImportError as error:
+        print(f"  llama.cpp: skipped (llama-cpp-python cannot be imported: {error}; pip install llama-cpp-python)")
         return {}
     runs = {}
     for dtype in ("f32", "q8_0"):
@@ -110,12 +110,16 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
 
 
 def time_interleaved(runs: dict[str, Callable[[], list[int]]], rounds: int) -> dict[str, list[float]]:
+    """Each run's CPU time in every round; warns when a run used more CPU than wall time (a second thread)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            start = time.process_time()
+            start, wall = time.process_time(), time.perf_counter()
             run()
-            times[name].append(time.process_time() - start)
+            cpu, wall = time.process_time() - start, time.perf_counter() - wall
+            times[name].append(cpu)
+            if cpu > 1.1 * wall:
+                print(f"  note: {name} used {cpu / wall:.2f}x its wall time in CPU: more than one thread ran")
     return times
 
 
