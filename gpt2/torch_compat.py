@@ -7,6 +7,7 @@ else in the package may name ``torch._*`` or ``torch.ops`` (``tests/test_torch_c
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,3 +65,60 @@ def uncompiled(module: Any) -> Callable[..., Any]:
     if getattr(inner, "_compiled_call_impl", None) is not None:
         return inner.forward
     return inner
+
+
+# Activations multiplied by int8 weights are rounded to integers in [-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]:
+# 7 bits. fbgemm adds pairs of (activation + 64) * weight products in int16 on CPUs without VNNI; with
+# 8-bit activations those sums overflow (wrong results), with 7 bits (at most 2 * 127 * 127) they cannot.
+INT8_ACTIVATION_MAX = 63
+
+
+def has_fbgemm() -> bool:
+    """Whether this torch has fbgemm's int8 matmuls (x86 builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
+    """The int8 matrix ``q`` ``(N, K)`` (times ``scale`` ``(N,)`` per row, or 1) for :func:`int8_matmul`:
+    fbgemm's packed layout where this torch has fbgemm, else ``q.T`` for oneDNN's int8 GEMM (then ``scale``
+    is applied by :func:`int8_matmul`).
+
+    Why private: torch's public API has no int8 x int8 matmul (see :func:`int_mm`). fbgemm's (``quantized::
+    linear_prepack`` and ``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``, the kernels behind
+    ``torch.ao``'s dynamic quantization) take a per-channel quantized tensor, built with
+    ``torch._make_per_channel_quantized_tensor``; torch warns that such tensors are deprecated (pytorch issue
+    184982), so the warning is silenced here, where the one use is. fbgemm is 3-6x faster than
+    ``torch._int_mm`` for one row on AVX2 CPUs without VNNI (docs/benchmarks.md, "Generation vs llama.cpp").
+    Checked on torch 2.13.
+    """
+    if not has_fbgemm():
+        return (q.t(), scale)
+    if scale is None:
+        scale = torch.ones(q.size(0))
+    zero_points = torch.zeros(q.size(0), dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
+        return torch.ops.quantized.linear_prepack(quantized, None)
+
+
+def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor:
+    """``x @ (q * scale[:, None]).T`` in fp32 for :func:`pack_int8`'s ``packed``, where ``x`` ``(M, K)`` (fp32)
+    holds integers in ``[-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]``: the integer products are summed exactly
+    (in int32), then scaled. With ``step`` (a Python float), ``x`` is any fp32 matrix whose magnitudes are at
+    most ``INT8_ACTIVATION_MAX * step``: it is rounded to ``round(x / step)`` by the kernel and the products
+    are scaled by ``step`` too (one step for the whole matrix: at batch 1, one call does what a row's rounding,
+    product and scaling take five operations for). Why private: see :func:`pack_int8`.
+    """
+    if isinstance(packed, tuple):
+        q_t, scale = packed
+        if step != 1.0:
+            x = (x / step).round_()
+        out = int_mm(x.to(torch.int8), q_t).float()
+        if scale is not None:
+            out *= scale
+        if step != 1.0:
+            out *= step
+        return out
+    # fbgemm rounds x / step to quint8 with zero point 64: each value is round(x / step) + 64, in [1, 127]
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, step, 64, packed)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 
@@ -18,6 +18,7 @@ from gpt2.cli.common import (
     print_samples,
 )
 from gpt2.cli.layers import Options
+from gpt2.model.quantize import int8_weights
 
 
 @dataclass
@@ -41,6 +42,9 @@ class SampleOptions(Options):
     """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"""
     compile: bool = False
     """torch.compile the model first (pays off for long samples on a GPU)"""
+    weights: Literal["model", "int8"] = "model"
+    """model = the model's own weights; int8 = every weight matrix read in int8 (CPU, fp32 precision:
+    about 1.5-2x the tokens/s at 124M, slightly different tokens; docs/api.md)"""
 
 
 def sample(options: SampleOptions) -> int:
@@ -48,6 +52,10 @@ def sample(options: SampleOptions) -> int:
     # An instruction's template: only the response is printed.
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     model, autocast, _ = load_for_inference(options)
+    if options.weights == "int8":
+        # the int8 twin samples in place of the model (made here, under the autocast it would run in)
+        with autocast():
+            model = int8_weights(model)
     if options.compile:
         model = torch.compile(model)
     print_samples(model, options.sampling, seed=options.seed, autocast=autocast, prompt=prompt)

@@ -14,7 +14,8 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
-from gpt2.model.int8_head import Int8Head, greedy_tokens, select_int8_head
+from gpt2.model.int8_head import Int8Head, check_switch, greedy_tokens, select_int8_head
+from gpt2.model.quantize import check_weights, int8_weights
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.torch_compat import uncompiled
 
@@ -202,6 +203,7 @@ def stream(
     use_cache: bool = True,
     attention_mask: torch.Tensor | None = None,
     int8_head: bool | None = None,
+    weights: str = "model",
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, ``(B,)``, one step at a time.
 
@@ -218,6 +220,10 @@ def stream(
     (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
     32 new tokens, a large fp32 head); True does wherever it applies and raises a ValueError saying
     why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head); False never does.
+
+    ``weights``: ``"model"`` (the default) computes with the model's own weights; ``"int8"`` reads every
+    weight matrix in int8 on the CPU (faster, other tokens: see :mod:`gpt2.model.quantize`), through an int8
+    twin of the model made at the first such call and kept while the model lives.
     """
     _check_prompt_shape(idx)
     V = model.config.vocab_size
@@ -237,9 +243,23 @@ def stream(
         attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    int8 = select_int8_head(model, int8_head, sampling.temperature, max_new_tokens)
+    decoder, int8 = _weights_and_head(model, weights, int8_head, sampling.temperature, max_new_tokens)
     sample = functools.partial(_sample, sampling=sampling, generator=generator)
-    return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask, int8)
+    return _stream(decoder, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask, int8)
+
+
+def _weights_and_head(
+    model: GPT, weights: str, int8_head: bool | None, temperature: float, max_new_tokens: int
+) -> tuple[GPT, Int8Head | None]:
+    """The model that decodes (``model`` or its int8 twin) and the int8 greedy head, if any."""
+    if check_weights(weights) == "model":
+        return model, select_int8_head(model, int8_head, temperature, max_new_tokens)
+    if check_switch(int8_head):
+        raise InvalidValueError(
+            "int8_head=True gives the fp32 head's tokens through an int8 copy of it; with weights='int8' every "
+            "weight, the head's too, is int8 already: leave int8_head out"
+        )
+    return int8_weights(model), None
 
 
 def _check_prompt_shape(idx: Any) -> None:

@@ -2,11 +2,12 @@
 quarter of the head's bytes read per token.
 
 The bound it relies on. The head's rows are rounded to int8 with a step ``scale`` per row, the hidden
-state ``h`` with a step ``sh`` per row of ``h``; the int8 logit is the exact integer dot product,
-scaled. Each int8 logit is then within a proven bound of the fp32 one:
+state ``h`` to 7-bit integers ``q_h`` with a step ``sh`` per row of ``h``; the int8 logit is their integer dot
+product (summed exactly, rounded to fp32 once), scaled. Each int8 logit is then within a proven bound of the fp32 one:
 
     |h.w - int8 logit| <= sh scale / 2 (|q_h|_1 + |q_w|_1 + C/2)    (h's rounding, w's, both)
                         + 2 C 2^-24 max|h| |w|_1                     (the fp32 logits' own rounding)
+                        + 2^-24 sh scale 63 |q_w|_1                  (the integer sum's rounding to fp32)
 
 A token can be the argmax only if its upper bound (int8 logit + bound) reaches the best lower bound
 (the largest int8 logit - bound) of its row. Only those candidates (14 of 50,257 per token at 124M)
@@ -14,10 +15,15 @@ are scored again in fp32, and the best of them is the token: the fp32 head's arg
 near-ties within fp32 rounding (as between any two matmul kernels). When more than an eighth of the
 vocabulary are candidates, or the int8 logits overflow, the whole fp32 head is used.
 
+The integer products are fbgemm's where torch has it (x86), else oneDNN's (``torch._int_mm``), through
+:func:`gpt2.torch_compat.int8_matmul`: on an AVX2 CPU without VNNI oneDNN's made the head 3-5x slower than
+fp32, fbgemm's 3x faster (docs/benchmarks.md, "Generation vs llama.cpp").
+
 ``generate(..., int8_head=None)`` (the default) uses it for greedy decoding of at least 32 tokens on
 the CPU, with an fp32 head of at least ``SIEVE_MIN_HEAD`` weights (where it pays: 1.27-1.34x faster
 at 124M, docs/benchmarks.md); ``True`` uses it wherever it gives the fp32 head's tokens, and refuses
-with the reason elsewhere; ``False`` never uses it.
+with the reason elsewhere; ``False`` never uses it. Greedy decoding with ``weights="int8"`` (every weight
+in int8, other tokens: :mod:`gpt2.model.quantize`) reads the int8 head of that twin instead.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from gpt2.errors import InvalidValueError
-from gpt2.torch_compat import int_mm
+from gpt2.torch_compat import INT8_ACTIVATION_MAX, int8_matmul, pack_int8
 
 # weights in the LM head from which greedy decoding on the CPU reads it in int8 by default
 SIEVE_MIN_HEAD = 2**22
@@ -52,6 +58,8 @@ class Int8Head(NamedTuple):
     rows: torch.Tensor
     # fp32 columns of the head for outsize hidden dimensions, by dimension (grows to MAX_KEPT_COLUMNS)
     cols: dict[int, torch.Tensor]
+    # the int8 rows in the layout of torch_compat.int8_matmul (fbgemm's, or q_t for oneDNN)
+    packed: Any
 
 
 # lm_head -> (a fingerprint of its values, its Int8Head)
@@ -108,16 +116,21 @@ def _quantize(w: torch.Tensor) -> Int8Head:
     scale = (w.abs().amax(1) / 127).clamp(min=1e-30)
     q = (w / scale[:, None]).round_().to(torch.int8)
     rows = scale * (q.abs().sum(1, dtype=torch.float32) + w.size(1) / 2)
-    return Int8Head(q.t(), scale, rows, {})
+    return Int8Head(q.t(), scale, rows, {}, pack_int8(q))
+
+
+def check_switch(requested: Any) -> bool | None:
+    """generate's ``int8_head`` switch, once it is True, False or None; else a ValueError."""
+    if requested is not None and not isinstance(requested, bool):
+        raise InvalidValueError(f"generate.int8_head must be True, False or None (automatic), got {requested!r}")
+    return requested
 
 
 def select_int8_head(model: Any, requested: bool | None, temperature: float, max_new_tokens: int) -> Int8Head | None:
     """The int8 head that generation uses, or None: ``requested`` is generate's ``int8_head`` switch
     (None: where it applies and pays; True: wherever it applies, else an error saying why; False: never).
     """
-    if requested is not None and not isinstance(requested, bool):
-        raise InvalidValueError(f"generate.int8_head must be True, False or None (automatic), got {requested!r}")
-    if requested is False:
+    if check_switch(requested) is False:
         return None
     if requested is None:
         if temperature != 0 or max_new_tokens < MIN_NEW_TOKENS:
@@ -154,10 +167,11 @@ def greedy_tokens(h: torch.Tensor, weight: torch.Tensor, int8: Int8Head) -> torc
         main = h
         top = absh.amax(1, keepdim=True)
     # (B, 1): the int8 step of what is left of h, and the unit of the logits and bounds below
-    sh = (top / 127).clamp(min=1e-30)
-    qh = (main / sh).round_().to(torch.int8)
-    # (B, V): exact integer dot products, scaled
-    approx = int_mm(qh, int8.q_t) * int8.scale
+    sh = (top / INT8_ACTIVATION_MAX).clamp(min=1e-30)
+    # integers in [-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX], held in fp32
+    qh = (main / sh).round_()
+    # (B, V): integer dot products (summed exactly, rounded to fp32 once), scaled
+    approx = int8_matmul(qh, int8.packed) * int8.scale
     if out:
         approx += (h[:, out] / sh) @ torch.stack([int8.cols[j] for j in out])
     bound = _bound(int8, qh, absh, sh, C)
@@ -184,8 +198,9 @@ def _outsize_dimensions(absh: torch.Tensor, weight: torch.Tensor, int8: Int8Head
 
 def _bound(int8: Int8Head, qh: torch.Tensor, absh: torch.Tensor, sh: torch.Tensor, C: int) -> torch.Tensor:
     """``(B, V)``, in units of ``sh``: |h.w - approx| <= scale/2 (|qh|_1 + |q|_1 + C/2) (h's rounding,
-    w's, both), plus the fp32 rounding of the logits (the reference's, the columns') <= 2 C 2^-24 max|h| |w|_1.
+    w's, both), plus the fp32 rounding of the logits (the reference's, the columns') <= 2 C 2^-24 max|h| |w|_1
+    and of the integer sums <= 2^-24 INT8_ACTIVATION_MAX scale |q|_1.
     """
     bound = 0.5 * torch.addcmul(int8.rows, int8.scale, qh.abs().sum(1, keepdim=True, dtype=torch.float32))
-    bound += int8.rows * (absh.amax(1, keepdim=True) / sh * C * 2**-23)
+    bound += int8.rows * (absh.amax(1, keepdim=True) / sh * C * 2**-23 + INT8_ACTIVATION_MAX * 2**-24)
     return bound

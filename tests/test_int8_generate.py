@@ -1,0 +1,161 @@
+"""Generation with int8 weights (gpt2/model/quantize.py): ``generate(..., weights="int8")`` and
+``gpt2 sample --weights int8`` run, agree with fp32 on most tokens, keep rows independent, follow weight
+changes, and refuse with the reason where they cannot apply; both int8 kernels (fbgemm's, oneDNN's) agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpt2 import torch_compat
+from gpt2.cli import main
+from gpt2.model import quantize
+from gpt2.model.generate import generate, pad_prompts, stream
+from gpt2.model.gpt import GPT
+from gpt2.model.quantize import Int8Linear, int8_weights
+
+
+@pytest.fixture
+def model(tiny_config) -> GPT:
+    """A tiny model whose tokens depend on the whole context (weights as in tests/test_generate.py)."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return m
+
+
+def test_int8_generation_agrees_with_fp32_on_most_tokens(model):
+    prompt = torch.randint(0, 128, (8, 6), generator=torch.Generator().manual_seed(0))
+    fp32 = generate(model, prompt, 40, temperature=0)
+    int8 = generate(model, prompt, 40, temperature=0, weights="int8")
+    assert int8.shape == fp32.shape and torch.equal(int8[:, :6], prompt)
+    with torch.no_grad():
+        # fp32's tokens as the context of both: the next token of every position (measured 94-98% on four
+        # such models; greedy continuations part at the first near-tie and then differ)
+        ref = model(fp32[:, :-1])[0][:, 5:].argmax(-1)
+        got = int8_weights(model)(fp32[:, :-1])[0][:, 5:].argmax(-1)
+    assert (ref == got).float().mean() > 0.9
+    # sampling works with int8 weights too, reproducibly
+    a, b = (generate(model, prompt, 8, temperature=0.8, top_k=20, seed=1, weights="int8") for _ in range(2))
+    assert torch.equal(a, b)
+
+
+def test_int8_rows_are_independent(model):
+    """Each row of activations has its own int8 step: batched (and padded) prompts give each prompt's own
+    tokens, and the cache gives what recomputing the context gives.
+    """
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12]]
+    ids, mask = pad_prompts(prompts)
+    batched = generate(model, ids, 24, temperature=0, attention_mask=mask, weights="int8")
+    for row, p in zip(batched, prompts, strict=True):
+        alone = generate(model, torch.tensor([p]), 24, temperature=0, weights="int8")
+        assert torch.equal(row[-24:], alone[0, len(p) :])
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    cached = generate(model, prompt, 16, temperature=0, weights="int8")
+    assert torch.equal(cached, generate(model, prompt, 16, temperature=0, weights="int8", use_cache=False))
+
+
+def test_int8_linear_is_the_int8_matmul_of_rounded_rows():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    q = Int8Linear(linear)
+    assert q.weight.dtype == torch.int8 and q.bias is linear.bias and q.weight.abs().max() == 127
+    x = torch.randn(5, 3, 64)
+    x[0, 0] = 0.0  # an all-zero row: its integers are 0, the output is the bias
+    out = q(x)
+    assert out.shape == (5, 3, 48) and torch.equal(out[0, 0], linear.bias.detach())
+    # rows as in forward: each scaled to integers in [-63, 63] by its own largest magnitude
+    rows = x.reshape(-1, 64)
+    step = rows.abs().amax(1, keepdim=True).clamp(min=1e-30) / 63
+    expected = ((rows / step).round() * step) @ (q.weight.float() * q.scale[:, None]).T + linear.bias
+    torch.testing.assert_close(out.reshape(-1, 48), expected.detach(), rtol=1e-5, atol=1e-5)
+    # a row's result does not depend on the others (one row alone goes through the kernel's own rounding and
+    # scaling: the same integers but at a rounding tie, the same result up to fp32 rounding)
+    torch.testing.assert_close(q(x[2:3, 1:2]), out[2:3, 1:2], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(q(x[0:1, 0:1]), out[0:1, 0:1], rtol=0, atol=0)
+    with torch.no_grad():
+        assert (out - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
+
+
+def test_both_int8_kernels_give_the_same_products(monkeypatch, model):
+    """fbgemm's kernels (x86) and oneDNN's (elsewhere) sum the same integers exactly."""
+    q = torch.randint(-127, 128, (40, 32), dtype=torch.int8)
+    x = torch.randint(-63, 64, (3, 32)).float()
+    exact = (x.long() @ q.long().T).float()
+    assert torch.equal(torch_compat.int8_matmul(x, torch_compat.pack_int8(q)), exact)
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    first = generate(model, prompt, 16, temperature=0, weights="int8")
+    monkeypatch.setattr(torch_compat, "has_fbgemm", lambda: False)
+    assert isinstance(torch_compat.pack_int8(q), tuple)
+    assert torch.equal(torch_compat.int8_matmul(x, torch_compat.pack_int8(q)), exact)
+    quantize._TWINS.clear()
+    assert torch.equal(generate(model, prompt, 16, temperature=0, weights="int8"), first)
+
+
+def test_the_int8_twin_is_kept_and_follows_weight_changes(model):
+    """The twin shares the model's embeddings, LayerNorms and biases; it is made again when a weight's values
+    change, edits through ``.data`` (no version bump) included.
+    """
+    twin = int8_weights(model)
+    assert int8_weights(model) is twin and int8_weights(twin) is twin
+    assert twin.transformer.wte.weight is model.transformer.wte.weight
+    assert twin.transformer.h[0].attn.c_attn.bias is model.transformer.h[0].attn.c_attn.bias
+    assert isinstance(twin.lm_head, Int8Linear) and isinstance(model.lm_head, torch.nn.Linear)
+    assert sum(isinstance(m, Int8Linear) for m in twin.modules()) == 4 * model.config.n_layer + 1
+    prompt = torch.randint(0, 128, (2, 4), generator=torch.Generator().manual_seed(2))
+    before = generate(model, prompt, 16, temperature=0, weights="int8")
+    model.transformer.h[1].mlp.c_fc.weight.data.neg_()
+    assert int8_weights(model) is not twin
+    after = generate(model, prompt, 16, temperature=0, weights="int8")
+    assert not torch.equal(before, after)
+    # the model itself still computes in fp32
+    assert isinstance(model.transformer.h[1].mlp.c_fc, torch.nn.Linear)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("value", r"generate.weights must be 'model' .* or 'int8' .*, got 'int4'"),
+        ("head", r"int8_head=True gives the fp32 head's tokens .* leave int8_head out"),
+        ("bf16", r"weights='int8' cannot be used: the model's weights are \['torch.bfloat16'\], not torch.float32"),
+        ("autocast", r"weights='int8' cannot be used: CPU autocast is on"),
+        ("lora", r"weights='int8' cannot be used: the model has parametrized layers .* merge the adapter first"),
+        ("kernels", r"weights='int8' cannot be used: this torch has neither fbgemm's int8 kernels"),
+    ],
+)
+def test_int8_weights_are_refused_with_the_reason(monkeypatch, model, case, message):
+    kwargs = dict(weights="int8")
+    context = torch.autocast("cpu", enabled=False)
+    if case == "value":
+        kwargs["weights"] = "int4"
+    elif case == "head":
+        kwargs["int8_head"] = True
+    elif case == "bf16":
+        model = model.to(torch.bfloat16)
+    elif case == "autocast":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif case == "lora":
+        torch.nn.utils.parametrize.register_parametrization(
+            model.transformer.h[0].attn.c_attn, "weight", torch.nn.Identity()
+        )
+    else:
+        monkeypatch.setattr(torch_compat, "has_fbgemm", lambda: False)
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    with context, pytest.raises(ValueError, match=message):
+        # refused when called, before the first token is asked for
+        stream(model, torch.tensor([[1, 2, 3]]), 4, temperature=0, **kwargs)
+
+
+def test_gpt2_sample_with_int8_weights(tmp_path, capsys, tiny_config):
+    torch.manual_seed(0)
+    GPT(dataclasses.replace(tiny_config, vocab_size=50257)).save_pretrained(tmp_path / "m")
+    argv = ["sample", "--model", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "5", "--seed", "1"]
+    assert main([*argv, "--weights", "int8"]) == 0
+    assert "--- sample 1/1 ---\nHi" in capsys.readouterr().out
+    assert main([*argv, "--weights", "int8", "--precision", "bf16"]) != 0
+    assert "weights='int8' cannot be used: CPU autocast is on" in capsys.readouterr().err
