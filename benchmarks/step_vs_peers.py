@@ -3,8 +3,9 @@
 Issue 29's goals (one thread, CPU time, GPT-2 124M, B=4, T=256, forward + backward + clip + AdamW step, random
 init): fp32 step <= 0.85x transformers' and >= 80% MFU of the fp32 2048^2 ``torch.mm`` rate measured in the same
 process; bf16 step <= 0.6x transformers' and >= 40% MFU of the bf16 rate. Everything below runs in one process on
-one thread, timed by ``time.process_time`` (CPU time: other jobs on a shared machine slow the wall clock, not it),
-in interleaved rounds (mm, ours, bare, transformers, litgpt, mm, ours, ...), one untimed warm-up step each first:
+one thread, timed by ``time.process_time`` (CPU time: other jobs' time on a shared machine is not counted, though
+they still slow ours through the caches and cores they share), in interleaved rounds (mm, ours, mm, bare, mm,
+transformers, mm, litgpt; the next round), after one untimed warm-up step each:
 
 - ``ours``: ``gpt2.train.trainer.Trainer.train_step()`` itself (the step of ``gpt2 train``: read the batch, count
   the scored targets, forward with ``reduction="sum"`` scaled by 1 / count, backward, ``clip_grad_norm_(1.0)``,
@@ -18,11 +19,15 @@ in interleaved rounds (mm, ours, bare, transformers, litgpt, mm, ours, ...), one
   GPT-2's sequential residual, tanh GELU, vocabulary 50257 and the LM head tied to the embedding; litgpt has no
   learned positions, so RoPE on a quarter of each head as in pythia), loss by ``litgpt.utils.chunked_cross_entropy``
   as litgpt's pretrain script computes it, the same clipping and fused AdamW as transformers.
-- ``mm``: ``torch.mm`` of two 2048 x 2048 matrices (2 * 2048^3 FLOP each) in the step's precision.
+- ``mm``: ``torch.mm`` of two 2048 x 2048 matrices (2 * 2048^3 FLOP each) in the step's precision, ``--mm-reps``
+  products before each step, so that a round's rate spans the round (a busy neighbour moves it by tens of percent).
 
 MFU = ``GPT.flops_per_token(T)`` x B x T (6 N per token plus attention, from our model, used for all three) / step
-CPU time / the mm rate of the same round. bf16 (autocast, fp32 master weights) runs only on CPUs that multiply bf16
-natively (AMX, AVX512-BF16) unless ``--force-bf16``: elsewhere it is emulated and says nothing about the goals.
+CPU time / the mm rate of the same round ("MFU from the medians": the median step against the median rate).
+``--profile N`` times one more fp32 ``ours`` step op by op (CPU time of every aten op, by input shapes, with each
+matrix product's rate against the mm rate) and prints the top N. bf16 (autocast, fp32 master weights) runs only on
+CPUs that multiply bf16 natively (AMX, AVX512-BF16) unless ``--force-bf16``: elsewhere it is emulated and says
+nothing about the goals.
 "The optimizer step alone" times ``build_optimizer``'s fused AdamW against its foreach AdamW over the 124M model.
 
     PYTHONPATH=. python benchmarks/step_vs_peers.py [--rounds 5] [--small] [--precisions fp32,bf16] [--profile 25]
@@ -291,7 +296,6 @@ def run_precision(precision: str, shape: Shape, peers: list[str], args: argparse
         _, optimizer, steps[peer] = builders[peer](shape, precision)
         kinds[peer] = optimizer_kind(optimizer)
     mm, mm_flops = mm_step(precision, args.mm_size, args.mm_reps)
-    names = ["mm", *steps]
     print(
         f"\n{precision}: {flops_per_step / 1e9:.1f} GFLOP per step (GPT.flops_per_token({shape.seq_len}) = "
         f"{flops_per_step / shape.batch / shape.seq_len / 1e6:.1f} MFLOP x {shape.batch * shape.seq_len} tokens); "
@@ -305,8 +309,12 @@ def run_precision(precision: str, shape: Shape, peers: list[str], args: argparse
     print(" | ".join(["round", *columns]))
     table: dict[str, list[float]] = {column: [] for column in columns}
     for round_index in range(args.rounds):
-        seconds = {name: cpu_seconds(steps.get(name, mm))[0] for name in names}
-        rate = mm_flops / seconds["mm"]
+        seconds = {"mm": 0.0}
+        for name, step in steps.items():
+            # products before every step: the round's rate is measured across the round, not in one burst
+            seconds["mm"] += cpu_seconds(mm)[0]
+            seconds[name] = cpu_seconds(step)[0]
+        rate = mm_flops * len(steps) / seconds["mm"]
         row = {"mm GFLOP/s": rate / 1e9, **{f"{name} s": seconds[name] for name in steps}}
         row |= {f"ours/{peer}": seconds["ours"] / seconds[peer] for peer in peers}
         row["overhead s"] = seconds["ours"] - seconds["bare"]
@@ -318,6 +326,10 @@ def run_precision(precision: str, shape: Shape, peers: list[str], args: argparse
     print(" | ".join(["median", *(format_cell(column, medians[column]) for column in columns)]))
     ranges = (f"{format_cell(name, min(values))}-{format_cell(name, max(values))}" for name, values in table.items())
     print(" | ".join(["min-max", *ranges]))
+    # MFU of the medians: the median step against the median rate (the per-round values pair each step with its
+    # round's rate)
+    mfus = {name: flops_per_step / medians[f"{name} s"] / (medians["mm GFLOP/s"] * 1e9) for name in ("ours", *peers)}
+    print("MFU from the medians: " + ", ".join(f"{name} {percent(mfu)}" for name, mfu in mfus.items()))
     report_goals(precision, medians, peers)
     if args.profile and precision == "fp32":
         profile_step(ours, args.profile, medians["mm GFLOP/s"] * 1e9)
@@ -461,7 +473,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of transformers and litgpt")
     parser.add_argument("--mm-size", type=int, default=2048)
-    parser.add_argument("--mm-reps", type=int, default=4, help="matrix products per round")
+    parser.add_argument("--mm-reps", type=int, default=1, help="matrix products before each step of a round")
     parser.add_argument("--optimizer-rounds", type=int, default=5, help="0 skips the optimizer-alone rounds")
     parser.add_argument("--profile", type=int, default=0, help="top N ops of one more fp32 ours step")
     args = parser.parse_args()
