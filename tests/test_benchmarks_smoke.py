@@ -1,0 +1,66 @@
+"""benchmarks/step_vs_peers.py runs end to end at a tiny shape (one round): the numbers are the benchmark's to
+report, not the test's; the test checks that every part of the output is there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "tiny", "--batch", "2", "--seq-len", "16", "--vocab", "256", "--rounds", "1"]
+TINY += ["--mm-size", "64", "--mm-reps", "1", "--optimizer-rounds", "1"]
+
+
+@pytest.fixture
+def step_vs_peers(monkeypatch):
+    # benchmarks/ is not installed
+    monkeypatch.syspath_prepend(str(REPO))
+    import benchmarks.step_vs_peers
+
+    # main() sets one thread and quiets the library's logger: the rest of the session gets its own back
+    threads, level = torch.get_num_threads(), logging.getLogger("gpt2").level
+    yield benchmarks.step_vs_peers
+    torch.set_num_threads(threads)
+    logging.getLogger("gpt2").setLevel(level)
+
+
+def run(module, monkeypatch, capsys, *args: str) -> str:
+    monkeypatch.setattr(sys, "argv", ["step_vs_peers.py", *TINY, *args])
+    module.main()
+    return capsys.readouterr().out
+
+
+def test_step_vs_transformers_prints_every_part(step_vs_peers, monkeypatch, capsys):
+    out = run(step_vs_peers, monkeypatch, capsys, "--peers", "transformers", "--profile", "3")
+    assert out.startswith(step_vs_peers.describe_machine())
+    header = next(line for line in out.splitlines() if line.startswith("round |"))
+    for column in ("mm GFLOP/s", "ours s", "bare s", "transformers s", "ours/transformers", "MFU ours"):
+        assert column in header
+    assert "\nmedian | " in out and "\nmin-max | " in out
+    assert "goal fp32: MFU >= 80.0%" in out and "step <= 0.85x transformers" in out
+    assert "AdamW: ours fused, transformers fused" in out or "AdamW: ours foreach" in out
+    assert "by aten op and input shapes" in out and "matrix products" in out
+    assert "the optimizer step alone" in out and "fused/foreach" in out
+    if step_vs_peers.cpu_native_bf16() is None:
+        assert "bf16 skipped: this CPU has no native bf16 matmul" in out
+    else:
+        assert "goal bf16" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("litgpt") is None, reason="litgpt is not installed")
+def test_step_vs_litgpt(step_vs_peers, monkeypatch, capsys):
+    out = run(step_vs_peers, monkeypatch, capsys, "--peers", "litgpt", "--precisions", "fp32")
+    assert "ours/litgpt" in out and "MFU litgpt" in out
+
+
+def test_bad_option_is_one_line(step_vs_peers, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run(step_vs_peers, monkeypatch, capsys, "--precisions", "fp16")
+    assert "--precisions takes fp32,bf16" in capsys.readouterr().err
