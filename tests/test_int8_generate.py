@@ -152,10 +152,18 @@ def test_int8_weights_are_refused_with_the_reason(monkeypatch, model, case, mess
 
 
 def test_gpt2_sample_with_int8_weights(tmp_path, capsys, tiny_config):
+    import minlora
+
     torch.manual_seed(0)
-    GPT(dataclasses.replace(tiny_config, vocab_size=50257)).save_pretrained(tmp_path / "m")
+    model = GPT(dataclasses.replace(tiny_config, vocab_size=50257))
+    model.save_pretrained(tmp_path / "m")
     argv = ["sample", "--model", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "5", "--seed", "1"]
     assert main([*argv, "--weights", "int8"]) == 0
+    assert "--- sample 1/1 ---\nHi" in capsys.readouterr().out
+    # an adapter is merged into the loaded model first (the int8 twin is made from plain weights)
+    minlora.add_lora(model, minlora.LoRAConfig(rank=2))
+    minlora.save_adapter(model, tmp_path / "adapter")
+    assert main([*argv, "--weights", "int8", "--adapter", str(tmp_path / "adapter")]) == 0
     assert "--- sample 1/1 ---\nHi" in capsys.readouterr().out
     assert main([*argv, "--weights", "int8", "--precision", "bf16"]) != 0
     assert "weights='int8' cannot be used: CPU autocast is on" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import torch
 
+import minlora
 from gpt2.cli.common import (
     Flat,
     InstructionOptions,
@@ -43,8 +44,8 @@ class SampleOptions(Options):
     compile: bool = False
     """torch.compile the model first (pays off for long samples on a GPU)"""
     weights: Literal["model", "int8"] = "model"
-    """model = the model's own weights; int8 = every weight matrix read in int8 (CPU, fp32 precision:
-    about 1.5-2x the tokens/s at 124M, slightly different tokens; docs/api.md)"""
+    """model = the model's own weights; int8 = every weight matrix read in int8, an --adapter merged first
+    (CPU, fp32 precision: about 1.5-2x the tokens/s at 124M, now and then other tokens; docs/api.md)"""
 
 
 def sample(options: SampleOptions) -> int:
@@ -53,6 +54,9 @@ def sample(options: SampleOptions) -> int:
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     model, autocast, _ = load_for_inference(options)
     if options.weights == "int8":
+        if options.adapter:
+            # int8 weights are made from plain weights: the adapter is folded into this process's copy first
+            minlora.merge_lora(model)
         # the int8 twin samples in place of the model (made here, under the autocast it would run in)
         with autocast():
             model = int8_weights(model)
