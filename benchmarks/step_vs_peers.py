@@ -46,6 +46,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# the documented way to see every aten op as it runs (torch.profiler's clock is the wall clock); a benchmark, not
+# the library, so the private module path is acceptable here
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2.model.config import SHAPES, GPTConfig
