@@ -151,8 +151,7 @@ def save_checkpoint(
     Raises :class:`NonFiniteWeightsError` (writing nothing) if any weight is inf/nan.
     ``keep_last`` > 0 deletes all but the newest ``keep_last`` checkpoints afterwards.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
+    _check_step(step)
     raw = unwrap_model(model)
     state = _weights_to_save(raw, trainable_only)
     refuse_non_finite(state, f"refusing to save checkpoint at step {step}")
@@ -161,7 +160,7 @@ def save_checkpoint(
     final = root / f"step_{step:06d}"
     meta = _checkpoint_meta(raw, step, trainable_only, metadata)
     trainer_state = _trainer_state(optimizer, scaler, rng_state)
-    meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    meta_bytes = _meta_bytes(meta)
     weights_meta = {"step": str(step), "trainable_only": str(trainable_only)}
     # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
     writers: list[tuple[str, Callable[[Path], None]]] = [
@@ -197,8 +196,7 @@ def save_sharded_checkpoint(
     :func:`save_checkpoint`'s. Every process returns the path, or raises the same error.
     ``before_write``: called on rank 0 before anything is written (the run's lock check).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
+    _check_step(step)
     raw = unwrap_model(model)
     bad = fsdp.non_finite_parameters(raw)
     if bad:
@@ -228,6 +226,17 @@ def save_sharded_checkpoint(
     return _agree(is_main, finish, f"finishing checkpoint {final.name}")
 
 
+def _check_step(step: Any) -> None:
+    """A checkpoint's step: a non-negative integer (it names the directory)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
+
+
+def _meta_bytes(meta: dict[str, Any]) -> bytes:
+    """``trainer_state.json``'s bytes (JSON has no inf/nan: they are stored as null)."""
+    return (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
 def _start_sharded(root: Path, final: Path, before_write: Callable[[], None] | None) -> Path:
     """Rank 0: the run's lock checked, the empty temporary directory every process writes its shards into."""
     if before_write is not None:
@@ -243,7 +252,7 @@ def _start_sharded(root: Path, final: Path, before_write: Callable[[], None] | N
 
 def _finish_sharded(root: Path, final: Path, tmp: Path, meta: dict[str, Any], state: dict[str, Any]) -> None:
     """Rank 0, once every shard is written: trainer_state.pt and .json, SHA256SUMS of every file, the rename."""
-    meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    meta_bytes = _meta_bytes(meta)
     writing = STATE_FILE
     try:
         replace_atomically(tmp / STATE_FILE, lambda f: torch.save(state, f))

@@ -153,6 +153,18 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_max(value: int) -> int:
     """The largest ``value`` over all processes (``value`` itself with one process)."""
+    return _all_reduce_int(value, dist.ReduceOp.MAX)
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` over all processes (``value`` itself with one process): e.g. whether a micro-batch
+    fitted on every one (:mod:`gpt2.train.batch_finder`).
+    """
+    return _all_reduce_int(value, dist.ReduceOp.MIN)
+
+
+def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
+    """``value`` reduced with ``op`` over all processes (``value`` itself with one process)."""
     if not _active():
         return value
     device = "cpu"
@@ -160,7 +172,7 @@ def all_reduce_max(value: int) -> int:
     if dist.get_backend() == "nccl":
         device = "cuda"
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=op)
     return int(tensor.item())
 
 
@@ -178,18 +190,3 @@ def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:
     if skip_sync and isinstance(module, DistributedDataParallel):
         return module.no_sync()
     return contextlib.nullcontext()
-
-
-def all_reduce_min(value: int) -> int:
-    """The smallest ``value`` over all processes (``value`` itself with one process): e.g. whether a micro-batch
-    fitted on every one (:mod:`gpt2.train.batch_finder`).
-    """
-    if not _active():
-        return value
-    device = "cpu"
-    # NCCL reduces GPU tensors only.
-    if dist.get_backend() == "nccl":
-        device = "cuda"
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
