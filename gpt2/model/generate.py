@@ -14,7 +14,7 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
-from gpt2.model.int8_head import Int8Head, check_switch, greedy_tokens, select_int8_head
+from gpt2.model.int8_head import Int8Head, TransposedHead, check_switch, greedy_tokens, select_int8_head
 from gpt2.model.quantize import check_weights, int8_weights
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.torch_compat import uncompiled
@@ -218,8 +218,9 @@ def stream(
 
     ``int8_head``: greedy decoding on the CPU may read the LM head in int8, with the same tokens
     (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
-    32 new tokens, a large fp32 head); True does wherever it applies and raises a ValueError saying
-    why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head); False never does.
+    32 new tokens, a large fp32 head; a large head under 256 columns is read from a transposed fp32 copy
+    instead, also the same tokens); True does wherever it applies and raises a ValueError saying
+    why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head); False never does (nor the copy).
 
     ``weights``: ``"model"`` (the default) computes with the model's own weights; ``"int8"`` reads every
     weight matrix in int8 on the CPU (faster, other tokens: see :mod:`gpt2.model.quantize`), through an int8
@@ -250,8 +251,8 @@ def stream(
 
 def _weights_and_head(
     model: GPT, weights: str, int8_head: bool | None, temperature: float, max_new_tokens: int
-) -> tuple[GPT, Int8Head | None]:
-    """The model that decodes (``model`` or its int8 twin) and the int8 greedy head, if any."""
+) -> tuple[GPT, Int8Head | TransposedHead | None]:
+    """The model that decodes (``model`` or its int8 twin) and the greedy head that replaces its own, if any."""
     if check_weights(weights) == "model":
         return model, select_int8_head(model, int8_head, temperature, max_new_tokens)
     if check_switch(int8_head):
@@ -312,7 +313,7 @@ def _stream(
     eos_token_id: int | None,
     use_cache: bool,
     attention_mask: torch.Tensor | None,
-    int8: Int8Head | None,
+    int8: Int8Head | TransposedHead | None,
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
     # no dropout while sampling; the caller's mode is restored below
@@ -343,7 +344,9 @@ def _stream(
                     cache = KVCache.for_model(model, cache_len)
             # (B, V) logits, or (B, C) hidden states when the int8 head is applied here
             out = _forward(step, step_ids, cache, mask, int8 is None)[:, -1]
-            if int8 is not None:
+            if isinstance(int8, TransposedHead):
+                nxt = int8.tokens(out)
+            elif int8 is not None:
                 nxt = greedy_tokens(out, model.lm_head.weight, int8)
             else:
                 nxt = sample(out)
