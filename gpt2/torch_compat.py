@@ -122,3 +122,24 @@ def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor
         return out
     # fbgemm rounds x / step to quint8 with zero point 64: each value is round(x / step) + 64, in [1, 127]
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, step, 64, packed)
+
+
+# ---- Generation (issue 29): one-row int8 matmuls without the operator's Python wrapper ----
+
+
+def int8_matmul_row(x: torch.Tensor, packed: Any, step: float) -> torch.Tensor:
+    """:func:`int8_matmul` ``(x, packed, step=step)``, with less per-call overhead in eager mode.
+
+    Why private: ``torch.ops.quantized.<op>`` (an ``OpOverloadPacket``) first looks through its arguments in
+    Python for fake script objects (the op takes a torchbind object), which exist only while tracing; its
+    ``_op`` is the C++ operator itself. A 124M decoding step makes 49 such calls. While compiling, and where
+    ``packed`` is oneDNN's, this is :func:`int8_matmul`. Checked on torch 2.13.
+    """
+    if _INT8_LINEAR_OP is None or isinstance(packed, tuple) or torch.compiler.is_compiling():
+        return int8_matmul(x, packed, step=step)
+    return _INT8_LINEAR_OP(x, step, 64, packed)
+
+
+_INT8_LINEAR_OP = getattr(
+    getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None), "_op", None
+)

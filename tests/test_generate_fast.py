@@ -112,3 +112,25 @@ def test_the_default_thresholds_leave_small_heads_alone(tiny_config):
     assert isinstance(int8_head.transposed_head(big), int8_head.TransposedHead)
     wide = GPT(dataclasses.replace(tiny_config, n_embd=256, vocab_size=2**14, n_layer=1)).eval()
     assert int8_head.transposed_head(wide) is None
+
+
+def test_the_one_row_int8_matmul_is_int8_matmuls(monkeypatch):
+    """int8_matmul_row (the operator without its Python wrapper) gives int8_matmul's result, on both kernels,
+    and an int8 twin decodes the same tokens through it as through int8_matmul.
+    """
+    from gpt2 import torch_compat
+    from gpt2.model.quantize import Int8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    q = Int8Linear(linear)
+    x = torch.randn(1, 64)
+    step = float(x.abs().max()) / torch_compat.INT8_ACTIVATION_MAX
+    assert torch.equal(
+        torch_compat.int8_matmul_row(x, q.packed, step), torch_compat.int8_matmul(x, q.packed, step=step)
+    )
+    with torch.no_grad():
+        assert torch.equal(q(x[None]), torch_compat.int8_matmul(x, q.packed, step=step)[None] + linear.bias)
+    monkeypatch.setattr(torch_compat, "has_fbgemm", lambda: False)
+    packed = torch_compat.pack_int8(q.weight, q.scale)
+    assert torch.equal(torch_compat.int8_matmul_row(x, packed, step), torch_compat.int8_matmul(x, packed, step=step))
