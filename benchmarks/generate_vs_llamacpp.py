@@ -13,13 +13,14 @@ checkpoint or run directory of ``gpt2 train``, or a transformers directory) prom
 last tenth of ``--text`` (e.g. Tiny Shakespeare); per position (the first divergence changes what follows) and
 with fp32's tokens as the context of both (teacher forcing: per token).
 
-    PYTHONPATH=. python benchmarks/generate_vs_llamacpp.py [--rounds 5 --tokens 100]
+    PYTHONPATH=. python benchmarks/generate_vs_llamacpp.py [--rounds 5 --tokens 100 --compile]
         [--agreement 20 --trained DIR --text tinyshakespeare.txt]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -127,7 +128,7 @@ def bench_shape(shape: str, args: argparse.Namespace, folder: Path) -> None:
     model = random_model(shape)
     n = args.tokens
     prompt = torch.randint(0, 50257, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-    print(f"\n{shape} ({model.num_params() / 1e6:.1f}M parameters, random weights)")
+    print(f"\n{shape} ({model.num_params() / 1e6:.1f}M parameters, random weights); {load()}")
     runs = {**our_runs(model, prompt, n, args.compile), **llama_runs(model, folder, prompt, n)}
     # warm-up, and each run's tokens
     tokens = {name: run() for name, run in runs.items()}
@@ -140,10 +141,16 @@ def bench_shape(shape: str, args: argparse.Namespace, folder: Path) -> None:
             if ref in medians and not name.startswith("llama"):
                 line += f"  {medians[name] / medians[ref]:5.2f}x {ref}"
         print(line)
+    print(f"  after the rounds: {load()}")
     reference = tokens["ours fp32, plain head"]
     for name, out in tokens.items():
         same = sum(a == b for a, b in zip(out, reference, strict=True))
         print(f"  {name:<24} {same:3d}/{n} tokens as ours fp32, plain head")
+
+
+def load() -> str:
+    """The machine's load averages (1, 5, 15 minutes): other processes on a shared machine slow the rounds."""
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def prompts_of(model: GPT, count: int, text: str | None) -> torch.Tensor:
