@@ -134,3 +134,19 @@ def test_the_one_row_int8_matmul_is_int8_matmuls(monkeypatch):
     monkeypatch.setattr(torch_compat, "has_fbgemm", lambda: False)
     packed = torch_compat.pack_int8(q.weight, q.scale)
     assert torch.equal(torch_compat.int8_matmul_row(x, packed, step), torch_compat.int8_matmul(x, packed, step=step))
+
+
+def test_tokens_are_normal_tensors_though_decoding_runs_in_inference_mode(narrow_model):
+    """The steps run under torch.inference_mode; what stream yields and generate returns can be modified in
+    place and used with autograd, as before.
+    """
+    prompt = torch.tensor([[1, 2, 3]])
+    tokens = list(narrow_model.stream(prompt, 4, temperature=0))
+    assert not any(t.is_inference() for t in tokens)
+    tokens[0] += 1
+    out = generate(narrow_model, prompt, 4, temperature=0)
+    assert not out.is_inference()
+    out[0, 0] = 7
+    logits, _ = narrow_model(out)
+    logits.sum().backward()
+    assert narrow_model.lm_head.weight.grad is not None
