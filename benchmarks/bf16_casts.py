@@ -12,10 +12,13 @@ step (after ``--warmup`` untimed steps), on one thread:
   what each ``copy_`` writes (its destination's elements x their size).
 - the casts by direction (fp32 -> bf16, bf16 -> fp32, other: integer and scalar casts) and by phase: forward,
   backward (inside the autograd engine), optimizer (inside ``Optimizer.step`` / ``zero_grad``).
-- the profiler's self CPU time of every op, grouped: matmuls (emulated in bf16 on CPUs without native bf16: not
-  meaningful there), casts, copies, loss (the rest of the fused linear + cross-entropy, softmax included),
-  attention, GELU, LayerNorm, optimizer and clipping, other. The profiler's clock is the wall clock: on a shared
-  machine other jobs' time is counted too.
+- the time of the ops, grouped: matmuls (emulated in bf16 on CPUs without native bf16: not meaningful there), casts,
+  copies, loss (the rest of the fused linear + cross-entropy, softmax included), attention, GELU, LayerNorm,
+  optimizer and clipping, other. Twice: the profiler's self time of each op (its clock is the wall clock: on a
+  shared machine the time other jobs take the core is counted too), and the CPU time (``time.process_time``) of each
+  aten op in one more step, timed by a ``TorchDispatchMode`` (it sees the ops below autograd, each once: a cast is
+  one ``_to_copy``; the loss and the optimizer are told by the Python functions they run in). The CPU times are the
+  ones to compare; on a busy machine they still move by tens of percent (shared caches and cores).
 
 ``--top N`` lists the N cast and copy sites (op, the op that called it, dtypes, destination shape) that write the
 most bytes. ``--shape small`` (the default) is 4 layers x 128 wide with GPT-2's vocabulary 50257, B=4, T=128 (tens of
@@ -29,12 +32,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+# the documented way to see every aten op as it runs; a benchmark, not the library, so the private module path is
+# acceptable here (as in benchmarks/step_vs_peers.py)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
@@ -86,6 +94,27 @@ NAMED = {
     "aten::_foreach_mul_": "optimizer+clip",
 }
 GROUPS = ("casts", "copies", "loss", "attention", "GELU", "LayerNorm", "optimizer+clip", "other")
+# the same groups for the ops a TorchDispatchMode sees (below autograd: one op per cast, no wrappers)
+DISPATCH_MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
+DISPATCH_NAMED = {
+    "_to_copy": "casts",
+    "copy_": "copies",
+    "_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "attention",
+    "_softmax": "loss",
+    "_log_softmax": "loss",
+    "logsumexp": "loss",
+    "gelu": "GELU",
+    "gelu_backward": "GELU",
+    "native_layer_norm": "LayerNorm",
+    "native_layer_norm_backward": "LayerNorm",
+}
+# the Python code an op runs under, by the start of its function's qualified name or its file
+DISPATCH_SCOPES = (
+    ("_LinearCrossEntropy.", "loss"),
+    ("torch/optim/", "optimizer+clip"),
+    ("clip_grad", "optimizer+clip"),
+)
 
 
 @dataclass
@@ -101,6 +130,7 @@ class StepCounts:
     group_us: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     matmul_us: float = 0.0
     step_cpu_s: float = 0.0
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def ancestors(event) -> list[str]:
@@ -179,6 +209,43 @@ def tally(events) -> StepCounts:
     return counts
 
 
+def python_scope() -> str | None:
+    """The group of the Python code running an op: the fused loss, the optimizer or clipping; None elsewhere."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        for marker, scope in DISPATCH_SCOPES:
+            if code.co_qualname.startswith(marker) or marker in code.co_filename:
+                return scope
+        frame = frame.f_back
+    return None
+
+
+class CpuTimeByGroup(TorchDispatchMode):
+    """CPU time (``time.process_time``) of every aten op run under it, by group: unlike the profiler's wall
+    clock, it does not count the time other jobs on a shared machine take the core.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.process_time()
+        out = func(*args, **(kwargs or {}))
+        seconds = time.process_time() - start
+        name = func.overloadpacket.__name__
+        if name in DISPATCH_MATMULS:
+            self.seconds["matmuls"] += seconds
+            return out
+        named = DISPATCH_NAMED.get(name)
+        if named in ("casts", "copies"):
+            self.seconds[named] += seconds
+            return out
+        self.seconds[python_scope() or named or "other"] += seconds
+        return out
+
+
 def build_trainer(shape: str, accum: int) -> Trainer:
     model_shape, batch, seq_len, vocab = BENCH_SHAPES[shape]
     torch.manual_seed(0)
@@ -201,8 +268,10 @@ def build_trainer(shape: str, accum: int) -> Trainer:
     return Trainer(model, config, tokens, sinks=[])
 
 
-def profile_step(shape: str, accum: int, warmup: int) -> StepCounts:
-    """One bf16 step of a fresh Trainer under torch.profiler, after ``warmup`` steps."""
+def profile_step(shape: str, accum: int, warmup: int, cpu_time: bool) -> StepCounts:
+    """One bf16 step of a fresh Trainer under torch.profiler, after ``warmup`` steps; with ``cpu_time`` one more
+    under :class:`CpuTimeByGroup`.
+    """
     trainer = build_trainer(shape, accum)
     for _ in range(warmup):
         trainer.train_step()
@@ -212,6 +281,11 @@ def profile_step(shape: str, accum: int, warmup: int) -> StepCounts:
         step_cpu_s = time.process_time() - start
     counts = tally(prof.events())
     counts.step_cpu_s = step_cpu_s
+    if cpu_time:
+        timer = CpuTimeByGroup()
+        with timer:
+            trainer.train_step()
+        counts.cpu_seconds = dict(timer.seconds)
     trainer.close()
     return counts
 
@@ -236,9 +310,18 @@ def report(counts: StepCounts, accum: int, top: int) -> None:
     )
     non_matmul = sum(counts.group_us.values())
     print(
-        f"self CPU ms: matmuls {counts.matmul_us / 1e3:.1f} (emulated where bf16 is not native), non-matmul "
-        f"{non_matmul / 1e3:.1f}: " + ", ".join(f"{name} {counts.group_us.get(name, 0.0) / 1e3:.1f}" for name in GROUPS)
+        f"profiler self time, ms (wall clock): matmuls {counts.matmul_us / 1e3:.1f}, "
+        f"non-matmul {non_matmul / 1e3:.1f}: "
+        + ", ".join(f"{name} {counts.group_us.get(name, 0.0) / 1e3:.1f}" for name in GROUPS)
     )
+    if counts.cpu_seconds:
+        cpu = counts.cpu_seconds
+        non_matmul = sum(cpu.values()) - cpu.get("matmuls", 0.0)
+        print(
+            f"CPU time of one more step's ops, ms: matmuls {cpu.get('matmuls', 0.0) * 1e3:.1f} (emulated where bf16 "
+            f"is not native), non-matmul {non_matmul * 1e3:.1f}: "
+            + ", ".join(f"{name} {cpu.get(name, 0.0) * 1e3:.1f}" for name in GROUPS)
+        )
     if top:
         print(f"top {top} cast / copy sites by bytes: kind | called from | dtypes | destination shape | calls | MB")
         ranked = sorted(counts.sites, key=lambda site: (-counts.site_bytes[site], -counts.sites[site]))
@@ -256,6 +339,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the profiled one")
     parser.add_argument("--top", type=int, default=0, help="list the N cast / copy sites that write the most bytes")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-cpu-time", action="store_true", help="skip the extra step that measures CPU time by op")
     args = parser.parse_args()
     try:
         args.accum = [int(value) for value in args.accum.split(",")]
@@ -278,7 +362,7 @@ def main() -> None:
         f"T={seq_len}; precision bf16 (autocast, fp32 master weights), Trainer.train_step"
     )
     for accum in args.accum:
-        report(profile_step(args.shape, accum, args.warmup), accum, args.top)
+        report(profile_step(args.shape, accum, args.warmup, not args.no_cpu_time), accum, args.top)
 
 
 if __name__ == "__main__":
