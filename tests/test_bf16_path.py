@@ -63,7 +63,7 @@ class Batches:
         return self.batches[(self.i - 1) % len(self.batches)]
 
 
-def _config(accum: int) -> TrainConfig:
+def _config(accum: int, **overrides) -> TrainConfig:
     return TrainConfig(
         micro_batch_size=B,
         seq_len=T,
@@ -79,6 +79,7 @@ def _config(accum: int) -> TrainConfig:
         precision="bf16",
         plot=False,
         seed=0,
+        **overrides,
     )
 
 
@@ -87,10 +88,11 @@ def _per_micro_step(monkeypatch) -> None:
     monkeypatch.setattr(PrecisionPolicy, "step_casts", lambda self: contextlib.nullcontext())
 
 
-def _train(accum: int, checkpointing: bool = False, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The losses of ``steps`` bf16 steps and the last step's gradients."""
-    with Trainer(_model(checkpointing), _config(accum), Batches(_batches(accum)), sinks=[]) as trainer:
-        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+def _train(accum: int, checkpointing: bool = False, **overrides) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses of two bf16 steps and the second step's gradients."""
+    config = _config(accum, **overrides)
+    with Trainer(_model(checkpointing), config, Batches(_batches(accum)), sinks=[]) as trainer:
+        losses = [trainer.train_step()["loss"] for _ in range(2)]
         grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
     return losses, grads
 
@@ -103,6 +105,19 @@ def test_one_cast_per_step_gives_the_per_micro_step_losses_and_gradients_bit_for
         before_losses, before_grads = _train(accum, checkpointing)
     assert losses == before_losses
     assert grads.keys() == before_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, before_grads[name]), name
+
+
+def test_compiled_bf16_steps_are_unchanged(monkeypatch):
+    """Under torch.compile the graph makes its own casts (autocast's cache is not used): the same results."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, **{"backend": "aot_eager", **kw}))
+    losses, grads = _train(2, compile=True)
+    with monkeypatch.context() as patch:
+        _per_micro_step(patch)
+        before_losses, before_grads = _train(2, compile=True)
+    assert losses == before_losses
     for name, grad in grads.items():
         assert torch.equal(grad, before_grads[name]), name
 
