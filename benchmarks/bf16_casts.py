@@ -23,9 +23,11 @@ step (after ``--warmup`` untimed steps), on one thread:
 ``--top N`` lists the N cast and copy sites (op, the op that called it, dtypes, destination shape) that write the
 most bytes. ``--shape small`` (the default) is 4 layers x 128 wide with GPT-2's vocabulary 50257, B=4, T=128 (tens of
 seconds a step where bf16 is emulated); ``--shape 124m`` is GPT-2 124M at B=4, T=256: there one emulated bf16 step
-takes many minutes (about 10 per micro-step on a 2-core AVX2 EPYC), x ``--accum``.
+takes many minutes (about 10 per micro-step on a 2-core AVX2 EPYC), x ``--accum``. ``--batch`` and ``--seq-len``
+change the micro-batch: ``--shape 124m --batch 1 --seq-len 16`` makes the same casts of the same weights as B=4,
+T=256 (the loss's 1024 rows are one chunk either way), with 64x fewer activation and logit bytes, in seconds.
 
-    PYTHONPATH=. python benchmarks/bf16_casts.py [--shape small|124m] [--accum 1,4] [--top 20]
+    PYTHONPATH=. python benchmarks/bf16_casts.py [--shape small|124m] [--accum 1,4] [--batch B] [--seq-len T] [--top 20]
 """
 
 from __future__ import annotations
@@ -246,8 +248,19 @@ class CpuTimeByGroup(TorchDispatchMode):
         return out
 
 
-def build_trainer(shape: str, accum: int) -> Trainer:
-    model_shape, batch, seq_len, vocab = BENCH_SHAPES[shape]
+@dataclass(frozen=True)
+class Run:
+    """What one profiled step trains: the model's shape and vocabulary, the micro-batch, the accumulation."""
+
+    model_shape: str
+    batch: int
+    seq_len: int
+    vocab: int
+    accum: int
+
+
+def build_trainer(run: Run) -> Trainer:
+    batch, seq_len, vocab, accum = run.batch, run.seq_len, run.vocab, run.accum
     torch.manual_seed(0)
     tokens = torch.randint(0, vocab, (64 * accum * batch * seq_len + 1,), generator=torch.Generator().manual_seed(0))
     config = TrainConfig(
@@ -264,15 +277,15 @@ def build_trainer(shape: str, accum: int) -> Trainer:
         seed=0,
         max_bad_steps=10**6,
     )
-    model = GPT(GPTConfig(**SHAPES[model_shape], vocab_size=vocab, block_size=seq_len))
+    model = GPT(GPTConfig(**SHAPES[run.model_shape], vocab_size=vocab, block_size=seq_len))
     return Trainer(model, config, tokens, sinks=[])
 
 
-def profile_step(shape: str, accum: int, warmup: int, cpu_time: bool) -> StepCounts:
+def profile_step(run: Run, warmup: int, cpu_time: bool) -> StepCounts:
     """One bf16 step of a fresh Trainer under torch.profiler, after ``warmup`` steps; with ``cpu_time`` one more
     under :class:`CpuTimeByGroup`.
     """
-    trainer = build_trainer(shape, accum)
+    trainer = build_trainer(run)
     for _ in range(warmup):
         trainer.train_step()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -332,10 +345,19 @@ def report(counts: StepCounts, accum: int, top: int) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="--shape 124m: one emulated bf16 step takes many minutes on a CPU without AMX / AVX512-BF16.",
+        epilog="--shape 124m (B=4, T=256): one bf16 step takes many minutes (about 10 per micro-step) on a CPU "
+        "without AMX / AVX512-BF16, where bf16 matmuls are emulated; --shape 124m --batch 1 --seq-len 16 makes the "
+        "same casts of the same weights in seconds (64x fewer activation and logit bytes).",
     )
-    parser.add_argument("--shape", choices=BENCH_SHAPES, default="small")
+    parser.add_argument(
+        "--shape",
+        choices=BENCH_SHAPES,
+        default="small",
+        help="small: 4 layers x 128, B=4, T=128 (the default); 124m: GPT-2 124M, B=4, T=256",
+    )
     parser.add_argument("--accum", default="1,4", help="gradient accumulation steps to profile, comma-separated")
+    parser.add_argument("--batch", type=int, help="micro-batch size (default: the shape's)")
+    parser.add_argument("--seq-len", type=int, help="sequence length (default: the shape's)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the profiled one")
     parser.add_argument("--top", type=int, default=0, help="list the N cast / copy sites that write the most bytes")
     parser.add_argument("--threads", type=int, default=1)
@@ -347,6 +369,10 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--accum takes comma-separated whole numbers such as 1,4, got {args.accum!r}")
     if min(args.accum) < 1:
         parser.error(f"--accum values must be at least 1, got {args.accum}")
+    for option in ("batch", "seq_len"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     return args
 
 
@@ -356,13 +382,15 @@ def main() -> None:
     logging.getLogger("gpt2").setLevel(logging.WARNING)
     print(describe_machine("cpu", args.threads))
     model_shape, batch, seq_len, vocab = BENCH_SHAPES[args.shape]
+    batch, seq_len = args.batch or batch, args.seq_len or seq_len
     dims = SHAPES[model_shape]
     print(
         f"shape {args.shape}: {dims['n_layer']} layers x {dims['n_embd']} wide, vocabulary {vocab}, B={batch}, "
         f"T={seq_len}; precision bf16 (autocast, fp32 master weights), Trainer.train_step"
     )
     for accum in args.accum:
-        report(profile_step(args.shape, accum, args.warmup, not args.no_cpu_time), accum, args.top)
+        run = Run(model_shape, batch, seq_len, vocab, accum)
+        report(profile_step(run, args.warmup, not args.no_cpu_time), accum, args.top)
 
 
 if __name__ == "__main__":
