@@ -23,9 +23,10 @@ step (after ``--warmup`` untimed steps), on one thread:
 ``--top N`` lists the N cast and copy sites (op, the op that called it, dtypes, destination shape) that write the
 most bytes. ``--shape small`` (the default) is 4 layers x 128 wide with GPT-2's vocabulary 50257, B=4, T=128 (tens of
 seconds a step where bf16 is emulated); ``--shape 124m`` is GPT-2 124M at B=4, T=256: there one emulated bf16 step
-takes many minutes (about 10 per micro-step on a 2-core AVX2 EPYC), x ``--accum``. ``--batch`` and ``--seq-len``
-change the micro-batch: ``--shape 124m --batch 1 --seq-len 16`` makes the same casts of the same weights as B=4,
-T=256 (the loss's 1024 rows are one chunk either way), with 64x fewer activation and logit bytes, in seconds.
+takes many minutes (about 10 per micro-step on a 2-core AVX2 EPYC, estimated from B=1, T=16), x ``--accum``.
+``--batch`` and ``--seq-len`` change the micro-batch: ``--shape 124m --batch 1 --seq-len 16`` makes the same casts of
+the same weights as B=4, T=256 (the loss's 1024 rows are one chunk either way), with 64x fewer activation and logit
+bytes, in about 10 s of CPU time a micro-step.
 
     PYTHONPATH=. python benchmarks/bf16_casts.py [--shape small|124m] [--accum 1,4] [--batch B] [--seq-len T] [--top 20]
 """
