@@ -1,11 +1,12 @@
 """Precision policies: one object per numeric regime of training.
 
 ``fp32`` (IEEE matmuls), ``tf32`` (TF32 tensor cores on CUDA), ``bf16`` and ``fp16`` (autocast). The weights always stay
-fp32: autocast casts them inside each matmul and the optimizer updates the fp32 copy, so tiny updates are not rounded
-away; the loss is computed in fp32 whatever the policy. fp16 alone needs dynamic loss scaling
-(``torch.amp.GradScaler``): its range (max 65,504, smallest normal 6e-5) makes gradients overflow or underflow. The
-scaled loss avoids underflow; ``unscale_`` runs *before* clipping (the threshold applies to true gradients) and a step
-with inf/nan gradients is skipped while the scale halves (it doubles again every 2,000 good steps).
+fp32: autocast casts them inside the matmuls, once per optimizer step (:meth:`PrecisionPolicy.step_casts`), and the
+optimizer updates the fp32 copy, so tiny updates are not rounded away; the loss is computed in fp32 whatever the
+policy. fp16 alone needs dynamic loss scaling (``torch.amp.GradScaler``): its range (max 65,504, smallest normal
+6e-5) makes gradients overflow or underflow. The scaled loss avoids underflow; ``unscale_`` runs *before* clipping
+(the threshold applies to true gradients) and a step with inf/nan gradients is skipped while the scale halves (it
+doubles again every 2,000 good steps).
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ class PrecisionPolicy:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def step_casts(self) -> ContextManager:
+        """The context one optimizer step's micro-steps run in (their forwards in :meth:`autocast` each, and their
+        backwards): under autocast, each fp32 weight is cast to the low precision once per step, at its first use,
+        and not again in every micro-step.
+
+        Autocast keeps its casts of the weights (leaf tensors that require grad) in a cache that it clears when the
+        outermost autocast context exits: with one :meth:`autocast` per micro-step, every micro-step casts every
+        weight again. This is an outer autocast context that is *disabled*: the cache lives until the step's last
+        backward is done, while the backwards still run outside autocast, as they did. The weights do not change
+        within a step (the optimizer steps after it): the same cast serves each micro-step, and the gradients are
+        the same, bit for bit. (A bf16 weight cast that is kept in sync with the fp32 weights would save the same
+        casts at the price of a second copy of the weights held between steps.)
+        """
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, enabled=False)
 
     def make_scaler(self) -> torch.amp.GradScaler | None:
         """A fresh ``GradScaler`` for fp16, else None."""

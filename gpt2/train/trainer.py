@@ -425,7 +425,9 @@ class Trainer:
             loss_value, grad_norm, skipped, bad = 0.0, 0.0, True, False
             self.skipped_steps += 1
         else:
-            loss_value = self._accumulate(batches, counts, scored)
+            # each weight cast to bf16 / fp16 once per step, not once per micro-step
+            with self.precision.step_casts():
+                loss_value = self._accumulate(batches, counts, scored)
             grad_norm, skipped, bad = self._optimizer_step(loss_value)
         if self.device.type == "cuda":
             # the step's kernels are queued asynchronously: time them all
