@@ -410,6 +410,10 @@ def profile_step(step: Step, rows: int, mm_rate: float) -> None:
         step()
     total = time.process_time() - start
     print(f"\nCPU time of one more ours step (fp32) by aten op and input shapes: {total:.3f} s in all")
+    # Seen from Python, every tensor has a Python object that holds a reference: autograd then sums the tied
+    # embedding's and head's gradients into a fresh block (an ``add`` of two (vocab, n_embd) tensors) where a
+    # plain step adds them in place.
+    print("(under this profiler the tied weight's two gradients are summed out of place; a plain step sums in place)")
     print("op | input shapes | calls | CPU s | share | GFLOP/s (vs mm 2048^2)")
     ranked = sorted(profiler.seconds.items(), key=lambda item: -item[1])
     for key, seconds in ranked[:rows]:

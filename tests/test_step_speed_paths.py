@@ -1,0 +1,126 @@
+"""The training step's fast paths (issue 29) give the plain computation's numbers: the chunked loss with its
+logits rows aligned wider than the vocabulary, the head gradient written by the first chunk and scaled in place
+by the backward. Correctness only; their speed is measured by benchmarks/step_vs_peers.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2.errors import InvalidValueError
+from gpt2.model import gpt as gpt_module
+from gpt2.model.gpt import GPT, linear_cross_entropy
+
+
+def _reference(x, weight, targets, vocab_size, reduction):
+    logits = (x @ weight.T)[..., :vocab_size].float()
+    return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=-1, reduction=reduction)
+
+
+def _case(rows: int = 23, vocab: int = 37, weight_rows: int = 37, width: int = 16):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=generator, requires_grad=True)
+    weight = torch.randn(weight_rows, width, generator=generator, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    targets[3:9] = -1
+    return x, weight, targets
+
+
+def test_the_logits_buffer_rows_are_aligned_wider_than_the_vocabulary():
+    buffer = gpt_module._logits_buffer(5, 37, torch.device("cpu"))
+    assert buffer.shape == (5, 40) and buffer.stride() == (40, 1)
+    # an aligned width is kept as it is
+    assert gpt_module._logits_buffer(5, 48, torch.device("cpu")).shape == (5, 48)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("weight_rows", [37, 43, 64])  # no padding, padded to an unaligned and an aligned width
+@pytest.mark.parametrize("chunk_rows", [5, 23, 64])  # uneven chunks, one chunk exactly, one larger chunk
+def test_loss_and_gradients_equal_cross_entropy_for_any_vocabulary_width(reduction, weight_rows, chunk_rows):
+    x, weight, targets = _case(weight_rows=weight_rows)
+    loss = linear_cross_entropy(x, weight, targets, 37, reduction=reduction, chunk_rows=chunk_rows)
+    dx, dw = torch.autograd.grad(loss * 0.25, (x, weight))
+    ref = _reference(x, weight, targets, 37, reduction)
+    ref_dx, ref_dw = torch.autograd.grad(ref * 0.25, (x, weight))
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(dx, ref_dx)
+    torch.testing.assert_close(dw, ref_dw)
+    # the head's padded rows are never a class
+    assert torch.count_nonzero(dw[37:]) == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_chunk_overwrites_the_uninitialised_head_gradient(monkeypatch, precision):
+    """The head's gradient starts as uninitialised memory: NaNs there must not reach the gradient."""
+    monkeypatch.setattr(
+        gpt_module, "_weight_grad", lambda weight, rows: torch.full_like(weight, float("nan"), dtype=torch.float32)
+    )
+    x, weight, targets = _case()
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = linear_cross_entropy(x, weight, targets, 37, chunk_rows=5)
+        ref = _reference(x, weight, targets, 37, "mean")
+    dw = torch.autograd.grad(loss, weight)[0]
+    ref_dw = torch.autograd.grad(ref, weight)[0]
+    assert dw.isfinite().all()
+    tol = dict(rtol=2e-2, atol=1e-3) if dtype else {}
+    torch.testing.assert_close(dw, ref_dw, **tol)
+
+
+def test_no_row_gives_zero_gradients():
+    x, weight, targets = _case(rows=0)
+    loss = linear_cross_entropy(x, weight, targets, 37, reduction="sum")
+    dx, dw = torch.autograd.grad(loss, (x, weight))
+    assert loss == 0 and dx.shape == (0, 16) and dw.abs().max() == 0
+
+
+def test_a_second_backward_is_refused_in_one_line():
+    """The backward scales the gradients in place: a second one (retain_graph) would scale them twice."""
+    x, weight, targets = _case()
+    loss = linear_cross_entropy(x, weight, targets, 37) * 3.0
+    loss.backward(retain_graph=True)
+    first = weight.grad.clone()
+    with pytest.raises(InvalidValueError, match="second backward"):
+        loss.backward()
+    ref_dw = torch.autograd.grad(_reference(x, weight, targets, 37, "mean") * 3.0, weight)[0]
+    torch.testing.assert_close(first, ref_dw)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tied_model_with_an_unaligned_vocabulary_matches_the_plain_loss(tiny_config, precision):
+    """An unpadded odd vocabulary (the 124M benchmark's 50257 in small): the tied embedding's and head's
+    gradients add up as the full logits' cross-entropy gives them, under bf16 autocast too.
+    """
+    config = dataclasses.replace(tiny_config, vocab_size=101, pad_vocab_multiple=1)
+    model = GPT(config).train()
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 101, (3, 16), generator=generator)
+    targets = torch.randint(0, 101, (3, 16), generator=generator)
+    targets[1, :4] = -1
+    dtype = torch.bfloat16 if precision == "bf16" else None
+
+    def grads(fast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            if fast:
+                loss = model(idx, targets, reduction="sum")[1]
+            else:
+                logits = model(idx)[0]
+                loss = F.cross_entropy(
+                    logits.float().reshape(-1, 101), targets.reshape(-1), ignore_index=-1, reduction="sum"
+                )
+        (loss / 40).backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    loss, fast = grads(True)
+    ref, plain = grads(False)
+    # bf16 keeps 8 bits: a gradient entry is within ~2^-8 of the largest one
+    tol = dict(rtol=2e-2, atol=4e-3) if dtype else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref, **tol)
+    for name, grad in plain.items():
+        atol = tol["atol"] * max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(fast[name], grad, rtol=tol["rtol"], atol=atol, msg=lambda m, n=name: f"{n}: {m}")
