@@ -407,19 +407,25 @@ _kept = threading.local()
 LOGITS_ROW_ALIGN = 8
 
 
-def _logits_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """A ``(rows, cols_aligned)`` fp32 buffer, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN`. On CPU one is
-    kept between calls: a fresh 100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks
-    over 32 MB to the OS when they are freed).
+def _logits_buffer(rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN`: the fp32
+    logits, or (bf16 / fp16) a low-precision matmul's output. On CPU one of each is kept between calls: a fresh
+    100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks over 32 MB to the OS when they
+    are freed).
     """
     cols = -(-cols // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
     if device.type != "cpu" or torch.compiler.is_compiling():
-        return torch.empty(rows, cols, dtype=torch.float32, device=device)
-    if getattr(_kept, "logits", None) is None or _kept.logits.numel() < rows * cols:
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    name = "logits"
+    if dtype != torch.float32:
+        name = "low_logits"
+    kept = getattr(_kept, name, None)
+    if kept is None or kept.dtype != dtype or kept.numel() < rows * cols:
         # a normal tensor: usable in and out of inference mode
         with torch.inference_mode(False):
-            _kept.logits = torch.empty(rows * cols, dtype=torch.float32)
-    return _kept.logits[: rows * cols].view(rows, cols)
+            kept = torch.empty(rows * cols, dtype=dtype)
+        setattr(_kept, name, kept)
+    return kept[: rows * cols].view(rows, cols)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -443,31 +449,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
             row_weights = scored * (1.0 / count.clamp(min=1))
         else:
             row_weights = scored.float()
-        w, w_grad = weight.to(dtype), weight.to(grad_dtype)
+        w, w_grad = _weight_casts(weight, dtype, grad_dtype)
         # A target that is neither a token nor IGNORE_INDEX (e.g. -100, unchecked on a GPU) makes it NaN.
         loss = torch.where(((targets < IGNORE_INDEX) | (targets >= vocab_size)).any(), float("nan"), 0.0)
         dx = torch.empty_like(x) if need_dx else None
         dw = _weight_grad(weight, x.size(0)) if need_dw else None
-        # one buffer for every chunk's logits
+        # one buffer for every chunk's logits; under bf16 / fp16 autocast one more for their low-precision product
         buffer = _logits_buffer(min(chunk_rows, x.size(0)), weight.size(0), x.device)
+        low = _low_precision_buffer(buffer, dtype)
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
                 chunk = slice(s, s + chunk_rows)
                 xc, t, keep = x[chunk], safe_targets[chunk], scored[chunk]
-                logits = _chunk_logits(xc, w, dtype, vocab_size, buffer[: xc.size(0)])
+                # one cast of the chunk's rows for both of its products in dtype
+                xd = xc.to(dtype)
+                logits = _chunk_logits(xd, w, vocab_size, buffer[: xc.size(0)], low)
                 rows = torch.arange(logits.size(0), device=logits.device)
                 row_loss, p = _loss_and_softmax(logits, rows, t, keep, xc, w, dtype, vocab_size)
                 # an ignored row's loss may be inf
                 loss += row_loss.where(keep, 0.0).sum()
                 if not (need_dx or need_dw):
                     continue
-                g, wr = _logits_grad(p, rows, t, row_weights[chunk, None], grad_dtype)
+                g, wr = _logits_grad(p, rows, t, row_weights[chunk, None], grad_dtype, low)
                 # the head's columns (the buffer's rows may be wider)
                 g = g[:, : weight.size(0)]
                 if dx is not None:
                     dx[chunk] = (g @ w_grad) * wr
                 if dw is not None:
-                    _add_weight_grad(dw, g, xc, wr, first=s == 0)
+                    _add_weight_grad(dw, g, xc, xd, wr, first=s == 0)
         ctx.save_for_backward(dx, dw)
         if mean:
             return loss / count
@@ -500,17 +509,39 @@ def _weight_grad(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.empty_like(weight, dtype=torch.float32)
 
 
+def _weight_casts(
+    weight: torch.Tensor, dtype: torch.dtype, grad_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head's weight in the logits' matmul dtype and in the gradients' matmul dtype: under bf16 one
+    weight-sized cast serves both.
+    """
+    w = weight.to(dtype)
+    if grad_dtype == dtype:
+        return w, w
+    return w, weight.to(grad_dtype)
+
+
+def _low_precision_buffer(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Under bf16 / fp16 autocast a buffer shaped like the fp32 ``buffer`` in ``dtype``, for the logits' product
+    (then, under bf16, the chunk's gradient): no fresh logits-sized block per chunk. None in fp32.
+    """
+    if dtype == torch.float32:
+        return None
+    return _logits_buffer(buffer.size(0), buffer.size(1), buffer.device, dtype)
+
+
 def _chunk_logits(
-    xc: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, vocab_size: int, out: torch.Tensor
+    xd: torch.Tensor, w: torch.Tensor, vocab_size: int, out: torch.Tensor, low: torch.Tensor | None
 ) -> torch.Tensor:
-    """``xc @ w.T``, the matmul in ``dtype``, written into the fp32 buffer ``out`` ``(n, >= V_padded)``, whose
-    columns from ``vocab_size`` on are set to -inf.
+    """``xd @ w.T`` written into the fp32 buffer ``out`` ``(n, >= V_padded)``, whose columns from ``vocab_size``
+    on are set to -inf: straight in fp32, else through ``low``, a buffer in ``xd``'s dtype (on CPU a product's
+    output has its inputs' dtype).
     """
     head = out[:, : w.size(0)]
-    if dtype == torch.float32:
-        torch.mm(xc, w.T, out=head)
+    if low is None:
+        torch.mm(xd, w.T, out=head)
     else:
-        head.copy_(xc.to(dtype) @ w.T)
+        head.copy_(torch.mm(xd, w.T, out=low[: xd.size(0), : w.size(0)]))
     # the head's padded rows and the buffer's alignment columns are not tokens
     out[:, vocab_size:] = float("-inf")
     return out
@@ -547,28 +578,36 @@ def _loss_and_softmax(
 
 
 def _logits_grad(
-    p: torch.Tensor, rows: torch.Tensor, t: torch.Tensor, wr: torch.Tensor, grad_dtype: torch.dtype
+    p: torch.Tensor,
+    rows: torch.Tensor,
+    t: torch.Tensor,
+    wr: torch.Tensor,
+    grad_dtype: torch.dtype,
+    low: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | float]:
     """d loss / d logits = (softmax - one_hot(target)) * row weight, made in ``p``'s memory: ``(g, wr)``,
-    the row weights ``wr`` ``(n, 1)`` still to apply to the products with ``g``, or 1.0.
+    the row weights ``wr`` ``(n, 1)`` still to apply to the products with ``g``, or 1.0. A bf16 ``g`` is
+    written into ``low``, the chunk's low-precision buffer.
     """
     p[rows, t] -= 1
     if grad_dtype == torch.float32:
         # The row weights go on the matmuls' small sides: a pass fewer over the logits.
         return p, wr
     # bf16: on g before it is rounded, as the plain loss's gradient is.
-    return p.mul_(wr).to(grad_dtype), 1.0
+    return low[: p.size(0)].copy_(p.mul_(wr)), 1.0
 
 
 def _add_weight_grad(
-    dw: torch.Tensor, g: torch.Tensor, xc: torch.Tensor, wr: torch.Tensor | float, first: bool
+    dw: torch.Tensor, g: torch.Tensor, xc: torch.Tensor, xd: torch.Tensor, wr: torch.Tensor | float, first: bool
 ) -> None:
-    """Add the chunk's ``g.T @ (xc * wr)`` to ``dw``; the ``first`` chunk's writes over it (``dw`` is uninitialised)."""
+    """Add the chunk's ``g.T @ (xc * wr)`` to ``dw``; the ``first`` chunk's writes over it (``dw`` is uninitialised).
+    A bf16 ``g`` is multiplied by ``xd``, the chunk's rows already cast to bf16.
+    """
     if g.dtype == dw.dtype:
         # fp32: straight into dw, no weight-sized temporary per chunk; beta=0 ignores what dw held, NaNs included
         dw.addmm_(g.T, xc * wr, beta=int(not first))
         return
-    product = g.T @ xc.to(g.dtype)
+    product = g.T @ xd
     if first:
         dw.copy_(product)
     else:
