@@ -174,3 +174,20 @@ def test_a_seed_past_numpys_range_is_a_config_error():
     assert TrainConfig(seed=2**32 - 1).seed == 2**32 - 1
     with pytest.raises(ValueError, match=r"TrainConfig.seed must be an integer in \[0, 4294967295\], got 4294967296"):
         TrainConfig(seed=2**32)
+
+
+def test_decay_lr_false_keeps_max_lr_after_warmup_and_ignores_min_lr():
+    from gpt2.train.optim import lr_at
+
+    # min_lr above max_lr is refused only where the cosine would use it
+    with pytest.raises(ValueError, match="min_lr"):
+        _build(TrainConfig, max_lr=1e-3, min_lr=3e-3)
+    config = _build(TrainConfig, max_lr=1e-3, min_lr=3e-3, decay_lr=False, warmup_steps=4, max_steps=20)
+    assert config.final_lr == config.max_lr
+    rates = [
+        lr_at(step, max_lr=config.max_lr, min_lr=config.final_lr, warmup_steps=4, max_steps=20) for step in range(20)
+    ]
+    assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert rates[4:] == pytest.approx([1e-3] * 16)
+    decayed = _build(TrainConfig, max_lr=1e-3, warmup_steps=4, max_steps=20)
+    assert decayed.final_lr == pytest.approx(1e-4)

@@ -52,6 +52,9 @@ class TrainConfig:
     max_lr: float = 6e-4
     # Floor of the cosine decay; None = max_lr / 10, the ratio GPT-3 and build-nanogpt use.
     min_lr: float | None = None
+    # Decay the LR (a half cosine to min_lr) after the warmup, as nanoGPT's decay_lr; False = stay at max_lr
+    # (min_lr unused), e.g. for one pass over a small text whose validation split continues its end.
+    decay_lr: bool = True
     warmup_steps: int = 0  # linear warmup from max_lr / warmup_steps to max_lr
     # AdamW weight decay, on 2-D weights only (see decay_embeddings); 0.1 is GPT-3's
     weight_decay: float = 0.1
@@ -174,7 +177,7 @@ class TrainConfig:
 
     def _check_schedule(self) -> None:
         """The learning-rate schedule's fields agree with each other."""
-        if self.min_lr is not None and self.min_lr > self.max_lr:
+        if self.decay_lr and self.min_lr is not None and self.min_lr > self.max_lr:
             raise InvalidValueError(
                 f"TrainConfig.min_lr ({self.min_lr!r}) is larger than max_lr ({self.max_lr!r}): the cosine "
                 "schedule decays from max_lr down to min_lr; lower min_lr or leave it None (max_lr / 10)"
@@ -199,7 +202,9 @@ class TrainConfig:
 
     @property
     def final_lr(self) -> float:
-        """Where the cosine decay ends: ``min_lr``, or ``max_lr / 10`` when it is None."""
+        """Where the cosine decay ends: ``min_lr``, or ``max_lr / 10`` when it is None; ``max_lr`` without decay."""
+        if not self.decay_lr:
+            return self.max_lr
         return self.max_lr / 10 if self.min_lr is None else self.min_lr
 
     def to_dict(self) -> dict[str, Any]:
