@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ContextManager
@@ -131,6 +132,11 @@ def destroy_process_group(wait_for_all: bool = True) -> None:
     if dist.is_available() and dist.is_initialized():
         if wait_for_all:
             dist.barrier()
+            # gloo's worker thread destroys the barrier's finished work after barrier() has returned, and needs the
+            # GIL for it; the last reference to the group (held by DDP's Reducer) may be dropped meanwhile, and the
+            # group's destructor then joins that thread while holding the GIL: a deadlock seen once at exit (torch
+            # 2.13, CI). Sleeping releases the GIL and gives the thread the time to finish.
+            time.sleep(0.1)
         dist.destroy_process_group()
 
 
