@@ -57,3 +57,18 @@ def diverging_config(**overrides) -> TrainConfig:
         recovery_lr_factor=0.1,
     )
     return TrainConfig(**{**base, **overrides})
+
+
+class Batches:
+    """A loader that hands out the given ``(x, y)`` batches in turn; its batch size and sequence length are the
+    first batch's.
+    """
+
+    def __init__(self, batches: list[tuple]) -> None:
+        self.batches, self.i = batches, 0
+        self.batch_size, self.seq_len = batches[0][0].shape
+        self.rank, self.world_size = 0, 1
+
+    def next_batch(self) -> tuple:
+        self.i += 1
+        return self.batches[(self.i - 1) % len(self.batches)]

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _dist_worker import ByteTokenizer, uneven_rows
+from _tiny_run import Batches
 
 from gpt2 import GPT, GPTConfig
 from gpt2.data.instruct import InstructionLoader
@@ -145,18 +146,6 @@ class MeanOnly(nn.Module):
 
     def forward(self, idx, targets):
         return self.gpt(idx, targets)
-
-
-class Batches:
-    """A loader that hands out the given batches in turn."""
-
-    def __init__(self, batches: list[tuple]) -> None:
-        self.batches, self.i = batches, 0
-        self.batch_size, self.seq_len, self.rank, self.world_size = B, T, 0, 1
-
-    def next_batch(self) -> tuple:
-        self.i += 1
-        return self.batches[(self.i - 1) % len(self.batches)]
 
 
 def test_a_model_without_reduction_sum_is_weighted_by_its_targets_and_an_empty_micro_batch_adds_zero():

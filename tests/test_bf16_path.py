@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _tiny_run import Batches
 from torch.profiler import ProfilerActivity, profile
 
 from gpt2 import GPT, GPTConfig
@@ -49,18 +50,6 @@ def _batches(accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             y[1] = IGNORE_INDEX
         batches.append((x, y))
     return batches
-
-
-class Batches:
-    """A loader that hands out the given batches in turn."""
-
-    def __init__(self, batches: list[tuple]) -> None:
-        self.batches, self.i = batches, 0
-        self.batch_size, self.seq_len, self.rank, self.world_size = B, T, 0, 1
-
-    def next_batch(self) -> tuple:
-        self.i += 1
-        return self.batches[(self.i - 1) % len(self.batches)]
 
 
 def _config(accum: int, **overrides) -> TrainConfig:
