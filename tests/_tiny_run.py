@@ -72,3 +72,16 @@ class Batches:
     def next_batch(self) -> tuple:
         self.i += 1
         return self.batches[(self.i - 1) % len(self.batches)]
+
+
+def context_dependent_model(config: GPTConfig) -> GPT:
+    """A model in eval mode whose tokens depend on the whole context. At GPT-2's init a random model mostly echoes
+    its last token and barely reads positions; larger random weights make every token depend on the whole
+    (positioned) context, so a wrong position or mask changes the output.
+    """
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from _tiny_run import context_dependent_model
 
 from gpt2.model.generate import KVCache, SamplingConfig, generate, pad_prompts, sample_next, stream
 from gpt2.model.gpt import GPT
@@ -14,15 +15,7 @@ from gpt2.model.gpt import GPT
 
 @pytest.fixture
 def model(tiny_config) -> GPT:
-    torch.manual_seed(0)
-    m = GPT(tiny_config).eval()
-    with torch.no_grad():
-        # At GPT-2's init a random model mostly echoes its last token and barely reads positions;
-        # larger random weights make every token depend on the whole (positioned) context, so a
-        # wrong position or mask changes the output.
-        for p in m.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return m
+    return context_dependent_model(tiny_config)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from _tiny_run import context_dependent_model
 
 from gpt2.model import int8_head
 from gpt2.model.generate import generate, pad_prompts
@@ -18,12 +19,7 @@ from gpt2.model.gpt import GPT
 @pytest.fixture
 def narrow_model(tiny_config) -> GPT:
     """A 32-wide model with a vocabulary wide enough that the head's argmax is not a tie."""
-    torch.manual_seed(0)
-    model = GPT(dataclasses.replace(tiny_config, vocab_size=2000)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model
+    return context_dependent_model(dataclasses.replace(tiny_config, vocab_size=2000))
 
 
 @pytest.fixture

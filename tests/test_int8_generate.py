@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from _tiny_run import context_dependent_model
 
 from gpt2 import torch_compat
 from gpt2.cli import main
@@ -20,13 +21,8 @@ from gpt2.model.quantize import Int8Linear, int8_weights
 
 @pytest.fixture
 def model(tiny_config) -> GPT:
-    """A tiny model whose tokens depend on the whole context (weights as in tests/test_generate.py)."""
-    torch.manual_seed(0)
-    m = GPT(tiny_config).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return m
+    """A tiny model whose tokens depend on the whole context."""
+    return context_dependent_model(tiny_config)
 
 
 def test_int8_generation_agrees_with_fp32_on_most_tokens(model):
