@@ -35,7 +35,7 @@ from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported fo
 from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
-from gpt2.train.precision import check_master_weights, resolve_precision
+from gpt2.train.precision import check_master_weights, probe_shape, resolve_precision
 from gpt2.train.recovery import (
     DivergenceMonitor,
     RecoveryPolicy,
@@ -94,7 +94,7 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
         self.config = config
-        self._setup_processes()
+        self._setup_processes(model)
         seed_everything(config.seed)
         self._setup_model(model)
         self._setup_batch(train_data, val_data)
@@ -132,13 +132,21 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ set-up helpers
-    def _setup_processes(self) -> None:
+    def _setup_processes(self, model: nn.Module) -> None:
         """This process's place in the run: device, process group, precision, batch split."""
         config = self.config
         self.dist_env = distributed.env_from_environ()
         self.device = distributed.resolve_device(config.device, self.dist_env)
         self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
-        self.precision = resolve_precision(config.precision, self.device)
+        # precision="auto" on a CPU with native bf16 times the model's largest matmul over a micro-batch's tokens
+        # (one sequence's when the micro-batch is found later) in bf16 and fp32.
+        rows = config.seq_len
+        if isinstance(config.micro_batch_size, int):
+            rows *= config.micro_batch_size
+        shape = None
+        if config.precision == "auto":
+            shape = probe_shape(model, rows)
+        self.precision = resolve_precision(config.precision, self.device, shape)
         self.precision.apply()
 
     def _setup_model(self, model: nn.Module) -> None:
