@@ -13,10 +13,12 @@ import torch
 from gpt2 import GPT, GPTConfig
 from gpt2.model.checkpoint_files import CHECKPOINT_FILES, sha256_file
 from gpt2.train import checkpoint as ckpt
+from gpt2.train.precision import describe_machine
 
 
 def main() -> None:
     torch.set_num_threads(1)
+    print(describe_machine())
     model = GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=4, n_head=8, n_embd=512))
     optimizer = torch.optim.AdamW(model.parameters())
     idx = torch.zeros(1, 8, dtype=torch.long)

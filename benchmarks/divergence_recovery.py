@@ -25,6 +25,7 @@ import torch
 
 from gpt2 import GPT, GPTConfig, TrainConfig
 from gpt2.data.sources import training_data
+from gpt2.train.precision import describe_machine
 from gpt2.train.trainer import Trainer, TrainingDivergedError
 
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--factors", type=float, nargs="*", default=[], help="recovery_lr_factor values to try too")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(describe_machine(), flush=True)
     logging.basicConfig(level=logging.WARNING, format="  %(message)s")  # the recovery lines
     train, val = training_data("shakespeare", None, 0.1)
     print(run(args.safe_lr, args, train, val), flush=True)

@@ -74,6 +74,10 @@ def main() -> None:
     header = ["model", "params"]
     for name, _ in columns:
         header += [name, f"{name} + AC"]
+    # computed from the shapes, not measured: the machine is named all the same, as by every benchmark
+    from gpt2.train.precision import describe_machine
+
+    print(f"{describe_machine()} (computed, not measured on it)")
     print(f"computed peak GiB per GPU, micro-batch {args.micro_batch} x {args.seq_len}, bf16 compute, fp32 AdamW")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

@@ -30,6 +30,7 @@ import torch
 
 from gpt2 import GPT, GPTConfig, TrainConfig
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
+from gpt2.train.precision import describe_machine
 
 DATA = Path("/work/shared/data/tinyshakespeare.txt")
 
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(describe_machine(), flush=True)
     train, val = load_bytes(DATA)
     val_gen = torch.Generator().manual_seed(0)
     val_batches = [batch(val, val_gen, args.batch_size, args.seq_len) for _ in range(args.eval_batches)]

@@ -44,6 +44,7 @@ from gpt2.data.sources import shakespeare_or_path
 from gpt2.model.config import SHAPES
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.train.config import TrainConfig
+from gpt2.train.precision import describe_machine
 from gpt2.train.trainer import Trainer
 
 MODES = ("padded", "packed", "packed-causal")
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="mini", choices=list(SHAPES))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    print(describe_machine())
     results = run(args.rows, args.seq_len, args.batch_size, args.steps, args.rounds, args.model, args.seed)
     print(format_results(results))
     return 0

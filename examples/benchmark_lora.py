@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
-
-import torch
 
 # The benchmark code lives in benchmarks/lora.py at the repository root (not an installed package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.lora import IMPLEMENTATIONS, PRECISIONS, format_results, run_lora_benchmark  # noqa: E402
 from gpt2.model.config import SHAPES  # noqa: E402
 from gpt2.train.distributed import resolve_device  # noqa: E402
+from gpt2.train.precision import describe_machine  # noqa: E402
 
 
 def main() -> None:
@@ -65,13 +63,11 @@ def main() -> None:
         results = _run(args)
     except ValueError as e:
         parser.error(str(e))
-    on_cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.cuda.get_device_name() if on_cuda else (platform.processor() or "CPU")
+    print(describe_machine(resolve_device(args.device)))
     print(
         f"model={args.model} batch={args.batch_size} seq_len={args.seq_len} precision={args.precision} "
         f"base={args.base_dtype} compile={args.compile} steps={args.steps}x{args.repeats} rank={args.rank} "
-        f"targets={','.join(args.targets)} device={device} torch={torch.__version__} "
-        f"threads={torch.get_num_threads()}"
+        f"targets={','.join(args.targets)}"
     )
     print(format_results(results))
     if args.json:

@@ -64,3 +64,26 @@ def test_bad_option_is_one_line(step_vs_peers, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         run(step_vs_peers, monkeypatch, capsys, "--precisions", "fp16")
     assert "--precisions takes fp32,bf16" in capsys.readouterr().err
+
+
+def test_every_benchmark_script_names_its_machine():
+    """Every script in benchmarks/ that runs as a program prints the machine line (CPU model, AMX / AVX512-BF16,
+    torch, threads, read from the machine) beside its numbers: issue 29's rule for docs/benchmarks.md.
+    """
+    scripts = [path for path in sorted((REPO / "benchmarks").glob("*.py")) if "__main__" in path.read_text()]
+    # benchmarks/lora.py is a library: examples/benchmark_lora.py is its program
+    scripts.append(REPO / "examples" / "benchmark_lora.py")
+    assert len(scripts) >= 15
+    silent = [path.name for path in scripts if "describe_machine(" not in path.read_text()]
+    assert silent == []
+
+
+def test_the_memory_table_names_the_machine_it_was_computed_on(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(REPO))
+    import benchmarks.memory_table
+    from gpt2.train.precision import describe_machine
+
+    monkeypatch.setattr(sys, "argv", ["memory_table.py", "--processes", "2"])
+    benchmarks.memory_table.main()
+    first, *_ = capsys.readouterr().out.splitlines()
+    assert first == f"{describe_machine()} (computed, not measured on it)"
