@@ -5,7 +5,9 @@ tokens per second, at the 4 x 128 shape and at GPT-2 124M, with random weights.
 One thread, CPU time of the process (``time.process_time``: other processes on a shared machine do not
 count), the runs alternating round by round (A B C D, A B C D, ...); each run is a 8-token prompt and
 ``--tokens`` new tokens, prompt included in the time (both sides). Medians with the spread of the rounds.
-llama.cpp is skipped, with a note, when llama-cpp-python is not installed.
+llama.cpp is skipped, with a note, when llama-cpp-python is not installed. ``--compile`` adds
+``torch.compile(model)`` twice: with Inductor's default (Python) wrapper and with ``cpp_wrapper=True``, whose
+wrapper calls the graph's kernels from C++ (the compile time of each first call is printed, not counted).
 
 ``--agreement N`` also counts how many greedy tokens int8 weights change against fp32: N random prompts of
 8 tokens, ``--tokens`` new tokens each, at 124M random weights, and at a trained model (``--trained DIR``, a
@@ -48,7 +50,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=100, help="new tokens per run")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile(model) (a cold compile first)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile(model), plain and with cpp_wrapper (after compiling)",
+    )
     parser.add_argument("--agreement", type=int, default=0, help="prompts for the int8-vs-fp32 token count (0: skip)")
     parser.add_argument("--trained", default=None, help="a trained model for --agreement (a gpt2 train run dir)")
     parser.add_argument("--text", default=None, help="text whose last tenth prompts --trained (default: random ids)")
@@ -101,11 +107,13 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
     print(f"  int8 twin made in {time.process_time() - start:.1f} s CPU (once per model)")
     runs = {"ours fp32": run(model), "ours fp32, plain head": run(model, int8_head=False)}
     if compiled:
-        compiled_model = torch.compile(model)
-        start = time.perf_counter()
-        runs["ours fp32 compiled"] = run(compiled_model)
-        runs["ours fp32 compiled"]()
-        print(f"  torch.compile: first call {time.perf_counter() - start:.0f} s wall (compiling)")
+        # Inductor's default Python wrapper, then its C++ wrapper (the graph's kernels called from C++)
+        for name, options in (("ours fp32 compiled", None), ("ours fp32 cpp_wrapper", {"cpp_wrapper": True})):
+            compiled_model = torch.compile(model, options=options)
+            start = time.perf_counter()
+            runs[name] = run(compiled_model)
+            runs[name]()
+            print(f"  {name}: first call {time.perf_counter() - start:.0f} s wall (compiling)")
     runs["ours int8"] = run(model, weights="int8")
     return runs
 
