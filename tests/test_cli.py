@@ -556,6 +556,26 @@ def test_sample_is_reproducible_and_streams(trained, capsys):
     assert run(capsys, *argv[:-1], "8")[1] != first
 
 
+def test_sample_compile_on_the_cpu_uses_inductors_cpp_wrapper(trained, capsys, monkeypatch):
+    """`gpt2 sample --compile` on the CPU compiles with Inductor's C++ wrapper (the faster decoding there); the
+    compile itself is replaced by a recorder: a real one takes 20-40 s, tests/test_inductor.py compiles generation.
+    """
+    from gpt2.cli import sample as sample_cli
+
+    calls = []
+
+    def recording_compile(model, **kwargs):
+        calls.append(kwargs)
+        return model
+
+    monkeypatch.setattr(sample_cli.torch, "compile", recording_compile)
+    argv = ["sample", "--model", trained, "--prompt", "ROMEO:", "-n", "1", "--max-new-tokens", "4", "--seed", "7"]
+    code, _, err = run(capsys, *argv, "--compile")
+    assert code == 0, err
+    assert calls == [{"options": {"cpp_wrapper": True}}]
+    assert sample_cli.inductor_options(torch.nn.Linear(2, 2, device="meta")) is None
+
+
 def test_stream_text_pieces_add_up_to_the_generated_text(trained):
     from gpt2.model.tokenizer import get_tokenizer
 
