@@ -13,6 +13,7 @@ import torch._inductor.config
 from _tiny_run import context_dependent_model
 from torch._dynamo.utils import counters
 
+from gpt2 import torch_compat
 from gpt2.model import quantize
 from gpt2.model.generate import generate
 from gpt2.model.gpt import GPT
@@ -39,15 +40,32 @@ def test_the_int8_operator_is_the_eager_product(rows):
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(64, 48))
     x = torch.randn(rows, 64)
-    x[-1] = 0.0  # an all-zero row keeps a tiny step: its output is 0
-    top = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)
-    out = quantize._PRODUCT(x, top, layer.key)
-    assert out.shape == (rows, 48) and torch.equal(out, quantize._product(x, top, layer.packed))
-    assert torch.equal(out[-1], torch.zeros(48))
+    x[-1] = 0.0  # an all-zero row keeps a tiny step: its output is the bias
+    out = quantize._PRODUCT(x, layer.bias, layer.key)
+    assert out.shape == (rows, 48) and torch.equal(out, quantize._product(x, layer.packed, layer.bias))
+    assert torch.equal(out[-1], layer.bias.detach())
+    assert torch.equal(quantize._PRODUCT(x, None, layer.key), quantize._product(x, layer.packed, None))
     # traced by Dynamo in one graph (fbgemm's packed weights stay out of it), with the eager layer's result
     _fresh_dynamo()
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x.view(rows, 1, 64)), layer(x.view(rows, 1, 64)), rtol=0, atol=0)
+
+
+def test_the_one_row_path_is_the_int8_matmul(monkeypatch):
+    """One row goes through a TorchScript function (torch_compat.int8_linear_row), or Python where TorchScript
+    cannot compile it: both give int8_matmul's result with the row's own step.
+    """
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(64, 48))
+    x = torch.randn(1, 64)
+    step = float(x.abs().max()) / torch_compat.INT8_ACTIVATION_MAX
+    expected = torch_compat.int8_matmul(x, layer.packed, step=step) + layer.bias
+    assert torch_compat._scripted_linear_row() is not None
+    # the first calls of a TorchScript function profile it, the later ones run its optimized graph
+    for _ in range(3):
+        assert torch.equal(torch_compat.int8_linear_row(x, layer.packed, layer.bias, 1e-30), expected)
+    monkeypatch.setattr(torch_compat, "_scripted_linear_row", lambda: None)
+    assert torch.equal(torch_compat.int8_linear_row(x, layer.packed, layer.bias, 1e-30), expected)
 
 
 def test_a_copy_of_a_layer_has_its_own_key():
@@ -59,8 +77,7 @@ def test_a_copy_of_a_layer_has_its_own_key():
     # the packed weights go with their layer
     assert key not in quantize._PACKED
     x = torch.randn(1, 32)
-    top = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)
-    assert torch.equal(quantize._PRODUCT(x, top, twin.key), quantize._product(x, top, twin.packed))
+    assert torch.equal(quantize._PRODUCT(x, twin.bias, twin.key), twin(x))
 
 
 def test_the_twin_of_a_compiled_model_is_compiled(model):

@@ -67,20 +67,13 @@ class Int8Linear(nn.Module):
         self.key = _register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             # Dynamo cannot trace fbgemm's packed weights: the product is one operator of the graph, which
-            # finds them by this layer's key; the rest (the LayerNorms, attention, GELU, the bias) is compiled
-            rows = x.reshape(-1, self.in_features)
-            out = _PRODUCT(rows, rows.abs().amax(1, keepdim=True), self.key)
-        elif x.numel() == self.in_features:
-            # batch 1 (a decoding step): one row, whose largest magnitude is a number
-            out = _row_product(x.reshape(1, -1), float(x.abs().max()), self.packed)
+            # finds them by this layer's key; the rest (the LayerNorms, attention, GELU) is compiled
+            out = _PRODUCT(rows, self.bias, self.key)
         else:
-            rows = x.reshape(-1, self.in_features)
-            out = _rows_product(rows, rows.abs().amax(1, keepdim=True), self.packed)
-        bias = self.bias
-        if bias is not None:
-            out += bias
+            out = _product(rows, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -92,29 +85,22 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _row_product(row: torch.Tensor, top: float, packed: Any) -> torch.Tensor:
-    """The one row ``row`` ``(1, K)`` times the int8 weights ``packed``, rounded to integers in ``[-_MAX, _MAX]``
-    with the step ``top / _MAX``, ``top`` its largest magnitude; the bias is not added.
-    """
-    # The kernel rounds and scales the row itself, with the step as a number (an all-zero row keeps a tiny
-    # one: its integers are 0): four operations in place of eight (+4% tokens/s at 124M, the median of 10
-    # paired rounds), called without the operator's Python wrapper (int8_matmul_row).
-    return torch_compat.int8_matmul_row(row, packed, max(top, _SMALLEST_STEP) / _MAX)
-
-
-def _rows_product(rows: torch.Tensor, top: torch.Tensor, packed: Any) -> torch.Tensor:
-    """:func:`_row_product` of each row of ``rows`` ``(M, K)``, ``top`` ``(M, 1)`` their largest magnitudes."""
-    top = top.clamp(min=_SMALLEST_STEP)
-    return torch_compat.int8_matmul(rows.mul(_MAX / top).round_(), packed).mul_(top / _MAX)
-
-
-def _product(rows: torch.Tensor, top: torch.Tensor, packed: Any) -> torch.Tensor:
-    """What :class:`Int8Linear` computes before its bias, for ``rows`` ``(M, K)`` whose largest magnitudes are
-    ``top`` ``(M, 1)``.
+def _product(rows: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` ``(M, K)`` times the int8 weights ``packed``, plus ``bias``: each row rounded to integers in
+    ``[-_MAX, _MAX]`` with a step of its own, its largest magnitude / ``_MAX`` (an all-zero row keeps a tiny
+    one: its integers are 0).
     """
     if rows.size(0) == 1:
-        return _row_product(rows, float(top), packed)
-    return _rows_product(rows, top, packed)
+        # At batch 1 a decoding step has one row: the kernel rounds and scales it, with its step as a number
+        # (four operations in place of eight: +4% tokens/s at 124M, the median of 10 paired rounds), and a
+        # TorchScript function calls it (+9%, see int8_linear_row).
+        return torch_compat.int8_linear_row(rows, packed, bias, _SMALLEST_STEP)
+    # (rows, 1)
+    top = rows.abs().amax(1, keepdim=True).clamp_(min=_SMALLEST_STEP)
+    out = torch_compat.int8_matmul(rows.mul(_MAX / top).round_(), packed).mul_(top / _MAX)
+    if bias is not None:
+        out += bias
+    return out
 
 
 # key -> (the packed weights, out_features) of every live Int8Linear, for the compiled product (_PRODUCT)
@@ -130,17 +116,17 @@ def _register(layer: Int8Linear) -> int:
     return key
 
 
-def _registered_product(rows: torch.Tensor, top: torch.Tensor, key: int) -> torch.Tensor:
-    return _product(rows, top, _PACKED[key][0])
+def _registered_product(rows: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return _product(rows, _PACKED[key][0], bias)
 
 
-def _product_shape(rows: torch.Tensor, top: torch.Tensor, key: int) -> torch.Tensor:
+def _product_shape(rows: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     return rows.new_empty(rows.size(0), _PACKED[key][1])
 
 
 # :func:`_product` of the layer registered under ``key``, as one operator that torch.compile does not trace into
 _PRODUCT = torch_compat.define_cpu_op(
-    "gpt2::int8_product", "(Tensor rows, Tensor top, int key) -> Tensor", _registered_product, _product_shape
+    "gpt2::int8_product", "(Tensor rows, Tensor? bias, int key) -> Tensor", _registered_product, _product_shape
 )
 
 
