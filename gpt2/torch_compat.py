@@ -162,8 +162,8 @@ def int8_linear_row(x: torch.Tensor, packed: Any, bias: torch.Tensor | None, sma
     Why private: fbgemm's operator called from Python converts its torchbind argument (the packed weights) at
     every call. A TorchScript function (``torch.jit.script``, deprecated since torch 2.9 but still there)
     passes it in C++ and runs the few operations around the kernel in its interpreter: 12.6 against 41 us a
-    call for a 64 x 64 layer, +9% tokens/s at 124M with int8 weights (the median of 10 paired rounds, the same
-    tokens). In Python where TorchScript cannot compile it (no source files) and for oneDNN's weights.
+    call for a 64 x 64 layer, +5-9% tokens/s at 124M with int8 weights (medians of 12 and 10 paired rounds,
+    the same tokens). In Python where TorchScript cannot compile it (no source files) and for oneDNN's weights.
     Checked on torch 2.13.
     """
     scripted = _scripted_linear_row()

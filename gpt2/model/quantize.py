@@ -93,7 +93,7 @@ def _product(rows: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torc
     if rows.size(0) == 1:
         # At batch 1 a decoding step has one row: the kernel rounds and scales it, with its step as a number
         # (four operations in place of eight: +4% tokens/s at 124M, the median of 10 paired rounds), and a
-        # TorchScript function calls it (+9%, see int8_linear_row).
+        # TorchScript function calls it (+5-9%, see int8_linear_row).
         return torch_compat.int8_linear_row(rows, packed, bias, _SMALLEST_STEP)
     # (rows, 1)
     top = rows.abs().amax(1, keepdim=True).clamp_(min=_SMALLEST_STEP)
