@@ -160,7 +160,7 @@ def int8_linear_row(x: torch.Tensor, packed: Any, bias: torch.Tensor | None, sma
     ``bias`` ``(N,)`` (or None) is added.
 
     Why private: fbgemm's operator called from Python converts its torchbind argument (the packed weights) at
-    every call. A TorchScript function (``torch.jit.script``, deprecated since torch 2.9 but still there)
+    every call. A TorchScript function (``torch.jit.script``: deprecated, it warns on torch 2.13, but still there)
     passes it in C++ and runs the few operations around the kernel in its interpreter: 12.6 against 41 us a
     call for a 64 x 64 layer, +5-9% tokens/s at 124M with int8 weights (medians of 12 and 10 paired rounds,
     the same tokens). In Python where TorchScript cannot compile it (no source files) and for oneDNN's weights.
@@ -222,7 +222,7 @@ def define_cpu_op(
 
     Why private: ``torch.library.Library`` and ``torch.library.register_fake`` are public, but the operator
     they define is reached only as ``torch.ops.<namespace>.<name>``. Not ``torch.library.custom_op`` (public,
-    callable): its dispatch costs ~10-20 us more per call than a kernel registered with ``Library.impl``, and a
+    callable): its dispatch cost ~15-20 us more per call than a kernel registered with ``Library.impl``, and a
     124M decoding step makes 49 calls. Checked on torch 2.13.
     """
     namespace, name = qualname.split("::")

@@ -14,6 +14,10 @@ each other, then goes its own way (docs/benchmarks.md, "Generation vs llama.cpp"
 row's result does not depend on the other rows (up to fp32 rounding: one row alone is rounded and scaled
 inside the kernel, in fewer operations): batched prompts give each prompt's own tokens.
 
+Of a compiled model (``generate(torch.compile(model), weights="int8")``) the twin runs compiled: each int8
+product is one operator of the graph (``gpt2::int8_product``: Dynamo cannot trace fbgemm's packed weights, so
+the operator finds them by the layer's key) and the LayerNorms, attention and GELU between them are compiled.
+
 torchao (0.18) was measured first and does not serve on the CPU: its int8 weight-only linear converts the
 whole weight to fp32 at every call (at batch 1 up to 8x slower than fp32: 158 ms against 21 ms for the
 124M LM head) and its int8 x int8 one runs ``torch._int_mm``, 3-6x slower than fbgemm's kernels on AVX2
