@@ -6,6 +6,7 @@ else in the package may name ``torch._*`` or ``torch.ops`` (``tests/test_torch_c
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Callable
@@ -65,6 +66,13 @@ def uncompiled(module: Any) -> Callable[..., Any]:
     if getattr(inner, "_compiled_call_impl", None) is not None:
         return inner.forward
     return inner
+
+
+def is_compiled(module: Any) -> bool:
+    """Whether calling ``module`` runs compiled code: ``torch.compile(module)``'s wrapper, or a module compiled
+    in place by ``module.compile()``. Why private: see :func:`uncompiled`. Checked on torch 2.13.
+    """
+    return uncompiled(module) is not module
 
 
 # Activations multiplied by int8 weights are rounded to integers in [-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]:
@@ -143,3 +151,88 @@ def int8_matmul_row(x: torch.Tensor, packed: Any, step: float) -> torch.Tensor:
 _INT8_LINEAR_OP = getattr(
     getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None), "_op", None
 )
+
+
+def int8_linear_row(x: torch.Tensor, packed: Any, bias: torch.Tensor | None, smallest_step: float) -> torch.Tensor:
+    """``x @ (q * scale[:, None]).T + bias`` for one row ``x`` ``(1, K)`` (fp32) and :func:`pack_int8`'s
+    ``packed``: ``x`` is rounded to integers in ``[-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]`` with the step
+    ``max(largest |x|, smallest_step) / INT8_ACTIVATION_MAX`` (:func:`int8_matmul` with that step), then
+    ``bias`` ``(N,)`` (or None) is added.
+
+    Why private: fbgemm's operator called from Python converts its torchbind argument (the packed weights) at
+    every call. A TorchScript function (``torch.jit.script``: deprecated, it warns on torch 2.13, but still there)
+    passes it in C++ and runs the few operations around the kernel in its interpreter: 12.6 against 41 us a
+    call for a 64 x 64 layer, +5-9% tokens/s at 124M with int8 weights (medians of 12 and 10 paired rounds,
+    the same tokens). In Python where TorchScript cannot compile it (no source files) and for oneDNN's weights.
+    Checked on torch 2.13.
+    """
+    scripted = _scripted_linear_row()
+    if scripted is None or isinstance(packed, tuple):
+        step = max(float(x.abs().max()), smallest_step) / INT8_ACTIVATION_MAX
+        out = int8_matmul_row(x, packed, step)
+        if bias is not None:
+            out += bias
+        return out
+    return scripted(x, packed, bias, smallest_step, float(INT8_ACTIVATION_MAX))
+
+
+def _fbgemm_linear_row(
+    x: torch.Tensor,
+    packed: torch.classes.quantized.LinearPackedParamsBase,
+    bias: torch.Tensor | None,
+    smallest_step: float,
+    levels: float,
+) -> torch.Tensor:
+    """:func:`int8_linear_row` on fbgemm's weights, for TorchScript (which reads no globals: ``levels`` is
+    ``INT8_ACTIVATION_MAX``).
+    """
+    step = max(float(x.abs().max()), smallest_step) / levels
+    # fbgemm rounds x / step to quint8 with zero point 64 (see int8_matmul)
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, step, 64, packed)
+    if bias is not None:
+        out += bias
+    return out
+
+
+@functools.cache
+def _scripted_linear_row() -> Callable[..., torch.Tensor] | None:
+    """:func:`_fbgemm_linear_row` compiled by TorchScript at the first call, or None where it cannot be."""
+    if _INT8_LINEAR_OP is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return torch.jit.script(_fbgemm_linear_row)
+    # TorchScript reads the function's source (absent from a zipped install) and may go in a later torch:
+    # either way the Python path computes the same
+    except Exception:
+        return None
+
+
+# ---- Compiling the int8 twin (issue 29): fbgemm's product as one operator that Dynamo does not trace into ----
+
+
+def define_cpu_op(
+    qualname: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any]
+) -> Callable[..., torch.Tensor]:
+    """Defines the CPU operator ``qualname`` (``"namespace::name"``) with ``schema`` (e.g.
+    ``"(Tensor x, int key) -> Tensor"``), run by the Python function ``impl``; ``fake`` gives an empty
+    result of the right shape for tracing. Returns the operator, which ``torch.compile`` puts in its graph as
+    one call (``impl`` runs in eager Python at every call; the ops around it are compiled).
+
+    Why private: ``torch.library.Library`` and ``torch.library.register_fake`` are public, but the operator
+    they define is reached only as ``torch.ops.<namespace>.<name>``. Not ``torch.library.custom_op`` (public,
+    callable): its dispatch cost ~15-20 us more per call than a kernel registered with ``Library.impl``, and a
+    124M decoding step makes 49 calls. Checked on torch 2.13.
+    """
+    namespace, name = qualname.split("::")
+    library = torch.library.Library(namespace, "FRAGMENT")
+    library.define(name + schema)
+    library.impl(name, impl, "CPU")
+    torch.library.register_fake(qualname, fake, lib=library)
+    # the definition lives while its Library object does
+    _LIBRARIES.append(library)
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+_LIBRARIES: list[Any] = []

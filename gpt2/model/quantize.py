@@ -14,6 +14,10 @@ each other, then goes its own way (docs/benchmarks.md, "Generation vs llama.cpp"
 row's result does not depend on the other rows (up to fp32 rounding: one row alone is rounded and scaled
 inside the kernel, in fewer operations): batched prompts give each prompt's own tokens.
 
+Of a compiled model (``generate(torch.compile(model), weights="int8")``) the twin runs compiled: each int8
+product is one operator of the graph (``gpt2::int8_product``: Dynamo cannot trace fbgemm's packed weights, so
+the operator finds them by the layer's key) and the LayerNorms, attention and GELU between them are compiled.
+
 torchao (0.18) was measured first and does not serve on the CPU: its int8 weight-only linear converts the
 whole weight to fp32 at every call (at batch 1 up to 8x slower than fp32: 158 ms against 21 ms for the
 124M LM head) and its int8 x int8 one runs ``torch._int_mm``, 3-6x slower than fbgemm's kernels on AVX2
@@ -23,7 +27,7 @@ CPUs without VNNI.
 from __future__ import annotations
 
 import copy
-import math
+import itertools
 import weakref
 from typing import Any
 
@@ -43,6 +47,8 @@ _MAX = torch_compat.INT8_ACTIVATION_MAX
 
 # model -> (a fingerprint of its nn.Linear weights, its int8 twin)
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> torch.compile of its int8 twin, for a compiled model
+_COMPILED_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Int8Linear(nn.Module):
@@ -62,27 +68,70 @@ class Int8Linear(nn.Module):
         # the model's own bias Parameter (shared, not copied), or None
         self.bias = linear.bias
         self.packed = torch_compat.pack_int8(self.weight, scale)
+        self.key = _register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Each row's step is its largest magnitude / _MAX; an all-zero row keeps a tiny one (its integers are
-        # 0). At batch 1 a decoding step has one row, whose step the kernel takes as a number: four operations
-        # in place of eight (+4% tokens/s at 124M, the median of 10 paired rounds), called without the
-        # operator's Python wrapper (int8_matmul_row).
-        if x.numel() == self.in_features:
-            top = max(float(torch.linalg.vector_norm(x, math.inf)), _SMALLEST_STEP)
-            out = torch_compat.int8_matmul_row(x.reshape(1, -1), self.packed, top / _MAX)
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace fbgemm's packed weights: the product is one operator of the graph, which
+            # finds them by this layer's key; the rest (the LayerNorms, attention, GELU) is compiled
+            out = _PRODUCT(rows, self.bias, self.key)
         else:
-            rows = x.reshape(-1, self.in_features)
-            # (rows, 1)
-            top = torch.linalg.vector_norm(rows, math.inf, dim=1, keepdim=True).clamp_(min=_SMALLEST_STEP)
-            out = torch_compat.int8_matmul(rows.mul(_MAX / top).round_(), self.packed).mul_(top / _MAX)
-        bias = self.bias
-        if bias is not None:
-            out += bias
+            out = _product(rows, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (copy.deepcopy, pickle) registers its own packed weights under a key of its own
+        super().__setstate__(state)
+        self.key = _register(self)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _product(rows: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` ``(M, K)`` times the int8 weights ``packed``, plus ``bias``: each row rounded to integers in
+    ``[-_MAX, _MAX]`` with a step of its own, its largest magnitude / ``_MAX`` (an all-zero row keeps a tiny
+    one: its integers are 0).
+    """
+    if rows.size(0) == 1:
+        # At batch 1 a decoding step has one row: the kernel rounds and scales it, with its step as a number
+        # (four operations in place of eight: +4% tokens/s at 124M, the median of 10 paired rounds), and a
+        # TorchScript function calls it (+5-9%, see int8_linear_row).
+        return torch_compat.int8_linear_row(rows, packed, bias, _SMALLEST_STEP)
+    # (rows, 1)
+    top = rows.abs().amax(1, keepdim=True).clamp_(min=_SMALLEST_STEP)
+    out = torch_compat.int8_matmul(rows.mul(_MAX / top).round_(), packed).mul_(top / _MAX)
+    if bias is not None:
+        out += bias
+    return out
+
+
+# key -> (the packed weights, out_features) of every live Int8Linear, for the compiled product (_PRODUCT)
+_PACKED: dict[int, tuple[Any, int]] = {}
+_KEYS = itertools.count()
+
+
+def _register(layer: Int8Linear) -> int:
+    """A new key for ``layer``'s packed weights, dropped from :data:`_PACKED` when ``layer`` is collected."""
+    key = next(_KEYS)
+    _PACKED[key] = (layer.packed, layer.out_features)
+    weakref.finalize(layer, _PACKED.pop, key, None)
+    return key
+
+
+def _registered_product(rows: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return _product(rows, _PACKED[key][0], bias)
+
+
+def _product_shape(rows: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return rows.new_empty(rows.size(0), _PACKED[key][1])
+
+
+# :func:`_product` of the layer registered under ``key``, as one operator that torch.compile does not trace into
+_PRODUCT = torch_compat.define_cpu_op(
+    "gpt2::int8_product", "(Tensor rows, Tensor? bias, int key) -> Tensor", _registered_product, _product_shape
+)
 
 
 def check_weights(weights: Any) -> str:
@@ -129,11 +178,14 @@ def int8_weights(model: nn.Module) -> nn.Module:
     """``model``'s int8 twin (see the module's docstring), made at the first call and kept while ``model``
     lives; made again when the values of its ``nn.Linear`` weights changed (a fingerprint, so edits through
     ``.data`` count too). A model that holds :class:`Int8Linear` layers already is returned as it is.
+    Of a compiled model (``torch.compile(model)`` or ``model.compile()``) the twin comes compiled too (by
+    ``torch.compile`` with its default settings, kept with the twin): the int8 products run as fbgemm's
+    kernels, everything between them as compiled code.
     Raises a ValueError saying why where it cannot apply (a GPU, bf16 weights, autocast, LoRA).
     """
     base = torch_compat.unwrap_compiled(model)
     if any(isinstance(m, Int8Linear) for m in base.modules()):
-        return base
+        return model
     reason = unsupported_reason(base)
     if reason is not None:
         raise InvalidValueError(f"weights='int8' cannot be used: {reason}")
@@ -142,8 +194,14 @@ def int8_weights(model: nn.Module) -> nn.Module:
     if kept is None or not torch.equal(kept[0], seen):
         # drop the stale twin before making the new one (two at once would double the memory)
         _TWINS.pop(base, None)
+        _COMPILED_TWINS.pop(base, None)
         kept = _TWINS[base] = (seen, _twin(base))
-    return kept[1]
+    twin = kept[1]
+    if not torch_compat.is_compiled(model):
+        return twin
+    if base not in _COMPILED_TWINS:
+        _COMPILED_TWINS[base] = torch.compile(twin)
+    return _COMPILED_TWINS[base]
 
 
 @torch.no_grad()

@@ -1,0 +1,119 @@
+"""Compiled decoding with int8 weights (gpt2/model/quantize.py): each int8 product is one operator
+(``gpt2::int8_product``) that Dynamo does not trace into, so ``torch.compile`` compiles the rest of the int8
+twin in one graph; the operator gives what the eager path gives, and compiled decoding gives eager's tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._inductor.config
+from _tiny_run import context_dependent_model
+from torch._dynamo.utils import counters
+
+from gpt2 import torch_compat
+from gpt2.model import quantize
+from gpt2.model.generate import generate
+from gpt2.model.gpt import GPT
+from gpt2.model.quantize import Int8Linear, int8_weights
+
+
+@pytest.fixture
+def model(tiny_config) -> GPT:
+    """A tiny model whose tokens depend on the whole context."""
+    return context_dependent_model(tiny_config)
+
+
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _graphs_and_breaks() -> tuple[int, int]:
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_int8_operator_is_the_eager_product(rows):
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(64, 48))
+    x = torch.randn(rows, 64)
+    x[-1] = 0.0  # an all-zero row keeps a tiny step: its output is the bias
+    out = quantize._PRODUCT(x, layer.bias, layer.key)
+    assert out.shape == (rows, 48) and torch.equal(out, quantize._product(x, layer.packed, layer.bias))
+    assert torch.equal(out[-1], layer.bias.detach())
+    assert torch.equal(quantize._PRODUCT(x, None, layer.key), quantize._product(x, layer.packed, None))
+    # traced by Dynamo in one graph (fbgemm's packed weights stay out of it), with the eager layer's result
+    _fresh_dynamo()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x.view(rows, 1, 64)), layer(x.view(rows, 1, 64)), rtol=0, atol=0)
+
+
+def test_the_one_row_path_is_the_int8_matmul(monkeypatch):
+    """One row goes through a TorchScript function (torch_compat.int8_linear_row), or Python where TorchScript
+    cannot compile it: both give int8_matmul's result with the row's own step.
+    """
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(64, 48))
+    x = torch.randn(1, 64)
+    step = float(x.abs().max()) / torch_compat.INT8_ACTIVATION_MAX
+    expected = torch_compat.int8_matmul(x, layer.packed, step=step) + layer.bias
+    assert torch_compat._scripted_linear_row() is not None
+    # the first calls of a TorchScript function profile it, the later ones run its optimized graph
+    for _ in range(3):
+        assert torch.equal(torch_compat.int8_linear_row(x, layer.packed, layer.bias, 1e-30), expected)
+    monkeypatch.setattr(torch_compat, "_scripted_linear_row", lambda: None)
+    assert torch.equal(torch_compat.int8_linear_row(x, layer.packed, layer.bias, 1e-30), expected)
+
+
+def test_a_copy_of_a_layer_has_its_own_key():
+    layer = Int8Linear(torch.nn.Linear(32, 16))
+    twin = copy.deepcopy(layer)
+    assert twin.key != layer.key and quantize._PACKED[twin.key][1] == 16
+    key = layer.key
+    del layer
+    # the packed weights go with their layer
+    assert key not in quantize._PACKED
+    x = torch.randn(1, 32)
+    assert torch.equal(quantize._PRODUCT(x, twin.bias, twin.key), twin(x))
+
+
+def test_the_twin_of_a_compiled_model_is_compiled(model):
+    twin = int8_weights(model)
+    compiled = int8_weights(torch.compile(model))
+    assert compiled is not twin and compiled._orig_mod is twin
+    assert int8_weights(torch.compile(model)) is compiled and int8_weights(model) is twin
+    # a compiled twin is returned as it is
+    assert int8_weights(compiled) is compiled
+    model.compile()
+    assert int8_weights(model) is compiled
+
+
+def test_decoding_the_twin_is_one_graph_with_eager_tokens(model):
+    """Dynamo alone (``backend="eager"``, ``fullgraph=True``: a graph break would raise)."""
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    eager = generate(model, prompt, 12, temperature=0, weights="int8")
+    _fresh_dynamo()
+    compiled = torch.compile(int8_weights(model), backend="eager", fullgraph=True)
+    assert torch.equal(generate(compiled, prompt, 12, temperature=0, weights="int8"), eager)
+    assert _graphs_and_breaks() == (1, 0)
+
+
+@pytest.mark.slow
+def test_compiled_int8_generation_gives_the_eager_tokens(model):
+    """``generate(torch.compile(model), weights="int8")`` with Inductor: one graph for every decoding step,
+    the tokens of eager int8 at batch 1 and 2.
+    """
+    single = torch.tensor([[3, 1, 4, 1, 5]])
+    batch = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    eager = [generate(model, p, 16, temperature=0, weights="int8") for p in (single, batch)]
+    _fresh_dynamo()
+    compiled_model = torch.compile(model)
+    with torch._inductor.config.patch(compile_threads=1):
+        got = [generate(compiled_model, p, 16, temperature=0, weights="int8") for p in (single, batch)]
+    assert all(torch.equal(a, b) for a, b in zip(got, eager, strict=True))
+    graphs, breaks = _graphs_and_breaks()
+    # one graph per batch size (2 is marked dynamic after 1), no break
+    assert breaks == 0 and graphs <= 2
