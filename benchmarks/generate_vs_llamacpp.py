@@ -7,7 +7,8 @@ count), the runs alternating round by round (A B C D, A B C D, ...); each run is
 ``--tokens`` new tokens, prompt included in the time (both sides). Medians with the spread of the rounds.
 llama.cpp is skipped, with a note, when llama-cpp-python is not installed. ``--compile`` adds
 ``torch.compile(model)`` twice: with Inductor's default (Python) wrapper and with ``cpp_wrapper=True``, whose
-wrapper calls the graph's kernels from C++ (the compile time of each first call is printed, not counted).
+wrapper calls the graph's kernels from C++, and the int8 twin of a compiled model (compiled too); the compile time
+of each first call is printed, not counted.
 
 ``--agreement N`` also counts how many greedy tokens int8 weights change against fp32: N random prompts of
 8 tokens, ``--tokens`` new tokens each, at 124M random weights, and at a trained model (``--trained DIR``, a
@@ -115,6 +116,12 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
             runs[name]()
             print(f"  {name}: first call {time.perf_counter() - start:.0f} s wall (compiling)")
     runs["ours int8"] = run(model, weights="int8")
+    if compiled:
+        # the int8 twin of a compiled model comes compiled (torch.compile's defaults; its products stay fbgemm's)
+        start = time.perf_counter()
+        runs["ours int8 compiled"] = run(compiled_model, weights="int8")
+        runs["ours int8 compiled"]()
+        print(f"  ours int8 compiled: first call {time.perf_counter() - start:.0f} s wall (compiling)")
     return runs
 
 

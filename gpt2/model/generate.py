@@ -227,7 +227,8 @@ def stream(
 
     ``weights``: ``"model"`` (the default) computes with the model's own weights; ``"int8"`` reads every
     weight matrix in int8 on the CPU (faster, other tokens: see :mod:`gpt2.model.quantize`), through an int8
-    twin of the model made at the first such call and kept while the model lives.
+    twin of the model made at the first such call and kept while the model lives; of a compiled model the twin
+    decodes compiled too (the same tokens as the eager twin).
     """
     _check_prompt_shape(idx)
     V = model.config.vocab_size
