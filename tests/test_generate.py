@@ -47,6 +47,25 @@ def test_sampling_cached_equals_uncached(model, prompt):
         assert torch.equal(cached, uncached), kwargs
 
 
+def test_the_head_reads_only_the_last_position(model, prompt):
+    """Sampling applies the LM head to each row's last position alone, the prompt's forward included (its other
+    positions are never sampled), and samples what nanoGPT's loop over the full logits samples.
+    """
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(tuple(args[0].shape)))
+    try:
+        out = model.generate(prompt, 6, seed=11, temperature=0.9, top_k=20)
+    finally:
+        hook.remove()
+    assert rows == [(3, model.config.n_embd)] * 6
+    generator, idx = torch.Generator().manual_seed(11), prompt
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(idx)[0][:, -1]
+            idx = torch.cat([idx, sample_next(logits, 0.9, 20, generator=generator)[:, None]], dim=1)
+    assert torch.equal(out, idx)
+
+
 def test_seed_and_generator_reproducibility(model, prompt):
     a = model.generate(prompt, 16, seed=3)
     b = model.generate(prompt, 16, seed=3)

@@ -199,6 +199,14 @@ class GPT(nn.Module):
             return x, None
         return self._logits_and_loss(x, targets, reduction)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states ``x`` ``(..., n_embd)``, the last LayerNorm's output (``forward(idx,
+        head=False)``): logits ``(..., vocab_size)``. Generation applies it to the last position alone.
+        """
+        # Padded rows are not tokens: drop them so they are never sampled. (A parametrized head, e.g. LoRA on
+        # it, is called as a module, so its own fast forward runs.)
+        return self.lm_head(x)[..., : self.config.vocab_size]
+
     def _logits_and_loss(
         self, x: torch.Tensor, targets: torch.Tensor | None, reduction: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -206,9 +214,7 @@ class GPT(nn.Module):
         V = self.config.vocab_size
         if targets is not None and not parametrize.is_parametrized(self.lm_head):
             return None, linear_cross_entropy(x, self.lm_head.weight, targets, V, reduction)
-        # Padded rows are not tokens: drop them so they are never sampled. (A parametrized head,
-        # e.g. LoRA on it, is called as a module, so its own fast forward runs.)
-        logits = self.lm_head(x)[..., :V]  # (B, T, vocab_size)
+        logits = self.logits(x)  # (B, T, vocab_size)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(
