@@ -201,12 +201,12 @@ def time_bf16_matmul(shape: MatmulShape) -> tuple[float, float]:
     return best[fp32], best[bf16]
 
 
-def default_precision(device: torch.device | str, shape: MatmulShape | None = None) -> str:
+def default_precision(device: torch.device | str) -> str:
     """bf16 on CUDA GPUs that support it, fp16 (with loss scaling) on older CUDA GPUs, bf16 on CPUs that multiply
-    it natively (:func:`cpu_native_bf16`) where ``shape`` (a model's largest matmul, :func:`probe_shape`; not
-    measured when None) runs at least ``BF16_MIN_SPEEDUP`` times faster in bf16, else fp32.
+    it natively (:func:`cpu_native_bf16`), else fp32: by the hardware alone (the Trainer also times the model's
+    largest matmul on such CPUs: :func:`resolve_precision` with a ``shape``).
     """
-    name, _ = _auto_precision(torch.device(device), shape)
+    name, _ = _auto_precision(torch.device(device))
     return name
 
 
