@@ -376,11 +376,12 @@ def _next_tokens(
     """The next token of every row from its hidden state ``hidden`` ``(B, C)``: the argmax through ``head``, the
     greedy head that replaces the model's own, or else ``sample`` of the model's logits.
     """
-    if isinstance(head, TransposedHead):
-        return head.tokens(hidden)
-    if head is not None:
+    if head is None:
+        return sample(model.logits(hidden))
+    if isinstance(head, Int8Head):
         return greedy_tokens(hidden, model.lm_head.weight, head)
-    return sample(model.logits(hidden))
+    # a greedy head that scores the vocabulary itself (TransposedHead)
+    return head.tokens(hidden)
 
 
 def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
