@@ -75,6 +75,20 @@ def is_compiled(module: Any) -> bool:
     return uncompiled(module) is not module
 
 
+def has_hooks(module: Any) -> bool:
+    """Whether calling ``module`` runs forward hooks of its own or global ones (``register_forward_hook``,
+    ``register_forward_pre_hook``, ``torch.nn.modules.module.register_module_forward_hook``...).
+
+    Why private: ``nn.Module`` keeps its hooks in ``_forward_hooks`` and ``_forward_pre_hooks`` and the global
+    ones in ``torch.nn.modules.module``'s ``_global_forward_hooks`` and ``_global_forward_pre_hooks``; no public
+    accessor says whether any is registered. Checked on torch 2.13.
+    """
+    registries = (module._forward_hooks, module._forward_pre_hooks)
+    hooks = sys.modules["torch.nn.modules.module"]
+    global_registries = (hooks._global_forward_hooks, hooks._global_forward_pre_hooks)
+    return any(len(registry) > 0 for registry in (*registries, *global_registries))
+
+
 # Activations multiplied by int8 weights are rounded to integers in [-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]:
 # 7 bits. fbgemm adds pairs of (activation + 64) * weight products in int16 on CPUs without VNNI; with
 # 8-bit activations those sums overflow (wrong results), with 7 bits (at most 2 * 127 * 127) they cannot.
@@ -168,6 +182,10 @@ def int8_linear_row(x: torch.Tensor, packed: Any, bias: torch.Tensor | None, sma
     """
     scripted = _scripted_linear_row()
     if scripted is None or isinstance(packed, tuple):
+        if torch.jit.is_tracing():
+            # the step is a Python number here: a trace would keep this call's (gpt2.model.traced_step decodes
+            # eagerly when its trace fails)
+            raise RuntimeError("the one-row int8 product runs in Python here, where it cannot be traced")
         step = max(float(x.abs().max()), smallest_step) / INT8_ACTIVATION_MAX
         out = int8_matmul_row(x, packed, step)
         if bias is not None:

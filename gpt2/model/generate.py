@@ -17,6 +17,7 @@ from gpt2.model.config import Range, check_value
 from gpt2.model.int8_head import Int8Head, TransposedHead, check_switch, greedy_tokens, select_int8_head
 from gpt2.model.quantize import check_weights, int8_weights
 from gpt2.model.tokenizer import get_tokenizer
+from gpt2.model.traced_step import DecodingSteps
 from gpt2.torch_compat import uncompiled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,6 +75,17 @@ class KVCache:
         cache_k.index_copy_(2, self.index, k)
         cache_v.index_copy_(2, self.index, v)
         return cache_k, cache_v
+
+    @classmethod
+    def of_tensors(cls, pos: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
+        """A cache over existing tensors: the position ``pos`` and every layer's key and value buffers (a traced
+        decoding step gets them as its inputs; see :mod:`gpt2.model.traced_step`).
+        """
+        cache = cls.__new__(cls)
+        cache.pos, cache.k, cache.v = pos, list(k), list(v)
+        cache.max_len = k[0].size(2)
+        cache.index = None
+        return cache
 
     @classmethod
     def for_model(cls, model: GPT, max_len: int | None = None) -> KVCache:
@@ -217,7 +229,10 @@ def stream(
     another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
     On the CPU ``torch.compile(model, options={"cpp_wrapper": True})`` (Inductor's wrapper in C++) decoded
     1.10x faster than the default wrapper at 4 x 128, batch 1 (0.97-1.11x at 124M); compiling pays only
-    after thousands of tokens (docs/benchmarks.md, "Generation vs llama.cpp").
+    after thousands of tokens (docs/benchmarks.md, "Generation vs llama.cpp"). An uncompiled model on the CPU
+    decodes eagerly until a step of the same kind (model, batch size, cache length) has run 128 times, over all
+    calls, then replays it from a TorchScript trace: the same tokens, 1.2-1.5x the tokens/s at 4 x 128
+    (:mod:`gpt2.model.traced_step`).
 
     ``int8_head``: greedy decoding on the CPU may read the LM head in int8, with the same tokens
     (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
@@ -332,6 +347,8 @@ def _stream(
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
         tokens, mask = idx, attention_mask
+        # the decoding step, eager or (once it has run often enough, where it can be) traced
+        steps = DecodingSteps(model, B, mask is not None)
         for _ in range(max_new_tokens):
             # Inference mode, not only no_grad: the step's tensors get no version counters or autograd
             # metadata (+4-7% tokens/s at batch 1, paired rounds). The token is yielded outside it, as a
@@ -344,14 +361,15 @@ def _stream(
                     cache = None
                 if cache is not None:
                     # (B, 1), the newest token: a copy, as a view's stride would grow (a recompile each step)
-                    step, step_ids = model, tokens[:, -1:].clone(memory_format=torch.contiguous_format)
+                    step_ids = tokens[:, -1:].clone(memory_format=torch.contiguous_format)
+                    hidden = _forward(model, step_ids, cache, mask, steps.replay(cache))
                 else:
-                    step, step_ids = prefill, tokens
                     if use_cache:
                         cache = KVCache.for_model(model, cache_len)
+                    hidden = _forward(prefill, tokens, cache, mask)
                 # (B, C): the last position's hidden states. The head reads them alone: the prompt's other
                 # positions are never sampled (a 1,000-token prompt at 124M would cost 77 GFLOP and 200 MB more).
-                hidden = _forward(step, step_ids, cache, mask)[:, -1]
+                hidden = hidden[:, -1]
                 nxt = _next_tokens(hidden, model, int8, sample)
                 if eos_token_id is not None:
                     # Finished rows keep emitting EOS, so the output stays rectangular.
@@ -391,14 +409,26 @@ def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> t
     return tokens[:, -block_size:], mask
 
 
-def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> Any:
-    """One forward for generation: the last LayerNorm's output ``(B, T, C)`` (the head is applied after). With
-    padding ``mask`` ``(B, t)`` (cached + new tokens), positions count real tokens only and attention
-    skips pad keys, so a padded prompt yields what it would unpadded. The mask spans the cache's
-    whole buffer, so its shape is the same at every decoding step.
+def _forward(
+    model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, replay: Any = None
+) -> Any:
+    """One forward for generation: the last LayerNorm's output ``(B, T, C)`` (the head is applied after), by
+    ``model`` or by ``replay``, its traced decoding step. With padding ``mask`` ``(B, t)`` (cached + new tokens),
+    positions count real tokens only and attention skips pad keys, so a padded prompt yields what it would
+    unpadded. The mask spans the cache's whole buffer, so its shape is the same at every decoding step.
     """
-    if mask is None:
-        return model(ids, kv_cache=cache, head=False)[0]
+    position_ids, attn_mask = None, None
+    if mask is not None:
+        position_ids, attn_mask = _padding_inputs(ids, cache, mask)
+    if replay is not None:
+        return replay(ids, cache, position_ids, attn_mask)
+    return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask, head=False)[0]
+
+
+def _padding_inputs(ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The position ids ``(B, T)`` and attention mask ``(B, 1, T, S)`` of a forward over ``ids`` ``(B, T)`` whose
+    context so far (cached + new tokens) has the padding ``mask`` ``(B, t)``.
+    """
     T, t = ids.size(1), mask.size(1)
     # keys attended over
     S = cache.max_len if cache is not None else t
@@ -412,7 +442,7 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
     own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
     own[torch.arange(T), torch.arange(t - T, t)] = True
     attn_mask = (causal[None, None] & keys[:, None, None, :]) | own[None, None]  # (B, 1, T, S)
-    return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask, head=False)[0]
+    return position_ids, attn_mask
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:

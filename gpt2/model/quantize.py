@@ -37,6 +37,7 @@ from torch.nn.utils import parametrize
 
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
+from gpt2.model.traced_step import replayable
 
 # generate's ``weights`` switch: the model's own weights, or its int8 twin
 WEIGHTS = ("model", "int8")
@@ -51,6 +52,7 @@ _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _COMPILED_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@replayable
 class Int8Linear(nn.Module):
     """``nn.Linear`` with int8 weights, one fp32 scale per output row; the bias (fp32) is the linear's own.
 
