@@ -5,6 +5,8 @@ tokens per second, at the 4 x 128 shape and at GPT-2 124M, with random weights.
 One thread, CPU time of the process (``time.process_time``: other processes on a shared machine do not
 count), the runs alternating round by round (A B C D, A B C D, ...); each run is a 8-token prompt and
 ``--tokens`` new tokens, prompt included in the time (both sides). Medians with the spread of the rounds.
+Our decoding step is replayed from a TorchScript trace once it has run 128 times (``gpt2.model.traced_step``: during
+the untimed first calls here); the ``eager step`` runs never trace.
 llama.cpp is skipped, with a note, when llama-cpp-python is not installed. ``--compile`` adds
 ``torch.compile(model)`` twice: with Inductor's default (Python) wrapper and with ``cpp_wrapper=True``, whose
 wrapper calls the graph's kernels from C++, and the int8 twin of a compiled model (compiled too); the compile time
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2.model import traced_step
 from gpt2.model.config import GPTConfig
 from gpt2.model.generate import generate
 from gpt2.model.gguf import save_gguf
@@ -106,7 +109,11 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
     start = time.process_time()
     int8_weights(model)
     print(f"  int8 twin made in {time.process_time() - start:.1f} s CPU (once per model)")
-    runs = {"ours fp32": run(model), "ours fp32, plain head": run(model, int8_head=False)}
+    runs = {
+        "ours fp32": run(model),
+        "ours fp32, eager step": eager_steps(run(model)),
+        "ours fp32, plain head": run(model, int8_head=False),
+    }
     if compiled:
         # Inductor's default Python wrapper, then its C++ wrapper (the graph's kernels called from C++)
         for name, options in (("ours fp32 compiled", None), ("ours fp32 cpp_wrapper", {"cpp_wrapper": True})):
@@ -116,6 +123,7 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
             runs[name]()
             print(f"  {name}: first call {time.perf_counter() - start:.0f} s wall (compiling)")
     runs["ours int8"] = run(model, weights="int8")
+    runs["ours int8, eager step"] = eager_steps(run(model, weights="int8"))
     if compiled:
         # the int8 twin of a compiled model comes compiled (torch.compile's defaults; its products stay fbgemm's)
         start = time.perf_counter()
@@ -123,6 +131,20 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
         runs["ours int8 compiled"]()
         print(f"  ours int8 compiled: first call {time.perf_counter() - start:.0f} s wall (compiling)")
     return runs
+
+
+def eager_steps(run: Callable[[], list[int]]) -> Callable[[], list[int]]:
+    """``run`` with every decoding step eager: no TorchScript trace is made or replayed (gpt2.model.traced_step)."""
+
+    def eager() -> list[int]:
+        after = traced_step.TRACE_AFTER_STEPS
+        traced_step.TRACE_AFTER_STEPS = None
+        try:
+            return run()
+        finally:
+            traced_step.TRACE_AFTER_STEPS = after
+
+    return eager
 
 
 def time_interleaved(runs: dict[str, Callable[[], list[int]]], rounds: int) -> dict[str, list[float]]:

@@ -16,7 +16,6 @@ from _tiny_run import context_dependent_model
 
 import minlora
 from gpt2 import torch_compat
-from gpt2.model import generate as generate_module
 from gpt2.model import traced_step
 from gpt2.model.generate import KVCache, generate, pad_prompts
 from gpt2.model.gpt import GPT
@@ -44,19 +43,14 @@ def replays(monkeypatch) -> list[int]:
 
 
 def _eager(model: GPT, prompt: torch.Tensor, n: int, **kwargs) -> torch.Tensor:
-    """``generate`` of an untouched copy of ``model`` that never traces."""
+    """``generate`` of an untouched copy of ``model`` that never traces nor replays."""
     never = copy.deepcopy(model)
-    steps = traced_step.DecodingSteps
-
-    class Eager(steps):
-        def replay(self, cache):
-            return None
-
-    generate_module.DecodingSteps = Eager
+    after = traced_step.TRACE_AFTER_STEPS
+    traced_step.TRACE_AFTER_STEPS = None
     try:
         return generate(never, prompt, n, **kwargs)
     finally:
-        generate_module.DecodingSteps = steps
+        traced_step.TRACE_AFTER_STEPS = after
 
 
 def _prompt(batch: int = 1, length: int = 5, seed: int = 1) -> torch.Tensor:
@@ -195,6 +189,15 @@ def test_a_failing_trace_decodes_eagerly_and_is_not_tried_again(model, replays, 
     _never_traced(model, prompt, replays)
     _never_traced(model, prompt, replays)
     assert tries == [1]
+
+
+def test_none_turns_tracing_and_replaying_off(model, replays, monkeypatch):
+    prompt = _prompt()
+    generate(model, prompt, 10, temperature=0)
+    assert len(replays) == 6
+    monkeypatch.setattr(traced_step, "TRACE_AFTER_STEPS", None)
+    generate(model, prompt, 10, temperature=0)
+    assert len(replays) == 6
 
 
 def test_few_steps_never_trace_and_the_least_recently_used_trace_goes_first(model, replays, monkeypatch):

@@ -37,8 +37,9 @@ ModuleType = TypeVar("ModuleType", bound=type)
 
 # Eager decoding steps of one kind (model, batch size, cache length, padded or not), over all calls, after which
 # that step is traced: tracing and the interpreter's first two (optimising) runs cost about 0.4 s at 4 x 128 and
-# 0.5-1.1 s at 124M, what 100-250 traced steps save, so only a step that keeps being used is traced.
-TRACE_AFTER_STEPS = 128
+# 0.5-1.1 s at 124M, what 100-250 traced steps save, so only a step that keeps being used is traced. None: never
+# trace nor replay (every step eager, e.g. to compare or to debug).
+TRACE_AFTER_STEPS: int | None = 128
 # traces kept per model (batch sizes, cache lengths, padded or not), the least recently used dropped first
 MAX_TRACES = 4
 
@@ -79,6 +80,8 @@ class DecodingSteps:
     def __init__(self, model: GPT, batch: int, padded: bool) -> None:
         self.model, self.batch, self.padded = model, batch, padded
         self.traces: _ModelTraces | None = None
+        if TRACE_AFTER_STEPS is None:
+            return
         signature = _signature(model)
         if signature is None:
             return
