@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -209,3 +211,17 @@ def test_few_steps_never_trace_and_the_least_recently_used_trace_goes_first(mode
     for n in (10, 11, 12):
         generate(model, _prompt(), n, temperature=0)
     assert [key[1] for key in traced_step._TRACES[model].traces] == [16, 17]
+
+
+def test_traces_go_with_their_model(tiny_config, replays):
+    # made here: pytest keeps a fixture's value alive until the test ends
+    model = context_dependent_model(dataclasses.replace(tiny_config, vocab_size=500))
+    generate(model, _prompt(), 10, temperature=0)
+    generate(model, _prompt(), 10, temperature=0, weights="int8")
+    twin = int8_weights(model)
+    assert model in traced_step._TRACES and twin in traced_step._TRACES
+    alive = [weakref.ref(model), weakref.ref(twin)]
+    del model, twin
+    gc.collect()
+    # the traces hold the parameters, not the modules: nothing keeps the model (or its twin) alive
+    assert [ref() for ref in alive] == [None, None]
