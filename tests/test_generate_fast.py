@@ -264,17 +264,24 @@ def test_the_fp16_head_keeps_the_fp32_argmax_at_worst_case_rounding(monkeypatch)
 @needs_fbgemm
 def test_the_fp16_head_scores_the_whole_head_on_overflow_or_nan(monkeypatch):
     W = 0.2 * torch.randn(2000, 32, generator=torch.Generator().manual_seed(0))
+    W[9] = 6e4
     half = _half_of(W, monkeypatch)
     rows = _scored_rows(monkeypatch)
-    h = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
-    # logits beyond fp32's range, a NaN, a zero row (every block a candidate)
-    h[0, 3] = 3e38
-    h[1, 5] = float("nan")
-    h[2] = 0
+    h = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    # a logit beyond fp32's range (row 9's), |h|_2 beyond it, a NaN, a zero row (every block a candidate)
+    h[0] = 1e34
+    h[1, 3] = 3e38
+    h[2, 5] = float("nan")
+    h[3] = 0
     assert torch.equal(half.tokens(h), torch.nn.functional.linear(h, W).argmax(-1))
-    for one in h[:3]:
+    for one in h[:4]:
         assert torch.equal(half.tokens(one[None]), torch.nn.functional.linear(one[None], W).argmax(-1))
-    assert rows == [2000] * 4
+    # a row that overflows sends its whole batch to the whole head, beside a row that would take a block
+    for pair in (h[[0, 4]], h[[4, 1]], h[[4, 2]]):
+        assert torch.equal(half.tokens(pair), torch.nn.functional.linear(pair, W).argmax(-1))
+    assert rows == [2000] * 8
+    assert torch.equal(half.tokens(h[4:]), torch.nn.functional.linear(h[4:], W).argmax(-1))
+    assert rows[8] <= 128
 
 
 @needs_fbgemm

@@ -36,8 +36,8 @@ product with ``|h|_2``). With ``b = |h|_2 r`` per row, the fp32 head's argmax ``
 ``fp16_t >= fp32_t - b_t >= fp32_m - b_t >= fp16_m - b_m - b_t >= max fp16 - 2 |h|_2 max r``. The fp16
 logits are cut into blocks of ``HALF_BLOCK`` rows; the rows of every block whose best logit reaches that
 threshold are scored in fp32 (one or two blocks per token at 4 x 128), and the best of them is the token.
-When the threshold is not finite (an overflow) or more than an eighth of the vocabulary is taken, the whole
-fp32 head scores. A head that fp16 cannot hold (a weight beyond 65504 or not finite), or a torch without
+When a row's threshold is not finite (an overflow) or more than an eighth of the vocabulary is taken, the
+whole fp32 head scores. A head that fp16 cannot hold (a weight beyond 65504 or not finite), or a torch without
 fbgemm, gets a transposed fp32 copy instead (:class:`TransposedHead`).
 
 ``generate(..., int8_head=None)`` (the default) uses it for greedy decoding of at least 32 tokens on
@@ -129,14 +129,15 @@ class HalfHead(NamedTuple):
         # (B, blocks): each block's best fp16 logit
         blocks = fp16_matmul(h, self.packed).view(h.size(0), -1, HALF_BLOCK).amax(2)
         norm = torch.linalg.vector_norm(h, dim=1, keepdim=True).clamp_(min=2**-16)
-        lowest = blocks.amax(1, keepdim=True) - norm * self.reach
-        # NaN where the logits or the bound overflowed: then no block is taken, and the whole head scores
-        lowest += lowest - lowest
-        taken = (blocks >= lowest).any(0).nonzero()[:, 0]
-        if not 0 < taken.numel() * HALF_BLOCK <= V // 8:
+        lowest = torch.add(blocks.amax(1, keepdim=True), norm, alpha=-self.reach)
+        # Where the logits or the bound overflowed (NaN or +inf), the row takes every block: the whole head scores.
+        lowest.nan_to_num_(nan=-math.inf, posinf=-math.inf)
+        # (blocks taken, 1), ascending: those that some row does not leave (NaN logits are not left)
+        taken = (blocks < lowest).all(0).logical_not_().nonzero()
+        if not 0 < taken.size(0) * HALF_BLOCK <= V // 8:
             return F.linear(h, self.weight).argmax(-1)
         # ascending, for argmax's first-index ties; the padding rows are the last row again
-        ids = (taken[:, None] * HALF_BLOCK + self.offsets).view(-1).clamp_(max=V - 1)
+        ids = torch.add(self.offsets, taken, alpha=HALF_BLOCK).view(-1).clamp_(max=V - 1)
         return ids[F.linear(h, self.weight.index_select(0, ids)).argmax(-1)]
 
 
