@@ -112,6 +112,9 @@ class HalfHead(NamedTuple):
     """A narrow fp32 LM head read in fp16 through fbgemm: only the rows of the blocks whose fp16 logits can
     hold the fp32 argmax are scored in fp32 (see the module's docstring), the fp32 head's argmax but for
     near-ties within fp32 rounding. Costs an fp16 copy of the head (13 MB at 4 x 128) while the model lives.
+    At 4 x 128 (one thread, AVX2) a token's head took 2.2 against 2.5 ms from the transposed fp32 copy, and
+    greedy generation ran 1.07-1.12x faster (medians of 25 paired rounds, random and trained weights, the
+    same tokens); at 124M the int8 sieve stays faster (7.7 against 10.9 ms).
     """
 
     # (V, C): the fp32 head, which scores the rows taken (the model's weight, not a copy)
