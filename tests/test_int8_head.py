@@ -78,6 +78,13 @@ def test_int8_sieve_picks_the_argmax_of_the_whole_head(monkeypatch):
     # A hidden state of zeros or NaN takes the whole head (every row is a candidate / no bound).
     for odd in (torch.zeros(1, C), torch.full((1, C), float("nan"))):
         assert torch.equal(int8_head.greedy_tokens(odd, W, int8), torch.nn.functional.linear(odd, W).argmax(-1))
+    # ... also beside ordinary rows, whose few candidates it must not be scored among
+    W = torch.randn(V, C, generator=g)
+    ordinary = torch.randn(2, C, generator=g)
+    for odd in (torch.full((1, C), float("nan")), torch.full((1, C), 1e36)):
+        batch = torch.cat([ordinary[:1], odd, ordinary[1:]])
+        tokens = int8_head.greedy_tokens(batch, W, _int8_of(W))
+        assert torch.equal(tokens, torch.nn.functional.linear(batch, W).argmax(-1))
 
 
 def test_int8_head_only_where_it_is_exact_and_worth_it(monkeypatch, tiny_config):

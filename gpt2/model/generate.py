@@ -14,7 +14,14 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
-from gpt2.model.int8_head import Int8Head, TransposedHead, check_switch, greedy_tokens, select_int8_head
+from gpt2.model.int8_head import (
+    HalfHead,
+    Int8Head,
+    TransposedHead,
+    check_switch,
+    greedy_tokens,
+    select_int8_head,
+)
 from gpt2.model.quantize import check_weights, int8_weights
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.model.traced_step import DecodingSteps
@@ -236,9 +243,10 @@ def stream(
 
     ``int8_head``: greedy decoding on the CPU may read the LM head in int8, with the same tokens
     (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
-    32 new tokens, a large fp32 head; a large head under 256 columns is read from a transposed fp32 copy
-    instead, also the same tokens); True does wherever it applies and raises a ValueError saying
-    why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head); False never does (nor the copy).
+    32 new tokens, a large fp32 head; a large head under 256 columns is read in fp16 instead, ``HalfHead``, or
+    from a transposed fp32 copy where fbgemm or fp16 cannot hold it, also the same tokens); True does wherever it
+    applies and raises a ValueError saying why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head);
+    False never does (nor any copy).
 
     ``weights``: ``"model"`` (the default) computes with the model's own weights; ``"int8"`` reads every
     weight matrix in int8 on the CPU (faster, other tokens: see :mod:`gpt2.model.quantize`), through an int8
@@ -270,7 +278,7 @@ def stream(
 
 def _weights_and_head(
     model: GPT, weights: str, int8_head: bool | None, temperature: float, max_new_tokens: int
-) -> tuple[GPT, Int8Head | TransposedHead | None]:
+) -> tuple[GPT, Int8Head | HalfHead | TransposedHead | None]:
     """The model that decodes (``model`` or its int8 twin) and the greedy head that replaces its own, if any."""
     if check_weights(weights) == "model":
         return model, select_int8_head(model, int8_head, temperature, max_new_tokens)
@@ -331,7 +339,7 @@ def _stream(
     eos_token_id: int | None,
     use_cache: bool,
     attention_mask: torch.Tensor | None,
-    int8: Int8Head | TransposedHead | None,
+    int8: Int8Head | HalfHead | TransposedHead | None,
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
     # no dropout while sampling; the caller's mode is restored below
@@ -388,7 +396,7 @@ def _stream(
 def _next_tokens(
     hidden: torch.Tensor,
     model: GPT,
-    head: Int8Head | TransposedHead | None,
+    head: Int8Head | HalfHead | TransposedHead | None,
     sample: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The next token of every row from its hidden state ``hidden`` ``(B, C)``: the argmax through ``head``, the
@@ -398,7 +406,7 @@ def _next_tokens(
         return sample(model.logits(hidden))
     if isinstance(head, Int8Head):
         return greedy_tokens(hidden, model.lm_head.weight, head)
-    # a greedy head that scores the vocabulary itself (TransposedHead)
+    # a greedy head that scores the vocabulary itself (HalfHead, TransposedHead)
     return head.tokens(hidden)
 
 

@@ -337,8 +337,11 @@ def greedy_tokens(h: torch.Tensor, weight: torch.Tensor, int8: Int8Head) -> torc
     if out:
         approx += (h[:, out] / sh) @ torch.stack([int8.cols[j] for j in out])
     bound = _bound(int8, qh, absh, sh, C)
-    # (B, V); NaN where anything overflowed
-    maybe = approx + bound >= (approx - bound).amax(1, keepdim=True)
+    # (B, 1): each row's best lower bound. Where the logits or bounds overflowed (NaN, +inf) every token stays a
+    # candidate, so such a row, beside ordinary ones too, is scored by the whole fp32 head.
+    best = (approx - bound).amax(1, keepdim=True).nan_to_num_(nan=-math.inf, posinf=-math.inf)
+    # (B, V): the tokens that may be the row's argmax (NaN logits are not left out)
+    maybe = (approx + bound < best).logical_not_()
     # candidates of any row, ascending: argmax's first-index ties
     ids = maybe.any(0).nonzero()[:, 0]
     if not 0 < ids.numel() <= V // 8:
