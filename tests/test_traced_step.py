@@ -207,10 +207,25 @@ def test_few_steps_never_trace_and_the_least_recently_used_trace_goes_first(mode
     # 3 decoding steps: counted, not traced
     generate(model, _prompt(), 4, temperature=0)
     assert replays == [] and traced_step._TRACES[model].traces == {}
-    # three cache lengths (prompt + new tokens), each traced after its own 3 eager steps
-    for n in (10, 11, 12):
-        generate(model, _prompt(), n, temperature=0)
-    assert [key[1] for key in traced_step._TRACES[model].traces] == [16, 17]
+    # three batch sizes, each traced after its own 3 eager steps
+    for batch in (1, 2, 3):
+        generate(model, _prompt(batch=batch), 10, temperature=0)
+    assert [key[0] for key in traced_step._TRACES[model].traces] == [2, 3]
+
+
+def test_calls_of_other_lengths_share_a_step_within_one_cache_length(monkeypatch, tiny_config, replays):
+    config = dataclasses.replace(tiny_config, vocab_size=500, block_size=256)
+    model = context_dependent_model(config)
+    # prompt + new tokens 11 and 40: one cache of 64 positions, one trace
+    generate(model, _prompt(length=5), 6, temperature=0)
+    assert len(replays) == 2
+    expected = _eager(model, _prompt(length=20), 20, temperature=0)
+    assert torch.equal(generate(model, _prompt(length=20), 20, temperature=0), expected)
+    assert len(replays) == 2 + 19
+    assert list(traced_step._TRACES[model].traces) == [(1, 64, False)]
+    # the rounded cache changes nothing: the same tokens as without a cache
+    uncached = generate(model, _prompt(length=20), 20, temperature=0, use_cache=False)
+    assert torch.equal(uncached, expected)
 
 
 def test_traces_go_with_their_model(tiny_config, replays):

@@ -100,6 +100,16 @@ class KVCache:
         return cls(model.config.n_layer, max_len or model.config.block_size, model.device)
 
 
+# The KV cache's length is rounded up to a multiple of this (at most block_size): calls whose prompt plus new tokens
+# fall in one window share one traced (gpt2.model.traced_step) or compiled decoding step. The masked slots change no
+# bit of the outputs (the attention's softmax adds exact zeros for them) and cost at most 63 masked keys a step.
+CACHE_LENGTH_MULTIPLE = 64
+
+
+def _rounded_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 # The rules of the sampling arguments, checked in one place: SamplingConfig.
 SAMPLING_RULES = {
     "temperature": Range(low=0),
@@ -349,8 +359,8 @@ def _stream(
     try:
         block_size = model.config.block_size
         B = idx.size(0)
-        # The cache holds what this call can reach (fewer keys to attend over than a full context)
-        cache_len = min(block_size, idx.size(1) + max_new_tokens)
+        # The cache holds what this call can reach (fewer keys to attend over than a full context), rounded up
+        cache_len = min(block_size, _rounded_up(idx.size(1) + max_new_tokens, CACHE_LENGTH_MULTIPLE))
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
