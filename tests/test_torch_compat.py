@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +159,16 @@ def test_uncompiled_and_unwrap_compiled():
     assert torch_compat.uncompiled(in_place) == in_place.forward
     x = torch.randn(2, 4)
     torch.testing.assert_close(torch_compat.uncompiled(in_place)(x), in_place(x))
+
+
+def test_starting_the_package_imports_neither_fsdp_nor_dtensor_nor_dcp():
+    # They cost ~1.3 s of every start (gpt2 --help, every command); the package imports them where it uses them.
+    heavy = ["torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+    code = (
+        "import sys, gpt2, gpt2.cli.train, gpt2.cli.sample, gpt2.cli.evaluate, minlora; "
+        f"print([name for name in {heavy!r} if name in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert not torch_compat.is_fsdp_module(torch.nn.Linear(2, 2))
+    assert not torch_compat.is_dtensor(torch.zeros(2))

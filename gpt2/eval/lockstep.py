@@ -9,12 +9,13 @@ round run one more forward, on an item they do not count.
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
+
+from gpt2 import torch_compat
 
 
 def owes_forward(model: nn.Module, seen: int, rank: int, world_size: int) -> bool:
     """Whether this rank must run one uncounted forward after scoring its share of ``seen`` items."""
-    sharded = any(isinstance(module, FSDPModule) for module in model.modules())
+    sharded = any(torch_compat.is_fsdp_module(module) for module in model.modules())
     if not sharded or world_size == 1 or seen == 0:
         return False
     in_last_round = seen % world_size

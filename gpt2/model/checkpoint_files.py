@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
@@ -340,6 +339,9 @@ def load_shards_into(state: dict[str, Any], shards: Path, *, no_dist: bool) -> N
     """``torch.distributed.checkpoint.load`` of the directory ``shards`` into ``state``, in place; ``no_dist``:
     this process alone (without it, every process of the job calls this).
     """
+    # imported here (as below): torch.distributed.checkpoint costs ~1.3 s of every start of the package
+    import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():
         # Said on every single-process load, which is what no_dist asks for.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -357,6 +359,8 @@ def _read_sharded_weights(
         weights_meta = {"step": str(meta.get("step")), "trainable_only": str(meta.get("trainable_only", False))}
     if problems:
         return {}, weights_meta
+    import torch.distributed.checkpoint as dcp
+
     reader = dcp.FileSystemReader(str(path / SHARDS_DIR))
     try:
         index = reader.read_metadata().state_dict_metadata

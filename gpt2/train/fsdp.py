@@ -13,17 +13,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
+from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's mixed precision for one of our precision names: bf16 / fp16 gather the weights in that dtype
     (half the communication) and reduce the gradients in fp32; fp32 and tf32 change nothing.
     """
+    # imported here, as in every function of this module that needs FSDP: see torch_compat.is_fsdp_module
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     dtype = _COMPUTE_DTYPES.get(precision)
     if dtype is None:
         return MixedPrecisionPolicy()
@@ -72,6 +75,9 @@ def shard_model(model: nn.Module, device: torch.device, precision: str) -> nn.Mo
     """Shard ``model`` in place over every process of the job (its parameters become DTensors), each
     block its own unit, the rest the root unit; returns ``model``. Build the optimizer after this.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(precision)
     for unit in shard_units(model):
@@ -85,21 +91,21 @@ def shard_model(model: nn.Module, device: torch.device, precision: str) -> nn.Mo
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` (the raw module) was sharded by :func:`shard_model`."""
-    return isinstance(model, FSDPModule)
+    return torch_compat.is_fsdp_module(model)
 
 
 def gradient_sync(model: nn.Module, sync: bool) -> ContextManager:
     """FSDP: reduce-scatter the gradients in this backward only when ``sync`` (the last micro-step of an
     accumulation); the earlier ones accumulate unsharded gradients locally, with no communication.
     """
-    if isinstance(model, FSDPModule):
+    if torch_compat.is_fsdp_module(model):
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's global value (a collective: every process calls it); any other tensor itself."""
-    if isinstance(tensor, DTensor):
+    if torch_compat.is_dtensor(tensor):
         return tensor.full_tensor()
     return tensor
 
@@ -110,7 +116,7 @@ def non_finite_parameters(model: nn.Module) -> list[str]:
     """
     local = []
     for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
+        if torch_compat.is_dtensor(tensor):
             tensor = tensor.to_local()
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             local.append(name)
@@ -137,6 +143,8 @@ def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The sharded ``model``'s state dict as whole tensors on rank 0's CPU (a collective; the other ranks get an
     empty dict).
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

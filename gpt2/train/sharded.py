@@ -15,15 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from gpt2.model.checkpoint_files import (
     MODEL_KEY,
@@ -45,6 +37,11 @@ def write_shards(directory: Path, model: nn.Module, optimizer: Any, trainable_on
     """Every process writes its shards of ``model`` (its trainable weights alone with ``trainable_only``) and of
     ``optimizer``'s state into ``directory/shards`` (a collective under FSDP).
     """
+    # imported here, as in every function of this module: torch.distributed.checkpoint costs ~1.3 s of every start
+    # of the package (see gpt2.torch_compat.is_fsdp_module)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     state: dict[str, Any] = {MODEL_KEY: _model_state(model, trainable_only)}
     if optimizer is not None:
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
@@ -56,6 +53,13 @@ def load_shards(checkpoint: Path, model: nn.Module, optimizer: Any, trainable_on
     or not, on however many processes (every process of a job calls it; one process alone needs no process group).
     The optimizer keeps this run's settings (weight decay, betas...) but the saved state and learning rate.
     """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     state: dict[str, Any] = {MODEL_KEY: _model_state(model, trainable_only)}
     if optimizer is not None:
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
@@ -78,6 +82,8 @@ def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
     """``model``'s state dict (DTensors under FSDP), or its trainable parameters alone under every name they have
     (a LoRA checkpoint; torch's ``ignore_frozen_params`` keeps a frozen weight tied to another name).
     """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     state = get_model_state_dict(model)
     if not trainable_only:
         return state
@@ -89,6 +95,8 @@ def load_whole(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: An
     """Load a regular checkpoint (whole tensors; optimizer state keyed by position) into a model sharded by FSDP:
     each process keeps its own shards of the whole tensors it read.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, weights, options=options)
     if optimizer is None:
