@@ -77,8 +77,8 @@ def is_compiled(module: Any) -> bool:
 
 # ---- Startup time: FSDP's and DTensor's classes without importing them ----
 # Importing torch.distributed.fsdp, torch.distributed.tensor or torch.distributed.checkpoint loads DTensor's
-# operator tables (with sympy): ~1.3 s of every start of the package on one CPU core (2.4 s instead of 3.7 s for
-# `gpt2 train`'s imports). The package imports them where they are used; these checks need no import.
+# operator tables (with sympy): 1.0-1.3 s of every start of the package (docs/benchmarks.md, "Startup"). The
+# package imports them where they are used; these checks need no import.
 
 
 def is_fsdp_module(module: Any) -> bool:
