@@ -87,14 +87,23 @@ def test_the_transposed_head_with_padded_prompts(narrow_model, transposed_by_def
         assert torch.equal(fast[row, -33:], alone[0, -33:])
 
 
-def test_the_transposed_head_follows_weights_changed_behind_autograd(narrow_model, transposed_by_default):
+@pytest.mark.parametrize(
+    "heads, copies, part",
+    [
+        ("transposed_by_default", "_KEPT_TRANSPOSED", "w_t"),
+        pytest.param("half_by_default", "_KEPT_HALF", "packed", marks=needs_fbgemm),
+    ],
+)
+def test_the_narrow_heads_follow_weights_changed_behind_autograd(narrow_model, request, heads, copies, part):
+    request.getfixturevalue(heads)
+    kept_copies = getattr(int8_head, copies)
     model, prompt = narrow_model, torch.randint(0, 2000, (2, 4), generator=torch.Generator().manual_seed(2))
     before = generate(model, prompt, 32, temperature=0)
-    kept = int8_head._KEPT_TRANSPOSED[model.lm_head][1].w_t
+    kept = getattr(kept_copies[model.lm_head][1], part)
     # the same tensor, its version unchanged: only the fingerprint of its values sees the edit
     model.lm_head.weight.data[:, :16].neg_()
     after = generate(model, prompt, 32, temperature=0)
-    assert int8_head._KEPT_TRANSPOSED[model.lm_head][1].w_t is not kept
+    assert getattr(kept_copies[model.lm_head][1], part) is not kept
     assert not torch.equal(before, after)
     assert torch.equal(after, _argmax_loop(model, prompt, 32))
 
@@ -300,19 +309,6 @@ def test_a_head_that_fp16_cannot_hold_gets_the_transposed_copy(narrow_model, hal
     generate(narrow_model, prompt, 32, temperature=0)
     assert half_by_default[2] is int8_head.HalfHead
     assert narrow_model.lm_head not in int8_head._KEPT_TRANSPOSED
-
-
-@needs_fbgemm
-def test_the_fp16_head_follows_weights_changed_behind_autograd(narrow_model, half_by_default):
-    model, prompt = narrow_model, torch.randint(0, 2000, (2, 4), generator=torch.Generator().manual_seed(2))
-    before = generate(model, prompt, 32, temperature=0)
-    kept = int8_head._KEPT_HALF[model.lm_head][1].packed
-    # the same tensor, its version unchanged: only the fingerprint of its values sees the edit
-    model.lm_head.weight.data[:, :16].neg_()
-    after = generate(model, prompt, 32, temperature=0)
-    assert int8_head._KEPT_HALF[model.lm_head][1].packed is not kept
-    assert not torch.equal(before, after)
-    assert torch.equal(after, _argmax_loop(model, prompt, 32))
 
 
 def test_int8_head_false_makes_no_copy(narrow_model, half_by_default):
