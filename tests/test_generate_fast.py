@@ -66,12 +66,20 @@ def _argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
     return idx
 
 
-def test_the_transposed_head_gives_the_plain_heads_tokens(narrow_model, transposed_by_default):
-    prompt = torch.randint(0, 2000, (3, 5), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize(
+    "heads, kind, seed",
+    [
+        ("transposed_by_default", "TransposedHead", 1),
+        *[pytest.param("half_by_default", "HalfHead", seed, marks=needs_fbgemm) for seed in (1, 2, 3)],
+    ],
+)
+def test_the_narrow_heads_give_the_plain_heads_tokens(narrow_model, request, heads, kind, seed):
+    chosen = request.getfixturevalue(heads)
+    prompt = torch.randint(0, 2000, (3, 5), generator=torch.Generator().manual_seed(seed))
     plain = generate(narrow_model, prompt, 40, temperature=0, int8_head=False)
     fast = generate(narrow_model, prompt, 40, temperature=0)
     uncached = generate(narrow_model, prompt, 40, temperature=0, use_cache=False)
-    assert transposed_by_default == [type(None), int8_head.TransposedHead, int8_head.TransposedHead]
+    assert chosen == [type(None), getattr(int8_head, kind), getattr(int8_head, kind)]
     assert torch.equal(fast, plain) and torch.equal(uncached, plain)
     assert torch.equal(fast, _argmax_loop(narrow_model, prompt, 40))
 
@@ -197,18 +205,6 @@ def _scored_rows(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(int8_head, "F", types.SimpleNamespace(linear=linear))
     return rows
-
-
-@needs_fbgemm
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_fp16_head_gives_the_plain_heads_tokens(narrow_model, half_by_default, seed):
-    prompt = torch.randint(0, 2000, (3, 5), generator=torch.Generator().manual_seed(seed))
-    plain = generate(narrow_model, prompt, 40, temperature=0, int8_head=False)
-    fast = generate(narrow_model, prompt, 40, temperature=0)
-    uncached = generate(narrow_model, prompt, 40, temperature=0, use_cache=False)
-    assert half_by_default == [type(None), int8_head.HalfHead, int8_head.HalfHead]
-    assert torch.equal(fast, plain) and torch.equal(uncached, plain)
-    assert torch.equal(fast, _argmax_loop(narrow_model, prompt, 40))
 
 
 @needs_fbgemm
