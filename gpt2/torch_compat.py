@@ -278,36 +278,24 @@ def define_cpu_op(
 _LIBRARIES: list[Any] = []
 
 
-# ---- Greedy decoding (issue 29): fbgemm's fp16-weight matmul for narrow LM heads ----
-
-# the largest finite fp16 magnitude: fbgemm clamps larger weights to it when packing (with a logged warning)
-FP16_MAX = 65504.0
+# ---- Greedy decoding (issue 29): torch's int8 weight-only matmul for narrow LM heads ----
 
 
-def pack_fp16(w: torch.Tensor) -> tuple[Any, torch.Tensor] | None:
-    """``w`` ``(N, K)`` (fp32, finite, magnitudes at most ``FP16_MAX``) rounded to fp16 in fbgemm's packed
-    layout for :func:`fp16_matmul`, with the fp32 values of the fp16 weights it holds ``(N, K)`` (read back from
-    the packed copy, so that a bound of the rounding holds whatever rounding the packing did); None where this
-    torch has no fbgemm.
+def has_int8_rows_matmul() -> bool:
+    """Whether this torch has the kernel behind :func:`int8_rows_matmul`."""
+    return hasattr(torch, "_weight_int8pack_mm")
 
-    Why private: the public API multiplies fp32 rows by fp16 weights only after converting one side (``x.half() @
-    w16.T`` rounds ``x`` and took 3.7 ms for the 4 x 128 LM head, ``x @ w16.float().T`` reads fp32 again). fbgemm's
-    fp16-weight x fp32-activation kernel (the one behind ``torch.ao``'s dynamic fp16 quantization) reads the
-    weights in fp16 and sums in fp32: the 4 x 128 LM head (50257 x 128) in 1.6-1.9 ms against 2.1-2.9 ms for the
-    transposed fp32 copy (one thread, AVX2). Its ATen names (``torch.fbgemm_pack_gemm_matrix_fp16``,
-    ``torch.fbgemm_linear_fp16_weight_fp32_activation``) warn that they will be removed; the ``quantized::
-    linear_prepack_fp16`` / ``linear_dynamic_fp16`` / ``linear_unpack_fp16`` operators run the same kernels and
-    do not warn. Checked on torch 2.13.
+
+def int8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scale[:, None]).T`` for fp32 rows ``x`` ``(M, K)``, int8 rows ``q`` ``(N, K)`` and their bf16
+    ``scale`` ``(N,)``, in bf16 ``(M, N)``: ``x`` is rounded to bf16, each weight times its row's scale widened to
+    fp32, the products summed in fp32 and the sums rounded to bf16. ``K`` must be a multiple of 16 (the kernels
+    step through it 8 or 16 columns at a time and read past other widths: wrong sums, no error).
+
+    Why private: torch's public API has no matmul with int8 weights. ``torch._weight_int8pack_mm`` is the CPU
+    kernel behind gpt-fast's and torchao's int8 weight-only quantization: on one AVX2 thread it read the 4 x 128
+    LM head (50257 x 128) in 0.7-1.0 ms against 0.9-1.2 ms for fbgemm's fp16-weight kernel. Its AVX2, AVX512
+    and NEON versions and its plain loop all sum in fp32 (the narrow head's bound, in
+    :mod:`gpt2.model.int8_head`, relies on it; the head checks it on probe rows too). Checked on torch 2.13.
     """
-    if not has_fbgemm():
-        return None
-    packed = torch.ops.quantized.linear_prepack_fp16(w, None)
-    weights, _ = torch.ops.quantized.linear_unpack_fp16(packed)
-    return packed, weights
-
-
-def fp16_matmul(x: torch.Tensor, packed: Any) -> torch.Tensor:
-    """``x @ w16.T`` in fp32 for :func:`pack_fp16`'s ``packed`` and fp32 rows ``x`` ``(M, K)``: the fp16
-    weights are widened to fp32 and the products summed in fp32. Why private: see :func:`pack_fp16`.
-    """
-    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scale)

@@ -1,7 +1,7 @@
-"""Greedy decoding's fast heads (issue 29): a narrow LM head read in fp16 (HalfHead), or from a transposed fp32
-copy where fbgemm or fp16 cannot hold it, gives the tokens of the model's own head, with and without the KV
-cache, for padded prompts, at near-ties and worst-case fp16 rounding, and follows weights changed behind
-autograd; the switches choose as documented.
+"""Greedy decoding's fast heads (issue 29): a narrow LM head read in int8 by torch's int8 weight-only kernel
+(NarrowHead), or from a transposed fp32 copy where that kernel cannot read it, gives the tokens of the model's own
+head, with and without the KV cache, for padded prompts, where the int8 logits rank the rows otherwise, at ties,
+overflows and NaN, and follows weights changed behind autograd; the switches choose as documented.
 """
 
 from __future__ import annotations
@@ -25,19 +25,21 @@ def narrow_model(tiny_config) -> GPT:
     return context_dependent_model(dataclasses.replace(tiny_config, vocab_size=2000))
 
 
-needs_fbgemm = pytest.mark.skipif(not torch_compat.has_fbgemm(), reason="fp16 heads need fbgemm (x86 torch)")
+needs_int8_rows = pytest.mark.skipif(
+    not torch_compat.has_int8_rows_matmul(), reason="this torch has no int8 weight-only kernel"
+)
 
 
 @pytest.fixture
-def half_by_default(monkeypatch):
+def narrow_by_default(monkeypatch):
     """Every head is large enough for the narrow heads' copies; returns the heads the default used per call."""
     return _spy_on_heads(monkeypatch)
 
 
 @pytest.fixture
 def transposed_by_default(monkeypatch):
-    """As ``half_by_default`` in a torch without fbgemm's fp16 kernels: the narrow heads' transposed fp32 copy."""
-    monkeypatch.setattr(int8_head, "pack_fp16", lambda w: None)
+    """As ``narrow_by_default`` in a torch without the int8 weight-only kernel: the narrow heads' transposed copy."""
+    monkeypatch.setattr(int8_head, "has_int8_rows_matmul", lambda: False)
     return _spy_on_heads(monkeypatch)
 
 
@@ -70,7 +72,7 @@ def _argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
     "heads, kind, seed",
     [
         ("transposed_by_default", "TransposedHead", 1),
-        *[pytest.param("half_by_default", "HalfHead", seed, marks=needs_fbgemm) for seed in (1, 2, 3)],
+        *[pytest.param("narrow_by_default", "NarrowHead", seed, marks=needs_int8_rows) for seed in (1, 2, 3)],
     ],
 )
 def test_the_narrow_heads_give_the_plain_heads_tokens(narrow_model, request, heads, kind, seed):
@@ -99,7 +101,7 @@ def test_the_transposed_head_with_padded_prompts(narrow_model, transposed_by_def
     "heads, copies, part",
     [
         ("transposed_by_default", "_KEPT_TRANSPOSED", "w_t"),
-        pytest.param("half_by_default", "_KEPT_HALF", "packed", marks=needs_fbgemm),
+        pytest.param("narrow_by_default", "_KEPT_NARROW", "q", marks=needs_int8_rows),
     ],
 )
 def test_the_narrow_heads_follow_weights_changed_behind_autograd(narrow_model, request, heads, copies, part):
@@ -182,21 +184,21 @@ def test_tokens_are_normal_tensors_though_decoding_runs_in_inference_mode(narrow
     assert narrow_model.lm_head.weight.grad is not None
 
 
-# The fp16 head (HalfHead): fbgemm's fp16 logits, a bound of their error, the blocks that can hold the argmax
-# scored in fp32.
+# The narrow head (NarrowHead): the int8 kernel's logits, a bound of their error, the blocks that can hold the
+# argmax scored in fp32.
 
 
-def _half_of(weight: torch.Tensor, monkeypatch) -> int8_head.HalfHead | None:
-    """The HalfHead of an LM head of ``weight`` ``(V, C)`` (narrow heads of any size)."""
+def _narrow_of(weight: torch.Tensor, monkeypatch) -> int8_head.NarrowHead | None:
+    """The NarrowHead of an LM head of ``weight`` ``(V, C)`` (narrow heads of any size)."""
     monkeypatch.setattr(int8_head, "TRANSPOSED_HEAD_MIN", 0)
     holder = torch.nn.Linear(weight.size(1), weight.size(0), bias=False)
     holder.weight.data = weight
     model = types.SimpleNamespace(lm_head=holder, config=types.SimpleNamespace(vocab_size=weight.size(0)))
-    return int8_head.half_head(model)
+    return int8_head.narrow_head(model)
 
 
 def _scored_rows(monkeypatch) -> list[int]:
-    """The number of head rows each fp32 product of the HalfHead scores, in order."""
+    """The number of head rows each fp32 product of the NarrowHead scores, in order."""
     rows: list[int] = []
 
     def linear(h, w):
@@ -207,70 +209,75 @@ def _scored_rows(monkeypatch) -> list[int]:
     return rows
 
 
-@needs_fbgemm
-def test_the_fp16_head_with_padded_prompts(narrow_model, half_by_default):
+@needs_int8_rows
+def test_the_narrow_head_with_padded_prompts(narrow_model, narrow_by_default):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
     ids, mask = pad_prompts(prompts)
     fast = generate(narrow_model, ids, 33, temperature=0, attention_mask=mask)
     plain = generate(narrow_model, ids, 33, temperature=0, attention_mask=mask, int8_head=False)
-    assert half_by_default[0] is int8_head.HalfHead
+    assert narrow_by_default[0] is int8_head.NarrowHead
     assert torch.equal(fast, plain)
     for row, prompt in enumerate(prompts):
         alone = generate(narrow_model, torch.tensor([prompt]), 33, temperature=0)
         assert torch.equal(fast[row, -33:], alone[0, -33:])
 
 
-@needs_fbgemm
-def test_the_fp16_head_scores_few_rows_and_the_last_block(monkeypatch):
+@needs_int8_rows
+def test_the_narrow_head_scores_few_rows_and_the_last_block(monkeypatch):
     g = torch.Generator().manual_seed(0)
     W = 0.2 * torch.randn(2000, 32, generator=g)
-    half = _half_of(W, monkeypatch)
+    narrow = _narrow_of(W, monkeypatch)
     h = torch.randn(16, 32, generator=g)
     # rows whose best token is the last row (2000 is not a whole number of blocks: its block is filled up)
     h[:4] += 5 * W[-1]
     rows = _scored_rows(monkeypatch)
     for one in h:
-        assert torch.equal(half.tokens(one[None]), torch.nn.functional.linear(one[None], W).argmax(-1))
-    assert int(half.tokens(h[:1])) == 1999
-    # a row scores one or two blocks of 64, not the whole head; a batch scores the union of its rows' blocks
+        assert torch.equal(narrow.tokens(one[None]), torch.nn.functional.linear(one[None], W).argmax(-1))
+    assert int(narrow.tokens(h[:1])) == 1999
+    # a row scores a few blocks of 64, not the whole head; a batch scores the union of its rows' blocks
     # (the whole head past an eighth of it: 16 rows here)
-    assert torch.equal(half.tokens(h[2:5]), torch.nn.functional.linear(h[2:5], W).argmax(-1))
-    assert torch.equal(half.tokens(h), torch.nn.functional.linear(h, W).argmax(-1))
-    assert max(rows[:16]) <= 128 and 64 < rows[17] <= 3 * 128 and rows[18] == 2000
+    assert torch.equal(narrow.tokens(h[[0, 7]]), torch.nn.functional.linear(h[[0, 7]], W).argmax(-1))
+    assert torch.equal(narrow.tokens(h), torch.nn.functional.linear(h, W).argmax(-1))
+    assert max(rows[:16]) <= 4 * 64 and 64 < rows[17] <= 250 and rows[18] == 2000
 
 
-@needs_fbgemm
-def test_the_fp16_head_keeps_the_fp32_argmax_at_worst_case_rounding(monkeypatch):
-    """Two rows in different blocks that fp16 ranks one way by 16 of its steps and fp32 the other: the bound keeps
-    the fp32 winner's block (half the bound would lose it).
+@needs_int8_rows
+def test_the_narrow_head_keeps_the_fp32_argmax_where_int8_ranks_another_first_by_most_of_the_bound(monkeypatch):
+    """Rows a and b rounded to int8 in opposite directions, column by column: the int8 logits rank a first by 30
+    steps, fp32 ranks b first by half a step. The bound keeps b's block (half the bound would lose it), and b is
+    the token.
     """
-    C, step = 32, 2**-11  # fp16's step between 0.5 and 1
-    W = 0.01 * torch.randn(2000, C, generator=torch.Generator().manual_seed(0))
-    h = torch.cat([torch.ones(C // 2), -torch.ones(C // 2)])[None]
-    a, b = 0.75 * h[0], 0.75 * h[0]
-    # where h is 1, b is larger by 0.3 steps and both round to 0.75
-    b[: C // 2] += 0.3 * step
-    # where h is -1, a rounds up and b down (away from and towards 0): fp16 adds a step to a's logit per column,
-    # fp32 a hair
-    a[C // 2 :] -= 0.5 * step + 2**-20
-    b[C // 2 :] -= 0.5 * step - 2**-20
+    C, s, d = 32, 2**-5, 2**-12
+    # every other row far below: only a's and b's blocks can hold the argmax
+    W = 1e-3 * torch.randn(2000, C, generator=torch.Generator().manual_seed(0)) - 0.5
+    h = torch.ones(1, C)
+    # column 0 (which h leaves out) sets both rows' int8 step to s
+    h[0, 0] = 0.0
+    a, b = torch.zeros(C), torch.zeros(C)
+    a[0] = b[0] = 127 * s
+    # columns 1-30: a rounds up to 1 step and b down to 0, a larger by 2d in fp32
+    a[1:31], b[1:31] = 0.5 * s + d, 0.5 * s - d
+    # column 31: both round to 0, b larger by s - 2d in fp32
+    a[31], b[31] = -0.5 * s + d, 0.5 * s - d
     W[5], W[1900] = a, b
-    half = _half_of(W, monkeypatch)
-    assert int(torch_compat.fp16_matmul(h, half.packed)[0, :2000].argmax()) == 5
+    narrow = _narrow_of(W, monkeypatch)
+    assert narrow.scale[5] == narrow.scale[1900] == s
+    int8_logits = torch_compat.int8_rows_matmul(h, narrow.q, narrow.scale)[0].float()
+    assert int8_logits[5] - int8_logits[1900] == 30 * s and int(int8_logits[:2000].argmax()) == 5
     assert int(torch.nn.functional.linear(h, W).argmax()) == 1900
     rows = _scored_rows(monkeypatch)
-    assert int(half.tokens(h)) == 1900
+    assert int(narrow.tokens(h)) == 1900
     assert rows == [128]
-    # an exact tie in fp32 and fp16: the first index wins, as in argmax
+    # an exact tie in fp32 and int8: the first index wins, as in argmax
     W[1900] = a
-    assert int(_half_of(W, monkeypatch).tokens(h)) == 5
+    assert int(_narrow_of(W, monkeypatch).tokens(h)) == 5
 
 
-@needs_fbgemm
-def test_the_fp16_head_scores_the_whole_head_on_overflow_or_nan(monkeypatch):
+@needs_int8_rows
+def test_the_narrow_head_scores_the_whole_head_on_overflow_or_nan(monkeypatch):
     W = 0.2 * torch.randn(2000, 32, generator=torch.Generator().manual_seed(0))
     W[9] = 6e4
-    half = _half_of(W, monkeypatch)
+    narrow = _narrow_of(W, monkeypatch)
     rows = _scored_rows(monkeypatch)
     h = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
     # a logit beyond fp32's range (row 9's), |h|_2 beyond it, a NaN, a zero row (every block a candidate)
@@ -278,47 +285,65 @@ def test_the_fp16_head_scores_the_whole_head_on_overflow_or_nan(monkeypatch):
     h[1, 3] = 3e38
     h[2, 5] = float("nan")
     h[3] = 0
-    assert torch.equal(half.tokens(h), torch.nn.functional.linear(h, W).argmax(-1))
+    assert torch.equal(narrow.tokens(h), torch.nn.functional.linear(h, W).argmax(-1))
     for one in h[:4]:
-        assert torch.equal(half.tokens(one[None]), torch.nn.functional.linear(one[None], W).argmax(-1))
+        assert torch.equal(narrow.tokens(one[None]), torch.nn.functional.linear(one[None], W).argmax(-1))
     # a row that overflows sends its whole batch to the whole head, beside a row that would take a block
     for pair in (h[[0, 4]], h[[4, 1]], h[[4, 2]]):
-        assert torch.equal(half.tokens(pair), torch.nn.functional.linear(pair, W).argmax(-1))
+        assert torch.equal(narrow.tokens(pair), torch.nn.functional.linear(pair, W).argmax(-1))
     assert rows == [2000] * 8
-    assert torch.equal(half.tokens(h[4:]), torch.nn.functional.linear(h[4:], W).argmax(-1))
-    assert rows[8] <= 128
+    assert torch.equal(narrow.tokens(h[4:]), torch.nn.functional.linear(h[4:], W).argmax(-1))
+    assert rows[8] <= 4 * 64
 
 
-@needs_fbgemm
-@pytest.mark.parametrize("weight", [1e5, float("inf"), float("nan")])
-def test_a_head_that_fp16_cannot_hold_gets_the_transposed_copy(narrow_model, half_by_default, weight):
+@needs_int8_rows
+@pytest.mark.parametrize("weight", [float("inf"), float("nan")])
+def test_a_head_the_int8_kernel_cannot_read_gets_the_transposed_copy(narrow_model, narrow_by_default, weight):
     prompt = torch.randint(0, 2000, (2, 4), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         narrow_model.lm_head.weight[7, 3] = weight
-    assert int8_head.half_head(narrow_model) is None
+    assert int8_head.narrow_head(narrow_model) is None
     fast = generate(narrow_model, prompt, 32, temperature=0)
-    assert half_by_default == [int8_head.TransposedHead]
+    assert narrow_by_default == [int8_head.TransposedHead]
     assert torch.equal(fast, generate(narrow_model, prompt, 32, temperature=0, int8_head=False))
-    # back in fp16's range: the fp16 copy, and the transposed one is dropped
+    # finite again: the int8 copy, and the transposed one is dropped
     with torch.no_grad():
         narrow_model.lm_head.weight[7, 3] = 0.5
     generate(narrow_model, prompt, 32, temperature=0)
-    assert half_by_default[2] is int8_head.HalfHead
+    assert narrow_by_default[2] is int8_head.NarrowHead
     assert narrow_model.lm_head not in int8_head._KEPT_TRANSPOSED
 
 
-def test_int8_head_false_makes_no_copy(narrow_model, half_by_default):
+@needs_int8_rows
+def test_a_kernel_that_breaks_the_bound_or_a_width_it_misreads_is_not_used(monkeypatch):
+    """The copy is checked against the fp32 head on probe rows: a kernel whose sums leave the bound (here one that
+    skips the last 16 columns; torch's misread widths that are not a multiple of 16) fails it; such widths are
+    also refused before.
+    """
+    W = 0.2 * torch.randn(2000, 32, generator=torch.Generator().manual_seed(0))
+    assert isinstance(_narrow_of(W, monkeypatch), int8_head.NarrowHead)
+    assert _narrow_of(0.2 * torch.randn(2000, 40), monkeypatch) is None
+    kernel = torch_compat.int8_rows_matmul
+
+    def skips_columns(x, q, scale):
+        return kernel(x[:, :-16].contiguous(), q[:, :-16].contiguous(), scale)
+
+    monkeypatch.setattr(int8_head, "int8_rows_matmul", skips_columns)
+    assert _narrow_of(W.clone(), monkeypatch) is None
+
+
+def test_int8_head_false_makes_no_copy(narrow_model, narrow_by_default):
     prompt = torch.randint(0, 2000, (1, 4))
     generate(narrow_model, prompt, 32, temperature=0, int8_head=False)
-    assert half_by_default == [type(None)]
-    for kept in (int8_head._KEPT_HALF, int8_head._KEPT_TRANSPOSED, int8_head._KEPT):
+    assert narrow_by_default == [type(None)]
+    for kept in (int8_head._KEPT_NARROW, int8_head._KEPT_TRANSPOSED, int8_head._KEPT):
         assert narrow_model.lm_head not in kept
 
 
-def test_the_fp16_heads_default_shapes(tiny_config):
-    assert int8_head.half_head(GPT(tiny_config)) is None
+def test_the_narrow_heads_default_shapes(tiny_config):
+    assert int8_head.narrow_head(GPT(tiny_config)) is None
     big = GPT(dataclasses.replace(tiny_config, n_embd=64, vocab_size=2**16, n_layer=1)).eval()
     wide = GPT(dataclasses.replace(tiny_config, n_embd=256, vocab_size=2**14, n_layer=1)).eval()
-    assert int8_head.half_head(wide) is None
-    if torch_compat.has_fbgemm():
-        assert isinstance(int8_head.half_head(big), int8_head.HalfHead)
+    assert int8_head.narrow_head(wide) is None
+    if torch_compat.has_int8_rows_matmul():
+        assert isinstance(int8_head.narrow_head(big), int8_head.NarrowHead)

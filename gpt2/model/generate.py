@@ -15,8 +15,8 @@ import torch
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value
 from gpt2.model.int8_head import (
-    HalfHead,
     Int8Head,
+    NarrowHead,
     TransposedHead,
     check_switch,
     greedy_tokens,
@@ -253,8 +253,9 @@ def stream(
 
     ``int8_head``: greedy decoding on the CPU may read the LM head in int8, with the same tokens
     (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
-    32 new tokens, a large fp32 head; a large head under 256 columns is read in fp16 instead, ``HalfHead``, or
-    from a transposed fp32 copy where fbgemm or fp16 cannot hold it, also the same tokens); True does wherever it
+    32 new tokens, a large fp32 head; a large head under 256 columns is read by torch's int8 weight-only kernel
+    instead, ``NarrowHead``, or from a transposed fp32 copy where that kernel cannot read it, also the same
+    tokens); True does wherever it
     applies and raises a ValueError saying why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head);
     False never does (nor any copy).
 
@@ -288,7 +289,7 @@ def stream(
 
 def _weights_and_head(
     model: GPT, weights: str, int8_head: bool | None, temperature: float, max_new_tokens: int
-) -> tuple[GPT, Int8Head | HalfHead | TransposedHead | None]:
+) -> tuple[GPT, Int8Head | NarrowHead | TransposedHead | None]:
     """The model that decodes (``model`` or its int8 twin) and the greedy head that replaces its own, if any."""
     if check_weights(weights) == "model":
         return model, select_int8_head(model, int8_head, temperature, max_new_tokens)
@@ -349,7 +350,7 @@ def _stream(
     eos_token_id: int | None,
     use_cache: bool,
     attention_mask: torch.Tensor | None,
-    int8: Int8Head | HalfHead | TransposedHead | None,
+    int8: Int8Head | NarrowHead | TransposedHead | None,
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
     # no dropout while sampling; the caller's mode is restored below
@@ -406,7 +407,7 @@ def _stream(
 def _next_tokens(
     hidden: torch.Tensor,
     model: GPT,
-    head: Int8Head | HalfHead | TransposedHead | None,
+    head: Int8Head | NarrowHead | TransposedHead | None,
     sample: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The next token of every row from its hidden state ``hidden`` ``(B, C)``: the argmax through ``head``, the
@@ -416,7 +417,7 @@ def _next_tokens(
         return sample(model.logits(hidden))
     if isinstance(head, Int8Head):
         return greedy_tokens(hidden, model.lm_head.weight, head)
-    # a greedy head that scores the vocabulary itself (HalfHead, TransposedHead)
+    # a greedy head that scores the vocabulary itself (NarrowHead, TransposedHead)
     return head.tokens(hidden)
 
 

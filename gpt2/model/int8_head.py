@@ -1,5 +1,5 @@
-"""Greedy decoding on the CPU with the LM head read in int8 (or, for narrow heads, in fp16): the same
-tokens as the fp32 head, a quarter (a half) of the head's bytes read per token.
+"""Greedy decoding on the CPU with the LM head read in int8: the same tokens as the fp32 head, a quarter of
+the head's bytes read per token.
 
 The bound it relies on. The head's rows are rounded to int8 with a step ``scale`` per row, the hidden
 state ``h`` to 7-bit integers ``q_h`` with a step ``sh`` per row of ``h``; the int8 logit is their integer dot
@@ -19,31 +19,37 @@ The integer products are fbgemm's where torch has it (x86), else oneDNN's (``tor
 :func:`gpt2.torch_compat.int8_matmul`: on an AVX2 CPU without VNNI oneDNN's made the head 3-5x slower than
 fp32, fbgemm's 3x faster (docs/benchmarks.md, "Generation vs llama.cpp").
 
-Narrow heads (fewer than ``TRANSPOSED_HEAD_MAX_EMBD`` columns) are read in fp16 instead, by the same sieve
-(:class:`HalfHead`): there the int8 pass's bounds over every row cost more than the bytes they save. fbgemm's
-kernel widens the fp16 weights ``w~`` to fp32 and sums the products in fp32; for a row ``h`` of the hidden
-states and a row ``w`` of the head, ``C`` columns, by Cauchy-Schwarz:
+Narrow heads (fewer than ``TRANSPOSED_HEAD_MAX_EMBD`` columns) are read by another int8 kernel, with a
+cheaper sieve (:class:`NarrowHead`): there the int8 pass's bounds over every row cost more than the bytes they
+save. torch's int8 weight-only kernel (:func:`gpt2.torch_compat.int8_rows_matmul`) rounds the hidden states to
+bf16, ``h~``, widens each int8 weight times its row's bf16 scale to fp32, ``w~ = q scale`` (exact in fp32: 8 by
+8 significant bits), sums the products in fp32 and rounds the sums to bf16. With ``u = 2^-8`` (bf16's rounding,
+to nearest or towards zero) and ``g = C 2^-23`` (a sum of ``C`` fp32 products, in any order, with or without
+FMA, is within (C+1) 2^-24 / (1 - (C+1) 2^-24) sum|a_k b_k| of the exact one, at most ``g |a|_2 |b|_2`` for
+C >= 2), for a row ``h`` of the hidden states and a row ``w`` of the head, by Cauchy-Schwarz:
 
-    |h.w - fp16 logit| <= |h|_2 |w - w~|_2                     (the weights' rounding to fp16)
-                        + C 2^-23 |h|_2 (|w|_2 + |w~|_2)        (the fp32 sums of both products)
+    |h.w - int8 logit| <= |h|_2 |w - w~|_2                        (the weights' rounding to int8)
+                        + u |h|_2 |w~|_2                           (h's rounding to bf16)
+                        + g (1 + u) |h|_2 |w~|_2                   (the fp32 sums)
+                        + u (1 + u) (1 + g) |h|_2 |w~|_2           (the sums' rounding to bf16)
+                        + g |h|_2 |w|_2                            (the fp32 logits' own sums)
 
-(a sum of ``C`` fp32 products, in any order, with or without FMA, is within (C+1) 2^-24 / (1 - (C+1) 2^-24)
-sum|h_k w_k| of the exact one, at most ``C 2^-23 |h|_2 |w|_2`` for C >= 2). Each row's bound per unit of
-``|h|_2``, ``r``, is computed once from the fp16 weights read back from fbgemm's copy (whatever rounding
-the packing did), plus ``C 2^-64`` (with ``|h|_2`` taken at least 2^-16: squares and products that underflow,
-or subnormals flushed to zero) and times ``1 + C 2^-16`` (the fp32 rounding of the norms, of ``r`` and of its
-product with ``|h|_2``). With ``b = |h|_2 r`` per row, the fp32 head's argmax ``t`` and the fp16 argmax ``m``:
-``fp16_t >= fp32_t - b_t >= fp32_m - b_t >= fp16_m - b_m - b_t >= max fp16 - 2 |h|_2 max r``. The fp16
-logits are cut into blocks of ``HALF_BLOCK`` rows; the rows of every block whose best logit reaches that
-threshold are scored in fp32 (one or two blocks per token at 4 x 128), and the best of them is the token.
-When a row's threshold is not finite (an overflow) or more than an eighth of the vocabulary is taken, the
-whole fp32 head scores. A head that fp16 cannot hold (a weight beyond 65504 or not finite), or a torch without
-fbgemm, gets a transposed fp32 copy instead (:class:`TransposedHead`).
+Each row's bound per unit of ``|h|_2``, ``r``, is computed once from the int8 weights, plus ``C 2^-64`` (with
+``|h|_2`` taken at least 2^-16: squares and products that underflow, or subnormals flushed to zero) and times
+``1 + C 2^-16`` (the fp32 rounding of the norms, of ``r`` and of its product with ``|h|_2``); the kernel is run
+on probe rows and each of their logits checked against its bound when the copy is made (a torch whose kernel
+sums otherwise, or lacks it, gets the transposed copy below). With ``b = |h|_2 r`` per row, the fp32 head's
+argmax ``t`` and the int8 argmax ``m``: ``int8_t >= fp32_t - b_t >= fp32_m - b_t >= int8_m - b_m - b_t >= max
+int8 - 2 |h|_2 max r``. The int8 logits are cut into blocks of ``NARROW_BLOCK`` rows; the rows of every block
+whose best logit reaches that threshold are scored in fp32 (one to five blocks per token at 4 x 128), and the
+best of them is the token. When a row's threshold is not finite (an overflow) or more than an eighth of the
+vocabulary is taken, the whole fp32 head scores. A head with a weight that is not finite, a width that is not a
+multiple of 16, or a torch without the kernel gets a transposed fp32 copy instead (:class:`TransposedHead`).
 
 ``generate(..., int8_head=None)`` (the default) uses it for greedy decoding of at least 32 tokens on
 the CPU, with an fp32 head of at least ``SIEVE_MIN_HEAD`` weights (where it pays: 1.27-1.34x faster
 at 124M, docs/benchmarks.md); for a head of at least ``TRANSPOSED_HEAD_MIN`` weights but fewer than
-``TRANSPOSED_HEAD_MAX_EMBD`` columns it reads the fp16 copy (:class:`HalfHead`) or the transposed fp32 copy
+``TRANSPOSED_HEAD_MAX_EMBD`` columns it reads the narrow int8 copy (:class:`NarrowHead`) or the transposed fp32 copy
 instead; ``True`` uses the int8 head wherever it gives the fp32 head's tokens, and refuses with the reason
 elsewhere; ``False`` never uses any copy. Greedy decoding with ``weights="int8"`` (every weight in int8,
 other tokens: :mod:`gpt2.model.quantize`) reads the int8 head of that twin instead.
@@ -60,7 +66,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from gpt2.errors import InvalidValueError
-from gpt2.torch_compat import FP16_MAX, INT8_ACTIVATION_MAX, fp16_matmul, int8_matmul, pack_fp16, pack_int8
+from gpt2.torch_compat import INT8_ACTIVATION_MAX, has_int8_rows_matmul, int8_matmul, int8_rows_matmul, pack_int8
 
 # weights in the LM head from which greedy decoding on the CPU reads it in int8 by default
 SIEVE_MIN_HEAD = 2**22
@@ -69,13 +75,13 @@ MIN_NEW_TOKENS = 32
 # the most fp32 columns of the head kept for outsize hidden dimensions
 MAX_KEPT_COLUMNS = 64
 # Heads of at least TRANSPOSED_HEAD_MIN weights and fewer than TRANSPOSED_HEAD_MAX_EMBD columns (narrow heads) are
-# read in fp16 (HalfHead) or from a transposed fp32 copy by default, not in int8: there the int8 pass's work over
+# read by NarrowHead or from a transposed fp32 copy by default, not by Int8Head: there the int8 pass's work over
 # every row of the vocabulary (the bounds) costs more than the bytes it saves (4x128 head, one thread: 1.2-1.5 ms
 # transposed against 2.1 ms a token in int8).
 TRANSPOSED_HEAD_MIN = 2**22
 TRANSPOSED_HEAD_MAX_EMBD = 256
-# rows of the head per block of fp16 logits that the sieve takes or leaves whole
-HALF_BLOCK = 64
+# rows of the head per block of a NarrowHead's int8 logits that its sieve takes or leaves whole
+NARROW_BLOCK = 64
 
 
 class Int8Head(NamedTuple):
@@ -108,39 +114,41 @@ class TransposedHead(NamedTuple):
         return (h @ self.w_t).argmax(-1)
 
 
-class HalfHead(NamedTuple):
-    """A narrow fp32 LM head read in fp16 through fbgemm: only the rows of the blocks whose fp16 logits can
-    hold the fp32 argmax are scored in fp32 (see the module's docstring), the fp32 head's argmax but for
-    near-ties within fp32 rounding. Costs an fp16 copy of the head (13 MB at 4 x 128) while the model lives.
-    At 4 x 128 (one thread, AVX2) a token's head took 2.2 against 2.5 ms from the transposed fp32 copy, and
-    greedy generation ran 1.07-1.12x faster (medians of 25 paired rounds, random and trained weights, the
-    same tokens); at 124M the int8 sieve stays faster (7.7 against 10.9 ms).
+class NarrowHead(NamedTuple):
+    """A narrow fp32 LM head read in int8 by torch's int8 weight-only kernel: only the rows of the blocks whose int8
+    logits can hold the fp32 argmax are scored in fp32 (see the module's docstring), the fp32 head's argmax but for
+    near-ties within fp32 rounding. Costs an int8 copy of the head (6.4 MB at 4 x 128) while the model lives.
+    At 4 x 128 (one thread, AVX2), batch 1, greedy generation ran 1.14-1.25x as fast as through fbgemm's fp16
+    copy of the head, which it replaces (docs/benchmarks.md, "Generation vs llama.cpp"); at 124M the int8
+    sieve stays faster.
     """
 
     # (V, C): the fp32 head, which scores the rows taken (the model's weight, not a copy)
     weight: torch.Tensor
-    # the head in fp16 in fbgemm's layout, its rows filled up to whole blocks with copies of the last row
-    packed: Any
-    # the blocks taken are those whose best fp16 logit is within |h|_2 * reach of the best: 2 max r
+    # (V', C) int8, V' = V filled up to whole blocks with copies of the last row, and its rows' bf16 steps (V',)
+    q: torch.Tensor
+    scale: torch.Tensor
+    # the blocks taken are those whose best int8 logit is within |h|_2 * reach of the best: 2 max r
     reach: float
-    # 0 .. HALF_BLOCK - 1
+    # 0 .. NARROW_BLOCK - 1
     offsets: torch.Tensor
 
     def tokens(self, h: torch.Tensor) -> torch.Tensor:
-        """The fp32 head's argmax per row of ``h`` ``(B, C)`` (fp32), through the fp16 logits."""
+        """The fp32 head's argmax per row of ``h`` ``(B, C)`` (fp32), through the int8 logits."""
         V = self.weight.size(0)
-        # (B, blocks): each block's best fp16 logit
-        blocks = fp16_matmul(h, self.packed).view(h.size(0), -1, HALF_BLOCK).amax(2)
+        # (B, blocks): each block's best int8 logit (bf16, exact in fp32)
+        logits = int8_rows_matmul(h, self.q, self.scale)
+        blocks = logits.view(h.size(0), -1, NARROW_BLOCK).amax(2).float()
         norm = torch.linalg.vector_norm(h, dim=1, keepdim=True).clamp_(min=2**-16)
         lowest = torch.add(blocks.amax(1, keepdim=True), norm, alpha=-self.reach)
         # Where the logits or the bound overflowed (NaN or +inf), the row takes every block: the whole head scores.
         lowest.nan_to_num_(nan=-math.inf, posinf=-math.inf)
         # (blocks taken, 1), ascending: those that some row does not leave (NaN logits are not left)
         taken = (blocks < lowest).all(0).logical_not_().nonzero()
-        if not 0 < taken.size(0) * HALF_BLOCK <= V // 8:
+        if not 0 < taken.size(0) * NARROW_BLOCK <= V // 8:
             return F.linear(h, self.weight).argmax(-1)
         # ascending, for argmax's first-index ties; the padding rows are the last row again
-        ids = torch.add(self.offsets, taken, alpha=HALF_BLOCK).view(-1).clamp_(max=V - 1)
+        ids = torch.add(self.offsets, taken, alpha=NARROW_BLOCK).view(-1).clamp_(max=V - 1)
         return ids[F.linear(h, self.weight.index_select(0, ids)).argmax(-1)]
 
 
@@ -148,8 +156,8 @@ class HalfHead(NamedTuple):
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # lm_head -> (a fingerprint of its values, its TransposedHead)
 _KEPT_TRANSPOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# lm_head -> (a fingerprint of its values, its HalfHead or None where fp16 cannot hold it)
-_KEPT_HALF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# lm_head -> (a fingerprint of its values, its NarrowHead or None where the int8 kernel cannot read it)
+_KEPT_NARROW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -204,15 +212,16 @@ def transposed_head(model: Any) -> TransposedHead | None:
     return _kept(_KEPT_TRANSPOSED, model.lm_head, w, lambda w: TransposedHead(w.t().contiguous()))
 
 
-def half_head(model: Any) -> HalfHead | None:
-    """``model``'s LM head as a :class:`HalfHead`, kept until a fingerprint of its values changes; None where
+def narrow_head(model: Any) -> NarrowHead | None:
+    """``model``'s LM head as a :class:`NarrowHead`, kept until a fingerprint of its values changes; None where
     :func:`unsupported_reason` says so, outside the shapes of :func:`transposed_head`, where this torch has no
-    fbgemm, or for a head with a weight that fp16 cannot hold (beyond 65504, or not finite).
+    int8 weight-only kernel (or one that fails its check), for a width that is not a multiple of 16, or for a
+    head with a weight that is not finite.
     """
     w = _narrow_head(model)
     if w is None:
         return None
-    return _kept(_KEPT_HALF, model.lm_head, w, _halve)
+    return _kept(_KEPT_NARROW, model.lm_head, w, _int8_rows)
 
 
 def _narrow_head(model: Any) -> torch.Tensor | None:
@@ -244,22 +253,40 @@ def _quantize(w: torch.Tensor) -> Int8Head:
     return Int8Head(q.t(), scale, rows, {}, pack_int8(q))
 
 
-def _halve(w: torch.Tensor) -> HalfHead | None:
-    """The head ``w`` ``(V, C)`` as a :class:`HalfHead`, or None (see :func:`half_head`)."""
-    # fbgemm would clamp larger weights (and NaN) to 65504 when packing, and log a warning
-    if not bool(w.isfinite().all()) or float(w.abs().amax()) > FP16_MAX:
-        return None
+def _int8_rows(w: torch.Tensor) -> NarrowHead | None:
+    """The head ``w`` ``(V, C)`` as a :class:`NarrowHead`, or None (see :func:`narrow_head`)."""
     V, C = w.shape
-    # the copies of the last row that fill the last block up: their logits are that row's, within its bound
-    packed = pack_fp16(torch.cat([w, w[-1:].expand(-V % HALF_BLOCK, C)]))
-    if packed is None:
+    if not has_int8_rows_matmul() or C % 16 != 0 or not bool(w.isfinite().all()):
         return None
-    packed, w16 = packed
-    w16 = w16[:V]
-    # each row's bound per unit of |h|_2 (the module's docstring); w - w16 is exact in fp32
-    rows = (w - w16).norm(dim=1) + C * 2**-23 * (w.norm(dim=1) + w16.norm(dim=1)) + C * 2**-64
-    reach = 2 * float(rows.max()) * (1 + C * 2**-16)
-    return HalfHead(w, packed, reach, torch.arange(HALF_BLOCK))
+    # the copies of the last row that fill the last block up: their logits are that row's, within its bound
+    padded = torch.cat([w, w[-1:].expand(-V % NARROW_BLOCK, C)])
+    # each row's step in bf16, at least 2^-100 (an all-zero row), so that q * scale is exact in fp32
+    scale = (padded.abs().amax(1) / 127).clamp_(min=2**-100).to(torch.bfloat16)
+    step = scale.float()[:, None]
+    # clamped: a step rounded down to bf16 can put a weight half a step past 127
+    q = (padded / step).round_().clamp_(-127, 127).to(torch.int8)
+    # the weights the kernel multiplies by; w - w8 is exact in fp32 (w8 is within a factor 2 of w, or 0)
+    w8 = q.float() * step
+    # each row's bound per unit of |h|_2 (the module's docstring)
+    u, g = 2**-8, C * 2**-23
+    widened = u + g * (1 + u) + u * (1 + u) * (1 + g)
+    rows = (padded - w8).norm(dim=1) + g * padded.norm(dim=1) + widened * w8.norm(dim=1) + C * 2**-64
+    rows *= 1 + C * 2**-16
+    if not bool(rows.isfinite().all()) or not _kernel_keeps_its_bound(padded, q, scale, rows):
+        return None
+    return NarrowHead(w, q, scale, 2 * float(rows.max()), torch.arange(NARROW_BLOCK))
+
+
+def _kernel_keeps_its_bound(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether the int8 kernel's logits of a few probe rows are each within its bound ``|h|_2 rows`` of the fp32
+    head ``w``'s: a kernel that sums otherwise than the bound assumes (in bf16, or past the width) fails it.
+    """
+    probes = torch.randn(4, w.size(1), generator=torch.Generator().manual_seed(0))
+    # a row of equal signs: the largest sums
+    probes[0] = 1.0
+    logits = int8_rows_matmul(probes, q, scale).float()
+    norm = torch.linalg.vector_norm(probes, dim=1, keepdim=True)
+    return bool(((logits - F.linear(probes, w)).abs() <= norm * rows).all())
 
 
 def check_switch(requested: Any) -> bool | None:
@@ -271,10 +298,10 @@ def check_switch(requested: Any) -> bool | None:
 
 def select_int8_head(
     model: Any, requested: bool | None, temperature: float, max_new_tokens: int
-) -> Int8Head | HalfHead | TransposedHead | None:
+) -> Int8Head | NarrowHead | TransposedHead | None:
     """The greedy head that generation uses, or None (the model's own): ``requested`` is generate's
     ``int8_head`` switch (None: where it applies and pays, the int8 head or for narrow heads a
-    :class:`HalfHead`, else a :class:`TransposedHead`; True: the int8 head wherever it applies, else an error
+    :class:`NarrowHead`, else a :class:`TransposedHead`; True: the int8 head wherever it applies, else an error
     saying why; False: never).
     """
     if check_switch(requested) is False:
@@ -301,16 +328,16 @@ def select_int8_head(
     )
 
 
-def _narrow_greedy_head(model: Any) -> HalfHead | TransposedHead | None:
-    """The fp16 head of a narrow LM head, or its transposed fp32 copy where fp16 cannot hold it; None for
-    other heads.
+def _narrow_greedy_head(model: Any) -> NarrowHead | TransposedHead | None:
+    """The int8 copy of a narrow LM head, or its transposed fp32 copy where the int8 kernel cannot read it; None
+    for other heads.
     """
-    half = half_head(model)
-    if half is None:
+    narrow = narrow_head(model)
+    if narrow is None:
         return transposed_head(model)
-    # a transposed copy from before the weights fitted in fp16 would only take memory
+    # a transposed copy from before the int8 kernel could read the head would only take memory
     _KEPT_TRANSPOSED.pop(model.lm_head, None)
-    return half
+    return narrow
 
 
 def greedy_tokens(h: torch.Tensor, weight: torch.Tensor, int8: Int8Head) -> torch.Tensor:
