@@ -296,6 +296,7 @@ def int8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> t
     kernel behind gpt-fast's and torchao's int8 weight-only quantization: on one AVX2 thread it read the 4 x 128
     LM head (50257 x 128) in 0.7-1.0 ms against 0.9-1.2 ms for fbgemm's fp16-weight kernel. Its AVX2, AVX512
     and NEON versions and its plain loop all sum in fp32 (the narrow head's bound, in
-    :mod:`gpt2.model.int8_head`, relies on it; the head checks it on probe rows too). Checked on torch 2.13.
+    :mod:`gpt2.model.int8_head`, relies on it; the head also checks its logits against the bound on probe rows).
+    Checked on torch 2.13.
     """
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scale)

@@ -255,9 +255,8 @@ def stream(
     (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
     32 new tokens, a large fp32 head; a large head under 256 columns is read by torch's int8 weight-only kernel
     instead, ``NarrowHead``, or from a transposed fp32 copy where that kernel cannot read it, also the same
-    tokens); True does wherever it
-    applies and raises a ValueError saying why elsewhere (sampling, a GPU, bf16, autocast, a parametrized head);
-    False never does (nor any copy).
+    tokens); True does wherever it applies and raises a ValueError saying why elsewhere (sampling, a GPU, bf16,
+    autocast, a parametrized head); False never does (nor any copy).
 
     ``weights``: ``"model"`` (the default) computes with the model's own weights; ``"int8"`` reads every
     weight matrix in int8 on the CPU (faster, other tokens: see :mod:`gpt2.model.quantize`), through an int8
