@@ -316,9 +316,9 @@ def test_a_head_the_int8_kernel_cannot_read_gets_the_transposed_copy(narrow_mode
 
 @needs_int8_rows
 def test_a_kernel_that_breaks_the_bound_or_a_width_it_misreads_is_not_used(monkeypatch):
-    """The copy is checked against the fp32 head on probe rows: a kernel whose sums leave the bound (here one that
-    skips the last 16 columns; torch's misread widths that are not a multiple of 16) fails it; such widths are
-    also refused before.
+    """The copy is checked against the fp32 head on probe rows, alone and batched: a kernel whose sums leave the
+    bound (here one that skips the last 16 columns; torch's misread widths that are not a multiple of 16) fails it,
+    as does one that serves only its first call's batch size; such widths are also refused before.
     """
     W = 0.2 * torch.randn(2000, 32, generator=torch.Generator().manual_seed(0))
     assert isinstance(_narrow_of(W, monkeypatch), int8_head.NarrowHead)
@@ -329,6 +329,17 @@ def test_a_kernel_that_breaks_the_bound_or_a_width_it_misreads_is_not_used(monke
         return kernel(x[:, :-16].contiguous(), q[:, :-16].contiguous(), scale)
 
     monkeypatch.setattr(int8_head, "int8_rows_matmul", skips_columns)
+    assert _narrow_of(W.clone(), monkeypatch) is None
+    # a kernel that computes only as many rows as its first call had (the other rows left as they were)
+    first_batch: list[int] = []
+
+    def first_batch_size_only(x, q, scale):
+        first_batch.append(x.size(0))
+        out = kernel(x, q, scale)
+        out[first_batch[0] :] = 0
+        return out
+
+    monkeypatch.setattr(int8_head, "int8_rows_matmul", first_batch_size_only)
     assert _narrow_of(W.clone(), monkeypatch) is None
 
 

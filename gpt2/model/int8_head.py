@@ -39,16 +39,17 @@ for a row ``h`` of the hidden states and a row ``w`` of the head, by Cauchy-Schw
 Each row's bound per unit of ``|h|_2``, ``r``, is computed once from the int8 weights, plus ``C 2^-64`` (with
 ``|h|_2`` taken at least 2^-16: squares and products that underflow, or subnormals flushed to zero) and times
 ``1 + C 2^-16`` (the fp32 rounding of the norms, of ``r`` and of its product with ``|h|_2``). When the copy is
-made, the kernel is run on probe rows and each of their logits checked against its bound: a kernel that reads
-other columns than these (as torch's do for widths that are not a multiple of 16) fails it, and the transposed
-copy below is used. With ``b = |h|_2 r`` per row, the fp32 head's
-argmax ``t`` and the int8 argmax ``m``: ``int8_t >= fp32_t - b_t >= fp32_m - b_t >= int8_m - b_m - b_t >= max
-int8 - 2 |h|_2 max r``. The int8 logits are cut into blocks of ``NARROW_BLOCK`` rows; the rows of every block
-whose best logit reaches that threshold are scored in fp32 (at 4 x 128, 1.1 blocks a token on average with random
-weights, 4.8 with trained ones), and the best of them is the token. When a row's threshold is not finite (an
-overflow) or more than an eighth of the vocabulary is taken, the whole fp32 head scores. A head with a weight that
-is not finite, a width that is not a multiple of 16, or a torch without the kernel gets a transposed fp32 copy
-instead (:class:`TransposedHead`).
+made, the kernel is run on probe rows, one at a time and then four at once, and each of their logits checked
+against its bound: a kernel that reads other columns than these (as torch's do for widths that are not a multiple
+of 16), or that serves only the batch size of its first call, fails it, and the transposed copy below is used.
+
+With ``b = |h|_2 r`` per row, the fp32 head's argmax ``t`` and the int8 argmax ``m``: ``int8_t >= fp32_t - b_t >=
+fp32_m - b_t >= int8_m - b_m - b_t >= max int8 - 2 |h|_2 max r``. The int8 logits are cut into blocks of
+``NARROW_BLOCK`` rows; the rows of every block whose best logit reaches that threshold are scored in fp32 (at 4 x
+128, 1.1 blocks a token on average with random weights, 4.8 with trained ones), and the best of them is the token.
+When a row's threshold is not finite (an overflow) or more than an eighth of the vocabulary is taken, the whole fp32
+head scores. A head with a weight that is not finite, a width that is not a multiple of 16, or a torch without the
+kernel gets a transposed fp32 copy instead (:class:`TransposedHead`).
 
 ``generate(..., int8_head=None)`` (the default) uses it for greedy decoding of at least 32 tokens on
 the CPU, with an fp32 head of at least ``SIEVE_MIN_HEAD`` weights (where it pays: 1.27-1.34x faster
@@ -283,16 +284,20 @@ def _int8_rows(w: torch.Tensor) -> NarrowHead | None:
 
 
 def _kernel_keeps_its_bound(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether the int8 kernel's logits of a few probe rows are each within its bound ``|h|_2 rows`` of the fp32
-    head ``w``'s. A kernel that reads other columns fails it; rounding within the bound's slack (Cauchy-Schwarz
-    leaves much) does not show, so the bound's assumptions are the kernel's documented ones (torch_compat).
+    """Whether the int8 kernel's logits of a few probe rows, one at a time and then together, are each within its
+    bound ``|h|_2 rows`` of the fp32 head ``w``'s. A kernel that reads other columns, or serves only the batch
+    size it was first called with, fails it; rounding within the bound's slack (Cauchy-Schwarz leaves much) does
+    not show, so the bound's assumptions are the kernel's documented ones (torch_compat).
     """
     probes = torch.randn(4, w.size(1), generator=torch.Generator().manual_seed(0))
     # a row of equal signs: the largest sums
     probes[0] = 1.0
-    logits = int8_rows_matmul(probes, q, scale).float()
-    norm = torch.linalg.vector_norm(probes, dim=1, keepdim=True)
-    return bool(((logits - F.linear(probes, w)).abs() <= norm * rows).all())
+    # batch 1 first (decoding's), then 4
+    alone = torch.cat([int8_rows_matmul(probe[None], q, scale) for probe in probes])
+    together = int8_rows_matmul(probes, q, scale)
+    exact = F.linear(probes, w)
+    bound = torch.linalg.vector_norm(probes, dim=1, keepdim=True) * rows
+    return all(bool(((logits.float() - exact).abs() <= bound).all()) for logits in (alone, together))
 
 
 def check_switch(requested: Any) -> bool | None:
