@@ -16,6 +16,11 @@ from gpt2.errors import InvalidValueError
 GPT2_VOCAB_SIZE = 50257
 
 
+def rounded_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (both positive)."""
+    return -(-n // multiple) * multiple
+
+
 def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     """Build the dataclass ``cls`` from a dict (e.g. read from JSON), naming any unknown field."""
     known = {f.name for f in dataclasses.fields(cls)}
@@ -204,8 +209,7 @@ class GPTConfig:
     @property
     def padded_vocab_size(self) -> int:
         """Rows of the embedding and LM head: ``vocab_size`` rounded up to ``pad_vocab_multiple``."""
-        m = self.pad_vocab_multiple
-        return ((self.vocab_size + m - 1) // m) * m
+        return rounded_up(self.vocab_size, self.pad_vocab_multiple)
 
     @property
     def head_dim(self) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpt2.errors import InvalidValueError
-from gpt2.model.config import Range, check_value
+from gpt2.model.config import Range, check_value, rounded_up
 from gpt2.model.int8_head import (
     Int8Head,
     NarrowHead,
@@ -104,10 +104,6 @@ class KVCache:
 # fall in one window share one traced (gpt2.model.traced_step) or compiled decoding step. The masked slots change no
 # bit of the outputs (the attention's softmax adds exact zeros for them) and cost at most 63 masked keys a step.
 CACHE_LENGTH_MULTIPLE = 64
-
-
-def _rounded_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 # The rules of the sampling arguments, checked in one place: SamplingConfig.
@@ -360,7 +356,7 @@ def _stream(
         block_size = model.config.block_size
         B = idx.size(0)
         # The cache holds what this call can reach (fewer keys to attend over than a full context), rounded up
-        cache_len = min(block_size, _rounded_up(idx.size(1) + max_new_tokens, CACHE_LENGTH_MULTIPLE))
+        cache_len = min(block_size, rounded_up(idx.size(1) + max_new_tokens, CACHE_LENGTH_MULTIPLE))
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)

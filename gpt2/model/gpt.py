@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 from gpt2.model import hf
-from gpt2.model.config import GPTConfig
+from gpt2.model.config import GPTConfig, rounded_up
 from gpt2.model.generate import generate as _generate
 from gpt2.model.generate import stream as _stream
 from gpt2.model.traced_step import replayable
@@ -424,7 +424,7 @@ def _logits_buffer(rows: int, cols: int, device: torch.device, dtype: torch.dtyp
     100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks over 32 MB to the OS when they
     are freed).
     """
-    cols = -(-cols // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
+    cols = rounded_up(cols, LOGITS_ROW_ALIGN)
     if device.type != "cpu" or torch.compiler.is_compiling():
         return torch.empty(rows, cols, dtype=dtype, device=device)
     name = "logits"
