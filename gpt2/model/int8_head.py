@@ -214,7 +214,7 @@ def transposed_head(model: Any) -> TransposedHead | None:
     w = _narrow_head(model)
     if w is None:
         return None
-    return _kept(_KEPT_TRANSPOSED, model.lm_head, w, lambda w: TransposedHead(w.t().contiguous()))
+    return _kept(_KEPT_TRANSPOSED, model.lm_head, w, _transposed)
 
 
 def narrow_head(model: Any) -> NarrowHead | None:
@@ -239,16 +239,31 @@ def _narrow_head(model: Any) -> torch.Tensor | None:
     return w
 
 
-def _kept(kept_copies: weakref.WeakKeyDictionary, head: Any, w: torch.Tensor, make: Any) -> Any:
-    """``make(w)``, kept in ``kept_copies`` for ``head`` until a fingerprint of ``w``'s values changes."""
-    # `.data` edits bump no version counter: a fingerprint of the values tells whether the kept copy is stale.
-    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+def _fingerprint(w: torch.Tensor) -> torch.Tensor:
+    """A fingerprint of ``w``'s values: `.data` edits bump no version counter, so this tells whether a kept copy of
+    ``w`` is stale (one read of ``w``).
+    """
+    return w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+
+
+def _kept(
+    kept_copies: weakref.WeakKeyDictionary, head: Any, w: torch.Tensor, make: Any, seen: torch.Tensor | None = None
+) -> Any:
+    """``make(w)``, kept in ``kept_copies`` for ``head`` until the fingerprint of ``w``'s values changes (``seen``:
+    that fingerprint, where the caller has it already).
+    """
+    if seen is None:
+        seen = _fingerprint(w)
     kept = kept_copies.get(head)
     if kept is None or not torch.equal(kept[0], seen):
         # drop the stale copy before making the new one (two at once would double the memory)
         kept_copies.pop(head, None)
         kept = kept_copies[head] = (seen, make(w))
     return kept[1]
+
+
+def _transposed(w: torch.Tensor) -> TransposedHead:
+    return TransposedHead(w.t().contiguous())
 
 
 def _quantize(w: torch.Tensor) -> Int8Head:
@@ -343,9 +358,14 @@ def _narrow_greedy_head(model: Any) -> NarrowHead | TransposedHead | None:
     """The int8 copy of a narrow LM head, or its transposed fp32 copy where the int8 kernel cannot read it; None
     for other heads.
     """
-    narrow = narrow_head(model)
+    w = _narrow_head(model)
+    if w is None:
+        return None
+    # one fingerprint for both copies (each is a read of the fp32 head)
+    seen = _fingerprint(w)
+    narrow = _kept(_KEPT_NARROW, model.lm_head, w, _int8_rows, seen)
     if narrow is None:
-        return transposed_head(model)
+        return _kept(_KEPT_TRANSPOSED, model.lm_head, w, _transposed, seen)
     # a transposed copy from before the int8 kernel could read the head would only take memory
     _KEPT_TRANSPOSED.pop(model.lm_head, None)
     return narrow
