@@ -1,5 +1,6 @@
 """The tiny Trainer runs that the checkpoint and run-directory tests share: a 1-layer, 16-wide
-GPT over a 64-token vocabulary, random tokens, and a TrainConfig that checkpoints often.
+GPT over a 64-token vocabulary, random tokens, and a TrainConfig that checkpoints often; and what the generation
+tests share (a model whose tokens depend on the context, greedy decoding's reference loop).
 """
 
 from __future__ import annotations
@@ -85,3 +86,14 @@ def context_dependent_model(config: GPTConfig) -> GPT:
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
     return model
+
+
+def argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy decoding's reference, nanoGPT's loop: per token a full forward over the last block_size tokens, the
+    argmax of its last logits.
+    """
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(idx[:, -model.config.block_size :])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx

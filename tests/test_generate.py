@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from _tiny_run import context_dependent_model
+from _tiny_run import argmax_loop, context_dependent_model
 
 from gpt2.model.generate import KVCache, SamplingConfig, generate, pad_prompts, sample_next, stream
 from gpt2.model.gpt import GPT
@@ -23,17 +23,9 @@ def prompt(tiny_config) -> torch.Tensor:
     return torch.randint(0, tiny_config.vocab_size, (3, 7))
 
 
-def _argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
-    """nanoGPT's reference loop: full forward on the last block_size tokens, take the argmax."""
-    for _ in range(n):
-        logits, _ = model(idx[:, -model.config.block_size :])
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return idx
-
-
 def test_greedy_equals_argmax_loop_cached_and_uncached(model, prompt):
     with torch.no_grad():
-        expected = _argmax_loop(model, prompt, 20)
+        expected = argmax_loop(model, prompt, 20)
     for use_cache in (True, False):
         out = model.generate(prompt, 20, temperature=0, use_cache=use_cache)
         assert out.shape == (3, 27)
@@ -173,7 +165,7 @@ def test_generation_past_block_size(model, tiny_config):
     small.load_state_dict({k: v[:16] if k == "transformer.wpe.weight" else v for k, v in model.state_dict().items()})
     prompt = torch.randint(0, cfg.vocab_size, (2, 10))
     with torch.no_grad():
-        expected = _argmax_loop(small, prompt, 30)
+        expected = argmax_loop(small, prompt, 30)
     for use_cache in (True, False):
         assert torch.equal(small.generate(prompt, 30, temperature=0, use_cache=use_cache), expected)
     sampled = [small.generate(prompt, 30, seed=2, use_cache=c) for c in (True, False)]

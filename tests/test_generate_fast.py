@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from _tiny_run import context_dependent_model
+from _tiny_run import argmax_loop, context_dependent_model
 
 from gpt2 import torch_compat
 from gpt2.model import int8_head
@@ -59,15 +59,6 @@ def _spy_on_heads(monkeypatch) -> list[type]:
     return chosen
 
 
-def _argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
-    """The reference: a full forward over the whole context per token, the argmax of its last logits."""
-    with torch.no_grad():
-        for _ in range(n):
-            logits, _ = model(idx)
-            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return idx
-
-
 @pytest.mark.parametrize(
     "heads, kind, seed",
     [
@@ -83,7 +74,7 @@ def test_the_narrow_heads_give_the_plain_heads_tokens(narrow_model, request, hea
     uncached = generate(narrow_model, prompt, 40, temperature=0, use_cache=False)
     assert chosen == [type(None), getattr(int8_head, kind), getattr(int8_head, kind)]
     assert torch.equal(fast, plain) and torch.equal(uncached, plain)
-    assert torch.equal(fast, _argmax_loop(narrow_model, prompt, 40))
+    assert torch.equal(fast, argmax_loop(narrow_model, prompt, 40))
 
 
 def test_the_transposed_head_with_padded_prompts(narrow_model, transposed_by_default):
@@ -115,7 +106,7 @@ def test_the_narrow_heads_follow_weights_changed_behind_autograd(narrow_model, r
     after = generate(model, prompt, 32, temperature=0)
     assert getattr(kept_copies[model.lm_head][1], part) is not kept
     assert not torch.equal(before, after)
-    assert torch.equal(after, _argmax_loop(model, prompt, 32))
+    assert torch.equal(after, argmax_loop(model, prompt, 32))
 
 
 def test_which_head_greedy_decoding_reads(narrow_model, transposed_by_default, monkeypatch):

@@ -8,20 +8,12 @@ import dataclasses
 
 import pytest
 import torch
+from _tiny_run import argmax_loop
 
 from gpt2 import torch_compat
 from gpt2.model import int8_head
 from gpt2.model.generate import generate, pad_prompts, stream
 from gpt2.model.gpt import GPT
-
-
-def _argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
-    """nanoGPT's reference loop: full forward on the last block_size tokens, take the argmax."""
-    for _ in range(n):
-        logits, _ = model(idx[:, -model.config.block_size :])
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return idx
-
 
 # Greedy decoding on the CPU reads a large LM head in int8 and re-scores the candidates in fp32.
 
@@ -141,7 +133,7 @@ def test_greedy_generation_through_the_int8_head_gives_the_same_tokens(monkeypat
     for a, b in zip(plain, sieved):
         assert torch.equal(a, b)
     with torch.no_grad():
-        assert torch.equal(sieved[0], _argmax_loop(model, prompt, 40))
+        assert torch.equal(sieved[0], argmax_loop(model, prompt, 40))
         model.transformer.ln_f.weight[[3, 17]] = 40.0  # outsize hidden dimensions, as GPT-2's last ones have
         plain = generate(model, prompt, 32, temperature=0)
     monkeypatch.setattr(int8_head, "SIEVE_MIN_HEAD", 0)
@@ -177,7 +169,7 @@ def test_the_int8_head_follows_weights_changed_behind_autograd(monkeypatch, wide
     after = generate(model, prompt, 32, temperature=0)
     assert int8_head._KEPT[model.lm_head][1].q_t is not kept
     with torch.no_grad():
-        assert torch.equal(after, _argmax_loop(model, prompt, 32))
+        assert torch.equal(after, argmax_loop(model, prompt, 32))
     assert not torch.equal(before, after)
     assert generate(model, prompt, 31, temperature=0).shape == (2, 35)  # fewer than 32 tokens: the plain head
 
@@ -221,7 +213,7 @@ def test_the_switch_off_gives_the_same_tokens_through_the_fp32_head(monkeypatch,
     off = generate(model, prompt, 40, temperature=0, int8_head=False)
     assert not calls and torch.equal(off, auto)
     with torch.no_grad():
-        assert torch.equal(off, _argmax_loop(model, prompt, 40))
+        assert torch.equal(off, argmax_loop(model, prompt, 40))
 
 
 def test_the_switch_on_applies_where_auto_would_not_pay(monkeypatch, wide_vocab_model):
