@@ -3,6 +3,10 @@
 The model (124M to 1.5B presets), generation with a KV cache, Hugging Face weight loading and
 export, the GPT-2 tokenizer, token shards and a rank-aware loader, and a ``Trainer`` with every
 speed-up of the GPT-2 reproductions. ``from gpt2 import GPT, GPTConfig, Trainer, TrainConfig``.
+
+One way to do each thing, as methods: ``GPT.from_pretrained`` loads, ``model.generate`` /
+``model.stream`` decode, ``model.save_pretrained`` exports, and ``trainer.save_checkpoint`` /
+``trainer.load_checkpoint`` save and restore a run.
 """
 
 from gpt2.data import (
@@ -19,19 +23,17 @@ from gpt2.eval.loss import evaluate_loss
 from gpt2.files import DownloadError
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import PRESETS, GPTConfig
-from gpt2.model.generate import KVCache, generate, pad_prompts, sample_next, stream
+from gpt2.model.generate import KVCache, pad_prompts, sample_next
 from gpt2.model.gpt import GPT
-from gpt2.model.hf import load_hf_state_dict, save_pretrained
+from gpt2.model.hf import load_hf_state_dict
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 from gpt2.model.tokenizer import EOT_TOKEN, Tokenizer, TokenizerNotAvailableError, get_tokenizer
-from gpt2.train.checkpoint import NonFiniteWeightsError, find_latest_checkpoint, load_checkpoint, save_checkpoint
+from gpt2.train.checkpoint import NonFiniteWeightsError, find_latest_checkpoint
 from gpt2.train.config import TrainConfig
 from gpt2.train.metrics import ConsoleSink, JSONLSink, RunOutputError
 from gpt2.train.optim import build_optimizer, lr_at
 from gpt2.train.precision import PrecisionPolicy, resolve_precision
 from gpt2.train.trainer import Trainer, TrainingDivergedError
-
-from_pretrained = GPT.from_pretrained  # gpt2.from_pretrained("gpt2") -> GPT
 
 __all__ = [
     # errors: every one gpt2 raises on purpose is a Gpt2Error
@@ -43,13 +45,9 @@ __all__ = [
     "GPTConfig",
     "PRESETS",
     "KVCache",
-    "generate",
-    "stream",
     "sample_next",
     "pad_prompts",
     # Hugging Face interop
-    "from_pretrained",
-    "save_pretrained",
     "hf_to_gpt_state_dict",
     "gpt_to_hf_state_dict",
     "config_from_hf",
@@ -77,8 +75,6 @@ __all__ = [
     "resolve_precision",
     "build_optimizer",
     "lr_at",
-    "save_checkpoint",
-    "load_checkpoint",
     "find_latest_checkpoint",
     "NonFiniteWeightsError",
     "ConsoleSink",

@@ -589,7 +589,6 @@ def test_stream_text_pieces_add_up_to_the_generated_text(trained):
 
 
 def test_export_writes_a_transformers_directory(trained, tmp_path, capsys):
-    from gpt2 import from_pretrained
 
     out = tmp_path / "hf"
     code, stdout, err = run(capsys, "export", "--model", trained, "--out", out)
@@ -597,7 +596,7 @@ def test_export_writes_a_transformers_directory(trained, tmp_path, capsys):
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     x = torch.randint(0, 50257, (2, 16))
     ours = GPT.from_pretrained(str(trained))(x)[0]
-    exported = from_pretrained(out)(x)[0]
+    exported = GPT.from_pretrained(out)(x)[0]
     torch.testing.assert_close(exported, ours)
 
 

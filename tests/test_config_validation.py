@@ -156,14 +156,14 @@ def test_numpy_numbers_are_taken_as_python_ones():
     import numpy as np
     import torch
 
-    from gpt2 import GPT, generate
+    from gpt2 import GPT
 
     config = TrainConfig(max_steps=np.int64(100), max_lr=np.float32(1e-3), micro_batch_size=np.int32(2))
     assert (config.max_steps, config.micro_batch_size) == (100, 2) and type(config.max_steps) is int
     assert config.max_lr == pytest.approx(1e-3) and type(config.max_lr) is float
     model_config = GPTConfig(n_layer=np.int64(1), n_head=2, n_embd=np.int16(16), block_size=8, vocab_size=32)
     assert type(model_config.n_layer) is int and model_config.n_embd == 16
-    out = generate(GPT(model_config), torch.zeros(1, 1, dtype=torch.long), max_new_tokens=np.int64(3), top_k=np.int8(5))
+    out = GPT(model_config).generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=np.int64(3), top_k=np.int8(5))
     assert out.shape == (1, 4)
     with pytest.raises(ValueError, match=r"TrainConfig.max_steps must be a positive integer, got np.True_"):
         TrainConfig(max_steps=np.bool_(True))

@@ -180,7 +180,6 @@ def test_native_round_trip_and_a_plain_lora_model_is_told_why_it_does_not_fit(tm
 # --------------------------------------------------------------------------- PEFT parity
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
-from gpt2 import from_pretrained  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +215,7 @@ def test_peft_dora_adapter_loads_here_with_the_same_logits(hf_dir, tmp_path, pad
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft_model.save_pretrained(tmp_path / "adapter")
-    ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
+    ours = GPT.from_pretrained(hf_dir, pad_vocab_multiple=pad)
     assert not torch.allclose(ours(x)[0], expected, atol=1e-3), "the adapter must matter"
     minlora.import_peft_adapter(ours, tmp_path / "adapter")
     assert all(s.lora.use_dora for s in minlora.lora_sites(ours))
@@ -233,7 +232,7 @@ def test_dora_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad, target
     """With padding, the embedding's DoRA norms run over padded rows the twin does not have: the
     exported magnitudes are rescaled to the twin's rows (they were off by ~3e-4).
     """
-    ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
+    ours = GPT.from_pretrained(hf_dir, pad_vocab_multiple=pad)
     config = LoRAConfig(rank=4, alpha=8, use_dora=True, target_modules=targets, include_lm_head=True)
     minlora.add_lora(ours, dataclasses.replace(config, include_embeddings="wte" in targets))
     perturb(ours)
@@ -245,7 +244,7 @@ def test_dora_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad, target
         warnings.simplefilter("ignore")
         peft_model = peft.PeftModel.from_pretrained(hf_model(hf_dir), tmp_path / "adapter").eval()
     torch.testing.assert_close(peft_model(x).logits, expected, rtol=0, atol=1e-5)
-    back = from_pretrained(hf_dir, pad_vocab_multiple=pad)  # and back: the same
+    back = GPT.from_pretrained(hf_dir, pad_vocab_multiple=pad)  # and back: the same
     minlora.import_peft_adapter(back, tmp_path / "adapter")
     torch.testing.assert_close(back(x)[0], expected, rtol=0, atol=1e-6)
 

@@ -13,11 +13,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-from gpt2 import from_pretrained
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
+from gpt2.model import hf as hf_io
 from gpt2.model.gpt import GPT
-from gpt2.model.hf import save_pretrained
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 
 
@@ -78,7 +77,7 @@ def _assert_same_logits_and_loss(ours: GPT, hf: GPT2LMHeadModel, idx: torch.Tens
 
 # ---------------------------------------------------------------------------- loading
 def test_from_pretrained_matches_transformers(hf_model, hf_dir):
-    ours = from_pretrained(hf_dir)
+    ours = GPT.from_pretrained(hf_dir)
     assert not ours.training
     assert ours.lm_head.weight is ours.transformer.wte.weight
     assert ours.config == GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=4, n_embd=32)
@@ -89,11 +88,11 @@ def test_from_pretrained_matches_transformers(hf_model, hf_dir):
 
 
 def test_from_pretrained_dtype_device_dropout(hf_dir):
-    ours = from_pretrained(hf_dir, dtype=torch.bfloat16, device="cpu", dropout=0.1)
+    ours = GPT.from_pretrained(hf_dir, dtype=torch.bfloat16, device="cpu", dropout=0.1)
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
     assert ours.lm_head.weight is ours.transformer.wte.weight
     assert ours.config.dropout == 0.1
-    reference = from_pretrained(hf_dir)
+    reference = GPT.from_pretrained(hf_dir)
     torch.testing.assert_close(
         ours.transformer.h[0].mlp.c_fc.weight, reference.transformer.h[0].mlp.c_fc.weight.bfloat16()
     )
@@ -139,7 +138,7 @@ def _write_dir(d: Path, hf_model, sd: dict[str, torch.Tensor], fmt: str) -> Path
 @pytest.mark.parametrize("prefix", [True, False], ids=["GPT2LMHeadModel-keys", "GPT2Model-keys"])
 def test_from_pretrained_file_formats(hf_model, tmp_path, fmt, prefix):
     d = _write_dir(tmp_path / fmt, hf_model, _legacy_state_dict(hf_model, prefix), fmt)
-    _assert_same_logits_and_loss(from_pretrained(d), hf_model, _ids())
+    _assert_same_logits_and_loss(GPT.from_pretrained(d), hf_model, _ids())
 
 
 def test_from_pretrained_prefers_safetensors(hf_model, hf_dir, tmp_path):
@@ -148,7 +147,7 @@ def test_from_pretrained_prefers_safetensors(hf_model, hf_dir, tmp_path):
     for f in hf_dir.iterdir():
         (d / f.name).write_bytes(f.read_bytes())
     torch.save({"garbage": torch.zeros(1)}, d / "pytorch_model.bin")  # would fail the key check
-    _assert_same_logits_and_loss(from_pretrained(d), hf_model, _ids())
+    _assert_same_logits_and_loss(GPT.from_pretrained(d), hf_model, _ids())
 
 
 def test_gpt2model_checkpoint_loads(tmp_path):
@@ -156,7 +155,7 @@ def test_gpt2model_checkpoint_loads(tmp_path):
     base = GPT2Model(GPT2Config(**TINY))
     _randomise(base)
     base.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path)
+    ours = GPT.from_pretrained(tmp_path)
     head = GPT2LMHeadModel(GPT2Config(**TINY))
     head.transformer.load_state_dict(base.state_dict())
     head.tie_weights()
@@ -165,7 +164,7 @@ def test_gpt2model_checkpoint_loads(tmp_path):
 
 # ---------------------------------------------------------------------------- round trips
 def test_files_round_trip_hf_ours_hf(hf_model, hf_dir, tmp_path):
-    save_pretrained(from_pretrained(hf_dir), tmp_path)
+    GPT.from_pretrained(hf_dir).save_pretrained(tmp_path)
     original, written = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert set(written) == set(original)  # the tied head is stored once, as transformers does
     for key in original:
@@ -194,7 +193,7 @@ def test_save_pretrained_loads_in_transformers(tmp_path, overrides):
     assert hf.config.vocab_size == 100 and hf.config.layer_norm_epsilon == config.layer_norm_epsilon
     _assert_same_logits_and_loss(ours, hf, _ids())
     # And back: our loader reads what we wrote.
-    again = from_pretrained(tmp_path, pad_vocab_multiple=config.pad_vocab_multiple)
+    again = GPT.from_pretrained(tmp_path, pad_vocab_multiple=config.pad_vocab_multiple)
     idx = _ids()
     torch.testing.assert_close(again(idx)[0], ours(idx)[0])
     assert Path(out) == tmp_path
@@ -205,7 +204,7 @@ def test_crash_during_save_pretrained_keeps_the_previous_export(tmp_path, monkey
     first, second = GPT(config).eval(), GPT(config).eval()
     _randomise(first, seed=1)
     _randomise(second, seed=2)
-    save_pretrained(first, tmp_path)
+    first.save_pretrained(tmp_path)
     import gpt2.files
 
     real_fsync = gpt2.files.os.fsync
@@ -217,7 +216,7 @@ def test_crash_during_save_pretrained_keeps_the_previous_export(tmp_path, monkey
 
     monkeypatch.setattr(gpt2.files.os, "fsync", crash_midway)
     with pytest.raises(OSError, match="disk full"):
-        save_pretrained(second, tmp_path)
+        second.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no temp left
     _assert_same_logits_and_loss(first, GPT2LMHeadModel.from_pretrained(tmp_path).eval(), _ids())
 
@@ -227,7 +226,7 @@ def test_save_pretrained_unwraps_compile_and_data_parallel(tmp_path, hf_model):
     ours = GPT(config).eval()
     ours.load_state_dict(hf_to_gpt_state_dict(hf_model.state_dict(), config))
     wrapped = torch.nn.DataParallel(torch.compile(ours))  # no compilation happens: never called
-    save_pretrained(wrapped, tmp_path)
+    hf_io.save_pretrained(wrapped, tmp_path)
     keys = set(load_file(tmp_path / "model.safetensors"))
     assert not any(k.startswith(("_orig_mod", "module")) or "._orig_mod" in k for k in keys)
     _assert_same_logits_and_loss(ours, GPT2LMHeadModel.from_pretrained(tmp_path).eval(), _ids())
@@ -239,11 +238,11 @@ def test_save_pretrained_pytorch_bin_and_tokenizer(tmp_path, hf_model, shared_da
     config = config_from_hf(hf_model.config)
     ours = GPT(config).eval()
     ours.load_state_dict(hf_to_gpt_state_dict(hf_model.state_dict(), config))
-    save_pretrained(ours, tmp_path, safe_serialization=False, tokenizer_dir=shared_data / "gpt2-tokenizer")
+    ours.save_pretrained(tmp_path, safe_serialization=False, tokenizer_dir=shared_data / "gpt2-tokenizer")
     assert not (tmp_path / "model.safetensors").exists()
     sd = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)  # tensors only, no pickled code
     assert set(sd) == set(hf_model.state_dict()) - {"lm_head.weight"}  # tied head stored once
-    _assert_same_logits_and_loss(from_pretrained(tmp_path), hf_model, _ids())
+    _assert_same_logits_and_loss(GPT.from_pretrained(tmp_path), hf_model, _ids())
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "Hello world, said the GPT-2 tokenizer.<|endoftext|> Again!"
     assert tokenizer.encode(text) == tiktoken.get_encoding("gpt2").encode(text, allowed_special="all")
@@ -262,11 +261,11 @@ def test_save_pretrained_over_a_sharded_save_leaves_no_stale_weights(tmp_path, h
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(sd, shard)}))
     config = config_from_hf(hf_model.config)
     ours = GPT(config).eval()  # other (random) weights than hf_model's
-    save_pretrained(ours, tmp_path, safe_serialization=safe_serialization)
+    ours.save_pretrained(tmp_path, safe_serialization=safe_serialization)
     weights = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("model", "pytorch_model")))
     assert weights == ["model.safetensors" if safe_serialization else "pytorch_model.bin"]
     _assert_same_logits_and_loss(ours, GPT2LMHeadModel.from_pretrained(tmp_path).eval(), _ids())
-    torch.testing.assert_close(from_pretrained(tmp_path).eval()(_ids())[0], ours(_ids())[0], rtol=0, atol=0)
+    torch.testing.assert_close(GPT.from_pretrained(tmp_path).eval()(_ids())[0], ours(_ids())[0], rtol=0, atol=0)
 
 
 def test_save_pretrained_of_a_toy_vocabulary_over_a_gpt2_export_removes_its_tokenizer(tmp_path, shared_data, config):
@@ -274,15 +273,15 @@ def test_save_pretrained_of_a_toy_vocabulary_over_a_gpt2_export_removes_its_toke
     folder, made AutoTokenizer produce ids the model does not have.
     """
     big = GPT(dataclasses.replace(config, vocab_size=50257))
-    save_pretrained(big, tmp_path, tokenizer_dir=shared_data / "gpt2-tokenizer")
+    big.save_pretrained(tmp_path, tokenizer_dir=shared_data / "gpt2-tokenizer")
     assert (tmp_path / "vocab.json").is_file()
-    save_pretrained(GPT(config), tmp_path)
+    GPT(config).save_pretrained(tmp_path)
     assert not [n for n in ("vocab.json", "merges.txt", "tokenizer_config.json") if (tmp_path / n).exists()]
     assert GPT2LMHeadModel.from_pretrained(tmp_path).config.vocab_size == config.vocab_size
 
 
 def test_padded_vocab_import_and_export(hf_model, hf_dir, tmp_path):
-    padded = from_pretrained(hf_dir, pad_vocab_multiple=64)
+    padded = GPT.from_pretrained(hf_dir, pad_vocab_multiple=64)
     wte = padded.transformer.wte.weight
     assert wte.shape == (128, 32) and padded.config.vocab_size == 100
     assert torch.count_nonzero(wte[100:]) == 0  # inert zero rows
@@ -298,7 +297,7 @@ def test_padded_vocab_import_and_export(hf_model, hf_dir, tmp_path):
 def test_greedy_generation_matches_transformers(hf_model, hf_dir):
     from gpt2.model.generate import pad_prompts
 
-    ours = from_pretrained(hf_dir)
+    ours = GPT.from_pretrained(hf_dir)
     prompt = _ids(shape=(2, 6), seed=3)
     expected = hf_model.generate(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False, pad_token_id=0
@@ -357,7 +356,7 @@ def test_unsupported_config_rejected_by_from_pretrained(tmp_path, hf_dir):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
     with pytest.raises(ValueError, match=r"unsupported GPT-2 config: activation_function='gelu'"):
-        from_pretrained(tmp_path)
+        GPT.from_pretrained(tmp_path)
 
 
 # ---------------------------------------------------------------------------- errors
@@ -398,7 +397,7 @@ def test_wrong_size_checkpoint_in_a_directory(tmp_path, hf_model):
         "safetensors",
     )
     with pytest.raises(CheckpointMismatchError, match=r"missing key 'h.1.ln_1.weight'"):
-        from_pretrained(tmp_path)
+        GPT.from_pretrained(tmp_path)
 
 
 def test_tied_weight_stored_under_lm_head_only(hf_model, config):
@@ -443,27 +442,27 @@ def test_save_pretrained_refuses_parametrized_model(tmp_path, config):
         ValueError,
         match=r"parametrizations \(e.g. LoRA\) on \['transformer.h.0.attn.c_attn'\].*minlora.merge_lora\(model\)",
     ):
-        save_pretrained(model, tmp_path)
+        model.save_pretrained(tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
     with pytest.raises(TypeError, match="expects a gpt2.GPT"):
-        save_pretrained(torch.nn.Linear(2, 2), tmp_path)
+        hf_io.save_pretrained(torch.nn.Linear(2, 2), tmp_path)
 
 
 def test_nonexistent_path(tmp_path):
     with pytest.raises(
         FileNotFoundError, match="does not exist: it is neither an existing directory nor a Hugging Face hub id"
     ):
-        from_pretrained(str(tmp_path / "no" / "such" / "dir"))
+        GPT.from_pretrained(str(tmp_path / "no" / "such" / "dir"))
     with pytest.raises(FileNotFoundError, match="'./checkpoints/missing' does not exist"):
-        from_pretrained("./checkpoints/missing")
+        GPT.from_pretrained("./checkpoints/missing")
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"):
-        from_pretrained(tmp_path / "file.txt")
+        GPT.from_pretrained(tmp_path / "file.txt")
     with pytest.raises(FileNotFoundError, match=r"holds no model: .*no config.json"):
-        from_pretrained(tmp_path)
+        GPT.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(GPT2Config(**TINY).to_dict()))
     with pytest.raises(FileNotFoundError, match=r"no weights in .* expected model.safetensors"):
-        from_pretrained(tmp_path)
+        GPT.from_pretrained(tmp_path)
 
 
 def test_hub_unreachable(tmp_path, monkeypatch):
@@ -472,7 +471,7 @@ def test_hub_unreachable(tmp_path, monkeypatch):
     with pytest.raises(
         ConnectionError, match=r"(?s)could not load 'gpt2'.*hub could not be reached.*HF_HOME.*local directory"
     ):
-        from_pretrained("gpt2", cache_dir=tmp_path)
+        GPT.from_pretrained("gpt2", cache_dir=tmp_path)
     import huggingface_hub
 
     def unreachable(*args, **kwargs):
@@ -482,7 +481,7 @@ def test_hub_unreachable(tmp_path, monkeypatch):
     with pytest.raises(
         ConnectionError, match=r"could not load 'openai-community/gpt2-medium'.*Name or service not known"
     ):
-        from_pretrained("openai-community/gpt2-medium")
+        GPT.from_pretrained("openai-community/gpt2-medium")
 
 
 def test_hub_snapshot_is_loaded_with_bin_fallback(tmp_path, monkeypatch, hf_model):
@@ -500,7 +499,7 @@ def test_hub_snapshot_is_loaded_with_bin_fallback(tmp_path, monkeypatch, hf_mode
     # A directory that is no checkpoint (this repo's own gpt2/ package, say) does not shadow the id.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gpt2").mkdir()
-    ours = from_pretrained("gpt2", revision="main", cache_dir=tmp_path / "cache")
+    ours = GPT.from_pretrained("gpt2", revision="main", cache_dir=tmp_path / "cache")
     _assert_same_logits_and_loss(ours, hf_model, _ids())
     assert [c[:2] for c in calls] == [("gpt2", "main")] * 2  # safetensors first, then the .bin fallback
     assert any(p.endswith(".safetensors") for p in calls[0][2])
@@ -517,7 +516,7 @@ def test_full_124m_shape_parity(tmp_path, all_threads):
             if p.dim() == 1:
                 p.add_(0.05 * torch.randn_like(p))
     hf.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path)
+    ours = GPT.from_pretrained(tmp_path)
     assert ours.config == GPTConfig.from_name("gpt2")
     idx = _ids(vocab=50257, shape=(1, 16))
     _assert_same_logits_and_loss(ours, hf, idx)

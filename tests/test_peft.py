@@ -11,7 +11,7 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from gpt2 import from_pretrained  # noqa: E402
+from gpt2 import GPT  # noqa: E402
 from minlora.config import LoRAConfig  # noqa: E402
 from minlora.model import add_lora, lora_sites  # noqa: E402
 from minlora.peft import PEFT_CONFIG_NAME, export_peft_adapter, import_peft_adapter  # noqa: E402
@@ -66,7 +66,7 @@ def test_peft_adapter_trained_on_transformers_loads_here(hf_dir, tmp_path, pad):
         warnings.simplefilter("ignore")
         peft_model.save_pretrained(tmp_path / "adapter")
 
-    ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
+    ours = GPT.from_pretrained(hf_dir, pad_vocab_multiple=pad)
     with torch.no_grad():
         assert not torch.allclose(ours(x)[0], expected, atol=1e-3), "the adapter must matter"
     import_peft_adapter(ours, tmp_path / "adapter")
@@ -79,7 +79,7 @@ def test_peft_adapter_trained_on_transformers_loads_here(hf_dir, tmp_path, pad):
 
 @pytest.mark.parametrize("pad", [1, 64])
 def test_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad):
-    ours = from_pretrained(hf_dir, pad_vocab_multiple=pad)
+    ours = GPT.from_pretrained(hf_dir, pad_vocab_multiple=pad)
     add_lora(
         ours,
         LoRAConfig(
@@ -104,7 +104,7 @@ def test_adapter_trained_here_loads_with_peft(hf_dir, tmp_path, pad):
 
 
 def test_mixed_ranks_use_rank_pattern(hf_dir, tmp_path):
-    ours = from_pretrained(hf_dir)
+    ours = GPT.from_pretrained(hf_dir)
     add_lora(ours, LoRAConfig(rank=4, alpha=8, target_modules=["transformer.h.0.*"]))
     add_lora(ours, LoRAConfig(rank=2, alpha=8, target_modules=["transformer.h.1.attn.c_attn"]))
     with torch.no_grad():
@@ -122,7 +122,7 @@ def test_mixed_ranks_use_rank_pattern(hf_dir, tmp_path):
         peft_model = peft.PeftModel.from_pretrained(hf_model(hf_dir), tmp_path / "adapter").eval()
     torch.testing.assert_close(peft_model(x).logits, expected, rtol=0, atol=1e-5)
     # and back
-    fresh = from_pretrained(hf_dir)
+    fresh = GPT.from_pretrained(hf_dir)
     import_peft_adapter(fresh, tmp_path / "adapter")
     assert sorted(s.name for s in lora_sites(fresh)) == sorted(s.name for s in lora_sites(ours))
     torch.testing.assert_close(fresh(x)[0], expected, rtol=0, atol=0)
@@ -145,10 +145,10 @@ def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
     ]:
         config_path.write_text(json.dumps({**original, key: value}))
         with pytest.raises(ValueError, match=message):
-            import_peft_adapter(from_pretrained(hf_dir), tmp_path / "adapter")
+            import_peft_adapter(GPT.from_pretrained(hf_dir), tmp_path / "adapter")
     config_path.write_text(json.dumps(original))
 
-    ours = from_pretrained(hf_dir)
+    ours = GPT.from_pretrained(hf_dir)
     add_lora(ours, LoRAConfig(rank=8, target_modules=["c_attn"]))
     with pytest.raises(ValueError, match="has LoRA of rank 4 .* has LoRA of rank 8"):
         import_peft_adapter(ours, tmp_path / "adapter")
@@ -157,7 +157,7 @@ def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         deeper.save_pretrained(tmp_path / "adapter2")
-    small = from_pretrained(hf_dir)
+    small = GPT.from_pretrained(hf_dir)
     small.transformer.h = small.transformer.h[:1]
     with pytest.raises(ValueError, match="has no such module"):
         import_peft_adapter(small, tmp_path / "adapter2")
@@ -195,7 +195,7 @@ def test_a_rank_above_a_layers_smaller_side_moves_both_ways(hf_dir, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft_model.save_pretrained(tmp_path / "from_peft")
-    ours = from_pretrained(hf_dir)
+    ours = GPT.from_pretrained(hf_dir)
     with warnings.catch_warnings():
         # importing warns about nothing: the adapter is what it is
         warnings.simplefilter("error")
@@ -204,7 +204,7 @@ def test_a_rank_above_a_layers_smaller_side_moves_both_ways(hf_dir, tmp_path):
     torch.testing.assert_close(ours(x)[0], expected, rtol=0, atol=1e-5)
 
     # and back: a rank-40 LoRA made here (one warning) exports to a PEFT adapter PEFT computes the same
-    mine = from_pretrained(hf_dir)
+    mine = GPT.from_pretrained(hf_dir)
     with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn\.weight .* useful maximum 32") as record:
         add_lora(mine, LoRAConfig(rank=40, alpha=8, target_modules=targets))
     assert len(record) == 1
