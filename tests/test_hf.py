@@ -13,9 +13,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
+from gpt2.model import hf as hf_io
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
-from gpt2.model import hf as hf_io
 from gpt2.model.gpt import GPT
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 

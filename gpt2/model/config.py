@@ -166,8 +166,8 @@ PRESETS: dict[str, dict[str, int]] = {
 # small ones for CPUs and tests.
 SHAPES: dict[str, dict[str, int]] = {
     **PRESETS,
-    # ~7M parameters, 6.4M of them the 50257 x 128 token embedding: trains at a few steps per
-    # second on a laptop CPU, where the 50257-way softmax is most of the cost.
+    # ~7M parameters, 6.4M of them the 50257 x 128 token embedding: small enough to train on a
+    # laptop CPU, where the 50257-way softmax is most of the cost.
     "mini": dict(n_layer=4, n_head=4, n_embd=128),
     # For tests and smoke runs.
     "tiny": dict(n_layer=2, n_head=2, n_embd=32),

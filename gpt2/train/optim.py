@@ -70,9 +70,9 @@ def _embedding_ids(model: nn.Module) -> set[int]:
 
 
 def use_fused_adamw(model: nn.Module, fused: bool | str = "auto") -> bool:
-    """Resolve ``fused``: "auto" = the fused kernel (one pass over all parameters; on CUDA one launch,
-    milliseconds per step at GPT-2 size) when the installed torch has one for the device and dtype of
-    every trainable parameter (:func:`fused_adamw_supported`: CUDA, and the CPU since torch 2.4).
+    """Resolve ``fused``: "auto" = the fused kernel (one pass over all parameters; on CUDA one launch) when
+    the installed torch has one for the device and dtype of every trainable parameter
+    (:func:`fused_adamw_supported`: CUDA, and the CPU since torch 2.4).
     """
     if fused != "auto":
         return bool(fused)
@@ -191,7 +191,7 @@ _RENAMED = {"lr": "max_lr", "fused": "fused_adamw"}
 def _adamw(model: nn.Module, groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.AdamW:
     """AdamW over ``groups`` (also the AdamW half of :class:`MuonAdamW`): the fused kernel when
     :func:`use_fused_adamw` says so, else the multi-tensor ("foreach") implementation: torch picks that by default
-    only for CUDA tensors, and on a CPU the per-tensor loop is several times slower.
+    only for CUDA tensors, and on a CPU the per-tensor loop is the slowest of the three.
     """
     if use_fused_adamw(model, config.fused_adamw):
         implementation = {"fused": True}
