@@ -288,9 +288,9 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> GPT:
         """``cls`` with the weights of a hub id, ``transformers`` directory or ``gpt2 train`` checkpoint;
-        see :func:`gpt2.model.hf.from_pretrained`.
+        see :func:`gpt2.model.hf.load_pretrained`.
         """
-        return hf.from_pretrained(name_or_path, model_class=cls, **kwargs)
+        return hf.load_pretrained(name_or_path, model_class=cls, **kwargs)
 
     def save_pretrained(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
         """Write a ``transformers.GPT2LMHeadModel`` directory; see :func:`gpt2.model.hf.save_pretrained`."""

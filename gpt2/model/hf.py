@@ -1,6 +1,7 @@
-"""Hugging Face interop: :func:`from_pretrained` (hub ids, ``transformers`` directories, and the
-run / checkpoint directories of ``gpt2 train``: every ``--model``) and :func:`save_pretrained`.
-The pure state-dict and config conversion lives in :mod:`gpt2.model.hf_convert`.
+"""Hugging Face interop behind ``GPT.from_pretrained`` (:func:`load_pretrained`: hub ids, ``transformers``
+directories, and the run / checkpoint directories of ``gpt2 train``: every ``--model``) and
+``model.save_pretrained`` (:func:`save_pretrained`). The methods are the public way; the pure state-dict and
+config conversion lives in :mod:`gpt2.model.hf_convert`.
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
     return folder
 
 
-def from_pretrained(
+def load_pretrained(
     name_or_path: str | os.PathLike,
     *,
     pad_vocab_multiple: int = 1,
@@ -307,9 +308,9 @@ def from_pretrained(
     dropout: float = 0.0,
     model_class: type[torch.nn.Module],
 ) -> torch.nn.Module:
-    """A ``model_class(config)`` in eval mode with the weights of whatever ``--model`` takes (see
-    :func:`resolve_source`): a hub id, a ``transformers`` directory, or a ``gpt2 train``
-    checkpoint / run directory (built with its recorded config: ``pad_vocab_multiple`` and
+    """What :meth:`gpt2.GPT.from_pretrained` runs (call that): a ``model_class(config)`` in eval mode with the
+    weights of whatever ``--model`` takes (see :func:`resolve_source`): a hub id, a ``transformers`` directory, or
+    a ``gpt2 train`` checkpoint / run directory (built with its recorded config: ``pad_vocab_multiple`` and
     ``dropout`` do not apply). ``dtype`` defaults to float32 (master weights for training).
 
     The model's ``name_or_path`` is where ``transformers`` loads the same weights from (minlora's PEFT
