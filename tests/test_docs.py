@@ -2,8 +2,8 @@
 
 Every dotted `gpt2.` / `minlora.` name in README.md and docs/*.md (in backticks or code blocks)
 resolves, every `gpt2/...` / `minlora/...` path there exists, and every gpt2 / minlora import
-line of their ```python blocks runs. 6c22f45 moved the modules into gpt2/model, data, train,
-eval and cli, and the docs kept the old paths.
+line of their ```python blocks runs: a moved or renamed module or function fails here, not in a
+reader's hands.
 CHANGELOG.md is left out: its entries name what the code was called then.
 """
 

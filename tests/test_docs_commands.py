@@ -1,4 +1,4 @@
-"""Every shell command the docs show runs (issue 30 item 2).
+"""Every shell command the docs show runs.
 
 The ```bash / ```sh / ```console blocks of README.md and the guides run in order, one document
 at a time, in a work folder of their own laid out like the repository root (`examples/`,
