@@ -260,6 +260,15 @@ def _unreachable_reason(e: Exception) -> str:
     return f"{type(e).__name__}: {_first_line(e)}"
 
 
+def _not_here(repo_id: str) -> str:
+    """Where a name read as a hub id was looked for locally first: a mistyped or relative run folder
+    (``runs/shakespeare`` from another folder) is then named as missing before the hub is.
+    """
+    if repo_id in OFFICIAL_HUB_IDS:
+        return f"{repo_id!r} is read as a hub id"
+    return f"no folder {repo_id!r} exists in {str(Path.cwd())!r}, so it is read as a hub id"
+
+
 def _download(repo_id: str, cache_dir, revision) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -281,14 +290,14 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
         raise MissingFileError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
     except RepositoryNotFoundError as e:
         raise MissingFileError(
-            f"{repo_id!r} is no local path and the hub has no such (accessible) model repo; "
+            f"{_not_here(repo_id)} and the hub has no such (accessible) model repo; "
             f"check the name, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
     except Exception as e:
         # Offline, DNS, proxy, timeouts: all end here, in one message (huggingface_hub's chained
         # tracebacks run to hundreds of lines and say no more).
         raise HubUnreachableError(
-            f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could not be reached "
+            f"could not load {repo_id!r}: {_not_here(repo_id)}, and the Hugging Face hub could not be reached "
             f"({_unreachable_reason(e)}). Either download it once with network access (it is then cached under "
             "$HF_HOME, default ~/.cache/huggingface; point HF_HOME or cache_dir= at an existing cache), or pass the "
             "path of a local directory holding config.json and model.safetensors, e.g. one written by save_pretrained"
