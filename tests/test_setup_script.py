@@ -126,6 +126,8 @@ def test_without_a_gpu_and_no_cpu_index_it_says_what_it_downloads(checkout, cpu_
 
 
 def test_a_configured_wheel_source_is_used_as_it_is(checkout, cpu_index):
-    out, calls = _setup(checkout, "dev", FAKE_NO_TORCH="1", PIP_FIND_LINKS="/opt/wheels", GPT2_TORCH_CPU_INDEX=cpu_index)
+    out, calls = _setup(
+        checkout, "dev", FAKE_NO_TORCH="1", PIP_FIND_LINKS="/opt/wheels", GPT2_TORCH_CPU_INDEX=cpu_index
+    )
     torch_calls = [call for call in calls if " install torch" in call]
     assert len(torch_calls) == 1 and "--extra-index-url" not in torch_calls[0]
