@@ -56,13 +56,11 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a ``transformers`` directory: safetensors, else ``.bin`` (plain tensors only, so
     no pickled code runs), each whole or sharded.
     """
-    from safetensors.torch import load_file
-
     d = Path(directory)
     if (d / _SAFETENSORS).is_file():
-        return load_file(d / _SAFETENSORS)
+        return _load_safetensors(d / _SAFETENSORS)
     if (d / _SAFETENSORS_INDEX).is_file():
-        return _load_sharded(d, _SAFETENSORS_INDEX, load_file)
+        return _load_sharded(d, _SAFETENSORS_INDEX, _load_safetensors)
     if (d / _BIN).is_file():
         return _torch_load(d / _BIN)
     if (d / _BIN_INDEX).is_file():
@@ -84,18 +82,32 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch names the first class it refused.
+        # torch names the first class it refused; its own advice (to unpickle anyway) is never repeated.
         found = re.search(r"GLOBAL (\S+)", str(e))
-        what = _first_line(e)
+        what = "objects other than tensors"
         if found:
             what = f"such as {found.group(1)}"
-        target = path.with_name(_SAFETENSORS)
         raise UnsafeCheckpointError(
             f"refused to read {path}: besides tensors it holds pickled Python objects ({what}), and unpickling "
-            "them would run code from the file, so gpt2 reads .bin weights as plain tensors only. If you trust the "
-            f'file, convert it once to safetensors: python -c "import torch; from safetensors.torch import save_file; '
-            f"sd = torch.load('{path}', weights_only=False); save_file({{k: v.contiguous() for k, v in sd.items() "
-            f"if isinstance(v, torch.Tensor)}}, '{target}')\" (then delete {path.name})"
+            f"them would run code from the file, so gpt2 reads .bin weights as plain tensors only. Use the model's "
+            f"{_SAFETENSORS} instead (hub repos publish one; save_pretrained writes one), placed beside "
+            f"{path.name} in {str(path.parent)!r}"
+        ) from None
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """``path``'s tensors; a damaged file (a truncated body, a header claiming more bytes than any file
+    holds) is an error naming it.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:
+        # safetensors' own error (SafetensorError) names no file and has no stable import path
+        raise InvalidValueError(
+            f"{path} is not a readable safetensors file ({type(e).__name__}: {_first_line(e)}): truncated or "
+            "damaged? Download or save it again"
         ) from None
 
 
