@@ -23,27 +23,59 @@ fi
 # is kept; TORCH_VERSION picks another version for a fresh machine. pip shows its own progress here:
 # this is the long download.
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    say "installing torch ${TORCH_VERSION:-2.13.0} (the long step: pip shows its progress)"
-    "$PYTHON" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
+    torch_spec="torch==${TORCH_VERSION:-2.13.0}"
+    torch_args=()
+    cpu_index="${GPT2_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+    if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then
+        say "installing $torch_spec, the CUDA build for this NVIDIA GPU (the long step: pip shows its progress)"
+    elif [ -n "${PIP_INDEX_URL:-}${PIP_EXTRA_INDEX_URL:-}${PIP_FIND_LINKS:-}" ] \
+        || "$PYTHON" -m pip config list 2>/dev/null | grep -qE '(index-url|find-links)='; then
+        # A wheel source set up for this machine (a mirror, a wheel folder) knows best: it is used as it is.
+        say "installing $torch_spec from pip's configured sources (the long step: pip shows its progress)"
+    elif "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" \
+        "$cpu_index/torch/" >/dev/null 2>&1; then
+        # No NVIDIA GPU: PyTorch's CPU wheels (~200 MB) instead of the CUDA build and its nvidia-* wheels.
+        # Its +cpu version sorts above PyPI's, so pip takes it; everything else still comes from PyPI.
+        say "installing $torch_spec, the CPU build from $cpu_index (no NVIDIA GPU here; pip shows its progress)"
+        torch_args=(--extra-index-url "$cpu_index")
+    else
+        say "installing $torch_spec from PyPI: PyTorch's CPU wheel index ($cpu_index) did not answer, so on"
+        say "Linux this is the CUDA build with its nvidia-* wheels (about 3 GB) although there is no NVIDIA GPU;"
+        say "for the CPU build (~200 MB) stop here and run  $PYTHON -m pip install $torch_spec --index-url $cpu_index"
+    fi
+    "$PYTHON" -m pip install "$torch_spec" ${torch_args[@]+"${torch_args[@]}"}
 fi
 
 # The project itself, editable, with its extras. Skipped when nothing it depends on changed since the
-# last install: the stamp records pyproject.toml's hash and the extras asked for.
+# last install: the stamp records pyproject.toml's hash (first line) and the extras installed with it
+# (second line); an install with more extras (test.sh's dev) serves one asking for fewer (run.sh's none).
 target="."
 if [ -n "$extras" ]; then
     target=".[$extras]"
 fi
 stamp_dir="$("$PYTHON" -c 'import sys; print(sys.prefix)')"
 stamp="$stamp_dir/.gpt2-minlora-install"
-want="$(cat pyproject.toml <(echo "extras=$extras") | "$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PYTHON" -c "import gpt2, minlora" >/dev/null 2>&1; then
+want="$("$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+have_hash="" have_extras=""
+if [ -f "$stamp" ]; then
+    { read -r have_hash || true; read -r have_extras || true; } < "$stamp"
+fi
+covered=yes
+for extra in ${extras//,/ }; do
+    case ",$have_extras," in *",$extra,"*) ;; *) covered=no ;; esac
+done
+if [ "$have_hash" = "$want" ] && [ "$covered" = yes ] && "$PYTHON" -c "import gpt2, minlora" >/dev/null 2>&1; then
     say "gpt2-minlora${extras:+[$extras]} is installed and pyproject.toml is unchanged: nothing to install"
 else
     say "installing gpt2-minlora${extras:+[$extras]} (pip install -e \"$target\", about a minute the first time)"
     # PYTHONWARNINGS: setuptools' build backend prints a boxed warning about editable installs
     # (folders named like the package) on every install; it concerns no one running from the checkout.
     PYTHONWARNINGS=ignore "$PYTHON" -m pip install --quiet -e "$target"
-    printf '%s\n' "$want" > "$stamp"
+    # The extras installed now, with those of an install of the same pyproject.toml before (pip keeps them).
+    if [ "$have_hash" = "$want" ] && [ -n "$have_extras" ]; then
+        extras="$have_extras${extras:+,$extras}"
+    fi
+    printf '%s\n%s\n' "$want" "$extras" > "$stamp"
 fi
 
 # Offline copies of the GPT-2 BPE files and Tiny Shakespeare, when a ../shared/data folder sits

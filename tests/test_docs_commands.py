@@ -1,9 +1,11 @@
 """Every shell command the docs show runs.
 
-The ```bash / ```sh / ```console blocks of README.md and the guides run in order, one document
-at a time, in a work folder of their own laid out like the repository root (`examples/`,
-`scripts/` and `../shared/data` resolve as in a checkout), as in a shell with the project's
-environment activated (tests/_doc_commands.py says how each is run).
+The ```bash / ```sh / ```console blocks of README.md and the guides run in order, in a work folder
+laid out like the repository root (`examples/`, `scripts/` and `../shared/data` resolve as in a
+checkout), as in a shell with the project's environment activated (tests/_doc_commands.py says
+how each is run). README.md, its Python snippet, the quickstart, the LoRA guide and the deploy
+guide share ONE folder and run in that order, as a newcomer follows them: each later command
+meets the runs the earlier ones left behind. The other guides run in folders of their own.
 
 The tables below list each document's commands in order, and for each what the test does:
 `Run` it as printed with the flags in `shrink` replaced (a tiny model, a few steps) and those
@@ -29,6 +31,7 @@ import huggingface_hub.constants
 import pytest
 from _doc_commands import doc_commands, run_command
 from conftest import SHARED_DATA
+from test_readme import README_SHRINK, readme_blocks
 
 from gpt2 import GPT, GPTConfig
 
@@ -60,6 +63,14 @@ class Instead:
 
 
 @dataclass(frozen=True)
+class Snippet:
+    """Run the README's Python block under the heading `heading`, shrunk: each `shrink` text replaced."""
+
+    heading: str
+    shrink: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Skip:
     """Do not run the command that starts with `starts`, for the reason `why`."""
 
@@ -74,6 +85,9 @@ TWO_NODES = "the two lines run together: tests/test_fsdp.py::test_two_node_launc
 # After the few steps of a run: one validation batch, 4 sampled tokens, no plot (matplotlib) and no bars.
 QUIET = "--warmup-steps 1 --eval-interval 0 --final-eval-batches 1 --max-new-tokens 4 --no-plot --no-progress"
 TINY_RUN = f"gpt2 train {TINY} --max-steps 2 {QUIET}"
+# `bash run.sh` as a newcomer's guides meet it: its run in runs/shakespeare, continued (or re-reported) when
+# run again as run.sh does with no arguments; a 64-token context, as the instruction rows of the LoRA guide need.
+RUN_SH_TINY = f"{TINY_RUN} --block-size 64 --out-dir runs/shakespeare --resume auto"
 # `gpt2 bench`: one timed step of a tiny model.
 BENCH = "--model tiny --steps 1 --warmup 0 --repeats 1 --batch-size 2 --seq-len 16"
 # The instruction-tuning commands of the LoRA guide, on two micro-batches of two rows.
@@ -88,11 +102,12 @@ LLAMA_CLI = "needs llama.cpp's llama-cli; tests/test_gguf.py runs such a file in
 
 TABLES: dict[str, list[Run | Instead | Skip]] = {
     "README.md": [
-        Skip("bash run.sh", "tests/test_first_run.py runs its training and the commands it prints"),
+        Instead("bash run.sh", RUN_SH_TINY, RUN_SH),
         Skip("bash test.sh", TEST_SH),
+        Snippet("gpt2 in ten lines", shrink=README_SHRINK),
     ],
     "docs/quickstart.md": [
-        Instead("bash run.sh", f"{TINY_RUN} --out-dir runs/shakespeare", RUN_SH),
+        Instead("bash run.sh", RUN_SH_TINY, RUN_SH),
         Skip("bash test.sh", TEST_SH),
         Run("python scripts/seed_cache.py ../shared/data", expect="cached", creates=("cache/tinyshakespeare.txt",)),
         Run(
@@ -136,7 +151,7 @@ TABLES: dict[str, list[Run | Instead | Skip]] = {
     ],
     "docs/lora.md": [
         # a 64-token context: the instruction rows need the finetune recipe's --seq-len 64
-        Instead("bash run.sh", f"{TINY_RUN} --block-size 64 --out-dir runs/shakespeare", RUN_SH),
+        Instead("bash run.sh", RUN_SH_TINY, RUN_SH),
         Run(
             "python examples/finetune_lora.py --init runs/shakespeare --data examples/data/instructions.jsonl --full",
             shrink=FINETUNE_SHRINK,
@@ -267,7 +282,7 @@ def apply(step: Run, text: str) -> str:
 @pytest.mark.parametrize("doc", TABLES)
 def test_each_table_lists_its_documents_commands(doc):
     commands = doc_commands(REPO_ROOT / doc)
-    table = TABLES[doc]
+    table = [step for step in TABLES[doc] if not isinstance(step, Snippet)]
     for command, step in zip(commands, table):
         assert command.text.startswith(step.starts), f"{doc}:{command.line} `{command.text}` is not `{step.starts}...`"
         if isinstance(step, Run):
@@ -297,6 +312,11 @@ class DocRun:
     def __init__(self, doc: str, root: Path, shakespeare: Path):
         self.doc, self.commands, self.table = doc, doc_commands(REPO_ROOT / doc), TABLES[doc]
         self.folder = root / "repo"
+        self.done = 0
+        self.failure = ""
+        if self.folder.exists():
+            # a later document of the newcomer's path: the folder the earlier ones left
+            return
         self.folder.mkdir()
         (root / "home").mkdir()
         (root / "shared").mkdir()
@@ -307,8 +327,6 @@ class DocRun:
             (self.folder / name).parent.mkdir(exist_ok=True)
             shutil.copy(shakespeare, self.folder / name)
         shutil.copy(REPO_ROOT / "examples" / "data" / "instructions.jsonl", self.folder / "my_instructions.jsonl")
-        self.done = 0
-        self.failure = ""
 
     def run_through(self, index: int) -> None:
         """Run the commands up to `index` not run yet (the later ones build on the earlier)."""
@@ -321,7 +339,10 @@ class DocRun:
             pytest.fail(self.failure)
 
     def _run(self, index: int) -> str:
-        command, step = self.commands[index], self.table[index]
+        step = self.table[index]
+        if isinstance(step, Snippet):
+            return _run_snippet(step)
+        command = self.commands[index]
         if isinstance(step, Skip):
             return ""
         text = step.command if isinstance(step, Instead) else apply(step, command.text)
@@ -338,10 +359,37 @@ class DocRun:
         return ""
 
 
+def _run_snippet(step: Snippet) -> str:
+    """The README's Python block under `step.heading`, shrunk, run in this process in the current folder."""
+    code = readme_blocks()[step.heading]
+    for old, new in step.shrink.items():
+        if old not in code:
+            return f"README.md `{step.heading}`: {old!r} is no longer in its code: update the table"
+        code = code.replace(old, new)
+    try:
+        exec(compile(code, "README.md", "exec"), {})
+    except Exception as e:
+        return f"README.md `{step.heading}`: {type(e).__name__}: {e}"
+    return ""
+
+
+# The documents a newcomer reads in this order, run in one folder (README's Python snippet after its commands).
+NEWCOMER_PATH = ("README.md", "docs/quickstart.md", "docs/lora.md", "docs/deploy.md")
+
+
 @pytest.fixture(scope="module")
 def doc_runs(tmp_path_factory, shakespeare_file, small_shakespeare) -> dict[str, DocRun]:
-    """A DocRun per document; `small_shakespeare` points the `shakespeare` data source at the slice."""
-    return {doc: DocRun(doc, tmp_path_factory.mktemp(Path(doc).stem), shakespeare_file) for doc in TABLES}
+    """A DocRun per document, the newcomer's path sharing one folder; `small_shakespeare` points the
+    `shakespeare` data source at the slice.
+    """
+    newcomer = tmp_path_factory.mktemp("newcomer")
+    runs = {}
+    for doc in TABLES:
+        root = newcomer
+        if doc not in NEWCOMER_PATH:
+            root = tmp_path_factory.mktemp(Path(doc).stem)
+        runs[doc] = DocRun(doc, root, shakespeare_file)
+    return runs
 
 
 STEPS = [

@@ -301,12 +301,32 @@ LOGIT_TOLERANCE = {"f32": 1e-3, "f16": 5e-3, "q8_0": 2e-2}  # measured: 2.6e-5, 
 
 
 @pytest.mark.llama_cpp
+def llama_without_extra_buffers(llama_cpp, path: str):
+    """llama.cpp's model of `path` without its AMX / repacked CPU weight buffers (docs/deploy.md: with them,
+    llama-cpp-python 0.3.36 crashed in decode on AMX CPUs).
+    """
+    # Llama reads its defaults from the module llama_cpp.llama_cpp, not from the package
+    native = llama_cpp.llama_cpp
+    defaults = native.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    native.llama_model_default_params = without_extra_buffers
+    try:
+        return llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, n_threads=1, verbose=False)
+    finally:
+        native.llama_model_default_params = defaults
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
 def test_llama_cpp_runs_the_export_like_we_do(tmp_path, shakespeare_model, dtype):
     llama_cpp = pytest.importorskip("llama_cpp")
     path = save_gguf(shakespeare_model, tmp_path / "m.gguf", dtype=dtype)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, n_threads=1, verbose=False)
+    llm = llama_without_extra_buffers(llama_cpp, str(path))
     prompt = "ROMEO:\nWhat light through yonder window breaks? It is the east,"
     ids = get_tokenizer().encode(prompt)
     assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids  # the embedded tokenizer

@@ -399,7 +399,8 @@ def test_cli_finetune_jsonl_full_then_sample_instruction(base_run, tmp_path, cap
         ]
     )
     stdout = capsys.readouterr().out
-    assert code == 0 and "### Instruction" not in stdout  # the prompt is not echoed, the response is
+    # the sample shows what was asked, the response after it
+    assert code == 0 and "### Instruction:\nAdd the two numbers.\n\n### Input:\n1 and 2\n\n### Response:\n" in stdout
 
 
 def test_cli_finetune_jsonl_lora_resume_and_errors(base_run, tmp_path, capsys):

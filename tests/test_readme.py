@@ -25,6 +25,16 @@ def readme_blocks() -> dict[str, str]:
     return blocks
 
 
+# The README's training snippet shrunk to a 2-layer, 32-wide model, 3 steps, 2 validation batches.
+README_SHRINK = {
+    "n_layer=4, n_head=4, n_embd=128": "n_layer=2, n_head=2, n_embd=32",
+    "max_steps=200": "max_steps=3, eval_steps=2",
+    "warmup_steps=20": "warmup_steps=1",
+    "micro_batch_size=16": "micro_batch_size=2",
+    "total_batch_size=16 * 128": "total_batch_size=2 * 128",
+}
+
+
 @pytest.fixture
 def offline_pretrained(monkeypatch):
     """GPT.from_pretrained("gpt2") without the hub: a tiny GPT over the real GPT-2 vocabulary."""
@@ -42,19 +52,12 @@ def test_gpt2_example_runs(tmp_path, monkeypatch, capsys, offline_pretrained, sh
     """
     monkeypatch.chdir(tmp_path)
     code = readme_blocks()["gpt2 in ten lines"]
-    shrink = {
-        "n_layer=4, n_head=4, n_embd=128": "n_layer=2, n_head=2, n_embd=32",
-        "max_steps=200": "max_steps=3, eval_steps=2",
-        "warmup_steps=20": "warmup_steps=1",
-        "micro_batch_size=16": "micro_batch_size=2",
-        "total_batch_size=16 * 128": "total_batch_size=2 * 128",
-    }
-    for old, new in shrink.items():
+    for old, new in README_SHRINK.items():
         assert old in code, old
         code = code.replace(old, new)
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
-    assert (tmp_path / "runs" / "shakespeare" / "metrics.jsonl").is_file()
+    assert (tmp_path / "runs" / "shakespeare-python" / "metrics.jsonl").is_file()
     assert isinstance(namespace["gpt"], gpt2.GPT)
     # the sample is printed as text, not as a tensor of token ids
     text = gpt2.get_tokenizer().decode(namespace["ids"][0])

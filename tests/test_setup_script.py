@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 FAKE_PYTHON = """#!/usr/bin/env bash
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "pip $*" >> "$FAKE_LOG"; exit 0; fi
 if [ "$1" = "-c" ] && [ "$2" = "import sys; print(sys.prefix)" ]; then echo "$FAKE_PREFIX"; exit 0; fi
-if [ "$1" = "-c" ] && { [ "$2" = "import torch" ] || [ "$2" = "import gpt2, minlora" ]; }; then exit 0; fi
+if [ "$1" = "-c" ] && [ "$2" = "import torch" ]; then [ -z "$FAKE_NO_TORCH" ]; exit; fi
+if [ "$1" = "-c" ] && [ "$2" = "import gpt2, minlora" ]; then exit 0; fi
 exec "$REAL_PYTHON" "$@"
 """
 
@@ -40,10 +41,12 @@ def checkout(tmp_path):
     return root
 
 
-def _setup(root: Path, extras: str = "dev") -> tuple[str, list[str]]:
+def _setup(root: Path, extras: str = "dev", **more_env: str) -> tuple[str, list[str]]:
     tmp = root.parent
     env = {
         **os.environ,
+        "FAKE_NO_TORCH": "",
+        **more_env,
         "PYTHON": str(tmp / "python"),
         "REAL_PYTHON": sys.executable,
         "FAKE_LOG": str(tmp / "pip.log"),
@@ -72,3 +75,59 @@ def test_each_phase_says_what_it_does_and_an_unchanged_project_is_not_reinstalle
         f.write("\n# changed\n")
     _, calls = _setup(checkout)
     assert len(calls) == 2
+
+
+def test_alternating_extras_install_once(checkout):
+    """test.sh (dev) and run.sh (no extras) in turn: the dev install serves both."""
+    _, calls = _setup(checkout, "")
+    assert len(calls) == 1
+    _, calls = _setup(checkout, "dev")
+    assert len(calls) == 2  # more extras than installed: installed
+    for extras in ("", "dev", "", "dev"):
+        out, calls = _setup(checkout, extras)
+        assert "nothing to install" in out and len(calls) == 2
+
+
+def _torch_install(checkout, **env: str) -> tuple[str, list[str]]:
+    """setup.sh on a machine without torch and without pip settings of its own (no mirror, no wheel folder)."""
+    plain = {"FAKE_NO_TORCH": "1", "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "", "PIP_EXTRA_INDEX_URL": ""}
+    out, calls = _setup(checkout, "dev", PIP_FIND_LINKS="", **plain, **env)
+    return out, [call for call in calls if " install torch" in call]
+
+
+@pytest.fixture
+def cpu_index(tmp_path):
+    """A local stand-in for PyTorch's CPU wheel index (its torch/ page answers)."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "index" / "torch").mkdir(parents=True)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "index"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi"), reason="NVIDIA GPU")
+def test_without_a_gpu_torch_comes_from_the_cpu_index_when_it_answers(checkout, cpu_index):
+    out, calls = _torch_install(checkout, GPT2_TORCH_CPU_INDEX=cpu_index)
+    assert len(calls) == 1 and f"--extra-index-url {cpu_index}" in calls[0]
+    assert "the CPU build" in out
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi"), reason="NVIDIA GPU")
+def test_without_a_gpu_and_no_cpu_index_it_says_what_it_downloads(checkout, cpu_index):
+    # A port nothing listens on: the index does not answer.
+    out, calls = _torch_install(checkout, GPT2_TORCH_CPU_INDEX="http://127.0.0.1:9")
+    assert len(calls) == 1 and "--extra-index-url" not in calls[0]
+    assert "CUDA build with its nvidia-* wheels" in out and "--index-url http://127.0.0.1:9" in out
+
+
+def test_a_configured_wheel_source_is_used_as_it_is(checkout, cpu_index):
+    out, calls = _setup(
+        checkout, "dev", FAKE_NO_TORCH="1", PIP_FIND_LINKS="/opt/wheels", GPT2_TORCH_CPU_INDEX=cpu_index
+    )
+    torch_calls = [call for call in calls if " install torch" in call]
+    assert len(torch_calls) == 1 and "--extra-index-url" not in torch_calls[0]

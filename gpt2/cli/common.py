@@ -191,29 +191,36 @@ def print_samples(
     prompt: str | None = None,
 ) -> list[str]:
     """``s.num_samples`` samples, streamed to stdout; returns their texts. ``prompt`` (an
-    instruction template) replaces ``s.prompt`` and is not echoed: only the response is shown.
+    instruction template) replaces ``s.prompt``; it is shown before each sample, and the returned
+    texts hold only the responses.
     """
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(seed)
     sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator, autocast=autocast)
+    # A plain prompt is part of the text; an instruction's template is shown but not returned.
     echo = prompt is None
     if echo:
         prompt = s.prompt
     texts = []
     for i in range(s.num_samples):
         print(f"--- {f'{header} sample {i + 1}/{s.num_samples}'.strip()} ---")
-        text = ""
-        if echo:
-            text = prompt
-            print(prompt, end="", flush=True)
+        print(prompt, end="", flush=True)
+        generated = ""
         for piece in stream_text(model, prompt, s.max_new_tokens, **sampling):
-            text += piece
+            generated += piece
             print(piece, end="", flush=True)
+        if not generated:
+            # An empty answer is the model's choice (<|endoftext|> first), not a lost output.
+            print(EMPTY_SAMPLE, end="")
         print()
-        texts.append(text)
+        texts.append(prompt + generated if echo else generated)
     return texts
+
+
+# Printed where a sample's first new token is <|endoftext|>.
+EMPTY_SAMPLE = "(the model ended the text at once)"
 
 
 def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float]:

@@ -97,10 +97,11 @@ def check(options: TrainOptions) -> None:
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")
     for flag, data in (("--data", options.data.data), ("--val-data", options.data.val_data)):
-        # A .jsonl would be read as raw JSON text.
+        # A .jsonl or .json file would be read as raw JSON text.
         if is_instruction_data(data):
             raise UsageError(
-                f"{flag}: a .jsonl is no text: gpt2 prepare tokenises its 'text' fields, gpt2 finetune its rows"
+                f"{flag}: a {Path(data).suffix} file is no text: gpt2 prepare tokenises a .jsonl's 'text' fields, "
+                "gpt2 finetune trains on instruction rows"
             )
     model_config(options.shape, options.train.seq_len)
 

@@ -1,7 +1,10 @@
-"""Instruction fine-tuning data: JSONL rows -> prompt template -> masked training sequences.
+"""Instruction fine-tuning data: JSON rows -> prompt template -> masked training sequences.
 
-A row is either Alpaca's layout ``{"instruction", "input" (optional), "output"}`` or ``{"prompt", "response"}`` (a file
-may mix them). Every row is rendered with one plain-text template (:data:`TEMPLATE`)::
+A row is either Alpaca's layout ``{"instruction", "input" (optional), "output"}``, ``{"prompt", "response"}``, or a
+ShareGPT row holding one exchange (``{"conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}``); a file may
+mix them. A ``.jsonl`` file holds a row per line; a ``.json`` file one JSON array of rows, as Alpaca's
+``alpaca_data.json`` and the ShareGPT files are published. Every row is rendered with one plain-text template
+(:data:`TEMPLATE`)::
 
     ### Instruction:
     {instruction}
@@ -25,6 +28,7 @@ alone. The Trainer's loss is the mean over the global batch's scored targets (a 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,17 +45,21 @@ from gpt2.model.tokenizer import get_tokenizer
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 INPUT_BLOCK = "### Input:\n{input}\n\n"
-JSONL_SUFFIXES = (".jsonl",)
+# A row per line (.jsonl) or one JSON array of rows (.json).
+INSTRUCTION_SUFFIXES = (".jsonl", ".json")
 
-_LAYOUTS = 'Alpaca rows {"instruction", "input" (optional), "output"} or {"prompt", "response"}'
+_LAYOUTS = (
+    'Alpaca rows {"instruction", "input" (optional), "output"}, {"prompt", "response"} or ShareGPT '
+    '{"conversations": [a human turn, a gpt turn]}'
+)
 # The fields of each row layout, as (name, required).
 _ALPACA_FIELDS = (("instruction", True), ("input", False), ("output", True))
 _PROMPT_FIELDS = (("prompt", True), ("response", True))
 
 
 def is_instruction_data(data: Any) -> bool:
-    """``--data`` switches to instruction fine-tuning when it names a ``.jsonl`` file."""
-    return isinstance(data, (str, Path)) and Path(data).suffix.lower() in JSONL_SUFFIXES
+    """``--data`` switches to instruction fine-tuning when it names a ``.jsonl`` or ``.json`` file."""
+    return isinstance(data, (str, Path)) and Path(data).suffix.lower() in INSTRUCTION_SUFFIXES
 
 
 def render_prompt(instruction: str, input: str = "") -> str:
@@ -78,8 +86,26 @@ def parse_row(row: Any, where: str) -> tuple[str, str, str]:
         # The prompt is the instruction, with no input.
         prompt, response = (_field(row, key, required, where) for key, required in _PROMPT_FIELDS)
         return prompt, "", response
+    if "conversations" in row:
+        return _exchange(row["conversations"], where)
     found = ", ".join(sorted(row)) or "none"
     raise InvalidValueError(f"{where}: no instruction fields (found: {found}); each row needs {_LAYOUTS}")
+
+
+def _exchange(turns: Any, where: str) -> tuple[str, str, str]:
+    """``(instruction, "", response)`` of a ShareGPT row: one human turn, then one gpt turn. A longer
+    conversation is refused rather than cut: the template holds one exchange.
+    """
+    speakers = []
+    if isinstance(turns, list):
+        speakers = [turn.get("from") for turn in turns if isinstance(turn, dict)]
+    if speakers != ["human", "gpt"] or len(turns) != 2:
+        raise InvalidValueError(
+            f"{where}: 'conversations' must be one human turn then one gpt turn (the template holds one exchange), "
+            f"got the turns {speakers or turns!r:.80}; split longer conversations into rows of one exchange"
+        )
+    human, gpt = (_field(turn, "value", True, where) for turn in turns)
+    return human, "", gpt
 
 
 def _field(row: dict[str, Any], key: str, required: bool, where: str) -> str:
@@ -97,13 +123,37 @@ def _field(row: dict[str, Any], key: str, required: bool, where: str) -> str:
 
 
 def read_rows(path: str | Path) -> list[tuple[str, str, str, str]]:
-    """The rows of a JSONL file as ``(instruction, input, response, "file:line")``."""
+    """The rows of a ``.jsonl`` or ``.json`` file as ``(instruction, input, response, where)``; ``where`` is
+    ``file:line`` (JSONL) or ``file, row N`` (a JSON array).
+    """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise MissingFileError(f"instruction data {str(path)!r} does not exist (a .jsonl file of {_LAYOUTS})")
-    rows = [(*parse_row(row, f"{path}:{line}"), f"{path}:{line}") for line, row in iter_jsonl(path)]
+        raise MissingFileError(
+            f"instruction data {str(path)!r} does not exist (a .jsonl file of {_LAYOUTS}, or a .json array of them)"
+        )
+    if path.suffix.lower() == ".json":
+        located = [(f"{path}, row {i}", row) for i, row in enumerate(_json_array(path), start=1)]
+    else:
+        located = [(f"{path}:{line}", row) for line, row in iter_jsonl(path)]
+    rows = [(*parse_row(row, where), where) for where, row in located]
     if not rows:
-        raise InvalidValueError(f"{path}: no rows; each line must be a JSON object ({_LAYOUTS})")
+        raise InvalidValueError(f"{path}: no rows; it needs {_LAYOUTS}")
+    return rows
+
+
+def _json_array(path: Path) -> list[Any]:
+    """The rows of a ``.json`` instruction file: one JSON array (Alpaca's and ShareGPT's published layout)."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidValueError(
+            f"{path}: not valid JSON ({e}); a .json instruction file is one array of rows"
+        ) from None
+    if not isinstance(rows, list):
+        raise InvalidValueError(
+            f"{path}: a .json instruction file must be one JSON array of rows ({_LAYOUTS}), got a "
+            f"{type(rows).__name__}; for a row per line, name the file .jsonl"
+        )
     return rows
 
 

@@ -57,13 +57,11 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a ``transformers`` directory: safetensors, else ``.bin`` (plain tensors only, so
     no pickled code runs), each whole or sharded.
     """
-    from safetensors.torch import load_file
-
     d = Path(directory)
     if (d / _SAFETENSORS).is_file():
-        return load_file(d / _SAFETENSORS)
+        return _load_safetensors(d / _SAFETENSORS)
     if (d / _SAFETENSORS_INDEX).is_file():
-        return _load_sharded(d, _SAFETENSORS_INDEX, load_file)
+        return _load_sharded(d, _SAFETENSORS_INDEX, _load_safetensors)
     if (d / _BIN).is_file():
         return _torch_load(d / _BIN)
     if (d / _BIN_INDEX).is_file():
@@ -85,18 +83,32 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch names the first class it refused.
+        # torch names the first class it refused; its own advice (to unpickle anyway) is never repeated.
         found = re.search(r"GLOBAL (\S+)", str(e))
-        what = _first_line(e)
+        what = "objects other than tensors"
         if found:
             what = f"such as {found.group(1)}"
-        target = path.with_name(_SAFETENSORS)
         raise UnsafeCheckpointError(
             f"refused to read {path}: besides tensors it holds pickled Python objects ({what}), and unpickling "
-            "them would run code from the file, so gpt2 reads .bin weights as plain tensors only. If you trust the "
-            f'file, convert it once to safetensors: python -c "import torch; from safetensors.torch import save_file; '
-            f"sd = torch.load('{path}', weights_only=False); save_file({{k: v.contiguous() for k, v in sd.items() "
-            f"if isinstance(v, torch.Tensor)}}, '{target}')\" (then delete {path.name})"
+            f"them would run code from the file, so gpt2 reads .bin weights as plain tensors only. Use the model's "
+            f"{_SAFETENSORS} instead (hub repos publish one; save_pretrained writes one), placed beside "
+            f"{path.name} in {str(path.parent)!r}"
+        ) from None
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """``path``'s tensors; a damaged file (a truncated body, a header claiming more bytes than any file
+    holds) is an error naming it.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:
+        # safetensors' own error (SafetensorError) names no file and has no stable import path
+        raise InvalidValueError(
+            f"{path} is not a readable safetensors file ({type(e).__name__}: {_first_line(e)}): truncated or "
+            "damaged? Download or save it again"
         ) from None
 
 
@@ -261,6 +273,15 @@ def _unreachable_reason(e: Exception) -> str:
     return f"{type(e).__name__}: {_first_line(e)}"
 
 
+def _not_here(repo_id: str) -> str:
+    """Where a name read as a hub id was looked for locally first: a mistyped or relative run folder
+    (``runs/shakespeare`` from another folder) is then named as missing before the hub is.
+    """
+    if repo_id in OFFICIAL_HUB_IDS:
+        return f"{repo_id!r} is read as a hub id"
+    return f"no folder {repo_id!r} exists in {str(Path.cwd())!r}, so it is read as a hub id"
+
+
 def _download(repo_id: str, cache_dir, revision) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -282,14 +303,14 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
         raise MissingFileError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
     except RepositoryNotFoundError as e:
         raise MissingFileError(
-            f"{repo_id!r} is no local path and the hub has no such (accessible) model repo; "
+            f"{_not_here(repo_id)} and the hub has no such (accessible) model repo; "
             f"check the name, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
     except Exception as e:
         # Offline, DNS, proxy, timeouts: all end here, in one message (huggingface_hub's chained
         # tracebacks run to hundreds of lines and say no more).
         raise HubUnreachableError(
-            f"could not load {repo_id!r}: it is read as a hub id and the Hugging Face hub could not be reached "
+            f"could not load {repo_id!r}: {_not_here(repo_id)}, and the Hugging Face hub could not be reached "
             f"({_unreachable_reason(e)}). Either download it once with network access (it is then cached under "
             "$HF_HOME, default ~/.cache/huggingface; point HF_HOME or cache_dir= at an existing cache), or pass the "
             "path of a local directory holding config.json and model.safetensors, e.g. one written by save_pretrained"
