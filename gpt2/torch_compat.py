@@ -6,7 +6,9 @@ else in the package may name ``torch._*`` or ``torch.ops`` (``tests/test_torch_c
 
 from __future__ import annotations
 
+import copy
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +73,31 @@ def is_compiled(module: Any) -> bool:
     in place by ``module.compile()``. Why private: see :func:`uncompiled`. Checked on torch 2.13.
     """
     return uncompiled(module) is not module
+
+
+def module_tree_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` and its submodules, each module copied alone (``copy.copy``): the copies hold the
+    originals' parameters and buffers, hooks and other attributes (the same objects, none copied), a ``forward``
+    method set on a module is bound to its copy, and a module compiled in place by ``module.compile()`` is not
+    compiled in its copy. Registering or replacing a parameter, buffer or submodule of a copy leaves the original
+    as it is.
+
+    Why private: ``nn.Module`` keeps its parameters, buffers and submodules in the dicts ``_parameters``,
+    ``_buffers`` and ``_modules``, which a shallow copy shares; no public API copies a module without deep-copying
+    what it holds (``copy.deepcopy`` copies the objects a hook is bound to, and fails on any that cannot be
+    copied). ``_compiled_call_impl``: see :func:`uncompiled`. Checked on torch 2.13.
+    """
+    twin = copy.copy(module)
+    twin._parameters = dict(module._parameters)
+    twin._buffers = dict(module._buffers)
+    twin._modules = {
+        name: child if child is None else module_tree_copy(child) for name, child in module._modules.items()
+    }
+    twin._compiled_call_impl = None
+    forward = vars(module).get("forward")
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        twin.forward = types.MethodType(forward.__func__, twin)
+    return twin
 
 
 # ---- Startup time: FSDP's and DTensor's classes without importing them ----

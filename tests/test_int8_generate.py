@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import types
 
 import pytest
@@ -251,3 +252,23 @@ def test_an_instance_forward_is_followed_after_hundreds_of_decoding_steps(model)
         generate(model, prompt, 50, temperature=0)
     _instance_forward(model)
     assert torch.equal(generate(model, prompt, 50, temperature=0), argmax_loop(model, prompt, 50))
+
+
+def test_the_twin_runs_the_models_hooks_on_the_users_objects(model):
+    """The twin holds the model's hooks themselves: a hook bound to the user's object (here one that holds a lock,
+    which no copy could make) records into that object.
+    """
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.shapes: list[tuple[int, ...]] = []
+            self.lock = threading.Lock()
+
+        def hook(self, module, args, out) -> None:
+            with self.lock:
+                self.shapes.append(tuple(out.shape))
+
+    recorder = Recorder()
+    model.transformer.h[1].register_forward_hook(recorder.hook)
+    generate(model, torch.tensor([[1, 2, 3]]), 4, temperature=0, weights="int8")
+    assert recorder.shapes == [(1, 3, 32)] + [(1, 1, 32)] * 3

@@ -26,7 +26,6 @@ AVX2 CPUs without VNNI (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Any
 
@@ -174,8 +173,7 @@ def _twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` in eval mode that shares its parameters and buffers, each plain ``nn.Linear`` an
     :class:`Int8Linear` (a subclass's forward, or a forward set on the layer itself, still runs as the model's).
     """
-    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    twin = copy.deepcopy(model, memo=shared)
+    twin = torch_compat.module_tree_copy(model)
     for module in twin.modules():
         if type(module) is nn.Linear:
             qweight, scale = _int8_of(module.weight)
