@@ -3,7 +3,8 @@
 :func:`int8_weights` gives a model's int8 twin, made from the model as it is at each call: a copy of its module
 tree that shares its parameters and buffers (not copied) and keeps its hooks, settings and replaced modules, in
 which each plain ``nn.Linear`` (the blocks' projections and the LM head) becomes an :class:`Int8Linear`: int8
-weights with one scale per output row (its largest |w| / 127), a quarter of the bytes fp32 reads per token. Each
+weights with one scale per output row (its largest |w| / 127), a quarter of the bytes fp32 reads per token (the
+int8 weights are kept with the fp32 weight they were made from, and made again when its values change). Each
 row of activations is rounded to 7-bit integers with a scale of its own (its largest |x| / 63) and the integer
 products are summed exactly, by fbgemm's int8 kernels where torch has them (x86), else by oneDNN's (see
 :func:`gpt2.torch_compat.int8_matmul`). llama.cpp's ``q8_0`` does the same with a scale per block of 32
