@@ -107,7 +107,7 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
 
     start = time.process_time()
     int8_weights(model)
-    print(f"  int8 weights made in {time.process_time() - start:.1f} s CPU (once per model)")
+    print(f"  int8 weights made in {time.process_time() - start:.1f} s CPU (kept while the weights do not change)")
     runs = {"ours fp32": run(model)}
     if compiled:
         # Inductor's default Python wrapper, then its C++ wrapper (the graph's kernels called from C++)
