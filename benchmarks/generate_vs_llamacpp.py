@@ -5,8 +5,8 @@ tokens per second, at the 4 x 128 shape and at GPT-2 124M, with random weights.
 One thread, CPU time of the process (``time.process_time``: other processes on a shared machine do not
 count), the runs alternating round by round (A B C D, A B C D, ...); each run is a 8-token prompt and
 ``--tokens`` new tokens, prompt included in the time (both sides). Medians with the spread of the rounds.
-Our decoding step is replayed from a TorchScript trace once it has run 128 times (``gpt2.model.traced_step``: during
-the untimed first calls here); the ``eager step`` runs never trace.
+The int8 runs make the model's int8 twin at every call (its int8 weights are kept while the weights' values do
+not change), inside the timed call.
 llama.cpp is skipped, with a note, when llama-cpp-python is not installed. ``--compile`` adds
 ``torch.compile(model)`` twice: with Inductor's default (Python) wrapper and with ``cpp_wrapper=True``, whose
 wrapper calls the graph's kernels from C++, and the int8 twin of a compiled model (compiled too); the compile time
@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from gpt2.model import traced_step
 from gpt2.model.config import GPTConfig
 from gpt2.model.generate import generate
 from gpt2.model.gguf import save_gguf
@@ -108,12 +107,8 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
 
     start = time.process_time()
     int8_weights(model)
-    print(f"  int8 twin made in {time.process_time() - start:.1f} s CPU (once per model)")
-    runs = {
-        "ours fp32": run(model),
-        "ours fp32, eager step": eager_steps(run(model)),
-        "ours fp32, plain head": run(model, int8_head=False),
-    }
+    print(f"  int8 weights made in {time.process_time() - start:.1f} s CPU (kept while the weights do not change)")
+    runs = {"ours fp32": run(model)}
     if compiled:
         # Inductor's default Python wrapper, then its C++ wrapper (the graph's kernels called from C++)
         for name, options in (("ours fp32 compiled", None), ("ours fp32 cpp_wrapper", {"cpp_wrapper": True})):
@@ -123,7 +118,6 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
             runs[name]()
             print(f"  {name}: first call {time.perf_counter() - start:.0f} s wall (compiling)")
     runs["ours int8"] = run(model, weights="int8")
-    runs["ours int8, eager step"] = eager_steps(run(model, weights="int8"))
     if compiled:
         # the int8 twin of a compiled model comes compiled (torch.compile's defaults; its products stay fbgemm's)
         start = time.perf_counter()
@@ -131,20 +125,6 @@ def our_runs(model: GPT, prompt: list[int], n: int, compiled: bool) -> dict[str,
         runs["ours int8 compiled"]()
         print(f"  ours int8 compiled: first call {time.perf_counter() - start:.0f} s wall (compiling)")
     return runs
-
-
-def eager_steps(run: Callable[[], list[int]]) -> Callable[[], list[int]]:
-    """``run`` with every decoding step eager: no TorchScript trace is made or replayed (gpt2.model.traced_step)."""
-
-    def eager() -> list[int]:
-        after = traced_step.TRACE_AFTER_STEPS
-        traced_step.TRACE_AFTER_STEPS = None
-        try:
-            return run()
-        finally:
-            traced_step.TRACE_AFTER_STEPS = after
-
-    return eager
 
 
 def time_interleaved(runs: dict[str, Callable[[], list[int]]], rounds: int) -> dict[str, list[float]]:
@@ -179,10 +159,10 @@ def bench_shape(shape: str, args: argparse.Namespace, folder: Path) -> None:
                 line += f"  {medians[name] / medians[ref]:5.2f}x {ref}"
         print(line)
     print(f"  after the rounds: {load()}")
-    reference = tokens["ours fp32, plain head"]
+    reference = tokens["ours fp32"]
     for name, out in tokens.items():
         same = sum(a == b for a, b in zip(out, reference, strict=True))
-        print(f"  {name:<24} {same:3d}/{n} tokens as ours fp32, plain head")
+        print(f"  {name:<24} {same:3d}/{n} tokens as ours fp32")
 
 
 def load() -> str:
@@ -208,7 +188,7 @@ def agreement(model: GPT, ids: torch.Tensor, n: int, label: str) -> None:
     """How many greedy tokens int8 weights change against fp32 (see the module's docstring)."""
     prompts = ids.size(0)
     n = min(n, model.config.block_size - PROMPT_TOKENS)
-    fp32 = generate(model, ids, n, temperature=0, int8_head=False)
+    fp32 = generate(model, ids, n, temperature=0)
     int8 = generate(model, ids, n, temperature=0, weights="int8")
     same = (fp32 == int8)[:, PROMPT_TOKENS:]
     first = [int(row.logical_not().nonzero()[0]) if not row.all() else n for row in same]

@@ -6,8 +6,9 @@ else in the package may name ``torch._*`` or ``torch.ops`` (``tests/test_torch_c
 
 from __future__ import annotations
 
-import functools
+import copy
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +21,7 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     Why private: no public operator multiplies int8 matrices into int32 (``torch.matmul`` of two int8
     tensors returns int8, wrapped around). ``torch._int_mm`` runs oneDNN's int8 GEMM on the CPU (with
-    oneDNN disabled it is a plain loop, ~8x slower: the int8 greedy head checks that first).
-    Checked on torch 2.13 (the int8 greedy head came after the suite's run on 2.11).
+    oneDNN disabled it is a plain loop, much slower: int8 weights check that first). Checked on torch 2.13.
     """
     return torch._int_mm(a, b)
 
@@ -75,6 +75,31 @@ def is_compiled(module: Any) -> bool:
     return uncompiled(module) is not module
 
 
+def module_tree_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` and its submodules, each module copied alone (``copy.copy``): the copies hold the
+    originals' parameters and buffers, hooks and other attributes (the same objects, none copied), a ``forward``
+    method set on a module is bound to its copy, and a module compiled in place by ``module.compile()`` is not
+    compiled in its copy. Registering or replacing a parameter, buffer or submodule of a copy leaves the original
+    as it is.
+
+    Why private: ``nn.Module`` keeps its parameters, buffers and submodules in the dicts ``_parameters``,
+    ``_buffers`` and ``_modules``, which a shallow copy shares; no public API copies a module without deep-copying
+    what it holds (``copy.deepcopy`` copies the objects a hook is bound to, and fails on any that cannot be
+    copied). ``_compiled_call_impl``: see :func:`uncompiled`. Checked on torch 2.13.
+    """
+    twin = copy.copy(module)
+    twin._parameters = dict(module._parameters)
+    twin._buffers = dict(module._buffers)
+    twin._modules = {
+        name: child if child is None else module_tree_copy(child) for name, child in module._modules.items()
+    }
+    twin._compiled_call_impl = None
+    forward = vars(module).get("forward")
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        twin.forward = types.MethodType(forward.__func__, twin)
+    return twin
+
+
 # ---- Startup time: FSDP's and DTensor's classes without importing them ----
 # Importing torch.distributed.fsdp, torch.distributed.tensor or torch.distributed.checkpoint loads DTensor's
 # operator tables (with sympy): 1.0-1.3 s of every start of the package (docs/benchmarks.md, "Startup"). The
@@ -95,20 +120,6 @@ def is_dtensor(tensor: Any) -> bool:
     """
     dtensor = sys.modules.get("torch.distributed.tensor")
     return dtensor is not None and isinstance(tensor, dtensor.DTensor)
-
-
-def has_hooks(module: Any) -> bool:
-    """Whether calling ``module`` runs forward hooks of its own or global ones (``register_forward_hook``,
-    ``register_forward_pre_hook``, ``torch.nn.modules.module.register_module_forward_hook``...).
-
-    Why private: ``nn.Module`` keeps its hooks in ``_forward_hooks`` and ``_forward_pre_hooks`` and the global
-    ones in ``torch.nn.modules.module``'s ``_global_forward_hooks`` and ``_global_forward_pre_hooks``; no public
-    accessor says whether any is registered. Checked on torch 2.13.
-    """
-    registries = (module._forward_hooks, module._forward_pre_hooks)
-    hooks = sys.modules["torch.nn.modules.module"]
-    global_registries = (hooks._global_forward_hooks, hooks._global_forward_pre_hooks)
-    return any(len(registry) > 0 for registry in (*registries, *global_registries))
 
 
 # Activations multiplied by int8 weights are rounded to integers in [-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]:
@@ -168,7 +179,7 @@ def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, step, 64, packed)
 
 
-# ---- Generation (issue 29): one-row int8 matmuls without the operator's Python wrapper ----
+# ---- Generation with int8 weights: one-row int8 matmuls without the operator's Python wrapper ----
 
 
 def int8_matmul_row(x: torch.Tensor, packed: Any, step: float) -> torch.Tensor:
@@ -189,67 +200,7 @@ _INT8_LINEAR_OP = getattr(
 )
 
 
-def int8_linear_row(x: torch.Tensor, packed: Any, bias: torch.Tensor | None, smallest_step: float) -> torch.Tensor:
-    """``x @ (q * scale[:, None]).T + bias`` for one row ``x`` ``(1, K)`` (fp32) and :func:`pack_int8`'s
-    ``packed``: ``x`` is rounded to integers in ``[-INT8_ACTIVATION_MAX, INT8_ACTIVATION_MAX]`` with the step
-    ``max(largest |x|, smallest_step) / INT8_ACTIVATION_MAX`` (:func:`int8_matmul` with that step), then
-    ``bias`` ``(N,)`` (or None) is added.
-
-    Why private: fbgemm's operator called from Python converts its torchbind argument (the packed weights) at
-    every call. A TorchScript function (``torch.jit.script``: deprecated, it warns on torch 2.13, but still there)
-    passes it in C++ and runs the few operations around the kernel in its interpreter: 12.6 against 41 us a
-    call for a 64 x 64 layer, +5-9% tokens/s at 124M with int8 weights (medians of 12 and 10 paired rounds,
-    the same tokens). In Python where TorchScript cannot compile it (no source files) and for oneDNN's weights.
-    Checked on torch 2.13.
-    """
-    scripted = _scripted_linear_row()
-    if scripted is None or isinstance(packed, tuple):
-        if torch.jit.is_tracing():
-            # the step is a Python number here: a trace would keep this call's (gpt2.model.traced_step decodes
-            # eagerly when its trace fails)
-            raise RuntimeError("the one-row int8 product runs in Python here, where it cannot be traced")
-        step = max(float(x.abs().max()), smallest_step) / INT8_ACTIVATION_MAX
-        out = int8_matmul_row(x, packed, step)
-        if bias is not None:
-            out += bias
-        return out
-    return scripted(x, packed, bias, smallest_step, float(INT8_ACTIVATION_MAX))
-
-
-def _fbgemm_linear_row(
-    x: torch.Tensor,
-    packed: torch.classes.quantized.LinearPackedParamsBase,
-    bias: torch.Tensor | None,
-    smallest_step: float,
-    levels: float,
-) -> torch.Tensor:
-    """:func:`int8_linear_row` on fbgemm's weights, for TorchScript (which reads no globals: ``levels`` is
-    ``INT8_ACTIVATION_MAX``).
-    """
-    step = max(float(x.abs().max()), smallest_step) / levels
-    # fbgemm rounds x / step to quint8 with zero point 64 (see int8_matmul)
-    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, step, 64, packed)
-    if bias is not None:
-        out += bias
-    return out
-
-
-@functools.cache
-def _scripted_linear_row() -> Callable[..., torch.Tensor] | None:
-    """:func:`_fbgemm_linear_row` compiled by TorchScript at the first call, or None where it cannot be."""
-    if _INT8_LINEAR_OP is None:
-        return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return torch.jit.script(_fbgemm_linear_row)
-    # TorchScript reads the function's source (absent from a zipped install) and may go in a later torch:
-    # either way the Python path computes the same
-    except Exception:
-        return None
-
-
-# ---- Compiling the int8 twin (issue 29): fbgemm's product as one operator that Dynamo does not trace into ----
+# ---- Compiling the int8 twin: fbgemm's product as one operator that Dynamo does not trace into ----
 
 
 def define_cpu_op(
@@ -276,27 +227,3 @@ def define_cpu_op(
 
 
 _LIBRARIES: list[Any] = []
-
-
-# ---- Greedy decoding (issue 29): torch's int8 weight-only matmul for narrow LM heads ----
-
-
-def has_int8_rows_matmul() -> bool:
-    """Whether this torch has the kernel behind :func:`int8_rows_matmul`."""
-    return hasattr(torch, "_weight_int8pack_mm")
-
-
-def int8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (q * scale[:, None]).T`` for fp32 rows ``x`` ``(M, K)``, int8 rows ``q`` ``(N, K)`` and their bf16
-    ``scale`` ``(N,)``, in bf16 ``(M, N)``: ``x`` is rounded to bf16, each weight times its row's scale widened to
-    fp32, the products summed in fp32 and the sums rounded to bf16. ``K`` must be a multiple of 16 (the kernels
-    step through it 8 or 16 columns at a time and read past other widths: wrong sums, no error).
-
-    Why private: torch's public API has no matmul with int8 weights. ``torch._weight_int8pack_mm`` is the CPU
-    kernel behind gpt-fast's and torchao's int8 weight-only quantization: on one AVX2 thread it read the 4 x 128
-    LM head (50257 x 128) in 0.7-1.0 ms against 0.9-1.2 ms for fbgemm's fp16-weight kernel. Its AVX2, AVX512
-    and NEON versions and its plain loop all sum in fp32 (the narrow head's bound, in
-    :mod:`gpt2.model.int8_head`, relies on it; the head also checks its logits against the bound on probe rows).
-    Checked on torch 2.13.
-    """
-    return torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scale)

@@ -326,3 +326,19 @@ def test_forward_without_the_head_returns_the_last_layernorm(model, prompt):
     torch.testing.assert_close(model.lm_head(hidden)[..., : model.config.vocab_size], model(prompt)[0])
     with pytest.raises(ValueError, match="head=False gives no loss"):
         model(prompt, prompt, head=False)
+
+
+def test_tokens_are_normal_tensors_though_decoding_runs_in_inference_mode(model):
+    """The steps run under torch.inference_mode; what stream yields and generate returns can be modified in
+    place and used with autograd.
+    """
+    prompt = torch.tensor([[1, 2, 3]])
+    tokens = list(model.stream(prompt, 4, temperature=0))
+    assert not any(t.is_inference() for t in tokens)
+    tokens[0] += 1
+    out = generate(model, prompt, 4, temperature=0)
+    assert not out.is_inference()
+    out[0, 0] = 7
+    logits, _ = model(out)
+    logits.sum().backward()
+    assert model.lm_head.weight.grad is not None

@@ -37,57 +37,41 @@ def _graphs_and_breaks() -> tuple[int, int]:
 @pytest.mark.parametrize("rows", [1, 5])
 def test_the_int8_operator_is_the_eager_product(rows):
     torch.manual_seed(0)
-    layer = Int8Linear(torch.nn.Linear(64, 48))
+    layer = int8_weights(torch.nn.Linear(64, 48))
     x = torch.randn(rows, 64)
     x[-1] = 0.0  # an all-zero row keeps a tiny step: its output is the bias
-    out = quantize._PRODUCT(x, layer.bias, layer.key)
-    assert out.shape == (rows, 48) and torch.equal(out, quantize._product(x, layer.packed, layer.bias))
+    args = (layer.qweight, layer.scale)
+    out = quantize._PRODUCT(x, *args, layer.bias)
+    assert out.shape == (rows, 48) and torch.equal(out, quantize._product(x, *args, layer.bias))
     assert torch.equal(out[-1], layer.bias.detach())
-    assert torch.equal(quantize._PRODUCT(x, None, layer.key), quantize._product(x, layer.packed, None))
+    assert torch.equal(quantize._PRODUCT(x, *args, None), quantize._product(x, *args, None))
     # traced by Dynamo in one graph (fbgemm's packed weights stay out of it), with the eager layer's result
     _fresh_dynamo()
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x.view(rows, 1, 64)), layer(x.view(rows, 1, 64)), rtol=0, atol=0)
 
 
-def test_the_one_row_path_is_the_int8_matmul(monkeypatch):
-    """One row goes through a TorchScript function (torch_compat.int8_linear_row), or Python where TorchScript
-    cannot compile it: both give int8_matmul's result with the row's own step.
-    """
-    torch.manual_seed(0)
-    layer = Int8Linear(torch.nn.Linear(64, 48))
-    x = torch.randn(1, 64)
-    step = float(x.abs().max()) / torch_compat.INT8_ACTIVATION_MAX
-    expected = torch_compat.int8_matmul(x, layer.packed, step=step) + layer.bias
-    assert torch_compat._scripted_linear_row() is not None
-    # the first calls of a TorchScript function profile it, the later ones run its optimized graph
-    for _ in range(3):
-        assert torch.equal(torch_compat.int8_linear_row(x, layer.packed, layer.bias, 1e-30), expected)
-    monkeypatch.setattr(torch_compat, "_scripted_linear_row", lambda: None)
-    assert torch.equal(torch_compat.int8_linear_row(x, layer.packed, layer.bias, 1e-30), expected)
-
-
-def test_a_copy_of_a_layer_has_its_own_key():
-    layer = Int8Linear(torch.nn.Linear(32, 16))
-    twin = copy.deepcopy(layer)
-    assert twin.key != layer.key and quantize._PACKED[twin.key][1] == 16
-    key = layer.key
-    del layer
-    # the packed weights go with their layer
-    assert key not in quantize._PACKED
+def test_a_copy_of_a_layer_packs_its_own_weights():
+    layer = int8_weights(torch.nn.Linear(32, 16))
     x = torch.randn(1, 32)
-    assert torch.equal(quantize._PRODUCT(x, twin.bias, twin.key), twin(x))
+    expected = layer(x)
+    copied = copy.deepcopy(layer)
+    key = layer.qweight.data_ptr()
+    assert key in quantize._PACKED
+    del layer
+    # the packed weights go with their int8 weights
+    assert key not in quantize._PACKED
+    assert torch.equal(quantize._PRODUCT(x, copied.qweight, copied.scale, copied.bias), expected)
+    assert torch.equal(copied(x), expected)
 
 
 def test_the_twin_of_a_compiled_model_is_compiled(model):
-    twin = int8_weights(model)
-    compiled = int8_weights(torch.compile(model))
-    assert compiled is not twin and compiled._orig_mod is twin
-    assert int8_weights(torch.compile(model)) is compiled and int8_weights(model) is twin
+    twin = int8_weights(torch.compile(model))
+    assert isinstance(twin._orig_mod.lm_head, Int8Linear)
     # a compiled twin is returned as it is
-    assert int8_weights(compiled) is compiled
+    assert int8_weights(twin) is twin
     model.compile()
-    assert int8_weights(model) is compiled
+    assert torch_compat.is_compiled(int8_weights(model))
 
 
 def test_decoding_the_twin_is_one_graph_with_eager_tokens(model):
@@ -107,10 +91,12 @@ def test_compiled_int8_generation_gives_the_eager_tokens(model, monkeypatch):
     2-core machine (docs/benchmarks.md has Inductor's run: the same tokens).
     """
     real_compile = torch.compile
-    monkeypatch.setattr(quantize.torch, "compile", lambda module: real_compile(module, backend="aot_eager"))
-    single = torch.tensor([[3, 1, 4, 1, 5]])
+    monkeypatch.setattr(quantize.torch, "compile", lambda module, **_: real_compile(module, backend="aot_eager"))
+    single = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
     batch = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
     eager = [generate(model, p, 16, temperature=0, weights="int8") for p in (single, batch)]
+    # int8's tokens here are not fp32's: the compiled calls below decode the int8 twin
+    assert not torch.equal(eager[0], generate(model, single, 16, temperature=0))
     _fresh_dynamo()
     compiled_model = real_compile(model, backend="aot_eager")
     got = [generate(compiled_model, p, 16, temperature=0, weights="int8") for p in (single, batch)]
@@ -118,3 +104,10 @@ def test_compiled_int8_generation_gives_the_eager_tokens(model, monkeypatch):
     graphs, breaks = _graphs_and_breaks()
     # one graph per batch size (2 is marked dynamic after 1), no break
     assert breaks == 0 and graphs <= 2
+    # each call makes a new twin: the later calls build no graph
+    again = [generate(compiled_model, p, 16, temperature=0, weights="int8") for p in (single, batch)]
+    assert all(torch.equal(a, b) for a, b in zip(again, eager, strict=True))
+    assert _graphs_and_breaks() == (graphs, 0)
+    # a model compiled in place: its twin decodes int8 too
+    model.compile(backend="aot_eager")
+    assert torch.equal(generate(model, single, 16, temperature=0, weights="int8"), eager[0])

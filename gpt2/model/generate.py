@@ -14,17 +14,8 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value, rounded_up
-from gpt2.model.int8_head import (
-    Int8Head,
-    NarrowHead,
-    TransposedHead,
-    check_switch,
-    greedy_tokens,
-    select_int8_head,
-)
 from gpt2.model.quantize import check_weights, int8_weights
 from gpt2.model.tokenizer import get_tokenizer
-from gpt2.model.traced_step import DecodingSteps
 from gpt2.torch_compat import uncompiled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,24 +75,13 @@ class KVCache:
         return cache_k, cache_v
 
     @classmethod
-    def of_tensors(cls, pos: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
-        """A cache over existing tensors: the position ``pos`` and every layer's key and value buffers (a traced
-        decoding step gets them as its inputs; see :mod:`gpt2.model.traced_step`).
-        """
-        cache = cls.__new__(cls)
-        cache.pos, cache.k, cache.v = pos, list(k), list(v)
-        cache.max_len = k[0].size(2)
-        cache.index = None
-        return cache
-
-    @classmethod
     def for_model(cls, model: GPT, max_len: int | None = None) -> KVCache:
         """An empty cache for ``model``, holding up to ``max_len`` (default ``block_size``) positions."""
         return cls(model.config.n_layer, max_len or model.config.block_size, model.device)
 
 
 # The KV cache's length is rounded up to a multiple of this (at most block_size): calls whose prompt plus new tokens
-# fall in one window share one traced (gpt2.model.traced_step) or compiled decoding step. The masked slots change no
+# fall in one window share one compiled decoding step. The masked slots change no
 # bit of the outputs (the attention's softmax adds exact zeros for them) and cost at most 63 masked keys a step.
 CACHE_LENGTH_MULTIPLE = 64
 
@@ -227,7 +207,6 @@ def stream(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     attention_mask: torch.Tensor | None = None,
-    int8_head: bool | None = None,
     weights: str = "model",
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, ``(B,)``, one step at a time.
@@ -240,24 +219,13 @@ def stream(
     when this is called, not at the first ``next``. Of ``torch.compile(model)`` or ``model.compile()``
     only the decoding step runs compiled, one graph for every token (one dynamic graph more after
     another cache length); the prompt's forward (one per call, a new shape per length) runs uncompiled.
-    On the CPU ``torch.compile(model, options={"cpp_wrapper": True})`` (Inductor's wrapper in C++) decoded
-    1.10x faster than the default wrapper at 4 x 128, batch 1 (0.97-1.11x at 124M); compiling pays only
-    after thousands of tokens (docs/benchmarks.md, "Generation vs llama.cpp"). An uncompiled model on the CPU
-    decodes eagerly until a step of the same kind (model, batch size, cache length) has run 128 times, over all
-    calls, then replays it from a TorchScript trace: the same tokens, 1.2-1.5x the tokens/s at 4 x 128
-    (:mod:`gpt2.model.traced_step`).
-
-    ``int8_head``: greedy decoding on the CPU may read the LM head in int8, with the same tokens
-    (see :mod:`gpt2.model.int8_head`). None (the default) does where it applies and pays (at least
-    32 new tokens, a large fp32 head; a large head under 256 columns is read by torch's int8 weight-only kernel
-    instead, ``NarrowHead``, or from a transposed fp32 copy where that kernel cannot read it, also the same
-    tokens); True does wherever it applies and raises a ValueError saying why elsewhere (sampling, a GPU, bf16,
-    autocast, a parametrized head); False never does (nor any copy).
+    On the CPU ``torch.compile(model, options={"cpp_wrapper": True})`` (Inductor's wrapper in C++) decodes
+    faster than the default wrapper; compiling pays only after thousands of tokens (docs/benchmarks.md).
 
     ``weights``: ``"model"`` (the default) computes with the model's own weights; ``"int8"`` reads every
     weight matrix in int8 on the CPU (faster, other tokens: see :mod:`gpt2.model.quantize`), through an int8
-    twin of the model made at the first such call and kept while the model lives; of a compiled model the twin
-    decodes compiled too (the same tokens as the eager twin).
+    twin made from the model as it is at this call (its hooks, modules, settings and weights); of a compiled
+    model the twin decodes compiled too (the same tokens as the eager twin).
     """
     _check_prompt_shape(idx)
     V = model.config.vocab_size
@@ -277,23 +245,10 @@ def stream(
         attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    decoder, int8 = _weights_and_head(model, weights, int8_head, sampling.temperature, max_new_tokens)
+    if check_weights(weights) == "int8":
+        model = int8_weights(model)
     sample = functools.partial(_sample, sampling=sampling, generator=generator)
-    return _stream(decoder, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask, int8)
-
-
-def _weights_and_head(
-    model: GPT, weights: str, int8_head: bool | None, temperature: float, max_new_tokens: int
-) -> tuple[GPT, Int8Head | NarrowHead | TransposedHead | None]:
-    """The model that decodes (``model`` or its int8 twin) and the greedy head that replaces its own, if any."""
-    if check_weights(weights) == "model":
-        return model, select_int8_head(model, int8_head, temperature, max_new_tokens)
-    if check_switch(int8_head):
-        raise InvalidValueError(
-            "int8_head=True gives the fp32 head's tokens through an int8 copy of it; with weights='int8' every "
-            "weight, the head's too, is int8 already: leave int8_head out"
-        )
-    return int8_weights(model), None
+    return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
 
 
 def _check_prompt_shape(idx: Any) -> None:
@@ -345,7 +300,6 @@ def _stream(
     eos_token_id: int | None,
     use_cache: bool,
     attention_mask: torch.Tensor | None,
-    int8: Int8Head | NarrowHead | TransposedHead | None,
 ) -> Iterator[torch.Tensor]:
     was_training = model.training
     # no dropout while sampling; the caller's mode is restored below
@@ -361,8 +315,6 @@ def _stream(
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
         tokens, mask = idx, attention_mask
-        # the decoding step, eager or (once it has run often enough, where it can be) traced
-        steps = DecodingSteps(model, B, mask is not None)
         for _ in range(max_new_tokens):
             # Inference mode, not only no_grad: the step's tensors get no version counters or autograd
             # metadata (+4-7% tokens/s at batch 1, paired rounds). The token is yielded outside it, as a
@@ -376,7 +328,7 @@ def _stream(
                 if cache is not None:
                     # (B, 1), the newest token: a copy, as a view's stride would grow (a recompile each step)
                     step_ids = tokens[:, -1:].clone(memory_format=torch.contiguous_format)
-                    hidden = _forward(model, step_ids, cache, mask, steps.replay(cache))
+                    hidden = _forward(model, step_ids, cache, mask)
                 else:
                     if use_cache:
                         cache = KVCache.for_model(model, cache_len)
@@ -384,7 +336,7 @@ def _stream(
                 # (B, C): the last position's hidden states. The head reads them alone: the prompt's other
                 # positions are never sampled (a 1,000-token prompt at 124M would cost 77 GFLOP and 200 MB more).
                 hidden = hidden[:, -1]
-                nxt = _next_tokens(hidden, model, int8, sample)
+                nxt = sample(model.logits(hidden))
                 if eos_token_id is not None:
                     # Finished rows keep emitting EOS, so the output stays rectangular.
                     nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
@@ -399,23 +351,6 @@ def _stream(
         model.train(was_training)
 
 
-def _next_tokens(
-    hidden: torch.Tensor,
-    model: GPT,
-    head: Int8Head | NarrowHead | TransposedHead | None,
-    sample: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """The next token of every row from its hidden state ``hidden`` ``(B, C)``: the argmax through ``head``, the
-    greedy head that replaces the model's own, or else ``sample`` of the model's logits.
-    """
-    if head is None:
-        return sample(model.logits(hidden))
-    if isinstance(head, Int8Head):
-        return greedy_tokens(hidden, model.lm_head.weight, head)
-    # a greedy head that scores the vocabulary itself (NarrowHead, TransposedHead)
-    return head.tokens(hidden)
-
-
 def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The last ``block_size`` tokens and their mask (nanoGPT's crop)."""
     if mask is not None:
@@ -423,19 +358,15 @@ def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> t
     return tokens[:, -block_size:], mask
 
 
-def _forward(
-    model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, replay: Any = None
-) -> Any:
-    """One forward for generation: the last LayerNorm's output ``(B, T, C)`` (the head is applied after), by
-    ``model`` or by ``replay``, its traced decoding step. With padding ``mask`` ``(B, t)`` (cached + new tokens),
-    positions count real tokens only and attention skips pad keys, so a padded prompt yields what it would
-    unpadded. The mask spans the cache's whole buffer, so its shape is the same at every decoding step.
+def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> Any:
+    """One forward for generation: the last LayerNorm's output ``(B, T, C)`` (the head is applied after). With
+    padding ``mask`` ``(B, t)`` (cached + new tokens), positions count real tokens only and attention skips pad
+    keys, so a padded prompt yields what it would unpadded. The mask spans the cache's whole buffer, so its shape
+    is the same at every decoding step.
     """
     position_ids, attn_mask = None, None
     if mask is not None:
         position_ids, attn_mask = _padding_inputs(ids, cache, mask)
-    if replay is not None:
-        return replay(ids, cache, position_ids, attn_mask)
     return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask, head=False)[0]
 
 

@@ -24,7 +24,6 @@ from gpt2.model import hf
 from gpt2.model.config import GPTConfig, rounded_up
 from gpt2.model.generate import generate as _generate
 from gpt2.model.generate import stream as _stream
-from gpt2.model.traced_step import replayable
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpt2.model.generate import KVCache
@@ -34,7 +33,6 @@ IGNORE_INDEX = -1
 _INDEX_DTYPES = (torch.long, torch.int32)
 
 
-@replayable
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
@@ -86,7 +84,6 @@ def _manual_attention(
     return att @ v  # (B, nh, T, hs)
 
 
-@replayable
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -101,7 +98,6 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-@replayable
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -119,7 +115,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-@replayable
 class GPT(nn.Module):
     """GPT-2. ``forward(idx, targets=None) -> (logits, loss)``; see :meth:`forward`."""
 
