@@ -312,17 +312,24 @@ def _config_problem(config: dict[str, Any]) -> str | None:
             newer = "; upgrade minlora to load it"
         return f"format_version={version!r}, but this minlora reads version {_VERSION}{newer}"
     targets = config.get("targets")
+    problem = _targets_problem(targets)
+    if problem:
+        return problem
+    if not isinstance(config.get("base"), dict):
+        return f"'base' must be an object (the base model's fingerprint), got {config.get('base')!r}"
+    tied = config.get("tied", [])
+    if not isinstance(tied, list) or not all(_is_tie(t, targets) for t in tied):
+        return f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
+    return None
+
+
+def _targets_problem(targets: Any) -> str | None:
     if not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
         return f"'targets' must be a non-empty object of objects, got {targets!r}"
     for name, target in targets.items():
         for key in _SETTINGS[:2] + ("layer", "weight_shape"):
             if key not in target:
                 return f"targets[{name!r}] lacks the field {key!r}"
-    if not isinstance(config.get("base"), dict):
-        return f"'base' must be an object (the base model's fingerprint), got {config.get('base')!r}"
-    tied = config.get("tied", [])
-    if not isinstance(tied, list) or not all(_is_tie(t, targets) for t in tied):
-        return f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
     return None
 
 

@@ -94,7 +94,7 @@ def _validate_hellaswag(data: bytes) -> None:
 def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
     """``example`` if it is a HellaSwag example (``where:line`` names it in the error otherwise): at least two
     ``endings``, a ``ctx`` string or ``ctx_a`` and ``ctx_b`` strings (``ctx_b`` may be missing or empty), and a
-    ``label`` indexing an ending, as an int or (HF's copy) a string of digits: "1"; not True, not 1.9.
+    ``label`` (:func:`_check_label`).
     """
     at = f"{where}:{line}"
     if not isinstance(example, dict):
@@ -110,13 +110,17 @@ def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
             f"{at}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b' strings); "
             f"keys present: {sorted(example)}"
         )
-    label = example.get("label")
+    _check_label(example.get("label"), len(endings), at)
+    return example
+
+
+def _check_label(label: Any, n_endings: int, at: str) -> None:
+    """The index of an ending, as an int or (HF's copy) a string of digits: "1"; not True, not 1.9."""
     if label is None or label == "":
         raise InvalidValueError(f"{at}: no label (the official test split is unlabelled): score the val split")
     valid = type(label) is int or isinstance(label, str) and label.isdigit()
-    if not valid or not 0 <= int(label) < len(endings):
-        raise InvalidValueError(f"{at}: 'label' must be an ending's index (0 to {len(endings) - 1}), got {label!r}")
-    return example
+    if not valid or not 0 <= int(label) < n_endings:
+        raise InvalidValueError(f"{at}: 'label' must be an ending's index (0 to {n_endings - 1}), got {label!r}")
 
 
 def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
