@@ -1,7 +1,7 @@
 """minlora's adapter file and the all-or-nothing loading PEFT interop shares. One ``adapter.safetensors``
 (renamed into place: never torn nor mixed with another save): ``<module>.<tensor>.lora_A`` / ``.lora_B``
 (/ ``.lora_magnitude_vector``), and under the metadata key ``"minlora"`` the JSON config: per target
-layer, weight shape and settings, tied pairs, the base model's fingerprint. minlora 0.1's two files load.
+layer, weight shape and settings, tied pairs, the base model's fingerprint.
 """
 
 from __future__ import annotations
@@ -26,11 +26,7 @@ from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
-# minlora 0.1's two files
-LEGACY_CONFIG_NAME = "minlora_adapter.json"
-LEGACY_WEIGHTS_NAME = "minlora_adapter.safetensors"
 _FORMAT = "minlora.adapter"
-# version 1: minlora 0.1's two files
 _VERSION = 2
 # the settings of each target, named as LoRAParametrization's keywords
 _SETTINGS = ("rank", "lora_alpha", "use_rslora", "lora_dropout_p", "use_dora")
@@ -250,11 +246,7 @@ def base_fingerprint(model: nn.Module) -> str:
     return _base_record(model, {s.name: s.original for s in sites})["sha256"]
 
 
-def _check_base(saved: Any, model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
-    # minlora 0.1's (none), or a digest that counted the dtype
-    if saved is None or "weights_sha256" in saved:
-        logger.warning(f"{source}: the adapter (an older minlora's) has no usable base digest: it cannot be verified")
-        return
+def _check_base(saved: dict[str, Any], model: nn.Module, plans: list[Plan], source: str, allow: bool) -> None:
     now = _base_record(model, {site.name: raw_weight(site.module) for site, _ in plans})
     if now["sha256"] == saved.get("sha256"):
         return
@@ -303,31 +295,35 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtyp
     file.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "minlora": json.dumps(config, sort_keys=True)}
     write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    # an older adapter left beside it would only confuse
-    for old in (LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME):
-        (file.parent / old).unlink(missing_ok=True)
     return path
 
 
 # ---------------------------------------------------------------------- reading and checking the file
-def _format_problem(config: dict[str, Any]) -> str | None:
+def _config_problem(config: dict[str, Any]) -> str | None:
+    """What is wrong with the structure of the config, checked in order (each check relies on the ones
+    before); the values are checked as the LoRAs are built from them (make_plan).
+    """
     if config.get("format") != _FORMAT:
         return f"format={config.get('format')!r}: it is not a minlora adapter (a PEFT one goes to import_peft_adapter)"
+    version = config.get("format_version")
+    if version != _VERSION:
+        newer = ""
+        if isinstance(version, int) and version > _VERSION:
+            newer = "; upgrade minlora to load it"
+        return f"format_version={version!r}, but this minlora reads version {_VERSION}{newer}"
+    targets = config.get("targets")
+    problem = _targets_problem(targets)
+    if problem:
+        return problem
+    if not isinstance(config.get("base"), dict):
+        return f"'base' must be an object (the base model's fingerprint), got {config.get('base')!r}"
+    tied = config.get("tied", [])
+    if not isinstance(tied, list) or not all(_is_tie(t, targets) for t in tied):
+        return f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
     return None
 
 
-def _version_problem(config: dict[str, Any]) -> str | None:
-    version = config.get("format_version")
-    if version in (1, _VERSION):
-        return None
-    newer = ""
-    if isinstance(version, int) and version > _VERSION:
-        newer = "; upgrade minlora to load it"
-    return f"format_version={version!r}, but this minlora reads versions 1 and {_VERSION}{newer}"
-
-
-def _targets_problem(config: dict[str, Any]) -> str | None:
-    targets = config.get("targets")
+def _targets_problem(targets: Any) -> str | None:
     if not isinstance(targets, dict) or not targets or not all(isinstance(t, dict) for t in targets.values()):
         return f"'targets' must be a non-empty object of objects, got {targets!r}"
     for name, target in targets.items():
@@ -337,36 +333,11 @@ def _targets_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
-def _base_problem(config: dict[str, Any]) -> str | None:
-    if not isinstance(config.get("base", {}), dict):
-        return f"'base' must be an object (the base model's fingerprint), got {config['base']!r}"
-    return None
-
-
-def _tied_problem(config: dict[str, Any]) -> str | None:
-    tied = config.get("tied", [])
-    if not isinstance(tied, list) or not all(_is_tie(t, config["targets"]) for t in tied):
-        return f'each \'tied\' entry must be {{"linear": <target>, "embedding": <target>}}, got {tied!r}'
-    return None
-
-
 def _is_tie(entry: Any, targets: dict[str, Any]) -> bool:
     """``{"linear": <target>, "embedding": <target>}``."""
     if not isinstance(entry, dict) or set(entry) != {"linear", "embedding"}:
         return False
     return all(isinstance(v, str) and v in targets for v in entry.values())
-
-
-# The structure of the config, checked in this order (each check may rely on the ones before); the values
-# are checked as the LoRAs are built from them (make_plan).
-_CONFIG_CHECKS = (_format_problem, _version_problem, _targets_problem, _base_problem, _tied_problem)
-
-
-def _check_config(config: dict[str, Any], where: Any) -> None:
-    for check in _CONFIG_CHECKS:
-        problem = check(config)
-        if problem:
-            raise AdapterFileError(f"load_adapter: {where}: {problem}; {_REMEDY}")
 
 
 def _factor_names(spec: dict[str, Any]) -> tuple[str, ...]:
@@ -383,13 +354,21 @@ def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     file = path
     if path.is_dir():
         file = path / ADAPTER_FILE_NAME
-    if file.is_file():
-        tensors, config = _read_adapter_file(file)
-    elif (path / LEGACY_CONFIG_NAME).is_file():
-        tensors, config = _read_legacy_files(path)
-        file = path / LEGACY_WEIGHTS_NAME
-    else:
-        raise _no_adapter_error(path)
+    if not file.is_file():
+        peft = ""
+        if (path / "adapter_config.json").is_file():
+            peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)"
+        raise LoRAFileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME}{peft}")
+    tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
+    if "minlora" not in metadata:
+        raise AdapterFileError(
+            f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
+            f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
+        )
+    config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
+    problem = _config_problem(config)
+    if problem:
+        raise AdapterFileError(f"load_adapter: {file}: {problem}; {_REMEDY}")
     expected = {f"{target}.{p}" for target, spec in config["targets"].items() for p in _factor_names(spec)}
     missing = sorted(expected - set(tensors))
     if missing:
@@ -399,43 +378,6 @@ def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, A
         raise AdapterFileError(f"{source}: {file} holds {unexpected[:4]}, which its config does not list; {_REMEDY}")
     check_values(tensors, file, source, _REMEDY)
     return tensors, config, file
-
-
-def _read_adapter_file(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
-    if "minlora" not in metadata:
-        raise AdapterFileError(
-            f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
-            f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
-        )
-    config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
-    _check_config(config, file)
-    return tensors, config
-
-
-def _read_legacy_files(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """minlora 0.1's JSON config and safetensors weights, written with one save id in both."""
-    legacy = path / LEGACY_CONFIG_NAME
-    config = parse_json(legacy, legacy, "load_adapter", _REMEDY)
-    _check_config(config, legacy)
-    file = path / LEGACY_WEIGHTS_NAME
-    tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
-    if metadata.get("minlora_save_id") != config.get("save_id"):
-        raise AdapterFileError(
-            f"load_adapter: {file} (save {metadata.get('minlora_save_id')}) and {LEGACY_CONFIG_NAME} (save "
-            f"{config.get('save_id')}) come from two different saves; copy both files of one save, or {_REMEDY}"
-        )
-    return tensors, config
-
-
-def _no_adapter_error(path: Path) -> LoRAFileNotFoundError:
-    peft = ""
-    if (path / "adapter_config.json").is_file():
-        peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)"
-    return LoRAFileNotFoundError(
-        f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (or, from minlora 0.1, "
-        f"{LEGACY_CONFIG_NAME} and {LEGACY_WEIGHTS_NAME}){peft}"
-    )
 
 
 # ---------------------------------------------------------------------- loading
@@ -451,7 +393,7 @@ def load_adapter(
     plans = [_plan_target(model, name, spec, tensors, source, file) for name, spec in config["targets"].items()]
     ties = _tied_layers(config.get("tied", []), plans, source)
     check_plans(model, plans, source, strict)
-    _check_base(config.get("base"), model, plans, source, allow_base_mismatch)
+    _check_base(config["base"], model, plans, source, allow_base_mismatch)
     apply_plans(plans)
     for head, embedding in ties:
         tie_weights(head, embedding)

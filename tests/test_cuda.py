@@ -67,7 +67,7 @@ def test_fp16_with_loss_scaling_stays_finite_and_learns():
 
 def test_fused_adamw_matches_foreach():
     models = [_model().cuda(), _model().cuda()]
-    fused, foreach = (build_optimizer(m, lr=1e-3, fused=f) for m, f in zip(models, (True, False)))
+    fused, foreach = (build_optimizer(m, max_lr=1e-3, fused_adamw=f) for m, f in zip(models, (True, False)))
     assert fused.param_groups[0]["fused"] and not foreach.param_groups[0]["fused"]
     x = _tokens()[: 4 * 64].view(4, 64).cuda()
     for _ in range(3):
@@ -107,10 +107,10 @@ def test_muon_on_cuda_learns_and_keeps_its_state_on_the_gpu():
 
 
 def test_peak_memory_of_a_step_is_measured_per_rung():
-    from gpt2.train.bench import model_config, run_ladder
+    from gpt2.train.bench import run_ladder
 
     results = run_ladder("mini", batch_size=8, seq_len=256, steps=2, warmup=1, repeats=1, rungs=["fp32", "bf16"])
-    n_params = GPT(model_config("mini")).num_params()
+    n_params = GPT(GPTConfig.from_name("mini")).num_params()
     # At least fp32 weights, gradients and AdamW's two moments; at most the whole GPU.
     floor = 4 * 4 * n_params / 2**30
     total = torch.cuda.get_device_properties(0).total_memory / 2**30

@@ -470,3 +470,11 @@ def test_preparing_a_second_prefix_into_a_folder_warns_that_training_reads_both(
     with caplog.at_level(logging.WARNING, logger="gpt2.data.prepare"):
         write_shards(["four five"] * 4, tmp_path, prefix="b", shard_size=8, progress=False)
     assert "also holds other shards (['a_train_000001.npy'" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.int32])
+def test_a_token_tensor_of_any_integer_dtype_gives_int64_batches(dtype):
+    tokens = torch.arange(40).to(dtype)
+    x, y = TokenLoader(tokens, 2, 4).next_batch()
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and y[1].tolist() == [5, 6, 7, 8]

@@ -110,7 +110,7 @@ def test_loader_refuses_a_folder_that_does_not_match_its_manifest(earlier, damag
     elif damage == "manifest damaged":
         manifest.write_text(manifest.read_text()[:50])
     else:  # what a prepare killed while moving its shards leaves as the manifest
-        manifest.write_text(json.dumps({"format": "gpt2-shards", "pending": True}))
+        manifest.write_text(json.dumps({"format": "gpt2-shards", "pending": True, "names": [shard.name]}))
     with pytest.raises(ShardManifestError, match=f"{message}.*re-run `gpt2 prepare`"):
         read_all(earlier, "train")
     # train and eval build their loaders the same way.

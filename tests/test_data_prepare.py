@@ -178,7 +178,7 @@ def test_without_flock_the_lock_file_and_its_pid_are_the_lock(tmp_path, monkeypa
     assert sorted(os.listdir(out)) == [folder.name]
 
 
-@pytest.mark.parametrize("damage", ["unreadable", "a path for a name", "an old pending marker"])
+@pytest.mark.parametrize("damage", ["unreadable", "a path for a name", "a pending marker without names"])
 def test_a_damaged_manifest_is_refused_with_or_without_overwrite(tmp_path, damage):
     out = tmp_path / "data"
     prepare_bytes(out, ["an earlier data set " * 3])

@@ -22,7 +22,6 @@ from gpt2.data.instruct import (
     build_sequences,
     instruction_loaders,
     read_rows,
-    render,
     render_prompt,
     tokenize_row,
 )
@@ -57,10 +56,7 @@ def test_template_renders_both_layouts(tmp_path):
         ("Name a colour.", "", "Green."),
     ]
     assert rows[0][3].endswith("d.jsonl:1")
-    assert (
-        render(*rows[0][:3])
-        == "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n5<|endoftext|>"
-    )
+    assert render_prompt(*rows[0][:2]) == "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n"
     assert render_prompt("Say hi.") == "### Instruction:\nSay hi.\n\n### Response:\n"  # no input block
 
 

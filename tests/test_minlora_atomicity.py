@@ -19,7 +19,7 @@ import minlora
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from minlora import AdapterFileError, LoRAConfig, LoRAParametrization
-from minlora.adapters import ADAPTER_FILE_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, load_adapter, save_adapter
+from minlora.adapters import ADAPTER_FILE_NAME, load_adapter, save_adapter
 from minlora.peft import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 
 
@@ -186,57 +186,6 @@ def test_damaged_weights_are_a_named_error_and_change_nothing(saved, case):
             load_adapter(model, saved)
         assert ADAPTER_FILE_NAME in str(info.value)
         assert_unchanged(model, before)
-
-
-# --------------------------------------------------------------------------- minlora 0.1's two files
-def to_legacy(path: Path, save_id: str = "0123abcd") -> Path:
-    """Turn a saved adapter into the layout minlora 0.1 wrote: minlora_adapter.json (the config, with
-    format_version 1 and a save id) + minlora_adapter.safetensors (the factors, the same save id).
-    """
-    tensors, metadata = read_adapter(path)
-    config = json.loads(metadata["minlora"])
-    config.update(format_version=1, save_id=save_id)
-    (path / ADAPTER_FILE_NAME).unlink()
-    (path / LEGACY_CONFIG_NAME).write_text(json.dumps(config))
-    save_file(tensors, str(path / LEGACY_WEIGHTS_NAME), metadata={"format": "pt", "minlora_save_id": save_id})
-    return path
-
-
-def test_adapters_of_minlora_0_1_still_load(tmp_path):
-    source = lora_model(1)
-    path = to_legacy(save_adapter(source, tmp_path / "old"))
-    torch.testing.assert_close(loaded_outputs(path), outputs(source), rtol=0, atol=0)
-    save_adapter(source, path)  # saving over it leaves the one new file
-    assert sorted(p.name for p in path.iterdir()) == [ADAPTER_FILE_NAME]
-
-
-@pytest.mark.parametrize(
-    "case, damage, message",
-    [
-        ("truncated JSON", lambda p: p.write_text(p.read_text()[:40]), "is not valid JSON"),
-        ("binary garbage", lambda p: p.write_bytes(b"\xff\xfe\x00garbage"), "not valid JSON .*utf-8"),
-        ("missing field", lambda p: p.write_text(p.read_text().replace('"rank"', '"rnak"')), "lacks the field 'rank'"),
-    ],
-)
-def test_damaged_minlora_0_1_config_is_a_named_error(tmp_path, case, damage, message):
-    path = to_legacy(save_adapter(lora_model(1), tmp_path / "old"))
-    damage(path / LEGACY_CONFIG_NAME)
-    model = tiny_gpt()
-    before = snapshot(model)
-    with pytest.raises(AdapterFileError, match=message) as info:
-        load_adapter(model, path)
-    assert LEGACY_CONFIG_NAME in str(info.value)
-    assert_unchanged(model, before)
-
-
-def test_minlora_0_1_files_of_two_different_saves_are_refused(tmp_path):
-    a = to_legacy(save_adapter(lora_model(1), tmp_path / "a"), save_id="aaaa")
-    b = to_legacy(save_adapter(lora_model(2), tmp_path / "b"), save_id="bbbb")
-    (a / LEGACY_WEIGHTS_NAME).write_bytes((b / LEGACY_WEIGHTS_NAME).read_bytes())
-    model = tiny_gpt()
-    with pytest.raises(AdapterFileError, match="come from two different saves"):
-        load_adapter(model, a)
-    assert not minlora.lora_sites(model)
 
 
 def test_wrong_factor_shape_of_the_last_target_changes_nothing(saved):

@@ -18,7 +18,7 @@ import minlora
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from minlora import AdapterBaseMismatchError, AdapterFileError, LoRAConfig, NonFiniteAdapterError
-from minlora.adapters import ADAPTER_FILE_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME
+from minlora.adapters import ADAPTER_FILE_NAME
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:
@@ -106,43 +106,6 @@ def test_loading_onto_the_same_weights_with_other_settings_or_precision_works(tm
         r"0\.1 here\)",
     ):
         minlora.load_adapter(tiny_gpt(seed=1, dropout=0.1), path)
-
-
-def test_an_adapter_without_a_fingerprint_loads_with_one_warning(tmp_path, caplog):
-    source = lora_gpt()
-    path = minlora.save_adapter(source, tmp_path / "adapter")
-    with safe_open(str(path / ADAPTER_FILE_NAME), framework="pt") as f:  # minlora 0.1's two files
-        tensors, config = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["minlora"])
-    del config["base"]
-    config.update(format_version=1, save_id="0a1b")
-    (path / ADAPTER_FILE_NAME).unlink()
-    (path / LEGACY_CONFIG_NAME).write_text(json.dumps(config))
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path / LEGACY_WEIGHTS_NAME), metadata={"minlora_save_id": "0a1b"})
-    model = tiny_gpt(seed=1)  # even another base: nothing to compare with
-    with caplog.at_level(logging.WARNING, logger="minlora.adapters"):
-        minlora.load_adapter(model, path)
-    warnings = [r for r in caplog.records if "cannot be verified" in r.getMessage()]
-    assert len(warnings) == 1 and len(minlora.lora_sites(model)) == 4
-
-
-def test_an_adapter_with_the_earlier_digest_loads_with_one_warning(tmp_path, caplog):
-    """Before, the digest counted the dtype and the whole config (a bf16 base or dropout 0.1 was
-    "another base"): such a record cannot be compared with today's, so it is not held against it.
-    """
-    from safetensors.torch import save_file
-
-    path = minlora.save_adapter(lora_gpt(), tmp_path / "adapter")
-    with safe_open(str(path / ADAPTER_FILE_NAME), framework="pt") as f:
-        tensors, config = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["minlora"])
-    config["base"] = {"sha256": "0" * 64, "weights_sha256": "1" * 64, "config": config["base"]["config"]}
-    save_file(tensors, str(path / ADAPTER_FILE_NAME), metadata={"format": "pt", "minlora": json.dumps(config)})
-    model = tiny_gpt(dropout=0.1)
-    with caplog.at_level(logging.WARNING, logger="minlora.adapters"):
-        minlora.load_adapter(model, path)
-    assert sum("cannot be verified" in r.getMessage() for r in caplog.records) == 1
-    assert len(minlora.lora_sites(model)) == 4
 
 
 def test_a_damaged_base_record_is_a_file_error(tmp_path):

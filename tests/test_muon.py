@@ -62,7 +62,7 @@ def test_muon_takes_the_block_matrices_only(tiny_config):
 
     net = UntiedHead()
     assert [id(p) for p in muon_params(net)] == [id(net.blocks[0].weight), id(net.blocks[2].weight)]
-    opt = build_optimizer(net, lr=1e-3, optimizer="muon")
+    opt = build_optimizer(net, max_lr=1e-3, optimizer="muon")
     kinds = [(g["optimizer"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
     # AdamW: the head decayed; the embedding, biases and LayerNorm not; then Muon's two matrices
     assert kinds == [("adamw", 0.1, 1), ("adamw", 0.0, 6), ("muon", 0.0, 2)]
@@ -76,7 +76,7 @@ def test_step_equals_torch_muon_and_adamw_side_by_side(tiny_config):
     reference = copy.deepcopy(model)
     # fused=False: the reference below is torch's foreach AdamW, which the fused kernel (now picked
     # on CPUs too) matches only to ~2e-7.
-    opt = build_optimizer(model, lr=1e-3, optimizer="muon", muon_lr=0.02, muon_weight_decay=0.01, fused=False)
+    opt = build_optimizer(model, max_lr=1e-3, optimizer="muon", muon_lr=0.02, muon_weight_decay=0.01, fused_adamw=False)
     assert isinstance(opt, MuonAdamW) and isinstance(opt, torch.optim.Optimizer)
     hidden = _block_matrices(reference)
     rest = [p for p in reference.parameters() if all(p is not h for h in hidden)]
@@ -154,8 +154,8 @@ def test_resume_takes_this_runs_optimizer_settings_with_the_saved_state(tiny_con
 
 
 def test_an_adamw_state_does_not_load_into_muon(tiny_config):
-    adamw = build_optimizer(GPT(tiny_config), lr=1e-3)
-    muon = build_optimizer(GPT(tiny_config), lr=1e-3, optimizer="muon")
+    adamw = build_optimizer(GPT(tiny_config), max_lr=1e-3)
+    muon = build_optimizer(GPT(tiny_config), max_lr=1e-3, optimizer="muon")
     with pytest.raises(ValueError, match=r"groups \['adamw', 'adamw'\].*\['adamw', 'muon'\]"):
         muon.load_state_dict(adamw.state_dict())
     # the other way round torch itself refuses: the groups hold different numbers of tensors
@@ -188,8 +188,8 @@ def test_grad_scaler_unscales_and_skips_both_optimizers(tiny_config):
     torch.manual_seed(0)
     model = GPT(tiny_config)
     reference = copy.deepcopy(model)
-    opt = build_optimizer(model, lr=1e-3, optimizer="muon")
-    ref_opt = build_optimizer(reference, lr=1e-3, optimizer="muon")
+    opt = build_optimizer(model, max_lr=1e-3, optimizer="muon")
+    ref_opt = build_optimizer(reference, max_lr=1e-3, optimizer="muon")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     v = tiny_config.vocab_size
 
@@ -234,7 +234,7 @@ def test_lora_factors_stay_with_adamw(tiny_config, caplog):
     mark_only_lora_as_trainable(model)
     assert muon_params(model) == []
     with caplog.at_level(logging.WARNING, logger="gpt2"):
-        opt = build_optimizer(model, lr=1e-3, optimizer="muon")
+        opt = build_optimizer(model, max_lr=1e-3, optimizer="muon")
     assert type(opt) is torch.optim.AdamW and "AdamW trains everything" in caplog.text
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert {id(p) for g in opt.param_groups for p in g["params"]} == trainable and trainable
@@ -264,7 +264,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, dist_run):
 
 def test_a_model_of_hidden_matrices_only_gets_muon_alone():
     net = nn.Sequential(nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False)))
-    opt = build_optimizer(net, lr=1e-3, optimizer="muon", muon_lr=0.02)
+    opt = build_optimizer(net, max_lr=1e-3, optimizer="muon", muon_lr=0.02)
     assert type(opt) is torch.optim.Muon and len(opt.param_groups[0]["params"]) == 2
     set_lr(opt, 5e-4)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01)

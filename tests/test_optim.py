@@ -56,11 +56,11 @@ def test_only_trainable_parameters_are_optimised(model):
 
 
 def test_build_optimizer_fused_and_foreach(model):
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=False)
+    opt = build_optimizer(model, max_lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused_adamw=False)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert opt.param_groups[0]["betas"] == (0.9, 0.95) and not opt.param_groups[0]["fused"]
     assert opt.param_groups[0]["foreach"] is True
-    fused = build_optimizer(model, lr=1e-3, fused=True)  # fused AdamW also runs on CPU in torch >= 2.4
+    fused = build_optimizer(model, max_lr=1e-3, fused_adamw=True)  # fused AdamW also runs on CPU in torch >= 2.4
     assert fused.param_groups[0]["fused"] is True
     x = torch.randint(0, model.config.vocab_size, (2, 8))
     model(x, x)[1].backward()
@@ -82,7 +82,7 @@ def test_auto_picks_fused_adamw_wherever_torch_has_it(model, monkeypatch, fresh_
     check's step fails, as torch's own check at the first step does) gets the multi-tensor implementation.
     """
     assert use_fused_adamw(model, "auto") is True
-    assert build_optimizer(model, lr=1e-3).param_groups[0]["fused"] is True
+    assert build_optimizer(model, max_lr=1e-3).param_groups[0]["fused"] is True
 
     class NoFusedAdamW(torch.optim.AdamW):
         def step(self, closure=None):
@@ -95,22 +95,22 @@ def test_auto_picks_fused_adamw_wherever_torch_has_it(model, monkeypatch, fresh_
     optim.fused_adamw_supported.cache_clear()
     monkeypatch.setattr(torch.optim, "AdamW", NoFusedAdamW)
     assert use_fused_adamw(model, "auto") is False
-    group = build_optimizer(model, lr=1e-3).param_groups[0]
+    group = build_optimizer(model, max_lr=1e-3).param_groups[0]
     assert not group["fused"] and group["foreach"] is True
     # asked once per device and dtype
     assert optim.fused_adamw_supported.cache_info().currsize == 1
 
 
-def test_build_optimizer_takes_a_train_config_and_the_older_keywords(model):
+def test_build_optimizer_takes_a_train_config_and_keywords(model):
     """build_optimizer(model, config) reads the TrainConfig's optimizer fields; keywords (TrainConfig's
-    names, or the older lr / fused) override them, and with no config they alone set the optimizer.
+    names) override them, and with no config they alone set the optimizer.
     """
     config = TrainConfig(max_lr=2e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-6, decay_embeddings=True)
     opt = build_optimizer(model, config)
     group = opt.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (2e-3, 0.05, (0.8, 0.9), 1e-6)
     assert id(model.transformer.wte.weight) in _ids(group)
-    again = build_optimizer(model, lr=2e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-6, decay_embeddings=True)
+    again = build_optimizer(model, max_lr=2e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-6, decay_embeddings=True)
     assert [(g["lr"], g["weight_decay"], _ids(g)) for g in again.param_groups] == [
         (g["lr"], g["weight_decay"], _ids(g)) for g in opt.param_groups
     ]

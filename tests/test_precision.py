@@ -97,7 +97,7 @@ def test_same_overflow_without_scaler_gives_nan_weights(tiny_config):
     torch.manual_seed(0)
     model = GPT(tiny_config)
     policy = resolve_precision("fp16", "cpu")
-    optimizer = build_optimizer(model, lr=1e-3)
+    optimizer = build_optimizer(model, max_lr=1e-3)
     handle = _overflow_once(model, at_call=1)
     x = torch.randint(0, tiny_config.vocab_size, (4, 16))
     with policy.autocast():

@@ -75,12 +75,12 @@ def manifest_mismatch(directory: Path, problem: str, advice: str = _PREPARE_AGAI
 class Manifest:
     """One ``{prefix}.shards.json``: the shards it lists, by file name. While a ``prepare`` moves its shards
     into place a marker stands in its place (``pending``), which lists as ``moving`` every shard name it
-    may have moved in or out (None in a marker from before those were recorded).
+    may have moved in or out.
     """
 
     shards: dict[str, dict[str, Any]]
     pending: bool = False
-    moving: tuple[str, ...] | None = None
+    moving: tuple[str, ...] = ()
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -88,10 +88,7 @@ def read_manifest(path: Path) -> Manifest:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if manifest.get("pending") is True:
-            moving = manifest.get("names")
-            if moving is not None:
-                moving = tuple(_shard_file_name(name) for name in moving)
-            return Manifest({}, pending=True, moving=moving)
+            return Manifest({}, pending=True, moving=tuple(_shard_file_name(name) for name in manifest["names"]))
         shards = {
             _shard_file_name(e["name"]): {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]}
             for e in manifest["shards"]
@@ -170,11 +167,9 @@ def _read_manifest(directory: Path, path: Path) -> dict[str, dict[str, Any]]:
         raise manifest_mismatch(directory, str(e), _DELETE_FIRST) from None
     if not manifest.pending:
         return manifest.shards
-    problem = f"{path.name} marks a prepare that was stopped while moving its shards into place"
-    # A marker that does not say which shards it moved leaves prepare none it may replace.
-    if manifest.moving is None:
-        raise manifest_mismatch(directory, problem, _DELETE_FIRST)
-    raise manifest_mismatch(directory, problem)
+    raise manifest_mismatch(
+        directory, f"{path.name} marks a prepare that was stopped while moving its shards into place"
+    )
 
 
 def read_text(path: str | os.PathLike) -> str:

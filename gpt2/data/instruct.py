@@ -68,11 +68,6 @@ def render_prompt(instruction: str, input: str = "") -> str:
     return TEMPLATE.format(instruction=instruction, input_block=input_block)
 
 
-def render(instruction: str, input: str, response: str, eot: str = "<|endoftext|>") -> str:
-    """A whole training example as text (prompt, response, ``<|endoftext|>``)."""
-    return render_prompt(instruction, input) + response + eot
-
-
 def parse_row(row: Any, where: str) -> tuple[str, str, str]:
     """``(instruction, input, response)`` of one JSON row; a ValueError naming ``where`` (file:line)
     and the field for anything else.

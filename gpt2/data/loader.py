@@ -33,11 +33,7 @@ def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
             raise TypeError(
                 f"token tensor has dtype {source.dtype}; expected integer token ids (e.g. torch.long or torch.uint16)"
             )
-        array = source.detach().cpu()
-        if array.dtype in (torch.uint16, torch.uint32, torch.uint64):
-            # numpy() does not support these on every torch version; widen to int64.
-            array = array.to(torch.int64)
-        array = array.numpy()
+        array = source.detach().cpu().numpy()
     else:
         array = np.asarray(source)
         if not np.issubdtype(array.dtype, np.integer):

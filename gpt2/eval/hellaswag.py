@@ -92,40 +92,32 @@ def _validate_hellaswag(data: bytes) -> None:
 
 
 def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
-    """``example`` if it is a HellaSwag example (``where:line`` names it in the error otherwise)."""
+    """``example`` if it is a HellaSwag example (``where:line`` names it in the error otherwise): at least two
+    ``endings``, a ``ctx`` string or ``ctx_a`` and ``ctx_b`` strings (``ctx_b`` may be missing or empty), and a
+    ``label`` (:func:`_check_label`).
+    """
     at = f"{where}:{line}"
     if not isinstance(example, dict):
         raise InvalidValueError(f"{at}: expected a JSON object, got {type(example).__name__}")
-    _check_endings(example, at)
-    _check_context(example, at)
-    _check_label(example, at)
-    return example
-
-
-def _check_endings(example: dict[str, Any], at: str) -> None:
     endings = example.get("endings")
     if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
         raise InvalidValueError(
             f"{at}: 'endings' must be a list of at least 2 strings (HellaSwag has 4), got {endings!r}"
         )
-
-
-def _check_context(example: dict[str, Any], at: str) -> None:
-    """A ``ctx`` string, or ``ctx_a`` and ``ctx_b`` strings (``ctx_b`` may be missing or empty)."""
     ctx_a, ctx_b = example.get("ctx_a"), example.get("ctx_b") or ""
     if not isinstance(example.get("ctx"), str) and not (isinstance(ctx_a, str) and isinstance(ctx_b, str)):
         raise InvalidValueError(
             f"{at}: no context: expected a 'ctx' string (or 'ctx_a' and 'ctx_b' strings); "
             f"keys present: {sorted(example)}"
         )
+    _check_label(example.get("label"), len(endings), at)
+    return example
 
 
-def _check_label(example: dict[str, Any], at: str) -> None:
+def _check_label(label: Any, n_endings: int, at: str) -> None:
     """The index of an ending, as an int or (HF's copy) a string of digits: "1"; not True, not 1.9."""
-    label = example.get("label")
     if label is None or label == "":
         raise InvalidValueError(f"{at}: no label (the official test split is unlabelled): score the val split")
-    n_endings = len(example["endings"])
     valid = type(label) is int or isinstance(label, str) and label.isdigit()
     if not valid or not 0 <= int(label) < n_endings:
         raise InvalidValueError(f"{at}: 'label' must be an ending's index (0 to {n_endings - 1}), got {label!r}")

@@ -97,8 +97,12 @@ def evaluate_loss(
     ``r, r + world_size, ...`` and the sums are all-reduced, so every rank returns the one-process result. A loader
     built for this rank and world size is read whole by its rank (``max_batches`` then counts per rank).
     """
-    _check_max_batches(max_batches)
-    rank, world_size = _rank_and_world_size(distributed)
+    if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
+        raise InvalidValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
+    # This process's rank and the world size under distributed=True in a process group.
+    rank, world_size = 0, 1
+    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     per_rank = _is_per_rank(data, world_size)
     if device is not None:
         device = torch.device(device)
@@ -117,18 +121,6 @@ def evaluate_loss(
         _warn_short(seen, batch_size, seq_len, max_batches)
     mean = _finite_mean(total, n_tokens, source)
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
-
-
-def _check_max_batches(max_batches: int | None) -> None:
-    if max_batches is not None and (isinstance(max_batches, bool) or int(max_batches) < 1):
-        raise InvalidValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
-
-
-def _rank_and_world_size(distributed: bool) -> tuple[int, int]:
-    """This process's rank and the world size under ``distributed=True`` in a process group, else ``(0, 1)``."""
-    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _is_per_rank(data: Any, world_size: int) -> bool:

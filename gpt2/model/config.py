@@ -217,10 +217,12 @@ class GPTConfig:
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
-        """A preset (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``) with optional overrides."""
-        if name not in PRESETS:
-            raise InvalidValueError(f"unknown GPT-2 preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        """A shape of :data:`SHAPES` (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, or the small ``mini``
+        and ``tiny``) with optional overrides.
+        """
+        if name not in SHAPES:
+            raise InvalidValueError(f"unknown model shape {name!r}; choose one of {sorted(SHAPES)}")
+        return cls(**{**SHAPES[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gpt2.errors import InvalidValueError
-from gpt2.model.config import SHAPES, GPTConfig
+from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
 from gpt2.train.distributed import uses_cuda
@@ -67,13 +67,6 @@ def rung_settings(rung: str) -> dict[str, Any]:
     }
 
 
-def model_config(model: str, **overrides: Any) -> GPTConfig:
-    """A shape of SHAPES: the GPT-2 presets, or "tiny" for CPU smoke runs (GPT-2's vocabulary)."""
-    if model not in SHAPES:
-        raise InvalidValueError(f"unknown model {model!r}; choose from {sorted(SHAPES)}")
-    return GPTConfig(**{**SHAPES[model], **overrides})
-
-
 def run_ladder(
     model: str = "gpt2",
     *,
@@ -108,7 +101,7 @@ def run_ladder(
     if vocab_size is not None:
         shape["vocab_size"] = vocab_size
     # the Trainer refuses a seq_len beyond its block_size
-    base = model_config(model, **shape)
+    base = GPTConfig.from_name(model, **shape)
     on_cuda = uses_cuda(device)
     if compile is None:
         compile = on_cuda
@@ -145,7 +138,7 @@ def _run_rung(
     settings["compile"] = settings["compile"] and compile
     if rung == "compile" and not compile:
         return RungResult(rung, settings, skipped=True, note="skipped: compiling on a CPU is slow (--compile times it)")
-    gpt_config = model_config(
+    gpt_config = GPTConfig.from_name(
         model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
     )
     result = _time_rung(gpt_config, rung, settings, **timing)

@@ -160,10 +160,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig | None = None, /, **se
     parameters of ``model``: AdamW at peak ``max_lr`` with :func:`param_groups`; with ``optimizer="muon"`` a
     :class:`MuonAdamW`: Muon at peak ``muon_lr`` for :func:`muon_params`, AdamW for the rest.
 
-    Keywords override ``config``'s fields (without a config, TrainConfig's defaults): TrainConfig's names, and the
-    older ``lr`` (for ``max_lr``) and ``fused`` (for ``fused_adamw``): ``build_optimizer(model, lr=1e-3)``.
+    Keywords override ``config``'s fields (without a config, TrainConfig's defaults), by TrainConfig's names:
+    ``build_optimizer(model, max_lr=1e-3)``.
     """
-    config = dataclasses.replace(config or TrainConfig(), **{_RENAMED.get(k, k): v for k, v in settings.items()})
+    config = dataclasses.replace(config or TrainConfig(), **settings)
     matrices: list[nn.Parameter] = []
     if config.optimizer == "muon":
         matrices = muon_params(model)
@@ -182,10 +182,6 @@ def build_optimizer(model: nn.Module, config: TrainConfig | None = None, /, **se
         # Muon alone: nothing else is trainable
         return muon
     return MuonAdamW(adamw, muon)
-
-
-# build_optimizer's keywords from before it took a TrainConfig, and the TrainConfig fields they set.
-_RENAMED = {"lr": "max_lr", "fused": "fused_adamw"}
 
 
 def _adamw(model: nn.Module, groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.AdamW:
