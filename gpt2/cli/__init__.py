@@ -123,8 +123,13 @@ def run_command(
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
     command = _Invocation(name, prog or f"gpt2 {name}", _arguments(argv))
     _setup_logging()
+    # Each line as it is printed, also into a file or a pipe (Python holds them back in blocks there).
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         return _run(command, defaults, description)
+    except BrokenPipeError:
+        return _reader_gone()
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
         return _report_interrupt(e, command)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
@@ -170,6 +175,15 @@ def _launch(name: str, options: Any, argv: list[str], prog: str) -> int:
         return launch_workers(name, config, options.launch.nproc_per_node, prog)
     finally:
         del os.environ[LAUNCH_ARGV]
+
+
+def _reader_gone() -> int:
+    """The program reading the output ended (``gpt2 train --help | head``): stop quietly, exit code 1."""
+    # Python flushes stdout once more on exit, which would fail again with a traceback: point it at nothing.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_FAILURE
 
 
 def _report_interrupt(e: KeyboardInterrupt, command: _Invocation) -> int:
@@ -300,15 +314,18 @@ class _StdoutHandler(logging.Handler):
 
 def _setup_logging() -> None:
     # The library logs through `logging`; on the command line its INFO messages (the Trainer's
-    # set-up lines, downloads, files written) are part of the output. Ranks other than 0 only
-    # show warnings. An application that configured logging itself is left alone.
+    # set-up lines, downloads, files written) are part of the output, other packages' (matplotlib's
+    # "generated new fontManager") are not. Ranks other than 0 only show warnings. An application
+    # that configured logging itself is left alone.
     root = logging.getLogger()
     if root.handlers:
         return
     handler = _StdoutHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root.addHandler(handler)
-    root.setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
+    root.setLevel(logging.WARNING)
+    for name in ("gpt2", "minlora"):
+        logging.getLogger(name).setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
