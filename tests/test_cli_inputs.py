@@ -1,6 +1,6 @@
-"""What the command line makes of its inputs: flags read without tyro's help (a nested group's
-prefix, near-flag suggestions), YAML files that repeat a key or hold aliases, a memory limit past
-the machine's memory, and the hints for an adapter's run folder and a missing FineWeb folder.
+"""What the command line makes of its inputs: flags (a nested group's prefix, near-flag suggestions),
+YAML files that repeat a key or hold aliases, a memory limit past the machine's memory, and the hints
+for an adapter's run folder and a missing FineWeb folder.
 """
 
 from __future__ import annotations

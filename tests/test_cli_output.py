@@ -35,6 +35,8 @@ def test_every_line_of_help_fits_80_columns(name, monkeypatch, capsys):
     """The descriptions ran to 83-110 characters (tyro wraps only the option boxes)."""
     long = [line for line in help_text(name, monkeypatch, capsys).splitlines() if len(line) > 80]
     assert long == []
+    assert main(["--help"]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if len(line) > 80] == []
 
 
 def test_help_names_only_what_exists(monkeypatch, capsys):

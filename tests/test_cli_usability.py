@@ -283,6 +283,7 @@ def test_under_torchrun_ranks_other_than_0_show_the_librarys_warnings_only(capsy
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    library = [logging.getLogger(name) for name in ("gpt2", "minlora")]
     # pytest's own handlers out of the way: the command line leaves a root logger with handlers alone
     root.handlers.clear()
     monkeypatch.setenv("RANK", rank)
@@ -290,7 +291,11 @@ def test_under_torchrun_ranks_other_than_0_show_the_librarys_warnings_only(capsy
         cli._setup_logging()
         logging.getLogger("gpt2.train.trainer").info("an info line")
         logging.getLogger("gpt2.train.trainer").warning("a warning")
+        # another package's INFO line (matplotlib's "generated new fontManager") is not the command's output
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        for logger in library:
+            logger.setLevel(logging.NOTSET)
     assert capsys.readouterr().out == shown

@@ -100,12 +100,11 @@ def _split(hint: Any) -> tuple[Any, tuple[Any, ...]]:
 
 def _supported(hint: Any) -> bool:
     """Whether :func:`convert` reads values of ``hint`` (a field of layer classes has no flag)."""
-    for kind in _alternatives(hint):
-        if typing.get_origin(kind) is tuple:
-            if not all(_supported(part) for part in typing.get_args(kind) if part is not Ellipsis):
-                return False
-        elif kind not in KINDS and typing.get_origin(kind) is not Literal:
-            return False
+    try:
+        for kind in _alternatives(hint):
+            _describe(kind)
+    except KeyError:
+        return False
     return True
 
 
