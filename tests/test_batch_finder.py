@@ -380,7 +380,7 @@ def test_cli_refuses_auto_on_a_cpu_without_a_limit(shakespeare_file, tmp_path, c
 @pytest.mark.parametrize(
     "value,words",
     [
-        ("big", "--micro-batch-size: expected INT|{auto}, got 'big'"),
+        ("big", "--micro-batch-size: expected an integer or auto, got 'big'"),
         ("0", "TrainConfig.micro_batch_size must be a positive integer or 'auto', got 0"),
         ("-1", "TrainConfig.micro_batch_size must be a positive integer or 'auto', got -1"),
     ],

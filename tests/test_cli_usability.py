@@ -121,9 +121,11 @@ def test_a_mistyped_flag_is_one_line_naming_the_closest(capsys):
             ["train", "--precision", "fp8"],
             "gpt2 train: --precision: expected one of auto, fp32, tf32, bf16, fp16, got 'fp8'",
         ),
-        (["train", "--betas", "0.9"], "gpt2 train: --betas: expected FLOAT FLOAT, got '0.9'"),
+        (["train", "--betas", "0.9"], "gpt2 train: --betas: expected 2 values, each a number, got '0.9'"),
         (["finetune", "--lora.rank", "x"], "gpt2 finetune: --lora.rank: expected an integer, got 'x'"),
-        (["sample", "-n", "x"], "gpt2 sample: --num-samples: expected an integer"),
+        (["sample", "-n", "x"], "gpt2 sample: --num-samples: expected an integer, got 'x'"),
+        (["train", "--compile", "yes"], "gpt2 train: --compile: takes no value, got 'yes'"),
+        (["train", "stray"], "gpt2 train: 'stray': options are given as --name VALUE (gpt2 train --help lists them)"),
     ],
 )
 def test_a_bad_value_is_one_line(capsys, argv, line):
@@ -281,6 +283,7 @@ def test_under_torchrun_ranks_other_than_0_show_the_librarys_warnings_only(capsy
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    library = [logging.getLogger(name) for name in ("gpt2", "minlora")]
     # pytest's own handlers out of the way: the command line leaves a root logger with handlers alone
     root.handlers.clear()
     monkeypatch.setenv("RANK", rank)
@@ -288,7 +291,11 @@ def test_under_torchrun_ranks_other_than_0_show_the_librarys_warnings_only(capsy
         cli._setup_logging()
         logging.getLogger("gpt2.train.trainer").info("an info line")
         logging.getLogger("gpt2.train.trainer").warning("a warning")
+        # another package's INFO line (matplotlib's "generated new fontManager") is not the command's output
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        for logger in library:
+            logger.setLevel(logging.NOTSET)
     assert capsys.readouterr().out == shown

@@ -1,11 +1,12 @@
 """The command line: ``gpt2 <command> [options]`` (also ``python -m gpt2 <command>``).
 
 Each command is a module of this package holding its options dataclass and the function that runs it (``gpt2 train``:
-:class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); tyro turns the fields into flags, over the defaults
-:mod:`gpt2.cli.layers` sets. A bad flag, value or file ends with a one-line error and exit code 2; another failure exits
-1 (``GPT2_DEBUG=1`` shows the traceback). A read or write the system refused (a full disk, a read-only folder) is one
-line naming the file and what to do, and for a training run its intact checkpoint and the resume command. Ctrl-C,
-SIGTERM and SIGHUP stop training at a step boundary with a checkpoint and a resume line, exit code 128 + the signal.
+:class:`gpt2.cli.train.TrainOptions`, :func:`gpt2.cli.train.train`); :mod:`gpt2.cli.layers` turns the fields into
+flags over the defaults of recipes and files, and tyro draws their ``--help``. A bad flag, value or file ends with a
+one-line error and exit code 2; another failure exits 1 (``GPT2_DEBUG=1`` shows the traceback). A read or write the
+system refused (a full disk, a read-only folder) is one line naming the file and what to do, and for a training run
+its intact checkpoint and the resume command. Ctrl-C, SIGTERM and SIGHUP stop training at a step boundary with a
+checkpoint and a resume line, exit code 128 + the signal.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import select
 import shlex
 import signal
 import sys
@@ -69,11 +71,11 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "train": Command("train", "pretrain a GPT-2 (Tiny Shakespeare by default), val loss and samples", "shakespeare"),
     "finetune": Command("finetune", "LoRA (or full) fine-tuning of GPT-2 weights on text or instructions", "finetune"),
-    "sample": Command("sample", "stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)"),
-    "prepare": Command("prepare", "tokenise text files, jsonl files or a Hugging Face dataset into token shards"),
+    "sample": Command("sample", "stream text from a model (hub id, transformers dir or checkpoint)"),
+    "prepare": Command("prepare", "tokenise text or jsonl files, or a Hugging Face dataset, into shards"),
     "eval": Command("evaluate", "validation loss / perplexity on token data, and HellaSwag accuracy", "eval"),
-    "export": Command("export", "write a transformers directory, a GGUF file (llama.cpp) and/or a PEFT adapter"),
-    "bench": Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash, vocab pad...", "bench"),
+    "export": Command("export", "write a transformers folder, a GGUF file and/or a PEFT adapter"),
+    "bench": Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash...", "bench"),
 }
 
 
@@ -123,8 +125,15 @@ def run_command(
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
     command = _Invocation(name, prog or f"gpt2 {name}", _arguments(argv))
     _setup_logging()
+    # Each line as it is printed, also into a file or a pipe (Python holds them back in blocks there).
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         return _run(command, defaults, description)
+    except BrokenPipeError as e:
+        if _reader_gone():
+            return EXIT_FAILURE
+        return _report_error(e, command)
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
         return _report_interrupt(e, command)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
@@ -170,6 +179,24 @@ def _launch(name: str, options: Any, argv: list[str], prog: str) -> int:
         return launch_workers(name, config, options.launch.nproc_per_node, prog)
     finally:
         del os.environ[LAUNCH_ARGV]
+
+
+def _reader_gone() -> bool:
+    """Whether the program reading stdout ended (``gpt2 train --help | head``): its pipe reports an error. Then
+    stdout points at nothing, as Python flushes it once more on exit, which would fail again with a traceback.
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    if not any(events & select.POLLERR for _, events in poll.poll(0)):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True
 
 
 def _report_interrupt(e: KeyboardInterrupt, command: _Invocation) -> int:
@@ -300,15 +327,18 @@ class _StdoutHandler(logging.Handler):
 
 def _setup_logging() -> None:
     # The library logs through `logging`; on the command line its INFO messages (the Trainer's
-    # set-up lines, downloads, files written) are part of the output. Ranks other than 0 only
-    # show warnings. An application that configured logging itself is left alone.
+    # set-up lines, downloads, files written) are part of the output, other packages' (matplotlib's
+    # "generated new fontManager") are not. Ranks other than 0 only show warnings. An application
+    # that configured logging itself is left alone.
     root = logging.getLogger()
     if root.handlers:
         return
     handler = _StdoutHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root.addHandler(handler)
-    root.setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
+    root.setLevel(logging.WARNING)
+    for name in ("gpt2", "minlora"):
+        logging.getLogger(name).setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -354,5 +384,6 @@ GPT-2 from pretraining to LoRA fine-tuning, sampling and evaluation.
 commands:
 {commands}
 
-`gpt2 <command> --help` lists the command's options. Every command also takes --recipe NAME|FILE,
---config FILE.yaml (keys = option names) and --print-config; flags win over files."""
+`gpt2 <command> --help` lists the command's options. Every command also takes
+--recipe NAME|FILE, --config FILE.yaml (keys = option names) and --print-config;
+flags win over files."""

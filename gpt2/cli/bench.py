@@ -17,7 +17,7 @@ from gpt2.train.precision import describe_machine
 
 @dataclass
 class BenchOptions(Options):
-    """gpt2 bench: the training speed-up ladder (fp32, tf32, bf16, compile, flash, vocab pad, fused AdamW)."""
+    """gpt2 bench: the training speed-up ladder (fp32, bf16, compile, flash...)."""
 
     model: Literal[SHAPE_NAMES] = "tiny"
     """model shape"""

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
-import tyro
 
 from gpt2 import outputs
-from gpt2.cli.layers import UsageError
+
+# Flat: for the commands' option groups
+from gpt2.cli.layers import Flat as Flat
+from gpt2.cli.layers import Short, UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
@@ -30,8 +32,6 @@ from gpt2.train.precision import inference_autocast
 from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir
 from minlora.errors import MinloraError
 
-# A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
-Flat = tyro.conf.OmitArgPrefixes
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 
 
@@ -79,7 +79,7 @@ class DataOptions:
 class SamplingOptions:
     prompt: str = "Hello, I'm a language model,"
     """text the samples continue; empty = an unconditional sample"""
-    num_samples: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 1
+    num_samples: Annotated[int, Short("-n")] = 1
     """how many samples to draw"""
     max_new_tokens: int = 100
     """tokens to sample after the prompt"""
@@ -95,7 +95,7 @@ class SamplingOptions:
 class InstructionOptions:
     instruction: str | None = None
     """sample the response to this instruction: the prompt is the instruction template of docs/lora.md
-    (gpt2.instruct.TEMPLATE) and only the response is printed"""
+    (gpt2.data.instruct.TEMPLATE) and only the response is printed"""
     input: str | None = None
     """the optional input of --instruction (the template's '### Input:' part)"""
 
@@ -154,9 +154,15 @@ def check_run(options: Any) -> None:
             f"--final-eval-batches must be >= 1 (or None: the whole validation data), got {options.final_eval_batches}"
         )
     for data in (options.data.data, options.data.val_data):
-        if data is not None:
-            # Check that it exists (Tiny Shakespeare: downloaded once, here).
+        if data is None:
+            continue
+        # Check that it exists (Tiny Shakespeare: downloaded once, here).
+        try:
             shakespeare_or_path(data)
+        except FileNotFoundError as e:
+            if "fineweb" not in Path(data).name.lower():
+                raise
+            raise UsageError(f"{e}; python examples/prepare_fineweb.py writes FineWeb-edu's shards there") from e
 
 
 def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
@@ -166,7 +172,14 @@ def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
     device = resolve_device(options.device)
     model = GPT.from_pretrained(options.model, device=device)
     if options.adapter:
-        apply_adapter(model, options.adapter, options.allow_base_mismatch)
+        try:
+            apply_adapter(model, options.adapter, options.allow_base_mismatch)
+        except FileNotFoundError as e:
+            # gpt2 finetune's run folder holds the adapter in adapter/
+            inside = Path(options.adapter).expanduser() / "adapter"
+            if not inside.is_dir():
+                raise
+            raise UsageError(f"{e}; did you mean --adapter {inside}?") from e
     return model.eval(), inference_autocast(options.precision, device), device
 
 

@@ -18,7 +18,7 @@ from gpt2.eval.loss import evaluate_loss
 
 @dataclass
 class EvalOptions(Options):
-    """gpt2 eval: validation loss / perplexity on token data, and HellaSwag accuracy."""
+    """gpt2 eval: validation loss / perplexity on token data; HellaSwag accuracy."""
 
     model: str = "gpt2"
     """a hub id, a transformers directory, or a checkpoint / run directory of `gpt2 train`"""

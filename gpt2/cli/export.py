@@ -20,7 +20,7 @@ from gpt2.model.loading import apply_adapter
 
 @dataclass
 class ExportOptions(Options):
-    """gpt2 export: write a transformers directory, a GGUF file (LoRA merged in) and/or a PEFT adapter."""
+    """gpt2 export: a transformers folder, a GGUF file and/or a PEFT adapter."""
 
     model: str | None = None
     """the model: a checkpoint / run directory of `gpt2 train`, a transformers directory or a hub id"""

@@ -8,8 +8,6 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import tyro
-
 import minlora
 from gpt2.cli.common import (
     DataOptions,
@@ -38,17 +36,17 @@ from minlora import LoRAConfig
 
 @dataclass
 class FinetuneOptions(Options):
-    """gpt2 finetune: LoRA (or --full) fine-tuning of GPT-2 weights on a text, or on instruction rows.
+    """gpt2 finetune: LoRA (or --full) fine-tuning of GPT-2 on a text or instructions.
 
-    Instruction rows: --data x.jsonl of Alpaca or prompt/response rows, loss on the responses only (docs/lora.md).
+    Instructions: --data x.jsonl of Alpaca or prompt/response rows (docs/lora.md).
     """
 
     init: str = "gpt2"
     """the weights to start from: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a
     checkpoint / run directory of `gpt2 train`"""
     data: Annotated[DataOptions, Flat] = field(default_factory=DataOptions)
-    # SuppressFixed: no --lora.target-types (LoRAConfig.target_types holds layer classes, which no flag can give).
-    lora: Annotated[LoRAConfig, tyro.conf.SuppressFixed] = field(default_factory=LoRAConfig)
+    # No --lora.target-types: LoRAConfig.target_types holds layer classes, which no flag can give.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     """which layers get LoRA, and its rank and scaling (minlora.LoRAConfig); --full trains every weight instead"""
     train: Annotated[TrainConfig, Flat] = field(default_factory=lambda: TrainConfig(save_trainable_only=True))
     final_eval_batches: int | None = None

@@ -1,16 +1,17 @@
 """Where a command's option values come from, lowest priority first: the defaults of its options
 dataclass, a recipe (``gpt2/recipes/NAME-cpu.yaml`` / ``NAME-gpu.yaml``, or any YAML path), the
-example script's own defaults, ``--config FILE`` and the flags. :func:`parse` merges all but the
-flags, in that order, into the default instance tyro parses the flags over, so ``--help`` shows the
-values a run would use. A YAML file maps option names (``max_steps`` or ``max-steps``; a prefixed
-group such as ``lora`` is a mapping) to values converted by tyro's rule for the field's type;
-``--print-config`` writes that format. A flag the command does not have (checked before tyro reads
-the flags) or a value tyro cannot read is one :class:`ArgumentError` line, not tyro's error box.
+example script's own defaults, ``--config FILE`` and the flags. :func:`parse` reads the flags itself
+(:func:`convert` is the one rule for a flag's words and a YAML value), merges all of it in that order
+and builds the options dataclasses with the result, so that their own checks run on the values a run
+would use. tyro draws ``--help`` (:func:`show_help`), from the same values. A YAML file maps option
+names (``max_steps`` or ``max-steps``; a group such as ``lora`` is a mapping) to values;
+``--print-config`` writes that format. A flag the command does not have or a value it cannot read is
+one :class:`ArgumentError` line.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ast
 import dataclasses
 import difflib
 import functools
@@ -18,22 +19,16 @@ import inspect
 import io
 import re
 import shlex
-import sys
+import textwrap
+import tokenize
+import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, NoReturn
 
 import tyro
 import yaml
-from tyro.constructors import (
-    ConstructorRegistry,
-    PrimitiveConstructorSpec,
-    PrimitiveTypeInfo,
-    StructConstructorSpec,
-    StructFieldSpec,
-    StructTypeInfo,
-)
 
 from gpt2.errors import Gpt2Error
 
@@ -57,10 +52,16 @@ class ArgumentError(UsageError):
     """
 
 
-class OptionError(UsageError):
-    """A value an options dataclass rejected while tyro built it (not a ValueError, so that tyro
-    lets it through instead of drawing its own error box).
+class Flat:
+    """Marks a group of options (a nested dataclass) whose fields are flags of their own:
+    ``Annotated[TrainConfig, Flat]`` gives ``--max-steps``, not ``--train.max-steps``.
     """
+
+
+class Short(NamedTuple):
+    """A one-letter alias of a flag: ``Annotated[int, Short("-n")]``."""
+
+    flag: str
 
 
 @dataclasses.dataclass
@@ -77,64 +78,191 @@ class Options:
     """print the resolved options as YAML (a valid --config file) instead of running"""
 
 
+# --------------------------------------------------------------------------- values
+# What a flag of each type takes, as its error says.
+KINDS = {int: "an integer", float: "a number", str: "a text", bool: "True or False", type(None): "None"}
+
+
+def _alternatives(hint: Any) -> tuple[Any, ...]:
+    """The types of a union (``int | None``: int, NoneType), or ``hint`` alone."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _split(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``Annotated[T, x, y]`` as ``(T, (x, y))``."""
+    if typing.get_origin(hint) is Annotated:
+        base, *extras = typing.get_args(hint)
+        return base, tuple(extras)
+    return hint, ()
+
+
+def _supported(hint: Any) -> bool:
+    """Whether :func:`convert` reads values of ``hint`` (a field of layer classes has no flag)."""
+    try:
+        for kind in _alternatives(hint):
+            _describe(kind)
+    except KeyError:
+        return False
+    return True
+
+
+def convert(texts: Sequence[str], hint: Any) -> Any:
+    """A flag's words (or a YAML value, as text) as a value of ``hint``: ``None``, ``True``/``False``, a
+    Literal's choice, a number, a text, or a tuple of them. ValueError: what ``hint`` takes instead.
+    """
+    alternatives = _alternatives(hint)
+    # "None" is a text too: None is tried first.
+    for kind in sorted(alternatives, key=lambda kind: kind is not type(None)):
+        try:
+            return _convert_as(list(texts), kind)
+        except ValueError:
+            continue
+    # None named last: "an integer or None"
+    raise ValueError(" or ".join(_describe(kind) for kind in sorted(alternatives, key=lambda kind: kind is type(None))))
+
+
+def _convert_as(texts: list[str], kind: Any) -> Any:
+    if typing.get_origin(kind) is tuple:
+        parts = list(typing.get_args(kind))
+        if parts[-1] is Ellipsis:
+            parts = parts[:1] * len(texts)
+        if len(parts) != len(texts):
+            raise ValueError(texts)
+        return tuple(_convert_as([text], part) for text, part in zip(texts, parts))
+    if len(texts) != 1:
+        raise ValueError(texts)
+    text = texts[0]
+    if kind is type(None) and text == "None":
+        return None
+    if typing.get_origin(kind) is Literal and text in typing.get_args(kind):
+        return text
+    if kind is bool and text in ("True", "False"):
+        return text == "True"
+    if kind in (int, float, str):
+        return kind(text)
+    raise ValueError(text)
+
+
+def _describe(kind: Any) -> str:
+    """``an integer``, ``one of auto, fp32``, ``2 values, each a number``."""
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if len(choices) == 1:
+            return str(choices[0])
+        return "one of " + ", ".join(map(str, choices))
+    if typing.get_origin(kind) is tuple:
+        parts = typing.get_args(kind)
+        if parts[-1] is Ellipsis:
+            return f"values, each {_describe(parts[0])}"
+        return f"{len(parts)} values, each {_describe(parts[0])}"
+    return KINDS[kind]
+
+
 # --------------------------------------------------------------------------- the dataclass tree
-def _spec(hint: Any) -> PrimitiveConstructorSpec | None:
-    """tyro's rule for a field that one flag sets (None for a nested group or an unsupported type)."""
-    spec = ConstructorRegistry.get_primitive_spec(PrimitiveTypeInfo.make(hint, set()))
-    if isinstance(spec, PrimitiveConstructorSpec):
-        return spec
-    return None
-
-
 @functools.cache
 def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
-    """``{YAML key: (attribute path, type)}`` for every option of ``cls``: a group marked
-    ``OmitArgPrefixes`` is flat (``max_steps``), another opens a level (``lora.rank``).
+    """``{YAML key: (attribute path, type)}`` for every option of ``cls``: a group marked :class:`Flat` adds
+    no level (``max_steps``), another one (``lora.rank``); the type keeps its ``Annotated`` markers.
     """
+    hints = typing.get_type_hints(cls, include_extras=True)
     out = {}
-    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
-        base, extras = hint, ()
-        if typing.get_origin(hint) is typing.Annotated:
-            base, *extras = typing.get_args(hint)
+    for field in dataclasses.fields(cls):
+        base, extras = _split(hints[field.name])
         if dataclasses.is_dataclass(base):
-            prefix = f"{name}."
-            if tyro.conf.OmitArgPrefixes in extras:
+            prefix = f"{field.name}."
+            if Flat in extras:
                 prefix = ""
-            for key, (path, t) in option_fields(base).items():
-                out[prefix + key] = ((name, *path), t)
-        elif _spec(base) is not None:
-            out[name] = ((name,), base)
+            for key, (path, hint) in option_fields(base).items():
+                out[prefix + key] = ((field.name, *path), hint)
+        elif field.init and _supported(base):
+            out[field.name] = ((field.name,), hints[field.name])
     return out
 
 
 @functools.cache
-def flags(cls: type) -> tuple[str, ...]:
-    """Every ``--flag`` of ``cls``: ``--help``, each option's, and a yes/no option's ``--no-`` form."""
-    out = ["--help"]
+def flags(cls: type) -> dict[str, tuple[str, bool | None]]:
+    """``{--flag: (option key, value)}`` for every flag of ``cls``: each option's, its alias (``-n``), and a
+    yes/no option's ``--x`` (value True) and ``--no-x`` (False); value None: the words after the flag give it.
+    """
+    out: dict[str, tuple[str, bool | None]] = {}
     for key, (_, hint) in option_fields(cls).items():
-        *group, name = key.split(".")
-        out.append("--" + key.replace("_", "-"))
-        if hint is bool:
-            out.append("--" + ".".join([*group, f"no_{name}"]).replace("_", "-"))
-    return tuple(out)
+        base, extras = _split(hint)
+        flag = "--" + key.replace("_", "-")
+        out[flag] = (key, None)
+        for extra in extras:
+            if isinstance(extra, Short):
+                out[extra.flag] = (key, None)
+        if base is bool:
+            *group, name = flag[2:].split(".")
+            out[flag] = (key, True)
+            out["--" + ".".join([*group, f"no-{name}"])] = (key, False)
+    return out
+
+
+def _nested(items: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+    """``[(("lora", "rank"), 4)]`` as ``{"lora": {"rank": 4}}``."""
+    nested: dict[str, Any] = {}
+    for (*groups, name), value in items:
+        functools.reduce(lambda level, group: level.setdefault(group, {}), groups, nested)[name] = value
+    return nested
 
 
 def dump_yaml(options: Any, header: str) -> str:
     """The resolved options as a YAML file that ``--config`` reads back."""
-    nested: dict[str, Any] = {}
+    items = []
     for key, (path, _) in option_fields(type(options)).items():
+        # Applied already: the values below are the whole story.
         if key in ("recipe", "config", "print_config"):
-            # Applied already: the values below are the whole story.
             continue
         value = functools.reduce(getattr, path, options)
         if isinstance(value, tuple):
             value = list(value)
-        *groups, name = key.split(".")
-        functools.reduce(lambda level, g: level.setdefault(g, {}), groups, nested)[name] = value
-    return header + yaml.safe_dump(nested, sort_keys=False, default_flow_style=None)
+        items.append((key.split("."), value))
+    return header + yaml.safe_dump(_nested(items), sort_keys=False, default_flow_style=None)
+
+
+def build(cls: type, values: dict[str, Any]) -> Any:
+    """``cls()`` with ``values`` (option key -> value) set, each of its dataclasses built again with them,
+    so that their own checks (``__post_init__``) see the values a run would use.
+    """
+    fields = option_fields(cls)
+    return _replaced(cls(), _nested((fields[key][0], value) for key, value in values.items()))
+
+
+def _replaced(instance: Any, changes: dict[str, Any]) -> Any:
+    """``instance`` with ``changes`` made: a value per field, a mapping of changes per nested dataclass."""
+    for name, change in changes.items():
+        if isinstance(change, dict):
+            changes[name] = _replaced(getattr(instance, name), change)
+    return dataclasses.replace(instance, **changes)
 
 
 # --------------------------------------------------------------------------- YAML files
+class _StrictLoader(yaml.SafeLoader):
+    """YAML without aliases (``*name``: a few lines of them expand to gigabytes) or a key given twice
+    (which YAML readers settle by keeping the last one, silently).
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            line = self.peek_event().start_mark.line + 1
+            raise ConfigError(f"line {line}: YAML aliases (*name) are not read; write the value out")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        mapping = super().construct_mapping(node, deep=deep)
+        if len(mapping) < len(node.value):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise ConfigError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice; keep one")
+                seen.add(key)
+        return mapping
+
+
 def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
     """The flat option values of a recipe / config file, each converted to its field's type."""
     data = _load_yaml(path, what)
@@ -148,13 +276,19 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
         key = key.replace("-", "_")
         if key not in fields:
             raise ConfigError(f"{what} {path}: unknown option {key!r}; the options are: {', '.join(sorted(fields))}")
-        values[key] = _convert(value, fields[key][1], f"{what} {path}: {key}")
+        texts = [str(value)]
+        if isinstance(value, list):
+            texts = [str(item) for item in value]
+        try:
+            values[key] = convert(texts, _split(fields[key][1])[0])
+        except ValueError as e:
+            raise ConfigError(f"{what} {path}: {key}: expected {e}, got {value!r}") from None
     return values
 
 
 def _load_yaml(path: Path, what: str) -> Any:
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
     except IsADirectoryError:
@@ -163,6 +297,8 @@ def _load_yaml(path: Path, what: str) -> Any:
         raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path} is not a text file (binary data?); give a YAML file") from None
+    except ConfigError as e:
+        raise ConfigError(f"{what} {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from e
 
@@ -178,23 +314,6 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    """A YAML value as tyro converts the same text given as a flag (YAML 1.1 reads 6e-4 as a string)."""
-    spec = _spec(hint)
-    if not isinstance(value, list):
-        texts = [str(value)]
-    elif spec.nargs == 1:
-        raise ConfigError(f"{where}: expected one value ({spec.metavar}), got a list {value!r}")
-    else:
-        texts = [str(v) for v in value]
-    if spec.choices is not None and not set(texts) <= set(spec.choices):
-        raise ConfigError(f"{where}: {value!r} is not one of {list(spec.choices)}")
-    try:
-        return spec.instance_from_str(texts)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: expected {spec.metavar}, got {value!r}") from e
-
-
 def recipe_path(name: str, on_cuda: bool) -> Path:
     """A recipe name (``shakespeare`` -> the cpu or gpu file for this machine) or a YAML path."""
     name = RENAMED.get(name, name)
@@ -208,45 +327,90 @@ def recipe_path(name: str, on_cuda: bool) -> Path:
     raise ConfigError(f"unknown recipe {name!r}; choose one of {', '.join(names)}, or give a YAML path")
 
 
-# --------------------------------------------------------------------------- parsing
+# --------------------------------------------------------------------------- the flags
 class CommandLine(NamedTuple):
-    """What the flags say before tyro reads them: each ``--flag`` given, with the words after its last
-    occurrence (``--name X Y`` or ``--name=X``). This is the one place that reads ``argv`` by hand.
+    """The words of a command line: each flag given (``--name`` or ``-n``, ``--max_steps`` read as ``--max-steps``)
+    with the words after its last occurrence (``--name X Y`` or ``--name=X``), and the words no flag takes.
     """
 
     given: dict[str, tuple[str, ...]]
+    stray: list[str]
 
     @classmethod
     def read(cls, argv: Sequence[str]) -> CommandLine:
         given: dict[str, tuple[str, ...]] = {}
+        stray = []
         flag = None
         for arg in argv:
-            # As tyro reads them: a flag is dashes and a letter (a prompt "--- x" is a value).
-            if arg.startswith("--") and arg[2:3].isalpha():
-                flag, equals, value = arg.partition("=")
+            # A flag is dashes and a letter (a prompt "--- x" is a value, as are -1, -.5 and -inf).
+            if (arg.startswith("--") and arg[2:3].isalpha()) or _is_short_option(arg):
+                name, equals, value = arg.partition("=")
+                flag = name[:2] + name[2:].replace("_", "-")
                 given[flag] = ()
                 if equals:
                     given[flag] = (value,)
-            # A short option (-n), or the end of the options (--): words no --flag of ours takes.
-            elif arg == "--" or _is_short_option(arg):
+            # the end of the options: what follows is no flag's
+            elif arg == "--":
                 flag = None
-            elif flag is not None:
+            elif flag is None:
+                stray.append(arg)
+            else:
                 given[flag] += (arg,)
-        return cls(given)
-
-    def value(self, flag: str) -> str | None:
-        """The first word after the last ``flag`` (``--config``, ``--recipe``, ``--device``), if any."""
-        return next(iter(self.given.get(flag, ())), None)
+        return cls(given, stray)
 
     @property
-    def options(self) -> set[str]:
-        """The option names of the flags (``max_steps`` for ``--max-steps``)."""
-        return {flag[2:].replace("-", "_") for flag in self.given}
+    def help(self) -> bool:
+        return "--help" in self.given or "-h" in self.given
 
 
 def _is_short_option(word: str) -> bool:
     """``-n``; not a value such as ``-1``, ``-.5`` or ``-inf``."""
     return word.startswith("-") and word[1:2].isalpha() and word[1:].lower() not in ("inf", "nan", "infinity")
+
+
+def flag_values(cls: type, line: CommandLine, prog: str) -> dict[str, Any]:
+    """The option values the flags give (option key -> value); a flag ``cls`` does not have, a word no flag
+    takes or a value that cannot be read is one :class:`ArgumentError`.
+    """
+    if line.stray:
+        raise ArgumentError(f"{line.stray[0]!r}: options are given as --name VALUE ({prog} --help lists them)")
+    known = flags(cls)
+    fields = option_fields(cls)
+    values = {}
+    for flag, words in line.given.items():
+        if flag in ("--help", "-h"):
+            continue
+        if flag not in known:
+            raise ArgumentError(_unknown(flag, known, prog))
+        key, switch = known[flag]
+        shown = " ".join(map(repr, words)) or "nothing"
+        if switch is not None and words:
+            raise ArgumentError(f"{flag}: takes no value, got {shown}")
+        values[key] = switch
+        if switch is None:
+            try:
+                values[key] = convert(words, _split(fields[key][1])[0])
+            except ValueError as e:
+                raise ArgumentError(f"--{key.replace('_', '-')}: expected {e}, got {shown}") from None
+    return values
+
+
+def _unknown(flag: str, known: Iterable[str], prog: str) -> str:
+    """``--lr: unknown option; did you mean --min-lr, --max-lr or --muon-lr? (...)``: the closest flag by
+    spelling, then those that hold every word of ``flag``; three at most.
+    """
+    known = [*known, "--help"]
+    words = set(re.split(r"[-.]", flag.strip("-")))
+    holding = [name for name in known if words <= set(re.split(r"[-.]", name.strip("-")))]
+    near = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+    near += [name for name in difflib.get_close_matches(flag, holding, n=3, cutoff=0) if name not in near]
+    near = near[:3]
+    message = f"{flag}: unknown option"
+    if len(near) > 1:
+        message += f"; did you mean {', '.join(near[:-1])} or {near[-1]}?"
+    elif near:
+        message += f"; did you mean {near[0]}?"
+    return f"{message} ({prog} --help lists every option)"
 
 
 def parse(
@@ -259,125 +423,33 @@ def parse(
     description: str | None = None,
 ) -> Any:
     """The options ``cls`` from its defaults < the recipe < ``defaults`` (an example script's, which
-    may name another recipe) < the ``--config`` file < the flags in ``argv``.
+    may name another recipe) < the ``--config`` file < the flags in ``argv``; with ``--help``, the help
+    (SystemExit 0) instead.
     """
     from gpt2.train.distributed import uses_cuda
 
     line = CommandLine.read(argv)
-    check_flags(cls, line, prog)
+    flagged = flag_values(cls, line, prog)
     script = dict(defaults or {})
     config = {}
-    if line.value("--config"):
-        config = read_yaml(Path(line.value("--config")).expanduser(), cls, "config file")
+    if flagged.get("config"):
+        config = read_yaml(Path(flagged["config"]).expanduser(), cls, "config file")
     # The recipe the flags name, else the config file, else the script, else the command's own.
-    named = (line.value("--recipe"), config.pop("recipe", None), script.pop("recipe", None), recipe)
+    named = (flagged.get("recipe"), config.pop("recipe", None), script.pop("recipe", None), recipe)
     recipe = next((name for name in named if name), None)
     planned = {}
     if recipe:
-        planned = read_yaml(recipe_path(recipe, uses_cuda(line.value("--device"))), cls, "recipe")
-    values = {**planned, **script, **config, "recipe": recipe}
-    # A recipe's warmup belongs to its run length. With another max_steps and no warmup of the
-    # user's, it keeps its share of the run: TrainConfig (which tyro builds before we see the final
-    # max_steps) starts from no warmup, which fits any run, and gets that share after.
-    user = {*script, *config, *line.options}
-    rescale = {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user
-    if rescale:
-        values["warmup_steps"] = 0
-    # Without its indentation, tyro joins a docstring's lines (it keeps a break before an indented one).
-    description = description or inspect.cleandoc(cls.__doc__)
-    with _COMMAND_LINE_RULES:
-        options = _tyro_cli(cls, argv, line, default=_unchecked(cls, values), prog=prog, description=description)
-    if rescale:
-        warmup = _recipe_warmup(planned, options.train.max_steps)
-        options.train = dataclasses.replace(options.train, warmup_steps=warmup)
+        planned = read_yaml(recipe_path(recipe, uses_cuda(flagged.get("device"))), cls, "recipe")
+    values = {**planned, **script, **config, **flagged, "recipe": recipe}
+    # A recipe's warmup belongs to its run length: with another max_steps and no warmup of the
+    # user's, it keeps its share of the run.
+    user = {*script, *config, *flagged}
+    if {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user:
+        values["warmup_steps"] = _recipe_warmup(planned, values["max_steps"])
+    options = build(cls, values)
+    if line.help:
+        show_help(options, prog, description or inspect.cleandoc(cls.__doc__))
     return options
-
-
-def check_flags(cls: type, line: CommandLine, prog: str) -> None:
-    """Refuse a flag ``cls`` does not have, naming the closest one (tyro's box of near matches is
-    ten lines or more).
-    """
-    known = flags(cls)
-    for flag in line.given:
-        # tyro reads --max_steps as --max-steps
-        if flag.replace("_", "-") in known:
-            continue
-        message = f"{flag}: unknown option"
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
-        if close:
-            message += f"; did you mean {close[0]}?"
-        raise ArgumentError(f"{message} ({prog} --help lists every option)")
-
-
-def _tyro_cli(cls: type, argv: list[str], line: CommandLine, *, prog: str, **kwargs: Any) -> Any:
-    """``tyro.cli``, with its error box for a value it cannot read (``--max-steps ten``) turned into
-    one :class:`ArgumentError`.
-    """
-    box = io.StringIO()
-    failed = False
-    try:
-        with contextlib.redirect_stderr(box):
-            return tyro.cli(cls, args=argv, prog=prog, **kwargs)
-    except SystemExit as e:
-        # 2: the input was refused (0: --help)
-        failed = e.code == 2
-        if failed:
-            raise ArgumentError(_value_error(box.getvalue(), cls, line, prog)) from None
-        raise
-    finally:
-        # Whatever else was written there (a warning) still reaches the user.
-        if not failed:
-            sys.stderr.write(box.getvalue())
-
-
-def _value_error(box: str, cls: type, line: CommandLine, prog: str) -> str:
-    """One line for tyro's error box: ``--max-steps: expected an integer, got 'ten'`` where the box
-    names an option, else the box's first paragraph.
-    """
-    message = _first_paragraph(box)
-    fields = option_fields(cls)
-    # tyro names the flag as --help shows it (--max-steps for --max_steps, -n/--num-samples for -n).
-    given = {flag.replace("_", "-"): words for flag, words in line.given.items()}
-    for flag in re.findall(r"--[\w.-]*\w", message):
-        key = flag[2:].replace("-", "_")
-        if key not in fields:
-            continue
-        message = f"{flag}: expected {_expected(_spec(fields[key][1]))}"
-        if flag in given:
-            message += ", got " + (" ".join(repr(word) for word in given[flag]) or "nothing")
-        return message
-    return f"{message} ({prog} --help lists every option)"
-
-
-def _first_paragraph(box: str) -> str:
-    """The message of tyro's error box (after its title, up to the next rule or blank line) on one
-    line; a box of ``│ ─ ╰`` on a UTF-8 terminal, of spaces and ``-`` elsewhere.
-    """
-    paragraph: list[str] = []
-    for line in box.strip().splitlines()[1:]:
-        text = line.strip().strip("│").strip()
-        # a rule, a border or a blank line
-        if set(text) <= set("─-╰╯"):
-            if paragraph:
-                break
-            continue
-        paragraph.append(text)
-    return " ".join(" ".join(paragraph).split())
-
-
-# How tyro's metavars read.
-KINDS = {"INT": "an integer", "FLOAT": "a number", "STR": "a text", "{None}": "None"}
-
-
-def _expected(spec: PrimitiveConstructorSpec) -> str:
-    """What a flag takes: ``one of auto, fp32``, ``an integer or None``, or tyro's ``FLOAT FLOAT``."""
-    if spec.choices:
-        return "one of " + ", ".join(spec.choices)
-    kinds = [KINDS.get(part) for part in spec.metavar.split("|")]
-    if spec.nargs != 1 or None in kinds:
-        return spec.metavar
-    # None last: "an integer or None"
-    return " or ".join(sorted(kinds, key=lambda kind: kind == "None"))
 
 
 def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
@@ -390,67 +462,84 @@ def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
     return min(warmup, warmup * steps // planned)
 
 
-def _unchecked(cls: type, values: dict[str, Any]) -> Any:
-    """``cls()`` with ``values`` (option name -> value) set, unchecked: tyro builds, and so
-    checks, the instance the command gets.
+# --------------------------------------------------------------------------- --help
+def show_help(options: Any, prog: str, description: str) -> NoReturn:
+    """Print the help of ``options``' flags, their values as defaults, through tyro; SystemExit 0."""
+    view = _help_view(options, "")
+    tyro.cli(type(view), args=["--help"], default=view, prog=prog, description=description)
+    raise SystemExit(0)
+
+
+def _help_view(options: Any, prefix: str) -> Any:
+    """A copy of ``options`` for tyro to draw: each flag named as :func:`flags` reads it, with its help
+    on one line (:func:`field_help`) and its default as typed; a group keeps its box.
     """
-    default = cls()
-    for key, value in values.items():
-        *groups, name = option_fields(cls)[key][0]
-        setattr(functools.reduce(getattr, groups, default), name, value)
-    return default
+    cls = type(options)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    helps = field_help(cls)
+    fields, values = [], {}
+    for field in dataclasses.fields(cls):
+        base, extras = _split(hints[field.name])
+        value = getattr(options, field.name)
+        if dataclasses.is_dataclass(base):
+            group = f"{prefix}{field.name}."
+            if Flat in extras:
+                group = prefix
+            value = _help_view(value, group)
+            # prefix_name=False: the box is named after this group alone
+            hint = Annotated[type(value), tyro.conf.arg(prefix_name=False, help=helps.get(field.name, ""))]
+        elif field.init and _supported(base):
+            aliases = tuple(extra.flag for extra in extras if isinstance(extra, Short)) or None
+            names = dict(name=prefix + field.name, prefix_name=False, aliases=aliases)
+            arg = tyro.conf.arg(help=helps.get(field.name), help_behavior_hint=_default_hint, **names)
+            hint = Annotated[hints[field.name], arg]
+        else:
+            continue
+        fields.append((field.name, hint))
+        values[field.name] = value
+    return dataclasses.make_dataclass(cls.__name__, fields)(**values)
 
 
-# tyro builds each options dataclass from the parsed values; a ValueError its __post_init__
-# raises (TrainConfig's and LoRAConfig's checks raise gpt2's InvalidValueError) becomes tyro's
-# multi-line error box. The rule below gives tyro its usual constructor of each dataclass, wrapped
-# so that such an error leaves tyro as an OptionError: the command line's one line, exit code 2.
-# It also makes each field's --help text read well (see _readable).
-_COMMAND_LINE_RULES = ConstructorRegistry()
-# The rule below finds tyro's own rule for a dataclass by asking the registry again with this marker
-# among the field's markers; it passes such a look-up on (returns None) instead of answering itself.
-_TYROS_RULE = object()
-
-
-@_COMMAND_LINE_RULES.struct_rule
-def _command_line_rule(info: StructTypeInfo) -> Any:
-    if not dataclasses.is_dataclass(info.type) or _TYROS_RULE in info.markers:
-        return None
-    spec = ConstructorRegistry.get_struct_spec(dataclasses.replace(info, markers=(*info.markers, _TYROS_RULE)))
-    if not isinstance(spec, StructConstructorSpec):
-        return spec
-
-    def instantiate(*args: Any, **kwargs: Any) -> Any:
+@functools.cache
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's help on one line: the docstring below it, else the comment at the end of its line,
+    else the comment lines right above it (without a section rule ``# --- name ---``); its bases' too.
+    """
+    helps = {}
+    for klass in reversed(cls.__mro__):
         try:
-            return spec.instantiate(*args, **kwargs)
-        except ValueError as e:
-            raise OptionError(str(e)) from e
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        helps.update(_own_field_help(source))
+    return helps
 
-    return dataclasses.replace(spec, instantiate=instantiate, fields=tuple(map(_readable, spec.fields)))
 
-
-def _readable(field: StructFieldSpec) -> StructFieldSpec:
-    """``field`` with its help on one line (tyro keeps a docstring's line break before an indented or
-    non-letter line: mid-sentence here) and its default as it would be typed (see :func:`_default_hint`).
-    """
-    helptext = field.helptext
-
-    def one_line() -> str | None:
-        text = helptext
-        if callable(text):
-            text = text()
-        if text is None:
-            return None
-        return " ".join(text.split())
-
-    field = dataclasses.replace(field, helptext=one_line)
-    base = field.type
-    if typing.get_origin(base) is Annotated:
-        base = typing.get_args(base)[0]
-    # A group of options (DataOptions...) has no default of its own to show.
-    if dataclasses.is_dataclass(base):
-        return field
-    return dataclasses.replace(field, type=Annotated[field.type, tyro.conf.arg(help_behavior_hint=_default_hint)])
+def _own_field_help(source: str) -> dict[str, str]:
+    """:func:`field_help` of the class whose source is ``source``."""
+    inline, above = {}, {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            text = token.string.lstrip("#").strip()
+            if token.line.strip().startswith("#"):
+                above[token.start[0]] = text
+            else:
+                inline[token.start[0]] = text
+    body = ast.parse(source).body[0].body
+    helps = {}
+    for node, after in zip(body, [*body[1:], None]):
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        lines = []
+        number = node.lineno - 1
+        while number in above and not above[number].startswith("---"):
+            lines.insert(0, above[number])
+            number -= 1
+        text = inline.get(node.end_lineno) or " ".join(lines)
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            text = after.value.value
+        helps[node.target.id] = " ".join(text.split())
+    return helps
 
 
 def _default_hint(label: str) -> str:

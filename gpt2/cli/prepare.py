@@ -19,8 +19,9 @@ from gpt2.errors import InvalidValueError, MissingFileError
 class PrepareOptions(Options):
     """gpt2 prepare: tokenise documents with GPT-2's BPE into uint16 token shards.
 
-    build-nanogpt's layout: the first shard is the val split, the others train. One text file is split by
-    --val-fraction instead.
+    build-nanogpt's layout: the first shard is the val split, the others train.
+
+    One text file is split by --val-fraction instead.
     """
 
     input: tuple[str, ...] = ()

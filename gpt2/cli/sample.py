@@ -24,7 +24,7 @@ from gpt2.model.quantize import int8_weights
 
 @dataclass
 class SampleOptions(Options):
-    """gpt2 sample: stream text from a model (hub id, transformers dir, checkpoint, + LoRA adapter)."""
+    """gpt2 sample: stream text from a model (and a LoRA adapter)."""
 
     model: str = "gpt2"
     """a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a checkpoint / run directory of

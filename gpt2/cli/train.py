@@ -52,7 +52,7 @@ class ModelShape:
 
 @dataclass
 class TrainOptions(Options):
-    """gpt2 train: pretrain a GPT-2 from scratch, then report validation loss and samples."""
+    """gpt2 train: pretrain a GPT-2 from scratch; report validation loss and samples."""
 
     data: Annotated[DataOptions, Flat] = field(default_factory=DataOptions)
     shape: Annotated[ModelShape, Flat] = field(default_factory=ModelShape)

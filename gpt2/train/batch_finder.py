@@ -406,6 +406,13 @@ def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
             f"micro_batch_size='auto' on a CPU holds the search to memory_limit_gb with Linux's RLIMIT_AS, which "
             f"{sys.platform} does not enforce; give micro_batch_size a number"
         )
+    # A limit beyond this machine's memory holds nothing back (and past 2**63 bytes Linux cannot take it).
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+    if config.memory_limit_gb > total:
+        raise InvalidValueError(
+            f"memory_limit_gb (--memory-limit-gb) must be in (0, {total:.1f}] GiB, this machine's memory; "
+            f"got {config.memory_limit_gb:g}"
+        )
     return int(config.memory_limit_gb * GIB)
 
 

@@ -126,7 +126,7 @@ class TrainConfig:
     # multiply the learning rate by recovery_lr_factor, skip the batches that blew up and go on; after max_recoveries
     # recoveries stop with TrainingDivergedError.
     # recover=False: no divergence detection, non-finite steps stop the run as before.
-    recover: bool = True  # divergence recovery (above); False: non-finite steps stop the run
+    recover: bool = True  # divergence recovery (docs/training.md); False: non-finite steps stop the run
     max_recoveries: int = 3  # recoveries before the run stops with TrainingDivergedError
     recovery_lr_factor: float = 0.5  # each recovery multiplies the learning rate by this
     divergence_factor: float = 2.0  # diverging: the loss above this x the best so far (and 1 nat above it)
