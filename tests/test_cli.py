@@ -517,9 +517,9 @@ def test_eval_of_a_token_file_scores_the_part_training_held_out(trained, tmp_pat
     # and `gpt2 train --data docs.jsonl` read its JSON as text
     rows = REPO / "examples" / "data" / "instructions.jsonl"
     code, _, err = run(capsys, "train", *TINY_TRAIN, "--data", rows)
-    assert code == 2 and "--data: a .jsonl is no text" in err, err
+    assert code == 2 and "--data: a .jsonl file is no text" in err, err
     code, _, err = run(capsys, "train", *TINY_TRAIN, "--val-data", rows)
-    assert code == 2 and "--val-data: a .jsonl is no text" in err, err
+    assert code == 2 and "--val-data: a .jsonl file is no text" in err, err
     code, _, err = run(capsys, "finetune", "--init", trained, "--data", "shakespeare", "--val-data", rows)
     assert code == 2 and "--val-data: a .jsonl goes with a .jsonl --data" in err, err
 
