@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 
 
 def tiny_config(out_dir, **overrides) -> TrainConfig:
@@ -55,7 +55,7 @@ def diverging_config(**overrides) -> TrainConfig:
         progress=False,
         eval_interval=0,
         plot=False,
-        recovery_lr_factor=0.1,
+        recovery=RecoveryConfig(lr_factor=0.1),
     )
     return TrainConfig(**{**base, **overrides})
 

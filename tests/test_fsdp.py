@@ -33,6 +33,8 @@ pytestmark = pytest.mark.dist
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "_fsdp_worker.py"
 TOL = 1e-4
+# each process's shards: one safetensors file (torch.distributed.checkpoint's Hugging Face storage)
+SHARD_FILES = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
 
 
 def _worker():
@@ -100,7 +102,7 @@ def test_fsdp_with_activation_checkpointing_trains_as_one_process(runs):
 def test_fsdp_checkpoint_is_sharded_and_checksummed(runs):
     step = runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000005"
     shards = sorted(p.name for p in (step / SHARDS_DIR).iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert shards == SHARD_FILES
     assert not (step / WEIGHTS_FILE).exists()
     listed = {line.split()[1] for line in (step / DIGEST_FILE).read_text().splitlines()}
     assert {f"{SHARDS_DIR}/{name}" for name in shards} <= listed
@@ -187,18 +189,18 @@ def test_export_reads_a_sharded_checkpoint(runs, tmp_path):
 def test_damaged_shard_is_caught_and_the_older_checkpoint_used(runs, tmp_path, caplog):
     run = tmp_path / "run"
     shutil.copytree(runs["root"] / "jobs" / "fsdp" / "checkpoints", run / "checkpoints")
-    shard = run / "checkpoints" / "step_000005" / SHARDS_DIR / "__1_0.distcp"
+    shard = run / "checkpoints" / "step_000005" / SHARDS_DIR / SHARD_FILES[1]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="__1_0.distcp does not match its sha256"):
+    with pytest.raises(CheckpointError, match=f"{SHARD_FILES[1]} does not match its sha256"):
         read_checkpoint(run / "checkpoints" / "step_000005")
     found = open_checkpoint(run, trainer_state=False)
     assert found.path.name == "step_000003"
     assert "skipping damaged checkpoint" in caplog.text
     # a shard that is gone
-    (run / "checkpoints" / "step_000003" / SHARDS_DIR / "__0_0.distcp").unlink()
-    with pytest.raises(CheckpointError, match="__0_0.distcp is missing"):
+    (run / "checkpoints" / "step_000003" / SHARDS_DIR / SHARD_FILES[0]).unlink()
+    with pytest.raises(CheckpointError, match=f"{SHARD_FILES[0]} is missing"):
         read_checkpoint(run / "checkpoints" / "step_000003")
 
 
@@ -275,7 +277,7 @@ def test_two_node_launch_of_the_docs(strategy, tmp_path, shakespeare_file):
     step = tmp_path / "runs" / "two-nodes" / "checkpoints" / "step_000002"
     meta = json.loads((step / "trainer_state.json").read_text())
     assert meta["world_size"] == 2 and meta["strategy"] == strategy
-    assert (step / SHARDS_DIR / "__1_0.distcp").is_file() == (strategy == "fsdp")
+    assert (step / SHARDS_DIR / SHARD_FILES[1]).is_file() == (strategy == "fsdp")
 
 
 def test_overwrite_removes_a_sharded_run_and_keeps_the_rest(runs, tmp_path):

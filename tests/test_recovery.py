@@ -17,7 +17,7 @@ import torch
 from _tiny_run import DIVERGING_PATTERN, DIVERGING_TOKENS, diverging_config
 from conftest import dist_job
 
-from gpt2 import GPT, GPTConfig, TrainConfig
+from gpt2 import GPT, GPTConfig, RecoveryConfig, TrainConfig
 from gpt2.train.optim import lr_at
 from gpt2.train.trainer import Trainer, TrainingDivergedError
 
@@ -52,7 +52,7 @@ def _nan_loss_on_calls(model: GPT, calls: set[int]) -> None:
 
 
 def test_a_diverging_run_recovers_with_a_lower_lr_and_finishes(caplog):
-    _, unguarded = _fit(_config(recover=False))
+    _, unguarded = _fit(_config(recovery=RecoveryConfig(enabled=False, lr_factor=0.1)))
     assert unguarded[-1]["loss"] > 50  # today: the loss stays in the hundreds, no error
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         trainer, history = _fit(_config())
@@ -71,7 +71,7 @@ def test_a_diverging_run_recovers_with_a_lower_lr_and_finishes(caplog):
 def test_a_run_that_never_diverges_is_bit_for_bit_unchanged():
     (guarded, a), (plain, b) = (
         _fit(_config(max_lr=0.01, min_lr=None)),
-        _fit(_config(max_lr=0.01, min_lr=None, recover=False)),
+        _fit(_config(max_lr=0.01, min_lr=None, recovery=RecoveryConfig(enabled=False))),
     )
     assert guarded.recoveries == 0 and [r["loss"] for r in a] == [r["loss"] for r in b]
     for (name, x), y in zip(guarded.model.state_dict().items(), plain.model.state_dict().values()):
@@ -83,7 +83,7 @@ def test_non_finite_steps_go_back_to_the_last_good_state_and_skip_their_batches(
     due checkpoint), LR halved, the batches of steps 3-6 skipped. The reference is a plain run
     of 2 steps that then skips 4 batches and halves its LR.
     """
-    config = _config(max_lr=0.01, min_lr=None, max_bad_steps=3, checkpoint_interval=2, recovery_lr_factor=0.5)
+    config = _config(max_lr=0.01, min_lr=None, checkpoint_interval=2, recovery=RecoveryConfig(max_bad_steps=3))
     model = _model()
     _nan_loss_on_calls(model, {4, 5, 6})
     recovered, history = _fit(config, model)
@@ -132,7 +132,9 @@ def test_recovery_goes_back_to_a_checkpoint_written_before_the_divergence(tmp_pa
 def test_after_max_recoveries_the_run_stops_with_training_diverged_error():
     model = _model()
     _nan_loss_on_calls(model, set(range(3, 100)))
-    config = _config(max_lr=0.01, min_lr=None, max_bad_steps=2, max_recoveries=2)
+    config = _config(
+        max_lr=0.01, min_lr=None, recovery=RecoveryConfig(max_bad_steps=2, max_recoveries=2, lr_factor=0.1)
+    )
     with pytest.raises(TrainingDivergedError, match="after 2 recoveries") as info:
         _fit(config, model)
     assert math.isnan(info.value.loss)
@@ -146,7 +148,9 @@ def test_lora_runs_recover_and_never_touch_the_frozen_weights():
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    trainer, history = _fit(_config(max_lr=30.0, min_lr=3.0, max_recoveries=5), model)
+    trainer, history = _fit(
+        _config(max_lr=30.0, min_lr=3.0, recovery=RecoveryConfig(max_recoveries=5, lr_factor=0.1)), model
+    )
     assert trainer.recoveries >= 1 and math.isfinite(history[-1]["loss"])
     for name, p in model.named_parameters():
         if name in frozen:
@@ -155,11 +159,11 @@ def test_lora_runs_recover_and_never_touch_the_frozen_weights():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("recovery_lr_factor", 1.5), ("recovery_lr_factor", 0.0), ("divergence_factor", 1.0), ("max_recoveries", -1)],
+    [("lr_factor", 1.5), ("lr_factor", 0.0), ("divergence_factor", 1.0), ("max_recoveries", -1)],
 )
 def test_recovery_settings_are_validated(field, value):
-    with pytest.raises(ValueError, match=field):
-        _config(**{field: value})
+    with pytest.raises(ValueError, match=f"RecoveryConfig.{field}"):
+        _config(recovery={field: value})
 
 
 @pytest.mark.slow
@@ -211,7 +215,12 @@ def test_a_stop_in_the_middle_of_bad_steps_keeps_the_good_checkpoint_to_go_back_
     model = _model()
     _nan_loss_on_calls(model, {4, 5, 6})  # steps 4, 5, 6
     config = _config(
-        max_lr=1e-3, min_lr=1e-4, out_dir=str(tmp_path), checkpoint_interval=2, keep_last_checkpoints=1, max_bad_steps=3
+        max_lr=1e-3,
+        min_lr=1e-4,
+        out_dir=str(tmp_path),
+        checkpoint_interval=2,
+        keep_last_checkpoints=1,
+        recovery=RecoveryConfig(max_bad_steps=3),
     )
     with Trainer(model, config, TOKENS, sinks=[]) as trainer:
         trainer.fit(5)  # stops after two of the three bad steps

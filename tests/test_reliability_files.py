@@ -17,7 +17,7 @@ from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 import minlora
 from gpt2.cli import main
-from gpt2.model.checkpoint_files import DIGEST_FILE, sha256_file
+from gpt2.model.checkpoint_files import DIGEST_FILE, load_state, save_state, sha256_file
 from gpt2.model.gpt import GPT
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import rundir
@@ -49,10 +49,10 @@ def _refresh_sums(checkpoint: Path) -> None:
 
 
 def _rewrite_state(checkpoint: Path, change) -> None:
-    """Change trainer_state.pt and re-sign it, as a consistent but foreign checkpoint would be."""
-    state = torch.load(checkpoint / ckpt.STATE_FILE, weights_only=True)
+    """Change trainer_state.safetensors and re-sign it, as a consistent but foreign checkpoint would be."""
+    state = load_state(checkpoint / ckpt.STATE_FILE)
     change(state)
-    torch.save(state, checkpoint / ckpt.STATE_FILE)
+    save_state(state, checkpoint / ckpt.STATE_FILE)
     sums = [
         line
         if not line.endswith(ckpt.STATE_FILE)
@@ -91,9 +91,9 @@ def test_flipped_byte_in_the_json_or_optimizer_state_is_damage(run):
         ckpt.read_checkpoint(newest)
     older = run / "checkpoints" / "step_000002"
     data = bytearray((older / ckpt.STATE_FILE).read_bytes())
-    data[len(data) // 2] ^= 0x20  # inside the archive's tensor data: torch.load may well accept it
+    data[len(data) // 2] ^= 0x20  # inside the tensor data: safetensors accepts it
     (older / ckpt.STATE_FILE).write_bytes(bytes(data))
-    with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt"):
+    with pytest.raises(ckpt.CheckpointError, match="trainer_state.safetensors"):
         ckpt.read_checkpoint(older)
     ckpt.read_checkpoint(older, trainer_state=False)  # the weights alone are intact: sampling works
 
@@ -237,7 +237,7 @@ def test_a_failed_resume_leaves_out_dir_exactly_as_it_was(run, tmp_path):
     before = _tree(run)
     # overwrite would delete step 4 (newer than the resumed step 2), but resuming step 2 fails first
     older = str(run / "checkpoints" / "step_000002")
-    with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt"):
+    with pytest.raises(ckpt.CheckpointError, match="trainer_state.safetensors"):
         Trainer(_model(), _config(run, resume=older, overwrite=True), _tokens(), sinks=[])
     assert _tree(run) == before
     fresh = tmp_path / "new"  # a new out_dir resuming from a damaged checkpoint: not even created

@@ -17,7 +17,7 @@ import torch
 import tyro
 
 from gpt2 import outputs
-from gpt2.cli.layers import UsageError
+from gpt2.cli.layers import FLAT, UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import replace_atomically
@@ -31,7 +31,7 @@ from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir
 from minlora.errors import MinloraError
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
-Flat = tyro.conf.OmitArgPrefixes
+Flat = FLAT
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 
 

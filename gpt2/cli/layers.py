@@ -78,6 +78,10 @@ class Options:
 
 
 # --------------------------------------------------------------------------- the dataclass tree
+# A group of options whose flags lack its own name (--max-steps, not --train.max-steps); its own groups keep theirs.
+FLAT = tyro.conf.arg(name="")
+
+
 def _spec(hint: Any) -> PrimitiveConstructorSpec | None:
     """tyro's rule for a field that one flag sets (None for a nested group or an unsupported type)."""
     spec = ConstructorRegistry.get_primitive_spec(PrimitiveTypeInfo.make(hint, set()))
@@ -89,7 +93,7 @@ def _spec(hint: Any) -> PrimitiveConstructorSpec | None:
 @functools.cache
 def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
     """``{YAML key: (attribute path, type)}`` for every option of ``cls``: a group marked
-    ``OmitArgPrefixes`` is flat (``max_steps``), another opens a level (``lora.rank``).
+    ``FLAT`` is flat (``max_steps``), another opens a level (``lora.rank``, ``recovery.patience``).
     """
     out = {}
     for name, hint in typing.get_type_hints(cls, include_extras=True).items():
@@ -98,7 +102,7 @@ def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
             base, *extras = typing.get_args(hint)
         if dataclasses.is_dataclass(base):
             prefix = f"{name}."
-            if tyro.conf.OmitArgPrefixes in extras:
+            if FLAT in extras:
                 prefix = ""
             for key, (path, t) in option_fields(base).items():
                 out[prefix + key] = ((name, *path), t)

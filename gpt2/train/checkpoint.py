@@ -1,8 +1,8 @@
 """Atomic checkpoints of the raw model, optimizer, loss scaler, RNG states and data position.
 
-``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.pt`` (optimizer, scaler, RNG: tensors and
-containers only), ``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written
-into a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
+``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.safetensors`` (optimizer, scaler, RNG),
+``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written into
+a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
 checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the previous one.
 ``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint.
 """
@@ -56,6 +56,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     open_checkpoint,
     read_checkpoint,
     refuse_non_finite,
+    save_state,
     save_weights,
     sha256_file,
     unwrap_model,
@@ -66,7 +67,7 @@ from gpt2.train.distributed import _active
 logger = logging.getLogger(__name__)
 
 
-# --- RNG states (weights_only-safe: tensors, ints, floats and lists)
+# --- RNG states (tensors, ints, floats and lists: what save_state writes)
 
 
 def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
@@ -165,7 +166,7 @@ def save_checkpoint(
     # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
     writers: list[tuple[str, Callable[[Path], None]]] = [
         (WEIGHTS_FILE, lambda path: save_weights(state, path, weights_meta)),
-        (STATE_FILE, lambda path: replace_atomically(path, lambda f: torch.save(trainer_state, f))),
+        (STATE_FILE, lambda path: save_state(trainer_state, path)),
         (META_FILE, lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))),
     ]
     _write_checkpoint_dir(root, final, writers)
@@ -251,11 +252,11 @@ def _start_sharded(root: Path, final: Path, before_write: Callable[[], None] | N
 
 
 def _finish_sharded(root: Path, final: Path, tmp: Path, meta: dict[str, Any], state: dict[str, Any]) -> None:
-    """Rank 0, once every shard is written: trainer_state.pt and .json, SHA256SUMS of every file, the rename."""
+    """Rank 0, once every shard is written: both trainer_state files, SHA256SUMS of every file, the rename."""
     meta_bytes = _meta_bytes(meta)
     writing = STATE_FILE
     try:
-        replace_atomically(tmp / STATE_FILE, lambda f: torch.save(state, f))
+        save_state(state, tmp / STATE_FILE)
         writing = META_FILE
         replace_atomically(tmp / META_FILE, lambda f: f.write(meta_bytes))
         writing = DIGEST_FILE
@@ -323,7 +324,7 @@ def _checkpoint_meta(
 
 
 def _trainer_state(optimizer: Any, scaler: Any, rng_state: dict[str, Any] | None) -> dict[str, Any]:
-    """``trainer_state.pt``'s content: None for an optimizer or enabled scaler the run has not."""
+    """``trainer_state.safetensors``' content: None for an optimizer or enabled scaler the run has not."""
     state: dict[str, Any] = {"optimizer": None, "scaler": None, "rng": rng_state}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
@@ -522,7 +523,6 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler | None = None,
     *,
     restore_rng: bool = False,
-    map_location: str | torch.device = "cpu",
     weights_only: bool = False,
     allow_base_mismatch: bool = False,
     base_fingerprint: str | None = None,
@@ -548,7 +548,7 @@ def load_checkpoint(
             _check_state(model, optimizer, scaler, data)
 
     # weights=False: a sharded checkpoint's shards stay on disk until they load straight into their places.
-    data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check, weights=False)
+    data = open_checkpoint(path, trainer_state=need_state, check=check, weights=False)
     state = data.trainer_state
     saved_optimizer = None
     if state is not None and optimizer is not None:
