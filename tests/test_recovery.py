@@ -8,6 +8,7 @@ The model is tiny and learns a repeating token pattern; at max_lr=3.0 (fp32) its
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -18,6 +19,7 @@ from _tiny_run import DIVERGING_PATTERN, DIVERGING_TOKENS, diverging_config
 from conftest import dist_job
 
 from gpt2 import GPT, GPTConfig, RecoveryConfig, TrainConfig
+from gpt2.train import checkpoint as ckpt
 from gpt2.train.optim import lr_at
 from gpt2.train.trainer import Trainer, TrainingDivergedError
 
@@ -155,6 +157,39 @@ def test_lora_runs_recover_and_never_touch_the_frozen_weights():
     for name, p in model.named_parameters():
         if name in frozen:
             assert torch.equal(p, frozen[name]), name
+
+
+def test_diverged_error_names_no_checkpoint_when_none_was_followed_by_a_good_step(tmp_path):
+    """max_lr 1000: every step after the first blows up, so step_000001 is written but its next loss diverged;
+    the error does not send the user back to it (resuming it diverges at once) but says what to change.
+    """
+    config = _config(
+        max_lr=1000.0,
+        min_lr=None,
+        out_dir=str(tmp_path),
+        checkpoint_interval=1,
+        recovery=RecoveryConfig(max_recoveries=1),
+    )
+    with pytest.raises(TrainingDivergedError, match="No checkpoint of this run is known good.*lower max_lr") as info:
+        _fit(config)
+    assert info.value.last_checkpoint is None and "\n" not in str(info.value)
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()
+
+
+def test_the_checkpoint_named_last_good_resumes_without_diverging_at_once(tmp_path):
+    # the warmup gives the run one good step before it blows up
+    config = _config(
+        out_dir=str(tmp_path), warmup_steps=8, checkpoint_interval=1, recovery=RecoveryConfig(max_recoveries=0)
+    )
+    with pytest.raises(TrainingDivergedError) as info:
+        _fit(config)
+    named = info.value.last_checkpoint
+    assert named is not None and f"The last good checkpoint is {named}" in str(info.value)
+    # every checkpoint written after it belongs to the steps that diverged
+    assert named != ckpt.list_checkpoints(tmp_path / "checkpoints")[-1]
+    step = ckpt.checkpoint_step(named)
+    trainer, history = _fit(dataclasses.replace(config, resume=str(named), overwrite=True), until=step + 1)
+    assert trainer.recovery.monitor.streak == 0 and math.isfinite(history[0]["loss"])
 
 
 @pytest.mark.parametrize(

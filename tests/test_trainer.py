@@ -274,7 +274,7 @@ def test_divergence_without_any_checkpoint_says_so(tiny_config):
     model = _model(tiny_config)
     trainer = Trainer(model, _config(recovery=RecoveryConfig(enabled=False, max_bad_steps=2)), _tokens(), sinks=[])
     _nan_loss_at(model, from_call=1)
-    with pytest.raises(TrainingDivergedError, match="no checkpoint was written"):
+    with pytest.raises(TrainingDivergedError, match="No checkpoint of this run is known good"):
         trainer.fit()
 
 

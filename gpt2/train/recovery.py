@@ -57,10 +57,12 @@ class TrainingDivergedError(Gpt2Error, RuntimeError):
 
 
 def last_good(checkpoint: Path | None) -> str:
-    """Where an error message sends the user back to."""
+    """Where an error message sends the user back to: a checkpoint confirmed good (the step after it had a good
+    loss), or the news that there is none.
+    """
     if checkpoint is None:
-        return "no checkpoint was written in this run"
-    return f"the last good checkpoint is {checkpoint}"
+        return "No checkpoint of this run is known good (none was followed by a step with a good loss)"
+    return f"The last good checkpoint is {checkpoint}"
 
 
 class DivergenceMonitor:
@@ -148,11 +150,12 @@ class RecoveryPolicy:
 
     def judge(self, step: int, record: dict[str, Any]) -> bool:
         """Show the monitor step ``step``'s ``record``; True when the run must go back (or, with recovery off,
-        stop): the loss has diverged, or ``max_bad_steps`` steps in a row were non-finite.
+        stop): the loss has diverged (only with recovery on), or ``max_bad_steps`` steps in a row were non-finite.
+        With recovery off the steps are judged too, so that an error names only a checkpoint confirmed good.
         """
         # A step with no scored target reports loss 0 (and changes no weight): no evidence either way.
-        judged = self.config.recovery.enabled and record.get("scored_tokens", 1) > 0
-        diverged = judged and self.monitor.observe(step, record["loss"])
+        judged = record.get("scored_tokens", 1) > 0
+        diverged = judged and self.monitor.observe(step, record["loss"]) and self.config.recovery.enabled
         if judged:
             self._settle(good=self.good)
         return diverged or self.consecutive_bad_steps >= self.config.recovery.max_bad_steps
@@ -186,7 +189,7 @@ class RecoveryPolicy:
             return 0
         if not keep or not self.config.recovery.enabled or checkpoint_dir is None or step >= self.config.max_steps:
             return keep
-        newest_confirmed = self._newest_confirmed(checkpoint_dir)
+        newest_confirmed = self.newest_confirmed(checkpoint_dir)
         if newest_confirmed is None:
             return keep
         first_kept = ckpt.checkpoint_step(newest_confirmed) or 0
@@ -194,7 +197,7 @@ class RecoveryPolicy:
         steps = {ckpt.checkpoint_step(p) or 0 for p in ckpt.list_checkpoints(checkpoint_dir)} | {step}
         return max(keep, len([s for s in steps if s >= first_kept]))
 
-    def _newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
+    def newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
         """The newest complete checkpoint under ``checkpoint_dir`` confirmed good, or None."""
         if checkpoint_dir is None:
             return None
@@ -309,12 +312,16 @@ class RecoveryPolicy:
                 " There was nothing to go back to: no state saved before the trouble was confirmed good (a saved state"
                 " is, once the step after it had a good loss)."
             )
-        # The newest checkpoint confirmed good; without one, the newest written (it was written on a good step).
-        checkpoint = self._newest_confirmed(trainer.checkpoint_dir) or trainer.last_checkpoint
-        message += (
-            f" {last_good(checkpoint)}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then "
-            "resume from the checkpoint."
-        )
+        # Only a checkpoint whose next step had a good loss: resuming an unconfirmed one may diverge at once.
+        checkpoint = self.newest_confirmed(trainer.checkpoint_dir)
+        message += f" {last_good(checkpoint)}. "
+        if checkpoint is None:
+            message += (
+                f"Start again with a lower max_lr (--max-lr; this run's was {cfg.max_lr:g}), keep grad_clip, or use "
+                "precision='bf16'/'fp32'."
+            )
+        else:
+            message += "Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume from that checkpoint."
         return TrainingDivergedError(
             message,
             step=trainer.step,

@@ -642,12 +642,12 @@ class Trainer:
         # checked on every rank, so all of them stop together
         if bad:
             raise TrainingDivergedError(
-                f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); "
-                f"{last_good(self.last_checkpoint)}",
+                f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}). "
+                f"{last_good(self.recovery.newest_confirmed(self.checkpoint_dir))}",
                 step=self.step,
                 loss=math.nan,
                 grad_norm=math.nan,
-                last_checkpoint=self.last_checkpoint,
+                last_checkpoint=self.recovery.newest_confirmed(self.checkpoint_dir),
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         # a collective (every rank's CUDA RNG state)
