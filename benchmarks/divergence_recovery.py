@@ -59,7 +59,8 @@ def run(lr: float, args: argparse.Namespace, train, val, **recovery) -> str:
         val_loss = trainer.evaluate()
     final = sum(r["loss"] for r in history[-10:]) / 10
     line = (
-        f"lr={lr:g} ({settings}): {trainer.recoveries} recoveries, LR x{trainer.lr_scale:g}, final train loss "
+        f"lr={lr:g} ({settings}): {trainer.recovery.recoveries} recoveries, LR x{trainer.recovery.lr_scale:g}, "
+        "final train loss "
         f"{final:.3f} (mean of the last 10 steps), val loss {val_loss:.3f} ({time.process_time() - start:.0f} s CPU)"
     )
     return line

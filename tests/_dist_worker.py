@@ -318,7 +318,7 @@ def recovery(out_dir: str) -> dict:
     try:
         with Trainer(model, config, DIVERGING_TOKENS, sinks=[]) as trainer:
             trainer.fit()
-            rank, recoveries = trainer.dist_env.rank, trainer.recoveries
+            rank, recoveries = trainer.dist_env.rank, trainer.recovery.recoveries
     finally:
         logging.getLogger("gpt2").removeHandler(handler)
     recovery_lines = [m for m in handler.messages if "recovery " in m]

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from _tiny_run import plant_payload
 from safetensors import safe_open
 
 from gpt2 import GPT
@@ -71,6 +72,35 @@ def test_trainer_state_is_safetensors_and_json(model, tmp_path):
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     assert state["optimizer"]["param_groups"][0]["betas"] == list(opt.param_groups[0]["betas"])
     json.loads((path / ckpt.META_FILE).read_text())  # plain JSON
+
+
+@pytest.mark.parametrize("name", [ckpt.WEIGHTS_FILE, ckpt.STATE_FILE, ckpt.META_FILE, "all"])
+def test_a_pickle_planted_in_a_checkpoint_never_runs(model, tmp_path, name):
+    opt, scaler, meta = (
+        _optimizer_with_state(model),
+        torch.amp.GradScaler("cpu"),
+        {"model_config": model.config.to_dict()},
+    )
+    path = ckpt.save_checkpoint(tmp_path / "run", 1, model, opt, scaler, meta)
+    marker = tmp_path / "payload-ran"
+    planted = [ckpt.WEIGHTS_FILE, ckpt.STATE_FILE, ckpt.META_FILE] if name == "all" else [name]
+    for file in planted:
+        plant_payload(path, file, marker)
+    fresh = GPT(model.config)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), scaler, restore_rng=True)
+    message = str(info.value)
+    assert "\n" not in message and all(f"{file} " in message for file in planted)
+    if ckpt.STATE_FILE in planted:
+        # named as a pickle, never suggested to be unpickled
+        assert "trainer_state.safetensors holds pickled Python objects, which gpt2 never loads" in message
+    # sampling reads the weights and the JSON (not the optimizer state)
+    if name == ckpt.STATE_FILE:
+        GPT.from_pretrained(path)
+    else:
+        with pytest.raises(ckpt.CheckpointError, match=planted[0]):
+            GPT.from_pretrained(path)
+    assert not marker.exists()
 
 
 def test_rng_state_round_trip():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_run import plant_payload
 
 from gpt2 import GPT
 from gpt2.model.checkpoint_files import (
@@ -25,6 +26,7 @@ from gpt2.model.checkpoint_files import (
     open_checkpoint,
     read_checkpoint,
 )
+from gpt2.train.checkpoint import load_checkpoint
 from gpt2.train.config import TrainConfig
 from gpt2.train.trainer import Trainer
 
@@ -145,6 +147,43 @@ def test_a_failed_sharded_save_stops_every_rank_and_leaves_nothing(runs):
     assert "No space left on device" in rank0["raised"] and "nothing of it was kept" in rank0["raised"]
     assert rank1["raised"].startswith("CheckpointSaveError: rank 0 failed finishing checkpoint step_000001")
     assert rank0["left"] == rank1["left"] == []
+
+
+def test_disk_full_while_writing_shards_is_one_line_on_every_rank(runs):
+    """torch.distributed.checkpoint's CheckpointException (each rank's traceback) becomes the one-line
+    CheckpointSaveError on both ranks, with the disk-full advice.
+    """
+    for report in _reports(runs, "shards_fail"):
+        raised = report["raised"]
+        assert raised["type"] == "CheckpointSaveError" and "\n" not in raised["message"], raised
+        assert raised["message"].startswith("could not save checkpoint step_000001")
+        assert "No space left on device" in raised["message"] and "Free disk space" in raised["message"]
+        assert report["left"] == []
+
+
+@pytest.mark.parametrize(
+    "planted", ["trainer_state.json", "trainer_state.safetensors", *SHARD_FILES, ".metadata", "all"]
+)
+def test_a_pickle_planted_in_a_sharded_checkpoint_never_runs(runs, tmp_path, planted):
+    step = tmp_path / "step_000005"
+    shutil.copytree(runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000005", step)
+    marker = tmp_path / "payload-ran"
+    files = ["trainer_state.json", "trainer_state.safetensors", *SHARD_FILES, ".metadata"]
+    for name in files if planted == "all" else [planted]:
+        # torch.distributed.checkpoint's own reader unpickled shards/.metadata
+        plant_payload(step, name if name.startswith("trainer_state") else f"{SHARDS_DIR}/{name}", marker)
+    model = _worker().tiny_model()
+    loads = [
+        lambda: read_checkpoint(step),
+        lambda: load_checkpoint(step, model, torch.optim.AdamW(model.parameters()), restore_rng=True),
+    ]
+    if planted != "trainer_state.safetensors":
+        loads.append(lambda: GPT.from_pretrained(step))
+    for load in loads:
+        with pytest.raises(CheckpointError) as info:
+            load()
+        assert "\n" not in str(info.value) and (planted if planted != "all" else "trainer_state") in str(info.value)
+    assert not marker.exists()
 
 
 def test_sharded_checkpoint_resumes_on_one_process(runs, tmp_path):

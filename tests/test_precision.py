@@ -87,7 +87,7 @@ def test_fp16_scaler_skips_overflow_step_and_training_continues(tiny_config):
     assert scales[2] == scales[1] / 2  # scale reduced by the backoff factor
     assert trainer.skipped_steps == 1 and records[-1]["skipped_steps"] == 1
     # A scaler overflow is the scale search, not divergence: max_bad_steps=1 did not stop training.
-    assert trainer.consecutive_bad_steps == 0
+    assert trainer.recovery.consecutive_bad_steps == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records[3:])
 

@@ -59,12 +59,12 @@ def test_a_diverging_run_recovers_with_a_lower_lr_and_finishes(caplog):
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         trainer, history = _fit(_config())
     lines = [r.getMessage() for r in caplog.records if "recovery " in r.getMessage()]
-    assert trainer.recoveries == len(lines) >= 1
+    assert trainer.recovery.recoveries == len(lines) >= 1
     assert "the loss stayed above 2 x the best loss" in lines[0] and "in-memory copy" in lines[0]
     assert trainer.step == 16 and history[-1]["step"] == 16
     assert history[-1]["loss"] < history[0]["loss"] < 5  # it learns again, below the untrained loss
     # after the last recovery every step runs at the schedule's LR times 0.1 ** recoveries
-    scale = 0.1**trainer.recoveries
+    scale = 0.1**trainer.recovery.recoveries
     for record in history[-3:]:
         expected = lr_at(record["step"] - 1, max_lr=3.0, min_lr=0.3, warmup_steps=0, max_steps=16)
         assert record["lr"] == pytest.approx(scale * expected, rel=1e-12)
@@ -75,7 +75,7 @@ def test_a_run_that_never_diverges_is_bit_for_bit_unchanged():
         _fit(_config(max_lr=0.01, min_lr=None)),
         _fit(_config(max_lr=0.01, min_lr=None, recovery=RecoveryConfig(enabled=False))),
     )
-    assert guarded.recoveries == 0 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert guarded.recovery.recoveries == 0 and [r["loss"] for r in a] == [r["loss"] for r in b]
     for (name, x), y in zip(guarded.model.state_dict().items(), plain.model.state_dict().values()):
         assert torch.equal(x, y), name
 
@@ -89,14 +89,14 @@ def test_non_finite_steps_go_back_to_the_last_good_state_and_skip_their_batches(
     model = _model()
     _nan_loss_on_calls(model, {4, 5, 6})
     recovered, history = _fit(config, model)
-    assert recovered.recoveries == 1 and recovered.lr_scale == 0.5
+    assert recovered.recovery.recoveries == 1 and recovered.recovery.lr_scale == 0.5
     assert [r["step"] for r in history] == [1, 2, 3, 4, 5, 6, *range(3, 17)]
 
     with Trainer(_model(), config, TOKENS, sinks=[]) as reference:
         reference.fit(2)
         for _ in range(4):  # steps 3-6 of the recovered run read these batches
             reference.train_loader.next_batch()
-        reference.lr_scale = 0.5
+        reference.recovery.lr_scale = 0.5
         expected = reference.fit()
     assert [r["loss"] for r in history[6:]] == [r["loss"] for r in expected]
     for x, y in zip(recovered.model.parameters(), reference.model.parameters()):
@@ -108,11 +108,14 @@ def test_resume_is_exact_across_a_recovery(tmp_path):
     stopped after its recovery and resumed ends where the uninterrupted one does.
     """
     whole, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "whole")))
-    assert whole.recoveries >= 1
+    assert whole.recovery.recoveries >= 1
     stopped, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "parts")), until=12)
-    assert stopped.recoveries == whole.recoveries  # the recovery happened before the stop
+    assert stopped.recovery.recoveries == whole.recovery.recoveries  # the recovery happened before the stop
     resumed, history = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "parts"), resume="auto"))
-    assert resumed.recoveries == whole.recoveries and resumed.lr_scale == whole.lr_scale
+    assert (
+        resumed.recovery.recoveries == whole.recovery.recoveries
+        and resumed.recovery.lr_scale == whole.recovery.lr_scale
+    )
     assert [r["loss"] for r in history] == [r["loss"] for r in whole.history[-len(history) :]]
     for x, y in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(x, y)
@@ -124,7 +127,7 @@ def test_recovery_goes_back_to_a_checkpoint_written_before_the_divergence(tmp_pa
     _nan_loss_on_calls(model, {8, 9, 10, 11, 12})  # max_bad_steps=5: steps 8-12
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         trainer, history = _fit(config, model)
-    assert trainer.recoveries == 1
+    assert trainer.recovery.recoveries == 1
     assert any(
         "back to step 6 (checkpoint" in r.getMessage() and "step_000006" in r.getMessage() for r in caplog.records
     )
@@ -153,7 +156,7 @@ def test_lora_runs_recover_and_never_touch_the_frozen_weights():
     trainer, history = _fit(
         _config(max_lr=30.0, min_lr=3.0, recovery=RecoveryConfig(max_recoveries=5, lr_factor=0.1)), model
     )
-    assert trainer.recoveries >= 1 and math.isfinite(history[-1]["loss"])
+    assert trainer.recovery.recoveries >= 1 and math.isfinite(history[-1]["loss"])
     for name, p in model.named_parameters():
         if name in frozen:
             assert torch.equal(p, frozen[name]), name
@@ -261,5 +264,5 @@ def test_a_stop_in_the_middle_of_bad_steps_keeps_the_good_checkpoint_to_go_back_
         trainer.fit(5)  # stops after two of the three bad steps
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000005"]
         trainer.fit()
-        assert trainer.recoveries == 1 and trainer.step == 16
+        assert trainer.recovery.recoveries == 1 and trainer.step == 16
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000016"]  # pruned again once good

@@ -236,7 +236,7 @@ def test_non_finite_loss_is_skipped_and_training_continues(tiny_config):
     # the weights before step 3 are those before step 2: step 2 never reached them
     assert all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2]))
     assert not all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3]))
-    assert trainer.skipped_steps == 1 and trainer.consecutive_bad_steps == 0
+    assert trainer.skipped_steps == 1 and trainer.recovery.consecutive_bad_steps == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

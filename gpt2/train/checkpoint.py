@@ -211,9 +211,16 @@ def save_sharded_checkpoint(
     try:
         sharded.write_shards(tmp, raw, optimizer, trainable_only)
     except BaseException as e:
-        # torch.distributed.checkpoint raised on every process: rank 0 cleans up.
+        # torch.distributed.checkpoint raised on every process (its CheckpointException holds each failed rank's
+        # error): rank 0 cleans up, and every rank raises the same one-line error.
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else e
         if is_main:
-            raise _failed_save(root, final, tmp, SHARDS_DIR, e) from e
+            shutil.rmtree(tmp, ignore_errors=True)
+        # no rank says "nothing was kept" before the temporary directory is gone
+        dist.barrier()
+        if isinstance(cause, (OSError, RuntimeError, SafetensorError)):
+            raise _save_error(root, final, SHARDS_DIR, cause) from None
         raise
     meta = _checkpoint_meta(raw, step, trainable_only, metadata, base_fingerprint, SHARDED_FORMAT_VERSION)
 

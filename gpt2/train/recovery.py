@@ -346,23 +346,22 @@ class RecoveryPolicy:
         )
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The counters and the monitor, so that resume stays exact across a recovery."""
-        return {"recoveries": self.recoveries, "lr_scale": self.lr_scale, "monitor": self.monitor.state_dict()}
-
-    def checkpoint_state(self, checkpoint_dir: Path | None = None) -> dict[str, Any]:
-        """What a checkpoint records (``meta["recovery"]``): :meth:`state_dict` and the steps of the checkpoints
-        under ``checkpoint_dir`` confirmed good so far (the one being written is not yet).
+    def state_dict(self, checkpoint_dir: Path | None = None) -> dict[str, Any]:
+        """The counters and the monitor (so that resume stays exact across a recovery), and the steps of the
+        checkpoints under ``checkpoint_dir`` confirmed good so far (the one being written is not yet).
         """
         on_disk = set()
         if checkpoint_dir is not None:
             on_disk = {ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoint_dir)}
-        return {**self.state_dict(), "confirmed": sorted(self.confirmed & on_disk)}
+        return {
+            "recoveries": self.recoveries,
+            "lr_scale": self.lr_scale,
+            "monitor": self.monitor.state_dict(),
+            "confirmed": sorted(self.confirmed & on_disk),
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's; a checkpoint written before
-        confirmations were recorded confirms none).
-        """
+        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's)."""
         state = state or {}
         self.recoveries = int(state.get("recoveries", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))

@@ -256,23 +256,6 @@ class Trainer:
         return self.out_dir / rundir.CHECKPOINT_DIR
 
     # ------------------------------------------------------------------ the run's state
-    @property
-    def recoveries(self) -> int:
-        return self.recovery.recoveries
-
-    @property
-    def lr_scale(self) -> float:
-        """``recovery.lr_factor ** recoveries``: multiplies the scheduled learning rate."""
-        return self.recovery.lr_scale
-
-    @lr_scale.setter
-    def lr_scale(self, value: float) -> None:
-        self.recovery.lr_scale = value
-
-    @property
-    def consecutive_bad_steps(self) -> int:
-        return self.recovery.consecutive_bad_steps
-
     def state_dict(self) -> dict[str, Any]:
         """The run's state, the one description of it that checkpoints and divergence recovery save and restore: the
         step and counters, the data position, divergence recovery's counters, monitor and confirmed checkpoints, the
@@ -285,7 +268,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "best_val_loss": self.best_val_loss,
             "data": {"train": self.train_loader.state_dict()},
-            "recovery": self.recovery.checkpoint_state(self.checkpoint_dir),
+            "recovery": self.recovery.state_dict(self.checkpoint_dir),
             "rng": ckpt.capture_rng_state(all_ranks=True),
             "model": {name: p for name, p in self.model.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(),
