@@ -217,11 +217,11 @@ def save_sharded_checkpoint(
         cause = next(iter(failures.values()))[0] if failures else e
         if is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(cause, (OSError, RuntimeError, SafetensorError)):
+            raise
         # no rank says "nothing was kept" before the temporary directory is gone
         dist.barrier()
-        if isinstance(cause, (OSError, RuntimeError, SafetensorError)):
-            raise _save_error(root, final, SHARDS_DIR, cause) from None
-        raise
+        raise _save_error(root, final, SHARDS_DIR, cause) from None
     meta = _checkpoint_meta(raw, step, trainable_only, metadata, base_fingerprint, SHARDED_FORMAT_VERSION)
 
     def finish() -> Path:
