@@ -75,19 +75,9 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
     ``"cuda_by_rank"`` (reading every visible GPU's would create a CUDA context on each from every
     rank). ``all_ranks``: a collective gathering every rank's CUDA state, for rank 0 to save.
     """
-    version, internal, gauss_next = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {
-            "name": np_name,
-            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "cached_gaussian": float(np_cached),
-        },
-    }
+    numpy = list(np.random.get_state())
+    numpy[1] = torch.from_numpy(numpy[1].astype(np.int64))
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate()), "numpy": numpy}
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
@@ -110,16 +100,11 @@ def _rank() -> int:
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Put :func:`capture_rng_state`'s states back; the CUDA one of this rank onto its own GPU."""
     torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    npst = state["numpy"]
-    np.random.set_state(
-        (npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
-    )
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     cuda_states = state.get("cuda_by_rank")
-    # Older checkpoints: every GPU's state as rank 0 saw it.
-    if cuda_states is None and state.get("cuda"):
-        cuda_states = {0: state["cuda"][0]}
     if cuda_states and torch.cuda.is_available():
         rank = _rank()
         if rank in cuda_states:
@@ -611,15 +596,12 @@ def _check_base(model: nn.Module, data: CheckpointData, allow: bool, own: str | 
     raw = unwrap_model(model)
     if not data.trainable_only or saved is None or not minlora.lora_sites(raw):
         return
-    # Written before the digest left out dtype and config: not comparable.
-    if "lora_scaling" not in data.meta:
-        logger.warning("checkpoint %s records its base model in an earlier form: it is not verified", data.path)
-        return
     scaling = {s.name: s.lora.scaling for s in minlora.lora_sites(raw)}
-    if data.meta["lora_scaling"] != scaling:
+    saved_scaling = data.meta.get("lora_scaling") or {}
+    if saved_scaling != scaling:
         raise CheckpointMismatchError(
             f"checkpoint {data.path} was trained with another LoRA alpha or rsLoRA setting (scaling "
-            f"{sorted(set(data.meta['lora_scaling'].values()))}, this run's {sorted(set(scaling.values()))}): "
+            f"{sorted(set(saved_scaling.values()))}, this run's {sorted(set(scaling.values()))}): "
             "resume with the run's --lora settings, or start a new run"
         )
     if own is None:

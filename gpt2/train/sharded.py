@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from gpt2 import torch_compat
@@ -28,12 +27,9 @@ from gpt2.model.checkpoint_files import (
     _first_line,
     load_shards_into,
 )
+from gpt2.train.distributed import _active
 
 logger = logging.getLogger(__name__)
-
-
-def _in_process_group() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def write_shards(directory: Path, model: nn.Module, optimizer: Any, trainable_only: bool) -> None:
@@ -77,7 +73,7 @@ def load_shards(checkpoint: Path, model: nn.Module, optimizer: Any, trainable_on
         own = get_optimizer_state_dict(model, optimizer)
         state[OPTIM_KEY] = _tensors(own)
     try:
-        load_shards_into(state, checkpoint / SHARDS_DIR, no_dist=not _in_process_group())
+        load_shards_into(state, checkpoint / SHARDS_DIR, no_dist=not _active())
     except Exception as e:  # noqa: BLE001 - DCP raises its own CheckpointException (or RuntimeError) for a misfit
         raise CheckpointMismatchError(
             f"checkpoint {checkpoint}: its shards do not fit this model or optimizer ({_first_line(e)}). To start "

@@ -656,36 +656,18 @@ class Trainer:
         :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the checkpoint module, or a
         :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
         """
-        common = dict(
-            keep_last=self.recovery.checkpoints_to_keep(checkpoint_dir, self.step),
-            trainable_only=self.config.save_trainable_only,
-            rng_state=state["rng"],
-        )
         meta = {**self._run_settings(), **{k: v for k, v in state.items() if k not in IN_FILES}}
+        args = (checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, meta)
+        keep_last = self.recovery.checkpoints_to_keep(checkpoint_dir, self.step)
+        common = dict(keep_last=keep_last, trainable_only=self.config.save_trainable_only, rng_state=state["rng"])
         try:
             if not self.sharded:
-                return ckpt.save_checkpoint(
-                    checkpoint_dir,
-                    self.step,
-                    self.model,
-                    self.optimizer,
-                    self.scaler,
-                    meta,
-                    **common,
-                )
+                return ckpt.save_checkpoint(*args, **common)
             before_write = None
             if self._run_lock is not None:
                 before_write = self._run_lock.ensure_held
             return ckpt.save_sharded_checkpoint(
-                checkpoint_dir,
-                self.step,
-                self.model,
-                self.optimizer,
-                self.scaler,
-                meta,
-                base_fingerprint=self._base_fingerprint,
-                before_write=before_write,
-                **common,
+                *args, base_fingerprint=self._base_fingerprint, before_write=before_write, **common
             )
         except Gpt2Error:
             raise
