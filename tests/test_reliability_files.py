@@ -186,14 +186,14 @@ def test_adapter_only_checkpoint_onto_another_base_is_named_with_a_way_to_accept
     accepted = _config(out, resume="auto", save_trainable_only=True, allow_base_mismatch=True)
     with Trainer(_lora_model(1), accepted, _tokens(), sinks=[]) as trainer:
         assert trainer.step == 4
-    # A checkpoint from before this base record (no lora_scaling; the old digest): resumed with a warning.
+    # A base record without its LoRA scalings cannot be verified: it does not fit (no reader of older records).
     meta_file = out / "checkpoints" / "step_000004" / ckpt.META_FILE
     meta = json.loads(meta_file.read_text())
     old = {k: v for k, v in meta.items() if k != "lora_scaling"} | {"base_fingerprint": "0" * 64}
     meta_file.write_text(json.dumps(old))
     _refresh_sums(meta_file.parent)
     with Trainer(_lora_model(0), _config(out, resume="auto", save_trainable_only=True), _tokens(), sinks=[]) as t:
-        assert t.step == 4
+        assert t.step == 2
     meta_file.write_text(json.dumps(meta))
     _refresh_sums(meta_file.parent)
     # Another alpha (or rsLoRA) scales the same factors differently: it continued silently before.
