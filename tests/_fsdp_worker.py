@@ -183,6 +183,22 @@ def shards_fail(out_dir: str) -> dict:
     return _write(out_dir, {"rank": rank, "raised": error, "left": left})
 
 
+def diverges(out_dir: str) -> dict:
+    """max_lr 1000 under FSDP: the run diverges again after its one recovery; the error may name only a checkpoint
+    whose next step had a good loss.
+    """
+    from gpt2.train.config import RecoveryConfig
+    from gpt2.train.recovery import TrainingDivergedError
+
+    config = dict(strategy="fsdp", max_lr=1000.0, max_steps=16, checkpoint_interval=1)
+    error = None
+    try:
+        train(out_dir, **config, recovery=RecoveryConfig(max_recoveries=1))
+    except TrainingDivergedError as e:
+        error = {"message": str(e), "last_checkpoint": str(e.last_checkpoint)}
+    return _write(out_dir, {"rank": int(os.environ["RANK"]), "raised": error})
+
+
 def _write(out_dir: str, report: dict) -> dict:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
@@ -207,6 +223,7 @@ def jobs(out: Path, reference: Path) -> dict:
         "interrupted": lambda: interrupted(str(out / "interrupted")),
         "save_fails": lambda: save_fails(str(out / "save_fails")),
         "shards_fail": lambda: shards_fail(str(out / "shards_fail")),
+        "diverges": lambda: diverges(str(out / "diverges")),
     }
 
 

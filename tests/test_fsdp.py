@@ -186,6 +186,13 @@ def test_a_pickle_planted_in_a_sharded_checkpoint_never_runs(runs, tmp_path, pla
     assert not marker.exists()
 
 
+def test_a_diverged_fsdp_run_names_no_checkpoint_that_was_not_followed_by_a_good_step(runs):
+    for report in _reports(runs, "diverges"):
+        raised = report["raised"]
+        assert raised is not None and raised["last_checkpoint"] == "None", raised
+        assert "No checkpoint of this run is known good" in raised["message"] and "lower max_lr" in raised["message"]
+
+
 def test_sharded_checkpoint_resumes_on_one_process(runs, tmp_path):
     step3 = runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000003"
     report = _worker().train(str(tmp_path / "run"), resume=str(step3))
