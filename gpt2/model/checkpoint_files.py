@@ -244,7 +244,7 @@ class CheckpointData:
     # Aliases filled back in.
     weights: dict[str, torch.Tensor]
     weights_meta: dict[str, str] = field(default_factory=dict)
-    # trainer_state.pt, when asked for.
+    # trainer_state.safetensors, when asked for.
     trainer_state: dict[str, Any] | None = None
 
     @property

@@ -1,12 +1,11 @@
 """The weights and optimizer state of a sharded checkpoint (``shards/``), through ``torch.distributed.checkpoint``.
 
 Under FSDP every process writes its own shards of the weights and of AdamW's moments: no process ever holds the
-whole model. The index (``shards/.metadata``) records each tensor's global shape, so the shards load into any
-number of processes, sharded or not: 2 FSDP processes -> 1 process, -> 4 FSDP processes, -> 2 DDP processes.
-The optimizer state is keyed by parameter name, not by position, for the same reason; only its tensors are
-stored (this run's settings are kept on loading), so every file is safetensors and nothing is unpickled. The
-atomic directory,
-its SHA256SUMS and the rest of the checkpoint are :mod:`gpt2.train.checkpoint`'s.
+whole model. Each process's file is safetensors (torch's Hugging Face storage) whose JSON header records where its
+slices sit in the whole tensors, so the shards load into any number of processes, sharded or not: 2 FSDP processes
+-> 1 process, -> 4 FSDP processes, -> 2 DDP processes. The optimizer state is keyed by parameter name, not by
+position, for the same reason; only its tensors are stored (this run's settings are kept on loading), so nothing
+is pickled. The atomic directory, its SHA256SUMS and the rest of the checkpoint are :mod:`gpt2.train.checkpoint`'s.
 """
 
 from __future__ import annotations
