@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.precision import describe_machine
 from gpt2.train.trainer import Trainer
 
@@ -276,7 +276,7 @@ def build_trainer(run: Run) -> Trainer:
         eval_interval=0,
         plot=False,
         seed=0,
-        max_bad_steps=10**6,
+        recovery=RecoveryConfig(max_bad_steps=10**6),
     )
     model = GPT(GPTConfig(**SHAPES[run.model_shape], vocab_size=vocab, block_size=seq_len))
     return Trainer(model, config, tokens, sinks=[])

@@ -5,10 +5,10 @@ one CPU thread, one line each (recoveries, final training loss = mean of the las
 validation loss, CPU seconds):
 
 * ``lr=--safe-lr``: the reference;
-* ``lr=--lr`` (3.0) with ``recover=False``: what the Trainer did before recovery existed (the
+* ``lr=--lr`` (3.0) with ``recovery.enabled=False``: what the Trainer did before recovery existed (the
   loss climbs to hundreds and stays there; the run ends normally, with no warning);
-* ``lr=--lr`` with the default recovery settings (``TrainConfig.recover=True``);
-* ``--factors F ...``: the same with ``recovery_lr_factor=F``.
+* ``lr=--lr`` with the default recovery settings (``TrainConfig.recovery``);
+* ``--factors F ...``: the same with ``recovery.lr_factor=F``.
 
 The recovery lines the Trainer logs are shown indented::
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from gpt2 import GPT, GPTConfig, TrainConfig
+from gpt2 import GPT, GPTConfig, RecoveryConfig, TrainConfig
 from gpt2.data.sources import training_data
 from gpt2.train.precision import describe_machine
 from gpt2.train.trainer import Trainer, TrainingDivergedError
@@ -46,7 +46,7 @@ def run(lr: float, args: argparse.Namespace, train, val, **recovery) -> str:
         progress=False,
         plot=False,
         seed=args.seed,
-        **recovery,
+        recovery=RecoveryConfig(**recovery),
     )
     start = time.process_time()
     settings = ", ".join(f"{k}={v}" for k, v in recovery.items()) or "defaults"
@@ -59,7 +59,8 @@ def run(lr: float, args: argparse.Namespace, train, val, **recovery) -> str:
         val_loss = trainer.evaluate()
     final = sum(r["loss"] for r in history[-10:]) / 10
     line = (
-        f"lr={lr:g} ({settings}): {trainer.recoveries} recoveries, LR x{trainer.lr_scale:g}, final train loss "
+        f"lr={lr:g} ({settings}): {trainer.recovery.recoveries} recoveries, LR x{trainer.recovery.lr_scale:g}, "
+        "final train loss "
         f"{final:.3f} (mean of the last 10 steps), val loss {val_loss:.3f} ({time.process_time() - start:.0f} s CPU)"
     )
     return line
@@ -75,17 +76,17 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--factors", type=float, nargs="*", default=[], help="recovery_lr_factor values to try too")
+    parser.add_argument("--factors", type=float, nargs="*", default=[], help="recovery.lr_factor values to try too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(describe_machine(), flush=True)
     logging.basicConfig(level=logging.WARNING, format="  %(message)s")  # the recovery lines
     train, val = training_data("shakespeare", None, 0.1)
     print(run(args.safe_lr, args, train, val), flush=True)
-    print(run(args.lr, args, train, val, recover=False), flush=True)
+    print(run(args.lr, args, train, val, enabled=False), flush=True)
     print(run(args.lr, args, train, val), flush=True)
     for factor in args.factors:
-        print(run(args.lr, args, train, val, recovery_lr_factor=factor), flush=True)
+        print(run(args.lr, args, train, val, lr_factor=factor), flush=True)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.optim import build_optimizer, fused_adamw_supported
 from gpt2.train.precision import cpu_native_bf16, describe_machine
 from gpt2.train.trainer import Trainer
@@ -130,7 +130,7 @@ def build_ours(shape: Shape, precision: str) -> tuple[Trainer, Step, Step]:
         eval_interval=0,
         plot=False,
         seed=0,
-        max_bad_steps=10**6,
+        recovery=RecoveryConfig(max_bad_steps=10**6),
     )
     trainer = Trainer(GPT(shape.gpt_config()), config, tokens, sinks=[])
 

@@ -29,7 +29,7 @@ from gpt2.model.hf import load_hf_state_dict
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 from gpt2.model.tokenizer import EOT_TOKEN, Tokenizer, TokenizerNotAvailableError, get_tokenizer
 from gpt2.train.checkpoint import NonFiniteWeightsError, find_latest_checkpoint
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.metrics import ConsoleSink, JSONLSink, RunOutputError
 from gpt2.train.optim import build_optimizer, lr_at
 from gpt2.train.precision import PrecisionPolicy, resolve_precision
@@ -68,6 +68,7 @@ __all__ = [
     "DownloadError",
     # training
     "Trainer",
+    "RecoveryConfig",
     "TrainConfig",
     "TrainingDivergedError",
     "RunOutputError",

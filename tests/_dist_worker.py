@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.distributed import destroy_process_group
 from gpt2.train.trainer import Trainer
 
@@ -311,14 +311,14 @@ def recovery(out_dir: str) -> dict:
         max_steps=8,
         warmup_steps=0,
         min_lr=3.0,
-        recovery_lr_factor=0.01,
+        recovery=RecoveryConfig(lr_factor=0.01),
         checkpoint_interval=3,
         out_dir=out_dir,
     )
     try:
         with Trainer(model, config, DIVERGING_TOKENS, sinks=[]) as trainer:
             trainer.fit()
-            rank, recoveries = trainer.dist_env.rank, trainer.recoveries
+            rank, recoveries = trainer.dist_env.rank, trainer.recovery.recoveries
     finally:
         logging.getLogger("gpt2").removeHandler(handler)
     recovery_lines = [m for m in handler.messages if "recovery " in m]

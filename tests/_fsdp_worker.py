@@ -156,6 +156,49 @@ def save_fails(out_dir: str) -> dict:
     return _write(out_dir, {"rank": rank, "raised": error, "left": left})
 
 
+def shards_fail(out_dir: str) -> dict:
+    """The disk fills up while rank 1 writes its shards (inside torch.distributed.checkpoint): every rank raises
+    the one-line CheckpointSaveError, and nothing of the checkpoint is left.
+    """
+    import errno
+
+    import safetensors.torch
+
+    rank = int(os.environ["RANK"])
+    real = safetensors.torch.save
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 1:
+        safetensors.torch.save = disk_full
+    error = None
+    try:
+        train(out_dir, strategy="fsdp", max_steps=1, checkpoint_interval=1)
+    except BaseException as e:  # noqa: BLE001 - the error is the report (a raw CheckpointException is one)
+        error = {"type": type(e).__name__, "module": type(e).__module__, "message": str(e)}
+    finally:
+        safetensors.torch.save = real
+    left = sorted(p.name for p in Path(out_dir, "checkpoints").iterdir())
+    return _write(out_dir, {"rank": rank, "raised": error, "left": left})
+
+
+def diverges(out_dir: str) -> dict:
+    """max_lr 1000 under FSDP: the run diverges again after its one recovery; the error may name only a checkpoint
+    whose next step had a good loss.
+    """
+    from gpt2.train.config import RecoveryConfig
+    from gpt2.train.recovery import TrainingDivergedError
+
+    config = dict(strategy="fsdp", max_lr=1000.0, max_steps=16, checkpoint_interval=1)
+    error = None
+    try:
+        train(out_dir, **config, recovery=RecoveryConfig(max_recoveries=1))
+    except TrainingDivergedError as e:
+        error = {"message": str(e), "last_checkpoint": str(e.last_checkpoint)}
+    return _write(out_dir, {"rank": int(os.environ["RANK"]), "raised": error})
+
+
 def _write(out_dir: str, report: dict) -> dict:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, f"report_rank{report['rank']}.json").write_text(json.dumps(report))
@@ -179,6 +222,8 @@ def jobs(out: Path, reference: Path) -> dict:
         "fsdp_ac": lambda: train(str(out / "fsdp_ac"), strategy="fsdp", activation_checkpointing=True),
         "interrupted": lambda: interrupted(str(out / "interrupted")),
         "save_fails": lambda: save_fails(str(out / "save_fails")),
+        "shards_fail": lambda: shards_fail(str(out / "shards_fail")),
+        "diverges": lambda: diverges(str(out / "diverges")),
     }
 
 

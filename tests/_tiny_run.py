@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 
 
 def tiny_config(out_dir, **overrides) -> TrainConfig:
@@ -55,7 +55,7 @@ def diverging_config(**overrides) -> TrainConfig:
         progress=False,
         eval_interval=0,
         plot=False,
-        recovery_lr_factor=0.1,
+        recovery=RecoveryConfig(lr_factor=0.1),
     )
     return TrainConfig(**{**base, **overrides})
 
@@ -97,3 +97,27 @@ def argmax_loop(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
             logits, _ = model(idx[:, -model.config.block_size :])
             idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return idx
+
+
+class _Payload:
+    """Unpickling this creates the file ``marker``: the proof that something was unpickled."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant_payload(checkpoint, name: str, marker) -> None:
+    """Replace ``checkpoint/name`` with a pickle that would create ``marker``, and re-sign SHA256SUMS (as anyone who
+    can write the folder can).
+    """
+    import pickle
+
+    from gpt2.model.checkpoint_files import DIGEST_FILE, sha256_file
+
+    (checkpoint / name).write_bytes(pickle.dumps(_Payload(marker)))
+    names = [line.split(maxsplit=1)[1] for line in (checkpoint / DIGEST_FILE).read_text().splitlines()]
+    names += [name] if name not in names else []
+    (checkpoint / DIGEST_FILE).write_text("".join(f"{sha256_file(checkpoint / n)}  {n}\n" for n in names))

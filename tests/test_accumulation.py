@@ -185,7 +185,7 @@ def test_a_step_without_scored_targets_is_skipped_without_nan(caplog):
         assert record["skipped"] and record["scored_tokens"] == 0 and trainer.skipped_steps == 1
         assert record["loss"] == 0.0 and record["grad_norm"] == 0.0
         assert "no scored targets" in caplog.text
-        assert trainer.consecutive_bad_steps == 0 and not trainer.optimizer.state  # AdamW never stepped
+        assert trainer.recovery.consecutive_bad_steps == 0 and not trainer.optimizer.state  # AdamW never stepped
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         record = trainer.train_step()  # the next step trains normally
     assert not record["skipped"] and record["scored_tokens"] == B * T * MICRO_STEPS

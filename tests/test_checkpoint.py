@@ -8,9 +8,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from _tiny_run import plant_payload
 from safetensors import safe_open
 
 from gpt2 import GPT
+from gpt2.model.checkpoint_files import load_state
 from gpt2.train import checkpoint as ckpt
 
 
@@ -56,14 +58,49 @@ def test_round_trip_stores_tied_weight_once_and_reties_it(model, tiny_config, tm
     assert all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)
 
 
-def test_trainer_state_loads_with_weights_only(model, tmp_path):
+def test_trainer_state_is_safetensors_and_json(model, tmp_path):
     opt = _optimizer_with_state(model)
     scaler = torch.amp.GradScaler("cpu")
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, scaler)
-    state = torch.load(path / ckpt.STATE_FILE, weights_only=True)  # raises on any pickled object
-    assert set(state) == {"optimizer", "scaler", "rng"}
-    assert state["scaler"]["scale"] == scaler.get_scale()
+    # the tensors in the body, everything else as JSON in the header: nothing to unpickle
+    with safe_open(str(path / ckpt.STATE_FILE), "pt") as f:
+        tree = json.loads(f.metadata()["state"])
+        assert all(f.get_tensor(name).numel() for name in f.keys())
+    assert set(tree) == {"optimizer", "scaler", "rng"}
+    assert tree["scaler"]["scale"] == scaler.get_scale()
+    state = load_state(path / ckpt.STATE_FILE)
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert state["optimizer"]["param_groups"][0]["betas"] == list(opt.param_groups[0]["betas"])
     json.loads((path / ckpt.META_FILE).read_text())  # plain JSON
+
+
+@pytest.mark.parametrize("name", [ckpt.WEIGHTS_FILE, ckpt.STATE_FILE, ckpt.META_FILE, "all"])
+def test_a_pickle_planted_in_a_checkpoint_never_runs(model, tmp_path, name):
+    opt, scaler, meta = (
+        _optimizer_with_state(model),
+        torch.amp.GradScaler("cpu"),
+        {"model_config": model.config.to_dict()},
+    )
+    path = ckpt.save_checkpoint(tmp_path / "run", 1, model, opt, scaler, meta)
+    marker = tmp_path / "payload-ran"
+    planted = [ckpt.WEIGHTS_FILE, ckpt.STATE_FILE, ckpt.META_FILE] if name == "all" else [name]
+    for file in planted:
+        plant_payload(path, file, marker)
+    fresh = GPT(model.config)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), scaler, restore_rng=True)
+    message = str(info.value)
+    assert "\n" not in message and all(f"{file} " in message for file in planted)
+    if ckpt.STATE_FILE in planted:
+        # named as a pickle, never suggested to be unpickled
+        assert "trainer_state.safetensors holds pickled Python objects, which gpt2 never loads" in message
+    # sampling reads the weights and the JSON (not the optimizer state)
+    if name == ckpt.STATE_FILE:
+        GPT.from_pretrained(path)
+    else:
+        with pytest.raises(ckpt.CheckpointError, match=planted[0]):
+            GPT.from_pretrained(path)
+    assert not marker.exists()
 
 
 def test_rng_state_round_trip():

@@ -18,8 +18,10 @@ import torch
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 from gpt2.cli import main
+from gpt2.model.checkpoint_files import save_state
 from gpt2.model.gpt import GPT
 from gpt2.train import checkpoint as ckpt
+from gpt2.train.config import RecoveryConfig
 from gpt2.train.trainer import Trainer
 
 _config, _model, _tokens = tiny_config, tiny_model, tiny_tokens
@@ -88,20 +90,20 @@ DAMAGE = {
         "'step' is 3 but the directory is step_000004",
     ),
     "missing json": (lambda p: (p / ckpt.META_FILE).unlink(), ckpt.META_FILE, "is missing"),
-    "corrupted trainer_state.pt": (
-        lambda p: (p / ckpt.STATE_FILE).write_bytes(b"PK\x03\x04garbage"),
+    "corrupted trainer_state": (
+        lambda p: (p / ckpt.STATE_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage"),
         ckpt.STATE_FILE,
         "cannot be read",
     ),
-    "truncated trainer_state.pt": (lambda p: _truncate(p / ckpt.STATE_FILE), ckpt.STATE_FILE, "cannot be read"),
-    "missing trainer_state.pt": (lambda p: (p / ckpt.STATE_FILE).unlink(), ckpt.STATE_FILE, "is missing"),
-    "pickled object in trainer_state.pt": (
+    "truncated trainer_state": (lambda p: _truncate(p / ckpt.STATE_FILE), ckpt.STATE_FILE, "cannot be read"),
+    "missing trainer_state": (lambda p: (p / ckpt.STATE_FILE).unlink(), ckpt.STATE_FILE, "is missing"),
+    "pickled object in trainer_state": (
         lambda p: torch.save({"optimizer": Path("x")}, p / ckpt.STATE_FILE),
         ckpt.STATE_FILE,
-        "holds pickled Python objects besides tensors",
+        "holds pickled Python objects, which gpt2 never loads",
     ),
-    "trainer_state.pt without optimizer": (
-        lambda p: torch.save({"rng": None}, p / ckpt.STATE_FILE),
+    "trainer_state without optimizer": (
+        lambda p: save_state({"rng": None}, p / ckpt.STATE_FILE),
         ckpt.STATE_FILE,
         r"lacks \['optimizer', 'scaler'\]",
     ),
@@ -143,7 +145,7 @@ def test_sample_eval_export_use_the_newest_intact_checkpoint(run, case, caplog):
         model = GPT.from_pretrained(run)
     assert "step_000002, the newest intact checkpoint" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), good.state_dict().values()))
-    # trainer_state.pt is not needed to rebuild the model: a damaged one does not block sampling.
+    # trainer_state.safetensors is not needed to rebuild the model: a damaged one does not block sampling.
     (run / "checkpoints" / "step_000002" / ckpt.STATE_FILE).write_bytes(b"junk")
     GPT.from_pretrained(run)
 
@@ -158,7 +160,7 @@ def test_all_checkpoints_damaged_is_one_error_naming_every_file(run, tmp_path, c
     for part in (
         "step_000004/model.safetensors cannot be read",
         "step_000002/trainer_state.json is not valid JSON",
-        "step_000002/trainer_state.pt cannot be read",
+        "step_000002/trainer_state.safetensors cannot be read",
         "overwrite=True",
     ):
         assert part in message
@@ -185,12 +187,15 @@ def test_non_finite_checkpoint_is_never_the_last_good_one(run):
     with pytest.raises(ckpt.NonFiniteWeightsError, match="transformer.h.0.mlp.c_fc.weight"):
         ckpt.read_checkpoint(run / "checkpoints" / "step_000004")
     model = _model()
-    trainer = Trainer(model, _config(run, resume="auto", max_steps=8, max_bad_steps=1), _tokens(), sinks=[])
+    trainer = Trainer(
+        model, _config(run, resume="auto", max_steps=8, recovery=RecoveryConfig(max_bad_steps=1)), _tokens(), sinks=[]
+    )
     assert trainer.last_checkpoint.name == "step_000002"
     model.register_forward_hook(lambda m, i, out: (out[0], out[1] * float("nan")))
     with pytest.raises(Exception) as info:  # TrainingDivergedError at once
         trainer.fit()
-    assert "the last good checkpoint is" in str(info.value) and "step_000002" in str(info.value)
+    # step 2's next step here was not finite: not named either
+    assert "No checkpoint of this run is known good" in str(info.value) and "step_000004" not in str(info.value)
     trainer.close()
 
 

@@ -1,4 +1,4 @@
-"""Every numeric field of GPTConfig / TrainConfig is checked when the config is built: finite,
+"""Every numeric field of GPTConfig / TrainConfig / RecoveryConfig is checked when the config is built: finite,
 of the right kind (no bools, no strings, no floats for int fields) and within its range.
 """
 
@@ -11,7 +11,7 @@ import typing
 import pytest
 
 from gpt2.model.config import GPTConfig
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 
 
 def _fields_of(cls: type, kind: type) -> list[str]:
@@ -30,12 +30,9 @@ def _fields_of(cls: type, kind: type) -> list[str]:
     return names
 
 
-FLOAT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, float)] + [
-    (TrainConfig, n) for n in _fields_of(TrainConfig, float)
-]
-INT_FIELDS = [(GPTConfig, n) for n in _fields_of(GPTConfig, int)] + [
-    (TrainConfig, n) for n in _fields_of(TrainConfig, int)
-]
+CONFIGS = (GPTConfig, TrainConfig, RecoveryConfig)
+FLOAT_FIELDS = [(cls, n) for cls in CONFIGS for n in _fields_of(cls, float)]
+INT_FIELDS = [(cls, n) for cls in CONFIGS for n in _fields_of(cls, int)]
 # Fields for which a negative value is meaningless (all of today's float fields are).
 NEGATIVE_INVALID = {
     "dropout",
@@ -46,7 +43,7 @@ NEGATIVE_INVALID = {
     "eps",
     "grad_clip",
     "peak_flops",
-    "recovery_lr_factor",
+    "lr_factor",
     "divergence_factor",
 }
 

@@ -224,7 +224,7 @@ TABLES: dict[str, list[Run | Instead | Skip]] = {
             "--strategy fsdp",
             shrink={"--max-steps 20": "--max-steps 2"},
             append=f"--seq-len 32 --micro-batch-size 2 {QUIET}",
-            creates=("runs/fsdp/checkpoints/step_000002/shards/__1_0.distcp",),
+            creates=("runs/fsdp/checkpoints/step_000002/shards/shard-00002-model-00001-of-00001.safetensors",),
             marks=("slow", "dist"),
         ),
         Skip("torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0", "needs two machines with 8 GPUs each"),

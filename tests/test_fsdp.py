@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_run import plant_payload
 
 from gpt2 import GPT
 from gpt2.model.checkpoint_files import (
@@ -25,6 +26,7 @@ from gpt2.model.checkpoint_files import (
     open_checkpoint,
     read_checkpoint,
 )
+from gpt2.train.checkpoint import load_checkpoint
 from gpt2.train.config import TrainConfig
 from gpt2.train.trainer import Trainer
 
@@ -33,6 +35,8 @@ pytestmark = pytest.mark.dist
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "_fsdp_worker.py"
 TOL = 1e-4
+# each process's shards: one safetensors file (torch.distributed.checkpoint's Hugging Face storage)
+SHARD_FILES = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
 
 
 def _worker():
@@ -100,7 +104,7 @@ def test_fsdp_with_activation_checkpointing_trains_as_one_process(runs):
 def test_fsdp_checkpoint_is_sharded_and_checksummed(runs):
     step = runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000005"
     shards = sorted(p.name for p in (step / SHARDS_DIR).iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert shards == SHARD_FILES
     assert not (step / WEIGHTS_FILE).exists()
     listed = {line.split()[1] for line in (step / DIGEST_FILE).read_text().splitlines()}
     assert {f"{SHARDS_DIR}/{name}" for name in shards} <= listed
@@ -145,6 +149,50 @@ def test_a_failed_sharded_save_stops_every_rank_and_leaves_nothing(runs):
     assert rank0["left"] == rank1["left"] == []
 
 
+def test_disk_full_while_writing_shards_is_one_line_on_every_rank(runs):
+    """torch.distributed.checkpoint's CheckpointException (each rank's traceback) becomes the one-line
+    CheckpointSaveError on both ranks, with the disk-full advice.
+    """
+    for report in _reports(runs, "shards_fail"):
+        raised = report["raised"]
+        assert raised["type"] == "CheckpointSaveError" and "\n" not in raised["message"], raised
+        assert raised["message"].startswith("could not save checkpoint step_000001")
+        assert "No space left on device" in raised["message"] and "Free disk space" in raised["message"]
+        assert report["left"] == []
+
+
+@pytest.mark.parametrize(
+    "planted", ["trainer_state.json", "trainer_state.safetensors", *SHARD_FILES, ".metadata", "all"]
+)
+def test_a_pickle_planted_in_a_sharded_checkpoint_never_runs(runs, tmp_path, planted):
+    step = tmp_path / "step_000005"
+    shutil.copytree(runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000005", step)
+    marker = tmp_path / "payload-ran"
+    files = ["trainer_state.json", "trainer_state.safetensors", *SHARD_FILES, ".metadata"]
+    for name in files if planted == "all" else [planted]:
+        # torch.distributed.checkpoint's own reader unpickled shards/.metadata
+        plant_payload(step, name if name.startswith("trainer_state") else f"{SHARDS_DIR}/{name}", marker)
+    model = _worker().tiny_model()
+    loads = [
+        lambda: read_checkpoint(step),
+        lambda: load_checkpoint(step, model, torch.optim.AdamW(model.parameters()), restore_rng=True),
+    ]
+    if planted != "trainer_state.safetensors":
+        loads.append(lambda: GPT.from_pretrained(step))
+    for load in loads:
+        with pytest.raises(CheckpointError) as info:
+            load()
+        assert "\n" not in str(info.value) and (planted if planted != "all" else "trainer_state") in str(info.value)
+    assert not marker.exists()
+
+
+def test_a_diverged_fsdp_run_names_no_checkpoint_that_was_not_followed_by_a_good_step(runs):
+    for report in _reports(runs, "diverges"):
+        raised = report["raised"]
+        assert raised is not None and raised["last_checkpoint"] == "None", raised
+        assert "No checkpoint of this run is known good" in raised["message"] and "lower max_lr" in raised["message"]
+
+
 def test_sharded_checkpoint_resumes_on_one_process(runs, tmp_path):
     step3 = runs["root"] / "jobs" / "fsdp" / "checkpoints" / "step_000003"
     report = _worker().train(str(tmp_path / "run"), resume=str(step3))
@@ -187,18 +235,18 @@ def test_export_reads_a_sharded_checkpoint(runs, tmp_path):
 def test_damaged_shard_is_caught_and_the_older_checkpoint_used(runs, tmp_path, caplog):
     run = tmp_path / "run"
     shutil.copytree(runs["root"] / "jobs" / "fsdp" / "checkpoints", run / "checkpoints")
-    shard = run / "checkpoints" / "step_000005" / SHARDS_DIR / "__1_0.distcp"
+    shard = run / "checkpoints" / "step_000005" / SHARDS_DIR / SHARD_FILES[1]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="__1_0.distcp does not match its sha256"):
+    with pytest.raises(CheckpointError, match=f"{SHARD_FILES[1]} does not match its sha256"):
         read_checkpoint(run / "checkpoints" / "step_000005")
     found = open_checkpoint(run, trainer_state=False)
     assert found.path.name == "step_000003"
     assert "skipping damaged checkpoint" in caplog.text
     # a shard that is gone
-    (run / "checkpoints" / "step_000003" / SHARDS_DIR / "__0_0.distcp").unlink()
-    with pytest.raises(CheckpointError, match="__0_0.distcp is missing"):
+    (run / "checkpoints" / "step_000003" / SHARDS_DIR / SHARD_FILES[0]).unlink()
+    with pytest.raises(CheckpointError, match=f"{SHARD_FILES[0]} is missing"):
         read_checkpoint(run / "checkpoints" / "step_000003")
 
 
@@ -275,7 +323,7 @@ def test_two_node_launch_of_the_docs(strategy, tmp_path, shakespeare_file):
     step = tmp_path / "runs" / "two-nodes" / "checkpoints" / "step_000002"
     meta = json.loads((step / "trainer_state.json").read_text())
     assert meta["world_size"] == 2 and meta["strategy"] == strategy
-    assert (step / SHARDS_DIR / "__1_0.distcp").is_file() == (strategy == "fsdp")
+    assert (step / SHARDS_DIR / SHARD_FILES[1]).is_file() == (strategy == "fsdp")
 
 
 def test_overwrite_removes_a_sharded_run_and_keeps_the_rest(runs, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from gpt2 import GPT
 from gpt2.train import precision
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.optim import build_optimizer
 from gpt2.train.precision import default_precision, resolve_precision
 from gpt2.train.trainer import Trainer
@@ -70,7 +70,7 @@ def test_fp16_scaler_skips_overflow_step_and_training_continues(tiny_config):
         precision="fp16",
         out_dir=None,
         progress=False,
-        max_bad_steps=1,
+        recovery=RecoveryConfig(max_bad_steps=1),
     )
     trainer = Trainer(model, config, tokens, sinks=[])
     assert trainer.scaler is not None
@@ -87,7 +87,7 @@ def test_fp16_scaler_skips_overflow_step_and_training_continues(tiny_config):
     assert scales[2] == scales[1] / 2  # scale reduced by the backoff factor
     assert trainer.skipped_steps == 1 and records[-1]["skipped_steps"] == 1
     # A scaler overflow is the scale search, not divergence: max_bad_steps=1 did not stop training.
-    assert trainer.consecutive_bad_steps == 0
+    assert trainer.recovery.consecutive_bad_steps == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records[3:])
 

@@ -8,6 +8,7 @@ The model is tiny and learns a repeating token pattern; at max_lr=3.0 (fp32) its
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 from _tiny_run import DIVERGING_PATTERN, DIVERGING_TOKENS, diverging_config
 from conftest import dist_job
 
-from gpt2 import GPT, GPTConfig, TrainConfig
+from gpt2 import GPT, GPTConfig, RecoveryConfig, TrainConfig
+from gpt2.train import checkpoint as ckpt
 from gpt2.train.optim import lr_at
 from gpt2.train.trainer import Trainer, TrainingDivergedError
 
@@ -52,17 +54,17 @@ def _nan_loss_on_calls(model: GPT, calls: set[int]) -> None:
 
 
 def test_a_diverging_run_recovers_with_a_lower_lr_and_finishes(caplog):
-    _, unguarded = _fit(_config(recover=False))
+    _, unguarded = _fit(_config(recovery=RecoveryConfig(enabled=False, lr_factor=0.1)))
     assert unguarded[-1]["loss"] > 50  # today: the loss stays in the hundreds, no error
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         trainer, history = _fit(_config())
     lines = [r.getMessage() for r in caplog.records if "recovery " in r.getMessage()]
-    assert trainer.recoveries == len(lines) >= 1
+    assert trainer.recovery.recoveries == len(lines) >= 1
     assert "the loss stayed above 2 x the best loss" in lines[0] and "in-memory copy" in lines[0]
     assert trainer.step == 16 and history[-1]["step"] == 16
     assert history[-1]["loss"] < history[0]["loss"] < 5  # it learns again, below the untrained loss
     # after the last recovery every step runs at the schedule's LR times 0.1 ** recoveries
-    scale = 0.1**trainer.recoveries
+    scale = 0.1**trainer.recovery.recoveries
     for record in history[-3:]:
         expected = lr_at(record["step"] - 1, max_lr=3.0, min_lr=0.3, warmup_steps=0, max_steps=16)
         assert record["lr"] == pytest.approx(scale * expected, rel=1e-12)
@@ -71,9 +73,9 @@ def test_a_diverging_run_recovers_with_a_lower_lr_and_finishes(caplog):
 def test_a_run_that_never_diverges_is_bit_for_bit_unchanged():
     (guarded, a), (plain, b) = (
         _fit(_config(max_lr=0.01, min_lr=None)),
-        _fit(_config(max_lr=0.01, min_lr=None, recover=False)),
+        _fit(_config(max_lr=0.01, min_lr=None, recovery=RecoveryConfig(enabled=False))),
     )
-    assert guarded.recoveries == 0 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert guarded.recovery.recoveries == 0 and [r["loss"] for r in a] == [r["loss"] for r in b]
     for (name, x), y in zip(guarded.model.state_dict().items(), plain.model.state_dict().values()):
         assert torch.equal(x, y), name
 
@@ -83,18 +85,18 @@ def test_non_finite_steps_go_back_to_the_last_good_state_and_skip_their_batches(
     due checkpoint), LR halved, the batches of steps 3-6 skipped. The reference is a plain run
     of 2 steps that then skips 4 batches and halves its LR.
     """
-    config = _config(max_lr=0.01, min_lr=None, max_bad_steps=3, checkpoint_interval=2, recovery_lr_factor=0.5)
+    config = _config(max_lr=0.01, min_lr=None, checkpoint_interval=2, recovery=RecoveryConfig(max_bad_steps=3))
     model = _model()
     _nan_loss_on_calls(model, {4, 5, 6})
     recovered, history = _fit(config, model)
-    assert recovered.recoveries == 1 and recovered.lr_scale == 0.5
+    assert recovered.recovery.recoveries == 1 and recovered.recovery.lr_scale == 0.5
     assert [r["step"] for r in history] == [1, 2, 3, 4, 5, 6, *range(3, 17)]
 
     with Trainer(_model(), config, TOKENS, sinks=[]) as reference:
         reference.fit(2)
         for _ in range(4):  # steps 3-6 of the recovered run read these batches
             reference.train_loader.next_batch()
-        reference.lr_scale = 0.5
+        reference.recovery.lr_scale = 0.5
         expected = reference.fit()
     assert [r["loss"] for r in history[6:]] == [r["loss"] for r in expected]
     for x, y in zip(recovered.model.parameters(), reference.model.parameters()):
@@ -106,11 +108,14 @@ def test_resume_is_exact_across_a_recovery(tmp_path):
     stopped after its recovery and resumed ends where the uninterrupted one does.
     """
     whole, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "whole")))
-    assert whole.recoveries >= 1
+    assert whole.recovery.recoveries >= 1
     stopped, _ = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "parts")), until=12)
-    assert stopped.recoveries == whole.recoveries  # the recovery happened before the stop
+    assert stopped.recovery.recoveries == whole.recovery.recoveries  # the recovery happened before the stop
     resumed, history = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path / "parts"), resume="auto"))
-    assert resumed.recoveries == whole.recoveries and resumed.lr_scale == whole.lr_scale
+    assert (
+        resumed.recovery.recoveries == whole.recovery.recoveries
+        and resumed.recovery.lr_scale == whole.recovery.lr_scale
+    )
     assert [r["loss"] for r in history] == [r["loss"] for r in whole.history[-len(history) :]]
     for x, y in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(x, y)
@@ -122,7 +127,7 @@ def test_recovery_goes_back_to_a_checkpoint_written_before_the_divergence(tmp_pa
     _nan_loss_on_calls(model, {8, 9, 10, 11, 12})  # max_bad_steps=5: steps 8-12
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         trainer, history = _fit(config, model)
-    assert trainer.recoveries == 1
+    assert trainer.recovery.recoveries == 1
     assert any(
         "back to step 6 (checkpoint" in r.getMessage() and "step_000006" in r.getMessage() for r in caplog.records
     )
@@ -132,7 +137,9 @@ def test_recovery_goes_back_to_a_checkpoint_written_before_the_divergence(tmp_pa
 def test_after_max_recoveries_the_run_stops_with_training_diverged_error():
     model = _model()
     _nan_loss_on_calls(model, set(range(3, 100)))
-    config = _config(max_lr=0.01, min_lr=None, max_bad_steps=2, max_recoveries=2)
+    config = _config(
+        max_lr=0.01, min_lr=None, recovery=RecoveryConfig(max_bad_steps=2, max_recoveries=2, lr_factor=0.1)
+    )
     with pytest.raises(TrainingDivergedError, match="after 2 recoveries") as info:
         _fit(config, model)
     assert math.isnan(info.value.loss)
@@ -146,20 +153,55 @@ def test_lora_runs_recover_and_never_touch_the_frozen_weights():
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    trainer, history = _fit(_config(max_lr=30.0, min_lr=3.0, max_recoveries=5), model)
-    assert trainer.recoveries >= 1 and math.isfinite(history[-1]["loss"])
+    trainer, history = _fit(
+        _config(max_lr=30.0, min_lr=3.0, recovery=RecoveryConfig(max_recoveries=5, lr_factor=0.1)), model
+    )
+    assert trainer.recovery.recoveries >= 1 and math.isfinite(history[-1]["loss"])
     for name, p in model.named_parameters():
         if name in frozen:
             assert torch.equal(p, frozen[name]), name
 
 
+def test_diverged_error_names_no_checkpoint_when_none_was_followed_by_a_good_step(tmp_path):
+    """max_lr 1000: every step after the first blows up, so step_000001 is written but its next loss diverged;
+    the error does not send the user back to it (resuming it diverges at once) but says what to change.
+    """
+    config = _config(
+        max_lr=1000.0,
+        min_lr=None,
+        out_dir=str(tmp_path),
+        checkpoint_interval=1,
+        recovery=RecoveryConfig(max_recoveries=1),
+    )
+    with pytest.raises(TrainingDivergedError, match="No checkpoint of this run is known good.*lower max_lr") as info:
+        _fit(config)
+    assert info.value.last_checkpoint is None and "\n" not in str(info.value)
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()
+
+
+def test_the_checkpoint_named_last_good_resumes_without_diverging_at_once(tmp_path):
+    # the warmup gives the run one good step before it blows up
+    config = _config(
+        out_dir=str(tmp_path), warmup_steps=8, checkpoint_interval=1, recovery=RecoveryConfig(max_recoveries=0)
+    )
+    with pytest.raises(TrainingDivergedError) as info:
+        _fit(config)
+    named = info.value.last_checkpoint
+    assert named is not None and f"The last good checkpoint is {named}" in str(info.value)
+    # every checkpoint written after it belongs to the steps that diverged
+    assert named != ckpt.list_checkpoints(tmp_path / "checkpoints")[-1]
+    step = ckpt.checkpoint_step(named)
+    trainer, history = _fit(dataclasses.replace(config, resume=str(named), overwrite=True), until=step + 1)
+    assert trainer.recovery.monitor.streak == 0 and math.isfinite(history[0]["loss"])
+
+
 @pytest.mark.parametrize(
     "field, value",
-    [("recovery_lr_factor", 1.5), ("recovery_lr_factor", 0.0), ("divergence_factor", 1.0), ("max_recoveries", -1)],
+    [("lr_factor", 1.5), ("lr_factor", 0.0), ("divergence_factor", 1.0), ("max_recoveries", -1)],
 )
 def test_recovery_settings_are_validated(field, value):
-    with pytest.raises(ValueError, match=field):
-        _config(**{field: value})
+    with pytest.raises(ValueError, match=f"RecoveryConfig.{field}"):
+        _config(recovery={field: value})
 
 
 @pytest.mark.slow
@@ -211,11 +253,16 @@ def test_a_stop_in_the_middle_of_bad_steps_keeps_the_good_checkpoint_to_go_back_
     model = _model()
     _nan_loss_on_calls(model, {4, 5, 6})  # steps 4, 5, 6
     config = _config(
-        max_lr=1e-3, min_lr=1e-4, out_dir=str(tmp_path), checkpoint_interval=2, keep_last_checkpoints=1, max_bad_steps=3
+        max_lr=1e-3,
+        min_lr=1e-4,
+        out_dir=str(tmp_path),
+        checkpoint_interval=2,
+        keep_last_checkpoints=1,
+        recovery=RecoveryConfig(max_bad_steps=3),
     )
     with Trainer(model, config, TOKENS, sinks=[]) as trainer:
         trainer.fit(5)  # stops after two of the three bad steps
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000005"]
         trainer.fit()
-        assert trainer.recoveries == 1 and trainer.step == 16
+        assert trainer.recovery.recoveries == 1 and trainer.step == 16
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000016"]  # pruned again once good

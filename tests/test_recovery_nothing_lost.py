@@ -50,7 +50,7 @@ def test_recovery_goes_back_only_to_a_state_whose_next_loss_was_good(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         trainer = _fit(_config(checkpoint_interval=1, out_dir=str(tmp_path)))
     targets = [int(m) for r in caplog.records for m in re.findall(r"back to step (\d+)", r.getMessage())]
-    assert trainer.recoveries == len(targets) >= 1 and trainer.step == 12
+    assert trainer.recovery.recoveries == len(targets) >= 1 and trainer.step == 12
     # Replay the run's records branch by branch: the step after each restored state was judged good.
     branch: list[dict] = []
     restored = iter(targets)
@@ -96,7 +96,7 @@ def test_a_recovery_rewinds_the_metrics_as_a_resume_does(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     trainer = _fit(_config(checkpoint_interval=2, out_dir=str(tmp_path), log_to=("tensorboard",)))
-    assert trainer.recoveries >= 1
+    assert trainer.recovery.recoveries >= 1
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 13))
     # the records of the last branch: the last one logged for each step

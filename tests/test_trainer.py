@@ -16,8 +16,9 @@ import torch
 
 from gpt2 import GPT, GPTConfig
 from gpt2.data import TokenLoader
+from gpt2.model import checkpoint_files
 from gpt2.train import checkpoint as ckpt
-from gpt2.train.config import TrainConfig, grad_accum_steps
+from gpt2.train.config import RecoveryConfig, TrainConfig, grad_accum_steps
 from gpt2.train.metrics import (
     PEAK_FLOPS,
     ConsoleSink,
@@ -224,7 +225,7 @@ def test_resume_auto_without_checkpoint_starts_fresh(tiny_config, tmp_path):
 
 def test_non_finite_loss_is_skipped_and_training_continues(tiny_config):
     model = _model(tiny_config)
-    trainer = Trainer(model, _config(max_steps=4, max_bad_steps=2), _tokens(), sinks=[])
+    trainer = Trainer(model, _config(max_steps=4, recovery=RecoveryConfig(max_bad_steps=2)), _tokens(), sinks=[])
     handle = _nan_loss_at(model, calls={2})
     snapshots = []
     for _ in range(4):
@@ -235,14 +236,19 @@ def test_non_finite_loss_is_skipped_and_training_continues(tiny_config):
     # the weights before step 3 are those before step 2: step 2 never reached them
     assert all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2]))
     assert not all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3]))
-    assert trainer.skipped_steps == 1 and trainer.consecutive_bad_steps == 0
+    assert trainer.skipped_steps == 1 and trainer.recovery.consecutive_bad_steps == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_repeated_non_finite_steps_raise_and_name_last_good_checkpoint(tiny_config, tmp_path, caplog):
     model = _model(tiny_config)
-    # recover=False: stop at the first divergence (test_recovery covers going back instead)
-    config = _config(out_dir=str(tmp_path), max_steps=20, max_bad_steps=3, checkpoint_interval=2, recover=False)
+    # recovery off: stop at the first divergence (test_recovery covers going back instead)
+    config = _config(
+        out_dir=str(tmp_path),
+        max_steps=20,
+        checkpoint_interval=2,
+        recovery=RecoveryConfig(enabled=False, max_bad_steps=3),
+    )
     trainer = Trainer(model, config, _tokens(), sinks=[])
     _nan_loss_at(model, calls={3}, from_call=6)  # step 3 bad once, then every step from 6 on
     with caplog.at_level(logging.WARNING, logger="gpt2"), pytest.raises(TrainingDivergedError) as info:
@@ -266,9 +272,9 @@ def test_repeated_non_finite_steps_raise_and_name_last_good_checkpoint(tiny_conf
 
 def test_divergence_without_any_checkpoint_says_so(tiny_config):
     model = _model(tiny_config)
-    trainer = Trainer(model, _config(max_bad_steps=2, recover=False), _tokens(), sinks=[])
+    trainer = Trainer(model, _config(recovery=RecoveryConfig(enabled=False, max_bad_steps=2)), _tokens(), sinks=[])
     _nan_loss_at(model, from_call=1)
-    with pytest.raises(TrainingDivergedError, match="no checkpoint was written"):
+    with pytest.raises(TrainingDivergedError, match="No checkpoint of this run is known good"):
         trainer.fit()
 
 
@@ -285,14 +291,14 @@ def test_trainer_never_saves_non_finite_weights(tiny_config, tmp_path):
 def test_crash_during_save_keeps_last_checkpoint_resumable(tiny_config, tmp_path, monkeypatch):
     cfg = _config(out_dir=str(tmp_path), max_steps=4, checkpoint_interval=2)
     trainer = Trainer(_model(tiny_config), cfg, _tokens(), sinks=[])
-    real_write = ckpt.replace_atomically
+    real_write = checkpoint_files.replace_atomically
 
     def flaky(dest, write):
         if dest.name == ckpt.STATE_FILE and ".tmp-step_000004" in str(dest):  # weights already written
             raise OSError("disk full")
         return real_write(dest, write)
 
-    monkeypatch.setattr(ckpt, "replace_atomically", flaky)
+    monkeypatch.setattr(checkpoint_files, "replace_atomically", flaky)
     with pytest.raises(OSError, match="disk full"):
         trainer.fit()
     monkeypatch.undo()

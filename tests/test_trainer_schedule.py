@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.recovery import RecoveryPolicy
 from gpt2.train.schedule import CheckpointSchedule, is_due
 
@@ -36,7 +36,9 @@ def test_the_stop_point_is_saved_to_disk_even_in_a_bad_step(to_disk):
 
 
 def test_recovery_policy_counts_bad_steps_and_keeps_checkpoints_in_trouble():
-    policy = RecoveryPolicy(TrainConfig(out_dir=None, max_bad_steps=2, keep_last_checkpoints=3))
+    policy = RecoveryPolicy(
+        TrainConfig(out_dir=None, recovery=RecoveryConfig(max_bad_steps=2), keep_last_checkpoints=3)
+    )
     record = {"loss": 4.0, "scored_tokens": 8}
     assert policy.good and policy.checkpoints_to_keep() == 3
     policy.count_step(bad=True)
@@ -45,7 +47,8 @@ def test_recovery_policy_counts_bad_steps_and_keeps_checkpoints_in_trouble():
     assert policy.judge(2, record)
     policy.count_step(bad=False)
     assert policy.consecutive_bad_steps == 0 and policy.good
-    state = {"recoveries": 2, "lr_scale": 0.25, "monitor": {"best": 3.5, "streak": 0, "start": 0}}
+    state = {"recoveries": 2, "lr_scale": 0.25, "monitor": {"best": 3.5, "streak": 0, "start": 0}, "confirmed": []}
     policy.count_step(bad=True)
-    policy.resume(state)
+    policy.load_state_dict(state)
+    policy.resume(0)
     assert policy.state_dict() == state and policy.consecutive_bad_steps == 0

@@ -2,14 +2,17 @@
 before any model is touched, and finding the newest intact checkpoint.
 
 A checkpoint is a directory ``step_000100/`` holding ``model.safetensors`` (the weights),
-``trainer_state.pt`` (optimizer, scaler and RNG states), ``trainer_state.json`` (the step and
-metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format).
+``trainer_state.safetensors`` (optimizer, scaler and RNG states: :func:`save_state`), ``trainer_state.json``
+(the step and metadata) and ``SHA256SUMS`` (their sha256, in ``sha256sum -c`` format).
 
 A *sharded* checkpoint (written under FSDP, format version 3) holds ``shards/`` in place of
-``model.safetensors``: a ``torch.distributed.checkpoint`` directory (``.metadata`` and one
-``__<rank>_0.distcp`` per process) with the weights under ``model.`` and the optimizer state under
-``optim.``; ``trainer_state.pt`` then keeps the loss scaler and RNG states, and ``SHA256SUMS`` lists
-every file, the shards included. :func:`read_checkpoint` reads either into one process.
+``model.safetensors``: one safetensors file per process, written by ``torch.distributed.checkpoint``'s
+Hugging Face storage (each file's header records where its slices sit in the whole tensors), with the
+weights under ``model.`` and the optimizer's tensors under ``optim.``; ``trainer_state.safetensors`` then
+keeps the loss scaler and RNG states, and ``SHA256SUMS`` lists every file, the shards included.
+:func:`read_checkpoint` reads either into one process.
+
+Nothing is unpickled: every file is JSON, safetensors (a JSON header and raw tensor bytes) or text.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import re
 import sys
 import warnings
@@ -39,7 +41,7 @@ from gpt2.files import replace_atomically
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = "trainer_state.safetensors"
 META_FILE = "trainer_state.json"
 DIGEST_FILE = "SHA256SUMS"
 CHECKPOINT_FILES = (WEIGHTS_FILE, STATE_FILE, META_FILE)
@@ -50,8 +52,6 @@ FORMAT_VERSION = 2
 # "newer than this gpt2 reads; upgrade gpt2" about it, instead of calling it damaged.
 SHARDED_FORMAT_VERSION = 3
 SHARDS_DIR = "shards"
-# torch.distributed.checkpoint's index of the shards: written last, after every shard.
-SHARDS_INDEX = f"{SHARDS_DIR}/.metadata"
 # The prefixes under which a sharded checkpoint stores the weights and the optimizer state.
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 
@@ -209,7 +209,7 @@ def is_complete(path: str | os.PathLike) -> bool:
         return False
     names = CHECKPOINT_FILES
     if is_sharded(path):
-        names = (META_FILE, STATE_FILE, SHARDS_INDEX)
+        names = (META_FILE, STATE_FILE)
     return all((path / name).is_file() for name in names)
 
 
@@ -244,7 +244,7 @@ class CheckpointData:
     # Aliases filled back in.
     weights: dict[str, torch.Tensor]
     weights_meta: dict[str, str] = field(default_factory=dict)
-    # trainer_state.pt, when asked for.
+    # trainer_state.safetensors, when asked for.
     trainer_state: dict[str, Any] | None = None
 
     @property
@@ -256,7 +256,6 @@ def read_checkpoint(
     path: str | os.PathLike,
     *,
     trainer_state: bool = True,
-    map_location: str | torch.device = "cpu",
     weights: bool = True,
 ) -> CheckpointData:
     """Read one checkpoint directory and verify every file it reads (the sha256 catches a flipped byte inside a tensor,
@@ -274,7 +273,7 @@ def read_checkpoint(
     read = [META_FILE]
     state = None
     if trainer_state:
-        state = _read_trainer_state(path / STATE_FILE, map_location, problems)
+        state = _read_trainer_state(path / STATE_FILE, problems)
         read.append(STATE_FILE)
     if is_sharded(path):
         read += _shard_files(path, problems)
@@ -345,7 +344,7 @@ def load_shards_into(state: dict[str, Any], shards: Path, *, no_dist: bool) -> N
     with warnings.catch_warnings():
         # Said on every single-process load, which is what no_dist asks for.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(shards)), no_dist=no_dist)
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(shards)), no_dist=no_dist)
 
 
 def _read_sharded_weights(
@@ -357,16 +356,18 @@ def _read_sharded_weights(
     weights_meta = {}
     if meta is not None:
         weights_meta = {"step": str(meta.get("step")), "trainable_only": str(meta.get("trainable_only", False))}
+    # Every file under shards/ must be safetensors (torch.distributed.checkpoint's reader skips other names).
+    for file in sorted(p for p in (path / SHARDS_DIR).rglob("*") if p.is_file()):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - a file that does not parse makes the checkpoint unusable
+            problems.append((str(file), _unreadable(file, e)))
     if problems:
         return {}, weights_meta
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(str(path / SHARDS_DIR))
-    try:
-        index = reader.read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - an unreadable index makes the checkpoint unusable, whatever the cause
-        problems.append((str(path / SHARDS_INDEX), f"cannot be read ({_first_line(e)})"))
-        return {}, weights_meta
+    index = dcp.HuggingFaceStorageReader(str(path / SHARDS_DIR)).read_metadata().state_dict_metadata
     prefix = MODEL_KEY + "."
     device = "cpu"
     if not whole:
@@ -463,26 +464,75 @@ def _check_meta_fields(path: Path, meta: dict[str, Any], problems: list[tuple[st
         meta["format_version"] = 1
 
 
-def _read_trainer_state(file: Path, map_location: Any, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+def _read_trainer_state(file: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
     if not file.is_file():
         problems.append((str(file), "is missing"))
         return None
     try:
-        # weights_only: nothing is unpickled; a damaged archive raises RuntimeError from the zip
-        # reader, a foreign pickle an UnpicklingError: every one becomes a problem of this file.
-        state = torch.load(file, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
-        # torch's own text suggests weights_only=False, which would run code from the file: never say that.
-        problems.append((str(file), "holds pickled Python objects besides tensors (never unpickled: that runs code)"))
-        return None
-    except Exception as e:  # noqa: BLE001 - any failure to read means this file is unusable
-        problems.append((str(file), f"cannot be read ({_first_line(e)}; truncated or not written by gpt2?)"))
+        state = load_state(file)
+    except Exception as e:  # noqa: BLE001 - any failure to parse means this file is unusable
+        problems.append((str(file), _unreadable(file, e)))
         return None
     missing = [key for key in ("optimizer", "scaler", "rng") if not isinstance(state, dict) or key not in state]
     if missing:
         problems.append((str(file), f"lacks {missing}"))
         return None
     return state
+
+
+def _unreadable(file: Path, e: BaseException) -> str:
+    """What is wrong with a checkpoint file that did not parse; a pickle (or torch.save's zip of pickles) is named
+    as one: gpt2 never unpickles (that runs code from the file).
+    """
+    with open(file, "rb") as f:
+        head = f.read(4)
+    if head[:1] == b"\x80" or head == b"PK\x03\x04":
+        return "holds pickled Python objects, which gpt2 never loads (unpickling runs code from the file)"
+    return f"cannot be read ({_first_line(e)}; truncated or not written by gpt2?)"
+
+
+# In save_state's JSON, a tensor stored in the safetensors body under the name it holds.
+_TENSOR = "$tensor"
+
+
+def save_state(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write a tree of dicts, lists, numbers, strings and tensors (an optimizer's, a loss scaler's, RNG states) as
+    safetensors: the tensors in its body, the rest as JSON in its header, where each tensor is ``{"$tensor": name}``.
+    Anything else raises TypeError: only what :func:`load_state` parses back is written.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def encode(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            name = str(len(tensors))
+            tensors[name] = value.detach().cpu().contiguous()
+            return {_TENSOR: name}
+        if isinstance(value, dict):
+            return {str(k): encode(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [encode(v) for v in value]
+        return value
+
+    data = save(tensors, metadata={"state": json.dumps(encode(state))})
+    replace_atomically(path, lambda f: f.write(data))
+
+
+def load_state(path: str | os.PathLike) -> Any:
+    """The tree :func:`save_state` wrote; keys made of digits are ints again (an optimizer's parameter numbers)."""
+    with safe_open(str(path), "pt") as f:
+        tree = json.loads(f.metadata()["state"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+
+    def decode(value: Any) -> Any:
+        if isinstance(value, dict) and list(value) == [_TENSOR]:
+            return tensors[value[_TENSOR]]
+        if isinstance(value, dict):
+            return {int(k) if k.isdigit() else k: decode(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [decode(v) for v in value]
+        return value
+
+    return decode(tree)
 
 
 def _describe(problems: list[tuple[str, str]], base: Path) -> str:
@@ -494,7 +544,6 @@ def open_checkpoint(
     path: str | os.PathLike,
     *,
     trainer_state: bool = True,
-    map_location: str | torch.device = "cpu",
     check: Callable[[CheckpointData], None] | None = None,
     weights: bool = True,
 ) -> CheckpointData:
@@ -504,7 +553,7 @@ def open_checkpoint(
     path = Path(path)
 
     def read(candidate: Path) -> CheckpointData:
-        data = read_checkpoint(candidate, trainer_state=trainer_state, map_location=map_location, weights=weights)
+        data = read_checkpoint(candidate, trainer_state=trainer_state, weights=weights)
         if check is not None:
             check(data)
         return data

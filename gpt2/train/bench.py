@@ -23,7 +23,7 @@ import torch
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
-from gpt2.train.config import TrainConfig
+from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.distributed import uses_cuda
 from gpt2.train.metrics import mfu as model_flops_utilisation
 
@@ -186,7 +186,7 @@ def _time_rung(
         peak_flops=peak_flops,
         seed=0,
         # random tokens: a skipped step would still be timed honestly
-        max_bad_steps=n_steps,
+        recovery=RecoveryConfig(max_bad_steps=n_steps),
     )
     # The Trainer's set-up lines (INFO) for every rung would bury the table; warnings still show.
     library = logging.getLogger("gpt2")

@@ -1,8 +1,8 @@
 """Atomic checkpoints of the raw model, optimizer, loss scaler, RNG states and data position.
 
-``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.pt`` (optimizer, scaler, RNG: tensors and
-containers only), ``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written
-into a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
+``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.safetensors`` (optimizer, scaler, RNG),
+``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written into
+a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
 checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the previous one.
 ``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint.
 """
@@ -56,6 +56,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     open_checkpoint,
     read_checkpoint,
     refuse_non_finite,
+    save_state,
     save_weights,
     sha256_file,
     unwrap_model,
@@ -66,7 +67,7 @@ from gpt2.train.distributed import _active
 logger = logging.getLogger(__name__)
 
 
-# --- RNG states (weights_only-safe: tensors, ints, floats and lists)
+# --- RNG states (tensors, ints, floats and lists: what save_state writes)
 
 
 def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
@@ -74,19 +75,9 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
     ``"cuda_by_rank"`` (reading every visible GPU's would create a CUDA context on each from every
     rank). ``all_ranks``: a collective gathering every rank's CUDA state, for rank 0 to save.
     """
-    version, internal, gauss_next = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {
-            "name": np_name,
-            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "cached_gaussian": float(np_cached),
-        },
-    }
+    numpy = list(np.random.get_state())
+    numpy[1] = torch.from_numpy(numpy[1].astype(np.int64))
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate()), "numpy": numpy}
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
@@ -109,16 +100,11 @@ def _rank() -> int:
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Put :func:`capture_rng_state`'s states back; the CUDA one of this rank onto its own GPU."""
     torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    npst = state["numpy"]
-    np.random.set_state(
-        (npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
-    )
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     cuda_states = state.get("cuda_by_rank")
-    # Older checkpoints: every GPU's state as rank 0 saw it.
-    if cuda_states is None and state.get("cuda"):
-        cuda_states = {0: state["cuda"][0]}
     if cuda_states and torch.cuda.is_available():
         rank = _rank()
         if rank in cuda_states:
@@ -165,7 +151,7 @@ def save_checkpoint(
     # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
     writers: list[tuple[str, Callable[[Path], None]]] = [
         (WEIGHTS_FILE, lambda path: save_weights(state, path, weights_meta)),
-        (STATE_FILE, lambda path: replace_atomically(path, lambda f: torch.save(trainer_state, f))),
+        (STATE_FILE, lambda path: save_state(trainer_state, path)),
         (META_FILE, lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))),
     ]
     _write_checkpoint_dir(root, final, writers)
@@ -210,10 +196,17 @@ def save_sharded_checkpoint(
     try:
         sharded.write_shards(tmp, raw, optimizer, trainable_only)
     except BaseException as e:
-        # torch.distributed.checkpoint raised on every process: rank 0 cleans up.
+        # torch.distributed.checkpoint raised on every process (its CheckpointException holds each failed rank's
+        # error): rank 0 cleans up, and every rank raises the same one-line error.
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else e
         if is_main:
-            raise _failed_save(root, final, tmp, SHARDS_DIR, e) from e
-        raise
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(cause, (OSError, RuntimeError, SafetensorError)):
+            raise
+        # no rank says "nothing was kept" before the temporary directory is gone
+        dist.barrier()
+        raise _save_error(root, final, SHARDS_DIR, cause) from None
     meta = _checkpoint_meta(raw, step, trainable_only, metadata, base_fingerprint, SHARDED_FORMAT_VERSION)
 
     def finish() -> Path:
@@ -251,11 +244,11 @@ def _start_sharded(root: Path, final: Path, before_write: Callable[[], None] | N
 
 
 def _finish_sharded(root: Path, final: Path, tmp: Path, meta: dict[str, Any], state: dict[str, Any]) -> None:
-    """Rank 0, once every shard is written: trainer_state.pt and .json, SHA256SUMS of every file, the rename."""
+    """Rank 0, once every shard is written: both trainer_state files, SHA256SUMS of every file, the rename."""
     meta_bytes = _meta_bytes(meta)
     writing = STATE_FILE
     try:
-        replace_atomically(tmp / STATE_FILE, lambda f: torch.save(state, f))
+        save_state(state, tmp / STATE_FILE)
         writing = META_FILE
         replace_atomically(tmp / META_FILE, lambda f: f.write(meta_bytes))
         writing = DIGEST_FILE
@@ -323,7 +316,7 @@ def _checkpoint_meta(
 
 
 def _trainer_state(optimizer: Any, scaler: Any, rng_state: dict[str, Any] | None) -> dict[str, Any]:
-    """``trainer_state.pt``'s content: None for an optimizer or enabled scaler the run has not."""
+    """``trainer_state.safetensors``' content: None for an optimizer or enabled scaler the run has not."""
     state: dict[str, Any] = {"optimizer": None, "scaler": None, "rng": rng_state}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
@@ -522,7 +515,6 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler | None = None,
     *,
     restore_rng: bool = False,
-    map_location: str | torch.device = "cpu",
     weights_only: bool = False,
     allow_base_mismatch: bool = False,
     base_fingerprint: str | None = None,
@@ -548,7 +540,7 @@ def load_checkpoint(
             _check_state(model, optimizer, scaler, data)
 
     # weights=False: a sharded checkpoint's shards stay on disk until they load straight into their places.
-    data = open_checkpoint(path, trainer_state=need_state, map_location=map_location, check=check, weights=False)
+    data = open_checkpoint(path, trainer_state=need_state, check=check, weights=False)
     state = data.trainer_state
     saved_optimizer = None
     if state is not None and optimizer is not None:
@@ -604,15 +596,12 @@ def _check_base(model: nn.Module, data: CheckpointData, allow: bool, own: str | 
     raw = unwrap_model(model)
     if not data.trainable_only or saved is None or not minlora.lora_sites(raw):
         return
-    # Written before the digest left out dtype and config: not comparable.
-    if "lora_scaling" not in data.meta:
-        logger.warning("checkpoint %s records its base model in an earlier form: it is not verified", data.path)
-        return
     scaling = {s.name: s.lora.scaling for s in minlora.lora_sites(raw)}
-    if data.meta["lora_scaling"] != scaling:
+    saved_scaling = data.meta.get("lora_scaling") or {}
+    if saved_scaling != scaling:
         raise CheckpointMismatchError(
             f"checkpoint {data.path} was trained with another LoRA alpha or rsLoRA setting (scaling "
-            f"{sorted(set(data.meta['lora_scaling'].values()))}, this run's {sorted(set(scaling.values()))}): "
+            f"{sorted(set(saved_scaling.values()))}, this run's {sorted(set(scaling.values()))}): "
             "resume with the run's --lora settings, or start a new run"
         )
     if own is None:

@@ -30,6 +30,26 @@ AUTO = "auto"  # TrainConfig.micro_batch_size="auto": found when the Trainer sta
 
 
 @dataclass
+class RecoveryConfig:
+    """Divergence recovery (``TrainConfig.recovery``; docs/training.md, "When a run goes wrong"): when
+    ``max_bad_steps`` non-finite steps come in a row, or the loss stays above ``divergence_factor`` x the best loss so
+    far for ``patience`` steps, go back to the newest checkpoint confirmed good, i.e. whose next step had a good loss
+    (or an in-memory copy before the first one), multiply the learning rate by ``lr_factor``, skip the batches that
+    blew up and go on; after ``max_recoveries`` recoveries stop with TrainingDivergedError.
+    """
+
+    enabled: bool = True  # False: no divergence detection; max_bad_steps non-finite steps stop the run
+    max_bad_steps: int = 5  # non-finite steps in a row (each skipped) before recovery / TrainingDivergedError
+    max_recoveries: int = 3  # recoveries before the run stops with TrainingDivergedError
+    lr_factor: float = 0.5  # each recovery multiplies the learning rate by this
+    divergence_factor: float = 2.0  # diverging: the loss above this x the best so far (and 1 nat above it)
+    patience: int = 3  # for this many steps in a row
+
+    def __post_init__(self) -> None:
+        check_fields(self, RECOVERY_CONFIG_RULES)
+
+
+@dataclass
 class TrainConfig:
     """Everything :class:`gpt2.train.trainer.Trainer` needs besides the model and the data.
 
@@ -119,18 +139,7 @@ class TrainConfig:
     overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------
-    max_bad_steps: int = 5  # non-finite steps in a row (each skipped) before recovery / TrainingDivergedError
-    # Divergence recovery (docs/training.md, "my loss went NaN"): when max_bad_steps non-finite steps come in a row, or
-    # the loss stays above divergence_factor x the best loss so far for divergence_patience steps, go back to the newest
-    # checkpoint confirmed good, i.e. whose next step had a good loss (or an in-memory copy before the first one),
-    # multiply the learning rate by recovery_lr_factor, skip the batches that blew up and go on; after max_recoveries
-    # recoveries stop with TrainingDivergedError.
-    # recover=False: no divergence detection, non-finite steps stop the run as before.
-    recover: bool = True  # divergence recovery (docs/training.md); False: non-finite steps stop the run
-    max_recoveries: int = 3  # recoveries before the run stops with TrainingDivergedError
-    recovery_lr_factor: float = 0.5  # each recovery multiplies the learning rate by this
-    divergence_factor: float = 2.0  # diverging: the loss above this x the best so far (and 1 nat above it)
-    divergence_patience: int = 3  # for this many steps in a row
+    recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)  # divergence recovery
 
     # --- logging ---------------------------------------------------------------------------
     log_interval: int = 10  # console line every N steps (every step goes to metrics.jsonl)
@@ -146,6 +155,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # One check after another, in this order: the first problem found is the one reported.
+        if isinstance(self.recovery, dict):
+            self.recovery = _from_dict(RecoveryConfig, self.recovery)
+        if not isinstance(self.recovery, RecoveryConfig):
+            raise InvalidValueError(f"TrainConfig.recovery must be a RecoveryConfig, got {self.recovery!r}")
         for name, rule in TRAIN_CONFIG_OR_AUTO.items():
             setattr(self, name, _checked_or_auto(name, getattr(self, name), rule))
         check_fields(self, TRAIN_CONFIG_RULES)
@@ -300,11 +313,6 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "total_batch_size": Range(low=1, integer=True, optional=True),
     "eval_steps": POSITIVE_INT,
     "log_interval": POSITIVE_INT,
-    "max_bad_steps": POSITIVE_INT,
-    "max_recoveries": NON_NEGATIVE_INT,
-    "divergence_patience": POSITIVE_INT,
-    "recovery_lr_factor": Range(low=0, high=1, low_open=True),  # (0, 1]; 1 = go back and skip data only
-    "divergence_factor": Range(low=1, low_open=True),  # > 1: above the best loss
     "warmup_steps": NON_NEGATIVE_INT,
     "eval_interval": NON_NEGATIVE_INT,
     "checkpoint_interval": NON_NEGATIVE_INT,
@@ -319,6 +327,14 @@ TRAIN_CONFIG_RULES: dict[str, Range] = {
     "grad_clip": Range(low=0, optional=True),  # 0 or None = no clipping
     "peak_flops": Range(low=0, low_open=True, optional=True),  # FLOP/s; None = from the GPU's name
     "memory_limit_gb": Range(low=0, low_open=True, optional=True),
+}
+
+RECOVERY_CONFIG_RULES: dict[str, Range] = {
+    "max_bad_steps": POSITIVE_INT,
+    "max_recoveries": NON_NEGATIVE_INT,
+    "lr_factor": Range(low=0, high=1, low_open=True),  # (0, 1]; 1 = go back and skip data only
+    "divergence_factor": Range(low=1, low_open=True),  # > 1: above the best loss
+    "patience": POSITIVE_INT,
 }
 
 # The numeric fields that also take "auto" (checked first, in this order): what their numbers must be.

@@ -57,10 +57,12 @@ class TrainingDivergedError(Gpt2Error, RuntimeError):
 
 
 def last_good(checkpoint: Path | None) -> str:
-    """Where an error message sends the user back to."""
+    """Where an error message sends the user back to: a checkpoint confirmed good (the step after it had a good
+    loss), or the news that there is none.
+    """
     if checkpoint is None:
-        return "no checkpoint was written in this run"
-    return f"the last good checkpoint is {checkpoint}"
+        return "No checkpoint of this run is known good (none was followed by a step with a good loss)"
+    return f"The last good checkpoint is {checkpoint}"
 
 
 class DivergenceMonitor:
@@ -105,12 +107,12 @@ class DivergenceMonitor:
 
 
 class RecoveryPolicy:
-    """Divergence recovery for one :class:`~gpt2.train.trainer.Trainer` (``TrainConfig.recover`` and the fields after
-    it; docs/training.md, "When a run goes wrong"). It owns everything that decides and performs a recovery:
+    """Divergence recovery for one :class:`~gpt2.train.trainer.Trainer` (``TrainConfig.recovery``;
+    docs/training.md, "When a run goes wrong"). It owns everything that decides and performs a recovery:
 
     - the judgement of each step: the :class:`DivergenceMonitor` of the loss and the count of non-finite (skipped)
       steps in a row (``consecutive_bad_steps``);
-    - what a recovery changed: ``recoveries`` so far and ``lr_scale`` (``recovery_lr_factor ** recoveries``, which
+    - what a recovery changed: ``recoveries`` so far and ``lr_scale`` (``lr_factor ** recoveries``, which
       multiplies the scheduled learning rate); checkpoints record these with the monitor (:meth:`state_dict`);
     - the states to go back to: only states it has seen succeed. The loss of step s is measured on the weights of
       step s - 1, so a state saved after step s (a checkpoint, or an in-memory copy) is *confirmed* good only once
@@ -124,14 +126,14 @@ class RecoveryPolicy:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.monitor = DivergenceMonitor(config.divergence_factor, config.divergence_patience)
+        self.monitor = DivergenceMonitor(config.recovery.divergence_factor, config.recovery.patience)
         self.recoveries = 0
         self.lr_scale = 1.0
         self.consecutive_bad_steps = 0
         # The steps of the checkpoints confirmed good.
         self.confirmed: set[int] = set()
-        # A confirmed in-memory copy (trainable weights, optimizer, data position, counters, RNG), kept until a
-        # checkpoint is confirmed.
+        # A confirmed in-memory copy of the Trainer's state_dict() (on the CPU: about 3x the trainable parameters'
+        # size with AdamW, as docs/training.md says), kept until a checkpoint is confirmed.
         self.snapshot: dict[str, Any] | None = None
         # The newest saved state, waiting for the judgement of the step after it.
         self.unconfirmed: _Saved | None = None
@@ -147,15 +149,16 @@ class RecoveryPolicy:
             self.consecutive_bad_steps = 0
 
     def judge(self, step: int, record: dict[str, Any]) -> bool:
-        """Show the monitor step ``step``'s ``record``; True when the run must go back (or, with ``recover=False``,
-        stop): the loss has diverged, or ``max_bad_steps`` steps in a row were non-finite.
+        """Show the monitor step ``step``'s ``record``; True when the run must go back (or, with recovery off,
+        stop): the loss has diverged (only with recovery on), or ``max_bad_steps`` steps in a row were non-finite.
+        With recovery off the steps are judged too, so that an error names only a checkpoint confirmed good.
         """
         # A step with no scored target reports loss 0 (and changes no weight): no evidence either way.
-        judged = self.config.recover and record.get("scored_tokens", 1) > 0
-        diverged = judged and self.monitor.observe(step, record["loss"])
+        judged = record.get("scored_tokens", 1) > 0
+        diverged = judged and self.monitor.observe(step, record["loss"]) and self.config.recovery.enabled
         if judged:
             self._settle(good=self.good)
-        return diverged or self.consecutive_bad_steps >= self.config.max_bad_steps
+        return diverged or self.consecutive_bad_steps >= self.config.recovery.max_bad_steps
 
     def _settle(self, good: bool) -> None:
         """The step after the newest saved state was judged: ``good`` confirms that state, a bad step refutes it."""
@@ -184,9 +187,9 @@ class RecoveryPolicy:
         keep = self.config.keep_last_checkpoints
         if not self.good:
             return 0
-        if not keep or not self.config.recover or checkpoint_dir is None or step >= self.config.max_steps:
+        if not keep or not self.config.recovery.enabled or checkpoint_dir is None or step >= self.config.max_steps:
             return keep
-        newest_confirmed = self._newest_confirmed(checkpoint_dir)
+        newest_confirmed = self.newest_confirmed(checkpoint_dir)
         if newest_confirmed is None:
             return keep
         first_kept = ckpt.checkpoint_step(newest_confirmed) or 0
@@ -194,7 +197,7 @@ class RecoveryPolicy:
         steps = {ckpt.checkpoint_step(p) or 0 for p in ckpt.list_checkpoints(checkpoint_dir)} | {step}
         return max(keep, len([s for s in steps if s >= first_kept]))
 
-    def _newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
+    def newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
         """The newest complete checkpoint under ``checkpoint_dir`` confirmed good, or None."""
         if checkpoint_dir is None:
             return None
@@ -208,7 +211,7 @@ class RecoveryPolicy:
         """At the start of a ``fit()``: without a checkpoint yet, copy the state so there is somewhere to go back to
         (once the first step confirms it).
         """
-        if not self.config.recover or trainer.last_checkpoint is not None:
+        if not self.config.recovery.enabled or trainer.last_checkpoint is not None:
             return
         if self.unconfirmed is None or self.unconfirmed.step != trainer.step:
             self.refresh_snapshot(trainer)
@@ -217,7 +220,7 @@ class RecoveryPolicy:
         """A fresh in-memory copy of the (good) state ``trainer`` is in; the confirmed one stays until the next step
         confirms this one (both are held for that one step).
         """
-        self.unconfirmed = _Saved(trainer.step, _capture(trainer))
+        self.unconfirmed = _Saved(trainer.step, _to_cpu(trainer.state_dict()))
 
     def saved_checkpoint(self, step: int) -> None:
         """A checkpoint of ``step`` was written: the newest saved state, until the next step confirms it."""
@@ -226,18 +229,18 @@ class RecoveryPolicy:
     # ------------------------------------------------------------------ going back
     def recover(self, trainer: Trainer, record: dict[str, Any]) -> None:
         """Take ``trainer`` back to the newest good state (an intact checkpoint written before the trouble began, else
-        the in-memory copy), multiply the learning rate by ``recovery_lr_factor`` and go on reading the data *after*
-        the batches that blew up. Raises :class:`TrainingDivergedError` with ``recover=False``, after
+        the in-memory copy), multiply the learning rate by ``lr_factor`` and go on reading the data *after*
+        the batches that blew up. Raises :class:`TrainingDivergedError` with recovery off, after
         ``max_recoveries``, or when there is nothing to go back to.
         """
         cfg = self.config
-        if not cfg.recover or self.recoveries >= cfg.max_recoveries:
+        if not cfg.recovery.enabled or self.recoveries >= cfg.recovery.max_recoveries:
             raise self.diverged(trainer, record)
         reason = self._reason(record)
         position = trainer.train_loader.state_dict()
         # Loading a checkpoint restores its recovery state too: what this recovery changes is taken first.
         recoveries = self.recoveries + 1
-        lr_scale = self.lr_scale * cfg.recovery_lr_factor
+        lr_scale = self.lr_scale * cfg.recovery.lr_factor
         monitor = self.monitor.state_dict()
         confirmed = set(self.confirmed)
         source = self._go_back(trainer, before_step=self._trouble_start(trainer.step))
@@ -257,7 +260,7 @@ class RecoveryPolicy:
             record["step"],
             reason,
             self.recoveries,
-            cfg.max_recoveries,
+            cfg.recovery.max_recoveries,
             trainer.step,
             source,
             self.lr_scale,
@@ -287,7 +290,7 @@ class RecoveryPolicy:
                     logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
         if self.snapshot is None or self.snapshot["step"] >= before_step:
             return None
-        _restore(trainer, self.snapshot)
+        trainer.load_state_dict(self.snapshot)
         return "in-memory copy"
 
     def diverged(
@@ -299,22 +302,26 @@ class RecoveryPolicy:
         cfg = self.config
         n = self.consecutive_bad_steps
         message = f"training diverged at step {trainer.step}"
-        if cfg.recover:
-            message += f" after {self.recoveries} recoveries (max_recoveries={cfg.max_recoveries})"
+        if cfg.recovery.enabled:
+            message += f" after {self.recoveries} recoveries (max_recoveries={cfg.recovery.max_recoveries})"
         message += f": {self._reason(record)}."
-        if n >= cfg.max_bad_steps:
+        if n >= cfg.recovery.max_bad_steps:
             message += f" Those steps were skipped, so the weights are still those of step {trainer.step - n}."
         if nothing_confirmed:
             message += (
                 " There was nothing to go back to: no state saved before the trouble was confirmed good (a saved state"
                 " is, once the step after it had a good loss)."
             )
-        # The newest checkpoint confirmed good; without one, the newest written (it was written on a good step).
-        checkpoint = self._newest_confirmed(trainer.checkpoint_dir) or trainer.last_checkpoint
-        message += (
-            f" {last_good(checkpoint)}. Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then "
-            "resume from the checkpoint."
-        )
+        # Only a checkpoint whose next step had a good loss: resuming an unconfirmed one may diverge at once.
+        checkpoint = self.newest_confirmed(trainer.checkpoint_dir)
+        message += f" {last_good(checkpoint)}. "
+        if checkpoint is None:
+            message += (
+                f"Start again with a lower max_lr (--max-lr; this run's was {cfg.max_lr:g}), keep grad_clip, or use "
+                "precision='bf16'/'fp32'."
+            )
+        else:
+            message += "Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume from that checkpoint."
         return TrainingDivergedError(
             message,
             step=trainer.step,
@@ -328,7 +335,7 @@ class RecoveryPolicy:
         scale = ""
         if "loss_scale" in record:
             scale = f", loss scale {record['loss_scale']:g}"
-        if self.consecutive_bad_steps >= self.config.max_bad_steps:
+        if self.consecutive_bad_steps >= self.config.recovery.max_bad_steps:
             return (
                 f"{self.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient norm "
                 f"(last: loss {record['loss']}, grad norm {record['grad_norm']}{scale})"
@@ -339,38 +346,34 @@ class RecoveryPolicy:
         )
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The counters and the monitor, so that resume stays exact across a recovery."""
-        return {"recoveries": self.recoveries, "lr_scale": self.lr_scale, "monitor": self.monitor.state_dict()}
-
-    def checkpoint_state(self, checkpoint_dir: Path | None = None) -> dict[str, Any]:
-        """What a checkpoint records (``meta["recovery"]``): :meth:`state_dict` and the steps of the checkpoints
-        under ``checkpoint_dir`` confirmed good so far (the one being written is not yet).
+    def state_dict(self, checkpoint_dir: Path | None = None) -> dict[str, Any]:
+        """The counters and the monitor (so that resume stays exact across a recovery), and the steps of the
+        checkpoints under ``checkpoint_dir`` confirmed good so far (the one being written is not yet).
         """
         on_disk = set()
         if checkpoint_dir is not None:
             on_disk = {ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoint_dir)}
-        return {**self.state_dict(), "confirmed": sorted(self.confirmed & on_disk)}
+        return {
+            "recoveries": self.recoveries,
+            "lr_scale": self.lr_scale,
+            "monitor": self.monitor.state_dict(),
+            "confirmed": sorted(self.confirmed & on_disk),
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's; a checkpoint written before
-        confirmations were recorded confirms none).
-        """
+        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's)."""
         state = state or {}
         self.recoveries = int(state.get("recoveries", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.monitor.load_state_dict(state.get("monitor"))
         self.confirmed = {int(step) for step in state.get("confirmed", [])}
 
-    def resume(self, state: dict[str, Any] | None, step: int | None = None) -> None:
-        """After loading the checkpoint of ``step``: its recovery state, no bad steps in a row, and that checkpoint
-        waiting for the next step to confirm it.
+    def resume(self, step: int) -> None:
+        """After loading the checkpoint of ``step`` (and its recovery state): no bad steps in a row, and that
+        checkpoint waiting for the next step to confirm it.
         """
         self.consecutive_bad_steps = 0
-        self.load_state_dict(state)
-        self.unconfirmed = None
-        if step is not None:
-            self.unconfirmed = _Saved(step)
+        self.unconfirmed = _Saved(step)
 
 
 @dataclass
@@ -379,26 +382,6 @@ class _Saved:
 
     step: int
     snapshot: dict[str, Any] | None = None
-
-
-def _capture(trainer: Trainer) -> dict[str, Any]:
-    """The trainable weights, optimizer and scaler state, data position, counters and RNG of ``trainer``, copied to the
-    CPU: about 3x the trainable parameters' size with AdamW (documented in docs/training.md). Frozen weights (a LoRA
-    base) never change, so they are not copied.
-    """
-    model, scaler = trainer.model, trainer.scaler
-    return _to_cpu(
-        {
-            "weights": {n: p for n, p in model.named_parameters() if p.requires_grad},
-            "optimizer": trainer.optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "loader": trainer.train_loader.state_dict(),
-            "step": trainer.step,
-            "skipped_steps": trainer.skipped_steps,
-            "best_val_loss": trainer.best_val_loss,
-            "rng": ckpt.capture_rng_state(),
-        }
-    )
 
 
 def _to_cpu(value: Any) -> Any:
@@ -410,19 +393,3 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     return copy.deepcopy(value)
-
-
-def _restore(trainer: Trainer, snapshot: dict[str, Any]) -> None:
-    """Put ``trainer`` back into the state :func:`_capture` copied."""
-    with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
-            if name in snapshot["weights"]:
-                p.copy_(snapshot["weights"][name])
-    trainer.optimizer.load_state_dict(snapshot["optimizer"])
-    if trainer.scaler is not None:
-        trainer.scaler.load_state_dict(snapshot["scaler"])
-    trainer.train_loader.load_state_dict(snapshot["loader"])
-    trainer.step = snapshot["step"]
-    trainer.skipped_steps = snapshot["skipped_steps"]
-    trainer.best_val_loss = snapshot["best_val_loss"]
-    ckpt.restore_rng_state(snapshot["rng"])

@@ -1,10 +1,11 @@
 """The weights and optimizer state of a sharded checkpoint (``shards/``), through ``torch.distributed.checkpoint``.
 
 Under FSDP every process writes its own shards of the weights and of AdamW's moments: no process ever holds the
-whole model. The index (``shards/.metadata``) records each tensor's global shape, so the shards load into any
-number of processes, sharded or not: 2 FSDP processes -> 1 process, -> 4 FSDP processes, -> 2 DDP processes.
-The optimizer state is keyed by parameter name, not by position, for the same reason. The atomic directory,
-its SHA256SUMS and the rest of the checkpoint are :mod:`gpt2.train.checkpoint`'s.
+whole model. Each process's file is safetensors (torch's Hugging Face storage) whose JSON header records where its
+slices sit in the whole tensors, so the shards load into any number of processes, sharded or not: 2 FSDP processes
+-> 1 process, -> 4 FSDP processes, -> 2 DDP processes. The optimizer state is keyed by parameter name, not by
+position, for the same reason; only its tensors are stored (this run's settings are kept on loading), so nothing
+is pickled. The atomic directory, its SHA256SUMS and the rest of the checkpoint are :mod:`gpt2.train.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from gpt2 import torch_compat
 from gpt2.model.checkpoint_files import (
     MODEL_KEY,
     OPTIM_KEY,
@@ -25,12 +26,9 @@ from gpt2.model.checkpoint_files import (
     _first_line,
     load_shards_into,
 )
+from gpt2.train.distributed import _active
 
 logger = logging.getLogger(__name__)
-
-
-def _in_process_group() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def write_shards(directory: Path, model: nn.Module, optimizer: Any, trainable_only: bool) -> None:
@@ -42,10 +40,18 @@ def write_shards(directory: Path, model: nn.Module, optimizer: Any, trainable_on
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state: dict[str, Any] = {MODEL_KEY: _model_state(model, trainable_only)}
+    # safetensors stores no tensor twice: a tied weight's second name gets a copy
+    seen: set[int] = set()
+    weights = {}
+    for name, tensor in _model_state(model, trainable_only).items():
+        ptr = (tensor.to_local() if torch_compat.is_dtensor(tensor) else tensor).untyped_storage().data_ptr()
+        weights[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    state: dict[str, Any] = {MODEL_KEY: weights}
     if optimizer is not None:
-        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory / SHARDS_DIR)))
+        state[OPTIM_KEY] = _tensors(get_optimizer_state_dict(model, optimizer))
+    # One safetensors file per process, its slices' places in the whole tensors in its JSON header.
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(directory / SHARDS_DIR), save_distributed=True))
 
 
 def load_shards(checkpoint: Path, model: nn.Module, optimizer: Any, trainable_only: bool) -> None:
@@ -62,10 +68,11 @@ def load_shards(checkpoint: Path, model: nn.Module, optimizer: Any, trainable_on
 
     state: dict[str, Any] = {MODEL_KEY: _model_state(model, trainable_only)}
     if optimizer is not None:
-        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
-    settings = _settings(optimizer)
+        # this run's optimizer settings, and the place of each tensor of its state for the saved one
+        own = get_optimizer_state_dict(model, optimizer)
+        state[OPTIM_KEY] = _tensors(own)
     try:
-        load_shards_into(state, checkpoint / SHARDS_DIR, no_dist=not _in_process_group())
+        load_shards_into(state, checkpoint / SHARDS_DIR, no_dist=not _active())
     except Exception as e:  # noqa: BLE001 - DCP raises its own CheckpointException (or RuntimeError) for a misfit
         raise CheckpointMismatchError(
             f"checkpoint {checkpoint}: its shards do not fit this model or optimizer ({_first_line(e)}). To start "
@@ -74,8 +81,13 @@ def load_shards(checkpoint: Path, model: nn.Module, optimizer: Any, trainable_on
         ) from None
     set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=not trainable_only))
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY])
-        _restore_settings(optimizer, settings)
+        set_optimizer_state_dict(model, optimizer, {**own, **state[OPTIM_KEY]})
+
+
+def _tensors(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of an optimizer state (AdamW's moments and step count), by parameter name."""
+    state = optimizer_state["state"]
+    return {"state": {name: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for name, s in state.items()}}
 
 
 def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
@@ -101,31 +113,18 @@ def load_whole(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: An
     set_model_state_dict(model, weights, options=options)
     if optimizer is None:
         return
-    settings = _settings(optimizer)
     set_optimizer_state_dict(model, optimizer, _keyed_by_name(model, optimizer, saved), options=options)
-    _restore_settings(optimizer, settings)
 
 
 def _keyed_by_name(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
     """``optimizer.state_dict()``'s form (parameters numbered in the optimizer's order) turned into
-    torch.distributed.checkpoint's (parameters named), pairing the numbers with this optimizer's parameters.
+    torch.distributed.checkpoint's (parameters named), pairing the numbers with this optimizer's parameters; the
+    groups are this run's settings (the learning rate is set every step).
     """
     names = {id(p): name for name, p in model.named_parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     numbers = [i for group in saved["param_groups"] for i in group["params"]]
     name_of = {i: names[id(p)] for i, p in zip(numbers, params)}
     state = {name_of[i]: value for i, value in saved["state"].items() if i in name_of}
-    groups = [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]]
+    groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
-
-
-def _settings(optimizer: Any) -> list[dict[str, Any]] | None:
-    """This run's optimizer settings per group (all but the parameters and the learning rate)."""
-    if optimizer is None:
-        return None
-    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-
-
-def _restore_settings(optimizer: Any, settings: list[dict[str, Any]] | None) -> None:
-    for group, mine in zip(optimizer.param_groups, settings or ()):
-        group.update(mine)

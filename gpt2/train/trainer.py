@@ -37,7 +37,6 @@ from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, probe_shape, resolve_precision
 from gpt2.train.recovery import (
-    DivergenceMonitor,
     RecoveryPolicy,
     TrainingDivergedError,
     TrainingInterrupted,
@@ -46,6 +45,10 @@ from gpt2.train.recovery import (
 from gpt2.train.schedule import CheckpointSchedule, is_due
 
 logger = logging.getLogger(__name__)
+
+# The parts of Trainer.state_dict() a checkpoint writes into files of their own (the weights into model.safetensors
+# or shards/, the rest into trainer_state.safetensors); the rest goes into trainer_state.json.
+IN_FILES = ("model", "optimizer", "scaler", "rng")
 
 
 class Trainer:
@@ -108,7 +111,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         # the records of this process's fit() calls
         self.history: list[dict[str, Any]] = []
-        # Divergence recovery: its counters are saved in checkpoints (see recovery_state).
+        # Divergence recovery: its counters are part of the run's state (state_dict).
         self.recovery = RecoveryPolicy(config)
         self._warned_short_val = False
         logger.info(
@@ -252,34 +255,45 @@ class Trainer:
             return None
         return self.out_dir / rundir.CHECKPOINT_DIR
 
-    # ------------------------------------------------------------------ divergence recovery (self.recovery)
-    @property
-    def monitor(self) -> DivergenceMonitor:
-        return self.recovery.monitor
+    # ------------------------------------------------------------------ the run's state
+    def state_dict(self) -> dict[str, Any]:
+        """The run's state, the one description of it that checkpoints and divergence recovery save and restore: the
+        step and counters, the data position, divergence recovery's counters, monitor and confirmed checkpoints, the
+        RNG states (every rank's: a collective), and the trainable weights, optimizer and loss scaler (the live
+        tensors: copy them to keep them). A checkpoint writes the last four into files of their own
+        (:data:`IN_FILES`), the rest into ``trainer_state.json``.
+        """
+        return {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "best_val_loss": self.best_val_loss,
+            "data": {"train": self.train_loader.state_dict()},
+            "recovery": self.recovery.state_dict(self.checkpoint_dir),
+            "rng": ckpt.capture_rng_state(all_ranks=True),
+            "model": {name: p for name, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
 
-    @property
-    def recoveries(self) -> int:
-        return self.recovery.recoveries
-
-    @property
-    def lr_scale(self) -> float:
-        """``recovery_lr_factor ** recoveries``: multiplies the scheduled learning rate."""
-        return self.recovery.lr_scale
-
-    @lr_scale.setter
-    def lr_scale(self, value: float) -> None:
-        self.recovery.lr_scale = value
-
-    @property
-    def consecutive_bad_steps(self) -> int:
-        return self.recovery.consecutive_bad_steps
-
-    def recovery_state(self) -> dict[str, Any]:
-        """What a checkpoint records about divergence recovery (resume stays exact across one)."""
-        return self.recovery.checkpoint_state(self.checkpoint_dir)
-
-    def load_recovery_state(self, state: dict[str, Any] | None) -> None:
-        self.recovery.load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put the run back into ``state`` (:meth:`state_dict`'s). What it lacks of :data:`IN_FILES` is left as it is
+        (a checkpoint loads those itself; a weights-only resume starts the optimizer fresh).
+        """
+        self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.best_val_loss = state.get("best_val_loss")
+        self.train_loader.load_state_dict(state["data"]["train"])
+        self.recovery.load_state_dict(state.get("recovery"))
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in state.get("model", {}):
+                    p.copy_(state["model"][name])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if "rng" in state:
+            ckpt.restore_rng_state(state["rng"])
 
     # ------------------------------------------------------------------ training
     def fit(self, until_step: int | None = None) -> list[dict[str, Any]]:
@@ -381,7 +395,7 @@ class Trainer:
         """
         to_disk = self.out_dir is not None
         # without recovery there is no in-memory copy to refresh
-        if not to_disk and not self.config.recover:
+        if not to_disk and not self.config.recovery.enabled:
             return False
         if not schedule.save_now(self.step, good=self.recovery.good, to_disk=to_disk):
             return False
@@ -611,64 +625,49 @@ class Trainer:
         # checked on every rank, so all of them stop together
         if bad:
             raise TrainingDivergedError(
-                f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}); "
-                f"{last_good(self.last_checkpoint)}",
+                f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}). "
+                f"{last_good(self.recovery.newest_confirmed(self.checkpoint_dir))}",
                 step=self.step,
                 loss=math.nan,
                 grad_norm=math.nan,
-                last_checkpoint=self.last_checkpoint,
+                last_checkpoint=self.recovery.newest_confirmed(self.checkpoint_dir),
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
-        # a collective: every rank's CUDA RNG state
-        rng = ckpt.capture_rng_state(all_ranks=True)
+        # a collective (every rank's CUDA RNG state)
+        state = self.state_dict()
         if self.sharded:
             # every rank writes its shards; rank 0 checks first that it still owns out_dir
-            path = self._write_checkpoint(self.checkpoint_dir, rng)
+            path = self._write_checkpoint(self.checkpoint_dir, state)
         elif self.is_main:
             if self._run_lock is not None:
                 self._run_lock.ensure_held()
-            path = self._write_checkpoint(self.checkpoint_dir, rng)
+            path = self._write_checkpoint(self.checkpoint_dir, state)
         if self.is_main:
             self._record_outputs()
         self.last_checkpoint = path
         self.recovery.saved_checkpoint(self.step)
         return path
 
-    def _write_checkpoint(self, checkpoint_dir: Path, rng: dict[str, Any]) -> Path:
-        """Write this step's checkpoint under ``checkpoint_dir`` (rank 0; every rank under FSDP, each its shards).
+    def _write_checkpoint(self, checkpoint_dir: Path, state: dict[str, Any]) -> Path:
+        """Write this step's checkpoint of ``state`` (:meth:`state_dict`'s) under ``checkpoint_dir`` (rank 0; every
+        rank under FSDP, each its shards): the weights, optimizer and scaler from the model and its optimizer (FSDP
+        shards them), the RNG states, and the rest of ``state`` with the run's settings in ``trainer_state.json``.
         A failed write is one line naming the file and the newest intact checkpoint:
         :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the checkpoint module, or a
         :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
         """
-        common = dict(
-            keep_last=self.recovery.checkpoints_to_keep(checkpoint_dir, self.step),
-            trainable_only=self.config.save_trainable_only,
-            rng_state=rng,
-        )
+        meta = {**self._run_settings(), **{k: v for k, v in state.items() if k not in IN_FILES}}
+        args = (checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, meta)
+        keep_last = self.recovery.checkpoints_to_keep(checkpoint_dir, self.step)
+        common = dict(keep_last=keep_last, trainable_only=self.config.save_trainable_only, rng_state=state["rng"])
         try:
             if not self.sharded:
-                return ckpt.save_checkpoint(
-                    checkpoint_dir,
-                    self.step,
-                    self.model,
-                    self.optimizer,
-                    self.scaler,
-                    self._checkpoint_meta(),
-                    **common,
-                )
+                return ckpt.save_checkpoint(*args, **common)
             before_write = None
             if self._run_lock is not None:
                 before_write = self._run_lock.ensure_held
             return ckpt.save_sharded_checkpoint(
-                checkpoint_dir,
-                self.step,
-                self.model,
-                self.optimizer,
-                self.scaler,
-                self._checkpoint_meta(),
-                base_fingerprint=self._base_fingerprint,
-                before_write=before_write,
-                **common,
+                *args, base_fingerprint=self._base_fingerprint, before_write=before_write, **common
             )
         except Gpt2Error:
             raise
@@ -676,16 +675,12 @@ class Trainer:
             where = e.filename or checkpoint_dir / f"step_{self.step:06d}"
             raise metrics.output_error(where, "saving the checkpoint into", e, checkpoint_dir) from e
 
-    def _checkpoint_meta(self) -> dict[str, Any]:
-        """What a checkpoint's trainer_state.json records besides the step: settings, data position, counters."""
+    def _run_settings(self) -> dict[str, Any]:
+        """What a checkpoint's trainer_state.json records besides the run's state: how the run was set up."""
         model_config = getattr(self.model, "config", None)
         return {
             "config": self.config.to_dict(),
             "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
-            "data": {"train": self.train_loader.state_dict()},
-            "best_val_loss": self.best_val_loss,
-            "skipped_steps": self.skipped_steps,
-            "recovery": self.recovery_state(),
             "world_size": self.dist_env.world_size,
             "strategy": self._strategy_name(),
             "grad_accum_steps": self.grad_accum_steps,
@@ -727,11 +722,9 @@ class Trainer:
                 f"checkpoint {meta['path']} records no data-loader position ('data' in "
                 f"{ckpt.META_FILE}): it was not written by the Trainer, so it cannot be resumed"
             )
-        self.train_loader.load_state_dict(meta["data"]["train"])
-        self.step = int(meta["step"])
-        self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self.best_val_loss = meta.get("best_val_loss")
-        self.recovery.resume(meta.get("recovery"), self.step)
+        # the weights, optimizer, scaler and RNG are loaded: the rest of the run's state
+        self.load_state_dict({k: v for k, v in meta.items() if k not in IN_FILES})
+        self.recovery.resume(self.step)
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
