@@ -18,7 +18,8 @@ import pytest
 from conftest import forked
 
 from gpt2.cli import main
-from gpt2.data import PrepareLockedError, ShardManifestError, TokenLoader, load_tokens, staging, write_shards
+from gpt2 import files
+from gpt2.data import PrepareLockedError, ShardManifestError, TokenLoader, load_tokens, write_shards
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 30
 
@@ -154,7 +155,7 @@ def test_a_lock_left_by_a_killed_prepare_is_taken_over(tmp_path, caplog):
     assert killed.exitcode == -signal.SIGKILL
     folder = out / ".prepare-t.staging"
     assert json.loads((folder / ".lock").read_text())["pid"] == killed.pid
-    with caplog.at_level(logging.WARNING, logger="gpt2.data.staging"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         paths = prepare_bytes(out, ["written after the kill"])
     assert "taking over" in caplog.text and f"pid {killed.pid}" in caplog.text
     assert sorted(os.listdir(out)) == sorted(["t.shards.json", *(p.name for p in paths)])
@@ -162,7 +163,7 @@ def test_a_lock_left_by_a_killed_prepare_is_taken_over(tmp_path, caplog):
 
 @pytest.mark.parametrize("holder", ["alive", "dead", "elsewhere"])
 def test_without_flock_the_lock_file_and_its_pid_are_the_lock(tmp_path, monkeypatch, holder):
-    monkeypatch.setattr(staging, "fcntl", None)
+    monkeypatch.setattr(files, "fcntl", None)
     out = tmp_path / "data"
     folder = out / ".prepare-t.staging"
     folder.mkdir(parents=True)
@@ -254,7 +255,7 @@ def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_pat
         def flock(fd, operation):
             raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(staging, "fcntl", NoFlock)
+    monkeypatch.setattr(files, "fcntl", NoFlock)
     out = tmp_path / "data"
 
     def docs():

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
+from gpt2 import files
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import rundir
 from gpt2.train.config import TrainConfig
@@ -180,7 +181,7 @@ def test_a_closed_trainer_may_not_write_into_its_former_out_dir(tmp_path):
 
 
 def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(rundir, "fcntl", None)  # e.g. Windows, or a filesystem without flock
+    monkeypatch.setattr(files, "fcntl", None)  # e.g. Windows, or a filesystem without flock
     out = tmp_path / "run"
     lock = rundir.RunLock(out).acquire()
     answer = _try_lock(out)  # the forked child inherits the patch
@@ -201,7 +202,7 @@ def test_on_a_filesystem_whose_flock_fails_the_creator_of_the_lock_file_holds_it
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(rundir.fcntl, "flock", no_flock)
+    monkeypatch.setattr(files.fcntl, "flock", no_flock)
     out = tmp_path / "run"
     lock = rundir.RunLock(out).acquire()
     assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
@@ -216,7 +217,7 @@ def test_unwritable_or_full_out_dir_names_the_lock_file(tmp_path, monkeypatch):
     def disk_full(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rundir.os, "fsync", disk_full)
+    monkeypatch.setattr(files.os, "fsync", disk_full)
     with pytest.raises(OSError, match="cannot lock out_dir .*No space left on device.*run.lock") as info:
         rundir.RunLock(tmp_path / "run").acquire()
     assert info.value.errno == 28

@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 import torch
 import tyro
 
-from gpt2 import outputs
 from gpt2.cli.layers import UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import Gpt2Error, InvalidValueError
@@ -24,10 +23,11 @@ from gpt2.files import replace_atomically
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
+from gpt2.outputs import RECORD_FILE
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
-from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir
+from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir, record_outputs
 from minlora.errors import MinloraError
 
 # A nested dataclass whose fields are flags of their own (``--max-steps``, not ``--train.max-steps``).
@@ -38,7 +38,7 @@ Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 # What an export writes (gpt2.model.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
 # only these is an earlier export, which a new one may replace.
 MODEL_EXPORT_FILES = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json", "merges.txt"}
-MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json"}
+MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json", RECORD_FILE}
 PEFT_EXPORT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 
 
@@ -291,7 +291,7 @@ def final_report(
             prompt=prompt,
         )
     if save and trainer.out_dir is not None:
-        write_json(trainer.out_dir / "results.json", results)
+        write_json(trainer.out_dir / "results.json", results, in_run=True)
     return results
 
 
@@ -349,13 +349,14 @@ def intact_checkpoint(out_dir: str | Path) -> Path | None:
     return None
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Write ``data`` to ``path`` whole (never a half-written file), then record that gpt2 wrote it, so
-    that a later write may replace it (:mod:`gpt2.outputs`; the caller checked that it may).
+def write_json(path: str | Path, data: Any, *, in_run: bool = False) -> None:
+    """Write ``data`` to ``path`` whole (never a half-written file; the caller checked that it may).
+    ``in_run``: a run folder's file, recorded there so that ``--overwrite`` may replace it later.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2) + "\n"
     replace_atomically(path, lambda f: f.write(text.encode("utf-8")))
-    outputs.record_written(path)
+    if in_run:
+        record_outputs(path.parent, [path.name])
     print(f"wrote {path}")

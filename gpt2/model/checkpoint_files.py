@@ -35,13 +35,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpt2.errors import Gpt2Error, MissingFileError
 from gpt2.files import replace_atomically
+from gpt2.outputs import DIGEST_FILE
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
 META_FILE = "trainer_state.json"
-DIGEST_FILE = "SHA256SUMS"
+# The folder of a run's checkpoints.
+CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_FILES = (WEIGHTS_FILE, STATE_FILE, META_FILE)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # 1: the three files; 2: SHA256SUMS too (a version-2 checkpoint without it is damaged).
