@@ -199,21 +199,29 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     if out_dir.is_dir():
         foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in {*recorded, LOCK_FILE, RECORD_FILE})
     clash = [name for name in foreign if name in RUN_FILES]
+    realpath = os.path.realpath
+    if resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))):
+        # Continues whatever run is there (or starts one): its newest usable checkpoint.
+        _refuse_replacing_foreign(out_dir, clash)
+        return []
+    if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
+        _refuse_replacing_foreign(out_dir, clash)
+        return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
+    return _check_fresh_run(folder, resume, overwrite, foreign, clash)
+
+
+def _refuse_replacing_foreign(out_dir: Path, clash: list[str]) -> None:
+    """Files of the user's under a name this run writes (always refused, even with overwrite)."""
     if clash:
         raise RunDirNotEmptyError(
             f"out_dir {out_dir} holds {clash}, which gpt2 did not write there and this run would replace: move "
             "them away or train into another out_dir (overwrite never replaces files that are not gpt2's)"
         )
-    realpath = os.path.realpath
-    if resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))):
-        # Continues whatever run is there (or starts one): its newest usable checkpoint.
-        return []
-    if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
-        return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
-    return _check_fresh_run(folder, resume, overwrite, foreign)
 
 
-def _check_fresh_run(folder: OutputFolder, resume: str | None, overwrite: bool, foreign: list[str]) -> list[Path]:
+def _check_fresh_run(
+    folder: OutputFolder, resume: str | None, overwrite: bool, foreign: list[str], clash: list[str]
+) -> list[Path]:
     """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
     files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
     """
@@ -238,6 +246,7 @@ def _check_fresh_run(folder: OutputFolder, resume: str | None, overwrite: bool, 
             "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
             "there are replaced"
         )
+    _refuse_replacing_foreign(out_dir, clash)
     present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
     # The run writes these files anew: one the user changed (or an unreadable record cannot vouch for) would be lost.
     changed = [name for name in present if not (out_dir / name).is_dir() and not folder.owns(name)]
