@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from conftest import forked
 
-from gpt2.cli import main
 from gpt2 import files
+from gpt2.cli import main
 from gpt2.data import PrepareLockedError, ShardManifestError, TokenLoader, load_tokens, write_shards
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 30

@@ -1,6 +1,6 @@
-"""The run directory: ``--overwrite`` deletes only what gpt2 recorded writing, and a damaged
-record never blocks a resume (and makes ``--overwrite`` delete nothing). The record is gpt2/outputs.py's; the run directory's rule is
-gpt2/train/rundir.py's.
+"""The run directory: ``--overwrite`` deletes only what gpt2 recorded writing, and a damaged record never
+blocks a resume (and makes ``--overwrite`` delete nothing). The record is gpt2/outputs.py's; the run
+directory's rule is gpt2/train/rundir.py's.
 """
 
 from __future__ import annotations
