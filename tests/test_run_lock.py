@@ -237,6 +237,23 @@ def _finished_run(out: Path) -> None:
     (out / "notes.txt").write_text("mine")
 
 
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    """run.lock as a link to a file outside the run: that file was overwritten with the lock record."""
+    outside = tmp_path / "precious.txt"
+    outside.write_text("mine")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / rundir.LOCK_FILE).symlink_to(outside)
+    with pytest.raises(rundir.RunDirLockedError, match="run.lock is a symbolic link: gpt2 never writes through one"):
+        Trainer(_model(), _config(out), _tokens(), sinks=[])
+    assert outside.read_text() == "mine" and (out / rundir.LOCK_FILE).is_symlink()
+    (out / rundir.LOCK_FILE).unlink()
+    (out / rundir.LOCK_FILE).symlink_to(tmp_path / "absent")  # a dangling link is refused too
+    with pytest.raises(rundir.RunDirLockedError, match="symbolic link"):
+        rundir.RunLock(out).acquire()
+    assert not (tmp_path / "absent").exists()
+
+
 def test_fresh_run_into_another_runs_directory_is_refused_with_the_ways_out(tmp_path):
     out = tmp_path / "run"
     _finished_run(out)
