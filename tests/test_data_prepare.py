@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -266,3 +267,40 @@ def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_pat
 
     paths = prepare_bytes(out, docs())
     assert sorted(os.listdir(out)) == sorted(["t.shards.json", *(p.name for p in paths)])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_signal_during_prepare_says_so_and_cleans_up_its_staging_folder(tmp_path, monkeypatch, sig):
+    """SIGHUP ended a single-process `gpt2 prepare` with no message and left its staging folder and lock behind."""
+    import gpt2.cli.prepare
+    import gpt2.data.prepare
+
+    out, ready, err = tmp_path / "data", tmp_path / "ready", tmp_path / "stderr"
+    (tmp_path / "corpus.jsonl").write_text('{"text": "a document"}\n')
+
+    def docs(inputs, text_field):
+        yield "the first document"
+        ready.touch()
+        time.sleep(120)
+        yield "never reached"
+
+    def run():
+        monkeypatch.setattr(gpt2.cli.prepare, "_documents", docs)
+        monkeypatch.setattr(gpt2.data.prepare, "get_tokenizer", Bytes)
+        sys.stderr = open(err, "w")
+        code = main(["prepare", "--input", str(tmp_path / "corpus.jsonl"), "--out-dir", str(out), "--no-progress"])
+        sys.stderr.flush()
+        os._exit(code)
+
+    child = forked(run)
+    try:
+        wait_for(ready, child)
+        assert (out / ".prepare-shard.staging" / ".lock").exists()
+        os.kill(child.pid, sig)
+        child.join(timeout=60)
+    finally:
+        child.kill()
+        child.join()
+    assert child.exitcode == 128 + sig
+    assert err.read_text().strip() == f"gpt2 prepare: stopped by {sig.name}; nothing was written"
+    assert not out.exists()
