@@ -224,7 +224,8 @@ def test_files_the_user_put_in_out_dir_are_refused_and_never_replaced(tmp_path):
     user.mkdir()
     (user / "results.json").write_text('{"mine": 1}')
     for overwrite in (False, True):
-        with pytest.raises(rundir.RunDirNotEmptyError, match=r"results.json.*did not write|did not write \(results.json"):
+        refused = r"results.json.*did not write|did not write \(results.json"
+        with pytest.raises(rundir.RunDirNotEmptyError, match=refused):
             Trainer(_model(), _config(user, overwrite=overwrite), _tokens(), sinks=[])
     assert (user / "results.json").read_text() == '{"mine": 1}'
     # overwrite deletes what gpt2 wrote (the manifest says what), and keeps the rest
