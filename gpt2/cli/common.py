@@ -291,7 +291,9 @@ def final_report(
             prompt=prompt,
         )
     if save and trainer.out_dir is not None:
-        write_json(trainer.out_dir / "results.json", results, in_run=True)
+        write_json(trainer.out_dir / "results.json", results)
+        # The run's from now on: --overwrite may replace it.
+        record_outputs(trainer.out_dir, ["results.json"])
     return results
 
 
@@ -349,14 +351,10 @@ def intact_checkpoint(out_dir: str | Path) -> Path | None:
     return None
 
 
-def write_json(path: str | Path, data: Any, *, in_run: bool = False) -> None:
-    """Write ``data`` to ``path`` whole (never a half-written file; the caller checked that it may).
-    ``in_run``: a run folder's file, recorded there so that ``--overwrite`` may replace it later.
-    """
+def write_json(path: str | Path, data: Any) -> None:
+    """Write ``data`` to ``path`` whole (never a half-written file; the caller checked that it may)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2) + "\n"
     replace_atomically(path, lambda f: f.write(text.encode("utf-8")))
-    if in_run:
-        record_outputs(path.parent, [path.name])
     print(f"wrote {path}")
