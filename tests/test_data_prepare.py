@@ -304,3 +304,15 @@ def test_a_stop_signal_during_prepare_says_so_and_cleans_up_its_staging_folder(t
     assert child.exitcode == 128 + sig
     assert err.read_text().strip() == f"gpt2 prepare: stopped by {sig.name}; nothing was written"
     assert not out.exists()
+
+
+def test_a_staging_folder_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / ".prepare-t.staging").symlink_to(mine)
+    with pytest.raises(PrepareLockedError, match="is a symbolic link"):
+        prepare_bytes(out, ["a document"])
+    assert sorted(os.listdir(mine)) == ["thesis.tex"]

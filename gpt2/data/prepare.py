@@ -165,6 +165,9 @@ class _Staging:
 
     def acquire(self) -> None:
         """Lock the folder (made if need be) and empty it."""
+        # Emptying it through a link would delete files elsewhere.
+        if self.path.is_symlink():
+            raise PrepareLockedError(f"{self.path} is a symbolic link: remove it (gpt2 never writes through one)")
         self.lock.acquire()
         self._remove_contents()
 
