@@ -255,13 +255,27 @@ def progress_enabled(requested: bool) -> bool:
     return sys.stderr is not None and sys.stderr.isatty()
 
 
+# What to do about a read or write the system refused, by its errno: the one place gpt2 words it.
+_WRITABLE = "choose a folder you can write to (or change its permissions)"
+ERROR_ADVICE = {
+    errno.ENOSPC: "free some space on that disk, or write to another one",
+    errno.EDQUOT: "free some space (the disk quota is used up), or write to another disk",
+    errno.EROFS: "choose a folder you can write to (that file system is read-only)",
+    errno.EACCES: _WRITABLE,
+    errno.EPERM: _WRITABLE,
+    errno.ENOENT: "check the path: a folder that does not exist, or a symlink to nothing?",
+    errno.ELOOP: "check the path: a symlink that leads back to itself?",
+}
+
+
 def write_advice(e: BaseException) -> str:
-    """What to do about a write that failed with ``e``: free space on a full disk (which torch and
-    safetensors report in words of their own), else check the disk.
+    """What to do about a write that failed with ``e``: :data:`ERROR_ADVICE` for its errno (a full disk
+    also where torch or safetensors say so in words of their own), else check the disk.
     """
-    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space" in str(e):
-        return "Free disk space"
-    return "Check the disk"
+    code = getattr(e, "errno", None)
+    if code is None and "No space" in str(e):
+        code = errno.ENOSPC
+    return ERROR_ADVICE.get(code, "check the disk")
 
 
 # --- one output file the user names

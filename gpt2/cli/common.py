@@ -4,7 +4,6 @@ package's lowest module), checks, sampling to stdout, and the end-of-training re
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -19,7 +18,7 @@ import tyro
 from gpt2.cli.layers import UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.files import replace_atomically
+from gpt2.files import ERROR_ADVICE, replace_atomically, write_advice
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
@@ -312,19 +311,6 @@ def finished_results(trainer: Any) -> dict[str, Any] | None:
     return results
 
 
-# What to do about a read or write the system refused, by its errno.
-WRITABLE = "choose a folder you can write to (or change its permissions)"
-SYSTEM_ERROR_ADVICE = {
-    errno.ENOSPC: "free some space on that disk, or write to another one",
-    errno.EDQUOT: "free some space (the disk quota is used up), or write to another disk",
-    errno.EROFS: "choose a folder you can write to (that file system is read-only)",
-    errno.EACCES: WRITABLE,
-    errno.EPERM: WRITABLE,
-    errno.ENOENT: "check the path: a folder that does not exist, or a symlink to nothing?",
-    errno.ELOOP: "check the path: a symlink that leads back to itself?",
-}
-
-
 def system_error_text(e: OSError) -> str:
     """One line for a read or write that failed: the file, what happened and what to do. The
     library's own errors (a checkpoint that could not be saved...) say all of it themselves.
@@ -335,8 +321,8 @@ def system_error_text(e: OSError) -> str:
     text = " ".join((e.strerror or str(e)).split())
     if files:
         text = f"{' -> '.join(files)}: {text}"
-    if e.errno in SYSTEM_ERROR_ADVICE:
-        text += f"; {SYSTEM_ERROR_ADVICE[e.errno]}"
+    if e.errno in ERROR_ADVICE:
+        text += f"; {write_advice(e)}"
     return text
 
 

@@ -311,7 +311,7 @@ class _ShardWriter:
         except OSError as e:
             raise ShardWriteError(
                 f"could not write the {self.prefix!r} shards in {str(self.out_dir)!r} ({e}); the folder was "
-                f"left as it was before. {write_advice(e)} (or choose another folder) and prepare again"
+                f"left as it was before. To go on: {write_advice(e)}, then prepare again"
             ) from e
 
     def __exit__(self, kind, error, traceback) -> None:

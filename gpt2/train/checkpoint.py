@@ -407,7 +407,7 @@ def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> Chec
         kept = f"the previous checkpoint {previous[-1]} is intact (resume='auto' continues from it)"
     else:
         kept = f"there is no earlier checkpoint in {root}"
-    fix = write_advice(e) + " (or point out_dir at another disk), then resume"
+    fix = f"To go on: {write_advice(e)} (out_dir), then resume"
     err = CheckpointSaveError(
         f"could not save checkpoint {final.name} in {root}: writing {writing} failed ({_first_line(e)}); "
         f"nothing of it was kept and {kept}. {fix}"

@@ -156,7 +156,7 @@ def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir
         then = "resume (resume='auto' continues from it)"
     why = " ".join(str(e).split())
     return RunOutputError(
-        f"{doing} {path} failed ({why}); {kept}. {write_advice(e)} (or point out_dir at another disk), then {then}",
+        f"{doing} {path} failed ({why}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}",
         errno=e.errno,
         filename=str(path),
     )
