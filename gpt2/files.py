@@ -363,13 +363,15 @@ class Lock:
         """Remove the lock file and unlock; a no-op when not held."""
         if self.fd is None:
             return
-        # Unlinked while still locked, so that nobody locks the old file (Windows: after closing it).
+        # Unlinked while still locked, so that nobody locks the old file.
         with contextlib.suppress(OSError):
             self.path.unlink()
         os.close(self.fd)
         self.fd = None
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        if fcntl is None:
+            # Windows removes no file that is open: now that it is closed, it can.
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
     def _open_locked(self) -> int | None:
         """The lock file, opened and held; None when it changed under us (try again)."""
