@@ -1,24 +1,37 @@
-"""Filesystem rules every layer shares: the cache folder, checksummed downloads, atomic writes,
-whether a pid is alive, and stop signals held off at a safe point.
+"""Filesystem rules every layer shares: the cache folder, checksummed downloads, atomic writes, one
+output file the user names, the one lock, what to advise when a write fails, and stop signals.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import errno
 import hashlib
 import io
+import json
 import logging
 import os
 import signal
+import socket
+import stat
+import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from gpt2.errors import Gpt2Error
+
+try:
+    import fcntl
+# Windows: the lock file, created exclusively, is the lock.
+except ImportError:
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -194,3 +207,283 @@ class StopSignals:
                 previous = signal.SIG_DFL
             signal.signal(sig, previous)
         self._previous.clear()
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (``signum``) ended a command that has no step boundary to stop at (``gpt2 prepare``)."""
+
+    def __init__(self, signum: int, outcome: str = "nothing was written") -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}; {outcome}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise :class:`Stopped` as Ctrl-C raises KeyboardInterrupt, so the
+    ``finally`` blocks that clean up run for them too (by default they end the process on the spot). A
+    signal ignored on entry (``nohup``) stays ignored; outside the main thread nothing changes.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            if sig != signal.SIGINT and signal.getsignal(sig) != signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _raise_stopped)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def progress_enabled(requested: bool) -> bool:
+    """Whether to show a progress bar that was ``requested``: in a notebook (a widget) or where stderr is a
+    terminal. A console bar redirected to a log file leaves carriage returns and escape codes in it; the
+    metric lines on stdout report progress there instead.
+    """
+    if not requested:
+        return False
+    # the class tqdm.auto chose (already imported, so no second notebook-mode warning)
+    from tqdm.autonotebook import tqdm as chosen_tqdm
+    from tqdm.std import tqdm as console_tqdm
+
+    if chosen_tqdm is not console_tqdm:
+        return True
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+# What to do about a read or write the system refused, by its errno: the one place gpt2 words it.
+_WRITABLE = "choose a folder you can write to (or change its permissions)"
+ERROR_ADVICE = {
+    errno.ENOSPC: "free some space on that disk, or write to another one",
+    errno.EDQUOT: "free some space (the disk quota is used up), or write to another disk",
+    errno.EROFS: "choose a folder you can write to (that file system is read-only)",
+    errno.EACCES: _WRITABLE,
+    errno.EPERM: _WRITABLE,
+    errno.ENOENT: "check the path: a folder that does not exist, or a symlink to nothing?",
+    errno.ELOOP: "check the path: a symlink that leads back to itself?",
+}
+
+
+def write_advice(e: BaseException) -> str:
+    """What to do about a write that failed with ``e``: :data:`ERROR_ADVICE` for its errno (a full disk
+    also where torch or safetensors say so in words of their own), else check the disk.
+    """
+    code = getattr(e, "errno", None)
+    if code is None and "No space" in str(e):
+        code = errno.ENOSPC
+    return ERROR_ADVICE.get(code, "check the disk")
+
+
+# --- one output file the user names
+
+
+class OutputExistsError(Gpt2Error, FileExistsError):
+    """A file the user named to write already exists (without ``overwrite``), or is not a regular file."""
+
+
+def check_new_file(path: str | os.PathLike, *, overwrite: bool, flag: str) -> None:
+    """Raise :class:`OutputExistsError` (one line naming ``path`` and ``flag``) unless ``path`` may be
+    written: it does not exist, or ``overwrite`` and it is a regular file (never a folder, a device such
+    as ``/dev/null``, or a link, which would send the bytes elsewhere).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        if stat.S_ISLNK(st.st_mode):
+            kind = "a symbolic link"
+        raise OutputExistsError(f"{path} is {kind}: gpt2 writes a new file there only; give a file name")
+    if not overwrite:
+        raise OutputExistsError(f"{path} exists: choose another path, or pass {flag} to replace it")
+
+
+def write_new_file(
+    path: str | os.PathLike, write: Callable[[Any], object], *, overwrite: bool, flag: str, to_path: bool = False
+) -> Path:
+    """Write the one file ``path`` the user named, atomically, after :func:`check_new_file`; nothing
+    else is written beside it (its folder is made if need be).
+    """
+    check_new_file(path, overwrite=overwrite, flag=flag)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(path, write, to_path=to_path)
+    return path
+
+
+# --- the lock
+
+# What flock fails with on a filesystem that does not support it.
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class LockedError(Gpt2Error, FileExistsError):
+    """Another process holds the lock; the message names it and the ways out."""
+
+
+class Lock:
+    """An exclusive lock: the file ``path``, holding its owner's pid, host and start time.
+
+    It is an ``fcntl.flock``, which the kernel releases when its process ends, however it ends. Where
+    there is no flock (Windows, some network filesystems) whoever creates the file owns it, and one left
+    by a process of this host that is gone is taken over. A record of another host is refused (flock may
+    not reach across machines). The file is never opened through a symbolic link. ``busy(who)`` words
+    the refusal, ``error`` is its class.
+    """
+
+    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str], error: type[Exception] = LockedError):
+        self.path = Path(path)
+        self.busy = busy
+        self.error = error
+        self.fd: int | None = None
+
+    def acquire(self) -> Lock:
+        # The file may be removed or replaced under us by its releasing owner: try again.
+        for _ in range(20):
+            fd = self._open_locked()
+            if fd is None:
+                continue
+            try:
+                self._judge_left_behind(_read_lock_record(fd))
+                _write_lock_record(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+            return self
+        raise self.error(f"could not lock {self.path}: it keeps changing; is another process starting there?")
+
+    def release(self) -> None:
+        """Remove the lock file and unlock; a no-op when not held."""
+        if self.fd is None:
+            return
+        # Unlinked while still locked, so that nobody locks the old file.
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self.fd)
+        self.fd = None
+        if fcntl is None:
+            # Windows removes no file that is open: now that it is closed, it can.
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def _open_locked(self) -> int | None:
+        """The lock file, opened and held; None when it changed under us (try again)."""
+        created, fd = self._open_or_create()
+        if fd is None:
+            return None
+        if self._flock(fd):
+            if _same_file(fd, self.path):
+                return fd
+            # Its owner removed it while we waited for it: lock the file now at the path instead.
+            os.close(fd)
+            return None
+        # Without flock, whoever created the file owns the lock.
+        if created:
+            return fd
+        record = _read_lock_record(fd)
+        os.close(fd)
+        pid = record.get("pid")
+        if record.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+            logger.warning("taking over %s: pid %s that held it is no longer running", self.path, pid)
+            self.path.unlink(missing_ok=True)
+            return None
+        raise self.error(f"{self.busy(_holder(record))}; if it is gone, delete {self.path}")
+
+    def _open_or_create(self) -> tuple[bool, int | None]:
+        """``(created, fd)`` of the lock file; ``fd`` None when it changed meanwhile. Knowing who created it
+        matters where flock is missing: an empty file of our own is not another process's lock.
+        """
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | _NOFOLLOW
+        try:
+            return False, os.open(self.path, flags)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno == errno.ELOOP or self.path.is_symlink():
+                raise self.error(
+                    f"{self.path} is a symbolic link: gpt2 never writes through one (it would overwrite the file "
+                    "it points to); remove the link and start again"
+                ) from None
+            raise
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return True, os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        # Made or removed meanwhile (with its folder) by another process: look again.
+        except (FileExistsError, FileNotFoundError):
+            return False, None
+
+    def _flock(self, fd: int) -> bool:
+        """True once ``fd`` is locked, False where there is no flock; raises while another process holds it."""
+        if fcntl is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            record = _read_lock_record(fd)
+            os.close(fd)
+            raise self.error(self.busy(_holder(record))) from None
+        except OSError as e:
+            if e.errno in _NO_FLOCK:
+                return False
+            os.close(fd)
+            raise
+        return True
+
+    def _judge_left_behind(self, record: dict[str, Any]) -> None:
+        """We hold the lock, but a previous owner's record is still there: it did not release it."""
+        if not record:
+            return
+        if record.get("host") not in (None, socket.gethostname()):
+            # flock may not reach across machines (network filesystems): that process may be alive.
+            raise self.error(
+                f"{self.busy(_holder(record))}; that host cannot be checked from here: if it is gone, "
+                f"delete {self.path} and start again"
+            )
+        if record.get("pid") is None:
+            logger.warning("taking over %s (its record was unreadable and nobody holds it)", self.path)
+        elif record.get("pid") != os.getpid():
+            logger.warning("taking over %s left by %s, which is no longer running", self.path, _holder(record))
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.lstat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _holder(record: dict[str, Any]) -> str:
+    if record.get("pid") is None:
+        return "a process that has not said who it is yet"
+    return f"pid {record['pid']} on host {record.get('host', '?')}, started {record.get('started', '?')}"
+
+
+def _read_lock_record(fd: int) -> dict[str, Any]:
+    """The lock file's record; empty when there is none, ``{"unreadable": True}`` when it is not JSON."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = os.read(fd, 1 << 16)
+        if not data.strip():
+            return {}
+        record = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError):
+        return {"unreadable": True}
+    if isinstance(record, dict):
+        return record
+    return {"unreadable": True}
+
+
+def _write_lock_record(fd: int) -> None:
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, (json.dumps(record) + "\n").encode("utf-8"))
+    os.fsync(fd)

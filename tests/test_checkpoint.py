@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import numpy as np
@@ -162,6 +163,24 @@ def test_keep_last_and_incomplete_directories(model, tmp_path):
     weights, _ = ckpt.load_weights(tmp_path / "step_000004" / ckpt.WEIGHTS_FILE)
     assert torch.equal(weights["lm_head.weight"], model.lm_head.weight)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_pruning_keeps_a_users_file_inside_an_old_checkpoint_and_names_it(model, tmp_path, caplog):
+    """--keep-last-checkpoints deleted whole checkpoint folders, a user's notes inside them included."""
+    ckpt.save_checkpoint(tmp_path, 1, model)
+    notes = tmp_path / "step_000001" / "notes.txt"
+    notes.write_text("lr too high from here")
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
+        ckpt.save_checkpoint(tmp_path, 2, model, keep_last=1)
+    assert notes.read_text() == "lr too high from here"
+    assert sorted(p.name for p in (tmp_path / "step_000001").iterdir()) == ["notes.txt"]
+    assert "kept" in caplog.text and str(notes) in caplog.text
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000002"]
+    # Saving a step again keeps a user's file in the copy it replaces too.
+    (tmp_path / "step_000002" / "notes.txt").write_text("mine")
+    ckpt.save_checkpoint(tmp_path, 2, model, keep_last=1)
+    kept = [p for p in tmp_path.rglob("notes.txt") if p.parent.name != "step_000001"]
+    assert [p.read_text() for p in kept] == ["mine"]
 
 
 def test_compiled_model_is_saved_under_its_raw_names(model, tmp_path):

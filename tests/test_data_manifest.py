@@ -19,6 +19,7 @@ from conftest import forked
 
 from gpt2.data import ShardManifestError, ShardWriteError, TokenLoader, load_tokens, prepare, write_shards, write_tokens
 from gpt2.data.loader import make_loader
+from gpt2.files import Stopped
 
 B, T = 1, 4
 OLD = ["an earlier data set, " * 3, "kept when a prepare fails"]
@@ -233,11 +234,14 @@ def test_a_signal_while_moving_into_place_completes_the_data_set(earlier):
         # in the forked process only, which has SIGTERM's default action, as a new one does
         os.replace = replace
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        prepare_into(earlier, NEW, overwrite=True)
+        try:
+            prepare_into(earlier, NEW, overwrite=True)
+        except Stopped as e:
+            os._exit(128 + e.signum)
 
     done = forked(signalled_while_moving)
     done.join(timeout=120)
-    assert done.exitcode == -signal.SIGTERM  # the signal still ends the process ...
+    assert done.exitcode == 128 + signal.SIGTERM  # the signal still ends the prepare ...
     np.testing.assert_array_equal(read_all(earlier, "val"), stream(NEW)[:16])  # ... after the move
     np.testing.assert_array_equal(read_all(earlier, "train"), stream(NEW)[16:])
     assert (earlier / "notes.txt").read_text() == "the user's"

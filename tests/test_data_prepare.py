@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 from conftest import forked
 
+from gpt2 import files
 from gpt2.cli import main
-from gpt2.data import PrepareLockedError, ShardManifestError, TokenLoader, load_tokens, staging, write_shards
+from gpt2.data import PrepareLockedError, ShardManifestError, TokenLoader, load_tokens, write_shards
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 30
 
@@ -154,7 +156,7 @@ def test_a_lock_left_by_a_killed_prepare_is_taken_over(tmp_path, caplog):
     assert killed.exitcode == -signal.SIGKILL
     folder = out / ".prepare-t.staging"
     assert json.loads((folder / ".lock").read_text())["pid"] == killed.pid
-    with caplog.at_level(logging.WARNING, logger="gpt2.data.staging"):
+    with caplog.at_level(logging.WARNING, logger="gpt2"):
         paths = prepare_bytes(out, ["written after the kill"])
     assert "taking over" in caplog.text and f"pid {killed.pid}" in caplog.text
     assert sorted(os.listdir(out)) == sorted(["t.shards.json", *(p.name for p in paths)])
@@ -162,7 +164,7 @@ def test_a_lock_left_by_a_killed_prepare_is_taken_over(tmp_path, caplog):
 
 @pytest.mark.parametrize("holder", ["alive", "dead", "elsewhere"])
 def test_without_flock_the_lock_file_and_its_pid_are_the_lock(tmp_path, monkeypatch, holder):
-    monkeypatch.setattr(staging, "fcntl", None)
+    monkeypatch.setattr(files, "fcntl", None)
     out = tmp_path / "data"
     folder = out / ".prepare-t.staging"
     folder.mkdir(parents=True)
@@ -254,7 +256,7 @@ def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_pat
         def flock(fd, operation):
             raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(staging, "fcntl", NoFlock)
+    monkeypatch.setattr(files, "fcntl", NoFlock)
     out = tmp_path / "data"
 
     def docs():
@@ -265,3 +267,52 @@ def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_pat
 
     paths = prepare_bytes(out, docs())
     assert sorted(os.listdir(out)) == sorted(["t.shards.json", *(p.name for p in paths)])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_signal_during_prepare_says_so_and_cleans_up_its_staging_folder(tmp_path, monkeypatch, sig):
+    """SIGHUP ended a single-process `gpt2 prepare` with no message and left its staging folder and lock behind."""
+    import gpt2.cli.prepare
+    import gpt2.data.prepare
+
+    out, ready, err = tmp_path / "data", tmp_path / "ready", tmp_path / "stderr"
+    (tmp_path / "corpus.jsonl").write_text('{"text": "a document"}\n')
+
+    def docs(inputs, text_field):
+        yield "the first document"
+        ready.touch()
+        time.sleep(120)
+        yield "never reached"
+
+    def run():
+        monkeypatch.setattr(gpt2.cli.prepare, "_documents", docs)
+        monkeypatch.setattr(gpt2.data.prepare, "get_tokenizer", Bytes)
+        sys.stderr = open(err, "w")
+        code = main(["prepare", "--input", str(tmp_path / "corpus.jsonl"), "--out-dir", str(out), "--no-progress"])
+        sys.stderr.flush()
+        os._exit(code)
+
+    child = forked(run)
+    try:
+        wait_for(ready, child)
+        assert (out / ".prepare-shard.staging" / ".lock").exists()
+        os.kill(child.pid, sig)
+        child.join(timeout=60)
+    finally:
+        child.kill()
+        child.join()
+    assert child.exitcode == 128 + sig
+    assert err.read_text().strip() == f"gpt2 prepare: stopped by {sig.name}; nothing was written"
+    assert not out.exists()
+
+
+def test_a_staging_folder_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / ".prepare-t.staging").symlink_to(mine)
+    with pytest.raises(PrepareLockedError, match="is a symbolic link"):
+        prepare_bytes(out, ["a document"])
+    assert sorted(os.listdir(mine)) == ["thesis.tex"]

@@ -1,10 +1,11 @@
-"""Issue 27: ``gpt2 eval --output FILE`` replaced any file (a run's results.json is gpt2's; a checkpoint's
-trainer_state.json or a user's file is not, and replacing trainer_state.json made the checkpoint "damaged").
+"""``gpt2 eval --output FILE`` writes a new file, or with ``--overwrite`` replaces a regular file (never a
+checkpoint's trainer_state.json without it, never a device node), and nothing beside it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from _tiny_run import tiny_config, tiny_tokens
@@ -48,7 +49,7 @@ def test_eval_output_refuses_a_file_gpt2_did_not_write(run_dir, shakespeare_file
     before = state.read_bytes()
     assert _eval(run_dir, shakespeare_file, "--output", str(state)) == 2
     err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "gpt2 has no record of writing it" in err, err
+    assert len(err.splitlines()) == 1 and "exists: choose another path" in err, err
     assert "--overwrite" in err and state.read_bytes() == before
     mine = run_dir.parent / "mine.json"
     mine.write_text('{"mine": 1}')
@@ -59,13 +60,25 @@ def test_eval_output_refuses_a_file_gpt2_did_not_write(run_dir, shakespeare_file
     assert "val_loss" in json.loads(mine.read_text())
 
 
-def test_eval_output_replaces_its_own_earlier_file(run_dir, shakespeare_file, capsys):
-    out = run_dir.parent / "eval.json"
+def test_eval_output_is_replaced_only_with_overwrite_and_nothing_is_written_beside_it(run_dir, shakespeare_file):
+    folder = run_dir.parent / "results"
+    out = folder / "eval.json"
     assert _eval(run_dir, shakespeare_file, "--output", str(out)) == 0
-    first = out.read_text()
-    assert _eval(run_dir, shakespeare_file, "--output", str(out)) == 0
-    assert json.loads(out.read_text()).keys() == json.loads(first).keys()
-    # ... but not once the user changed it.
     out.write_text('{"edited": true}')
     assert _eval(run_dir, shakespeare_file, "--output", str(out)) == 2
     assert json.loads(out.read_text()) == {"edited": True}
+    assert _eval(run_dir, shakespeare_file, "--output", str(out), "--overwrite") == 0
+    assert "val_loss" in json.loads(out.read_text())
+    assert sorted(p.name for p in folder.iterdir()) == ["eval.json"]
+
+
+def test_eval_output_never_replaces_a_device_even_with_overwrite(run_dir, shakespeare_file, capsys):
+    """--output /dev/null --overwrite replaced the device node with a regular file. A named pipe of the test's own
+    stands for the device here: a failing run must not break the machine's /dev/null.
+    """
+    device = run_dir.parent / "device"
+    os.mkfifo(device)
+    assert _eval(run_dir, shakespeare_file, "--output", str(device), "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{device} is not a regular file" in err, err
+    assert device.is_fifo()

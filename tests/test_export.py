@@ -14,10 +14,11 @@ import transformers
 
 import minlora
 from gpt2.cli import main
+from gpt2.files import OutputExistsError
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.model.tokenizer import get_tokenizer
-from gpt2.outputs import RECORD_FILE, NotOursError
+from gpt2.outputs import RECORD_FILE
 
 TINY = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32, pad_vocab_multiple=64)
 
@@ -164,21 +165,21 @@ def test_dora_is_one_flag_and_sample_runs_with_a_dora_adapter(base, tmp_path, ca
 
 
 def test_an_export_replaces_only_its_own_earlier_files(base, tmp_path, capsys):
-    """Issue 27: save_pretrained replaces what it recorded writing, nothing else; a file the user
-    changed since is refused in one line naming it and the flag, before anything is written.
+    """save_pretrained replaces what it recorded writing (the record is inside the folder), nothing else; a file
+    the user changed since is refused in one line naming it and the flag, before anything is written.
     """
     model, base_dir = base
     out = tmp_path / "out"
     model.save_pretrained(out)
-    # The record is in the parent: the folder holds the export and nothing else.
-    recorded = json.loads((tmp_path / RECORD_FILE).read_text())["out"]["files"]
-    assert sorted(recorded) == sorted(p.name for p in out.iterdir())
+    recorded = json.loads((out / RECORD_FILE).read_text())
+    assert sorted([*recorded, RECORD_FILE]) == sorted(p.name for p in out.iterdir())
+    assert not (tmp_path / RECORD_FILE).exists()
     (out / "config.json").write_text('{"edited": "by hand"}')
-    assert _cli("export", "--model", base_dir, "--out", out) == 2
-    assert f"{out / 'config.json'} has changed since gpt2 wrote it" in capsys.readouterr().err
+    assert _cli("export", "--model", base_dir, "--out", out) != 0
+    assert f"{out} holds config.json, which gpt2 did not write there" in capsys.readouterr().err
 
     weights = (out / "model.safetensors").read_bytes()
-    with pytest.raises(NotOursError, match=r"config.json has changed since .* pass overwrite=True \(--overwrite\)"):
+    with pytest.raises(OutputExistsError, match=r"config.json, which gpt2 did not write .* pass overwrite=True"):
         model.save_pretrained(out, safe_serialization=False)
     assert (out / "model.safetensors").read_bytes() == weights and not (out / "pytorch_model.bin").exists()
     model.save_pretrained(out, overwrite=True)
@@ -190,9 +191,3 @@ def test_an_export_replaces_only_its_own_earlier_files(base, tmp_path, capsys):
     model.save_pretrained(out, safe_serialization=False)
     assert (out / "notes.txt").read_text() == "mine" and (out / "model_backup.safetensors").read_bytes() == weights
     assert not (out / "model.safetensors").exists()  # its own earlier weights: replaced by the .bin
-
-    # An export from before the record: the export's own names are replaced as before.
-    (tmp_path / RECORD_FILE).unlink()
-    (out / "config.json").write_text('{"edited": "by hand"}')
-    model.save_pretrained(out)
-    assert "edited" not in (out / "config.json").read_text()

@@ -13,11 +13,11 @@ import torch
 
 import minlora
 from gpt2.cli import main
+from gpt2.files import OutputExistsError
 from gpt2.model.config import GPTConfig
 from gpt2.model.gguf import _gguf_tensors, save_gguf
 from gpt2.model.gpt import GPT
 from gpt2.model.tokenizer import bpe_files, get_tokenizer
-from gpt2.outputs import NotOursError
 
 gguf = pytest.importorskip("gguf")
 
@@ -198,24 +198,22 @@ def test_a_weight_the_type_cannot_hold_keeps_its_tensor_in_f32(tmp_path, caplog,
     assert caplog.text.count("GGUF export:") == 1
 
 
-def test_save_gguf_replaces_only_its_own_earlier_file(tmp_path):
-    """Issue 27: any llama.cpp model is a GGUF file, so only the record shows which one gpt2 wrote."""
+def test_save_gguf_writes_a_new_file_or_replaces_one_only_with_overwrite(tmp_path):
+    """Any llama.cpp model is a GGUF file: an existing one is replaced only when the user asks, and nothing is
+    written beside it.
+    """
     model = _random_model()
     theirs = tmp_path / "llama.gguf"
     theirs.write_bytes(b"GGUF" + bytes(60))
-    with pytest.raises(NotOursError, match=r"llama.gguf exists and gpt2 has no record .* overwrite=True"):
+    with pytest.raises(OutputExistsError, match=r"llama.gguf exists: choose another path, or pass overwrite=True"):
         save_gguf(model, theirs, dtype="f32")
     assert theirs.read_bytes() == b"GGUF" + bytes(60)
-
     path = save_gguf(model, tmp_path / "m.gguf", dtype="f32")
-    save_gguf(model, path, dtype="f16")  # its own earlier export
-    with open(path, "r+b") as f:  # changed since
-        f.seek(-1, 2)
-        f.write(b"x")
-    with pytest.raises(NotOursError, match="m.gguf has changed since gpt2 wrote it"):
-        save_gguf(model, path)
+    with pytest.raises(OutputExistsError, match="m.gguf exists"):
+        save_gguf(model, path, dtype="f16")
     save_gguf(model, theirs, dtype="f32", overwrite=True)
     assert len(_reader(theirs).tensors) == len(_expected_tensors(model))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama.gguf", "m.gguf"]
 
 
 def _adapter(base_dir, path, tie: bool = False, **config) -> GPT:

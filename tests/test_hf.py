@@ -18,6 +18,7 @@ from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
+from gpt2.outputs import RECORD_FILE
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -187,7 +188,7 @@ def test_save_pretrained_loads_in_transformers(tmp_path, overrides):
     ours = GPT(config).eval()
     _randomise(ours)
     out = GPT.save_pretrained(ours, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD_FILE, "config.json", "model.safetensors"]
     hf = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
     assert hf.config.vocab_size == 100 and hf.config.layer_norm_epsilon == config.layer_norm_epsilon
@@ -217,7 +218,11 @@ def test_crash_during_save_pretrained_keeps_the_previous_export(tmp_path, monkey
     monkeypatch.setattr(gpt2.files.os, "fsync", crash_midway)
     with pytest.raises(OSError, match="disk full"):
         second.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no temp left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        RECORD_FILE,
+        "config.json",
+        "model.safetensors",
+    ]  # no temp left
     _assert_same_logits_and_loss(first, GPT2LMHeadModel.from_pretrained(tmp_path).eval(), _ids())
 
 
@@ -261,7 +266,8 @@ def test_save_pretrained_over_a_sharded_save_leaves_no_stale_weights(tmp_path, h
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(sd, shard)}))
     config = config_from_hf(hf_model.config)
     ours = GPT(config).eval()  # other (random) weights than hf_model's
-    ours.save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    # transformers wrote these files, not gpt2: replacing them takes overwrite.
+    ours.save_pretrained(tmp_path, safe_serialization=safe_serialization, overwrite=True)
     weights = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("model", "pytorch_model")))
     assert weights == ["model.safetensors" if safe_serialization else "pytorch_model.bin"]
     _assert_same_logits_and_loss(ours, GPT2LMHeadModel.from_pretrained(tmp_path).eval(), _ids())

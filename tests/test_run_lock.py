@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
+from gpt2 import files
 from gpt2.train import checkpoint as ckpt
 from gpt2.train import rundir
 from gpt2.train.config import TrainConfig
@@ -180,7 +181,7 @@ def test_a_closed_trainer_may_not_write_into_its_former_out_dir(tmp_path):
 
 
 def test_without_flock_the_exclusive_record_is_the_lock(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(rundir, "fcntl", None)  # e.g. Windows, or a filesystem without flock
+    monkeypatch.setattr(files, "fcntl", None)  # e.g. Windows, or a filesystem without flock
     out = tmp_path / "run"
     lock = rundir.RunLock(out).acquire()
     answer = _try_lock(out)  # the forked child inherits the patch
@@ -201,7 +202,7 @@ def test_on_a_filesystem_whose_flock_fails_the_creator_of_the_lock_file_holds_it
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(rundir.fcntl, "flock", no_flock)
+    monkeypatch.setattr(files.fcntl, "flock", no_flock)
     out = tmp_path / "run"
     lock = rundir.RunLock(out).acquire()
     assert json.loads((out / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
@@ -216,7 +217,7 @@ def test_unwritable_or_full_out_dir_names_the_lock_file(tmp_path, monkeypatch):
     def disk_full(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rundir.os, "fsync", disk_full)
+    monkeypatch.setattr(files.os, "fsync", disk_full)
     with pytest.raises(OSError, match="cannot lock out_dir .*No space left on device.*run.lock") as info:
         rundir.RunLock(tmp_path / "run").acquire()
     assert info.value.errno == 28
@@ -234,6 +235,23 @@ def _finished_run(out: Path) -> None:
     (out / "results.json").write_text("{}")
     rundir.record_outputs(out, ["results.json"])
     (out / "notes.txt").write_text("mine")
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    """run.lock as a link to a file outside the run: that file was overwritten with the lock record."""
+    outside = tmp_path / "precious.txt"
+    outside.write_text("mine")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / rundir.LOCK_FILE).symlink_to(outside)
+    with pytest.raises(rundir.RunDirLockedError, match="run.lock is a symbolic link: gpt2 never writes through one"):
+        Trainer(_model(), _config(out), _tokens(), sinks=[])
+    assert outside.read_text() == "mine" and (out / rundir.LOCK_FILE).is_symlink()
+    (out / rundir.LOCK_FILE).unlink()
+    (out / rundir.LOCK_FILE).symlink_to(tmp_path / "absent")  # a dangling link is refused too
+    with pytest.raises(rundir.RunDirLockedError, match="symbolic link"):
+        rundir.RunLock(out).acquire()
+    assert not (tmp_path / "absent").exists()
 
 
 def test_fresh_run_into_another_runs_directory_is_refused_with_the_ways_out(tmp_path):

@@ -1,6 +1,6 @@
-"""Issue 27, the run directory: ``--overwrite`` deletes only what gpt2 recorded writing, and a damaged
-record never blocks a resume. The record is gpt2/outputs.py's; the run directory's rule is
-gpt2/train/rundir.py's.
+"""The run directory: ``--overwrite`` deletes only what gpt2 recorded writing, and a damaged record never
+blocks a resume (and makes ``--overwrite`` delete nothing). The record is gpt2/outputs.py's; the run
+directory's rule is gpt2/train/rundir.py's.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 import pytest
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
+from gpt2.outputs import RECORD_FILE
 from gpt2.train import rundir
 from gpt2.train.trainer import Trainer
 
@@ -24,7 +25,7 @@ def _train(out, **overrides):
 def test_a_run_records_only_what_it_wrote_with_what_identifies_it(tmp_path):
     out = tmp_path / "run"
     _train(out, max_steps=2)
-    record = json.loads((out / rundir.MANIFEST_FILE).read_text())
+    record = json.loads((out / RECORD_FILE).read_text())
     # Pretraining writes no adapter, results.json, TensorBoard or W&B folder: none is claimed.
     assert set(record) == {"checkpoints", "metrics.jsonl"}
     assert record["checkpoints"]["digests"] == "SHA256SUMS"
@@ -64,20 +65,43 @@ def test_a_damaged_record_does_not_block_resume_auto(tmp_path, damage, caplog):
     """A damaged .gpt2-outputs.json made --resume auto refuse, advising to move the checkpoints away."""
     out = tmp_path / "run"
     _train(out, max_steps=2)
-    (out / rundir.MANIFEST_FILE).write_text(damage)
+    (out / RECORD_FILE).write_text(damage)
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         trainer = _train(out, max_steps=4, resume="auto")
     assert trainer.step == 4
     assert "is damaged" in caplog.text
     # The record is rebuilt from what the resumed run wrote.
-    assert {"checkpoints", "metrics.jsonl"} <= set(json.loads((out / rundir.MANIFEST_FILE).read_text()))
+    assert {"checkpoints", "metrics.jsonl"} <= set(json.loads((out / RECORD_FILE).read_text()))
 
 
-def test_overwrite_of_a_run_whose_record_is_damaged_replaces_the_run_by_the_older_rule(tmp_path):
+def test_overwrite_of_a_run_whose_record_is_truncated_deletes_nothing(tmp_path):
+    """A truncated record made --overwrite delete checkpoints/ whole, a user's notes inside it included."""
     out = tmp_path / "run"
     _train(out, max_steps=2)
-    (out / rundir.MANIFEST_FILE).write_text("{not json")
-    (out / "mine.txt").write_text("mine")
+    record = (out / RECORD_FILE).read_text()
+    (out / RECORD_FILE).write_text(record[: len(record) // 2])
+    notes = out / "checkpoints" / "step_000002" / "notes.txt"
+    notes.write_text("mine")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    with pytest.raises(rundir.RunDirNotEmptyError, match="cannot tell"):
+        _train(out, max_steps=2, overwrite=True)
+    assert notes.read_text() == "mine"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+
+
+def test_overwrite_refuses_to_replace_a_metrics_or_results_file_the_user_edited(tmp_path):
+    """--overwrite said it kept an edited metrics.jsonl or results.json, then the new run replaced it."""
+    out = tmp_path / "run"
+    _train(out, max_steps=2)
+    rundir.record_outputs(out, ["metrics.jsonl"])
+    for name in ("metrics.jsonl", "results.json"):
+        edited = out / name
+        if name == "results.json":
+            edited.write_text('{"val_loss": 1.0}\n')
+            rundir.record_outputs(out, [name])
+        edited.write_text("my notes on this run\n")
+        with pytest.raises(rundir.RunDirNotEmptyError, match=f"{name} changed since gpt2 wrote"):
+            _train(out, max_steps=2, overwrite=True)
+        assert edited.read_text() == "my notes on this run\n"
+        edited.unlink()
     _train(out, max_steps=2, overwrite=True)
-    assert (out / "mine.txt").read_text() == "mine"
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]

@@ -4,7 +4,6 @@ package's lowest module), checks, sampling to stdout, and the end-of-training re
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -15,21 +14,21 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from gpt2 import outputs
 
 # Flat: for the commands' option groups
 from gpt2.cli.layers import Flat as Flat
 from gpt2.cli.layers import Short, UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.files import replace_atomically
+from gpt2.files import ERROR_ADVICE, replace_atomically, write_advice
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
+from gpt2.outputs import RECORD_FILE
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
-from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir
+from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir, record_outputs
 from minlora.errors import MinloraError
 
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
@@ -38,7 +37,7 @@ Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 # What an export writes (gpt2.model.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
 # only these is an earlier export, which a new one may replace.
 MODEL_EXPORT_FILES = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json", "merges.txt"}
-MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json"}
+MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json", RECORD_FILE}
 PEFT_EXPORT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 
 
@@ -312,6 +311,8 @@ def final_report(
         )
     if save and trainer.out_dir is not None:
         write_json(trainer.out_dir / "results.json", results)
+        # The run's from now on: --overwrite may replace it.
+        record_outputs(trainer.out_dir, ["results.json"])
     return results
 
 
@@ -330,19 +331,6 @@ def finished_results(trainer: Any) -> dict[str, Any] | None:
     return results
 
 
-# What to do about a read or write the system refused, by its errno.
-WRITABLE = "choose a folder you can write to (or change its permissions)"
-SYSTEM_ERROR_ADVICE = {
-    errno.ENOSPC: "free some space on that disk, or write to another one",
-    errno.EDQUOT: "free some space (the disk quota is used up), or write to another disk",
-    errno.EROFS: "choose a folder you can write to (that file system is read-only)",
-    errno.EACCES: WRITABLE,
-    errno.EPERM: WRITABLE,
-    errno.ENOENT: "check the path: a folder that does not exist, or a symlink to nothing?",
-    errno.ELOOP: "check the path: a symlink that leads back to itself?",
-}
-
-
 def system_error_text(e: OSError) -> str:
     """One line for a read or write that failed: the file, what happened and what to do. The
     library's own errors (a checkpoint that could not be saved...) say all of it themselves.
@@ -353,8 +341,8 @@ def system_error_text(e: OSError) -> str:
     text = " ".join((e.strerror or str(e)).split())
     if files:
         text = f"{' -> '.join(files)}: {text}"
-    if e.errno in SYSTEM_ERROR_ADVICE:
-        text += f"; {SYSTEM_ERROR_ADVICE[e.errno]}"
+    if e.errno in ERROR_ADVICE:
+        text += f"; {write_advice(e)}"
     return text
 
 
@@ -370,12 +358,9 @@ def intact_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    """Write ``data`` to ``path`` whole (never a half-written file), then record that gpt2 wrote it, so
-    that a later write may replace it (:mod:`gpt2.outputs`; the caller checked that it may).
-    """
+    """Write ``data`` to ``path`` whole (never a half-written file; the caller checked that it may)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2) + "\n"
     replace_atomically(path, lambda f: f.write(text.encode("utf-8")))
-    outputs.record_written(path)
     print(f"wrote {path}")

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpt2 import outputs
 from gpt2.cli.common import Precision, UsageError, load_for_inference, loss_line, write_json
 from gpt2.cli.layers import Options
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
+from gpt2.files import OutputExistsError, check_new_file
 
 
 @dataclass
@@ -85,12 +85,12 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
 
 
 def _check_output(output: str, overwrite: bool) -> None:
-    """``--output`` may replace only a file gpt2 wrote (a run's results.json is; a checkpoint's
-    trainer_state.json, or any file of the user's, is not) unless ``--overwrite``.
+    """``--output`` names a new file, or with ``--overwrite`` a regular file to replace (never a device such
+    as /dev/null, a folder or a link); nothing else is written beside it.
     """
     try:
-        outputs.check_replaceable(output, overwrite=overwrite, flag="--overwrite")
-    except outputs.NotOursError as e:
+        check_new_file(output, overwrite=overwrite, flag="--overwrite")
+    except OutputExistsError as e:
         raise UsageError(f"--output {e}") from None
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 import minlora
 from gpt2.cli.common import MODEL_EXPORT_FILES, PEFT_EXPORT_FILES, UsageError, check_export_dir
 from gpt2.cli.layers import Options
+from gpt2.files import OutputExistsError, check_new_file
 from gpt2.model.gguf import check_tied_head, save_gguf
 from gpt2.model.gpt import GPT
 from gpt2.model.hf import resolve_source
@@ -39,7 +40,7 @@ class ExportOptions(Options):
     gguf_type: Literal["f32", "f16", "q8_0"] = "f16"
     """GGUF weight type: f32, f16 or q8_0 (8-bit blocks; norms and biases stay f32)"""
     overwrite: bool = False
-    """write into a non-empty --out / --peft-out, or over a non-GGUF --gguf file (only the export's files change)"""
+    """write into a non-empty --out / --peft-out (only the export's files change), or replace an existing --gguf file"""
 
 
 def export(options: ExportOptions) -> int:
@@ -118,13 +119,12 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
 
 
 def _check_gguf_path(path: str | None, overwrite: bool) -> None:
-    """An earlier GGUF file gpt2 wrote (recorded) may be replaced; another file only with --overwrite, a folder never
-    (the rule itself is gpt2.outputs', applied again by save_gguf).
-    """
-    if path is None or not Path(path).exists():
+    """``--gguf`` names a new file, or with ``--overwrite`` a regular file to replace (checked again by save_gguf)."""
+    if path is None:
         return
     if Path(path).is_dir():
         raise UsageError(f"--gguf {path} is a folder: give a file name, e.g. {Path(path) / 'model.gguf'}")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF" and not overwrite:
-            raise UsageError(f"--gguf {path} exists and is not a GGUF file: give a new file name, or pass --overwrite")
+    try:
+        check_new_file(path, overwrite=overwrite, flag="--overwrite")
+    except OutputExistsError as e:
+        raise UsageError(f"--gguf {e}") from None

@@ -180,6 +180,7 @@ def _save(trainer: Any, model: Any, options: FinetuneOptions, results: dict[str,
             results["adapter"] = str(adapter)
             print(f"saved adapter {adapter} ({sample} {options.init} --adapter {adapter})")
         write_json(out / "results.json", results)
+        rundir.record_outputs(out, ["results.json"])
     # never with --full: check() refuses it
     if options.peft_export:
         minlora.export_peft_adapter(model, options.peft_export, base_model_name_or_path=peft_base(options.init))

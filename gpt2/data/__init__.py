@@ -1,5 +1,5 @@
 """Token data: Tiny Shakespeare (:mod:`.downloads`), text -> shards with a manifest (:mod:`.prepare`, each
-prefix staged and locked by :mod:`.staging`), ``.npy`` / llm.c ``.bin`` token files (:mod:`.formats`), the rank-aware
+prefix staged and locked there), ``.npy`` / llm.c ``.bin`` token files (:mod:`.formats`), the rank-aware
 :class:`TokenLoader` (:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`).
 """
 
@@ -19,8 +19,7 @@ from gpt2.data.formats import (
     write_tokens,
 )
 from gpt2.data.loader import TokenLoader, TokenSource
-from gpt2.data.prepare import ShardWriteError, shard_name, tokenize_file, write_shards
-from gpt2.data.staging import PrepareLockedError
+from gpt2.data.prepare import PrepareLockedError, ShardWriteError, shard_name, tokenize_file, write_shards
 
 __all__ = [
     "TINY_SHAKESPEARE_SHA256",

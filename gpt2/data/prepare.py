@@ -12,18 +12,14 @@ import math
 import multiprocessing
 import os
 import re
+import shutil
 import signal
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
-
-# the class tqdm.auto chose (already imported, so no second notebook-mode warning)
-from tqdm.autonotebook import tqdm as chosen_tqdm
-from tqdm.std import tqdm as console_tqdm
 
 from gpt2.data.formats import (
     MANIFEST_FORMAT,
@@ -35,9 +31,16 @@ from gpt2.data.formats import (
     token_files,
     write_tokens,
 )
-from gpt2.data.staging import StagingFolder, remove_old_stages
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
-from gpt2.files import StopSignals, replace_atomically
+from gpt2.files import (
+    Lock,
+    Stopped,
+    StopSignals,
+    progress_enabled,
+    replace_atomically,
+    stop_signals_raise,
+    write_advice,
+)
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 from gpt2.model.tokenizer import get_tokenizer
@@ -51,18 +54,6 @@ _FORMATS = ("npy", "bin")
 # bar; bars appear only once a job has run this many seconds, so quick jobs print nothing.
 _TEXT_CHUNK_CHARS = 1 << 20
 _BAR_DELAY_S = 1.0
-
-
-def progress_enabled(requested: bool) -> bool:
-    """Whether to show a progress bar that was ``requested``: in a notebook (a widget) or where stderr is a
-    terminal. A console bar redirected to a log file leaves carriage returns and escape codes in it; the
-    metric lines on stdout report progress there instead.
-    """
-    if not requested:
-        return False
-    if chosen_tqdm is not console_tqdm:
-        return True
-    return sys.stderr is not None and sys.stderr.isatty()
 
 
 def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") -> str:
@@ -151,12 +142,61 @@ class ShardWriteError(Gpt2Error, OSError):
     """Writing a data set failed (disk full, no permission, ...); its folder was left as it was."""
 
 
+class PrepareLockedError(Gpt2Error, FileExistsError):
+    """Another prepare is writing the same prefix into the same folder."""
+
+
+class _Staging:
+    """``out_dir/.prepare-{prefix}.staging``, where a data set is written before it moves into place, and
+    its lock file ``.lock`` (:class:`gpt2.files.Lock`): one prepare of a prefix into a folder at a time. A
+    prepare killed with ``kill -9`` leaves the folder behind; the next one of that prefix takes it over.
+    """
+
+    def __init__(self, out_dir: Path, prefix: str) -> None:
+        self.path = out_dir / f".prepare-{prefix}.staging"
+        self.lock = Lock(self.path / ".lock", self._busy, PrepareLockedError)
+        self.out_dir, self.prefix = out_dir, prefix
+
+    def _busy(self, who: str) -> str:
+        return (
+            f"another prepare ({who}) is writing prefix {self.prefix!r} into {str(self.out_dir)!r}; "
+            "wait for it to finish, or choose another directory or prefix"
+        )
+
+    def acquire(self) -> None:
+        """Lock the folder (made if need be) and empty it."""
+        # Emptying it through a link would delete files elsewhere.
+        if self.path.is_symlink():
+            raise PrepareLockedError(f"{self.path} is a symbolic link: remove it (gpt2 never writes through one)")
+        self.lock.acquire()
+        self._remove_contents()
+
+    def release(self) -> None:
+        """Remove the folder (whatever is still staged in it) and unlock; a no-op when not held."""
+        if self.lock.fd is None:
+            return
+        self._remove_contents()
+        self.lock.release()
+        # Fails when the next prepare has already made its own lock file in the folder: it is theirs now.
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+    def _remove_contents(self) -> None:
+        for child in self.path.iterdir():
+            if child == self.lock.path:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
 class _ShardWriter:
     """Writes a data set whole: the numbered shards (the index runs across splits, as in
     build-nanogpt), then their manifest, go into the hidden staging folder of this prefix inside
-    ``out_dir`` (:class:`~gpt2.data.staging.StagingFolder`, whose lock keeps a second prepare of the
-    prefix out), and only a complete set is moved into place (the manifest last), replacing the shards
-    the prefix's manifest lists. An error or Ctrl-C before that leaves ``out_dir`` as it was.
+    ``out_dir`` (:class:`_Staging`, whose lock keeps a second prepare of the prefix out), and only a complete
+    set is moved into place (the manifest last), replacing the shards the prefix's manifest lists. An error,
+    Ctrl-C, SIGTERM or SIGHUP before that leaves ``out_dir`` as it was.
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
@@ -173,7 +213,7 @@ class _ShardWriter:
         self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
-        self.staging = StagingFolder(self.out_dir, prefix)
+        self.staging = _Staging(self.out_dir, prefix)
         self.stage = self.staging.path
         self.existing: list[Path] = []
         self.written: list[Path] = []
@@ -185,15 +225,18 @@ class _ShardWriter:
         """
         self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        # SIGTERM and SIGHUP stop it as Ctrl-C does: the staging folder is cleaned up on the way out.
+        self.signals = stop_signals_raise()
+        self.signals.__enter__()
         try:
             self.staging.acquire()
             self.existing = self._listed_shards()
             self._refuse_to_replace()
         except BaseException:
             self._close(committed=False)
+            self.signals.__exit__(None, None, None)
             raise
         self._warn_about_other_shards()
-        remove_old_stages(self.out_dir)
         return self
 
     def _listed_shards(self) -> list[Path]:
@@ -268,7 +311,7 @@ class _ShardWriter:
         except OSError as e:
             raise ShardWriteError(
                 f"could not write the {self.prefix!r} shards in {str(self.out_dir)!r} ({e}); the folder was "
-                "left as it was before. Free disk space (or choose another folder) and prepare again"
+                f"left as it was before. To go on: {write_advice(e)}, then prepare again"
             ) from e
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -285,8 +328,9 @@ class _ShardWriter:
         finally:
             self._close(committed)
             signals.restore()
-            if signals.received:
-                signal.raise_signal(signals.received)
+            self.signals.__exit__(None, None, None)
+        if signals.received:
+            raise Stopped(signals.received, "the data set was written whole")
 
     def _close(self, committed: bool) -> None:
         """Remove the staging folder (the replaced files, or an unfinished set) and unlock; a failed
@@ -389,7 +433,7 @@ def write_shards(
     whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. The shards that
     ``{prefix}.shards.json`` lists (an earlier data set) raise :class:`FileExistsError` unless ``overwrite=True``, which
     replaces those and no other file; a second prepare of ``prefix`` into ``out_dir`` while this one runs raises
-    :class:`~gpt2.data.staging.PrepareLockedError`.
+    :class:`PrepareLockedError`.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     tokenizer = writer.tokenizer

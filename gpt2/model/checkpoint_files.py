@@ -37,16 +37,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpt2.errors import Gpt2Error, MissingFileError
 from gpt2.files import replace_atomically
+from gpt2.outputs import DIGEST_FILE, read_digests
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.safetensors"
 META_FILE = "trainer_state.json"
-DIGEST_FILE = "SHA256SUMS"
+# The folder of a run's checkpoints.
+CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_FILES = (WEIGHTS_FILE, STATE_FILE, META_FILE)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# 1: the three files; 2: SHA256SUMS too (a version-2 checkpoint without it is damaged).
+# 2: the three files and SHA256SUMS (a checkpoint without it is damaged).
 FORMAT_VERSION = 2
 # 3: sharded (FSDP): shards/ in place of model.safetensors. A gpt2 that reads version 2 at most says
 # "newer than this gpt2 reads; upgrade gpt2" about it, instead of calling it damaged.
@@ -278,7 +280,7 @@ def read_checkpoint(
     if is_sharded(path):
         read += _shard_files(path, problems)
         # Verified before the shards are read: torch.distributed.checkpoint checks no content.
-        _check_digests(path, meta, read, problems)
+        _check_digests(path, read, problems)
         weights, weights_meta = _read_sharded_weights(path, meta, weights, problems)
         non_finite = non_finite_tensors(weights)
         if non_finite:
@@ -289,7 +291,7 @@ def read_checkpoint(
         if non_finite:
             problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
         read.append(WEIGHTS_FILE)
-        _check_digests(path, meta, read, problems)
+        _check_digests(path, read, problems)
     if not problems:
         return CheckpointData(path, meta, weights, weights_meta, state)  # type: ignore[arg-type]
     message = f"checkpoint {path} is damaged: {_describe(problems, path)}"
@@ -311,7 +313,7 @@ def _shard_files(path: Path, problems: list[tuple[str, str]]) -> list[str]:
     """The files under ``shards/`` (names relative to the checkpoint), each a problem where it is not
     listed in SHA256SUMS: a shard nobody vouches for is not read.
     """
-    listed = _listed_digests(path)
+    listed = read_digests(path / DIGEST_FILE)
     found = sorted(str(p.relative_to(path)) for p in (path / SHARDS_DIR).rglob("*") if p.is_file())
     for name in found:
         if listed is not None and name not in listed:
@@ -319,19 +321,6 @@ def _shard_files(path: Path, problems: list[tuple[str, str]]) -> list[str]:
     # A listed shard that is gone is found by _check_digests.
     missing = sorted(name for name in listed or () if name.startswith(SHARDS_DIR + "/") and name not in found)
     return found + missing
-
-
-def _listed_digests(path: Path) -> dict[str, str] | None:
-    """SHA256SUMS as ``{name: sha256}`` without reporting problems (:func:`_read_digests` does that)."""
-    try:
-        return _parse_digests((path / DIGEST_FILE).read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-
-
-def _parse_digests(text: str) -> dict[str, str]:
-    """``sha256  name`` lines (``sha256sum``'s format) as ``{name: sha256}``."""
-    return dict(reversed(line.split(maxsplit=1)) for line in text.splitlines())
 
 
 def load_shards_into(state: dict[str, Any], shards: Path, *, no_dist: bool) -> None:
@@ -387,11 +376,11 @@ def _read_sharded_weights(
     return {key.removeprefix(prefix): tensor for key, tensor in weights.items()}, weights_meta
 
 
-def _check_digests(path: Path, meta: dict | None, names: list[str], problems: list[tuple[str, str]]) -> None:
+def _check_digests(path: Path, names: list[str], problems: list[tuple[str, str]]) -> None:
     """Compare each of ``names`` with its sha256 in ``SHA256SUMS`` (files already found damaged
     are skipped: their own problem says more).
     """
-    expected = _read_digests(path, meta, problems)
+    expected = _read_digests(path, problems)
     if expected is None:
         return
     damaged = {file for file, _ in problems}
@@ -407,22 +396,15 @@ def _check_digests(path: Path, meta: dict | None, names: list[str], problems: li
             problems.append((file, f"does not match its sha256 in {DIGEST_FILE}: the file is damaged"))
 
 
-def _read_digests(path: Path, meta: dict | None, problems: list[tuple[str, str]]) -> dict[str, str] | None:
-    """``SHA256SUMS`` as ``{file name: sha256}``, or None where there is nothing to compare with: the
-    file is unreadable, or missing (a problem from format version 2 on, a warning before).
-    """
-    sums = path / DIGEST_FILE
-    if sums.is_file():
-        try:
-            return _parse_digests(sums.read_text("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            problems.append((str(sums), f"cannot be read ({_first_line(e)})"))
-            return None
-    if meta is not None and meta.get("format_version", 1) >= 2:
-        problems.append((str(sums), "is missing"))
-    elif meta is not None:
-        logger.warning("checkpoint %s predates checksums (no %s): its files cannot be verified", path, DIGEST_FILE)
-    return None
+def _read_digests(path: Path, problems: list[tuple[str, str]]) -> dict[str, str] | None:
+    """``SHA256SUMS`` as ``{file name: sha256}``, or None (and a problem) where it is missing or damaged."""
+    sums = read_digests(path / DIGEST_FILE)
+    if sums is None:
+        why = "is missing"
+        if os.path.lexists(path / DIGEST_FILE):
+            why = "cannot be read (not in sha256sum format)"
+        problems.append((str(path / DIGEST_FILE), why))
+    return sums
 
 
 def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:

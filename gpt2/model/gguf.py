@@ -24,9 +24,8 @@ import numpy as np
 import torch
 from torch.nn.utils import parametrize
 
-from gpt2 import outputs
 from gpt2.errors import InvalidValueError
-from gpt2.files import replace_atomically
+from gpt2.files import check_new_file, write_new_file
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf import OVERWRITE_FLAG
@@ -166,14 +165,13 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     its path. ``dtype`` (``f32``, ``f16``, ``q8_0``) is the matrices'; norms and biases stay float32 as in llama.cpp's
     converter, and rows that do not split into q8_0's 32-value blocks fall back to f16.
 
-    An existing ``path`` is replaced only where it is an earlier export that gpt2 recorded and that has not
-    changed since (:mod:`gpt2.outputs`), or with ``overwrite=True``: any llama.cpp model is a GGUF file,
-    so neither the name nor the format shows that gpt2 wrote it.
+    An existing ``path`` is replaced only with ``overwrite=True``, and only where it is a regular file
+    (:func:`gpt2.files.write_new_file`); nothing is written beside it.
     """
     gguf = _import_gguf()
     model = unwrap_model(model)
     config = _check_exportable(model, dtype)
-    outputs.check_replaceable(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
+    check_new_file(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     file_type = getattr(gguf.LlamaFileType, _FILE_TYPES[dtype])
     tokens, merges = _vocabulary()
@@ -212,10 +210,8 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         writer.write_tensors_to_file()
         writer.close()
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _quiet_gguf():
-        replace_atomically(path, write, to_path=True)
-    outputs.record_written(path)
+        write_new_file(path, write, overwrite=overwrite, flag=OVERWRITE_FLAG, to_path=True)
     # Debug only: the caller says what it wrote (gpt2 export prints one line per file).
     logger.debug("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
     return path

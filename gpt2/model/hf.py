@@ -12,15 +12,13 @@ import logging
 import os
 import pickle
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpt2 import outputs
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
-from gpt2.files import replace_atomically
+from gpt2.files import OutputExistsError, replace_atomically
 from gpt2.model.checkpoint_files import (
     _first_line,
     checkpoint_step,
@@ -32,6 +30,7 @@ from gpt2.model.checkpoint_files import (
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 from gpt2.model.tokenizer import ENDOFTEXT, bpe_files
+from gpt2.outputs import OutputFolder
 
 logger = logging.getLogger(__name__)
 
@@ -403,8 +402,9 @@ def save_pretrained(
     :func:`gpt2.model.tokenizer.bpe_files`, or ``tokenizer_dir``), so ``AutoTokenizer`` and llama.cpp's converter work
     on the folder; without ``tokenizer_dir``, a model whose vocabulary is not GPT-2's 50257 tokens gets none.
 
-    Into a folder holding an earlier export, it replaces only that export's files (:mod:`gpt2.outputs`; a file
-    there that gpt2 did not write, or that changed since, needs ``overwrite=True``), and records what it wrote.
+    It writes inside ``directory`` only. Into a folder holding an earlier export, it replaces only that export's
+    files, which the folder's record proves gpt2 wrote (:mod:`gpt2.outputs`); a file there of the same name
+    that gpt2 did not write, or that changed since, needs ``overwrite=True``. What it wrote is recorded there.
     """
     from safetensors.torch import save
 
@@ -433,7 +433,13 @@ def save_pretrained(
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
     written, stale, old_tokenizer = _export_files(out, safe_serialization, bpe is not None)
-    _check_replaceable(out, [*written, *stale, *old_tokenizer], overwrite)
+    folder = OutputFolder(out)
+    clash = [name for name in [*written, *stale, *old_tokenizer] if not folder.owns(name)]
+    if clash and not overwrite:
+        raise OutputExistsError(
+            f"{out} holds {', '.join(clash)}, which gpt2 did not write there (or which changed since): choose "
+            f"another folder, or pass {OVERWRITE_FLAG} to replace them"
+        )
     for name in stale:
         (out / name).unlink()
     # Each file is written under a temporary name and renamed into place, weights first: a crash
@@ -454,7 +460,7 @@ def save_pretrained(
         logger.warning(
             f"no tokenizer files: the model has {config.vocab_size} token ids, GPT-2's tokenizer {GPT2_VOCAB_SIZE}"
         )
-    outputs.record_written(out, files=written)
+    folder.record(written)
     logger.info("saved %s to %s", type(inner).__name__, out)
     return out
 
@@ -476,18 +482,6 @@ def _export_files(out: Path, safe_serialization: bool, tokenizer: bool) -> tuple
     else:
         old_tokenizer = [name for name in ("tokenizer.json", *_TOKENIZER_FILES) if os.path.lexists(out / name)]
     return written, stale, old_tokenizer
-
-
-def _check_replaceable(out: Path, names: Iterable[str], overwrite: bool) -> None:
-    """Refuse, before anything is written, to replace or delete a file in ``out`` that gpt2 cannot
-    prove it wrote. An export from before gpt2 recorded its exports has no record: its files, which
-    bear the export's own names, are replaced as before (``gpt2 export`` first checks that the
-    folder holds nothing but such names, or has ``--overwrite``).
-    """
-    if not outputs.is_recorded(out):
-        return
-    for name in names:
-        outputs.check_replaceable(out / name, overwrite=overwrite, flag=OVERWRITE_FLAG, within=out)
 
 
 def _write_tokenizer(vocab_bpe: Path, encoder_json: Path, out: Path, config: GPTConfig) -> None:

@@ -29,8 +29,9 @@ from safetensors import SafetensorError
 
 import minlora
 from gpt2.errors import InvalidValueError
-from gpt2.files import pid_alive, replace_atomically
+from gpt2.files import pid_alive, replace_atomically, write_advice
 from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
+    CHECKPOINT_DIR,
     DIGEST_FILE,
     FORMAT_VERSION,
     META_FILE,
@@ -61,6 +62,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     sha256_file,
     unwrap_model,
 )
+from gpt2.outputs import checkpoint_files, remove_files
 from gpt2.train import fsdp, sharded
 from gpt2.train.distributed import _active
 
@@ -398,12 +400,7 @@ def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> Chec
         kept = f"the previous checkpoint {previous[-1]} is intact (resume='auto' continues from it)"
     else:
         kept = f"there is no earlier checkpoint in {root}"
-    disk_full = getattr(e, "errno", None) == 28 or "No space" in str(e)
-    if disk_full:
-        fix = "Free disk space"
-    else:
-        fix = "Check the disk"
-    fix += " (or point out_dir at another disk), then resume"
+    fix = f"To go on: {write_advice(e)} (out_dir), then resume"
     err = CheckpointSaveError(
         f"could not save checkpoint {final.name} in {root}: writing {writing} failed ({_first_line(e)}); "
         f"nothing of it was kept and {kept}. {fix}"
@@ -436,7 +433,7 @@ def _move_into_place(tmp: Path, final: Path) -> None:
         # Put the previous copy back.
         os.replace(old, final)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    _warn_kept(remove_checkpoint(old), f"replacing {final}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -450,15 +447,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def remove_checkpoint(path: Path) -> list[Path]:
+    """Delete the checkpoint folder ``path``, but only the files its own record (``SHA256SUMS``) vouches for:
+    the rest (a user's notes, a file changed since) is kept in place and returned, for the caller to name.
+    A folder that is all gpt2's is renamed first, so that a kill during the delete leaves a leftover of
+    :func:`clean_interrupted_saves`, never a torn ``step_*``.
+    """
+    mine, others = checkpoint_files(path)
+    if others:
+        remove_files(path, mine)
+        return others
+    doomed = path.with_name(f"{_TMP_PREFIX}{path.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return []
+
+
+def _warn_kept(kept: list[Path], doing: str) -> None:
+    if kept:
+        logger.warning(
+            "%s kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
+            doing,
+            ", ".join(str(p) for p in kept),
+        )
+
+
 def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints and leftovers of crashed saves."""
+    """Delete all but the newest ``keep_last`` complete checkpoints (a file of the user's inside one is kept,
+    and named) and leftovers of crashed saves.
+    """
     checkpoints = list_checkpoints(root)
     removed = checkpoints[: max(0, len(checkpoints) - keep_last)]
-    # Each is renamed first: a kill during the delete leaves a leftover, not a torn step_*.
     for path in removed:
-        doomed = path.with_name(f"{_TMP_PREFIX}{path.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}")
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _warn_kept(remove_checkpoint(path), f"pruning {path}")
     # Leftovers of saves that were killed (a save that fails with an exception cleans up itself);
     # only those of dead processes on this host: another process may be saving right now.
     clean_interrupted_saves(root, only_dead=True)
@@ -466,10 +487,10 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
 
 
 def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False) -> list[str]:
-    """Remove what a killed save left in ``root`` (``.tmp-step_*``, ``.old-step_*``; an ``.old-`` copy
-    whose ``step_*`` is missing, the process having died between the two renames, is renamed back);
-    returns what it did. ``only_dead``: only leftovers of dead processes on this host (without it,
-    the caller holds the run's lock: no other process saves here).
+    """Remove what a killed save left in ``root`` (``.tmp-step_*``, which only gpt2 writes into; an
+    ``.old-step_*`` copy, by its record, or renamed back where its ``step_*`` is missing, the process having
+    died between the two renames); returns what it did. ``only_dead``: only leftovers of dead processes on
+    this host (without it, the caller holds the run's lock: no other process saves here).
     """
     root = Path(root)
     done: list[str] = []
@@ -487,7 +508,9 @@ def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False)
                 os.replace(path, final)
                 done.append(f"restored {final.name} from {name}")
                 continue
-        shutil.rmtree(path, ignore_errors=True)
+            _warn_kept(remove_checkpoint(path), f"removing {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
         done.append(f"removed {name}")
     return done
 

@@ -134,8 +134,9 @@ class TrainConfig:
     # Resume an adapter-only checkpoint onto another base model than the one it was trained on.
     allow_base_mismatch: bool = False
     # A fresh run refuses an out_dir that holds another run's checkpoints or metrics, or files
-    # gpt2 did not write; True deletes that run's files (those gpt2 wrote: its manifest
-    # .gpt2-outputs.json) first and keeps everything else.
+    # gpt2 did not write; True deletes that run's files (those its record .gpt2-outputs.json proves
+    # gpt2 wrote, unchanged) first and keeps everything else; a metrics.jsonl or results.json the
+    # user edited is refused, since the new run would replace it.
     overwrite: bool = False
 
     # --- safety ----------------------------------------------------------------------------

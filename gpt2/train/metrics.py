@@ -10,7 +10,6 @@ missing from :data:`PEAK_FLOPS` unless a peak is given.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import math
@@ -23,12 +22,10 @@ from typing import Any, NamedTuple, Union
 import torch
 from tqdm.auto import tqdm  # a widget in notebooks
 
-from gpt2.data.prepare import progress_enabled
 from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.files import replace_atomically
-from gpt2.train import checkpoint as ckpt
+from gpt2.files import progress_enabled, replace_atomically, write_advice
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, find_latest_checkpoint
 from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
-from gpt2.train.rundir import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -151,18 +148,15 @@ def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir
     """
     newest = None
     if checkpoint_dir is not None:
-        newest = ckpt.find_latest_checkpoint(checkpoint_dir)
+        newest = find_latest_checkpoint(checkpoint_dir)
     kept = "no checkpoint of this run is on disk yet"
     then = "start the run again"
     if newest is not None:
         kept = f"the newest checkpoint {newest} is intact"
         then = "resume (resume='auto' continues from it)"
-    fix = "Check the disk"
-    if e.errno == errno.ENOSPC:
-        fix = "Free disk space"
     why = " ".join(str(e).split())
     return RunOutputError(
-        f"{doing} {path} failed ({why}); {kept}. {fix} (or point out_dir at another disk), then {then}",
+        f"{doing} {path} failed ({why}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}",
         errno=e.errno,
         filename=str(path),
     )
