@@ -14,7 +14,6 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-
 # Flat: for the commands' option groups
 from gpt2.cli.layers import Flat as Flat
 from gpt2.cli.layers import Short, UsageError
