@@ -303,7 +303,7 @@ class GPT(nn.Module):
 
 
 # Rows of logits per chunk of the loss: (1024, 50304) fp32 logits are 200 MB, against 3.3 GB for a
-# whole (16, 1024) batch; larger chunks were no faster on CPU (docs/benchmarks.md, issue 16).
+# whole (16, 1024) batch; larger chunks were no faster on CPU (docs/benchmarks.md).
 LOSS_CHUNK_ROWS = 1024
 
 
