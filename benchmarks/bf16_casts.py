@@ -1,4 +1,4 @@
-"""The bf16 training step's casts and copies (issue 29): how many, the bytes they write, and the CPU time of the
+"""The bf16 training step's casts and copies: how many, the bytes they write, and the CPU time of the
 non-matmul ops, per optimizer step of ``gpt2.train.trainer.Trainer.train_step()`` with ``precision="bf16"``.
 
 On an Intel Xeon with AMX the bf16 step of GPT-2 124M ran at 20-25% of the bf16 matmul rate, with casts and copies

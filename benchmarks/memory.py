@@ -5,7 +5,7 @@ Each variant runs in a fresh subprocess (the two at once) and reports its peak r
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), so neither sees the other's allocations. The
 step is zero_grad, forward, loss, backward, AdamW step. "plain" takes the logits from
 ``model(x)`` (``(B, T, 50257)`` sliced from the padded 50304) and calls ``F.cross_entropy`` on
-them in fp32, which was this library's loss before issue 16.
+them in fp32, the usual full-logits loss.
 
     PYTHONPATH=. python benchmarks/memory.py            # ~2-4 min on 2 cores
 """

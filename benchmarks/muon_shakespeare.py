@@ -1,4 +1,4 @@
-"""Time to a target validation loss on Tiny Shakespeare: AdamW against Muon (issue 16).
+"""Time to a target validation loss on Tiny Shakespeare: AdamW against Muon.
 
 A byte-level GPT (vocabulary 256, so the blocks hold most of the parameters: 4 layers, 128 wide,
 T=128) trained on CPU, one thread. Both optimizers see the same tokens: for a given seed the

@@ -1,4 +1,4 @@
-"""Token-exact gradient accumulation (issue 18): one Trainer step over N micro-batches gives the
+"""Token-exact gradient accumulation: one Trainer step over N micro-batches gives the
 gradient of ONE batch holding all their rows, the mean over every scored target, however
 unevenly the targets fall on the micro-batches; fp16 (loss-scaled) and bf16 too, compiled too.
 2 processes vs 1: tests/test_distributed.py.

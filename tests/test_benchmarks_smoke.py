@@ -68,7 +68,7 @@ def test_bad_option_is_one_line(step_vs_peers, monkeypatch, capsys):
 
 def test_every_benchmark_script_names_its_machine():
     """Every script in benchmarks/ that runs as a program prints the machine line (CPU model, AMX / AVX512-BF16,
-    torch, threads, read from the machine) beside its numbers: issue 29's rule for docs/benchmarks.md.
+    torch, threads, read from the machine) beside its numbers: the rule for docs/benchmarks.md.
     """
     scripts = [path for path in sorted((REPO / "benchmarks").glob("*.py")) if "__main__" in path.read_text()]
     # benchmarks/lora.py is a library: examples/benchmark_lora.py is its program

@@ -1,4 +1,4 @@
-"""The bf16 training step casts each weight to bf16 once per optimizer step, not once per micro-step (issue 29):
+"""The bf16 training step casts each weight to bf16 once per optimizer step, not once per micro-step:
 the same losses and gradients, bit for bit, as the per-micro-step casts it replaced, with and without gradient
 accumulation, ignored targets and activation checkpointing; fewer casts, counted by torch.profiler (counts are
 deterministic: no timing here); the fused loss under autocast against F.cross_entropy under autocast; and the

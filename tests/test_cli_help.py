@@ -1,4 +1,4 @@
-"""Every command's --help, rendered at 80 and 120 columns, reads well (issue 30 item 5): each flag
+"""Every command's --help, rendered at 80 and 120 columns, reads well: each flag
 has a description, defaults show as typed (no shell quoting, no empty ``(default: )``), no sentence
 is broken mid-line, and no source comment or stale claim shows.
 """

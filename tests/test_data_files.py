@@ -1,4 +1,4 @@
-"""Bad and ambiguous data files: each gets a clear error naming the file (issue 8), and llm.c's
+"""Bad and ambiguous data files: each gets a clear error naming the file, and llm.c's
 headered .bin shards round-trip.
 """
 

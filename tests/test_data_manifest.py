@@ -1,4 +1,4 @@
-"""`prepare` is atomic (issue 15 item 6): shards and their manifest are written whole or not at
+"""`prepare` is atomic: shards and their manifest are written whole or not at
 all, and a folder whose shards do not match its manifest is refused by the loader.
 """
 

@@ -1,5 +1,5 @@
 """`gpt2 prepare` replaces only what its prefix's manifest lists, and one prepare at a time writes a
-prefix into a folder (issue 27 item 2).
+prefix into a folder.
 """
 
 from __future__ import annotations

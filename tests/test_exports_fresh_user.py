@@ -1,4 +1,4 @@
-"""A fresh user's path through loading and exporting (issue 30): a mistyped folder named as such,
+"""A fresh user's path through loading and exporting: a mistyped folder named as such,
 one message offline, PEFT adapters that name the base they were trained on, and quiet exports.
 """
 

@@ -1,4 +1,4 @@
-"""Divergence recovery loses nothing (issue 27): it goes back only to a state it has seen succeed, and the
+"""Divergence recovery loses nothing: it goes back only to a state it has seen succeed, and the
 metrics (metrics.jsonl, TensorBoard) are rewound to that state as a resume rewinds them.
 
 The model is tiny and learns a repeating token pattern; at max_lr=3.0 (fp32) its loss jumps from ~4 to

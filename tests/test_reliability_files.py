@@ -1,4 +1,4 @@
-"""Reliability round 2 (issue 15): damaged checkpoints found by their digests, state that does not
+"""Damaged checkpoints found by their digests, state that does not
 fit, adapter checkpoints on another base, files the user owns, input files that are not what they
 claim, and the permissions of what is written. Each case ends in one named error or in success.
 """

@@ -1,4 +1,4 @@
-"""Signals as Unix users expect (issue 27 item 5): a stop signal that is ignored when the run starts
+"""Signals as Unix users expect: a stop signal that is ignored when the run starts
 stays ignored. ``nohup gpt2 train ... &`` sets SIGHUP to SIG_IGN, and so does ``trap '' HUP``; the
 run used to replace that with its own handler and stop when the terminal closed.
 """

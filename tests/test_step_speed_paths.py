@@ -1,4 +1,4 @@
-"""The training step's fast paths (issue 29) give the plain computation's numbers: the chunked loss with its
+"""The training step's fast paths give the plain computation's numbers: the chunked loss with its
 logits rows aligned wider than the vocabulary, the head gradient written by the first chunk and scaled in place
 by the backward. Correctness only; their speed is measured by benchmarks/step_vs_peers.py.
 """

@@ -1,5 +1,5 @@
 """A full disk (or any OSError) while a run writes metrics.jsonl or a checkpoint ends it with one line: the
-file, what to do, and the newest intact checkpoint to resume from (issue 27, "nothing lost").
+file, what to do, and the newest intact checkpoint to resume from.
 """
 
 from __future__ import annotations
