@@ -100,12 +100,3 @@ def test_all_ranks_gathers_each_ranks_state_and_each_rank_restores_its_own(monke
     _as_rank(monkeypatch, rank=2, world_size=3)
     ckpt.restore_rng_state(state)  # a checkpoint of 2 ranks resumed on 3: rank 2 has no state
     assert fake.set_calls == [] and "not of rank 2" in caplog.text
-
-
-def test_a_checkpoint_of_the_older_format_restores_rank_0(monkeypatch):
-    fake = FakeCuda(monkeypatch, device=0)
-    state = ckpt.capture_rng_state()
-    del state["cuda_by_rank"]
-    state["cuda"] = [torch.full((16,), 42, dtype=torch.uint8), torch.full((16,), 43, dtype=torch.uint8)]
-    ckpt.restore_rng_state(state)
-    assert [(device, s[0].item()) for device, s in fake.set_calls] == [(0, 42)]
