@@ -150,3 +150,15 @@ def test_gpt2_sample_and_eval_default_to_fp32_on_a_cpu(native_bf16, monkeypatch,
     assert "bf16 on a CPU: losses, scores and logits differ from fp32's in the last digits" in caplog.messages
     fp32, bf16 = (json.loads((tmp_path / f"{name}.json").read_text())["val_loss"] for name in ("fp32", "bf16"))
     assert fp32 != bf16 and bf16 == pytest.approx(fp32, rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "command, recipe", [("train", "shakespeare"), ("train", "gpt2-124m-fineweb"), ("finetune", "finetune")]
+)
+def test_the_cpu_recipes_train_in_bf16_where_it_is_native(native_bf16, command, recipe, capsys):
+    """`bash run.sh` (the shakespeare recipe) and the other CPU recipes: bf16 through auto on an AMX CPU."""
+    assert main([command, "--recipe", recipe, "--device", "cpu", "--print-config"]) == 0
+    (precision,) = [
+        line.split(": ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("precision:")
+    ]
+    assert resolve_precision(precision, "cpu").name == ("bf16" if native_bf16 else "fp32")
