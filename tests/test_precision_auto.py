@@ -16,6 +16,7 @@ from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 from gpt2 import GPT, torch_compat
 from gpt2.cli import common, main
+from gpt2.errors import InvalidValueError
 from gpt2.train.precision import auto_precision, inference_autocast, resolve_precision
 from gpt2.train.trainer import Trainer
 
@@ -162,3 +163,13 @@ def test_the_cpu_recipes_train_in_bf16_where_it_is_native(native_bf16, command, 
         line.split(": ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("precision:")
     ]
     assert resolve_precision(precision, "cpu").name == ("bf16" if native_bf16 else "fp32")
+
+
+def test_a_recorded_precision_that_needs_another_set_up_is_named_not_switched(tmp_path):
+    """An fp16 run (loss-scaled) resumed with auto: the loss scaler is set up already, so the error names the fix."""
+    config = tiny_config(tmp_path / "run", precision="fp16", device="cpu", max_steps=2)
+    with Trainer(tiny_model(), config, tiny_tokens(), sinks=[]) as trainer:
+        trainer.fit()
+    resumed = dataclasses.replace(config, max_steps=4, resume="auto", precision="auto")
+    with pytest.raises(InvalidValueError, match="the checkpoint trained in fp16 and precision='auto' picks"):
+        Trainer(tiny_model(), resumed, tiny_tokens(), sinks=[])
