@@ -173,6 +173,27 @@ def test_the_tied_embedding_gradient_added_by_rows_equals_the_dense_sum(monkeypa
         torch.testing.assert_close(by_rows[name], grad, rtol=1e-6, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_the_tied_embedding_gradient_of_bf16_weights(monkeypatch, tiny_config):
+    """Weights computed in bf16 (FSDP's bf16 mixed precision gathers them so): the embedding's gradient is bf16,
+    the loss's head gradient fp32; the weight gets a bf16 gradient as on the plain path.
+    """
+    idx = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+
+    def grad() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = GPT(tiny_config).to(torch.bfloat16).train()
+        model(idx, torch.roll(idx, -1, 1))[1].backward()
+        return model.lm_head.weight.grad
+
+    by_rows = grad()
+    with monkeypatch.context() as patch:
+        patch.setattr(GPT, "_tied_grad", lambda self, targets: None)
+        dense = grad()
+    assert by_rows.dtype == dense.dtype == torch.bfloat16
+    # one bf16 rounding of the sum against two (each part, then their sum)
+    torch.testing.assert_close(by_rows.float(), dense.float(), rtol=2e-2, atol=4e-3 * dense.abs().max().item())
+
+
 def test_the_tied_path_is_taken_only_where_it_gives_the_plain_gradients(tiny_config):
     model = GPT(tiny_config).train()
     targets = torch.zeros(1, 4, dtype=torch.long)

@@ -567,7 +567,9 @@ class _TiedEmbedding(torch.autograd.Function):
         # the loss had no gradient for the head (e.g. a backward to other inputs only)
         if dw is None:
             dw = grad.new_zeros(ctx.weight_shape)
-        return None, dw.index_add_(0, idx.reshape(-1), grad.reshape(-1, grad.size(-1))), None
+        # FSDP's bf16 compute weights give a bf16 grad here and an fp32 dw (autograd casts it to the weight's dtype)
+        rows = grad.reshape(-1, grad.size(-1)).to(dw.dtype)
+        return None, dw.index_add_(0, idx.reshape(-1), rows), None
 
 
 def _weight_grad(weight: torch.Tensor, rows: int) -> torch.Tensor:
