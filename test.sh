@@ -19,4 +19,9 @@ fi
 # models); each test file runs whole in one worker, so a module's fixtures are built once, the
 # longest files first (tests/conftest.py orders them). `bash test.sh -n 0 ...` runs them all in
 # this process (e.g. for --pdb).
-exec "$PYTHON" -m pytest -q --durations=15 -n auto --maxprocesses 8 --dist loadfile --no-loadscope-reorder "$@"
+"$PYTHON" -m pytest -q --durations=15 -n auto --maxprocesses 8 --dist loadfile --no-loadscope-reorder "$@"
+# What gpt2 decides from the CPU's features (the tests marked cpu_features) once more under each answer forced,
+# native bf16 and emulated, whatever this machine has: the suite then holds on AMX and on AVX2 CPUs alike.
+for native in 1 0; do
+    GPT2_CPU_NATIVE_BF16=$native "$PYTHON" -m pytest -q -n auto --maxprocesses 8 "$@" -m cpu_features
+done

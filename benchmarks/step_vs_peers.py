@@ -53,9 +53,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
+from gpt2.torch_compat import cpu_native_bf16
 from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.optim import build_optimizer, fused_adamw_supported
-from gpt2.train.precision import cpu_native_bf16, describe_machine
+from gpt2.train.precision import auto_precision, describe_machine
 from gpt2.train.trainer import Trainer
 
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -500,6 +501,8 @@ def main() -> None:
     shape = Shape(args.model, args.batch, args.seq_len, args.vocab)
     peers = available_peers([peer for peer in args.peers.split(",") if peer])
     print(describe_machine())
+    auto, why = auto_precision("cpu")
+    print(f"precision auto -> {auto}: {why}")
     print(
         f"{args.model} shape ({shape.dims['n_layer']} layers x {shape.dims['n_embd']}, {shape.dims['n_head']} heads, "
         f"vocab {shape.vocab}), B={shape.batch} T={shape.seq_len}, CPU seconds per step, {args.rounds} rounds; "

@@ -134,6 +134,15 @@ def _one_thread(request):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=[True, False], ids=["native-bf16", "emulated-bf16"])
+def native_bf16(request, monkeypatch) -> bool:
+    """This CPU as one that multiplies bf16 natively, then as one that does not ($GPT2_CPU_NATIVE_BF16, which
+    gpt2.torch_compat.cpu_native_bf16 reads): a test that takes it runs under both answers on any machine.
+    """
+    monkeypatch.setenv("GPT2_CPU_NATIVE_BF16", str(int(request.param)))
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

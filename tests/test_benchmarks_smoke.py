@@ -39,6 +39,8 @@ def run(module, monkeypatch, capsys, *args: str) -> str:
 def test_step_vs_transformers_prints_every_part(step_vs_peers, monkeypatch, capsys):
     out = run(step_vs_peers, monkeypatch, capsys, "--peers", "transformers", "--profile", "3")
     assert out.startswith(step_vs_peers.describe_machine())
+    name, why = step_vs_peers.auto_precision("cpu")
+    assert f"\nprecision auto -> {name}: {why}\n" in out
     header = next(line for line in out.splitlines() if line.startswith("round |"))
     for column in ("mm GFLOP/s", "ours s", "bare s", "transformers s", "ours/transformers", "MFU ours"):
         assert column in header

@@ -235,3 +235,17 @@ def test_bf16_casts_benchmark_prints_its_table(monkeypatch, capsys):
     )
     for line in (*lines, "top 3 cast / copy sites"):
         assert line in out
+
+
+def test_the_loss_levers_benchmark_prints_both_paths(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(REPO))
+    module = importlib.import_module("benchmarks.bf16_loss_levers")
+    argv = ["bf16_loss_levers.py", "--batch", "2", "--seq-len", "8", "--rounds", "1", "--layers", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--width", "32", "--vocab", "101"])
+    module.main()
+    out = capsys.readouterr().out
+    assert out.startswith(module.describe_machine("cpu", 1))
+    assert "\nold: median " in out and "\nnew: median " in out and "new / old (medians): " in out
+    # the levers change the order of the sums only
+    apart = float(out.split("gradients apart: ")[1].split()[0])
+    assert apart < 1e-5

@@ -165,7 +165,9 @@ def test_int8_weights_are_refused_with_the_reason(monkeypatch, model, case, mess
         stream(model, torch.tensor([[1, 2, 3]]), 4, temperature=0, **kwargs)
 
 
-def test_gpt2_sample_with_int8_weights(tmp_path, capsys, tiny_config):
+@pytest.mark.cpu_features
+def test_gpt2_sample_with_int8_weights(native_bf16, tmp_path, capsys, tiny_config):
+    """With the default options, also where the CPU multiplies bf16 natively (sampling on a CPU is fp32 there)."""
     import minlora
 
     torch.manual_seed(0)

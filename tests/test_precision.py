@@ -6,17 +6,15 @@ import pytest
 import torch
 
 from gpt2 import GPT
-from gpt2.train import precision
 from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.optim import build_optimizer
-from gpt2.train.precision import default_precision, resolve_precision
+from gpt2.train.precision import resolve_precision
 from gpt2.train.trainer import Trainer
 
 
 def test_policies_on_cpu(monkeypatch):
     # a CPU without native bf16 (tests/test_precision_auto.py: one with it)
-    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: None)
-    assert default_precision("cpu") == "fp32"
+    monkeypatch.setenv("GPT2_CPU_NATIVE_BF16", "0")
     assert resolve_precision("auto", "cpu").name == "fp32"
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     for name, dtype in (

@@ -124,3 +124,86 @@ def test_tied_model_with_an_unaligned_vocabulary_matches_the_plain_loss(tiny_con
     for name, grad in plain.items():
         atol = tol["atol"] * max(1.0, grad.abs().max().item())
         torch.testing.assert_close(fast[name], grad, rtol=tol["rtol"], atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_kept_buffers_with_nans_in_them_change_no_gradient(monkeypatch, precision):
+    """The logits buffers are kept between calls, uninitialised where nothing wrote: nothing of them may leak in
+    (oneDNN's bf16 product reads a row's padding up to its stride, so the bf16 buffer's padding is zeroed).
+    """
+    x, weight, targets = _case(rows=48, vocab=101, weight_rows=101, width=32)
+
+    def loss_and_grads():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = linear_cross_entropy(x, weight, targets, 101)
+        return (loss, *torch.autograd.grad(loss, (x, weight)))
+
+    clean = loss_and_grads()
+    real = gpt_module._logits_buffer
+    monkeypatch.setattr(gpt_module, "_logits_buffer", lambda *args: real(*args).fill_(float("nan")))
+    for got, expected in zip(loss_and_grads(), clean):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_tied_embedding_gradient_added_by_rows_equals_the_dense_sum(monkeypatch, tiny_config, precision, accum):
+    """The token embedding's gradient added into the head's by rows (index_add_) against autograd's dense
+    embedding gradient summed with the head's, over one or two micro-steps (the gradient accumulates in .grad).
+    """
+    idx = torch.randint(0, 128, (accum, 3, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(idx, -1, -1)
+    targets[..., :2] = -1
+
+    def grads() -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(tiny_config).train()
+        for i in range(accum):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = model(idx[i], targets[i])[1]
+            loss.backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    by_rows = grads()
+    with monkeypatch.context() as patch:
+        patch.setattr(GPT, "_tied_grad", lambda self, targets: None)
+        dense = grads()
+    for name, grad in dense.items():
+        # the same products, summed in another order: equal to fp32's rounding
+        torch.testing.assert_close(by_rows[name], grad, rtol=1e-6, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_tied_embedding_gradient_of_bf16_weights(monkeypatch, tiny_config):
+    """Weights computed in bf16 (FSDP's bf16 mixed precision gathers them so): the embedding's gradient is bf16,
+    the loss's head gradient fp32; the weight gets a bf16 gradient as on the plain path.
+    """
+    idx = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+
+    def grad() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = GPT(tiny_config).to(torch.bfloat16).train()
+        model(idx, torch.roll(idx, -1, 1))[1].backward()
+        return model.lm_head.weight.grad
+
+    by_rows = grad()
+    with monkeypatch.context() as patch:
+        patch.setattr(GPT, "_tied_grad", lambda self, targets: None)
+        dense = grad()
+    assert by_rows.dtype == dense.dtype == torch.bfloat16
+    # one bf16 rounding of the sum against two (each part, then their sum)
+    torch.testing.assert_close(by_rows.float(), dense.float(), rtol=2e-2, atol=4e-3 * dense.abs().max().item())
+
+
+def test_the_tied_path_is_taken_only_where_it_gives_the_plain_gradients(tiny_config):
+    model = GPT(tiny_config).train()
+    targets = torch.zeros(1, 4, dtype=torch.long)
+    assert isinstance(model._tied_grad(targets), gpt_module._TiedGrad)
+    # no loss, no gradient, a hooked embedding, untied weights: autograd's own embedding gradient
+    assert model._tied_grad(None) is None
+    with torch.no_grad():
+        assert model._tied_grad(targets) is None
+    handle = model.transformer.wte.register_forward_hook(lambda *args: None)
+    assert model._tied_grad(targets) is None
+    handle.remove()
+    model.transformer.wte.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert model._tied_grad(targets) is None

@@ -82,8 +82,11 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_config):
     big_model = _model(tiny_config)
     small_model = copy.deepcopy(big_model)
     tokens = _tokens()
-    big = Trainer(big_model, _config(micro_batch_size=8, total_batch_size=8 * 16), tokens, sinks=[])
-    small = Trainer(small_model, _config(micro_batch_size=2, total_batch_size=8 * 16), tokens, sinks=[])
+    # fp32, whatever auto picks on this CPU: the tolerances are fp32's
+    big = Trainer(big_model, _config(micro_batch_size=8, total_batch_size=8 * 16, precision="fp32"), tokens, sinks=[])
+    small = Trainer(
+        small_model, _config(micro_batch_size=2, total_batch_size=8 * 16, precision="fp32"), tokens, sinks=[]
+    )
     assert (big.grad_accum_steps, small.grad_accum_steps) == (1, 4)
     r_big, r_small = big.train_step(), small.train_step()
     torch.testing.assert_close(r_small["loss"], r_big["loss"], rtol=1e-6, atol=1e-6)

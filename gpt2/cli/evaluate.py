@@ -46,7 +46,8 @@ class EvalOptions(Options):
     device: str = "auto"
     """auto (this process's CUDA GPU when there is one, else CPU), cpu, cuda or cuda:N"""
     precision: Precision = "auto"
-    """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"""
+    """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on any CPU
+    (even one with native bf16: the reference numbers; bf16 differs in the last digits)"""
     output: str | None = None
     """also write the results to this JSON file (a file gpt2 wrote is replaced; any other only with --overwrite)"""
     overwrite: bool = False

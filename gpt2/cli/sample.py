@@ -40,7 +40,8 @@ class SampleOptions(Options):
     device: str = "auto"
     """auto (this process's CUDA GPU when there is one, else CPU), cpu, cuda or cuda:N"""
     precision: Precision = "auto"
-    """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU"""
+    """autocast for the forward passes; auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on any CPU
+    (even one with native bf16: decoding reads every weight per token: fp32 is faster)"""
     compile: bool = False
     """torch.compile the model first (pays off for long samples: thousands of tokens on a CPU)"""
     weights: Literal["model", "int8"] = "model"

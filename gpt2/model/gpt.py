@@ -181,7 +181,11 @@ class GPT(nn.Module):
         if not torch.compiler.is_compiling():
             self._check_inputs(idx, targets, kv_cache, position_ids, reduction, head)
         position_ids, attn_mask = _positions_and_mask(idx, kv_cache, position_ids, attn_mask)
-        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        tied = self._tied_grad(targets)
+        if tied is None:
+            tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        else:
+            tok_emb = _TiedEmbedding.apply(idx, self.transformer.wte.weight, tied)
         pos_emb = self.transformer.wpe(position_ids)  # (T, C) or (B, T, C)
         x = self.transformer.drop(tok_emb + pos_emb)
         # Only a training forward whose graph is kept saves activations worth dropping; decoding with a
@@ -197,7 +201,20 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if not head:
             return x, None
-        return self._logits_and_loss(x, targets, reduction)
+        return self._logits_and_loss(x, targets, reduction, tied)
+
+    def _tied_grad(self, targets: torch.Tensor | None) -> _TiedGrad | None:
+        """Where the loss and the token embedding give the tied weight one gradient tensor (a loss with a gradient
+        on the plain tied weight, neither module parametrized nor hooked, not compiling), the link between them.
+        """
+        wte, head = self.transformer.wte, self.lm_head
+        if targets is None or not torch.is_grad_enabled() or not head.weight.requires_grad:
+            return None
+        if wte.weight is not head.weight or torch.compiler.is_compiling() or torch_compat.has_hooks(wte):
+            return None
+        if parametrize.is_parametrized(wte) or parametrize.is_parametrized(head):
+            return None
+        return _TiedGrad()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states ``x`` ``(..., n_embd)``, the last LayerNorm's output (``forward(idx,
@@ -208,12 +225,12 @@ class GPT(nn.Module):
         return self.lm_head(x)[..., : self.config.vocab_size]
 
     def _logits_and_loss(
-        self, x: torch.Tensor, targets: torch.Tensor | None, reduction: str
+        self, x: torch.Tensor, targets: torch.Tensor | None, reduction: str, tied: _TiedGrad | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The LM head on the last LayerNorm's output ``x``, and the loss when there are targets."""
         V = self.config.vocab_size
         if targets is not None and not parametrize.is_parametrized(self.lm_head):
-            return None, linear_cross_entropy(x, self.lm_head.weight, targets, V, reduction)
+            return None, linear_cross_entropy(x, self.lm_head.weight, targets, V, reduction, tied=tied)
         logits = self.logits(x)  # (B, T, vocab_size)
         if targets is None:
             return logits, None
@@ -314,9 +331,11 @@ def linear_cross_entropy(
     vocab_size: int,
     reduction: str = "mean",
     chunk_rows: int = LOSS_CHUNK_ROWS,
+    tied: _TiedGrad | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight)[..., :vocab_size].float(), targets, ignore_index=IGNORE_INDEX)``
-    (value and gradients, autocast too: matmuls in its dtype, softmax in fp32) without the whole logits.
+    (value and gradients, autocast too: matmuls in its dtype, softmax in fp32) without the whole logits. With
+    ``tied``, ``weight``'s gradient is handed to the token embedding's backward (:class:`_TiedEmbedding`).
     """
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
     device = x.device.type
@@ -324,7 +343,8 @@ def linear_cross_entropy(
     # Inside the autograd.Function's forward grad mode is off: which gradients are needed is decided here.
     grad_mode = torch.is_grad_enabled()
     grads = (grad_mode and x.requires_grad, grad_mode and weight.requires_grad)
-    return _LinearCrossEntropy.apply(x, weight, targets, vocab_size, reduction == "mean", chunk_rows, dtype, grads)
+    args = (vocab_size, reduction == "mean", chunk_rows, dtype, grads, tied)
+    return _LinearCrossEntropy.apply(x, weight, targets, *args)
 
 
 def _positions_and_mask(
@@ -411,19 +431,25 @@ _kept = threading.local()
 # 50264 apart at ~100% (0.95 s against 1.45 s on one thread; issue 29). The padded vocabulary (50304) is aligned
 # already.
 LOGITS_ROW_ALIGN = 8
+# A bf16 / fp16 buffer's rows start every 64 bytes (a cache line, an AVX-512 vector, an AMX tile row): oneDNN's
+# bf16 products then read and write whole lines.
+LOW_LOGITS_ROW_ALIGN = 32
 
 
-def _logits_buffer(rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _logits_buffer(
+    rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32, name: str | None = None
+) -> torch.Tensor:
     """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN`: the fp32
-    logits, or (bf16 / fp16) a low-precision matmul's output. On CPU one of each is kept between calls: a fresh
-    100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks over 32 MB to the OS when they
-    are freed).
+    logits, (bf16 / fp16) a low-precision matmul's output, or another ``name``'s. On CPU one of each is kept
+    between calls: a fresh 100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks over
+    32 MB to the OS when they are freed).
     """
     cols = rounded_up(cols, LOGITS_ROW_ALIGN)
     if device.type != "cpu" or torch.compiler.is_compiling():
         return torch.empty(rows, cols, dtype=dtype, device=device)
-    name = "logits"
-    if dtype != torch.float32:
+    if name is None and dtype == torch.float32:
+        name = "logits"
+    if name is None:
         name = "low_logits"
     kept = getattr(_kept, name, None)
     if kept is None or kept.dtype != dtype or kept.numel() < rows * cols:
@@ -440,8 +466,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, targets, vocab_size, mean, chunk_rows, dtype, grads):
+    def forward(ctx, x, weight, targets, vocab_size, mean, chunk_rows, dtype, grads, tied):
         need_dx, need_dw = grads
+        ctx.tied = tied
         # fp16 gradients are not scaled yet (the loss scaler multiplies the loss after this), so
         # small ones would underflow: their matmuls run in fp32. bf16 has fp32's range.
         grad_dtype = torch.float32 if dtype == torch.float16 else dtype
@@ -502,8 +529,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for grad in (dx, dw):
             if grad is not None:
                 grad.mul_(grad_loss)
-        # no gradient for targets, vocab_size, mean, chunk_rows, dtype, grads
-        return dx, dw, None, None, None, None, None, None
+        # The tied token embedding's backward, which runs after this one, adds its rows to the head's gradient and
+        # returns it: one weight-sized gradient, not a second dense one summed with this.
+        if ctx.tied is not None:
+            ctx.tied.dw, dw = dw, None
+        # no gradient for targets, vocab_size, mean, chunk_rows, dtype, grads, tied
+        return dx, dw, None, None, None, None, None, None, None
+
+
+class _TiedGrad:
+    """The head's gradient, handed from the loss's backward to the tied token embedding's."""
+
+    dw: torch.Tensor | None = None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    """``F.embedding(idx, weight)`` whose backward adds its gradient's rows into the loss's head gradient
+    (``index_add_``), in place of a dense weight-sized gradient that autograd would add to it. The weight gets its
+    one gradient through autograd (DDP's and FSDP's gradient hooks see it as usual).
+    """
+
+    @staticmethod
+    def forward(ctx, idx, weight, tied):
+        ctx.save_for_backward(idx)
+        ctx.tied, ctx.weight_shape = tied, weight.shape
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        dw, ctx.tied.dw = ctx.tied.dw, None
+        # the loss had no gradient for the head (e.g. a backward to other inputs only)
+        if dw is None:
+            dw = grad.new_zeros(ctx.weight_shape)
+        # FSDP's bf16 compute weights give a bf16 grad here and an fp32 dw (autograd casts it to the weight's dtype)
+        rows = grad.reshape(-1, grad.size(-1)).to(dw.dtype)
+        return None, dw.index_add_(0, idx.reshape(-1), rows), None
 
 
 def _weight_grad(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -533,7 +594,7 @@ def _low_precision_buffer(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     """
     if dtype == torch.float32:
         return None
-    return _logits_buffer(buffer.size(0), buffer.size(1), buffer.device, dtype)
+    return _logits_buffer(buffer.size(0), rounded_up(buffer.size(1), LOW_LOGITS_ROW_ALIGN), buffer.device, dtype)
 
 
 def _chunk_logits(
@@ -599,8 +660,11 @@ def _logits_grad(
     if grad_dtype == torch.float32:
         # The row weights go on the matmuls' small sides: a pass fewer over the logits.
         return p, wr
-    # bf16: on g before it is rounded, as the plain loss's gradient is.
-    return low[: p.size(0)].copy_(p.mul_(wr)), 1.0
+    # bf16: on g before it is rounded, as the plain loss's gradient is. The columns after p's are zeroed: oneDNN's
+    # bf16 product g @ w reads a row's padding up to its stride (NaN * 0 there would make the gradient NaN).
+    g = low[: p.size(0)]
+    g[:, p.size(1) :] = 0
+    return g[:, : p.size(1)].copy_(p.mul_(wr)), 1.0
 
 
 def _add_weight_grad(
@@ -613,7 +677,8 @@ def _add_weight_grad(
         # fp32: straight into dw, no weight-sized temporary per chunk; beta=0 ignores what dw held, NaNs included
         dw.addmm_(g.T, xc * wr, beta=int(not first))
         return
-    product = g.T @ xd
+    # into a kept buffer: a fresh weight-sized block per chunk costs its page faults every time
+    product = torch.mm(g.T, xd, out=_logits_buffer(*dw.shape, dw.device, g.dtype, "low_weight_grad")[:, : dw.size(1)])
     if first:
         dw.copy_(product)
     else:

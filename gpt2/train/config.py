@@ -97,7 +97,7 @@ class TrainConfig:
     muon_weight_decay: float = 0.0
 
     # --- precision and speed ---------------------------------------------------------------
-    precision: Precision = "auto"  # auto: bf16 (fp16 on old GPUs); on a CPU bf16 where native and faster, else fp32
+    precision: Precision = "auto"  # auto: bf16 (fp16 on old GPUs); on a CPU bf16 with AMX or AVX512-BF16, else fp32
     compile: bool = False  # torch.compile the model for training and evaluation
     device: str = "auto"  # "auto" = cuda:LOCAL_RANK when CUDA is available, else cpu
 

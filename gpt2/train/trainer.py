@@ -35,7 +35,7 @@ from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported fo
 from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
-from gpt2.train.precision import check_master_weights, probe_shape, resolve_precision
+from gpt2.train.precision import check_master_weights, resolve_precision
 from gpt2.train.recovery import (
     RecoveryPolicy,
     TrainingDivergedError,
@@ -141,15 +141,7 @@ class Trainer:
         self.dist_env = distributed.env_from_environ()
         self.device = distributed.resolve_device(config.device, self.dist_env)
         self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
-        # precision="auto" on a CPU with native bf16 times the model's largest matmul over a micro-batch's tokens
-        # (one sequence's when the micro-batch is found later) in bf16 and fp32.
-        rows = config.seq_len
-        if isinstance(config.micro_batch_size, int):
-            rows *= config.micro_batch_size
-        shape = None
-        if config.precision == "auto":
-            shape = probe_shape(model, rows)
-        self.precision = resolve_precision(config.precision, self.device, shape)
+        self.precision = resolve_precision(config.precision, self.device)
         self.precision.apply()
 
     def _setup_model(self, model: nn.Module) -> None:
@@ -722,6 +714,7 @@ class Trainer:
                 f"checkpoint {meta['path']} records no data-loader position ('data' in "
                 f"{ckpt.META_FILE}): it was not written by the Trainer, so it cannot be resumed"
             )
+        self._keep_recorded_precision(meta.get("precision"))
         # the weights, optimizer, scaler and RNG are loaded: the rest of the run's state
         self.load_state_dict({k: v for k, v in meta.items() if k not in IN_FILES})
         self.recovery.resume(self.step)
@@ -729,6 +722,23 @@ class Trainer:
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
         return meta
+
+    def _keep_recorded_precision(self, recorded: str | None) -> None:
+        """precision="auto" resumes in the precision the checkpoint recorded (auto may pick another on this
+        machine), unless that needs what is already set up otherwise: FSDP's shards or a loss scaler.
+        """
+        if self.config.precision != "auto" or recorded in (None, self.precision.name):
+            return
+        policy = resolve_precision(recorded, self.device)
+        if self.sharded or policy.uses_scaler != self.precision.uses_scaler:
+            raise InvalidValueError(
+                f"the checkpoint trained in {recorded} and precision='auto' picks {self.precision.name} here: "
+                f"resume with precision={recorded!r} (or {self.precision.name!r} to change it)"
+            )
+        logger.info("precision %s, as the checkpoint recorded (auto picks %s here)", recorded, self.precision.name)
+        self.precision = policy
+        self.precision.apply()
+        self.peak_flops = metrics.detect_peak_flops(self.device, self.config.peak_flops, policy.name)
 
     def _strategy_name(self) -> str:
         """How this run's processes share the model: "single", "ddp" or "fsdp" (checkpoints record it)."""
