@@ -173,3 +173,19 @@ def test_a_recorded_precision_that_needs_another_set_up_is_named_not_switched(tm
     resumed = dataclasses.replace(config, max_steps=4, resume="auto", precision="auto")
     with pytest.raises(InvalidValueError, match="the checkpoint trained in fp16 and precision='auto' picks"):
         Trainer(tiny_model(), resumed, tiny_tokens(), sinks=[])
+
+
+def test_the_samples_after_training_decode_in_fp32_on_a_cpu(monkeypatch, tmp_path):
+    """A bf16 run (auto on an AMX CPU) still samples in fp32 at its end, as gpt2 sample does."""
+    seen = []
+
+    def stream_text(model, prompt, max_new_tokens, *, autocast=None, **kwargs):
+        seen.append(autocast)
+        yield "x"
+
+    monkeypatch.setattr(common, "stream_text", stream_text)
+    config = tiny_config(None, precision="bf16", device="cpu", max_steps=1)
+    with Trainer(tiny_model(), config, tiny_tokens()) as trainer:
+        sampling = common.SamplingOptions(num_samples=1, max_new_tokens=2)
+        common.final_report(trainer, None, sampling, final_eval_batches=None, prompt="p", save=False)
+    assert seen == [None]

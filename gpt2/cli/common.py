@@ -300,12 +300,17 @@ def final_report(
     if not trainer.is_main:
         return {}
     if model is not None:
+        # On a CPU the samples decode in fp32, as gpt2 sample does: autocast would convert every weight to bf16
+        # at every token (slower, and other numbers than the reference).
+        autocast = trainer.precision.autocast
+        if trainer.device.type == "cpu":
+            autocast = None
         results["samples"] = print_samples(
             model,
             sampling,
             seed=trainer.config.seed,
             header=header,
-            autocast=trainer.precision.autocast,
+            autocast=autocast,
             prompt=prompt,
         )
     if save and trainer.out_dir is not None:
