@@ -4,7 +4,6 @@ pure functions, no I/O (:mod:`gpt2.model.hf` reads and writes directories).
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -15,8 +14,6 @@ from gpt2.errors import InvalidValueError
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.tokenizer import EOT_TOKEN
-
-logger = logging.getLogger(__name__)
 
 # Projections that transformers' Conv1D stores transposed, (in, out) instead of nn.Linear's (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -229,18 +226,6 @@ def _hf_config_dict(hf_config: Any) -> dict[str, Any]:
     return c
 
 
-def _context_length(c: dict[str, Any]) -> Any:
-    """``n_positions`` (the size of wpe), else the older ``n_ctx``."""
-    n_positions = c.get("n_positions", c.get("n_ctx"))
-    if n_positions is None:
-        raise InvalidValueError("GPT-2 config has neither 'n_positions' nor 'n_ctx' (the context length)")
-    if c.get("n_ctx") is not None and c.get("n_positions") is not None and c["n_ctx"] != c["n_positions"]:
-        logger.warning(
-            "config has n_ctx=%s != n_positions=%s; using n_positions (the size of wpe)", c["n_ctx"], c["n_positions"]
-        )
-    return n_positions
-
-
 def _unsupported_settings(c: dict[str, Any]) -> list[str]:
     """Each setting of the config that this model does not implement, with the reason."""
     unsupported = []
@@ -262,12 +247,12 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     (``pad_vocab_multiple``, ``dropout``, ``flash``); dropout is 0 unless given (HF's ``*_pdrop`` are ignored).
     """
     c = _hf_config_dict(hf_config)
-    n_positions = _context_length(c)
     unsupported = _unsupported_settings(c)
     if unsupported:
         raise InvalidValueError("unsupported GPT-2 config: " + "; ".join(unsupported))
     fields = dict(
-        block_size=int(n_positions),
+        # transformers' GPT2Config reads n_positions (the size of wpe), 1024 where it is absent, and ignores n_ctx.
+        block_size=int(c.get("n_positions", 1024)),
         vocab_size=int(c["vocab_size"]),
         n_layer=int(c["n_layer"]),
         n_head=int(c["n_head"]),
