@@ -353,18 +353,12 @@ def _peft_plan(
         # ours: A (V, r), B (r, dim)
         A = _pad_rows(parts["embedding_A"].t(), rows, real, pad)
         B = parts["embedding_B"].t()
-        factor_rank = A.shape[1]
     else:
         # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
         A = parts["A.weight"].flatten(1)
         B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
-        factor_rank = A.shape[0]
+    # factors of another rank than the config's are refused with the other shapes (make_plan)
     rank = _pattern_value(config["rank_pattern"], module_name, config["r"])
-    if factor_rank != rank:
-        raise LoRAValueError(
-            f"{source}: {module_name} has rank-{factor_rank} factors but "
-            f"the config says r={rank}; adapter_config.json does not match the adapter weights"
-        )
     alpha = _pattern_value(config["alpha_pattern"], module_name, config["lora_alpha"])
     tensors = {"lora_A": A, "lora_B": B}
     if dora:
