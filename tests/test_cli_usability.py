@@ -135,10 +135,10 @@ def test_a_bad_value_is_one_line(capsys, argv, line):
 
 def test_values_that_look_like_flags_are_still_values():
     """The check of the flags reads them as tyro does: a prompt "--- x", a -inf, a -1 are values."""
-    from gpt2.cli import COMMANDS, parse
+    from gpt2.cli import COMMANDS
 
     argv = ["--prompt", "--- x", "--temperature", "-inf", "--top-k", "-1", "--device", "cpu"]
-    options, _ = parse(COMMANDS["train"], argv, prog="gpt2 train")
+    options = COMMANDS["train"].parse(argv, prog="gpt2 train")
     sampling = options.sampling
     assert (sampling.prompt, sampling.temperature, sampling.top_k) == ("--- x", float("-inf"), -1)
 

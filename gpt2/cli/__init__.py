@@ -67,6 +67,10 @@ class Command(NamedTuple):
     def options(self) -> type:
         return typing.get_type_hints(self.function)["options"]
 
+    def parse(self, argv: Sequence[str], **kwargs: Any) -> Any:
+        """The options from the recipe, ``defaults`` (an example script's), the config file and ``argv``."""
+        return parse_options(self.options, list(argv), recipe=self.recipe, **kwargs)
+
 
 COMMANDS: dict[str, Command] = {
     "train": Command("train", "pretrain a GPT-2 (Tiny Shakespeare by default), val loss and samples", "shakespeare"),
@@ -77,23 +81,6 @@ COMMANDS: dict[str, Command] = {
     "export": Command("export", "write a transformers folder, a GGUF file and/or a PEFT adapter"),
     "bench": Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash...", "bench"),
 }
-
-
-def parse(
-    cmd: Command,
-    argv: Sequence[str],
-    *,
-    prog: str,
-    defaults: dict[str, Any] | None = None,
-    description: str | None = None,
-) -> tuple[Any, bool]:
-    """The options of ``cmd`` from recipe, script defaults, config file and ``argv``; and
-    whether ``--print-config`` asked to print them instead of running.
-    """
-    options = parse_options(
-        cmd.options, list(argv), prog=prog, recipe=cmd.recipe, defaults=defaults, description=description
-    )
-    return options, options.print_config
 
 
 @dataclasses.dataclass
@@ -146,11 +133,11 @@ def _run(command: _Invocation, defaults: dict[str, Any] | None, description: str
     """Parse the options, then print them, start the workers or run the command."""
     cmd, prog, argv = COMMANDS[command.name], command.prog, command.argv
     try:
-        options, print_config = parse(cmd, argv, prog=prog, defaults=defaults, description=description)
+        options = cmd.parse(argv, prog=prog, defaults=defaults, description=description)
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     command.options = options
-    if print_config:
+    if options.print_config:
         sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
         return 0
     # train and finetune can start their own workers (unless this process is one)
