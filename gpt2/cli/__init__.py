@@ -23,7 +23,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gpt2.cli.layers import ArgumentError, UsageError, dump_yaml
+from gpt2.cli.layers import UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
 from gpt2.errors import Gpt2Error, InvalidValueError
 
@@ -216,10 +216,7 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     # of memory on one rank) are said by the rank that met them.
     if code == EXIT_USAGE and _rank() != 0:
         return code
-    # A flag or value the command cannot read: its message names the flag.
-    if isinstance(e, ArgumentError):
-        print(f"{prog}: {text}", file=sys.stderr)
-    elif _is_system_error(e):
+    if _is_system_error(e):
         print(f"{prog}: error: {_system_error(e, command)}", file=sys.stderr)
     elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
