@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,7 +78,8 @@ def bench(options: BenchOptions) -> list[Any]:
     print(format_table(results, title))
     if options.json:
         write_json(
-            options.json, {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}
+            options.json,
+            {"device": where, "torch": torch.__version__, "results": [dataclasses.asdict(r) for r in results]},
         )
     return results
 
