@@ -378,9 +378,9 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     assert (options.shape.model, train.seq_len) == (cpu["model"], cpu["seq_len"])  # the recipe's CPU values
     assert cpu["model"] != gpu["model"]
     assert cmd.parse(["--device", "cuda"], prog="gpt2 train").shape.model == gpu["model"]  # ... and its CUDA ones
-    # A recipe named in a config file (JSON is YAML too), and the recipe's earlier name.
+    # A recipe named in a config file (JSON is YAML too).
     cfg_json = tmp_path / "run.json"
-    cfg_json.write_text(json.dumps({"recipe": "gpt2-124m", "micro_batch_size": 2}))
+    cfg_json.write_text(json.dumps({"recipe": "gpt2-124m-fineweb", "micro_batch_size": 2}))
     options = cmd.parse(["--config", str(cfg_json), "--device", "cpu"], prog="gpt2 train")
     train = options.train
     fineweb = recipe("gpt2-124m-fineweb", on_cuda=False)

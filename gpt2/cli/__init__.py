@@ -110,7 +110,9 @@ def run_command(
     """
     if name not in COMMANDS:
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
-    command = _Invocation(name, prog or f"gpt2 {name}", _arguments(argv))
+    if argv is None:
+        argv = sys.argv[1:]
+    command = _Invocation(name, prog or f"gpt2 {name}", list(argv))
     _setup_logging()
     # Each line as it is printed, also into a file or a pipe (Python holds them back in blocks there).
     if hasattr(sys.stdout, "reconfigure"):
@@ -327,7 +329,8 @@ def _setup_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``gpt2 <command> [options]``; returns the exit code."""
-    argv = _arguments(argv)
+    if argv is None:
+        argv = sys.argv[1:]
     if not argv:  # no command: the help, as a usage error
         print(_top_help())
         return EXIT_USAGE
@@ -346,13 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_USAGE
     return run_command(argv[0], argv[1:])
-
-
-def _arguments(argv: Sequence[str] | None) -> list[str]:
-    """``argv``, or this process's command-line arguments."""
-    if argv is None:
-        return sys.argv[1:]
-    return list(argv)
 
 
 def _top_help() -> str:

@@ -262,9 +262,7 @@ def loss_line(loss: dict[str, Any]) -> str:
     tokens = loss["tokens"]
     if tokens >= FEW_TOKENS:
         return f"{head} | {tokens:,} tokens"
-    if tokens == 1:
-        return f"{head} (from only 1 token: a rough estimate)"
-    return f"{head} (from only {tokens} tokens: a rough estimate)"
+    return f"{head} (from only {tokens} token{'s' * (tokens != 1)}: a rough estimate)"
 
 
 def final_report(

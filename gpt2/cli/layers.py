@@ -33,7 +33,6 @@ import yaml
 from gpt2.errors import Gpt2Error
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
-RENAMED = {"gpt2-124m": "gpt2-124m-fineweb"}  # earlier recipe names (CHANGELOG.md)
 
 
 class UsageError(Gpt2Error):
@@ -310,7 +309,6 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def recipe_path(name: str, on_cuda: bool) -> Path:
     """A recipe name (``shakespeare`` -> the cpu or gpu file for this machine) or a YAML path."""
-    name = RENAMED.get(name, name)
     if name.endswith((".yaml", ".yml")) or "/" in name:
         return Path(name).expanduser()  # read_yaml says if it is missing
     machine = "gpu" if on_cuda else "cpu"
@@ -351,10 +349,6 @@ class CommandLine(NamedTuple):
             else:
                 given[flag] += (arg,)
         return cls(given, stray)
-
-    @property
-    def help(self) -> bool:
-        return "--help" in self.given or "-h" in self.given
 
 
 def _is_short_option(word: str) -> bool:
@@ -441,7 +435,7 @@ def parse(
     if {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user:
         values["warmup_steps"] = _recipe_warmup(planned, values["max_steps"])
     options = build(cls, values)
-    if line.help:
+    if "--help" in line.given or "-h" in line.given:
         show_help(options, prog, description or inspect.cleandoc(cls.__doc__))
     return options
 
