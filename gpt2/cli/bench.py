@@ -11,7 +11,7 @@ import torch
 from gpt2.cli.common import write_json
 from gpt2.cli.layers import Options
 from gpt2.model.config import SHAPE_NAMES
-from gpt2.train.bench import RUNGS, RungResult, format_table, run_ladder
+from gpt2.train.bench import RungResult, format_table, run_ladder
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import describe_machine
 
@@ -47,9 +47,8 @@ class BenchOptions(Options):
 
 
 def bench(options: BenchOptions) -> list[Any]:
-    rungs = list(RUNGS)
-    if options.rungs:
-        rungs = [r.strip() for r in options.rungs.split(",") if r.strip()]
+    # none named: every rung
+    rungs = [r.strip() for r in options.rungs.split(",") if r.strip()] or None
     # "cuda" without CUDA: the Trainer's error, before any work
     device = resolve_device(options.device)
     where = describe_machine(device)
