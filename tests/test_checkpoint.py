@@ -199,9 +199,9 @@ def test_trainable_only_saves_just_the_trainable_parameters(model, tiny_config, 
     with torch.no_grad():
         model.transformer.ln_f.weight.fill_(2.0)
     path = ckpt.save_checkpoint(tmp_path, 5, model, trainable_only=True)
-    weights, meta = ckpt.load_weights(path / ckpt.WEIGHTS_FILE)
+    weights, _ = ckpt.load_weights(path / ckpt.WEIGHTS_FILE)
     assert set(weights) == {"transformer.ln_f.weight", "lm_head.weight", "transformer.wte.weight"}
-    assert meta["trainable_only"] == "True"
+    assert ckpt.read_checkpoint(path).trainable_only
 
     torch.manual_seed(0)
     base = GPT(tiny_config)  # the same frozen base, but without the trained values

@@ -25,7 +25,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +120,7 @@ def _some(names: list[str], n: int = 5) -> str:
     return listed
 
 
-def save_weights(
-    state: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
-) -> None:
+def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
     """Write a state dict as safetensors (atomically, with the user's umask), storing tensors that
     share memory once: exact aliases (a tied weight) become metadata entries ``{alias: kept name}``;
     other partial overlaps are copied so the file is valid.
@@ -145,9 +143,8 @@ def save_weights(
             storages.add(ptr)
             seen[key] = name
         tensors[name] = t.contiguous().cpu()
-    meta = {"format": "pt", "aliases": json.dumps(aliases, sort_keys=True), **(metadata or {})}
     # Bytes, written by replace_atomically: safetensors' own save_file makes its files 0600.
-    data = save(tensors, metadata=meta)
+    data = save(tensors, metadata={"format": "pt", "aliases": json.dumps(aliases, sort_keys=True)})
     replace_atomically(path, lambda f: f.write(data))
 
 
@@ -245,13 +242,12 @@ class CheckpointData:
     meta: dict[str, Any]
     # Aliases filled back in.
     weights: dict[str, torch.Tensor]
-    weights_meta: dict[str, str] = field(default_factory=dict)
     # trainer_state.safetensors, when asked for.
     trainer_state: dict[str, Any] | None = None
 
     @property
     def trainable_only(self) -> bool:
-        return self.weights_meta.get("trainable_only") == "True"
+        return bool(self.meta.get("trainable_only"))
 
 
 def read_checkpoint(
@@ -277,47 +273,53 @@ def read_checkpoint(
     if trainer_state:
         state = _read_trainer_state(path / STATE_FILE, problems)
         read.append(STATE_FILE)
+    tensors: dict[str, torch.Tensor] = {}
     if is_sharded(path):
         read += _shard_files(path, problems)
         # Verified before the shards are read: torch.distributed.checkpoint checks no content.
         _check_digests(path, read, problems)
-        weights, weights_meta = _read_sharded_weights(path, meta, weights, problems)
-        non_finite = non_finite_tensors(weights)
-        if non_finite:
-            problems.append((str(path / SHARDS_DIR), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
+        if not problems:
+            tensors = _read_sharded_weights(path, weights, problems)
+        finite = _check_finite(tensors, path / SHARDS_DIR, problems)
     else:
-        weights, weights_meta = _read_weights(path, problems)
-        non_finite = non_finite_tensors(weights)
-        if non_finite:
-            problems.append((str(path / WEIGHTS_FILE), f"holds non-finite values (inf/nan) in {_some(non_finite)}"))
-        read.append(WEIGHTS_FILE)
-        _check_digests(path, read, problems)
+        try:
+            tensors = load_weights(path / WEIGHTS_FILE)[0]
+        except CheckpointError as e:
+            problems += e.problems
+        # Before the digests: a file's own problem says more than its sha256 does.
+        finite = _check_finite(tensors, path / WEIGHTS_FILE, problems)
+        _check_digests(path, [*read, WEIGHTS_FILE], problems)
     if not problems:
-        return CheckpointData(path, meta, weights, weights_meta, state)  # type: ignore[arg-type]
+        return CheckpointData(path, meta, tensors, state)  # type: ignore[arg-type]
     message = f"checkpoint {path} is damaged: {_describe(problems, path)}"
-    if non_finite and len(problems) == 1:
+    if not finite and len(problems) == 1:
         raise NonFiniteWeightsError(message, problems)
     raise CheckpointError(message, problems)
 
 
-def _read_weights(path: Path, problems: list[tuple[str, str]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``model.safetensors``'s weights and metadata; empty ones (and a problem) when it cannot be read."""
-    try:
-        return load_weights(path / WEIGHTS_FILE)
-    except CheckpointError as e:
-        problems += e.problems
-        return {}, {}
+def _check_finite(tensors: dict[str, torch.Tensor], file: Path, problems: list[tuple[str, str]]) -> bool:
+    """Whether every tensor is finite; a problem of ``file`` where not."""
+    bad = non_finite_tensors(tensors)
+    if bad:
+        problems.append((str(file), f"holds non-finite values (inf/nan) in {_some(bad)}"))
+    return not bad
 
 
 def _shard_files(path: Path, problems: list[tuple[str, str]]) -> list[str]:
-    """The files under ``shards/`` (names relative to the checkpoint), each a problem where it is not
-    listed in SHA256SUMS: a shard nobody vouches for is not read.
+    """The files under ``shards/`` (names relative to the checkpoint), each a problem where it is not safetensors
+    (torch.distributed.checkpoint's reader skips other names) or not listed in SHA256SUMS: a shard nobody vouches
+    for is not read.
     """
     listed = read_digests(path / DIGEST_FILE)
     found = sorted(str(p.relative_to(path)) for p in (path / SHARDS_DIR).rglob("*") if p.is_file())
     for name in found:
         if listed is not None and name not in listed:
             problems.append((str(path / name), f"is not listed in {DIGEST_FILE} (left by another save?)"))
+        try:
+            with safe_open(str(path / name), "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - a file that does not parse makes the checkpoint unusable
+            problems.append((str(path / name), _unreadable(path / name, e)))
     # A listed shard that is gone is found by _check_digests.
     missing = sorted(name for name in listed or () if name.startswith(SHARDS_DIR + "/") and name not in found)
     return found + missing
@@ -336,24 +338,10 @@ def load_shards_into(state: dict[str, Any], shards: Path, *, no_dist: bool) -> N
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(shards)), no_dist=no_dist)
 
 
-def _read_sharded_weights(
-    path: Path, meta: dict[str, Any] | None, whole: bool, problems: list[tuple[str, str]]
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _read_sharded_weights(path: Path, whole: bool, problems: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
     """A sharded checkpoint's weights, gathered from every shard into full tensors (``whole``) or as ``meta``
-    tensors of their shapes; nothing (the problems say why) when its files are damaged.
+    tensors of their shapes; nothing (and a problem) when they cannot be read.
     """
-    weights_meta = {}
-    if meta is not None:
-        weights_meta = {"step": str(meta.get("step")), "trainable_only": str(meta.get("trainable_only", False))}
-    # Every file under shards/ must be safetensors (torch.distributed.checkpoint's reader skips other names).
-    for file in sorted(p for p in (path / SHARDS_DIR).rglob("*") if p.is_file()):
-        try:
-            with safe_open(str(file), "pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 - a file that does not parse makes the checkpoint unusable
-            problems.append((str(file), _unreadable(file, e)))
-    if problems:
-        return {}, weights_meta
     import torch.distributed.checkpoint as dcp
 
     index = dcp.HuggingFaceStorageReader(str(path / SHARDS_DIR)).read_metadata().state_dict_metadata
@@ -372,16 +360,20 @@ def _read_sharded_weights(
             load_shards_into(weights, path / SHARDS_DIR, no_dist=True)
         except Exception as e:  # noqa: BLE001 - the digests matched, so this is a format problem: report it as one
             problems.append((str(path / SHARDS_DIR), f"cannot be read ({_first_line(e)})"))
-            return {}, weights_meta
-    return {key.removeprefix(prefix): tensor for key, tensor in weights.items()}, weights_meta
+            return {}
+    return {key.removeprefix(prefix): tensor for key, tensor in weights.items()}
 
 
 def _check_digests(path: Path, names: list[str], problems: list[tuple[str, str]]) -> None:
     """Compare each of ``names`` with its sha256 in ``SHA256SUMS`` (files already found damaged
     are skipped: their own problem says more).
     """
-    expected = _read_digests(path, problems)
+    expected = read_digests(path / DIGEST_FILE)
     if expected is None:
+        why = "is missing"
+        if os.path.lexists(path / DIGEST_FILE):
+            why = "cannot be read (not in sha256sum format)"
+        problems.append((str(path / DIGEST_FILE), why))
         return
     damaged = {file for file, _ in problems}
     for name in names:
@@ -396,19 +388,10 @@ def _check_digests(path: Path, names: list[str], problems: list[tuple[str, str]]
             problems.append((file, f"does not match its sha256 in {DIGEST_FILE}: the file is damaged"))
 
 
-def _read_digests(path: Path, problems: list[tuple[str, str]]) -> dict[str, str] | None:
-    """``SHA256SUMS`` as ``{file name: sha256}``, or None (and a problem) where it is missing or damaged."""
-    sums = read_digests(path / DIGEST_FILE)
-    if sums is None:
-        why = "is missing"
-        if os.path.lexists(path / DIGEST_FILE):
-            why = "cannot be read (not in sha256sum format)"
-        problems.append((str(path / DIGEST_FILE), why))
-    return sums
-
-
 def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
-    """``trainer_state.json``, or None if it is missing or not a JSON object; its fields are checked."""
+    """``trainer_state.json``, or None if it is missing or not a JSON object; the step (a number, the one in the
+    directory's name) and the format version (one this gpt2 reads) are checked.
+    """
     file = path / META_FILE
     if not file.is_file():
         problems.append((str(file), "is missing"))
@@ -424,26 +407,16 @@ def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | 
     if not isinstance(meta, dict):
         problems.append((str(file), "does not hold a JSON object"))
         return None
-    _check_meta_fields(path, meta, problems)
-    return meta
-
-
-def _check_meta_fields(path: Path, meta: dict[str, Any], problems: list[tuple[str, str]]) -> None:
-    """Check the step (a number, the one in the directory's name) and the format version (one this
-    gpt2 reads; a newer one is a problem, and is then treated as 1) of ``meta``.
-    """
-    file = str(path / META_FILE)
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        problems.append((file, f"field 'step' is {step!r}, not a step number"))
+        problems.append((str(file), f"field 'step' is {step!r}, not a step number"))
     elif checkpoint_step(path) is not None and checkpoint_step(path) != step:
-        problems.append((file, f"field 'step' is {step} but the directory is {path.name}"))
+        problems.append((str(file), f"field 'step' is {step} but the directory is {path.name}"))
     version = meta.get("format_version", 1)
     if not isinstance(version, int) or version > SHARDED_FORMAT_VERSION:
-        problems.append(
-            (file, f"format_version {version!r} is newer than this gpt2 reads ({SHARDED_FORMAT_VERSION}); upgrade gpt2")
-        )
-        meta["format_version"] = 1
+        why = f"format_version {version!r} is newer than this gpt2 reads ({SHARDED_FORMAT_VERSION}); upgrade gpt2"
+        problems.append((str(file), why))
+    return meta
 
 
 def _read_trainer_state(file: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
@@ -540,13 +513,9 @@ def open_checkpoint(
             check(data)
         return data
 
-    if checkpoint_step(path) is not None or is_complete(path):
-        return _open_one(path, read)
-    return _open_newest(path, read)
-
-
-def _open_one(path: Path, read: Callable[[Path], CheckpointData]) -> CheckpointData:
-    """The one checkpoint ``path`` (no fallback); its error says how to use the newest intact one instead."""
+    if checkpoint_step(path) is None and not is_complete(path):
+        return _open_newest(path, read)
+    # The one checkpoint ``path`` (no fallback): its error says how to use the newest intact one instead.
     if not path.exists():
         raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
     try:

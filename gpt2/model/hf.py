@@ -226,7 +226,7 @@ def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn
             f"checkpoint {str(checkpoint)!r} does not record its model configuration "
             f"('model_config' in trainer_state.json), so the model cannot be rebuilt from it"
         )
-    if data.meta.get("trainable_only") or data.trainable_only:
+    if data.trainable_only:
         raise InvalidValueError(
             f"checkpoint {str(checkpoint)!r} holds only the trainable (adapter) weights; load the base "
             f"model and pass this run's adapter with --adapter instead"

@@ -15,7 +15,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +27,9 @@ import torch.nn as nn
 from safetensors import SafetensorError
 
 import minlora
+from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
-from gpt2.files import pid_alive, replace_atomically, write_advice
+from gpt2.files import replace_atomically, write_advice
 from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
     CHECKPOINT_DIR,
     DIGEST_FILE,
@@ -56,7 +56,6 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     non_finite_tensors,
     open_checkpoint,
     read_checkpoint,
-    refuse_non_finite,
     save_state,
     save_weights,
     sha256_file,
@@ -121,49 +120,14 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 # --- save
 
+# A full disk shows up as an OSError (ENOSPC), as torch.save's "enforce fail at inline_container.cc" RuntimeError,
+# or as a SafetensorError: each becomes one CheckpointSaveError; anything else is raised as it is.
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+_TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
+
 
 def save_checkpoint(
-    root: str | os.PathLike,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    metadata: dict[str, Any] | None = None,
-    *,
-    keep_last: int | None = None,
-    trainable_only: bool = False,
-    rng_state: dict[str, Any] | None = None,
-) -> Path:
-    """Write ``<root>/step_{step:06d}`` atomically and return its path.
-
-    Raises :class:`NonFiniteWeightsError` (writing nothing) if any weight is inf/nan.
-    ``keep_last`` > 0 deletes all but the newest ``keep_last`` checkpoints afterwards.
-    """
-    _check_step(step)
-    raw = unwrap_model(model)
-    state = _weights_to_save(raw, trainable_only)
-    refuse_non_finite(state, f"refusing to save checkpoint at step {step}")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    meta = _checkpoint_meta(raw, step, trainable_only, metadata)
-    trainer_state = _trainer_state(optimizer, scaler, rng_state)
-    meta_bytes = _meta_bytes(meta)
-    weights_meta = {"step": str(step), "trainable_only": str(trainable_only)}
-    # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
-    writers: list[tuple[str, Callable[[Path], None]]] = [
-        (WEIGHTS_FILE, lambda path: save_weights(state, path, weights_meta)),
-        (STATE_FILE, lambda path: save_state(trainer_state, path)),
-        (META_FILE, lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))),
-    ]
-    _write_checkpoint_dir(root, final, writers)
-    if keep_last:
-        prune_checkpoints(root, keep_last)
-    logger.info("saved checkpoint %s", final)
-    return final
-
-
-def save_sharded_checkpoint(
     root: str | os.PathLike,
     step: int,
     model: nn.Module,
@@ -177,15 +141,22 @@ def save_sharded_checkpoint(
     base_fingerprint: str | None = None,
     before_write: Callable[[], None] | None = None,
 ) -> Path:
-    """Write ``<root>/step_{step:06d}`` as a sharded checkpoint: EVERY process of the job calls this, and each
-    writes its own shards of the model and optimizer state (no process gathers the whole model). Rank 0
-    names the temporary directory, writes the rest (scaler and RNG states, metadata, SHA256SUMS of every
-    file) and renames it into place, so the checkpoint appears whole or not at all, as
-    :func:`save_checkpoint`'s. Every process returns the path, or raises the same error.
-    ``before_write``: called on rank 0 before anything is written (the run's lock check).
+    """Write ``<root>/step_{step:06d}`` atomically and return its path.
+
+    Raises :class:`NonFiniteWeightsError` (writing nothing) if any weight is inf/nan.
+    ``keep_last`` > 0 deletes all but the newest ``keep_last`` checkpoints afterwards.
+    ``before_write``: called before anything is written (the run's lock check).
+
+    A model sharded by FSDP is saved as a sharded checkpoint: EVERY process of the job calls this, and each writes
+    its own shards of the model and optimizer state (no process gathers the whole model); rank 0 writes the rest
+    and renames the directory into place; every process returns the path, or raises the same error. An adapter-only
+    checkpoint of a sharded model needs its ``base_fingerprint``, taken before it was sharded.
     """
-    _check_step(step)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
     raw = unwrap_model(model)
+    shards = torch_compat.is_fsdp_module(raw)
+    # A collective under FSDP: every process refuses alike.
     bad = fsdp.non_finite_parameters(raw)
     if bad:
         raise NonFiniteWeightsError(
@@ -193,85 +164,102 @@ def save_sharded_checkpoint(
         )
     root = Path(root)
     final = root / f"step_{step:06d}"
-    is_main = dist.get_rank() == 0
-    tmp = _agree(is_main, lambda: _start_sharded(root, final, before_write), f"starting checkpoint {final.name}")
-    try:
-        sharded.write_shards(tmp, raw, optimizer, trainable_only)
-    except BaseException as e:
-        # torch.distributed.checkpoint raised on every process (its CheckpointException holds each failed rank's
-        # error): rank 0 cleans up, and every rank raises the same one-line error.
-        failures = getattr(e, "failures", None)
-        cause = next(iter(failures.values()))[0] if failures else e
-        if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(cause, (OSError, RuntimeError, SafetensorError)):
-            raise
-        # no rank says "nothing was kept" before the temporary directory is gone
-        dist.barrier()
-        raise _save_error(root, final, SHARDS_DIR, cause) from None
-    meta = _checkpoint_meta(raw, step, trainable_only, metadata, base_fingerprint, SHARDED_FORMAT_VERSION)
+    version = FORMAT_VERSION
+    if shards:
+        version = SHARDED_FORMAT_VERSION
+    meta = _checkpoint_meta(raw, step, trainable_only, metadata, base_fingerprint, version)
+    # JSON has no inf/nan: they are stored as null.
+    meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
+    writers: dict[str, Callable[[Path], None]] = {}
+    tmp = _agree(shards, lambda: _start(root, final, before_write), f"starting checkpoint {final.name}")
+    if shards:
+        _write_shards(root, final, tmp, raw, optimizer, trainable_only)
+        # Its state is in the shards.
+        optimizer = None
+    else:
+        weights = _weights_to_save(raw, trainable_only)
+        writers[WEIGHTS_FILE] = lambda path: save_weights(weights, path)
+    writers[STATE_FILE] = lambda path: save_state(_trainer_state(optimizer, scaler, rng_state), path)
+    writers[META_FILE] = lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))
 
     def finish() -> Path:
-        _finish_sharded(root, final, tmp, meta, _trainer_state(None, scaler, rng_state))
+        _finish(root, final, tmp, writers)
         if keep_last:
             prune_checkpoints(root, keep_last)
-        logger.info("saved sharded checkpoint %s", final)
+        logger.info("saved checkpoint %s", final)
         return final
 
-    return _agree(is_main, finish, f"finishing checkpoint {final.name}")
+    return _agree(shards, finish, f"finishing checkpoint {final.name}")
 
 
-def _check_step(step: Any) -> None:
-    """A checkpoint's step: a non-negative integer (it names the directory)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
-
-
-def _meta_bytes(meta: dict[str, Any]) -> bytes:
-    """``trainer_state.json``'s bytes (JSON has no inf/nan: they are stored as null)."""
-    return (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
-
-
-def _start_sharded(root: Path, final: Path, before_write: Callable[[], None] | None) -> Path:
-    """Rank 0: the run's lock checked, the empty temporary directory every process writes its shards into."""
+def _start(root: Path, final: Path, before_write: Callable[[], None] | None) -> Path:
+    """Rank 0: the run's lock checked, the empty temporary directory beside ``final`` that the files are written
+    into.
+    """
     if before_write is not None:
         before_write()
-    tmp = _temporary_dir(root, final)
+    tmp = _aside(final, _TMP_PREFIX)
     try:
         root.mkdir(parents=True, exist_ok=True)
+        # os.mkdir honours the umask, unlike tempfile.mkdtemp's private 0700.
         tmp.mkdir()
     except OSError as e:
         raise _save_error(root, final, "the temporary directory", e) from e
     return tmp
 
 
-def _finish_sharded(root: Path, final: Path, tmp: Path, meta: dict[str, Any], state: dict[str, Any]) -> None:
-    """Rank 0, once every shard is written: both trainer_state files, SHA256SUMS of every file, the rename."""
-    meta_bytes = _meta_bytes(meta)
-    writing = STATE_FILE
-    try:
-        save_state(state, tmp / STATE_FILE)
-        writing = META_FILE
-        replace_atomically(tmp / META_FILE, lambda f: f.write(meta_bytes))
-        writing = DIGEST_FILE
-        shards = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDS_DIR).rglob("*") if p.is_file())
-        _write_digests(tmp, [STATE_FILE, META_FILE, *shards])
-        writing = "the checkpoint directory"
-        _move_durably(tmp, final)
-    except BaseException as e:
-        error = _failed_save(root, final, tmp, writing, e)
-        if error is e:
-            raise
-        raise error from e
-
-
-def _agree(is_main: bool, work: Callable[[], Any], what: str) -> Any:
-    """Run ``work`` on rank 0 and tell every process how it went: its result, or on every other rank a
-    :class:`CheckpointSaveError` carrying rank 0's error (no rank goes on while another has failed).
+def _write_shards(root: Path, final: Path, tmp: Path, raw: nn.Module, optimizer: Any, trainable_only: bool) -> None:
+    """Every process writes its shards into ``tmp``. torch.distributed.checkpoint raises on every process (its
+    CheckpointException holds each failed rank's error): rank 0 cleans up, and every rank raises the same error.
     """
+    try:
+        sharded.write_shards(tmp, raw, optimizer, trainable_only)
+    except BaseException as e:
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else e
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(cause, _WRITE_ERRORS):
+            raise
+        # no rank says "nothing was kept" before the temporary directory is gone
+        dist.barrier()
+        raise _save_error(root, final, SHARDS_DIR, cause) from None
+
+
+def _finish(root: Path, final: Path, tmp: Path, writers: dict[str, Callable[[Path], None]]) -> None:
+    """Rank 0, once any shards are written: each file of ``writers`` (``name: write(path)``) and SHA256SUMS of every
+    file into ``tmp``, made durable, then renamed to ``final``. A failure removes ``tmp``; an I/O one (disk full)
+    raises :class:`CheckpointSaveError` naming the file being written.
+    """
+    writing = ""
+    try:
+        for name, write in writers.items():
+            writing = name
+            write(tmp / name)
+        writing = DIGEST_FILE
+        _write_digests(tmp)
+        writing = "the checkpoint directory"
+        _fsync_dir(tmp)
+        _move_into_place(tmp, final)
+        _fsync_dir(root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, _WRITE_ERRORS):
+            raise
+        raise _save_error(root, final, writing, e) from e
+
+
+def _agree(shards: bool, work: Callable[[], Any], what: str) -> Any:
+    """Run ``work`` (rank 0's part of a save). For a sharded save, every process is told how it went: its result,
+    or on every other rank a :class:`CheckpointSaveError` carrying rank 0's error (no rank goes on while another
+    has failed).
+    """
+    if not shards:
+        return work()
     outcome: list[Any] = [None, None]
     error: BaseException | None = None
-    if is_main:
+    if dist.get_rank() == 0:
         try:
             outcome[0] = work()
         except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks before it is raised
@@ -300,8 +288,8 @@ def _checkpoint_meta(
     step: int,
     trainable_only: bool,
     metadata: dict[str, Any] | None,
-    base_fingerprint: str | None = None,
-    version: int = FORMAT_VERSION,
+    base_fingerprint: str | None,
+    version: int,
 ) -> dict[str, Any]:
     """``trainer_state.json``'s content; an adapter-only checkpoint also records its base model (its
     ``base_fingerprint``, computed here when not given: a sharded model's must be given).
@@ -329,66 +317,16 @@ def _trainer_state(optimizer: Any, scaler: Any, rng_state: dict[str, Any] | None
     return state
 
 
-def _write_checkpoint_dir(root: Path, final: Path, writers: list[tuple[str, Callable[[Path], None]]]) -> None:
-    """Write each ``(name, write(path))`` of ``writers`` and their SHA256SUMS into a temporary directory, then
-    rename it to ``final``. A failure removes the temporary directory; an I/O one (disk full) raises
-    :class:`CheckpointSaveError` naming the file being written.
-    """
-    tmp = _temporary_dir(root, final)
-    writing = "the temporary directory"
-    try:
-        # os.mkdir honours the umask, unlike tempfile.mkdtemp's private 0700.
-        tmp.mkdir()
-        for name, write in writers:
-            writing = name
-            write(tmp / name)
-        writing = DIGEST_FILE
-        _write_digests(tmp, [name for name, _ in writers])
-        writing = "the checkpoint directory"
-        _move_durably(tmp, final)
-    except BaseException as e:
-        error = _failed_save(root, final, tmp, writing, e)
-        if error is e:
-            raise
-        raise error from e
-
-
-def _temporary_dir(root: Path, final: Path) -> Path:
-    """A unique name beside ``final`` (same filesystem, so the rename into place is atomic)."""
-    return root / f"{_TMP_PREFIX}{final.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
-
-
-def _write_digests(tmp: Path, names: list[str]) -> None:
-    """``SHA256SUMS`` of ``names`` (paths inside ``tmp``), in ``sha256sum -c`` format."""
+def _write_digests(tmp: Path) -> None:
+    """``SHA256SUMS`` of every file under ``tmp``, in ``sha256sum -c`` format."""
+    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     sums = "".join(f"{sha256_file(tmp / name)}  {name}\n" for name in names)
     replace_atomically(tmp / DIGEST_FILE, lambda f: f.write(sums.encode()))
 
 
-def _move_durably(tmp: Path, final: Path) -> None:
-    """Make ``tmp``'s entries durable, rename it to ``final`` and make the rename durable."""
-    _fsync_dir(tmp)
-    _move_into_place(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _failed_save(root: Path, final: Path, tmp: Path, writing: str, e: BaseException) -> BaseException:
-    """Remove the temporary directory of a failed save; the error to raise: disk full shows up as OSError
-    (ENOSPC), as torch.save's "enforce fail at inline_container.cc" RuntimeError, or as a SafetensorError,
-    and each becomes one :class:`CheckpointSaveError`; anything else is raised as it is.
-    """
-    shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(e, (OSError, RuntimeError, SafetensorError)):
-        return _save_error(root, final, writing, e)
-    return e
-
-
-_TMP_PREFIX = ".tmp-"
-_OLD_PREFIX = ".old-"
-
-
-def _owner_tag() -> str:
-    """``<host>-<pid>`` in temporary names, so a clean-up can tell a dead writer's leftovers."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+def _aside(path: Path, prefix: str) -> Path:
+    """A unique name beside ``path`` (the same filesystem, so renames between them are atomic)."""
+    return path.with_name(f"{prefix}{path.name}-{uuid.uuid4().hex[:8]}")
 
 
 def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> CheckpointSaveError:
@@ -425,7 +363,7 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     if not final.exists():
         os.replace(tmp, final)
         return
-    old = final.with_name(f"{_OLD_PREFIX}{final.name}-{_owner_tag()}")
+    old = _aside(final, _OLD_PREFIX)
     os.replace(final, old)
     try:
         os.replace(tmp, final)
@@ -457,7 +395,7 @@ def remove_checkpoint(path: Path) -> list[Path]:
     if others:
         remove_files(path, mine)
         return others
-    doomed = path.with_name(f"{_TMP_PREFIX}{path.name}-{_owner_tag()}-{uuid.uuid4().hex[:8]}")
+    doomed = _aside(path, _TMP_PREFIX)
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
     return []
@@ -474,23 +412,20 @@ def _warn_kept(kept: list[Path], doing: str) -> None:
 
 def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints (a file of the user's inside one is kept,
-    and named) and leftovers of crashed saves.
+    and named).
     """
     checkpoints = list_checkpoints(root)
     removed = checkpoints[: max(0, len(checkpoints) - keep_last)]
     for path in removed:
         _warn_kept(remove_checkpoint(path), f"pruning {path}")
-    # Leftovers of saves that were killed (a save that fails with an exception cleans up itself);
-    # only those of dead processes on this host: another process may be saving right now.
-    clean_interrupted_saves(root, only_dead=True)
     return removed
 
 
-def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False) -> list[str]:
+def clean_interrupted_saves(root: str | os.PathLike) -> list[str]:
     """Remove what a killed save left in ``root`` (``.tmp-step_*``, which only gpt2 writes into; an
     ``.old-step_*`` copy, by its record, or renamed back where its ``step_*`` is missing, the process having
-    died between the two renames); returns what it did. ``only_dead``: only leftovers of dead processes on
-    this host (without it, the caller holds the run's lock: no other process saves here).
+    died between the two renames); returns what it did. The caller holds the run's lock: no other process
+    saves here (a save that fails with an exception cleans up itself).
     """
     root = Path(root)
     done: list[str] = []
@@ -499,8 +434,6 @@ def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False)
     for path in root.iterdir():
         name = path.name
         if not name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
-            continue
-        if only_dead and not _writer_is_dead(name):
             continue
         if name.startswith(_OLD_PREFIX):
             final = root / name[len(_OLD_PREFIX) :].split("-", 1)[0]
@@ -513,19 +446,6 @@ def clean_interrupted_saves(root: str | os.PathLike, *, only_dead: bool = False)
             shutil.rmtree(path, ignore_errors=True)
         done.append(f"removed {name}")
     return done
-
-
-def _writer_is_dead(name: str) -> bool:
-    """Whether the ``<host>-<pid>`` in a temporary name is a process of this host that is gone."""
-    tag = name
-    # ``.tmp-`` names end in ``-<host>-<pid>-<random>``, ``.old-`` ones in ``-<host>-<pid>``.
-    if not name.startswith(_OLD_PREFIX):
-        tag = name.rsplit("-", 1)[0]
-    host, _, pid = tag.rpartition("-")
-    # Another host's, or an old name without the owner: leave it.
-    if not pid.isdigit() or not host.endswith(socket.gethostname()):
-        return False
-    return not pid_alive(int(pid))
 
 
 # --- load
@@ -564,36 +484,24 @@ def load_checkpoint(
 
     # weights=False: a sharded checkpoint's shards stay on disk until they load straight into their places.
     data = open_checkpoint(path, trainer_state=need_state, check=check, weights=False)
-    state = data.trainer_state
-    saved_optimizer = None
-    if state is not None and optimizer is not None:
-        saved_optimizer = state["optimizer"]
-    _load_weights_and_optimizer(model, data, optimizer if state is not None else None, saved_optimizer)
-    if state is not None:
-        if scaler is not None and scaler.is_enabled():
-            _restore_scaler(scaler, state["scaler"], data.path)
-        if restore_rng:
-            restore_rng_state(state["rng"])
-    return {**data.meta, "path": str(data.path)}
-
-
-def _load_weights_and_optimizer(model: nn.Module, data: CheckpointData, optimizer: Any, saved_optimizer: Any) -> None:
-    """The weights (and given an ``optimizer``, its state) of ``data`` into ``model``, by the pair of formats:
-    shards into any model; whole tensors into a sharded model; whole tensors into a whole model.
-    """
+    state = data.trainer_state or {}
+    if not need_state:
+        optimizer = None
+    # By the pair of formats: shards into any model; whole tensors into a sharded model; into a whole model.
     raw = unwrap_model(model)
     if is_sharded(data.path):
         sharded.load_shards(data.path, raw, optimizer, data.trainable_only)
-        return
-    weights = data.weights
-    if not weights or any(t.is_meta for t in weights.values()):
-        weights, _ = load_weights(data.path / WEIGHTS_FILE)
-    if fsdp.is_sharded(raw):
-        sharded.load_whole(raw, weights, optimizer, saved_optimizer, strict=not data.trainable_only)
-        return
-    load_state_into(model, CheckpointData(data.path, data.meta, weights, data.weights_meta))
-    if optimizer is not None:
-        _restore_optimizer(optimizer, saved_optimizer)
+    elif torch_compat.is_fsdp_module(raw):
+        sharded.load_whole(raw, data.weights, optimizer, state.get("optimizer"), strict=not data.trainable_only)
+    else:
+        load_state_into(model, data)
+        if optimizer is not None:
+            _restore_optimizer(optimizer, state["optimizer"])
+    if need_state and scaler is not None and scaler.is_enabled():
+        _restore_scaler(scaler, state["scaler"], data.path)
+    if need_state and restore_rng:
+        restore_rng_state(state["rng"])
+    return {**data.meta, "path": str(data.path)}
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
@@ -641,47 +549,40 @@ def _check_base(model: nn.Module, data: CheckpointData, allow: bool, own: str | 
 
 
 def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: CheckpointData) -> None:
-    """Raise :class:`CheckpointMismatchError` unless the saved optimizer state fits ``optimizer`` (as
-    many groups and parameters, every state tensor of its parameter's shape) and the scaler's is one.
+    """Raise :class:`CheckpointMismatchError` unless the saved loss-scaler state holds a finite, positive scale and
+    the saved optimizer state fits ``optimizer`` (a sharded checkpoint's is in its shards: loading them checks it).
     """
     saved, saved_scaler = data.trainer_state["optimizer"], data.trainer_state["scaler"]  # type: ignore[index]
+    what, why = "optimizer", None
     if scaler is not None and scaler.is_enabled() and saved_scaler is not None:
-        _check_scaler_state(saved_scaler, data)
-    # A sharded checkpoint's optimizer state is in its shards: loading them checks that it fits.
-    if optimizer is not None and not is_sharded(data.path):
-        _check_optimizer_state(model, optimizer, saved, data)
+        scale = None
+        if isinstance(saved_scaler, dict):
+            scale = saved_scaler.get("scale")
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            what, why = "loss-scaler", f"scale {scale!r}"
+    if why is None and optimizer is not None and not is_sharded(data.path):
+        why = _optimizer_misfit(model, optimizer, saved)
+    if why is not None:
+        raise CheckpointMismatchError(
+            f"checkpoint {data.path}: the {what} state in {STATE_FILE} does not fit this run ({why}). To start from "
+            "the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
+            [(str(data.path / STATE_FILE), f"{what} state does not fit ({why})")],
+        )
 
 
-def _state_mismatch(data: CheckpointData, what: str, why: str) -> CheckpointMismatchError:
-    return CheckpointMismatchError(
-        f"checkpoint {data.path}: the {what} state in {STATE_FILE} does not fit this run ({why}). To start from "
-        "the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
-        [(str(data.path / STATE_FILE), f"{what} state does not fit ({why})")],
-    )
-
-
-def _check_scaler_state(saved_scaler: Any, data: CheckpointData) -> None:
-    """The saved loss-scaler state must hold a finite, positive scale."""
-    scale = None
-    if isinstance(saved_scaler, dict):
-        scale = saved_scaler.get("scale")
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise _state_mismatch(data, "loss-scaler", f"scale {scale!r}")
-
-
-def _check_optimizer_state(model: nn.Module, optimizer: Any, saved: Any, data: CheckpointData) -> None:
-    """The saved optimizer state must have ``optimizer``'s groups, and each state tensor its parameter's shape."""
+def _optimizer_misfit(model: nn.Module, optimizer: Any, saved: Any) -> str | None:
+    """Why the saved optimizer state does not fit ``optimizer`` (other groups, or state tensors of other shapes),
+    or None.
+    """
     if saved is None:
-        raise _state_mismatch(data, "optimizer", "there is none")
+        return "there is none"
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
-        raise _state_mismatch(data, "optimizer", "not an optimizer's")
+        return "not an optimizer's"
     groups = [len(g["params"]) for g in optimizer.param_groups]
     saved_groups = [len(g.get("params", ())) for g in saved["param_groups"]]
     if groups != saved_groups:
-        raise _state_mismatch(data, "optimizer", f"parameters per group {saved_groups}, the optimizer has {groups}")
-    wrong_shape = _wrong_shape(model, optimizer, saved)
-    if wrong_shape is not None:
-        raise _state_mismatch(data, "optimizer", wrong_shape)
+        return f"parameters per group {saved_groups}, the optimizer has {groups}"
+    return _wrong_shape(model, optimizer, saved)
 
 
 def _wrong_shape(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> str | None:

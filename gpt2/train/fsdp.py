@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
+from gpt2.model.checkpoint_files import non_finite_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -89,11 +90,6 @@ def shard_model(model: nn.Module, device: torch.device, precision: str) -> nn.Mo
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` (the raw module) was sharded by :func:`shard_model`."""
-    return torch_compat.is_fsdp_module(model)
-
-
 def gradient_sync(model: nn.Module, sync: bool) -> ContextManager:
     """FSDP: reduce-scatter the gradients in this backward only when ``sync`` (the last micro-step of an
     accumulation); the earlier ones accumulate unsharded gradients locally, with no communication.
@@ -111,17 +107,19 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def non_finite_parameters(model: nn.Module) -> list[str]:
-    """Names of the floating-point parameters and buffers holding inf/nan on ANY process (a collective):
-    each process checks its own shards, then all agree.
+    """Names of the floating-point parameters and buffers of ``model`` (the raw module) holding inf/nan; of a model
+    sharded by :func:`shard_model` on ANY process (a collective: each process checks its own shards, then all agree).
     """
-    local = []
+    local = {}
     for name, tensor in model.state_dict().items():
         if torch_compat.is_dtensor(tensor):
             tensor = tensor.to_local()
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            local.append(name)
+        local[name] = tensor
+    bad = non_finite_tensors(local)
+    if not torch_compat.is_fsdp_module(model):
+        return bad
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    dist.all_gather_object(gathered, bad)
     return sorted({name for names in gathered for name in names})
 
 

@@ -10,7 +10,6 @@ is pickled. The atomic directory, its SHA256SUMS and the rest of the checkpoint 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,6 @@ from gpt2.model.checkpoint_files import (
     load_shards_into,
 )
 from gpt2.train.distributed import _active
-
-logger = logging.getLogger(__name__)
 
 
 def write_shards(directory: Path, model: nn.Module, optimizer: Any, trainable_only: bool) -> None:

@@ -610,11 +610,8 @@ class Trainer:
         """
         if self.checkpoint_dir is None:
             return None
-        if self.sharded:
-            bad = fsdp.non_finite_parameters(self.model)
-        else:
-            bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
         # checked on every rank, so all of them stop together
+        bad = fsdp.non_finite_parameters(self.model)
         if bad:
             raise TrainingDivergedError(
                 f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}). "
@@ -627,12 +624,8 @@ class Trainer:
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         # a collective (every rank's CUDA RNG state)
         state = self.state_dict()
-        if self.sharded:
-            # every rank writes its shards; rank 0 checks first that it still owns out_dir
-            path = self._write_checkpoint(self.checkpoint_dir, state)
-        elif self.is_main:
-            if self._run_lock is not None:
-                self._run_lock.ensure_held()
+        # under FSDP every rank writes its shards
+        if self.sharded or self.is_main:
             path = self._write_checkpoint(self.checkpoint_dir, state)
         if self.is_main:
             self._record_outputs()
@@ -652,13 +645,12 @@ class Trainer:
         args = (checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, meta)
         keep_last = self.recovery.checkpoints_to_keep(checkpoint_dir, self.step)
         common = dict(keep_last=keep_last, trainable_only=self.config.save_trainable_only, rng_state=state["rng"])
+        # rank 0 checks first that it still owns out_dir
+        before_write = None
+        if self._run_lock is not None:
+            before_write = self._run_lock.ensure_held
         try:
-            if not self.sharded:
-                return ckpt.save_checkpoint(*args, **common)
-            before_write = None
-            if self._run_lock is not None:
-                before_write = self._run_lock.ensure_held
-            return ckpt.save_sharded_checkpoint(
+            return ckpt.save_checkpoint(
                 *args, base_fingerprint=self._base_fingerprint, before_write=before_write, **common
             )
         except Gpt2Error:
