@@ -323,21 +323,17 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-class LockedError(Gpt2Error, FileExistsError):
-    """Another process holds the lock; the message names it and the ways out."""
-
-
 class Lock:
     """An exclusive lock: the file ``path``, holding its owner's pid, host and start time.
 
     It is an ``fcntl.flock``, which the kernel releases when its process ends, however it ends. Where
     there is no flock (Windows, some network filesystems) whoever creates the file owns it, and one left
     by a process of this host that is gone is taken over. A record of another host is refused (flock may
-    not reach across machines). The file is never opened through a symbolic link. ``busy(who)`` words
-    the refusal, ``error`` is its class.
+    not reach across machines). The file is never opened through a symbolic link. ``busy`` words the refusal,
+    with ``{who}`` where the holder goes; ``error`` is its class.
     """
 
-    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str], error: type[Exception] = LockedError):
+    def __init__(self, path: str | os.PathLike, busy: str, error: type[Exception]):
         self.path = Path(path)
         self.busy = busy
         self.error = error
@@ -394,7 +390,7 @@ class Lock:
             logger.warning("taking over %s: pid %s that held it is no longer running", self.path, pid)
             self.path.unlink(missing_ok=True)
             return None
-        raise self.error(f"{self.busy(_holder(record))}; if it is gone, delete {self.path}")
+        raise self._refused(record, f"; if it is gone, delete {self.path}")
 
     def _open_or_create(self) -> tuple[bool, int | None]:
         """``(created, fd)`` of the lock file; ``fd`` None when it changed meanwhile. Knowing who created it
@@ -428,7 +424,7 @@ class Lock:
         except BlockingIOError:
             record = _read_lock_record(fd)
             os.close(fd)
-            raise self.error(self.busy(_holder(record))) from None
+            raise self._refused(record) from None
         except OSError as e:
             if e.errno in _NO_FLOCK:
                 return False
@@ -442,14 +438,16 @@ class Lock:
             return
         if record.get("host") not in (None, socket.gethostname()):
             # flock may not reach across machines (network filesystems): that process may be alive.
-            raise self.error(
-                f"{self.busy(_holder(record))}; that host cannot be checked from here: if it is gone, "
-                f"delete {self.path} and start again"
+            raise self._refused(
+                record, f"; that host cannot be checked from here: if it is gone, delete {self.path} and start again"
             )
         if record.get("pid") is None:
             logger.warning("taking over %s (its record was unreadable and nobody holds it)", self.path)
         elif record.get("pid") != os.getpid():
             logger.warning("taking over %s left by %s, which is no longer running", self.path, _holder(record))
+
+    def _refused(self, record: dict[str, Any], more: str = "") -> Exception:
+        return self.error(self.busy.replace("{who}", _holder(record)) + more)
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -146,57 +146,13 @@ class PrepareLockedError(Gpt2Error, FileExistsError):
     """Another prepare is writing the same prefix into the same folder."""
 
 
-class _Staging:
-    """``out_dir/.prepare-{prefix}.staging``, where a data set is written before it moves into place, and
-    its lock file ``.lock`` (:class:`gpt2.files.Lock`): one prepare of a prefix into a folder at a time. A
-    prepare killed with ``kill -9`` leaves the folder behind; the next one of that prefix takes it over.
-    """
-
-    def __init__(self, out_dir: Path, prefix: str) -> None:
-        self.path = out_dir / f".prepare-{prefix}.staging"
-        self.lock = Lock(self.path / ".lock", self._busy, PrepareLockedError)
-        self.out_dir, self.prefix = out_dir, prefix
-
-    def _busy(self, who: str) -> str:
-        return (
-            f"another prepare ({who}) is writing prefix {self.prefix!r} into {str(self.out_dir)!r}; "
-            "wait for it to finish, or choose another directory or prefix"
-        )
-
-    def acquire(self) -> None:
-        """Lock the folder (made if need be) and empty it."""
-        # Emptying it through a link would delete files elsewhere.
-        if self.path.is_symlink():
-            raise PrepareLockedError(f"{self.path} is a symbolic link: remove it (gpt2 never writes through one)")
-        self.lock.acquire()
-        self._remove_contents()
-
-    def release(self) -> None:
-        """Remove the folder (whatever is still staged in it) and unlock; a no-op when not held."""
-        if self.lock.fd is None:
-            return
-        self._remove_contents()
-        self.lock.release()
-        # Fails when the next prepare has already made its own lock file in the folder: it is theirs now.
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
-
-    def _remove_contents(self) -> None:
-        for child in self.path.iterdir():
-            if child == self.lock.path:
-                continue
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-
-
 class _ShardWriter:
     """Writes a data set whole: the numbered shards (the index runs across splits, as in
     build-nanogpt), then their manifest, go into the hidden staging folder of this prefix inside
-    ``out_dir`` (:class:`_Staging`, whose lock keeps a second prepare of the prefix out), and only a complete
-    set is moved into place (the manifest last), replacing the shards the prefix's manifest lists. An error,
-    Ctrl-C, SIGTERM or SIGHUP before that leaves ``out_dir`` as it was.
+    ``out_dir``, ``.prepare-{prefix}.staging``, whose lock file ``.lock`` keeps a second prepare of the prefix out
+    (one killed with ``kill -9`` leaves the folder behind; the next one takes it over). Only a complete set is
+    moved into place (the manifest last), replacing the shards the prefix's manifest lists. An error, Ctrl-C,
+    SIGTERM or SIGHUP before that leaves ``out_dir`` as it was.
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
@@ -213,8 +169,13 @@ class _ShardWriter:
         self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
-        self.staging = _Staging(self.out_dir, prefix)
-        self.stage = self.staging.path
+        self.stage = self.out_dir / f".prepare-{prefix}.staging"
+        busy = f"another prepare ({{who}}) is writing prefix {prefix!r} into {str(self.out_dir)!r}"
+        self.lock = Lock(
+            self.stage / ".lock",
+            busy + "; wait for it to finish, or choose another directory or prefix",
+            PrepareLockedError,
+        )
         self.existing: list[Path] = []
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
@@ -229,7 +190,11 @@ class _ShardWriter:
         self.signals = stop_signals_raise()
         self.signals.__enter__()
         try:
-            self.staging.acquire()
+            # Emptying it through a link would delete files elsewhere.
+            if self.stage.is_symlink():
+                raise PrepareLockedError(f"{self.stage} is a symbolic link: remove it (gpt2 never writes through one)")
+            self.lock.acquire()
+            self._empty_stage()
             self.existing = self._listed_shards()
             self._refuse_to_replace()
         except BaseException:
@@ -336,12 +301,26 @@ class _ShardWriter:
         """Remove the staging folder (the replaced files, or an unfinished set) and unlock; a failed
         prepare also takes away the folders it made (the deepest first).
         """
-        self.staging.release()
+        if self.lock.fd is not None:
+            self._empty_stage()
+            self.lock.release()
+            # Fails when the next prepare has already made its own lock file in the folder: it is theirs now.
+            with contextlib.suppress(OSError):
+                self.stage.rmdir()
         if committed:
             return
         for path in self.created:
             with contextlib.suppress(OSError):
                 path.rmdir()
+
+    def _empty_stage(self) -> None:
+        for child in self.stage.iterdir():
+            if child == self.lock.path:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
 
     def _commit(self) -> None:
         tok = self.tokenizer

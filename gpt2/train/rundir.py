@@ -66,34 +66,27 @@ def _release_at_exit() -> None:
             lock.release()
 
 
-class RunLock:
+class RunLock(Lock):
     """The lock on one ``out_dir``; :meth:`acquire` it, :meth:`release` it when the run ends."""
 
     def __init__(self, out_dir: str | os.PathLike) -> None:
         self.out_dir = Path(out_dir)
-        self.path = self.out_dir / LOCK_FILE
-        self._lock = Lock(self.path, self._busy, RunDirLockedError)
+        path = self.out_dir / LOCK_FILE
+        busy = (
+            f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or stop it"
+        )
+        super().__init__(path, busy + ", or train into another out_dir", RunDirLockedError)
         # A newer Trainer in this process took the lock from this one.
         self.taken_over = False
-
-    def _busy(self, who: str) -> str:
-        return (
-            f"out_dir {self.out_dir} is in use by another run: {who} holds {self.path}. Wait for it to finish or "
-            "stop it, or train into another out_dir"
-        )
-
-    @property
-    def held(self) -> bool:
-        return self._lock.fd is not None
 
     def acquire(self) -> RunLock:
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             key = (os.getpid(), os.path.realpath(self.path))
             previous = _HELD.get(key)
-            if previous is not None and previous.held:
+            if previous is not None and previous.fd is not None:
                 # The same process holds the lock: the older Trainer is abandoned (it can no longer save).
-                self._lock.fd, previous._lock.fd = previous._lock.fd, None
+                self.fd, previous.fd = previous.fd, None
                 previous.taken_over = True
                 logger.warning(
                     "another Trainer in this process was using %s; this one takes it over "
@@ -101,7 +94,7 @@ class RunLock:
                     self.out_dir,
                 )
             else:
-                self._lock.acquire()
+                super().acquire()
             _HELD[key] = self
             return self
         except RunDirError:
@@ -112,7 +105,7 @@ class RunLock:
 
     def ensure_held(self) -> None:
         """Raise if this lock was released (its Trainer closed) or a newer Trainer took it over."""
-        if self.held:
+        if self.fd is not None:
             return
         if self.taken_over:
             why = "a newer Trainer in this process took it over"
@@ -125,12 +118,10 @@ class RunLock:
 
     def release(self) -> None:
         """Remove the lock file and unlock; a no-op when not held."""
-        if not self.held:
-            return
         key = (os.getpid(), os.path.realpath(self.path))
-        self._lock.release()
         if _HELD.get(key) is self:
             del _HELD[key]
+        super().release()
 
 
 # --- the run's files
