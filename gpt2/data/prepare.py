@@ -156,7 +156,7 @@ class _ShardWriter:
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
-        if not _is_file_name_prefix(prefix):
+        if not isinstance(prefix, str) or not prefix or Path(prefix).name != prefix:
             raise InvalidValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
         if file_format not in _FORMATS:
             raise InvalidValueError(
@@ -201,7 +201,12 @@ class _ShardWriter:
             self._close(committed=False)
             self.signals.__exit__(None, None, None)
             raise
-        self._warn_about_other_shards()
+        # `train --data <folder>` reads every shard of the folder: say when other shards are there.
+        others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
+        if others:
+            logger.warning(
+                "%s also holds other shards (%s): training on the folder reads them all", self.out_dir, others[:3]
+            )
         return self
 
     def _listed_shards(self) -> list[Path]:
@@ -211,24 +216,14 @@ class _ShardWriter:
         if not self.manifest.exists():
             return []
         try:
-            manifest = read_manifest(self.manifest)
+            names = read_manifest(self.manifest)[0]
         except DamagedManifestError as e:
-            raise self._unknown_shards(str(e)) from None
-        names: Iterable[str] = manifest.shards
-        if manifest.pending:
-            if manifest.moving is None:
-                raise self._unknown_shards(
-                    f"{self.manifest.name} marks a prepare that was stopped while moving its shards into place"
-                )
-            names = manifest.moving
+            raise ShardManifestError(
+                f"{e}, so which shards in {str(self.out_dir)!r} have prefix {self.prefix!r} is unknown; prepare "
+                "replaces only the shards a manifest lists, so it stops here, even with --overwrite (overwrite=True): "
+                f"delete {str(self.manifest)!r} and the {self.prefix!r} shards, or choose another directory or prefix"
+            ) from None
         return sorted(p for p in (self.out_dir / name for name in names) if p.is_file())
-
-    def _unknown_shards(self, problem: str) -> ShardManifestError:
-        return ShardManifestError(
-            f"{problem}, so which shards in {str(self.out_dir)!r} have prefix {self.prefix!r} is unknown; prepare "
-            "replaces only the shards a manifest lists, so it stops here, even with --overwrite (overwrite=True): "
-            f"delete {str(self.manifest)!r} and the {self.prefix!r} shards, or choose another directory or prefix"
-        )
 
     def _refuse_to_replace(self) -> None:
         """Without ``overwrite`` an earlier data set of this prefix stays; files named as this prefix's
@@ -248,14 +243,6 @@ class _ShardWriter:
                 f"{unlisted[0]}) that no {self.manifest.name} lists (written by another tool or an older version); "
                 "prepare replaces only the shards a manifest lists, even with --overwrite (overwrite=True): move them "
                 "out, or choose another directory or prefix"
-            )
-
-    def _warn_about_other_shards(self) -> None:
-        """`train --data <folder>` reads every shard of the folder: say when other shards are there."""
-        others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
-        if others:
-            logger.warning(
-                "%s also holds other shards (%s): training on the folder reads them all", self.out_dir, others[:3]
             )
 
     def write(self, tokens: np.ndarray, split: str) -> None:
@@ -354,13 +341,6 @@ class _ShardWriter:
             for src, dst in reversed(done):
                 os.replace(dst, src)
             raise
-
-
-def _is_file_name_prefix(prefix: Any) -> bool:
-    """A non-empty string without a path separator."""
-    if not isinstance(prefix, str) or not prefix:
-        return False
-    return os.sep not in prefix and not (os.altsep and os.altsep in prefix)
 
 
 def _fixed_size_pieces(encoded: Iterable[np.ndarray], size: int, bar: Any) -> Iterator[np.ndarray]:
