@@ -160,9 +160,57 @@ def record_outputs(out_dir: str | os.PathLike, names: Iterable[str]) -> None:
     )
 
 
-def existing_run(out_dir: str | os.PathLike) -> list[str]:
-    """What of another run ``out_dir`` holds: its checkpoints and metrics (empty: nothing)."""
-    out_dir = Path(out_dir)
+def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[Path]:
+    """Refuse what this run would mix with or replace; return what ``overwrite`` will delete once
+    the run has started (nothing is deleted here, so a failed resume changes nothing).
+    """
+    checkpoint_dir = out_dir / CHECKPOINT_DIR
+    folder = OutputFolder(out_dir)
+    entries = folder.read()
+    realpath = os.path.realpath
+    continues = resume == "auto" or (
+        resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))
+    )
+    older = not continues and resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir))
+    fresh = not continues and not older
+    # A damaged record cannot say what is whose: the run's names count as recorded, and overwrite refuses them.
+    recorded = set(RUN_FILES)
+    if entries is not None:
+        recorded = {rel.split("/", 1)[0] for rel in entries}
+    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
+    if fresh:
+        _check_fresh_run(out_dir, resume, overwrite, recorded)
+
+    def unproven(name: str) -> bool:
+        """Whether the record cannot prove ``name`` is gpt2's: this run would replace it. A fresh run writes
+        the run's files anew, so a file changed since (or any, when the record cannot be read) counts too.
+        """
+        if name not in recorded:
+            return True
+        if not fresh:
+            return False
+        return entries is None or (not (out_dir / name).is_dir() and not folder.owns(name))
+
+    refused = [name for name in present if unproven(name)]
+    if refused:
+        raise RunDirNotEmptyError(
+            f"out_dir {out_dir}: {', '.join(refused)} changed since gpt2 wrote them, or gpt2 did not write them (or "
+            f"its record {RECORD_FILE} cannot tell), and this run would replace them: move them away, or train into "
+            "another out_dir (overwrite never replaces files that are not gpt2's)"
+        )
+    if continues:
+        return []
+    if older:
+        return _check_older_checkpoint(checkpoint_dir, resume, overwrite)  # type: ignore[arg-type]
+    return [out_dir / name for name in present]
+
+
+def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool, recorded: set[str]) -> None:
+    """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
+    files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
+    """
+    if overwrite:
+        return
     found = []
     names = sorted(p.name for p in ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR))
     if len(names) == 1:
@@ -172,53 +220,7 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
-    return found
-
-
-def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[Path]:
-    """Refuse what this run would mix with or replace; return what ``overwrite`` will delete once
-    the run has started (nothing is deleted here, so a failed resume changes nothing).
-    """
-    checkpoint_dir = out_dir / CHECKPOINT_DIR
-    folder = OutputFolder(out_dir)
-    entries = folder.read()
-    # A damaged record cannot say what is whose: the run's names count as recorded, and overwrite refuses them.
-    recorded = set(RUN_FILES)
-    if entries is not None:
-        recorded = {rel.split("/", 1)[0] for rel in entries}
-    foreign = []
-    if out_dir.is_dir():
-        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in {*recorded, LOCK_FILE, RECORD_FILE})
-    clash = [name for name in foreign if name in RUN_FILES]
-    realpath = os.path.realpath
-    if resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))):
-        # Continues whatever run is there (or starts one): its newest usable checkpoint.
-        _refuse_replacing_foreign(out_dir, clash)
-        return []
-    if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
-        _refuse_replacing_foreign(out_dir, clash)
-        return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
-    return _check_fresh_run(folder, resume, overwrite, foreign, clash)
-
-
-def _refuse_replacing_foreign(out_dir: Path, clash: list[str]) -> None:
-    """Files of the user's under a name this run writes (always refused, even with overwrite)."""
-    if clash:
-        raise RunDirNotEmptyError(
-            f"out_dir {out_dir} holds {clash}, which gpt2 did not write there and this run would replace: move "
-            "them away or train into another out_dir (overwrite never replaces files that are not gpt2's)"
-        )
-
-
-def _check_fresh_run(
-    folder: OutputFolder, resume: str | None, overwrite: bool, foreign: list[str], clash: list[str]
-) -> list[Path]:
-    """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
-    files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
-    """
-    out_dir = folder.path
-    found = existing_run(out_dir)
-    if found and not overwrite:
+    if found:
         if resume is None:
             what = "a fresh run (resume=None)"
         else:
@@ -228,7 +230,8 @@ def _check_fresh_run(
             "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
             f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
         )
-    if foreign and not overwrite:
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in {*recorded, LOCK_FILE, RECORD_FILE})
+    if foreign:
         more = ""
         if len(foreign) > 5:
             more = " ..."
@@ -237,18 +240,6 @@ def _check_fresh_run(
             "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
             "there are replaced"
         )
-    _refuse_replacing_foreign(out_dir, clash)
-    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
-    # The run writes these files anew: one the user changed (or an unreadable record cannot vouch for) would be lost.
-    changed = [name for name in present if not (out_dir / name).is_dir() and not folder.owns(name)]
-    if folder.read() is None:
-        changed = present
-    if changed:
-        raise RunDirNotEmptyError(
-            f"out_dir {out_dir}: {', '.join(changed)} changed since gpt2 wrote them (or its record "
-            f"{RECORD_FILE} cannot tell): this run would replace them. Move them away, or train into another out_dir"
-        )
-    return [out_dir / name for name in present]
 
 
 def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) -> list[Path]:
