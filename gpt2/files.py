@@ -19,7 +19,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,16 +169,17 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 
 class StopSignals:
     """While installed (main thread only: Python runs handlers there), a stop signal sets
-    ``received`` instead of raising. The ``force_after``-th one stops at once (KeyboardInterrupt):
-    under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's).
+    ``received`` instead of raising. The ``force_after``-th one stops at once (:class:`Stopped`, saying
+    ``outcome``): under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's).
 
     A signal that is ignored when it is installed stays ignored, as Unix users expect:
     ``nohup gpt2 train ... &`` keeps training when the terminal closes (nohup ignores SIGHUP), and
     so does a process started under ``trap '' HUP``, or a shell script's background job (SIGINT).
     """
 
-    def __init__(self, force_after: float = 3) -> None:
+    def __init__(self, force_after: float = 3, outcome: str = "at once, without saving") -> None:
         self.force_after = force_after
+        self.outcome = outcome
         self.received = 0
         self._count = 0
         self._previous: dict[int, Any] = {}
@@ -198,7 +199,7 @@ class StopSignals:
         self._count += 1
         if self._count >= self.force_after:
             self.restore()
-            raise KeyboardInterrupt
+            raise Stopped(signum, self.outcome)
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
@@ -210,33 +211,11 @@ class StopSignals:
 
 
 class Stopped(KeyboardInterrupt):
-    """A stop signal (``signum``) ended a command that has no step boundary to stop at (``gpt2 prepare``)."""
+    """A stop signal (``signum``) ended a command at once, where it had no step boundary to stop at."""
 
-    def __init__(self, signum: int, outcome: str = "nothing was written") -> None:
+    def __init__(self, signum: int, outcome: str) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}; {outcome}")
         self.signum = signum
-
-
-@contextlib.contextmanager
-def stop_signals_raise() -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise :class:`Stopped` as Ctrl-C raises KeyboardInterrupt, so the
-    ``finally`` blocks that clean up run for them too (by default they end the process on the spot). A
-    signal ignored on entry (``nohup``) stays ignored; outside the main thread nothing changes.
-    """
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            if sig != signal.SIGINT and signal.getsignal(sig) != signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, _raise_stopped)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def _raise_stopped(signum: int, frame: Any) -> None:
-    raise Stopped(signum)
 
 
 def progress_enabled(requested: bool) -> bool:

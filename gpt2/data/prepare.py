@@ -38,7 +38,6 @@ from gpt2.files import (
     StopSignals,
     progress_enabled,
     replace_atomically,
-    stop_signals_raise,
     write_advice,
 )
 from gpt2.model.checkpoint_files import sha256_file
@@ -187,8 +186,7 @@ class _ShardWriter:
         self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
         self.out_dir.mkdir(parents=True, exist_ok=True)
         # SIGTERM and SIGHUP stop it as Ctrl-C does: the staging folder is cleaned up on the way out.
-        self.signals = stop_signals_raise()
-        self.signals.__enter__()
+        self.signals = StopSignals(force_after=1, outcome="nothing was written").install()
         try:
             # Emptying it through a link would delete files elsewhere.
             if self.stage.is_symlink():
@@ -199,7 +197,7 @@ class _ShardWriter:
             self._refuse_to_replace()
         except BaseException:
             self._close(committed=False)
-            self.signals.__exit__(None, None, None)
+            self.signals.restore()
             raise
         # `train --data <folder>` reads every shard of the folder: say when other shards are there.
         others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
@@ -267,22 +265,20 @@ class _ShardWriter:
             ) from e
 
     def __exit__(self, kind, error, traceback) -> None:
-        # Stop signals wait until the moves are done (or undone) and the staging folder, the lock with
-        # it, is gone: a data set is never moved in half, and no lock is left behind.
-        signals = StopSignals(force_after=math.inf)
         committed = False
         try:
+            # Stop signals wait until the moves are done (or undone) and the staging folder, the lock with
+            # it, is gone: a data set is never moved in half, and no lock is left behind.
+            self.signals.force_after = math.inf
             if kind is None:
-                signals.install()
                 with self._writing():
                     self._commit()
                 committed = True
         finally:
             self._close(committed)
-            signals.restore()
-            self.signals.__exit__(None, None, None)
-        if signals.received:
-            raise Stopped(signals.received, "the data set was written whole")
+            self.signals.restore()
+        if kind is None and self.signals.received:
+            raise Stopped(self.signals.received, "the data set was written whole")
 
     def _close(self, committed: bool) -> None:
         """Remove the staging folder (the replaced files, or an unfinished set) and unlock; a failed
