@@ -76,7 +76,7 @@ class OutputFolder:
         for rel in [*rels, *appends]:
             for file in _files_under(self.path / rel):
                 name = file.relative_to(self.path).as_posix()
-                entries[name] = _identity(file)
+                entries[name] = {"size": os.lstat(file).st_size, "sha256": _sha256(file)}
                 if rel in appends:
                     entries[name]["appends"] = True
         for rel in digests:
@@ -213,11 +213,6 @@ def _files_under(path: Path, links: bool = False) -> list[Path]:
             if links or (file.is_file() and not file.is_symlink()):
                 found.append(file)
     return found
-
-
-def _identity(path: Path) -> dict[str, Any]:
-    """What identifies a file gpt2 just wrote: its size and sha256."""
-    return {"size": os.lstat(path).st_size, "sha256": _sha256(path)}
 
 
 def _matches(path: Path, entry: dict[str, Any]) -> bool:

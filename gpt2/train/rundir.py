@@ -160,57 +160,8 @@ def record_outputs(out_dir: str | os.PathLike, names: Iterable[str]) -> None:
     )
 
 
-def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[Path]:
-    """Refuse what this run would mix with or replace; return what ``overwrite`` will delete once
-    the run has started (nothing is deleted here, so a failed resume changes nothing).
-    """
-    checkpoint_dir = out_dir / CHECKPOINT_DIR
-    folder = OutputFolder(out_dir)
-    entries = folder.read()
-    realpath = os.path.realpath
-    continues = resume == "auto" or (
-        resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))
-    )
-    older = not continues and resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir))
-    fresh = not continues and not older
-    # A damaged record cannot say what is whose: the run's names count as recorded, and overwrite refuses them.
-    recorded = set(RUN_FILES)
-    if entries is not None:
-        recorded = {rel.split("/", 1)[0] for rel in entries}
-    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
-    if fresh:
-        _check_fresh_run(out_dir, resume, overwrite, recorded)
-
-    def unproven(name: str) -> bool:
-        """Whether the record cannot prove ``name`` is gpt2's: this run would replace it. A fresh run writes
-        the run's files anew, so a file changed since (or any, when the record cannot be read) counts too.
-        """
-        if name not in recorded:
-            return True
-        if not fresh:
-            return False
-        return entries is None or (not (out_dir / name).is_dir() and not folder.owns(name))
-
-    refused = [name for name in present if unproven(name)]
-    if refused:
-        raise RunDirNotEmptyError(
-            f"out_dir {out_dir}: {', '.join(refused)} changed since gpt2 wrote them, or gpt2 did not write them (or "
-            f"its record {RECORD_FILE} cannot tell), and this run would replace them: move them away, or train into "
-            "another out_dir (overwrite never replaces files that are not gpt2's)"
-        )
-    if continues:
-        return []
-    if older:
-        return _check_older_checkpoint(checkpoint_dir, resume, overwrite)  # type: ignore[arg-type]
-    return [out_dir / name for name in present]
-
-
-def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool, recorded: set[str]) -> None:
-    """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
-    files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
-    """
-    if overwrite:
-        return
+def _refuse_another_run(out_dir: Path, resume: str | None) -> None:
+    """Refuse an ``out_dir`` that holds another run: its checkpoints or its metrics."""
     found = []
     names = sorted(p.name for p in ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR))
     if len(names) == 1:
@@ -220,18 +171,66 @@ def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool, recorde
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
-    if found:
-        if resume is None:
-            what = "a fresh run (resume=None)"
-        else:
-            what = f"a run resuming from {resume}"
+    if not found:
+        return
+    what = "a fresh run (resume=None)"
+    if resume is not None:
+        what = f"a run resuming from {resume}"
+    raise RunDirNotEmptyError(
+        f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
+        "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
+        f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
+    )
+
+
+def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[Path]:
+    """Refuse what this run would mix with or replace; return what ``overwrite`` will delete once
+    the run has started (nothing is deleted here, so a failed resume changes nothing).
+    """
+    checkpoint_dir = out_dir / CHECKPOINT_DIR
+    folder = OutputFolder(out_dir)
+    entries = folder.read()
+    # A damaged record cannot say what is whose: the run's names count as recorded, and overwrite refuses them.
+    recorded = set(RUN_FILES)
+    if entries is not None:
+        recorded = {rel.split("/", 1)[0] for rel in entries}
+    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
+    unlisted = [name for name in present if name not in recorded]
+    realpath = os.path.realpath
+    if resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))):
+        # Continues whatever run is there (or starts one): its newest usable checkpoint.
+        _refuse_unproven(out_dir, unlisted)
+        return []
+    if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
+        _refuse_unproven(out_dir, unlisted)
+        return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
+    _refuse_unproven(out_dir, _check_fresh_run(folder, resume, overwrite, recorded, entries is None))
+    return [out_dir / name for name in present]
+
+
+def _refuse_unproven(out_dir: Path, names: list[str]) -> None:
+    """What this run would replace that the record does not prove is gpt2's: refused, even with overwrite."""
+    if names:
         raise RunDirNotEmptyError(
-            f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
-            "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
-            f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
+            f"out_dir {out_dir}: {', '.join(names)} changed since gpt2 wrote them, or gpt2 did not write them (or "
+            f"its record {RECORD_FILE} cannot tell), and this run would replace them: move them away, or train into "
+            "another out_dir (overwrite never replaces files that are not gpt2's)"
         )
+
+
+def _check_fresh_run(
+    folder: OutputFolder, resume: str | None, overwrite: bool, recorded: set[str], damaged: bool
+) -> list[str]:
+    """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
+    files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
+    Returns the run's names it would replace that the record does not prove are gpt2's: it writes them
+    anew, so a file changed since (or any, when the record cannot be read) counts too.
+    """
+    out_dir = folder.path
+    if not overwrite:
+        _refuse_another_run(out_dir, resume)
     foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in {*recorded, LOCK_FILE, RECORD_FILE})
-    if foreign:
+    if foreign and not overwrite:
         more = ""
         if len(foreign) > 5:
             more = " ..."
@@ -240,6 +239,12 @@ def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool, recorde
             "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
             "there are replaced"
         )
+    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
+    return [
+        name
+        for name in present
+        if name not in recorded or damaged or (not (out_dir / name).is_dir() and not folder.owns(name))
+    ]
 
 
 def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) -> list[Path]:
@@ -288,7 +293,11 @@ def start_run(
         _resume(out, resume, load)
         run_on_all_ranks(lambda: _finish(lock, doomed))
     except BaseException:
-        _give_up(lock, created)
+        # Release the lock and remove the out_dir this run created, if still empty.
+        if lock is not None:
+            lock.release()
+            if created and lock.out_dir.is_dir() and not any(lock.out_dir.iterdir()):
+                lock.out_dir.rmdir()
         raise
     return lock
 
@@ -340,15 +349,6 @@ def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
             "overwrite=True kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
             ", ".join(str(p) for p in kept),
         )
-
-
-def _give_up(lock: RunLock | None, created: bool) -> None:
-    """After a failure: release the lock and remove the ``out_dir`` this run created, if still empty."""
-    if lock is None:
-        return
-    lock.release()
-    if created and lock.out_dir.is_dir() and not any(lock.out_dir.iterdir()):
-        lock.out_dir.rmdir()
 
 
 def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
