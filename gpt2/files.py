@@ -19,7 +19,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,16 +169,17 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 
 class StopSignals:
     """While installed (main thread only: Python runs handlers there), a stop signal sets
-    ``received`` instead of raising. The ``force_after``-th one stops at once (KeyboardInterrupt):
-    under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's).
+    ``received`` instead of raising. The ``force_after``-th one stops at once (:class:`Stopped`, saying
+    ``outcome``): under ``torchrun`` each worker gets two for one Ctrl-C (the terminal's and the agent's).
 
     A signal that is ignored when it is installed stays ignored, as Unix users expect:
     ``nohup gpt2 train ... &`` keeps training when the terminal closes (nohup ignores SIGHUP), and
     so does a process started under ``trap '' HUP``, or a shell script's background job (SIGINT).
     """
 
-    def __init__(self, force_after: float = 3) -> None:
+    def __init__(self, force_after: float = 3, outcome: str = "at once, without saving") -> None:
         self.force_after = force_after
+        self.outcome = outcome
         self.received = 0
         self._count = 0
         self._previous: dict[int, Any] = {}
@@ -198,7 +199,7 @@ class StopSignals:
         self._count += 1
         if self._count >= self.force_after:
             self.restore()
-            raise KeyboardInterrupt
+            raise Stopped(signum, self.outcome)
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
@@ -210,33 +211,11 @@ class StopSignals:
 
 
 class Stopped(KeyboardInterrupt):
-    """A stop signal (``signum``) ended a command that has no step boundary to stop at (``gpt2 prepare``)."""
+    """A stop signal (``signum``) ended a command at once, where it had no step boundary to stop at."""
 
-    def __init__(self, signum: int, outcome: str = "nothing was written") -> None:
+    def __init__(self, signum: int, outcome: str) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}; {outcome}")
         self.signum = signum
-
-
-@contextlib.contextmanager
-def stop_signals_raise() -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise :class:`Stopped` as Ctrl-C raises KeyboardInterrupt, so the
-    ``finally`` blocks that clean up run for them too (by default they end the process on the spot). A
-    signal ignored on entry (``nohup``) stays ignored; outside the main thread nothing changes.
-    """
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            if sig != signal.SIGINT and signal.getsignal(sig) != signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, _raise_stopped)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def _raise_stopped(signum: int, frame: Any) -> None:
-    raise Stopped(signum)
 
 
 def progress_enabled(requested: bool) -> bool:
@@ -323,21 +302,17 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-class LockedError(Gpt2Error, FileExistsError):
-    """Another process holds the lock; the message names it and the ways out."""
-
-
 class Lock:
     """An exclusive lock: the file ``path``, holding its owner's pid, host and start time.
 
     It is an ``fcntl.flock``, which the kernel releases when its process ends, however it ends. Where
     there is no flock (Windows, some network filesystems) whoever creates the file owns it, and one left
     by a process of this host that is gone is taken over. A record of another host is refused (flock may
-    not reach across machines). The file is never opened through a symbolic link. ``busy(who)`` words
-    the refusal, ``error`` is its class.
+    not reach across machines). The file is never opened through a symbolic link. ``busy`` words the refusal,
+    with ``{who}`` where the holder goes; ``error`` is its class.
     """
 
-    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str], error: type[Exception] = LockedError):
+    def __init__(self, path: str | os.PathLike, busy: str, error: type[Exception]):
         self.path = Path(path)
         self.busy = busy
         self.error = error
@@ -394,7 +369,7 @@ class Lock:
             logger.warning("taking over %s: pid %s that held it is no longer running", self.path, pid)
             self.path.unlink(missing_ok=True)
             return None
-        raise self.error(f"{self.busy(_holder(record))}; if it is gone, delete {self.path}")
+        raise self._refused(record, f"; if it is gone, delete {self.path}")
 
     def _open_or_create(self) -> tuple[bool, int | None]:
         """``(created, fd)`` of the lock file; ``fd`` None when it changed meanwhile. Knowing who created it
@@ -428,7 +403,7 @@ class Lock:
         except BlockingIOError:
             record = _read_lock_record(fd)
             os.close(fd)
-            raise self.error(self.busy(_holder(record))) from None
+            raise self._refused(record) from None
         except OSError as e:
             if e.errno in _NO_FLOCK:
                 return False
@@ -442,14 +417,16 @@ class Lock:
             return
         if record.get("host") not in (None, socket.gethostname()):
             # flock may not reach across machines (network filesystems): that process may be alive.
-            raise self.error(
-                f"{self.busy(_holder(record))}; that host cannot be checked from here: if it is gone, "
-                f"delete {self.path} and start again"
+            raise self._refused(
+                record, f"; that host cannot be checked from here: if it is gone, delete {self.path} and start again"
             )
         if record.get("pid") is None:
             logger.warning("taking over %s (its record was unreadable and nobody holds it)", self.path)
         elif record.get("pid") != os.getpid():
             logger.warning("taking over %s left by %s, which is no longer running", self.path, _holder(record))
+
+    def _refused(self, record: dict[str, Any], more: str = "") -> Exception:
+        return self.error(self.busy.replace("{who}", _holder(record)) + more)
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -76,7 +76,7 @@ class OutputFolder:
         for rel in [*rels, *appends]:
             for file in _files_under(self.path / rel):
                 name = file.relative_to(self.path).as_posix()
-                entries[name] = _identity(file)
+                entries[name] = {"size": os.lstat(file).st_size, "sha256": _sha256(file)}
                 if rel in appends:
                     entries[name]["appends"] = True
         for rel in digests:
@@ -90,8 +90,8 @@ class OutputFolder:
             logger.warning("could not record what gpt2 wrote in %s (%s): it counts as not gpt2's", self.path, e)
 
     def sort(self, rel: str) -> tuple[list[Path], list[Path]]:
-        """``(mine, others)``: the files at or under ``self.path / rel`` that the record proves gpt2 wrote
-        (unchanged since), and the rest (a file of the user's, one changed since, a link).
+        """``(mine, others)``: the files at or under ``self.path / rel`` (a name in the folder) that the record
+        proves gpt2 wrote (unchanged since), and the rest (a file of the user's, one changed since, a link).
         """
         path = self.path / rel
         entries = self.read()
@@ -99,29 +99,23 @@ class OutputFolder:
             return [], _files_under(path, links=True)
         mine: list[Path] = []
         others: list[Path] = []
-        checkpoints: dict[Path, list[Path]] = {}
+        if "digests" in entries.get(rel, {}) and path.is_dir() and not path.is_symlink():
+            # A folder of checkpoints: each checkpoint's own record vouches for its files.
+            for child in sorted(path.iterdir()):
+                if child.is_dir() and not child.is_symlink():
+                    mine_here, others_here = checkpoint_files(child)
+                    mine += mine_here
+                    others += others_here
+                else:
+                    others.append(child)
+            return mine, others
         for file in _files_under(path, links=True):
-            name = file.relative_to(self.path).as_posix()
-            entry = entries.get(name)
-            recorded = entry is not None and _matches(file, entry)
-            if recorded or (not file.is_symlink() and self._vouched(file, entries, checkpoints)):
+            entry = entries.get(file.relative_to(self.path).as_posix())
+            if entry is not None and _matches(file, entry):
                 mine.append(file)
             else:
                 others.append(file)
         return mine, others
-
-    def _vouched(self, file: Path, entries: dict[str, Any], checkpoints: dict[Path, list[Path]]) -> bool:
-        """Whether ``file`` lies in a checkpoint of a recorded folder of checkpoints, whose record vouches
-        for it (``checkpoints``: what each checkpoint's record vouches for, filled as they are read).
-        """
-        for folder in file.parents:
-            if folder == self.path or not folder.is_relative_to(self.path):
-                return False
-            if "digests" in entries.get(folder.parent.relative_to(self.path).as_posix(), {}):
-                if folder not in checkpoints:
-                    checkpoints[folder] = checkpoint_files(folder)[0]
-                return file in checkpoints[folder]
-        return False
 
     def owns(self, rel: str) -> bool:
         """Whether everything at ``rel`` is gpt2's (an absent path is, having nothing to lose)."""
@@ -213,11 +207,6 @@ def _files_under(path: Path, links: bool = False) -> list[Path]:
             if links or (file.is_file() and not file.is_symlink()):
                 found.append(file)
     return found
-
-
-def _identity(path: Path) -> dict[str, Any]:
-    """What identifies a file gpt2 just wrote: its size and sha256."""
-    return {"size": os.lstat(path).st_size, "sha256": _sha256(path)}
 
 
 def _matches(path: Path, entry: dict[str, Any]) -> bool:

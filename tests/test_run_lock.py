@@ -112,7 +112,7 @@ def test_a_script_that_never_closes_its_trainer_leaves_no_lock(tmp_path):
     trainer.fit()
     assert (out / rundir.LOCK_FILE).exists()
     rundir._release_at_exit()  # what the interpreter runs on its way out
-    assert not (out / rundir.LOCK_FILE).exists() and not trainer._run_lock.held
+    assert not (out / rundir.LOCK_FILE).exists() and trainer._run_lock.fd is None
 
 
 def test_stale_record_of_a_dead_pid_is_taken_over(tmp_path, caplog):

@@ -13,7 +13,7 @@ import pytest
 from conftest import signal_after_step
 
 from gpt2.cli import main
-from gpt2.files import StopSignals
+from gpt2.files import Stopped, StopSignals
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
 
@@ -97,3 +97,17 @@ def test_torchruns_agent_leaves_a_signal_ignored_at_start_ignored(monkeypatch):
     # Not ignored: the agent handles it as before.
     assert launch.launch_workers("train", "max_steps: 1\n", 2, "gpt2 train") == 0
     assert seen["signals"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def test_the_last_stop_signal_stops_at_once_naming_the_signal_and_the_outcome():
+    stop = StopSignals(force_after=2, outcome="nothing was written").install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM  # the first one is only noted
+        with pytest.raises(Stopped, match="stopped by SIGHUP; nothing was written") as info:
+            os.kill(os.getpid(), signal.SIGHUP)
+        assert info.value.signum == signal.SIGHUP and isinstance(info.value, KeyboardInterrupt)
+        # the handlers it replaced are back
+        assert signal.getsignal(signal.SIGTERM) != stop._handle
+    finally:
+        stop.restore()

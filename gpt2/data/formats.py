@@ -13,7 +13,6 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,31 +70,22 @@ def manifest_mismatch(directory: Path, problem: str, advice: str = _PREPARE_AGAI
     return ShardManifestError(f"shard folder {str(directory)!r} does not match its manifest: {problem}; {advice}")
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """One ``{prefix}.shards.json``: the shards it lists, by file name. While a ``prepare`` moves its shards
-    into place a marker stands in its place (``pending``), which lists as ``moving`` every shard name it
-    may have moved in or out.
+def read_manifest(path: Path) -> tuple[dict[str, dict[str, Any]], bool]:
+    """The manifest file ``path``, checked: ``(its shards by file name, pending)``; :class:`DamagedManifestError` when
+    it is not one. While a ``prepare`` moves its shards into place a marker stands in its place (``pending``), which
+    lists every shard name it may have moved in or out.
     """
-
-    shards: dict[str, dict[str, Any]]
-    pending: bool = False
-    moving: tuple[str, ...] = ()
-
-
-def read_manifest(path: Path) -> Manifest:
-    """The manifest file ``path``, checked; :class:`DamagedManifestError` when it is not one."""
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if manifest.get("pending") is True:
-            return Manifest({}, pending=True, moving=tuple(_shard_file_name(name) for name in manifest["names"]))
+            return {_shard_file_name(name): {} for name in manifest["names"]}, True
         shards = {
             _shard_file_name(e["name"]): {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]}
             for e in manifest["shards"]
         }
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DamagedManifestError(f"{path.name} is damaged ({type(e).__name__}: {e})") from None
-    return Manifest(shards)
+    return shards, False
 
 
 def _shard_file_name(name: Any) -> str:
@@ -139,7 +129,15 @@ def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
         return None
     entries: dict[str, dict[str, Any]] = {}
     for path in manifests:
-        entries.update(_read_manifest(directory, path))
+        try:
+            shards, pending = read_manifest(path)
+        except DamagedManifestError as e:
+            raise manifest_mismatch(directory, str(e), _DELETE_FIRST) from None
+        if pending:
+            raise manifest_mismatch(
+                directory, f"{path.name} marks a prepare that was stopped while moving its shards into place"
+            )
+        entries.update(shards)
     for name, entry in entries.items():
         path = directory / name
         if not path.is_file():
@@ -155,21 +153,6 @@ def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
             directory, f"{unlisted[0]} is not listed in it ({len(unlisted)} unlisted token file(s): move them out)"
         )
     return entries
-
-
-def _read_manifest(directory: Path, path: Path) -> dict[str, dict[str, Any]]:
-    """The shards one manifest lists, by file name; a damaged manifest, or the marker a ``prepare``
-    leaves while it moves shards into place, raises :class:`ShardManifestError`.
-    """
-    try:
-        manifest = read_manifest(path)
-    except DamagedManifestError as e:
-        raise manifest_mismatch(directory, str(e), _DELETE_FIRST) from None
-    if not manifest.pending:
-        return manifest.shards
-    raise manifest_mismatch(
-        directory, f"{path.name} marks a prepare that was stopped while moving its shards into place"
-    )
 
 
 def read_text(path: str | os.PathLike) -> str:

@@ -38,7 +38,6 @@ from gpt2.files import (
     StopSignals,
     progress_enabled,
     replace_atomically,
-    stop_signals_raise,
     write_advice,
 )
 from gpt2.model.checkpoint_files import sha256_file
@@ -146,61 +145,17 @@ class PrepareLockedError(Gpt2Error, FileExistsError):
     """Another prepare is writing the same prefix into the same folder."""
 
 
-class _Staging:
-    """``out_dir/.prepare-{prefix}.staging``, where a data set is written before it moves into place, and
-    its lock file ``.lock`` (:class:`gpt2.files.Lock`): one prepare of a prefix into a folder at a time. A
-    prepare killed with ``kill -9`` leaves the folder behind; the next one of that prefix takes it over.
-    """
-
-    def __init__(self, out_dir: Path, prefix: str) -> None:
-        self.path = out_dir / f".prepare-{prefix}.staging"
-        self.lock = Lock(self.path / ".lock", self._busy, PrepareLockedError)
-        self.out_dir, self.prefix = out_dir, prefix
-
-    def _busy(self, who: str) -> str:
-        return (
-            f"another prepare ({who}) is writing prefix {self.prefix!r} into {str(self.out_dir)!r}; "
-            "wait for it to finish, or choose another directory or prefix"
-        )
-
-    def acquire(self) -> None:
-        """Lock the folder (made if need be) and empty it."""
-        # Emptying it through a link would delete files elsewhere.
-        if self.path.is_symlink():
-            raise PrepareLockedError(f"{self.path} is a symbolic link: remove it (gpt2 never writes through one)")
-        self.lock.acquire()
-        self._remove_contents()
-
-    def release(self) -> None:
-        """Remove the folder (whatever is still staged in it) and unlock; a no-op when not held."""
-        if self.lock.fd is None:
-            return
-        self._remove_contents()
-        self.lock.release()
-        # Fails when the next prepare has already made its own lock file in the folder: it is theirs now.
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
-
-    def _remove_contents(self) -> None:
-        for child in self.path.iterdir():
-            if child == self.lock.path:
-                continue
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-
-
 class _ShardWriter:
     """Writes a data set whole: the numbered shards (the index runs across splits, as in
     build-nanogpt), then their manifest, go into the hidden staging folder of this prefix inside
-    ``out_dir`` (:class:`_Staging`, whose lock keeps a second prepare of the prefix out), and only a complete
-    set is moved into place (the manifest last), replacing the shards the prefix's manifest lists. An error,
-    Ctrl-C, SIGTERM or SIGHUP before that leaves ``out_dir`` as it was.
+    ``out_dir``, ``.prepare-{prefix}.staging``, whose lock file ``.lock`` keeps a second prepare of the prefix out
+    (one killed with ``kill -9`` leaves the folder behind; the next one takes it over). Only a complete set is
+    moved into place (the manifest last), replacing the shards the prefix's manifest lists. An error, Ctrl-C,
+    SIGTERM or SIGHUP before that leaves ``out_dir`` as it was.
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
-        if not _is_file_name_prefix(prefix):
+        if not isinstance(prefix, str) or not prefix or Path(prefix).name != prefix:
             raise InvalidValueError(f"prefix must be a non-empty file-name prefix such as 'edufineweb', got {prefix!r}")
         if file_format not in _FORMATS:
             raise InvalidValueError(
@@ -213,8 +168,13 @@ class _ShardWriter:
         self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
         self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
-        self.staging = _Staging(self.out_dir, prefix)
-        self.stage = self.staging.path
+        self.stage = self.out_dir / f".prepare-{prefix}.staging"
+        busy = f"another prepare ({{who}}) is writing prefix {prefix!r} into {str(self.out_dir)!r}"
+        self.lock = Lock(
+            self.stage / ".lock",
+            busy + "; wait for it to finish, or choose another directory or prefix",
+            PrepareLockedError,
+        )
         self.existing: list[Path] = []
         self.written: list[Path] = []
         self.entries: list[dict[str, Any]] = []
@@ -226,17 +186,25 @@ class _ShardWriter:
         self.created = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
         self.out_dir.mkdir(parents=True, exist_ok=True)
         # SIGTERM and SIGHUP stop it as Ctrl-C does: the staging folder is cleaned up on the way out.
-        self.signals = stop_signals_raise()
-        self.signals.__enter__()
+        self.signals = StopSignals(force_after=1, outcome="nothing was written").install()
         try:
-            self.staging.acquire()
+            # Emptying it through a link would delete files elsewhere.
+            if self.stage.is_symlink():
+                raise PrepareLockedError(f"{self.stage} is a symbolic link: remove it (gpt2 never writes through one)")
+            self.lock.acquire()
+            self._empty_stage()
             self.existing = self._listed_shards()
             self._refuse_to_replace()
         except BaseException:
             self._close(committed=False)
-            self.signals.__exit__(None, None, None)
+            self.signals.restore()
             raise
-        self._warn_about_other_shards()
+        # `train --data <folder>` reads every shard of the folder: say when other shards are there.
+        others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
+        if others:
+            logger.warning(
+                "%s also holds other shards (%s): training on the folder reads them all", self.out_dir, others[:3]
+            )
         return self
 
     def _listed_shards(self) -> list[Path]:
@@ -246,24 +214,14 @@ class _ShardWriter:
         if not self.manifest.exists():
             return []
         try:
-            manifest = read_manifest(self.manifest)
+            names = read_manifest(self.manifest)[0]
         except DamagedManifestError as e:
-            raise self._unknown_shards(str(e)) from None
-        names: Iterable[str] = manifest.shards
-        if manifest.pending:
-            if manifest.moving is None:
-                raise self._unknown_shards(
-                    f"{self.manifest.name} marks a prepare that was stopped while moving its shards into place"
-                )
-            names = manifest.moving
+            raise ShardManifestError(
+                f"{e}, so which shards in {str(self.out_dir)!r} have prefix {self.prefix!r} is unknown; prepare "
+                "replaces only the shards a manifest lists, so it stops here, even with --overwrite (overwrite=True): "
+                f"delete {str(self.manifest)!r} and the {self.prefix!r} shards, or choose another directory or prefix"
+            ) from None
         return sorted(p for p in (self.out_dir / name for name in names) if p.is_file())
-
-    def _unknown_shards(self, problem: str) -> ShardManifestError:
-        return ShardManifestError(
-            f"{problem}, so which shards in {str(self.out_dir)!r} have prefix {self.prefix!r} is unknown; prepare "
-            "replaces only the shards a manifest lists, so it stops here, even with --overwrite (overwrite=True): "
-            f"delete {str(self.manifest)!r} and the {self.prefix!r} shards, or choose another directory or prefix"
-        )
 
     def _refuse_to_replace(self) -> None:
         """Without ``overwrite`` an earlier data set of this prefix stays; files named as this prefix's
@@ -283,14 +241,6 @@ class _ShardWriter:
                 f"{unlisted[0]}) that no {self.manifest.name} lists (written by another tool or an older version); "
                 "prepare replaces only the shards a manifest lists, even with --overwrite (overwrite=True): move them "
                 "out, or choose another directory or prefix"
-            )
-
-    def _warn_about_other_shards(self) -> None:
-        """`train --data <folder>` reads every shard of the folder: say when other shards are there."""
-        others = sorted(p.name for p in token_files(self.out_dir) if p not in self.existing)
-        if others:
-            logger.warning(
-                "%s also holds other shards (%s): training on the folder reads them all", self.out_dir, others[:3]
             )
 
     def write(self, tokens: np.ndarray, split: str) -> None:
@@ -315,33 +265,45 @@ class _ShardWriter:
             ) from e
 
     def __exit__(self, kind, error, traceback) -> None:
-        # Stop signals wait until the moves are done (or undone) and the staging folder, the lock with
-        # it, is gone: a data set is never moved in half, and no lock is left behind.
-        signals = StopSignals(force_after=math.inf)
         committed = False
         try:
+            # Stop signals wait until the moves are done (or undone) and the staging folder, the lock with
+            # it, is gone: a data set is never moved in half, and no lock is left behind.
+            self.signals.force_after = math.inf
             if kind is None:
-                signals.install()
                 with self._writing():
                     self._commit()
                 committed = True
         finally:
             self._close(committed)
-            signals.restore()
-            self.signals.__exit__(None, None, None)
-        if signals.received:
-            raise Stopped(signals.received, "the data set was written whole")
+            self.signals.restore()
+        if kind is None and self.signals.received:
+            raise Stopped(self.signals.received, "the data set was written whole")
 
     def _close(self, committed: bool) -> None:
         """Remove the staging folder (the replaced files, or an unfinished set) and unlock; a failed
         prepare also takes away the folders it made (the deepest first).
         """
-        self.staging.release()
+        if self.lock.fd is not None:
+            self._empty_stage()
+            self.lock.release()
+            # Fails when the next prepare has already made its own lock file in the folder: it is theirs now.
+            with contextlib.suppress(OSError):
+                self.stage.rmdir()
         if committed:
             return
         for path in self.created:
             with contextlib.suppress(OSError):
                 path.rmdir()
+
+    def _empty_stage(self) -> None:
+        for child in self.stage.iterdir():
+            if child == self.lock.path:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
 
     def _commit(self) -> None:
         tok = self.tokenizer
@@ -375,13 +337,6 @@ class _ShardWriter:
             for src, dst in reversed(done):
                 os.replace(dst, src)
             raise
-
-
-def _is_file_name_prefix(prefix: Any) -> bool:
-    """A non-empty string without a path separator."""
-    if not isinstance(prefix, str) or not prefix:
-        return False
-    return os.sep not in prefix and not (os.altsep and os.altsep in prefix)
 
 
 def _fixed_size_pieces(encoded: Iterable[np.ndarray], size: int, bar: Any) -> Iterator[np.ndarray]:

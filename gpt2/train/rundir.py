@@ -66,34 +66,27 @@ def _release_at_exit() -> None:
             lock.release()
 
 
-class RunLock:
+class RunLock(Lock):
     """The lock on one ``out_dir``; :meth:`acquire` it, :meth:`release` it when the run ends."""
 
     def __init__(self, out_dir: str | os.PathLike) -> None:
         self.out_dir = Path(out_dir)
-        self.path = self.out_dir / LOCK_FILE
-        self._lock = Lock(self.path, self._busy, RunDirLockedError)
+        path = self.out_dir / LOCK_FILE
+        busy = (
+            f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or stop it"
+        )
+        super().__init__(path, busy + ", or train into another out_dir", RunDirLockedError)
         # A newer Trainer in this process took the lock from this one.
         self.taken_over = False
-
-    def _busy(self, who: str) -> str:
-        return (
-            f"out_dir {self.out_dir} is in use by another run: {who} holds {self.path}. Wait for it to finish or "
-            "stop it, or train into another out_dir"
-        )
-
-    @property
-    def held(self) -> bool:
-        return self._lock.fd is not None
 
     def acquire(self) -> RunLock:
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             key = (os.getpid(), os.path.realpath(self.path))
             previous = _HELD.get(key)
-            if previous is not None and previous.held:
+            if previous is not None and previous.fd is not None:
                 # The same process holds the lock: the older Trainer is abandoned (it can no longer save).
-                self._lock.fd, previous._lock.fd = previous._lock.fd, None
+                self.fd, previous.fd = previous.fd, None
                 previous.taken_over = True
                 logger.warning(
                     "another Trainer in this process was using %s; this one takes it over "
@@ -101,7 +94,7 @@ class RunLock:
                     self.out_dir,
                 )
             else:
-                self._lock.acquire()
+                super().acquire()
             _HELD[key] = self
             return self
         except RunDirError:
@@ -112,7 +105,7 @@ class RunLock:
 
     def ensure_held(self) -> None:
         """Raise if this lock was released (its Trainer closed) or a newer Trainer took it over."""
-        if self.held:
+        if self.fd is not None:
             return
         if self.taken_over:
             why = "a newer Trainer in this process took it over"
@@ -125,12 +118,10 @@ class RunLock:
 
     def release(self) -> None:
         """Remove the lock file and unlock; a no-op when not held."""
-        if not self.held:
-            return
         key = (os.getpid(), os.path.realpath(self.path))
-        self._lock.release()
         if _HELD.get(key) is self:
             del _HELD[key]
+        super().release()
 
 
 # --- the run's files
@@ -169,9 +160,8 @@ def record_outputs(out_dir: str | os.PathLike, names: Iterable[str]) -> None:
     )
 
 
-def existing_run(out_dir: str | os.PathLike) -> list[str]:
-    """What of another run ``out_dir`` holds: its checkpoints and metrics (empty: nothing)."""
-    out_dir = Path(out_dir)
+def _refuse_another_run(out_dir: Path, resume: str | None) -> None:
+    """Refuse an ``out_dir`` that holds another run: its checkpoints or its metrics."""
     found = []
     names = sorted(p.name for p in ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR))
     if len(names) == 1:
@@ -181,7 +171,16 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
-    return found
+    if not found:
+        return
+    what = "a fresh run (resume=None)"
+    if resume is not None:
+        what = f"a run resuming from {resume}"
+    raise RunDirNotEmptyError(
+        f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
+        "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
+        f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
+    )
 
 
 def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[Path]:
@@ -195,48 +194,42 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     recorded = set(RUN_FILES)
     if entries is not None:
         recorded = {rel.split("/", 1)[0] for rel in entries}
-    foreign = []
-    if out_dir.is_dir():
-        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in {*recorded, LOCK_FILE, RECORD_FILE})
-    clash = [name for name in foreign if name in RUN_FILES]
+    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
+    unlisted = [name for name in present if name not in recorded]
     realpath = os.path.realpath
     if resume == "auto" or (resume is not None and realpath(resume) in map(realpath, (out_dir, checkpoint_dir))):
         # Continues whatever run is there (or starts one): its newest usable checkpoint.
-        _refuse_replacing_foreign(out_dir, clash)
+        _refuse_unproven(out_dir, unlisted)
         return []
     if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
-        _refuse_replacing_foreign(out_dir, clash)
+        _refuse_unproven(out_dir, unlisted)
         return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
-    return _check_fresh_run(folder, resume, overwrite, foreign, clash)
+    _refuse_unproven(out_dir, _check_fresh_run(folder, resume, overwrite, recorded, entries is None))
+    return [out_dir / name for name in present]
 
 
-def _refuse_replacing_foreign(out_dir: Path, clash: list[str]) -> None:
-    """Files of the user's under a name this run writes (always refused, even with overwrite)."""
-    if clash:
+def _refuse_unproven(out_dir: Path, names: list[str]) -> None:
+    """What this run would replace that the record does not prove is gpt2's: refused, even with overwrite."""
+    if names:
         raise RunDirNotEmptyError(
-            f"out_dir {out_dir} holds {clash}, which gpt2 did not write there and this run would replace: move "
-            "them away or train into another out_dir (overwrite never replaces files that are not gpt2's)"
+            f"out_dir {out_dir}: {', '.join(names)} changed since gpt2 wrote them, or gpt2 did not write them (or "
+            f"its record {RECORD_FILE} cannot tell), and this run would replace them: move them away, or train into "
+            "another out_dir (overwrite never replaces files that are not gpt2's)"
         )
 
 
 def _check_fresh_run(
-    folder: OutputFolder, resume: str | None, overwrite: bool, foreign: list[str], clash: list[str]
-) -> list[Path]:
+    folder: OutputFolder, resume: str | None, overwrite: bool, recorded: set[str], damaged: bool
+) -> list[str]:
     """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
     files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
+    Returns the run's names it would replace that the record does not prove are gpt2's: it writes them
+    anew, so a file changed since (or any, when the record cannot be read) counts too.
     """
     out_dir = folder.path
-    found = existing_run(out_dir)
-    if found and not overwrite:
-        if resume is None:
-            what = "a fresh run (resume=None)"
-        else:
-            what = f"a run resuming from {resume}"
-        raise RunDirNotEmptyError(
-            f"out_dir {out_dir} already holds another run ({', '.join(found)}), and {what} would mix with it. "
-            "Continue that run with resume='auto' (--resume auto), train into a new out_dir, or pass "
-            f"overwrite=True (--overwrite) to delete its files ({', '.join(RUN_FILES)}) first"
-        )
+    if not overwrite:
+        _refuse_another_run(out_dir, resume)
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in {*recorded, LOCK_FILE, RECORD_FILE})
     if foreign and not overwrite:
         more = ""
         if len(foreign) > 5:
@@ -246,18 +239,12 @@ def _check_fresh_run(
             "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
             "there are replaced"
         )
-    _refuse_replacing_foreign(out_dir, clash)
     present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
-    # The run writes these files anew: one the user changed (or an unreadable record cannot vouch for) would be lost.
-    changed = [name for name in present if not (out_dir / name).is_dir() and not folder.owns(name)]
-    if folder.read() is None:
-        changed = present
-    if changed:
-        raise RunDirNotEmptyError(
-            f"out_dir {out_dir}: {', '.join(changed)} changed since gpt2 wrote them (or its record "
-            f"{RECORD_FILE} cannot tell): this run would replace them. Move them away, or train into another out_dir"
-        )
-    return [out_dir / name for name in present]
+    return [
+        name
+        for name in present
+        if name not in recorded or damaged or (not (out_dir / name).is_dir() and not folder.owns(name))
+    ]
 
 
 def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) -> list[Path]:
@@ -306,7 +293,11 @@ def start_run(
         _resume(out, resume, load)
         run_on_all_ranks(lambda: _finish(lock, doomed))
     except BaseException:
-        _give_up(lock, created)
+        # Release the lock and remove the out_dir this run created, if still empty.
+        if lock is not None:
+            lock.release()
+            if created and lock.out_dir.is_dir() and not any(lock.out_dir.iterdir()):
+                lock.out_dir.rmdir()
         raise
     return lock
 
@@ -358,15 +349,6 @@ def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
             "overwrite=True kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
             ", ".join(str(p) for p in kept),
         )
-
-
-def _give_up(lock: RunLock | None, created: bool) -> None:
-    """After a failure: release the lock and remove the ``out_dir`` this run created, if still empty."""
-    if lock is None:
-        return
-    lock.release()
-    if created and lock.out_dir.is_dir() and not any(lock.out_dir.iterdir()):
-        lock.out_dir.rmdir()
 
 
 def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
