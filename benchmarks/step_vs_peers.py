@@ -1,6 +1,6 @@
 """One GPT-2 124M training step: gpt2's Trainer against transformers and litgpt, and against the matmul peak.
 
-Issue 29's goals (one thread, CPU time, GPT-2 124M, B=4, T=256, forward + backward + clip + AdamW step, random
+The goals it checks (one thread, CPU time, GPT-2 124M, B=4, T=256, forward + backward + clip + AdamW step, random
 init): fp32 step <= 0.85x transformers' and >= 80% MFU of the fp32 2048^2 ``torch.mm`` rate measured in the same
 process; bf16 step <= 0.6x transformers' and >= 40% MFU of the bf16 rate. Everything below runs in one process on
 one thread, timed by ``time.process_time`` (CPU time: other jobs' time on a shared machine is not counted, though

@@ -179,7 +179,7 @@ def test_save_gguf_refusals(tmp_path):
 
 @pytest.mark.parametrize("dtype, big", [("f16", 7e4), ("f16", -1e6), ("q8_0", 1e7)])
 def test_a_weight_the_type_cannot_hold_keeps_its_tensor_in_f32(tmp_path, caplog, dtype, big):
-    """Issue 27: f16 holds |x| <= 65504 and q8_0's f16 block scales |x| / 127 no more; beyond that the
+    """f16 holds |x| <= 65504 and q8_0's f16 block scales |x| / 127 no more; beyond that the
     file held inf (and exited 0). That tensor is f32 instead, named in a warning; the others keep the type.
     """
     model = _random_model()

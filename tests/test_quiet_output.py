@@ -1,4 +1,4 @@
-"""Issue 30, "quiet, honest output": progress bars only on a terminal, perplexity from few tokens flagged."""
+"""Quiet, honest output: progress bars only on a terminal, perplexity from few tokens flagged."""
 
 from __future__ import annotations
 
