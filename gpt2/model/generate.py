@@ -122,13 +122,7 @@ def sample_next(
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
     Hugging Face's samplers.
     """
-    try:
-        sampling = SamplingConfig(temperature, top_k, top_p)
-    except InvalidValueError as error:
-        raise InvalidValueError(
-            f"sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
-        ) from error
-    return _sample(logits, sampling, generator)
+    return _sample(logits, SamplingConfig(temperature, top_k, top_p), generator)
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -321,7 +315,10 @@ def _stream(
             # normal tensor that the caller may modify in place.
             with torch.inference_mode():
                 if tokens.size(1) > block_size:
-                    tokens, mask = _crop(tokens, mask, block_size)
+                    # nanoGPT's crop: the last block_size tokens (and their mask)
+                    tokens = tokens[:, -block_size:]
+                    if mask is not None:
+                        mask = mask[:, -block_size:]
                     # Positions are learned and absolute: after a crop every token sits one position
                     # earlier, so the cached keys are stale and the window is recomputed.
                     cache = None
@@ -349,13 +346,6 @@ def _stream(
                 return
     finally:
         model.train(was_training)
-
-
-def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The last ``block_size`` tokens and their mask (nanoGPT's crop)."""
-    if mask is not None:
-        mask = mask[:, -block_size:]
-    return tokens[:, -block_size:], mask
 
 
 def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> Any:

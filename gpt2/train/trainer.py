@@ -97,7 +97,12 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
         self.config = config
-        self._setup_processes(model)
+        # this process's place in the run: device, process group, precision
+        self.dist_env = distributed.env_from_environ()
+        self.device = distributed.resolve_device(config.device, self.dist_env)
+        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
+        self.precision = resolve_precision(config.precision, self.device)
+        self.precision.apply()
         seed_everything(config.seed)
         self._setup_model(model)
         self._setup_batch(train_data, val_data)
@@ -135,15 +140,6 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ set-up helpers
-    def _setup_processes(self, model: nn.Module) -> None:
-        """This process's place in the run: device, process group, precision, batch split."""
-        config = self.config
-        self.dist_env = distributed.env_from_environ()
-        self.device = distributed.resolve_device(config.device, self.dist_env)
-        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
-        self.precision = resolve_precision(config.precision, self.device)
-        self.precision.apply()
-
     def _setup_model(self, model: nn.Module) -> None:
         """The raw model on the device, its optimizer and loss scaler, and the compiled / DDP-wrapped views of it."""
         config = self.config
@@ -157,8 +153,14 @@ class Trainer:
                 f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
                 "train on shorter sequences or build the model with a larger block_size"
             )
+        # switched on in the raw model, before compiling and wrapping
+        if config.activation_checkpointing and not callable(getattr(self.model, "set_activation_checkpointing", None)):
+            raise InvalidValueError(
+                "activation_checkpointing=True needs a model with a set_activation_checkpointing() method (gpt2's GPT "
+                f"and its subclasses); {type(model).__name__} has none: train it with activation_checkpointing=False"
+            )
         if config.activation_checkpointing:
-            _enable_activation_checkpointing(self.model)
+            self.model.set_activation_checkpointing(True)
         check_master_weights(self.model)
         self._shard_if_fsdp()
         self.optimizer = build_optimizer(self.model, config)
@@ -299,7 +301,7 @@ class Trainer:
             return []
         log = self._open_fit_log()
         schedule = CheckpointSchedule(cfg.checkpoint_interval, cfg.max_steps, stop)
-        history: list[dict[str, Any]] = []
+        first = len(self.history)
         signals = self._signals.install()
         self.recovery.begin(self)
         interrupted = False
@@ -309,7 +311,6 @@ class Trainer:
                 in_trouble = self.recovery.judge(self.step, record)
                 self._validate_if_due(record, log)
                 self._publish(record, log)
-                history.append(record)
                 saved = False
                 if in_trouble:
                     # back to the newest good state, or TrainingDivergedError; the metrics go back with it
@@ -322,30 +323,40 @@ class Trainer:
             interrupted = True
             raise
         finally:
-            self._close_fit_log(log, signals, interrupted)
-        self._plot_loss_curve()
+            log.close()
+            self._record_outputs()
+            # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
+            # it leaves the process group: close() restores the handlers after that.
+            if not (interrupted and self.dist_env.is_distributed):
+                signals.restore()
+        if self.is_main and self.out_dir is not None and self.config.plot:
+            metrics.plot_loss_curve(
+                metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
+            )
         self._record_outputs()
-        return history
+        return self.history[first:]
 
     def _open_fit_log(self) -> FitLog:
         """Where one fit() call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and
         the progress bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
         """
-        before_write = None
-        if self._run_lock is not None:
-            before_write = self._run_lock.ensure_held
         log = FitLog(
             self.sinks,
             self.config,
             out_dir=self.out_dir,
             step=self.step,
             is_main=self.is_main,
-            before_write=before_write,
+            before_write=self._check_owner,
         )
         # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
         # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
         self._record_outputs()
         return log
+
+    def _check_owner(self) -> None:
+        """Before a write into out_dir: rank 0 checks that this run still owns it (the lock is rank 0's)."""
+        if self._run_lock is not None:
+            self._run_lock.ensure_held()
 
     def _record_outputs(self) -> None:
         """Record in out_dir's record what the Trainer has written there (rank 0), so that a later
@@ -353,14 +364,6 @@ class Trainer:
         """
         if self.is_main and self.out_dir is not None:
             rundir.record_outputs(self.out_dir, rundir.TRAINER_FILES)
-
-    def _close_fit_log(self, log: FitLog, signals: StopSignals, interrupted: bool) -> None:
-        log.close()
-        self._record_outputs()
-        # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
-        # it leaves the process group: close() restores the handlers after that.
-        if not (interrupted and self.dist_env.is_distributed):
-            signals.restore()
 
     def _validate_if_due(self, record: dict[str, Any], log: FitLog) -> None:
         """Add the validation loss to the record of a step due for one (``eval_interval``)."""
@@ -397,12 +400,6 @@ class Trainer:
         self.save_checkpoint()
         return True
 
-    def _plot_loss_curve(self) -> None:
-        if self.is_main and self.out_dir is not None and self.config.plot:
-            metrics.plot_loss_curve(
-                metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
-            )
-
     def _stop_if_signalled(self, saved: bool) -> None:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
         signum = self._signals.received
@@ -429,10 +426,20 @@ class Trainer:
         self.train_model.train()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        batches = self._read_batches()
+        # All micro-batches are read first (token ids are small): each one's loss share needs the global count of
+        # scored targets.
+        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
+        # A custom loader's targets are checked too: -100 is not ignored here.
+        if self.vocab_size:
+            for batch in batches:
+                check_targets(batch[1], self.vocab_size)
         # counted on the CPU: no device sync
         counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
-        scored = self._global_count(sum(counts))
+        scored = sum(counts)
+        if self.dist_env.is_distributed:
+            # float64 holds any count exactly
+            total = torch.tensor(float(scored), dtype=torch.float64, device=self.device)
+            scored = round(distributed.all_reduce_mean(total).item() * self.dist_env.world_size)
         if scored == 0:
             # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
             # still decay and move the weights on zero gradients).
@@ -466,25 +473,6 @@ class Trainer:
         if skipped:
             _warn_skipped(record, bad)
         return record
-
-    def _read_batches(self) -> list[tuple]:
-        """The step's micro-batches, all read first (token ids are small): each one's loss share needs the
-        global count of scored targets.
-        """
-        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
-        # A custom loader's targets are checked too: -100 is not ignored here.
-        if self.vocab_size:
-            for batch in batches:
-                check_targets(batch[1], self.vocab_size)
-        return batches
-
-    def _global_count(self, local: int) -> int:
-        """``local`` summed over all processes (float64 holds any count exactly)."""
-        world_size = self.dist_env.world_size
-        if world_size == 1:
-            return local
-        total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
-        return round(distributed.all_reduce_mean(total).item() * world_size)
 
     def _accumulate(self, batches: list[tuple], counts: list[int], scored: int) -> float:
         """Forward and backward every micro-batch; returns the global batch's mean loss.
@@ -616,13 +604,14 @@ class Trainer:
             bad = ckpt.non_finite_tensors(dict(self.model.state_dict()))
         # checked on every rank, so all of them stop together
         if bad:
+            good = self.recovery.newest_confirmed(self.checkpoint_dir)
             raise TrainingDivergedError(
                 f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}). "
-                f"{last_good(self.recovery.newest_confirmed(self.checkpoint_dir))}",
+                f"{last_good(good)}",
                 step=self.step,
                 loss=math.nan,
                 grad_norm=math.nan,
-                last_checkpoint=self.recovery.newest_confirmed(self.checkpoint_dir),
+                last_checkpoint=good,
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         # a collective (every rank's CUDA RNG state)
@@ -631,8 +620,7 @@ class Trainer:
             # every rank writes its shards; rank 0 checks first that it still owns out_dir
             path = self._write_checkpoint(self.checkpoint_dir, state)
         elif self.is_main:
-            if self._run_lock is not None:
-                self._run_lock.ensure_held()
+            self._check_owner()
             path = self._write_checkpoint(self.checkpoint_dir, state)
         if self.is_main:
             self._record_outputs()
@@ -655,11 +643,8 @@ class Trainer:
         try:
             if not self.sharded:
                 return ckpt.save_checkpoint(*args, **common)
-            before_write = None
-            if self._run_lock is not None:
-                before_write = self._run_lock.ensure_held
             return ckpt.save_sharded_checkpoint(
-                *args, base_fingerprint=self._base_fingerprint, before_write=before_write, **common
+                *args, base_fingerprint=self._base_fingerprint, before_write=self._check_owner, **common
             )
         except Gpt2Error:
             raise
@@ -674,7 +659,8 @@ class Trainer:
             "config": self.config.to_dict(),
             "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
             "world_size": self.dist_env.world_size,
-            "strategy": self._strategy_name(),
+            # how the processes share the model: "single", "ddp" or "fsdp"
+            "strategy": self.config.strategy if self.dist_env.is_distributed else "single",
             "grad_accum_steps": self.grad_accum_steps,
             "tokens_per_step": self.tokens_per_step,
             "precision": self.precision.name,
@@ -740,12 +726,6 @@ class Trainer:
         self.precision.apply()
         self.peak_flops = metrics.detect_peak_flops(self.device, self.config.peak_flops, policy.name)
 
-    def _strategy_name(self) -> str:
-        """How this run's processes share the model: "single", "ddp" or "fsdp" (checkpoints record it)."""
-        if not self.dist_env.is_distributed:
-            return "single"
-        return self.config.strategy
-
     def full_model(self) -> nn.Module | None:
         """The trained model whole, as one plain module (for sampling, saving adapters, exporting): the raw model
         itself, except under FSDP, where EVERY process must call this (the shards are gathered to rank 0, into a
@@ -794,14 +774,3 @@ def _warn_skipped(record: dict[str, Any], bad: bool) -> None:
     logger.warning(
         "step %d skipped (%s): loss %s, grad norm %s", record["step"], why, record["loss"], record["grad_norm"]
     )
-
-
-def _enable_activation_checkpointing(model: nn.Module) -> None:
-    """``TrainConfig.activation_checkpointing``: switched on in the raw model, before compiling and wrapping."""
-    switch = getattr(model, "set_activation_checkpointing", None)
-    if not callable(switch):
-        raise InvalidValueError(
-            f"activation_checkpointing=True needs a model with a set_activation_checkpointing() method (gpt2's GPT "
-            f"and its subclasses); {type(model).__name__} has none: train it with activation_checkpointing=False"
-        )
-    switch(True)
