@@ -78,6 +78,20 @@ def is_compiled(module: Any) -> bool:
     return uncompiled(module) is not module
 
 
+def has_hooks(module: Any) -> bool:
+    """Whether calling ``module`` runs forward hooks of its own or global ones (``register_forward_hook``,
+    ``register_forward_pre_hook``, ``torch.nn.modules.module.register_module_forward_hook``...).
+
+    Why private: ``nn.Module`` keeps its hooks in ``_forward_hooks`` and ``_forward_pre_hooks`` and the global
+    ones in ``torch.nn.modules.module``'s ``_global_forward_hooks`` and ``_global_forward_pre_hooks``; no public
+    accessor says whether any is registered. Checked on torch 2.13.
+    """
+    registries = (module._forward_hooks, module._forward_pre_hooks)
+    hooks = sys.modules["torch.nn.modules.module"]
+    global_registries = (hooks._global_forward_hooks, hooks._global_forward_pre_hooks)
+    return any(len(registry) > 0 for registry in (*registries, *global_registries))
+
+
 def module_tree_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module`` and its submodules, each module copied alone (``copy.copy``): the copies hold the
     originals' parameters and buffers, hooks and other attributes (the same objects, none copied), a ``forward``

@@ -69,13 +69,10 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def parse_json(source: Path | str, where: Any, caller: str, remedy: str) -> dict[str, Any]:
-    """The JSON object in a file (a ``Path``) or a string, else :class:`AdapterFileError` naming ``where``."""
+def parse_json(text: str | bytes, where: Any, caller: str, remedy: str) -> dict[str, Any]:
+    """The JSON object in ``text``, else :class:`AdapterFileError` naming ``where``."""
     try:
-        if isinstance(source, Path):
-            data = json.loads(source.read_text(encoding="utf-8"))
-        else:
-            data = json.loads(source)
+        data = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterFileError(f"{caller}: {where} is not valid JSON ({e}): damaged or truncated; {remedy}") from None
     if not isinstance(data, dict):

@@ -56,12 +56,6 @@ def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[s
     return value
 
 
-# LoRAConfig's numeric settings and their ranges: (field, check, the check's bounds).
-_NUMBER_FIELDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
-    ("rank", check_int, {}),
-    ("alpha", check_float, {"low": 0.0, "low_open": True}),
-    ("dropout", check_float, {"low": 0.0, "high": 1.0}),
-)
 _SWITCHES = ("include_embeddings", "include_lm_head", "use_rslora", "use_dora")
 
 
@@ -125,8 +119,9 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         # The one place the settings are checked: when the config is built, not at the first forward
         # (alpha=nan would make every logit NaN).
-        for field, check, bounds in _NUMBER_FIELDS:
-            check(getattr(self, field), f"LoRAConfig.{field}", **bounds)
+        check_int(self.rank, "LoRAConfig.rank")
+        check_float(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True)
+        check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
         for flag in _SWITCHES:
             if not isinstance(getattr(self, flag), bool):
                 raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")

@@ -222,7 +222,8 @@ def add_lora_by_name(
             raise LoRAValueError(
                 f"add_lora_by_name: {target!r} matches no module name; names look like {module_names[:6]}"
             )
-        hits = [t for t in candidates if any(_is_inside(t[0], m) for m in matched)]
+        # the matched modules and the layers inside them
+        hits = [t for t in candidates if any(t[0] == m or t[0].startswith(m + ".") for m in matched)]
         if not hits:
             raise LoRAValueError(
                 f"add_lora_by_name: {target!r} matches {matched[:4]} but none of them is or contains a "
@@ -230,11 +231,6 @@ def add_lora_by_name(
             )
         chosen += hits
     _add_targets(chosen, "add_lora_by_name")
-
-
-def _is_inside(name: str, module_name: str) -> bool:
-    """``name`` is the module ``module_name`` or one inside it."""
-    return name == module_name or name.startswith(module_name + ".")
 
 
 def merge_lora(model: nn.Module) -> None:

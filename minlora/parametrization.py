@@ -97,7 +97,7 @@ class LoRAParametrization(nn.Module):
         self.lora_dropout_p = float(lora_dropout_p)
         self.use_rslora = False
         self.use_dora = bool(use_dora)
-        self._set_scaling(lora_alpha, use_rslora)
+        self.set_scaling(lora_alpha, use_rslora)
         # False: the identity (disable_lora)
         self.enabled = True
         # False: always the weight path (set_fast_path)
@@ -136,10 +136,6 @@ class LoRAParametrization(nn.Module):
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
         """``scaling = lora_alpha / rank`` (``/ sqrt(rank)`` with rsLoRA); ``use_rslora=None`` keeps the setting."""
         check_float(lora_alpha, "set_scaling: lora_alpha")
-        self._set_scaling(lora_alpha, use_rslora)
-
-    def _set_scaling(self, lora_alpha: float, use_rslora: bool | None) -> None:
-        """:meth:`set_scaling` for an alpha already checked (the constructor checks its own)."""
         if use_rslora is not None:
             self.use_rslora = bool(use_rslora)
         self.lora_alpha = lora_alpha

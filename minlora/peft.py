@@ -15,7 +15,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -62,12 +62,6 @@ _DEFAULTS: dict[str, Any] = {
     "use_rslora": False,
     "use_dora": False,
 }
-# adapter_config.json's numbers and their ranges: (key, check, the check's bounds)
-_NUMBERS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
-    ("r", check_int, {}),
-    ("lora_alpha", check_float, {}),
-    ("lora_dropout", check_float, {"low": 0.0, "high": 1.0}),
-)
 
 
 def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, set[int]]:
@@ -257,8 +251,9 @@ def _check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _check_settings(settings: dict[str, Any]) -> None:
     """The checks LoRAConfig uses, their messages naming the key."""
-    for key, check, bounds in _NUMBERS:
-        check(settings[key], key, **bounds)
+    check_int(settings["r"], "r")
+    check_float(settings["lora_alpha"], "lora_alpha")
+    check_float(settings["lora_dropout"], "lora_dropout", low=0.0, high=1.0)
     for key, check in (("rank_pattern", check_int), ("alpha_pattern", check_float)):
         patterns = settings[key]
         if not isinstance(patterns, dict):
@@ -281,7 +276,7 @@ def _read_peft(path: Path, source: str) -> tuple[dict[str, Any], dict[str, dict[
             f"import_peft_adapter: {path} needs {PEFT_CONFIG_NAME} and {PEFT_WEIGHTS_NAME} (an adapter_model.bin: "
             f"load it with peft and save_pretrained it again, which writes safetensors)"
         )
-    config = parse_json(config_file, config_file, "import_peft_adapter", _REMEDY)
+    config = parse_json(config_file.read_bytes(), config_file, "import_peft_adapter", _REMEDY)
     config = _check_config(config, f"import_peft_adapter: {config_file}")
     state, _ = read_safetensors(file, "import_peft_adapter", _REMEDY)
     state = {k: v for k, v in state.items() if not k.endswith(".base_layer.weight")}
@@ -358,18 +353,12 @@ def _peft_plan(
         # ours: A (V, r), B (r, dim)
         A = _pad_rows(parts["embedding_A"].t(), rows, real, pad)
         B = parts["embedding_B"].t()
-        factor_rank = A.shape[1]
     else:
         # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
         A = parts["A.weight"].flatten(1)
         B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
-        factor_rank = A.shape[0]
+    # factors of another rank than the config's are refused with the other shapes (make_plan)
     rank = _pattern_value(config["rank_pattern"], module_name, config["r"])
-    if factor_rank != rank:
-        raise LoRAValueError(
-            f"{source}: {module_name} has rank-{factor_rank} factors but "
-            f"the config says r={rank}; adapter_config.json does not match the adapter weights"
-        )
     alpha = _pattern_value(config["alpha_pattern"], module_name, config["lora_alpha"])
     tensors = {"lora_A": A, "lora_B": B}
     if dora:

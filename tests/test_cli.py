@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2.cli import COMMANDS, main, parse
+from gpt2.cli import COMMANDS, main
 from gpt2.model.generate import stream_text
 from gpt2.model.gpt import GPT
 
@@ -213,8 +213,8 @@ def test_bad_flags_exit_2_with_one_line(capsys):
         (["--max-lr", "nan"], "max_lr must be"),
         (["--lora.rank", "0"], "LoRAConfig.rank must be"),
         # checked before training, not at the sample or the final evaluation after it
-        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
-        (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "nan"], "generate.temperature must be a finite number >= 0"),
+        (["--temperature", "inf"], "generate.temperature must be a finite number >= 0"),
         (["--final-eval-batches", "0"], "--final-eval-batches must be >= 1"),
     ]:
         command, common = ("finetune", []) if argv[0].startswith("--lora") else ("train", TINY_TRAIN)
@@ -226,9 +226,9 @@ def test_bad_flags_exit_2_with_one_line(capsys):
 def test_short_run_scales_the_recipe_warmup(capsys):
     """The recipe's warmup (20 of 200 steps) shrinks with --max-steps; an explicit one is kept."""
     cmd = COMMANDS["train"]
-    options, _ = parse(cmd, ["--max-steps", "10", "--device", "cpu"], prog="gpt2 train")
+    options = cmd.parse(["--max-steps", "10", "--device", "cpu"], prog="gpt2 train")
     assert options.train.max_steps == 10 and options.train.warmup_steps == 1
-    options, _ = parse(cmd, ["--max-steps", "10", "--warmup-steps", "4", "--device", "cpu"], prog="gpt2 train")
+    options = cmd.parse(["--max-steps", "10", "--warmup-steps", "4", "--device", "cpu"], prog="gpt2 train")
     assert options.train.warmup_steps == 4
 
 
@@ -266,7 +266,7 @@ def test_default_warmup_scales_with_a_short_run(capsys, tmp_path):
     cmd = COMMANDS["train"]
 
     def warmup(*argv: str) -> int:
-        return parse(cmd, [*argv, "--device", "cpu"], prog="gpt2 train")[0].train.warmup_steps
+        return cmd.parse([*argv, "--device", "cpu"], prog="gpt2 train").train.warmup_steps
 
     # the recipe's warmup keeps its share of a shorter run (never more than the recipe's) unless given
     import yaml
@@ -364,8 +364,7 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     cfg = tmp_path / "run.yaml"
     # YAML 1.1 reads 6e-4 as a string: it must still become a float.
     cfg.write_text("max_steps: 7\nmax-lr: 6e-4\ncompile: false\n")
-    options, _ = parse(
-        cmd,
+    options = cmd.parse(
         ["--config", str(cfg), "--max-steps", "9", "--device", "cpu"],
         prog="gpt2 train",
         defaults={"warmup_steps": 3},
@@ -378,11 +377,11 @@ def test_option_precedence_recipe_script_file_flags(tmp_path):
     cpu, gpu = recipe("shakespeare", on_cuda=False), recipe("shakespeare", on_cuda=True)
     assert (options.shape.model, train.seq_len) == (cpu["model"], cpu["seq_len"])  # the recipe's CPU values
     assert cpu["model"] != gpu["model"]
-    assert parse(cmd, ["--device", "cuda"], prog="gpt2 train")[0].shape.model == gpu["model"]  # ... and its CUDA ones
-    # A recipe named in a config file (JSON is YAML too), and the recipe's earlier name.
+    assert cmd.parse(["--device", "cuda"], prog="gpt2 train").shape.model == gpu["model"]  # ... and its CUDA ones
+    # A recipe named in a config file (JSON is YAML too).
     cfg_json = tmp_path / "run.json"
-    cfg_json.write_text(json.dumps({"recipe": "gpt2-124m", "micro_batch_size": 2}))
-    options, _ = parse(cmd, ["--config", str(cfg_json), "--device", "cpu"], prog="gpt2 train")
+    cfg_json.write_text(json.dumps({"recipe": "gpt2-124m-fineweb", "micro_batch_size": 2}))
+    options = cmd.parse(["--config", str(cfg_json), "--device", "cpu"], prog="gpt2 train")
     train = options.train
     fineweb = recipe("gpt2-124m-fineweb", on_cuda=False)
     assert (train.total_batch_size, train.warmup_steps, train.max_steps) == tuple(
@@ -414,14 +413,14 @@ def test_recipe_files_and_print_config_round_trip(tmp_path, capsys):
     printed = tmp_path / "printed.yaml"
     printed.write_text(out)
     cmd = COMMANDS["finetune"]
-    again, _ = parse(cmd, ["--config", str(printed)], prog="gpt2 finetune")
+    again = cmd.parse(["--config", str(printed)], prog="gpt2 finetune")
     assert again.lora.rank == 4 and again.lora.target_modules == ("attn.c_attn", "mlp.c_fc")
     assert again.sampling.num_samples == 3 and again.train.max_steps == 7
     code, out2, _ = run(capsys, "finetune", "--config", printed, "--print-config")
     assert out2.splitlines()[1:] == out.splitlines()[1:]
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("model: tiny\nmax_steps: 5\nwarmup_steps: 0\n")
-    options, _ = parse(COMMANDS["train"], ["--recipe", str(recipe)], prog="gpt2 train")
+    options = COMMANDS["train"].parse(["--recipe", str(recipe)], prog="gpt2 train")
     assert options.shape.model == "tiny" and options.train.max_steps == 5 and options.train.seq_len == 1024
 
 

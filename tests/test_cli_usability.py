@@ -100,32 +100,37 @@ def test_a_mistyped_flag_is_one_line_naming_the_closest(capsys):
     code, out, err = run(capsys, "train", "--max-step", "10")
     assert (code, out) == (2, "")
     assert (
-        err
-        == "gpt2 train: --max-step: unknown option; did you mean --max-steps? (gpt2 train --help lists every option)\n"
+        err == "gpt2 train: error: --max-step: unknown option; did you mean --max-steps? "
+        "(gpt2 train --help lists every option)\n"
     )
     code, _, err = run(capsys, "finetune", "--lora.rnak", "4")
-    assert code == 2 and err.startswith("gpt2 finetune: --lora.rnak: unknown option; did you mean --lora.rank?"), err
+    assert code == 2 and err.startswith(
+        "gpt2 finetune: error: --lora.rnak: unknown option; did you mean --lora.rank?"
+    ), err
     code, _, err = run(capsys, "eval", "--bogus-flag")
-    assert code == 2 and err == "gpt2 eval: --bogus-flag: unknown option (gpt2 eval --help lists every option)\n"
+    assert code == 2 and err == "gpt2 eval: error: --bogus-flag: unknown option (gpt2 eval --help lists every option)\n"
 
 
 @pytest.mark.parametrize(
     "argv,line",
     [
-        (["train", "--max-steps", "ten"], "gpt2 train: --max-steps: expected an integer, got 'ten'"),
-        (["train", "--max_steps", "ten"], "gpt2 train: --max-steps: expected an integer, got 'ten'"),
-        (["train", "--max-steps"], "gpt2 train: --max-steps: expected an integer, got nothing"),
-        (["train", "--max-lr", "fast"], "gpt2 train: --max-lr: expected a number, got 'fast'"),
-        (["train", "--top-k", "all"], "gpt2 train: --top-k: expected an integer or None, got 'all'"),
+        (["train", "--max-steps", "ten"], "gpt2 train: error: --max-steps: expected an integer, got 'ten'"),
+        (["train", "--max_steps", "ten"], "gpt2 train: error: --max-steps: expected an integer, got 'ten'"),
+        (["train", "--max-steps"], "gpt2 train: error: --max-steps: expected an integer, got nothing"),
+        (["train", "--max-lr", "fast"], "gpt2 train: error: --max-lr: expected a number, got 'fast'"),
+        (["train", "--top-k", "all"], "gpt2 train: error: --top-k: expected an integer or None, got 'all'"),
         (
             ["train", "--precision", "fp8"],
-            "gpt2 train: --precision: expected one of auto, fp32, tf32, bf16, fp16, got 'fp8'",
+            "gpt2 train: error: --precision: expected one of auto, fp32, tf32, bf16, fp16, got 'fp8'",
         ),
-        (["train", "--betas", "0.9"], "gpt2 train: --betas: expected 2 values, each a number, got '0.9'"),
-        (["finetune", "--lora.rank", "x"], "gpt2 finetune: --lora.rank: expected an integer, got 'x'"),
-        (["sample", "-n", "x"], "gpt2 sample: --num-samples: expected an integer, got 'x'"),
-        (["train", "--compile", "yes"], "gpt2 train: --compile: takes no value, got 'yes'"),
-        (["train", "stray"], "gpt2 train: 'stray': options are given as --name VALUE (gpt2 train --help lists them)"),
+        (["train", "--betas", "0.9"], "gpt2 train: error: --betas: expected 2 values, each a number, got '0.9'"),
+        (["finetune", "--lora.rank", "x"], "gpt2 finetune: error: --lora.rank: expected an integer, got 'x'"),
+        (["sample", "-n", "x"], "gpt2 sample: error: --num-samples: expected an integer, got 'x'"),
+        (["train", "--compile", "yes"], "gpt2 train: error: --compile: takes no value, got 'yes'"),
+        (
+            ["train", "stray"],
+            "gpt2 train: error: 'stray': options are given as --name VALUE (gpt2 train --help lists them)",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line(capsys, argv, line):
@@ -135,10 +140,10 @@ def test_a_bad_value_is_one_line(capsys, argv, line):
 
 def test_values_that_look_like_flags_are_still_values():
     """The check of the flags reads them as tyro does: a prompt "--- x", a -inf, a -1 are values."""
-    from gpt2.cli import COMMANDS, parse
+    from gpt2.cli import COMMANDS
 
     argv = ["--prompt", "--- x", "--temperature", "-inf", "--top-k", "-1", "--device", "cpu"]
-    options, _ = parse(COMMANDS["train"], argv, prog="gpt2 train")
+    options = COMMANDS["train"].parse(argv, prog="gpt2 train")
     sampling = options.sampling
     assert (sampling.prompt, sampling.temperature, sampling.top_k) == ("--- x", float("-inf"), -1)
 

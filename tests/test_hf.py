@@ -329,6 +329,13 @@ def test_config_round_trip():
     assert hf_config_from_gpt(config)["eos_token_id"] is None  # <|endoftext|> is not in a 300-token vocab
 
 
+def test_context_length_is_read_as_transformers_reads_it():
+    """n_positions, 1024 where absent; n_ctx is ignored, as GPT2Config ignores it."""
+    shape = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 300}
+    for config in ({**shape, "n_ctx": 64}, {**shape, "n_ctx": 64, "n_positions": 32}):
+        assert config_from_hf(config).block_size == GPT2Config.from_dict(config).n_positions
+
+
 def test_preset_sizes_match_transformers():
     for name in ("gpt2", "gpt2-xl"):
         config = GPTConfig.from_name(name)

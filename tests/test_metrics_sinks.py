@@ -53,12 +53,12 @@ def test_log_to_is_checked_and_normalised(tmp_path):
 
 
 def test_cli_log_to_flag_reaches_the_train_config():
-    from gpt2.cli import COMMANDS, parse
+    from gpt2.cli import COMMANDS
 
     cmd = COMMANDS["train"]
     for argv in (["--log-to", "tensorboard", "wandb"], ["--log-to", "tensorboard,wandb"]):
-        assert parse(cmd, argv, prog="gpt2 train")[0].train.log_to == ("tensorboard", "wandb")
-    assert parse(cmd, [], prog="gpt2 train")[0].train.log_to == ()
+        assert cmd.parse(argv, prog="gpt2 train").train.log_to == ("tensorboard", "wandb")
+    assert cmd.parse([], prog="gpt2 train").train.log_to == ()
 
 
 def test_tensorboard_sink_writes_every_step(tmp_path):

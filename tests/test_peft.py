@@ -141,7 +141,7 @@ def test_unsupported_peft_options_and_mismatches_are_rejected(hf_dir, tmp_path):
         ("bias", "all", "bias='all'"),
         ("modules_to_save", ["score"], "modules_to_save"),
         ("peft_type", "IA3", "only LORA"),
-        ("r", 8, "rank-4 factors but the config says r=8"),
+        ("r", 8, r"has shape \(4, 32\); at rank 8 this layer needs \(8, 32\)"),
     ]:
         config_path.write_text(json.dumps({**original, key: value}))
         with pytest.raises(ValueError, match=message):

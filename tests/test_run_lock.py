@@ -319,11 +319,11 @@ def test_resuming_an_older_checkpoint_or_another_runs_checkpoint(tmp_path):
 
 
 def test_overwrite_flag_and_the_refusal_in_command_line_terms(tmp_path, capsys):
-    from gpt2.cli import COMMANDS, main, parse
+    from gpt2.cli import COMMANDS, main
 
     for name in ("train", "finetune"):
-        assert parse(COMMANDS[name], ["--overwrite"], prog=name)[0].train.overwrite is True
-        assert parse(COMMANDS[name], [], prog=name)[0].train.overwrite is False
+        assert COMMANDS[name].parse(["--overwrite"], prog=name).train.overwrite is True
+        assert COMMANDS[name].parse([], prog=name).train.overwrite is False
     # A fresh `gpt2 train` into an old run's directory: refused in one line.
     out = tmp_path / "old"
     out.mkdir()

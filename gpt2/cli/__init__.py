@@ -23,7 +23,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gpt2.cli.layers import ArgumentError, UsageError, dump_yaml
+from gpt2.cli.layers import UsageError, dump_yaml
 from gpt2.cli.layers import parse as parse_options
 from gpt2.errors import Gpt2Error, InvalidValueError
 
@@ -67,6 +67,10 @@ class Command(NamedTuple):
     def options(self) -> type:
         return typing.get_type_hints(self.function)["options"]
 
+    def parse(self, argv: Sequence[str], **kwargs: Any) -> Any:
+        """The options from the recipe, ``defaults`` (an example script's), the config file and ``argv``."""
+        return parse_options(self.options, list(argv), recipe=self.recipe, **kwargs)
+
 
 COMMANDS: dict[str, Command] = {
     "train": Command("train", "pretrain a GPT-2 (Tiny Shakespeare by default), val loss and samples", "shakespeare"),
@@ -77,23 +81,6 @@ COMMANDS: dict[str, Command] = {
     "export": Command("export", "write a transformers folder, a GGUF file and/or a PEFT adapter"),
     "bench": Command("bench", "the training speed-up ladder: fp32, tf32, bf16, compile, flash...", "bench"),
 }
-
-
-def parse(
-    cmd: Command,
-    argv: Sequence[str],
-    *,
-    prog: str,
-    defaults: dict[str, Any] | None = None,
-    description: str | None = None,
-) -> tuple[Any, bool]:
-    """The options of ``cmd`` from recipe, script defaults, config file and ``argv``; and
-    whether ``--print-config`` asked to print them instead of running.
-    """
-    options = parse_options(
-        cmd.options, list(argv), prog=prog, recipe=cmd.recipe, defaults=defaults, description=description
-    )
-    return options, options.print_config
 
 
 @dataclasses.dataclass
@@ -123,7 +110,9 @@ def run_command(
     """
     if name not in COMMANDS:
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
-    command = _Invocation(name, prog or f"gpt2 {name}", _arguments(argv))
+    if argv is None:
+        argv = sys.argv[1:]
+    command = _Invocation(name, prog or f"gpt2 {name}", list(argv))
     _setup_logging()
     # Each line as it is printed, also into a file or a pipe (Python holds them back in blocks there).
     if hasattr(sys.stdout, "reconfigure"):
@@ -146,11 +135,11 @@ def _run(command: _Invocation, defaults: dict[str, Any] | None, description: str
     """Parse the options, then print them, start the workers or run the command."""
     cmd, prog, argv = COMMANDS[command.name], command.prog, command.argv
     try:
-        options, print_config = parse(cmd, argv, prog=prog, defaults=defaults, description=description)
+        options = cmd.parse(argv, prog=prog, defaults=defaults, description=description)
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     command.options = options
-    if print_config:
+    if options.print_config:
         sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
         return 0
     # train and finetune can start their own workers (unless this process is one)
@@ -229,10 +218,7 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     # of memory on one rank) are said by the rank that met them.
     if code == EXIT_USAGE and _rank() != 0:
         return code
-    # A flag or value the command cannot read: its message names the flag.
-    if isinstance(e, ArgumentError):
-        print(f"{prog}: {text}", file=sys.stderr)
-    elif _is_system_error(e):
+    if _is_system_error(e):
         print(f"{prog}: error: {_system_error(e, command)}", file=sys.stderr)
     elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
@@ -343,7 +329,8 @@ def _setup_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``gpt2 <command> [options]``; returns the exit code."""
-    argv = _arguments(argv)
+    if argv is None:
+        argv = sys.argv[1:]
     if not argv:  # no command: the help, as a usage error
         print(_top_help())
         return EXIT_USAGE
@@ -362,13 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_USAGE
     return run_command(argv[0], argv[1:])
-
-
-def _arguments(argv: Sequence[str] | None) -> list[str]:
-    """``argv``, or this process's command-line arguments."""
-    if argv is None:
-        return sys.argv[1:]
-    return list(argv)
 
 
 def _top_help() -> str:

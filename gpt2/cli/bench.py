@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -10,7 +11,7 @@ import torch
 from gpt2.cli.common import write_json
 from gpt2.cli.layers import Options
 from gpt2.model.config import SHAPE_NAMES
-from gpt2.train.bench import RUNGS, RungResult, format_table, run_ladder
+from gpt2.train.bench import RungResult, format_table, run_ladder
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import describe_machine
 
@@ -46,9 +47,8 @@ class BenchOptions(Options):
 
 
 def bench(options: BenchOptions) -> list[Any]:
-    rungs = list(RUNGS)
-    if options.rungs:
-        rungs = [r.strip() for r in options.rungs.split(",") if r.strip()]
+    # none named: every rung
+    rungs = [r.strip() for r in options.rungs.split(",") if r.strip()] or None
     # "cuda" without CUDA: the Trainer's error, before any work
     device = resolve_device(options.device)
     where = describe_machine(device)
@@ -77,7 +77,8 @@ def bench(options: BenchOptions) -> list[Any]:
     print(format_table(results, title))
     if options.json:
         write_json(
-            options.json, {"device": where, "torch": torch.__version__, "results": [r.to_dict() for r in results]}
+            options.json,
+            {"device": where, "torch": torch.__version__, "results": [dataclasses.asdict(r) for r in results]},
         )
     return results
 

@@ -5,7 +5,6 @@ package's lowest module), checks, sampling to stdout, and the end-of-training re
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from gpt2.cli.layers import Short, UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import ERROR_ADVICE, replace_atomically, write_advice
-from gpt2.model.generate import stream_text
+from gpt2.model.generate import SamplingConfig, stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
 from gpt2.outputs import RECORD_FILE
@@ -127,18 +126,13 @@ def program(name: str) -> str:
 
 def check_sampling(s: SamplingOptions, *, fewest: int = 1) -> None:
     """The sampling options, checked before any model is loaded or trained (gpt2.model.generate
-    refuses the same values, but only when it samples: after training). ``fewest``: samples.
+    checks them again when it samples: after training). ``fewest``: samples.
     """
     if s.num_samples < fewest:
         raise UsageError(f"--num-samples must be >= {fewest}, got {s.num_samples}")
     if s.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {s.max_new_tokens}")
-    if not 0 <= s.temperature < math.inf:  # NaN too
-        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
-    if s.top_k is not None and s.top_k < 1:
-        raise UsageError(f"--top-k must be >= 1 (or None), got {s.top_k}")
-    if s.top_p is not None and not 0 < s.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1] (or None), got {s.top_p}")
+    SamplingConfig(s.temperature, s.top_k, s.top_p)
 
 
 def check_run(options: Any) -> None:
@@ -268,9 +262,7 @@ def loss_line(loss: dict[str, Any]) -> str:
     tokens = loss["tokens"]
     if tokens >= FEW_TOKENS:
         return f"{head} | {tokens:,} tokens"
-    if tokens == 1:
-        return f"{head} (from only 1 token: a rough estimate)"
-    return f"{head} (from only {tokens} tokens: a rough estimate)"
+    return f"{head} (from only {tokens} token{'s' * (tokens != 1)}: a rough estimate)"
 
 
 def final_report(

@@ -55,11 +55,19 @@ def export(options: ExportOptions) -> int:
     _check_gguf_path(options.gguf, options.overwrite)
     model = GPT.from_pretrained(options.model, device="cpu")
     what = "model"
+    # the files that hold the weights, with an adapter merged into them
+    merged = options.out is not None or options.gguf is not None
     if options.adapter:
-        _add_adapter(model, options)
+        apply_adapter(model, options.adapter, options.allow_base_mismatch)
+        # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
+        if merged:
+            check_tied_head(model)
+    if options.peft_out is not None:
+        minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.model))
+        print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
     # Merged only for the files that hold merged weights: a PEFT adapter alone needs no merge (and
     # merging an adapter on the LM head would warn about the weights it unties).
-    if options.adapter and (options.out is not None or options.gguf is not None):
+    if options.adapter and merged:
         minlora.merge_lora(model)
         what = "merged model"
     if options.out is not None:
@@ -70,17 +78,6 @@ def export(options: ExportOptions) -> int:
         size = f"{path.stat().st_size / 1e6:.1f} MB"
         print(f"wrote {what} {path} ({options.gguf_type}, {size}; run with llama.cpp: llama-cli -m {path})")
     return 0
-
-
-def _add_adapter(model: GPT, options: ExportOptions) -> None:
-    """Add ``--adapter`` to ``model`` and write it in PEFT format (``--peft-out``)."""
-    apply_adapter(model, options.adapter, options.allow_base_mismatch)
-    # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
-    if options.out is not None or options.gguf is not None:
-        check_tied_head(model)
-    if options.peft_out is not None:
-        minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.model))
-        print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
 
 
 def peft_base(model: str) -> str:

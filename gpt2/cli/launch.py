@@ -26,23 +26,18 @@ SHUTDOWN_SECONDS = 300
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
-def _signals_not_ignored() -> list[str]:
-    """The agent's stop signals that this process does not ignore: one ignored when the run starts
-    (``nohup``: SIGHUP, ``trap '' HUP``) stays ignored, by the agent as by the workers, which
-    inherit the ignored disposition and keep it (gpt2.files.StopSignals).
-    """
-    return [name for name in _AGENT_SIGNALS if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN]
-
-
 @contextlib.contextmanager
-def _agent_handles(names: list[str]):
+def _agent_handles():
     """Tell torchrun's agent which signals to handle (its public TORCHELASTIC_SIGNALS_TO_HANDLE
-    variable), unless the user set it; put the variable back after.
+    variable), unless the user set it; put the variable back after. A stop signal ignored when the
+    run starts (``nohup``: SIGHUP, ``trap '' HUP``) stays ignored, by the agent as by the workers,
+    which inherit the ignored disposition and keep it (gpt2.files.StopSignals).
     """
     variable = "TORCHELASTIC_SIGNALS_TO_HANDLE"
     if variable in os.environ:
         yield
         return
+    names = [name for name in _AGENT_SIGNALS if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN]
     os.environ[variable] = ",".join(names)
     try:
         yield
@@ -80,7 +75,7 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
             shutdown_timeout=SHUTDOWN_SECONDS,
         )
         try:
-            with _agent_handles(_signals_not_ignored()):
+            with _agent_handles():
                 elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", path)
         except SignalException as e:
             # The agent forwarded the signal and waited for the workers: each stopped at the same

@@ -6,7 +6,7 @@ and builds the options dataclasses with the result, so that their own checks run
 would use. tyro draws ``--help`` (:func:`show_help`), from the same values. A YAML file maps option
 names (``max_steps`` or ``max-steps``; a group such as ``lora`` is a mapping) to values;
 ``--print-config`` writes that format. A flag the command does not have or a value it cannot read is
-one :class:`ArgumentError` line.
+one :class:`UsageError` line (``gpt2 train: error: --max-steps: expected an integer, got 'ten'``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import yaml
 from gpt2.errors import Gpt2Error
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
-RENAMED = {"gpt2-124m": "gpt2-124m-fineweb"}  # earlier recipe names (CHANGELOG.md)
 
 
 class UsageError(Gpt2Error):
@@ -44,12 +43,6 @@ class UsageError(Gpt2Error):
 
 class ConfigError(UsageError, ValueError):
     """A recipe or config file that does not fit the command's options."""
-
-
-class ArgumentError(UsageError):
-    """A flag the command does not have, or a value it cannot read: the command line prints the
-    message after the command's name alone (``gpt2 train: --max-steps: expected an integer, got 'ten'``).
-    """
 
 
 class Flat:
@@ -316,7 +309,6 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def recipe_path(name: str, on_cuda: bool) -> Path:
     """A recipe name (``shakespeare`` -> the cpu or gpu file for this machine) or a YAML path."""
-    name = RENAMED.get(name, name)
     if name.endswith((".yaml", ".yml")) or "/" in name:
         return Path(name).expanduser()  # read_yaml says if it is missing
     machine = "gpu" if on_cuda else "cpu"
@@ -358,10 +350,6 @@ class CommandLine(NamedTuple):
                 given[flag] += (arg,)
         return cls(given, stray)
 
-    @property
-    def help(self) -> bool:
-        return "--help" in self.given or "-h" in self.given
-
 
 def _is_short_option(word: str) -> bool:
     """``-n``; not a value such as ``-1``, ``-.5`` or ``-inf``."""
@@ -370,10 +358,10 @@ def _is_short_option(word: str) -> bool:
 
 def flag_values(cls: type, line: CommandLine, prog: str) -> dict[str, Any]:
     """The option values the flags give (option key -> value); a flag ``cls`` does not have, a word no flag
-    takes or a value that cannot be read is one :class:`ArgumentError`.
+    takes or a value that cannot be read is one :class:`UsageError`.
     """
     if line.stray:
-        raise ArgumentError(f"{line.stray[0]!r}: options are given as --name VALUE ({prog} --help lists them)")
+        raise UsageError(f"{line.stray[0]!r}: options are given as --name VALUE ({prog} --help lists them)")
     known = flags(cls)
     fields = option_fields(cls)
     values = {}
@@ -381,17 +369,17 @@ def flag_values(cls: type, line: CommandLine, prog: str) -> dict[str, Any]:
         if flag in ("--help", "-h"):
             continue
         if flag not in known:
-            raise ArgumentError(_unknown(flag, known, prog))
+            raise UsageError(_unknown(flag, known, prog))
         key, switch = known[flag]
         shown = " ".join(map(repr, words)) or "nothing"
         if switch is not None and words:
-            raise ArgumentError(f"{flag}: takes no value, got {shown}")
+            raise UsageError(f"{flag}: takes no value, got {shown}")
         values[key] = switch
         if switch is None:
             try:
                 values[key] = convert(words, _split(fields[key][1])[0])
             except ValueError as e:
-                raise ArgumentError(f"--{key.replace('_', '-')}: expected {e}, got {shown}") from None
+                raise UsageError(f"--{key.replace('_', '-')}: expected {e}, got {shown}") from None
     return values
 
 
@@ -447,7 +435,7 @@ def parse(
     if {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user:
         values["warmup_steps"] = _recipe_warmup(planned, values["max_steps"])
     options = build(cls, values)
-    if line.help:
+    if "--help" in line.given or "-h" in line.given:
         show_help(options, prog, description or inspect.cleandoc(cls.__doc__))
     return options
 

@@ -127,8 +127,9 @@ def train(options: TrainOptions) -> dict[str, Any]:
             print(_run_line(options, model, trainer), flush=True)
         trainer.fit()
         extra: dict[str, Any] = {"train_seconds": round(time.time() - start, 1)}
+        # A run that was already complete scored nothing during it: it is scored now.
         if callbacks:
-            extra["hellaswag"] = _last_score(callbacks[0], trainer)
+            extra["hellaswag"] = callbacks[0].last or callbacks[0].score(trainer)
         # every rank: the evaluation is split
         results = final_report(
             trainer, val, options.sampling, final_eval_batches=options.final_eval_batches, extra=extra
@@ -161,13 +162,6 @@ def _report_done(trainer: Trainer, results: dict[str, Any], options: TrainOption
     print(f"{line} (from results.json)")
     print_next_steps(trainer.out_dir, options)
     return results
-
-
-def _last_score(callback: HellaSwagCallback, trainer: Trainer) -> dict[str, Any]:
-    """The last HellaSwag score, scored now if the run was already complete (nothing to score during it)."""
-    if callback.last is None:
-        return callback.score(trainer)
-    return callback.last
 
 
 def print_next_steps(out_dir: Path, options: TrainOptions) -> None:

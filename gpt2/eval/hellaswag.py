@@ -152,11 +152,6 @@ def render_example(example: dict[str, Any], tokenizer: Any = None) -> tuple[torc
     encoded with a leading space, as they follow the context's last word in GPT-2's BPE.
     """
     _check_example(example, "example", 0)
-    return _render_checked(example, tokenizer)
-
-
-def _render_checked(example: dict[str, Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """:func:`render_example` of an example already checked."""
     label = int(example["label"])
     if tokenizer is None:
         tokenizer = get_tokenizer()
@@ -278,7 +273,7 @@ def _count_correct(
             seen += 1
             if i % world_size != rank:
                 continue
-            tokens, mask, label = _render_checked(example, tokenizer)
+            tokens, mask, label = render_example(example, tokenizer)
             sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
             counts[0] += int(sum_loss.argmin()) == label
             counts[1] += int(mean_loss.argmin()) == label
@@ -286,7 +281,7 @@ def _count_correct(
         # A sharded model's forward is a collective: a rank without an example in the last round scores
         # another rank's (not counted) so that every rank runs as many forwards.
         if lockstep.owes_forward(model, seen, rank, world_size):
-            tokens, mask, _ = _render_checked(example, tokenizer)
+            tokens, mask, _ = render_example(example, tokenizer)
             ending_losses(model, tokens, mask, autocast)
     finally:
         model.train(was_training)

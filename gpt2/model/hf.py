@@ -23,6 +23,7 @@ from gpt2.model.checkpoint_files import (
     _first_line,
     checkpoint_step,
     load_state_into,
+    load_weights,
     open_checkpoint,
     refuse_non_finite,
     unwrap_model,
@@ -58,9 +59,9 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """
     d = Path(directory)
     if (d / _SAFETENSORS).is_file():
-        return _load_safetensors(d / _SAFETENSORS)
+        return load_weights(d / _SAFETENSORS)[0]
     if (d / _SAFETENSORS_INDEX).is_file():
-        return _load_sharded(d, _SAFETENSORS_INDEX, _load_safetensors)
+        return _load_sharded(d, _SAFETENSORS_INDEX, lambda shard: load_weights(shard)[0])
     if (d / _BIN).is_file():
         return _torch_load(d / _BIN)
     if (d / _BIN_INDEX).is_file():
@@ -92,22 +93,6 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
             f"them would run code from the file, so gpt2 reads .bin weights as plain tensors only. Use the model's "
             f"{_SAFETENSORS} instead (hub repos publish one; save_pretrained writes one), placed beside "
             f"{path.name} in {str(path.parent)!r}"
-        ) from None
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """``path``'s tensors; a damaged file (a truncated body, a header claiming more bytes than any file
-    holds) is an error naming it.
-    """
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except Exception as e:
-        # safetensors' own error (SafetensorError) names no file and has no stable import path
-        raise InvalidValueError(
-            f"{path} is not a readable safetensors file ({type(e).__name__}: {_first_line(e)}): truncated or "
-            "damaged? Download or save it again"
         ) from None
 
 

@@ -4,7 +4,6 @@ pure functions, no I/O (:mod:`gpt2.model.hf` reads and writes directories).
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -15,8 +14,6 @@ from gpt2.errors import InvalidValueError
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.tokenizer import EOT_TOKEN
-
-logger = logging.getLogger(__name__)
 
 # Projections that transformers' Conv1D stores transposed, (in, out) instead of nn.Linear's (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -61,42 +58,38 @@ def _check_keys(
         raise CheckpointMismatchError(f"{what} does not match the model config:\n  {listed}{more}{hint}")
 
 
-def _require_gpt_config(config: Any) -> None:
-    if not isinstance(config, GPTConfig):
-        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
-
-
-def _strip_hf_prefix(hf_sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """``(tensors by GPT2Model name, lm_head.weight or None)``: the ``transformer.`` prefix
-    dropped, the causal-mask buffers skipped.
+def _strip_hf_prefix(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors by GPT2Model name (``lm_head.weight`` as it is): the ``transformer.`` prefix dropped, the
+    causal-mask buffers skipped.
     """
     sd: dict[str, torch.Tensor] = {}
-    lm_head = None
     for key, value in hf_sd.items():
-        if key == "lm_head.weight":
-            lm_head = value
-            continue
         short = key.removeprefix("transformer.")
         if _HF_MASK_BUFFER.match(short):
             continue
         if short in sd:
             raise CheckpointMismatchError(f"key {short!r} appears twice (with and without 'transformer.')")
         sd[short] = value
-    if "wte.weight" not in sd and lm_head is not None:
-        # A tied checkpoint may keep the shared tensor under the head's name.
-        sd["wte.weight"] = lm_head
-    return sd, lm_head
+    return sd
 
 
-def _check_hf_head_tied(lm_head: torch.Tensor | None, wte: torch.Tensor) -> None:
+def _fold_head_into_embedding(sd: Mapping[str, torch.Tensor], wte_key: str) -> dict[str, torch.Tensor]:
+    """``sd`` without ``lm_head.weight``: the head and the embedding (``wte_key``) are one tensor, which a
+    state dict may carry under either name or both.
+    """
+    ours = dict(sd)
+    head = ours.pop("lm_head.weight", None)
+    if head is None:
+        return ours
+    wte = ours.setdefault(wte_key, head)
     # torch.equal is False on tensors of other shapes too.
-    if lm_head is None or lm_head is wte or torch.equal(lm_head, wte):
-        return
-    raise CheckpointMismatchError(
-        f"key 'lm_head.weight' differs from 'transformer.wte.weight' (shapes {tuple(lm_head.shape)} and "
-        f"{tuple(wte.shape)}): this checkpoint does not tie its LM head to the token embedding, which GPT-2 "
-        "(and this model) requires"
-    )
+    if wte is not head and not torch.equal(wte, head):
+        raise CheckpointMismatchError(
+            f"'lm_head.weight' differs from 'transformer.wte.weight' (shapes {tuple(head.shape)} and "
+            f"{tuple(wte.shape)}): GPT-2 (and this model) ties the LM head to the token embedding; untied weights "
+            "can be neither loaded nor exported to GPT2LMHeadModel"
+        )
+    return ours
 
 
 def _hf_tensor_to_gpt(short: str, value: torch.Tensor, config: GPTConfig) -> torch.Tensor | None:
@@ -121,15 +114,13 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
     ``lm_head.weight`` must equal it (GPT-2 ties them), and with ``bias=False`` the biases must
     be zero and are dropped. :class:`CheckpointMismatchError` names every bad key and shape.
     """
-    _require_gpt_config(config)
-    sd, lm_head = _strip_hf_prefix(hf_sd)
+    sd = _fold_head_into_embedding(_strip_hf_prefix(hf_sd), "wte.weight")
     _check_keys(
         sd,
         _hf_shapes(config),
         "Hugging Face GPT-2 state dict",
         hint="\nIs the checkpoint a GPT-2 of this size? (config_from_hf builds the matching config)",
     )
-    _check_hf_head_tied(lm_head, sd["wte.weight"])
 
     out: dict[str, torch.Tensor] = {}
     for short, value in sd.items():
@@ -184,32 +175,14 @@ def _gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return expected
 
 
-def _fold_head_into_embedding(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``sd`` without ``lm_head.weight``: the head and the embedding are one tensor, which a state
-    dict may carry under either name or both.
-    """
-    ours = dict(sd)
-    head = ours.pop("lm_head.weight", None)
-    if head is None:
-        return ours
-    wte = ours.setdefault("transformer.wte.weight", head)
-    if wte is not head and not torch.equal(wte, head):
-        raise CheckpointMismatchError(
-            "'lm_head.weight' differs from 'transformer.wte.weight': GPT-2 ties them, untied "
-            "weights cannot be exported to GPT2LMHeadModel"
-        )
-    return ours
-
-
 def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Map :class:`gpt2.GPT`'s state dict onto ``transformers.GPT2LMHeadModel``'s: Conv1D weights
     transposed, padding stripped, zero biases for ``bias=False`` (GPT2LMHeadModel always has them),
     ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
     """
-    _require_gpt_config(config)
     _refuse_parametrized(sd)
     hint = _wrapped_hint(sd)
-    ours = _fold_head_into_embedding(sd)
+    ours = _fold_head_into_embedding(sd, "transformer.wte.weight")
     _check_keys(ours, _gpt_shapes(config), "GPT state dict", hint=hint)
 
     out: dict[str, torch.Tensor] = {}
@@ -253,18 +226,6 @@ def _hf_config_dict(hf_config: Any) -> dict[str, Any]:
     return c
 
 
-def _context_length(c: dict[str, Any]) -> Any:
-    """``n_positions`` (the size of wpe), else the older ``n_ctx``."""
-    n_positions = c.get("n_positions", c.get("n_ctx"))
-    if n_positions is None:
-        raise InvalidValueError("GPT-2 config has neither 'n_positions' nor 'n_ctx' (the context length)")
-    if c.get("n_ctx") is not None and c.get("n_positions") is not None and c["n_ctx"] != c["n_positions"]:
-        logger.warning(
-            "config has n_ctx=%s != n_positions=%s; using n_positions (the size of wpe)", c["n_ctx"], c["n_positions"]
-        )
-    return n_positions
-
-
 def _unsupported_settings(c: dict[str, Any]) -> list[str]:
     """Each setting of the config that this model does not implement, with the reason."""
     unsupported = []
@@ -286,12 +247,12 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
     (``pad_vocab_multiple``, ``dropout``, ``flash``); dropout is 0 unless given (HF's ``*_pdrop`` are ignored).
     """
     c = _hf_config_dict(hf_config)
-    n_positions = _context_length(c)
     unsupported = _unsupported_settings(c)
     if unsupported:
         raise InvalidValueError("unsupported GPT-2 config: " + "; ".join(unsupported))
     fields = dict(
-        block_size=int(n_positions),
+        # transformers' GPT2Config reads n_positions (the size of wpe), 1024 where it is absent, and ignores n_ctx.
+        block_size=int(c.get("n_positions", 1024)),
         vocab_size=int(c["vocab_size"]),
         n_layer=int(c["n_layer"]),
         n_head=int(c["n_head"]),

@@ -53,7 +53,7 @@ import torch.nn as nn
 
 from gpt2.data.loader import make_loader
 from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.model.checkpoint_files import META_FILE, checkpoint_candidates, checkpoint_step, is_complete
+from gpt2.model.checkpoint_files import META_FILE, checkpoint_step, find_latest_checkpoint, is_complete
 from gpt2.train import distributed
 from gpt2.train.config import AUTO, TrainConfig, sequences_per_process
 from gpt2.train.distributed import DistributedEnv
@@ -469,5 +469,4 @@ def _resumed_checkpoint(config: TrainConfig) -> Path | None:
         target = Path(config.out_dir) / "checkpoints"
     if checkpoint_step(target) is not None or is_complete(target):
         return target
-    candidates = checkpoint_candidates(target) or checkpoint_candidates(target / "checkpoints")
-    return next((c for c in candidates if is_complete(c)), None)
+    return find_latest_checkpoint(target) or find_latest_checkpoint(target / "checkpoints")

@@ -47,9 +47,6 @@ class RungResult:
     spread: float | None = None  # (max - min) / median of repeat_ms; 0.1 = the repeats differ by 10%
     peak_memory_gib: float | None = None  # torch.cuda.max_memory_allocated over the rung; None off CUDA
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def rung_settings(rung: str) -> dict[str, Any]:
     """The cumulative settings of ``rung``: everything up to and including it is switched on."""
@@ -102,83 +99,17 @@ def run_ladder(
         shape["vocab_size"] = vocab_size
     # the Trainer refuses a seq_len beyond its block_size
     base = GPTConfig.from_name(model, **shape)
-    on_cuda = uses_cuda(device)
     if compile is None:
-        compile = on_cuda
+        compile = uses_cuda(device)
+    n_steps = steps * repeats + warmup
     # One token stream for every rung; random ids are enough to time a step.
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(
-        0, base.vocab_size, ((steps * repeats + warmup) * batch_size * seq_len + 1,), generator=generator
-    )
-    timing = dict(
-        tokens=tokens,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        steps=steps,
-        warmup=warmup,
-        repeats=repeats,
-        device=device,
-        peak_flops=peak_flops,
-    )
-
-    results = []
-    for rung in rungs:
-        result = _run_rung(rung, model, shape, compile=compile, on_cuda=on_cuda, timing=timing)
-        results.append(result)
-        if on_result:
-            on_result(result)
-    return results
-
-
-def _run_rung(
-    rung: str, model: str, shape: dict[str, Any], *, compile: bool, on_cuda: bool, timing: dict[str, Any]
-) -> RungResult:
-    """One rung of :func:`run_ladder`: timed (with a note where it differs from its name), or skipped."""
-    settings = rung_settings(rung)
-    settings["compile"] = settings["compile"] and compile
-    if rung == "compile" and not compile:
-        return RungResult(rung, settings, skipped=True, note="skipped: compiling on a CPU is slow (--compile times it)")
-    gpt_config = GPTConfig.from_name(
-        model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
-    )
-    result = _time_rung(gpt_config, rung, settings, **timing)
-    if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
-        result.note = "without compile"
-    if rung == "tf32" and not on_cuda:
-        result.note = "TF32 is CUDA-only: same as fp32 here"
-    return result
-
-
-def _time_rung(
-    gpt_config: GPTConfig,
-    rung: str,
-    settings: dict[str, Any],
-    *,
-    tokens: torch.Tensor,
-    batch_size: int,
-    seq_len: int,
-    steps: int,
-    warmup: int,
-    repeats: int,
-    device: str,
-    peak_flops: float | None,
-) -> RungResult:
-    # the benchmark drives the Trainer itself
-    from gpt2.train.trainer import Trainer
-
-    on_cuda = uses_cuda(device)
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats()
-    # the same initial weights for every rung
-    torch.manual_seed(0)
-    n_steps = steps * repeats + warmup
+    tokens = torch.randint(0, base.vocab_size, (n_steps * batch_size * seq_len + 1,), generator=generator)
+    # Each rung trains with this configuration and its own precision, compile and fused AdamW.
     config = TrainConfig(
         micro_batch_size=batch_size,
         seq_len=seq_len,
         max_steps=n_steps,
-        precision=settings["precision"],
-        compile=settings["compile"],
-        fused_adamw=settings["fused_adamw"],
         device=device,
         out_dir=None,
         progress=False,
@@ -188,13 +119,69 @@ def _time_rung(
         # random tokens: a skipped step would still be timed honestly
         recovery=RecoveryConfig(max_bad_steps=n_steps),
     )
+    results = []
+    for rung in rungs:
+        result = _run_rung(rung, model, shape, config, tokens, compile=compile, repeats=repeats, warmup=warmup)
+        results.append(result)
+        if on_result:
+            on_result(result)
+    return results
+
+
+def _run_rung(
+    rung: str,
+    model: str,
+    shape: dict[str, Any],
+    config: TrainConfig,
+    tokens: torch.Tensor,
+    *,
+    compile: bool,
+    repeats: int,
+    warmup: int,
+) -> RungResult:
+    """One rung of :func:`run_ladder`: timed (with a note where it differs from its name), or skipped."""
+    settings = rung_settings(rung)
+    settings["compile"] = settings["compile"] and compile
+    if rung == "compile" and not compile:
+        return RungResult(rung, settings, skipped=True, note="skipped: compiling on a CPU is slow (--compile times it)")
+    gpt_config = GPTConfig.from_name(
+        model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
+    )
+    mine = {name: settings[name] for name in ("precision", "compile", "fused_adamw")}
+    result = _time_rung(rung, settings, gpt_config, dataclasses.replace(config, **mine), tokens, repeats, warmup)
+    if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
+        result.note = "without compile"
+    if rung == "tf32" and not uses_cuda(config.device):
+        result.note = "TF32 is CUDA-only: same as fp32 here"
+    return result
+
+
+def _time_rung(
+    rung: str,
+    settings: dict[str, Any],
+    gpt_config: GPTConfig,
+    config: TrainConfig,
+    tokens: torch.Tensor,
+    repeats: int,
+    warmup: int,
+) -> RungResult:
+    """``config.max_steps`` steps of a new model; the ``repeats`` blocks of steps after ``warmup`` are timed."""
+    # the benchmark drives the Trainer itself
+    from gpt2.train.trainer import Trainer
+
+    on_cuda = uses_cuda(config.device)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    steps = (config.max_steps - warmup) // repeats
+    # the same initial weights for every rung
+    torch.manual_seed(0)
     # The Trainer's set-up lines (INFO) for every rung would bury the table; warnings still show.
     library = logging.getLogger("gpt2")
     level = library.level
     library.setLevel(logging.WARNING)
     try:
         trainer = Trainer(GPT(gpt_config), config, tokens, sinks=[])
-        records = [trainer.train_step() for _ in range(n_steps)][warmup:]
+        records = [trainer.train_step() for _ in range(config.max_steps)][warmup:]
         flops_per_token, peak = trainer.flops_per_token, trainer.peak_flops
         memory = None
         if on_cuda:
@@ -209,7 +196,7 @@ def _time_rung(
     # the median ignores an occasional hiccup (GC, other processes) inside a repeat
     repeat_ms = [statistics.median(step_ms[i * steps : (i + 1) * steps]) for i in range(repeats)]
     ms = statistics.median(repeat_ms)
-    tokens_per_second = batch_size * seq_len / (ms / 1000.0)
+    tokens_per_second = config.micro_batch_size * config.seq_len / (ms / 1000.0)
     logger.debug("rung %s: %.1f ms/step, %s tok/s", rung, ms, f"{tokens_per_second:,.0f}")
     return RungResult(
         rung,
