@@ -105,9 +105,39 @@ class Trainer:
         self.precision.apply()
         seed_everything(config.seed)
         self._setup_model(model)
-        self._setup_batch(train_data, val_data)
-        self._setup_data(train_data, val_data)
-        self._setup_metrics(sinks)
+        # The micro-batch (micro_batch_size="auto": the largest that fits this model on this device, see
+        # gpt2.train.batch_finder) and the accumulation that makes up total_batch_size.
+        self.config = config = batch_finder.resolve_micro_batch_size(
+            config,
+            self.model,
+            self.optimizer,
+            self.precision.autocast,
+            device=self.device,
+            env=self.dist_env,
+            data=(("train", train_data), ("val", val_data)),
+        )
+        world_size = self.dist_env.world_size
+        self.grad_accum_steps = grad_accum_steps(config, world_size)
+        self.tokens_per_step = config.micro_batch_size * config.seq_len * self.grad_accum_steps * world_size
+        # This rank's training and validation loaders (val_data=None: no validation).
+        self.vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        loader_args = dict(rank=self.dist_env.rank, world_size=world_size, vocab_size=self.vocab_size)
+        shape = (config.micro_batch_size, config.seq_len)
+        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
+        self.val_loader = None
+        if val_data is not None:
+            self.val_loader = make_loader(val_data, "val", *shape, **loader_args)
+        # What MFU is measured against, and where rank 0's records go (a console line by default).
+        flops = getattr(self.model, "flops_per_token", None)
+        self.flops_per_token: float | None = None
+        if callable(flops):
+            self.flops_per_token = flops(config.seq_len)
+        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
+        self.sinks: list[Sink] = []
+        if self.is_main and sinks is None:
+            self.sinks = [ConsoleSink(interval=config.log_interval)]
+        elif self.is_main:
+            self.sinks = list(sinks)
         self.callbacks = list(callbacks)
         # completed optimizer steps
         self.step = 0
@@ -125,7 +155,7 @@ class Trainer:
             self.precision.name,
             self.dist_env.world_size,
             self.grad_accum_steps,
-            self.config.micro_batch_size,
+            config.micro_batch_size,
             config.seq_len,
             f"{self.tokens_per_step:,}",
         )
@@ -190,50 +220,6 @@ class Trainer:
             self._base_fingerprint = minlora.base_fingerprint(self.model)
         self._twin = fsdp.empty_twin(self.model)
         fsdp.shard_model(self.model, self.device, self.precision.name)
-
-    def _setup_batch(self, train_data: Any, val_data: Any) -> None:
-        """The micro-batch (micro_batch_size="auto": the largest that fits this model on this device, see
-        :mod:`gpt2.train.batch_finder`) and the accumulation that makes up ``total_batch_size``.
-        """
-        self.config = batch_finder.resolve_micro_batch_size(
-            self.config,
-            self.model,
-            self.optimizer,
-            self.precision.autocast,
-            device=self.device,
-            env=self.dist_env,
-            data=(("train", train_data), ("val", val_data)),
-        )
-        config = self.config
-        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
-        self.tokens_per_step = (
-            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
-        )
-
-    def _setup_data(self, train_data: Any, val_data: Any) -> None:
-        """This rank's training and validation loaders (``val_data=None``: no validation)."""
-        config = self.config
-        self.vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=self.vocab_size)
-        shape = (config.micro_batch_size, config.seq_len)
-        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
-        self.val_loader = None
-        if val_data is not None:
-            self.val_loader = make_loader(val_data, "val", *shape, **loader_args)
-
-    def _setup_metrics(self, sinks: Iterable[Sink] | None) -> None:
-        """What MFU is measured against, and where rank 0's records go (a console line by default)."""
-        config = self.config
-        flops = getattr(self.model, "flops_per_token", None)
-        self.flops_per_token: float | None = None
-        if callable(flops):
-            self.flops_per_token = flops(config.seq_len)
-        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
-        self.sinks: list[Sink] = []
-        if self.is_main and sinks is None:
-            self.sinks = [ConsoleSink(interval=config.log_interval)]
-        elif self.is_main:
-            self.sinks = list(sinks)
 
     @property
     def is_main(self) -> bool:
@@ -616,11 +602,8 @@ class Trainer:
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         # a collective (every rank's CUDA RNG state)
         state = self.state_dict()
-        if self.sharded:
-            # every rank writes its shards; rank 0 checks first that it still owns out_dir
-            path = self._write_checkpoint(self.checkpoint_dir, state)
-        elif self.is_main:
-            self._check_owner()
+        # rank 0 writes; under FSDP every rank writes its shards
+        if self.sharded or self.is_main:
             path = self._write_checkpoint(self.checkpoint_dir, state)
         if self.is_main:
             self._record_outputs()
@@ -636,26 +619,9 @@ class Trainer:
         :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the checkpoint module, or a
         :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
         """
-        meta = {**self._run_settings(), **{k: v for k, v in state.items() if k not in IN_FILES}}
-        args = (checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, meta)
-        keep_last = self.recovery.checkpoints_to_keep(checkpoint_dir, self.step)
-        common = dict(keep_last=keep_last, trainable_only=self.config.save_trainable_only, rng_state=state["rng"])
-        try:
-            if not self.sharded:
-                return ckpt.save_checkpoint(*args, **common)
-            return ckpt.save_sharded_checkpoint(
-                *args, base_fingerprint=self._base_fingerprint, before_write=self._check_owner, **common
-            )
-        except Gpt2Error:
-            raise
-        except OSError as e:
-            where = e.filename or checkpoint_dir / f"step_{self.step:06d}"
-            raise metrics.output_error(where, "saving the checkpoint into", e, checkpoint_dir) from e
-
-    def _run_settings(self) -> dict[str, Any]:
-        """What a checkpoint's trainer_state.json records besides the run's state: how the run was set up."""
         model_config = getattr(self.model, "config", None)
-        return {
+        # how the run was set up, besides its state
+        settings = {
             "config": self.config.to_dict(),
             "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
             "world_size": self.dist_env.world_size,
@@ -666,6 +632,23 @@ class Trainer:
             "precision": self.precision.name,
             "torch_version": torch.__version__,
         }
+        meta = {**settings, **{k: v for k, v in state.items() if k not in IN_FILES}}
+        args = (checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, meta)
+        keep_last = self.recovery.checkpoints_to_keep(checkpoint_dir, self.step)
+        common = dict(keep_last=keep_last, trainable_only=self.config.save_trainable_only, rng_state=state["rng"])
+        try:
+            if not self.sharded:
+                # rank 0 checks first that it still owns out_dir (under FSDP the checkpoint module does, before_write)
+                self._check_owner()
+                return ckpt.save_checkpoint(*args, **common)
+            return ckpt.save_sharded_checkpoint(
+                *args, base_fingerprint=self._base_fingerprint, before_write=self._check_owner, **common
+            )
+        except Gpt2Error:
+            raise
+        except OSError as e:
+            where = e.filename or checkpoint_dir / f"step_{self.step:06d}"
+            raise metrics.output_error(where, "saving the checkpoint into", e, checkpoint_dir) from e
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore everything from a checkpoint (see :func:`gpt2.train.checkpoint.load_checkpoint`): weights,
