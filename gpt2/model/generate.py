@@ -14,7 +14,7 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value, rounded_up
-from gpt2.model.quantize import check_weights, int8_weights
+from gpt2.model.quantize import WEIGHTS, int8_weights
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.torch_compat import uncompiled
 
@@ -239,7 +239,12 @@ def stream(
         attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    if check_weights(weights) == "int8":
+    if not isinstance(weights, str) or weights not in WEIGHTS:
+        raise InvalidValueError(
+            f"generate.weights must be 'model' (the model's own weights) or 'int8' (every weight matrix "
+            f"read in int8, on the CPU), got {weights!r}"
+        )
+    if weights == "int8":
         model = int8_weights(model)
     sample = functools.partial(_sample, sampling=sampling, generator=generator)
     return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
