@@ -76,9 +76,6 @@ class PrecisionPolicy:
             return None
         return torch.amp.GradScaler(self.device_type)
 
-    def __str__(self) -> str:
-        return f"{self.name} on {self.device_type}"
-
 
 def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
