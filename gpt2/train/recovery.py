@@ -157,12 +157,11 @@ class RecoveryPolicy:
         saved = self.unconfirmed
         if judged:
             self.unconfirmed = None
-        if judged and saved is not None and self.good and saved.snapshot is not None:
+        if judged and saved is not None and self.good:
+            # The confirmed in-memory copy, or none: a confirmed checkpoint is newer than any copy.
             self.snapshot = saved.snapshot
-        elif judged and saved is not None and self.good:
-            self.confirmed.add(saved.step)
-            # A confirmed checkpoint is newer than any in-memory copy: that copy is not needed any more.
-            self.snapshot = None
+            if saved.snapshot is None:
+                self.confirmed.add(saved.step)
         return diverged or self.consecutive_bad_steps >= self.config.recovery.max_bad_steps
 
     @property

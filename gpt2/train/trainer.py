@@ -285,7 +285,14 @@ class Trainer:
         if self.step >= stop:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
-        log = self._open_fit_log()
+        # Where this call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress
+        # bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
+        log = FitLog(
+            self.sinks, cfg, out_dir=self.out_dir, step=self.step, is_main=self.is_main, before_write=self._check_owner
+        )
+        # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
+        # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
+        self._record_outputs()
         schedule = CheckpointSchedule(cfg.checkpoint_interval, cfg.max_steps, stop)
         first = len(self.history)
         signals = self._signals.install()
@@ -296,7 +303,11 @@ class Trainer:
                 record = self.train_step()
                 in_trouble = self.recovery.judge(self.step, record)
                 self._validate_if_due(record, log)
-                self._publish(record, log)
+                # the callbacks (which may add entries), then the history, metrics.jsonl and the sinks
+                for callback in self.callbacks:
+                    callback(self, record)
+                self.history.append(record)
+                log.emit(record)
                 saved = False
                 if in_trouble:
                     # back to the newest good state, or TrainingDivergedError; the metrics go back with it
@@ -322,23 +333,6 @@ class Trainer:
         self._record_outputs()
         return self.history[first:]
 
-    def _open_fit_log(self) -> FitLog:
-        """Where one fit() call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and
-        the progress bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
-        """
-        log = FitLog(
-            self.sinks,
-            self.config,
-            out_dir=self.out_dir,
-            step=self.step,
-            is_main=self.is_main,
-            before_write=self._check_owner,
-        )
-        # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
-        # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
-        self._record_outputs()
-        return log
-
     def _check_owner(self) -> None:
         """Before a write into out_dir: rank 0 checks that this run still owns it (the lock is rank 0's)."""
         if self._run_lock is not None:
@@ -362,13 +356,6 @@ class Trainer:
         except NonFiniteLossError as e:
             # the training loss decides about divergence
             record["val_loss"] = e.loss
-
-    def _publish(self, record: dict[str, Any], log: FitLog) -> None:
-        """The callbacks (which may add entries), then the history, metrics.jsonl and the sinks."""
-        for callback in self.callbacks:
-            callback(self, record)
-        self.history.append(record)
-        log.emit(record)
 
     def _save_if_due(self, schedule: CheckpointSchedule) -> bool:
         """Save what ``schedule`` says is due: a checkpoint or, without an out_dir, a fresh in-memory copy for
