@@ -243,7 +243,10 @@ class GPT(nn.Module):
         self, idx: Any, targets: Any, kv_cache: Any, position_ids: Any, reduction: str, head: bool
     ) -> None:
         """The arguments of :meth:`forward`: types and shapes only (Python-side, no device sync)."""
-        _check_reduction(reduction, targets, head)
+        if targets is not None and not head:
+            raise InvalidValueError("head=False gives no loss: pass no targets")
+        if reduction not in ("mean", "sum"):
+            raise InvalidValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         _check_idx(idx, self.config.block_size)
         T = idx.size(1)
         # The cache's filling is not read: that would be a device sync.
@@ -365,13 +368,6 @@ def _positions_and_mask(
     elif position_ids is None:
         position_ids = torch.arange(T, dtype=torch.long, device=idx.device)
     return position_ids, attn_mask
-
-
-def _check_reduction(reduction: str, targets: Any, head: bool) -> None:
-    if targets is not None and not head:
-        raise InvalidValueError("head=False gives no loss: pass no targets")
-    if reduction not in ("mean", "sum"):
-        raise InvalidValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
 def _check_idx(idx: Any, block_size: int) -> None:
