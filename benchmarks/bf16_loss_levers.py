@@ -28,10 +28,10 @@ def old_path() -> Iterator[None]:
     """The loss as it was before the levers: a dense embedding gradient, a fresh product buffer, 32-byte rows."""
     real_buffer = gpt_module._logits_buffer
 
-    def fresh_product(rows, cols, device, dtype=torch.float32, name=None):
+    def fresh_product(name, rows, cols, device, dtype=torch.float32):
         if name == "low_weight_grad":
             return torch.empty(rows, cols, dtype=dtype, device=device)
-        return real_buffer(rows, cols, device, dtype, name)
+        return real_buffer(name, rows, cols, device, dtype)
 
     with _patched() as patch:
         patch(gpt_module, "_logits_buffer", fresh_product)

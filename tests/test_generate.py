@@ -270,7 +270,7 @@ def test_sample_next_refuses_settings_that_would_sample_wrongly(kwargs):
     """A negative temperature sampled the inverted distribution; top_k=0 failed on a shape."""
     from gpt2.model.generate import sample_next
 
-    with pytest.raises(ValueError, match="sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got"):
+    with pytest.raises(ValueError, match=r"generate\.(top_k|temperature|top_p) must be"):
         sample_next(torch.randn(2, 10), **kwargs)
 
 

@@ -17,6 +17,7 @@ from _tiny_run import tiny_config, tiny_model, tiny_tokens
 from gpt2 import GPT, torch_compat
 from gpt2.cli import common, main
 from gpt2.errors import InvalidValueError
+from gpt2.train.checkpoint import META_FILE
 from gpt2.train.precision import auto_precision, inference_autocast, resolve_precision
 from gpt2.train.trainer import Trainer
 
@@ -109,7 +110,8 @@ def test_a_resumed_run_keeps_its_recorded_precision(native_bf16, monkeypatch, tm
         with Trainer(tiny_model(), resumed, tiny_tokens(), sinks=[]) as trainer:
             assert trainer.step == 2 and trainer.precision.name == picked
             trainer.fit()
-            assert trainer._checkpoint_meta()["precision"] == picked
+            recorded = json.loads((trainer.last_checkpoint / META_FILE).read_text())
+            assert recorded["precision"] == picked
     other = "fp32" if native_bf16 else "bf16"
     assert f"precision {picked}, as the checkpoint recorded (auto picks {other} here)" in _auto_lines(caplog)
     # a named precision is what the run asked for

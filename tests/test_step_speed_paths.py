@@ -31,10 +31,10 @@ def _case(rows: int = 23, vocab: int = 37, weight_rows: int = 37, width: int = 1
 
 
 def test_the_logits_buffer_rows_are_aligned_wider_than_the_vocabulary():
-    buffer = gpt_module._logits_buffer(5, 37, torch.device("cpu"))
+    buffer = gpt_module._logits_buffer("logits", 5, 37, torch.device("cpu"))
     assert buffer.shape == (5, 40) and buffer.stride() == (40, 1)
     # an aligned width is kept as it is
-    assert gpt_module._logits_buffer(5, 48, torch.device("cpu")).shape == (5, 48)
+    assert gpt_module._logits_buffer("logits", 5, 48, torch.device("cpu")).shape == (5, 48)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -14,7 +14,7 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value, rounded_up
-from gpt2.model.quantize import check_weights, int8_weights
+from gpt2.model.quantize import WEIGHTS, int8_weights
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.torch_compat import uncompiled
 
@@ -122,13 +122,7 @@ def sample_next(
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
     Hugging Face's samplers.
     """
-    try:
-        sampling = SamplingConfig(temperature, top_k, top_p)
-    except InvalidValueError as error:
-        raise InvalidValueError(
-            f"sample_next: temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
-        ) from error
-    return _sample(logits, sampling, generator)
+    return _sample(logits, SamplingConfig(temperature, top_k, top_p), generator)
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -245,7 +239,12 @@ def stream(
         attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    if check_weights(weights) == "int8":
+    if not isinstance(weights, str) or weights not in WEIGHTS:
+        raise InvalidValueError(
+            f"generate.weights must be 'model' (the model's own weights) or 'int8' (every weight matrix "
+            f"read in int8, on the CPU), got {weights!r}"
+        )
+    if weights == "int8":
         model = int8_weights(model)
     sample = functools.partial(_sample, sampling=sampling, generator=generator)
     return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
@@ -321,7 +320,10 @@ def _stream(
             # normal tensor that the caller may modify in place.
             with torch.inference_mode():
                 if tokens.size(1) > block_size:
-                    tokens, mask = _crop(tokens, mask, block_size)
+                    # nanoGPT's crop: the last block_size tokens (and their mask)
+                    tokens = tokens[:, -block_size:]
+                    if mask is not None:
+                        mask = mask[:, -block_size:]
                     # Positions are learned and absolute: after a crop every token sits one position
                     # earlier, so the cached keys are stale and the window is recomputed.
                     cache = None
@@ -349,13 +351,6 @@ def _stream(
                 return
     finally:
         model.train(was_training)
-
-
-def _crop(tokens: torch.Tensor, mask: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The last ``block_size`` tokens and their mask (nanoGPT's crop)."""
-    if mask is not None:
-        mask = mask[:, -block_size:]
-    return tokens[:, -block_size:], mask
 
 
 def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> Any:

@@ -243,7 +243,10 @@ class GPT(nn.Module):
         self, idx: Any, targets: Any, kv_cache: Any, position_ids: Any, reduction: str, head: bool
     ) -> None:
         """The arguments of :meth:`forward`: types and shapes only (Python-side, no device sync)."""
-        _check_reduction(reduction, targets, head)
+        if targets is not None and not head:
+            raise InvalidValueError("head=False gives no loss: pass no targets")
+        if reduction not in ("mean", "sum"):
+            raise InvalidValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         _check_idx(idx, self.config.block_size)
         T = idx.size(1)
         # The cache's filling is not read: that would be a device sync.
@@ -367,13 +370,6 @@ def _positions_and_mask(
     return position_ids, attn_mask
 
 
-def _check_reduction(reduction: str, targets: Any, head: bool) -> None:
-    if targets is not None and not head:
-        raise InvalidValueError("head=False gives no loss: pass no targets")
-    if reduction not in ("mean", "sum"):
-        raise InvalidValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-
-
 def _check_idx(idx: Any, block_size: int) -> None:
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
@@ -437,20 +433,16 @@ LOW_LOGITS_ROW_ALIGN = 32
 
 
 def _logits_buffer(
-    rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32, name: str | None = None
+    name: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN`: the fp32
-    logits, (bf16 / fp16) a low-precision matmul's output, or another ``name``'s. On CPU one of each is kept
-    between calls: a fresh 100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks over
+    logits, (bf16 / fp16) a low-precision matmul's output, or another ``name``'s. On CPU one of each ``name`` is
+    kept between calls: a fresh 100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks over
     32 MB to the OS when they are freed).
     """
     cols = rounded_up(cols, LOGITS_ROW_ALIGN)
     if device.type != "cpu" or torch.compiler.is_compiling():
         return torch.empty(rows, cols, dtype=dtype, device=device)
-    if name is None and dtype == torch.float32:
-        name = "logits"
-    if name is None:
-        name = "low_logits"
     kept = getattr(_kept, name, None)
     if kept is None or kept.dtype != dtype or kept.numel() < rows * cols:
         # a normal tensor: usable in and out of inference mode
@@ -482,14 +474,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
             row_weights = scored * (1.0 / count.clamp(min=1))
         else:
             row_weights = scored.float()
-        w, w_grad = _weight_casts(weight, dtype, grad_dtype)
+        # the LM head's weight in the logits' matmul dtype and in the gradients': under bf16 one cast serves both
+        w = w_grad = weight.to(dtype)
+        if grad_dtype != dtype:
+            w_grad = weight.to(grad_dtype)
         # A target that is neither a token nor IGNORE_INDEX (e.g. -100, unchecked on a GPU) makes it NaN.
         loss = torch.where(((targets < IGNORE_INDEX) | (targets >= vocab_size)).any(), float("nan"), 0.0)
         dx = torch.empty_like(x) if need_dx else None
         dw = _weight_grad(weight, x.size(0)) if need_dw else None
         # one buffer for every chunk's logits; under bf16 / fp16 autocast one more for their low-precision product
-        buffer = _logits_buffer(min(chunk_rows, x.size(0)), weight.size(0), x.device)
-        low = _low_precision_buffer(buffer, dtype)
+        buffer = _logits_buffer("logits", min(chunk_rows, x.size(0)), weight.size(0), x.device)
+        # (bf16 / fp16) for the logits' product, then under bf16 the chunk's gradient: no fresh block per chunk
+        low = None
+        if dtype != torch.float32:
+            cols = rounded_up(buffer.size(1), LOW_LOGITS_ROW_ALIGN)
+            low = _logits_buffer("low_logits", buffer.size(0), cols, x.device, dtype)
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
                 chunk = slice(s, s + chunk_rows)
@@ -576,27 +575,6 @@ def _weight_grad(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.empty_like(weight, dtype=torch.float32)
 
 
-def _weight_casts(
-    weight: torch.Tensor, dtype: torch.dtype, grad_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head's weight in the logits' matmul dtype and in the gradients' matmul dtype: under bf16 one
-    weight-sized cast serves both.
-    """
-    w = weight.to(dtype)
-    if grad_dtype == dtype:
-        return w, w
-    return w, weight.to(grad_dtype)
-
-
-def _low_precision_buffer(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """Under bf16 / fp16 autocast a buffer shaped like the fp32 ``buffer`` in ``dtype``, for the logits' product
-    (then, under bf16, the chunk's gradient): no fresh logits-sized block per chunk. None in fp32.
-    """
-    if dtype == torch.float32:
-        return None
-    return _logits_buffer(buffer.size(0), rounded_up(buffer.size(1), LOW_LOGITS_ROW_ALIGN), buffer.device, dtype)
-
-
 def _chunk_logits(
     xd: torch.Tensor, w: torch.Tensor, vocab_size: int, out: torch.Tensor, low: torch.Tensor | None
 ) -> torch.Tensor:
@@ -678,7 +656,7 @@ def _add_weight_grad(
         dw.addmm_(g.T, xc * wr, beta=int(not first))
         return
     # into a kept buffer: a fresh weight-sized block per chunk costs its page faults every time
-    product = torch.mm(g.T, xd, out=_logits_buffer(*dw.shape, dw.device, g.dtype, "low_weight_grad")[:, : dw.size(1)])
+    product = torch.mm(g.T, xd, out=_logits_buffer("low_weight_grad", *dw.shape, dw.device, g.dtype)[:, : dw.size(1)])
     if first:
         dw.copy_(product)
     else:

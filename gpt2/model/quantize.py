@@ -109,16 +109,6 @@ _PRODUCT = torch_compat.define_cpu_op(
 )
 
 
-def check_weights(weights: Any) -> str:
-    """``weights`` if it is one of :data:`WEIGHTS`, else a ValueError saying which are."""
-    if not isinstance(weights, str) or weights not in WEIGHTS:
-        raise InvalidValueError(
-            f"generate.weights must be 'model' (the model's own weights) or 'int8' (every weight matrix "
-            f"read in int8, on the CPU), got {weights!r}"
-        )
-    return weights
-
-
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot have an int8 twin here, or None."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
@@ -134,15 +124,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"the model's weights are {sorted(map(str, dtypes))}, not torch.float32 (convert it with .float())"
     if torch.is_autocast_enabled("cpu"):
         return "CPU autocast is on: int8 weights compute in fp32 (turn autocast off, e.g. --precision fp32)"
-    return _kernel_reason(min(m.in_features for m in linears))
-
-
-def _kernel_reason(fewest_inputs: int) -> str | None:
-    """Why this torch has no int8 matmul for layers of ``fewest_inputs`` inputs or more, or None."""
+    # the int8 matmuls: fbgemm's, else oneDNN's
     if torch_compat.has_fbgemm():
         return None
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return "this torch has neither fbgemm's int8 kernels (x86) nor oneDNN's (torch.backends.mkldnn)"
+    fewest_inputs = min(m.in_features for m in linears)
     # oneDNN's int8 GEMM sums wrongly under 16 inputs
     if fewest_inputs < 16:
         return f"a layer has {fewest_inputs} inputs; oneDNN's int8 matmul needs at least 16"

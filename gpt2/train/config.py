@@ -160,8 +160,7 @@ class TrainConfig:
             self.recovery = _from_dict(RecoveryConfig, self.recovery)
         if not isinstance(self.recovery, RecoveryConfig):
             raise InvalidValueError(f"TrainConfig.recovery must be a RecoveryConfig, got {self.recovery!r}")
-        for name, rule in TRAIN_CONFIG_OR_AUTO.items():
-            setattr(self, name, _checked_or_auto(name, getattr(self, name), rule))
+        self.micro_batch_size = _checked_or_auto("micro_batch_size", self.micro_batch_size, POSITIVE_INT)
         check_fields(self, TRAIN_CONFIG_RULES)
         self._check_batch_split()
         self._check_schedule()
@@ -337,9 +336,6 @@ RECOVERY_CONFIG_RULES: dict[str, Range] = {
     "divergence_factor": Range(low=1, low_open=True),  # > 1: above the best loss
     "patience": POSITIVE_INT,
 }
-
-# The numeric fields that also take "auto" (checked first, in this order): what their numbers must be.
-TRAIN_CONFIG_OR_AUTO: dict[str, Range] = {"micro_batch_size": POSITIVE_INT}
 
 # The fields that take one of a few values: what they accept, and how the error message says it.
 TRAIN_CONFIG_CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -81,9 +81,7 @@ def resolve_device(device: str | torch.device | None, env: DistributedEnv | None
     """
     env = env or env_from_environ()
     device = device or "auto"
-    if isinstance(device, torch.device):
-        resolved = device
-    elif device == "auto":
+    if device == "auto":
         resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         try:

@@ -76,9 +76,6 @@ class PrecisionPolicy:
             return None
         return torch.amp.GradScaler(self.device_type)
 
-    def __str__(self) -> str:
-        return f"{self.name} on {self.device_type}"
-
 
 def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
@@ -103,12 +100,10 @@ def describe_machine(device: torch.device | str = "cpu", threads: int | None = N
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     capabilities = torch_compat.cpu_capabilities()
     name = capabilities.get("cpu_name") or platform.processor() or "unknown CPU"
-    features = []
-    for feature, label in torch_compat.NATIVE_BF16_FEATURES.items():
-        if capabilities.get(feature):
-            features.append(label)
-        else:
-            features.append(f"no {label}")
+    features = [
+        label if capabilities.get(feature) else f"no {label}"
+        for feature, label in torch_compat.NATIVE_BF16_FEATURES.items()
+    ]
     simd = torch.backends.cpu.get_cpu_capability()
     return f"{name} ({simd}; {', '.join(features)}), torch {torch.__version__}, {threads} thread(s)"
 

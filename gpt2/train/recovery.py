@@ -74,9 +74,8 @@ class DivergenceMonitor:
     def __init__(self, factor: float, patience: int) -> None:
         self.factor = factor
         self.patience = patience
-        self.best = math.inf
-        self.streak = 0
-        self.streak_start = 0  # first step of the current streak
+        # the lowest loss so far, the steps in a row above it and the first step of that streak
+        self.load_state_dict(None)
 
     def observe(self, step: int, loss: float) -> bool:
         """Record ``step``'s loss; True once the run has diverged."""
@@ -127,11 +126,9 @@ class RecoveryPolicy:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.monitor = DivergenceMonitor(config.recovery.divergence_factor, config.recovery.patience)
-        self.recoveries = 0
-        self.lr_scale = 1.0
+        # recoveries, lr_scale and the steps of the checkpoints confirmed good: a fresh run's
+        self.load_state_dict(None)
         self.consecutive_bad_steps = 0
-        # The steps of the checkpoints confirmed good.
-        self.confirmed: set[int] = set()
         # A confirmed in-memory copy of the Trainer's state_dict() (on the CPU: about 3x the trainable parameters'
         # size with AdamW, as docs/training.md says), kept until a checkpoint is confirmed.
         self.snapshot: dict[str, Any] | None = None
@@ -156,22 +153,16 @@ class RecoveryPolicy:
         # A step with no scored target reports loss 0 (and changes no weight): no evidence either way.
         judged = record.get("scored_tokens", 1) > 0
         diverged = judged and self.monitor.observe(step, record["loss"]) and self.config.recovery.enabled
-        if judged:
-            self._settle(good=self.good)
-        return diverged or self.consecutive_bad_steps >= self.config.recovery.max_bad_steps
-
-    def _settle(self, good: bool) -> None:
-        """The step after the newest saved state was judged: ``good`` confirms that state, a bad step refutes it."""
+        # The step after the newest saved state was judged: a good step confirms that state, a bad one refutes it.
         saved = self.unconfirmed
-        self.unconfirmed = None
-        if saved is None or not good:
-            return
-        if saved.snapshot is not None:
+        if judged:
+            self.unconfirmed = None
+        if judged and saved is not None and self.good:
+            # The confirmed in-memory copy, or none: a confirmed checkpoint is newer than any copy.
             self.snapshot = saved.snapshot
-            return
-        self.confirmed.add(saved.step)
-        # A confirmed checkpoint is newer than any in-memory copy: that copy is not needed any more.
-        self.snapshot = None
+            if saved.snapshot is None:
+                self.confirmed.add(saved.step)
+        return diverged or self.consecutive_bad_steps >= self.config.recovery.max_bad_steps
 
     @property
     def good(self) -> bool:
@@ -243,7 +234,11 @@ class RecoveryPolicy:
         lr_scale = self.lr_scale * cfg.recovery.lr_factor
         monitor = self.monitor.state_dict()
         confirmed = set(self.confirmed)
-        source = self._go_back(trainer, before_step=self._trouble_start(trainer.step))
+        # the first step of the trouble: of the diverging streak, or of the non-finite run
+        trouble_start = trainer.step - self.consecutive_bad_steps + 1
+        if self.monitor.streak:
+            trouble_start = self.monitor.streak_start
+        source = self._go_back(trainer, before_step=trouble_start)
         if source is None:
             raise self.diverged(trainer, record, nothing_confirmed=True)
         self.recoveries = recoveries
@@ -267,12 +262,6 @@ class RecoveryPolicy:
             trainer.step + 1,
             record["step"],
         )
-
-    def _trouble_start(self, step: int) -> int:
-        """The first step of the trouble that ended at ``step``: of the diverging streak, or of the non-finite run."""
-        if self.monitor.streak:
-            return self.monitor.streak_start
-        return step - self.consecutive_bad_steps + 1
 
     def _go_back(self, trainer: Trainer, before_step: int) -> str | None:
         """Load the newest intact confirmed checkpoint older than ``before_step`` (else the confirmed in-memory copy);

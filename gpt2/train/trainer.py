@@ -97,12 +97,47 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
         self.config = config
-        self._setup_processes(model)
+        # this process's place in the run: device, process group, precision
+        self.dist_env = distributed.env_from_environ()
+        self.device = distributed.resolve_device(config.device, self.dist_env)
+        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
+        self.precision = resolve_precision(config.precision, self.device)
+        self.precision.apply()
         seed_everything(config.seed)
         self._setup_model(model)
-        self._setup_batch(train_data, val_data)
-        self._setup_data(train_data, val_data)
-        self._setup_metrics(sinks)
+        # The micro-batch (micro_batch_size="auto": the largest that fits this model on this device, see
+        # gpt2.train.batch_finder) and the accumulation that makes up total_batch_size.
+        self.config = config = batch_finder.resolve_micro_batch_size(
+            config,
+            self.model,
+            self.optimizer,
+            self.precision.autocast,
+            device=self.device,
+            env=self.dist_env,
+            data=(("train", train_data), ("val", val_data)),
+        )
+        world_size = self.dist_env.world_size
+        self.grad_accum_steps = grad_accum_steps(config, world_size)
+        self.tokens_per_step = config.micro_batch_size * config.seq_len * self.grad_accum_steps * world_size
+        # This rank's training and validation loaders (val_data=None: no validation).
+        self.vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        loader_args = dict(rank=self.dist_env.rank, world_size=world_size, vocab_size=self.vocab_size)
+        shape = (config.micro_batch_size, config.seq_len)
+        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
+        self.val_loader = None
+        if val_data is not None:
+            self.val_loader = make_loader(val_data, "val", *shape, **loader_args)
+        # What MFU is measured against, and where rank 0's records go (a console line by default).
+        flops = getattr(self.model, "flops_per_token", None)
+        self.flops_per_token: float | None = None
+        if callable(flops):
+            self.flops_per_token = flops(config.seq_len)
+        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
+        self.sinks: list[Sink] = []
+        if self.is_main and sinks is None:
+            self.sinks = [ConsoleSink(interval=config.log_interval)]
+        elif self.is_main:
+            self.sinks = list(sinks)
         self.callbacks = list(callbacks)
         # completed optimizer steps
         self.step = 0
@@ -120,7 +155,7 @@ class Trainer:
             self.precision.name,
             self.dist_env.world_size,
             self.grad_accum_steps,
-            self.config.micro_batch_size,
+            config.micro_batch_size,
             config.seq_len,
             f"{self.tokens_per_step:,}",
         )
@@ -135,15 +170,6 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ set-up helpers
-    def _setup_processes(self, model: nn.Module) -> None:
-        """This process's place in the run: device, process group, precision, batch split."""
-        config = self.config
-        self.dist_env = distributed.env_from_environ()
-        self.device = distributed.resolve_device(config.device, self.dist_env)
-        self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
-        self.precision = resolve_precision(config.precision, self.device)
-        self.precision.apply()
-
     def _setup_model(self, model: nn.Module) -> None:
         """The raw model on the device, its optimizer and loss scaler, and the compiled / DDP-wrapped views of it."""
         config = self.config
@@ -157,8 +183,14 @@ class Trainer:
                 f"TrainConfig.seq_len={config.seq_len} exceeds the model's block_size={block_size}; "
                 "train on shorter sequences or build the model with a larger block_size"
             )
+        # switched on in the raw model, before compiling and wrapping
+        if config.activation_checkpointing and not callable(getattr(self.model, "set_activation_checkpointing", None)):
+            raise InvalidValueError(
+                "activation_checkpointing=True needs a model with a set_activation_checkpointing() method (gpt2's GPT "
+                f"and its subclasses); {type(model).__name__} has none: train it with activation_checkpointing=False"
+            )
         if config.activation_checkpointing:
-            _enable_activation_checkpointing(self.model)
+            self.model.set_activation_checkpointing(True)
         check_master_weights(self.model)
         self._shard_if_fsdp()
         self.optimizer = build_optimizer(self.model, config)
@@ -188,50 +220,6 @@ class Trainer:
             self._base_fingerprint = minlora.base_fingerprint(self.model)
         self._twin = fsdp.empty_twin(self.model)
         fsdp.shard_model(self.model, self.device, self.precision.name)
-
-    def _setup_batch(self, train_data: Any, val_data: Any) -> None:
-        """The micro-batch (micro_batch_size="auto": the largest that fits this model on this device, see
-        :mod:`gpt2.train.batch_finder`) and the accumulation that makes up ``total_batch_size``.
-        """
-        self.config = batch_finder.resolve_micro_batch_size(
-            self.config,
-            self.model,
-            self.optimizer,
-            self.precision.autocast,
-            device=self.device,
-            env=self.dist_env,
-            data=(("train", train_data), ("val", val_data)),
-        )
-        config = self.config
-        self.grad_accum_steps = grad_accum_steps(config, self.dist_env.world_size)
-        self.tokens_per_step = (
-            config.micro_batch_size * config.seq_len * self.grad_accum_steps * self.dist_env.world_size
-        )
-
-    def _setup_data(self, train_data: Any, val_data: Any) -> None:
-        """This rank's training and validation loaders (``val_data=None``: no validation)."""
-        config = self.config
-        self.vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        loader_args = dict(rank=self.dist_env.rank, world_size=self.dist_env.world_size, vocab_size=self.vocab_size)
-        shape = (config.micro_batch_size, config.seq_len)
-        self.train_loader = make_loader(train_data, "train", *shape, **loader_args)
-        self.val_loader = None
-        if val_data is not None:
-            self.val_loader = make_loader(val_data, "val", *shape, **loader_args)
-
-    def _setup_metrics(self, sinks: Iterable[Sink] | None) -> None:
-        """What MFU is measured against, and where rank 0's records go (a console line by default)."""
-        config = self.config
-        flops = getattr(self.model, "flops_per_token", None)
-        self.flops_per_token: float | None = None
-        if callable(flops):
-            self.flops_per_token = flops(config.seq_len)
-        self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
-        self.sinks: list[Sink] = []
-        if self.is_main and sinks is None:
-            self.sinks = [ConsoleSink(interval=config.log_interval)]
-        elif self.is_main:
-            self.sinks = list(sinks)
 
     @property
     def is_main(self) -> bool:
@@ -297,9 +285,16 @@ class Trainer:
         if self.step >= stop:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
-        log = self._open_fit_log()
+        # Where this call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress
+        # bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
+        log = FitLog(
+            self.sinks, cfg, out_dir=self.out_dir, step=self.step, is_main=self.is_main, before_write=self._check_owner
+        )
+        # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
+        # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
+        self._record_outputs()
         schedule = CheckpointSchedule(cfg.checkpoint_interval, cfg.max_steps, stop)
-        history: list[dict[str, Any]] = []
+        first = len(self.history)
         signals = self._signals.install()
         self.recovery.begin(self)
         interrupted = False
@@ -308,8 +303,11 @@ class Trainer:
                 record = self.train_step()
                 in_trouble = self.recovery.judge(self.step, record)
                 self._validate_if_due(record, log)
-                self._publish(record, log)
-                history.append(record)
+                # the callbacks (which may add entries), then the history, metrics.jsonl and the sinks
+                for callback in self.callbacks:
+                    callback(self, record)
+                self.history.append(record)
+                log.emit(record)
                 saved = False
                 if in_trouble:
                     # back to the newest good state, or TrainingDivergedError; the metrics go back with it
@@ -322,30 +320,23 @@ class Trainer:
             interrupted = True
             raise
         finally:
-            self._close_fit_log(log, signals, interrupted)
-        self._plot_loss_curve()
+            log.close()
+            self._record_outputs()
+            # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
+            # it leaves the process group: close() restores the handlers after that.
+            if not (interrupted and self.dist_env.is_distributed):
+                signals.restore()
+        if self.is_main and self.out_dir is not None and self.config.plot:
+            metrics.plot_loss_curve(
+                metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
+            )
         self._record_outputs()
-        return history
+        return self.history[first:]
 
-    def _open_fit_log(self) -> FitLog:
-        """Where one fit() call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and
-        the progress bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
-        """
-        before_write = None
+    def _check_owner(self) -> None:
+        """Before a write into out_dir: rank 0 checks that this run still owns it (the lock is rank 0's)."""
         if self._run_lock is not None:
-            before_write = self._run_lock.ensure_held
-        log = FitLog(
-            self.sinks,
-            self.config,
-            out_dir=self.out_dir,
-            step=self.step,
-            is_main=self.is_main,
-            before_write=before_write,
-        )
-        # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
-        # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
-        self._record_outputs()
-        return log
+            self._run_lock.ensure_held()
 
     def _record_outputs(self) -> None:
         """Record in out_dir's record what the Trainer has written there (rank 0), so that a later
@@ -353,14 +344,6 @@ class Trainer:
         """
         if self.is_main and self.out_dir is not None:
             rundir.record_outputs(self.out_dir, rundir.TRAINER_FILES)
-
-    def _close_fit_log(self, log: FitLog, signals: StopSignals, interrupted: bool) -> None:
-        log.close()
-        self._record_outputs()
-        # Under DDP the stop signal reaches a rank again (torchrun's agent forwards it) while
-        # it leaves the process group: close() restores the handlers after that.
-        if not (interrupted and self.dist_env.is_distributed):
-            signals.restore()
 
     def _validate_if_due(self, record: dict[str, Any], log: FitLog) -> None:
         """Add the validation loss to the record of a step due for one (``eval_interval``)."""
@@ -373,13 +356,6 @@ class Trainer:
         except NonFiniteLossError as e:
             # the training loss decides about divergence
             record["val_loss"] = e.loss
-
-    def _publish(self, record: dict[str, Any], log: FitLog) -> None:
-        """The callbacks (which may add entries), then the history, metrics.jsonl and the sinks."""
-        for callback in self.callbacks:
-            callback(self, record)
-        self.history.append(record)
-        log.emit(record)
 
     def _save_if_due(self, schedule: CheckpointSchedule) -> bool:
         """Save what ``schedule`` says is due: a checkpoint or, without an out_dir, a fresh in-memory copy for
@@ -396,12 +372,6 @@ class Trainer:
             return False
         self.save_checkpoint()
         return True
-
-    def _plot_loss_curve(self) -> None:
-        if self.is_main and self.out_dir is not None and self.config.plot:
-            metrics.plot_loss_curve(
-                metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
-            )
 
     def _stop_if_signalled(self, saved: bool) -> None:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
@@ -429,10 +399,20 @@ class Trainer:
         self.train_model.train()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        batches = self._read_batches()
+        # All micro-batches are read first (token ids are small): each one's loss share needs the global count of
+        # scored targets.
+        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
+        # A custom loader's targets are checked too: -100 is not ignored here.
+        if self.vocab_size:
+            for batch in batches:
+                check_targets(batch[1], self.vocab_size)
         # counted on the CPU: no device sync
         counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
-        scored = self._global_count(sum(counts))
+        scored = sum(counts)
+        if self.dist_env.is_distributed:
+            # float64 holds any count exactly
+            total = torch.tensor(float(scored), dtype=torch.float64, device=self.device)
+            scored = round(distributed.all_reduce_mean(total).item() * self.dist_env.world_size)
         if scored == 0:
             # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
             # still decay and move the weights on zero gradients).
@@ -466,25 +446,6 @@ class Trainer:
         if skipped:
             _warn_skipped(record, bad)
         return record
-
-    def _read_batches(self) -> list[tuple]:
-        """The step's micro-batches, all read first (token ids are small): each one's loss share needs the
-        global count of scored targets.
-        """
-        batches = [self.train_loader.next_batch() for _ in range(self.grad_accum_steps)]
-        # A custom loader's targets are checked too: -100 is not ignored here.
-        if self.vocab_size:
-            for batch in batches:
-                check_targets(batch[1], self.vocab_size)
-        return batches
-
-    def _global_count(self, local: int) -> int:
-        """``local`` summed over all processes (float64 holds any count exactly)."""
-        world_size = self.dist_env.world_size
-        if world_size == 1:
-            return local
-        total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
-        return round(distributed.all_reduce_mean(total).item() * world_size)
 
     def _accumulate(self, batches: list[tuple], counts: list[int], scored: int) -> float:
         """Forward and backward every micro-batch; returns the global batch's mean loss.
@@ -613,18 +574,19 @@ class Trainer:
         # checked on every rank, so all of them stop together
         bad = fsdp.non_finite_parameters(self.model)
         if bad:
+            good = self.recovery.newest_confirmed(self.checkpoint_dir)
             raise TrainingDivergedError(
                 f"not saving step {self.step}: the model holds non-finite weights ({', '.join(bad[:5])}). "
-                f"{last_good(self.recovery.newest_confirmed(self.checkpoint_dir))}",
+                f"{last_good(good)}",
                 step=self.step,
                 loss=math.nan,
                 grad_norm=math.nan,
-                last_checkpoint=self.recovery.newest_confirmed(self.checkpoint_dir),
+                last_checkpoint=good,
             )
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         # a collective (every rank's CUDA RNG state)
         state = self.state_dict()
-        # under FSDP every rank writes its shards
+        # rank 0 writes; under FSDP every rank writes its shards
         if self.sharded or self.is_main:
             path = self._write_checkpoint(self.checkpoint_dir, state)
         if self.is_main:
@@ -641,37 +603,33 @@ class Trainer:
         :class:`~gpt2.train.checkpoint.CheckpointSaveError` from the checkpoint module, or a
         :class:`~gpt2.train.metrics.RunOutputError` for any other OSError.
         """
-        meta = {**self._run_settings(), **{k: v for k, v in state.items() if k not in IN_FILES}}
+        model_config = getattr(self.model, "config", None)
+        # how the run was set up, besides its state
+        settings = {
+            "config": self.config.to_dict(),
+            "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
+            "world_size": self.dist_env.world_size,
+            # how the processes share the model: "single", "ddp" or "fsdp"
+            "strategy": self.config.strategy if self.dist_env.is_distributed else "single",
+            "grad_accum_steps": self.grad_accum_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "precision": self.precision.name,
+            "torch_version": torch.__version__,
+        }
+        meta = {**settings, **{k: v for k, v in state.items() if k not in IN_FILES}}
         args = (checkpoint_dir, self.step, self.model, self.optimizer, self.scaler, meta)
         keep_last = self.recovery.checkpoints_to_keep(checkpoint_dir, self.step)
         common = dict(keep_last=keep_last, trainable_only=self.config.save_trainable_only, rng_state=state["rng"])
-        # rank 0 checks first that it still owns out_dir
-        before_write = None
-        if self._run_lock is not None:
-            before_write = self._run_lock.ensure_held
         try:
+            # rank 0 checks first that it still owns out_dir
             return ckpt.save_checkpoint(
-                *args, base_fingerprint=self._base_fingerprint, before_write=before_write, **common
+                *args, base_fingerprint=self._base_fingerprint, before_write=self._check_owner, **common
             )
         except Gpt2Error:
             raise
         except OSError as e:
             where = e.filename or checkpoint_dir / f"step_{self.step:06d}"
             raise metrics.output_error(where, "saving the checkpoint into", e, checkpoint_dir) from e
-
-    def _run_settings(self) -> dict[str, Any]:
-        """What a checkpoint's trainer_state.json records besides the run's state: how the run was set up."""
-        model_config = getattr(self.model, "config", None)
-        return {
-            "config": self.config.to_dict(),
-            "model_config": model_config.to_dict() if hasattr(model_config, "to_dict") else None,
-            "world_size": self.dist_env.world_size,
-            "strategy": self._strategy_name(),
-            "grad_accum_steps": self.grad_accum_steps,
-            "tokens_per_step": self.tokens_per_step,
-            "precision": self.precision.name,
-            "torch_version": torch.__version__,
-        }
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore everything from a checkpoint (see :func:`gpt2.train.checkpoint.load_checkpoint`): weights,
@@ -732,12 +690,6 @@ class Trainer:
         self.precision.apply()
         self.peak_flops = metrics.detect_peak_flops(self.device, self.config.peak_flops, policy.name)
 
-    def _strategy_name(self) -> str:
-        """How this run's processes share the model: "single", "ddp" or "fsdp" (checkpoints record it)."""
-        if not self.dist_env.is_distributed:
-            return "single"
-        return self.config.strategy
-
     def full_model(self) -> nn.Module | None:
         """The trained model whole, as one plain module (for sampling, saving adapters, exporting): the raw model
         itself, except under FSDP, where EVERY process must call this (the shards are gathered to rank 0, into a
@@ -786,14 +738,3 @@ def _warn_skipped(record: dict[str, Any], bad: bool) -> None:
     logger.warning(
         "step %d skipped (%s): loss %s, grad norm %s", record["step"], why, record["loss"], record["grad_norm"]
     )
-
-
-def _enable_activation_checkpointing(model: nn.Module) -> None:
-    """``TrainConfig.activation_checkpointing``: switched on in the raw model, before compiling and wrapping."""
-    switch = getattr(model, "set_activation_checkpointing", None)
-    if not callable(switch):
-        raise InvalidValueError(
-            f"activation_checkpointing=True needs a model with a set_activation_checkpointing() method (gpt2's GPT "
-            f"and its subclasses); {type(model).__name__} has none: train it with activation_checkpointing=False"
-        )
-    switch(True)
