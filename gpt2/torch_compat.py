@@ -33,9 +33,8 @@ def softmax_in_place(logits: torch.Tensor) -> torch.Tensor:
     """``logits.softmax(-1)`` of a 2-D fp32 tensor, written over ``logits`` in one fused pass per row.
 
     Why private: the public softmax has no ``out=``; its in-place equivalent with public ops (max,
-    subtract, exp, sum, divide: five passes over a (rows, 50304) chunk) measured +35 ms per 512-row
-    chunk and +11% on the whole train step at build-nanogpt's shape (4 layers, 128 wide, B=8, T=128;
-    one thread, 20 interleaved rounds), within noise at the LoRA benchmark's 124M shape.
+    subtract, exp, sum, divide: five passes over a (rows, 50304) chunk) make the whole train step
+    measurably slower at small shapes, where the loss is a large part of it.
     ``torch._softmax(x, dim, half_to_float, out=)`` is the ATen kernel behind ``torch.softmax``.
     Checked on torch 2.11 and 2.13.
     """
@@ -202,8 +201,8 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
     linear_prepack`` and ``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``, the kernels behind
     ``torch.ao``'s dynamic quantization) take a per-channel quantized tensor, built with
     ``torch._make_per_channel_quantized_tensor``; torch warns that such tensors are deprecated (pytorch issue
-    184982), so the warning is silenced here, where the one use is. fbgemm is 3-6x faster than
-    ``torch._int_mm`` for one row on AVX2 CPUs without VNNI (docs/benchmarks.md, "Generation vs llama.cpp").
+    184982), so the warning is silenced here, where the one use is. fbgemm is several times faster than
+    ``torch._int_mm`` for one row on AVX2 CPUs without VNNI.
     Checked on torch 2.13.
     """
     if not has_fbgemm():

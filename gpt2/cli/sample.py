@@ -46,13 +46,13 @@ class SampleOptions(Options):
     """torch.compile the model first (pays off for long samples: thousands of tokens on a CPU)"""
     weights: Literal["model", "int8"] = "model"
     """model = the model's own weights; int8 = every weight matrix read in int8, an --adapter merged first
-    (CPU, fp32 precision: about 1.5-2x the tokens/s at 124M, now and then other tokens; docs/api.md)"""
+    (CPU, fp32 precision: faster, now and then other tokens; docs/api.md, docs/benchmarks.md)"""
 
 
 def inductor_options(model: torch.nn.Module) -> dict[str, bool] | None:
     """``torch.compile``'s Inductor options for sampling from ``model``: on the CPU its C++ wrapper, which calls the
-    decoding step's kernels without Python in between (1.10x the default wrapper's tokens/s at 4 x 128, batch 1;
-    docs/benchmarks.md, "Generation vs llama.cpp"); Inductor's defaults on a GPU.
+    decoding step's kernels without Python in between (faster than the default wrapper at batch 1); Inductor's
+    defaults on a GPU.
     """
     if next(model.parameters()).device.type == "cpu":
         return {"cpp_wrapper": True}

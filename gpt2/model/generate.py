@@ -316,7 +316,7 @@ def _stream(
         tokens, mask = idx, attention_mask
         for _ in range(max_new_tokens):
             # Inference mode, not only no_grad: the step's tensors get no version counters or autograd
-            # metadata (+4-7% tokens/s at batch 1, paired rounds). The token is yielded outside it, as a
+            # metadata (measurably faster at batch 1). The token is yielded outside it, as a
             # normal tensor that the caller may modify in place.
             with torch.inference_mode():
                 if tokens.size(1) > block_size:

@@ -423,9 +423,8 @@ def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
 _kept = threading.local()
 
 # The logits buffer's rows start every LOGITS_ROW_ALIGN floats (32 bytes, one AVX2 vector): MKL's fp32 product
-# (1024, 768) @ (768, 50257) into rows 50257 floats apart ran at 62-76% of the 2048^2 mm rate, into rows
-# 50264 apart at ~100% (0.95 s against 1.45 s on one thread; issue 29). The padded vocabulary (50304) is aligned
-# already.
+# (1024, 768) @ (768, 50257) into rows 50257 floats apart runs well below its rate for square products, into
+# rows 50264 apart at that rate (docs/benchmarks.md). The padded vocabulary (50304) is aligned already.
 LOGITS_ROW_ALIGN = 8
 # A bf16 / fp16 buffer's rows start every 64 bytes (a cache line, an AVX-512 vector, an AMX tile row): oneDNN's
 # bf16 products then read and write whole lines.
@@ -437,7 +436,7 @@ def _logits_buffer(
 ) -> torch.Tensor:
     """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN`: the fp32
     logits, (bf16 / fp16) a low-precision matmul's output, or another ``name``'s. On CPU one of each ``name`` is
-    kept between calls: a fresh 100-200 MB block costs ~65 ms of page faults each time (glibc returns blocks over
+    kept between calls: a fresh 100-200 MB block costs its page faults again each time (glibc returns blocks over
     32 MB to the OS when they are freed).
     """
     cols = rounded_up(cols, LOGITS_ROW_ALIGN)

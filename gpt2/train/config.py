@@ -107,8 +107,8 @@ class TrainConfig:
     # (torch.distributed.fsdp.fully_shard) keeps 1/N of each on each of N processes and gathers a block's
     # weights only while it runs; checkpoints are then sharded (docs/distributed.md). One process: the same.
     strategy: Literal["ddp", "fsdp"] = "ddp"  # ddp: each process holds the whole model; fsdp: 1/N of it (FSDP2)
-    # Keep only each transformer block's input during the forward and recompute the rest in the backward: about
-    # a fifth more step time (1.16-1.29x at 124M on a CPU; the head is not recomputed) for far less activation memory.
+    # Keep only each transformer block's input during the forward and recompute the rest in the backward: one more
+    # forward of the blocks (the head is not recomputed) for far less activation memory (docs/benchmarks.md).
     activation_checkpointing: bool = False  # recompute each block's activations in the backward: less memory
     # micro_batch_size="auto" on a CPU: the memory (GiB) one process may use (on a GPU its memory is the limit).
     memory_limit_gb: float | None = None  # micro_batch_size="auto" on a CPU: GiB one process may use
