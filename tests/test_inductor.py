@@ -66,6 +66,8 @@ def _lora_trainer(out, compile: bool) -> Trainer:
         warmup_steps=0,
         compile=compile,
         device="cpu",
+        # fp32's tolerances below (auto would train in bf16 on a CPU that multiplies it natively)
+        precision="fp32",
         out_dir=str(out),
         progress=False,
         plot=False,

@@ -208,11 +208,12 @@ class GPT(nn.Module):
         on the plain tied weight, neither module parametrized nor hooked, not compiling), the link between them.
         """
         wte, head = self.transformer.wte, self.lm_head
+        # first, as reading a parametrized module's weight would build it (LoRA's W + BA)
+        if parametrize.is_parametrized(wte) or parametrize.is_parametrized(head):
+            return None
         if targets is None or not torch.is_grad_enabled() or not head.weight.requires_grad:
             return None
         if wte.weight is not head.weight or torch.compiler.is_compiling() or torch_compat.has_hooks(wte):
-            return None
-        if parametrize.is_parametrized(wte) or parametrize.is_parametrized(head):
             return None
         return _TiedGrad()
 
