@@ -89,3 +89,24 @@ def test_the_memory_table_names_the_machine_it_was_computed_on(monkeypatch, caps
     benchmarks.memory_table.main()
     first, *_ = capsys.readouterr().out.splitlines()
     assert first == f"{describe_machine()} (computed, not measured on it)"
+
+
+def test_attention_backward_compares_the_three_paths_on_the_same_outputs(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(REPO))
+    import benchmarks.attention_backward as attention
+
+    threads = torch.get_num_threads()
+    argv = ["attention_backward.py", "--rounds", "1", "--batch", "1", "--seq-len", "16", "--heads", "2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--head-size", "8", "--chunk", "4"])
+    try:
+        attention.main()
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().out.splitlines()
+    for dtype in ("bfloat16", "float32"):
+        for name in ("flash", "math", "chunked"):
+            timed = [line for line in lines if line.split()[:2] == [dtype, name] and "x flash" in line]
+            assert len(timed) == 1, (dtype, name)
+    # the chunked causal blocks compute the same attention as the flash kernel (fp32: to rounding)
+    chunked = next(line for line in lines if line.startswith("float32") and "chunked" in line and "max" in line)
+    assert float(chunked.split()[-1]) < 1e-5
