@@ -74,33 +74,10 @@ def test_finetune_trains_on_the_rows_of_a_json_array(tmp_path, capsys):
     GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=32)).save_pretrained(tmp_path / "base")
     path = tmp_path / "alpaca_data.json"
     path.write_text(json.dumps(ALPACA * 6))
-    code = main(
-        [
-            "finetune",
-            "--init",
-            str(tmp_path / "base"),
-            "--data",
-            str(path),
-            "--seq-len",
-            "32",
-            "--micro-batch-size",
-            "2",
-            "--max-steps",
-            "1",
-            "--warmup-steps",
-            "1",
-            "--eval-interval",
-            "0",
-            "--final-eval-batches",
-            "1",
-            "--num-samples",
-            "0",
-            "--no-plot",
-            "--no-progress",
-            "--out-dir",
-            str(tmp_path / "run"),
-        ]
-    )
+    quick = "--seq-len 32 --micro-batch-size 2 --max-steps 1 --warmup-steps 1 --eval-interval 0"
+    quiet = "--final-eval-batches 1 --num-samples 0 --no-plot --no-progress"
+    args = f"finetune --init {tmp_path / 'base'} --data {path} {quick} {quiet} --out-dir {tmp_path / 'run'}"
+    code = main(args.split())
     out = capsys.readouterr().out
     assert code == 0, out
     # the rows, not the JSON text: 12 rows, 1 held out
