@@ -478,3 +478,30 @@ def test_a_token_tensor_of_any_integer_dtype_gives_int64_batches(dtype):
     x, y = TokenLoader(tokens, 2, 4).next_batch()
     assert x.dtype == y.dtype == torch.int64
     assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and y[1].tolist() == [5, 6, 7, 8]
+
+
+def test_a_files_validation_split_samples_the_whole_text():
+    """The held-out tokens of a text or token file come from passages spread through it, not from its end
+    alone, and so do the first batches a run scores while it trains: validation of a Shakespeare run then
+    measures every play, not only the last ones (or the first) the run happens to have read most recently,
+    so a longer run scores better instead of rising and falling with where in the text training is.
+    """
+    from gpt2.data.sources import split_tokens
+
+    tokens = np.arange(100_000, dtype=np.int64)
+    train, val = split_tokens(tokens, 0.1, "x")
+    assert len(val) == 10_000 and len(train) == 90_000
+    # Nothing is in both, nothing is lost, training keeps the text's order.
+    assert not np.intersect1d(train, val).size and np.union1d(train, val).size == len(tokens)
+    assert (np.diff(train) > 0).all()
+    # Every tenth of the text gives the same share of the validation tokens...
+    assert np.bincount(val * 10 // len(tokens), minlength=10).tolist() == [1_000] * 10
+    # ... and of its first fifth (the batches an in-run validation reads) each tenth gives a share too.
+    assert (np.bincount(val[:2_000] * 10 // len(tokens), minlength=10) >= 100).all()
+    # A passage is contiguous text: a small file gets fewer, longer ones.
+    small_train, small_val = split_tokens(tokens[:1_000], 0.1, "x")
+    assert len(small_val) == 100 and (np.diff(np.sort(small_val)) == 1).sum() >= 96
+    with pytest.raises(ValueError, match="too few to split with --val-fraction 0.1"):
+        split_tokens(tokens[:10], 0.1, "x")
+    whole, none = split_tokens(tokens, 0.0, "x")
+    assert whole is tokens and none is None
