@@ -423,8 +423,8 @@ def _plan_target(
 
 
 def _tied_layers(tied: list[dict[str, str]], plans: list[Plan], source: str) -> list[tuple[nn.Module, nn.Module]]:
-    """``(head, embedding)`` for each tied pair of the config, whose factors must hold one update (tying
-    would drop values otherwise).
+    """``(head, embedding)`` for each tied pair of the config, whose factors must be plain LoRA (tie_weights refuses
+    DoRA) holding one update (tying would drop values otherwise): checked here, before the model changes.
     """
     by_name = {site.name: (site.module, lora) for site, lora in plans}
     ties = []
@@ -432,9 +432,9 @@ def _tied_layers(tied: list[dict[str, str]], plans: list[Plan], source: str) -> 
         head, lin = by_name[tie["linear"]]
         embedding, emb = by_name[tie["embedding"]]
         one_update = torch.equal(lin.lora_A, emb.lora_B) and torch.equal(lin.lora_B, emb.lora_A)
-        if lin.fan_in_fan_out or not emb.fan_in_fan_out or not one_update:
+        if lin.fan_in_fan_out or not emb.fan_in_fan_out or lin.use_dora or emb.use_dora or not one_update:
             raise AdapterFileError(
-                f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA "
+                f"{source}: the tied pair {tie} must be a linear layer's and an embedding's plain LoRA (not DoRA) "
                 f"holding one update (the embedding's lora_A is the head's lora_B); {_REMEDY}"
             )
         ties.append((head, embedding))

@@ -247,6 +247,28 @@ def test_tied_pair_with_swapped_roles_is_refused(tmp_path):
     assert_unchanged(model, before)
 
 
+def test_tied_dora_pair_is_refused_before_any_change(tmp_path):
+    """A hand-made file tying two DoRA layers: tie_weights refuses DoRA, so the load must refuse it first."""
+    path = save_adapter(tied_model(), tmp_path / "tied")
+
+    def to_dora(tensors):
+        tensors["lm_head.weight.lora_magnitude_vector"] = torch.ones(100)
+        tensors["transformer.wte.weight.lora_magnitude_vector"] = torch.ones(16)
+
+    def dora_config(metadata):
+        config = json.loads(metadata["minlora"])
+        for name in ("lm_head.weight", "transformer.wte.weight"):
+            config["targets"][name]["use_dora"] = True
+        metadata["minlora"] = json.dumps(config)
+
+    rewrite(path, to_dora, dora_config)
+    model = tiny_gpt()
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="DoRA"):
+        load_adapter(model, path)
+    assert_unchanged(model, before)
+
+
 @pytest.mark.parametrize("order", ["linear first", "embedding first (positional)", "embedding first (keywords)"])
 def test_tie_weights_accepts_either_order(order):
     model = tiny_gpt()
