@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
 from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
-from .model import LoRASite, has_lora, lora_sites, register_lora
+from .model import LoRASite, has_lora, lora_sites, register_lora, single_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
 
@@ -103,12 +103,6 @@ def check_values(tensors: dict[str, torch.Tensor], where: Any, caller: str, reme
             )
 
 
-def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
-    if len(site.lora_indices) != 1:
-        raise LoRAValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
-    return site.lora
-
-
 def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASite], dict[str, torch.Tensor]]:
     """The LoRA sites of ``model`` and their parameters ``<site>.<param>`` on the CPU, finite, in ``dtype``."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -168,10 +162,11 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
         old = single_lora(site, source)
         # another rank, or DoRA on one side only
         if _factor_shapes(old) != _factor_shapes(new):
+            kinds = ["DoRA" if lora.use_dora else "LoRA" for lora in (new, old)]
             raise LoRAValueError(
-                f"{source}: the adapter has {_describe(new)} for {site.name} but the model there has "
-                f"{_describe(old)}; call minlora.remove_lora(model) and load again (a model without LoRA gets "
-                "the adapter's)"
+                f"{source}: the adapter has {kinds[0]} of rank {new.rank} for {site.name} but the model there has "
+                f"{kinds[1]} of rank {old.rank}; call minlora.remove_lora(model) and load again (a model without "
+                "LoRA gets the adapter's)"
             )
     if not strict:
         return
@@ -186,13 +181,6 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
 
 def _factor_shapes(lora: LoRAParametrization) -> dict[str, tuple[int, ...]]:
     return {name: tuple(getattr(lora, name).shape) for name in lora.param_names}
-
-
-def _describe(lora: LoRAParametrization) -> str:
-    """``"LoRA of rank 8"`` / ``"DoRA of rank 8"``."""
-    if lora.use_dora:
-        return f"DoRA of rank {lora.rank}"
-    return f"LoRA of rank {lora.rank}"
 
 
 @torch.no_grad()

@@ -200,18 +200,12 @@ class LoRAParametrization(nn.Module):
         W = X.to(torch.promote_types(delta.dtype, X.dtype)).reshape(delta.shape)
         out = W + delta
         if self.use_dora:
-            out = out * self._dora_channel_scale(W, delta, dropped=A is not self.lora_A)
+            # the norm is that of the whole update, as PEFT's, whatever dropout did to A
+            if A is not self.lora_A:
+                delta = self.delta_weight()
+            # one scale per output channel, broadcast along the dimension the norm ran over
+            out = out * self.dora_scale(W, delta).unsqueeze(self.norm_dim)
         return out.reshape(X.shape).to(X.dtype)
-
-    def _dora_channel_scale(self, W: torch.Tensor, delta: torch.Tensor, dropped: bool) -> torch.Tensor:
-        """DoRA's scale, shaped to multiply the 2-D weight's output channels."""
-        # the norm is that of the whole update, as PEFT's, whatever dropout did to A
-        if dropped:
-            delta = self.delta_weight()
-        scale = self.dora_scale(W, delta)
-        if self.fan_in_fan_out:
-            return scale.view(1, -1)
-        return scale.view(-1, 1)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         if not self.enabled:

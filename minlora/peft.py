@@ -88,13 +88,12 @@ def export_peft_adapter(
     directory: str | os.PathLike,
     *,
     base_model_name_or_path: str | None = None,
-    fan_in_fan_out: bool | None = None,
     task_type: str | None = "CAUSAL_LM",
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the LoRA of ``model`` as a PEFT adapter directory for a twin with the same module names
-    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` defaults to the model's
-    ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``.
+    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` is the model's
+    ``peft_adapter_layout()``'s; ranks and alphas other than the most common go into ``*_pattern``.
     ``base_model_name_or_path`` defaults to the model's ``name_or_path`` attribute, where it has one
     (``gpt2.GPT.from_pretrained`` records the hub id or folder it loaded).
     """
@@ -103,13 +102,11 @@ def export_peft_adapter(
     tensors = {}
     for site in sites:
         tensors |= _peft_tensors(site, ours, real, padded)
-    if fan_in_fan_out is None:
-        fan_in_fan_out = layout.get("fan_in_fan_out", False)
     config = _peft_config(model, {site.module_name: site.lora for site in sites})
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None)
     config |= {"task_type": task_type, "base_model_name_or_path": base_model_name_or_path}
-    config["fan_in_fan_out"] = bool(fan_in_fan_out)
+    config["fan_in_fan_out"] = bool(layout.get("fan_in_fan_out", False))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,28 +119,26 @@ def _peft_tensors(
     site: LoRASite, ours: dict[str, torch.Tensor], real: int | None, padded: set[int]
 ) -> dict[str, torch.Tensor]:
     """PEFT's tensors for one LoRA, keyed as in its file; ``ours`` holds the factors as saved."""
-    if len(site.plist) != 1 or site.tensor_name != "weight":
+    family, lora = family_name(site.module), site.lora
+    # PEFT's LoRA sits alone on a layer's weight, in the (out, in) layout (an embedding's in the transposed one)
+    alone = len(site.plist) == 1 and site.tensor_name == "weight" and lora.fan_in_fan_out == (family == "Embedding")
+    if family is None or not alone or (family == "Conv2d" and site.module.groups != 1):
         raise LoRAValueError(
-            f"export_peft_adapter: {site.name} has parametrizations {[type(p).__name__ for p in site.plist]}; "
-            f"PEFT expresses a LoRA alone on a weight only"
+            f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
+            f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out}, parametrizations "
+            f"{[type(p).__name__ for p in site.plist]})"
         )
     A, B, m = (ours.get(f"{site.name}.{n}") for n in PARAM_NAMES)
     # the twin has no padded vocabulary rows
     rows = slice(None)
     if id(site.module) in padded:
         rows = slice(real)
-    family, lora = family_name(site.module), site.lora
-    if family == "Linear" and not lora.fan_in_fan_out:
+    if family == "Linear":
         parts = _linear_parts(A, B, m, rows)
-    elif family == "Embedding" and lora.fan_in_fan_out:
+    elif family == "Embedding":
         parts = _embedding_parts(site, A, B, m, rows)
-    elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
-        parts = _conv_parts(site, A, B, m)
     else:
-        raise LoRAValueError(
-            f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
-            f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})"
-        )
+        parts = _conv_parts(site, A, B, m)
     key = _PREFIX + site.module_name + ".lora_"
     return {key + role: t for role, t in parts.items()}
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .errors import LoRAValueError
-from .model import has_lora, iter_lora_modules, lora_sites
+from .model import LoRASite, iter_lora_modules, lora_sites, single_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     """``(head, embedding, head's LoRA, embedding's LoRA)`` for two layers in either order (minLoRA's
     examples pass the embedding first): the embedding's LoRA has the ``fan_in_fan_out`` layout.
     """
-    loras = [_single_weight_lora(layer, caller) for layer in (a, b)]
+    loras = [single_lora(LoRASite(type(layer).__name__, layer, "weight"), caller) for layer in (a, b)]
     if loras[0].fan_in_fan_out == loras[1].fan_in_fan_out:
         layout = "an embedding" if loras[0].fan_in_fan_out else "a linear"
         raise LoRAValueError(
@@ -149,19 +149,6 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     if loras[0].fan_in_fan_out:
         return b, a, loras[1], loras[0]
     return a, b, loras[0], loras[1]
-
-
-def _single_weight_lora(layer: nn.Module, caller: str) -> LoRAParametrization:
-    """The one LoRA on ``layer.weight``, else a ``ValueError`` naming ``caller``."""
-    found = []
-    if has_lora(layer, "weight"):
-        found = [p for p in layer.parametrizations["weight"] if isinstance(p, LoRAParametrization)]
-    if len(found) != 1:
-        raise LoRAValueError(
-            f"{caller}: {type(layer).__name__} has {len(found) or 'no'} LoRA on its weight; it needs one "
-            f"LoRA on each of the two layers (minlora.add_lora first)"
-        )
-    return found[0]
 
 
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
