@@ -64,8 +64,8 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, set[int]]:
-    """``(layout, the twin's vocabulary rows, ids of the layers whose vocabulary is padded)``."""
+def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, dict[int, int]]:
+    """``(layout, the twin's vocabulary rows, {id of a layer whose vocabulary is padded: its rows})``."""
     layout = getattr(model, LAYOUT_METHOD, dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
     real = None
@@ -79,7 +79,7 @@ def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, 
             f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
             f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
-    return layout, real, {id(m) for m in modules if raw_weight(m).shape[0] != real}
+    return layout, real, {id(m): raw_weight(m).shape[0] for m in modules if raw_weight(m).shape[0] != real}
 
 
 # ---------------------------------------------------------------------- export
@@ -116,7 +116,7 @@ def export_peft_adapter(
 
 
 def _peft_tensors(
-    site: LoRASite, ours: dict[str, torch.Tensor], real: int | None, padded: set[int]
+    site: LoRASite, ours: dict[str, torch.Tensor], real: int | None, padded: dict[int, int]
 ) -> dict[str, torch.Tensor]:
     """PEFT's tensors for one LoRA, keyed as in its file; ``ours`` holds the factors as saved."""
     family, lora = family_name(site.module), site.lora
@@ -301,9 +301,9 @@ def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> 
     return default
 
 
-def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool) -> torch.Tensor:
-    """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
-    if padded and t.shape[0] == real and rows > real:
+def _pad_rows(t: torch.Tensor, real: int | None, rows: int | None) -> torch.Tensor:
+    """Zero rows up to a padded vocabulary's ``rows`` (None: not padded); never sampled, so any value is exact."""
+    if rows is not None and t.shape[0] == real and rows > real:
         return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
     # a wrong row count is caught with the other shapes (make_plan)
     return t
@@ -320,22 +320,17 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     plans = []
     for module_name, parts in factors.items():
         site = LoRASite(module_name, get_module(model, module_name, source), "weight")
-        plans.append(_peft_plan(site, parts, config, real, id(site.module) in padded, source))
+        plans.append(_peft_plan(site, parts, config, real, padded.get(id(site.module)), source))
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model
 
 
 def _peft_plan(
-    site: LoRASite, parts: dict[str, torch.Tensor], config: dict[str, Any], real: int | None, pad: bool, source: str
+    site: LoRASite, parts: dict[str, torch.Tensor], config: dict, real: int | None, rows: int | None, source: str
 ) -> Plan:
-    """The plan for one module's PEFT factors ``parts``; ``pad``: its vocabulary rows are padded."""
+    """The plan for one module's PEFT factors ``parts``; ``rows``: its padded vocabulary's (None: not padded)."""
     module_name = site.module_name
-    weight = raw_weight(site.module)
-    # no weight: make_plan says so
-    rows = 0
-    if weight is not None:
-        rows = weight.shape[0]
     embedding = family_name(site.module) == "Embedding"
     dora = config["use_dora"]
     if set(parts) != _expected_roles(embedding, dora):
@@ -346,12 +341,12 @@ def _peft_plan(
         )
     if embedding:
         # ours: A (V, r), B (r, dim)
-        A = _pad_rows(parts["embedding_A"].t(), rows, real, pad)
+        A = _pad_rows(parts["embedding_A"].t(), real, rows)
         B = parts["embedding_B"].t()
     else:
         # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
         A = parts["A.weight"].flatten(1)
-        B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
+        B = _pad_rows(parts["B.weight"].flatten(1), real, rows)
     # factors of another rank than the config's are refused with the other shapes (make_plan)
     rank = _pattern_value(config["rank_pattern"], module_name, config["r"])
     alpha = _pattern_value(config["alpha_pattern"], module_name, config["lora_alpha"])
@@ -360,7 +355,7 @@ def _peft_plan(
         # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
         M = parts["magnitude_vector"].reshape(-1)
         if not embedding:
-            M = _pad_rows(M, rows, real, pad)
+            M = _pad_rows(M, real, rows)
         tensors["lora_magnitude_vector"] = M
     dropout = float(config["lora_dropout"])
     settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config["use_rslora"], use_dora=dora)
