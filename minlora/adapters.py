@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
 from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
-from .model import LoRASite, has_lora, lora_sites, register_lora, single_lora
+from .model import LoRASite, has_lora, lora_sites, register_lora, require_lora, single_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
 
@@ -109,9 +109,7 @@ def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASi
         raise LoRAValueError(
             f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}"
         )
-    sites = lora_sites(model)
-    if not sites:
-        raise LoRAValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
+    sites = require_lora(model, caller)
     # clones: safetensors refuses tensors sharing memory (tie_weights)
     tensors = {
         f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous().clone()
@@ -223,11 +221,7 @@ def base_fingerprint(model: nn.Module) -> str:
     """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
     values rounded to bf16): what :func:`save_adapter` records and :func:`load_adapter` checks.
     """
-    sites = lora_sites(model)
-    if not sites:
-        raise LoRAValueError(
-            "base_fingerprint: the model has no LoRA, so no adapted layers; call minlora.add_lora first"
-        )
+    sites = require_lora(model, "base_fingerprint")
     return _base_record(model, {s.name: s.original for s in sites})["sha256"]
 
 

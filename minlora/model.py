@@ -91,6 +91,14 @@ def lora_sites(model: nn.Module) -> list[LoRASite]:
     ]
 
 
+def require_lora(model: nn.Module, caller: str) -> list[LoRASite]:
+    """:func:`lora_sites`, else (a model without LoRA) a ``ValueError`` naming ``caller``."""
+    sites = lora_sites(model)
+    if not sites:
+        raise LoRAValueError(f"{caller}: the model has no LoRA; call minlora.add_lora(model) first")
+    return sites
+
+
 def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
     return (m for m in model.modules() if isinstance(m, LoRAParametrization))
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .errors import LoRAValueError
-from .model import LoRASite, iter_lora_modules, lora_sites, single_lora
+from .model import LoRASite, iter_lora_modules, lora_sites, require_lora, single_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,8 @@ def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str,
     """Load several LoRA state dicts and keep each; :func:`select_lora` switches between them. The
     last one is active afterwards (as in minLoRA).
     """
+    require_lora(model, "load_multiple_lora")
     wanted = _named_lora_params(model, remove_duplicate=False)
-    if not wanted:
-        raise LoRAValueError("load_multiple_lora: the model has no LoRA; call minlora.add_lora(model) first")
     model.apply(apply_to_lora(LoRAParametrization.clear_stored_adapters))
     i = -1
     for i, state_dict in enumerate(lora_state_dicts):
@@ -186,9 +185,8 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     """Freeze everything but LoRA; ``bias``: ``"none"``, ``"all"`` biases, or ``"lora_only"`` (those of LoRA layers)."""
     if bias not in ("none", "all", "lora_only"):
         raise LoRAValueError(f"mark_only_lora_as_trainable: bias must be 'none', 'all' or 'lora_only', got {bias!r}")
+    require_lora(model, "mark_only_lora_as_trainable")
     trainable = list(get_lora_params(model))
-    if not trainable:
-        raise LoRAValueError("mark_only_lora_as_trainable: the model has no LoRA; call minlora.add_lora(model) first")
     if bias == "all":
         trainable += list(get_bias_params(model))
     if bias == "lora_only":
