@@ -339,12 +339,8 @@ def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, A
             peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)"
         raise LoRAFileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME}{peft}")
     tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
-    if "minlora" not in metadata:
-        raise AdapterFileError(
-            f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
-            f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
-        )
-    config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
+    # no minlora metadata: no format either, refused as not a minlora adapter
+    config = parse_json(metadata.get("minlora", "{}"), f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
     problem = _config_problem(config)
     if problem:
         raise AdapterFileError(f"load_adapter: {file}: {problem}; {_REMEDY}")

@@ -105,7 +105,7 @@ def last_target(config: dict) -> dict:
 CONFIG_DAMAGE = {
     "truncated JSON": (lambda p: set_metadata(p, read_adapter(p)[1]["minlora"][:40]), "is not valid JSON"),
     "not an object": (lambda p: set_metadata(p, "[1, 2]"), "must hold a JSON object"),
-    "no config": (lambda p: rewrite(p, metadata_fn=lambda m: m.pop("minlora")), "no minlora config"),
+    "no config": (lambda p: rewrite(p, metadata_fn=lambda m: m.pop("minlora")), "not a minlora adapter"),
     "unknown format": (lambda p: edit_config(p, lambda c: c.update(format="something.else")), "not a minlora adapter"),
     "newer version": (lambda p: edit_config(p, lambda c: c.update(format_version=99)), "upgrade minlora"),
     "no targets": (lambda p: edit_config(p, lambda c: c.pop("targets")), "'targets' must be a non-empty object"),
