@@ -231,12 +231,9 @@ def _check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
         )
     if config.get("bias", "none") != "none":
         raise LoRAValueError(f"{where} has bias={config['bias']!r} (trained biases); minlora loads bias='none' only")
-    settings = dict(config)
-    for key, default in _DEFAULTS.items():
-        settings.setdefault(key, default)
-    # an empty dropout or pattern map (null, 0, {}) reads as the default too
-    for key in ("lora_dropout", "rank_pattern", "alpha_pattern"):
-        settings[key] = settings[key] or _DEFAULTS[key]
+    # PEFT's defaults where a setting is left out; an empty dropout or pattern map (null, 0, {}) reads as one too
+    empty_is_default = ("lora_dropout", "rank_pattern", "alpha_pattern")
+    settings = _DEFAULTS | {key: value for key, value in config.items() if value or key not in empty_is_default}
     try:
         _check_settings(settings)
     except (ValueError, TypeError, re.error) as e:
