@@ -92,8 +92,8 @@ def export_peft_adapter(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the LoRA of ``model`` as a PEFT adapter directory for a twin with the same module names
-    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` is the model's
-    ``peft_adapter_layout()``'s; ranks and alphas other than the most common go into ``*_pattern``.
+    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. The config's ``fan_in_fan_out`` comes from the
+    model's ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``.
     ``base_model_name_or_path`` defaults to the model's ``name_or_path`` attribute, where it has one
     (``gpt2.GPT.from_pretrained`` records the hub id or folder it loaded).
     """
