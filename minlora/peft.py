@@ -47,6 +47,13 @@ _PREFIX = "base_model.model."
 _REMEDY = "export or save the PEFT adapter again"
 # what follows `<module>.lora_` in PEFT's keys
 _ROLES = ("A.weight", "B.weight", "embedding_A", "embedding_B", "magnitude_vector")
+# the roles PEFT stores for one layer, by (is an embedding, DoRA)
+_EXPECTED_ROLES = {
+    (False, False): {"A.weight", "B.weight"},
+    (False, True): {"A.weight", "B.weight", "magnitude_vector"},
+    (True, False): {"embedding_A", "embedding_B"},
+    (True, True): {"embedding_A", "embedding_B", "magnitude_vector"},
+}
 # PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not loaded as something else.
 _UNSUPPORTED = re.compile(
     "lora_bias|modules_to_save|layer_replication|trainable_token_indices|target_parameters|alora_invocation_tokens"
@@ -330,7 +337,7 @@ def _peft_plan(
     module_name = site.module_name
     embedding = family_name(site.module) == "Embedding"
     dora = config["use_dora"]
-    if set(parts) != _expected_roles(embedding, dora):
+    if set(parts) != _EXPECTED_ROLES[embedding, dora]:
         raise LoRAValueError(
             f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
             f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
@@ -357,14 +364,3 @@ def _peft_plan(
     dropout = float(config["lora_dropout"])
     settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config["use_rslora"], use_dora=dora)
     return make_plan(site, source, tensors, lora_dropout_p=dropout, **settings)
-
-
-def _expected_roles(embedding: bool, dora: bool) -> set[str]:
-    """The roles (``_ROLES``) PEFT stores for one layer."""
-    if embedding:
-        roles = {"embedding_A", "embedding_B"}
-    else:
-        roles = {"A.weight", "B.weight"}
-    if dora:
-        roles.add("magnitude_vector")
-    return roles
