@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
 from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
-from .model import LoRASite, has_lora, lora_sites, register_lora
+from .model import LoRASite, has_lora, lora_sites, register_lora, require_lora, single_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 from .utils import tie_weights
 
@@ -103,21 +103,13 @@ def check_values(tensors: dict[str, torch.Tensor], where: Any, caller: str, reme
             )
 
 
-def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
-    if len(site.lora_indices) != 1:
-        raise LoRAValueError(f"{caller}: {site.name} carries {len(site.lora_indices)} LoRAs; expected one")
-    return site.lora
-
-
 def lora_tensors(model: nn.Module, caller: str, dtype: Any) -> tuple[list[LoRASite], dict[str, torch.Tensor]]:
     """The LoRA sites of ``model`` and their parameters ``<site>.<param>`` on the CPU, finite, in ``dtype``."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise LoRAValueError(
             f"{caller}: dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}"
         )
-    sites = lora_sites(model)
-    if not sites:
-        raise LoRAValueError(f"{caller}: the model has no LoRA to save; call minlora.add_lora(model) first")
+    sites = require_lora(model, caller)
     # clones: safetensors refuses tensors sharing memory (tie_weights)
     tensors = {
         f"{site.name}.{name}": getattr(single_lora(site, caller), name).detach().to(dtype).cpu().contiguous().clone()
@@ -168,10 +160,11 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
         old = single_lora(site, source)
         # another rank, or DoRA on one side only
         if _factor_shapes(old) != _factor_shapes(new):
+            kinds = ["DoRA" if lora.use_dora else "LoRA" for lora in (new, old)]
             raise LoRAValueError(
-                f"{source}: the adapter has {_describe(new)} for {site.name} but the model there has "
-                f"{_describe(old)}; call minlora.remove_lora(model) and load again (a model without LoRA gets "
-                "the adapter's)"
+                f"{source}: the adapter has {kinds[0]} of rank {new.rank} for {site.name} but the model there has "
+                f"{kinds[1]} of rank {old.rank}; call minlora.remove_lora(model) and load again (a model without "
+                "LoRA gets the adapter's)"
             )
     if not strict:
         return
@@ -186,13 +179,6 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
 
 def _factor_shapes(lora: LoRAParametrization) -> dict[str, tuple[int, ...]]:
     return {name: tuple(getattr(lora, name).shape) for name in lora.param_names}
-
-
-def _describe(lora: LoRAParametrization) -> str:
-    """``"LoRA of rank 8"`` / ``"DoRA of rank 8"``."""
-    if lora.use_dora:
-        return f"DoRA of rank {lora.rank}"
-    return f"LoRA of rank {lora.rank}"
 
 
 @torch.no_grad()
@@ -235,11 +221,7 @@ def base_fingerprint(model: nn.Module) -> str:
     """A sha256 digest of the base (un-adapted) weights of ``model``'s LoRA layers (names, shapes,
     values rounded to bf16): what :func:`save_adapter` records and :func:`load_adapter` checks.
     """
-    sites = lora_sites(model)
-    if not sites:
-        raise LoRAValueError(
-            "base_fingerprint: the model has no LoRA, so no adapted layers; call minlora.add_lora first"
-        )
+    sites = require_lora(model, "base_fingerprint")
     return _base_record(model, {s.name: s.original for s in sites})["sha256"]
 
 
@@ -357,12 +339,8 @@ def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, A
             peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)"
         raise LoRAFileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME}{peft}")
     tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
-    if "minlora" not in metadata:
-        raise AdapterFileError(
-            f"load_adapter: {file} has no minlora config in its metadata: it is not a minlora "
-            f"adapter (a PEFT adapter goes to minlora.import_peft_adapter); {_REMEDY}"
-        )
-    config = parse_json(metadata["minlora"], f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
+    # no minlora metadata: no format either, refused as not a minlora adapter
+    config = parse_json(metadata.get("minlora", "{}"), f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)
     problem = _config_problem(config)
     if problem:
         raise AdapterFileError(f"load_adapter: {file}: {problem}; {_REMEDY}")
@@ -423,8 +401,8 @@ def _plan_target(
 
 
 def _tied_layers(tied: list[dict[str, str]], plans: list[Plan], source: str) -> list[tuple[nn.Module, nn.Module]]:
-    """``(head, embedding)`` for each tied pair of the config, whose factors must hold one update (tying
-    would drop values otherwise).
+    """``(head, embedding)`` for each tied pair of the config, whose factors must be plain LoRA (tie_weights refuses
+    DoRA) holding one update (tying would drop values otherwise): checked here, before the model changes.
     """
     by_name = {site.name: (site.module, lora) for site, lora in plans}
     ties = []
@@ -432,9 +410,9 @@ def _tied_layers(tied: list[dict[str, str]], plans: list[Plan], source: str) -> 
         head, lin = by_name[tie["linear"]]
         embedding, emb = by_name[tie["embedding"]]
         one_update = torch.equal(lin.lora_A, emb.lora_B) and torch.equal(lin.lora_B, emb.lora_A)
-        if lin.fan_in_fan_out or not emb.fan_in_fan_out or not one_update:
+        if lin.fan_in_fan_out or not emb.fan_in_fan_out or lin.use_dora or emb.use_dora or not one_update:
             raise AdapterFileError(
-                f"{source}: the tied pair {tie} must be a linear layer's and an embedding's LoRA "
+                f"{source}: the tied pair {tie} must be a linear layer's and an embedding's plain LoRA (not DoRA) "
                 f"holding one update (the embedding's lora_A is the head's lora_B); {_REMEDY}"
             )
         ties.append((head, embedding))

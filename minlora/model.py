@@ -68,6 +68,19 @@ def has_lora(module: nn.Module, tensor_name: str) -> bool:
     )
 
 
+def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
+    """The one LoRA on ``site``'s tensor, else a ``ValueError`` naming ``caller``."""
+    count = 0
+    if has_lora(site.module, site.tensor_name):
+        count = len(site.lora_indices)
+    if count != 1:
+        raise LoRAValueError(
+            f"{caller}: {site.name} carries {count} LoRAs; it needs exactly one (minlora.add_lora adds one, "
+            "minlora.remove_lora removes them)"
+        )
+    return site.lora
+
+
 def lora_sites(model: nn.Module) -> list[LoRASite]:
     """Every parametrized tensor of ``model`` carrying a :class:`LoRAParametrization` (found by type)."""
     return [
@@ -76,6 +89,14 @@ def lora_sites(model: nn.Module) -> list[LoRASite]:
         for tensor_name in getattr(module, "parametrizations", {})
         if has_lora(module, tensor_name)
     ]
+
+
+def require_lora(model: nn.Module, caller: str) -> list[LoRASite]:
+    """:func:`lora_sites`, else (a model without LoRA) a ``ValueError`` naming ``caller``."""
+    sites = lora_sites(model)
+    if not sites:
+        raise LoRAValueError(f"{caller}: the model has no LoRA; call minlora.add_lora(model) first")
+    return sites
 
 
 def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
@@ -124,12 +145,9 @@ def _add_targets(targets: list[Target], caller: str) -> None:
     """Build every LoRA, then register them all (nothing is added on error); warn once about ranks
     above what a layer can use.
     """
-    todo, skipped, seen, oversized = [], [], set(), []
+    todo, skipped, oversized = [], [], []
     for name, module, tensor_name, factory in targets:
         full = tensor_path(name, tensor_name)
-        if (id(module), tensor_name) in seen:
-            continue
-        seen.add((id(module), tensor_name))
         if has_lora(module, tensor_name):
             skipped.append(full)
             continue
@@ -215,7 +233,7 @@ def add_lora_by_name(
         raise LoRAValueError("add_lora_by_name: target_module_names is empty; name at least one module")
     candidates = _targets(model, lora_config, require_match=False)
     module_names = [name for name, _ in model.named_modules() if name]
-    chosen: list[Target] = []
+    chosen: dict[Target, None] = {}
     for target in names:
         matched = [n for n in module_names if target in n]
         if not matched:
@@ -229,8 +247,9 @@ def add_lora_by_name(
                 f"add_lora_by_name: {target!r} matches {matched[:4]} but none of them is or contains a "
                 f"layer the LoRA config applies to"
             )
-        chosen += hits
-    _add_targets(chosen, "add_lora_by_name")
+        # a dict: a layer two names select is adapted once
+        chosen |= dict.fromkeys(hits)
+    _add_targets(list(chosen), "add_lora_by_name")
 
 
 def merge_lora(model: nn.Module) -> None:

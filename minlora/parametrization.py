@@ -86,8 +86,8 @@ class LoRAParametrization(nn.Module):
         for name, value in (("fan_in", fan_in), ("fan_out", fan_out), ("rank", rank)):
             check_int(value, f"LoRAParametrization: {name}")
         check_float(lora_dropout_p, "LoRAParametrization: lora_dropout_p", low=0.0, high=1.0)
-        # a negative alpha only flips the update, but zero would silently switch the adapter off
-        check_float(lora_alpha, "LoRAParametrization: lora_alpha")
+        # a negative alpha only flips the update, but zero would silently switch the adapter off (set_scaling checks
+        # the rest)
         if lora_alpha == 0:
             raise LoRAValueError("LoRAParametrization: lora_alpha must not be 0 (the adapter would do nothing)")
         self.fan_in = fan_in
@@ -135,7 +135,7 @@ class LoRAParametrization(nn.Module):
 
     def set_scaling(self, lora_alpha: float, use_rslora: bool | None = None) -> None:
         """``scaling = lora_alpha / rank`` (``/ sqrt(rank)`` with rsLoRA); ``use_rslora=None`` keeps the setting."""
-        check_float(lora_alpha, "set_scaling: lora_alpha")
+        check_float(lora_alpha, "LoRAParametrization: lora_alpha")
         if use_rslora is not None:
             self.use_rslora = bool(use_rslora)
         self.lora_alpha = lora_alpha
@@ -200,18 +200,12 @@ class LoRAParametrization(nn.Module):
         W = X.to(torch.promote_types(delta.dtype, X.dtype)).reshape(delta.shape)
         out = W + delta
         if self.use_dora:
-            out = out * self._dora_channel_scale(W, delta, dropped=A is not self.lora_A)
+            # the norm is that of the whole update, as PEFT's, whatever dropout did to A
+            if A is not self.lora_A:
+                delta = self.delta_weight()
+            # one scale per output channel, broadcast along the dimension the norm ran over
+            out = out * self.dora_scale(W, delta).unsqueeze(self.norm_dim)
         return out.reshape(X.shape).to(X.dtype)
-
-    def _dora_channel_scale(self, W: torch.Tensor, delta: torch.Tensor, dropped: bool) -> torch.Tensor:
-        """DoRA's scale, shaped to multiply the 2-D weight's output channels."""
-        # the norm is that of the whole update, as PEFT's, whatever dropout did to A
-        if dropped:
-            delta = self.delta_weight()
-        scale = self.dora_scale(W, delta)
-        if self.fan_in_fan_out:
-            return scale.view(1, -1)
-        return scale.view(-1, 1)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         if not self.enabled:

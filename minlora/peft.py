@@ -47,6 +47,13 @@ _PREFIX = "base_model.model."
 _REMEDY = "export or save the PEFT adapter again"
 # what follows `<module>.lora_` in PEFT's keys
 _ROLES = ("A.weight", "B.weight", "embedding_A", "embedding_B", "magnitude_vector")
+# the roles PEFT stores for one layer, by (is an embedding, DoRA)
+_EXPECTED_ROLES = {
+    (False, False): {"A.weight", "B.weight"},
+    (False, True): {"A.weight", "B.weight", "magnitude_vector"},
+    (True, False): {"embedding_A", "embedding_B"},
+    (True, True): {"embedding_A", "embedding_B", "magnitude_vector"},
+}
 # PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not loaded as something else.
 _UNSUPPORTED = re.compile(
     "lora_bias|modules_to_save|layer_replication|trainable_token_indices|target_parameters|alora_invocation_tokens"
@@ -64,8 +71,8 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, set[int]]:
-    """``(layout, the twin's vocabulary rows, ids of the layers whose vocabulary is padded)``."""
+def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, dict[int, int]]:
+    """``(layout, the twin's vocabulary rows, {id of a layer whose vocabulary is padded: its rows})``."""
     layout = getattr(model, LAYOUT_METHOD, dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
     real = None
@@ -79,7 +86,7 @@ def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, 
             f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
             f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
-    return layout, real, {id(m) for m in modules if raw_weight(m).shape[0] != real}
+    return layout, real, {id(m): raw_weight(m).shape[0] for m in modules if raw_weight(m).shape[0] != real}
 
 
 # ---------------------------------------------------------------------- export
@@ -88,13 +95,12 @@ def export_peft_adapter(
     directory: str | os.PathLike,
     *,
     base_model_name_or_path: str | None = None,
-    fan_in_fan_out: bool | None = None,
     task_type: str | None = "CAUSAL_LM",
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the LoRA of ``model`` as a PEFT adapter directory for a twin with the same module names
-    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. ``fan_in_fan_out`` defaults to the model's
-    ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``.
+    (``GPT2LMHeadModel`` for a ``gpt2.GPT``); returns it. The config's ``fan_in_fan_out`` comes from the
+    model's ``peft_adapter_layout()``; ranks and alphas other than the most common go into ``*_pattern``.
     ``base_model_name_or_path`` defaults to the model's ``name_or_path`` attribute, where it has one
     (``gpt2.GPT.from_pretrained`` records the hub id or folder it loaded).
     """
@@ -103,13 +109,11 @@ def export_peft_adapter(
     tensors = {}
     for site in sites:
         tensors |= _peft_tensors(site, ours, real, padded)
-    if fan_in_fan_out is None:
-        fan_in_fan_out = layout.get("fan_in_fan_out", False)
     config = _peft_config(model, {site.module_name: site.lora for site in sites})
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None)
     config |= {"task_type": task_type, "base_model_name_or_path": base_model_name_or_path}
-    config["fan_in_fan_out"] = bool(fan_in_fan_out)
+    config["fan_in_fan_out"] = bool(layout.get("fan_in_fan_out", False))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,31 +123,29 @@ def export_peft_adapter(
 
 
 def _peft_tensors(
-    site: LoRASite, ours: dict[str, torch.Tensor], real: int | None, padded: set[int]
+    site: LoRASite, ours: dict[str, torch.Tensor], real: int | None, padded: dict[int, int]
 ) -> dict[str, torch.Tensor]:
     """PEFT's tensors for one LoRA, keyed as in its file; ``ours`` holds the factors as saved."""
-    if len(site.plist) != 1 or site.tensor_name != "weight":
+    family, lora = family_name(site.module), site.lora
+    # PEFT's LoRA sits alone on a layer's weight, in the (out, in) layout (an embedding's in the transposed one)
+    alone = len(site.plist) == 1 and site.tensor_name == "weight" and lora.fan_in_fan_out == (family == "Embedding")
+    if family is None or not alone or (family == "Conv2d" and site.module.groups != 1):
         raise LoRAValueError(
-            f"export_peft_adapter: {site.name} has parametrizations {[type(p).__name__ for p in site.plist]}; "
-            f"PEFT expresses a LoRA alone on a weight only"
+            f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
+            f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out}, parametrizations "
+            f"{[type(p).__name__ for p in site.plist]})"
         )
     A, B, m = (ours.get(f"{site.name}.{n}") for n in PARAM_NAMES)
     # the twin has no padded vocabulary rows
     rows = slice(None)
     if id(site.module) in padded:
         rows = slice(real)
-    family, lora = family_name(site.module), site.lora
-    if family == "Linear" and not lora.fan_in_fan_out:
+    if family == "Linear":
         parts = _linear_parts(A, B, m, rows)
-    elif family == "Embedding" and lora.fan_in_fan_out:
+    elif family == "Embedding":
         parts = _embedding_parts(site, A, B, m, rows)
-    elif family == "Conv2d" and not lora.fan_in_fan_out and site.module.groups == 1:
-        parts = _conv_parts(site, A, B, m)
     else:
-        raise LoRAValueError(
-            f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
-            f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out})"
-        )
+        parts = _conv_parts(site, A, B, m)
     key = _PREFIX + site.module_name + ".lora_"
     return {key + role: t for role, t in parts.items()}
 
@@ -236,12 +238,9 @@ def _check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
         )
     if config.get("bias", "none") != "none":
         raise LoRAValueError(f"{where} has bias={config['bias']!r} (trained biases); minlora loads bias='none' only")
-    settings = dict(config)
-    for key, default in _DEFAULTS.items():
-        settings.setdefault(key, default)
-    # an empty dropout or pattern map (null, 0, {}) reads as the default too
-    for key in ("lora_dropout", "rank_pattern", "alpha_pattern"):
-        settings[key] = settings[key] or _DEFAULTS[key]
+    # PEFT's defaults where a setting is left out; an empty dropout or pattern map (null, 0, {}) reads as one too
+    empty_is_default = ("lora_dropout", "rank_pattern", "alpha_pattern")
+    settings = _DEFAULTS | {key: value for key, value in config.items() if value or key not in empty_is_default}
     try:
         _check_settings(settings)
     except (ValueError, TypeError, re.error) as e:
@@ -306,9 +305,9 @@ def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> 
     return default
 
 
-def _pad_rows(t: torch.Tensor, rows: int, real: int | None, padded: bool) -> torch.Tensor:
-    """Zero rows for a padded vocabulary (never sampled, so any value is exact)."""
-    if padded and t.shape[0] == real and rows > real:
+def _pad_rows(t: torch.Tensor, real: int | None, rows: int | None) -> torch.Tensor:
+    """Zero rows up to a padded vocabulary's ``rows`` (None: not padded); never sampled, so any value is exact."""
+    if rows is not None and t.shape[0] == real and rows > real:
         return torch.cat([t, t.new_zeros(rows - real, *t.shape[1:])])
     # a wrong row count is caught with the other shapes (make_plan)
     return t
@@ -325,25 +324,20 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     plans = []
     for module_name, parts in factors.items():
         site = LoRASite(module_name, get_module(model, module_name, source), "weight")
-        plans.append(_peft_plan(site, parts, config, real, id(site.module) in padded, source))
+        plans.append(_peft_plan(site, parts, config, real, padded.get(id(site.module)), source))
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model
 
 
 def _peft_plan(
-    site: LoRASite, parts: dict[str, torch.Tensor], config: dict[str, Any], real: int | None, pad: bool, source: str
+    site: LoRASite, parts: dict[str, torch.Tensor], config: dict, real: int | None, rows: int | None, source: str
 ) -> Plan:
-    """The plan for one module's PEFT factors ``parts``; ``pad``: its vocabulary rows are padded."""
+    """The plan for one module's PEFT factors ``parts``; ``rows``: its padded vocabulary's (None: not padded)."""
     module_name = site.module_name
-    weight = raw_weight(site.module)
-    # no weight: make_plan says so
-    rows = 0
-    if weight is not None:
-        rows = weight.shape[0]
     embedding = family_name(site.module) == "Embedding"
     dora = config["use_dora"]
-    if set(parts) != _expected_roles(embedding, dora):
+    if set(parts) != _EXPECTED_ROLES[embedding, dora]:
         raise LoRAValueError(
             f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
             f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
@@ -351,12 +345,12 @@ def _peft_plan(
         )
     if embedding:
         # ours: A (V, r), B (r, dim)
-        A = _pad_rows(parts["embedding_A"].t(), rows, real, pad)
+        A = _pad_rows(parts["embedding_A"].t(), real, rows)
         B = parts["embedding_B"].t()
     else:
         # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
         A = parts["A.weight"].flatten(1)
-        B = _pad_rows(parts["B.weight"].flatten(1), rows, real, pad)
+        B = _pad_rows(parts["B.weight"].flatten(1), real, rows)
     # factors of another rank than the config's are refused with the other shapes (make_plan)
     rank = _pattern_value(config["rank_pattern"], module_name, config["r"])
     alpha = _pattern_value(config["alpha_pattern"], module_name, config["lora_alpha"])
@@ -365,19 +359,8 @@ def _peft_plan(
         # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
         M = parts["magnitude_vector"].reshape(-1)
         if not embedding:
-            M = _pad_rows(M, rows, real, pad)
+            M = _pad_rows(M, real, rows)
         tensors["lora_magnitude_vector"] = M
     dropout = float(config["lora_dropout"])
     settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config["use_rslora"], use_dora=dora)
     return make_plan(site, source, tensors, lora_dropout_p=dropout, **settings)
-
-
-def _expected_roles(embedding: bool, dora: bool) -> set[str]:
-    """The roles (``_ROLES``) PEFT stores for one layer."""
-    if embedding:
-        roles = {"embedding_A", "embedding_B"}
-    else:
-        roles = {"A.weight", "B.weight"}
-    if dora:
-        roles.add("magnitude_vector")
-    return roles

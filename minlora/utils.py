@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .errors import LoRAValueError
-from .model import has_lora, iter_lora_modules, lora_sites
+from .model import LoRASite, iter_lora_modules, lora_sites, require_lora, single_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,8 @@ def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str,
     """Load several LoRA state dicts and keep each; :func:`select_lora` switches between them. The
     last one is active afterwards (as in minLoRA).
     """
+    require_lora(model, "load_multiple_lora")
     wanted = _named_lora_params(model, remove_duplicate=False)
-    if not wanted:
-        raise LoRAValueError("load_multiple_lora: the model has no LoRA; call minlora.add_lora(model) first")
     model.apply(apply_to_lora(LoRAParametrization.clear_stored_adapters))
     i = -1
     for i, state_dict in enumerate(lora_state_dicts):
@@ -138,7 +137,7 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     """``(head, embedding, head's LoRA, embedding's LoRA)`` for two layers in either order (minLoRA's
     examples pass the embedding first): the embedding's LoRA has the ``fan_in_fan_out`` layout.
     """
-    loras = [_single_weight_lora(layer, caller) for layer in (a, b)]
+    loras = [single_lora(LoRASite(type(layer).__name__, layer, "weight"), caller) for layer in (a, b)]
     if loras[0].fan_in_fan_out == loras[1].fan_in_fan_out:
         layout = "an embedding" if loras[0].fan_in_fan_out else "a linear"
         raise LoRAValueError(
@@ -149,19 +148,6 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     if loras[0].fan_in_fan_out:
         return b, a, loras[1], loras[0]
     return a, b, loras[0], loras[1]
-
-
-def _single_weight_lora(layer: nn.Module, caller: str) -> LoRAParametrization:
-    """The one LoRA on ``layer.weight``, else a ``ValueError`` naming ``caller``."""
-    found = []
-    if has_lora(layer, "weight"):
-        found = [p for p in layer.parametrizations["weight"] if isinstance(p, LoRAParametrization)]
-    if len(found) != 1:
-        raise LoRAValueError(
-            f"{caller}: {type(layer).__name__} has {len(found) or 'no'} LoRA on its weight; it needs one "
-            f"LoRA on each of the two layers (minlora.add_lora first)"
-        )
-    return found[0]
 
 
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
@@ -199,9 +185,8 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     """Freeze everything but LoRA; ``bias``: ``"none"``, ``"all"`` biases, or ``"lora_only"`` (those of LoRA layers)."""
     if bias not in ("none", "all", "lora_only"):
         raise LoRAValueError(f"mark_only_lora_as_trainable: bias must be 'none', 'all' or 'lora_only', got {bias!r}")
+    require_lora(model, "mark_only_lora_as_trainable")
     trainable = list(get_lora_params(model))
-    if not trainable:
-        raise LoRAValueError("mark_only_lora_as_trainable: the model has no LoRA; call minlora.add_lora(model) first")
     if bias == "all":
         trainable += list(get_bias_params(model))
     if bias == "lora_only":

@@ -129,7 +129,7 @@ def test_target_and_shape_mismatches_are_clear_errors(trained, tmp_path):
     load_adapter(model, path, strict=False)
     with pytest.raises(FileNotFoundError, match="must contain"):
         load_adapter(model, tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="no LoRA to save"):
+    with pytest.raises(ValueError, match="the model has no LoRA"):
         save_adapter(tiny_gpt(), tmp_path / "empty")
 
 

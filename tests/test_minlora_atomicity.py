@@ -105,7 +105,7 @@ def last_target(config: dict) -> dict:
 CONFIG_DAMAGE = {
     "truncated JSON": (lambda p: set_metadata(p, read_adapter(p)[1]["minlora"][:40]), "is not valid JSON"),
     "not an object": (lambda p: set_metadata(p, "[1, 2]"), "must hold a JSON object"),
-    "no config": (lambda p: rewrite(p, metadata_fn=lambda m: m.pop("minlora")), "no minlora config"),
+    "no config": (lambda p: rewrite(p, metadata_fn=lambda m: m.pop("minlora")), "not a minlora adapter"),
     "unknown format": (lambda p: edit_config(p, lambda c: c.update(format="something.else")), "not a minlora adapter"),
     "newer version": (lambda p: edit_config(p, lambda c: c.update(format_version=99)), "upgrade minlora"),
     "no targets": (lambda p: edit_config(p, lambda c: c.pop("targets")), "'targets' must be a non-empty object"),
@@ -243,6 +243,28 @@ def test_tied_pair_with_swapped_roles_is_refused(tmp_path):
     model = tiny_gpt()
     before = snapshot(model)
     with pytest.raises(AdapterFileError, match="must be a linear layer's and an embedding's"):
+        load_adapter(model, path)
+    assert_unchanged(model, before)
+
+
+def test_tied_dora_pair_is_refused_before_any_change(tmp_path):
+    """A hand-made file tying two DoRA layers: tie_weights refuses DoRA, so the load must refuse it first."""
+    path = save_adapter(tied_model(), tmp_path / "tied")
+
+    def to_dora(tensors):
+        tensors["lm_head.weight.lora_magnitude_vector"] = torch.ones(100)
+        tensors["transformer.wte.weight.lora_magnitude_vector"] = torch.ones(16)
+
+    def dora_config(metadata):
+        config = json.loads(metadata["minlora"])
+        for name in ("lm_head.weight", "transformer.wte.weight"):
+            config["targets"][name]["use_dora"] = True
+        metadata["minlora"] = json.dumps(config)
+
+    rewrite(path, to_dora, dora_config)
+    model = tiny_gpt()
+    before = snapshot(model)
+    with pytest.raises(AdapterFileError, match="DoRA"):
         load_adapter(model, path)
     assert_unchanged(model, before)
 

@@ -84,7 +84,7 @@ def test_parametrization_direct_and_set_scaling():
         LoRAParametrization(0, 4)
     lora = LoRAParametrization(8, 4, rank=2, lora_alpha=-2.0)  # a negative alpha is allowed: it only scales
     assert lora.scaling == -1.0
-    with pytest.raises(ValueError, match="set_scaling: lora_alpha must be a finite number"):
+    with pytest.raises(ValueError, match="LoRAParametrization: lora_alpha must be a finite number"):
         lora.set_scaling(NAN)
     assert lora.scaling == -1.0  # unchanged by the refused call
 
