@@ -138,7 +138,7 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
     return out
 
 
-def _refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
+def refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
     if not parametrized:
         return
@@ -146,7 +146,7 @@ def _refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     if len(parametrized) > 4:
         more = " ..."
     raise InvalidValueError(
-        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}{more}: merge them into the "
+        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}{more}: merge the adapter into the "
         f"weights first, e.g. minlora.merge_lora(model), then save"
     )
 
@@ -180,7 +180,7 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     transposed, padding stripped, zero biases for ``bias=False`` (GPT2LMHeadModel always has them),
     ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
     """
-    _refuse_parametrized(sd)
+    refuse_parametrized(sd)
     hint = _wrapped_hint(sd)
     ours = _fold_head_into_embedding(sd, "transformer.wte.weight")
     _check_keys(ours, _gpt_shapes(config), "GPT state dict", hint=hint)
