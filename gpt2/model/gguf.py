@@ -106,16 +106,17 @@ def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarr
     """``(bytes, type)`` of the tensor ``name``: ``data`` in ``kind``, or f16 where q8_0's 32-value
     blocks do not divide its rows, or f32 with a warning where the type cannot hold its values.
     """
-    try:
-        encoded = _quantize(gguf, data, kind)
-    except gguf.QuantError:
-        # A row length that is not a multiple of q8_0's 32-value block.
-        kind = gguf.GGMLQuantizationType.F16
-        encoded = _quantize(gguf, data, kind)
-    if kind == gguf.GGMLQuantizationType.F32:
-        return encoded, kind
-    # f16 holds |x| <= 65504, and q8_0's f16 block scales |x| / 127 no more: beyond that, inf.
+    # numpy's overflow warnings are silenced: the warning below names the tensor instead.
     with np.errstate(over="ignore", invalid="ignore"):
+        try:
+            encoded = gguf.quants.quantize(data, kind)
+        except gguf.QuantError:
+            # A row length that is not a multiple of q8_0's 32-value block.
+            kind = gguf.GGMLQuantizationType.F16
+            encoded = gguf.quants.quantize(data, kind)
+        if kind == gguf.GGMLQuantizationType.F32:
+            return encoded, kind
+        # f16 holds |x| <= 65504, and q8_0's f16 block scales |x| / 127 no more: beyond that, inf.
         overflow = np.isfinite(data) & ~np.isfinite(gguf.quants.dequantize(encoded, kind))
     if not overflow.any():
         return encoded, kind
@@ -127,12 +128,6 @@ def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarr
         kind.name.lower(),
     )
     return data, gguf.GGMLQuantizationType.F32
-
-
-def _quantize(gguf: Any, data: np.ndarray, kind: Any) -> np.ndarray:
-    """gguf's quantize, without numpy's overflow warning (:func:`_encode` names the tensor instead)."""
-    with np.errstate(over="ignore"):
-        return gguf.quants.quantize(data, kind)
 
 
 def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16", overwrite: bool = False) -> Path:
