@@ -257,9 +257,16 @@ class GPT(nn.Module):
                 f"than the model's context ({self.config.block_size}); use KVCache.for_model(model)"
             )
         if position_ids is not None:
-            _check_position_ids(position_ids, idx)
+            check_index_tensor("position_ids", position_ids)
+            if position_ids.shape not in ((T,), idx.shape):
+                raise InvalidValueError(
+                    f"position_ids must have shape ({T},) or {tuple(idx.shape)}, got {tuple(position_ids.shape)}"
+                )
         if targets is not None:
-            _check_target_tensor(targets, idx)
+            check_index_tensor("targets", targets)
+            if targets.shape != idx.shape:
+                raise InvalidValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+            # their values, on the CPU
             check_targets(targets, self.config.vocab_size)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> GPT:
@@ -369,20 +376,6 @@ def _positions_and_mask(
     elif position_ids is None:
         position_ids = torch.arange(T, dtype=torch.long, device=idx.device)
     return position_ids, attn_mask
-
-
-def _check_position_ids(position_ids: Any, idx: torch.Tensor) -> None:
-    check_index_tensor("position_ids", position_ids)
-    B, T = idx.shape
-    if position_ids.shape not in ((T,), (B, T)):
-        raise InvalidValueError(f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}")
-
-
-def _check_target_tensor(targets: Any, idx: torch.Tensor) -> None:
-    """Type and shape; their values are :func:`check_targets`'."""
-    check_index_tensor("targets", targets)
-    if targets.shape != idx.shape:
-        raise InvalidValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
 
 
 def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
