@@ -92,21 +92,6 @@ def _fold_head_into_embedding(sd: Mapping[str, torch.Tensor], wte_key: str) -> d
     return ours
 
 
-def _hf_tensor_to_gpt(short: str, value: torch.Tensor, config: GPTConfig) -> torch.Tensor | None:
-    """One tensor in our layout (Conv1D weights transposed), or None for a zero bias that
-    ``bias=False`` drops.
-    """
-    if short.endswith(".bias") and not config.bias:
-        if bool(value.count_nonzero()):
-            raise CheckpointMismatchError(
-                f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
-            )
-        return None
-    if short.endswith(CONV1D_WEIGHTS):
-        value = value.t()
-    return value.contiguous()
-
-
 def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Map a ``transformers`` GPT-2 state dict (GPT2LMHeadModel or GPT2Model keys) onto :class:`gpt2.GPT`'s.
 
@@ -124,9 +109,16 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
 
     out: dict[str, torch.Tensor] = {}
     for short, value in sd.items():
-        converted = _hf_tensor_to_gpt(short, value, config)
-        if converted is not None:
-            out["transformer." + short] = converted
+        if short.endswith(".bias") and not config.bias:
+            # bias=False drops the biases, which must then be zeros
+            if bool(value.count_nonzero()):
+                raise CheckpointMismatchError(
+                    f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
+                )
+            continue
+        if short.endswith(CONV1D_WEIGHTS):
+            value = value.t()
+        out["transformer." + short] = value.contiguous()
     pad = config.padded_vocab_size - config.vocab_size
     if pad:
         # Padded rows are never read (ids >= vocab_size are rejected, their logits sliced off);
