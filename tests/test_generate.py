@@ -228,9 +228,8 @@ def test_a_cache_longer_than_the_context_is_refused_at_its_first_forward(model, 
         (dict(top_p=1.5), r"top_p must be a finite number in \(0, 1\] \(or None\), got 1.5"),
         (dict(eos_token_id=128), r"eos_token_id must be an integer in \[0, 128\) \(or None\), got 128"),
         (dict(seed=1, generator=torch.Generator()), r"either seed or generator"),
-        (dict(idx=torch.tensor([1, 2, 3])), r"idx must be a \(batch, sequence\) tensor .* got shape \(3,\)"),
-        (dict(idx=torch.rand(1, 3)), r"idx must be a \(batch, sequence\) tensor .* dtype torch.float32"),
-        (dict(idx=torch.zeros(1, 0, dtype=torch.long)), r"the prompt is empty"),
+        (dict(idx=torch.tensor([1, 2, 3])), r"idx must have shape \(batch, sequence\), got shape \(3,\)"),
+        (dict(idx=torch.zeros(1, 0, dtype=torch.long)), r"idx is empty"),
         (
             dict(attention_mask=torch.ones(2, 4, dtype=torch.bool)),
             r"attention_mask must be a tensor of idx's shape \(1, 3\)",
@@ -254,12 +253,17 @@ def test_bad_arguments_raise_at_call_time(model, kwargs, message):
         model.generate(**kwargs)
 
 
+def test_a_float_prompt_is_refused_at_call_time(model):
+    with pytest.raises(TypeError, match=r"idx must be an integer tensor .* got torch.float32"):
+        stream(model, torch.rand(1, 3), 4)
+
+
 def test_pad_prompts_errors():
     with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
         pad_prompts([[1], []])
     with pytest.raises(ValueError, match="non-empty list"):
         pad_prompts([])
-    with pytest.raises(ValueError, match="pad_id must be a non-negative token id, got -1"):
+    with pytest.raises(ValueError, match="pad_prompts.pad_id must be an integer >= 0, got -1"):
         pad_prompts([[1]], pad_id=-1)
 
 

@@ -168,11 +168,11 @@ def test_dropout_only_in_training(tiny_config):
             ValueError,
             r"sequence length 65 exceeds the model's context \(block_size=64\)",
         ),
-        (lambda V, T: torch.rand(1, 4), TypeError, r"integer token ids .* got dtype torch.float32"),
+        (lambda V, T: torch.rand(1, 4), TypeError, r"idx must be an integer tensor .* got torch.float32"),
         (lambda V, T: torch.tensor([1, 2, 3]), ValueError, r"shape \(batch, sequence\), got shape \(3,\)"),
         (lambda V, T: torch.zeros(1, 2, 3, dtype=torch.long), ValueError, r"got shape \(1, 2, 3\)"),
         (lambda V, T: torch.zeros(1, 0, dtype=torch.long), ValueError, r"idx is empty"),
-        (lambda V, T: [[1, 2, 3]], TypeError, r"must be a torch.Tensor of token ids, got list"),
+        (lambda V, T: [[1, 2, 3]], TypeError, r"idx must be an integer tensor .* got list"),
     ],
     ids=["too-long", "float", "1d", "3d", "empty", "list"],
 )

@@ -178,8 +178,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torc
     if any(len(p) == 0 for p in prompts):
         empty = [i for i, p in enumerate(prompts) if len(p) == 0]
         raise InvalidValueError(f"every prompt needs at least one token; prompts {empty} are empty")
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
-        raise InvalidValueError(f"pad_id must be a non-negative token id, got {pad_id!r}")
+    pad_id = check_value("pad_prompts", "pad_id", pad_id, Range(low=0, integer=True))
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), T), dtype=torch.bool)
@@ -221,7 +220,7 @@ def stream(
     twin made from the model as it is at this call (its hooks, modules, settings and weights); of a compiled
     model the twin decodes compiled too (the same tokens as the eager twin).
     """
-    _check_prompt_shape(idx)
+    check_idx(idx)
     V = model.config.vocab_size
     # numpy numbers are taken (as Python ones); NaN, bools and strings are not
     max_new_tokens = check_value("generate", "max_new_tokens", max_new_tokens, Range(low=0, integer=True))
@@ -250,17 +249,31 @@ def stream(
     return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
 
 
-def _check_prompt_shape(idx: Any) -> None:
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
-        got = f"shape {tuple(idx.shape)} dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+def check_index_tensor(name: str, value: Any) -> None:
+    """A TypeError naming ``name`` unless ``value`` is an integer tensor (torch.long, or int32)."""
+    if not isinstance(value, torch.Tensor) or value.dtype not in (torch.long, torch.int32):
+        got = getattr(value, "dtype", type(value).__name__)
+        raise TypeError(f"{name} must be an integer tensor (torch.long) of token ids, got {got}; convert with .long()")
+
+
+def check_idx(idx: Any, block_size: int | None = None) -> None:
+    """The token ids ``(B, T)`` of a forward (at most ``block_size`` long) or of prompts (cropped by generation):
+    types and shapes only, no device sync.
+    """
+    check_index_tensor("idx", idx)
+    if idx.dim() != 2:
         raise InvalidValueError(
-            f"idx must be a (batch, sequence) tensor of token ids (torch.long), got {got}; "
-            f"for one prompt use torch.tensor([ids])"
+            f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; for a single sequence use idx[None]"
         )
     if idx.size(0) == 0 or idx.size(1) == 0:
         raise InvalidValueError(
-            f"the prompt is empty (shape {tuple(idx.shape)}): generation needs at least one token to "
-            f"condition on (e.g. <|endoftext|>, id 50256 for GPT-2)"
+            f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row (e.g. <|endoftext|>, id 50256 "
+            f"for GPT-2)"
+        )
+    if block_size is not None and block_size < idx.size(1):
+        raise InvalidValueError(
+            f"sequence length {idx.size(1)} exceeds the model's context (block_size={block_size}); "
+            f"crop the input to the last {block_size} tokens"
         )
 
 

@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn.utils import parametrize
 
 from gpt2.errors import InvalidValueError
 from gpt2.files import check_new_file, write_new_file
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf import OVERWRITE_FLAG
+from gpt2.model.hf_convert import CONV1D_WEIGHTS, gpt_to_hf_state_dict, refuse_parametrized
 from gpt2.model.tokenizer import EOT_TOKEN, bpe_files, read_bpe_files
 
 logger = logging.getLogger(__name__)
@@ -36,17 +36,6 @@ logger = logging.getLogger(__name__)
 GGUF_TYPES = ("f32", "f16", "q8_0")
 # Each type's gguf.LlamaFileType member: what the file says its matrices are.
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
-
-# Our module name -> llama.cpp's tensor (gguf.MODEL_TENSOR member); block tensors take the layer.
-_GLOBAL = {"transformer.wte": "TOKEN_EMBD", "transformer.wpe": "POS_EMBD", "transformer.ln_f": "OUTPUT_NORM"}
-_BLOCK = {
-    "ln_1": "ATTN_NORM",
-    "attn.c_attn": "ATTN_QKV",
-    "attn.c_proj": "ATTN_OUT",
-    "ln_2": "FFN_NORM",
-    "mlp.c_fc": "FFN_UP",
-    "mlp.c_proj": "FFN_DOWN",
-}
 
 
 def _import_gguf() -> Any:
@@ -58,28 +47,22 @@ def _import_gguf() -> Any:
 
 
 def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """GGUF tensor name -> float32 tensor, vocabulary padding cut off. No transposes: llama.cpp keeps
-    matrices as (out, in) like ``nn.Linear``; zero biases for ``bias=False`` (its graph needs them).
+    """GGUF tensor name -> float32 tensor: the ``transformers`` state dict (:func:`gpt_to_hf_state_dict`: padding cut
+    off, zero biases for ``bias=False``, which llama.cpp's graph needs) under the names llama.cpp's converter gives
+    it (gguf's own name map), with the Conv1D weights back in ``nn.Linear``'s (out, in), as llama.cpp keeps them.
     """
     gguf = _import_gguf()
-    sd = unwrap_model(model).state_dict()
-    out: dict[str, torch.Tensor] = {}
-
-    def put(prefix: str, kind: str, block: int | None = None) -> None:
-        name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, kind)].format(bid=block)
-        weight = sd[f"{prefix}.weight"]
-        out[f"{name}.weight"] = weight
-        if not prefix.endswith(("wte", "wpe")):
-            out[f"{name}.bias"] = sd.get(f"{prefix}.bias", torch.zeros(weight.shape[0]))
-
-    for prefix, kind in _GLOBAL.items():
-        put(prefix, kind)
-    for i in range(config.n_layer):
-        for module, kind in _BLOCK.items():
-            put(f"transformer.h.{i}.{module}", kind, i)
+    hf_sd = gpt_to_hf_state_dict(unwrap_model(model).state_dict(), config)
     # The LM head is tied to the embedding: with no output.weight llama.cpp reuses token_embd.
-    out["token_embd.weight"] = out["token_embd.weight"][: config.vocab_size]
-    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in out.items()}
+    del hf_sd["lm_head.weight"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, config.n_layer)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in hf_sd.items():
+        if key.endswith(CONV1D_WEIGHTS):
+            value = value.t()
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        out[name] = value.detach().to("cpu", torch.float32).contiguous()
+    return out
 
 
 def _vocabulary() -> tuple[list[str], list[str]]:
@@ -88,13 +71,8 @@ def _vocabulary() -> tuple[list[str], list[str]]:
     """
     vocab_bpe, encoder_json = bpe_files()
     vocabulary = read_bpe_files(vocab_bpe, encoder_json)
-    encoder = vocabulary.encoder
-    tokens = sorted(encoder, key=encoder.__getitem__)
-    # The merges checked the other 50256; the file's token list needs <|endoftext|> too, last.
-    if len(tokens) != GPT2_VOCAB_SIZE or encoder[tokens[-1]] != EOT_TOKEN:
-        raise InvalidValueError(
-            f"{str(encoder_json)!r} holds {len(tokens)} tokens; GPT-2's vocabulary has {GPT2_VOCAB_SIZE}"
-        )
+    # All 50257, <|endoftext|> last (read_bpe_files checked them).
+    tokens = sorted(vocabulary.encoder, key=vocabulary.encoder.__getitem__)
     return tokens, vocabulary.merges
 
 
@@ -113,10 +91,7 @@ def _check_exportable(model: torch.nn.Module, dtype: str) -> GPTConfig:
     config = getattr(model, "config", None)
     if not isinstance(config, GPTConfig):
         raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
-    if any(parametrize.is_parametrized(m) for m in model.modules()):
-        raise InvalidValueError(
-            "the model still carries a LoRA/DoRA adapter: merge it first (minlora.merge_lora(model))"
-        )
+    refuse_parametrized(model.state_dict())
     check_tied_head(model)
     if dtype not in GGUF_TYPES:
         raise InvalidValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
@@ -131,16 +106,17 @@ def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarr
     """``(bytes, type)`` of the tensor ``name``: ``data`` in ``kind``, or f16 where q8_0's 32-value
     blocks do not divide its rows, or f32 with a warning where the type cannot hold its values.
     """
-    try:
-        encoded = _quantize(gguf, data, kind)
-    except gguf.QuantError:
-        # A row length that is not a multiple of q8_0's 32-value block.
-        kind = gguf.GGMLQuantizationType.F16
-        encoded = _quantize(gguf, data, kind)
-    if kind == gguf.GGMLQuantizationType.F32:
-        return encoded, kind
-    # f16 holds |x| <= 65504, and q8_0's f16 block scales |x| / 127 no more: beyond that, inf.
+    # numpy's overflow warnings are silenced: the warning below names the tensor instead.
     with np.errstate(over="ignore", invalid="ignore"):
+        try:
+            encoded = gguf.quants.quantize(data, kind)
+        except gguf.QuantError:
+            # A row length that is not a multiple of q8_0's 32-value block.
+            kind = gguf.GGMLQuantizationType.F16
+            encoded = gguf.quants.quantize(data, kind)
+        if kind == gguf.GGMLQuantizationType.F32:
+            return encoded, kind
+        # f16 holds |x| <= 65504, and q8_0's f16 block scales |x| / 127 no more: beyond that, inf.
         overflow = np.isfinite(data) & ~np.isfinite(gguf.quants.dequantize(encoded, kind))
     if not overflow.any():
         return encoded, kind
@@ -152,12 +128,6 @@ def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarr
         kind.name.lower(),
     )
     return data, gguf.GGMLQuantizationType.F32
-
-
-def _quantize(gguf: Any, data: np.ndarray, kind: Any) -> np.ndarray:
-    """gguf's quantize, without numpy's overflow warning (:func:`_encode` names the tensor instead)."""
-    with np.errstate(over="ignore"):
-        return gguf.quants.quantize(data, kind)
 
 
 def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "f16", overwrite: bool = False) -> Path:

@@ -22,6 +22,7 @@ from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 from gpt2.model import hf
 from gpt2.model.config import GPTConfig, rounded_up
+from gpt2.model.generate import check_idx, check_index_tensor
 from gpt2.model.generate import generate as _generate
 from gpt2.model.generate import stream as _stream
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Target value that the loss skips (nanoGPT's convention; Hugging Face uses -100).
 IGNORE_INDEX = -1
-_INDEX_DTYPES = (torch.long, torch.int32)
 
 
 class CausalSelfAttention(nn.Module):
@@ -248,7 +248,7 @@ class GPT(nn.Module):
             raise InvalidValueError("head=False gives no loss: pass no targets")
         if reduction not in ("mean", "sum"):
             raise InvalidValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        _check_idx(idx, self.config.block_size)
+        check_idx(idx, self.config.block_size)
         T = idx.size(1)
         # The cache's filling is not read: that would be a device sync.
         if kv_cache is not None and not T <= kv_cache.max_len <= self.config.block_size:
@@ -257,9 +257,16 @@ class GPT(nn.Module):
                 f"than the model's context ({self.config.block_size}); use KVCache.for_model(model)"
             )
         if position_ids is not None:
-            _check_position_ids(position_ids, idx)
+            check_index_tensor("position_ids", position_ids)
+            if position_ids.shape not in ((T,), idx.shape):
+                raise InvalidValueError(
+                    f"position_ids must have shape ({T},) or {tuple(idx.shape)}, got {tuple(position_ids.shape)}"
+                )
         if targets is not None:
-            _check_target_tensor(targets, idx)
+            check_index_tensor("targets", targets)
+            if targets.shape != idx.shape:
+                raise InvalidValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+            # their values, on the CPU
             check_targets(targets, self.config.vocab_size)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> GPT:
@@ -369,43 +376,6 @@ def _positions_and_mask(
     elif position_ids is None:
         position_ids = torch.arange(T, dtype=torch.long, device=idx.device)
     return position_ids, attn_mask
-
-
-def _check_idx(idx: Any, block_size: int) -> None:
-    if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
-    if idx.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}; convert with idx.long()")
-    if idx.dim() != 2:
-        raise InvalidValueError(
-            f"idx must have shape (batch, sequence), got shape {tuple(idx.shape)}; for a single sequence use idx[None]"
-        )
-    B, T = idx.shape
-    if B == 0 or T == 0:
-        raise InvalidValueError(f"idx is empty (shape {tuple(idx.shape)}): need at least one token per row")
-    if block_size < T:
-        raise InvalidValueError(
-            f"sequence length {T} exceeds the model's context (block_size={block_size}); "
-            f"crop the input to the last {block_size} tokens"
-        )
-
-
-def _check_position_ids(position_ids: Any, idx: torch.Tensor) -> None:
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INDEX_DTYPES:
-        raise TypeError("position_ids must be an integer tensor (torch.long)")
-    B, T = idx.shape
-    if position_ids.shape not in ((T,), (B, T)):
-        raise InvalidValueError(f"position_ids must have shape ({T},) or ({B}, {T}), got {tuple(position_ids.shape)}")
-
-
-def _check_target_tensor(targets: Any, idx: torch.Tensor) -> None:
-    """Type and shape; their values are :func:`check_targets`'."""
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {type(targets).__name__}")
-    if targets.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"targets must be an integer tensor (torch.long) of token ids, got {targets.dtype}")
-    if targets.shape != idx.shape:
-        raise InvalidValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
 
 
 def check_targets(targets: torch.Tensor, vocab_size: int) -> None:

@@ -125,8 +125,7 @@ def resolve_source(name_or_path: str | os.PathLike) -> str | Path:
     """
     if isinstance(name_or_path, str) and name_or_path in OFFICIAL_HUB_IDS:
         return name_or_path
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"expected a hub id or a path, got {type(name_or_path).__name__}")
+    # os.fspath: a TypeError for anything but a str or a PathLike
     name = os.fspath(name_or_path)
     path = Path(name).expanduser()
     if path.exists():
@@ -339,10 +338,10 @@ def load_pretrained(
         raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
     model = _from_transformers_weights(directory, config, model_class, device, dtype or torch.float32)
     model.name_or_path = str(directory.resolve())
-    if isinstance(resolve_source(name_or_path), str):
-        model.name_or_path = str(name_or_path)
     source = ""
-    if Path(str(name_or_path)).expanduser() != Path(directory):
+    # A hub id (its snapshot is another folder): transformers loads it by that name.
+    if Path(os.fspath(name_or_path)).expanduser() != directory:
+        model.name_or_path = str(name_or_path)
         source = f" from {directory}"
     logger.info("loaded %s (%s parameters)%s", name_or_path, f"{model.num_params():,}", source)
     return model.eval()

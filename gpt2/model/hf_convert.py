@@ -92,21 +92,6 @@ def _fold_head_into_embedding(sd: Mapping[str, torch.Tensor], wte_key: str) -> d
     return ours
 
 
-def _hf_tensor_to_gpt(short: str, value: torch.Tensor, config: GPTConfig) -> torch.Tensor | None:
-    """One tensor in our layout (Conv1D weights transposed), or None for a zero bias that
-    ``bias=False`` drops.
-    """
-    if short.endswith(".bias") and not config.bias:
-        if bool(value.count_nonzero()):
-            raise CheckpointMismatchError(
-                f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
-            )
-        return None
-    if short.endswith(CONV1D_WEIGHTS):
-        value = value.t()
-    return value.contiguous()
-
-
 def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Map a ``transformers`` GPT-2 state dict (GPT2LMHeadModel or GPT2Model keys) onto :class:`gpt2.GPT`'s.
 
@@ -124,9 +109,16 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
 
     out: dict[str, torch.Tensor] = {}
     for short, value in sd.items():
-        converted = _hf_tensor_to_gpt(short, value, config)
-        if converted is not None:
-            out["transformer." + short] = converted
+        if short.endswith(".bias") and not config.bias:
+            # bias=False drops the biases, which must then be zeros
+            if bool(value.count_nonzero()):
+                raise CheckpointMismatchError(
+                    f"key {short!r} holds non-zero biases but config.bias=False; load it with bias=True"
+                )
+            continue
+        if short.endswith(CONV1D_WEIGHTS):
+            value = value.t()
+        out["transformer." + short] = value.contiguous()
     pad = config.padded_vocab_size - config.vocab_size
     if pad:
         # Padded rows are never read (ids >= vocab_size are rejected, their logits sliced off);
@@ -138,7 +130,7 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
     return out
 
 
-def _refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
+def refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
     if not parametrized:
         return
@@ -146,7 +138,7 @@ def _refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     if len(parametrized) > 4:
         more = " ..."
     raise InvalidValueError(
-        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}{more}: merge them into the "
+        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}{more}: merge the adapter into the "
         f"weights first, e.g. minlora.merge_lora(model), then save"
     )
 
@@ -180,7 +172,7 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     transposed, padding stripped, zero biases for ``bias=False`` (GPT2LMHeadModel always has them),
     ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
     """
-    _refuse_parametrized(sd)
+    refuse_parametrized(sd)
     hint = _wrapped_hint(sd)
     ours = _fold_head_into_embedding(sd, "transformer.wte.weight")
     _check_keys(ours, _gpt_shapes(config), "GPT state dict", hint=hint)

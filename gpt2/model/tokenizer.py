@@ -100,11 +100,12 @@ def read_bpe_files(vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike
         if not path.is_file():
             raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
     vocabulary = _read_gpt2_bpe(vocab_bpe, encoder_json)
-    if len(vocabulary.ranks) != GPT2_VOCAB_SIZE - 1:
+    # The encoder's other tokens are the merges' (checked there); <|endoftext|> comes last, as GPT-2's.
+    if len(vocabulary.ranks) != GPT2_VOCAB_SIZE - 1 or vocabulary.encoder.get(ENDOFTEXT) != EOT_TOKEN:
         raise InvalidValueError(
-            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(vocabulary.ranks)} mergeable tokens; "
-            f"GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 bytes + 50000 merges + <|endoftext|>): are these GPT-2's "
-            "files?"
+            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(vocabulary.ranks)} mergeable tokens and "
+            f"<|endoftext|> as id {vocabulary.encoder.get(ENDOFTEXT)}; GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 "
+            f"bytes + 50000 merges + <|endoftext|> = {EOT_TOKEN}): are these GPT-2's files?"
         )
     return vocabulary
 
@@ -249,44 +250,34 @@ class Tokenizer:
         return [self.decode(row, errors=errors) for row in batch]
 
     def _to_ids(self, ids: Any) -> list[int]:
-        if isinstance(ids, (torch.Tensor, np.ndarray)):
-            ids = _array_to_ids(ids)
-        elif isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
-            ids = [int(ids)]
-        elif isinstance(ids, str):
+        """``ids`` (a sequence, an array or tensor on any device, or one id) as a list, each one checked."""
+        if isinstance(ids, str):
             raise TypeError("decode expects token ids, got a str; did you mean encode?")
-        else:
-            try:
-                ids = [int(i) for i in ids]
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"decode expects a sequence of integer token ids, got {ids!r:.100}") from e
-        for i in ids:
-            if not 0 <= i < self.n_vocab:
-                raise InvalidValueError(
-                    f"token id {i} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
-                    "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
-                )
-        return ids
+        if isinstance(ids, torch.Tensor):
+            ids = ids.cpu()
+        elif not isinstance(ids, (np.ndarray, int, np.integer, Sequence)):
+            # an iterator (a generator, map) is read once, here
+            ids = list(ids)
+        array = np.asarray(ids)
+        # an empty list reads as float64
+        if array.size == 0:
+            return []
+        if not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(f"cannot decode ids of dtype {array.dtype}; token ids must be integers, got {ids!r:.100}")
+        if array.ndim > 1:
+            raise InvalidValueError(
+                f"decode expects a 1-D sequence of ids, got shape {array.shape}; use decode_batch for a (B, T) batch"
+            )
+        outside = array[(array < 0) | (array >= self.n_vocab)]
+        if outside.size:
+            raise InvalidValueError(
+                f"token id {outside.flat[0]} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
+                "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
+            )
+        return array.reshape(-1).tolist()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.encoding.name!r}, n_vocab={self.n_vocab}, eot_token={self.eot_token})"
-
-
-def _array_to_ids(ids: torch.Tensor | np.ndarray) -> list[int]:
-    """The ids of a 0-D or 1-D integer tensor or array, as a list."""
-    if isinstance(ids, torch.Tensor):
-        integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
-    else:
-        integer = np.issubdtype(ids.dtype, np.integer)
-    if not integer:
-        raise TypeError(f"cannot decode ids of dtype {ids.dtype}; token ids must be integers")
-    if ids.ndim > 1:
-        raise InvalidValueError(
-            f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}; use decode_batch for a (B, T) batch"
-        )
-    if ids.ndim == 0:
-        return [ids.item()]
-    return ids.tolist()
 
 
 def _check_text(text: Any) -> None:
