@@ -111,19 +111,21 @@ def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str,
     """
     require_lora(model, "load_multiple_lora")
     wanted = _named_lora_params(model, remove_duplicate=False)
-    model.apply(apply_to_lora(LoRAParametrization.clear_stored_adapters))
-    i = -1
-    for i, state_dict in enumerate(lora_state_dicts):
-        extra = sorted(set(state_dict) - set(wanted))
-        if extra:
-            raise LoRAValueError(
-                f"load_multiple_lora: state dict #{i} has keys that are not LoRA factors of this model, "
-                f"e.g. {extra[:3]}; pass minlora.get_lora_state_dict outputs"
-            )
-        model.load_state_dict(dict(state_dict), strict=False)
-        model.apply(apply_to_lora(LoRAParametrization.store_adapter))
-    if i < 0:
+    # Every dict is checked before the model changes: a bad one later in the list leaves it as it was.
+    state_dicts = [dict(state_dict) for state_dict in lora_state_dicts]
+    if not state_dicts:
         raise LoRAValueError("load_multiple_lora: no state dicts given; pass at least one")
+    for i, state_dict in enumerate(state_dicts):
+        wrong = sorted(k for k, v in state_dict.items() if k not in wanted or tuple(v.shape) != wanted[k].shape)
+        if wrong:
+            raise LoRAValueError(
+                f"load_multiple_lora: state dict #{i} has entries that are not LoRA factors of this model (or "
+                f"not of their shape), e.g. {wrong[:3]}; pass minlora.get_lora_state_dict outputs"
+            )
+    model.apply(apply_to_lora(LoRAParametrization.clear_stored_adapters))
+    for state_dict in state_dicts:
+        model.load_state_dict(state_dict, strict=False)
+        model.apply(apply_to_lora(LoRAParametrization.store_adapter))
     return model
 
 

@@ -382,6 +382,13 @@ def test_load_multiple_lora_and_select_equal_loading_each_alone():
         select_lora(model, 3)
     with pytest.raises(ValueError, match="not LoRA factors"):
         load_multiple_lora(model, [{"lm_head.weight": torch.zeros(1)}])
+    # A bad dict after good ones (a wrong key, a wrong shape) or none at all leave the adapters as they were.
+    wrong_shape = {k: torch.zeros(1) for k in state_dicts[0]}
+    for bad in ([state_dicts[2], {"lm_head.weight": torch.zeros(1)}], [state_dicts[2], wrong_shape], []):
+        with pytest.raises(ValueError, match="not LoRA factors|no state dicts"):
+            load_multiple_lora(model, bad)
+        select_lora(model, 1)
+        torch.testing.assert_close(model(x)[0], outputs[1], rtol=0, atol=0)
     assert "stored_lora_A_0" not in model.state_dict(), "stored adapters stay out of state_dict"
 
 
