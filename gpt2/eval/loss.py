@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from gpt2.data.loader import TokenLoader, one_pass
-from gpt2.data.prepare import progress_enabled
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval import lockstep
+from gpt2.files import progress_enabled
 from gpt2.model.gpt import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
