@@ -248,6 +248,17 @@ def test_shards_named_like_the_prefix_but_unlisted_are_never_replaced(tmp_path, 
     assert folder_bytes(out) == before and sorted(os.listdir(out)) == sorted(before)
 
 
+def test_a_shard_changed_since_prepare_wrote_it_is_kept_even_with_overwrite(tmp_path):
+    out = tmp_path / "data"
+    prepare_bytes(out, ["an earlier data set " * 3])
+    changed = out / "t_train_000001.npy"
+    changed.write_bytes(changed.read_bytes()[:-2] + b"!!")
+    before = folder_bytes(out)
+    with pytest.raises(FileExistsError, match=r"1 file\(s\) named as shards of prefix 't' \(e.g. t_train_000001.npy\)"):
+        prepare_bytes(out, ["a new data set"], overwrite=True)
+    assert folder_bytes(out) == before
+
+
 def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_path, monkeypatch):
     class NoFlock:
         LOCK_EX, LOCK_NB = 2, 4

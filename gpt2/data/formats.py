@@ -89,9 +89,9 @@ def split_of(name: str, split: str | None = None) -> str | None:
     return None
 
 
-def recorded_shards(directory: Path) -> dict[str, dict[str, Any]] | None:
-    """The token files gpt2's record in ``directory`` lists (:mod:`gpt2.outputs`), by name, with their size and
-    sha256 (``None``: it lists none). The cheap checks run on every call (the record is readable, each listed
+def recorded_shards(directory: Path) -> dict[str, str] | None:
+    """The sha256 of each token file gpt2's record in ``directory`` lists (:mod:`gpt2.outputs`), by name
+    (``None``: it lists none). The cheap checks run on every call (the record is readable, each listed
     shard exists with its size, none is unlisted), raising :class:`ShardManifestError`.
     """
     entries = OutputFolder(directory).read()
@@ -120,7 +120,7 @@ def recorded_shards(directory: Path) -> dict[str, dict[str, Any]] | None:
         raise manifest_mismatch(
             directory, f"{unlisted[0]} is not listed in it ({len(unlisted)} unlisted token file(s): move them out)"
         )
-    return shards
+    return {name: entry["sha256"] for name, entry in shards.items()}
 
 
 def read_text(path: str | os.PathLike) -> str:

@@ -64,7 +64,7 @@ class _Shard:
 
     __slots__ = ("name", "path", "array", "length", "checked_vocab", "sha256")
 
-    def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, entry=None):
+    def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, sha256=None):
         self.name, self.path, self.array = name, path, array
         if array is not None:
             self.length = len(array)
@@ -75,9 +75,7 @@ class _Shard:
         # The vocab_size its ids were last checked against.
         self.checked_vocab: int | None = None
         # The digest still to verify; None: nothing (more) to verify.
-        self.sha256: str | None = None
-        if entry is not None:
-            self.sha256 = entry["sha256"]
+        self.sha256: str | None = sha256
 
     def open(self, vocab_size: int | None) -> np.ndarray:
         # The digest reads the whole shard, so it is checked once, when the shard is first opened
@@ -98,10 +96,10 @@ class _Shard:
 
 def _directory_shards(path: Path, split: str | None) -> list[_Shard]:
     """The shards of a directory (of ``split``), each checked against the folder's record if it has one."""
-    entries = recorded_shards(path)
-    if entries is None:
+    digests = recorded_shards(path)
+    if digests is None:
         _warn_unverified(str(path))
-        entries = {}
+        digests = {}
     files = token_files(path, split)
     if not files:
         what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"
@@ -109,7 +107,7 @@ def _directory_shards(path: Path, split: str | None) -> list[_Shard]:
             f"no {what} in directory {str(path)!r}; write shards with "
             "gpt2.data.write_shards or tokenize_file, or check the path and split"
         )
-    return [_Shard(f"shard {str(p)!r}", path=p, entry=entries.get(p.name)) for p in files]
+    return [_Shard(f"shard {str(p)!r}", path=p, sha256=digests.get(p.name)) for p in files]
 
 
 class TokenLoader:
