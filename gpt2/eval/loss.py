@@ -122,7 +122,13 @@ def evaluate_loss(
             f"the evaluation data holds only {seen} batch(es) of {batch_size} x {seq_len} tokens; scored them once "
             f"instead of max_batches={max_batches} (no batch is read twice)"
         )
-    mean = _finite_mean(total, n_tokens, source)
+    mean = total / n_tokens
+    if not math.isfinite(mean):
+        raise NonFiniteLossError(
+            f"the validation loss of {source} is {mean} over {n_tokens:,} tokens: its weights or activations "
+            "overflow (a diverged run or a damaged file?); evaluate an earlier checkpoint, or try fp32",
+            mean,
+        )
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
 
 
@@ -216,15 +222,3 @@ def _batch_loss(
     # scored and not counted, so the mean is over the scored tokens only.
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
     return loss, (y != IGNORE_INDEX).sum()
-
-
-def _finite_mean(total: float, n_tokens: int, source: str) -> float:
-    """The mean loss per token; :class:`NonFiniteLossError` if it is inf or NaN."""
-    mean = total / n_tokens
-    if not math.isfinite(mean):
-        raise NonFiniteLossError(
-            f"the validation loss of {source} is {mean} over {n_tokens:,} tokens: its weights or activations "
-            "overflow (a diverged run or a damaged file?); evaluate an earlier checkpoint, or try fp32",
-            mean,
-        )
-    return mean
