@@ -136,17 +136,13 @@ def _is_per_rank(data: Any, world_size: int) -> bool:
     """Whether ``data`` is a loader built for this rank and world size (this rank's share already); under
     ``distributed=True`` any other loader must be a one-process one.
     """
-    if world_size == 1:
-        return False
     data_world_size = getattr(data, "world_size", 1)
-    if data_world_size == world_size:
-        return True
-    if data_world_size != 1:
+    if world_size > 1 and data_world_size not in (1, world_size):
         raise InvalidValueError(
             "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
             "token file, a one-process TokenLoader (world_size=1) or one built for this rank and world size"
         )
-    return False
+    return world_size > 1 and data_world_size == world_size
 
 
 def _eval_loader(model: nn.Module, data: Any, batch_size: int, seq_len: int, split: str | None) -> Any:
