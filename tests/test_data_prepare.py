@@ -259,6 +259,28 @@ def test_a_shard_changed_since_prepare_wrote_it_is_kept_even_with_overwrite(tmp_
     assert folder_bytes(out) == before
 
 
+def test_a_run_is_not_mixed_into_a_prepared_shard_folder(tmp_path):
+    """The folder's record proves the shards are gpt2's, but they are not a run's: a fresh run there is refused,
+    and one with overwrite keeps them.
+    """
+    from _tiny_run import tiny_config, tiny_model, tiny_tokens
+
+    from gpt2 import Trainer
+    from gpt2.train.rundir import RunDirNotEmptyError
+
+    out = tmp_path / "data"
+    prepare_bytes(out, ["an earlier data set " * 3])
+    before = folder_bytes(out)
+    with pytest.raises(RunDirNotEmptyError, match=r"did not write \(t_train_000001.npy"):
+        Trainer(tiny_model(), tiny_config(out), tiny_tokens(), sinks=[])
+    assert folder_bytes(out) == before
+    with Trainer(tiny_model(), tiny_config(out, max_steps=1, overwrite=True), tiny_tokens(), sinks=[]) as trainer:
+        trainer.fit()
+    assert {name: folder_bytes(out)[name] for name in before if name != RECORD_FILE} == {
+        name: data for name, data in before.items() if name != RECORD_FILE
+    }
+
+
 def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_path, monkeypatch):
     class NoFlock:
         LOCK_EX, LOCK_NB = 2, 4
