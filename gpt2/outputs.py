@@ -66,27 +66,40 @@ class OutputFolder:
             return None
         return data
 
-    def record(self, rels: Iterable[str], *, appends: Iterable[str] = (), digests: Iterable[str] = ()) -> None:
+    def record(
+        self,
+        rels: Iterable[str],
+        *,
+        appends: Iterable[str] = (),
+        digests: Iterable[str] = (),
+        staged: Path | None = None,
+    ) -> None:
         """Record, after writing them, the files ``rels`` (relative paths; a folder stands for the files under
         it), ``appends`` (logs gpt2 appends to) and ``digests`` (folders of checkpoints). A record that cannot
-        be written is a warning: the files then count as not gpt2's, which can only keep them.
+        be written is a warning: the files then count as not gpt2's, which can only keep them. ``staged``: the
+        folder that holds the files ``rels`` until the caller moves them in, next; then that error is raised,
+        for the caller to undo its moves.
         """
         entries = self.read() or {}
-        appends = set(appends)
+        appends, rels = set(appends), list(rels)
+        source = staged or self.path
         for rel in [*rels, *appends]:
-            for file in _files_under(self.path / rel):
-                name = file.relative_to(self.path).as_posix()
+            for file in _files_under(source / rel):
+                name = file.relative_to(source).as_posix()
                 entries[name] = {"size": os.lstat(file).st_size, "sha256": _sha256(file)}
                 if rel in appends:
                     entries[name]["appends"] = True
         for rel in digests:
             entries[rel] = {"digests": DIGEST_FILE}
-        # What is gone is dropped.
-        entries = {rel: entry for rel, entry in entries.items() if os.path.lexists(self.path / rel)}
+        # What is gone is dropped; staged files are not in yet.
+        incoming = set(rels) if staged else set()
+        entries = {rel: entry for rel, entry in entries.items() if os.path.lexists(self.path / rel) or rel in incoming}
         text = json.dumps(entries, indent=1, sort_keys=True) + "\n"
         try:
             replace_atomically(self.record_file, lambda f: f.write(text.encode("utf-8")))
         except OSError as e:
+            if staged is not None:
+                raise
             logger.warning("could not record what gpt2 wrote in %s (%s): it counts as not gpt2's", self.path, e)
 
     def sort(self, rel: str) -> tuple[list[Path], list[Path]]:

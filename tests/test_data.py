@@ -119,8 +119,8 @@ def test_write_shards_round_trip(tmp_path, num_workers):
     )
     n_shards = -(-len(expected) // size)
     assert [p.name for p in paths] == ["tiny_val_000000.npy"] + [f"tiny_train_{i:06d}.npy" for i in range(1, n_shards)]
-    # Nothing but the shards and their manifest (no temporaries, no staging folder).
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in paths] + ["tiny.shards.json"])
+    # Nothing but the shards and their record (no temporaries, no staging folder).
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in paths] + [".gpt2-outputs.json"])
     shards = [load_tokens(p) for p in paths]
     assert all(s.dtype == np.uint16 for s in shards)
     assert [len(s) for s in shards[:-1]] == [size] * (n_shards - 1) and 0 < len(shards[-1]) <= size
@@ -147,7 +147,7 @@ def test_write_shards_overwrite_and_errors(tmp_path):
     second = write_shards(DOCS[:1], tmp_path, prefix="p", shard_size=8, progress=False, overwrite=True)
     assert len(second) < len(first)
     assert sorted(tmp_path.glob("p_*.npy")) == sorted(second)
-    assert TokenLoader(tmp_path, 1, 2).num_shards == len(second)  # the manifest lists only the new ones
+    assert TokenLoader(tmp_path, 1, 2).num_shards == len(second)  # the record lists only the new ones
 
     with pytest.raises(TypeError, match="row\\['text'\\]"):
         write_shards([{"text": "a"}], tmp_path / "rows", prefix="r", progress=False)

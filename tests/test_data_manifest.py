@@ -1,5 +1,5 @@
-"""`prepare` is atomic: shards and their manifest are written whole or not at
-all, and a folder whose shards do not match its manifest is refused by the loader.
+"""`prepare` is atomic: shards and their record (.gpt2-outputs.json) are written whole or not at
+all, and a folder whose shards do not match the record is refused by the loader.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 from conftest import forked
 
+from gpt2 import outputs
 from gpt2.data import ShardManifestError, ShardWriteError, TokenLoader, load_tokens, prepare, write_shards, write_tokens
 from gpt2.data.loader import make_loader
 from gpt2.files import Stopped
+from gpt2.outputs import RECORD_FILE
 
 B, T = 1, 4
 OLD = ["an earlier data set, " * 3, "kept when a prepare fails"]
@@ -67,37 +69,35 @@ def earlier(tmp_path):
     return out
 
 
-def test_manifest_lists_every_shard_and_is_moved_in_last(tmp_path, monkeypatch):
+def test_record_lists_every_shard_before_they_move_in(tmp_path, monkeypatch):
     moved, real_replace = [], os.replace
     monkeypatch.setattr(os, "replace", lambda src, dst: (moved.append(Path(dst)), real_replace(src, dst)))
     out = tmp_path / "data"
     paths = prepare_into(out, NEW)
-    manifest = json.loads((out / "t.shards.json").read_text())
-    assert [e["name"] for e in manifest["shards"]] == [p.name for p in paths] and len(paths) > 3
-    for entry, path in zip(manifest["shards"], paths):
-        assert entry["tokens"] == len(load_tokens(path)) and entry["bytes"] == path.stat().st_size
-        assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert manifest["tokenizer"]["eot"] == 256
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert sorted(record) == sorted(p.name for p in paths) and len(paths) > 3
+    for path in paths:
+        assert record[path.name]["size"] == path.stat().st_size
+        assert record[path.name]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     np.testing.assert_array_equal(np.concatenate([load_tokens(p) for p in paths]), stream(NEW))
-    # Into the folder go: a marker under the manifest's name, the shards, then the manifest.
+    # Into the folder go: the record, then the shards.
     into_out = [p.name for p in moved if p.parent == out]
-    assert into_out == ["t.shards.json", *[p.name for p in paths], "t.shards.json"]
-    assert sorted(os.listdir(out)) == sorted([p.name for p in paths] + ["t.shards.json"])  # no leftovers
+    assert into_out == [RECORD_FILE, *[p.name for p in paths]]
+    assert sorted(os.listdir(out)) == sorted([p.name for p in paths] + [RECORD_FILE])  # no leftovers
 
 
 @pytest.mark.parametrize(
     "damage, message",
     [
         ("missing", "t_train_000002.npy is missing"),
-        ("truncated", "t_train_000002.npy has 130 bytes, the manifest records 160"),
+        ("truncated", "t_train_000002.npy has 130 bytes, the record lists 160"),
         ("changed", "t_train_000002.npy has changed"),
         ("extra", "t_train_000099.npy is not listed"),
-        ("manifest damaged", "t.shards.json is damaged"),
-        ("pending", "stopped while moving its shards into place"),
+        ("record damaged", f"{RECORD_FILE} is damaged"),
     ],
 )
-def test_loader_refuses_a_folder_that_does_not_match_its_manifest(earlier, damage, message):
-    shard, manifest = earlier / "t_train_000002.npy", earlier / "t.shards.json"
+def test_loader_refuses_a_folder_that_does_not_match_its_record(earlier, damage, message):
+    shard, record = earlier / "t_train_000002.npy", earlier / RECORD_FILE
     if damage == "missing":
         shard.unlink()
     elif damage == "truncated":
@@ -108,10 +108,8 @@ def test_loader_refuses_a_folder_that_does_not_match_its_manifest(earlier, damag
         shard.write_bytes(bytes(data))
     elif damage == "extra":
         np.save(earlier / "t_train_000099.npy", np.arange(20, dtype=np.uint16))
-    elif damage == "manifest damaged":
-        manifest.write_text(manifest.read_text()[:50])
-    else:  # what a prepare killed while moving its shards leaves as the manifest
-        manifest.write_text(json.dumps({"format": "gpt2-shards", "pending": True, "names": [shard.name]}))
+    else:
+        record.write_text(record.read_text()[:50])
     with pytest.raises(ShardManifestError, match=f"{message}.*re-run `gpt2 prepare`"):
         read_all(earlier, "train")
     # train and eval build their loaders the same way.
@@ -133,7 +131,7 @@ def test_digests_are_checked_when_a_shard_is_first_opened(earlier):
         TokenLoader(earlier, B, T, split="train", vocab_size=257)  # opens (and checks) the first shard now
 
 
-def test_a_folder_without_manifest_loads_with_one_warning(tmp_path, caplog):
+def test_a_folder_without_record_loads_with_one_warning(tmp_path, caplog):
     ids = np.arange(100, dtype=np.uint16)
     nanogpt, llmc = tmp_path / "fineweb", tmp_path / "llmc"
     nanogpt.mkdir()
@@ -146,7 +144,7 @@ def test_a_folder_without_manifest_loads_with_one_warning(tmp_path, caplog):
             assert TokenLoader(nanogpt, B, T, split=split, vocab_size=257).num_tokens == 100
         assert TokenLoader(llmc, B, T, vocab_size=257).num_tokens == 100
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2 and all("no manifest" in w and "nothing verifies" in w for w in warnings)
+    assert len(warnings) == 2 and all("no record" in w and "nothing verifies" in w for w in warnings)
     assert str(nanogpt) in warnings[0] and str(llmc) in warnings[1]
 
 
@@ -170,11 +168,11 @@ def test_leftovers_of_a_killed_prepare_are_removed_by_the_next(tmp_path):
     alive.mkdir()
     elsewhere.mkdir()
     paths = prepare_into(out, OLD)
-    assert sorted(os.listdir(out)) == sorted([alive.name, elsewhere.name, "t.shards.json", *(p.name for p in paths)])
+    assert sorted(os.listdir(out)) == sorted([alive.name, elsewhere.name, RECORD_FILE, *(p.name for p in paths)])
     np.testing.assert_array_equal(read_all(out, "train"), stream(OLD)[16:])
 
 
-@pytest.mark.parametrize("where", ["a shard", "the manifest", "moving into place"])
+@pytest.mark.parametrize("where", ["a shard", "the record", "moving into place"])
 def test_disk_full_leaves_the_folder_as_it_was(earlier, tmp_path, monkeypatch, where):
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -192,8 +190,8 @@ def test_disk_full_leaves_the_folder_as_it_was(earlier, tmp_path, monkeypatch, w
 
     if where == "a shard":
         monkeypatch.setattr(prepare, "write_tokens", third_shard_fails)
-    elif where == "the manifest":
-        monkeypatch.setattr(prepare, "replace_atomically", disk_full)
+    elif where == "the record":
+        monkeypatch.setattr(outputs, "replace_atomically", disk_full)
     else:
         monkeypatch.setattr(os, "replace", fourth_move_fails)
     before = snapshot(earlier)
@@ -245,4 +243,4 @@ def test_a_signal_while_moving_into_place_completes_the_data_set(earlier):
     np.testing.assert_array_equal(read_all(earlier, "val"), stream(NEW)[:16])  # ... after the move
     np.testing.assert_array_equal(read_all(earlier, "train"), stream(NEW)[16:])
     assert (earlier / "notes.txt").read_text() == "the user's"
-    assert sorted(p.name for p in earlier.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in earlier.iterdir() if p.name.startswith(".")) == [RECORD_FILE]

@@ -1,5 +1,5 @@
-"""`gpt2 prepare` replaces only what its prefix's manifest lists, and one prepare at a time writes a
-prefix into a folder.
+"""`gpt2 prepare` replaces only its prefix's shards that the folder's record proves it wrote, and one
+prepare at a time writes a prefix into a folder.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from conftest import forked
 from gpt2 import files
 from gpt2.cli import main
 from gpt2.data import PrepareLockedError, ShardManifestError, TokenLoader, load_tokens, write_shards
+from gpt2.outputs import RECORD_FILE
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 30
 
@@ -56,14 +57,15 @@ def test_preparing_corpus_leaves_corpus_val_shards_alone(tmp_path, capsys, overw
     (tmp_path / "corpus.txt").write_text(TEXT.upper())
     assert cli_prepare(tmp_path / "corpus_val.txt", out) == 0
     theirs = folder_bytes(out)
-    assert sorted(theirs) == ["corpus_val.shards.json", "corpus_val_train_000001.npy", "corpus_val_val_000000.npy"]
+    assert sorted(theirs) == [RECORD_FILE, "corpus_val_train_000001.npy", "corpus_val_val_000000.npy"]
+    theirs.pop(RECORD_FILE)
 
     flags = ["--overwrite"] if overwrite else []
     assert cli_prepare(tmp_path / "corpus.txt", out, *flags) == 0, capsys.readouterr().err
     now = folder_bytes(out)
     assert {name: now[name] for name in theirs} == theirs
-    assert sorted(set(now) - set(theirs)) == ["corpus.shards.json", "corpus_train_000001.npy", "corpus_val_000000.npy"]
-    # Both data sets verify, each against its own manifest.
+    assert sorted(set(now) - set(theirs)) == [RECORD_FILE, "corpus_train_000001.npy", "corpus_val_000000.npy"]
+    # Both data sets verify against the folder's record.
     loader = TokenLoader(out, 1, 4)
     assert loader.num_tokens == sum(len(load_tokens(out / name)) for name in now if name.endswith(".npy"))
 
@@ -99,7 +101,7 @@ def test_a_second_prepare_of_the_prefix_is_refused_while_the_first_runs(tmp_path
         "the first prepare's first documentthe first prepare's second document"
     )
     # No lock or staging folder is left, and both data sets verify.
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [RECORD_FILE]
     assert TokenLoader(out, 1, 4, vocab_size=257).num_shards == len(paths) + 2
 
 
@@ -138,7 +140,7 @@ def test_gpt2_prepare_is_refused_in_one_line_while_another_process_prepares_the_
     # The lock went with the first prepare: the next one replaces its data set.
     assert cli_prepare(tmp_path / "corpus.txt", out, "--overwrite") == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "corpus.shards.json",
+        RECORD_FILE,
         "corpus_train_000001.npy",
         "corpus_val_000000.npy",
     ]
@@ -159,7 +161,7 @@ def test_a_lock_left_by_a_killed_prepare_is_taken_over(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         paths = prepare_bytes(out, ["written after the kill"])
     assert "taking over" in caplog.text and f"pid {killed.pid}" in caplog.text
-    assert sorted(os.listdir(out)) == sorted(["t.shards.json", *(p.name for p in paths)])
+    assert sorted(os.listdir(out)) == sorted([RECORD_FILE, *(p.name for p in paths)])
 
 
 @pytest.mark.parametrize("holder", ["alive", "dead", "elsewhere"])
@@ -173,33 +175,31 @@ def test_without_flock_the_lock_file_and_its_pid_are_the_lock(tmp_path, monkeypa
     (folder / ".lock").write_text(json.dumps({"pid": pids[holder], "host": host, "started": "earlier"}))
     if holder == "dead":
         assert [p.name for p in prepare_bytes(out, ["taken over"])] == ["t_val_000000.npy"]
-        assert sorted(os.listdir(out)) == ["t.shards.json", "t_val_000000.npy"]
+        assert sorted(os.listdir(out)) == [RECORD_FILE, "t_val_000000.npy"]
         return
     with pytest.raises(PrepareLockedError, match=f"pid {pids[holder]} on host {host}.*if it is gone, delete"):
         prepare_bytes(out, ["refused"])
     assert sorted(os.listdir(out)) == [folder.name]
 
 
-@pytest.mark.parametrize("damage", ["unreadable", "a path for a name", "a pending marker without names"])
-def test_a_damaged_manifest_is_refused_with_or_without_overwrite(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["unreadable", "a path for a name"])
+def test_a_damaged_record_is_refused_with_or_without_overwrite(tmp_path, damage):
     out = tmp_path / "data"
     prepare_bytes(out, ["an earlier data set " * 3])
-    manifest = out / "t.shards.json"
+    record = out / RECORD_FILE
     if damage == "unreadable":
-        manifest.write_text(manifest.read_text()[:40])
-    elif damage == "a path for a name":
-        content = json.loads(manifest.read_text())
-        content["shards"][0]["name"] = "../elsewhere.npy"
-        manifest.write_text(json.dumps(content))
+        record.write_text(record.read_text()[:40])
     else:
-        manifest.write_text(json.dumps({"format": "gpt2-shards", "pending": True}))
+        content = json.loads(record.read_text())
+        content["../elsewhere.npy"] = content.pop("t_val_000000.npy")
+        record.write_text(json.dumps(content))
     before = folder_bytes(out)
     for overwrite in (False, True):
-        with pytest.raises(ShardManifestError, match=r"t.shards.json.*even with --overwrite \(overwrite=True\)"):
+        with pytest.raises(FileExistsError, match=r"record is damaged.*even with --overwrite \(overwrite=True\)"):
             prepare_bytes(out, ["a new data set"], overwrite=overwrite)
         assert folder_bytes(out) == before and not (out / ".prepare-t.staging").exists()
     # The loader says what to do about it: remove it by hand first.
-    with pytest.raises(ShardManifestError, match="delete it and the shards of its prefix, then re-run `gpt2 prepare`"):
+    with pytest.raises(ShardManifestError, match="delete the record, then re-run `gpt2 prepare`"):
         TokenLoader(out, 1, 4)
 
 
@@ -214,7 +214,7 @@ def test_a_prepare_killed_while_moving_is_repaired_by_the_next_with_overwrite(tm
             real_replace(src, dst)
             if Path(src).parent.name == ".prepare-t.staging" and Path(dst).parent == out:
                 moved_in.append(dst)
-            # The marker is in, the old shards are moved aside, and the first new shard is in.
+            # The old shards are moved aside, the record lists the new ones, and two of them are in.
             if len(moved_in) == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -224,18 +224,18 @@ def test_a_prepare_killed_while_moving_is_repaired_by_the_next_with_overwrite(tm
     killed = forked(killed_while_moving)
     killed.join(timeout=120)
     assert killed.exitcode == -signal.SIGKILL
-    with pytest.raises(ShardManifestError, match="stopped while moving its shards into place.*with overwrite"):
+    with pytest.raises(ShardManifestError, match="is missing.*with overwrite"):
         TokenLoader(out, 1, 4)
     with pytest.raises(FileExistsError, match="already holds .* shard\\(s\\) with prefix 't'"):
         prepare_bytes(out, ["the data set again"])
     paths = prepare_bytes(out, ["the data set again, " * 3], overwrite=True)
-    assert sorted(os.listdir(out)) == sorted(["t.shards.json", *(p.name for p in paths)])
+    assert sorted(os.listdir(out)) == sorted([RECORD_FILE, *(p.name for p in paths)])
     assert TokenLoader(out, 1, 4, vocab_size=257).num_shards == len(paths)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_shards_named_like_the_prefix_but_unlisted_are_never_replaced(tmp_path, overwrite):
-    """build-nanogpt's fineweb.py (or an older version) wrote them without a manifest: they are not
+    """build-nanogpt's fineweb.py (or an older version) wrote them, without gpt2's record: they are not
     prepare's to replace, and the new shards would land on them.
     """
     out = tmp_path / "fineweb"
@@ -246,6 +246,39 @@ def test_shards_named_like_the_prefix_but_unlisted_are_never_replaced(tmp_path, 
     with pytest.raises(FileExistsError, match=r"2 file\(s\) named as shards of prefix 't' .*even with --overwrite"):
         prepare_bytes(out, ["a new data set"], overwrite=overwrite)
     assert folder_bytes(out) == before and sorted(os.listdir(out)) == sorted(before)
+
+
+def test_a_shard_changed_since_prepare_wrote_it_is_kept_even_with_overwrite(tmp_path):
+    out = tmp_path / "data"
+    prepare_bytes(out, ["an earlier data set " * 3])
+    changed = out / "t_train_000001.npy"
+    changed.write_bytes(changed.read_bytes()[:-2] + b"!!")
+    before = folder_bytes(out)
+    with pytest.raises(FileExistsError, match=r"1 file\(s\) named as shards of prefix 't' \(e.g. t_train_000001.npy\)"):
+        prepare_bytes(out, ["a new data set"], overwrite=True)
+    assert folder_bytes(out) == before
+
+
+def test_a_run_is_not_mixed_into_a_prepared_shard_folder(tmp_path):
+    """The folder's record proves the shards are gpt2's, but they are not a run's: a fresh run there is refused,
+    and one with overwrite keeps them.
+    """
+    from _tiny_run import tiny_config, tiny_model, tiny_tokens
+
+    from gpt2 import Trainer
+    from gpt2.train.rundir import RunDirNotEmptyError
+
+    out = tmp_path / "data"
+    prepare_bytes(out, ["an earlier data set " * 3])
+    before = folder_bytes(out)
+    with pytest.raises(RunDirNotEmptyError, match=r"did not write \(t_train_000001.npy"):
+        Trainer(tiny_model(), tiny_config(out), tiny_tokens(), sinks=[])
+    assert folder_bytes(out) == before
+    with Trainer(tiny_model(), tiny_config(out, max_steps=1, overwrite=True), tiny_tokens(), sinks=[]) as trainer:
+        trainer.fit()
+    assert {name: folder_bytes(out)[name] for name in before if name != RECORD_FILE} == {
+        name: data for name, data in before.items() if name != RECORD_FILE
+    }
 
 
 def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_path, monkeypatch):
@@ -266,7 +299,7 @@ def test_on_a_filesystem_without_flock_a_second_prepare_is_still_refused(tmp_pat
         yield "its second document"
 
     paths = prepare_bytes(out, docs())
-    assert sorted(os.listdir(out)) == sorted(["t.shards.json", *(p.name for p in paths)])
+    assert sorted(os.listdir(out)) == sorted([RECORD_FILE, *(p.name for p in paths)])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])

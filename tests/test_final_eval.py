@@ -77,7 +77,7 @@ def test_trainer_evaluate_does_not_wrap_a_short_val_set(caplog):
     assert first == pytest.approx(expected, rel=1e-5) and second == first == exact
     assert fewer == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-5)  # the cap still works
     warnings = [r.getMessage() for r in caplog.records if "data holds only" in r.getMessage()]
-    assert len(warnings) == 1 and "only 3 batches of 2 x 16 tokens" in warnings[0]  # once per run
+    assert len(warnings) == 1 and "only 3 batch(es) of 2 x 16 tokens" in warnings[0]  # once per run
 
 
 def test_evaluate_loss_says_when_max_batches_exceeds_the_data(caplog):
@@ -87,7 +87,7 @@ def test_evaluate_loss_says_when_max_batches_exceeds_the_data(caplog):
     with caplog.at_level(logging.WARNING):
         capped = evaluate_loss(model, val, B, T, max_batches=100)
     assert capped["tokens"] == n * B * T and capped["loss"] == pytest.approx(expected, rel=1e-6)
-    assert any("holds only 4 batches" in r.getMessage() for r in caplog.records)
+    assert any("holds only 4 batch(es)" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         evaluate_loss(model, val, B, T, max_batches=4)

@@ -111,7 +111,7 @@ def test_short_data_warning_and_bar_agree_on_one_batch(monkeypatch, capsys, capl
     loader = _UncountedLoader(TokenLoader(tokens[: 2 * 16 + 1], 2, 16))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     evaluate_loss(model, loader, 2, 16, max_batches=4, progress=True)
-    warning = "holds only 1 batch of 2 x 16 tokens; scored it once instead of max_batches=4"
+    warning = "holds only 1 batch(es) of 2 x 16 tokens; scored them once instead of max_batches=4"
     assert warning in caplog.text
     # the bar's last frame counts the batches read, not max_batches
     frames = [frame for frame in capsys.readouterr().err.split("\r") if frame.startswith("eval")]

@@ -1,4 +1,4 @@
-"""Token data: Tiny Shakespeare (:mod:`.downloads`), text -> shards with a manifest (:mod:`.prepare`, each
+"""Token data: Tiny Shakespeare (:mod:`.downloads`), text -> shards recorded in their folder (:mod:`.prepare`, each
 prefix staged and locked there), ``.npy`` / llm.c ``.bin`` token files (:mod:`.formats`), the rank-aware
 :class:`TokenLoader` (:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`).
 """

@@ -4,7 +4,7 @@
 token count, zeros), then the tokens; magic 20240520 / version 1 holds GPT-2's ``uint16`` ids, 20240801 / version 7
 ``uint32`` ones. A ``.bin`` without a header is nanoGPT's raw ``uint16`` layout: it says nothing about its dtype, so it
 is only accepted when it fits (an even size, and not the every-other-value-zero pattern of int32 ids). A folder written
-by ``prepare`` holds a manifest per prefix, ``{prefix}.shards.json`` (:func:`read_manifests`).
+by ``prepare`` is checked against gpt2's record there of the shards it wrote (:func:`recorded_shards`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import replace_atomically
+from gpt2.outputs import RECORD_FILE, OutputFolder
 
 # File suffixes the loader understands (the CLI reads anything else as text to tokenise).
 TOKEN_SUFFIXES = (".npy", ".bin")
@@ -32,9 +33,6 @@ BIN_MAGIC_UINT32 = 20240801
 BIN_LAYOUTS = {BIN_MAGIC_UINT16: (1, np.dtype("<u2")), BIN_MAGIC_UINT32: (7, np.dtype("<u4"))}
 # Neither magic can start a valid headerless GPT-2 file: read as uint16 its first value is
 # 54264 (or 54945), above GPT-2's 50257 ids.
-
-MANIFEST_SUFFIX = ".shards.json"
-MANIFEST_FORMAT = "gpt2-shards"
 
 # How many leading uint16 values the int32 sniff looks at (128 KiB: cheap even when a directory
 # holds hundreds of shards, and far more than the pattern needs to show).
@@ -51,48 +49,20 @@ def _convert_hint(path: Path) -> str:
 
 
 class ShardManifestError(Gpt2Error, ValueError):
-    """A shard folder that does not match its manifest: a shard missing, extra, truncated or changed."""
+    """A shard folder that does not match gpt2's record of it: a shard missing, extra, truncated or changed."""
 
 
-class DamagedManifestError(ShardManifestError):
-    """A manifest file that cannot be read as one: which shards it lists is unknown."""
-
-
-_PREPARE_AGAIN = "re-run `gpt2 prepare` (or write_shards / tokenize_file) with overwrite to write the data set again"
-# prepare replaces only the shards a manifest lists, so a manifest that lists none it can read goes by hand first.
-_DELETE_FIRST = (
-    "delete it and the shards of its prefix, then re-run `gpt2 prepare` (or write_shards / tokenize_file) "
-    "to write the data set again"
+# prepare keeps a shard changed since it wrote it, so that one is moved out by hand.
+_PREPARE_AGAIN = (
+    "move out a changed shard (prepare keeps it), then re-run `gpt2 prepare` (or write_shards / tokenize_file) with "
+    "overwrite to write the data set again"
 )
 
 
 def manifest_mismatch(directory: Path, problem: str, advice: str = _PREPARE_AGAIN) -> ShardManifestError:
-    return ShardManifestError(f"shard folder {str(directory)!r} does not match its manifest: {problem}; {advice}")
-
-
-def read_manifest(path: Path) -> tuple[dict[str, dict[str, Any]], bool]:
-    """The manifest file ``path``, checked: ``(its shards by file name, pending)``; :class:`DamagedManifestError` when
-    it is not one. While a ``prepare`` moves its shards into place a marker stands in its place (``pending``), which
-    lists every shard name it may have moved in or out.
-    """
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        if manifest.get("pending") is True:
-            return {_shard_file_name(name): {} for name in manifest["names"]}, True
-        shards = {
-            _shard_file_name(e["name"]): {"tokens": int(e["tokens"]), "bytes": int(e["bytes"]), "sha256": e["sha256"]}
-            for e in manifest["shards"]
-        }
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise DamagedManifestError(f"{path.name} is damaged ({type(e).__name__}: {e})") from None
-    return shards, False
-
-
-def _shard_file_name(name: Any) -> str:
-    """A shard name from a manifest: a file in the manifest's own folder, never a path elsewhere."""
-    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
-        raise ValueError(f"shard name {name!r} is not a file name")
-    return name
+    return ShardManifestError(
+        f"shard folder {str(directory)!r} does not match gpt2's record of it ({RECORD_FILE}): {problem}; {advice}"
+    )
 
 
 def token_files(directory: Path, split: str | None = None) -> list[Path]:
@@ -119,40 +89,38 @@ def split_of(name: str, split: str | None = None) -> str | None:
     return None
 
 
-def read_manifests(directory: Path) -> dict[str, dict[str, Any]] | None:
-    """Every shard the manifests in ``directory`` list, by file name (``None``: no manifest). The
-    cheap checks run on every call (each listed shard exists with its size, none is unlisted; the
-    manifest is intact and no ``prepare`` was killed mid-move), raising :class:`ShardManifestError`.
+def recorded_shards(directory: Path) -> dict[str, str] | None:
+    """The sha256 of each token file gpt2's record in ``directory`` lists (:mod:`gpt2.outputs`), by name
+    (``None``: it lists none). The cheap checks run on every call (the record is readable, each listed
+    shard exists with its size, none is unlisted), raising :class:`ShardManifestError`.
     """
-    manifests = sorted(directory.glob(f"*{MANIFEST_SUFFIX}"))
-    if not manifests:
+    entries = OutputFolder(directory).read()
+    if entries is None:
+        # prepare replaces only the shards the record proves are gpt2's: with it damaged, they go by hand first.
+        advice = "move the shards out and delete the record, then re-run `gpt2 prepare` to write the data set again"
+        raise manifest_mismatch(directory, f"{RECORD_FILE} is damaged", advice)
+    shards = {
+        name: entry
+        for name, entry in entries.items()
+        if "sha256" in entry and "/" not in name and Path(name).suffix.lower() in TOKEN_SUFFIXES
+    }
+    if not shards:
         return None
-    entries: dict[str, dict[str, Any]] = {}
-    for path in manifests:
-        try:
-            shards, pending = read_manifest(path)
-        except DamagedManifestError as e:
-            raise manifest_mismatch(directory, str(e), _DELETE_FIRST) from None
-        if pending:
-            raise manifest_mismatch(
-                directory, f"{path.name} marks a prepare that was stopped while moving its shards into place"
-            )
-        entries.update(shards)
-    for name, entry in entries.items():
+    for name, entry in shards.items():
         path = directory / name
         if not path.is_file():
             raise manifest_mismatch(directory, f"{name} is missing")
-        if path.stat().st_size != entry["bytes"]:
+        if path.stat().st_size != entry["size"]:
             raise manifest_mismatch(
                 directory,
-                f"{name} has {path.stat().st_size} bytes, the manifest records {entry['bytes']} (truncated or changed)",
+                f"{name} has {path.stat().st_size} bytes, the record lists {entry['size']} (truncated or changed)",
             )
-    unlisted = [p.name for p in token_files(directory) if p.name not in entries]
+    unlisted = [p.name for p in token_files(directory) if p.name not in shards]
     if unlisted:
         raise manifest_mismatch(
             directory, f"{unlisted[0]} is not listed in it ({len(unlisted)} unlisted token file(s): move them out)"
         )
-    return entries
+    return {name: entry["sha256"] for name, entry in shards.items()}
 
 
 def read_text(path: str | os.PathLike) -> str:

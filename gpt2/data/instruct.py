@@ -259,7 +259,6 @@ class InstructionLoader:
                 f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
                 f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
             )
-        self.steps_per_epoch = self._steps_per_epoch()
         self.reset()
 
     def unsharded(self) -> InstructionLoader:
@@ -268,11 +267,11 @@ class InstructionLoader:
         """
         view = InstructionLoader.__new__(InstructionLoader)
         view.__dict__.update(self.__dict__, rank=0, world_size=1)
-        view.steps_per_epoch = view._steps_per_epoch()
         view.reset()
         return view
 
-    def _steps_per_epoch(self) -> int:
+    @property
+    def steps_per_epoch(self) -> int:
         per_step = self.batch_size * self.world_size
         if self.shuffle:
             # Training drops a last partial step.

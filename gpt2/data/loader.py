@@ -14,7 +14,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from gpt2.data.formats import check_token_ids, load_tokens, manifest_mismatch, read_manifests, token_files
+from gpt2.data.formats import check_token_ids, load_tokens, manifest_mismatch, recorded_shards, token_files
 from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.model.checkpoint_files import sha256_file
 from gpt2.model.config import POSITIVE_INT, Range, check_value
@@ -51,20 +51,20 @@ def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
 @functools.cache
 def _warn_unverified(directory: str) -> None:
     logger.warning(
-        "%s has no manifest (shards written by another tool or an older version): nothing verifies "
-        "that its shards are complete and unchanged",
+        "%s has no record of its shards (written by another tool or an older version): nothing verifies "
+        "that they are complete and unchanged",
         directory,
     )
 
 
 class _Shard:
     """One token sequence: an in-memory array, or a file opened lazily (memory-mapped), checked
-    against its manifest entry when its folder has one.
+    against its folder's record of it when there is one.
     """
 
     __slots__ = ("name", "path", "array", "length", "checked_vocab", "sha256")
 
-    def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, entry=None):
+    def __init__(self, name: str, *, path: Path | None = None, array: np.ndarray | None = None, sha256=None):
         self.name, self.path, self.array = name, path, array
         if array is not None:
             self.length = len(array)
@@ -75,13 +75,7 @@ class _Shard:
         # The vocab_size its ids were last checked against.
         self.checked_vocab: int | None = None
         # The digest still to verify; None: nothing (more) to verify.
-        self.sha256: str | None = None
-        if entry is not None:
-            if self.length != entry["tokens"]:
-                raise manifest_mismatch(
-                    path.parent, f"{path.name} holds {self.length} tokens, the manifest records {entry['tokens']}"
-                )
-            self.sha256 = entry["sha256"]
+        self.sha256: str | None = sha256
 
     def open(self, vocab_size: int | None) -> np.ndarray:
         # The digest reads the whole shard, so it is checked once, when the shard is first opened
@@ -101,11 +95,11 @@ class _Shard:
 
 
 def _directory_shards(path: Path, split: str | None) -> list[_Shard]:
-    """The shards of a directory (of ``split``), each checked against the folder's manifest if it has one."""
-    entries = read_manifests(path)
-    if entries is None:
+    """The shards of a directory (of ``split``), each checked against the folder's record if it has one."""
+    digests = recorded_shards(path)
+    if digests is None:
         _warn_unverified(str(path))
-        entries = {}
+        digests = {}
     files = token_files(path, split)
     if not files:
         what = "token files (.npy/.bin)" if split is None else f"{split!r} token files (x_{split}_000000.npy)"
@@ -113,7 +107,7 @@ def _directory_shards(path: Path, split: str | None) -> list[_Shard]:
             f"no {what} in directory {str(path)!r}; write shards with "
             "gpt2.data.write_shards or tokenize_file, or check the path and split"
         )
-    return [_Shard(f"shard {str(p)!r}", path=p, entry=entries.get(p.name)) for p in files]
+    return [_Shard(f"shard {str(p)!r}", path=p, sha256=digests.get(p.name)) for p in files]
 
 
 class TokenLoader:

@@ -6,7 +6,6 @@ ids fit ``uint16``, half the disk and page cache of ``int32``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import multiprocessing
@@ -21,28 +20,12 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from gpt2.data.formats import (
-    MANIFEST_FORMAT,
-    MANIFEST_SUFFIX,
-    DamagedManifestError,
-    ShardManifestError,
-    read_manifest,
-    read_text,
-    token_files,
-    write_tokens,
-)
+from gpt2.data.formats import read_text, token_files, write_tokens
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
-from gpt2.files import (
-    Lock,
-    Stopped,
-    StopSignals,
-    progress_enabled,
-    replace_atomically,
-    write_advice,
-)
-from gpt2.model.checkpoint_files import sha256_file
+from gpt2.files import Lock, Stopped, StopSignals, progress_enabled, replace_atomically, write_advice
 from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
 from gpt2.model.tokenizer import get_tokenizer
+from gpt2.outputs import RECORD_FILE, OutputFolder
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +130,12 @@ class PrepareLockedError(Gpt2Error, FileExistsError):
 
 class _ShardWriter:
     """Writes a data set whole: the numbered shards (the index runs across splits, as in
-    build-nanogpt), then their manifest, go into the hidden staging folder of this prefix inside
-    ``out_dir``, ``.prepare-{prefix}.staging``, whose lock file ``.lock`` keeps a second prepare of the prefix out
+    build-nanogpt) go into the hidden staging folder of this prefix inside ``out_dir``,
+    ``.prepare-{prefix}.staging``, whose lock file ``.lock`` keeps a second prepare of the prefix out
     (one killed with ``kill -9`` leaves the folder behind; the next one takes it over). Only a complete set is
-    moved into place (the manifest last), replacing the shards the prefix's manifest lists. An error, Ctrl-C,
-    SIGTERM or SIGHUP before that leaves ``out_dir`` as it was.
+    moved into place, replacing the prefix's shards that the folder's record of what gpt2 wrote
+    (:mod:`gpt2.outputs`) proves are gpt2's, unchanged. An error, Ctrl-C, SIGTERM or SIGHUP before that leaves
+    ``out_dir`` as it was.
     """
 
     def __init__(self, out_dir, prefix: Any, shard_size: Any, overwrite: bool, file_format: str, tokenizer: Any):
@@ -167,7 +151,7 @@ class _ShardWriter:
             tokenizer = get_tokenizer()
         self.tokenizer = tokenizer
         self.out_dir = Path(out_dir)
-        self.manifest = self.out_dir / f"{prefix}{MANIFEST_SUFFIX}"
+        self.folder = OutputFolder(self.out_dir)
         self.stage = self.out_dir / f".prepare-{prefix}.staging"
         busy = f"another prepare ({{who}}) is writing prefix {prefix!r} into {str(self.out_dir)!r}"
         self.lock = Lock(
@@ -177,7 +161,6 @@ class _ShardWriter:
         )
         self.existing: list[Path] = []
         self.written: list[Path] = []
-        self.entries: list[dict[str, Any]] = []
 
     def __enter__(self) -> _ShardWriter:
         """Lock this prefix's staging folder, then find the shards this data set replaces (refusing
@@ -193,8 +176,7 @@ class _ShardWriter:
                 raise PrepareLockedError(f"{self.stage} is a symbolic link: remove it (gpt2 never writes through one)")
             self.lock.acquire()
             self._empty_stage()
-            self.existing = self._listed_shards()
-            self._refuse_to_replace()
+            self.existing = self._own_shards()
         except BaseException:
             self._close(committed=False)
             self.signals.restore()
@@ -207,49 +189,32 @@ class _ShardWriter:
             )
         return self
 
-    def _listed_shards(self) -> list[Path]:
-        """The shards of this prefix's manifest (those still there): the only files it replaces. A
-        manifest that cannot say which they are is refused, with or without ``overwrite``.
+    def _own_shards(self) -> list[Path]:
+        """The files named as this prefix's shards: the only files it replaces, with ``overwrite`` only, and only
+        while the folder's record proves gpt2 wrote each of them, unchanged since (the new shards would land on them).
         """
-        if not self.manifest.exists():
-            return []
-        try:
-            names = read_manifest(self.manifest)[0]
-        except DamagedManifestError as e:
-            raise ShardManifestError(
-                f"{e}, so which shards in {str(self.out_dir)!r} have prefix {self.prefix!r} is unknown; prepare "
-                "replaces only the shards a manifest lists, so it stops here, even with --overwrite (overwrite=True): "
-                f"delete {str(self.manifest)!r} and the {self.prefix!r} shards, or choose another directory or prefix"
-            ) from None
-        return sorted(p for p in (self.out_dir / name for name in names) if p.is_file())
-
-    def _refuse_to_replace(self) -> None:
-        """Without ``overwrite`` an earlier data set of this prefix stays; files named as this prefix's
-        shards that its manifest does not list stay in any case (the new ones could land on them).
-        """
-        if self.existing and not self.overwrite:
+        own_name = re.compile(rf"{re.escape(self.prefix)}_(val|train)_\d{{6,}}\.({'|'.join(_FORMATS)})")
+        named = [p for p in token_files(self.out_dir) if own_name.fullmatch(p.name)]
+        unproven = [p.name for p in named if not self.folder.owns(p.name)]
+        if unproven:
             raise FileExistsError(
-                f"{str(self.out_dir)!r} already holds {len(self.existing)} shard(s) with prefix {self.prefix!r} (e.g. "
-                f"{self.existing[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
+                f"{str(self.out_dir)!r} holds {len(unproven)} file(s) named as shards of prefix {self.prefix!r} (e.g. "
+                f"{unproven[0]}) that its record {RECORD_FILE} does not prove gpt2 wrote, unchanged since (another "
+                "tool's, changed, or the record is damaged); prepare replaces only its own shards, even with "
+                "--overwrite (overwrite=True): move them out, or choose another directory or prefix"
+            )
+        if named and not self.overwrite:
+            raise FileExistsError(
+                f"{str(self.out_dir)!r} already holds {len(named)} shard(s) with prefix {self.prefix!r} (e.g. "
+                f"{named[0].name}); pass --overwrite (overwrite=True) to replace them, or choose another "
                 "directory or prefix (mixing old and new shards would corrupt the data set)"
             )
-        own_name = re.compile(rf"{re.escape(self.prefix)}_(val|train)_\d{{6,}}\.({'|'.join(_FORMATS)})")
-        unlisted = [p.name for p in token_files(self.out_dir) if own_name.fullmatch(p.name) and p not in self.existing]
-        if unlisted:
-            raise FileExistsError(
-                f"{str(self.out_dir)!r} holds {len(unlisted)} file(s) named as shards of prefix {self.prefix!r} (e.g. "
-                f"{unlisted[0]}) that no {self.manifest.name} lists (written by another tool or an older version); "
-                "prepare replaces only the shards a manifest lists, even with --overwrite (overwrite=True): move them "
-                "out, or choose another directory or prefix"
-            )
+        return named
 
     def write(self, tokens: np.ndarray, split: str) -> None:
         name = shard_name(self.prefix, split, len(self.written), self.file_format)
         with self._writing():
-            staged = write_tokens(self.stage / name, tokens)
-            # Read back from the page cache, so the digest is of the bytes on disk.
-            entry = {"name": name, "tokens": len(tokens), "bytes": staged.stat().st_size, "sha256": sha256_file(staged)}
-        self.entries.append(entry)
+            write_tokens(self.stage / name, tokens)
         logger.info("wrote %s (%d tokens)", name, len(tokens))
         self.written.append(self.out_dir / name)
 
@@ -306,36 +271,33 @@ class _ShardWriter:
                 child.unlink(missing_ok=True)
 
     def _commit(self) -> None:
-        tok = self.tokenizer
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "version": 1,
-            "tokenizer": {"class": type(tok).__name__, "n_vocab": getattr(tok, "n_vocab", None), "eot": tok.eot_token},
-            "shards": self.entries,
-        }
-        _write_json(self.stage / self.manifest.name, manifest)
-        # Stands as the manifest while shards move, so a folder left by a kill -9 is refused; it
-        # names every shard on the move, so that the next prepare knows which to replace.
-        moving = sorted({p.name for p in self.existing} | {p.name for p in self.written})
-        _write_json(self.stage / ".pending", {"format": MANIFEST_FORMAT, "pending": True, "names": moving})
+        """Move the replaced shards aside, record the new ones (read back from the page cache, so each digest is
+        of the bytes on disk), then move them in: a prepare killed meanwhile leaves a folder the loader refuses
+        (a recorded shard is missing) and whose recorded shards the next prepare replaces.
+        """
+        record = self.folder.record_file
+        before = record.read_bytes() if record.exists() else None
         # The replaced files, kept until the new set is in place.
         old = self.stage / ".old"
         old.mkdir()
-        moves: list[tuple[Path, Path]] = []
-        if self.manifest.exists():
-            moves.append((self.manifest, old / self.manifest.name))
-        moves += [(self.stage / ".pending", self.manifest)]
-        moves += [(p, old / p.name) for p in self.existing]
-        moves += [(self.stage / p.name, p) for p in self.written]
-        moves.append((self.stage / self.manifest.name, self.manifest))
         done: list[tuple[Path, Path]] = []
+        recorded = False
         try:
-            for src, dst in moves:
+            for src, dst in [(p, old / p.name) for p in self.existing]:
+                os.replace(src, dst)
+                done.append((src, dst))
+            self.folder.record([p.name for p in self.written], staged=self.stage)
+            recorded = True
+            for src, dst in [(self.stage / p.name, p) for p in self.written]:
                 os.replace(src, dst)
                 done.append((src, dst))
         except BaseException:
             for src, dst in reversed(done):
                 os.replace(dst, src)
+            if recorded and before is None:
+                record.unlink()
+            elif recorded:
+                replace_atomically(record, lambda f: f.write(before))
             raise
 
 
@@ -363,10 +325,6 @@ def _fixed_size_pieces(encoded: Iterable[np.ndarray], size: int, bar: Any) -> It
         yield buffer[:filled]
 
 
-def _write_json(path: Path, value: Any) -> None:
-    replace_atomically(path, lambda f: f.write(json.dumps(value, indent=1).encode("utf-8")))
-
-
 def write_shards(
     docs: Iterable[str],
     out_dir: str | os.PathLike,
@@ -384,11 +342,11 @@ def write_shards(
 
     The first shard is ``{prefix}_val_000000.npy``, the others ``{prefix}_train_{index:06d}.npy``, the index counting
     on; ``file_format="bin"`` writes llm.c's ``.bin`` shards. ``tokenizer``: any object with ``encode_ordinary`` and
-    ``eot_token``; ``num_workers > 0`` tokenises in a process pool (same shards). The set and its manifest are written
-    whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. The shards that
-    ``{prefix}.shards.json`` lists (an earlier data set) raise :class:`FileExistsError` unless ``overwrite=True``, which
-    replaces those and no other file; a second prepare of ``prefix`` into ``out_dir`` while this one runs raises
-    :class:`PrepareLockedError`.
+    ``eot_token``; ``num_workers > 0`` tokenises in a process pool (same shards). The set and its record are written
+    whole: a failure (:class:`ShardWriteError` for a full disk) or Ctrl-C leaves ``out_dir`` as it was. The prefix's
+    shards that the folder's record ``.gpt2-outputs.json`` proves gpt2 wrote (an earlier data set) raise
+    :class:`FileExistsError` unless ``overwrite=True``, which replaces those and no other file; a second prepare of
+    ``prefix`` into ``out_dir`` while this one runs raises :class:`PrepareLockedError`.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     tokenizer = writer.tokenizer

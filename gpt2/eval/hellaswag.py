@@ -263,28 +263,15 @@ def _count_correct(
     """``[correct by summed loss, correct by mean loss, examples]`` over this rank's share of ``examples``
     (checked ones; every ``world_size``-th from ``rank``), the model in eval mode meanwhile.
     """
-    was_training = model.training
-    model.eval()
     counts = torch.zeros(3, dtype=torch.long)
-    seen = 0
-    example = None
-    try:
-        for i, example in enumerate(examples):
-            seen += 1
-            if i % world_size != rank:
-                continue
-            tokens, mask, label = render_example(example, tokenizer)
-            sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
-            counts[0] += int(sum_loss.argmin()) == label
-            counts[1] += int(mean_loss.argmin()) == label
-            counts[2] += 1
-        # A sharded model's forward is a collective: a rank without an example in the last round scores
-        # another rank's (not counted) so that every rank runs as many forwards.
-        if lockstep.owes_forward(model, seen, rank, world_size):
-            tokens, mask, _ = render_example(example, tokenizer)
-            ending_losses(model, tokens, mask, autocast)
-    finally:
-        model.train(was_training)
+
+    def score(example: dict[str, Any], counted: bool) -> None:
+        tokens, mask, label = render_example(example, tokenizer)
+        sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
+        if counted:
+            counts.add_(torch.tensor([int(sum_loss.argmin()) == label, int(mean_loss.argmin()) == label, 1]))
+
+    lockstep.score_share(model, examples, rank, world_size, score)
     return counts
 
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from gpt2.data.loader import TokenLoader, one_pass
-from gpt2.data.prepare import progress_enabled
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval import lockstep
+from gpt2.files import progress_enabled
 from gpt2.model.gpt import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -118,8 +118,17 @@ def evaluate_loss(
     if n_tokens == 0:
         raise InvalidValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
     if warn_short and max_batches is not None and seen < max_batches and rank == 0:
-        _warn_short(seen, batch_size, seq_len, max_batches)
-    mean = _finite_mean(total, n_tokens, source)
+        logger.warning(
+            f"the evaluation data holds only {seen} batch(es) of {batch_size} x {seq_len} tokens; scored them once "
+            f"instead of max_batches={max_batches} (no batch is read twice)"
+        )
+    mean = total / n_tokens
+    if not math.isfinite(mean):
+        raise NonFiniteLossError(
+            f"the validation loss of {source} is {mean} over {n_tokens:,} tokens: its weights or activations "
+            "overflow (a diverged run or a damaged file?); evaluate an earlier checkpoint, or try fp32",
+            mean,
+        )
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
 
 
@@ -127,17 +136,13 @@ def _is_per_rank(data: Any, world_size: int) -> bool:
     """Whether ``data`` is a loader built for this rank and world size (this rank's share already); under
     ``distributed=True`` any other loader must be a one-process one.
     """
-    if world_size == 1:
-        return False
     data_world_size = getattr(data, "world_size", 1)
-    if data_world_size == world_size:
-        return True
-    if data_world_size != 1:
+    if world_size > 1 and data_world_size not in (1, world_size):
         raise InvalidValueError(
             "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
             "token file, a one-process TokenLoader (world_size=1) or one built for this rank and world size"
         )
-    return False
+    return world_size > 1 and data_world_size == world_size
 
 
 def _eval_loader(model: nn.Module, data: Any, batch_size: int, seq_len: int, split: str | None) -> Any:
@@ -154,17 +159,6 @@ def _eval_loader(model: nn.Module, data: Any, batch_size: int, seq_len: int, spl
     # Ids are checked against the vocabulary on the CPU (the forward never syncs to).
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     return TokenLoader(data, batch_size, seq_len, split=split, vocab_size=vocab_size)
-
-
-def _warn_short(seen: int, batch_size: int, seq_len: int, max_batches: int) -> None:
-    if seen == 1:
-        held, scored = "1 batch", "it"
-    else:
-        held, scored = f"{seen} batches", f"those {seen}"
-    logger.warning(
-        f"the evaluation data holds only {held} of {batch_size} x {seq_len} tokens; scored {scored} "
-        f"once instead of max_batches={max_batches} (no batch is read twice)"
-    )
 
 
 def _progress_bar(batches: Iterator[Any], loader: Any, max_batches: int | None) -> Iterator[Any]:
@@ -193,29 +187,21 @@ def _summed_loss(
     """``(summed loss, scored tokens, batches seen)`` over all ranks, the model in eval mode meanwhile.
     Rank ``r`` scores batches ``r, r + world_size, ...``, or all of them when ``per_rank`` (its own loader).
     """
-    was_training = model.training
-    model.eval()
     # [summed loss, scored tokens]: float64 so a long pass loses no precision, one tensor so the
     # ranks combine both in one all-reduce.
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    # Batches in the sequence (all ranks' shares).
-    seen = 0
-    x = y = None
-    try:
-        for i, (x, y) in enumerate(batches):
-            seen += 1
-            # Another rank's share.
-            if not per_rank and i % world_size != rank:
-                continue
-            loss, scored = _batch_loss(model, x.to(device), y.to(device), device, autocast)
+
+    def score(batch: tuple[torch.Tensor, torch.Tensor], counted: bool) -> None:
+        x, y = batch
+        loss, scored = _batch_loss(model, x.to(device), y.to(device), device, autocast)
+        if counted:
             sums[0] += loss.double()
             sums[1] += scored
-        # A sharded model's forward is a collective: a rank without a batch in the last round runs one
-        # anyway (another rank's, not counted) so that every rank runs as many.
-        if not per_rank and lockstep.owes_forward(model, seen, rank, world_size):
-            _batch_loss(model, x.to(device), y.to(device), device, autocast)
-    finally:
-        model.train(was_training)
+
+    if per_rank:
+        seen = lockstep.score_share(model, batches, 0, 1, score)
+    else:
+        seen = lockstep.score_share(model, batches, rank, world_size, score)
     if world_size > 1:
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
     return sums[0].item(), int(sums[1]), seen
@@ -232,15 +218,3 @@ def _batch_loss(
     # scored and not counted, so the mean is over the scored tokens only.
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
     return loss, (y != IGNORE_INDEX).sum()
-
-
-def _finite_mean(total: float, n_tokens: int, source: str) -> float:
-    """The mean loss per token; :class:`NonFiniteLossError` if it is inf or NaN."""
-    mean = total / n_tokens
-    if not math.isfinite(mean):
-        raise NonFiniteLossError(
-            f"the validation loss of {source} is {mean} over {n_tokens:,} tokens: its weights or activations "
-            "overflow (a diverged run or a damaged file?); evaluate an earlier checkpoint, or try fp32",
-            mean,
-        )
-    return mean

@@ -193,7 +193,8 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     # A damaged record cannot say what is whose: the run's names count as recorded, and overwrite refuses them.
     recorded = set(RUN_FILES)
     if entries is not None:
-        recorded = {rel.split("/", 1)[0] for rel in entries}
+        # Only the run's names: a folder's other recorded files (prepare's shards) are not a run's to mix with.
+        recorded = {rel.split("/", 1)[0] for rel in entries} & set(RUN_FILES)
     present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
     unlisted = [name for name in present if name not in recorded]
     realpath = os.path.realpath
