@@ -139,7 +139,12 @@ def _run_rung(
     repeats: int,
     warmup: int,
 ) -> RungResult:
-    """One rung of :func:`run_ladder`: timed (with a note where it differs from its name), or skipped."""
+    """One rung of :func:`run_ladder`, or skipped: ``config.max_steps`` steps of a new model, the ``repeats`` blocks of
+    steps after ``warmup`` timed (with a note where the rung differs from its name).
+    """
+    # the benchmark drives the Trainer itself
+    from gpt2.train.trainer import Trainer
+
     settings = rung_settings(rung)
     settings["compile"] = settings["compile"] and compile
     if rung == "compile" and not compile:
@@ -147,28 +152,7 @@ def _run_rung(
     gpt_config = GPTConfig.from_name(
         model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
     )
-    mine = {name: settings[name] for name in ("precision", "compile", "fused_adamw")}
-    result = _time_rung(rung, settings, gpt_config, dataclasses.replace(config, **mine), tokens, repeats, warmup)
-    if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
-        result.note = "without compile"
-    if rung == "tf32" and not uses_cuda(config.device):
-        result.note = "TF32 is CUDA-only: same as fp32 here"
-    return result
-
-
-def _time_rung(
-    rung: str,
-    settings: dict[str, Any],
-    gpt_config: GPTConfig,
-    config: TrainConfig,
-    tokens: torch.Tensor,
-    repeats: int,
-    warmup: int,
-) -> RungResult:
-    """``config.max_steps`` steps of a new model; the ``repeats`` blocks of steps after ``warmup`` are timed."""
-    # the benchmark drives the Trainer itself
-    from gpt2.train.trainer import Trainer
-
+    config = dataclasses.replace(config, **{name: settings[name] for name in ("precision", "compile", "fused_adamw")})
     on_cuda = uses_cuda(config.device)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -198,6 +182,11 @@ def _time_rung(
     ms = statistics.median(repeat_ms)
     tokens_per_second = config.micro_batch_size * config.seq_len / (ms / 1000.0)
     logger.debug("rung %s: %.1f ms/step, %s tok/s", rung, ms, f"{tokens_per_second:,.0f}")
+    note = ""
+    if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
+        note = "without compile"
+    if rung == "tf32" and not on_cuda:
+        note = "TF32 is CUDA-only: same as fp32 here"
     return RungResult(
         rung,
         settings,
@@ -205,6 +194,7 @@ def _time_rung(
         tokens_per_second=tokens_per_second,
         mfu=model_flops_utilisation(flops_per_token, tokens_per_second, peak),
         loss=records[-1]["loss"],
+        note=note,
         step_ms=step_ms,
         repeat_ms=repeat_ms,
         spread=(max(repeat_ms) - min(repeat_ms)) / ms,

@@ -408,7 +408,7 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
 
 class FitLog:
     """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl`` (keeping its
-    records up to ``step``), the Trainer's sinks, the ``TrainConfig.log_to`` sinks and the progress bar.
+    records up to ``step``), the ``TrainConfig.log_to`` sinks, the Trainer's sinks and the progress bar.
     ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it still owns ``out_dir``).
     :meth:`close` closes (flushes) what this call opened; the Trainer's own sinks stay open for its next call.
     """
@@ -423,36 +423,33 @@ class FitLog:
         is_main: bool,
         before_write: Callable[[], None] | None = None,
     ) -> None:
+        # what this call opens (and closes at its end), then every sink a record goes to
+        self.opened: list[Any] = []
         self.sinks: list[Sink] = []
-        self.extra: list[Any] = []
-        self.jsonl: JSONLSink | None = None
         self.bar: Any = None
-        self.before_write = before_write
+        self.before_write = None
         if not is_main:
             return
-        self.sinks = list(sinks)
-        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
-        # first, so a missing package fails before anything else is opened
+        self.before_write = before_write
+        # TensorBoard / W&B (config.log_to): first, so a missing package fails before anything else is opened
         if config.log_to:
-            self.extra = make_sinks(config.log_to, out_dir, config.to_dict(), step)
+            self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
             if before_write is not None:
                 before_write()
             if out_dir is not None:
-                self.jsonl = JSONLSink(
-                    out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR
-                )
+                jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR)
+                self.opened.insert(0, jsonl)
             if progress_enabled(config.progress):
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         except BaseException:
             # e.g. out_dir taken over by another run: close the sinks just opened
             self.close()
             raise
+        self.sinks = [*self.opened, *sinks]
 
     def emit(self, record: dict[str, Any]) -> None:
-        if self.jsonl is not None:
-            self.jsonl.log(record)
-        for sink in [*self.sinks, *self.extra]:
+        for sink in self.sinks:
             if hasattr(sink, "log"):
                 sink.log(record)
             else:
@@ -467,9 +464,9 @@ class FitLog:
         metrics.jsonl keeps its records up to ``step``, TensorBoard purges the later ones, the progress bar shows
         ``step``; a sink of the Trainer's with a ``rewind(step)`` method is told too.
         """
-        if self.jsonl is not None and self.before_write is not None:
+        if self.before_write is not None:
             self.before_write()
-        for sink in [self.jsonl, *self.sinks, *self.extra]:
+        for sink in self.sinks:
             if hasattr(sink, "rewind"):
                 sink.rewind(step)
         if self.bar is not None:
@@ -484,7 +481,5 @@ class FitLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-        for sink in self.extra:
+        for sink in self.opened:
             sink.close()

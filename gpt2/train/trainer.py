@@ -219,7 +219,7 @@ class Trainer:
         if minlora.lora_sites(self.model):
             self._base_fingerprint = minlora.base_fingerprint(self.model)
         self._twin = fsdp.empty_twin(self.model)
-        fsdp.shard_model(self.model, self.device, self.precision.name)
+        fsdp.shard_model(self.model, self.device, self.precision)
 
     @property
     def is_main(self) -> bool:
@@ -463,7 +463,8 @@ class Trainer:
             x, y, kwargs = self._to_device(batch)
             # Under DDP and FSDP, only the last micro-step's backward averages gradients across processes.
             last = micro_step == len(batches) - 1
-            with distributed.no_sync(self.train_model, skip_sync=not last), fsdp.gradient_sync(self.model, last):
+            fsdp.set_gradient_sync(self.model, last)
+            with distributed.no_sync(self.train_model, skip_sync=not last):
                 with self.precision.autocast():
                     loss = self._summed_loss(x, y, kwargs, count, sums)
                 loss = loss * scale
