@@ -69,21 +69,6 @@ def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPoli
     return model
 
 
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """FSDP: reduce-scatter the gradients in the next backward only when ``sync`` (the last micro-step of an
-    accumulation); the earlier ones accumulate unsharded gradients locally, with no communication.
-    """
-    if torch_compat.is_fsdp_module(model):
-        model.set_requires_gradient_sync(sync)
-
-
-def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's global value (a collective: every process calls it); any other tensor itself."""
-    if torch_compat.is_dtensor(tensor):
-        return tensor.full_tensor()
-    return tensor
-
-
 def non_finite_parameters(model: nn.Module) -> list[str]:
     """Names of the floating-point parameters and buffers of ``model`` (the raw module) holding inf/nan; of a model
     sharded by :func:`shard_model` on ANY process (a collective: each process checks its own shards, then all agree).

@@ -131,15 +131,9 @@ class RunOutputError(Gpt2Error, OSError):
     the file, what to do and the newest intact checkpoint; ``errno`` and ``filename`` are the failed write's.
     """
 
-    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.errno = errno
-        self.filename = filename
-
     def __str__(self) -> str:
-        # OSError's own str() shows "[Errno n] strerror: filename" once filename is set
-        return self.message
+        # the message is the strerror: OSError's own str() shows "[Errno n] strerror: filename"
+        return self.strerror
 
 
 def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir: Path | None) -> RunOutputError:
@@ -155,11 +149,8 @@ def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir
         kept = f"the newest checkpoint {newest} is intact"
         then = "resume (resume='auto' continues from it)"
     why = " ".join(str(e).split())
-    return RunOutputError(
-        f"{doing} {path} failed ({why}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}",
-        errno=e.errno,
-        filename=str(path),
-    )
+    message = f"{doing} {path} failed ({why}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}"
+    return RunOutputError(e.errno, message, str(path))
 
 
 class ConsoleSink:
@@ -299,7 +290,6 @@ class TensorBoardSink:
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
         self.log_dir = Path(log_dir)
-        self._writer_type = SummaryWriter
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def rewind(self, step: int) -> None:
@@ -307,7 +297,7 @@ class TensorBoardSink:
         later steps as a resume from ``step`` does.
         """
         self.writer.close()
-        self.writer = self._writer_type(log_dir=str(self.log_dir), purge_step=step + 1)
+        self.writer = type(self.writer)(log_dir=str(self.log_dir), purge_step=step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():

@@ -463,7 +463,9 @@ class Trainer:
             x, y, kwargs = self._to_device(batch)
             # Under DDP and FSDP, only the last micro-step's backward averages gradients across processes.
             last = micro_step == len(batches) - 1
-            fsdp.set_gradient_sync(self.model, last)
+            if self.sharded:
+                # FSDP reduce-scatters the gradients then; the earlier micro-steps accumulate them unsharded
+                self.model.set_requires_gradient_sync(last)
             with distributed.no_sync(self.train_model, skip_sync=not last):
                 with self.precision.autocast():
                     loss = self._summed_loss(x, y, kwargs, count, sums)
@@ -511,8 +513,11 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         # inf: measure the norm, change nothing
         max_norm = self.config.grad_clip or math.inf
-        # Under FSDP the norm is a DTensor over every process's shards: its full value is a collective.
-        grad_norm = float(fsdp.full_value(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm)))
+        norm = torch.nn.utils.clip_grad_norm_(self._trainable, max_norm)
+        if self.sharded:
+            # a DTensor over every process's shards: its full value is a collective
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         skipped = bad = not finite
         if self.scaler is None:
