@@ -121,7 +121,7 @@ def run_ladder(
     )
     results = []
     for rung in rungs:
-        result = _run_rung(rung, model, shape, config, tokens, compile=compile, repeats=repeats, warmup=warmup)
+        result = _run_rung(rung, base, config, tokens, compile=compile, repeats=repeats, warmup=warmup)
         results.append(result)
         if on_result:
             on_result(result)
@@ -130,8 +130,7 @@ def run_ladder(
 
 def _run_rung(
     rung: str,
-    model: str,
-    shape: dict[str, Any],
+    base: GPTConfig,
     config: TrainConfig,
     tokens: torch.Tensor,
     *,
@@ -139,8 +138,9 @@ def _run_rung(
     repeats: int,
     warmup: int,
 ) -> RungResult:
-    """One rung of :func:`run_ladder`, or skipped: ``config.max_steps`` steps of a new model, the ``repeats`` blocks of
-    steps after ``warmup`` timed (with a note where the rung differs from its name).
+    """One rung of :func:`run_ladder`, or skipped: ``config.max_steps`` steps of a new model (``base`` with the rung's
+    attention and vocabulary padding), the ``repeats`` blocks of steps after ``warmup`` timed (with a note where the
+    rung differs from its name).
     """
     # the benchmark drives the Trainer itself
     from gpt2.train.trainer import Trainer
@@ -149,9 +149,7 @@ def _run_rung(
     settings["compile"] = settings["compile"] and compile
     if rung == "compile" and not compile:
         return RungResult(rung, settings, skipped=True, note="skipped: compiling on a CPU is slow (--compile times it)")
-    gpt_config = GPTConfig.from_name(
-        model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
-    )
+    gpt_config = dataclasses.replace(base, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"])
     config = dataclasses.replace(config, **{name: settings[name] for name in ("precision", "compile", "fused_adamw")})
     on_cuda = uses_cuda(config.device)
     if on_cuda:

@@ -88,7 +88,7 @@ def non_finite_parameters(model: nn.Module) -> list[str]:
 
 def empty_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (not yet sharded) whose parameters and buffers are on the ``meta`` device: its
-    structure (LoRA parametrizations and tied weights included) without its memory, for :func:`fill_twin`.
+    structure (LoRA parametrizations and tied weights included) without its memory, for :func:`gather_into_twin`.
     """
     # deepcopy looks every object up in its memo first: each parameter (a tied one once) and buffer
     # is "copied" as an empty meta tensor of its shape.
@@ -100,17 +100,16 @@ def empty_twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The sharded ``model``'s state dict as whole tensors on rank 0's CPU (a collective; the other ranks get an
-    empty dict).
+def gather_into_twin(model: nn.Module, twin: nn.Module, is_main: bool) -> nn.Module | None:
+    """The sharded ``model`` whole: its shards gathered to rank 0's CPU (a collective: EVERY process calls this) into
+    the :func:`empty_twin` ``twin``, weights tied as in the model, and returned there; the other ranks get None.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def fill_twin(twin: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """The :func:`empty_twin` ``twin`` on the CPU holding ``state`` (weights tied as in the model); returns it."""
+    # the other ranks get an empty dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
     # Parameters reached under several names (a tied embedding and head) are one tensor again after to_empty.
     names_of: dict[int, list[str]] = {}
     for name, p in twin.named_parameters(remove_duplicate=False):

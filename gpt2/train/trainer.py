@@ -703,10 +703,7 @@ class Trainer:
         """
         if not self.sharded:
             return self.model
-        state = fsdp.gather_full_state(self.model)
-        if not self.is_main:
-            return None
-        return fsdp.fill_twin(self._twin, state)
+        return fsdp.gather_into_twin(self.model, self._twin, self.is_main)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:
