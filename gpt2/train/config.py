@@ -24,7 +24,7 @@ from gpt2.model.config import (
 # of gpt2.train.precision.
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.train.metrics.make_sinks
+LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to (parsed_log_to); see gpt2.train.metrics.make_sinks
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer; see gpt2.train.optim
 STRATEGIES = ("ddp", "fsdp")  # TrainConfig.strategy; see gpt2.train.distributed
 AUTO = "auto"  # TrainConfig.micro_batch_size="auto": found when the Trainer starts (gpt2.train.batch_finder)
@@ -174,7 +174,7 @@ class TrainConfig:
                 f"TrainConfig.device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}"
             )
         self._normalise_paths()
-        self.log_to = _parsed_log_to(self.log_to)
+        self.log_to = parsed_log_to(self.log_to)
         if self.log_to and self.out_dir is None:
             raise InvalidValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
         if self.resume == "auto" and self.out_dir is None:
@@ -292,9 +292,9 @@ def _checked_betas(betas: Any) -> tuple[float, float]:
     return (first, second)
 
 
-def _parsed_log_to(log_to: Any) -> tuple[str, ...]:
+def parsed_log_to(log_to: Any) -> tuple[str, ...]:
     """``"tensorboard,wandb"`` or ``["tensorboard", "wandb"]`` (a CLI flag / YAML list) as a tuple of known
-    targets, each once.
+    targets, each once (:func:`gpt2.train.metrics.make_sinks` reads its targets through it too).
     """
     if isinstance(log_to, str):
         items = [log_to]

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm  # a widget in notebooks
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import progress_enabled, replace_atomically, write_advice
 from gpt2.model.checkpoint_files import CHECKPOINT_DIR, find_latest_checkpoint
-from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
+from gpt2.train.config import parsed_log_to
 
 logger = logging.getLogger(__name__)
 
@@ -381,13 +381,11 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
     """The sinks named in ``targets`` (``"tensorboard"``, ``"wandb"``) writing under ``out_dir``, after ``step``."""
     sinks: list[Any] = []
     try:
-        for target in targets:
+        for target in parsed_log_to(targets):
             if target == "tensorboard":
                 sinks.append(TensorBoardSink(Path(out_dir) / "tensorboard", purge_step=step + 1 if step else None))
-            elif target == "wandb":
-                sinks.append(WandbSink(out_dir, config=config))
             else:
-                raise InvalidValueError(f"unknown log target {target!r}; choose from {LOG_TARGETS}")
+                sinks.append(WandbSink(out_dir, config=config))
     except BaseException:
         # close the ones already started
         for sink in sinks:
