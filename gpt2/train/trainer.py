@@ -316,11 +316,6 @@ class Trainer:
                 else:
                     saved = self._save_if_due(schedule)
                 self._stop_if_signalled(saved)
-            # the loss curve of a finished call, recorded with the rest below
-            if self.is_main and self.out_dir is not None and self.config.plot:
-                metrics.plot_loss_curve(
-                    metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
-                )
         except TrainingInterrupted:
             interrupted = True
             raise
@@ -331,6 +326,11 @@ class Trainer:
             # it leaves the process group: close() restores the handlers after that.
             if not (interrupted and self.dist_env.is_distributed):
                 signals.restore()
+        if self.is_main and self.out_dir is not None and self.config.plot:
+            metrics.plot_loss_curve(
+                metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
+            )
+        self._record_outputs()
         return self.history[first:]
 
     def _check_owner(self) -> None:
