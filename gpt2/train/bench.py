@@ -121,7 +121,7 @@ def run_ladder(
     )
     results = []
     for rung in rungs:
-        result = _run_rung(rung, model, shape, config, tokens, compile=compile, repeats=repeats, warmup=warmup)
+        result = _run_rung(rung, base, config, tokens, compile=compile, repeats=repeats, warmup=warmup)
         results.append(result)
         if on_result:
             on_result(result)
@@ -130,8 +130,7 @@ def run_ladder(
 
 def _run_rung(
     rung: str,
-    model: str,
-    shape: dict[str, Any],
+    base: GPTConfig,
     config: TrainConfig,
     tokens: torch.Tensor,
     *,
@@ -139,36 +138,19 @@ def _run_rung(
     repeats: int,
     warmup: int,
 ) -> RungResult:
-    """One rung of :func:`run_ladder`: timed (with a note where it differs from its name), or skipped."""
+    """One rung of :func:`run_ladder`, or skipped: ``config.max_steps`` steps of a new model (``base`` with the rung's
+    attention and vocabulary padding), the ``repeats`` blocks of steps after ``warmup`` timed (with a note where the
+    rung differs from its name).
+    """
+    # the benchmark drives the Trainer itself
+    from gpt2.train.trainer import Trainer
+
     settings = rung_settings(rung)
     settings["compile"] = settings["compile"] and compile
     if rung == "compile" and not compile:
         return RungResult(rung, settings, skipped=True, note="skipped: compiling on a CPU is slow (--compile times it)")
-    gpt_config = GPTConfig.from_name(
-        model, **shape, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"]
-    )
-    mine = {name: settings[name] for name in ("precision", "compile", "fused_adamw")}
-    result = _time_rung(rung, settings, gpt_config, dataclasses.replace(config, **mine), tokens, repeats, warmup)
-    if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
-        result.note = "without compile"
-    if rung == "tf32" and not uses_cuda(config.device):
-        result.note = "TF32 is CUDA-only: same as fp32 here"
-    return result
-
-
-def _time_rung(
-    rung: str,
-    settings: dict[str, Any],
-    gpt_config: GPTConfig,
-    config: TrainConfig,
-    tokens: torch.Tensor,
-    repeats: int,
-    warmup: int,
-) -> RungResult:
-    """``config.max_steps`` steps of a new model; the ``repeats`` blocks of steps after ``warmup`` are timed."""
-    # the benchmark drives the Trainer itself
-    from gpt2.train.trainer import Trainer
-
+    gpt_config = dataclasses.replace(base, flash=settings["flash"], pad_vocab_multiple=settings["pad_vocab_multiple"])
+    config = dataclasses.replace(config, **{name: settings[name] for name in ("precision", "compile", "fused_adamw")})
     on_cuda = uses_cuda(config.device)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -198,6 +180,11 @@ def _time_rung(
     ms = statistics.median(repeat_ms)
     tokens_per_second = config.micro_batch_size * config.seq_len / (ms / 1000.0)
     logger.debug("rung %s: %.1f ms/step, %s tok/s", rung, ms, f"{tokens_per_second:,.0f}")
+    note = ""
+    if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
+        note = "without compile"
+    if rung == "tf32" and not on_cuda:
+        note = "TF32 is CUDA-only: same as fp32 here"
     return RungResult(
         rung,
         settings,
@@ -205,6 +192,7 @@ def _time_rung(
         tokens_per_second=tokens_per_second,
         mfu=model_flops_utilisation(flops_per_token, tokens_per_second, peak),
         loss=records[-1]["loss"],
+        note=note,
         step_ms=step_ms,
         repeat_ms=repeat_ms,
         spread=(max(repeat_ms) - min(repeat_ms)) / ms,

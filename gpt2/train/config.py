@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -23,7 +24,7 @@ from gpt2.model.config import (
 # of gpt2.train.precision.
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to; see gpt2.train.metrics.make_sinks
+LOG_TARGETS = ("tensorboard", "wandb")  # TrainConfig.log_to (parsed_log_to); see gpt2.train.metrics.make_sinks
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer; see gpt2.train.optim
 STRATEGIES = ("ddp", "fsdp")  # TrainConfig.strategy; see gpt2.train.distributed
 AUTO = "auto"  # TrainConfig.micro_batch_size="auto": found when the Trainer starts (gpt2.train.batch_finder)
@@ -173,7 +174,7 @@ class TrainConfig:
                 f"TrainConfig.device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}"
             )
         self._normalise_paths()
-        self.log_to = _parsed_log_to(self.log_to)
+        self.log_to = parsed_log_to(self.log_to)
         if self.log_to and self.out_dir is None:
             raise InvalidValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
         if self.resume == "auto" and self.out_dir is None:
@@ -242,18 +243,9 @@ def grad_accum_steps(config: TrainConfig, world_size: int) -> int:
             "TrainConfig.micro_batch_size='auto' has no accumulation steps until the Trainer has found the size "
             "(gpt2.train.batch_finder.resolve_micro_batch_size); give a number to compute them before that"
         )
-    per_micro_step = config.micro_batch_size * config.seq_len * world_size
     if config.total_batch_size is None:
         return 1
-    if config.total_batch_size % per_micro_step != 0:
-        nearest = max(1, round(config.total_batch_size / per_micro_step)) * per_micro_step
-        raise InvalidValueError(
-            f"TrainConfig.total_batch_size={config.total_batch_size:,} tokens is not divisible by micro_batch_size x "
-            f"seq_len x world_size = {config.micro_batch_size} x {config.seq_len} x {world_size} = "
-            f"{per_micro_step:,} tokens; pick a total_batch_size that is a multiple of micro_batch_size * seq_len * "
-            f"world_size (e.g. {nearest:,}) or change the micro-batch"
-        )
-    return config.total_batch_size // per_micro_step
+    return _whole_split(config, micro_batch_size=config.micro_batch_size, seq_len=config.seq_len, world_size=world_size)
 
 
 def sequences_per_process(config: TrainConfig, world_size: int) -> int | None:
@@ -262,15 +254,24 @@ def sequences_per_process(config: TrainConfig, world_size: int) -> int | None:
     """
     if config.total_batch_size is None:
         return None
-    per_sequence = config.seq_len * world_size
-    if config.total_batch_size % per_sequence != 0:
-        nearest = max(1, round(config.total_batch_size / per_sequence)) * per_sequence
+    return _whole_split(config, seq_len=config.seq_len, world_size=world_size)
+
+
+def _whole_split(config: TrainConfig, **factors: int) -> int:
+    """``total_batch_size`` divided by the product of ``factors`` (named as TrainConfig names them), refused unless
+    it divides: the one message of the batch-split rule.
+    """
+    unit = math.prod(factors.values())
+    if config.total_batch_size % unit != 0:
+        names = " x ".join(factors)
+        values = " x ".join(str(v) for v in factors.values())
+        nearest = max(1, round(config.total_batch_size / unit)) * unit
         raise InvalidValueError(
-            f"TrainConfig.total_batch_size={config.total_batch_size:,} tokens is not divisible by seq_len x world_size "
-            f"= {config.seq_len} x {world_size} = {per_sequence:,} tokens, so micro_batch_size='auto' cannot split it "
-            f"into whole sequences per process; pick a multiple of seq_len * world_size (e.g. {nearest:,})"
+            f"TrainConfig.total_batch_size={config.total_batch_size:,} tokens is not divisible by {names} = {values} "
+            f"= {unit:,} tokens; pick a total_batch_size that is a multiple of {' * '.join(factors)} "
+            f"(e.g. {nearest:,})"
         )
-    return config.total_batch_size // per_sequence
+    return config.total_batch_size // unit
 
 
 def _checked_or_auto(name: str, value: Any, rule: Range) -> Any:
@@ -291,9 +292,9 @@ def _checked_betas(betas: Any) -> tuple[float, float]:
     return (first, second)
 
 
-def _parsed_log_to(log_to: Any) -> tuple[str, ...]:
+def parsed_log_to(log_to: Any) -> tuple[str, ...]:
     """``"tensorboard,wandb"`` or ``["tensorboard", "wandb"]`` (a CLI flag / YAML list) as a tuple of known
-    targets, each once.
+    targets, each once (:func:`gpt2.train.metrics.make_sinks` reads its targets through it too).
     """
     if isinstance(log_to, str):
         items = [log_to]

@@ -48,10 +48,8 @@ def env_from_environ(environ: Mapping[str, str] | None = None) -> DistributedEnv
         environ = os.environ
     values = {}
     for key, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
-        raw = environ.get(key)
-        if raw in (None, ""):
-            values[key] = default
-            continue
+        # absent or empty: the default
+        raw = environ.get(key) or default
         try:
             values[key] = int(raw)
         except ValueError:

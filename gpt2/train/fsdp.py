@@ -10,10 +10,9 @@ of the memory DDP needs. The tied embedding and head are one parameter of the ro
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,15 +21,9 @@ import torch.nn as nn
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 from gpt2.model.checkpoint_files import non_finite_tensors
-
-if TYPE_CHECKING:  # pragma: no cover
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+from gpt2.train.precision import PrecisionPolicy
 
 logger = logging.getLogger(__name__)
-
-# Our precision name -> the dtype FSDP gathers the weights in for the forward and backward. The gradients
-# are reduced in fp32 and the shards (the optimizer's master weights) stay fp32 whatever the compute dtype.
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def refuse_unsupported(config: Any) -> None:
@@ -48,62 +41,32 @@ def refuse_unsupported(config: Any) -> None:
         )
 
 
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """FSDP2's mixed precision for one of our precision names: bf16 / fp16 gather the weights in that dtype
-    (half the communication) and reduce the gradients in fp32; fp32 and tf32 change nothing.
+def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPolicy) -> nn.Module:
+    """Shard ``model`` in place over every process of the job (its parameters become DTensors), each
+    block of a GPT (any model with ``transformer.h``) its own unit, the rest the root unit; returns ``model``. Build
+    the optimizer after this.
     """
     # imported here, as in every function of this module that needs FSDP: see torch_compat.is_fsdp_module
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    dtype = _COMPUTE_DTYPES.get(precision)
-    if dtype is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The sub-modules sharded as units of their own: a GPT's transformer blocks (any model with
-    ``transformer.h``); for other models none, and the whole model is one unit.
-    """
-    blocks = getattr(getattr(model, "transformer", None), "h", None)
-    if isinstance(blocks, nn.ModuleList):
-        return list(blocks)
-    logger.info("%s has no transformer.h: FSDP shards it as one unit", type(model).__name__)
-    return []
-
-
-def shard_model(model: nn.Module, device: torch.device, precision: str) -> nn.Module:
-    """Shard ``model`` in place over every process of the job (its parameters become DTensors), each
-    block its own unit, the rest the root unit; returns ``model``. Build the optimizer after this.
-    """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = mixed_precision_policy(precision)
-    for unit in shard_units(model):
+    # bf16 / fp16 gather the weights in that dtype (half the communication) and reduce the gradients in fp32; fp32
+    # and tf32 change nothing. The shards (the optimizer's master weights) stay fp32 whatever the compute dtype.
+    policy = MixedPrecisionPolicy()
+    if precision.autocast_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    if not isinstance(blocks, nn.ModuleList):
+        logger.info("%s has no transformer.h: FSDP shards it as one unit", type(model).__name__)
+        blocks = []
+    for unit in blocks:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     logger.info(
-        "FSDP: %s sharded over %d processes (%s compute)", type(model).__name__, dist.get_world_size(), precision
+        "FSDP: %s sharded over %d processes (%s compute)", type(model).__name__, dist.get_world_size(), precision.name
     )
     return model
-
-
-def gradient_sync(model: nn.Module, sync: bool) -> ContextManager:
-    """FSDP: reduce-scatter the gradients in this backward only when ``sync`` (the last micro-step of an
-    accumulation); the earlier ones accumulate unsharded gradients locally, with no communication.
-    """
-    if torch_compat.is_fsdp_module(model):
-        model.set_requires_gradient_sync(sync)
-    return contextlib.nullcontext()
-
-
-def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's global value (a collective: every process calls it); any other tensor itself."""
-    if torch_compat.is_dtensor(tensor):
-        return tensor.full_tensor()
-    return tensor
 
 
 def non_finite_parameters(model: nn.Module) -> list[str]:
@@ -125,7 +88,7 @@ def non_finite_parameters(model: nn.Module) -> list[str]:
 
 def empty_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (not yet sharded) whose parameters and buffers are on the ``meta`` device: its
-    structure (LoRA parametrizations and tied weights included) without its memory, for :func:`fill_twin`.
+    structure (LoRA parametrizations and tied weights included) without its memory, for :func:`gather_into_twin`.
     """
     # deepcopy looks every object up in its memo first: each parameter (a tied one once) and buffer
     # is "copied" as an empty meta tensor of its shape.
@@ -137,17 +100,16 @@ def empty_twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The sharded ``model``'s state dict as whole tensors on rank 0's CPU (a collective; the other ranks get an
-    empty dict).
+def gather_into_twin(model: nn.Module, twin: nn.Module, is_main: bool) -> nn.Module | None:
+    """The sharded ``model`` whole: its shards gathered to rank 0's CPU (a collective: EVERY process calls this) into
+    the :func:`empty_twin` ``twin``, weights tied as in the model, and returned there; the other ranks get None.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def fill_twin(twin: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """The :func:`empty_twin` ``twin`` on the CPU holding ``state`` (weights tied as in the model); returns it."""
+    # the other ranks get an empty dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
     # Parameters reached under several names (a tied embedding and head) are one tensor again after to_empty.
     names_of: dict[int, list[str]] = {}
     for name, p in twin.named_parameters(remove_duplicate=False):

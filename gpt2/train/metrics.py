@@ -25,7 +25,7 @@ from tqdm.auto import tqdm  # a widget in notebooks
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import progress_enabled, replace_atomically, write_advice
 from gpt2.model.checkpoint_files import CHECKPOINT_DIR, find_latest_checkpoint
-from gpt2.train.config import LOG_TARGETS  # the names TrainConfig.log_to accepts
+from gpt2.train.config import parsed_log_to
 
 logger = logging.getLogger(__name__)
 
@@ -131,15 +131,9 @@ class RunOutputError(Gpt2Error, OSError):
     the file, what to do and the newest intact checkpoint; ``errno`` and ``filename`` are the failed write's.
     """
 
-    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.errno = errno
-        self.filename = filename
-
     def __str__(self) -> str:
-        # OSError's own str() shows "[Errno n] strerror: filename" once filename is set
-        return self.message
+        # the message is the strerror: OSError's own str() shows "[Errno n] strerror: filename"
+        return self.strerror
 
 
 def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir: Path | None) -> RunOutputError:
@@ -155,11 +149,8 @@ def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir
         kept = f"the newest checkpoint {newest} is intact"
         then = "resume (resume='auto' continues from it)"
     why = " ".join(str(e).split())
-    return RunOutputError(
-        f"{doing} {path} failed ({why}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}",
-        errno=e.errno,
-        filename=str(path),
-    )
+    message = f"{doing} {path} failed ({why}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}"
+    return RunOutputError(e.errno, message, str(path))
 
 
 class ConsoleSink:
@@ -299,7 +290,6 @@ class TensorBoardSink:
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
         self.log_dir = Path(log_dir)
-        self._writer_type = SummaryWriter
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def rewind(self, step: int) -> None:
@@ -307,7 +297,7 @@ class TensorBoardSink:
         later steps as a resume from ``step`` does.
         """
         self.writer.close()
-        self.writer = self._writer_type(log_dir=str(self.log_dir), purge_step=step + 1)
+        self.writer = type(self.writer)(log_dir=str(self.log_dir), purge_step=step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -391,13 +381,11 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
     """The sinks named in ``targets`` (``"tensorboard"``, ``"wandb"``) writing under ``out_dir``, after ``step``."""
     sinks: list[Any] = []
     try:
-        for target in targets:
+        for target in parsed_log_to(targets):
             if target == "tensorboard":
                 sinks.append(TensorBoardSink(Path(out_dir) / "tensorboard", purge_step=step + 1 if step else None))
-            elif target == "wandb":
-                sinks.append(WandbSink(out_dir, config=config))
             else:
-                raise InvalidValueError(f"unknown log target {target!r}; choose from {LOG_TARGETS}")
+                sinks.append(WandbSink(out_dir, config=config))
     except BaseException:
         # close the ones already started
         for sink in sinks:
@@ -408,7 +396,7 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
 
 class FitLog:
     """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl`` (keeping its
-    records up to ``step``), the Trainer's sinks, the ``TrainConfig.log_to`` sinks and the progress bar.
+    records up to ``step``), the ``TrainConfig.log_to`` sinks, the Trainer's sinks and the progress bar.
     ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it still owns ``out_dir``).
     :meth:`close` closes (flushes) what this call opened; the Trainer's own sinks stay open for its next call.
     """
@@ -423,36 +411,33 @@ class FitLog:
         is_main: bool,
         before_write: Callable[[], None] | None = None,
     ) -> None:
+        # what this call opens (and closes at its end), then every sink a record goes to
+        self.opened: list[Any] = []
         self.sinks: list[Sink] = []
-        self.extra: list[Any] = []
-        self.jsonl: JSONLSink | None = None
         self.bar: Any = None
-        self.before_write = before_write
+        self.before_write = None
         if not is_main:
             return
-        self.sinks = list(sinks)
-        # TensorBoard / W&B (config.log_to): opened per fit() call and closed (flushed) at its end;
-        # first, so a missing package fails before anything else is opened
+        self.before_write = before_write
+        # TensorBoard / W&B (config.log_to): first, so a missing package fails before anything else is opened
         if config.log_to:
-            self.extra = make_sinks(config.log_to, out_dir, config.to_dict(), step)
+            self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
             if before_write is not None:
                 before_write()
             if out_dir is not None:
-                self.jsonl = JSONLSink(
-                    out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR
-                )
+                jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR)
+                self.opened.insert(0, jsonl)
             if progress_enabled(config.progress):
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         except BaseException:
             # e.g. out_dir taken over by another run: close the sinks just opened
             self.close()
             raise
+        self.sinks = [*self.opened, *sinks]
 
     def emit(self, record: dict[str, Any]) -> None:
-        if self.jsonl is not None:
-            self.jsonl.log(record)
-        for sink in [*self.sinks, *self.extra]:
+        for sink in self.sinks:
             if hasattr(sink, "log"):
                 sink.log(record)
             else:
@@ -467,9 +452,9 @@ class FitLog:
         metrics.jsonl keeps its records up to ``step``, TensorBoard purges the later ones, the progress bar shows
         ``step``; a sink of the Trainer's with a ``rewind(step)`` method is told too.
         """
-        if self.jsonl is not None and self.before_write is not None:
+        if self.before_write is not None:
             self.before_write()
-        for sink in [self.jsonl, *self.sinks, *self.extra]:
+        for sink in self.sinks:
             if hasattr(sink, "rewind"):
                 sink.rewind(step)
         if self.bar is not None:
@@ -484,7 +469,5 @@ class FitLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-        for sink in self.extra:
+        for sink in self.opened:
             sink.close()

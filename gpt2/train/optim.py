@@ -100,7 +100,7 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
     output head) nor one whose weight is an ``nn.Embedding``'s (the tied head), and not LoRA
     factors: with a frozen base there is nothing for Muon (see docs/training.md).
     """
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embedding_ids = _embedding_ids(model)
     heads = {id(m) for m in model.children()}
     found: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -189,11 +189,9 @@ def _adamw(model: nn.Module, groups: list[dict[str, Any]], config: TrainConfig) 
     :func:`use_fused_adamw` says so, else the multi-tensor ("foreach") implementation: torch picks that by default
     only for CUDA tensors, and on a CPU the per-tensor loop is the slowest of the three.
     """
-    if use_fused_adamw(model, config.fused_adamw):
-        implementation = {"fused": True}
-    else:
-        implementation = {"foreach": True}
-    return torch.optim.AdamW(groups, lr=config.max_lr, betas=tuple(config.betas), eps=config.eps, **implementation)
+    fused = use_fused_adamw(model, config.fused_adamw)
+    betas = tuple(config.betas)
+    return torch.optim.AdamW(groups, lr=config.max_lr, betas=betas, eps=config.eps, fused=fused, foreach=not fused)
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:

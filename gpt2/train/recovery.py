@@ -229,11 +229,13 @@ class RecoveryPolicy:
             raise self.diverged(trainer, record)
         reason = self._reason(record)
         position = trainer.train_loader.state_dict()
-        # Loading a checkpoint restores its recovery state too: what this recovery changes is taken first.
-        recoveries = self.recoveries + 1
-        lr_scale = self.lr_scale * cfg.recovery.lr_factor
-        monitor = self.monitor.state_dict()
-        confirmed = set(self.confirmed)
+        # Going back restores the recovery state saved with that state too: this recovery's is taken first.
+        kept = {
+            "recoveries": self.recoveries + 1,
+            "lr_scale": self.lr_scale * cfg.recovery.lr_factor,
+            "monitor": {**self.monitor.state_dict(), "streak": 0},
+            "confirmed": self.confirmed,
+        }
         # the first step of the trouble: of the diverging streak, or of the non-finite run
         trouble_start = trainer.step - self.consecutive_bad_steps + 1
         if self.monitor.streak:
@@ -241,12 +243,9 @@ class RecoveryPolicy:
         source = self._go_back(trainer, before_step=trouble_start)
         if source is None:
             raise self.diverged(trainer, record, nothing_confirmed=True)
-        self.recoveries = recoveries
-        self.lr_scale = lr_scale
-        self.monitor.load_state_dict({**monitor, "streak": 0})
-        self.consecutive_bad_steps = 0
         # The state gone back to was confirmed; checkpoints after it belong to the abandoned steps.
-        self.confirmed = {step for step in confirmed if step <= trainer.step}
+        self.load_state_dict({**kept, "confirmed": [step for step in kept["confirmed"] if step <= trainer.step]})
+        self.consecutive_bad_steps = 0
         self.unconfirmed = None
         trainer.train_loader.load_state_dict(position)
         logger.warning(

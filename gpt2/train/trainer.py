@@ -219,7 +219,7 @@ class Trainer:
         if minlora.lora_sites(self.model):
             self._base_fingerprint = minlora.base_fingerprint(self.model)
         self._twin = fsdp.empty_twin(self.model)
-        fsdp.shard_model(self.model, self.device, self.precision.name)
+        fsdp.shard_model(self.model, self.device, self.precision)
 
     @property
     def is_main(self) -> bool:
@@ -463,7 +463,10 @@ class Trainer:
             x, y, kwargs = self._to_device(batch)
             # Under DDP and FSDP, only the last micro-step's backward averages gradients across processes.
             last = micro_step == len(batches) - 1
-            with distributed.no_sync(self.train_model, skip_sync=not last), fsdp.gradient_sync(self.model, last):
+            if self.sharded:
+                # FSDP reduce-scatters the gradients then; the earlier micro-steps accumulate them unsharded
+                self.model.set_requires_gradient_sync(last)
+            with distributed.no_sync(self.train_model, skip_sync=not last):
                 with self.precision.autocast():
                     loss = self._summed_loss(x, y, kwargs, count, sums)
                 loss = loss * scale
@@ -510,8 +513,11 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         # inf: measure the norm, change nothing
         max_norm = self.config.grad_clip or math.inf
-        # Under FSDP the norm is a DTensor over every process's shards: its full value is a collective.
-        grad_norm = float(fsdp.full_value(torch.nn.utils.clip_grad_norm_(self._trainable, max_norm)))
+        norm = torch.nn.utils.clip_grad_norm_(self._trainable, max_norm)
+        if self.sharded:
+            # a DTensor over every process's shards: its full value is a collective
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         skipped = bad = not finite
         if self.scaler is None:
@@ -697,10 +703,7 @@ class Trainer:
         """
         if not self.sharded:
             return self.model
-        state = fsdp.gather_full_state(self.model)
-        if not self.is_main:
-            return None
-        return fsdp.fill_twin(self._twin, state)
+        return fsdp.gather_into_twin(self.model, self._twin, self.is_main)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:
