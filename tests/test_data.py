@@ -22,6 +22,7 @@ from gpt2.data import (
     tokenize_file,
     write_shards,
 )
+from gpt2.data.sources import split_tokens
 from gpt2.files import DownloadError
 from gpt2.model.tokenizer import get_tokenizer
 
@@ -163,20 +164,23 @@ def test_write_shards_overwrite_and_errors(tmp_path):
         write_shards(DOCS, tmp_path / "s", prefix="s", num_workers=-1, progress=False)
 
 
-def test_tokenize_file_splits_val_from_the_end(shared_data, tmp_path):
+def test_tokenize_file_holds_out_what_training_on_the_file_holds_out(shared_data, tmp_path):
     text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:20_000]
     source = tmp_path / "shakespeare.txt"
     source.write_text(text, encoding="utf-8")
     expected = _expected_stream([text])
     paths = tokenize_file(source, tmp_path / "out", shard_size=2_000, val_fraction=0.1, progress=False)
     n_val = round(0.1 * len(expected))
+    # the tokens `gpt2 train --data shakespeare.txt` would hold out (passages spread through the text)
+    expected_train, expected_val = split_tokens(expected, 0.1, "x")
     names = [p.name for p in paths]
     assert names[0] == "shakespeare_val_000000.npy"
     assert all(n.startswith("shakespeare_train_") for n in names[1:]) and names[1].endswith("_000001.npy")
     val = load_tokens(paths[0])
     train = np.concatenate([load_tokens(p) for p in paths[1:]])
     assert len(val) == n_val
-    np.testing.assert_array_equal(np.concatenate([train, val]), expected)
+    np.testing.assert_array_equal(val, expected_val)
+    np.testing.assert_array_equal(train, expected_train)
     assert all(len(load_tokens(p)) == 2_000 for p in paths[1:-1])
 
     # The loader reads the two splits back from the directory.
@@ -486,7 +490,6 @@ def test_a_files_validation_split_samples_the_whole_text():
     measures every play, not only the last ones (or the first) the run happens to have read most recently,
     so a longer run scores better instead of rising and falling with where in the text training is.
     """
-    from gpt2.data.sources import split_tokens
 
     tokens = np.arange(100_000, dtype=np.int64)
     train, val = split_tokens(tokens, 0.1, "x")

@@ -155,7 +155,7 @@ class TokenLoader:
                     f"{shard.name} has {shard.length} tokens, but one step needs {needed} (batch_size "
                     f"{self.batch_size} x seq_len {self.seq_len} x world_size {self.world_size} + 1 for the shifted "
                     "targets); use a smaller --micro-batch-size or --seq-len, or more data (the validation part of a "
-                    "file is its last --val-fraction; short shards can be merged)"
+                    "file is its --val-fraction; short shards can be merged)"
                 )
         self._shard_index, self._position = 0, 0
         # The current shard, opened lazily.

@@ -386,6 +386,40 @@ def write_shards(
     return writer.written
 
 
+# A file's validation tokens come from up to this many passages spread through it: the end of the text
+# alone would be other plays (other names, other words) than the ones the model read most recently, so
+# its loss would rise and fall with where in the text training is, not with how well the model learns.
+VAL_PASSAGES = 100
+# ... each at least this many tokens (a small file gets fewer, longer passages).
+MIN_PASSAGE_TOKENS = 32
+# Validation lists its passages in the order of (index x golden ratio) mod 1: any first part of them, such
+# as the --eval-steps batches a run scores while it trains, is spread evenly over the text too.
+_GOLDEN = (5**0.5 - 1) / 2
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(train, val)``: the tokens cut into up to :data:`VAL_PASSAGES` equal parts, the last
+    ``val_fraction`` of each held out for validation, the rest (in order) for training. No token is in
+    both, and validation (and any first part of it) samples the whole text. Both are copies in
+    memory; data larger than memory belongs in shards (``gpt2 prepare``).
+    """
+    if not 0 <= val_fraction < 1:
+        raise InvalidValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if val_fraction == 0:
+        return tokens, None
+    n_val = int(round(len(tokens) * val_fraction))
+    if n_val < 2 or n_val >= len(tokens) - 1:
+        raise InvalidValueError(f"{what} has {len(tokens)} tokens, too few to split with --val-fraction {val_fraction}")
+    passages = max(1, min(VAL_PASSAGES, n_val // MIN_PASSAGE_TOKENS))
+    # Part i is tokens[edges[i]:edges[i + 1]]; from val_starts[i] on it is held out.
+    edges = np.linspace(0, len(tokens), passages + 1).round().astype(np.int64)
+    val_starts = edges[1:] - np.diff(np.linspace(0, n_val, passages + 1).round().astype(np.int64))
+    train = np.concatenate([tokens[start:end] for start, end in zip(edges[:-1], val_starts)])
+    order = np.argsort((np.arange(passages) * _GOLDEN) % 1, kind="stable")
+    val = np.concatenate([tokens[val_starts[i] : edges[i + 1]] for i in order])
+    return train, val
+
+
 def tokenize_file(
     path: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -398,16 +432,16 @@ def tokenize_file(
     overwrite: bool = False,
     file_format: str = "npy",
 ) -> list[Path]:
-    """Tokenise one UTF-8 text file, read into memory as one document, into shards as :func:`write_shards` does; its
-    last ``val_fraction`` of tokens are the ``val`` shards (the end of the text, as in nanoGPT's ``prepare.py``, so no
-    passage is in both splits). ``prefix`` defaults to the file's stem. Returns the shard paths.
+    """Tokenise one UTF-8 text file, read into memory as one document, into shards as :func:`write_shards` does.
+    ``val_fraction`` of its tokens, held out as :func:`split_tokens` does for ``gpt2 train --data file.txt``, are the
+    ``val`` shards. ``prefix`` defaults to the file's stem. Returns the shard paths.
     """
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"text file {str(path)!r} does not exist")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise InvalidValueError(
-            f"val_fraction must be a number in [0, 1), e.g. 0.1 for the last 10%, got {val_fraction!r}"
+            f"val_fraction must be a number in [0, 1), e.g. 0.1 to hold out 10%, got {val_fraction!r}"
         )
     if prefix is None:
         prefix = path.stem
@@ -429,20 +463,17 @@ def tokenize_file(
 def _text_file_chunks(
     path: Path, tokenizer: Any, val_fraction: float, size: int, progress: bool
 ) -> list[tuple[np.ndarray, str]]:
-    """The text file's tokens as ``(shard, split)`` pieces of at most ``size`` tokens: its last
-    ``val_fraction`` the val split, the rest the train split.
+    """The text file's tokens as ``(shard, split)`` pieces of at most ``size`` tokens: the val split
+    :func:`split_tokens` holds out, then the train split.
     """
     text = read_text(path)
     if not text.strip():
         raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
     tokens = _encode_text(text, tokenizer, f"tokenising {path.name}", progress)
-    n_val = round(len(tokens) * val_fraction)
-    if val_fraction > 0 and not 0 < n_val < len(tokens):
-        raise InvalidValueError(
-            f"{str(path)!r} has only {len(tokens)} tokens, too few to split with "
-            f"val_fraction={val_fraction}: use a longer text or val_fraction=0"
-        )
-    val, train = tokens[len(tokens) - n_val :], tokens[: len(tokens) - n_val]
+    train, val = split_tokens(tokens, val_fraction, repr(str(path)))
+    if val is None:
+        # val_fraction 0: no val shards
+        val = tokens[:0]
     chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
     chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
     return chunks
