@@ -18,7 +18,6 @@ import functools
 import inspect
 import io
 import re
-import shlex
 import textwrap
 import tokenize
 import types
@@ -479,7 +478,7 @@ def _help_view(options: Any, prefix: str) -> Any:
         elif field.init and _supported(base):
             aliases = tuple(extra.flag for extra in extras if isinstance(extra, Short)) or None
             names = dict(name=prefix + field.name, prefix_name=False, aliases=aliases)
-            arg = tyro.conf.arg(help=helps.get(field.name), help_behavior_hint=_default_hint, **names)
+            arg = tyro.conf.arg(help=helps.get(field.name), help_behavior_hint=_default_hint(value), **names)
             hint = Annotated[hints[field.name], arg]
         else:
             continue
@@ -530,21 +529,15 @@ def _own_field_help(source: str) -> dict[str, str]:
     return helps
 
 
-def _default_hint(label: str) -> str:
-    """``(default: ...)`` for tyro's default ``label``, which quotes each word for a shell: a word as is,
-    in double quotes where it holds a space (``"Hello, I'm a language model,"``); nothing for an empty list.
+def _default_hint(value: Any) -> str:
+    """``(default: ...)`` for ``value`` as typed: each word as is, in double quotes where it is empty or holds a
+    space (``"Hello, I'm a language model,"``), a tuple's words one after another; nothing for an empty tuple.
     """
-    try:
-        words = shlex.split(label)
-    except ValueError:
-        return f"(default: {label})"
+    words = value if isinstance(value, tuple) else (value,)
     if not words:
         return ""
-    return f"(default: {' '.join(map(_as_typed, words))})"
-
-
-def _as_typed(word: str) -> str:
-    """``word`` as is, or in double quotes where it is empty or holds a space."""
-    if word and not any(c.isspace() for c in word):
-        return word
-    return f'"{word}"'
+    shown = [
+        f'"{word}"' if isinstance(word, str) and (not word or any(c.isspace() for c in word)) else str(word)
+        for word in words
+    ]
+    return f"(default: {' '.join(shown)})"
