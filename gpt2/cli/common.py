@@ -1,6 +1,4 @@
-"""What several commands share: option groups, the usage error (defined in :mod:`gpt2.cli.layers`, the
-package's lowest module), checks, sampling to stdout, and the end-of-training report.
-"""
+"""What several commands share: option groups, checks, sampling to stdout, and the end-of-training report."""
 
 from __future__ import annotations
 
@@ -9,16 +7,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import torch
 
-# Flat: for the commands' option groups
-from gpt2.cli.layers import Flat as Flat
 from gpt2.cli.layers import Short, UsageError
 from gpt2.data.sources import shakespeare_or_path
-from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.files import ERROR_ADVICE, OutputExistsError, check_new_file, replace_atomically, write_advice
+from gpt2.errors import InvalidValueError
+from gpt2.files import OutputExistsError, check_new_file, replace_atomically
 from gpt2.model.generate import SamplingConfig, stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
@@ -26,9 +22,6 @@ from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
 from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir, record_outputs
-from minlora.errors import MinloraError
-
-Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 
 
 def check_output_file(flag: str, path: str, overwrite: bool) -> None:
@@ -324,21 +317,6 @@ def finished_results(trainer: Any) -> dict[str, Any] | None:
     if not isinstance(results, dict) or results.get("step") != trainer.step:
         return None
     return results
-
-
-def system_error_text(e: OSError) -> str:
-    """One line for a read or write that failed: the file, what happened and what to do. The
-    library's own errors (a checkpoint that could not be saved...) say all of it themselves.
-    """
-    if isinstance(e, (Gpt2Error, MinloraError)):
-        return " ".join(str(e).split())
-    files = [str(name) for name in (e.filename, e.filename2) if name is not None]
-    text = " ".join((e.strerror or str(e)).split())
-    if files:
-        text = f"{' -> '.join(files)}: {text}"
-    if e.errno in ERROR_ADVICE:
-        text += f"; {write_advice(e)}"
-    return text
 
 
 def intact_checkpoint(out_dir: str | Path) -> Path | None:

@@ -7,21 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from gpt2.cli.common import (
-    Flat,
-    ModelOptions,
-    Precision,
-    UsageError,
-    check_output_file,
-    load_for_inference,
-    loss_line,
-    write_json,
-)
-from gpt2.cli.layers import Options
+from gpt2.cli.common import ModelOptions, check_output_file, load_for_inference, loss_line, write_json
+from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
+from gpt2.train.config import Precision
 
 
 @dataclass

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import minlora
-from gpt2.cli.common import Flat, ModelOptions, UsageError, check_output_file
-from gpt2.cli.layers import Options
+from gpt2.cli.common import ModelOptions, check_output_file
+from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.model.gguf import check_tied_head, save_gguf
 from gpt2.model.hf import resolve_source
 from gpt2.outputs import RECORD_FILE

@@ -9,18 +9,17 @@ import torch
 
 import minlora
 from gpt2.cli.common import (
-    Flat,
     InstructionOptions,
     ModelOptions,
-    Precision,
     SamplingOptions,
     check_sampling,
     instruction_prompt,
     load_for_inference,
     print_samples,
 )
-from gpt2.cli.layers import Options
+from gpt2.cli.layers import Flat, Options
 from gpt2.model.quantize import int8_weights
+from gpt2.train.config import Precision
 
 
 @dataclass

@@ -10,16 +10,14 @@ from typing import Annotated, Any, Literal
 
 from gpt2.cli.common import (
     DataOptions,
-    Flat,
     LaunchOptions,
     SamplingOptions,
-    UsageError,
     check_run,
     final_report,
     finished_results,
     program,
 )
-from gpt2.cli.layers import Options
+from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import training_data
 from gpt2.eval.hellaswag import HellaSwagCallback, resolve_hellaswag
