@@ -218,7 +218,9 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     # of memory on one rank) are said by the rank that met them.
     if code == EXIT_USAGE and _rank() != 0:
         return code
-    if _is_system_error(e):
+    # A read or write that failed (a full disk, a read-only folder...), not a file or folder of the user's that
+    # gpt2 refused (a MissingFileError, a RunDirError: their messages say it all).
+    if isinstance(e, OSError) and not (isinstance(e, Gpt2Error) and isinstance(e, USAGE_ERRORS)):
         print(f"{prog}: error: {_system_error(e, command)}", file=sys.stderr)
     elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
@@ -228,20 +230,23 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     return code
 
 
-def _is_system_error(e: Exception) -> bool:
-    """A read or write that failed (a full disk, a read-only folder...), not a file or folder of the
-    user's that gpt2 refused (a MissingFileError, a RunDirError: their messages say it all).
-    """
-    return isinstance(e, OSError) and not (isinstance(e, Gpt2Error) and isinstance(e, USAGE_ERRORS))
-
-
 def _system_error(e: OSError, command: _Invocation) -> str:
-    """The file, what happened and what to do; for a training run (on rank 0), also its newest
-    intact checkpoint and the command that resumes from it.
+    """One line for a read or write that failed: the file, what happened and what to do (the library's own
+    errors, a checkpoint that could not be saved..., say all of it themselves); for a training run (on rank 0),
+    also its newest intact checkpoint and the command that resumes from it.
     """
-    from gpt2.cli.common import intact_checkpoint, system_error_text
+    from gpt2.cli.common import intact_checkpoint
+    from gpt2.files import ERROR_ADVICE, write_advice
+    from minlora.errors import MinloraError
 
-    text = system_error_text(e)
+    text = " ".join(str(e).split())
+    if not isinstance(e, (Gpt2Error, MinloraError)):
+        files = [str(name) for name in (e.filename, e.filename2) if name is not None]
+        text = " ".join((e.strerror or str(e)).split())
+        if files:
+            text = f"{' -> '.join(files)}: {text}"
+        if e.errno in ERROR_ADVICE:
+            text += f"; {write_advice(e)}"
     out_dir = getattr(getattr(command.options, "train", None), "out_dir", None)
     if out_dir is None or _rank() != 0:
         return text

@@ -1,6 +1,4 @@
-"""What several commands share: option groups, the usage error (defined in :mod:`gpt2.cli.layers`, the
-package's lowest module), checks, sampling to stdout, and the end-of-training report.
-"""
+"""What several commands share: option groups, checks, sampling to stdout, and the end-of-training report."""
 
 from __future__ import annotations
 
@@ -9,56 +7,31 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import torch
 
-# Flat: for the commands' option groups
-from gpt2.cli.layers import Flat as Flat
 from gpt2.cli.layers import Short, UsageError
 from gpt2.data.sources import shakespeare_or_path
-from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.files import ERROR_ADVICE, replace_atomically, write_advice
+from gpt2.errors import InvalidValueError
+from gpt2.files import OutputExistsError, check_new_file, replace_atomically
 from gpt2.model.generate import SamplingConfig, stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
-from gpt2.outputs import RECORD_FILE
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
 from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir, record_outputs
-from minlora.errors import MinloraError
-
-Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 
 
-# What an export writes (gpt2.model.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
-# only these is an earlier export, which a new one may replace.
-MODEL_EXPORT_FILES = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json", "merges.txt"}
-MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json", RECORD_FILE}
-PEFT_EXPORT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
-
-
-def check_export_dir(path: str | None, flag: str, own: set[str], overwrite: bool) -> None:
-    """Refuse to export into a file, or into a folder holding anything but an earlier export, unless
-    ``overwrite`` (which still replaces only the export's own files).
+def check_output_file(flag: str, path: str, overwrite: bool) -> None:
+    """``flag``'s ``path`` names a new file, or with ``overwrite`` a regular file to replace (never a device such
+    as /dev/null, a folder or a link); nothing else is written beside it.
     """
-    if path is None:
-        return
-    folder = Path(path).expanduser()
-    if not folder.exists():  # a new folder
-        return
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {path} is a file: give a folder (new, or an earlier export)")
-    other = sorted(p.name for p in folder.iterdir() if p.name not in own)
-    if other and not overwrite:
-        shown = ", ".join(other[:5])
-        if len(other) > 5:
-            shown += " ..."
-        raise UsageError(
-            f"{flag} {path} is not empty and not an earlier export (it holds {shown}): give a new or empty "
-            "folder, or pass --overwrite to write the export's files into it (nothing else there is touched)"
-        )
+    try:
+        check_new_file(path, overwrite=overwrite, flag="--overwrite")
+    except OutputExistsError as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 @dataclass
@@ -95,6 +68,34 @@ class InstructionOptions:
     (gpt2.data.instruct.TEMPLATE) and only the response is printed"""
     input: str | None = None
     """the optional input of --instruction (the template's '### Input:' part)"""
+
+
+@dataclass
+class ModelOptions:
+    """The model a command reads (``gpt2 sample``, ``gpt2 eval``, ``gpt2 export``), with its adapter."""
+
+    model: str = "gpt2"
+    """the model: a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a checkpoint / run directory of
+    `gpt2 train`"""
+    adapter: str | None = None
+    """a LoRA adapter to add: the `adapter` directory `gpt2 finetune` writes, or a PEFT adapter directory (gpt2
+    export merges it into the weights)"""
+    allow_base_mismatch: bool = False
+    """load an --adapter recorded on other base weights anyway (a warning instead of the error)"""
+
+    def load(self, device: torch.device | str = "cpu") -> GPT:
+        """The model on ``device``, with the adapter added."""
+        model = GPT.from_pretrained(self.model, device=device)
+        if self.adapter:
+            try:
+                apply_adapter(model, self.adapter, self.allow_base_mismatch)
+            except FileNotFoundError as e:
+                # gpt2 finetune's run folder holds the adapter in adapter/
+                inside = Path(self.adapter).expanduser() / "adapter"
+                if not inside.is_dir():
+                    raise
+                raise UsageError(f"{e}; did you mean --adapter {inside}?") from e
+        return model
 
 
 @dataclass
@@ -158,20 +159,11 @@ def check_run(options: Any) -> None:
 
 
 def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
-    """``options.model`` with ``options.adapter`` on ``options.device`` in eval mode, the autocast of
-    ``options.precision`` and the device (``gpt2 sample`` and ``gpt2 eval``).
+    """``options.source``'s model on ``options.device`` in eval mode, the autocast of ``options.precision`` and
+    the device (``gpt2 sample`` and ``gpt2 eval``).
     """
     device = resolve_device(options.device)
-    model = GPT.from_pretrained(options.model, device=device)
-    if options.adapter:
-        try:
-            apply_adapter(model, options.adapter, options.allow_base_mismatch)
-        except FileNotFoundError as e:
-            # gpt2 finetune's run folder holds the adapter in adapter/
-            inside = Path(options.adapter).expanduser() / "adapter"
-            if not inside.is_dir():
-                raise
-            raise UsageError(f"{e}; did you mean --adapter {inside}?") from e
+    model = options.source.load(device)
     return model.eval(), inference_autocast(options.precision, device), device
 
 
@@ -325,21 +317,6 @@ def finished_results(trainer: Any) -> dict[str, Any] | None:
     if not isinstance(results, dict) or results.get("step") != trainer.step:
         return None
     return results
-
-
-def system_error_text(e: OSError) -> str:
-    """One line for a read or write that failed: the file, what happened and what to do. The
-    library's own errors (a checkpoint that could not be saved...) say all of it themselves.
-    """
-    if isinstance(e, (Gpt2Error, MinloraError)):
-        return " ".join(str(e).split())
-    files = [str(name) for name in (e.filename, e.filename2) if name is not None]
-    text = " ".join((e.strerror or str(e)).split())
-    if files:
-        text = f"{' -> '.join(files)}: {text}"
-    if e.errno in ERROR_ADVICE:
-        text += f"; {write_advice(e)}"
-    return text
 
 
 def intact_checkpoint(out_dir: str | Path) -> Path | None:

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from gpt2.cli.common import Precision, UsageError, load_for_inference, loss_line, write_json
-from gpt2.cli.layers import Options
+from gpt2.cli.common import ModelOptions, check_output_file, load_for_inference, loss_line, write_json
+from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import load_token_source, split_tokens
 from gpt2.eval.hellaswag import resolve_hellaswag, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
-from gpt2.files import OutputExistsError, check_new_file
+from gpt2.train.config import Precision
 
 
 @dataclass
 class EvalOptions(Options):
     """gpt2 eval: validation loss / perplexity on token data; HellaSwag accuracy."""
 
-    model: str = "gpt2"
-    """a hub id, a transformers directory, or a checkpoint / run directory of `gpt2 train`"""
-    adapter: str | None = None
-    """a LoRA adapter to add first"""
-    allow_base_mismatch: bool = False
-    """load an --adapter recorded on other base weights anyway (a warning instead of the error)"""
+    source: Annotated[ModelOptions, Flat] = field(default_factory=ModelOptions)
     data: str | None = None
     """tokens to score: a shard directory (its --split shards), a .npy/.bin token file, a text file or
     'shakespeare' (a text or token file: its last --val-fraction)"""
@@ -63,13 +58,13 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
         )
     # The output and both input files before the model loads: fail fast.
     if options.output:
-        _check_output(options.output, options.overwrite)
+        check_output_file("--output", options.output, options.overwrite)
     hellaswag = resolve_hellaswag(options.hellaswag)
     source = None
     if options.data is not None:
         source = load_token_source(options.data)
     model, autocast, device = load_for_inference(options)
-    results: dict[str, Any] = {"model": options.model}
+    results: dict[str, Any] = {"model": options.source.model}
     if source is not None:
         results.update(_score_tokens(options, source, model, autocast, device))
     if hellaswag is not None:
@@ -83,16 +78,6 @@ def evaluate(options: EvalOptions) -> dict[str, Any]:
     if options.output:
         write_json(options.output, results)
     return results
-
-
-def _check_output(output: str, overwrite: bool) -> None:
-    """``--output`` names a new file, or with ``--overwrite`` a regular file to replace (never a device such
-    as /dev/null, a folder or a link); nothing else is written beside it.
-    """
-    try:
-        check_new_file(output, overwrite=overwrite, flag="--overwrite")
-    except OutputExistsError as e:
-        raise UsageError(f"--output {e}") from None
 
 
 def _score_tokens(options: EvalOptions, source: Any, model: Any, autocast: Any, device: Any) -> dict[str, Any]:
@@ -109,9 +94,9 @@ def _score_tokens(options: EvalOptions, source: Any, model: Any, autocast: Any, 
         # A text or token file: score its end, the same tokens `gpt2 train --val-fraction` holds out
         # (split_tokens refuses NaN and a fraction < 0).
         source = split_tokens(source, options.val_fraction, options.data)[1]
-    name = options.model
-    if options.adapter:
-        name += f" with adapter {options.adapter}"
+    name = options.source.model
+    if options.source.adapter:
+        name += f" with adapter {options.source.adapter}"
     start = time.time()
     args = (model, source, options.batch_size, seq_len, options.max_batches, autocast)
     loss = evaluate_loss(*args, split=split, device=device, progress=True, source=name)

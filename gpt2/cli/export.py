@@ -5,30 +5,29 @@ a GGUF file for llama.cpp, and/or the adapter in PEFT format.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import minlora
-from gpt2.cli.common import MODEL_EXPORT_FILES, PEFT_EXPORT_FILES, UsageError, check_export_dir
-from gpt2.cli.layers import Options
-from gpt2.files import OutputExistsError, check_new_file
+from gpt2.cli.common import ModelOptions, check_output_file
+from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.model.gguf import check_tied_head, save_gguf
-from gpt2.model.gpt import GPT
 from gpt2.model.hf import resolve_source
-from gpt2.model.loading import apply_adapter
+from gpt2.outputs import RECORD_FILE
+
+# What an export writes (gpt2.model.hf.save_pretrained, minlora.export_peft_adapter): a folder holding
+# only these is an earlier export, which a new one may replace.
+MODEL_EXPORT_FILES = {"config.json", "model.safetensors", "pytorch_model.bin", "vocab.json", "merges.txt"}
+MODEL_EXPORT_FILES |= {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json", RECORD_FILE}
+PEFT_EXPORT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
 
 
 @dataclass
 class ExportOptions(Options):
     """gpt2 export: a transformers folder, a GGUF file and/or a PEFT adapter."""
 
-    model: str | None = None
-    """the model: a checkpoint / run directory of `gpt2 train`, a transformers directory or a hub id"""
-    adapter: str | None = None
-    """a LoRA adapter to merge in (from `gpt2 finetune`)"""
-    allow_base_mismatch: bool = False
-    """load an --adapter recorded on other base weights anyway (a warning instead of the error)"""
+    source: Annotated[ModelOptions, Flat] = field(default_factory=ModelOptions)
     out: str | None = None
     """write a transformers.GPT2LMHeadModel directory here (the adapter merged into the weights)"""
     peft_out: str | None = None
@@ -49,25 +48,26 @@ def export(options: ExportOptions) -> int:
         raise UsageError(
             "nothing to export: give --out DIR (transformers), --gguf FILE (llama.cpp) and/or --peft-out DIR (PEFT)"
         )
-    if options.peft_out is not None and not options.adapter:
+    adapter = options.source.adapter
+    if options.peft_out is not None and not adapter:
         raise UsageError("--peft-out needs --adapter: only a LoRA adapter can be exported in PEFT format")
-    check_export_dirs(options.model, ("--out", options.out), ("--peft-out", options.peft_out), options.overwrite)
-    _check_gguf_path(options.gguf, options.overwrite)
-    model = GPT.from_pretrained(options.model, device="cpu")
-    what = "model"
+    check_export_dirs(options.source.model, ("--out", options.out), ("--peft-out", options.peft_out), options.overwrite)
+    if options.gguf is not None:
+        # a new file, or an existing one to replace (save_gguf checks it again when it writes)
+        check_output_file("--gguf", options.gguf, options.overwrite)
+    model = options.source.load()
     # the files that hold the weights, with an adapter merged into them
     merged = options.out is not None or options.gguf is not None
-    if options.adapter:
-        apply_adapter(model, options.adapter, options.allow_base_mismatch)
-        # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
-        if merged:
-            check_tied_head(model)
+    # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
+    if adapter and merged:
+        check_tied_head(model)
+    what = "model"
     if options.peft_out is not None:
-        minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.model))
+        minlora.export_peft_adapter(model, options.peft_out, base_model_name_or_path=peft_base(options.source.model))
         print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
     # Merged only for the files that hold merged weights: a PEFT adapter alone needs no merge (and
     # merging an adapter on the LM head would warn about the weights it unties).
-    if options.adapter and merged:
+    if adapter and merged:
         minlora.merge_lora(model)
         what = "merged model"
     if options.out is not None:
@@ -99,8 +99,8 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
     """``out`` (the merged model's flag and folder) and ``peft`` (the PEFT adapter's): folders to export into, not the
     model's (it would be overwritten), not one (transformers would apply the adapter again over merged weights).
     """
-    check_export_dir(out[1], out[0], MODEL_EXPORT_FILES, overwrite)
-    check_export_dir(peft[1], peft[0], PEFT_EXPORT_FILES, overwrite)
+    _check_export_dir(*out, MODEL_EXPORT_FILES, overwrite)
+    _check_export_dir(*peft, PEFT_EXPORT_FILES, overwrite)
     given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}
     if not given:
         return
@@ -115,13 +115,23 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
         )
 
 
-def _check_gguf_path(path: str | None, overwrite: bool) -> None:
-    """``--gguf`` names a new file, or with ``--overwrite`` a regular file to replace (checked again by save_gguf)."""
+def _check_export_dir(flag: str, path: str | None, own: set[str], overwrite: bool) -> None:
+    """Refuse to export into a file, or into a folder holding anything but an earlier export, unless
+    ``overwrite`` (which still replaces only the export's own files).
+    """
     if path is None:
         return
-    if Path(path).is_dir():
-        raise UsageError(f"--gguf {path} is a folder: give a file name, e.g. {Path(path) / 'model.gguf'}")
-    try:
-        check_new_file(path, overwrite=overwrite, flag="--overwrite")
-    except OutputExistsError as e:
-        raise UsageError(f"--gguf {e}") from None
+    folder = Path(path).expanduser()
+    if not folder.exists():  # a new folder
+        return
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path} is a file: give a folder (new, or an earlier export)")
+    other = sorted(p.name for p in folder.iterdir() if p.name not in own)
+    if other and not overwrite:
+        shown = ", ".join(other[:5])
+        if len(other) > 5:
+            shown += " ..."
+        raise UsageError(
+            f"{flag} {path} is not empty and not an earlier export (it holds {shown}): give a new or empty "
+            "folder, or pass --overwrite to write the export's files into it (nothing else there is touched)"
+        )

@@ -11,11 +11,9 @@ from typing import Annotated, Any
 import minlora
 from gpt2.cli.common import (
     DataOptions,
-    Flat,
     InstructionOptions,
     LaunchOptions,
     SamplingOptions,
-    UsageError,
     check_run,
     final_report,
     instruction_prompt,
@@ -23,7 +21,7 @@ from gpt2.cli.common import (
     write_json,
 )
 from gpt2.cli.export import check_export_dirs, peft_base
-from gpt2.cli.layers import Options
+from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import training_data
 from gpt2.model.gpt import GPT

@@ -59,10 +59,10 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    fd, path = tempfile.mkstemp(prefix=f"gpt2-{command}-", suffix=".yaml")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(config_yaml)
+    # Deleted when the launch ends; the workers read it by name while it exists.
+    with tempfile.NamedTemporaryFile("w", prefix=f"gpt2-{command}-", suffix=".yaml", encoding="utf-8") as file:
+        file.write(config_yaml)
+        file.flush()
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -76,7 +76,7 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
         )
         try:
             with _agent_handles():
-                elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", path)
+                elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", file.name)
         except SignalException as e:
             # The agent forwarded the signal and waited for the workers: each stopped at the same
             # step boundary with exit code 128 + signal, and rank 0 said where to resume.
@@ -88,5 +88,3 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
                 return 128 - codes[0]
             return next((c for c in codes if c > 0), 1)
         return 0
-    finally:
-        os.unlink(path)

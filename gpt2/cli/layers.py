@@ -18,7 +18,6 @@ import functools
 import inspect
 import io
 import re
-import shlex
 import textwrap
 import tokenize
 import types
@@ -37,7 +36,7 @@ RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 class UsageError(Gpt2Error):
     """Bad options, values or files: the command line reports it in one line, exit code 2. The
-    base of gpt2.cli's own errors (commands import it from :mod:`gpt2.cli.common`).
+    base of gpt2.cli's own errors.
     """
 
 
@@ -320,35 +319,28 @@ def recipe_path(name: str, on_cuda: bool) -> Path:
 
 
 # --------------------------------------------------------------------------- the flags
-class CommandLine(NamedTuple):
-    """The words of a command line: each flag given (``--name`` or ``-n``, ``--max_steps`` read as ``--max-steps``)
-    with the words after its last occurrence (``--name X Y`` or ``--name=X``), and the words no flag takes.
+def _words(argv: Sequence[str], prog: str) -> dict[str, tuple[str, ...]]:
+    """Each flag given (``--name`` or ``-n``, ``--max_steps`` read as ``--max-steps``) with the words after its
+    last occurrence (``--name X Y`` or ``--name=X``); a word no flag takes is a :class:`UsageError`.
     """
-
-    given: dict[str, tuple[str, ...]]
-    stray: list[str]
-
-    @classmethod
-    def read(cls, argv: Sequence[str]) -> CommandLine:
-        given: dict[str, tuple[str, ...]] = {}
-        stray = []
-        flag = None
-        for arg in argv:
-            # A flag is dashes and a letter (a prompt "--- x" is a value, as are -1, -.5 and -inf).
-            if (arg.startswith("--") and arg[2:3].isalpha()) or _is_short_option(arg):
-                name, equals, value = arg.partition("=")
-                flag = name[:2] + name[2:].replace("_", "-")
-                given[flag] = ()
-                if equals:
-                    given[flag] = (value,)
-            # the end of the options: what follows is no flag's
-            elif arg == "--":
-                flag = None
-            elif flag is None:
-                stray.append(arg)
-            else:
-                given[flag] += (arg,)
-        return cls(given, stray)
+    given: dict[str, tuple[str, ...]] = {}
+    flag = None
+    for arg in argv:
+        # A flag is dashes and a letter (a prompt "--- x" is a value, as are -1, -.5 and -inf).
+        if (arg.startswith("--") and arg[2:3].isalpha()) or _is_short_option(arg):
+            name, equals, value = arg.partition("=")
+            flag = name[:2] + name[2:].replace("_", "-")
+            given[flag] = ()
+            if equals:
+                given[flag] = (value,)
+        # the end of the options: what follows is no flag's
+        elif arg == "--":
+            flag = None
+        elif flag is None:
+            raise UsageError(f"{arg!r}: options are given as --name VALUE ({prog} --help lists them)")
+        else:
+            given[flag] += (arg,)
+    return given
 
 
 def _is_short_option(word: str) -> bool:
@@ -356,16 +348,14 @@ def _is_short_option(word: str) -> bool:
     return word.startswith("-") and word[1:2].isalpha() and word[1:].lower() not in ("inf", "nan", "infinity")
 
 
-def flag_values(cls: type, line: CommandLine, prog: str) -> dict[str, Any]:
-    """The option values the flags give (option key -> value); a flag ``cls`` does not have, a word no flag
-    takes or a value that cannot be read is one :class:`UsageError`.
+def flag_values(cls: type, given: dict[str, tuple[str, ...]], prog: str) -> dict[str, Any]:
+    """The option values the flags ``given`` give (option key -> value); a flag ``cls`` does not have or a value
+    that cannot be read is one :class:`UsageError`.
     """
-    if line.stray:
-        raise UsageError(f"{line.stray[0]!r}: options are given as --name VALUE ({prog} --help lists them)")
     known = flags(cls)
     fields = option_fields(cls)
     values = {}
-    for flag, words in line.given.items():
+    for flag, words in given.items():
         if flag in ("--help", "-h"):
             continue
         if flag not in known:
@@ -416,8 +406,8 @@ def parse(
     """
     from gpt2.train.distributed import uses_cuda
 
-    line = CommandLine.read(argv)
-    flagged = flag_values(cls, line, prog)
+    given = _words(argv, prog)
+    flagged = flag_values(cls, given, prog)
     script = dict(defaults or {})
     config = {}
     if flagged.get("config"):
@@ -435,7 +425,7 @@ def parse(
     if {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user:
         values["warmup_steps"] = _recipe_warmup(planned, values["max_steps"])
     options = build(cls, values)
-    if "--help" in line.given or "-h" in line.given:
+    if "--help" in given or "-h" in given:
         show_help(options, prog, description or inspect.cleandoc(cls.__doc__))
     return options
 
@@ -453,34 +443,31 @@ def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
 # --------------------------------------------------------------------------- --help
 def show_help(options: Any, prog: str, description: str) -> NoReturn:
     """Print the help of ``options``' flags, their values as defaults, through tyro; SystemExit 0."""
-    view = _help_view(options, "")
+    names = {path: key for key, (path, _) in option_fields(type(options)).items()}
+    view = _help_view(options, names, ())
     tyro.cli(type(view), args=["--help"], default=view, prog=prog, description=description)
     raise SystemExit(0)
 
 
-def _help_view(options: Any, prefix: str) -> Any:
-    """A copy of ``options`` for tyro to draw: each flag named as :func:`flags` reads it, with its help
-    on one line (:func:`field_help`) and its default as typed; a group keeps its box.
+def _help_view(options: Any, names: dict[tuple[str, ...], str], path: tuple[str, ...]) -> Any:
+    """A copy of ``options`` (at ``path`` in the options) for tyro to draw: each flag named by its option key in
+    ``names``, with its help on one line (:func:`field_help`) and its default as typed; a group keeps its box.
     """
     cls = type(options)
     hints = typing.get_type_hints(cls, include_extras=True)
     helps = field_help(cls)
     fields, values = [], {}
     for field in dataclasses.fields(cls):
-        base, extras = _split(hints[field.name])
         value = getattr(options, field.name)
-        if dataclasses.is_dataclass(base):
-            group = f"{prefix}{field.name}."
-            if Flat in extras:
-                group = prefix
-            value = _help_view(value, group)
+        if (*path, field.name) in names:
+            aliases = tuple(extra.flag for extra in _split(hints[field.name])[1] if isinstance(extra, Short)) or None
+            names_arg = dict(name=names[(*path, field.name)], prefix_name=False, aliases=aliases)
+            arg = tyro.conf.arg(help=helps.get(field.name), help_behavior_hint=_default_hint(value), **names_arg)
+            hint = Annotated[hints[field.name], arg]
+        elif dataclasses.is_dataclass(value):
+            value = _help_view(value, names, (*path, field.name))
             # prefix_name=False: the box is named after this group alone
             hint = Annotated[type(value), tyro.conf.arg(prefix_name=False, help=helps.get(field.name, ""))]
-        elif field.init and _supported(base):
-            aliases = tuple(extra.flag for extra in extras if isinstance(extra, Short)) or None
-            names = dict(name=prefix + field.name, prefix_name=False, aliases=aliases)
-            arg = tyro.conf.arg(help=helps.get(field.name), help_behavior_hint=_default_hint, **names)
-            hint = Annotated[hints[field.name], arg]
         else:
             continue
         fields.append((field.name, hint))
@@ -530,21 +517,15 @@ def _own_field_help(source: str) -> dict[str, str]:
     return helps
 
 
-def _default_hint(label: str) -> str:
-    """``(default: ...)`` for tyro's default ``label``, which quotes each word for a shell: a word as is,
-    in double quotes where it holds a space (``"Hello, I'm a language model,"``); nothing for an empty list.
+def _default_hint(value: Any) -> str:
+    """``(default: ...)`` for ``value`` as typed: each word as is, in double quotes where it is empty or holds a
+    space (``"Hello, I'm a language model,"``), a tuple's words one after another; nothing for an empty tuple.
     """
-    try:
-        words = shlex.split(label)
-    except ValueError:
-        return f"(default: {label})"
+    words = value if isinstance(value, tuple) else (value,)
     if not words:
         return ""
-    return f"(default: {' '.join(map(_as_typed, words))})"
-
-
-def _as_typed(word: str) -> str:
-    """``word`` as is, or in double quotes where it is empty or holds a space."""
-    if word and not any(c.isspace() for c in word):
-        return word
-    return f'"{word}"'
+    shown = [
+        f'"{word}"' if isinstance(word, str) and (not word or any(c.isspace() for c in word)) else str(word)
+        for word in words
+    ]
+    return f"(default: {' '.join(shown)})"

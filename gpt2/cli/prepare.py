@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gpt2.cli.common import UsageError
-from gpt2.cli.layers import Options
+from gpt2.cli.layers import Options, UsageError
 from gpt2.data import iter_jsonl, load_tokens, read_text, tokenize_file, write_shards
 from gpt2.errors import InvalidValueError, MissingFileError
 

@@ -9,30 +9,24 @@ import torch
 
 import minlora
 from gpt2.cli.common import (
-    Flat,
     InstructionOptions,
-    Precision,
+    ModelOptions,
     SamplingOptions,
     check_sampling,
     instruction_prompt,
     load_for_inference,
     print_samples,
 )
-from gpt2.cli.layers import Options
+from gpt2.cli.layers import Flat, Options
 from gpt2.model.quantize import int8_weights
+from gpt2.train.config import Precision
 
 
 @dataclass
 class SampleOptions(Options):
     """gpt2 sample: stream text from a model (and a LoRA adapter)."""
 
-    model: str = "gpt2"
-    """a hub id (gpt2, gpt2-medium, ...), a transformers directory, or a checkpoint / run directory of
-    `gpt2 train`"""
-    adapter: str | None = None
-    """a LoRA adapter to add: the `adapter` directory `gpt2 finetune` writes, or a PEFT adapter directory"""
-    allow_base_mismatch: bool = False
-    """load an --adapter recorded on other base weights anyway (a warning instead of the error)"""
+    source: Annotated[ModelOptions, Flat] = field(default_factory=ModelOptions)
     sampling: Annotated[SamplingOptions, Flat] = field(default_factory=SamplingOptions)
     instruct: Annotated[InstructionOptions, Flat] = field(default_factory=InstructionOptions)
     seed: int | None = None
@@ -65,7 +59,7 @@ def sample(options: SampleOptions) -> int:
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     model, autocast, _ = load_for_inference(options)
     if options.weights == "int8":
-        if options.adapter:
+        if options.source.adapter:
             # int8 weights are made from plain weights: the adapter is folded into this process's copy first
             minlora.merge_lora(model)
         # the int8 twin samples in place of the model (made here, under the autocast it would run in)

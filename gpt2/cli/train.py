@@ -10,20 +10,18 @@ from typing import Annotated, Any, Literal
 
 from gpt2.cli.common import (
     DataOptions,
-    Flat,
     LaunchOptions,
     SamplingOptions,
-    UsageError,
     check_run,
     final_report,
     finished_results,
     program,
 )
-from gpt2.cli.layers import Options
+from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.data.instruct import is_instruction_data
 from gpt2.data.sources import training_data
 from gpt2.eval.hellaswag import HellaSwagCallback, resolve_hellaswag
-from gpt2.model.config import SHAPE_NAMES, SHAPES, GPTConfig
+from gpt2.model.config import SHAPE_NAMES, GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.train.config import TrainConfig
 from gpt2.train.rundir import LOCK_FILE
@@ -73,9 +71,9 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
     """The GPTConfig of ``--model`` with the ``--n-layer`` / ``--n-head`` / ``--n-embd`` / ...
     overrides; the context defaults to ``--seq-len``.
     """
-    dims = dict(SHAPES[shape.model])
-    dims.update({n: getattr(shape, n) for n in ("n_layer", "n_head", "n_embd") if getattr(shape, n) is not None})
-    return GPTConfig(
+    dims = {n: getattr(shape, n) for n in ("n_layer", "n_head", "n_embd") if getattr(shape, n) is not None}
+    return GPTConfig.from_name(
+        shape.model,
         block_size=context_length(shape, seq_len),
         dropout=shape.dropout,
         flash=shape.flash,
