@@ -40,9 +40,10 @@ class DataOptions:
     """training data: a text file, a .npy/.bin token file, a directory of shards (from `gpt2 prepare`), an
     instruction .jsonl (gpt2 finetune) or 'shakespeare' (Tiny Shakespeare, downloaded once and cached)"""
     val_data: str | None = None
-    """validation data; None = a shard directory's val shards, or the end of a text / token file"""
+    """validation data; None = a shard directory's val shards, or --val-fraction of a text / token file"""
     val_fraction: float = 0.1
-    """fraction at the end of a text / token file held out for validation"""
+    """fraction of a text / token file held out for validation (passages spread through it; of an
+    instruction .jsonl, its last rows)"""
 
 
 @dataclass

@@ -23,11 +23,11 @@ class EvalOptions(Options):
     source: Annotated[ModelOptions, Flat] = field(default_factory=ModelOptions)
     data: str | None = None
     """tokens to score: a shard directory (its --split shards), a .npy/.bin token file, a text file or
-    'shakespeare' (a text or token file: its last --val-fraction)"""
+    'shakespeare' (a text or token file: the --val-fraction training holds out)"""
     split: str = "val"
     """which shards of a shard directory to score"""
     val_fraction: float = 0.1
-    """for a text or token file: score its last fraction, the part `gpt2 train` holds out; 0 = all of it"""
+    """for a text or token file: score the fraction `gpt2 train` holds out; 0 = all of it"""
     batch_size: int = 4
     """sequences per forward pass"""
     seq_len: int | None = None
@@ -91,7 +91,7 @@ def _score_tokens(options: EvalOptions, source: Any, model: Any, autocast: Any, 
     if isinstance(source, Path):
         split = options.split
     elif options.val_fraction != 0:
-        # A text or token file: score its end, the same tokens `gpt2 train --val-fraction` holds out
+        # A text or token file: score the tokens `gpt2 train --val-fraction` holds out
         # (split_tokens refuses NaN and a fraction < 0).
         source = split_tokens(source, options.val_fraction, options.data)[1]
     name = options.source.model

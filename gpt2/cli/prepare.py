@@ -40,7 +40,8 @@ class PrepareOptions(Options):
     shard_size: int = 10**8
     """tokens per shard (10^8 = 200 MB, build-nanogpt's size)"""
     val_fraction: float = 0.1
-    """for a single text file: the fraction at its end kept for validation"""
+    """for a single text file: the fraction kept for validation (passages spread through it, as
+    `gpt2 train --data file.txt` holds out)"""
     num_workers: int = 0
     """tokeniser processes; 0 = tokenise in this process"""
     max_docs: int | None = None
@@ -73,7 +74,7 @@ def prepare(options: PrepareOptions) -> int:
     if options.input:
         files = _expand_inputs(options.input)
         if len(files) == 1 and files[0].suffix.lower() != ".jsonl":
-            # One text: split by token count (the end of the text is the validation set).
+            # One text: split as `gpt2 train --data file.txt` splits it.
             paths = tokenize_file(
                 files[0], options.out_dir, prefix=options.prefix, val_fraction=options.val_fraction, **shards
             )
