@@ -22,7 +22,6 @@ it would vouch for is deleted or replaced, and a warning names it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gpt2.files import replace_atomically
+from gpt2.files import replace_atomically, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ DIGEST_FILE = "SHA256SUMS"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # One line of a sha256sum file: the digest, then " " (text mode) or " *" (binary mode), then the name.
 _DIGEST_LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class OutputFolder:
@@ -73,18 +71,18 @@ class OutputFolder:
         """
         entries = self.read() or {}
         appends = set(appends)
-        for rel in [*rels, *appends]:
-            for file in _files_under(self.path / rel):
-                name = file.relative_to(self.path).as_posix()
-                entries[name] = {"size": os.lstat(file).st_size, "sha256": _sha256(file)}
-                if rel in appends:
-                    entries[name]["appends"] = True
-        for rel in digests:
-            entries[rel] = {"digests": DIGEST_FILE}
-        # What is gone is dropped.
-        entries = {rel: entry for rel, entry in entries.items() if os.path.lexists(self.path / rel)}
-        text = json.dumps(entries, indent=1, sort_keys=True) + "\n"
         try:
+            for rel in [*rels, *appends]:
+                for file in _files_under(self.path / rel):
+                    name = file.relative_to(self.path).as_posix()
+                    entries[name] = {"size": os.lstat(file).st_size, "sha256": sha256_file(file)}
+                    if rel in appends:
+                        entries[name]["appends"] = True
+            for rel in digests:
+                entries[rel] = {"digests": DIGEST_FILE}
+            # What is gone is dropped.
+            entries = {rel: entry for rel, entry in entries.items() if os.path.lexists(self.path / rel)}
+            text = json.dumps(entries, indent=1, sort_keys=True) + "\n"
             replace_atomically(self.record_file, lambda f: f.write(text.encode("utf-8")))
         except OSError as e:
             logger.warning("could not record what gpt2 wrote in %s (%s): it counts as not gpt2's", self.path, e)
@@ -149,7 +147,7 @@ def checkpoint_files(folder: str | os.PathLike) -> tuple[list[Path], list[Path]]
         if file == folder / DIGEST_FILE:
             continue
         rel = file.relative_to(folder).as_posix()
-        if sums is not None and rel in sums and _sha256(file) == sums[rel]:
+        if sums is not None and rel in sums and _digest(file) == sums[rel]:
             mine.append(file)
         else:
             others.append(file)
@@ -219,26 +217,17 @@ def _matches(path: Path, entry: dict[str, Any]) -> bool:
         return False
     if st.st_size > entry["size"] and not entry.get("appends"):
         return False
-    return _sha256(path, entry["size"]) == entry["sha256"]
+    return _digest(path, entry["size"]) == entry["sha256"]
 
 
-def _sha256(path: Path, size: int | None = None) -> str | None:
-    """The sha256 of (the first ``size`` bytes of) a plain file, opened without following a link; None if unreadable."""
-    digest = hashlib.sha256()
+def _digest(path: Path, size: int | None = None) -> str | None:
+    """:func:`gpt2.files.sha256_file` of a plain file; None for a link (never gpt2's) or an unreadable file."""
     try:
-        with open(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
-            left = size
-            if left is None:
-                left = os.fstat(f.fileno()).st_size
-            while left > 0:
-                chunk = f.read(min(1 << 20, left))
-                if not chunk:
-                    break
-                digest.update(chunk)
-                left -= len(chunk)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            return sha256_file(path, size)
     except OSError:
-        return None
-    return digest.hexdigest()
+        pass
+    return None
 
 
 _warned: set[tuple[str, str]] = set()

@@ -17,7 +17,6 @@ Nothing is unpickled: every file is JSON, safetensors (a JSON header and raw ten
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from safetensors.torch import load_file, save
 from torch.nn.parallel import DistributedDataParallel
 
 from gpt2.errors import Gpt2Error, MissingFileError
-from gpt2.files import replace_atomically
+from gpt2.files import replace_atomically, sha256_file
 from gpt2.outputs import DIGEST_FILE, read_digests
 
 logger = logging.getLogger(__name__)
@@ -178,14 +177,6 @@ def _file_error(path: Path, problem: str) -> CheckpointError:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0][:300]
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:

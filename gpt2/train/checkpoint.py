@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 import minlora
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
-from gpt2.files import replace_atomically, write_advice
+from gpt2.files import replace_atomically, sha256_file, write_advice
 from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
     CHECKPOINT_DIR,
     DIGEST_FILE,
@@ -58,7 +58,6 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     read_checkpoint,
     save_state,
     save_weights,
-    sha256_file,
     unwrap_model,
 )
 from gpt2.outputs import checkpoint_files, remove_files
