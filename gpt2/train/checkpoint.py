@@ -171,7 +171,7 @@ def save_checkpoint(
     meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
     writers: dict[str, Callable[[Path], None]] = {}
-    tmp = _agree(shards, lambda: _start(root, final, before_write), f"starting checkpoint {final.name}")
+    tmp = _agree(shards, lambda: _start(root, final, before_write))
     if shards:
         _write_shards(root, final, tmp, raw, optimizer, trainable_only)
         # Its state is in the shards.
@@ -189,7 +189,7 @@ def save_checkpoint(
         logger.info("saved checkpoint %s", final)
         return final
 
-    return _agree(shards, finish, f"finishing checkpoint {final.name}")
+    return _agree(shards, finish)
 
 
 def _start(root: Path, final: Path, before_write: Callable[[], None] | None) -> Path:
@@ -249,27 +249,47 @@ def _finish(root: Path, final: Path, tmp: Path, writers: dict[str, Callable[[Pat
         raise _save_error(root, final, writing, e) from e
 
 
-def _agree(shards: bool, work: Callable[[], Any], what: str) -> Any:
-    """Run ``work`` (rank 0's part of a save). For a sharded save, every process is told how it went: its result,
-    or on every other rank a :class:`CheckpointSaveError` carrying rank 0's error (no rank goes on while another
-    has failed).
+def _agree(shards: bool, work: Callable[[], Any]) -> Any:
+    """Run ``work`` (rank 0's part of a save). For a sharded save, every process gets its result, or raises its
+    error (no rank goes on while another has failed).
     """
     if not shards:
         return work()
-    outcome: list[Any] = [None, None]
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = work()
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks before it is raised
-            error = e
-            outcome[1] = f"{type(e).__name__}: {_first_line(e)}"
+    outcome = [run_on_all_ranks(lambda: work() if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(outcome, src=0)
+    return outcome[0]
+
+
+def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every process; if it raises on any of them, every process raises (so none is left waiting at a
+    collective for one that died): its own error, or the other rank's, of the same class where that class is built
+    from a message. One process: just ``fn()``.
+    """
+    if not _active():
+        return fn()
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the other ranks, then raised here
+        error = e
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    mine = None
+    if error is not None:
+        mine = (type(error), str(error))
+    dist.all_gather_object(outcomes, mine)
     if error is not None:
         raise error
-    if outcome[1] is not None:
-        raise CheckpointSaveError(f"rank 0 failed {what}: {outcome[1]}")
-    return outcome[0]
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            cls, message = outcome
+            message = f"{message} (raised on rank {rank})"
+            try:
+                error = cls(message)
+            except TypeError:
+                error = RuntimeError(f"{cls.__name__}: {message}")
+            raise error
+    return result
 
 
 def _weights_to_save(raw: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:

@@ -20,13 +20,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import Lock
 from gpt2.outputs import RECORD_FILE, OutputFolder
 from gpt2.train import checkpoint as ckpt
-from gpt2.train.distributed import _active
 
 logger = logging.getLogger(__name__)
 
@@ -289,9 +286,9 @@ def start_run(
         lock = RunLock(out)
     created = out is not None and not out.exists()
     try:
-        doomed = run_on_all_ranks(lambda: _claim(lock, resume, overwrite))
+        doomed = ckpt.run_on_all_ranks(lambda: _claim(lock, resume, overwrite))
         _resume(out, resume, load)
-        run_on_all_ranks(lambda: _finish(lock, doomed))
+        ckpt.run_on_all_ranks(lambda: _finish(lock, doomed))
     except BaseException:
         # Release the lock and remove the out_dir this run created, if still empty.
         if lock is not None:
@@ -325,7 +322,7 @@ def _resume(out: Path | None, resume: str | None, load: Callable[[Path], Any]) -
         if not ckpt.checkpoint_candidates(target):
             logger.info("resume='auto': no checkpoint in %s, starting from scratch", target)
             return
-    run_on_all_ranks(lambda: load(target))
+    ckpt.run_on_all_ranks(lambda: load(target))
 
 
 def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
@@ -349,38 +346,3 @@ def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
             "overwrite=True kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
             ", ".join(str(p) for p in kept),
         )
-
-
-def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every process; if it raises on any of them, every process raises (so none is
-    left waiting at a collective for one that died). One process: just ``fn()``.
-    """
-    if not _active():
-        return fn()
-    error: BaseException | None = None
-    result = None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - handed to the other ranks, then raised here
-        error = e
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    mine = None
-    if error is not None:
-        mine = (type(error).__name__, str(error))
-    dist.all_gather_object(outcomes, mine)
-    if error is not None:
-        raise error
-    for rank, outcome in enumerate(outcomes):
-        if outcome is not None:
-            name, message = outcome
-            cls = _ERRORS.get(name, RuntimeError)
-            raise cls(f"{message} (raised on rank {rank})")
-    return result
-
-
-# What another rank's error is re-raised as, by name.
-_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (RunDirError, RunDirLockedError, RunDirNotEmptyError, ValueError, FileNotFoundError, KeyError)
-    + (PermissionError, ckpt.CheckpointError, ckpt.CheckpointMismatchError, ckpt.NonFiniteWeightsError)
-}
