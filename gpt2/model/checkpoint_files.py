@@ -104,9 +104,8 @@ def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
     ]
 
 
-def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
-    """Raise :class:`NonFiniteWeightsError` naming the tensors of ``state`` that hold inf/nan."""
-    bad = non_finite_tensors(state)
+def refuse_non_finite(bad: list[str], where: str) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming the tensors ``bad`` (:func:`non_finite_tensors`), if any."""
     if bad:
         raise NonFiniteWeightsError(f"{where}: non-finite values (inf/nan) in {_some(bad)}", [(where, _some(bad))])
 

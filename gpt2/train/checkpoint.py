@@ -28,7 +28,6 @@ from safetensors import SafetensorError
 
 import minlora
 from gpt2 import torch_compat
-from gpt2.errors import InvalidValueError
 from gpt2.files import replace_atomically, sha256_file, write_advice
 from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
     CHECKPOINT_DIR,
@@ -56,6 +55,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     non_finite_tensors,
     open_checkpoint,
     read_checkpoint,
+    refuse_non_finite,
     save_state,
     save_weights,
     unwrap_model,
@@ -151,16 +151,10 @@ def save_checkpoint(
     and renames the directory into place; every process returns the path, or raises the same error. An adapter-only
     checkpoint of a sharded model needs its ``base_fingerprint``, taken before it was sharded.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
     raw = unwrap_model(model)
     shards = torch_compat.is_fsdp_module(raw)
     # A collective under FSDP: every process refuses alike.
-    bad = fsdp.non_finite_parameters(raw)
-    if bad:
-        raise NonFiniteWeightsError(
-            f"refusing to save checkpoint at step {step}: non-finite values (inf/nan) in {', '.join(bad[:5])}"
-        )
+    refuse_non_finite(fsdp.non_finite_parameters(raw), f"refusing to save checkpoint at step {step}")
     root = Path(root)
     final = root / f"step_{step:06d}"
     version = FORMAT_VERSION
@@ -390,7 +384,7 @@ def _move_into_place(tmp: Path, final: Path) -> None:
         # Put the previous copy back.
         os.replace(old, final)
         raise
-    _warn_kept(remove_checkpoint(old), f"replacing {final}")
+    warn_kept(remove_checkpoint(old), f"replacing {final}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -420,7 +414,7 @@ def remove_checkpoint(path: Path) -> list[Path]:
     return []
 
 
-def _warn_kept(kept: list[Path], doing: str) -> None:
+def warn_kept(kept: list[Path], doing: str) -> None:
     if kept:
         logger.warning(
             "%s kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
@@ -436,7 +430,7 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     checkpoints = list_checkpoints(root)
     removed = checkpoints[: max(0, len(checkpoints) - keep_last)]
     for path in removed:
-        _warn_kept(remove_checkpoint(path), f"pruning {path}")
+        warn_kept(remove_checkpoint(path), f"pruning {path}")
     return removed
 
 
@@ -460,7 +454,7 @@ def clean_interrupted_saves(root: str | os.PathLike) -> list[str]:
                 os.replace(path, final)
                 done.append(f"restored {final.name} from {name}")
                 continue
-            _warn_kept(remove_checkpoint(path), f"removing {path}")
+            warn_kept(remove_checkpoint(path), f"removing {path}")
         else:
             shutil.rmtree(path, ignore_errors=True)
         done.append(f"removed {name}")

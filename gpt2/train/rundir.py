@@ -341,8 +341,4 @@ def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
             kept += ckpt.remove_checkpoint(path)
     if removed:
         logger.warning("overwrite=True: deleted %s", ", ".join(str(p) for p in removed))
-    if kept:
-        logger.warning(
-            "overwrite=True kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
-            ", ".join(str(p) for p in kept),
-        )
+    ckpt.warn_kept(kept, "overwrite=True")
