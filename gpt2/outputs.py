@@ -22,6 +22,7 @@ it would vouch for is deleted or replaced, and a warning names it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -230,14 +231,9 @@ def _digest(path: Path, size: int | None = None) -> str | None:
     return None
 
 
-_warned: set[tuple[str, str]] = set()
-
-
+@functools.cache
 def _warn_damaged(path: Path, why: str) -> None:
     """Name a damaged record once per process and problem."""
-    if (str(path), why) in _warned:
-        return
-    _warned.add((str(path), why))
     logger.warning("%s is damaged (%s): gpt2 deletes and replaces nothing it would vouch for", path, why)
 
 

@@ -78,7 +78,6 @@ class RunLock(Lock):
 
     def acquire(self) -> RunLock:
         try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
             key = (os.getpid(), os.path.realpath(self.path))
             previous = _HELD.get(key)
             if previous is not None and previous.fd is not None:
