@@ -194,8 +194,6 @@ def is_sharded(path: str | os.PathLike) -> bool:
 def is_complete(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds every file of a checkpoint (regular or sharded); their content is checked on reading."""
     path = Path(path)
-    if not path.is_dir():
-        return False
     names = CHECKPOINT_FILES
     if is_sharded(path):
         names = (META_FILE, STATE_FILE)
