@@ -260,7 +260,7 @@ def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) 
 
 
 def start_run(
-    out_dir: str | os.PathLike | None,
+    out: Path | None,
     *,
     resume: str | None,
     overwrite: bool,
@@ -273,9 +273,6 @@ def start_run(
     """
     if overwrite and resume == "auto":
         raise InvalidValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
-    out = None
-    if out_dir is not None:
-        out = Path(out_dir)
     lock = None
     if out is not None and is_main:
         lock = RunLock(out)
