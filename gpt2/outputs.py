@@ -72,18 +72,18 @@ class OutputFolder:
         """
         entries = self.read() or {}
         appends = set(appends)
+        for rel in [*rels, *appends]:
+            for file in _files_under(self.path / rel):
+                name = file.relative_to(self.path).as_posix()
+                entries[name] = {"size": os.lstat(file).st_size, "sha256": _sha256(file)}
+                if rel in appends:
+                    entries[name]["appends"] = True
+        for rel in digests:
+            entries[rel] = {"digests": DIGEST_FILE}
+        # What is gone is dropped.
+        entries = {rel: entry for rel, entry in entries.items() if os.path.lexists(self.path / rel)}
+        text = json.dumps(entries, indent=1, sort_keys=True) + "\n"
         try:
-            for rel in [*rels, *appends]:
-                for file in _files_under(self.path / rel):
-                    name = file.relative_to(self.path).as_posix()
-                    entries[name] = {"size": os.lstat(file).st_size, "sha256": sha256_file(file)}
-                    if rel in appends:
-                        entries[name]["appends"] = True
-            for rel in digests:
-                entries[rel] = {"digests": DIGEST_FILE}
-            # What is gone is dropped.
-            entries = {rel: entry for rel, entry in entries.items() if os.path.lexists(self.path / rel)}
-            text = json.dumps(entries, indent=1, sort_keys=True) + "\n"
             replace_atomically(self.record_file, lambda f: f.write(text.encode("utf-8")))
         except OSError as e:
             logger.warning("could not record what gpt2 wrote in %s (%s): it counts as not gpt2's", self.path, e)
@@ -148,7 +148,7 @@ def checkpoint_files(folder: str | os.PathLike) -> tuple[list[Path], list[Path]]
         if file == folder / DIGEST_FILE:
             continue
         rel = file.relative_to(folder).as_posix()
-        if sums is not None and rel in sums and _digest(file) == sums[rel]:
+        if sums is not None and rel in sums and _sha256(file) == sums[rel]:
             mine.append(file)
         else:
             others.append(file)
@@ -218,10 +218,10 @@ def _matches(path: Path, entry: dict[str, Any]) -> bool:
         return False
     if st.st_size > entry["size"] and not entry.get("appends"):
         return False
-    return _digest(path, entry["size"]) == entry["sha256"]
+    return _sha256(path, entry["size"]) == entry["sha256"]
 
 
-def _digest(path: Path, size: int | None = None) -> str | None:
+def _sha256(path: Path, size: int | None = None) -> str | None:
     """:func:`gpt2.files.sha256_file` of a plain file; None for a link (never gpt2's) or an unreadable file."""
     try:
         if stat.S_ISREG(os.lstat(path).st_mode):
