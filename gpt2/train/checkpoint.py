@@ -434,31 +434,29 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     return removed
 
 
-def clean_interrupted_saves(root: str | os.PathLike) -> list[str]:
+def clean_interrupted_saves(root: str | os.PathLike) -> None:
     """Remove what a killed save left in ``root`` (``.tmp-step_*``, which only gpt2 writes into; an
     ``.old-step_*`` copy, by its record, or renamed back where its ``step_*`` is missing, the process having
-    died between the two renames); returns what it did. The caller holds the run's lock: no other process
+    died between the two renames), with a warning for each. The caller holds the run's lock: no other process
     saves here (a save that fails with an exception cleans up itself).
     """
     root = Path(root)
-    done: list[str] = []
     if not root.is_dir():
-        return done
+        return
     for path in root.iterdir():
-        name = path.name
-        if not name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
+        if not path.name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
             continue
-        if name.startswith(_OLD_PREFIX):
-            final = root / name[len(_OLD_PREFIX) :].split("-", 1)[0]
-            if not final.exists() and is_complete(path):
-                os.replace(path, final)
-                done.append(f"restored {final.name} from {name}")
-                continue
+        # .old-step_000004-1a2b3c4d: the copy of step_000004 that a save of that step again swapped out
+        final = root / path.name.removeprefix(_OLD_PREFIX).split("-", 1)[0]
+        if path.name.startswith(_OLD_PREFIX) and not final.exists() and is_complete(path):
+            os.replace(path, final)
+            logger.warning("cleaning up an interrupted save: restored %s from %s", final, path.name)
+            continue
+        logger.warning("cleaning up an interrupted save: removing %s", path)
+        if path.name.startswith(_OLD_PREFIX):
             warn_kept(remove_checkpoint(path), f"removing {path}")
         else:
             shutil.rmtree(path, ignore_errors=True)
-        done.append(f"removed {name}")
-    return done
 
 
 # --- load

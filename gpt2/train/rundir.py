@@ -297,9 +297,7 @@ def _claim(lock: RunLock | None, resume: str | None, overwrite: bool) -> list[Pa
         return []
     check_out_dir(lock.out_dir)
     lock.acquire()
-    checkpoint_dir = lock.out_dir / CHECKPOINT_DIR
-    for line in ckpt.clean_interrupted_saves(checkpoint_dir):
-        logger.warning("cleaning up an interrupted save in %s: %s", checkpoint_dir, line)
+    ckpt.clean_interrupted_saves(lock.out_dir / CHECKPOINT_DIR)
     return _check_run_dir(lock.out_dir, resume, overwrite)
 
 
