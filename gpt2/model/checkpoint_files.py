@@ -513,7 +513,7 @@ def open_checkpoint(
 
 def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> CheckpointData:
     """The newest checkpoint under a run or ``checkpoints`` directory that ``read`` accepts."""
-    candidates = checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")
+    candidates = checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
     if not candidates:
         raise MissingFileError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
@@ -539,12 +539,10 @@ def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> Checkpoi
         return data
     where = candidates[0].parent
     message = f"no intact checkpoint that fits this run in {where}: {_describe(problems, where)}"
-    if len(hints) == len(candidates):
-        raise CheckpointMismatchError(f"{message}. {hints[0]}", problems)
-    fix = "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
-    if hints:
-        fix = hints[0]
-    raise CheckpointError(f"{message}. {fix}", problems)
+    fix = hints[0] if hints else "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
+    # None of them fits this run: say that, not "damaged".
+    error = CheckpointMismatchError if len(hints) == len(candidates) else CheckpointError
+    raise error(f"{message}. {fix}", problems)
 
 
 def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = False) -> None:

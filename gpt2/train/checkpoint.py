@@ -582,8 +582,8 @@ def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: Checkpoint
 
 
 def _optimizer_misfit(model: nn.Module, optimizer: Any, saved: Any) -> str | None:
-    """Why the saved optimizer state does not fit ``optimizer`` (other groups, or a state tensor such as Adam's
-    ``exp_avg`` whose shape is not its parameter's), or None.
+    """Why the saved optimizer state does not fit ``optimizer`` (other groups, or state tensors of other shapes),
+    or None.
     """
     if saved is None:
         return "there is none"
@@ -593,6 +593,11 @@ def _optimizer_misfit(model: nn.Module, optimizer: Any, saved: Any) -> str | Non
     saved_groups = [len(g.get("params", ())) for g in saved["param_groups"]]
     if groups != saved_groups:
         return f"parameters per group {saved_groups}, the optimizer has {groups}"
+    return _wrong_shape(model, optimizer, saved)
+
+
+def _wrong_shape(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> str | None:
+    """The first saved state tensor (e.g. Adam's ``exp_avg``) whose shape is not its parameter's, described."""
     names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in saved["param_groups"] for i in g["params"]]

@@ -200,14 +200,7 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
         _refuse_unproven(out_dir, unlisted)
         return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
-    _check_fresh_run(out_dir, resume, overwrite, recorded)
-    # A fresh run writes the run's names anew: a file changed since (or any, when the record cannot be read) counts too.
-    unproven = [
-        name
-        for name in present
-        if name in unlisted or entries is None or (not (out_dir / name).is_dir() and not folder.owns(name))
-    ]
-    _refuse_unproven(out_dir, unproven)
+    _refuse_unproven(out_dir, _check_fresh_run(folder, resume, overwrite, recorded, entries is None))
     return [out_dir / name for name in present]
 
 
@@ -221,10 +214,15 @@ def _refuse_unproven(out_dir: Path, names: list[str]) -> None:
         )
 
 
-def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool, recorded: set[str]) -> None:
+def _check_fresh_run(
+    folder: OutputFolder, resume: str | None, overwrite: bool, recorded: set[str], damaged: bool
+) -> list[str]:
     """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
     files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
+    Returns the run's names it would replace that the record does not prove are gpt2's: it writes them
+    anew, so a file changed since (or any, when the record cannot be read) counts too.
     """
+    out_dir = folder.path
     if not overwrite:
         _refuse_another_run(out_dir, resume)
     foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in {*recorded, LOCK_FILE, RECORD_FILE})
@@ -237,6 +235,12 @@ def _check_fresh_run(out_dir: Path, resume: str | None, overwrite: bool, recorde
             "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
             "there are replaced"
         )
+    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
+    return [
+        name
+        for name in present
+        if name not in recorded or damaged or (not (out_dir / name).is_dir() and not folder.owns(name))
+    ]
 
 
 def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) -> list[Path]:
