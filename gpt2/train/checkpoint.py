@@ -171,7 +171,12 @@ def save_checkpoint(
         # Its state is in the shards.
         optimizer = None
     else:
-        weights = _weights_to_save(raw, trainable_only)
+        weights = dict(raw.state_dict())
+        if trainable_only:
+            # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
+            # deduplicated when writing), so loading restores each name.
+            named = raw.named_parameters(remove_duplicate=False)
+            weights = {n: p.detach() for n, p in named if p.requires_grad}
         writers[WEIGHTS_FILE] = lambda path: save_weights(weights, path)
     writers[STATE_FILE] = lambda path: save_state(_trainer_state(optimizer, scaler, rng_state), path)
     writers[META_FILE] = lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))
@@ -284,16 +289,6 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
                 error = RuntimeError(f"{cls.__name__}: {message}")
             raise error
     return result
-
-
-def _weights_to_save(raw: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
-    """The whole state dict, or the trainable parameters alone."""
-    if not trainable_only:
-        return dict(raw.state_dict())
-    # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
-    # deduplicated when writing), so loading restores each name.
-    named = raw.named_parameters(remove_duplicate=False)
-    return {n: p.detach() for n, p in named if p.requires_grad}
 
 
 def _checkpoint_meta(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -143,12 +143,11 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
         raise RunDirError(f"out_dir {out_dir} cannot be written ({existing} is not writable): choose another out_dir")
 
 
-def record_outputs(out_dir: str | os.PathLike, names: Iterable[str]) -> None:
+def record_outputs(out_dir: str | os.PathLike, names: Collection[str]) -> None:
     """Record in ``out_dir``'s record, after writing them, those of the run files ``names`` that exist: the
     checkpoint folder by its checkpoints' own records, ``metrics.jsonl`` as a log that is appended to,
     another file or folder by its files' sizes and sha256. Links are never recorded (gpt2 writes none).
     """
-    names = [name for name in names if os.path.lexists(Path(out_dir, name))]
     OutputFolder(out_dir).record(
         [n for n in names if n != CHECKPOINT_DIR and n not in _APPENDED],
         appends=[n for n in names if n in _APPENDED],
