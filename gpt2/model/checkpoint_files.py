@@ -490,31 +490,11 @@ def open_checkpoint(
     checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning.
     """
     path = Path(path)
-
-    def read(candidate: Path) -> CheckpointData:
-        data = read_checkpoint(candidate, trainer_state=trainer_state, weights=weights)
-        if check is not None:
-            check(data)
-        return data
-
-    if checkpoint_step(path) is None and not is_complete(path):
-        return _open_newest(path, read)
-    # The one checkpoint ``path`` (no fallback): its error says how to use the newest intact one instead.
-    if not path.exists():
-        raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        return read(path)
-    except CheckpointError as e:
-        raise type(e)(
-            f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one",
-            e.problems,
-        ) from None
-
-
-def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> CheckpointData:
-    """The newest checkpoint under a run or ``checkpoints`` directory that ``read`` accepts."""
-    candidates = checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
-    if not candidates:
+    single = checkpoint_step(path) is not None or is_complete(path)
+    candidates = [path]
+    if not single:
+        candidates = checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
+    if not (candidates and candidates[0].exists()):
         raise MissingFileError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
             "or a run directory / checkpoints directory that contains one"
@@ -524,8 +504,14 @@ def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> Checkpoi
     hints: list[str] = []
     for candidate in candidates:
         try:
-            data = read(candidate)
+            data = read_checkpoint(candidate, trainer_state=trainer_state, weights=weights)
+            if check is not None:
+                check(data)
         except CheckpointError as e:
+            if single:
+                # The one checkpoint ``path`` (no fallback): its error says how to use the newest intact one.
+                fix = f"Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one"
+                raise type(e)(f"{e}. {fix}", e.problems) from None
             found = _describe(e.problems, candidate)
             if isinstance(e, CheckpointMismatchError):
                 logger.warning("skipping checkpoint %s, which does not fit this run: %s", candidate, found)
