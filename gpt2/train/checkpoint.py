@@ -81,13 +81,12 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
-    by_rank: dict[int, torch.Tensor] = {}
+    by_rank = {_rank(): cuda}
     if all_ranks and _active():
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, cuda)
-        by_rank = {rank: s for rank, s in enumerate(gathered) if s is not None}
-    elif cuda is not None:
-        by_rank = {_rank(): cuda}
+        by_rank = dict(enumerate(gathered))
+    by_rank = {rank: s for rank, s in by_rank.items() if s is not None}
     if by_rank:
         state["cuda_by_rank"] = by_rank
     return state
