@@ -77,6 +77,24 @@ def replace_atomically(dest: str | os.PathLike, write: Callable[[Any], object], 
         tmp.unlink(missing_ok=True)
 
 
+def sha256_file(path: str | os.PathLike, size: int | None = None) -> str:
+    """The sha256 of a file, read a MiB at a time; ``size``: of its first ``size`` bytes only (a log that
+    gpt2 appends to). An unreadable file raises ``OSError``.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = size
+        if left is None:
+            left = os.fstat(f.fileno()).st_size
+        while left > 0:
+            chunk = f.read(min(1 << 20, left))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id runs on this host."""
     if pid <= 0:

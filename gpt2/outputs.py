@@ -22,7 +22,7 @@ it would vouch for is deleted or replaced, and a warning names it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import json
 import logging
 import os
@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gpt2.files import replace_atomically
+from gpt2.files import replace_atomically, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ DIGEST_FILE = "SHA256SUMS"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # One line of a sha256sum file: the digest, then " " (text mode) or " *" (binary mode), then the name.
 _DIGEST_LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class OutputFolder:
@@ -236,32 +235,18 @@ def _matches(path: Path, entry: dict[str, Any]) -> bool:
 
 
 def _sha256(path: Path, size: int | None = None) -> str | None:
-    """The sha256 of (the first ``size`` bytes of) a plain file, opened without following a link; None if unreadable."""
-    digest = hashlib.sha256()
+    """:func:`gpt2.files.sha256_file` of a plain file; None for a link (never gpt2's) or an unreadable file."""
     try:
-        with open(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
-            left = size
-            if left is None:
-                left = os.fstat(f.fileno()).st_size
-            while left > 0:
-                chunk = f.read(min(1 << 20, left))
-                if not chunk:
-                    break
-                digest.update(chunk)
-                left -= len(chunk)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            return sha256_file(path, size)
     except OSError:
-        return None
-    return digest.hexdigest()
+        pass
+    return None
 
 
-_warned: set[tuple[str, str]] = set()
-
-
+@functools.cache
 def _warn_damaged(path: Path, why: str) -> None:
     """Name a damaged record once per process and problem."""
-    if (str(path), why) in _warned:
-        return
-    _warned.add((str(path), why))
     logger.warning("%s is damaged (%s): gpt2 deletes and replaces nothing it would vouch for", path, why)
 
 

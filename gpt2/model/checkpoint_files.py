@@ -17,7 +17,6 @@ Nothing is unpickled: every file is JSON, safetensors (a JSON header and raw ten
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from safetensors.torch import load_file, save
 from torch.nn.parallel import DistributedDataParallel
 
 from gpt2.errors import Gpt2Error, MissingFileError
-from gpt2.files import replace_atomically
+from gpt2.files import replace_atomically, sha256_file
 from gpt2.outputs import DIGEST_FILE, read_digests
 
 logger = logging.getLogger(__name__)
@@ -105,9 +104,8 @@ def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
     ]
 
 
-def refuse_non_finite(state: dict[str, torch.Tensor], where: str) -> None:
-    """Raise :class:`NonFiniteWeightsError` naming the tensors of ``state`` that hold inf/nan."""
-    bad = non_finite_tensors(state)
+def refuse_non_finite(bad: list[str], where: str) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming the tensors ``bad`` (:func:`non_finite_tensors`), if any."""
     if bad:
         raise NonFiniteWeightsError(f"{where}: non-finite values (inf/nan) in {_some(bad)}", [(where, _some(bad))])
 
@@ -180,14 +178,6 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The step encoded in a ``step_000100`` directory name, else None."""
     match = _STEP_DIR.match(Path(path).name)
@@ -204,8 +194,6 @@ def is_sharded(path: str | os.PathLike) -> bool:
 def is_complete(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds every file of a checkpoint (regular or sharded); their content is checked on reading."""
     path = Path(path)
-    if not path.is_dir():
-        return False
     names = CHECKPOINT_FILES
     if is_sharded(path):
         names = (META_FILE, STATE_FILE)
@@ -307,22 +295,18 @@ def _check_finite(tensors: dict[str, torch.Tensor], file: Path, problems: list[t
 
 def _shard_files(path: Path, problems: list[tuple[str, str]]) -> list[str]:
     """The files under ``shards/`` (names relative to the checkpoint), each a problem where it is not safetensors
-    (torch.distributed.checkpoint's reader skips other names) or not listed in SHA256SUMS: a shard nobody vouches
-    for is not read.
+    (torch.distributed.checkpoint's reader skips other names), and the shards ``SHA256SUMS`` lists: a shard it does
+    not list, or one that is gone, is then found by :func:`_check_digests`.
     """
-    listed = read_digests(path / DIGEST_FILE)
     found = sorted(str(p.relative_to(path)) for p in (path / SHARDS_DIR).rglob("*") if p.is_file())
     for name in found:
-        if listed is not None and name not in listed:
-            problems.append((str(path / name), f"is not listed in {DIGEST_FILE} (left by another save?)"))
         try:
             with safe_open(str(path / name), "pt"):
                 pass
         except Exception as e:  # noqa: BLE001 - a file that does not parse makes the checkpoint unusable
             problems.append((str(path / name), _unreadable(path / name, e)))
-    # A listed shard that is gone is found by _check_digests.
-    missing = sorted(name for name in listed or () if name.startswith(SHARDS_DIR + "/") and name not in found)
-    return found + missing
+    listed = read_digests(path / DIGEST_FILE) or {}
+    return sorted({*found, *(name for name in listed if name.startswith(SHARDS_DIR + "/"))})
 
 
 def load_shards_into(state: dict[str, Any], shards: Path, *, no_dist: bool) -> None:
@@ -381,7 +365,7 @@ def _check_digests(path: Path, names: list[str], problems: list[tuple[str, str]]
         if file in damaged:
             continue
         if name not in expected:
-            problems.append((str(path / DIGEST_FILE), f"has no digest of {name} (damaged)"))
+            problems.append((file, f"is not listed in {DIGEST_FILE}"))
         elif not Path(file).is_file():
             problems.append((file, "is missing"))
         elif sha256_file(file) != expected[name]:
@@ -506,31 +490,11 @@ def open_checkpoint(
     checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning.
     """
     path = Path(path)
-
-    def read(candidate: Path) -> CheckpointData:
-        data = read_checkpoint(candidate, trainer_state=trainer_state, weights=weights)
-        if check is not None:
-            check(data)
-        return data
-
-    if checkpoint_step(path) is None and not is_complete(path):
-        return _open_newest(path, read)
-    # The one checkpoint ``path`` (no fallback): its error says how to use the newest intact one instead.
-    if not path.exists():
-        raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        return read(path)
-    except CheckpointError as e:
-        raise type(e)(
-            f"{e}. Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one",
-            e.problems,
-        ) from None
-
-
-def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> CheckpointData:
-    """The newest checkpoint under a run or ``checkpoints`` directory that ``read`` accepts."""
-    candidates = checkpoint_candidates(path) or checkpoint_candidates(path / "checkpoints")
-    if not candidates:
+    single = checkpoint_step(path) is not None or is_complete(path)
+    candidates = [path]
+    if not single:
+        candidates = checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
+    if not (candidates and candidates[0].exists()):
         raise MissingFileError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "
             "or a run directory / checkpoints directory that contains one"
@@ -540,8 +504,14 @@ def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> Checkpoi
     hints: list[str] = []
     for candidate in candidates:
         try:
-            data = read(candidate)
+            data = read_checkpoint(candidate, trainer_state=trainer_state, weights=weights)
+            if check is not None:
+                check(data)
         except CheckpointError as e:
+            if single:
+                # The one checkpoint ``path`` (no fallback): its error says how to use the newest intact one.
+                fix = f"Pick another checkpoint, or give its directory ({path.parent}) to use the newest intact one"
+                raise type(e)(f"{e}. {fix}", e.problems) from None
             found = _describe(e.problems, candidate)
             if isinstance(e, CheckpointMismatchError):
                 logger.warning("skipping checkpoint %s, which does not fit this run: %s", candidate, found)
@@ -555,12 +525,10 @@ def _open_newest(path: Path, read: Callable[[Path], CheckpointData]) -> Checkpoi
         return data
     where = candidates[0].parent
     message = f"no intact checkpoint that fits this run in {where}: {_describe(problems, where)}"
-    if len(hints) == len(candidates):
-        raise CheckpointMismatchError(f"{message}. {hints[0]}", problems)
-    fix = "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
-    if hints:
-        fix = hints[0]
-    raise CheckpointError(f"{message}. {fix}", problems)
+    fix = hints[0] if hints else "Restore the files from a copy, or train again (a new out_dir, or overwrite=True)"
+    # None of them fits this run: say that, not "damaged".
+    error = CheckpointMismatchError if len(hints) == len(candidates) else CheckpointError
+    raise error(f"{message}. {fix}", problems)
 
 
 def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = False) -> None:

@@ -24,6 +24,7 @@ from gpt2.model.checkpoint_files import (
     checkpoint_step,
     load_state_into,
     load_weights,
+    non_finite_tensors,
     open_checkpoint,
     refuse_non_finite,
     unwrap_model,
@@ -357,7 +358,7 @@ def _from_transformers_weights(
     """``model_class(config)`` holding the weights of the ``transformers`` directory, on ``device`` in ``dtype``."""
     hf_sd = load_hf_state_dict(directory)
     # NaN/inf weights never enter a model.
-    refuse_non_finite(hf_sd, f"refusing to load {directory}")
+    refuse_non_finite(non_finite_tensors(hf_sd), f"refusing to load {directory}")
     sd = hf_to_gpt_state_dict(hf_sd, config)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if k != "lm_head.weight"}
     # Tied: the one tensor is moved once.

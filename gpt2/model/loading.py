@@ -30,6 +30,6 @@ def apply_adapter(model: Any, path: str | os.PathLike[str], allow_base_mismatch:
         "applied LoRA adapter %s (%d LoRA layers, %s parameters)",
         path,
         len(minlora.lora_sites(model)),
-        f"{sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n):,}",
+        f"{sum(p.numel() for p in minlora.get_lora_params(model)):,}",
     )
     return model

@@ -28,8 +28,7 @@ from safetensors import SafetensorError
 
 import minlora
 from gpt2 import torch_compat
-from gpt2.errors import InvalidValueError
-from gpt2.files import replace_atomically, write_advice
+from gpt2.files import replace_atomically, sha256_file, write_advice
 from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
     CHECKPOINT_DIR,
     DIGEST_FILE,
@@ -56,9 +55,9 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     non_finite_tensors,
     open_checkpoint,
     read_checkpoint,
+    refuse_non_finite,
     save_state,
     save_weights,
-    sha256_file,
     unwrap_model,
 )
 from gpt2.outputs import checkpoint_files, remove_files
@@ -82,13 +81,12 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
-    by_rank: dict[int, torch.Tensor] = {}
+    by_rank = {_rank(): cuda}
     if all_ranks and _active():
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, cuda)
-        by_rank = {rank: s for rank, s in enumerate(gathered) if s is not None}
-    elif cuda is not None:
-        by_rank = {_rank(): cuda}
+        by_rank = dict(enumerate(gathered))
+    by_rank = {rank: s for rank, s in by_rank.items() if s is not None}
     if by_rank:
         state["cuda_by_rank"] = by_rank
     return state
@@ -152,16 +150,10 @@ def save_checkpoint(
     and renames the directory into place; every process returns the path, or raises the same error. An adapter-only
     checkpoint of a sharded model needs its ``base_fingerprint``, taken before it was sharded.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidValueError(f"step must be a non-negative integer, got {step!r}")
     raw = unwrap_model(model)
     shards = torch_compat.is_fsdp_module(raw)
     # A collective under FSDP: every process refuses alike.
-    bad = fsdp.non_finite_parameters(raw)
-    if bad:
-        raise NonFiniteWeightsError(
-            f"refusing to save checkpoint at step {step}: non-finite values (inf/nan) in {', '.join(bad[:5])}"
-        )
+    refuse_non_finite(fsdp.non_finite_parameters(raw), f"refusing to save checkpoint at step {step}")
     root = Path(root)
     final = root / f"step_{step:06d}"
     version = FORMAT_VERSION
@@ -172,13 +164,18 @@ def save_checkpoint(
     meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
     writers: dict[str, Callable[[Path], None]] = {}
-    tmp = _agree(shards, lambda: _start(root, final, before_write), f"starting checkpoint {final.name}")
+    tmp = _agree(shards, lambda: _start(root, final, before_write))
     if shards:
         _write_shards(root, final, tmp, raw, optimizer, trainable_only)
         # Its state is in the shards.
         optimizer = None
     else:
-        weights = _weights_to_save(raw, trainable_only)
+        weights = dict(raw.state_dict())
+        if trainable_only:
+            # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
+            # deduplicated when writing), so loading restores each name.
+            named = raw.named_parameters(remove_duplicate=False)
+            weights = {n: p.detach() for n, p in named if p.requires_grad}
         writers[WEIGHTS_FILE] = lambda path: save_weights(weights, path)
     writers[STATE_FILE] = lambda path: save_state(_trainer_state(optimizer, scaler, rng_state), path)
     writers[META_FILE] = lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))
@@ -190,7 +187,7 @@ def save_checkpoint(
         logger.info("saved checkpoint %s", final)
         return final
 
-    return _agree(shards, finish, f"finishing checkpoint {final.name}")
+    return _agree(shards, finish)
 
 
 def _start(root: Path, final: Path, before_write: Callable[[], None] | None) -> Path:
@@ -250,37 +247,47 @@ def _finish(root: Path, final: Path, tmp: Path, writers: dict[str, Callable[[Pat
         raise _save_error(root, final, writing, e) from e
 
 
-def _agree(shards: bool, work: Callable[[], Any], what: str) -> Any:
-    """Run ``work`` (rank 0's part of a save). For a sharded save, every process is told how it went: its result,
-    or on every other rank a :class:`CheckpointSaveError` carrying rank 0's error (no rank goes on while another
-    has failed).
+def _agree(shards: bool, work: Callable[[], Any]) -> Any:
+    """Run ``work`` (rank 0's part of a save). For a sharded save, every process gets its result, or raises its
+    error (no rank goes on while another has failed).
     """
     if not shards:
         return work()
-    outcome: list[Any] = [None, None]
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = work()
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks before it is raised
-            error = e
-            outcome[1] = f"{type(e).__name__}: {_first_line(e)}"
+    outcome = [run_on_all_ranks(lambda: work() if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(outcome, src=0)
-    if error is not None:
-        raise error
-    if outcome[1] is not None:
-        raise CheckpointSaveError(f"rank 0 failed {what}: {outcome[1]}")
     return outcome[0]
 
 
-def _weights_to_save(raw: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
-    """The whole state dict, or the trainable parameters alone."""
-    if not trainable_only:
-        return dict(raw.state_dict())
-    # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
-    # deduplicated when writing), so loading restores each name.
-    named = raw.named_parameters(remove_duplicate=False)
-    return {n: p.detach() for n, p in named if p.requires_grad}
+def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every process; if it raises on any of them, every process raises (so none is left waiting at a
+    collective for one that died): its own error, or the other rank's, of the same class where that class is built
+    from a message. One process: just ``fn()``.
+    """
+    if not _active():
+        return fn()
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the other ranks, then raised here
+        error = e
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    mine = None
+    if error is not None:
+        mine = (type(error), str(error))
+    dist.all_gather_object(outcomes, mine)
+    if error is not None:
+        raise error
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            cls, message = outcome
+            message = f"{message} (raised on rank {rank})"
+            try:
+                error = cls(message)
+            except TypeError:
+                error = RuntimeError(f"{cls.__name__}: {message}")
+            raise error
+    return result
 
 
 def _checkpoint_meta(
@@ -371,7 +378,7 @@ def _move_into_place(tmp: Path, final: Path) -> None:
         # Put the previous copy back.
         os.replace(old, final)
         raise
-    _warn_kept(remove_checkpoint(old), f"replacing {final}")
+    warn_kept(remove_checkpoint(old), f"replacing {final}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -401,7 +408,7 @@ def remove_checkpoint(path: Path) -> list[Path]:
     return []
 
 
-def _warn_kept(kept: list[Path], doing: str) -> None:
+def warn_kept(kept: list[Path], doing: str) -> None:
     if kept:
         logger.warning(
             "%s kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
@@ -417,35 +424,33 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     checkpoints = list_checkpoints(root)
     removed = checkpoints[: max(0, len(checkpoints) - keep_last)]
     for path in removed:
-        _warn_kept(remove_checkpoint(path), f"pruning {path}")
+        warn_kept(remove_checkpoint(path), f"pruning {path}")
     return removed
 
 
-def clean_interrupted_saves(root: str | os.PathLike) -> list[str]:
+def clean_interrupted_saves(root: str | os.PathLike) -> None:
     """Remove what a killed save left in ``root`` (``.tmp-step_*``, which only gpt2 writes into; an
     ``.old-step_*`` copy, by its record, or renamed back where its ``step_*`` is missing, the process having
-    died between the two renames); returns what it did. The caller holds the run's lock: no other process
+    died between the two renames), with a warning for each. The caller holds the run's lock: no other process
     saves here (a save that fails with an exception cleans up itself).
     """
     root = Path(root)
-    done: list[str] = []
     if not root.is_dir():
-        return done
+        return
     for path in root.iterdir():
-        name = path.name
-        if not name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
+        if not path.name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
             continue
-        if name.startswith(_OLD_PREFIX):
-            final = root / name[len(_OLD_PREFIX) :].split("-", 1)[0]
-            if not final.exists() and is_complete(path):
-                os.replace(path, final)
-                done.append(f"restored {final.name} from {name}")
-                continue
-            _warn_kept(remove_checkpoint(path), f"removing {path}")
+        # .old-step_000004-1a2b3c4d: the copy of step_000004 that a save of that step again swapped out
+        final = root / path.name.removeprefix(_OLD_PREFIX).split("-", 1)[0]
+        if path.name.startswith(_OLD_PREFIX) and not final.exists() and is_complete(path):
+            os.replace(path, final)
+            logger.warning("cleaning up an interrupted save: restored %s from %s", final, path.name)
+            continue
+        logger.warning("cleaning up an interrupted save: removing %s", path)
+        if path.name.startswith(_OLD_PREFIX):
+            warn_kept(remove_checkpoint(path), f"removing {path}")
         else:
             shutil.rmtree(path, ignore_errors=True)
-        done.append(f"removed {name}")
-    return done
 
 
 # --- load

@@ -16,17 +16,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import Lock
 from gpt2.outputs import RECORD_FILE, OutputFolder
 from gpt2.train import checkpoint as ckpt
-from gpt2.train.distributed import _active
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +78,6 @@ class RunLock(Lock):
 
     def acquire(self) -> RunLock:
         try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
             key = (os.getpid(), os.path.realpath(self.path))
             previous = _HELD.get(key)
             if previous is not None and previous.fd is not None:
@@ -147,12 +143,11 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
         raise RunDirError(f"out_dir {out_dir} cannot be written ({existing} is not writable): choose another out_dir")
 
 
-def record_outputs(out_dir: str | os.PathLike, names: Iterable[str]) -> None:
+def record_outputs(out_dir: str | os.PathLike, names: Collection[str]) -> None:
     """Record in ``out_dir``'s record, after writing them, those of the run files ``names`` that exist: the
     checkpoint folder by its checkpoints' own records, ``metrics.jsonl`` as a log that is appended to,
     another file or folder by its files' sizes and sha256. Links are never recorded (gpt2 writes none).
     """
-    names = [name for name in names if os.path.lexists(Path(out_dir, name))]
     OutputFolder(out_dir).record(
         [n for n in names if n != CHECKPOINT_DIR and n not in _APPENDED],
         appends=[n for n in names if n in _APPENDED],
@@ -269,7 +264,7 @@ def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) 
 
 
 def start_run(
-    out_dir: str | os.PathLike | None,
+    out: Path | None,
     *,
     resume: str | None,
     overwrite: bool,
@@ -282,17 +277,14 @@ def start_run(
     """
     if overwrite and resume == "auto":
         raise InvalidValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
-    out = None
-    if out_dir is not None:
-        out = Path(out_dir)
     lock = None
     if out is not None and is_main:
         lock = RunLock(out)
     created = out is not None and not out.exists()
     try:
-        doomed = run_on_all_ranks(lambda: _claim(lock, resume, overwrite))
+        doomed = ckpt.run_on_all_ranks(lambda: _claim(lock, resume, overwrite))
         _resume(out, resume, load)
-        run_on_all_ranks(lambda: _finish(lock, doomed))
+        ckpt.run_on_all_ranks(lambda: _finish(lock, doomed))
     except BaseException:
         # Release the lock and remove the out_dir this run created, if still empty.
         if lock is not None:
@@ -309,9 +301,7 @@ def _claim(lock: RunLock | None, resume: str | None, overwrite: bool) -> list[Pa
         return []
     check_out_dir(lock.out_dir)
     lock.acquire()
-    checkpoint_dir = lock.out_dir / CHECKPOINT_DIR
-    for line in ckpt.clean_interrupted_saves(checkpoint_dir):
-        logger.warning("cleaning up an interrupted save in %s: %s", checkpoint_dir, line)
+    ckpt.clean_interrupted_saves(lock.out_dir / CHECKPOINT_DIR)
     return _check_run_dir(lock.out_dir, resume, overwrite)
 
 
@@ -326,7 +316,7 @@ def _resume(out: Path | None, resume: str | None, load: Callable[[Path], Any]) -
         if not ckpt.checkpoint_candidates(target):
             logger.info("resume='auto': no checkpoint in %s, starting from scratch", target)
             return
-    run_on_all_ranks(lambda: load(target))
+    ckpt.run_on_all_ranks(lambda: load(target))
 
 
 def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
@@ -345,43 +335,4 @@ def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
             kept += ckpt.remove_checkpoint(path)
     if removed:
         logger.warning("overwrite=True: deleted %s", ", ".join(str(p) for p in removed))
-    if kept:
-        logger.warning(
-            "overwrite=True kept %s: gpt2 did not write them (or they changed since); move them away if they should go",
-            ", ".join(str(p) for p in kept),
-        )
-
-
-def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every process; if it raises on any of them, every process raises (so none is
-    left waiting at a collective for one that died). One process: just ``fn()``.
-    """
-    if not _active():
-        return fn()
-    error: BaseException | None = None
-    result = None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - handed to the other ranks, then raised here
-        error = e
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    mine = None
-    if error is not None:
-        mine = (type(error).__name__, str(error))
-    dist.all_gather_object(outcomes, mine)
-    if error is not None:
-        raise error
-    for rank, outcome in enumerate(outcomes):
-        if outcome is not None:
-            name, message = outcome
-            cls = _ERRORS.get(name, RuntimeError)
-            raise cls(f"{message} (raised on rank {rank})")
-    return result
-
-
-# What another rank's error is re-raised as, by name.
-_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (RunDirError, RunDirLockedError, RunDirNotEmptyError, ValueError, FileNotFoundError, KeyError)
-    + (PermissionError, ckpt.CheckpointError, ckpt.CheckpointMismatchError, ckpt.NonFiniteWeightsError)
-}
+    ckpt.warn_kept(kept, "overwrite=True")
