@@ -16,7 +16,7 @@ import torch
 
 from gpt2.data.formats import check_token_ids, load_tokens, manifest_mismatch, recorded_shards, token_files
 from gpt2.errors import InvalidValueError, MissingFileError
-from gpt2.model.checkpoint_files import sha256_file
+from gpt2.files import sha256_file
 from gpt2.model.config import POSITIVE_INT, Range, check_value
 
 logger = logging.getLogger(__name__)
