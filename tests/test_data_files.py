@@ -260,7 +260,7 @@ def test_tokenising_in_pieces_matches_one_pass(shared_data, monkeypatch):
     pieces = list(prepare._text_pieces(text, 500))
     assert len(pieces) > 20 and "".join(pieces) == text
     monkeypatch.setattr(prepare, "_TEXT_CHUNK_CHARS", 500)
-    got = prepare._encode_text(text, tok, "t", progress=False)
+    got = prepare.encode_document(text, tok)
     np.testing.assert_array_equal(got, [tok.eot_token] + tok.encode_ordinary(text))
 
 

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 # uint16 holds ids 0..65535; GPT-2's 50257 ids fit, a bigger vocabulary does not.
 _UINT16_LIMIT = 2**16
 _FORMATS = ("npy", "bin")
-# tokenize_file encodes a long text in pieces of about this many characters, for its progress
-# bar; bars appear only once a job has run this many seconds, so quick jobs print nothing.
+# A long text is encoded in pieces of about this many characters (one piece's list of ids at a time,
+# and steps for tokenize_file's progress bar); bars appear only once a job has run this many seconds,
+# so quick jobs print nothing.
 _TEXT_CHUNK_CHARS = 1 << 20
 _BAR_DELAY_S = 1.0
 
@@ -57,33 +58,6 @@ def _to_uint16(ids: Any, where: str) -> np.ndarray:
     return array.astype(np.uint16)
 
 
-def _encode_document(doc: Any, tokenizer: Any) -> np.ndarray:
-    """``<|endoftext|>`` then the document's ids, as uint16 (build-nanogpt's ``tokenize``): the
-    token *before* each document marks where documents start in the concatenated stream.
-    """
-    if not isinstance(doc, str):
-        raise TypeError(
-            f"documents must be str, got {type(doc).__name__}; for dataset rows pass the text "
-            "field, e.g. (row['text'] for row in dataset)"
-        )
-    ids = [tokenizer.eot_token, *tokenizer.encode_ordinary(doc)]
-    return _to_uint16(ids, f"a document starting {doc[:40]!r}")
-
-
-_worker_tokenizer: Any = None
-
-
-def _init_worker(tokenizer: Any) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-    # Ctrl-C reaches the whole process group: the parent handles it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _encode_document_in_worker(doc: Any) -> np.ndarray:
-    return _encode_document(doc, _worker_tokenizer)
-
-
 def _text_pieces(text: str, size: int) -> Iterator[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut just before a newline
     that sits between two non-space characters. GPT-2's pre-tokeniser always splits there (no
@@ -102,22 +76,37 @@ def _text_pieces(text: str, size: int) -> Iterator[str]:
     yield text[start:]
 
 
-def _encode_text(text: str, tokenizer: Any, desc: str, progress: bool) -> np.ndarray:
-    """One document's uint16 ids (as :func:`_encode_document`), with a progress bar."""
+def encode_document(doc: Any, tokenizer: Any, bar: Any = None) -> np.ndarray:
+    """``<|endoftext|>`` then the document's ids, as uint16 (build-nanogpt's ``tokenize``): the
+    token *before* each document marks where documents start in the concatenated stream. A long
+    text is encoded in pieces (:func:`_text_pieces`: the same ids, without one huge list of ints),
+    each counted on ``bar`` (a tqdm of characters) when one is given.
+    """
+    if not isinstance(doc, str):
+        raise TypeError(
+            f"documents must be str, got {type(doc).__name__}; for dataset rows pass the text "
+            "field, e.g. (row['text'] for row in dataset)"
+        )
     parts = [np.asarray([tokenizer.eot_token], dtype=np.int64)]
-    with tqdm(
-        total=len(text),
-        unit="char",
-        unit_scale=True,
-        desc=desc,
-        delay=_BAR_DELAY_S,
-        disable=not progress_enabled(progress),
-        leave=False,
-    ) as bar:
-        for piece in _text_pieces(text, _TEXT_CHUNK_CHARS):
-            parts.append(np.asarray(tokenizer.encode_ordinary(piece), dtype=np.int64))
+    for piece in _text_pieces(doc, _TEXT_CHUNK_CHARS):
+        parts.append(np.asarray(tokenizer.encode_ordinary(piece), dtype=np.int64))
+        if bar is not None:
             bar.update(len(piece))
-    return _to_uint16(np.concatenate(parts), f"the text {desc!r}")
+    return _to_uint16(np.concatenate(parts), f"a document starting {doc[:40]!r}")
+
+
+_worker_tokenizer: Any = None
+
+
+def _init_worker(tokenizer: Any) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+    # Ctrl-C reaches the whole process group: the parent handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _encode_document_in_worker(doc: Any) -> np.ndarray:
+    return encode_document(doc, _worker_tokenizer)
 
 
 class ShardWriteError(Gpt2Error, OSError):
@@ -370,7 +359,7 @@ def write_shards(
                 # chunksize amortises inter-process traffic over many (usually short) documents.
                 encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
             else:
-                encoded = (_encode_document(doc, tokenizer) for doc in docs)
+                encoded = (encode_document(doc, tokenizer) for doc in docs)
             for piece in _fixed_size_pieces(encoded, writer.shard_size, bar):
                 # build-nanogpt's layout: the first shard is the val split.
                 split = "train" if writer.written else "val"
@@ -469,7 +458,16 @@ def _text_file_chunks(
     text = read_text(path)
     if not text.strip():
         raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-    tokens = _encode_text(text, tokenizer, f"tokenising {path.name}", progress)
+    with tqdm(
+        total=len(text),
+        unit="char",
+        unit_scale=True,
+        desc=f"tokenising {path.name}",
+        delay=_BAR_DELAY_S,
+        disable=not progress_enabled(progress),
+        leave=False,
+    ) as bar:
+        tokens = encode_document(text, tokenizer, bar)
     train, val = split_tokens(tokens, val_fraction, repr(str(path)))
     if val is None:
         # val_fraction 0: no val shards

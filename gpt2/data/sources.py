@@ -12,7 +12,7 @@ import numpy as np
 
 from gpt2.data.downloads import tiny_shakespeare_path
 from gpt2.data.formats import TOKEN_SUFFIXES, load_tokens, read_text, token_files
-from gpt2.data.prepare import _encode_text, split_tokens
+from gpt2.data.prepare import encode_document, split_tokens
 from gpt2.errors import MissingFileError
 from gpt2.model.tokenizer import get_tokenizer
 
@@ -39,7 +39,7 @@ def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarr
     if tokenizer is None:
         tokenizer = get_tokenizer()
     # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused.
-    return _encode_text(read_text(path), tokenizer, str(path), progress=False)
+    return encode_document(read_text(path), tokenizer)
 
 
 def load_token_source(data: str) -> Any:
