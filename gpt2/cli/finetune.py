@@ -100,8 +100,9 @@ def finetune(options: FinetuneOptions) -> dict[str, Any]:
         prompt = prompt or instruction_prompt(*first_row)
     else:
         train_data, val = training_data(options.data.data, options.data.val_data, options.data.val_fraction)
-    # The before/after val loss covers the whole val data: every rank scores its share of it (see
-    # val_loss), so it needs the unsharded instruction loader, not this rank's part.
+    # The before/after val loss reads the val data as one process would (every rank scores its share of
+    # those batches, see val_loss), so that --final-eval-batches N means the same N batches whatever the
+    # number of processes, as with text data: the unsharded instruction loader, not this rank's part.
     report_val = val
     if hasattr(val, "unsharded"):
         report_val = val.unsharded()
