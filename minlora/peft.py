@@ -45,15 +45,11 @@ PEFT_WEIGHTS_NAME, PEFT_CONFIG_NAME = "adapter_model.safetensors", "adapter_conf
 LAYOUT_METHOD = "peft_adapter_layout"
 _PREFIX = "base_model.model."
 _REMEDY = "export or save the PEFT adapter again"
-# what follows `<module>.lora_` in PEFT's keys
-_ROLES = ("A.weight", "B.weight", "embedding_A", "embedding_B", "magnitude_vector")
-# the roles PEFT stores for one layer, by (is an embedding, DoRA)
-_EXPECTED_ROLES = {
-    (False, False): {"A.weight", "B.weight"},
-    (False, True): {"A.weight", "B.weight", "magnitude_vector"},
-    (True, False): {"embedding_A", "embedding_B"},
-    (True, True): {"embedding_A", "embedding_B", "magnitude_vector"},
-}
+# PEFT's names for a layer's A and B factors (what follows `<module>.lora_` in its keys), by whether it is an
+# embedding; DoRA adds the magnitude
+_FACTOR_ROLES = {False: ("A.weight", "B.weight"), True: ("embedding_A", "embedding_B")}
+_MAGNITUDE = "magnitude_vector"
+_ROLES = (*_FACTOR_ROLES[False], *_FACTOR_ROLES[True], _MAGNITUDE)
 # PEFT options that change what an adapter computes or holds beyond LoRA factors: refused, not loaded as something else.
 _UNSUPPORTED = re.compile(
     "lora_bias|modules_to_save|layer_replication|trainable_token_indices|target_parameters|alora_invocation_tokens"
@@ -140,45 +136,36 @@ def _peft_tensors(
     rows = slice(None)
     if id(site.module) in padded:
         rows = slice(real)
-    if family == "Linear":
-        parts = _linear_parts(A, B, m, rows)
-    elif family == "Embedding":
-        parts = _embedding_parts(site, A, B, m, rows)
-    else:
-        parts = _conv_parts(site, A, B, m)
     key = _PREFIX + site.module_name + ".lora_"
-    return {key + role: t for role, t in parts.items()}
-
-
-def _linear_parts(A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None, rows: slice) -> dict[str, torch.Tensor]:
-    parts = {"A.weight": A, "B.weight": B[rows]}
+    a_role, b_role = _FACTOR_ROLES[family == "Embedding"]
+    A, B, m = _peft_layout(site, family, A, B, m, rows)
+    tensors = {key + a_role: A, key + b_role: B}
     if m is not None:
-        parts["magnitude_vector"] = m[rows]
-    return parts
+        tensors[key + _MAGNITUDE] = m
+    return tensors
 
 
-def _conv_parts(site: LoRASite, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """PEFT's conv factors are (r, in, kh, kw) and (out, r, 1, 1)."""
-    parts = {"A.weight": A.reshape(site.lora.rank, *site.original.shape[1:]), "B.weight": B.reshape(*B.shape, 1, 1)}
+def _peft_layout(
+    site: LoRASite, family: str, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None, rows: slice
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One layer's factors and DoRA magnitude (or None) as PEFT stores them, ``rows`` of the vocabulary kept."""
+    if family == "Embedding":
+        # PEFT stores the embedding update transposed
+        A, B = A[rows].t(), B.t()
+        if m is not None and rows.stop is not None:
+            # DoRA's norms run over the rows: rescaled to the twin's
+            V = (site.original.float() + site.lora.delta_weight().float()).detach()
+            m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
+        return A, B, m
+    B = B[rows]
     if m is not None:
-        # PEFT's conv norm shape
-        parts["magnitude_vector"] = m.reshape(1, -1, 1, 1)
-    return parts
-
-
-def _embedding_parts(
-    site: LoRASite, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None, rows: slice
-) -> dict[str, torch.Tensor]:
-    """PEFT stores the embedding update transposed."""
-    parts = {"embedding_A": A[rows].t(), "embedding_B": B.t()}
-    if m is None:
-        return parts
-    if rows.stop is not None:
-        # DoRA's norms run over the rows: rescaled to the twin's
-        V = (site.original.float() + site.lora.delta_weight().float()).detach()
-        m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
-    parts["magnitude_vector"] = m
-    return parts
+        m = m[rows]
+    if family == "Conv2d":
+        # PEFT's conv factors are (r, in, kh, kw) and (out, r, 1, 1), its norm (1, out, 1, 1)
+        A, B = A.reshape(site.lora.rank, *site.original.shape[1:]), B.reshape(*B.shape, 1, 1)
+        if m is not None:
+            m = m.reshape(1, -1, 1, 1)
+    return A, B, m
 
 
 def _peft_config(model: nn.Module, loras: dict[str, LoRAParametrization]) -> dict[str, Any]:
@@ -337,7 +324,11 @@ def _peft_plan(
     module_name = site.module_name
     embedding = family_name(site.module) == "Embedding"
     dora = config["use_dora"]
-    if set(parts) != _EXPECTED_ROLES[embedding, dora]:
+    a_role, b_role = _FACTOR_ROLES[embedding]
+    expected = {a_role, b_role}
+    if dora:
+        expected.add(_MAGNITUDE)
+    if set(parts) != expected:
         raise LoRAValueError(
             f"{source}: {module_name!r} is a {type(site.module).__name__}, and its factors are lora_"
             f"{sorted(parts)}: PEFT stores lora_embedding_A/B for embeddings, lora_A/B otherwise, "
@@ -345,19 +336,19 @@ def _peft_plan(
         )
     if embedding:
         # ours: A (V, r), B (r, dim)
-        A = _pad_rows(parts["embedding_A"].t(), real, rows)
-        B = parts["embedding_B"].t()
+        A = _pad_rows(parts[a_role].t(), real, rows)
+        B = parts[b_role].t()
     else:
         # conv factors (r, in, kh, kw) / (out, r, 1, 1) flatten to 2-D
-        A = parts["A.weight"].flatten(1)
-        B = _pad_rows(parts["B.weight"].flatten(1), real, rows)
+        A = parts[a_role].flatten(1)
+        B = _pad_rows(parts[b_role].flatten(1), real, rows)
     # factors of another rank than the config's are refused with the other shapes (make_plan)
     rank = _pattern_value(config["rank_pattern"], module_name, config["r"])
     alpha = _pattern_value(config["alpha_pattern"], module_name, config["lora_alpha"])
     tensors = {"lora_A": A, "lora_B": B}
     if dora:
         # (out,) for linear layers, (dim,) for embeddings, (1, out, 1, 1) for convolutions
-        M = parts["magnitude_vector"].reshape(-1)
+        M = parts[_MAGNITUDE].reshape(-1)
         if not embedding:
             M = _pad_rows(M, real, rows)
         tensors["lora_magnitude_vector"] = M
