@@ -280,7 +280,7 @@ def test_hellaswag_path_env_override(tmp_path, monkeypatch):
     _write_jsonl(tmp_path / "hellaswag_train.jsonl", [_example("the", ["cat", "dog"], 1)])
     assert hellaswag_path("train") == tmp_path / "hellaswag_train.jsonl"
     monkeypatch.setenv("GPT2_HELLASWAG", str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="is not hellaswag_val.jsonl or a folder"):
         hellaswag_path("val")
 
 

@@ -17,19 +17,30 @@ TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/mast
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
+def path_from_env(name: str, what: str, *, folder_ok: bool = False) -> Path | None:
+    """The file (or, with ``folder_ok``, folder) that the environment variable ``name`` names, None when it is
+    unset or empty; anything else there is refused, saying it should be ``what``.
+    """
+    value = os.environ.get(name)
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not (path.is_file() or folder_ok and path.is_dir()):
+        raise MissingFileError(
+            f"${name}={value!r} is not {what}: point it at one, or unset it to download and cache the file"
+        )
+    return path
+
+
 def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the Tiny Shakespeare text: ``$GPT2_TINY_SHAKESPEARE``, else ``tinyshakespeare.txt``
     under ``cache_dir`` (default :func:`default_cache_dir`), downloaded and sha256-checked once.
     """
-    override = os.environ.get("GPT2_TINY_SHAKESPEARE")
-    if override:
-        path = Path(override).expanduser()
-        if not path.is_file():
-            raise MissingFileError(
-                f"GPT2_TINY_SHAKESPEARE={override!r} is not a file; point it at the Tiny Shakespeare text (e.g. "
-                "../shared/data/tinyshakespeare.txt) or unset it to download and cache the file"
-            )
-        return path
+    override = path_from_env(
+        "GPT2_TINY_SHAKESPEARE", "the Tiny Shakespeare text file (e.g. ../shared/data/tinyshakespeare.txt)"
+    )
+    if override is not None:
+        return override
     if cache_dir is None:
         cache_dir = default_cache_dir()
     path = Path(cache_dir).expanduser() / "tinyshakespeare.txt"

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from gpt2.data import iter_jsonl
+from gpt2.data.downloads import path_from_env
 from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.eval import lockstep
 from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
@@ -45,9 +46,16 @@ def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None 
     if split not in HELLASWAG_URLS:
         raise InvalidValueError(f"unknown HellaSwag split {split!r}; choose one of {sorted(HELLASWAG_URLS)}")
     filename = f"hellaswag_{split}.jsonl"
-    override = os.environ.get(HELLASWAG_ENV)
-    if override:
-        path = _path_from_env(override, split, filename)
+    override = path_from_env(HELLASWAG_ENV, "hellaswag_val.jsonl or a folder for the HellaSwag files", folder_ok=True)
+    if override is not None and override.is_dir():
+        path = override / filename
+    elif override is not None and split != "val":
+        raise InvalidValueError(
+            f"${HELLASWAG_ENV}={override} is a file, used for the val split only; for the "
+            f"{split!r} split point ${HELLASWAG_ENV} at a directory holding {filename}"
+        )
+    elif override is not None:
+        path = override
     elif cache_dir is not None:
         path = Path(cache_dir).expanduser() / filename
     else:
@@ -62,24 +70,6 @@ def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None 
         offline_hint=f"download hellaswag_{split}.jsonl elsewhere and set ${HELLASWAG_ENV} to its path, or copy it to",
     )
     return path
-
-
-def _path_from_env(override: str, split: str, filename: str) -> Path:
-    """``$GPT2_HELLASWAG``'s val file, or ``filename`` in its directory."""
-    p = Path(override).expanduser()
-    if p.is_file():
-        if split != "val":
-            raise InvalidValueError(
-                f"${HELLASWAG_ENV}={override} is a file, used for the val split only; for the "
-                f"{split!r} split point ${HELLASWAG_ENV} at a directory holding {filename}"
-            )
-        return p
-    if not p.is_dir():
-        raise MissingFileError(
-            f"${HELLASWAG_ENV}={override} does not exist; point it at hellaswag_val.jsonl or at "
-            f"a directory for the HellaSwag files, or unset it to use the download cache"
-        )
-    return p / filename
 
 
 def _validate_hellaswag(data: bytes) -> None:
