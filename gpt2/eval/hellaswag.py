@@ -120,8 +120,8 @@ def iterate_hellaswag(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(
-            f"HellaSwag file {str(path)!r} not found; use gpt2.hellaswag_path() to download "
-            f"it, or pass the path of hellaswag_val.jsonl"
+            f"HellaSwag file {str(path)!r} does not exist; pass the path of hellaswag_val.jsonl, or download it "
+            "with gpt2.hellaswag_path() ('auto' on the command line)"
         )
     for line_no, example in iter_jsonl(path, hint="; is this a HellaSwag jsonl file?"):
         yield _check_example(example, str(path), line_no)
@@ -271,9 +271,7 @@ def resolve_hellaswag(spec: str | None) -> Path | None:
     if spec == "auto":
         return hellaswag_path("val")
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise MissingFileError(f"--hellaswag {spec!r} does not exist; give the val jsonl path or 'auto' to download it")
-    # Every row now: a bad one would stop training at its first score.
+    # Every row now (and that the file is there): a bad one would stop training at its first score.
     for _ in iterate_hellaswag(path):
         pass
     return path
