@@ -44,20 +44,6 @@ def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") ->
     return f"{prefix}_{split}_{index:06d}.{file_format}"
 
 
-def _to_uint16(ids: Any, where: str) -> np.ndarray:
-    array = np.asarray(ids, dtype=np.int64)
-    if not array.size:
-        return array.astype(np.uint16)
-    low, high = int(array.min()), int(array.max())
-    if low < 0 or high >= _UINT16_LIMIT:
-        bad = low if low < 0 else high
-        raise InvalidValueError(
-            f"token id {bad} in {where} does not fit uint16 (0..{_UINT16_LIMIT - 1}); uint16 "
-            "shards only hold vocabularies of up to 65536 ids, such as GPT-2's 50257"
-        )
-    return array.astype(np.uint16)
-
-
 def _text_pieces(text: str, size: int) -> Iterator[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut just before a newline
     that sits between two non-space characters. GPT-2's pre-tokeniser always splits there (no
@@ -92,7 +78,15 @@ def encode_document(doc: Any, tokenizer: Any, bar: Any = None) -> np.ndarray:
         parts.append(np.asarray(tokenizer.encode_ordinary(piece), dtype=np.int64))
         if bar is not None:
             bar.update(len(piece))
-    return _to_uint16(np.concatenate(parts), f"a document starting {doc[:40]!r}")
+    ids = np.concatenate(parts)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= _UINT16_LIMIT:
+        bad = low if low < 0 else high
+        raise InvalidValueError(
+            f"token id {bad} in a document starting {doc[:40]!r} does not fit uint16 (0..{_UINT16_LIMIT - 1}); "
+            "uint16 shards only hold vocabularies of up to 65536 ids, such as GPT-2's 50257"
+        )
+    return ids.astype(np.uint16)
 
 
 _worker_tokenizer: Any = None
