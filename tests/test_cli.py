@@ -521,6 +521,8 @@ def test_eval_of_a_token_file_scores_the_part_training_held_out(trained, tmp_pat
     assert code == 2 and "--val-data: a .jsonl file is no text" in err, err
     code, _, err = run(capsys, "finetune", "--init", trained, "--data", "shakespeare", "--val-data", rows)
     assert code == 2 and "--val-data: a .jsonl goes with a .jsonl --data" in err, err
+    code, _, err = run(capsys, "finetune", "--init", trained, "--data", rows, "--val-data", "shakespeare")
+    assert code == 2 and "--val-data: a .jsonl goes with a .jsonl --data" in err, err
 
 
 def test_eval_on_a_shard_directory(trained, tmp_path, capsys, shared_data, monkeypatch):

@@ -68,8 +68,9 @@ def check(options: FinetuneOptions) -> None:
     """What can be checked before the model is loaded or any process started."""
     check_run(options)
     instruction_prompt(options.instruct.instruction, options.instruct.input)
-    if is_instruction_data(options.data.val_data) and not is_instruction_data(options.data.data):
-        raise UsageError("--val-data: a .jsonl goes with a .jsonl --data (instruction rows); text trains on text")
+    val_data = options.data.val_data
+    if val_data is not None and is_instruction_data(val_data) != is_instruction_data(options.data.data):
+        raise UsageError("--val-data: a .jsonl goes with a .jsonl --data (instruction rows), text with text or tokens")
     # Instruction rows are packed into batches of the micro-batch size before the Trainer could search for one.
     if is_instruction_data(options.data.data) and options.train.micro_batch_size == "auto":
         raise UsageError("--micro-batch-size auto works on text data; with instruction rows (.jsonl) give a number")

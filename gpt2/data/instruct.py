@@ -366,8 +366,6 @@ def instruction_loaders(
     """
     rows = read_rows(data)
     if val_data is not None:
-        if not is_instruction_data(val_data):
-            raise InvalidValueError(f"--val-data {val_data!r} must be a .jsonl file like --data ({_LAYOUTS})")
         train_rows, val_rows = rows, read_rows(val_data)
     else:
         train_rows, val_rows = split_rows(rows, val_fraction, data)
