@@ -165,6 +165,11 @@ def all_reduce_min(value: int) -> int:
     return _all_reduce_int(value, dist.ReduceOp.MIN)
 
 
+def all_reduce_sum(value: int) -> int:
+    """The sum of ``value`` over all processes (``value`` itself with one process): exact, as integers are."""
+    return _all_reduce_int(value, dist.ReduceOp.SUM)
+
+
 def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
     """``value`` reduced with ``op`` over all processes (``value`` itself with one process)."""
     if not _active():

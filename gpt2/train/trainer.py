@@ -377,8 +377,7 @@ class Trainer:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
         signum = self._signals.received
         # every rank stops after the same step
-        if self.dist_env.is_distributed:
-            signum = distributed.all_reduce_max(signum)
+        signum = distributed.all_reduce_max(signum)
         if not signum:
             return
         if self.out_dir is not None and not saved:
@@ -406,23 +405,20 @@ class Trainer:
         if self.vocab_size:
             for batch in batches:
                 check_targets(batch[1], self.vocab_size)
-        # counted on the CPU: no device sync
+        # counted on the CPU (no device sync), then summed over the processes
         counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
-        scored = sum(counts)
-        if self.dist_env.is_distributed:
-            # float64 holds any count exactly
-            total = torch.tensor(float(scored), dtype=torch.float64, device=self.device)
-            scored = round(distributed.all_reduce_mean(total).item() * self.dist_env.world_size)
+        scored = distributed.all_reduce_sum(sum(counts))
         if scored == 0:
             # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
             # still decay and move the weights on zero gradients).
             loss_value, grad_norm, skipped, bad = 0.0, 0.0, True, False
-            self.skipped_steps += 1
         else:
             # each weight cast to bf16 / fp16 once per step, not once per micro-step
             with self.precision.step_casts():
                 loss_value = self._accumulate(batches, counts, scored)
             grad_norm, skipped, bad = self._optimizer_step(loss_value)
+        if skipped:
+            self.skipped_steps += 1
         if self.device.type == "cuda":
             # the step's kernels are queued asynchronously: time them all
             torch.cuda.synchronize()
@@ -533,10 +529,7 @@ class Trainer:
             # a non-finite loss, or an overflow at scale <= 1, is a real numerical problem.
             overflow = self.scaler.get_scale() < scale
             bad = bad and not (overflow and math.isfinite(loss_value) and scale > 1.0)
-        if skipped:
-            self.skipped_steps += 1
-            # the non-finite gradients go nowhere
-            self.optimizer.zero_grad(set_to_none=True)
+        # a skipped step's non-finite gradients go nowhere: the next step sets them to None first
         self.recovery.count_step(bad)
         return grad_norm, skipped, bad
 
