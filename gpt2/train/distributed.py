@@ -73,12 +73,12 @@ def uses_cuda(device: str | torch.device | None) -> bool:
     return device.startswith("cuda")
 
 
-def resolve_device(device: str | torch.device | None, env: DistributedEnv | None = None) -> torch.device:
+def resolve_device(device: str | torch.device, env: DistributedEnv | None = None) -> torch.device:
     """``"auto"`` = ``cuda:LOCAL_RANK`` when CUDA is available, else cpu; ``"cuda"`` under DDP
-    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's).
+    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's). ``""`` is refused,
+    as ``TrainConfig`` refuses it.
     """
     env = env or env_from_environ()
-    device = device or "auto"
     if device == "auto":
         resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
