@@ -85,14 +85,11 @@ class RecoveryPolicy:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        # recoveries, lr_scale, the monitor and the steps of the checkpoints confirmed good: a fresh run's
-        self.load_state_dict(None)
-        self.consecutive_bad_steps = 0
         # A confirmed in-memory copy of the Trainer's state_dict() (on the CPU: about 3x the trainable parameters'
         # size with AdamW, as docs/training.md says), kept until a checkpoint is confirmed.
         self.snapshot: dict[str, Any] | None = None
-        # The newest saved state, waiting for the judgement of the step after it.
-        self.unconfirmed: _Saved | None = None
+        # a fresh run's counters, monitor and confirmed checkpoints, and no saved state yet
+        self.load_state_dict(None)
 
     # ------------------------------------------------------------------ judging steps
     def observe(self, step: int, loss: float) -> bool:
@@ -191,7 +188,9 @@ class RecoveryPolicy:
         self.unconfirmed = _Saved(trainer.step, _to_cpu(trainer.state_dict()))
 
     def saved_checkpoint(self, step: int) -> None:
-        """A checkpoint of ``step`` was written: the newest saved state, until the next step confirms it."""
+        """A checkpoint of ``step`` was written (or loaded): the newest saved state, until the next step confirms
+        it.
+        """
         self.unconfirmed = _Saved(step)
 
     # ------------------------------------------------------------------ going back
@@ -222,8 +221,6 @@ class RecoveryPolicy:
             raise self.diverged(trainer, record, nothing_confirmed=True)
         # The state gone back to was confirmed; checkpoints after it belong to the abandoned steps.
         self.load_state_dict({**kept, "confirmed": [step for step in kept["confirmed"] if step <= trainer.step]})
-        self.consecutive_bad_steps = 0
-        self.unconfirmed = None
         trainer.train_loader.load_state_dict(position)
         logger.warning(
             "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
@@ -330,8 +327,14 @@ class RecoveryPolicy:
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's)."""
+        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's). The state loaded starts
+        afresh: no bad steps in a row, and no saved state waiting for its judgement (a loaded checkpoint is one:
+        :meth:`saved_checkpoint`).
+        """
         state = state or {}
+        self.consecutive_bad_steps = 0
+        # The newest saved state, waiting for the judgement of the step after it.
+        self.unconfirmed: _Saved | None = None
         self.recoveries = int(state.get("recoveries", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
         monitor = state.get("monitor") or {}
@@ -339,13 +342,6 @@ class RecoveryPolicy:
         self.streak = int(monitor.get("streak", 0))
         self.streak_start = int(monitor.get("start", 0))
         self.confirmed = {int(step) for step in state.get("confirmed", [])}
-
-    def resume(self, step: int) -> None:
-        """After loading the checkpoint of ``step`` (and its recovery state): no bad steps in a row, and that
-        checkpoint waiting for the next step to confirm it.
-        """
-        self.consecutive_bad_steps = 0
-        self.unconfirmed = _Saved(step)
 
 
 @dataclass

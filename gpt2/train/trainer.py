@@ -666,7 +666,7 @@ class Trainer:
         self._keep_recorded_precision(meta.get("precision"))
         # the weights, optimizer, scaler and RNG are loaded: the rest of the run's state
         self.load_state_dict({k: v for k, v in meta.items() if k not in IN_FILES})
-        self.recovery.resume(self.step)
+        self.recovery.saved_checkpoint(self.step)
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
