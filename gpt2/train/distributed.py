@@ -185,9 +185,8 @@ def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
 
 def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     """DistributedDataParallel around ``module`` (already compiled, if compiling)."""
-    if device.type == "cuda":
-        return DistributedDataParallel(module, device_ids=[device.index])
-    return DistributedDataParallel(module, device_ids=None)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids)
 
 
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:

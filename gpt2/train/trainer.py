@@ -134,10 +134,8 @@ class Trainer:
             self.flops_per_token = flops(config.seq_len)
         self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
         self.sinks: list[Sink] = []
-        if self.is_main and sinks is None:
-            self.sinks = [ConsoleSink(interval=config.log_interval)]
-        elif self.is_main:
-            self.sinks = list(sinks)
+        if self.is_main:
+            self.sinks = [ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)
         self.callbacks = list(callbacks)
         # completed optimizer steps
         self.step = 0
