@@ -59,10 +59,10 @@ def refuse_unsupported(config: Any) -> None:
         )
 
 
-def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPolicy) -> nn.Module:
+def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPolicy) -> None:
     """Shard ``model`` in place over every process of the job (its parameters become DTensors), each
-    block of a GPT (any model with ``transformer.h``) its own unit, the rest the root unit; returns ``model``. Build
-    the optimizer after this.
+    block of a GPT (any model with ``transformer.h``) its own unit, the rest the root unit. Build the optimizer
+    after this.
     """
     # imported here, as in every function of this module that needs FSDP or torch.distributed.checkpoint: they cost
     # ~1.3 s of every start of the package (see gpt2.torch_compat.is_fsdp_module)
@@ -85,7 +85,6 @@ def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPoli
     logger.info(
         "FSDP: %s sharded over %d processes (%s compute)", type(model).__name__, dist.get_world_size(), precision.name
     )
-    return model
 
 
 def non_finite_parameters(model: nn.Module) -> list[str]:
