@@ -41,8 +41,10 @@ def test_single_process_helpers_are_no_ops():
     with distributed.no_sync(nn.Linear(2, 2), skip_sync=True):
         pass
     assert distributed.resolve_device("auto", env).type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match="unknown device"):
-        distributed.resolve_device("gpu0", env)
+    for device in ("gpu0", ""):
+        with pytest.raises(ValueError, match="unknown device"):
+            distributed.resolve_device(device, env)
+    assert distributed.all_reduce_sum(5) == 5
 
 
 @pytest.mark.slow

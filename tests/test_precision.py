@@ -199,7 +199,7 @@ def test_tf32_switch_uses_only_fp32_precision():
 def test_no_module_but_precision_touches_the_tf32_switches():
     """On PyTorch >= 2.9 the legacy getters (``torch.backends.cuda.matmul.allow_tf32``,
     ``torch.get_float32_matmul_precision``) raise once the new ``fp32_precision`` API was set, which
-    ``set_tf32`` does: no other module may read or set TF32 through either API.
+    ``PrecisionPolicy.apply`` does: no other module may read or set TF32 through either API.
     """
     import re
     from pathlib import Path

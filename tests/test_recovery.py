@@ -192,7 +192,7 @@ def test_the_checkpoint_named_last_good_resumes_without_diverging_at_once(tmp_pa
     assert named != ckpt.list_checkpoints(tmp_path / "checkpoints")[-1]
     step = ckpt.checkpoint_step(named)
     trainer, history = _fit(dataclasses.replace(config, resume=str(named), overwrite=True), until=step + 1)
-    assert trainer.recovery.monitor.streak == 0 and math.isfinite(history[0]["loss"])
+    assert trainer.recovery.streak == 0 and math.isfinite(history[0]["loss"])
 
 
 @pytest.mark.parametrize(
@@ -234,14 +234,19 @@ def test_a_run_near_zero_loss_is_not_diverged_by_noisy_batches():
     """A model that fits its data down to 0.0165 sees batches of 0.03-0.19 (2-11x the best): noise,
     not divergence. It took three recoveries and TrainingDivergedError before the 1-nat margin.
     """
-    from gpt2.train.recovery import DivergenceMonitor
+    from gpt2.train.recovery import RecoveryPolicy
 
-    monitor = DivergenceMonitor(factor=2.0, patience=3)
+    def monitor_with(patience: int) -> RecoveryPolicy:
+        return RecoveryPolicy(
+            TrainConfig(out_dir=None, recovery=RecoveryConfig(divergence_factor=2.0, patience=patience))
+        )
+
+    monitor = monitor_with(patience=3)
     losses = [10.9, 3.0, 0.5, 0.0165] + [0.03, 0.19, 0.11, 0.07, 0.15, 0.19] * 3
     assert not any(monitor.observe(step, loss) for step, loss in enumerate(losses, 1))
     # a real climb from there is still caught: above 2x the best and by more than 1 nat, 3 times
     assert [monitor.observe(step, loss) for step, loss in enumerate([1.5, 4.0, 9.0], 100)] == [False, False, True]
-    fresh = DivergenceMonitor(factor=2.0, patience=2)  # early in a run the factor decides, as before
+    fresh = monitor_with(patience=2)  # early in a run the factor decides, as before
     assert [fresh.observe(step, loss) for step, loss in enumerate([10.9, 22.0, 25.0], 1)] == [False, False, True]
 
 

@@ -50,5 +50,5 @@ def test_recovery_policy_counts_bad_steps_and_keeps_checkpoints_in_trouble():
     state = {"recoveries": 2, "lr_scale": 0.25, "monitor": {"best": 3.5, "streak": 0, "start": 0}, "confirmed": []}
     policy.count_step(bad=True)
     policy.load_state_dict(state)
-    policy.resume(0)
+    policy.saved_checkpoint(0)
     assert policy.state_dict() == state and policy.consecutive_bad_steps == 0

@@ -249,7 +249,7 @@ def read_checkpoint(
 
     A sharded checkpoint's weights are gathered whole into this process; with ``weights=False`` they are left on
     disk and ``CheckpointData.weights`` holds tensors on the ``meta`` device, of the right names, shapes and dtypes
-    (for checking that they fit a model whose shards will be loaded with :mod:`gpt2.train.sharded`).
+    (for checking that they fit a model whose shards will be loaded with :mod:`gpt2.train.fsdp`).
     """
     path = Path(path)
     if not path.is_dir():

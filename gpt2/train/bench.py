@@ -86,10 +86,9 @@ def run_ladder(
     ``vocab_size`` overrides GPT-2's 50257 (a smaller vocabulary keeps CPU smoke runs fast; vocab_pad still rounds it up
     to a multiple of 64). ``on_result`` is called after each rung.
     """
-    rungs = list(RUNGS if rungs is None else rungs)
-    for rung in rungs:
-        # validates the name
-        rung_settings(rung)
+    rungs = RUNGS if rungs is None else rungs
+    # every name checked before the first rung runs
+    ladder = [(rung, rung_settings(rung)) for rung in rungs]
     if steps < 1 or warmup < 0 or repeats < 1:
         raise InvalidValueError(
             f"steps and repeats must be >= 1 and warmup >= 0, got steps={steps}, repeats={repeats}, warmup={warmup}"
@@ -120,8 +119,8 @@ def run_ladder(
         recovery=RecoveryConfig(max_bad_steps=n_steps),
     )
     results = []
-    for rung in rungs:
-        result = _run_rung(rung, base, config, tokens, compile=compile, repeats=repeats, warmup=warmup)
+    for rung, settings in ladder:
+        result = _run_rung(rung, settings, base, config, tokens, compile=compile, repeats=repeats, warmup=warmup)
         results.append(result)
         if on_result:
             on_result(result)
@@ -130,6 +129,7 @@ def run_ladder(
 
 def _run_rung(
     rung: str,
+    settings: dict[str, Any],
     base: GPTConfig,
     config: TrainConfig,
     tokens: torch.Tensor,
@@ -138,14 +138,13 @@ def _run_rung(
     repeats: int,
     warmup: int,
 ) -> RungResult:
-    """One rung of :func:`run_ladder`, or skipped: ``config.max_steps`` steps of a new model (``base`` with the rung's
-    attention and vocabulary padding), the ``repeats`` blocks of steps after ``warmup`` timed (with a note where the
-    rung differs from its name).
+    """One rung of :func:`run_ladder` with its :func:`rung_settings`, or skipped: ``config.max_steps`` steps of a new
+    model (``base`` with the rung's attention and vocabulary padding), the ``repeats`` blocks of steps after
+    ``warmup`` timed (with a note where the rung differs from its name).
     """
     # the benchmark drives the Trainer itself
     from gpt2.train.trainer import Trainer
 
-    settings = rung_settings(rung)
     settings["compile"] = settings["compile"] and compile
     if rung == "compile" and not compile:
         return RungResult(rung, settings, skipped=True, note="skipped: compiling on a CPU is slow (--compile times it)")

@@ -61,7 +61,7 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     unwrap_model,
 )
 from gpt2.outputs import checkpoint_files, remove_files
-from gpt2.train import fsdp, sharded
+from gpt2.train import fsdp
 from gpt2.train.distributed import _active
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def _write_shards(root: Path, final: Path, tmp: Path, raw: nn.Module, optimizer:
     CheckpointException holds each failed rank's error): rank 0 cleans up, and every rank raises the same error.
     """
     try:
-        sharded.write_shards(tmp, raw, optimizer, trainable_only)
+        fsdp.write_shards(tmp, raw, optimizer, trainable_only)
     except BaseException as e:
         failures = getattr(e, "failures", None)
         cause = next(iter(failures.values()))[0] if failures else e
@@ -476,7 +476,7 @@ def load_checkpoint(
     ``base_fingerprint``, taken before it was sharded).
 
     Regular and sharded checkpoints load into models sharded by FSDP or not, on any number of processes: every
-    process of a job calls this for a sharded checkpoint or a sharded model (:mod:`gpt2.train.sharded`).
+    process of a job calls this for a sharded checkpoint or a sharded model (:mod:`gpt2.train.fsdp`).
     """
     need_state = not weights_only and (optimizer is not None or scaler is not None or restore_rng)
 
@@ -495,9 +495,9 @@ def load_checkpoint(
     # By the pair of formats: shards into any model; whole tensors into a sharded model; into a whole model.
     raw = unwrap_model(model)
     if is_sharded(data.path):
-        sharded.load_shards(data.path, raw, optimizer, data.trainable_only)
+        fsdp.load_shards(data.path, raw, optimizer, data.trainable_only)
     elif torch_compat.is_fsdp_module(raw):
-        sharded.load_whole(raw, data.weights, optimizer, state.get("optimizer"), strict=not data.trainable_only)
+        fsdp.load_whole(raw, data.weights, optimizer, state.get("optimizer"), strict=not data.trainable_only)
     else:
         load_state_into(model, data)
         if optimizer is not None:

@@ -73,12 +73,12 @@ def uses_cuda(device: str | torch.device | None) -> bool:
     return device.startswith("cuda")
 
 
-def resolve_device(device: str | torch.device | None, env: DistributedEnv | None = None) -> torch.device:
+def resolve_device(device: str | torch.device, env: DistributedEnv | None = None) -> torch.device:
     """``"auto"`` = ``cuda:LOCAL_RANK`` when CUDA is available, else cpu; ``"cuda"`` under DDP
-    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's).
+    also means this process's GPU, ``cuda:LOCAL_RANK`` (``env`` defaults to this process's). ``""`` is refused,
+    as ``TrainConfig`` refuses it.
     """
     env = env or env_from_environ()
-    device = device or "auto"
     if device == "auto":
         resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -165,6 +165,11 @@ def all_reduce_min(value: int) -> int:
     return _all_reduce_int(value, dist.ReduceOp.MIN)
 
 
+def all_reduce_sum(value: int) -> int:
+    """The sum of ``value`` over all processes (``value`` itself with one process): exact, as integers are."""
+    return _all_reduce_int(value, dist.ReduceOp.SUM)
+
+
 def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
     """``value`` reduced with ``op`` over all processes (``value`` itself with one process)."""
     if not _active():
@@ -180,9 +185,8 @@ def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
 
 def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     """DistributedDataParallel around ``module`` (already compiled, if compiling)."""
-    if device.type == "cuda":
-        return DistributedDataParallel(module, device_ids=[device.index])
-    return DistributedDataParallel(module, device_ids=None)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids)
 
 
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:

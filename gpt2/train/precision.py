@@ -43,9 +43,16 @@ class PrecisionPolicy:
     param_dtype = torch.float32
 
     def apply(self) -> None:
-        """Set the process-wide fp32 matmul precision on CUDA (CPU matmuls stay bit-reproducible)."""
+        """Set the process-wide fp32 matmul precision on CUDA (CPU matmuls stay bit-reproducible): TF32 tensor cores
+        allowed (or not) for fp32 matmuls and convolutions.
+
+        Only through PyTorch 2.9's ``fp32_precision`` settings: once they are set, the legacy getters
+        (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those.
+        """
         if self.device_type == "cuda":
-            set_tf32(self.tf32)
+            value = "tf32" if self.tf32 else "ieee"
+            torch.backends.cuda.matmul.fp32_precision = value
+            torch.backends.cudnn.conv.fp32_precision = value
 
     def autocast(self) -> ContextManager:
         """The context the forward pass (and only it) runs in."""
@@ -75,17 +82,6 @@ class PrecisionPolicy:
         if not self.uses_scaler:
             return None
         return torch.amp.GradScaler(self.device_type)
-
-
-def set_tf32(enabled: bool) -> None:
-    """Allow (or forbid) TF32 tensor cores for fp32 matmuls and convolutions, process-wide.
-
-    Only through PyTorch 2.9's ``fp32_precision`` settings: once they are set, the legacy getters
-    (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those.
-    """
-    value = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = value
-    torch.backends.cudnn.conv.fp32_precision = value
 
 
 def describe_machine(device: torch.device | str = "cpu", threads: int | None = None) -> str:

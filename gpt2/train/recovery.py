@@ -1,7 +1,6 @@
 """What stops a run early and what brings it back: a stop signal (:class:`gpt2.files.StopSignals`) ends it at a step
-boundary with :class:`TrainingInterrupted`; :class:`RecoveryPolicy` judges every step (with a
-:class:`DivergenceMonitor`) and, when the run has diverged, takes it back to its newest good state or stops it with
-:class:`TrainingDivergedError`.
+boundary with :class:`TrainingInterrupted`; :class:`RecoveryPolicy` judges every step and, when
+the run has diverged, takes it back to its newest good state or stops it with :class:`TrainingDivergedError`.
 """
 
 from __future__ import annotations
@@ -65,52 +64,13 @@ def last_good(checkpoint: Path | None) -> str:
     return f"The last good checkpoint is {checkpoint}"
 
 
-class DivergenceMonitor:
-    """Counts the steps in a row whose loss exceeds ``factor`` x the lowest loss so far, and it by
-    over 1 nat (near a loss of 0, twice the best is one noisy batch). The lowest loss is at most the
-    untrained model's first, so a run climbing above that counts too. Its state is checkpointed.
-    """
-
-    def __init__(self, factor: float, patience: int) -> None:
-        self.factor = factor
-        self.patience = patience
-        # the lowest loss so far, the steps in a row above it and the first step of that streak
-        self.load_state_dict(None)
-
-    def observe(self, step: int, loss: float) -> bool:
-        """Record ``step``'s loss; True once the run has diverged."""
-        # non-finite steps are skipped and counted by the Trainer (RecoveryPolicy.count_step)
-        if not math.isfinite(loss):
-            return False
-        if loss > self.factor * self.best and loss > self.best + 1.0:
-            if not self.streak:
-                self.streak_start = step
-            self.streak += 1
-        else:
-            self.streak = 0
-            self.best = min(self.best, loss)
-        return self.streak >= self.patience
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "best": self.best if math.isfinite(self.best) else None,
-            "streak": self.streak,
-            "start": self.streak_start,
-        }
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        state = state or {}
-        self.best = math.inf if state.get("best") is None else float(state["best"])
-        self.streak = int(state.get("streak", 0))
-        self.streak_start = int(state.get("start", 0))
-
-
 class RecoveryPolicy:
     """Divergence recovery for one :class:`~gpt2.train.trainer.Trainer` (``TrainConfig.recovery``;
     docs/training.md, "When a run goes wrong"). It owns everything that decides and performs a recovery:
 
-    - the judgement of each step: the :class:`DivergenceMonitor` of the loss and the count of non-finite (skipped)
-      steps in a row (``consecutive_bad_steps``);
+    - the judgement of each step: the divergence monitor of the loss (:meth:`observe`: the lowest loss so far
+      ``best``, the ``streak`` of steps in a row above it from ``streak_start``) and the count of non-finite
+      (skipped) steps in a row (``consecutive_bad_steps``);
     - what a recovery changed: ``recoveries`` so far and ``lr_scale`` (``lr_factor ** recoveries``, which
       multiplies the scheduled learning rate); checkpoints record these with the monitor (:meth:`state_dict`);
     - the states to go back to: only states it has seen succeed. The loss of step s is measured on the weights of
@@ -125,17 +85,31 @@ class RecoveryPolicy:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.monitor = DivergenceMonitor(config.recovery.divergence_factor, config.recovery.patience)
-        # recoveries, lr_scale and the steps of the checkpoints confirmed good: a fresh run's
-        self.load_state_dict(None)
-        self.consecutive_bad_steps = 0
         # A confirmed in-memory copy of the Trainer's state_dict() (on the CPU: about 3x the trainable parameters'
         # size with AdamW, as docs/training.md says), kept until a checkpoint is confirmed.
         self.snapshot: dict[str, Any] | None = None
-        # The newest saved state, waiting for the judgement of the step after it.
-        self.unconfirmed: _Saved | None = None
+        # a fresh run's counters, monitor and confirmed checkpoints, and no saved state yet
+        self.load_state_dict(None)
 
     # ------------------------------------------------------------------ judging steps
+    def observe(self, step: int, loss: float) -> bool:
+        """Record ``step``'s loss; True once the run has diverged: the loss exceeded ``divergence_factor`` x the
+        lowest loss so far, and it by over 1 nat (near a loss of 0, twice the best is one noisy batch), ``patience``
+        steps in a row. The lowest loss is at most the untrained model's first, so a run climbing above that counts
+        too.
+        """
+        # non-finite steps are skipped and counted by the Trainer (count_step)
+        if not math.isfinite(loss):
+            return False
+        if loss > self.config.recovery.divergence_factor * self.best and loss > self.best + 1.0:
+            if not self.streak:
+                self.streak_start = step
+            self.streak += 1
+        else:
+            self.streak = 0
+            self.best = min(self.best, loss)
+        return self.streak >= self.config.recovery.patience
+
     def count_step(self, bad: bool) -> None:
         """Count an optimizer step: a bad one (a non-finite loss or gradient norm: a real numerical problem, not fp16's
         scale search) extends the run of bad steps, any other ends it.
@@ -146,13 +120,13 @@ class RecoveryPolicy:
             self.consecutive_bad_steps = 0
 
     def judge(self, step: int, record: dict[str, Any]) -> bool:
-        """Show the monitor step ``step``'s ``record``; True when the run must go back (or, with recovery off,
+        """Judge step ``step``'s ``record`` (:meth:`observe`); True when the run must go back (or, with recovery off,
         stop): the loss has diverged (only with recovery on), or ``max_bad_steps`` steps in a row were non-finite.
         With recovery off the steps are judged too, so that an error names only a checkpoint confirmed good.
         """
         # A step with no scored target reports loss 0 (and changes no weight): no evidence either way.
         judged = record.get("scored_tokens", 1) > 0
-        diverged = judged and self.monitor.observe(step, record["loss"]) and self.config.recovery.enabled
+        diverged = judged and self.observe(step, record["loss"]) and self.config.recovery.enabled
         # The step after the newest saved state was judged: a good step confirms that state, a bad one refutes it.
         saved = self.unconfirmed
         if judged:
@@ -167,7 +141,7 @@ class RecoveryPolicy:
     @property
     def good(self) -> bool:
         """The last step was neither skipped nor part of a diverging streak: a state worth saving."""
-        return self.consecutive_bad_steps == 0 and self.monitor.streak == 0
+        return self.consecutive_bad_steps == 0 and self.streak == 0
 
     def checkpoints_to_keep(self, checkpoint_dir: Path | None = None, step: int = 0) -> int:
         """``keep_last_checkpoints`` for a save of ``step`` now, into ``checkpoint_dir``: a save in a run of bad steps
@@ -214,7 +188,9 @@ class RecoveryPolicy:
         self.unconfirmed = _Saved(trainer.step, _to_cpu(trainer.state_dict()))
 
     def saved_checkpoint(self, step: int) -> None:
-        """A checkpoint of ``step`` was written: the newest saved state, until the next step confirms it."""
+        """A checkpoint of ``step`` was written (or loaded): the newest saved state, until the next step confirms
+        it.
+        """
         self.unconfirmed = _Saved(step)
 
     # ------------------------------------------------------------------ going back
@@ -233,20 +209,18 @@ class RecoveryPolicy:
         kept = {
             "recoveries": self.recoveries + 1,
             "lr_scale": self.lr_scale * cfg.recovery.lr_factor,
-            "monitor": {**self.monitor.state_dict(), "streak": 0},
+            "monitor": {**self.state_dict()["monitor"], "streak": 0},
             "confirmed": self.confirmed,
         }
         # the first step of the trouble: of the diverging streak, or of the non-finite run
         trouble_start = trainer.step - self.consecutive_bad_steps + 1
-        if self.monitor.streak:
-            trouble_start = self.monitor.streak_start
+        if self.streak:
+            trouble_start = self.streak_start
         source = self._go_back(trainer, before_step=trouble_start)
         if source is None:
             raise self.diverged(trainer, record, nothing_confirmed=True)
         # The state gone back to was confirmed; checkpoints after it belong to the abandoned steps.
         self.load_state_dict({**kept, "confirmed": [step for step in kept["confirmed"] if step <= trainer.step]})
-        self.consecutive_bad_steps = 0
-        self.unconfirmed = None
         trainer.train_loader.load_state_dict(position)
         logger.warning(
             "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
@@ -329,8 +303,8 @@ class RecoveryPolicy:
                 f"(last: loss {record['loss']}, grad norm {record['grad_norm']}{scale})"
             )
         return (
-            f"the loss stayed above {self.monitor.factor:g} x the best loss so far ({self.monitor.best:.4g}) for "
-            f"{self.monitor.streak} steps (last: {record['loss']:.4g})"
+            f"the loss stayed above {self.config.recovery.divergence_factor:g} x the best loss so far "
+            f"({self.best:.4g}) for {self.streak} steps (last: {record['loss']:.4g})"
         )
 
     # ------------------------------------------------------------------ state
@@ -344,24 +318,30 @@ class RecoveryPolicy:
         return {
             "recoveries": self.recoveries,
             "lr_scale": self.lr_scale,
-            "monitor": self.monitor.state_dict(),
+            "monitor": {
+                "best": self.best if math.isfinite(self.best) else None,
+                "streak": self.streak,
+                "start": self.streak_start,
+            },
             "confirmed": sorted(self.confirmed & on_disk),
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's)."""
+        """The counters, monitor and confirmed checkpoints recorded (none: a fresh run's). The state loaded starts
+        afresh: no bad steps in a row, and no saved state waiting for its judgement (a loaded checkpoint is one:
+        :meth:`saved_checkpoint`).
+        """
         state = state or {}
+        self.consecutive_bad_steps = 0
+        # The newest saved state, waiting for the judgement of the step after it.
+        self.unconfirmed: _Saved | None = None
         self.recoveries = int(state.get("recoveries", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.monitor.load_state_dict(state.get("monitor"))
+        monitor = state.get("monitor") or {}
+        self.best = math.inf if monitor.get("best") is None else float(monitor["best"])
+        self.streak = int(monitor.get("streak", 0))
+        self.streak_start = int(monitor.get("start", 0))
         self.confirmed = {int(step) for step in state.get("confirmed", [])}
-
-    def resume(self, step: int) -> None:
-        """After loading the checkpoint of ``step`` (and its recovery state): no bad steps in a row, and that
-        checkpoint waiting for the next step to confirm it.
-        """
-        self.consecutive_bad_steps = 0
-        self.unconfirmed = _Saved(step)
 
 
 @dataclass

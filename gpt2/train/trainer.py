@@ -134,10 +134,8 @@ class Trainer:
             self.flops_per_token = flops(config.seq_len)
         self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
         self.sinks: list[Sink] = []
-        if self.is_main and sinks is None:
-            self.sinks = [ConsoleSink(interval=config.log_interval)]
-        elif self.is_main:
-            self.sinks = list(sinks)
+        if self.is_main:
+            self.sinks = [ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)
         self.callbacks = list(callbacks)
         # completed optimizer steps
         self.step = 0
@@ -377,8 +375,7 @@ class Trainer:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
         signum = self._signals.received
         # every rank stops after the same step
-        if self.dist_env.is_distributed:
-            signum = distributed.all_reduce_max(signum)
+        signum = distributed.all_reduce_max(signum)
         if not signum:
             return
         if self.out_dir is not None and not saved:
@@ -406,23 +403,20 @@ class Trainer:
         if self.vocab_size:
             for batch in batches:
                 check_targets(batch[1], self.vocab_size)
-        # counted on the CPU: no device sync
+        # counted on the CPU (no device sync), then summed over the processes
         counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
-        scored = sum(counts)
-        if self.dist_env.is_distributed:
-            # float64 holds any count exactly
-            total = torch.tensor(float(scored), dtype=torch.float64, device=self.device)
-            scored = round(distributed.all_reduce_mean(total).item() * self.dist_env.world_size)
+        scored = distributed.all_reduce_sum(sum(counts))
         if scored == 0:
             # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
             # still decay and move the weights on zero gradients).
             loss_value, grad_norm, skipped, bad = 0.0, 0.0, True, False
-            self.skipped_steps += 1
         else:
             # each weight cast to bf16 / fp16 once per step, not once per micro-step
             with self.precision.step_casts():
                 loss_value = self._accumulate(batches, counts, scored)
             grad_norm, skipped, bad = self._optimizer_step(loss_value)
+        if skipped:
+            self.skipped_steps += 1
         if self.device.type == "cuda":
             # the step's kernels are queued asynchronously: time them all
             torch.cuda.synchronize()
@@ -533,10 +527,7 @@ class Trainer:
             # a non-finite loss, or an overflow at scale <= 1, is a real numerical problem.
             overflow = self.scaler.get_scale() < scale
             bad = bad and not (overflow and math.isfinite(loss_value) and scale > 1.0)
-        if skipped:
-            self.skipped_steps += 1
-            # the non-finite gradients go nowhere
-            self.optimizer.zero_grad(set_to_none=True)
+        # a skipped step's non-finite gradients go nowhere: the next step sets them to None first
         self.recovery.count_step(bad)
         return grad_norm, skipped, bad
 
@@ -673,7 +664,7 @@ class Trainer:
         self._keep_recorded_precision(meta.get("precision"))
         # the weights, optimizer, scaler and RNG are loaded: the rest of the run's state
         self.load_state_dict({k: v for k, v in meta.items() if k not in IN_FILES})
-        self.recovery.resume(self.step)
+        self.recovery.saved_checkpoint(self.step)
         self.last_checkpoint = Path(meta["path"])
         fresh = " (weights only: the optimizer starts fresh)" if cfg.resume_weights_only else ""
         logger.info("resumed from %s at step %d%s", meta["path"], self.step, fresh)
