@@ -29,9 +29,7 @@ from safetensors import SafetensorError
 import minlora
 from gpt2 import torch_compat
 from gpt2.files import replace_atomically, sha256_file, write_advice
-from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
-    CHECKPOINT_DIR,
-    DIGEST_FILE,
+from gpt2.model.checkpoint_files import (
     FORMAT_VERSION,
     META_FILE,
     SHARDED_FORMAT_VERSION,
@@ -39,28 +37,20 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     STATE_FILE,
     WEIGHTS_FILE,
     CheckpointData,
-    CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
-    NonFiniteWeightsError,
     _first_line,
-    checkpoint_candidates,
-    checkpoint_step,
-    find_latest_checkpoint,
     is_complete,
     is_sharded,
     list_checkpoints,
     load_state_into,
-    load_weights,
-    non_finite_tensors,
     open_checkpoint,
-    read_checkpoint,
     refuse_non_finite,
     save_state,
     save_weights,
     unwrap_model,
 )
-from gpt2.outputs import checkpoint_files, remove_files
+from gpt2.outputs import DIGEST_FILE, checkpoint_files, remove_files
 from gpt2.train import fsdp, sharded
 from gpt2.train.distributed import _active
 

@@ -22,13 +22,13 @@ from typing import Any
 
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import Lock
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, checkpoint_candidates, checkpoint_step
 from gpt2.outputs import RECORD_FILE, OutputFolder
 from gpt2.train import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
-CHECKPOINT_DIR = ckpt.CHECKPOINT_DIR
 # What a run writes into out_dir (the Trainer: checkpoints, metrics, plot, metric sinks; the train and
 # finetune commands: results.json and the LoRA adapter). Each is recorded after it is written.
 TRAINER_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "tensorboard", "wandb")
@@ -158,7 +158,7 @@ def record_outputs(out_dir: str | os.PathLike, names: Collection[str]) -> None:
 def _refuse_another_run(out_dir: Path, resume: str | None) -> None:
     """Refuse an ``out_dir`` that holds another run: its checkpoints or its metrics."""
     found = []
-    names = sorted(p.name for p in ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR))
+    names = sorted(p.name for p in checkpoint_candidates(out_dir / CHECKPOINT_DIR))
     if len(names) == 1:
         found.append(f"checkpoints {names[0]}")
     elif names:
@@ -247,10 +247,10 @@ def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) 
     """Resuming from an older checkpoint of this very run: the newer ones are another future,
     refused unless ``overwrite`` (which deletes them).
     """
-    step = ckpt.checkpoint_step(Path(resume))
+    step = checkpoint_step(Path(resume))
     newer = []
     if step is not None:
-        newer = [p for p in ckpt.checkpoint_candidates(checkpoint_dir) if ckpt.checkpoint_step(p) > step]
+        newer = [p for p in checkpoint_candidates(checkpoint_dir) if checkpoint_step(p) > step]
     if newer and not overwrite:
         raise RunDirNotEmptyError(
             f"resume={resume!r} is older than checkpoints {', '.join(sorted(p.name for p in newer))} in "
@@ -313,7 +313,7 @@ def _resume(out: Path | None, resume: str | None, load: Callable[[Path], Any]) -
         target = Path(resume)
     else:
         target = out / CHECKPOINT_DIR  # type: ignore[operator]
-        if not ckpt.checkpoint_candidates(target):
+        if not checkpoint_candidates(target):
             logger.info("resume='auto': no checkpoint in %s, starting from scratch", target)
             return
     ckpt.run_on_all_ranks(lambda: load(target))
