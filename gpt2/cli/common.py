@@ -15,7 +15,7 @@ from gpt2.cli.layers import Short, UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import InvalidValueError
 from gpt2.files import OutputExistsError, check_new_file, replace_atomically
-from gpt2.model.checkpoint_files import CHECKPOINT_DIR, CheckpointError, checkpoint_candidates, read_checkpoint
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, CheckpointError, open_checkpoint
 from gpt2.model.generate import SamplingConfig, stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
@@ -321,14 +321,13 @@ def finished_results(trainer: Any) -> dict[str, Any] | None:
 
 
 def intact_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest checkpoint under ``out_dir/checkpoints`` whose files all verify, or None."""
-    for path in checkpoint_candidates(Path(out_dir) / CHECKPOINT_DIR):
-        try:
-            read_checkpoint(path)
-        except (CheckpointError, OSError):
-            continue
-        return path
-    return None
+    """The newest checkpoint under ``out_dir/checkpoints`` whose files all verify (a sharded one's shards stay on
+    disk), or None.
+    """
+    try:
+        return open_checkpoint(Path(out_dir) / CHECKPOINT_DIR, weights=False).path
+    except (CheckpointError, OSError):
+        return None
 
 
 def write_json(path: str | Path, data: Any) -> None:
