@@ -214,11 +214,22 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [p for p in reversed(checkpoint_candidates(root)) if is_complete(p)]
 
 
-def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (a ``checkpoints`` directory), or None: every
-    ``step_*`` directory there was renamed into place complete.
+def checkpoints_at(path: str | os.PathLike) -> list[Path]:
+    """The checkpoints ``path`` names, complete or not, newest first: ``path`` itself when it is one (a ``step_*``
+    directory, or one holding a checkpoint's files), else the ``step_*`` directories of a ``checkpoints`` directory
+    or of a run directory's.
     """
-    return next((p for p in checkpoint_candidates(root) if is_complete(p)), None)
+    path = Path(path)
+    if checkpoint_step(path) is not None or is_complete(path):
+        return [path]
+    return checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
+
+
+def find_latest_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of :func:`checkpoints_at` ``path`` (a run, a ``checkpoints`` directory or
+    a checkpoint), or None: every ``step_*`` directory there was renamed into place complete.
+    """
+    return next((p for p in checkpoints_at(path) if is_complete(p)), None)
 
 
 @dataclass
@@ -255,7 +266,7 @@ def read_checkpoint(
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
     problems: list[tuple[str, str]] = []
-    meta = _read_meta(path, problems)
+    meta = read_meta(path, problems)
     read = [META_FILE]
     state = None
     if trainer_state:
@@ -372,9 +383,10 @@ def _check_digests(path: Path, names: list[str], problems: list[tuple[str, str]]
             problems.append((file, f"does not match its sha256 in {DIGEST_FILE}: the file is damaged"))
 
 
-def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
-    """``trainer_state.json``, or None if it is missing or not a JSON object; the step (a number, the one in the
-    directory's name) and the format version (one this gpt2 reads) are checked.
+def read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """The checkpoint directory ``path``'s ``trainer_state.json``, or None if it is missing or not a JSON object;
+    the step (a number, the one in the directory's name) and the format version (one this gpt2 reads) are checked,
+    each ``(file, what is wrong)`` appended to ``problems``.
     """
     file = path / META_FILE
     if not file.is_file():
@@ -490,10 +502,8 @@ def open_checkpoint(
     checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning.
     """
     path = Path(path)
-    single = checkpoint_step(path) is not None or is_complete(path)
-    candidates = [path]
-    if not single:
-        candidates = checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
+    candidates = checkpoints_at(path)
+    single = candidates == [path]
     if not (candidates and candidates[0].exists()):
         raise MissingFileError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "

@@ -39,13 +39,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,7 +51,7 @@ import torch.nn as nn
 
 from gpt2.data.loader import make_loader
 from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.model.checkpoint_files import META_FILE, checkpoint_step, find_latest_checkpoint, is_complete
+from gpt2.model.checkpoint_files import find_latest_checkpoint, read_meta
 from gpt2.train import distributed
 from gpt2.train.config import AUTO, TrainConfig, sequences_per_process
 from gpt2.train.distributed import DistributedEnv
@@ -445,28 +443,19 @@ def recorded_micro_batch_size(config: TrainConfig, world_size: int, sizes: list[
     """The micro-batch size recorded by the checkpoint ``config.resume`` names, with the log line's words, where this
     run can take it again (same ``seq_len`` and number of processes, one of ``sizes``); else None.
     """
-    checkpoint = _resumed_checkpoint(config)
+    checkpoint = None
+    if config.resume is not None:
+        # the checkpoint the resume most likely loads (resume='auto': the newest in out_dir)
+        checkpoint = find_latest_checkpoint(config.out_dir if config.resume == "auto" else config.resume)
     if checkpoint is None:
         return None
+    meta = read_meta(checkpoint, problems=[])
     try:
-        meta = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8"))
         recorded = meta["config"]
         size, seq_len, processes = recorded["micro_batch_size"], recorded["seq_len"], meta["world_size"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         # the resume itself says what is wrong with it
         return None
     if size not in sizes or (seq_len, processes) != (config.seq_len, world_size):
         return None
     return size, f"as recorded in {checkpoint} (same data order; no search)"
-
-
-def _resumed_checkpoint(config: TrainConfig) -> Path | None:
-    """The checkpoint a resume would most likely load: the one named, or the newest complete one in the folder."""
-    if config.resume is None:
-        return None
-    target = Path(config.resume)
-    if config.resume == "auto" and config.out_dir is not None:
-        target = Path(config.out_dir) / "checkpoints"
-    if checkpoint_step(target) is not None or is_complete(target):
-        return target
-    return find_latest_checkpoint(target) or find_latest_checkpoint(target / "checkpoints")
