@@ -369,15 +369,14 @@ def _find(
         vocab_size=vocab_size,
         limit_bytes=trials_limit,
     )
-    agree = _agreement(world_size)
     cuda_rng = [device] if device.type == "cuda" else []
     # dropout draws from the RNG: the run's random numbers stay those of a run with a number given
     with torch.random.fork_rng(devices=cuda_rng):
         try:
-            ready = agree(probe.open())
+            ready = _agree(probe.open())
             size, trials = None, []
             if ready:
-                size, trials = search(sizes, probe, agree)
+                size, trials = search(sizes, probe, _agree)
         finally:
             probe.close()
     if size is None:
@@ -414,11 +413,9 @@ def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
     return int(config.memory_limit_gb * GIB)
 
 
-def _agreement(world_size: int) -> Callable[[bool], bool]:
+def _agree(fitted: bool) -> bool:
     """One process's answer as every process's: fitted only where it fitted on all of them."""
-    if world_size == 1:
-        return bool
-    return lambda fitted: bool(distributed.all_reduce_min(int(fitted)))
+    return bool(distributed.all_reduce_min(int(fitted)))
 
 
 def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, trials: list[Trial]) -> str:
