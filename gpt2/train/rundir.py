@@ -25,16 +25,17 @@ from gpt2.files import Lock
 from gpt2.model.checkpoint_files import CHECKPOINT_DIR, checkpoint_candidates, checkpoint_step
 from gpt2.outputs import RECORD_FILE, OutputFolder
 from gpt2.train import checkpoint as ckpt
+from gpt2.train.metrics import METRICS_FILE, PLOT_FILE
 
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
 # What a run writes into out_dir (the Trainer: checkpoints, metrics, plot, metric sinks; the train and
 # finetune commands: results.json and the LoRA adapter). Each is recorded after it is written.
-TRAINER_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "tensorboard", "wandb")
+TRAINER_FILES = (CHECKPOINT_DIR, METRICS_FILE, PLOT_FILE, "tensorboard", "wandb")
 RUN_FILES = (*TRAINER_FILES, "results.json", "adapter")
 # Logs the Trainer only appends to (a resume or a recovery cuts them back, then appends again).
-_APPENDED = {"metrics.jsonl"}
+_APPENDED = {METRICS_FILE}
 
 
 class RunDirError(Gpt2Error, FileExistsError):
@@ -163,9 +164,9 @@ def _refuse_another_run(out_dir: Path, resume: str | None) -> None:
         found.append(f"checkpoints {names[0]}")
     elif names:
         found.append(f"checkpoints {names[0]}..{names[-1]}")
-    metrics = out_dir / "metrics.jsonl"
+    metrics = out_dir / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0:
-        found.append("metrics.jsonl")
+        found.append(METRICS_FILE)
     if not found:
         return
     what = "a fresh run (resume=None)"
