@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.errors import Gpt2Error
 from gpt2.files import Lock
 from gpt2.model.checkpoint_files import CHECKPOINT_DIR, checkpoint_candidates, checkpoint_step
 from gpt2.outputs import RECORD_FILE, OutputFolder
@@ -276,8 +276,6 @@ def start_run(
     held :class:`RunLock` (others None); call it on all ranks: all raise when any fails, and a
     failure leaves ``out_dir`` as it was (no lock, not even a new empty directory).
     """
-    if overwrite and resume == "auto":
-        raise InvalidValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
     lock = None
     if out is not None and is_main:
         lock = RunLock(out)
