@@ -241,7 +241,7 @@ def test_failed_save_says_the_previous_checkpoint_is_intact(run, monkeypatch, fa
     with pytest.raises(ckpt.CheckpointSaveError) as info:
         ckpt.save_checkpoint(root, 6, _model())
     message = str(info.value)
-    assert f"the previous checkpoint {root / 'step_000004'} is intact" in message and "\n" not in message
+    assert f"the newest checkpoint {root / 'step_000004'} is intact" in message and "\n" not in message
     assert "resume" in message and str(failure).split("]")[-1].strip()[:10] in message
     if isinstance(failure, OSError):
         assert info.value.errno == failure.errno
@@ -260,7 +260,7 @@ def test_failed_resave_of_the_same_step_keeps_the_old_copy(run, monkeypatch):
         return real_replace(src, dst)
 
     monkeypatch.setattr(ckpt.os, "replace", second_rename_fails)
-    with pytest.raises(ckpt.CheckpointSaveError, match="previous copy .*step_000004 is intact"):
+    with pytest.raises(ckpt.CheckpointSaveError, match="newest checkpoint .*step_000004 is intact"):
         ckpt.save_checkpoint(root, 4, _model())
     monkeypatch.undo()
     assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004"]

@@ -91,10 +91,6 @@ class CheckpointMismatchError(CheckpointError):
     """
 
 
-class CheckpointSaveError(Gpt2Error, OSError):
-    """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
-
-
 def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
     """Names of floating-point tensors holding inf or nan (tensors on the ``meta`` device hold no values)."""
     return [

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 
 import minlora
 from gpt2 import torch_compat
-from gpt2.files import replace_atomically, sha256_file, write_advice
+from gpt2.files import replace_atomically, sha256_file
 from gpt2.model.checkpoint_files import (
     FORMAT_VERSION,
     META_FILE,
@@ -38,8 +38,6 @@ from gpt2.model.checkpoint_files import (
     WEIGHTS_FILE,
     CheckpointData,
     CheckpointMismatchError,
-    CheckpointSaveError,
-    _first_line,
     is_complete,
     is_sharded,
     list_checkpoints,
@@ -53,8 +51,13 @@ from gpt2.model.checkpoint_files import (
 from gpt2.outputs import DIGEST_FILE, checkpoint_files, remove_files
 from gpt2.train import fsdp, sharded
 from gpt2.train.distributed import _active
+from gpt2.train.metrics import RunOutputError, output_error
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RunOutputError):
+    """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
 
 
 # --- RNG states (tensors, ints, floats and lists: what save_state writes)
@@ -326,22 +329,10 @@ def _aside(path: Path, prefix: str) -> Path:
     return path.with_name(f"{prefix}{path.name}-{uuid.uuid4().hex[:8]}")
 
 
-def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> CheckpointSaveError:
-    previous = [p for p in list_checkpoints(root) if p != final]
-    # The same step saved again: the old copy of it is still in place.
-    if final.is_dir():
-        kept = f"the previous copy {final} is intact"
-    elif previous:
-        kept = f"the previous checkpoint {previous[-1]} is intact (resume='auto' continues from it)"
-    else:
-        kept = f"there is no earlier checkpoint in {root}"
-    fix = f"To go on: {write_advice(e)} (out_dir), then resume"
-    err = CheckpointSaveError(
-        f"could not save checkpoint {final.name} in {root}: writing {writing} failed ({_first_line(e)}); "
-        f"nothing of it was kept and {kept}. {fix}"
-    )
-    err.errno = getattr(e, "errno", None)
-    return err
+def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> RunOutputError:
+    """The :class:`CheckpointSaveError` of a save of ``final`` that failed with ``e`` while writing ``writing``."""
+    doing = f"could not save checkpoint {final.name} (nothing of it was kept): writing {writing} in"
+    return output_error(root, doing, e, root, CheckpointSaveError)
 
 
 def _json_safe(value: Any) -> Any:
