@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from torch.nn.parallel import DistributedDataParallel
 
+from gpt2 import torch_compat
 from gpt2.errors import Gpt2Error, MissingFileError
 from gpt2.files import replace_atomically, sha256_file
 from gpt2.outputs import DIGEST_FILE, read_digests
@@ -61,16 +61,13 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     """The module under DDP / DataParallel and ``torch.compile`` wrappers, in any nesting (by type:
     a model of one's own with a ``module`` attribute is left alone).
     """
-    # Only look the compile wrapper's class up if torch.compile has been used in this process:
-    # importing torch._dynamo just to check costs seconds.
-    compiled_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     while True:
-        if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
-            module = module.module
-        elif compiled_type is not None and isinstance(module, compiled_type):
-            module = module._orig_mod
-        else:
+        inner = torch_compat.unwrap_compiled(module)
+        if isinstance(inner, (DistributedDataParallel, nn.DataParallel)):
+            inner = inner.module
+        if inner is module:
             return module
+        module = inner
 
 
 class CheckpointError(Gpt2Error, ValueError):
