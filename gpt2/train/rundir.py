@@ -201,7 +201,7 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
         _refuse_unproven(out_dir, unlisted)
         return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
-    _refuse_unproven(out_dir, _check_fresh_run(folder, resume, overwrite, recorded, entries is None))
+    _refuse_unproven(out_dir, _check_fresh_run(folder, resume, overwrite, recorded, present, entries is None))
     return [out_dir / name for name in present]
 
 
@@ -216,12 +216,12 @@ def _refuse_unproven(out_dir: Path, names: list[str]) -> None:
 
 
 def _check_fresh_run(
-    folder: OutputFolder, resume: str | None, overwrite: bool, recorded: set[str], damaged: bool
+    folder: OutputFolder, resume: str | None, overwrite: bool, recorded: set[str], present: list[str], damaged: bool
 ) -> list[str]:
     """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
     files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
-    Returns the run's names it would replace that the record does not prove are gpt2's: it writes them
-    anew, so a file changed since (or any, when the record cannot be read) counts too.
+    Returns the run's names ``present`` it would replace that the record does not prove are gpt2's: it writes
+    them anew, so a file changed since (or any, when the record cannot be read) counts too.
     """
     out_dir = folder.path
     if not overwrite:
@@ -236,7 +236,6 @@ def _check_fresh_run(
             "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
             "there are replaced"
         )
-    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
     return [
         name
         for name in present
