@@ -3,7 +3,7 @@
 ``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.safetensors`` (optimizer, scaler, RNG),
 ``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written into
 a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
-checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the previous one.
+checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the newest intact one.
 ``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint.
 """
 
