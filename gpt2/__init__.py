@@ -21,14 +21,13 @@ from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.eval.hellaswag import hellaswag_path, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
 from gpt2.files import DownloadError
-from gpt2.model.checkpoint_files import CheckpointMismatchError
+from gpt2.model.checkpoint_files import CheckpointMismatchError, NonFiniteWeightsError, find_latest_checkpoint
 from gpt2.model.config import PRESETS, GPTConfig
 from gpt2.model.generate import KVCache, pad_prompts, sample_next
 from gpt2.model.gpt import GPT
 from gpt2.model.hf import load_hf_state_dict
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
 from gpt2.model.tokenizer import EOT_TOKEN, Tokenizer, TokenizerNotAvailableError, get_tokenizer
-from gpt2.train.checkpoint import NonFiniteWeightsError, find_latest_checkpoint
 from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.metrics import ConsoleSink, JSONLSink, RunOutputError
 from gpt2.train.optim import build_optimizer, lr_at

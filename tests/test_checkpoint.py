@@ -13,7 +13,14 @@ from _tiny_run import plant_payload
 from safetensors import safe_open
 
 from gpt2 import GPT
-from gpt2.model.checkpoint_files import load_state
+from gpt2.model.checkpoint_files import (
+    CheckpointError,
+    NonFiniteWeightsError,
+    find_latest_checkpoint,
+    load_state,
+    load_weights,
+    read_checkpoint,
+)
 from gpt2.train import checkpoint as ckpt
 
 
@@ -88,7 +95,7 @@ def test_a_pickle_planted_in_a_checkpoint_never_runs(model, tmp_path, name):
     for file in planted:
         plant_payload(path, file, marker)
     fresh = GPT(model.config)
-    with pytest.raises(ckpt.CheckpointError) as info:
+    with pytest.raises(CheckpointError) as info:
         ckpt.load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), scaler, restore_rng=True)
     message = str(info.value)
     assert "\n" not in message and all(f"{file} " in message for file in planted)
@@ -99,7 +106,7 @@ def test_a_pickle_planted_in_a_checkpoint_never_runs(model, tmp_path, name):
     if name == ckpt.STATE_FILE:
         GPT.from_pretrained(path)
     else:
-        with pytest.raises(ckpt.CheckpointError, match=planted[0]):
+        with pytest.raises(CheckpointError, match=planted[0]):
             GPT.from_pretrained(path)
     assert not marker.exists()
 
@@ -115,7 +122,7 @@ def test_rng_state_round_trip():
 def test_refuses_non_finite_weights(model, tmp_path):
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
-    with pytest.raises(ckpt.NonFiniteWeightsError, match=r"step 3.*h\.0\.mlp\.c_fc\.weight"):
+    with pytest.raises(NonFiniteWeightsError, match=r"step 3.*h\.0\.mlp\.c_fc\.weight"):
         ckpt.save_checkpoint(tmp_path, 3, model)
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary directory
 
@@ -137,7 +144,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(model, tiny_config, tmp
     monkeypatch.undo()
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]  # no debris
-    assert ckpt.find_latest_checkpoint(tmp_path) == good
+    assert find_latest_checkpoint(tmp_path) == good
     fresh = GPT(tiny_config)
     ckpt.load_checkpoint(tmp_path, fresh, torch.optim.AdamW(fresh.parameters()))
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in good_weights.items())
@@ -150,8 +157,8 @@ def test_keep_last_and_incomplete_directories(model, tmp_path):
     # A directory that is not a complete checkpoint (e.g. copied by hand, half of it) is ignored.
     (tmp_path / "step_000009").mkdir()
     (tmp_path / "step_000009" / ckpt.WEIGHTS_FILE).write_bytes(b"")
-    assert ckpt.find_latest_checkpoint(tmp_path).name == "step_000004"
-    with pytest.raises(ckpt.CheckpointError, match="trainer_state.json is missing"):
+    assert find_latest_checkpoint(tmp_path).name == "step_000004"
+    with pytest.raises(CheckpointError, match="trainer_state.json is missing"):
         ckpt.load_checkpoint(tmp_path / "step_000009", model)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         ckpt.load_checkpoint(tmp_path / "missing", model)
@@ -160,7 +167,7 @@ def test_keep_last_and_incomplete_directories(model, tmp_path):
         model.lm_head.weight.mul_(2.0)
     ckpt.save_checkpoint(tmp_path, 4, model, keep_last=2)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
-    weights, _ = ckpt.load_weights(tmp_path / "step_000004" / ckpt.WEIGHTS_FILE)
+    weights, _ = load_weights(tmp_path / "step_000004" / ckpt.WEIGHTS_FILE)
     assert torch.equal(weights["lm_head.weight"], model.lm_head.weight)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
@@ -187,7 +194,7 @@ def test_compiled_model_is_saved_under_its_raw_names(model, tmp_path):
     compiled = torch.compile(model)  # wrapping does not compile anything until it is called
     assert ckpt.unwrap_model(compiled) is model
     path = ckpt.save_checkpoint(tmp_path, 1, compiled)
-    weights, _ = ckpt.load_weights(path / ckpt.WEIGHTS_FILE)
+    weights, _ = load_weights(path / ckpt.WEIGHTS_FILE)
     assert set(weights) == set(model.state_dict())
 
 
@@ -199,9 +206,9 @@ def test_trainable_only_saves_just_the_trainable_parameters(model, tiny_config, 
     with torch.no_grad():
         model.transformer.ln_f.weight.fill_(2.0)
     path = ckpt.save_checkpoint(tmp_path, 5, model, trainable_only=True)
-    weights, _ = ckpt.load_weights(path / ckpt.WEIGHTS_FILE)
+    weights, _ = load_weights(path / ckpt.WEIGHTS_FILE)
     assert set(weights) == {"transformer.ln_f.weight", "lm_head.weight", "transformer.wte.weight"}
-    assert ckpt.read_checkpoint(path).trainable_only
+    assert read_checkpoint(path).trainable_only
 
     torch.manual_seed(0)
     base = GPT(tiny_config)  # the same frozen base, but without the trained values

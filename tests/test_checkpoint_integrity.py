@@ -15,7 +15,13 @@ import torch
 from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 from gpt2.cli import main
-from gpt2.model.checkpoint_files import save_state
+from gpt2.model.checkpoint_files import (
+    CheckpointError,
+    NonFiniteWeightsError,
+    load_weights,
+    read_checkpoint,
+    save_state,
+)
 from gpt2.model.gpt import GPT
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.config import RecoveryConfig
@@ -30,7 +36,7 @@ def _truncate(path: Path, keep: float = 0.5) -> None:
 
 
 def _rewrite_weights(path: Path, value: float) -> None:
-    state, _ = ckpt.load_weights(path)
+    state, _ = load_weights(path)
     name = "transformer.h.0.mlp.c_fc.weight"
     state[name] = state[name].clone()
     state[name][0, 0] = value
@@ -120,7 +126,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(run, case, caplog):
             assert trainer.step == 2 and trainer.last_checkpoint.name == "step_000002"
     assert f"skipping damaged checkpoint {newest}" in caplog.text and file in caplog.text
     # The damaged checkpoint itself, asked for by name: one error naming the file, nothing raw.
-    with pytest.raises(ckpt.CheckpointError, match=words) as info:
+    with pytest.raises(CheckpointError, match=words) as info:
         ckpt.load_checkpoint(newest, _model(), torch.optim.AdamW(_model().parameters()), restore_rng=True)
     message = str(info.value)
     assert file in message and "\n" not in message and "Pick another checkpoint" in message
@@ -147,7 +153,7 @@ def test_all_checkpoints_damaged_is_one_error_naming_every_file(run, tmp_path, c
     _truncate(run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE)
     (run / "checkpoints" / "step_000002" / ckpt.META_FILE).write_text("{")
     (run / "checkpoints" / "step_000002" / ckpt.STATE_FILE).write_bytes(b"")
-    with pytest.raises(ckpt.CheckpointError) as info:
+    with pytest.raises(CheckpointError) as info:
         Trainer(_model(), _config(run, resume="auto"), _tokens(), sinks=[])
     message = str(info.value)
     for part in (
@@ -177,8 +183,8 @@ def test_export_command_falls_back_to_the_newest_intact_checkpoint(run, tmp_path
 
 def test_non_finite_checkpoint_is_never_the_last_good_one(run):
     _rewrite_weights(run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE, float("inf"))
-    with pytest.raises(ckpt.NonFiniteWeightsError, match="transformer.h.0.mlp.c_fc.weight"):
-        ckpt.read_checkpoint(run / "checkpoints" / "step_000004")
+    with pytest.raises(NonFiniteWeightsError, match="transformer.h.0.mlp.c_fc.weight"):
+        read_checkpoint(run / "checkpoints" / "step_000004")
     model = _model()
     trainer = Trainer(
         model, _config(run, resume="auto", max_steps=8, recovery=RecoveryConfig(max_bad_steps=1)), _tokens(), sinks=[]
@@ -201,15 +207,15 @@ def test_load_weights_wraps_every_safetensors_error(tmp_path):
     header["a"]["shape"] = [5]  # the bytes say 4 floats, the header 5
     raw = json.dumps(header, separators=(",", ":")).encode().ljust(header_len)
     path.write_bytes(data[:8] + raw + data[8 + header_len :])
-    with pytest.raises(ckpt.CheckpointError, match="w.safetensors cannot be read .*offset for tensor"):
-        ckpt.load_weights(path)
+    with pytest.raises(CheckpointError, match="w.safetensors cannot be read .*offset for tensor"):
+        load_weights(path)
     header["a"] = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     header["__metadata__"] = {"aliases": "{not json"}
     path.write_bytes(
         data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(header_len) + data[8 + header_len :]
     )
-    with pytest.raises(ckpt.CheckpointError, match="aliases"):
-        ckpt.load_weights(path)
+    with pytest.raises(CheckpointError, match="aliases"):
+        load_weights(path)
 
 
 # ------------------------------------------------------------------------------ failed saves
@@ -235,13 +241,13 @@ def test_failed_save_says_the_previous_checkpoint_is_intact(run, monkeypatch, fa
     with pytest.raises(ckpt.CheckpointSaveError) as info:
         ckpt.save_checkpoint(root, 6, _model())
     message = str(info.value)
-    assert f"the previous checkpoint {root / 'step_000004'} is intact" in message and "\n" not in message
+    assert f"the newest checkpoint {root / 'step_000004'} is intact" in message and "\n" not in message
     assert "resume" in message and str(failure).split("]")[-1].strip()[:10] in message
     if isinstance(failure, OSError):
         assert info.value.errno == failure.errno
     assert sorted(p.name for p in root.iterdir()) == before  # no temporary directory, nothing new
     monkeypatch.undo()
-    ckpt.read_checkpoint(root / "step_000004")  # untouched
+    read_checkpoint(root / "step_000004")  # untouched
 
 
 def test_failed_resave_of_the_same_step_keeps_the_old_copy(run, monkeypatch):
@@ -254,11 +260,11 @@ def test_failed_resave_of_the_same_step_keeps_the_old_copy(run, monkeypatch):
         return real_replace(src, dst)
 
     monkeypatch.setattr(ckpt.os, "replace", second_rename_fails)
-    with pytest.raises(ckpt.CheckpointSaveError, match="previous copy .*step_000004 is intact"):
+    with pytest.raises(ckpt.CheckpointSaveError, match="newest checkpoint .*step_000004 is intact"):
         ckpt.save_checkpoint(root, 4, _model())
     monkeypatch.undo()
     assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004"]
-    ckpt.read_checkpoint(root / "step_000004")
+    read_checkpoint(root / "step_000004")
 
 
 def test_trainer_save_failure_is_one_clear_error_and_resume_works(run, monkeypatch):

@@ -223,6 +223,28 @@ def test_a_full_disk_is_one_line_with_the_intact_checkpoint_and_the_resume_comma
     assert code == 0 and json.loads((out / "results.json").read_text())["step"] == 2, err
 
 
+def test_a_failed_checkpoint_save_names_the_intact_checkpoint_once(tmp_path, shakespeare_file, capsys, monkeypatch):
+    """A failed write of the run (a CheckpointSaveError, a RunOutputError) names the newest intact checkpoint
+    itself: the line adds only the resume command (it named the checkpoint a second time).
+    """
+    from gpt2.train import checkpoint as ckpt
+
+    real_save_weights = ckpt.save_weights
+
+    def save_weights(weights, path):
+        # step 2's checkpoint fails writing its weights
+        if path.parent.name.startswith(".tmp-step_000002"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save_weights(weights, path)
+
+    monkeypatch.setattr(ckpt, "save_weights", save_weights)
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "train", *TINY, "--data", shakespeare_file, "--out-dir", out)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.count("is intact") == 1 and f"{out / 'checkpoints' / 'step_000001'} is intact" in err, err
+    assert "could not save checkpoint step_000002" in err and "; resume with: gpt2 train " in err, err
+
+
 def test_the_intact_checkpoint_is_the_newest_that_verifies(tiny_run, tmp_path):
     from gpt2.cli.common import intact_checkpoint
 

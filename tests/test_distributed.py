@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 from conftest import dist_job
 
+from gpt2.model.checkpoint_files import load_weights
 from gpt2.train import distributed
-from gpt2.train.checkpoint import load_weights
 
 
 def test_env_from_environ_reads_torchrun_variables():

@@ -200,7 +200,7 @@ def test_pretrain_interrupted_with_ctrl_c(tmp_path, monkeypatch, keep_sigint):
     stopped_at = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
     assert 2 <= stopped_at < 1000
     # every checkpoint left is complete: what `--resume auto` continues from (tested in test_cli)
-    from gpt2.train.checkpoint import find_latest_checkpoint, list_checkpoints
+    from gpt2.model.checkpoint_files import find_latest_checkpoint, list_checkpoints
 
     assert list_checkpoints(out / "checkpoints") == sorted((out / "checkpoints").glob("step_*"))
     assert find_latest_checkpoint(out / "checkpoints").name >= "step_000002"

@@ -14,6 +14,7 @@ import torch
 import torch._inductor.config
 from torch._dynamo.utils import counters
 
+from gpt2.model.checkpoint_files import load_weights
 from gpt2.model.config import GPTConfig
 from gpt2.model.generate import generate
 from gpt2.model.gpt import GPT
@@ -105,7 +106,7 @@ def test_lora_trainer_step_is_one_graph_and_matches_eager(lora_run):
     for name, value in eager.model.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-6)
     out = trainer.out_dir
-    weights, _ = ckpt.load_weights(out / "checkpoints" / "step_000002" / ckpt.WEIGHTS_FILE)
+    weights, _ = load_weights(out / "checkpoints" / "step_000002" / ckpt.WEIGHTS_FILE)
     assert weights and not any(k.startswith("_orig_mod.") for k in weights)  # the raw model's names
     fresh = _lora_model()
     ckpt.load_checkpoint(out / "checkpoints", fresh)

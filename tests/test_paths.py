@@ -121,7 +121,7 @@ def test_run_and_checkpoint_directories(checkout, hub, model):
         _same_weights(GPT.from_pretrained(spec), model)
         _same_weights(GPT.from_pretrained(spec), model)  # the one entry point takes every --model source
     (run / "checkpoints" / step.name / "model.safetensors").unlink()
-    from gpt2.train.checkpoint import CheckpointError
+    from gpt2.model.checkpoint_files import CheckpointError
 
     with pytest.raises(CheckpointError, match="no intact checkpoint.*model.safetensors is missing"):
         GPT.from_pretrained("runs/tiny")

@@ -19,6 +19,7 @@ from _tiny_run import DIVERGING_PATTERN, DIVERGING_TOKENS, diverging_config
 from conftest import dist_job
 
 from gpt2 import GPT, GPTConfig, RecoveryConfig, TrainConfig
+from gpt2.model.checkpoint_files import checkpoint_step
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.optim import lr_at
 from gpt2.train.trainer import Trainer, TrainingDivergedError
@@ -190,7 +191,7 @@ def test_the_checkpoint_named_last_good_resumes_without_diverging_at_once(tmp_pa
     assert named is not None and f"The last good checkpoint is {named}" in str(info.value)
     # every checkpoint written after it belongs to the steps that diverged
     assert named != ckpt.list_checkpoints(tmp_path / "checkpoints")[-1]
-    step = ckpt.checkpoint_step(named)
+    step = checkpoint_step(named)
     trainer, history = _fit(dataclasses.replace(config, resume=str(named), overwrite=True), until=step + 1)
     assert trainer.recovery.streak == 0 and math.isfinite(history[0]["loss"])
 

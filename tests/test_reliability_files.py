@@ -17,7 +17,16 @@ from _tiny_run import tiny_config, tiny_model, tiny_tokens
 
 import minlora
 from gpt2.cli import main
-from gpt2.model.checkpoint_files import DIGEST_FILE, load_state, save_state, sha256_file
+from gpt2.model.checkpoint_files import (
+    DIGEST_FILE,
+    CheckpointError,
+    NonFiniteWeightsError,
+    load_state,
+    load_weights,
+    read_checkpoint,
+    save_state,
+    sha256_file,
+)
 from gpt2.model.gpt import GPT
 from gpt2.outputs import RECORD_FILE
 from gpt2.train import checkpoint as ckpt
@@ -69,8 +78,8 @@ def _rewrite_state(checkpoint: Path, change) -> None:
 def test_flipped_byte_inside_a_tensor_is_damage_and_never_reaches_a_new_checkpoint(run, finished_run, caplog):
     newest = run / "checkpoints" / "step_000004"
     _flip_tensor_byte(newest / ckpt.WEIGHTS_FILE)
-    ckpt.load_weights(newest / ckpt.WEIGHTS_FILE)  # structurally still a valid file
-    with pytest.raises(ckpt.CheckpointError, match="model.safetensors does not match its sha256") as info:
+    load_weights(newest / ckpt.WEIGHTS_FILE)  # structurally still a valid file
+    with pytest.raises(CheckpointError, match="model.safetensors does not match its sha256") as info:
         ckpt.load_checkpoint(newest, _model())
     assert info.value.problems == [(str(newest / ckpt.WEIGHTS_FILE), info.value.problems[0][1])]
     # resume='auto' falls back to step 2 and redoes steps 3-4: the new step 4 is the uninterrupted one's
@@ -78,8 +87,8 @@ def test_flipped_byte_inside_a_tensor_is_damage_and_never_reaches_a_new_checkpoi
         assert trainer.step == 2
         trainer.fit()
     assert "skipping damaged checkpoint" in caplog.text and "sha256" in caplog.text
-    redone, _ = ckpt.load_weights(newest / ckpt.WEIGHTS_FILE)
-    clean, _ = ckpt.load_weights(finished_run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE)
+    redone, _ = load_weights(newest / ckpt.WEIGHTS_FILE)
+    clean, _ = load_weights(finished_run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE)
     # (bit for bit with one thread; two threads may round differently, far below the flipped 0.02)
     assert max((redone[k] - clean[k]).abs().max().item() for k in clean) < 1e-5
 
@@ -88,22 +97,22 @@ def test_flipped_byte_in_the_json_or_optimizer_state_is_damage(run):
     newest = run / "checkpoints" / "step_000004"
     meta = (newest / ckpt.META_FILE).read_text()
     (newest / ckpt.META_FILE).write_text(meta.replace('"world_size": 1', '"world_size": 7'))  # still valid JSON
-    with pytest.raises(ckpt.CheckpointError, match="trainer_state.json does not match its sha256"):
-        ckpt.read_checkpoint(newest)
+    with pytest.raises(CheckpointError, match="trainer_state.json does not match its sha256"):
+        read_checkpoint(newest)
     older = run / "checkpoints" / "step_000002"
     data = bytearray((older / ckpt.STATE_FILE).read_bytes())
     data[len(data) // 2] ^= 0x20  # inside the tensor data: safetensors accepts it
     (older / ckpt.STATE_FILE).write_bytes(bytes(data))
-    with pytest.raises(ckpt.CheckpointError, match="trainer_state.safetensors"):
-        ckpt.read_checkpoint(older)
-    ckpt.read_checkpoint(older, trainer_state=False)  # the weights alone are intact: sampling works
+    with pytest.raises(CheckpointError, match="trainer_state.safetensors"):
+        read_checkpoint(older)
+    read_checkpoint(older, trainer_state=False)  # the weights alone are intact: sampling works
 
 
 def test_a_checkpoint_without_its_digests_is_damaged(run):
     newest = run / "checkpoints" / "step_000004"
     (newest / DIGEST_FILE).unlink()
-    with pytest.raises(ckpt.CheckpointError, match="SHA256SUMS is missing"):
-        ckpt.read_checkpoint(newest)
+    with pytest.raises(CheckpointError, match="SHA256SUMS is missing"):
+        read_checkpoint(newest)
 
 
 # ------------------------------------------------------------------------------ 3. state that does not fit
@@ -116,11 +125,11 @@ def test_optimizer_state_that_does_not_fit_is_named_and_weights_only_resumes(run
         Trainer(frozen, _config(run, resume=str(run / "checkpoints" / "step_000004")), _tokens(), sinks=[])
     assert "optimizer" in str(info.value) and "\n" not in str(info.value)
     # resume='auto': every checkpoint is skipped the same way, then the same way out
-    with pytest.raises(ckpt.CheckpointError, match="resume-weights-only"):
+    with pytest.raises(CheckpointError, match="resume-weights-only"):
         Trainer(frozen, _config(run, resume="auto"), _tokens(), sinks=[])
     with Trainer(frozen, _config(run, resume="auto", resume_weights_only=True), _tokens(), sinks=[]) as trainer:
         assert trainer.step == 4 and trainer.optimizer.state_dict()["state"] == {}
-        weights, _ = ckpt.load_weights(run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE)
+        weights, _ = load_weights(run / "checkpoints" / "step_000004" / ckpt.WEIGHTS_FILE)
         assert torch.equal(trainer.model.lm_head.weight, weights["lm_head.weight"])
 
 
@@ -234,11 +243,11 @@ def test_a_failed_resume_leaves_out_dir_exactly_as_it_was(run, tmp_path):
     before = _tree(run)
     # overwrite would delete step 4 (newer than the resumed step 2), but resuming step 2 fails first
     older = str(run / "checkpoints" / "step_000002")
-    with pytest.raises(ckpt.CheckpointError, match="trainer_state.safetensors"):
+    with pytest.raises(CheckpointError, match="trainer_state.safetensors"):
         Trainer(_model(), _config(run, resume=older, overwrite=True), _tokens(), sinks=[])
     assert _tree(run) == before
     fresh = tmp_path / "new"  # a new out_dir resuming from a damaged checkpoint: not even created
-    with pytest.raises(ckpt.CheckpointError):
+    with pytest.raises(CheckpointError):
         Trainer(_model(), _config(fresh, resume=older), _tokens(), sinks=[])
     assert not fresh.exists()
 
@@ -314,7 +323,7 @@ def test_non_finite_weights_in_a_hf_folder_are_named(tmp_path):
     sd = load_file(folder / "model.safetensors")
     sd["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ckpt.NonFiniteWeightsError, match=r"transformer\.h\.0\.mlp\.c_fc\.weight"):
+    with pytest.raises(NonFiniteWeightsError, match=r"transformer\.h\.0\.mlp\.c_fc\.weight"):
         GPT.from_pretrained(folder)
 
 

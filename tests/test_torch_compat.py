@@ -21,9 +21,8 @@ LIBRARY = ("gpt2", "minlora")
 PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\.(?:_(?!_)\w*|ops\b)")
 # private attributes of torch's objects, which no module path reveals
 PRIVATE_ATTRIBUTES = {"_orig_mod", "_compiled_call_impl"}
-# Uses that wait for their owner's change (remove each entry once its file goes through gpt2.torch_compat):
-# checkpoint_files.unwrap_model should call torch_compat.unwrap_compiled.
-PENDING = {("gpt2/model/checkpoint_files.py", "torch._dynamo"), ("gpt2/model/checkpoint_files.py", "._orig_mod")}
+# Uses that wait for their owner's change (remove each entry once its file goes through gpt2.torch_compat).
+PENDING: set[tuple[str, str]] = set()
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:

@@ -17,6 +17,7 @@ import torch
 from gpt2 import GPT, GPTConfig
 from gpt2.data import TokenLoader
 from gpt2.model import checkpoint_files
+from gpt2.model.checkpoint_files import load_weights, non_finite_tensors
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.config import RecoveryConfig, TrainConfig, grad_accum_steps
 from gpt2.train.metrics import (
@@ -190,7 +191,7 @@ def test_frozen_base_trains_and_saves_only_trainable_parameters(tiny_config, tmp
     }
     trainer.fit()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen_before.items())
-    weights, _ = ckpt.load_weights(tmp_path / "checkpoints" / "step_000003" / ckpt.WEIGHTS_FILE)
+    weights, _ = load_weights(tmp_path / "checkpoints" / "step_000003" / ckpt.WEIGHTS_FILE)
     assert set(weights) == trainable
     # Resuming needs the same frozen base in the model; the checkpoint supplies the rest.
     base = _model(tiny_config)
@@ -266,8 +267,8 @@ def test_repeated_non_finite_steps_raise_and_name_last_good_checkpoint(tiny_conf
     saved = ckpt.list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in saved] == ["step_000002", "step_000004"]
     for path in saved:
-        weights, _ = ckpt.load_weights(path / ckpt.WEIGHTS_FILE)
-        assert not ckpt.non_finite_tensors(weights)
+        weights, _ = load_weights(path / ckpt.WEIGHTS_FILE)
+        assert not non_finite_tensors(weights)
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records if r["skipped"]] == [3, 6, 7, 8]
     assert records[-1]["skipped_steps"] == 4

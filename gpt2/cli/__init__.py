@@ -237,6 +237,7 @@ def _system_error(e: OSError, command: _Invocation) -> str:
     """
     from gpt2.cli.common import intact_checkpoint
     from gpt2.files import ERROR_ADVICE, write_advice
+    from gpt2.train.metrics import RunOutputError
     from minlora.errors import MinloraError
 
     text = " ".join(str(e).split())
@@ -253,8 +254,10 @@ def _system_error(e: OSError, command: _Invocation) -> str:
     checkpoint = intact_checkpoint(out_dir)
     if checkpoint is None:
         return text
-    resume = _resume_command(command.prog, command.argv, command.options)
-    return f"{text}; checkpoint {checkpoint} is intact; resume with: {resume}"
+    # A failed write of the run (RunOutputError) names the newest intact checkpoint itself.
+    if not isinstance(e, RunOutputError):
+        text += f"; checkpoint {checkpoint} is intact"
+    return f"{text}; resume with: {_resume_command(command.prog, command.argv, command.options)}"
 
 
 # The launcher's own arguments, for its workers' resume line.

@@ -15,13 +15,13 @@ from gpt2.cli.layers import Short, UsageError
 from gpt2.data.sources import shakespeare_or_path
 from gpt2.errors import InvalidValueError
 from gpt2.files import OutputExistsError, check_new_file, replace_atomically
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, CheckpointError, open_checkpoint
 from gpt2.model.generate import SamplingConfig, stream_text
 from gpt2.model.gpt import GPT
 from gpt2.model.loading import apply_adapter
-from gpt2.train import checkpoint as ckpt
 from gpt2.train.distributed import resolve_device
 from gpt2.train.precision import inference_autocast
-from gpt2.train.rundir import CHECKPOINT_DIR, check_out_dir, record_outputs
+from gpt2.train.rundir import check_out_dir, record_outputs
 
 
 def check_output_file(flag: str, path: str, overwrite: bool) -> None:
@@ -321,14 +321,13 @@ def finished_results(trainer: Any) -> dict[str, Any] | None:
 
 
 def intact_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest checkpoint under ``out_dir/checkpoints`` whose files all verify, or None."""
-    for path in ckpt.checkpoint_candidates(Path(out_dir) / CHECKPOINT_DIR):
-        try:
-            ckpt.read_checkpoint(path)
-        except (ckpt.CheckpointError, OSError):
-            continue
-        return path
-    return None
+    """The newest checkpoint under ``out_dir/checkpoints`` whose files all verify (a sharded one's shards stay on
+    disk), or None.
+    """
+    try:
+        return open_checkpoint(Path(out_dir) / CHECKPOINT_DIR, weights=False).path
+    except (CheckpointError, OSError):
+        return None
 
 
 def write_json(path: str | Path, data: Any) -> None:

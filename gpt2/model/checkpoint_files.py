@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from torch.nn.parallel import DistributedDataParallel
 
+from gpt2 import torch_compat
 from gpt2.errors import Gpt2Error, MissingFileError
 from gpt2.files import replace_atomically, sha256_file
 from gpt2.outputs import DIGEST_FILE, read_digests
@@ -61,16 +61,13 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     """The module under DDP / DataParallel and ``torch.compile`` wrappers, in any nesting (by type:
     a model of one's own with a ``module`` attribute is left alone).
     """
-    # Only look the compile wrapper's class up if torch.compile has been used in this process:
-    # importing torch._dynamo just to check costs seconds.
-    compiled_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     while True:
-        if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
-            module = module.module
-        elif compiled_type is not None and isinstance(module, compiled_type):
-            module = module._orig_mod
-        else:
+        inner = torch_compat.unwrap_compiled(module)
+        if isinstance(inner, (DistributedDataParallel, nn.DataParallel)):
+            inner = inner.module
+        if inner is module:
             return module
+        module = inner
 
 
 class CheckpointError(Gpt2Error, ValueError):
@@ -89,10 +86,6 @@ class CheckpointMismatchError(CheckpointError):
     """Weights (missing, unexpected or wrong-shape keys) or optimizer / loss-scaler state that do not fit
     the model and optimizer they are loaded into.
     """
-
-
-class CheckpointSaveError(Gpt2Error, OSError):
-    """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
 
 
 def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
@@ -214,11 +207,22 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [p for p in reversed(checkpoint_candidates(root)) if is_complete(p)]
 
 
-def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (a ``checkpoints`` directory), or None: every
-    ``step_*`` directory there was renamed into place complete.
+def checkpoints_at(path: str | os.PathLike) -> list[Path]:
+    """The checkpoints ``path`` names, complete or not, newest first: ``path`` itself when it is one (a ``step_*``
+    directory, or one holding a checkpoint's files), else the ``step_*`` directories of a ``checkpoints`` directory
+    or of a run directory's.
     """
-    return next((p for p in checkpoint_candidates(root) if is_complete(p)), None)
+    path = Path(path)
+    if checkpoint_step(path) is not None or is_complete(path):
+        return [path]
+    return checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
+
+
+def find_latest_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of :func:`checkpoints_at` ``path`` (a run, a ``checkpoints`` directory or
+    a checkpoint), or None: every ``step_*`` directory there was renamed into place complete.
+    """
+    return next((p for p in checkpoints_at(path) if is_complete(p)), None)
 
 
 @dataclass
@@ -255,7 +259,7 @@ def read_checkpoint(
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
     problems: list[tuple[str, str]] = []
-    meta = _read_meta(path, problems)
+    meta = read_meta(path, problems)
     read = [META_FILE]
     state = None
     if trainer_state:
@@ -372,9 +376,10 @@ def _check_digests(path: Path, names: list[str], problems: list[tuple[str, str]]
             problems.append((file, f"does not match its sha256 in {DIGEST_FILE}: the file is damaged"))
 
 
-def _read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
-    """``trainer_state.json``, or None if it is missing or not a JSON object; the step (a number, the one in the
-    directory's name) and the format version (one this gpt2 reads) are checked.
+def read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """The checkpoint directory ``path``'s ``trainer_state.json``, or None if it is missing or not a JSON object;
+    the step (a number, the one in the directory's name) and the format version (one this gpt2 reads) are checked,
+    each ``(file, what is wrong)`` appended to ``problems``.
     """
     file = path / META_FILE
     if not file.is_file():
@@ -490,10 +495,8 @@ def open_checkpoint(
     checkpoint: damaged ones, and those ``check(data)`` refuses, are skipped with a warning.
     """
     path = Path(path)
-    single = checkpoint_step(path) is not None or is_complete(path)
-    candidates = [path]
-    if not single:
-        candidates = checkpoint_candidates(path) or checkpoint_candidates(path / CHECKPOINT_DIR)
+    candidates = checkpoints_at(path)
+    single = candidates == [path]
     if not (candidates and candidates[0].exists()):
         raise MissingFileError(
             f"no checkpoint at {str(path)!r}: expected a step_NNNNNN directory with {list(CHECKPOINT_FILES)}, "

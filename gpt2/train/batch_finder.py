@@ -39,13 +39,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,7 +51,7 @@ import torch.nn as nn
 
 from gpt2.data.loader import make_loader
 from gpt2.errors import Gpt2Error, InvalidValueError
-from gpt2.model.checkpoint_files import META_FILE, checkpoint_step, find_latest_checkpoint, is_complete
+from gpt2.model.checkpoint_files import find_latest_checkpoint, read_meta
 from gpt2.train import distributed
 from gpt2.train.config import AUTO, TrainConfig, sequences_per_process
 from gpt2.train.distributed import DistributedEnv
@@ -371,15 +369,14 @@ def _find(
         vocab_size=vocab_size,
         limit_bytes=trials_limit,
     )
-    agree = _agreement(world_size)
     cuda_rng = [device] if device.type == "cuda" else []
     # dropout draws from the RNG: the run's random numbers stay those of a run with a number given
     with torch.random.fork_rng(devices=cuda_rng):
         try:
-            ready = agree(probe.open())
+            ready = _agree(probe.open())
             size, trials = None, []
             if ready:
-                size, trials = search(sizes, probe, agree)
+                size, trials = search(sizes, probe, _agree)
         finally:
             probe.close()
     if size is None:
@@ -416,11 +413,9 @@ def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
     return int(config.memory_limit_gb * GIB)
 
 
-def _agreement(world_size: int) -> Callable[[bool], bool]:
+def _agree(fitted: bool) -> bool:
     """One process's answer as every process's: fitted only where it fitted on all of them."""
-    if world_size == 1:
-        return bool
-    return lambda fitted: bool(distributed.all_reduce_min(int(fitted)))
+    return bool(distributed.all_reduce_min(int(fitted)))
 
 
 def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, trials: list[Trial]) -> str:
@@ -445,28 +440,19 @@ def recorded_micro_batch_size(config: TrainConfig, world_size: int, sizes: list[
     """The micro-batch size recorded by the checkpoint ``config.resume`` names, with the log line's words, where this
     run can take it again (same ``seq_len`` and number of processes, one of ``sizes``); else None.
     """
-    checkpoint = _resumed_checkpoint(config)
+    checkpoint = None
+    if config.resume is not None:
+        # the checkpoint the resume most likely loads (resume='auto': the newest in out_dir)
+        checkpoint = find_latest_checkpoint(config.out_dir if config.resume == "auto" else config.resume)
     if checkpoint is None:
         return None
+    meta = read_meta(checkpoint, problems=[])
     try:
-        meta = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8"))
         recorded = meta["config"]
         size, seq_len, processes = recorded["micro_batch_size"], recorded["seq_len"], meta["world_size"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         # the resume itself says what is wrong with it
         return None
     if size not in sizes or (seq_len, processes) != (config.seq_len, world_size):
         return None
     return size, f"as recorded in {checkpoint} (same data order; no search)"
-
-
-def _resumed_checkpoint(config: TrainConfig) -> Path | None:
-    """The checkpoint a resume would most likely load: the one named, or the newest complete one in the folder."""
-    if config.resume is None:
-        return None
-    target = Path(config.resume)
-    if config.resume == "auto" and config.out_dir is not None:
-        target = Path(config.out_dir) / "checkpoints"
-    if checkpoint_step(target) is not None or is_complete(target):
-        return target
-    return find_latest_checkpoint(target) or find_latest_checkpoint(target / "checkpoints")

@@ -3,7 +3,7 @@
 ``<root>/step_000100/`` holds ``model.safetensors``, ``trainer_state.safetensors`` (optimizer, scaler, RNG),
 ``trainer_state.json`` and ``SHA256SUMS`` (formats: :mod:`gpt2.model.checkpoint_files`). It is written into
 a temporary directory beside the final one, fsynced, then renamed into place: a crash mid-save leaves the previous
-checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the previous one.
+checkpoints untouched; a failed save raises :class:`CheckpointSaveError` naming the newest intact one.
 ``trainable_only=True`` stores the trainable parameters alone (LoRA), with the base model's fingerprint.
 """
 
@@ -28,10 +28,8 @@ from safetensors import SafetensorError
 
 import minlora
 from gpt2 import torch_compat
-from gpt2.files import replace_atomically, sha256_file, write_advice
-from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the checkpoint API
-    CHECKPOINT_DIR,
-    DIGEST_FILE,
+from gpt2.files import replace_atomically, sha256_file
+from gpt2.model.checkpoint_files import (
     FORMAT_VERSION,
     META_FILE,
     SHARDED_FORMAT_VERSION,
@@ -39,32 +37,27 @@ from gpt2.model.checkpoint_files import (  # noqa: F401 - re-exported: the check
     STATE_FILE,
     WEIGHTS_FILE,
     CheckpointData,
-    CheckpointError,
     CheckpointMismatchError,
-    CheckpointSaveError,
-    NonFiniteWeightsError,
-    _first_line,
-    checkpoint_candidates,
-    checkpoint_step,
-    find_latest_checkpoint,
     is_complete,
     is_sharded,
     list_checkpoints,
     load_state_into,
-    load_weights,
-    non_finite_tensors,
     open_checkpoint,
-    read_checkpoint,
     refuse_non_finite,
     save_state,
     save_weights,
     unwrap_model,
 )
-from gpt2.outputs import checkpoint_files, remove_files
+from gpt2.outputs import DIGEST_FILE, checkpoint_files, remove_files
 from gpt2.train import fsdp
 from gpt2.train.distributed import _active
+from gpt2.train.metrics import RunOutputError, output_error
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RunOutputError):
+    """Writing a checkpoint failed (disk full, I/O error); nothing of it was kept."""
 
 
 # --- RNG states (tensors, ints, floats and lists: what save_state writes)
@@ -336,22 +329,10 @@ def _aside(path: Path, prefix: str) -> Path:
     return path.with_name(f"{prefix}{path.name}-{uuid.uuid4().hex[:8]}")
 
 
-def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> CheckpointSaveError:
-    previous = [p for p in list_checkpoints(root) if p != final]
-    # The same step saved again: the old copy of it is still in place.
-    if final.is_dir():
-        kept = f"the previous copy {final} is intact"
-    elif previous:
-        kept = f"the previous checkpoint {previous[-1]} is intact (resume='auto' continues from it)"
-    else:
-        kept = f"there is no earlier checkpoint in {root}"
-    fix = f"To go on: {write_advice(e)} (out_dir), then resume"
-    err = CheckpointSaveError(
-        f"could not save checkpoint {final.name} in {root}: writing {writing} failed ({_first_line(e)}); "
-        f"nothing of it was kept and {kept}. {fix}"
-    )
-    err.errno = getattr(e, "errno", None)
-    return err
+def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> RunOutputError:
+    """The :class:`CheckpointSaveError` of a save of ``final`` that failed with ``e`` while writing ``writing``."""
+    doing = f"could not save checkpoint {final.name} (nothing of it was kept): writing {writing} in"
+    return output_error(root, doing, e, root, CheckpointSaveError)
 
 
 def _json_safe(value: Any) -> Any:

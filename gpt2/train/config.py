@@ -179,6 +179,8 @@ class TrainConfig:
             raise InvalidValueError(f"TrainConfig.log_to={list(self.log_to)} writes into out_dir, but out_dir is None")
         if self.resume == "auto" and self.out_dir is None:
             raise InvalidValueError("TrainConfig.resume='auto' looks for checkpoints in out_dir, but out_dir is None")
+        if self.resume == "auto" and self.overwrite:
+            raise InvalidValueError("overwrite=True deletes the run in out_dir, resume='auto' continues it: choose one")
 
     def _check_batch_split(self) -> None:
         """total_batch_size splits into whole micro-batches on one process; with micro_batch_size="auto" (found when

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm  # a widget in notebooks
 
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import progress_enabled, replace_atomically, write_advice
-from gpt2.model.checkpoint_files import CHECKPOINT_DIR, find_latest_checkpoint
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, _first_line, find_latest_checkpoint
 from gpt2.train.config import parsed_log_to
 
 logger = logging.getLogger(__name__)
@@ -132,13 +132,19 @@ class RunOutputError(Gpt2Error, OSError):
     """
 
     def __str__(self) -> str:
-        # the message is the strerror: OSError's own str() shows "[Errno n] strerror: filename"
-        return self.strerror
+        # the message alone: once filename is set, OSError's own str() shows "[Errno n] strerror: filename"
+        return str(self.args[0])
 
 
-def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir: Path | None) -> RunOutputError:
-    """The :class:`RunOutputError` for ``e``, raised while ``doing`` (e.g. "appending to") ``path``: it names the
-    newest complete checkpoint under ``checkpoint_dir``, which a resume continues from.
+def output_error(
+    path: str | os.PathLike,
+    doing: str,
+    e: BaseException,
+    checkpoint_dir: Path | None,
+    error: type[RunOutputError] = RunOutputError,
+) -> RunOutputError:
+    """The :class:`RunOutputError` (or its subclass ``error``) for ``e``, raised while ``doing`` (e.g. "appending to")
+    ``path``: it names the newest complete checkpoint under ``checkpoint_dir``, which a resume continues from.
     """
     newest = None
     if checkpoint_dir is not None:
@@ -148,9 +154,10 @@ def output_error(path: str | os.PathLike, doing: str, e: OSError, checkpoint_dir
     if newest is not None:
         kept = f"the newest checkpoint {newest} is intact"
         then = "resume (resume='auto' continues from it)"
-    why = " ".join(str(e).split())
-    message = f"{doing} {path} failed ({why}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}"
-    return RunOutputError(e.errno, message, str(path))
+    err = error(f"{doing} {path} failed ({_first_line(e)}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}")
+    err.errno = getattr(e, "errno", None)
+    err.filename = str(path)
+    return err
 
 
 class ConsoleSink:

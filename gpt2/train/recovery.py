@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpt2.errors import Gpt2Error
+from gpt2.model.checkpoint_files import checkpoint_candidates, checkpoint_step
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.config import TrainConfig
 
@@ -157,9 +158,9 @@ class RecoveryPolicy:
         newest_confirmed = self.newest_confirmed(checkpoint_dir)
         if newest_confirmed is None:
             return keep
-        first_kept = ckpt.checkpoint_step(newest_confirmed) or 0
+        first_kept = checkpoint_step(newest_confirmed) or 0
         # the steps on disk after the save (the same step saved again replaces its old copy)
-        steps = {ckpt.checkpoint_step(p) or 0 for p in ckpt.list_checkpoints(checkpoint_dir)} | {step}
+        steps = {checkpoint_step(p) or 0 for p in ckpt.list_checkpoints(checkpoint_dir)} | {step}
         return max(keep, len([s for s in steps if s >= first_kept]))
 
     def newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
@@ -167,7 +168,7 @@ class RecoveryPolicy:
         if checkpoint_dir is None:
             return None
         for path in reversed(ckpt.list_checkpoints(checkpoint_dir)):
-            if ckpt.checkpoint_step(path) in self.confirmed:
+            if checkpoint_step(path) in self.confirmed:
                 return path
         return None
 
@@ -241,8 +242,8 @@ class RecoveryPolicy:
         returns what was loaded, or None when there is nothing to go back to.
         """
         if trainer.checkpoint_dir is not None:
-            for path in ckpt.checkpoint_candidates(trainer.checkpoint_dir):
-                step = ckpt.checkpoint_step(path) or 0
+            for path in checkpoint_candidates(trainer.checkpoint_dir):
+                step = checkpoint_step(path) or 0
                 if step >= before_step or step not in self.confirmed:
                     continue
                 try:
@@ -314,7 +315,7 @@ class RecoveryPolicy:
         """
         on_disk = set()
         if checkpoint_dir is not None:
-            on_disk = {ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoint_dir)}
+            on_disk = {checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoint_dir)}
         return {
             "recoveries": self.recoveries,
             "lr_scale": self.lr_scale,

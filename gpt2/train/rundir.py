@@ -20,21 +20,22 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from gpt2.errors import Gpt2Error, InvalidValueError
+from gpt2.errors import Gpt2Error
 from gpt2.files import Lock
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, checkpoint_candidates, checkpoint_step
 from gpt2.outputs import RECORD_FILE, OutputFolder
 from gpt2.train import checkpoint as ckpt
+from gpt2.train.metrics import METRICS_FILE, PLOT_FILE
 
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
-CHECKPOINT_DIR = ckpt.CHECKPOINT_DIR
 # What a run writes into out_dir (the Trainer: checkpoints, metrics, plot, metric sinks; the train and
 # finetune commands: results.json and the LoRA adapter). Each is recorded after it is written.
-TRAINER_FILES = (CHECKPOINT_DIR, "metrics.jsonl", "loss.png", "tensorboard", "wandb")
+TRAINER_FILES = (CHECKPOINT_DIR, METRICS_FILE, PLOT_FILE, "tensorboard", "wandb")
 RUN_FILES = (*TRAINER_FILES, "results.json", "adapter")
 # Logs the Trainer only appends to (a resume or a recovery cuts them back, then appends again).
-_APPENDED = {"metrics.jsonl"}
+_APPENDED = {METRICS_FILE}
 
 
 class RunDirError(Gpt2Error, FileExistsError):
@@ -158,14 +159,14 @@ def record_outputs(out_dir: str | os.PathLike, names: Collection[str]) -> None:
 def _refuse_another_run(out_dir: Path, resume: str | None) -> None:
     """Refuse an ``out_dir`` that holds another run: its checkpoints or its metrics."""
     found = []
-    names = sorted(p.name for p in ckpt.checkpoint_candidates(out_dir / CHECKPOINT_DIR))
+    names = sorted(p.name for p in checkpoint_candidates(out_dir / CHECKPOINT_DIR))
     if len(names) == 1:
         found.append(f"checkpoints {names[0]}")
     elif names:
         found.append(f"checkpoints {names[0]}..{names[-1]}")
-    metrics = out_dir / "metrics.jsonl"
+    metrics = out_dir / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0:
-        found.append("metrics.jsonl")
+        found.append(METRICS_FILE)
     if not found:
         return
     what = "a fresh run (resume=None)"
@@ -200,7 +201,7 @@ def _check_run_dir(out_dir: Path, resume: str | None, overwrite: bool) -> list[P
     if resume is not None and Path(realpath(resume)).is_relative_to(realpath(checkpoint_dir)):
         _refuse_unproven(out_dir, unlisted)
         return _check_older_checkpoint(checkpoint_dir, resume, overwrite)
-    _refuse_unproven(out_dir, _check_fresh_run(folder, resume, overwrite, recorded, entries is None))
+    _refuse_unproven(out_dir, _check_fresh_run(folder, resume, overwrite, recorded, present, entries is None))
     return [out_dir / name for name in present]
 
 
@@ -215,12 +216,12 @@ def _refuse_unproven(out_dir: Path, names: list[str]) -> None:
 
 
 def _check_fresh_run(
-    folder: OutputFolder, resume: str | None, overwrite: bool, recorded: set[str], damaged: bool
+    folder: OutputFolder, resume: str | None, overwrite: bool, recorded: set[str], present: list[str], damaged: bool
 ) -> list[str]:
     """A fresh run, or one continuing a checkpoint from elsewhere: out_dir must hold no run and no
     files of the user's, unless ``overwrite`` (which deletes gpt2's own files and keeps the user's).
-    Returns the run's names it would replace that the record does not prove are gpt2's: it writes them
-    anew, so a file changed since (or any, when the record cannot be read) counts too.
+    Returns the run's names ``present`` it would replace that the record does not prove are gpt2's: it writes
+    them anew, so a file changed since (or any, when the record cannot be read) counts too.
     """
     out_dir = folder.path
     if not overwrite:
@@ -235,7 +236,6 @@ def _check_fresh_run(
             "or empty out_dir, or pass overwrite=True (--overwrite): your files are kept, only gpt2's own files "
             "there are replaced"
         )
-    present = [name for name in RUN_FILES if os.path.lexists(out_dir / name)]
     return [
         name
         for name in present
@@ -247,10 +247,10 @@ def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) 
     """Resuming from an older checkpoint of this very run: the newer ones are another future,
     refused unless ``overwrite`` (which deletes them).
     """
-    step = ckpt.checkpoint_step(Path(resume))
+    step = checkpoint_step(Path(resume))
     newer = []
     if step is not None:
-        newer = [p for p in ckpt.checkpoint_candidates(checkpoint_dir) if ckpt.checkpoint_step(p) > step]
+        newer = [p for p in checkpoint_candidates(checkpoint_dir) if checkpoint_step(p) > step]
     if newer and not overwrite:
         raise RunDirNotEmptyError(
             f"resume={resume!r} is older than checkpoints {', '.join(sorted(p.name for p in newer))} in "
@@ -275,8 +275,6 @@ def start_run(
     held :class:`RunLock` (others None); call it on all ranks: all raise when any fails, and a
     failure leaves ``out_dir`` as it was (no lock, not even a new empty directory).
     """
-    if overwrite and resume == "auto":
-        raise InvalidValueError("overwrite=True deletes the run in out_dir and resume='auto' continues it: choose one")
     lock = None
     if out is not None and is_main:
         lock = RunLock(out)
@@ -313,7 +311,7 @@ def _resume(out: Path | None, resume: str | None, load: Callable[[Path], Any]) -
         target = Path(resume)
     else:
         target = out / CHECKPOINT_DIR  # type: ignore[operator]
-        if not ckpt.checkpoint_candidates(target):
+        if not checkpoint_candidates(target):
             logger.info("resume='auto': no checkpoint in %s, starting from scratch", target)
             return
     ckpt.run_on_all_ranks(lambda: load(target))
