@@ -232,7 +232,7 @@ def test_kv_cache_follows_autocast_dtype(tiny_config):
         model(idx, kv_cache=cache)
         logits, _ = model(idx[:, :1], kv_cache=cache)  # cached step: bf16 queries meet bf16 keys
         out = model.generate(idx, 5, temperature=0)
-    assert cache.k[0].dtype == torch.bfloat16 and cache.length == 7 and cache.k[0].size(2) == 64
+    assert cache.k[0].dtype == torch.bfloat16 and int(cache.pos) == 7 and cache.k[0].size(2) == 64
     assert logits.shape == (2, 1, tiny_config.vocab_size) and out.shape == (2, 11)
 
 

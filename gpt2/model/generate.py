@@ -43,11 +43,6 @@ class KVCache:
         # where update writes: the current step's positions
         self.index: torch.Tensor | None = None
 
-    @property
-    def length(self) -> int:
-        """Cached positions (a host read of ``pos``)."""
-        return int(self.pos)
-
     def step(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Start a forward over ``T`` new tokens: their absolute positions ``(T,)`` (where the
         layers' updates write) and the ``(T, max_len)`` boolean causal mask (True = may attend).
