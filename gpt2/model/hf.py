@@ -269,11 +269,8 @@ def _not_here(repo_id: str) -> str:
 def _download(repo_id: str, cache_dir, revision) -> Path:
     from huggingface_hub import snapshot_download
 
-    try:
-        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
-    except ImportError:
-        # huggingface_hub < 0.22 keeps them in utils.
-        from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
+    # utils: where every huggingface_hub transformers>=4.40 accepts has them (errors only from 0.22 on).
+    from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
 
     # Only what loading needs: the config and safetensors weights; .bin only as a fallback for
     # repos that have no safetensors (flax/tf/onnx/tflite files are never fetched).
