@@ -21,7 +21,7 @@ from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import OutputExistsError, replace_atomically
 from gpt2.model.checkpoint_files import (
     _first_line,
-    checkpoint_step,
+    checkpoints_at,
     load_state_into,
     load_weights,
     non_finite_tensors,
@@ -195,25 +195,16 @@ def _resolve(name_or_path: str | os.PathLike, cache_dir, revision) -> Path:
             f"{spec!r} is a file; a model is a directory: a transformers model (config.json + "
             f"model.safetensors) or a gpt2 checkpoint / run directory{hint}"
         )
-    if not (source / "config.json").is_file() and not _is_checkpoint_like(source):
+    if not (source / "config.json").is_file() and not checkpoints_at(source):
         found = sorted(p.name for p in source.iterdir())[:10]
         hub = ""
         if source.name in OFFICIAL_HUB_IDS:
             hub = f"; for the hub model {source.name!r} write its bare name"
         raise MissingFileError(
-            f"{spec!r} holds no model: neither a transformers directory (no config.json) nor a gpt2 "
-            f"checkpoint (no trainer_state.json) or run directory (no checkpoints/); found {found}{hub}"
+            f"{spec!r} holds no model: neither a transformers directory (no config.json) nor a gpt2 checkpoint or "
+            f"run directory (no trainer_state.json and weights in it or in its checkpoints/step_*); found {found}{hub}"
         )
     return source
-
-
-def _is_checkpoint_like(directory: Path) -> bool:
-    return (
-        (directory / "trainer_state.json").exists()
-        or (directory / "checkpoints").is_dir()
-        or checkpoint_step(directory) is not None
-        or any(checkpoint_step(p) is not None for p in directory.iterdir())
-    )
 
 
 def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn.Module:
