@@ -283,10 +283,8 @@ def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
         "attn_pdrop": config.dropout,
         "layer_norm_epsilon": config.layer_norm_epsilon,
         "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
+        # The one value of each flag that this model implements.
+        **{key: ours for key, ours, _ in _FIXED_FLAGS},
         "use_cache": True,
         "bos_token_id": eot,
         "eos_token_id": eot,
