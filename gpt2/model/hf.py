@@ -27,7 +27,6 @@ from gpt2.model.checkpoint_files import (
     non_finite_tensors,
     open_checkpoint,
     refuse_non_finite,
-    unwrap_model,
 )
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
@@ -368,7 +367,8 @@ def save_pretrained(
     tokenizer_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` as a ``transformers.GPT2LMHeadModel`` directory; returns its path.
+    """Write ``model`` (a :class:`gpt2.GPT`: ``GPT.save_pretrained`` passes itself) as a
+    ``transformers.GPT2LMHeadModel`` directory; returns its path.
 
     ``config.json`` plus ``model.safetensors`` (padding stripped, the tied head stored once), or a tensors-only
     ``pytorch_model.bin`` with ``safe_serialization=False``. GPT-2's tokenizer files come along (from
@@ -381,20 +381,14 @@ def save_pretrained(
     """
     from safetensors.torch import save
 
-    inner = unwrap_model(model)
-    # A gpt2.GPT (or a subclass) has a GPTConfig.
-    if not isinstance(getattr(inner, "config", None), GPTConfig):
-        raise TypeError(
-            f"save_pretrained expects a gpt2.GPT (optionally compiled/DDP-wrapped), got {type(inner).__name__}"
-        )
-    config = inner.config
+    config = model.config
     # Found before anything is written: an export without its tokenizer would load but decode
     # nothing (transformers then builds a 1-token vocabulary). A model with another vocabulary
     # size (a test toy) has no use for GPT-2's, unless asked for with tokenizer_dir.
     bpe = None
     if tokenizer_dir or config.vocab_size == GPT2_VOCAB_SIZE:
         bpe = bpe_files(tokenizer_dir)
-    hf_sd = gpt_to_hf_state_dict(inner.state_dict(), config)
+    hf_sd = gpt_to_hf_state_dict(model.state_dict(), config)
     # transformers re-ties lm_head to the embedding on load; safetensors refuses shared tensors.
     del hf_sd["lm_head.weight"]
     # clone(): the vocabulary slice is a view into the padded embedding, and safetensors / a
@@ -404,7 +398,7 @@ def save_pretrained(
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config)
-    hf_config["torch_dtype"] = str(inner.lm_head.weight.dtype).removeprefix("torch.")
+    hf_config["torch_dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
     written, stale, old_tokenizer = _export_files(out, safe_serialization, bpe is not None)
     folder = OutputFolder(out)
     clash = [name for name in [*written, *stale, *old_tokenizer] if not folder.owns(name)]
@@ -434,7 +428,7 @@ def save_pretrained(
             f"no tokenizer files: the model has {config.vocab_size} token ids, GPT-2's tokenizer {GPT2_VOCAB_SIZE}"
         )
     folder.record(written)
-    logger.info("saved %s to %s", type(inner).__name__, out)
+    logger.info("saved %s to %s", type(model).__name__, out)
     return out
 
 
