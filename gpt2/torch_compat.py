@@ -19,16 +19,6 @@ from typing import Any
 import torch
 
 
-def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of int8 matrices ``(m, k) @ (k, n)``, summed exactly in int32.
-
-    Why private: no public operator multiplies int8 matrices into int32 (``torch.matmul`` of two int8
-    tensors returns int8, wrapped around). ``torch._int_mm`` runs oneDNN's int8 GEMM on the CPU (with
-    oneDNN disabled it is a plain loop, much slower: int8 weights check that first). Checked on torch 2.13.
-    """
-    return torch._int_mm(a, b)
-
-
 def softmax_in_place(logits: torch.Tensor) -> torch.Tensor:
     """``logits.softmax(-1)`` of a 2-D fp32 tensor, written over ``logits`` in one fused pass per row.
 
@@ -197,7 +187,7 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
     fbgemm's packed layout where this torch has fbgemm, else ``q.T`` for oneDNN's int8 GEMM (then ``scale``
     is applied by :func:`int8_matmul`).
 
-    Why private: torch's public API has no int8 x int8 matmul (see :func:`int_mm`). fbgemm's (``quantized::
+    Why private: torch's public API has no int8 x int8 matmul (see :func:`int8_matmul`). fbgemm's (``quantized::
     linear_prepack`` and ``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``, the kernels behind
     ``torch.ao``'s dynamic quantization) take a per-channel quantized tensor, built with
     ``torch._make_per_channel_quantized_tensor``; torch warns that such tensors are deprecated (pytorch issue
@@ -228,7 +218,10 @@ def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor
         q_t, scale = packed
         if step != 1.0:
             x = (x / step).round_()
-        out = int_mm(x.to(torch.int8), q_t).float()
+        # Summed exactly in int32 by oneDNN's int8 GEMM (with oneDNN disabled a plain loop, much slower: int8
+        # weights check that first). Why private: no public operator multiplies int8 matrices into int32
+        # (``torch.matmul`` of two int8 tensors returns int8, wrapped around). Checked on torch 2.13.
+        out = torch._int_mm(x.to(torch.int8), q_t).float()
         if scale is not None:
             out *= scale
         if step != 1.0:
