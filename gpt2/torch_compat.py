@@ -212,7 +212,11 @@ def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor
     (in int32), then scaled. With ``step`` (a Python float), ``x`` is any fp32 matrix whose magnitudes are at
     most ``INT8_ACTIVATION_MAX * step``: it is rounded to ``round(x / step)`` by the kernel and the products
     are scaled by ``step`` too (one step for the whole matrix: at batch 1, one call does what a row's rounding,
-    product and scaling take five operations for). Why private: see :func:`pack_int8`.
+    product and scaling take five operations for). Why private: see :func:`pack_int8`. Outside ``torch.compile``
+    fbgemm's operator is called as its ``_op``, the C++ operator itself: ``torch.ops.quantized.<op>`` (an
+    ``OpOverloadPacket``) first looks through its arguments in Python for fake script objects (the op takes a
+    torchbind object), which exist only while tracing, and a 124M decoding step makes 49 such calls. Checked on
+    torch 2.13.
     """
     if isinstance(packed, tuple):
         q_t, scale = packed
@@ -227,29 +231,11 @@ def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor
         if step != 1.0:
             out *= step
         return out
+    operator = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    if not torch.compiler.is_compiling():
+        operator = operator._op
     # fbgemm rounds x / step to quint8 with zero point 64: each value is round(x / step) + 64, in [1, 127]
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, step, 64, packed)
-
-
-# ---- Generation with int8 weights: one-row int8 matmuls without the operator's Python wrapper ----
-
-
-def int8_matmul_row(x: torch.Tensor, packed: Any, step: float) -> torch.Tensor:
-    """:func:`int8_matmul` ``(x, packed, step=step)``, with less per-call overhead in eager mode.
-
-    Why private: ``torch.ops.quantized.<op>`` (an ``OpOverloadPacket``) first looks through its arguments in
-    Python for fake script objects (the op takes a torchbind object), which exist only while tracing; its
-    ``_op`` is the C++ operator itself. A 124M decoding step makes 49 such calls. While compiling, and where
-    ``packed`` is oneDNN's, this is :func:`int8_matmul`. Checked on torch 2.13.
-    """
-    if _INT8_LINEAR_OP is None or isinstance(packed, tuple) or torch.compiler.is_compiling():
-        return int8_matmul(x, packed, step=step)
-    return _INT8_LINEAR_OP(x, step, 64, packed)
-
-
-_INT8_LINEAR_OP = getattr(
-    getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None), "_op", None
-)
+    return operator(x, step, 64, packed)
 
 
 # ---- Compiling the int8 twin: fbgemm's product as one operator that Dynamo does not trace into ----

@@ -121,19 +121,6 @@ def test_the_int8_twin_is_made_at_each_call_and_keeps_int8_weights_of_unchanged_
     assert type(model.transformer.h[1].mlp.c_fc) is torch.nn.Linear
 
 
-def test_the_one_row_int8_matmul_is_int8_matmuls(monkeypatch):
-    """int8_matmul_row (the operator without its Python wrapper) gives int8_matmul's result, on both kernels."""
-    q = torch.randint(-127, 128, (48, 64), dtype=torch.int8)
-    scale = torch.rand(48) / 100
-    x = torch.randn(1, 64)
-    step = float(x.abs().max()) / torch_compat.INT8_ACTIVATION_MAX
-    packed = torch_compat.pack_int8(q, scale)
-    assert torch.equal(torch_compat.int8_matmul_row(x, packed, step), torch_compat.int8_matmul(x, packed, step=step))
-    monkeypatch.setattr(torch_compat, "has_fbgemm", lambda: False)
-    packed = torch_compat.pack_int8(q, scale)
-    assert torch.equal(torch_compat.int8_matmul_row(x, packed, step), torch_compat.int8_matmul(x, packed, step=step))
-
-
 @pytest.mark.parametrize(
     "case, message",
     [

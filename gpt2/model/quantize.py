@@ -71,7 +71,7 @@ def _product(rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
     if rows.size(0) == 1:
         # one row (a decoding step at batch 1): the kernel rounds and scales it, with its step as a number
         step = max(float(rows.abs().max()), _SMALLEST_STEP) / _MAX
-        out = torch_compat.int8_matmul_row(rows, packed, step)
+        out = torch_compat.int8_matmul(rows, packed, step)
     else:
         # (rows, 1)
         top = rows.abs().amax(1, keepdim=True).clamp_(min=_SMALLEST_STEP)
