@@ -33,7 +33,7 @@ import tiktoken
 import torch
 
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
-from gpt2.files import DownloadError, default_cache_dir, download
+from gpt2.files import DownloadError, default_cache_dir, download, sha256_file
 from gpt2.model.config import GPT2_VOCAB_SIZE
 
 __all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
@@ -319,11 +319,11 @@ def _has_sha256(path: Path, sha256: str) -> bool:
     if not path.is_file():
         return False
     try:
-        data = path.read_bytes()
+        found = sha256_file(path)
     except OSError as e:
         logger.warning("passing over %s in tiktoken's cache: %s", path, e)
         return False
-    if hashlib.sha256(data).hexdigest() != sha256:
+    if found != sha256:
         logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
         return False
     return True
