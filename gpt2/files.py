@@ -283,9 +283,10 @@ class OutputExistsError(Gpt2Error, FileExistsError):
 
 
 def check_new_file(path: str | os.PathLike, *, overwrite: bool, flag: str) -> None:
-    """Raise :class:`OutputExistsError` (one line naming ``path`` and ``flag``) unless ``path`` may be
-    written: it does not exist, or ``overwrite`` and it is a regular file (never a folder, a device such
-    as ``/dev/null``, or a link, which would send the bytes elsewhere).
+    """Raise :class:`OutputExistsError` (one line naming ``path`` and ``flag``) unless ``path``, one file the
+    user named, may be written: it does not exist, or ``overwrite`` and it is a regular file (never a folder, a
+    device such as ``/dev/null``, or a link, which would send the bytes elsewhere). The caller then writes that
+    file alone, with :func:`replace_atomically`, and nothing beside it.
     """
     try:
         st = os.lstat(path)
@@ -298,19 +299,6 @@ def check_new_file(path: str | os.PathLike, *, overwrite: bool, flag: str) -> No
         raise OutputExistsError(f"{path} is {kind}: gpt2 writes a new file there only; give a file name")
     if not overwrite:
         raise OutputExistsError(f"{path} exists: choose another path, or pass {flag} to replace it")
-
-
-def write_new_file(
-    path: str | os.PathLike, write: Callable[[Any], object], *, overwrite: bool, flag: str, to_path: bool = False
-) -> Path:
-    """Write the one file ``path`` the user named, atomically, after :func:`check_new_file`; nothing
-    else is written beside it (its folder is made if need be).
-    """
-    check_new_file(path, overwrite=overwrite, flag=flag)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_atomically(path, write, to_path=to_path)
-    return path
 
 
 # --- the lock
