@@ -153,8 +153,10 @@ def _fetch(url: str, what: str, progress: bool) -> tuple[bytes, int | None]:
     """``(the bytes received, the length the server announced or None)``, with a progress bar."""
     buffer = io.BytesIO()
     with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT_S) as response:
-        # The bar starts once the server has answered: never an empty bar before that.
-        total = _content_length(response)
+        # The bar starts once the server has answered: never an empty bar before that. Its total is the
+        # length the server announces, if any (a stand-in for a response may have no headers at all).
+        length = getattr(response, "headers", {}).get("Content-Length") or ""
+        total = int(length) if length.isdigit() else None
         with tqdm(
             total=total,
             unit="B",
@@ -168,17 +170,6 @@ def _fetch(url: str, what: str, progress: bool) -> tuple[bytes, int | None]:
                 buffer.write(chunk)
                 bar.update(len(chunk))
     return buffer.getvalue(), total
-
-
-def _content_length(response: Any) -> int | None:
-    """The ``Content-Length`` a response announces, or None (no headers, no or no numeric length)."""
-    headers = getattr(response, "headers", None)
-    if headers is None:
-        return None
-    length = headers.get("Content-Length")
-    if not (length and length.isdigit()):
-        return None
-    return int(length)
 
 
 # Ctrl-C; what SLURM and Kubernetes send before they kill a job; a closed terminal or SSH session.
