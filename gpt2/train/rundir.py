@@ -74,8 +74,6 @@ class RunLock(Lock):
             f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or stop it"
         )
         super().__init__(path, busy + ", or train into another out_dir", RunDirLockedError)
-        # A newer Trainer in this process took the lock from this one.
-        self.taken_over = False
 
     def acquire(self) -> RunLock:
         try:
@@ -84,7 +82,6 @@ class RunLock(Lock):
             if previous is not None and previous.fd is not None:
                 # The same process holds the lock: the older Trainer is abandoned (it can no longer save).
                 self.fd, previous.fd = previous.fd, None
-                previous.taken_over = True
                 logger.warning(
                     "another Trainer in this process was using %s; this one takes it over "
                     "(the older one can no longer save checkpoints)",
@@ -104,13 +101,10 @@ class RunLock(Lock):
         """Raise if this lock was released (its Trainer closed) or a newer Trainer took it over."""
         if self.fd is not None:
             return
-        if self.taken_over:
-            why = "a newer Trainer in this process took it over"
-        else:
-            why = "this Trainer was closed"
         raise RunDirLockedError(
-            f"this Trainer no longer owns out_dir {self.out_dir}: {why}, so it may not write there "
-            "(another run may own it now); make a new Trainer (resume='auto' continues the run)"
+            f"this Trainer no longer owns out_dir {self.out_dir}: this Trainer was closed, or a newer Trainer in "
+            "this process took its lock over, so it may not write there (another run may own it now); make a new "
+            "Trainer (resume='auto' continues the run)"
         )
 
     def release(self) -> None:
