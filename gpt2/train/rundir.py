@@ -34,8 +34,6 @@ LOCK_FILE = "run.lock"
 # finetune commands: results.json and the LoRA adapter). Each is recorded after it is written.
 TRAINER_FILES = (CHECKPOINT_DIR, METRICS_FILE, PLOT_FILE, "tensorboard", "wandb")
 RUN_FILES = (*TRAINER_FILES, "results.json", "adapter")
-# Logs the Trainer only appends to (a resume or a recovery cuts them back, then appends again).
-_APPENDED = {METRICS_FILE}
 
 
 class RunDirError(Gpt2Error, FileExistsError):
@@ -140,12 +138,13 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 def record_outputs(out_dir: str | os.PathLike, names: Collection[str]) -> None:
     """Record in ``out_dir``'s record, after writing them, those of the run files ``names`` that exist: the
-    checkpoint folder by its checkpoints' own records, ``metrics.jsonl`` as a log that is appended to,
-    another file or folder by its files' sizes and sha256. Links are never recorded (gpt2 writes none).
+    checkpoint folder by its checkpoints' own records, ``metrics.jsonl`` as a log that is appended to (a resume
+    or a recovery cuts it back, then appends again), another file or folder by its files' sizes and sha256. Links
+    are never recorded (gpt2 writes none).
     """
     OutputFolder(out_dir).record(
-        [n for n in names if n != CHECKPOINT_DIR and n not in _APPENDED],
-        appends=[n for n in names if n in _APPENDED],
+        [n for n in names if n not in (CHECKPOINT_DIR, METRICS_FILE)],
+        appends=[n for n in names if n == METRICS_FILE],
         digests=[n for n in names if n == CHECKPOINT_DIR],
     )
 
