@@ -414,9 +414,9 @@ class FitLog:
         self.bar: Any = None
         if not is_main:
             return
-        # TensorBoard / W&B (config.log_to): first, so a missing package fails before anything else is opened
-        if config.log_to:
-            self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
+        # TensorBoard / W&B (config.log_to; none by default): first, so a missing package fails before anything else
+        # is opened
+        self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
             if out_dir is not None:
                 jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR)
