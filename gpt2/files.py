@@ -153,8 +153,10 @@ def _fetch(url: str, what: str, progress: bool) -> tuple[bytes, int | None]:
     """``(the bytes received, the length the server announced or None)``, with a progress bar."""
     buffer = io.BytesIO()
     with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT_S) as response:
-        # The bar starts once the server has answered: never an empty bar before that.
-        total = _content_length(response)
+        # The bar starts once the server has answered: never an empty bar before that. Its total is the
+        # length the server announces, if any (a stand-in for a response may have no headers at all).
+        length = getattr(response, "headers", {}).get("Content-Length") or ""
+        total = int(length) if length.isdigit() else None
         with tqdm(
             total=total,
             unit="B",
@@ -168,17 +170,6 @@ def _fetch(url: str, what: str, progress: bool) -> tuple[bytes, int | None]:
                 buffer.write(chunk)
                 bar.update(len(chunk))
     return buffer.getvalue(), total
-
-
-def _content_length(response: Any) -> int | None:
-    """The ``Content-Length`` a response announces, or None (no headers, no or no numeric length)."""
-    headers = getattr(response, "headers", None)
-    if headers is None:
-        return None
-    length = headers.get("Content-Length")
-    if not (length and length.isdigit()):
-        return None
-    return int(length)
 
 
 # Ctrl-C; what SLURM and Kubernetes send before they kill a job; a closed terminal or SSH session.
@@ -283,9 +274,10 @@ class OutputExistsError(Gpt2Error, FileExistsError):
 
 
 def check_new_file(path: str | os.PathLike, *, overwrite: bool, flag: str) -> None:
-    """Raise :class:`OutputExistsError` (one line naming ``path`` and ``flag``) unless ``path`` may be
-    written: it does not exist, or ``overwrite`` and it is a regular file (never a folder, a device such
-    as ``/dev/null``, or a link, which would send the bytes elsewhere).
+    """Raise :class:`OutputExistsError` (one line naming ``path`` and ``flag``) unless ``path``, one file the
+    user named, may be written: it does not exist, or ``overwrite`` and it is a regular file (never a folder, a
+    device such as ``/dev/null``, or a link, which would send the bytes elsewhere). The caller then writes that
+    file alone, with :func:`replace_atomically`, and nothing beside it.
     """
     try:
         st = os.lstat(path)
@@ -298,19 +290,6 @@ def check_new_file(path: str | os.PathLike, *, overwrite: bool, flag: str) -> No
         raise OutputExistsError(f"{path} is {kind}: gpt2 writes a new file there only; give a file name")
     if not overwrite:
         raise OutputExistsError(f"{path} exists: choose another path, or pass {flag} to replace it")
-
-
-def write_new_file(
-    path: str | os.PathLike, write: Callable[[Any], object], *, overwrite: bool, flag: str, to_path: bool = False
-) -> Path:
-    """Write the one file ``path`` the user named, atomically, after :func:`check_new_file`; nothing
-    else is written beside it (its folder is made if need be).
-    """
-    check_new_file(path, overwrite=overwrite, flag=flag)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_atomically(path, write, to_path=to_path)
-    return path
 
 
 # --- the lock

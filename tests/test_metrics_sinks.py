@@ -211,7 +211,7 @@ def test_validation_and_final_evaluation_show_progress(tmp_path, capsys, monkeyp
     assert "eval" in capsys.readouterr().err and shown == quiet
 
 
-def test_fit_log_closes_the_sinks_it_opened_when_before_write_fails(tmp_path, monkeypatch):
+def test_fit_log_closes_the_sinks_it_opened_when_metrics_jsonl_fails(tmp_path, monkeypatch):
     from gpt2.train import metrics
 
     closed = []
@@ -224,12 +224,9 @@ def test_fit_log_closes_the_sinks_it_opened_when_before_write_fails(tmp_path, mo
             closed.append(True)
 
     monkeypatch.setattr(metrics, "make_sinks", lambda *args: [Sink()])
-
-    def taken():
-        raise RuntimeError("out_dir belongs to another run")
-
+    # A folder where metrics.jsonl goes: the log cannot be written.
+    (tmp_path / metrics.METRICS_FILE).mkdir()
     config = TrainConfig(out_dir=str(tmp_path), log_to=("tensorboard",), progress=False)
-    with pytest.raises(RuntimeError, match="another run"):
-        metrics.FitLog([], config, out_dir=tmp_path, step=0, is_main=True, before_write=taken)
+    with pytest.raises(metrics.RunOutputError, match="metrics.jsonl failed"):
+        metrics.FitLog([], config, out_dir=tmp_path, step=0, is_main=True)
     assert closed == [True]
-    assert not (tmp_path / metrics.METRICS_FILE).exists()  # nothing written before the check

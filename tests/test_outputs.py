@@ -15,7 +15,7 @@ import torch
 
 from gpt2 import GPT, GPTConfig
 from gpt2.cli import main
-from gpt2.files import OutputExistsError, write_new_file
+from gpt2.files import OutputExistsError, check_new_file, replace_atomically
 from gpt2.outputs import DIGEST_FILE, RECORD_FILE, OutputFolder, checkpoint_files
 
 
@@ -108,14 +108,16 @@ def test_a_checkpoint_is_vouched_for_by_its_own_record(tmp_path):
 
 def test_a_named_file_is_written_only_where_new_or_with_overwrite_over_a_regular_file(tmp_path):
     out = tmp_path / "a" / "r.json"
+    out.parent.mkdir()
 
-    def write(f):
-        f.write(b"{}")
+    def save(path, overwrite):
+        check_new_file(path, overwrite=overwrite, flag="--overwrite")
+        replace_atomically(path, lambda f: f.write(b"{}"))
 
-    write_new_file(out, write, overwrite=False, flag="--overwrite")
+    save(out, overwrite=False)
     with pytest.raises(OutputExistsError, match="r.json exists: choose another path, or pass --overwrite"):
-        write_new_file(out, write, overwrite=False, flag="--overwrite")
-    write_new_file(out, write, overwrite=True, flag="--overwrite")
+        save(out, overwrite=False)
+    save(out, overwrite=True)
     link = tmp_path / "a" / "link.json"
     link.symlink_to(out)
     # A named pipe stands for a device such as /dev/null.
@@ -123,7 +125,7 @@ def test_a_named_file_is_written_only_where_new_or_with_overwrite_over_a_regular
     os.mkfifo(device)
     for path in (device, link, tmp_path / "a"):
         with pytest.raises(OutputExistsError, match="gpt2 writes a new file there only"):
-            write_new_file(path, write, overwrite=True, flag="--overwrite")
+            save(path, overwrite=True)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["device", "link.json", "r.json"]
     assert device.is_fifo()
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gpt2.errors import InvalidValueError
-from gpt2.files import check_new_file, write_new_file
+from gpt2.files import check_new_file, replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf import OVERWRITE_FLAG
@@ -136,7 +136,7 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     converter, and rows that do not split into q8_0's 32-value blocks fall back to f16.
 
     An existing ``path`` is replaced only with ``overwrite=True``, and only where it is a regular file
-    (:func:`gpt2.files.write_new_file`); nothing is written beside it.
+    (:func:`gpt2.files.check_new_file`); nothing is written beside it.
     """
     gguf = _import_gguf()
     model = unwrap_model(model)
@@ -180,8 +180,9 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         writer.write_tensors_to_file()
         writer.close()
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     with _quiet_gguf():
-        write_new_file(path, write, overwrite=overwrite, flag=OVERWRITE_FLAG, to_path=True)
+        replace_atomically(path, write, to_path=True)
     # Debug only: the caller says what it wrote (gpt2 export prints one line per file).
     logger.debug("wrote %s (%s, %.1f MB)", path, dtype, path.stat().st_size / 1e6)
     return path

@@ -404,41 +404,27 @@ def make_sinks(targets: Iterable[str], out_dir: str | os.PathLike, config: dict 
 class FitLog:
     """Where one ``fit()`` call's records go on rank 0 (other ranks' log is empty): ``metrics.jsonl`` (keeping its
     records up to ``step``), the ``TrainConfig.log_to`` sinks, the Trainer's sinks and the progress bar.
-    ``before_write`` runs before ``metrics.jsonl`` is touched (the Trainer checks that it still owns ``out_dir``).
     :meth:`close` closes (flushes) what this call opened; the Trainer's own sinks stay open for its next call.
     """
 
-    def __init__(
-        self,
-        sinks: Iterable[Sink],
-        config: Any,
-        *,
-        out_dir: Path | None,
-        step: int,
-        is_main: bool,
-        before_write: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, sinks: Iterable[Sink], config: Any, *, out_dir: Path | None, step: int, is_main: bool) -> None:
         # what this call opens (and closes at its end), then every sink a record goes to
         self.opened: list[Any] = []
         self.sinks: list[Sink] = []
         self.bar: Any = None
-        self.before_write = None
         if not is_main:
             return
-        self.before_write = before_write
-        # TensorBoard / W&B (config.log_to): first, so a missing package fails before anything else is opened
-        if config.log_to:
-            self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
+        # TensorBoard / W&B (config.log_to; none by default): first, so a missing package fails before anything else
+        # is opened
+        self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
-            if before_write is not None:
-                before_write()
             if out_dir is not None:
                 jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR)
                 self.opened.insert(0, jsonl)
             if progress_enabled(config.progress):
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         except BaseException:
-            # e.g. out_dir taken over by another run: close the sinks just opened
+            # e.g. metrics.jsonl cannot be written: close the sinks just opened
             self.close()
             raise
         self.sinks = [*self.opened, *sinks]
@@ -459,8 +445,6 @@ class FitLog:
         metrics.jsonl keeps its records up to ``step``, TensorBoard purges the later ones, the progress bar shows
         ``step``; a sink of the Trainer's with a ``rewind(step)`` method is told too.
         """
-        if self.before_write is not None:
-            self.before_write()
         for sink in self.sinks:
             if hasattr(sink, "rewind"):
                 sink.rewind(step)

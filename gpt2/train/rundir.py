@@ -34,8 +34,6 @@ LOCK_FILE = "run.lock"
 # finetune commands: results.json and the LoRA adapter). Each is recorded after it is written.
 TRAINER_FILES = (CHECKPOINT_DIR, METRICS_FILE, PLOT_FILE, "tensorboard", "wandb")
 RUN_FILES = (*TRAINER_FILES, "results.json", "adapter")
-# Logs the Trainer only appends to (a resume or a recovery cuts them back, then appends again).
-_APPENDED = {METRICS_FILE}
 
 
 class RunDirError(Gpt2Error, FileExistsError):
@@ -74,8 +72,6 @@ class RunLock(Lock):
             f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or stop it"
         )
         super().__init__(path, busy + ", or train into another out_dir", RunDirLockedError)
-        # A newer Trainer in this process took the lock from this one.
-        self.taken_over = False
 
     def acquire(self) -> RunLock:
         try:
@@ -84,7 +80,6 @@ class RunLock(Lock):
             if previous is not None and previous.fd is not None:
                 # The same process holds the lock: the older Trainer is abandoned (it can no longer save).
                 self.fd, previous.fd = previous.fd, None
-                previous.taken_over = True
                 logger.warning(
                     "another Trainer in this process was using %s; this one takes it over "
                     "(the older one can no longer save checkpoints)",
@@ -104,13 +99,10 @@ class RunLock(Lock):
         """Raise if this lock was released (its Trainer closed) or a newer Trainer took it over."""
         if self.fd is not None:
             return
-        if self.taken_over:
-            why = "a newer Trainer in this process took it over"
-        else:
-            why = "this Trainer was closed"
         raise RunDirLockedError(
-            f"this Trainer no longer owns out_dir {self.out_dir}: {why}, so it may not write there "
-            "(another run may own it now); make a new Trainer (resume='auto' continues the run)"
+            f"this Trainer no longer owns out_dir {self.out_dir}: this Trainer was closed, or a newer Trainer in "
+            "this process took its lock over, so it may not write there (another run may own it now); make a new "
+            "Trainer (resume='auto' continues the run)"
         )
 
     def release(self) -> None:
@@ -146,12 +138,13 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 def record_outputs(out_dir: str | os.PathLike, names: Collection[str]) -> None:
     """Record in ``out_dir``'s record, after writing them, those of the run files ``names`` that exist: the
-    checkpoint folder by its checkpoints' own records, ``metrics.jsonl`` as a log that is appended to,
-    another file or folder by its files' sizes and sha256. Links are never recorded (gpt2 writes none).
+    checkpoint folder by its checkpoints' own records, ``metrics.jsonl`` as a log that is appended to (a resume
+    or a recovery cuts it back, then appends again), another file or folder by its files' sizes and sha256. Links
+    are never recorded (gpt2 writes none).
     """
     OutputFolder(out_dir).record(
-        [n for n in names if n != CHECKPOINT_DIR and n not in _APPENDED],
-        appends=[n for n in names if n in _APPENDED],
+        [n for n in names if n not in (CHECKPOINT_DIR, METRICS_FILE)],
+        appends=[n for n in names if n == METRICS_FILE],
         digests=[n for n in names if n == CHECKPOINT_DIR],
     )
 

@@ -284,10 +284,9 @@ class Trainer:
             logger.info("already at step %d (stopping at %d): nothing to train", self.step, stop)
             return []
         # Where this call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress
-        # bar; before metrics.jsonl is touched, the Trainer checks that it still owns out_dir.
-        log = FitLog(
-            self.sinks, cfg, out_dir=self.out_dir, step=self.step, is_main=self.is_main, before_write=self._check_owner
-        )
+        # bar; before any of them writes into out_dir, the Trainer checks that it still owns it.
+        self._check_owner()
+        log = FitLog(self.sinks, cfg, out_dir=self.out_dir, step=self.step, is_main=self.is_main)
         # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
         # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
         self._record_outputs()
@@ -310,6 +309,7 @@ class Trainer:
                 if in_trouble:
                     # back to the newest good state, or TrainingDivergedError; the metrics go back with it
                     self.recovery.recover(self, record)
+                    self._check_owner()
                     log.rewind(self.step)
                 else:
                     saved = self._save_if_due(schedule)
