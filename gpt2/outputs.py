@@ -85,7 +85,11 @@ class OutputFolder:
         for rel in [*rels, *appends]:
             for file in _files_under(source / rel):
                 name = file.relative_to(source).as_posix()
-                entries[name] = {"size": os.lstat(file).st_size, "sha256": _sha256(file)}
+                digest = _sha256(file)
+                # A file that cannot be read is not vouched for (and a null would make the record unreadable).
+                if digest is None:
+                    continue
+                entries[name] = {"size": os.lstat(file).st_size, "sha256": digest}
                 if rel in appends:
                     entries[name]["appends"] = True
         for rel in digests:

@@ -90,6 +90,32 @@ def test_a_link_is_never_followed_nor_gpt2s(tmp_path):
     assert outside.read_text() == "keep"
 
 
+def test_a_file_that_cannot_be_read_is_left_out_of_the_record(tmp_path, monkeypatch, caplog):
+    """A file that cannot be hashed when gpt2 records its writes (an I/O error, a file gone in between) is
+    not vouched for, and the record stays readable: it used to hold a null digest, after which the whole
+    record counted as damaged and every file in the folder as not gpt2's.
+    """
+    import gpt2.outputs
+
+    folder = OutputFolder(tmp_path)
+    _write(tmp_path / "logs" / "a.txt", "a")
+    _write(tmp_path / "logs" / "b.txt", "b")
+    real = gpt2.outputs.sha256_file
+
+    def flaky(path, size=None):
+        if Path(path).name == "b.txt":
+            raise OSError(5, "Input/output error", str(path))
+        return real(path, size)
+
+    monkeypatch.setattr(gpt2.outputs, "sha256_file", flaky)
+    with caplog.at_level(logging.WARNING):
+        folder.record(["logs"])
+    assert set(_record(tmp_path)) == {"logs/a.txt"} and "damaged" not in caplog.text
+    monkeypatch.setattr(gpt2.outputs, "sha256_file", real)
+    assert folder.owns("logs/a.txt") and not folder.owns("logs/b.txt")
+    assert folder.remove(["logs"]) == ([tmp_path / "logs" / "a.txt"], [tmp_path / "logs" / "b.txt"])
+
+
 def test_a_checkpoint_is_vouched_for_by_its_own_record(tmp_path):
     step = tmp_path / "step_000001"
     weights = _write(step / "model.safetensors", "w")
