@@ -83,18 +83,6 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-@dataclasses.dataclass
-class _Invocation:
-    """A command being run, as its reports need it: its name, ``prog`` and arguments, and its
-    options once they are parsed.
-    """
-
-    name: str
-    prog: str
-    argv: list[str]
-    options: Any = None
-
-
 def run_command(
     name: str,
     argv: Sequence[str] | None = None,
@@ -112,41 +100,41 @@ def run_command(
         raise InvalidValueError(f"unknown command {name!r}; choose one of {sorted(COMMANDS)}")
     if argv is None:
         argv = sys.argv[1:]
-    command = _Invocation(name, prog or f"gpt2 {name}", list(argv))
+    argv = list(argv)
+    prog = prog or f"gpt2 {name}"
+    # The reports of a failure or a stop need the options once they are parsed (a run's resume line).
+    options = None
     _setup_logging()
     # Each line as it is printed, also into a file or a pipe (Python holds them back in blocks there).
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     try:
-        return _run(command, defaults, description)
+        options = COMMANDS[name].parse(argv, prog=prog, defaults=defaults, description=description)
+        return _run(name, options, argv, prog)
+    except SystemExit as e:  # --help (0)
+        return int(e.code or 0)
     except BrokenPipeError as e:
         if _reader_gone():
             return EXIT_FAILURE
-        return _report_error(e, command)
+        return _report_error(e, prog, argv, options)
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal the Trainer turned into TrainingInterrupted
-        return _report_interrupt(e, command)
+        return _report_interrupt(e, prog, argv, options)
     except Exception as e:  # noqa: BLE001 - the command line reports, the library raises
         if os.environ.get("GPT2_DEBUG", "") not in ("", "0"):
             raise
-        return _report_error(e, command)
+        return _report_error(e, prog, argv, options)
 
 
-def _run(command: _Invocation, defaults: dict[str, Any] | None, description: str | None) -> int:
-    """Parse the options, then print them, start the workers or run the command."""
-    cmd, prog, argv = COMMANDS[command.name], command.prog, command.argv
-    try:
-        options = cmd.parse(argv, prog=prog, defaults=defaults, description=description)
-    except SystemExit as e:  # --help (0)
-        return int(e.code or 0)
-    command.options = options
+def _run(name: str, options: Any, argv: list[str], prog: str) -> int:
+    """Print the options, start the workers or run the command."""
     if options.print_config:
         sys.stdout.write(dump_yaml(options, f"# {prog}: resolved options (use with --config)\n"))
         return 0
     # train and finetune can start their own workers (unless this process is one)
     launch = getattr(options, "launch", None)
     if launch is not None and launch.nproc_per_node > 1 and "RANK" not in os.environ:
-        return _launch(command.name, options, argv, prog)
-    result = cmd.function(options)
+        return _launch(name, options, argv, prog)
+    result = COMMANDS[name].function(options)
     # Prepare and export return an exit code, the others their results.
     if isinstance(result, int):
         return result
@@ -188,7 +176,7 @@ def _reader_gone() -> bool:
     return True
 
 
-def _report_interrupt(e: KeyboardInterrupt, command: _Invocation) -> int:
+def _report_interrupt(e: KeyboardInterrupt, prog: str, argv: list[str], options: Any) -> int:
     """Rank 0's line for a stopped run (and how to resume it); returns 128 + the signal."""
     # Under torchrun the signal reaches every rank and the agent forwards another: ignore
     # further ones (no second traceback while exiting) and let only rank 0 say it.
@@ -197,16 +185,15 @@ def _report_interrupt(e: KeyboardInterrupt, command: _Invocation) -> int:
     if _rank() == 0:
         message = str(e) or "interrupted"
         if getattr(e, "checkpoint", None) is not None:
-            message += f"; resume with: {_resume_command(command.prog, command.argv, command.options)}"
-        print(f"\n{command.prog}: {message}", file=sys.stderr)
+            message += f"; resume with: {_resume_command(prog, argv, options)}"
+        print(f"\n{prog}: {message}", file=sys.stderr)
     return 128 + int(signum)
 
 
-def _report_error(e: Exception, command: _Invocation) -> int:
+def _report_error(e: Exception, prog: str, argv: list[str], options: Any) -> int:
     """One line for ``e``; returns the exit code: 2 for input that cannot be used, else 1."""
     from gpt2.model.tokenizer import TokenizerNotAvailableError
 
-    prog = command.prog
     code = EXIT_FAILURE
     if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
         code = EXIT_USAGE
@@ -221,7 +208,7 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     # A read or write that failed (a full disk, a read-only folder...), not a file or folder of the user's that
     # gpt2 refused (a MissingFileError, a RunDirError: their messages say it all).
     if isinstance(e, OSError) and not (isinstance(e, Gpt2Error) and isinstance(e, USAGE_ERRORS)):
-        print(f"{prog}: error: {_system_error(e, command)}", file=sys.stderr)
+        print(f"{prog}: error: {_system_error(e, prog, argv, options)}", file=sys.stderr)
     elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
     else:
@@ -230,7 +217,7 @@ def _report_error(e: Exception, command: _Invocation) -> int:
     return code
 
 
-def _system_error(e: OSError, command: _Invocation) -> str:
+def _system_error(e: OSError, prog: str, argv: list[str], options: Any) -> str:
     """One line for a read or write that failed: the file, what happened and what to do (the library's own
     errors, a checkpoint that could not be saved..., say all of it themselves); for a training run (on rank 0),
     also its newest intact checkpoint and the command that resumes from it.
@@ -248,7 +235,7 @@ def _system_error(e: OSError, command: _Invocation) -> str:
             text = f"{' -> '.join(files)}: {text}"
         if e.errno in ERROR_ADVICE:
             text += f"; {write_advice(e)}"
-    out_dir = getattr(getattr(command.options, "train", None), "out_dir", None)
+    out_dir = getattr(getattr(options, "train", None), "out_dir", None)
     if out_dir is None or _rank() != 0:
         return text
     checkpoint = intact_checkpoint(out_dir)
@@ -257,7 +244,7 @@ def _system_error(e: OSError, command: _Invocation) -> str:
     # A failed write of the run (RunOutputError) names the newest intact checkpoint itself.
     if not isinstance(e, RunOutputError):
         text += f"; checkpoint {checkpoint} is intact"
-    return f"{text}; resume with: {_resume_command(command.prog, command.argv, command.options)}"
+    return f"{text}; resume with: {_resume_command(prog, argv, options)}"
 
 
 # The launcher's own arguments, for its workers' resume line.
