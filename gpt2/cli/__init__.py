@@ -198,8 +198,6 @@ def _report_error(e: Exception, prog: str, argv: list[str], options: Any) -> int
     if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
         code = EXIT_USAGE
     text = str(e) or type(e).__name__
-    if isinstance(e, KeyError):
-        text = f"missing key {e}"
     text = " ".join(text.split())
     # Under torchrun every rank meets the same bad input: rank 0 says it once. Other failures (out
     # of memory on one rank) are said by the rank that met them.
