@@ -333,9 +333,6 @@ def _words(argv: Sequence[str], prog: str) -> dict[str, tuple[str, ...]]:
             given[flag] = ()
             if equals:
                 given[flag] = (value,)
-        # the end of the options: what follows is no flag's
-        elif arg == "--":
-            flag = None
         elif flag is None:
             raise UsageError(f"{arg!r}: options are given as --name VALUE ({prog} --help lists them)")
         else:
