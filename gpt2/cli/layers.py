@@ -442,8 +442,8 @@ def show_help(options: Any, prog: str, description: str) -> NoReturn:
     """Print the help of ``options``' flags, their values as defaults, through tyro; SystemExit 0."""
     names = {path: key for key, (path, _) in option_fields(type(options)).items()}
     view = _help_view(options, names, ())
+    # tyro prints the help of args ["--help"] and raises SystemExit(0) itself.
     tyro.cli(type(view), args=["--help"], default=view, prog=prog, description=description)
-    raise SystemExit(0)
 
 
 def _help_view(options: Any, names: dict[tuple[str, ...], str], path: tuple[str, ...]) -> Any:
