@@ -432,9 +432,8 @@ def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
     the recipe's warmup.
     """
     planned, warmup = recipe["max_steps"], recipe["warmup_steps"]
-    if planned <= 0:
-        return warmup
-    return min(warmup, warmup * steps // planned)
+    # A recipe's max_steps below 1 (refused if it were the run's) keeps its whole warmup.
+    return min(warmup, warmup * steps // max(planned, 1))
 
 
 # --------------------------------------------------------------------------- --help
