@@ -230,17 +230,13 @@ def _table_row(r: RungResult, baseline: float | None) -> str:
         cells["memory"] = f"{r.peak_memory_gib:.1f} GiB"
     if baseline:
         cells["speedup"] = f"{baseline / r.ms_per_step:.2f}x"
-    if _has_spread(r):
+    # a spread means something only between two repeats or more
+    if len(r.repeat_ms) > 1:
         cells["spread"] = f"{100 * r.spread:.0f}%"
     return (
         f"| {r.rung} | {r.ms_per_step:.1f} | {cells['spread']} | {r.tokens_per_second:,.0f} | {cells['mfu']} "
         f"| {cells['memory']} | {cells['speedup']} | {r.note} |"
     )
-
-
-def _has_spread(r: RungResult) -> bool:
-    """A spread means something only between two repeats or more."""
-    return r.spread is not None and len(r.repeat_ms) > 1
 
 
 def _table_notes(results: Sequence[RungResult]) -> list[str]:
@@ -249,7 +245,7 @@ def _table_notes(results: Sequence[RungResult]) -> list[str]:
     repeats = max((len(r.repeat_ms) for r in results), default=0)
     if repeats > 1:
         notes.append(f"\nms/step: median of {repeats} repeats; spread: (slowest - fastest repeat) / median")
-    noisy = [r.rung for r in results if _has_spread(r) and r.spread > SPREAD_WARNING]
+    noisy = [r.rung for r in results if len(r.repeat_ms) > 1 and r.spread > SPREAD_WARNING]
     if noisy:
         notes.append(
             f"note: the repeats of {', '.join(noisy)} differ by more than {100 * SPREAD_WARNING:.0f}%: the machine "
