@@ -27,8 +27,6 @@ from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.distributed import uses_cuda
 from gpt2.train.metrics import mfu as model_flops_utilisation
 
-logger = logging.getLogger(__name__)
-
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab_pad", "fused_adamw")
 
 
@@ -178,7 +176,6 @@ def _run_rung(
     repeat_ms = [statistics.median(step_ms[i * steps : (i + 1) * steps]) for i in range(repeats)]
     ms = statistics.median(repeat_ms)
     tokens_per_second = config.micro_batch_size * config.seq_len / (ms / 1000.0)
-    logger.debug("rung %s: %.1f ms/step, %s tok/s", rung, ms, f"{tokens_per_second:,.0f}")
     note = ""
     if not compile and RUNGS.index(rung) > RUNGS.index("compile"):
         note = "without compile"
