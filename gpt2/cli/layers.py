@@ -16,10 +16,8 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import io
 import re
 import textwrap
-import tokenize
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -488,25 +486,20 @@ def field_help(cls: type) -> dict[str, str]:
 
 def _own_field_help(source: str) -> dict[str, str]:
     """:func:`field_help` of the class whose source is ``source``."""
-    inline, above = {}, {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            text = token.string.lstrip("#").strip()
-            if token.line.strip().startswith("#"):
-                above[token.start[0]] = text
-            else:
-                inline[token.start[0]] = text
+    lines = source.splitlines()
     body = ast.parse(source).body[0].body
     helps = {}
     for node, after in zip(body, [*body[1:], None]):
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
-        lines = []
-        number = node.lineno - 1
-        while number in above and not above[number].startswith("---"):
-            lines.insert(0, above[number])
-            number -= 1
-        text = inline.get(node.end_lineno) or " ".join(lines)
+        above = []
+        for line in reversed(lines[: node.lineno - 1]):
+            comment = line.strip()
+            if not comment.startswith("#") or comment.lstrip("# ").startswith("---"):
+                break
+            above.insert(0, comment.lstrip("#"))
+        # what follows the field on its last line: its comment, if it has one
+        text = lines[node.end_lineno - 1][node.end_col_offset :].strip().lstrip("#") or " ".join(above)
         if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
             text = after.value.value
         helps[node.target.id] = " ".join(text.split())
