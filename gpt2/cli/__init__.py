@@ -12,9 +12,9 @@ checkpoint and a resume line, exit code 128 + the signal.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
+import pkgutil
 import select
 import shlex
 import signal
@@ -56,12 +56,8 @@ class Command(NamedTuple):
     recipe: str | None = None
 
     @property
-    def module(self) -> Any:
-        return importlib.import_module(f"gpt2.cli.{self.module_name}")
-
-    @property
     def function(self) -> Any:
-        return getattr(self.module, self.module_name)
+        return pkgutil.resolve_name(f"gpt2.cli.{self.module_name}:{self.module_name}")
 
     @property
     def options(self) -> type:
@@ -146,7 +142,7 @@ def _launch(name: str, options: Any, argv: list[str], prog: str) -> int:
     from gpt2.cli.launch import launch_workers
 
     # Check the options once here: a bad value is one line, not one per rank.
-    COMMANDS[name].module.check(options)
+    pkgutil.resolve_name(f"gpt2.cli.{COMMANDS[name].module_name}:check")(options)
     single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
     config = dump_yaml(single, f"# {prog}: options of the launcher\n")
     # The workers' resume line repeats the launcher's arguments. Only the workers read them: a
