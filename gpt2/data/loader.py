@@ -373,13 +373,6 @@ def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torc
     at the same batch, so under DDP all ranks stop together. The loader is put back where it was
     (a training loader scored mid-run would otherwise replay its batches).
     """
-    if not hasattr(loader, "state_dict"):
-        if max_batches is None:
-            raise TypeError("a loader without state_dict() cannot tell where one pass ends: give max_batches")
-        loader.reset()
-        for _ in range(max_batches):
-            yield loader.next_batch()
-        return
     before = loader.state_dict()
     loader.reset()
     start = loader.state_dict()
@@ -391,5 +384,4 @@ def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torc
             if loader.state_dict() == start:
                 return
     finally:
-        if hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(before)
+        loader.load_state_dict(before)
