@@ -157,9 +157,12 @@ class TokenLoader:
                     "targets); use a smaller --micro-batch-size or --seq-len, or more data (the validation part of a "
                     "file is its --val-fraction; short shards can be merged)"
                 )
-        self._shard_index, self._position = 0, 0
-        # The current shard, opened lazily.
-        self._tokens: np.ndarray | None = None
+        # The shard the next batch is read from, and the offset in it of the next step's first token (the
+        # same on every rank).
+        self.shard = 0
+        self.position = 0
+        # (index, tokens) of the shard last opened: the current one is opened lazily, on its first read.
+        self._opened: tuple[int, np.ndarray] | None = None
         self._vocab_size: int | None = None
         # Setting it checks the first shard's ids now.
         self.vocab_size = vocab_size
@@ -176,7 +179,7 @@ class TokenLoader:
         self._vocab_size = check_value("TokenLoader", "vocab_size", value, Range(low=1, integer=True, optional=True))
         if value is not None:
             # Reopen (and so check) the current shard.
-            self._tokens = None
+            self._opened = None
             self._current()
 
     @staticmethod
@@ -225,41 +228,25 @@ class TokenLoader:
     def num_shards(self) -> int:
         return len(self._shards)
 
-    @property
-    def shard(self) -> int:
-        """Index of the shard the next batch is read from."""
-        return self._shard_index
-
-    @property
-    def position(self) -> int:
-        """Offset in the current shard of the next step's first token (the same on every rank)."""
-        return self._position
-
     def _current(self) -> np.ndarray:
-        if self._tokens is None:
-            self._tokens = self._shards[self._shard_index].open(self._vocab_size)
-        return self._tokens
-
-    def _set_shard(self, index: int) -> None:
-        if index != self._shard_index:
-            # Drop the old memory map; the new shard opens on first read.
-            self._tokens = None
-        self._shard_index = index
+        if self._opened is None or self._opened[0] != self.shard:
+            self._opened = (self.shard, self._shards[self.shard].open(self._vocab_size))
+        return self._opened[1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``(x, y)``: int64 CPU tensors of shape (B, T); ``y`` is ``x`` shifted by one."""
         B, T = self.batch_size, self.seq_len
-        start = self._position + self.rank * B * T
+        start = self.position + self.rank * B * T
         # Only this slice is copied out of the memory map and widened to int64.
         buf = torch.from_numpy(np.array(self._current()[start : start + B * T + 1], dtype=np.int64))
         x = buf[:-1].view(B, T)  # (B, T)
         # y gets its own storage so that editing x in place (e.g. masking) never changes y.
         y = buf[1:].clone().view(B, T)  # (B, T)
 
-        self._position += self.tokens_per_step
-        if self._position + self.tokens_per_step + 1 > self._shards[self._shard_index].length:
-            self._set_shard((self._shard_index + 1) % len(self._shards))
-            self._position = 0
+        self.position += self.tokens_per_step
+        if self.position + self.tokens_per_step + 1 > self._shards[self.shard].length:
+            self.shard = (self.shard + 1) % len(self._shards)
+            self.position = 0
         return x, y
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -269,12 +256,12 @@ class TokenLoader:
 
     def reset(self) -> None:
         """Back to the first shard, position 0."""
-        self._set_shard(0)
-        self._position = 0
+        self.shard = 0
+        self.position = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The position as JSON-serialisable ints: ``{"shard", "position", "num_shards"}``."""
-        return {"shard": self._shard_index, "position": self._position, "num_shards": len(self._shards)}
+        return {"shard": self.shard, "position": self.position, "num_shards": len(self._shards)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly where :meth:`state_dict` was taken (``num_shards`` optional)."""
@@ -304,8 +291,8 @@ class TokenLoader:
         if position + self.tokens_per_step + 1 > length:
             logger.warning(f"a step of {self.tokens_per_step} tokens no longer fits after {position}: next shard")
             shard, position = (shard + 1) % len(self._shards), 0
-        self._set_shard(shard)
-        self._position = position
+        self.shard = shard
+        self.position = position
 
     def __repr__(self) -> str:
         split = ""
@@ -314,7 +301,7 @@ class TokenLoader:
         return (
             f"{type(self).__name__}(source={self._source_desc!r}{split}, shards={len(self._shards)}, "
             f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, rank={self.rank}, "
-            f"world_size={self.world_size}, shard={self._shard_index}, position={self._position})"
+            f"world_size={self.world_size}, shard={self.shard}, position={self.position})"
         )
 
 
