@@ -294,16 +294,6 @@ class TokenLoader:
         self.shard = shard
         self.position = position
 
-    def __repr__(self) -> str:
-        split = ""
-        if self.split is not None:
-            split = f", split={self.split!r}"
-        return (
-            f"{type(self).__name__}(source={self._source_desc!r}{split}, shards={len(self._shards)}, "
-            f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, rank={self.rank}, "
-            f"world_size={self.world_size}, shard={self.shard}, position={self.position})"
-        )
-
 
 def make_loader(
     data: Any,
