@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2 import data
 from gpt2.data import (
     TokenLoader,
+    downloads,
     load_tiny_shakespeare,
     load_tokens,
     tiny_shakespeare_path,
@@ -70,7 +70,7 @@ def test_tiny_shakespeare_download_failure(tmp_path, monkeypatch, no_network):
     with pytest.raises(DownloadError, match="GPT2_TINY_SHAKESPEARE") as info:
         tiny_shakespeare_path(tmp_path / "cache")
     assert "URLError" in str(info.value) and "pass the file's path" in str(info.value)
-    assert no_network == [data.TINY_SHAKESPEARE_URL]
+    assert no_network == [downloads.TINY_SHAKESPEARE_URL]
     assert not (tmp_path / "cache" / "tinyshakespeare.txt").exists()
 
 

@@ -39,11 +39,6 @@ _TEXT_CHUNK_CHARS = 1 << 20
 _BAR_DELAY_S = 1.0
 
 
-def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") -> str:
-    """build-nanogpt's shard file name, e.g. ``edufineweb_train_000001.npy``."""
-    return f"{prefix}_{split}_{index:06d}.{file_format}"
-
-
 def _text_pieces(text: str, size: int) -> Iterator[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut just before a newline
     that sits between two non-space characters. GPT-2's pre-tokeniser always splits there (no
@@ -195,7 +190,8 @@ class _ShardWriter:
         return named
 
     def write(self, tokens: np.ndarray, split: str) -> None:
-        name = shard_name(self.prefix, split, len(self.written), self.file_format)
+        # build-nanogpt's shard file name, e.g. edufineweb_train_000001.npy.
+        name = f"{self.prefix}_{split}_{len(self.written):06d}.{self.file_format}"
         with self._writing():
             write_tokens(self.stage / name, tokens)
         logger.info("wrote %s (%d tokens)", name, len(tokens))
