@@ -162,14 +162,12 @@ def tokenize_row(instruction: str, input: str, response: str, tokenizer: Any) ->
 
 
 def build_sequences(
-    rows: Iterable[tuple[str, str, str, str]], seq_len: int, *, pack: bool = False, tokenizer: Any = None
+    rows: Iterable[tuple[str, str, str, str]], seq_len: int, *, tokenizer: Any, pack: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(x, y, positions)``: int64 ``(N, seq_len)``, a padded sequence per row or rows packed greedily;
     ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
     token's position within its row (trailing padding counts as one more row).
     """
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     windows: list[tuple[list[int], list[bool], list[int]]] = []
     for instruction, input, response, where in rows:
@@ -278,10 +276,6 @@ class InstructionLoader:
             return self.num_sequences // per_step
         # Validation pads its last step, so that a pass scores every row.
         return math.ceil(self.num_sequences / per_step)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len * self.world_size
 
     @property
     def num_targets(self) -> int:
