@@ -248,11 +248,10 @@ class InstructionLoader:
         else:
             rows = list(source)
         self.num_rows = len(rows)
-        if not rows:
-            raise InvalidValueError("no instruction rows to load")
         self.x, self.y, self.positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
         self.num_sequences = len(self.x)
-        if shuffle and self.num_sequences < batch_size * world_size:
+        # Training needs a whole step; validation at least one sequence (no rows make none).
+        if self.num_sequences < (batch_size * world_size if shuffle else 1):
             raise InvalidValueError(
                 f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
                 f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
