@@ -427,7 +427,27 @@ def tokenize_file(
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     # The folder is locked, and an earlier data set refused, before the text is read.
     with writer:
-        chunks = _text_file_chunks(path, writer.tokenizer, val_fraction, writer.shard_size, progress)
+        text = read_text(path)
+        if not text.strip():
+            raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
+        with tqdm(
+            total=len(text),
+            unit="char",
+            unit_scale=True,
+            desc=f"tokenising {path.name}",
+            delay=_BAR_DELAY_S,
+            disable=not progress_enabled(progress),
+            leave=False,
+        ) as bar:
+            tokens = encode_document(text, writer.tokenizer, bar)
+        train, val = split_tokens(tokens, val_fraction, repr(str(path)))
+        if val is None:
+            # val_fraction 0: no val shards
+            val = tokens[:0]
+        # Shards of at most shard_size tokens: the val split split_tokens holds out, then the train split.
+        size = writer.shard_size
+        chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
+        chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
         for chunk, split in tqdm(
             chunks,
             desc=f"writing {writer.prefix} shards",
@@ -437,31 +457,3 @@ def tokenize_file(
         ):
             writer.write(chunk, split)
     return writer.written
-
-
-def _text_file_chunks(
-    path: Path, tokenizer: Any, val_fraction: float, size: int, progress: bool
-) -> list[tuple[np.ndarray, str]]:
-    """The text file's tokens as ``(shard, split)`` pieces of at most ``size`` tokens: the val split
-    :func:`split_tokens` holds out, then the train split.
-    """
-    text = read_text(path)
-    if not text.strip():
-        raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-    with tqdm(
-        total=len(text),
-        unit="char",
-        unit_scale=True,
-        desc=f"tokenising {path.name}",
-        delay=_BAR_DELAY_S,
-        disable=not progress_enabled(progress),
-        leave=False,
-    ) as bar:
-        tokens = encode_document(text, tokenizer, bar)
-    train, val = split_tokens(tokens, val_fraction, repr(str(path)))
-    if val is None:
-        # val_fraction 0: no val shards
-        val = tokens[:0]
-    chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
-    chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
-    return chunks
