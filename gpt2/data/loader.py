@@ -22,6 +22,7 @@ from gpt2.model.config import POSITIVE_INT, Range, check_value
 logger = logging.getLogger(__name__)
 # Any integer: the bounds are checked where the message can say more (rank, state).
 _INT = Range(integer=True)
+_VOCAB_SIZE = Range(low=1, integer=True, optional=True)
 
 TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
 
@@ -145,7 +146,6 @@ class TokenLoader:
             )
         if split is not None and (not isinstance(split, str) or not split):
             raise InvalidValueError(f"split must be a non-empty string such as 'train' or 'val', got {split!r}")
-        self.split = split
         self._source_desc, self._shards = self._resolve(source, split)
 
         needed = self.tokens_per_step + 1
@@ -161,25 +161,13 @@ class TokenLoader:
         # same on every rank).
         self.shard = 0
         self.position = 0
-        # (index, tokens) of the shard last opened: the current one is opened lazily, on its first read.
-        self._opened: tuple[int, np.ndarray] | None = None
-        self._vocab_size: int | None = None
-        # Setting it checks the first shard's ids now.
-        self.vocab_size = vocab_size
-
-    @property
-    def vocab_size(self) -> int | None:
-        """Ids must be below this (the model's vocabulary); ``None``: not checked. Each shard is
-        checked once, when it is first opened (the first one as soon as this is set).
-        """
-        return self._vocab_size
-
-    @vocab_size.setter
-    def vocab_size(self, value: int | None) -> None:
-        self._vocab_size = check_value("TokenLoader", "vocab_size", value, Range(low=1, integer=True, optional=True))
-        if value is not None:
-            # Reopen (and so check) the current shard.
-            self._opened = None
+        # Ids must be below this (the model's vocabulary); None: not checked. Each shard is checked once,
+        # when it is first opened for it.
+        self.vocab_size = check_value("TokenLoader", "vocab_size", vocab_size, _VOCAB_SIZE)
+        # ((index, vocab_size), tokens) of the shard last opened: the current one opens on its first read.
+        self._opened: tuple[tuple[int, int | None], np.ndarray] | None = None
+        if vocab_size is not None:
+            # The first shard's ids are checked now.
             self._current()
 
     @staticmethod
@@ -229,8 +217,9 @@ class TokenLoader:
         return len(self._shards)
 
     def _current(self) -> np.ndarray:
-        if self._opened is None or self._opened[0] != self.shard:
-            self._opened = (self.shard, self._shards[self.shard].open(self._vocab_size))
+        key = (self.shard, self.vocab_size)
+        if self._opened is None or self._opened[0] != key:
+            self._opened = (key, self._shards[self.shard].open(self.vocab_size))
         return self._opened[1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +314,8 @@ def make_loader(
             )
         if vocab_size is not None and isinstance(data, TokenLoader) and data.vocab_size is None:
             data.vocab_size = vocab_size
+            # The current shard's ids are checked now, before training starts.
+            data._current()
         return data
     if isinstance(data, (str, os.PathLike, torch.Tensor, np.ndarray)):
         # Only a directory has splits to choose from.
