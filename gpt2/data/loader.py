@@ -260,15 +260,12 @@ class TokenLoader:
             )
         shard = check_value("loader state", "shard", state["shard"], _INT)
         position = check_value("loader state", "position", state["position"], _INT)
-        if "num_shards" in state and state["num_shards"] != len(self._shards):
+        saved_over = state.get("num_shards", len(self._shards))
+        if saved_over != len(self._shards) or not 0 <= shard < len(self._shards):
             raise InvalidValueError(
-                f"loader state was saved over {state['num_shards']} shard(s) but this loader's source "
-                f"{self._source_desc} has {len(self._shards)}; resume with the same data (and split)"
-            )
-        if not 0 <= shard < len(self._shards):
-            raise InvalidValueError(
-                f"loader state shard={shard} is out of range: the source {self._source_desc} has "
-                f"{len(self._shards)} shard(s) (valid: 0..{len(self._shards) - 1})"
+                f"loader state shard={shard}, saved over {saved_over} shard(s), does not fit the source "
+                f"{self._source_desc}: it has {len(self._shards)} shard(s) (valid: 0..{len(self._shards) - 1}); "
+                "resume with the same data (and split)"
             )
         length = self._shards[shard].length
         if position < 0 or position >= length:
