@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,8 +23,6 @@ logger = logging.getLogger(__name__)
 # Any integer: the bounds are checked where the message can say more (rank, state).
 _INT = Range(integer=True)
 _VOCAB_SIZE = Range(low=1, integer=True, optional=True)
-
-TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
 
 
 def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -126,7 +124,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        source: TokenSource,
+        source: torch.Tensor | np.ndarray | str | os.PathLike,
         batch_size: int,
         seq_len: int,
         *,
@@ -171,7 +169,7 @@ class TokenLoader:
             self._current()
 
     @staticmethod
-    def _resolve(source: TokenSource, split: str | None) -> tuple[str, list[_Shard]]:
+    def _resolve(source: Any, split: str | None) -> tuple[str, list[_Shard]]:
         if isinstance(source, (torch.Tensor, np.ndarray)):
             if split is not None:
                 raise InvalidValueError(
