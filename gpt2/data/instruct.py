@@ -45,8 +45,6 @@ from gpt2.model.tokenizer import get_tokenizer
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 INPUT_BLOCK = "### Input:\n{input}\n\n"
-# A row per line (.jsonl) or one JSON array of rows (.json).
-INSTRUCTION_SUFFIXES = (".jsonl", ".json")
 
 _LAYOUTS = (
     'Alpaca rows {"instruction", "input" (optional), "output"}, {"prompt", "response"} or ShareGPT '
@@ -59,7 +57,8 @@ _PROMPT_FIELDS = (("prompt", True), ("response", True))
 
 def is_instruction_data(data: Any) -> bool:
     """``--data`` switches to instruction fine-tuning when it names a ``.jsonl`` or ``.json`` file."""
-    return isinstance(data, (str, Path)) and Path(data).suffix.lower() in INSTRUCTION_SUFFIXES
+    # A row per line (.jsonl) or one JSON array of rows (.json).
+    return isinstance(data, (str, Path)) and Path(data).suffix.lower() in (".jsonl", ".json")
 
 
 def render_prompt(instruction: str, input: str = "") -> str:
