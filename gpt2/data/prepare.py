@@ -137,7 +137,6 @@ class _ShardWriter:
             busy + "; wait for it to finish, or choose another directory or prefix",
             PrepareLockedError,
         )
-        self.existing: list[Path] = []
         self.written: list[Path] = []
 
     def __enter__(self) -> _ShardWriter:
@@ -328,7 +327,6 @@ def write_shards(
     ``prefix`` into ``out_dir`` while this one runs raises :class:`PrepareLockedError`.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
-    tokenizer = writer.tokenizer
     num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
@@ -342,14 +340,14 @@ def write_shards(
     )
     pool = None
     if num_workers > 0:
-        pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,))
+        pool = multiprocessing.Pool(num_workers, _init_worker, (writer.tokenizer,))
     try:
         with writer:
             if pool is not None:
                 # chunksize amortises inter-process traffic over many (usually short) documents.
                 encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
             else:
-                encoded = (encode_document(doc, tokenizer) for doc in docs)
+                encoded = (encode_document(doc, writer.tokenizer) for doc in docs)
             for piece in _fixed_size_pieces(encoded, writer.shard_size, bar):
                 # build-nanogpt's layout: the first shard is the val split.
                 split = "train" if writer.written else "val"
