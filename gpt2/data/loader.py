@@ -159,8 +159,8 @@ class TokenLoader:
         # same on every rank).
         self.shard = 0
         self.position = 0
-        # Ids must be below this (the model's vocabulary); None: not checked. Each shard is checked once,
-        # when it is first opened for it.
+        # Ids must be below this (the model's vocabulary); None: not checked. Each shard's ids are checked
+        # once per vocabulary, when the shard is first opened.
         self.vocab_size = check_value("TokenLoader", "vocab_size", vocab_size, _VOCAB_SIZE)
         # ((index, vocab_size), tokens) of the shard last opened: the current one opens on its first read.
         self._opened: tuple[tuple[int, int | None], np.ndarray] | None = None
