@@ -1,22 +1,15 @@
 """gpt2: a reusable GPT-2 library.
 
 The model (124M to 1.5B presets), generation with a KV cache, Hugging Face weight loading and
-export, the GPT-2 tokenizer, token shards and a rank-aware loader, and a ``Trainer`` with every
-speed-up of the GPT-2 reproductions. ``from gpt2 import GPT, GPTConfig, Trainer, TrainConfig``.
+export, the GPT-2 tokenizer, token shards and a rank-aware loader (:mod:`gpt2.data`), and a
+``Trainer`` with every speed-up of the GPT-2 reproductions.
+``from gpt2 import GPT, GPTConfig, Trainer, TrainConfig``.
 
 One way to do each thing, as methods: ``GPT.from_pretrained`` loads, ``model.generate`` /
 ``model.stream`` decode, ``model.save_pretrained`` exports, and ``trainer.save_checkpoint`` /
 ``trainer.load_checkpoint`` save and restore a run.
 """
 
-from gpt2.data import (
-    TokenLoader,
-    load_tiny_shakespeare,
-    load_tokens,
-    tiny_shakespeare_path,
-    tokenize_file,
-    write_shards,
-)
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.eval.hellaswag import hellaswag_path, score_hellaswag
 from gpt2.eval.loss import evaluate_loss
@@ -53,17 +46,11 @@ __all__ = [
     "hf_config_from_gpt",
     "load_hf_state_dict",
     "CheckpointMismatchError",
-    # tokenizer and data
+    # tokenizer and downloads
     "Tokenizer",
     "get_tokenizer",
     "EOT_TOKEN",
     "TokenizerNotAvailableError",
-    "TokenLoader",
-    "tiny_shakespeare_path",
-    "load_tiny_shakespeare",
-    "tokenize_file",
-    "write_shards",
-    "load_tokens",
     "DownloadError",
     # training
     "Trainer",

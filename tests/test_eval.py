@@ -326,7 +326,8 @@ def test_evaluating_a_loader_leaves_it_where_it_was(tiny_config):
     """evaluate_loss reset the caller's loader: one used for training (a callback scoring the train
     loss, or one loader passed as train and val data) replayed its batches afterwards.
     """
-    from gpt2 import TokenLoader, TrainConfig, Trainer
+    from gpt2 import TrainConfig, Trainer
+    from gpt2.data import TokenLoader
 
     tokens = torch.randint(0, tiny_config.vocab_size, (2000,), generator=torch.Generator().manual_seed(0))
     loader = TokenLoader(tokens, 2, 8)

@@ -3,39 +3,28 @@ prefix staged and locked there), ``.npy`` / llm.c ``.bin`` token files (:mod:`.f
 :class:`TokenLoader` (:mod:`.loader`), instruction data (:mod:`.instruct`) and what ``--data`` means (:mod:`.sources`).
 """
 
-from gpt2.data.downloads import (
-    TINY_SHAKESPEARE_SHA256,
-    TINY_SHAKESPEARE_URL,
-    load_tiny_shakespeare,
-    tiny_shakespeare_path,
-)
+from gpt2.data.downloads import load_tiny_shakespeare, tiny_shakespeare_path
 from gpt2.data.formats import (
     TOKEN_SUFFIXES,
     ShardManifestError,
-    check_token_ids,
     iter_jsonl,
     load_tokens,
     read_text,
     write_tokens,
 )
-from gpt2.data.loader import TokenLoader, TokenSource
-from gpt2.data.prepare import PrepareLockedError, ShardWriteError, shard_name, tokenize_file, write_shards
+from gpt2.data.loader import TokenLoader
+from gpt2.data.prepare import PrepareLockedError, ShardWriteError, tokenize_file, write_shards
 
 __all__ = [
-    "TINY_SHAKESPEARE_SHA256",
-    "TINY_SHAKESPEARE_URL",
     "TOKEN_SUFFIXES",
     "PrepareLockedError",
     "ShardManifestError",
     "ShardWriteError",
     "TokenLoader",
-    "TokenSource",
-    "check_token_ids",
     "iter_jsonl",
     "load_tiny_shakespeare",
     "load_tokens",
     "read_text",
-    "shard_name",
     "tiny_shakespeare_path",
     "tokenize_file",
     "write_shards",

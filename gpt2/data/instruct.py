@@ -45,8 +45,6 @@ from gpt2.model.tokenizer import get_tokenizer
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 INPUT_BLOCK = "### Input:\n{input}\n\n"
-# A row per line (.jsonl) or one JSON array of rows (.json).
-INSTRUCTION_SUFFIXES = (".jsonl", ".json")
 
 _LAYOUTS = (
     'Alpaca rows {"instruction", "input" (optional), "output"}, {"prompt", "response"} or ShareGPT '
@@ -59,7 +57,8 @@ _PROMPT_FIELDS = (("prompt", True), ("response", True))
 
 def is_instruction_data(data: Any) -> bool:
     """``--data`` switches to instruction fine-tuning when it names a ``.jsonl`` or ``.json`` file."""
-    return isinstance(data, (str, Path)) and Path(data).suffix.lower() in INSTRUCTION_SUFFIXES
+    # A row per line (.jsonl) or one JSON array of rows (.json).
+    return isinstance(data, (str, Path)) and Path(data).suffix.lower() in (".jsonl", ".json")
 
 
 def render_prompt(instruction: str, input: str = "") -> str:
@@ -162,14 +161,12 @@ def tokenize_row(instruction: str, input: str, response: str, tokenizer: Any) ->
 
 
 def build_sequences(
-    rows: Iterable[tuple[str, str, str, str]], seq_len: int, *, pack: bool = False, tokenizer: Any = None
+    rows: Iterable[tuple[str, str, str, str]], seq_len: int, *, tokenizer: Any, pack: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(x, y, positions)``: int64 ``(N, seq_len)``, a padded sequence per row or rows packed greedily;
     ``y`` is ``x`` shifted by one with :data:`IGNORE_INDEX` on prompt and padding, ``positions`` each
     token's position within its row (trailing padding counts as one more row).
     """
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
     eot = tokenizer.eot_token
     windows: list[tuple[list[int], list[bool], list[int]]] = []
     for instruction, input, response, where in rows:
@@ -250,11 +247,10 @@ class InstructionLoader:
         else:
             rows = list(source)
         self.num_rows = len(rows)
-        if not rows:
-            raise InvalidValueError("no instruction rows to load")
         self.x, self.y, self.positions = build_sequences(rows, seq_len, pack=pack, tokenizer=tokenizer)
         self.num_sequences = len(self.x)
-        if shuffle and self.num_sequences < batch_size * world_size:
+        # Training needs a whole step; validation at least one sequence (no rows make none).
+        if self.num_sequences < (batch_size * world_size if shuffle else 1):
             raise InvalidValueError(
                 f"{self.num_rows} rows make {self.num_sequences} sequences, fewer than one step needs "
                 f"(batch_size {batch_size} x world_size {world_size}); use a smaller --micro-batch-size or more rows"
@@ -280,10 +276,6 @@ class InstructionLoader:
         return math.ceil(self.num_sequences / per_step)
 
     @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len * self.world_size
-
-    @property
     def num_targets(self) -> int:
         """Response tokens (the loss's tokens) over all sequences."""
         return int((self.y != IGNORE_INDEX).sum())
@@ -296,7 +288,8 @@ class InstructionLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict]:
         B = self.batch_size
         start = self._position + self.rank * B
-        picked = self._order[start : start + B]
+        # The epoch's order is derived from (seed, epoch) when needed, not stored.
+        picked = self._order_of(self._epoch)[start : start + B]
         x = np.full((B, self.seq_len), self.pad_id, dtype=np.int64)
         y = np.full((B, self.seq_len), IGNORE_INDEX, dtype=np.int64)
         positions = np.tile(np.arange(self.seq_len, dtype=np.int64), (B, 1))
@@ -308,7 +301,6 @@ class InstructionLoader:
             # An unshuffled loader stays at epoch 0, so that a pass ends where it began.
             if self.shuffle:
                 self._epoch += 1
-                self._order = self._order_of(self._epoch)
             self._position = 0
         if self.pack:
             return torch.from_numpy(x), torch.from_numpy(y), packed_inputs(torch.from_numpy(positions))
@@ -316,7 +308,6 @@ class InstructionLoader:
 
     def reset(self) -> None:
         self._epoch, self._position = 0, 0
-        self._order = self._order_of(0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "position": self._position, "num_sequences": self.num_sequences}
@@ -332,7 +323,6 @@ class InstructionLoader:
                 f"{self.num_sequences}; resume with the same --data, --seq-len and --pack / --no-pack"
             )
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
-        self._order = self._order_of(self._epoch)
 
 
 # --------------------------------------------------------------------------- for the finetune job

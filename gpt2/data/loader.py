@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +22,7 @@ from gpt2.model.config import POSITIVE_INT, Range, check_value
 logger = logging.getLogger(__name__)
 # Any integer: the bounds are checked where the message can say more (rank, state).
 _INT = Range(integer=True)
-
-TokenSource = Union[torch.Tensor, np.ndarray, str, os.PathLike]
+_VOCAB_SIZE = Range(low=1, integer=True, optional=True)
 
 
 def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -125,7 +124,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        source: TokenSource,
+        source: torch.Tensor | np.ndarray | str | os.PathLike,
         batch_size: int,
         seq_len: int,
         *,
@@ -145,7 +144,6 @@ class TokenLoader:
             )
         if split is not None and (not isinstance(split, str) or not split):
             raise InvalidValueError(f"split must be a non-empty string such as 'train' or 'val', got {split!r}")
-        self.split = split
         self._source_desc, self._shards = self._resolve(source, split)
 
         needed = self.tokens_per_step + 1
@@ -157,30 +155,21 @@ class TokenLoader:
                     "targets); use a smaller --micro-batch-size or --seq-len, or more data (the validation part of a "
                     "file is its --val-fraction; short shards can be merged)"
                 )
-        self._shard_index, self._position = 0, 0
-        # The current shard, opened lazily.
-        self._tokens: np.ndarray | None = None
-        self._vocab_size: int | None = None
-        # Setting it checks the first shard's ids now.
-        self.vocab_size = vocab_size
-
-    @property
-    def vocab_size(self) -> int | None:
-        """Ids must be below this (the model's vocabulary); ``None``: not checked. Each shard is
-        checked once, when it is first opened (the first one as soon as this is set).
-        """
-        return self._vocab_size
-
-    @vocab_size.setter
-    def vocab_size(self, value: int | None) -> None:
-        self._vocab_size = check_value("TokenLoader", "vocab_size", value, Range(low=1, integer=True, optional=True))
-        if value is not None:
-            # Reopen (and so check) the current shard.
-            self._tokens = None
+        # The shard the next batch is read from, and the offset in it of the next step's first token (the
+        # same on every rank).
+        self.shard = 0
+        self.position = 0
+        # Ids must be below this (the model's vocabulary); None: not checked. Each shard's ids are checked
+        # once per vocabulary, when the shard is first opened.
+        self.vocab_size = check_value("TokenLoader", "vocab_size", vocab_size, _VOCAB_SIZE)
+        # ((index, vocab_size), tokens) of the shard last opened: the current one opens on its first read.
+        self._opened: tuple[tuple[int, int | None], np.ndarray] | None = None
+        if vocab_size is not None:
+            # The first shard's ids are checked now.
             self._current()
 
     @staticmethod
-    def _resolve(source: TokenSource, split: str | None) -> tuple[str, list[_Shard]]:
+    def _resolve(source: Any, split: str | None) -> tuple[str, list[_Shard]]:
         if isinstance(source, (torch.Tensor, np.ndarray)):
             if split is not None:
                 raise InvalidValueError(
@@ -225,41 +214,26 @@ class TokenLoader:
     def num_shards(self) -> int:
         return len(self._shards)
 
-    @property
-    def shard(self) -> int:
-        """Index of the shard the next batch is read from."""
-        return self._shard_index
-
-    @property
-    def position(self) -> int:
-        """Offset in the current shard of the next step's first token (the same on every rank)."""
-        return self._position
-
     def _current(self) -> np.ndarray:
-        if self._tokens is None:
-            self._tokens = self._shards[self._shard_index].open(self._vocab_size)
-        return self._tokens
-
-    def _set_shard(self, index: int) -> None:
-        if index != self._shard_index:
-            # Drop the old memory map; the new shard opens on first read.
-            self._tokens = None
-        self._shard_index = index
+        key = (self.shard, self.vocab_size)
+        if self._opened is None or self._opened[0] != key:
+            self._opened = (key, self._shards[self.shard].open(self.vocab_size))
+        return self._opened[1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``(x, y)``: int64 CPU tensors of shape (B, T); ``y`` is ``x`` shifted by one."""
         B, T = self.batch_size, self.seq_len
-        start = self._position + self.rank * B * T
+        start = self.position + self.rank * B * T
         # Only this slice is copied out of the memory map and widened to int64.
         buf = torch.from_numpy(np.array(self._current()[start : start + B * T + 1], dtype=np.int64))
         x = buf[:-1].view(B, T)  # (B, T)
         # y gets its own storage so that editing x in place (e.g. masking) never changes y.
         y = buf[1:].clone().view(B, T)  # (B, T)
 
-        self._position += self.tokens_per_step
-        if self._position + self.tokens_per_step + 1 > self._shards[self._shard_index].length:
-            self._set_shard((self._shard_index + 1) % len(self._shards))
-            self._position = 0
+        self.position += self.tokens_per_step
+        if self.position + self.tokens_per_step + 1 > self._shards[self.shard].length:
+            self.shard = (self.shard + 1) % len(self._shards)
+            self.position = 0
         return x, y
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -269,12 +243,12 @@ class TokenLoader:
 
     def reset(self) -> None:
         """Back to the first shard, position 0."""
-        self._set_shard(0)
-        self._position = 0
+        self.shard = 0
+        self.position = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The position as JSON-serialisable ints: ``{"shard", "position", "num_shards"}``."""
-        return {"shard": self._shard_index, "position": self._position, "num_shards": len(self._shards)}
+        return {"shard": self.shard, "position": self.position, "num_shards": len(self._shards)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly where :meth:`state_dict` was taken (``num_shards`` optional)."""
@@ -284,15 +258,12 @@ class TokenLoader:
             )
         shard = check_value("loader state", "shard", state["shard"], _INT)
         position = check_value("loader state", "position", state["position"], _INT)
-        if "num_shards" in state and state["num_shards"] != len(self._shards):
+        saved_over = state.get("num_shards", len(self._shards))
+        if saved_over != len(self._shards) or not 0 <= shard < len(self._shards):
             raise InvalidValueError(
-                f"loader state was saved over {state['num_shards']} shard(s) but this loader's source "
-                f"{self._source_desc} has {len(self._shards)}; resume with the same data (and split)"
-            )
-        if not 0 <= shard < len(self._shards):
-            raise InvalidValueError(
-                f"loader state shard={shard} is out of range: the source {self._source_desc} has "
-                f"{len(self._shards)} shard(s) (valid: 0..{len(self._shards) - 1})"
+                f"loader state shard={shard}, saved over {saved_over} shard(s), does not fit the source "
+                f"{self._source_desc}: it has {len(self._shards)} shard(s) (valid: 0..{len(self._shards) - 1}); "
+                "resume with the same data (and split)"
             )
         length = self._shards[shard].length
         if position < 0 or position >= length:
@@ -304,18 +275,8 @@ class TokenLoader:
         if position + self.tokens_per_step + 1 > length:
             logger.warning(f"a step of {self.tokens_per_step} tokens no longer fits after {position}: next shard")
             shard, position = (shard + 1) % len(self._shards), 0
-        self._set_shard(shard)
-        self._position = position
-
-    def __repr__(self) -> str:
-        split = ""
-        if self.split is not None:
-            split = f", split={self.split!r}"
-        return (
-            f"{type(self).__name__}(source={self._source_desc!r}{split}, shards={len(self._shards)}, "
-            f"num_tokens={self.num_tokens}, batch_size={self.batch_size}, seq_len={self.seq_len}, rank={self.rank}, "
-            f"world_size={self.world_size}, shard={self._shard_index}, position={self._position})"
-        )
+        self.shard = shard
+        self.position = position
 
 
 def make_loader(
@@ -348,6 +309,8 @@ def make_loader(
             )
         if vocab_size is not None and isinstance(data, TokenLoader) and data.vocab_size is None:
             data.vocab_size = vocab_size
+            # The current shard's ids are checked now, before training starts.
+            data._current()
         return data
     if isinstance(data, (str, os.PathLike, torch.Tensor, np.ndarray)):
         # Only a directory has splits to choose from.
@@ -373,13 +336,6 @@ def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torc
     at the same batch, so under DDP all ranks stop together. The loader is put back where it was
     (a training loader scored mid-run would otherwise replay its batches).
     """
-    if not hasattr(loader, "state_dict"):
-        if max_batches is None:
-            raise TypeError("a loader without state_dict() cannot tell where one pass ends: give max_batches")
-        loader.reset()
-        for _ in range(max_batches):
-            yield loader.next_batch()
-        return
     before = loader.state_dict()
     loader.reset()
     start = loader.state_dict()
@@ -391,5 +347,4 @@ def one_pass(loader: Any, max_batches: int | None = None) -> Iterator[tuple[torc
             if loader.state_dict() == start:
                 return
     finally:
-        if hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(before)
+        loader.load_state_dict(before)

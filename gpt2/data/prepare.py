@@ -39,11 +39,6 @@ _TEXT_CHUNK_CHARS = 1 << 20
 _BAR_DELAY_S = 1.0
 
 
-def shard_name(prefix: str, split: str, index: int, file_format: str = "npy") -> str:
-    """build-nanogpt's shard file name, e.g. ``edufineweb_train_000001.npy``."""
-    return f"{prefix}_{split}_{index:06d}.{file_format}"
-
-
 def _text_pieces(text: str, size: int) -> Iterator[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut just before a newline
     that sits between two non-space characters. GPT-2's pre-tokeniser always splits there (no
@@ -142,7 +137,6 @@ class _ShardWriter:
             busy + "; wait for it to finish, or choose another directory or prefix",
             PrepareLockedError,
         )
-        self.existing: list[Path] = []
         self.written: list[Path] = []
 
     def __enter__(self) -> _ShardWriter:
@@ -195,7 +189,8 @@ class _ShardWriter:
         return named
 
     def write(self, tokens: np.ndarray, split: str) -> None:
-        name = shard_name(self.prefix, split, len(self.written), self.file_format)
+        # build-nanogpt's shard file name, e.g. edufineweb_train_000001.npy.
+        name = f"{self.prefix}_{split}_{len(self.written):06d}.{self.file_format}"
         with self._writing():
             write_tokens(self.stage / name, tokens)
         logger.info("wrote %s (%d tokens)", name, len(tokens))
@@ -332,7 +327,6 @@ def write_shards(
     ``prefix`` into ``out_dir`` while this one runs raises :class:`PrepareLockedError`.
     """
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
-    tokenizer = writer.tokenizer
     num_workers = check_value("write_shards", "num_workers", num_workers, NON_NEGATIVE_INT)
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
@@ -346,14 +340,14 @@ def write_shards(
     )
     pool = None
     if num_workers > 0:
-        pool = multiprocessing.Pool(num_workers, _init_worker, (tokenizer,))
+        pool = multiprocessing.Pool(num_workers, _init_worker, (writer.tokenizer,))
     try:
         with writer:
             if pool is not None:
                 # chunksize amortises inter-process traffic over many (usually short) documents.
                 encoded = pool.imap(_encode_document_in_worker, docs, chunksize=16)
             else:
-                encoded = (encode_document(doc, tokenizer) for doc in docs)
+                encoded = (encode_document(doc, writer.tokenizer) for doc in docs)
             for piece in _fixed_size_pieces(encoded, writer.shard_size, bar):
                 # build-nanogpt's layout: the first shard is the val split.
                 split = "train" if writer.written else "val"
@@ -431,7 +425,27 @@ def tokenize_file(
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
     # The folder is locked, and an earlier data set refused, before the text is read.
     with writer:
-        chunks = _text_file_chunks(path, writer.tokenizer, val_fraction, writer.shard_size, progress)
+        text = read_text(path)
+        if not text.strip():
+            raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
+        with tqdm(
+            total=len(text),
+            unit="char",
+            unit_scale=True,
+            desc=f"tokenising {path.name}",
+            delay=_BAR_DELAY_S,
+            disable=not progress_enabled(progress),
+            leave=False,
+        ) as bar:
+            tokens = encode_document(text, writer.tokenizer, bar)
+        train, val = split_tokens(tokens, val_fraction, repr(str(path)))
+        if val is None:
+            # val_fraction 0: no val shards
+            val = tokens[:0]
+        # Shards of at most shard_size tokens: the val split split_tokens holds out, then the train split.
+        size = writer.shard_size
+        chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
+        chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
         for chunk, split in tqdm(
             chunks,
             desc=f"writing {writer.prefix} shards",
@@ -441,31 +455,3 @@ def tokenize_file(
         ):
             writer.write(chunk, split)
     return writer.written
-
-
-def _text_file_chunks(
-    path: Path, tokenizer: Any, val_fraction: float, size: int, progress: bool
-) -> list[tuple[np.ndarray, str]]:
-    """The text file's tokens as ``(shard, split)`` pieces of at most ``size`` tokens: the val split
-    :func:`split_tokens` holds out, then the train split.
-    """
-    text = read_text(path)
-    if not text.strip():
-        raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-    with tqdm(
-        total=len(text),
-        unit="char",
-        unit_scale=True,
-        desc=f"tokenising {path.name}",
-        delay=_BAR_DELAY_S,
-        disable=not progress_enabled(progress),
-        leave=False,
-    ) as bar:
-        tokens = encode_document(text, tokenizer, bar)
-    train, val = split_tokens(tokens, val_fraction, repr(str(path)))
-    if val is None:
-        # val_fraction 0: no val shards
-        val = tokens[:0]
-    chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
-    chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
-    return chunks

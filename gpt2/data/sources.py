@@ -32,14 +32,12 @@ def shakespeare_or_path(data: str) -> Path:
     return path
 
 
-def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
+def text_tokens(path: str | os.PathLike[str]) -> np.ndarray:
     """A UTF-8 text file as one document: ``<|endoftext|>`` then its GPT-2 tokens, ``uint16``
     (the layout :func:`gpt2.data.tokenize_file` writes to disk, kept in memory).
     """
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
     # read_text names the file and byte offset of non-UTF-8 text; ids past uint16 are refused.
-    return encode_document(read_text(path), tokenizer)
+    return encode_document(read_text(path), get_tokenizer())
 
 
 def load_token_source(data: str) -> Any:
