@@ -288,8 +288,7 @@ class InstructionLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict]:
         B = self.batch_size
         start = self._position + self.rank * B
-        # The epoch's order is derived from (seed, epoch) when needed, not stored.
-        picked = self._order_of(self._epoch)[start : start + B]
+        picked = self._order[start : start + B]
         x = np.full((B, self.seq_len), self.pad_id, dtype=np.int64)
         y = np.full((B, self.seq_len), IGNORE_INDEX, dtype=np.int64)
         positions = np.tile(np.arange(self.seq_len, dtype=np.int64), (B, 1))
@@ -301,6 +300,7 @@ class InstructionLoader:
             # An unshuffled loader stays at epoch 0, so that a pass ends where it began.
             if self.shuffle:
                 self._epoch += 1
+                self._order = self._order_of(self._epoch)
             self._position = 0
         if self.pack:
             return torch.from_numpy(x), torch.from_numpy(y), packed_inputs(torch.from_numpy(positions))
@@ -308,6 +308,7 @@ class InstructionLoader:
 
     def reset(self) -> None:
         self._epoch, self._position = 0, 0
+        self._order = self._order_of(0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "position": self._position, "num_sequences": self.num_sequences}
@@ -323,6 +324,7 @@ class InstructionLoader:
                 f"{self.num_sequences}; resume with the same --data, --seq-len and --pack / --no-pack"
             )
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        self._order = self._order_of(self._epoch)
 
 
 # --------------------------------------------------------------------------- for the finetune job
