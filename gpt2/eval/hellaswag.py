@@ -24,7 +24,7 @@ from gpt2.data import iter_jsonl
 from gpt2.data.downloads import path_from_env
 from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.eval import lockstep
-from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
+from gpt2.eval.loss import AutocastArg, _autocast_context, _model_device
 from gpt2.files import default_cache_dir, download
 from gpt2.model.tokenizer import get_tokenizer
 
@@ -187,7 +187,8 @@ def ending_losses(
     device = _model_device(model)
     tokens, mask = tokens.to(device), mask.to(device)
     with _autocast_context(autocast, device):
-        logits = _logits(model(tokens))  # (N, T, V)
+        # GPT's forward returns (logits, loss)
+        logits = model(tokens)[0]  # (N, T, V)
     # Position t predicts token t + 1: score each ending token from the logits just before it.
     targets, scored = tokens[:, 1:], mask[:, 1:].float()  # (N, T-1)
     losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")

@@ -27,10 +27,7 @@ AutocastArg = Union[None, torch.dtype, Callable[[], ContextManager[Any]]]
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
+    return next(model.parameters()).device
 
 
 def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextManager[Any]:
@@ -42,23 +39,6 @@ def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextMan
         return autocast()
     raise TypeError(
         f"autocast must be None, a torch.dtype or a callable returning a context manager, got {type(autocast).__name__}"
-    )
-
-
-def _logits(output: Any) -> torch.Tensor:
-    """Logits from a forward output: GPT's ``(logits, loss)`` tuple, a bare tensor, or an
-    object with ``.logits`` (a ``transformers`` model).
-    """
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    raise TypeError(
-        f"the model's forward returned {type(output).__name__}; expected logits, a (logits, loss) "
-        f"tuple, or an object with .logits"
     )
 
 
@@ -212,7 +192,8 @@ def _batch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss of one batch and its number of scored tokens."""
     with _autocast_context(autocast, device):
-        logits = _logits(model(x)).float()
+        # GPT's forward returns (logits, loss)
+        logits = model(x)[0].float()
     # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
     # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
     # scored and not counted, so the mean is over the scored tokens only.
