@@ -408,13 +408,10 @@ def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, 
     if limit is not None:
         resident = memory_now()[1] / GIB
         where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {resident:.2f} GiB)"
-    if not trials:
-        return (
-            f"the model with its gradients and optimizer state does not fit in {where}: no micro_batch_size='auto' "
-            "can; train a smaller model, or give it more memory"
-        )
+    # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
+    tried = describe(trials) or "none: the model with its gradients and optimizer state does not fit"
     return (
-        f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {describe(trials)}); lower seq_len, "
+        f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {tried}); lower seq_len, "
         "use activation_checkpointing or a lower precision, or give it more memory"
     )
 
