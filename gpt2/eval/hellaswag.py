@@ -217,8 +217,6 @@ def score_hellaswag(
     _check_limit_and_share(limit, rank, world_size)
     if device is not None:
         model = model.to(device)
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
     if isinstance(path_or_examples, (str, os.PathLike)):
         # The file reader checks each example, naming its line.
         examples = iterate_hellaswag(path_or_examples)
