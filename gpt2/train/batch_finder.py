@@ -290,15 +290,12 @@ def resolve_micro_batch_size(
         return config
     env = env or DistributedEnv()
     per_process = sequences_per_process(config, env.world_size)
-    every = candidate_sizes(per_process)
-    sizes = sizes_the_data_holds(every, data, config.seq_len, env)
+    sizes = sizes_the_data_holds(candidate_sizes(per_process), data, config.seq_len, env)
     recorded = recorded_micro_batch_size(config, env.world_size, sizes)
     if recorded is not None:
         size, how = recorded
     else:
         size, how = _find(config, (model, optimizer, autocast), device, env.world_size, sizes)
-    if sizes[-1] < every[-1]:
-        how += f"; the data holds steps of {sizes[-1]} at most"
     steps = 1
     if per_process is not None:
         steps = per_process // size
