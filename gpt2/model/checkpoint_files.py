@@ -254,8 +254,6 @@ def read_checkpoint(
     (for checking that they fit a model whose shards will be loaded with :mod:`gpt2.train.fsdp`).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
     problems: list[tuple[str, str]] = []
     meta = read_meta(path, problems)
     read = [META_FILE]
