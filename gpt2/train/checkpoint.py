@@ -79,9 +79,7 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, cuda)
         by_rank = dict(enumerate(gathered))
-    by_rank = {rank: s for rank, s in by_rank.items() if s is not None}
-    if by_rank:
-        state["cuda_by_rank"] = by_rank
+    state["cuda_by_rank"] = {rank: s for rank, s in by_rank.items() if s is not None}
     return state
 
 
