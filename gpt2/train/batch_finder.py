@@ -53,7 +53,7 @@ from gpt2.data.loader import make_loader
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.model.checkpoint_files import find_latest_checkpoint, read_meta
 from gpt2.train import distributed
-from gpt2.train.config import AUTO, TrainConfig, sequences_per_process
+from gpt2.train.config import AUTO, TrainConfig, grad_accum_steps, sequences_per_process
 from gpt2.train.distributed import DistributedEnv
 
 logger = logging.getLogger(__name__)
@@ -169,9 +169,9 @@ def address_space_limit(limit_bytes: int) -> Iterator[None]:
         )
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     lowered = mapped + (limit_bytes - resident)
-    for bound in (soft, hard):
-        if bound != resource.RLIM_INFINITY:
-            lowered = min(lowered, bound)
+    # The soft limit is at most the hard one.
+    if soft != resource.RLIM_INFINITY:
+        lowered = min(lowered, soft)
     resource.setrlimit(resource.RLIMIT_AS, (lowered, hard))
     try:
         yield
@@ -296,9 +296,8 @@ def resolve_micro_batch_size(
         size, how = recorded
     else:
         size, how = _find(config, (model, optimizer, autocast), device, env.world_size, sizes)
-    steps = 1
-    if per_process is not None:
-        steps = per_process // size
+    resolved = dataclasses.replace(config, micro_batch_size=size)
+    steps = grad_accum_steps(resolved, env.world_size)
     if env.is_main:
         logger.info(
             "micro-batch size auto: %d sequences of %d tokens %s; accumulation %d micro-step%s per step",
@@ -308,7 +307,7 @@ def resolve_micro_batch_size(
             steps,
             "s" * (steps != 1),
         )
-    return dataclasses.replace(config, micro_batch_size=size)
+    return resolved
 
 
 def sizes_the_data_holds(
