@@ -370,8 +370,7 @@ def _find(
 def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
     """The CPU's limit in bytes (None on a GPU), refused in one line where a CPU run cannot be held to one."""
     if device.type != "cpu":
-        if config.memory_limit_gb is not None:
-            logger.warning("memory_limit_gb applies on a CPU; on %s its own memory is the limit", device)
+        # On a GPU its own memory is the limit (memory_limit_gb is for a CPU).
         return None
     if config.memory_limit_gb is None:
         raise InvalidValueError(
