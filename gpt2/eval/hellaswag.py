@@ -214,7 +214,16 @@ def score_hellaswag(
         examples = iterate_hellaswag(path_or_examples)
     else:
         examples = (_check_example(example, "example", 0) for example in path_or_examples)
-    counts = _count_correct(model, itertools.islice(examples, limit), tokenizer, autocast, rank, world_size)
+    # [correct by summed loss, correct by mean loss, examples] over this rank's share (every world_size-th from rank)
+    counts = torch.zeros(3, dtype=torch.long)
+
+    def score(example: dict[str, Any], counted: bool) -> None:
+        tokens, mask, label = render_example(example, tokenizer)
+        sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
+        if counted:
+            counts.add_(torch.tensor([int(sum_loss.argmin()) == label, int(mean_loss.argmin()) == label, 1]))
+
+    lockstep.score_share(model, itertools.islice(examples, limit), rank, world_size, score)
     if world_size > 1:
         counts = counts.to(_model_device(model))
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
@@ -231,29 +240,6 @@ def _check_limit_and_share(limit: int | None, rank: int, world_size: int) -> Non
         raise InvalidValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
-
-
-def _count_correct(
-    model: nn.Module,
-    examples: Iterable[dict[str, Any]],
-    tokenizer: Any,
-    autocast: AutocastArg,
-    rank: int,
-    world_size: int,
-) -> torch.Tensor:
-    """``[correct by summed loss, correct by mean loss, examples]`` over this rank's share of ``examples``
-    (checked ones; every ``world_size``-th from ``rank``), the model in eval mode meanwhile.
-    """
-    counts = torch.zeros(3, dtype=torch.long)
-
-    def score(example: dict[str, Any], counted: bool) -> None:
-        tokens, mask, label = render_example(example, tokenizer)
-        sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
-        if counted:
-            counts.add_(torch.tensor([int(sum_loss.argmin()) == label, int(mean_loss.argmin()) == label, 1]))
-
-    lockstep.score_share(model, examples, rank, world_size, score)
-    return counts
 
 
 def resolve_hellaswag(spec: str | None) -> Path | None:
