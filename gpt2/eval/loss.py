@@ -172,11 +172,17 @@ def _summed_loss(
     sums = torch.zeros(2, dtype=torch.float64, device=device)
 
     def score(batch: tuple[torch.Tensor, torch.Tensor], counted: bool) -> None:
-        x, y = batch
-        loss, scored = _batch_loss(model, x.to(device), y.to(device), device, autocast)
+        x, y = batch[0].to(device), batch[1].to(device)
+        with _autocast_context(autocast, device):
+            # GPT's forward returns (logits, loss)
+            logits = model(x)[0].float()
         if counted:
+            # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
+            # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
+            # scored and not counted, so the mean is over the scored tokens only.
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
             sums[0] += loss.double()
-            sums[1] += scored
+            sums[1] += (y != IGNORE_INDEX).sum()
 
     if per_rank:
         seen = lockstep.score_share(model, batches, 0, 1, score)
@@ -185,17 +191,3 @@ def _summed_loss(
     if world_size > 1:
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
     return sums[0].item(), int(sums[1]), seen
-
-
-def _batch_loss(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, autocast: AutocastArg
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed loss of one batch and its number of scored tokens."""
-    with _autocast_context(autocast, device):
-        # GPT's forward returns (logits, loss)
-        logits = model(x)[0].float()
-    # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
-    # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
-    # scored and not counted, so the mean is over the scored tokens only.
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-    return loss, (y != IGNORE_INDEX).sum()
