@@ -20,13 +20,13 @@ from gpt2.cli import main
 from gpt2.data import TokenLoader
 from gpt2.train.batch_finder import (
     MAX_AUTO_SEQUENCES,
-    Probe,
     Trial,
     candidate_sizes,
     describe,
     is_out_of_memory,
     search,
     sizes_the_data_holds,
+    trials_on,
 )
 from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.distributed import DistributedEnv
@@ -169,10 +169,9 @@ class _OutOfMemoryAbove(nn.Module):
 def test_a_cuda_out_of_memory_error_is_caught_and_backed_off():
     model = _OutOfMemoryAbove(threshold=20)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    probe = Probe(model, optimizer, _no_autocast, device=torch.device("cpu"), seq_len=8, vocab_size=16)
-    assert probe.open()
-    size, trials = search(candidate_sizes(None), probe)
-    probe.close()
+    with trials_on(model, optimizer, _no_autocast, torch.device("cpu"), 8) as fits:
+        assert fits is not None
+        size, trials = search(candidate_sizes(None), fits)
     assert size == 16 and describe(trials) == "1, 2, 4, 8, 16, 32 out of memory"
     # the warm-up (1 sequence of a few tokens), then the trials
     assert model.sizes == [1, 1, 2, 4, 8, 16, 32]
@@ -191,11 +190,10 @@ def test_another_error_in_a_trial_is_raised():
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     model = Broken()
-    probe = Probe(
-        model, torch.optim.AdamW(model.parameters()), _no_autocast, device=torch.device("cpu"), seq_len=4, vocab_size=8
-    )
+    trials = trials_on(model, torch.optim.AdamW(model.parameters()), _no_autocast, torch.device("cpu"), 4)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        probe.open()
+        with trials:
+            pass
 
 
 def _no_autocast():
@@ -414,10 +412,9 @@ def test_trials_on_a_real_model_move_no_weight(tiny_config, optimizer):
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     opt = build_optimizer(model, TrainConfig(optimizer=optimizer, max_lr=1e-2, weight_decay=0.5, out_dir=None))
     lrs = [group["lr"] for group in opt.param_groups]
-    probe = Probe(model, opt, _no_autocast, device=torch.device("cpu"), seq_len=16, vocab_size=tiny_config.vocab_size)
-    assert probe.open() and len(opt.state) == sum(len(g["params"]) for g in opt.param_groups)
-    assert probe(2) and probe(4)
-    probe.close()
+    with trials_on(model, opt, _no_autocast, torch.device("cpu"), 16) as fits:
+        assert fits is not None and len(opt.state) == sum(len(g["params"]) for g in opt.param_groups)
+        assert fits(2) and fits(4)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     assert not opt.state and all(p.grad is None for p in model.parameters())
     assert [group["lr"] for group in opt.param_groups] == lrs

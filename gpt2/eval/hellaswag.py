@@ -24,7 +24,7 @@ from gpt2.data import iter_jsonl
 from gpt2.data.downloads import path_from_env
 from gpt2.errors import InvalidValueError, MissingFileError
 from gpt2.eval import lockstep
-from gpt2.eval.loss import AutocastArg, _autocast_context, _logits, _model_device
+from gpt2.eval.loss import AutocastArg, _autocast_context, _model_device
 from gpt2.files import default_cache_dir, download
 from gpt2.model.tokenizer import get_tokenizer
 
@@ -66,19 +66,11 @@ def hellaswag_path(split: str = "val", cache_dir: str | os.PathLike[str] | None 
         HELLASWAG_URLS[split],
         path,
         what=f"HellaSwag {split}",
-        validate=_validate_hellaswag,
+        # A proxy or captive portal can answer with HTML: what is not HellaSwag (from its first line) is not cached.
+        validate=lambda data: _check_example(json.loads(data.split(b"\n", 1)[0]), "line", 1),
         offline_hint=f"download hellaswag_{split}.jsonl elsewhere and set ${HELLASWAG_ENV} to its path, or copy it to",
     )
     return path
-
-
-def _validate_hellaswag(data: bytes) -> None:
-    """A proxy or captive portal can answer with HTML: refuse to cache what is not HellaSwag."""
-    first = data.split(b"\n", 1)[0]
-    try:
-        _check_example(json.loads(first), "line", 1)
-    except json.JSONDecodeError as e:
-        raise InvalidValueError(f"line 1 is not JSON ({e.msg})") from e
 
 
 def _check_example(example: Any, where: str, line: int) -> dict[str, Any]:
@@ -187,7 +179,8 @@ def ending_losses(
     device = _model_device(model)
     tokens, mask = tokens.to(device), mask.to(device)
     with _autocast_context(autocast, device):
-        logits = _logits(model(tokens))  # (N, T, V)
+        # GPT's forward returns (logits, loss)
+        logits = model(tokens)[0]  # (N, T, V)
     # Position t predicts token t + 1: score each ending token from the logits just before it.
     targets, scored = tokens[:, 1:], mask[:, 1:].float()  # (N, T-1)
     losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
@@ -216,14 +209,21 @@ def score_hellaswag(
     _check_limit_and_share(limit, rank, world_size)
     if device is not None:
         model = model.to(device)
-    if tokenizer is None:
-        tokenizer = get_tokenizer()
     if isinstance(path_or_examples, (str, os.PathLike)):
         # The file reader checks each example, naming its line.
         examples = iterate_hellaswag(path_or_examples)
     else:
         examples = (_check_example(example, "example", 0) for example in path_or_examples)
-    counts = _count_correct(model, itertools.islice(examples, limit), tokenizer, autocast, rank, world_size)
+    # [correct by summed loss, correct by mean loss, examples] over this rank's share (every world_size-th from rank)
+    counts = torch.zeros(3, dtype=torch.long)
+
+    def score(example: dict[str, Any], counted: bool) -> None:
+        tokens, mask, label = render_example(example, tokenizer)
+        sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
+        if counted:
+            counts.add_(torch.tensor([int(sum_loss.argmin()) == label, int(mean_loss.argmin()) == label, 1]))
+
+    lockstep.score_share(model, itertools.islice(examples, limit), rank, world_size, score)
     if world_size > 1:
         counts = counts.to(_model_device(model))
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
@@ -240,29 +240,6 @@ def _check_limit_and_share(limit: int | None, rank: int, world_size: int) -> Non
         raise InvalidValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
-
-
-def _count_correct(
-    model: nn.Module,
-    examples: Iterable[dict[str, Any]],
-    tokenizer: Any,
-    autocast: AutocastArg,
-    rank: int,
-    world_size: int,
-) -> torch.Tensor:
-    """``[correct by summed loss, correct by mean loss, examples]`` over this rank's share of ``examples``
-    (checked ones; every ``world_size``-th from ``rank``), the model in eval mode meanwhile.
-    """
-    counts = torch.zeros(3, dtype=torch.long)
-
-    def score(example: dict[str, Any], counted: bool) -> None:
-        tokens, mask, label = render_example(example, tokenizer)
-        sum_loss, mean_loss = ending_losses(model, tokens, mask, autocast)
-        if counted:
-            counts.add_(torch.tensor([int(sum_loss.argmin()) == label, int(mean_loss.argmin()) == label, 1]))
-
-    lockstep.score_share(model, examples, rank, world_size, score)
-    return counts
 
 
 def resolve_hellaswag(spec: str | None) -> Path | None:

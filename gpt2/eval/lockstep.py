@@ -28,9 +28,8 @@ def score_share(
     seen = 0
     item = None
     try:
-        for i, item in enumerate(items):
-            seen += 1
-            if i % world_size == rank:
+        for seen, item in enumerate(items, 1):
+            if (seen - 1) % world_size == rank:
                 score(item, True)
         sharded = any(torch_compat.is_fsdp_module(module) for module in model.modules())
         in_last_round = seen % world_size

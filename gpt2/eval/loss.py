@@ -27,10 +27,7 @@ AutocastArg = Union[None, torch.dtype, Callable[[], ContextManager[Any]]]
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
+    return next(model.parameters()).device
 
 
 def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextManager[Any]:
@@ -42,23 +39,6 @@ def _autocast_context(autocast: AutocastArg, device: torch.device) -> ContextMan
         return autocast()
     raise TypeError(
         f"autocast must be None, a torch.dtype or a callable returning a context manager, got {type(autocast).__name__}"
-    )
-
-
-def _logits(output: Any) -> torch.Tensor:
-    """Logits from a forward output: GPT's ``(logits, loss)`` tuple, a bare tensor, or an
-    object with ``.logits`` (a ``transformers`` model).
-    """
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    raise TypeError(
-        f"the model's forward returned {type(output).__name__}; expected logits, a (logits, loss) "
-        f"tuple, or an object with .logits"
     )
 
 
@@ -192,11 +172,17 @@ def _summed_loss(
     sums = torch.zeros(2, dtype=torch.float64, device=device)
 
     def score(batch: tuple[torch.Tensor, torch.Tensor], counted: bool) -> None:
-        x, y = batch
-        loss, scored = _batch_loss(model, x.to(device), y.to(device), device, autocast)
+        x, y = batch[0].to(device), batch[1].to(device)
+        with _autocast_context(autocast, device):
+            # GPT's forward returns (logits, loss)
+            logits = model(x)[0].float()
         if counted:
+            # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
+            # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
+            # scored and not counted, so the mean is over the scored tokens only.
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
             sums[0] += loss.double()
-            sums[1] += scored
+            sums[1] += (y != IGNORE_INDEX).sum()
 
     if per_rank:
         seen = lockstep.score_share(model, batches, 0, 1, score)
@@ -205,16 +191,3 @@ def _summed_loss(
     if world_size > 1:
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
     return sums[0].item(), int(sums[1]), seen
-
-
-def _batch_loss(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, autocast: AutocastArg
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed loss of one batch and its number of scored tokens."""
-    with _autocast_context(autocast, device):
-        logits = _logits(model(x)).float()
-    # Loss in fp32 whatever the autocast dtype; summed so batches weigh by their tokens.
-    # Targets equal to IGNORE_INDEX (prompt and padding of instruction data) are not
-    # scored and not counted, so the mean is over the scored tokens only.
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-    return loss, (y != IGNORE_INDEX).sum()

@@ -144,10 +144,8 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     damaged file (safetensors checks the header against the size) raises :class:`CheckpointError`.
     """
     path = Path(path)
-    if not path.exists():
-        raise _file_error(path, "is missing")
     if not path.is_file():
-        raise _file_error(path, "is not a file")
+        raise _file_error(path, "is missing or is not a file")
     try:
         with safe_open(str(path), "pt") as f:
             metadata = f.metadata() or {}
@@ -256,8 +254,6 @@ def read_checkpoint(
     (for checking that they fit a model whose shards will be loaded with :mod:`gpt2.train.fsdp`).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a directory", [(str(path), "is not a directory")])
     problems: list[tuple[str, str]] = []
     meta = read_meta(path, problems)
     read = [META_FILE]
@@ -358,10 +354,7 @@ def _check_digests(path: Path, names: list[str], problems: list[tuple[str, str]]
     """
     expected = read_digests(path / DIGEST_FILE)
     if expected is None:
-        why = "is missing"
-        if os.path.lexists(path / DIGEST_FILE):
-            why = "cannot be read (not in sha256sum format)"
-        problems.append((str(path / DIGEST_FILE), why))
+        problems.append((str(path / DIGEST_FILE), "is missing or not in sha256sum format"))
         return
     damaged = {file for file, _ in problems}
     for name in names:

@@ -53,7 +53,7 @@ from gpt2.data.loader import make_loader
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.model.checkpoint_files import find_latest_checkpoint, read_meta
 from gpt2.train import distributed
-from gpt2.train.config import AUTO, TrainConfig, sequences_per_process
+from gpt2.train.config import AUTO, TrainConfig, grad_accum_steps, sequences_per_process
 from gpt2.train.distributed import DistributedEnv
 
 logger = logging.getLogger(__name__)
@@ -169,9 +169,9 @@ def address_space_limit(limit_bytes: int) -> Iterator[None]:
         )
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     lowered = mapped + (limit_bytes - resident)
-    for bound in (soft, hard):
-        if bound != resource.RLIM_INFINITY:
-            lowered = min(lowered, bound)
+    # The soft limit is at most the hard one.
+    if soft != resource.RLIM_INFINITY:
+        lowered = min(lowered, soft)
     resource.setrlimit(resource.RLIMIT_AS, (lowered, hard))
     try:
         yield
@@ -180,96 +180,93 @@ def address_space_limit(limit_bytes: int) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- trials on the real model
-class Probe:
-    """Runs trials on ``module`` (one forward and backward of ``size`` random sequences) with the gradients and the
-    optimizer state allocated; :meth:`close` drops them again. ``limit_bytes``: each trial under
-    :func:`address_space_limit` (a CPU); None: the device's own memory is the limit (a GPU).
+@contextlib.contextmanager
+def trials_on(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    autocast: Callable[[], Any],
+    device: torch.device,
+    seq_len: int,
+    limit_bytes: int | None = None,
+) -> Iterator[Callable[[int], bool] | None]:
+    """Yields ``fits(size)``: whether one forward and backward of ``size`` random sequences of ``seq_len`` tokens
+    (of its ``config.vocab_size``) fits in ``module`` (``module(x, y) -> (logits, loss)``, on ``device``), with the
+    gradients and the optimizer state (of ``optimizer``, which holds its trainable parameters) allocated as a run's
+    second step has them; None when even those do not fit. ``limit_bytes``: each trial under
+    :func:`address_space_limit` (a CPU); None: the device's own memory is the limit (a GPU). On the way out the
+    gradients and the optimizer state are dropped again.
     """
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = getattr(getattr(module, "config", None), "vocab_size", None) or 1
+    was_training = module.training
 
-    def __init__(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        autocast: Callable[[], Any],
-        *,
-        device: torch.device,
-        seq_len: int,
-        vocab_size: int,
-        limit_bytes: int | None = None,
-    ) -> None:
-        # ``module(x, y) -> (logits, loss)``, on ``device``; ``optimizer`` holds its trainable parameters.
-        self.module, self.optimizer, self.autocast = module, optimizer, autocast
-        self.device, self.seq_len, self.vocab_size, self.limit_bytes = device, seq_len, vocab_size, limit_bytes
-        self._tokens = torch.Generator().manual_seed(0)
-        self._was_training = module.training
-
-    def open(self) -> bool:
-        """Warm up on a few tokens (no limit yet), then allocate the gradients and the optimizer state as a run's
-        second step has them. False when even that does not fit.
-        """
-        self.module.train()
-        if not self._run(1, min(WARMUP_TOKENS, self.seq_len), limited=False):
-            return False
-        trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
-        try:
-            for param in trainable:
-                param.grad = torch.zeros_like(param)
-            # Learning rate 0 and zero gradients: AdamW's decay (1 - lr * wd) and update are exactly nothing.
-            for group in self.optimizer.param_groups:
-                group["lr"] = 0.0
-            return self._guarded(self.optimizer.step)
-        finally:
-            for group, lr in zip(self.optimizer.param_groups, lrs):
-                group["lr"] = lr
-
-    def __call__(self, size: int) -> bool:
-        """Whether a forward and backward of ``size`` sequences fits."""
-        fitted = self._run(size, self.seq_len, limited=True)
-        self._free()
-        return fitted
-
-    def close(self) -> None:
-        """Drop the gradients and the optimizer state: the run starts as with a number given."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer.state.clear()
-        self.module.train(self._was_training)
-        self._free()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def _run(self, size: int, tokens: int, *, limited: bool) -> bool:
-        x = torch.randint(0, self.vocab_size, (size, tokens), generator=self._tokens).to(self.device)
-        limit = contextlib.nullcontext()
-        if limited and self.limit_bytes is not None:
-            # a process already at the limit fails here, as a MemoryError: the same answer on every process
-            limit = address_space_limit(self.limit_bytes)
+    def run(size: int, tokens: int, limit: contextlib.AbstractContextManager) -> bool:
+        x = torch.randint(0, vocab_size, (size, tokens), generator=generator).to(device)
 
         def forward_backward() -> None:
             with limit:
-                with self.autocast():
-                    _, loss = self.module(x, x)
+                with autocast():
+                    _, loss = module(x, x)
                 loss.backward()
 
-        return self._guarded(forward_backward)
+        return _guarded(forward_backward, device)
 
-    def _guarded(self, work: Callable[[], Any]) -> bool:
-        """``work()``; False when it ran out of memory (its tensors are gone once this returns)."""
-        try:
-            work()
-            if self.device.type == "cuda":
-                # a kernel's failure would otherwise surface later
-                torch.cuda.synchronize(self.device)
-            return True
-        except (RuntimeError, MemoryError) as error:
-            if not is_out_of_memory(error):
-                raise
-            return False
+    def fits(size: int) -> bool:
+        limit = contextlib.nullcontext()
+        if limit_bytes is not None:
+            # a process already at the limit fails here, as a MemoryError: the same answer on every process
+            limit = address_space_limit(limit_bytes)
+        fitted = run(size, seq_len, limit)
+        _free(device)
+        return fitted
 
-    def _free(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    module.train()
+    try:
+        # Warm up on a few tokens (no limit yet), then allocate the gradients and the optimizer state.
+        ready = run(1, min(WARMUP_TOKENS, seq_len), contextlib.nullcontext()) and _allocate(optimizer, device)
+        yield fits if ready else None
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+        module.train(was_training)
+        _free(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+
+def _allocate(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Zero gradients and one optimizer step at learning rate 0; False when they do not fit."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+            # Learning rate 0 and zero gradients: AdamW's decay (1 - lr * wd) and update are exactly nothing.
+            group["lr"] = 0.0
+        return _guarded(optimizer.step, device)
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+
+
+def _guarded(work: Callable[[], Any], device: torch.device) -> bool:
+    """``work()``; False when it ran out of memory (its tensors are gone once this returns)."""
+    try:
+        work()
+        if device.type == "cuda":
+            # a kernel's failure would otherwise surface later
+            torch.cuda.synchronize(device)
+        return True
+    except (RuntimeError, MemoryError) as error:
+        if not is_out_of_memory(error):
+            raise
+        return False
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------- the Trainer's entry point
@@ -293,18 +290,14 @@ def resolve_micro_batch_size(
         return config
     env = env or DistributedEnv()
     per_process = sequences_per_process(config, env.world_size)
-    every = candidate_sizes(per_process)
-    sizes = sizes_the_data_holds(every, data, config.seq_len, env)
+    sizes = sizes_the_data_holds(candidate_sizes(per_process), data, config.seq_len, env)
     recorded = recorded_micro_batch_size(config, env.world_size, sizes)
     if recorded is not None:
         size, how = recorded
     else:
         size, how = _find(config, (model, optimizer, autocast), device, env.world_size, sizes)
-    if sizes[-1] < every[-1]:
-        how += f"; the data holds steps of {sizes[-1]} at most"
-    steps = 1
-    if per_process is not None:
-        steps = per_process // size
+    resolved = dataclasses.replace(config, micro_batch_size=size)
+    steps = grad_accum_steps(resolved, env.world_size)
     if env.is_main:
         logger.info(
             "micro-batch size auto: %d sequences of %d tokens %s; accumulation %d micro-step%s per step",
@@ -314,7 +307,7 @@ def resolve_micro_batch_size(
             steps,
             "s" * (steps != 1),
         )
-    return dataclasses.replace(config, micro_batch_size=size)
+    return resolved
 
 
 def sizes_the_data_holds(
@@ -359,26 +352,13 @@ def _find(
     if limit is not None and world_size > 1 and config.strategy == "ddp":
         # DDP's gradient buckets (a copy of the gradients) are mapped on a CPU but not yet in memory: keep room for them
         trials_limit -= sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None) or 1
-    probe = Probe(
-        model,
-        optimizer,
-        autocast,
-        device=device,
-        seq_len=config.seq_len,
-        vocab_size=vocab_size,
-        limit_bytes=trials_limit,
-    )
     cuda_rng = [device] if device.type == "cuda" else []
     # dropout draws from the RNG: the run's random numbers stay those of a run with a number given
     with torch.random.fork_rng(devices=cuda_rng):
-        try:
-            ready = _agree(probe.open())
+        with trials_on(model, optimizer, autocast, device, config.seq_len, trials_limit) as fits:
             size, trials = None, []
-            if ready:
-                size, trials = search(sizes, probe, _agree)
-        finally:
-            probe.close()
+            if _agree(fits is not None):
+                size, trials = search(sizes, fits, _agree)
     if size is None:
         raise NoMicroBatchFitsError(_nothing_fits(config, device, limit, trials))
     where = f"on {device}"
@@ -390,8 +370,7 @@ def _find(
 def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
     """The CPU's limit in bytes (None on a GPU), refused in one line where a CPU run cannot be held to one."""
     if device.type != "cpu":
-        if config.memory_limit_gb is not None:
-            logger.warning("memory_limit_gb applies on a CPU; on %s its own memory is the limit", device)
+        # On a GPU its own memory is the limit (memory_limit_gb is for a CPU).
         return None
     if config.memory_limit_gb is None:
         raise InvalidValueError(
@@ -424,13 +403,10 @@ def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, 
     if limit is not None:
         resident = memory_now()[1] / GIB
         where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {resident:.2f} GiB)"
-    if not trials:
-        return (
-            f"the model with its gradients and optimizer state does not fit in {where}: no micro_batch_size='auto' "
-            "can; train a smaller model, or give it more memory"
-        )
+    # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
+    tried = describe(trials) or "none: the model with its gradients and optimizer state does not fit"
     return (
-        f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {describe(trials)}); lower seq_len, "
+        f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {tried}); lower seq_len, "
         "use activation_checkpointing or a lower precision, or give it more memory"
     )
 

@@ -79,9 +79,7 @@ def capture_rng_state(all_ranks: bool = False) -> dict[str, Any]:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, cuda)
         by_rank = dict(enumerate(gathered))
-    by_rank = {rank: s for rank, s in by_rank.items() if s is not None}
-    if by_rank:
-        state["cuda_by_rank"] = by_rank
+    state["cuda_by_rank"] = {rank: s for rank, s in by_rank.items() if s is not None}
     return state
 
 
@@ -153,8 +151,8 @@ def save_checkpoint(
     if shards:
         version = SHARDED_FORMAT_VERSION
     meta = _checkpoint_meta(raw, step, trainable_only, metadata, base_fingerprint, version)
-    # JSON has no inf/nan: they are stored as null.
-    meta_bytes = (json.dumps(_json_safe(meta), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    # Python's json writes a non-finite float as Infinity / NaN, and reads it back.
+    meta_bytes = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
     # Each file of the checkpoint and how it is written (SHA256SUMS of them follows).
     writers: dict[str, Callable[[Path], None]] = {}
     tmp = _agree(shards, lambda: _start(root, final, before_write))
@@ -335,17 +333,6 @@ def _save_error(root: Path, final: Path, writing: str, e: BaseException) -> RunO
     return output_error(root, doing, e, root, CheckpointSaveError)
 
 
-def _json_safe(value: Any) -> Any:
-    """JSON has no inf/nan: store them as None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _move_into_place(tmp: Path, final: Path) -> None:
     """rename(tmp, final); an existing ``final`` (the same step saved again) is swapped out first."""
     if not final.exists():
@@ -484,7 +471,10 @@ def load_checkpoint(
         if optimizer is not None:
             _restore_optimizer(optimizer, state["optimizer"])
     if need_state and scaler is not None and scaler.is_enabled():
-        _restore_scaler(scaler, state["scaler"], data.path)
+        if state["scaler"] is None:
+            logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", data.path)
+        else:
+            scaler.load_state_dict(state["scaler"])
     if need_state and restore_rng:
         restore_rng_state(state["rng"])
     return {**data.meta, "path": str(data.path)}
@@ -496,13 +486,6 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
     optimizer.load_state_dict(saved)
     for group, settings in zip(optimizer.param_groups, mine):
         group.update(settings)
-
-
-def _restore_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any] | None, path: Path) -> None:
-    if saved is not None:
-        scaler.load_state_dict(saved)
-    else:
-        logger.warning("checkpoint %s has no loss-scaler state; the scaler starts fresh", path)
 
 
 def _check_base(model: nn.Module, data: CheckpointData, allow: bool, own: str | None = None) -> None:
@@ -556,28 +539,21 @@ def _check_state(model: nn.Module, optimizer: Any, scaler: Any, data: Checkpoint
         )
 
 
-def _optimizer_misfit(model: nn.Module, optimizer: Any, saved: Any) -> str | None:
-    """Why the saved optimizer state does not fit ``optimizer`` (other groups, or state tensors of other shapes),
-    or None.
+def _optimizer_misfit(model: nn.Module, optimizer: Any, saved: dict[str, Any] | None) -> str | None:
+    """Why the saved optimizer state does not fit ``optimizer`` (none saved, other groups, or a state tensor, e.g.
+    Adam's ``exp_avg``, of another shape than its parameter's), or None.
     """
     if saved is None:
         return "there is none"
-    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
-        return "not an optimizer's"
     groups = [len(g["params"]) for g in optimizer.param_groups]
-    saved_groups = [len(g.get("params", ())) for g in saved["param_groups"]]
+    saved_groups = [len(g["params"]) for g in saved["param_groups"]]
     if groups != saved_groups:
         return f"parameters per group {saved_groups}, the optimizer has {groups}"
-    return _wrong_shape(model, optimizer, saved)
-
-
-def _wrong_shape(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> str | None:
-    """The first saved state tensor (e.g. Adam's ``exp_avg``) whose shape is not its parameter's, described."""
     names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in saved["param_groups"] for i in g["params"]]
     for p, i in zip(params, ids):
-        for key, value in saved.get("state", {}).get(i, {}).items():
+        for key, value in saved["state"].get(i, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
                 return f"{key} of {names.get(id(p), i)} is {list(value.shape)}, the parameter {list(p.shape)}"
     return None
