@@ -33,8 +33,7 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
-        if n_layer < 1 or max_len < 1:
-            raise InvalidValueError(f"KVCache needs n_layer >= 1 and max_len >= 1, got {n_layer}, {max_len}")
+        # max_len is checked by the forward that gets the cache (room for the new tokens, at most block_size)
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
@@ -105,6 +104,25 @@ class SamplingConfig:
             # frozen: the checked (normalised) value is set the way dataclasses set fields
             object.__setattr__(self, name, check_value("generate", name, getattr(self, name), rule))
 
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """:func:`sample_next` with these settings (checked once, when this was made)."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = _scaled_logits(logits, self.temperature)
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # (B, V)
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+            # A token stays if the mass of the tokens ranked before it is still below top_p, so the
+            # most likely token is always kept and the kept mass is the first to reach top_p.
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(before >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
 
 def sample_next(
     logits: torch.Tensor,
@@ -117,28 +135,7 @@ def sample_next(
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
     Hugging Face's samplers.
     """
-    return _sample(logits, SamplingConfig(temperature, top_k, top_p), generator)
-
-
-def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """:func:`sample_next` with its arguments checked (stream checks them once, before any work)."""
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = _scaled_logits(logits, temperature)
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # (B, V)
-    if top_p is not None and top_p < 1.0:
-        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-        # A token stays if the mass of the tokens ranked before it is still below top_p, so the
-        # most likely token is always kept and the kept mass is the first to reach top_p.
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+    return SamplingConfig(temperature, top_k, top_p).sample(logits, generator)
 
 
 def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -240,7 +237,7 @@ def stream(
         )
     if weights == "int8":
         model = int8_weights(model)
-    sample = functools.partial(_sample, sampling=sampling, generator=generator)
+    sample = functools.partial(sampling.sample, generator=generator)
     return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
 
 
@@ -397,11 +394,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> to
     """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``; keyword arguments as in
     :func:`stream` (with ``eos_token_id``, ``n`` is smaller when every row finished early).
     """
-    new = list(stream(model, idx, max_new_tokens, **kwargs))
-    idx = idx.to(model.device).long()
-    if not new:
-        return idx
-    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
+    new = [column[:, None] for column in stream(model, idx, max_new_tokens, **kwargs)]
+    return torch.cat([idx.to(model.device).long(), *new], dim=1)
 
 
 def stream_text(
