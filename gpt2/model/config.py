@@ -35,13 +35,6 @@ _LOW_SPELLING = {False: ("[", ">="), True: ("(", ">")}
 _HIGH_SPELLING = {False: ("]", "<="), True: (")", "<")}
 
 
-def _number(bound: float) -> str:
-    """A bound as messages write it: an int as it is, a float in ``%g`` form (``1e-05``, ``0.5``)."""
-    if isinstance(bound, int):
-        return str(bound)
-    return f"{bound:g}"
-
-
 @dataclass(frozen=True)
 class Range:
     """The values one numeric config field accepts: finite, of the right kind, within bounds. NaN is refused explicitly:
@@ -77,11 +70,11 @@ class Range:
         low_bracket, low_comparison = _LOW_SPELLING[self.low_open]
         high_bracket, high_comparison = _HIGH_SPELLING[self.high_open]
         if self.low is not None and self.high is not None:
-            return f" in {low_bracket}{_number(self.low)}, {_number(self.high)}{high_bracket}"
+            return f" in {low_bracket}{self.low}, {self.high}{high_bracket}"
         if self.low is not None:
-            return f" {low_comparison} {_number(self.low)}"
+            return f" {low_comparison} {self.low}"
         if self.high is not None:
-            return f" {high_comparison} {_number(self.high)}"
+            return f" {high_comparison} {self.high}"
         return ""
 
     def has_kind(self, value: Any) -> bool:
