@@ -99,21 +99,6 @@ def read_bpe_files(vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike
     for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
         if not path.is_file():
             raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
-    vocabulary = _read_gpt2_bpe(vocab_bpe, encoder_json)
-    # The encoder's other tokens are the merges' (checked there); <|endoftext|> comes last, as GPT-2's.
-    if len(vocabulary.ranks) != GPT2_VOCAB_SIZE - 1 or vocabulary.encoder.get(ENDOFTEXT) != EOT_TOKEN:
-        raise InvalidValueError(
-            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(vocabulary.ranks)} mergeable tokens and "
-            f"<|endoftext|> as id {vocabulary.encoder.get(ENDOFTEXT)}; GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 "
-            f"bytes + 50000 merges + <|endoftext|> = {EOT_TOKEN}): are these GPT-2's files?"
-        )
-    return vocabulary
-
-
-def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> BpeVocabulary:
-    """The merges, the mergeable ranks rebuilt from them, and ``encoder.json``, checked against
-    the ranks, so a mismatched pair is caught here.
-    """
     alphabet = _gpt2_byte_alphabet()
 
     def to_bytes(token: str, where: Path) -> bytes:
@@ -146,6 +131,13 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> BpeVocabulary:
             f"({len(ranks)} tokens from the merges, {len(expected)} in the encoder; first "
             f"disagreement: {bad!r}); use the vocab.bpe and encoder.json of the same GPT-2 release"
         )
+    # The encoder's other tokens are the merges' (checked above); <|endoftext|> comes last, as GPT-2's.
+    if len(ranks) != GPT2_VOCAB_SIZE - 1 or encoder.get(ENDOFTEXT) != EOT_TOKEN:
+        raise InvalidValueError(
+            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable tokens and "
+            f"<|endoftext|> as id {encoder.get(ENDOFTEXT)}; GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 "
+            f"bytes + 50000 merges + <|endoftext|> = {EOT_TOKEN}): are these GPT-2's files?"
+        )
     return BpeVocabulary(ranks, merges, encoder)
 
 
@@ -173,11 +165,7 @@ class Tokenizer:
     """
 
     def __init__(self, encoding: tiktoken.Encoding):
-        if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != GPT2_VOCAB_SIZE:
-            raise InvalidValueError(
-                f"encoding {encoding.name!r} has eot_token={encoding.eot_token} and n_vocab="
-                f"{encoding.n_vocab}; GPT-2's BPE has {EOT_TOKEN} and {GPT2_VOCAB_SIZE}"
-            )
+        # GPT-2's: from_files builds it with GPT-2's 50257 ids and <|endoftext|> = 50256
         self.encoding = encoding
 
     @classmethod
@@ -276,9 +264,6 @@ class Tokenizer:
             )
         return array.reshape(-1).tolist()
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.encoding.name!r}, n_vocab={self.n_vocab}, eot_token={self.eot_token})"
-
 
 def _check_text(text: Any) -> None:
     if not isinstance(text, str):
@@ -315,15 +300,12 @@ def tiktoken_cache_name(url: str) -> str:
 
 
 def _has_sha256(path: Path, sha256: str) -> bool:
-    """Whether ``path`` is a file with this sha256 (a file that differs is passed over, with a warning)."""
+    """Whether ``path`` is a file with this sha256 (a file that differs is passed over, with a warning; one that
+    cannot be read raises its OSError, naming it).
+    """
     if not path.is_file():
         return False
-    try:
-        found = sha256_file(path)
-    except OSError as e:
-        logger.warning("passing over %s in tiktoken's cache: %s", path, e)
-        return False
-    if found != sha256:
+    if sha256_file(path) != sha256:
         logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
         return False
     return True
