@@ -199,12 +199,10 @@ class Tokenizer:
         """Text -> ids; ``<|endoftext|>`` becomes 50256 (as in nanoGPT's ``sample.py``), an error with
         ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`.
         """
-        _check_text(text)
         return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=disallowed_special)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Text -> ids, with ``<|endoftext|>`` read as ordinary text (never id 50256)."""
-        _check_text(text)
         return self.encoding.encode_ordinary(text)
 
     def encode_batch(
@@ -216,14 +214,15 @@ class Tokenizer:
         num_threads: int = 8,
     ) -> list[list[int]]:
         """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
-        texts = _check_texts(texts)
+        _refuse_one_text(texts)
         return self.encoding.encode_batch(
             texts, num_threads=num_threads, allowed_special=allowed_special, disallowed_special=disallowed_special
         )
 
     def encode_ordinary_batch(self, texts: Sequence[str], *, num_threads: int = 8) -> list[list[int]]:
         """:meth:`encode_ordinary` over many texts, in parallel threads."""
-        return self.encoding.encode_ordinary_batch(_check_texts(texts), num_threads=num_threads)
+        _refuse_one_text(texts)
+        return self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
 
     def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
         """Ids (a list, a 1-D integer array or tensor on any device, or one id) -> text; a token
@@ -265,18 +264,10 @@ class Tokenizer:
         return array.reshape(-1).tolist()
 
 
-def _check_text(text: Any) -> None:
-    if not isinstance(text, str):
-        raise TypeError(f"expected text as a str, got {type(text).__name__}")
-
-
-def _check_texts(texts: Any) -> list[str]:
+def _refuse_one_text(texts: Any) -> None:
+    """A str is a sequence of one-character texts: refused. (tiktoken refuses a text that is not a str.)"""
     if isinstance(texts, str):
         raise TypeError("expected a sequence of texts, got a single str; use encode for one text")
-    texts = list(texts)
-    for text in texts:
-        _check_text(text)
-    return texts
 
 
 def bpe_cache_dir() -> Path:
