@@ -38,8 +38,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 
-# generate's ``weights`` switch: the model's own weights, or its int8 twin
-WEIGHTS = ("model", "int8")
 # weight rows whose largest magnitude is below this keep this int8 step (they round to zeros)
 _SMALLEST_STEP = 1e-30
 # activations are rounded to integers in [-_MAX, _MAX]
@@ -94,18 +92,13 @@ def _packed(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
     return _PACKED[key]
 
 
-def _product_shape(
-    rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return rows.new_empty(rows.size(0), qweight.size(0))
-
-
 # :func:`_product` as one operator that torch.compile does not trace into
 _PRODUCT = torch_compat.define_cpu_op(
     "gpt2::int8_product",
     "(Tensor rows, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor",
     _product,
-    _product_shape,
+    # for tracing: an empty result of the right shape
+    lambda rows, qweight, scale, bias: rows.new_empty(rows.size(0), qweight.size(0)),
 )
 
 
