@@ -14,7 +14,7 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value, rounded_up
-from gpt2.model.quantize import WEIGHTS, int8_weights
+from gpt2.model.quantize import int8_weights
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.torch_compat import uncompiled
 
@@ -230,13 +230,13 @@ def stream(
         attention_mask = _checked_attention_mask(attention_mask, idx)
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    if not isinstance(weights, str) or weights not in WEIGHTS:
+    if weights == "int8":
+        model = int8_weights(model)
+    elif weights != "model":
         raise InvalidValueError(
             f"generate.weights must be 'model' (the model's own weights) or 'int8' (every weight matrix "
             f"read in int8, on the CPU), got {weights!r}"
         )
-    if weights == "int8":
-        model = int8_weights(model)
     sample = functools.partial(sampling.sample, generator=generator)
     return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
 
@@ -366,28 +366,20 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
     """
     position_ids, attn_mask = None, None
     if mask is not None:
-        position_ids, attn_mask = _padding_inputs(ids, cache, mask)
+        T, t = ids.size(1), mask.size(1)
+        # keys attended over
+        S = cache.max_len if cache is not None else t
+        # (B, T), not a view: see _stream
+        position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)
+        # (B, S): slots not written yet are False
+        keys = torch.nn.functional.pad(mask, (0, S - t))
+        causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
+        # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
+        # query may see itself (pad positions' outputs are never used).
+        own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
+        own[torch.arange(T), torch.arange(t - T, t)] = True
+        attn_mask = (causal[None, None] & keys[:, None, None, :]) | own[None, None]  # (B, 1, T, S)
     return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask, head=False)[0]
-
-
-def _padding_inputs(ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The position ids ``(B, T)`` and attention mask ``(B, 1, T, S)`` of a forward over ``ids`` ``(B, T)`` whose
-    context so far (cached + new tokens) has the padding ``mask`` ``(B, t)``.
-    """
-    T, t = ids.size(1), mask.size(1)
-    # keys attended over
-    S = cache.max_len if cache is not None else t
-    # (B, T), not a view: see _stream
-    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)
-    # (B, S): slots not written yet are False
-    keys = torch.nn.functional.pad(mask, (0, S - t))
-    causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
-    # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
-    # query may see itself (pad positions' outputs are never used).
-    own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
-    own[torch.arange(T), torch.arange(t - T, t)] = True
-    attn_mask = (causal[None, None] & keys[:, None, None, :]) | own[None, None]  # (B, 1, T, S)
-    return position_ids, attn_mask
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
