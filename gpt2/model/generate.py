@@ -227,7 +227,15 @@ def stream(
     device = model.device
     idx = idx.to(device).long()
     if attention_mask is not None:
-        attention_mask = _checked_attention_mask(attention_mask, idx)
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if not bool(attention_mask[:, -1].all()):
+            raise InvalidValueError(
+                "prompts must be left-padded: the last position of every row must be a real token "
+                "(attention_mask True); build them with gpt2.pad_prompts"
+            )
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
     if weights == "int8":
@@ -280,20 +288,6 @@ def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
             f"prompt token ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad} "
             f"(min {lo}, max {hi}); was the prompt encoded with another tokenizer?"
         )
-
-
-def _checked_attention_mask(attention_mask: Any, idx: torch.Tensor) -> torch.Tensor:
-    """``attention_mask`` as a boolean tensor on ``idx``'s device, once it is known to be of left-padded prompts."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
-        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-        raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
-    attention_mask = attention_mask.to(device=idx.device, dtype=torch.bool)
-    if not bool(attention_mask[:, -1].all()):
-        raise InvalidValueError(
-            "prompts must be left-padded: the last position of every row must be a real token "
-            "(attention_mask True); build them with gpt2.pad_prompts"
-        )
-    return attention_mask
 
 
 def _stream(
