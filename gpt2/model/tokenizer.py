@@ -56,9 +56,6 @@ BPE_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
 }
 
-# tiktoken's own cache folders, in the order tiktoken reads them (tiktoken/load.py).
-TIKTOKEN_CACHE_VARIABLES = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
-
 AllowedSpecial = Union[Literal["all"], Collection[str]]
 
 
@@ -224,7 +221,7 @@ class Tokenizer:
         _refuse_one_text(texts)
         return self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
 
-    def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
         """Ids (a list, a 1-D integer array or tensor on any device, or one id) -> text; a token
         boundary inside a multi-byte character becomes U+FFFD with ``errors="replace"``.
         """
@@ -242,9 +239,6 @@ class Tokenizer:
             raise TypeError("decode expects token ids, got a str; did you mean encode?")
         if isinstance(ids, torch.Tensor):
             ids = ids.cpu()
-        elif not isinstance(ids, (np.ndarray, int, np.integer, Sequence)):
-            # an iterator (a generator, map) is read once, here
-            ids = list(ids)
         array = np.asarray(ids)
         # an empty list reads as float64
         if array.size == 0:
@@ -279,7 +273,8 @@ def tiktoken_cache_dirs() -> list[Path]:
     """The folders of tiktoken's cache that the environment names: ``TIKTOKEN_CACHE_DIR``, then
     ``DATA_GYM_CACHE_DIR`` (an empty value, which turns tiktoken's cache off, names none).
     """
-    return [Path(os.environ[name]) for name in TIKTOKEN_CACHE_VARIABLES if os.environ.get(name)]
+    # tiktoken's own cache folders, in the order tiktoken reads them (tiktoken/load.py)
+    return [Path(os.environ[name]) for name in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR") if os.environ.get(name)]
 
 
 def tiktoken_cache_name(url: str) -> str:
