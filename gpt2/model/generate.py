@@ -167,8 +167,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torc
     """
     if isinstance(prompts, torch.Tensor) or len(prompts) == 0:
         raise InvalidValueError("prompts must be a non-empty list of token-id lists")
-    if any(len(p) == 0 for p in prompts):
-        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
         raise InvalidValueError(f"every prompt needs at least one token; prompts {empty} are empty")
     pad_id = check_value("pad_prompts", "pad_id", pad_id, Range(low=0, integer=True))
     T = max(len(p) for p in prompts)
@@ -306,10 +306,9 @@ def _stream(
     prefill = uncompiled(model)
     try:
         block_size = model.config.block_size
-        B = idx.size(0)
         # The cache holds what this call can reach (fewer keys to attend over than a full context), rounded up
         cache_len = min(block_size, rounded_up(idx.size(1) + max_new_tokens, CACHE_LENGTH_MULTIPLE))
-        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
         tokens, mask = idx, attention_mask
