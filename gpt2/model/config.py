@@ -98,9 +98,8 @@ class Range:
 
 def _kind_hint(value: Any, rule: Range) -> str:
     """What a value of the wrong kind most likely means, for the error message."""
-    if isinstance(value, str) and rule.integer:
-        return " (not a string)"
-    if isinstance(value, str):
+    # (an int field's string needs no hint: the message shows its quotes)
+    if isinstance(value, str) and not rule.integer:
         return " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)"
     if isinstance(value, float) and rule.integer:
         return " (not a float)"
