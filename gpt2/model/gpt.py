@@ -286,7 +286,6 @@ class GPT(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
         """Sample ``max_new_tokens`` after ``idx``; see :func:`gpt2.model.generate.generate`."""
         return _generate(self, idx, max_new_tokens, **kwargs)
