@@ -208,18 +208,15 @@ class Tokenizer:
         *,
         allowed_special: AllowedSpecial = "all",
         disallowed_special: AllowedSpecial = "all",
-        num_threads: int = 8,
     ) -> list[list[int]]:
         """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
         _refuse_one_text(texts)
-        return self.encoding.encode_batch(
-            texts, num_threads=num_threads, allowed_special=allowed_special, disallowed_special=disallowed_special
-        )
+        return self.encoding.encode_batch(texts, allowed_special=allowed_special, disallowed_special=disallowed_special)
 
-    def encode_ordinary_batch(self, texts: Sequence[str], *, num_threads: int = 8) -> list[list[int]]:
+    def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode_ordinary` over many texts, in parallel threads."""
         _refuse_one_text(texts)
-        return self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
+        return self.encoding.encode_ordinary_batch(texts)
 
     def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
         """Ids (a list, a 1-D integer array or tensor on any device, or one id) -> text; a token
