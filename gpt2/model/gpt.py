@@ -391,12 +391,12 @@ LOW_LOGITS_ROW_ALIGN = 32
 def _logits_buffer(
     name: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN`: the fp32
-    logits, (bf16 / fp16) a low-precision matmul's output, or another ``name``'s. On CPU one of each ``name`` is
-    kept between calls: a fresh 100-200 MB block costs its page faults again each time (glibc returns blocks over
-    32 MB to the OS when they are freed).
+    """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN` in fp32, else
+    to :data:`LOW_LOGITS_ROW_ALIGN`: the fp32 logits, (bf16 / fp16) a low-precision matmul's output, or another
+    ``name``'s. On CPU one of each ``name`` is kept between calls: a fresh 100-200 MB block costs its page faults
+    again each time (glibc returns blocks over 32 MB to the OS when they are freed).
     """
-    cols = rounded_up(cols, LOGITS_ROW_ALIGN)
+    cols = rounded_up(cols, LOGITS_ROW_ALIGN if dtype == torch.float32 else LOW_LOGITS_ROW_ALIGN)
     if device.type != "cpu" or torch.compiler.is_compiling():
         return torch.empty(rows, cols, dtype=dtype, device=device)
     kept = getattr(_kept, name, None)
@@ -443,8 +443,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # (bf16 / fp16) for the logits' product, then under bf16 the chunk's gradient: no fresh block per chunk
         low = None
         if dtype != torch.float32:
-            cols = rounded_up(buffer.size(1), LOW_LOGITS_ROW_ALIGN)
-            low = _logits_buffer("low_logits", buffer.size(0), cols, x.device, dtype)
+            low = _logits_buffer("low_logits", buffer.size(0), buffer.size(1), x.device, dtype)
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
                 chunk = slice(s, s + chunk_rows)
