@@ -36,8 +36,6 @@ from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import DownloadError, default_cache_dir, download, sha256_file
 from gpt2.model.config import GPT2_VOCAB_SIZE
 
-__all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
-
 logger = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
@@ -282,18 +280,6 @@ def tiktoken_cache_name(url: str) -> str:
     return hashlib.sha1(url.encode(), usedforsecurity=False).hexdigest()
 
 
-def _has_sha256(path: Path, sha256: str) -> bool:
-    """Whether ``path`` is a file with this sha256 (a file that differs is passed over, with a warning; one that
-    cannot be read raises its OSError, naming it).
-    """
-    if not path.is_file():
-        return False
-    if sha256_file(path) != sha256:
-        logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
-        return False
-    return True
-
-
 def _bpe_file(name: str, sha256: str) -> Path:
     """GPT-2's ``name`` (``vocab.bpe`` or ``encoder.json``) from tiktoken's cache, else from the
     project's cache, downloaded there first if it is missing.
@@ -301,8 +287,12 @@ def _bpe_file(name: str, sha256: str) -> Path:
     url = _GPT2_BPE_URL + name
     for directory in tiktoken_cache_dirs():
         path = directory / tiktoken_cache_name(url)
-        if _has_sha256(path, sha256):
+        # a file that differs is passed over, with a warning (one that cannot be read raises its OSError)
+        if not path.is_file():
+            continue
+        if sha256_file(path) == sha256:
             return path
+        logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
     path = bpe_cache_dir() / name
     if path.is_file():
         return path
