@@ -5,8 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -245,8 +244,7 @@ def stream(
             f"generate.weights must be 'model' (the model's own weights) or 'int8' (every weight matrix "
             f"read in int8, on the CPU), got {weights!r}"
         )
-    sample = functools.partial(sampling.sample, generator=generator)
-    return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
+    return _stream(model, idx, max_new_tokens, sampling, generator, eos_token_id, use_cache, attention_mask)
 
 
 def check_index_tensor(name: str, value: Any) -> None:
@@ -294,7 +292,8 @@ def _stream(
     model: GPT,
     idx: torch.Tensor,
     max_new_tokens: int,
-    sample: Callable[[torch.Tensor], torch.Tensor],
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
     eos_token_id: int | None,
     use_cache: bool,
     attention_mask: torch.Tensor | None,
@@ -336,7 +335,7 @@ def _stream(
                 # (B, C): the last position's hidden states. The head reads them alone: the prompt's other
                 # positions are never sampled (a 1,000-token prompt at 124M would cost 77 GFLOP and 200 MB more).
                 hidden = hidden[:, -1]
-                nxt = sample(model.logits(hidden))
+                nxt = sampling.sample(model.logits(hidden), generator)
                 if eos_token_id is not None:
                     # Finished rows keep emitting EOS, so the output stays rectangular.
                     nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
