@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,12 +23,9 @@ from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 from gpt2.model import hf
 from gpt2.model.config import GPTConfig, rounded_up
-from gpt2.model.generate import check_idx, check_index_tensor
+from gpt2.model.generate import KVCache, check_idx, check_index_tensor
 from gpt2.model.generate import generate as _generate
 from gpt2.model.generate import stream as _stream
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gpt2.model.generate import KVCache
 
 # Target value that the loss skips (nanoGPT's convention; Hugging Face uses -100).
 IGNORE_INDEX = -1
