@@ -96,16 +96,6 @@ class Range:
         return not (too_low or too_high)
 
 
-def _kind_hint(value: Any, rule: Range) -> str:
-    """What a value of the wrong kind most likely means, for the error message."""
-    # (an int field's string needs no hint: the message shows its quotes)
-    if isinstance(value, str) and not rule.integer:
-        return " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)"
-    if isinstance(value, float) and rule.integer:
-        return " (not a float)"
-    return ""
-
-
 def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     """``value`` checked against ``rule`` (a float field's int becomes a float); a ValueError
     naming ``owner.name`` otherwise.
@@ -113,7 +103,13 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     if value is None and rule.optional:
         return None
     if not rule.has_kind(value):
-        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{_kind_hint(value, rule)}")
+        # what a value of the wrong kind most likely means (an int field's string needs no hint: its quotes show)
+        hint = ""
+        if isinstance(value, str) and not rule.integer:
+            hint = " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)"
+        elif isinstance(value, float) and rule.integer:
+            hint = " (not a float)"
+        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
     if rule.integer:
         value = int(value)
     else:
