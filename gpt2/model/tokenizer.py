@@ -136,24 +136,6 @@ def read_bpe_files(vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike
     return BpeVocabulary(ranks, merges, encoder)
 
 
-def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
-    """``vocab.bpe``/``encoder.json`` in a directory, or their Hugging Face names."""
-
-    def first(*names: str) -> Path | None:
-        return next((directory / n for n in names if (directory / n).is_file()), None)
-
-    vocab_bpe, encoder_json = first("vocab.bpe", "merges.txt"), first("encoder.json", "vocab.json")
-    if vocab_bpe is None or encoder_json is None:
-        found: Any = "no such directory"
-        if directory.is_dir():
-            found = sorted(p.name for p in directory.iterdir())
-        raise TokenizerNotAvailableError(
-            f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must contain GPT-2's "
-            f"vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found {found}"
-        )
-    return vocab_bpe, encoder_json
-
-
 class Tokenizer:
     """GPT-2's BPE (50257 ids, ``<|endoftext|>`` = 50256) over a :class:`tiktoken.Encoding`; decodes
     tensors and arrays and checks ids. :func:`get_tokenizer` gives the shared instance.
@@ -318,9 +300,24 @@ def bpe_files(tokenizer_dir: str | os.PathLike | None = None) -> tuple[Path, Pat
     module's docstring gives (downloaded on first use).
     """
     tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR")
-    if tokenizer_dir:
-        return _find_bpe_files(Path(tokenizer_dir))
-    return _bpe_file("vocab.bpe", BPE_SHA256["vocab.bpe"]), _bpe_file("encoder.json", BPE_SHA256["encoder.json"])
+    if not tokenizer_dir:
+        return _bpe_file("vocab.bpe", BPE_SHA256["vocab.bpe"]), _bpe_file("encoder.json", BPE_SHA256["encoder.json"])
+    directory = Path(tokenizer_dir)
+
+    # GPT-2's names in the folder, or their Hugging Face names
+    def first(*names: str) -> Path | None:
+        return next((directory / n for n in names if (directory / n).is_file()), None)
+
+    vocab_bpe, encoder_json = first("vocab.bpe", "merges.txt"), first("encoder.json", "vocab.json")
+    if vocab_bpe is None or encoder_json is None:
+        found: Any = "no such directory"
+        if directory.is_dir():
+            found = sorted(p.name for p in directory.iterdir())
+        raise TokenizerNotAvailableError(
+            f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must contain GPT-2's "
+            f"vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found {found}"
+        )
+    return vocab_bpe, encoder_json
 
 
 @functools.cache
