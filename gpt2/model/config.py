@@ -127,10 +127,8 @@ def check_fields(config: Any, rules: dict[str, Range]) -> None:
     for name, rule in rules.items():
         setattr(config, name, check_value(owner, name, getattr(config, name), rule))
     for f in dataclasses.fields(config):
-        if f.type not in ("bool", bool):
-            continue
         value = getattr(config, f.name)
-        if not isinstance(value, bool):
+        if f.type in ("bool", bool) and not isinstance(value, bool):
             raise InvalidValueError(f"{owner}.{f.name} must be True or False, got {value!r}")
 
 
