@@ -35,13 +35,6 @@ _LOW_SPELLING = {False: ("[", ">="), True: ("(", ">")}
 _HIGH_SPELLING = {False: ("]", "<="), True: (")", "<")}
 
 
-def _number(bound: float) -> str:
-    """A bound as messages write it: an int as it is, a float in ``%g`` form (``1e-05``, ``0.5``)."""
-    if isinstance(bound, int):
-        return str(bound)
-    return f"{bound:g}"
-
-
 @dataclass(frozen=True)
 class Range:
     """The values one numeric config field accepts: finite, of the right kind, within bounds. NaN is refused explicitly:
@@ -77,11 +70,11 @@ class Range:
         low_bracket, low_comparison = _LOW_SPELLING[self.low_open]
         high_bracket, high_comparison = _HIGH_SPELLING[self.high_open]
         if self.low is not None and self.high is not None:
-            return f" in {low_bracket}{_number(self.low)}, {_number(self.high)}{high_bracket}"
+            return f" in {low_bracket}{self.low}, {self.high}{high_bracket}"
         if self.low is not None:
-            return f" {low_comparison} {_number(self.low)}"
+            return f" {low_comparison} {self.low}"
         if self.high is not None:
-            return f" {high_comparison} {_number(self.high)}"
+            return f" {high_comparison} {self.high}"
         return ""
 
     def has_kind(self, value: Any) -> bool:
@@ -103,17 +96,6 @@ class Range:
         return not (too_low or too_high)
 
 
-def _kind_hint(value: Any, rule: Range) -> str:
-    """What a value of the wrong kind most likely means, for the error message."""
-    if isinstance(value, str) and rule.integer:
-        return " (not a string)"
-    if isinstance(value, str):
-        return " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)"
-    if isinstance(value, float) and rule.integer:
-        return " (not a float)"
-    return ""
-
-
 def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     """``value`` checked against ``rule`` (a float field's int becomes a float); a ValueError
     naming ``owner.name`` otherwise.
@@ -121,7 +103,13 @@ def check_value(owner: str, name: str, value: Any, rule: Range) -> Any:
     if value is None and rule.optional:
         return None
     if not rule.has_kind(value):
-        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{_kind_hint(value, rule)}")
+        # what a value of the wrong kind most likely means (an int field's string needs no hint: its quotes show)
+        hint = ""
+        if isinstance(value, str) and not rule.integer:
+            hint = " (YAML 1.1 reads 6e-4 as a string; write 6.0e-4)"
+        elif isinstance(value, float) and rule.integer:
+            hint = " (not a float)"
+        raise InvalidValueError(f"{owner}.{name} must be {rule.describe()}, got {value!r}{hint}")
     if rule.integer:
         value = int(value)
     else:
@@ -139,10 +127,8 @@ def check_fields(config: Any, rules: dict[str, Range]) -> None:
     for name, rule in rules.items():
         setattr(config, name, check_value(owner, name, getattr(config, name), rule))
     for f in dataclasses.fields(config):
-        if f.type not in ("bool", bool):
-            continue
         value = getattr(config, f.name)
-        if not isinstance(value, bool):
+        if f.type in ("bool", bool) and not isinstance(value, bool):
             raise InvalidValueError(f"{owner}.{f.name} must be True or False, got {value!r}")
 
 
@@ -195,7 +181,7 @@ class GPTConfig:
     pad_vocab_multiple: int = 1
     # GPT-2's value.
     layer_norm_epsilon: float = 1e-5
-    # F.scaled_dot_product_attention; False: explicit softmax attention.
+    # F.scaled_dot_product_attention; False: its math backend (explicit softmax attention, in fp32).
     flash: bool = True
 
     def __post_init__(self) -> None:

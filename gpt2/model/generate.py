@@ -5,8 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,7 @@ import torch
 
 from gpt2.errors import InvalidValueError
 from gpt2.model.config import Range, check_value, rounded_up
-from gpt2.model.quantize import WEIGHTS, int8_weights
+from gpt2.model.quantize import int8_weights
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.torch_compat import uncompiled
 
@@ -33,8 +32,7 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, max_len: int, device: torch.device | str | None = None) -> None:
-        if n_layer < 1 or max_len < 1:
-            raise InvalidValueError(f"KVCache needs n_layer >= 1 and max_len >= 1, got {n_layer}, {max_len}")
+        # max_len is checked by the forward that gets the cache (room for the new tokens, at most block_size)
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
@@ -105,6 +103,25 @@ class SamplingConfig:
             # frozen: the checked (normalised) value is set the way dataclasses set fields
             object.__setattr__(self, name, check_value("generate", name, getattr(self, name), rule))
 
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """:func:`sample_next` with these settings (checked once, when this was made)."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = _scaled_logits(logits, self.temperature)
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # (B, V)
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+            # A token stays if the mass of the tokens ranked before it is still below top_p, so the
+            # most likely token is always kept and the kept mass is the first to reach top_p.
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(before >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+
 
 def sample_next(
     logits: torch.Tensor,
@@ -117,28 +134,7 @@ def sample_next(
     ``top_k`` keeps ties with the k-th token; both filters apply after the temperature, as in
     Hugging Face's samplers.
     """
-    return _sample(logits, SamplingConfig(temperature, top_k, top_p), generator)
-
-
-def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """:func:`sample_next` with its arguments checked (stream checks them once, before any work)."""
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = _scaled_logits(logits, temperature)
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # (B, V)
-    if top_p is not None and top_p < 1.0:
-        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-        # A token stays if the mass of the tokens ranked before it is still below top_p, so the
-        # most likely token is always kept and the kept mass is the first to reach top_p.
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+    return SamplingConfig(temperature, top_k, top_p).sample(logits, generator)
 
 
 def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -170,8 +166,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torc
     """
     if isinstance(prompts, torch.Tensor) or len(prompts) == 0:
         raise InvalidValueError("prompts must be a non-empty list of token-id lists")
-    if any(len(p) == 0 for p in prompts):
-        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
         raise InvalidValueError(f"every prompt needs at least one token; prompts {empty} are empty")
     pad_id = check_value("pad_prompts", "pad_id", pad_id, Range(low=0, integer=True))
     T = max(len(p) for p in prompts)
@@ -230,18 +226,25 @@ def stream(
     device = model.device
     idx = idx.to(device).long()
     if attention_mask is not None:
-        attention_mask = _checked_attention_mask(attention_mask, idx)
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        if not bool(attention_mask[:, -1].all()):
+            raise InvalidValueError(
+                "prompts must be left-padded: the last position of every row must be a real token "
+                "(attention_mask True); build them with gpt2.pad_prompts"
+            )
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    if not isinstance(weights, str) or weights not in WEIGHTS:
+    if weights == "int8":
+        model = int8_weights(model)
+    elif weights != "model":
         raise InvalidValueError(
             f"generate.weights must be 'model' (the model's own weights) or 'int8' (every weight matrix "
             f"read in int8, on the CPU), got {weights!r}"
         )
-    if weights == "int8":
-        model = int8_weights(model)
-    sample = functools.partial(_sample, sampling=sampling, generator=generator)
-    return _stream(model, idx, max_new_tokens, sample, eos_token_id, use_cache, attention_mask)
+    return _stream(model, idx, max_new_tokens, sampling, generator, eos_token_id, use_cache, attention_mask)
 
 
 def check_index_tensor(name: str, value: Any) -> None:
@@ -285,25 +288,12 @@ def _check_prompt_ids(idx: torch.Tensor, vocab_size: int) -> None:
         )
 
 
-def _checked_attention_mask(attention_mask: Any, idx: torch.Tensor) -> torch.Tensor:
-    """``attention_mask`` as a boolean tensor on ``idx``'s device, once it is known to be of left-padded prompts."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != idx.shape:
-        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-        raise InvalidValueError(f"attention_mask must be a tensor of idx's shape {tuple(idx.shape)}, got {got}")
-    attention_mask = attention_mask.to(device=idx.device, dtype=torch.bool)
-    if not bool(attention_mask[:, -1].all()):
-        raise InvalidValueError(
-            "prompts must be left-padded: the last position of every row must be a real token "
-            "(attention_mask True); build them with gpt2.pad_prompts"
-        )
-    return attention_mask
-
-
 def _stream(
     model: GPT,
     idx: torch.Tensor,
     max_new_tokens: int,
-    sample: Callable[[torch.Tensor], torch.Tensor],
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
     eos_token_id: int | None,
     use_cache: bool,
     attention_mask: torch.Tensor | None,
@@ -315,10 +305,9 @@ def _stream(
     prefill = uncompiled(model)
     try:
         block_size = model.config.block_size
-        B = idx.size(0)
         # The cache holds what this call can reach (fewer keys to attend over than a full context), rounded up
         cache_len = min(block_size, rounded_up(idx.size(1) + max_new_tokens, CACHE_LENGTH_MULTIPLE))
-        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         cache: KVCache | None = None
         # everything in the context so far (prompt + generated), (B, t); its padding mask None or (B, t)
         tokens, mask = idx, attention_mask
@@ -346,7 +335,7 @@ def _stream(
                 # (B, C): the last position's hidden states. The head reads them alone: the prompt's other
                 # positions are never sampled (a 1,000-token prompt at 124M would cost 77 GFLOP and 200 MB more).
                 hidden = hidden[:, -1]
-                nxt = sample(model.logits(hidden))
+                nxt = sampling.sample(model.logits(hidden), generator)
                 if eos_token_id is not None:
                     # Finished rows keep emitting EOS, so the output stays rectangular.
                     nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
@@ -369,39 +358,28 @@ def _forward(model: GPT, ids: torch.Tensor, cache: KVCache | None, mask: torch.T
     """
     position_ids, attn_mask = None, None
     if mask is not None:
-        position_ids, attn_mask = _padding_inputs(ids, cache, mask)
+        T, t = ids.size(1), mask.size(1)
+        # keys attended over
+        S = cache.max_len if cache is not None else t
+        # (B, T), not a view: see _stream
+        position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)
+        # (B, S): slots not written yet are False
+        keys = torch.nn.functional.pad(mask, (0, S - t))
+        causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
+        # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
+        # query may see itself (pad positions' outputs are never used).
+        own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
+        own[torch.arange(T), torch.arange(t - T, t)] = True
+        attn_mask = (causal[None, None] & keys[:, None, None, :]) | own[None, None]  # (B, 1, T, S)
     return model(ids, kv_cache=cache, position_ids=position_ids, attn_mask=attn_mask, head=False)[0]
-
-
-def _padding_inputs(ids: torch.Tensor, cache: KVCache | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The position ids ``(B, T)`` and attention mask ``(B, 1, T, S)`` of a forward over ``ids`` ``(B, T)`` whose
-    context so far (cached + new tokens) has the padding ``mask`` ``(B, t)``.
-    """
-    T, t = ids.size(1), mask.size(1)
-    # keys attended over
-    S = cache.max_len if cache is not None else t
-    # (B, T), not a view: see _stream
-    position_ids = (mask.long().cumsum(dim=1)[:, t - T :] - 1).clamp(min=0)
-    # (B, S): slots not written yet are False
-    keys = torch.nn.functional.pad(mask, (0, S - t))
-    causal = torch.ones(T, S, dtype=torch.bool, device=ids.device).tril(diagonal=t - T)  # (T, S)
-    # A pad query sees no real key before it; an all-False row would make softmax NaN, so every
-    # query may see itself (pad positions' outputs are never used).
-    own = torch.zeros(T, S, dtype=torch.bool, device=ids.device)
-    own[torch.arange(T), torch.arange(t - T, t)] = True
-    attn_mask = (causal[None, None] & keys[:, None, None, :]) | own[None, None]  # (B, 1, T, S)
-    return position_ids, attn_mask
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """Prompt plus up to ``max_new_tokens`` sampled tokens, ``(B, T + n)``; keyword arguments as in
     :func:`stream` (with ``eos_token_id``, ``n`` is smaller when every row finished early).
     """
-    new = list(stream(model, idx, max_new_tokens, **kwargs))
-    idx = idx.to(model.device).long()
-    if not new:
-        return idx
-    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)
+    new = [column[:, None] for column in stream(model, idx, max_new_tokens, **kwargs)]
+    return torch.cat([idx.to(model.device).long(), *new], dim=1)
 
 
 def stream_text(

@@ -5,16 +5,17 @@ state dicts and LoRA targets read as in nanoGPT and ``transformers``; every proj
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
@@ -22,12 +23,9 @@ from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 from gpt2.model import hf
 from gpt2.model.config import GPTConfig, rounded_up
-from gpt2.model.generate import check_idx, check_index_tensor
+from gpt2.model.generate import KVCache, check_idx, check_index_tensor
 from gpt2.model.generate import generate as _generate
 from gpt2.model.generate import stream as _stream
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gpt2.model.generate import KVCache
 
 # Target value that the loss skips (nanoGPT's convention; Hugging Face uses -100).
 IGNORE_INDEX = -1
@@ -61,27 +59,13 @@ class CausalSelfAttention(nn.Module):
         # cache); a cache or padded prompts always come with an explicit boolean mask.
         is_causal = attn_mask is None
         dropout_p = self.dropout if self.training else 0.0
-        attend = F.scaled_dot_product_attention if self.flash else _manual_attention
-        y = attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        # flash=False: the math backend, the pre-flash baseline: it materialises the (T, S) score matrix and computes
+        # in fp32 (bf16 / fp16 inputs are upcast)
+        with contextlib.nullcontext() if self.flash else sdpa_kernel(SDPBackend.MATH):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         # (B, T, C): heads side by side again
         y = y.transpose(1, 2).flatten(2)
         return self.resid_dropout(self.c_proj(y))
-
-
-def _manual_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, dropout_p: float
-) -> torch.Tensor:
-    """Attention written out (materialises the (T, S) score matrix): the pre-flash baseline."""
-    T, S = q.size(-2), k.size(-2)
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
-    if is_causal:
-        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-    if attn_mask is not None:
-        att = att.masked_fill(~attn_mask, float("-inf"))
-    # softmax in fp32
-    att = F.softmax(att.float(), dim=-1).to(q.dtype)
-    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
-    return att @ v  # (B, nh, T, hs)
 
 
 class MLP(nn.Module):
@@ -299,7 +283,6 @@ class GPT(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
         """Sample ``max_new_tokens`` after ``idx``; see :func:`gpt2.model.generate.generate`."""
         return _generate(self, idx, max_new_tokens, **kwargs)
@@ -405,12 +388,12 @@ LOW_LOGITS_ROW_ALIGN = 32
 def _logits_buffer(
     name: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN`: the fp32
-    logits, (bf16 / fp16) a low-precision matmul's output, or another ``name``'s. On CPU one of each ``name`` is
-    kept between calls: a fresh 100-200 MB block costs its page faults again each time (glibc returns blocks over
-    32 MB to the OS when they are freed).
+    """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN` in fp32, else
+    to :data:`LOW_LOGITS_ROW_ALIGN`: the fp32 logits, (bf16 / fp16) a low-precision matmul's output, or another
+    ``name``'s. On CPU one of each ``name`` is kept between calls: a fresh 100-200 MB block costs its page faults
+    again each time (glibc returns blocks over 32 MB to the OS when they are freed).
     """
-    cols = rounded_up(cols, LOGITS_ROW_ALIGN)
+    cols = rounded_up(cols, LOGITS_ROW_ALIGN if dtype == torch.float32 else LOW_LOGITS_ROW_ALIGN)
     if device.type != "cpu" or torch.compiler.is_compiling():
         return torch.empty(rows, cols, dtype=dtype, device=device)
     kept = getattr(_kept, name, None)
@@ -457,8 +440,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # (bf16 / fp16) for the logits' product, then under bf16 the chunk's gradient: no fresh block per chunk
         low = None
         if dtype != torch.float32:
-            cols = rounded_up(buffer.size(1), LOW_LOGITS_ROW_ALIGN)
-            low = _logits_buffer("low_logits", buffer.size(0), cols, x.device, dtype)
+            low = _logits_buffer("low_logits", buffer.size(0), buffer.size(1), x.device, dtype)
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
                 chunk = slice(s, s + chunk_rows)
@@ -521,16 +503,14 @@ class _TiedEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, idx, weight, tied):
         ctx.save_for_backward(idx)
-        ctx.tied, ctx.weight_shape = tied, weight.shape
+        ctx.tied = tied
         return F.embedding(idx, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (idx,) = ctx.saved_tensors
+        # The loss's backward ran first (this embedding feeds the loss alone) and handed the head's gradient over.
         dw, ctx.tied.dw = ctx.tied.dw, None
-        # the loss had no gradient for the head (e.g. a backward to other inputs only)
-        if dw is None:
-            dw = grad.new_zeros(ctx.weight_shape)
         # FSDP's bf16 compute weights give a bf16 grad here and an fp32 dw (autograd casts it to the weight's dtype)
         rows = grad.reshape(-1, grad.size(-1)).to(dw.dtype)
         return None, dw.index_add_(0, idx.reshape(-1), rows), None

@@ -38,8 +38,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gpt2 import torch_compat
 from gpt2.errors import InvalidValueError
 
-# generate's ``weights`` switch: the model's own weights, or its int8 twin
-WEIGHTS = ("model", "int8")
 # weight rows whose largest magnitude is below this keep this int8 step (they round to zeros)
 _SMALLEST_STEP = 1e-30
 # activations are rounded to integers in [-_MAX, _MAX]
@@ -63,41 +61,30 @@ class Int8Linear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def _product(rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``rows`` ``(M, K)`` times the int8 weights, plus ``bias``: each row rounded to integers in ``[-_MAX, _MAX]``
-    with a step of its own, its largest magnitude / ``_MAX`` (an all-zero row keeps a tiny one: its integers are 0).
-    """
-    packed = _packed(qweight, scale)
-    if rows.size(0) == 1:
-        # one row (a decoding step at batch 1): the kernel rounds and scales it, with its step as a number
-        step = max(float(rows.abs().max()), _SMALLEST_STEP) / _MAX
-        out = torch_compat.int8_matmul(rows, packed, step)
-    else:
-        # (rows, 1)
-        top = rows.abs().amax(1, keepdim=True).clamp_(min=_SMALLEST_STEP)
-        out = torch_compat.int8_matmul(rows.mul(_MAX / top).round_(), packed).mul_(top / _MAX)
-    if bias is not None:
-        out += bias
-    return out
-
-
 # the int8 weights' storage -> their packed form (torch_compat.pack_int8), made at their first product and dropped
 # with the tensor
 _PACKED: dict[int, Any] = {}
 
 
-def _packed(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
+def _product(rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` ``(M, K)`` times the int8 weights, plus ``bias``: each row rounded to integers in ``[-_MAX, _MAX]``
+    with a step of its own, its largest magnitude / ``_MAX`` (an all-zero row keeps a tiny one: its integers are 0).
+    """
     key = qweight.data_ptr()
     if key not in _PACKED:
         _PACKED[key] = torch_compat.pack_int8(qweight, scale)
         weakref.finalize(qweight, _PACKED.pop, key, None)
-    return _PACKED[key]
-
-
-def _product_shape(
-    rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return rows.new_empty(rows.size(0), qweight.size(0))
+    if rows.size(0) == 1:
+        # one row (a decoding step at batch 1): the kernel rounds and scales it, with its step as a number
+        step = max(float(rows.abs().max()), _SMALLEST_STEP) / _MAX
+        out = torch_compat.int8_matmul(rows, _PACKED[key], step)
+    else:
+        # (rows, 1)
+        top = rows.abs().amax(1, keepdim=True).clamp_(min=_SMALLEST_STEP)
+        out = torch_compat.int8_matmul(rows.mul(_MAX / top).round_(), _PACKED[key]).mul_(top / _MAX)
+    if bias is not None:
+        out += bias
+    return out
 
 
 # :func:`_product` as one operator that torch.compile does not trace into
@@ -105,7 +92,8 @@ _PRODUCT = torch_compat.define_cpu_op(
     "gpt2::int8_product",
     "(Tensor rows, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor",
     _product,
-    _product_shape,
+    # for tracing: an empty result of the right shape
+    lambda rows, qweight, scale, bias: rows.new_empty(rows.size(0), qweight.size(0)),
 )
 
 
@@ -181,17 +169,11 @@ def _int8_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values changed since (edits through ``.data``, which leave no trace on the tensor, included).
     """
     w = weight.detach()
-    seen = _fingerprint(w)
+    # The fingerprint: the products of w's rows with a fixed random vector. A change of any value changes them (but
+    # one too small to move an fp32 sum); one pass over the weight, about a token's decoding.
+    seen = w @ torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
     kept = _KEPT.get(weight)
     if kept is None or not torch.equal(kept[0], seen):
         scale = (w.abs().amax(1) / 127).clamp(min=_SMALLEST_STEP)
         kept = _KEPT[weight] = (seen, (w / scale[:, None]).round_().to(torch.int8), scale)
     return kept[1], kept[2]
-
-
-def _fingerprint(w: torch.Tensor) -> torch.Tensor:
-    """The products of ``w``'s rows with a fixed random vector: a change of any value changes them (but one too
-    small to move an fp32 sum). One pass over the weight, about a token's decoding.
-    """
-    probe = torch.randn(w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype)
-    return w @ probe

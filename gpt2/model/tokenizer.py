@@ -36,8 +36,6 @@ from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import DownloadError, default_cache_dir, download, sha256_file
 from gpt2.model.config import GPT2_VOCAB_SIZE
 
-__all__ = ["EOT_TOKEN", "Tokenizer", "TokenizerNotAvailableError", "get_tokenizer"]
-
 logger = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
@@ -55,9 +53,6 @@ BPE_SHA256 = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
 }
-
-# tiktoken's own cache folders, in the order tiktoken reads them (tiktoken/load.py).
-TIKTOKEN_CACHE_VARIABLES = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
 
 AllowedSpecial = Union[Literal["all"], Collection[str]]
 
@@ -99,21 +94,6 @@ def read_bpe_files(vocab_bpe: str | os.PathLike, encoder_json: str | os.PathLike
     for path, what in ((vocab_bpe, "vocab.bpe (merges)"), (encoder_json, "encoder.json")):
         if not path.is_file():
             raise MissingFileError(f"GPT-2 BPE file {what} not found at {str(path)!r}")
-    vocabulary = _read_gpt2_bpe(vocab_bpe, encoder_json)
-    # The encoder's other tokens are the merges' (checked there); <|endoftext|> comes last, as GPT-2's.
-    if len(vocabulary.ranks) != GPT2_VOCAB_SIZE - 1 or vocabulary.encoder.get(ENDOFTEXT) != EOT_TOKEN:
-        raise InvalidValueError(
-            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(vocabulary.ranks)} mergeable tokens and "
-            f"<|endoftext|> as id {vocabulary.encoder.get(ENDOFTEXT)}; GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 "
-            f"bytes + 50000 merges + <|endoftext|> = {EOT_TOKEN}): are these GPT-2's files?"
-        )
-    return vocabulary
-
-
-def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> BpeVocabulary:
-    """The merges, the mergeable ranks rebuilt from them, and ``encoder.json``, checked against
-    the ranks, so a mismatched pair is caught here.
-    """
     alphabet = _gpt2_byte_alphabet()
 
     def to_bytes(token: str, where: Path) -> bytes:
@@ -146,25 +126,14 @@ def _read_gpt2_bpe(vocab_bpe: Path, encoder_json: Path) -> BpeVocabulary:
             f"({len(ranks)} tokens from the merges, {len(expected)} in the encoder; first "
             f"disagreement: {bad!r}); use the vocab.bpe and encoder.json of the same GPT-2 release"
         )
-    return BpeVocabulary(ranks, merges, encoder)
-
-
-def _find_bpe_files(directory: Path) -> tuple[Path, Path]:
-    """``vocab.bpe``/``encoder.json`` in a directory, or their Hugging Face names."""
-
-    def first(*names: str) -> Path | None:
-        return next((directory / n for n in names if (directory / n).is_file()), None)
-
-    vocab_bpe, encoder_json = first("vocab.bpe", "merges.txt"), first("encoder.json", "vocab.json")
-    if vocab_bpe is None or encoder_json is None:
-        found: Any = "no such directory"
-        if directory.is_dir():
-            found = sorted(p.name for p in directory.iterdir())
-        raise TokenizerNotAvailableError(
-            f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must contain GPT-2's "
-            f"vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found {found}"
+    # The encoder's other tokens are the merges' (checked above); <|endoftext|> comes last, as GPT-2's.
+    if len(ranks) != GPT2_VOCAB_SIZE - 1 or encoder.get(ENDOFTEXT) != EOT_TOKEN:
+        raise InvalidValueError(
+            f"{str(vocab_bpe)!r} and {str(encoder_json)!r} describe {len(ranks)} mergeable tokens and "
+            f"<|endoftext|> as id {encoder.get(ENDOFTEXT)}; GPT-2's BPE has {GPT2_VOCAB_SIZE} ids (256 "
+            f"bytes + 50000 merges + <|endoftext|> = {EOT_TOKEN}): are these GPT-2's files?"
         )
-    return vocab_bpe, encoder_json
+    return BpeVocabulary(ranks, merges, encoder)
 
 
 class Tokenizer:
@@ -173,11 +142,7 @@ class Tokenizer:
     """
 
     def __init__(self, encoding: tiktoken.Encoding):
-        if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != GPT2_VOCAB_SIZE:
-            raise InvalidValueError(
-                f"encoding {encoding.name!r} has eot_token={encoding.eot_token} and n_vocab="
-                f"{encoding.n_vocab}; GPT-2's BPE has {EOT_TOKEN} and {GPT2_VOCAB_SIZE}"
-            )
+        # GPT-2's: from_files builds it with GPT-2's 50257 ids and <|endoftext|> = 50256
         self.encoding = encoding
 
     @classmethod
@@ -211,12 +176,10 @@ class Tokenizer:
         """Text -> ids; ``<|endoftext|>`` becomes 50256 (as in nanoGPT's ``sample.py``), an error with
         ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`.
         """
-        _check_text(text)
         return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=disallowed_special)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Text -> ids, with ``<|endoftext|>`` read as ordinary text (never id 50256)."""
-        _check_text(text)
         return self.encoding.encode_ordinary(text)
 
     def encode_batch(
@@ -225,19 +188,17 @@ class Tokenizer:
         *,
         allowed_special: AllowedSpecial = "all",
         disallowed_special: AllowedSpecial = "all",
-        num_threads: int = 8,
     ) -> list[list[int]]:
         """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
-        texts = _check_texts(texts)
-        return self.encoding.encode_batch(
-            texts, num_threads=num_threads, allowed_special=allowed_special, disallowed_special=disallowed_special
-        )
+        _refuse_one_text(texts)
+        return self.encoding.encode_batch(texts, allowed_special=allowed_special, disallowed_special=disallowed_special)
 
-    def encode_ordinary_batch(self, texts: Sequence[str], *, num_threads: int = 8) -> list[list[int]]:
+    def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode_ordinary` over many texts, in parallel threads."""
-        return self.encoding.encode_ordinary_batch(_check_texts(texts), num_threads=num_threads)
+        _refuse_one_text(texts)
+        return self.encoding.encode_ordinary_batch(texts)
 
-    def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor | int, *, errors: str = "replace") -> str:
         """Ids (a list, a 1-D integer array or tensor on any device, or one id) -> text; a token
         boundary inside a multi-byte character becomes U+FFFD with ``errors="replace"``.
         """
@@ -255,9 +216,6 @@ class Tokenizer:
             raise TypeError("decode expects token ids, got a str; did you mean encode?")
         if isinstance(ids, torch.Tensor):
             ids = ids.cpu()
-        elif not isinstance(ids, (np.ndarray, int, np.integer, Sequence)):
-            # an iterator (a generator, map) is read once, here
-            ids = list(ids)
         array = np.asarray(ids)
         # an empty list reads as float64
         if array.size == 0:
@@ -276,22 +234,11 @@ class Tokenizer:
             )
         return array.reshape(-1).tolist()
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.encoding.name!r}, n_vocab={self.n_vocab}, eot_token={self.eot_token})"
 
-
-def _check_text(text: Any) -> None:
-    if not isinstance(text, str):
-        raise TypeError(f"expected text as a str, got {type(text).__name__}")
-
-
-def _check_texts(texts: Any) -> list[str]:
+def _refuse_one_text(texts: Any) -> None:
+    """A str is a sequence of one-character texts: refused. (tiktoken refuses a text that is not a str.)"""
     if isinstance(texts, str):
         raise TypeError("expected a sequence of texts, got a single str; use encode for one text")
-    texts = list(texts)
-    for text in texts:
-        _check_text(text)
-    return texts
 
 
 def bpe_cache_dir() -> Path:
@@ -303,7 +250,8 @@ def tiktoken_cache_dirs() -> list[Path]:
     """The folders of tiktoken's cache that the environment names: ``TIKTOKEN_CACHE_DIR``, then
     ``DATA_GYM_CACHE_DIR`` (an empty value, which turns tiktoken's cache off, names none).
     """
-    return [Path(os.environ[name]) for name in TIKTOKEN_CACHE_VARIABLES if os.environ.get(name)]
+    # tiktoken's own cache folders, in the order tiktoken reads them (tiktoken/load.py)
+    return [Path(os.environ[name]) for name in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR") if os.environ.get(name)]
 
 
 def tiktoken_cache_name(url: str) -> str:
@@ -314,21 +262,6 @@ def tiktoken_cache_name(url: str) -> str:
     return hashlib.sha1(url.encode(), usedforsecurity=False).hexdigest()
 
 
-def _has_sha256(path: Path, sha256: str) -> bool:
-    """Whether ``path`` is a file with this sha256 (a file that differs is passed over, with a warning)."""
-    if not path.is_file():
-        return False
-    try:
-        found = sha256_file(path)
-    except OSError as e:
-        logger.warning("passing over %s in tiktoken's cache: %s", path, e)
-        return False
-    if found != sha256:
-        logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
-        return False
-    return True
-
-
 def _bpe_file(name: str, sha256: str) -> Path:
     """GPT-2's ``name`` (``vocab.bpe`` or ``encoder.json``) from tiktoken's cache, else from the
     project's cache, downloaded there first if it is missing.
@@ -336,8 +269,12 @@ def _bpe_file(name: str, sha256: str) -> Path:
     url = _GPT2_BPE_URL + name
     for directory in tiktoken_cache_dirs():
         path = directory / tiktoken_cache_name(url)
-        if _has_sha256(path, sha256):
+        # a file that differs is passed over, with a warning (one that cannot be read raises its OSError)
+        if not path.is_file():
+            continue
+        if sha256_file(path) == sha256:
             return path
+        logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
     path = bpe_cache_dir() / name
     if path.is_file():
         return path
@@ -363,9 +300,24 @@ def bpe_files(tokenizer_dir: str | os.PathLike | None = None) -> tuple[Path, Pat
     module's docstring gives (downloaded on first use).
     """
     tokenizer_dir = tokenizer_dir or os.environ.get("GPT2_TOKENIZER_DIR")
-    if tokenizer_dir:
-        return _find_bpe_files(Path(tokenizer_dir))
-    return _bpe_file("vocab.bpe", BPE_SHA256["vocab.bpe"]), _bpe_file("encoder.json", BPE_SHA256["encoder.json"])
+    if not tokenizer_dir:
+        return _bpe_file("vocab.bpe", BPE_SHA256["vocab.bpe"]), _bpe_file("encoder.json", BPE_SHA256["encoder.json"])
+    directory = Path(tokenizer_dir)
+
+    # GPT-2's names in the folder, or their Hugging Face names
+    def first(*names: str) -> Path | None:
+        return next((directory / n for n in names if (directory / n).is_file()), None)
+
+    vocab_bpe, encoder_json = first("vocab.bpe", "merges.txt"), first("encoder.json", "vocab.json")
+    if vocab_bpe is None or encoder_json is None:
+        found: Any = "no such directory"
+        if directory.is_dir():
+            found = sorted(p.name for p in directory.iterdir())
+        raise TokenizerNotAvailableError(
+            f"the tokenizer folder {str(directory)!r} (GPT2_TOKENIZER_DIR or --tokenizer-dir) must contain GPT-2's "
+            f"vocab.bpe and encoder.json (or the Hugging Face names merges.txt and vocab.json); found {found}"
+        )
+    return vocab_bpe, encoder_json
 
 
 @functools.cache
