@@ -226,16 +226,15 @@ def _files_under(path: Path, links: bool = False) -> list[Path]:
 
 
 def _matches(path: Path, entry: dict[str, Any]) -> bool:
-    """Whether ``path`` is a plain file holding the recorded bytes (``appends``: starting with them)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
+    """Whether ``path`` is a plain file holding the recorded bytes (``appends``: starting with them). The
+    sha256 of the whole file (or of its first ``size`` bytes) is the proof: another size has another digest.
+    """
+    if "sha256" not in entry:
         return False
-    if "sha256" not in entry or not stat.S_ISREG(st.st_mode) or st.st_size < entry["size"]:
-        return False
-    if st.st_size > entry["size"] and not entry.get("appends"):
-        return False
-    return _sha256(path, entry["size"]) == entry["sha256"]
+    size = None
+    if entry.get("appends"):
+        size = entry["size"]
+    return _sha256(path, size) == entry["sha256"]
 
 
 def _sha256(path: Path, size: int | None = None) -> str | None:
