@@ -284,10 +284,8 @@ def check_new_file(path: str | os.PathLike, *, overwrite: bool, flag: str) -> No
     except FileNotFoundError:
         return
     if not stat.S_ISREG(st.st_mode):
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        if stat.S_ISLNK(st.st_mode):
-            kind = "a symbolic link"
-        raise OutputExistsError(f"{path} is {kind}: gpt2 writes a new file there only; give a file name")
+        # a folder, a link or a device
+        raise OutputExistsError(f"{path} is not a regular file: gpt2 writes a new file there only; give a file name")
     if not overwrite:
         raise OutputExistsError(f"{path} exists: choose another path, or pass {flag} to replace it")
 
