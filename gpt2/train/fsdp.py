@@ -44,19 +44,20 @@ from gpt2.train.precision import PrecisionPolicy
 logger = logging.getLogger(__name__)
 
 
+# The settings FSDP cannot train with: (field, value) -> why, and what to use instead.
+_UNSUPPORTED = {
+    ("micro_batch_size", "auto"): "under FSDP each trial's forward is a collective, and one process running out of "
+    "memory in it would leave the others waiting; give a number (docs/distributed.md has a table of what fits)",
+    ("optimizer", "muon"): "Muon orthogonalises each whole weight matrix, and under FSDP every process holds only a "
+    "slice of its rows; use strategy='ddp' or optimizer='adamw'",
+}
+
+
 def refuse_unsupported(config: Any) -> None:
     """Raise :class:`InvalidValueError` for a setting FSDP cannot train with, saying why and what to use."""
-    if config.micro_batch_size == "auto":
-        raise InvalidValueError(
-            "strategy='fsdp' with micro_batch_size='auto' is refused: under FSDP each trial's forward is a "
-            "collective, and one process running out of memory in it would leave the others waiting; give a number "
-            "(docs/distributed.md has a table of what fits)"
-        )
-    if config.optimizer == "muon":
-        raise InvalidValueError(
-            "strategy='fsdp' with optimizer='muon' is refused: Muon orthogonalises each whole weight matrix, and "
-            "under FSDP every process holds only a slice of its rows; use strategy='ddp' or optimizer='adamw'"
-        )
+    for (field, value), why in _UNSUPPORTED.items():
+        if getattr(config, field) == value:
+            raise InvalidValueError(f"strategy='fsdp' with {field}={value!r} is refused: {why}")
 
 
 def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPolicy) -> None:
