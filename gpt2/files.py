@@ -96,9 +96,7 @@ def sha256_file(path: str | os.PathLike, size: int | None = None) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host."""
-    if pid <= 0:
-        return False
+    """Whether a process with this id runs on this host (0 or below: a group, which counts as running)."""
     try:
         os.kill(pid, 0)
     except PermissionError:
