@@ -60,13 +60,6 @@ def uncompiled(module: Any) -> Callable[..., Any]:
     return inner
 
 
-def is_compiled(module: Any) -> bool:
-    """Whether calling ``module`` runs compiled code: ``torch.compile(module)``'s wrapper, or a module compiled
-    in place by ``module.compile()``. Why private: see :func:`uncompiled`. Checked on torch 2.13.
-    """
-    return uncompiled(module) is not module
-
-
 def has_hooks(module: Any) -> bool:
     """Whether calling ``module`` runs forward hooks of its own or global ones (``register_forward_hook``,
     ``register_forward_pre_hook``, ``torch.nn.modules.module.register_module_forward_hook``...).
