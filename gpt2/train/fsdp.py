@@ -76,11 +76,8 @@ def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPoli
     policy = MixedPrecisionPolicy()
     if precision.autocast_dtype is not None:
         policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
-    blocks = getattr(getattr(model, "transformer", None), "h", None)
-    if not isinstance(blocks, nn.ModuleList):
-        logger.info("%s has no transformer.h: FSDP shards it as one unit", type(model).__name__)
-        blocks = []
-    for unit in blocks:
+    # a model without transformer.h is one unit
+    for unit in getattr(getattr(model, "transformer", None), "h", []):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     logger.info(
