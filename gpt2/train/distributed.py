@@ -142,12 +142,9 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Average ``tensor`` over all processes, in place (a no-op with one process)."""
     if not _active():
         return tensor
-    if dist.get_backend() == "nccl":
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
-    else:
-        # gloo has no AVG.
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= dist.get_world_size()
+    # a sum, then a division: gloo has no AVG
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    tensor /= dist.get_world_size()
     return tensor
 
 
