@@ -96,9 +96,7 @@ def sha256_file(path: str | os.PathLike, size: int | None = None) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host."""
-    if pid <= 0:
-        return False
+    """Whether a process with this id runs on this host (0 or below: a group, which counts as running)."""
     try:
         os.kill(pid, 0)
     except PermissionError:
@@ -284,10 +282,8 @@ def check_new_file(path: str | os.PathLike, *, overwrite: bool, flag: str) -> No
     except FileNotFoundError:
         return
     if not stat.S_ISREG(st.st_mode):
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        if stat.S_ISLNK(st.st_mode):
-            kind = "a symbolic link"
-        raise OutputExistsError(f"{path} is {kind}: gpt2 writes a new file there only; give a file name")
+        # a folder, a link or a device
+        raise OutputExistsError(f"{path} is not a regular file: gpt2 writes a new file there only; give a file name")
     if not overwrite:
         raise OutputExistsError(f"{path} exists: choose another path, or pass {flag} to replace it")
 
@@ -318,17 +314,15 @@ class Lock:
     def acquire(self) -> Lock:
         # The file may be removed or replaced under us by its releasing owner: try again.
         for _ in range(20):
-            fd = self._open_locked()
-            if fd is None:
-                continue
+            created, fd = self._open_or_create()
             try:
-                self._judge_left_behind(_read_lock_record(fd))
-                _write_lock_record(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.fd = fd
-            return self
+                if fd is not None and self._may_hold(fd, created):
+                    _write_lock_record(fd)
+                    self.fd, fd = fd, None
+                    return self
+            finally:
+                if fd is not None:
+                    os.close(fd)
         raise self.error(f"could not lock {self.path}: it keeps changing; is another process starting there?")
 
     def release(self) -> None:
@@ -344,29 +338,6 @@ class Lock:
             # Windows removes no file that is open: now that it is closed, it can.
             with contextlib.suppress(OSError):
                 self.path.unlink()
-
-    def _open_locked(self) -> int | None:
-        """The lock file, opened and held; None when it changed under us (try again)."""
-        created, fd = self._open_or_create()
-        if fd is None:
-            return None
-        if self._flock(fd):
-            if _same_file(fd, self.path):
-                return fd
-            # Its owner removed it while we waited for it: lock the file now at the path instead.
-            os.close(fd)
-            return None
-        # Without flock, whoever created the file owns the lock.
-        if created:
-            return fd
-        record = _read_lock_record(fd)
-        os.close(fd)
-        pid = record.get("pid")
-        if record.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
-            logger.warning("taking over %s: pid %s that held it is no longer running", self.path, pid)
-            self.path.unlink(missing_ok=True)
-            return None
-        raise self._refused(record, f"; if it is gone, delete {self.path}")
 
     def _open_or_create(self) -> tuple[bool, int | None]:
         """``(created, fd)`` of the lock file; ``fd`` None when it changed meanwhile. Knowing who created it
@@ -391,6 +362,30 @@ class Lock:
         except (FileExistsError, FileNotFoundError):
             return False, None
 
+    def _may_hold(self, fd: int, created: bool) -> bool:
+        """Whether this process now holds the lock file ``fd`` (False: it changed meanwhile, try again); raises
+        while another process may hold it. With flock the kernel says; without it, the creator of the file holds
+        it, and a record of a process of this host that is gone is taken over.
+        """
+        flocked = self._flock(fd)
+        if flocked and not _same_file(fd, self.path):
+            # Its owner removed it while we waited for it: lock the file now at the path instead.
+            return False
+        record = _read_lock_record(fd)
+        if not record and (flocked or created):
+            return True
+        pid = record.get("pid")
+        if record.get("host") not in (None, socket.gethostname()):
+            # flock may not reach across machines (network filesystems): that process may be alive.
+            raise self._refused(
+                record, f"; that host cannot be checked from here: if it is gone, delete {self.path} and start again"
+            )
+        if not flocked and not (isinstance(pid, int) and not pid_alive(pid)):
+            raise self._refused(record, f"; if it is gone, delete {self.path}")
+        if pid != os.getpid():
+            logger.warning("taking over %s left by %s, which is no longer running", self.path, _holder(record))
+        return True
+
     def _flock(self, fd: int) -> bool:
         """True once ``fd`` is locked, False where there is no flock; raises while another process holds it."""
         if fcntl is None:
@@ -398,29 +393,12 @@ class Lock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            record = _read_lock_record(fd)
-            os.close(fd)
-            raise self._refused(record) from None
+            raise self._refused(_read_lock_record(fd)) from None
         except OSError as e:
             if e.errno in _NO_FLOCK:
                 return False
-            os.close(fd)
             raise
         return True
-
-    def _judge_left_behind(self, record: dict[str, Any]) -> None:
-        """We hold the lock, but a previous owner's record is still there: it did not release it."""
-        if not record:
-            return
-        if record.get("host") not in (None, socket.gethostname()):
-            # flock may not reach across machines (network filesystems): that process may be alive.
-            raise self._refused(
-                record, f"; that host cannot be checked from here: if it is gone, delete {self.path} and start again"
-            )
-        if record.get("pid") is None:
-            logger.warning("taking over %s (its record was unreadable and nobody holds it)", self.path)
-        elif record.get("pid") != os.getpid():
-            logger.warning("taking over %s left by %s, which is no longer running", self.path, _holder(record))
 
     def _refused(self, record: dict[str, Any], more: str = "") -> Exception:
         return self.error(self.busy.replace("{who}", _holder(record)) + more)
@@ -435,7 +413,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def _holder(record: dict[str, Any]) -> str:
     if record.get("pid") is None:
-        return "a process that has not said who it is yet"
+        return "a process with no readable record"
     return f"pid {record['pid']} on host {record.get('host', '?')}, started {record.get('started', '?')}"
 
 

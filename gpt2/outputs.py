@@ -86,7 +86,8 @@ class OutputFolder:
             for file in _files_under(source / rel):
                 name = file.relative_to(source).as_posix()
                 digest = _sha256(file)
-                # A file that cannot be read is not vouched for (and a null would make the record unreadable).
+                # A link, or a file that cannot be read, is not vouched for (and a null would make the record
+                # unreadable).
                 if digest is None:
                     continue
                 entries[name] = {"size": os.lstat(file).st_size, "sha256": digest}
@@ -112,7 +113,7 @@ class OutputFolder:
         path = self.path / rel
         entries = self.read()
         if entries is None:
-            return [], _files_under(path, links=True)
+            return [], _files_under(path)
         mine: list[Path] = []
         others: list[Path] = []
         if "digests" in entries.get(rel, {}) and path.is_dir() and not path.is_symlink():
@@ -125,7 +126,7 @@ class OutputFolder:
                 else:
                     others.append(child)
             return mine, others
-        for file in _files_under(path, links=True):
+        for file in _files_under(path):
             entry = entries.get(file.relative_to(self.path).as_posix())
             if entry is not None and _matches(file, entry):
                 mine.append(file)
@@ -161,7 +162,7 @@ def checkpoint_files(folder: str | os.PathLike) -> tuple[list[Path], list[Path]]
     sums = read_digests(folder / DIGEST_FILE)
     mine: list[Path] = []
     others: list[Path] = []
-    for file in _files_under(folder, links=True):
+    for file in _files_under(folder):
         if file == folder / DIGEST_FILE:
             continue
         rel = file.relative_to(folder).as_posix()
@@ -208,34 +209,30 @@ def remove_files(path: Path, files: list[Path]) -> None:
             folder.rmdir()
 
 
-def _files_under(path: Path, links: bool = False) -> list[Path]:
-    """The regular files at or under ``path``, entering no link; ``links``: links (and other non-files) too."""
+def _files_under(path: Path) -> list[Path]:
+    """The files at or under ``path``, entering no link: links (and other non-files) are listed as files are."""
     if path.is_symlink() or not path.is_dir():
-        if os.path.lexists(path) and (links or stat.S_ISREG(os.lstat(path).st_mode)):
+        if os.path.lexists(path):
             return [path]
         return []
     found = []
     for root, dirs, files in os.walk(path):
         linked = [d for d in dirs if os.path.islink(os.path.join(root, d))]
         dirs[:] = sorted(set(dirs) - set(linked))
-        for name in sorted(files + linked):
-            file = Path(root, name)
-            if links or (file.is_file() and not file.is_symlink()):
-                found.append(file)
+        found += [Path(root, name) for name in sorted(files + linked)]
     return found
 
 
 def _matches(path: Path, entry: dict[str, Any]) -> bool:
-    """Whether ``path`` is a plain file holding the recorded bytes (``appends``: starting with them)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
+    """Whether ``path`` is a plain file holding the recorded bytes (``appends``: starting with them). The
+    sha256 of the whole file (or of its first ``size`` bytes) is the proof: another size has another digest.
+    """
+    if "sha256" not in entry:
         return False
-    if "sha256" not in entry or not stat.S_ISREG(st.st_mode) or st.st_size < entry["size"]:
-        return False
-    if st.st_size > entry["size"] and not entry.get("appends"):
-        return False
-    return _sha256(path, entry["size"]) == entry["sha256"]
+    size = None
+    if entry.get("appends"):
+        size = entry["size"]
+    return _sha256(path, size) == entry["sha256"]
 
 
 def _sha256(path: Path, size: int | None = None) -> str | None:

@@ -60,13 +60,6 @@ def uncompiled(module: Any) -> Callable[..., Any]:
     return inner
 
 
-def is_compiled(module: Any) -> bool:
-    """Whether calling ``module`` runs compiled code: ``torch.compile(module)``'s wrapper, or a module compiled
-    in place by ``module.compile()``. Why private: see :func:`uncompiled`. Checked on torch 2.13.
-    """
-    return uncompiled(module) is not module
-
-
 def has_hooks(module: Any) -> bool:
     """Whether calling ``module`` runs forward hooks of its own or global ones (``register_forward_hook``,
     ``register_forward_pre_hook``, ``torch.nn.modules.module.register_module_forward_hook``...).
@@ -182,8 +175,8 @@ def has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
-    """The int8 matrix ``q`` ``(N, K)`` (times ``scale`` ``(N,)`` per row, or 1) for :func:`int8_matmul`:
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Any:
+    """The int8 matrix ``q`` ``(N, K)`` (times ``scale`` ``(N,)`` per row) for :func:`int8_matmul`:
     fbgemm's packed layout where this torch has fbgemm, else ``q.T`` for oneDNN's int8 GEMM (then ``scale``
     is applied by :func:`int8_matmul`).
 
@@ -197,8 +190,6 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
     """
     if not has_fbgemm():
         return (q.t(), scale)
-    if scale is None:
-        scale = torch.ones(q.size(0))
     zero_points = torch.zeros(q.size(0), dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -226,8 +217,7 @@ def int8_matmul(x: torch.Tensor, packed: Any, step: float = 1.0) -> torch.Tensor
         # weights check that first). Why private: no public operator multiplies int8 matrices into int32
         # (``torch.matmul`` of two int8 tensors returns int8, wrapped around). Checked on torch 2.13.
         out = torch._int_mm(x.to(torch.int8), q_t).float()
-        if scale is not None:
-            out *= scale
+        out *= scale
         if step != 1.0:
             out *= step
         return out

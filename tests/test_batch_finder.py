@@ -124,8 +124,9 @@ from gpt2.train.batch_finder import candidate_sizes, search
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
 threshold = (40, 13)[rank]
-size, trials = search(candidate_sizes(96), lambda s: s <= threshold, lambda f: bool(distributed.all_reduce_min(int(f))))
-print(size, distributed.all_reduce_min(10 + rank))
+agree = lambda fitted: bool(distributed.all_reduce_int(int(fitted), "min"))
+size, trials = search(candidate_sizes(96), lambda s: s <= threshold, agree)
+print(size, distributed.all_reduce_int(10 + rank, "min"))
 dist.destroy_process_group()
 """
 

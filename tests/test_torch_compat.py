@@ -137,8 +137,8 @@ def test_int8_matmul_sums_int8_products_exactly_through_onednn():
     g = torch.Generator().manual_seed(0)
     a = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
     b = torch.randint(-128, 128, (64, 48), dtype=torch.int8, generator=g)
-    # (q.T, no scale): pack_int8's form where torch has no fbgemm, summed by torch._int_mm in int32
-    product = torch_compat.int8_matmul(a.float(), (b, None))
+    # (q.T, scale): pack_int8's form where torch has no fbgemm, summed by torch._int_mm in int32
+    product = torch_compat.int8_matmul(a.float(), (b, torch.ones(48)))
     assert torch.equal(product.long(), a.long() @ b.long())
 
 

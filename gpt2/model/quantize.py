@@ -139,7 +139,8 @@ def int8_weights(model: nn.Module) -> nn.Module:
     if reason is not None:
         raise InvalidValueError(f"weights='int8' cannot be used: {reason}")
     twin = _twin(base)
-    if torch_compat.is_compiled(model):
+    # compiled: torch.compile's wrapper, or compiled in place by model.compile()
+    if torch_compat.uncompiled(model) is not model:
         return torch.compile(twin)
     return twin
 

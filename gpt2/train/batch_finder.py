@@ -29,7 +29,7 @@ first forward/backward on a few tokens before any limit starts the thread pools 
 abort the process).
 
 Under torchrun all processes try the same sizes in lock step and a size counts as fitting only when it fits on every
-one (:func:`gpt2.train.distributed.all_reduce_min`): they end on the same size. Resuming (``resume``), the size the
+one (:func:`gpt2.train.distributed.all_reduce_int`): they end on the same size. Resuming (``resume``), the size the
 checkpoint's run used is taken again when its ``seq_len`` and number of processes are this run's: the same data order
 and no search.
 """
@@ -394,7 +394,7 @@ def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
 
 def _agree(fitted: bool) -> bool:
     """One process's answer as every process's: fitted only where it fitted on all of them."""
-    return bool(distributed.all_reduce_min(int(fitted)))
+    return bool(distributed.all_reduce_int(int(fitted), "min"))
 
 
 def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, trials: list[Trial]) -> str:

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import ContextManager, Literal
 
 import torch
 import torch.distributed as dist
@@ -105,8 +105,6 @@ def init_process_group(env: DistributedEnv, device: torch.device) -> bool:
     """
     if not env.is_distributed:
         return False
-    if not dist.is_available():
-        raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed support")
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size:
             raise RuntimeError(
@@ -144,34 +142,16 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Average ``tensor`` over all processes, in place (a no-op with one process)."""
     if not _active():
         return tensor
-    if dist.get_backend() == "nccl":
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
-    else:
-        # gloo has no AVG.
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= dist.get_world_size()
+    # a sum, then a division: gloo has no AVG
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    tensor /= dist.get_world_size()
     return tensor
 
 
-def all_reduce_max(value: int) -> int:
-    """The largest ``value`` over all processes (``value`` itself with one process)."""
-    return _all_reduce_int(value, dist.ReduceOp.MAX)
-
-
-def all_reduce_min(value: int) -> int:
-    """The smallest ``value`` over all processes (``value`` itself with one process): e.g. whether a micro-batch
-    fitted on every one (:mod:`gpt2.train.batch_finder`).
+def all_reduce_int(value: int, op: Literal["max", "min", "sum"]) -> int:
+    """``value`` reduced with ``op`` over all processes (``value`` itself with one process), exact as integers are:
+    e.g. whether a micro-batch fitted on every one (``"min"``, :mod:`gpt2.train.batch_finder`).
     """
-    return _all_reduce_int(value, dist.ReduceOp.MIN)
-
-
-def all_reduce_sum(value: int) -> int:
-    """The sum of ``value`` over all processes (``value`` itself with one process): exact, as integers are."""
-    return _all_reduce_int(value, dist.ReduceOp.SUM)
-
-
-def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
-    """``value`` reduced with ``op`` over all processes (``value`` itself with one process)."""
     if not _active():
         return value
     device = "cpu"
@@ -179,7 +159,7 @@ def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
     if dist.get_backend() == "nccl":
         device = "cuda"
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=op)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()))
     return int(tensor.item())
 
 

@@ -44,19 +44,20 @@ from gpt2.train.precision import PrecisionPolicy
 logger = logging.getLogger(__name__)
 
 
+# The settings FSDP cannot train with: (field, value) -> why, and what to use instead.
+_UNSUPPORTED = {
+    ("micro_batch_size", "auto"): "under FSDP each trial's forward is a collective, and one process running out of "
+    "memory in it would leave the others waiting; give a number (docs/distributed.md has a table of what fits)",
+    ("optimizer", "muon"): "Muon orthogonalises each whole weight matrix, and under FSDP every process holds only a "
+    "slice of its rows; use strategy='ddp' or optimizer='adamw'",
+}
+
+
 def refuse_unsupported(config: Any) -> None:
     """Raise :class:`InvalidValueError` for a setting FSDP cannot train with, saying why and what to use."""
-    if config.micro_batch_size == "auto":
-        raise InvalidValueError(
-            "strategy='fsdp' with micro_batch_size='auto' is refused: under FSDP each trial's forward is a "
-            "collective, and one process running out of memory in it would leave the others waiting; give a number "
-            "(docs/distributed.md has a table of what fits)"
-        )
-    if config.optimizer == "muon":
-        raise InvalidValueError(
-            "strategy='fsdp' with optimizer='muon' is refused: Muon orthogonalises each whole weight matrix, and "
-            "under FSDP every process holds only a slice of its rows; use strategy='ddp' or optimizer='adamw'"
-        )
+    for (field, value), why in _UNSUPPORTED.items():
+        if getattr(config, field) == value:
+            raise InvalidValueError(f"strategy='fsdp' with {field}={value!r} is refused: {why}")
 
 
 def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPolicy) -> None:
@@ -75,11 +76,8 @@ def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPoli
     policy = MixedPrecisionPolicy()
     if precision.autocast_dtype is not None:
         policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
-    blocks = getattr(getattr(model, "transformer", None), "h", None)
-    if not isinstance(blocks, nn.ModuleList):
-        logger.info("%s has no transformer.h: FSDP shards it as one unit", type(model).__name__)
-        blocks = []
-    for unit in blocks:
+    # a model without transformer.h is one unit
+    for unit in getattr(getattr(model, "transformer", None), "h", []):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     logger.info(

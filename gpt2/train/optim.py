@@ -133,15 +133,10 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw.param_groups, muon.param_groups = self.param_groups[:n], self.param_groups[n:]
         adamw.state = muon.state = self.state  # parameters are disjoint: one dict holds both states
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self) -> None:  # type: ignore[override]
+        """One step of each child (each under ``no_grad`` of its own). No closure: neither re-evaluates the loss."""
         for child in self.optimizers:
             child.step()
-        return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = [g.get("optimizer", "adamw") for g in state_dict["param_groups"]]

@@ -375,7 +375,7 @@ class Trainer:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
         signum = self._signals.received
         # every rank stops after the same step
-        signum = distributed.all_reduce_max(signum)
+        signum = distributed.all_reduce_int(signum, "max")
         if not signum:
             return
         if self.out_dir is not None and not saved:
@@ -405,7 +405,7 @@ class Trainer:
                 check_targets(batch[1], self.vocab_size)
         # counted on the CPU (no device sync), then summed over the processes
         counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
-        scored = distributed.all_reduce_sum(sum(counts))
+        scored = distributed.all_reduce_int(sum(counts), "sum")
         if scored == 0:
             # A mean over no targets is 0/0: no forward, and no optimizer step either (AdamW would
             # still decay and move the weights on zero gradients).
