@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import minlora
 from gpt2.cli.common import ModelOptions, check_output_file
@@ -55,11 +55,19 @@ def export(options: ExportOptions) -> int:
     if options.gguf is not None:
         # a new file, or an existing one to replace (save_gguf checks it again when it writes)
         check_output_file("--gguf", options.gguf, options.overwrite)
-    model = options.source.load()
+    write_exports(options.source.load(), options, merge=bool(adapter))
+    return 0
+
+
+def write_exports(model: Any, options: ExportOptions, *, merge: bool) -> None:
+    """The files ``options`` names, of ``model`` (``options.source.model`` is the PEFT adapter's base): the PEFT
+    adapter, then with ``merge`` the adapter merged into the weights of the transformers folder and the GGUF file.
+    ``gpt2 export`` and ``gpt2 finetune`` (its ``--peft-export`` and ``--merge-export``) write them so.
+    """
     # the files that hold the weights, with an adapter merged into them
     merged = options.out is not None or options.gguf is not None
     # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
-    if adapter and merged:
+    if merge and merged:
         check_tied_head(model)
     what = "model"
     if options.peft_out is not None:
@@ -67,7 +75,7 @@ def export(options: ExportOptions) -> int:
         print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
     # Merged only for the files that hold merged weights: a PEFT adapter alone needs no merge (and
     # merging an adapter on the LM head would warn about the weights it unties).
-    if adapter and merged:
+    if merge and merged:
         minlora.merge_lora(model)
         what = "merged model"
     if options.out is not None:
@@ -77,7 +85,6 @@ def export(options: ExportOptions) -> int:
         path = save_gguf(model, options.gguf, dtype=options.gguf_type, overwrite=options.overwrite)
         size = f"{path.stat().st_size / 1e6:.1f} MB"
         print(f"wrote {what} {path} ({options.gguf_type}, {size}; run with llama.cpp: llama-cli -m {path})")
-    return 0
 
 
 def peft_base(model: str) -> str:
