@@ -43,9 +43,7 @@ OFFICIAL_HUB_IDS = frozenset(
     f"{owner}{name}" for owner in ("", "openai-community/") for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ) | {"distilgpt2", "distilbert/distilgpt2"}
 _SAFETENSORS = "model.safetensors"
-_SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN = "pytorch_model.bin"
-_BIN_INDEX = "pytorch_model.bin.index.json"
 # transformers' weights files, whole or sharded, and their index files: an export replaces them all.
 _WEIGHTS_NAME = re.compile(r"(model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)(\.index\.json)?")
 _TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
@@ -58,20 +56,18 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     no pickled code runs), each whole or sharded.
     """
     d = Path(directory)
-    if (d / _SAFETENSORS).is_file():
-        return load_weights(d / _SAFETENSORS)[0]
-    if (d / _SAFETENSORS_INDEX).is_file():
-        return _load_sharded(d, _SAFETENSORS_INDEX, lambda shard: load_weights(shard)[0])
-    if (d / _BIN).is_file():
-        return _torch_load(d / _BIN)
-    if (d / _BIN_INDEX).is_file():
-        return _load_sharded(d, _BIN_INDEX, _torch_load)
+    # Each format whole, else its shards under transformers' index file (the file's name + .index.json).
+    for name, load in ((_SAFETENSORS, lambda path: load_weights(path)[0]), (_BIN, _torch_load)):
+        if (d / name).is_file():
+            return load(d / name)
+        if (d / f"{name}.index.json").is_file():
+            return _load_sharded(d, f"{name}.index.json", load)
     found = []
     if d.is_dir():
         found = sorted(p.name for p in d.iterdir())
     raise MissingFileError(
-        f"no weights in {str(d)!r}: expected {_SAFETENSORS}, {_SAFETENSORS_INDEX}, {_BIN} or {_BIN_INDEX}; "
-        f"found {found}"
+        f"no weights in {str(d)!r}: expected {_SAFETENSORS}, {_SAFETENSORS}.index.json, {_BIN} or "
+        f"{_BIN}.index.json; found {found}"
     )
 
 
@@ -261,8 +257,9 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
     # Only what loading needs: the config and safetensors weights; .bin only as a fallback for
     # repos that have no safetensors (flax/tf/onnx/tflite files are never fetched).
     try:
-        for weights in (["model*.safetensors", _SAFETENSORS_INDEX], ["pytorch_model*.bin", _BIN_INDEX]):
-            patterns = ["config.json", *weights]
+        for weights in ("model*.safetensors", "pytorch_model*.bin"):
+            # The whole file or its shards, and their index (the pattern's * also matches nothing).
+            patterns = ["config.json", weights, f"{weights}.index.json"]
             folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
             if any(folder.glob("model*.safetensors")):
                 break
