@@ -392,9 +392,9 @@ def save_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    written, stale, old_tokenizer = _export_files(out, safe_serialization, bpe is not None)
+    written, stale = _export_files(out, safe_serialization, bpe is not None)
     folder = OutputFolder(out)
-    clash = [name for name in [*written, *stale, *old_tokenizer] if not folder.owns(name)]
+    clash = [name for name in [*written, *stale] if not folder.owns(name)]
     if clash and not overwrite:
         raise OutputExistsError(
             f"{out} holds {', '.join(clash)}, which gpt2 did not write there (or which changed since): choose "
@@ -415,8 +415,6 @@ def save_pretrained(
     if bpe is not None:
         _write_tokenizer(*bpe, out, config)
     else:
-        for name in old_tokenizer:
-            (out / name).unlink(missing_ok=True)
         logger.warning(
             f"no tokenizer files: the model has {config.vocab_size} token ids, GPT-2's tokenizer {GPT2_VOCAB_SIZE}"
         )
@@ -425,23 +423,20 @@ def save_pretrained(
     return out
 
 
-def _export_files(out: Path, safe_serialization: bool, tokenizer: bool) -> tuple[list[str], list[str], list[str]]:
-    """The names an export into ``out`` writes, the weights files it deletes first, and the
-    tokenizer files it deletes once the model is written.
-    """
+def _export_files(out: Path, safe_serialization: bool, tokenizer: bool) -> tuple[list[str], list[str]]:
+    """The names an export into ``out`` writes, and the files there it deletes first."""
     weights = _BIN
     if safe_serialization:
         weights = _SAFETENSORS
     written = [weights, "config.json"]
     # Every other weights file goes: an earlier sharded save's index would win over a new .bin on reload.
     stale = sorted(p.name for p in out.iterdir() if _WEIGHTS_NAME.fullmatch(p.name) and p.name != weights)
-    # Without a tokenizer of its own, an earlier export's would be loaded with this model.
-    old_tokenizer: list[str] = []
     if tokenizer:
         written += _TOKENIZER_FILES
     else:
-        old_tokenizer = [name for name in ("tokenizer.json", *_TOKENIZER_FILES) if os.path.lexists(out / name)]
-    return written, stale, old_tokenizer
+        # Without a tokenizer of its own, an earlier export's would be loaded with this model.
+        stale += [name for name in ("tokenizer.json", *_TOKENIZER_FILES) if os.path.lexists(out / name)]
+    return written, stale
 
 
 def _write_tokenizer(vocab_bpe: Path, encoder_json: Path, out: Path, config: GPTConfig) -> None:
