@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import minlora
 from gpt2.cli.common import ModelOptions, check_output_file
 from gpt2.cli.layers import Flat, Options, UsageError
+from gpt2.model.checkpoint_files import _some
 from gpt2.model.gguf import check_tied_head, save_gguf
 from gpt2.model.hf import resolve_source
 from gpt2.outputs import RECORD_FILE
@@ -135,10 +136,7 @@ def _check_export_dir(flag: str, path: str | None, own: set[str], overwrite: boo
         raise UsageError(f"{flag} {path} is a file: give a folder (new, or an earlier export)")
     other = sorted(p.name for p in folder.iterdir() if p.name not in own)
     if other and not overwrite:
-        shown = ", ".join(other[:5])
-        if len(other) > 5:
-            shown += " ..."
         raise UsageError(
-            f"{flag} {path} is not empty and not an earlier export (it holds {shown}): give a new or empty "
+            f"{flag} {path} is not empty and not an earlier export (it holds {_some(other)}): give a new or empty "
             "folder, or pass --overwrite to write the export's files into it (nothing else there is touched)"
         )
