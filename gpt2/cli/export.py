@@ -110,8 +110,6 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
     _check_export_dir(*out, MODEL_EXPORT_FILES, overwrite)
     _check_export_dir(*peft, PEFT_EXPORT_FILES, overwrite)
     given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}
-    if not given:
-        return
     source = resolve_source(model)
     for flag, folder in given.items():
         if isinstance(source, Path) and folder == source.resolve():
