@@ -101,9 +101,8 @@ def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarr
             # A row length that is not a multiple of q8_0's 32-value block.
             kind = gguf.GGMLQuantizationType.F16
             encoded = gguf.quants.quantize(data, kind)
-        if kind == gguf.GGMLQuantizationType.F32:
-            return encoded, kind
         # f16 holds |x| <= 65504, and q8_0's f16 block scales |x| / 127 no more: beyond that, inf.
+        # f32 holds every finite value (its dequantize is the data itself: no overflow).
         overflow = np.isfinite(data) & ~np.isfinite(gguf.quants.dequantize(encoded, kind))
     if not overflow.any():
         return encoded, kind
