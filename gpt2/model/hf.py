@@ -27,6 +27,7 @@ from gpt2.model.checkpoint_files import (
     non_finite_tensors,
     open_checkpoint,
     refuse_non_finite,
+    save_weights,
 )
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
@@ -372,8 +373,6 @@ def save_pretrained(
     files, which the folder's record proves gpt2 wrote (:mod:`gpt2.outputs`); a file there of the same name
     that gpt2 did not write, or that changed since, needs ``overwrite=True``. What it wrote is recorded there.
     """
-    from safetensors.torch import save
-
     config = model.config
     # Found before anything is written: an export without its tokenizer would load but decode
     # nothing (transformers then builds a 1-token vocabulary). A model with another vocabulary
@@ -403,11 +402,10 @@ def save_pretrained(
     for name in stale:
         (out / name).unlink()
     # Each file is written under a temporary name and renamed into place, weights first: a crash
-    # leaves whole files behind, never a truncated one that transformers would fail to read. Bytes
-    # through replace_atomically: safetensors' save_file would make the file 0600, not the umask's.
+    # leaves whole files behind, never a truncated one that transformers would fail to read. The
+    # safetensors file by the one writer of checkpoints' weights (the user's umask, "format": "pt").
     if safe_serialization:
-        data = save(hf_sd, metadata={"format": "pt"})
-        replace_atomically(out / _SAFETENSORS, lambda f: f.write(data))
+        save_weights(hf_sd, out / _SAFETENSORS)
     else:
         replace_atomically(out / _BIN, lambda f: torch.save(hf_sd, f))
     config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
