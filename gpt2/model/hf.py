@@ -318,7 +318,8 @@ def load_pretrained(
         )
     except (TypeError, ValueError) as e:
         raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
-    model = _from_transformers_weights(directory, config, model_class, device, dtype or torch.float32)
+    # float32 unless asked: master weights for training, whatever the file stores.
+    model = _from_transformers(directory, config, model_class).to(device=device, dtype=dtype or torch.float32)
     model.name_or_path = str(directory.resolve())
     source = ""
     # A hub id (its snapshot is another folder): transformers loads it by that name.
@@ -329,26 +330,16 @@ def load_pretrained(
     return model.eval()
 
 
-def _from_transformers_weights(
-    directory: Path,
-    config: GPTConfig,
-    model_class: type[torch.nn.Module],
-    device: str | torch.device | None,
-    dtype: torch.dtype,
-) -> torch.nn.Module:
-    """``model_class(config)`` holding the weights of the ``transformers`` directory, on ``device`` in ``dtype``."""
+def _from_transformers(directory: Path, config: GPTConfig, model_class: type[torch.nn.Module]) -> torch.nn.Module:
+    """``model_class(config)`` holding the weights of the ``transformers`` directory, as they are stored."""
     hf_sd = load_hf_state_dict(directory)
     # NaN/inf weights never enter a model.
     refuse_non_finite(non_finite_tensors(hf_sd), f"refusing to load {directory}")
-    sd = hf_to_gpt_state_dict(hf_sd, config)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if k != "lm_head.weight"}
-    # Tied: the one tensor is moved once.
-    sd["lm_head.weight"] = sd["transformer.wte.weight"]
     # Build on the meta device (no memory, no random init), then adopt the loaded tensors.
     with torch.device("meta"):
         model = model_class(config)
-    model.load_state_dict(sd, strict=True, assign=True)
-    # assign=True made two Parameters: tie them again.
+    model.load_state_dict(hf_to_gpt_state_dict(hf_sd, config), strict=True, assign=True)
+    # The head and the embedding are one tensor, which assign=True made two Parameters: tie them again.
     model.lm_head.weight = model.transformer.wte.weight
     return model
 
