@@ -306,32 +306,31 @@ def load_pretrained(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
-    if not (directory / "config.json").is_file():
-        # A checkpoint: built with its own config, padding and all.
-        model = _from_checkpoint(directory, model_class).to(device=device, dtype=dtype)
+    if (directory / "config.json").is_file():
+        model = _from_transformers(directory, model_class, pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
+        model.name_or_path = str(directory.resolve())
+    else:
+        # A checkpoint: built with its own config, padding and all; transformers cannot read it.
+        model = _from_checkpoint(directory, model_class)
         model.name_or_path = None
-        logger.info("loaded %s (%s parameters)", name_or_path, f"{model.num_params():,}")
-        return model.eval()
-    try:
-        config = config_from_hf(
-            _read_json(directory / "config.json"), pad_vocab_multiple=pad_vocab_multiple, dropout=dropout
-        )
-    except (TypeError, ValueError) as e:
-        raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
-    # float32 unless asked: master weights for training, whatever the file stores.
-    model = _from_transformers(directory, config, model_class).to(device=device, dtype=dtype or torch.float32)
-    model.name_or_path = str(directory.resolve())
     source = ""
     # A hub id (its snapshot is another folder): transformers loads it by that name.
     if Path(os.fspath(name_or_path)).expanduser() != directory:
         model.name_or_path = str(name_or_path)
         source = f" from {directory}"
     logger.info("loaded %s (%s parameters)%s", name_or_path, f"{model.num_params():,}", source)
-    return model.eval()
+    # float32 unless asked: master weights for training, whatever a file stores.
+    return model.to(device=device, dtype=dtype or torch.float32).eval()
 
 
-def _from_transformers(directory: Path, config: GPTConfig, model_class: type[torch.nn.Module]) -> torch.nn.Module:
-    """``model_class(config)`` holding the weights of the ``transformers`` directory, as they are stored."""
+def _from_transformers(directory: Path, model_class: type[torch.nn.Module], **overrides: Any) -> torch.nn.Module:
+    """``model_class`` with the config (``overrides``: our own fields, see :func:`config_from_hf`) and the
+    weights of the ``transformers`` directory, as they are stored.
+    """
+    try:
+        config = config_from_hf(_read_json(directory / "config.json"), **overrides)
+    except (TypeError, ValueError) as e:
+        raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
     hf_sd = load_hf_state_dict(directory)
     # NaN/inf weights never enter a model.
     refuse_non_finite(non_finite_tensors(hf_sd), f"refusing to load {directory}")
