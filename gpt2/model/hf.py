@@ -264,12 +264,10 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
             folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
             if any(folder.glob("model*.safetensors")):
                 break
-    except RevisionNotFoundError as e:
-        raise MissingFileError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
-    except RepositoryNotFoundError as e:
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise MissingFileError(
-            f"{_not_here(repo_id)} and the hub has no such (accessible) model repo; "
-            f"check the name, or log in (huggingface-cli login) for a gated/private repo"
+            f"{_not_here(repo_id)} and the hub has no such (accessible) model repo at revision {revision or 'main'!r}; "
+            f"check the name and the revision, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
     except Exception as e:
         # Offline, DNS, proxy, timeouts: all end here, in one message (huggingface_hub's chained
