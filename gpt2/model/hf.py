@@ -404,8 +404,8 @@ def save_pretrained(
         logger.warning(
             f"no tokenizer files: the model has {config.vocab_size} token ids, GPT-2's tokenizer {GPT2_VOCAB_SIZE}"
         )
+    # No log line: the caller says what it wrote (gpt2 export and finetune print one line per export).
     folder.record(written)
-    logger.info("saved %s to %s", type(model).__name__, out)
     return out
 
 
