@@ -32,9 +32,8 @@ from gpt2.model.tokenizer import EOT_TOKEN, bpe_files, read_bpe_files
 
 logger = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f32", "f16", "q8_0")
-# Each type's gguf.LlamaFileType member: what the file says its matrices are.
-_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
+# The types a file can be written in, each with its gguf.LlamaFileType member: what the file says its matrices are.
+GGUF_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
 
 
 def _import_gguf() -> Any:
@@ -129,7 +128,7 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     config = _check_exportable(model, dtype)
     check_new_file(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
-    file_type = getattr(gguf.LlamaFileType, _FILE_TYPES[dtype])
+    file_type = getattr(gguf.LlamaFileType, GGUF_TYPES[dtype])
     # GPT-2's BPE files, from where gpt2.model.tokenizer.get_tokenizer reads them.
     vocabulary = read_bpe_files(*bpe_files())
     path = Path(path)
