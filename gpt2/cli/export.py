@@ -7,11 +7,12 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import minlora
 from gpt2.cli.common import ModelOptions, check_output_file
 from gpt2.cli.layers import Flat, Options, UsageError
+from gpt2.model.checkpoint_files import _some
 from gpt2.model.gguf import check_tied_head, save_gguf
 from gpt2.model.hf import resolve_source
 from gpt2.outputs import RECORD_FILE
@@ -55,11 +56,19 @@ def export(options: ExportOptions) -> int:
     if options.gguf is not None:
         # a new file, or an existing one to replace (save_gguf checks it again when it writes)
         check_output_file("--gguf", options.gguf, options.overwrite)
-    model = options.source.load()
+    write_exports(options.source.load(), options, merge=bool(adapter))
+    return 0
+
+
+def write_exports(model: Any, options: ExportOptions, *, merge: bool) -> None:
+    """The files ``options`` names, of ``model`` (``options.source.model`` is the PEFT adapter's base): the PEFT
+    adapter, then with ``merge`` the adapter merged into the weights of the transformers folder and the GGUF file.
+    ``gpt2 export`` and ``gpt2 finetune`` (its ``--peft-export`` and ``--merge-export``) write them so.
+    """
     # the files that hold the weights, with an adapter merged into them
     merged = options.out is not None or options.gguf is not None
     # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
-    if adapter and merged:
+    if merge and merged:
         check_tied_head(model)
     what = "model"
     if options.peft_out is not None:
@@ -67,7 +76,7 @@ def export(options: ExportOptions) -> int:
         print(f"wrote PEFT adapter {options.peft_out} (load with peft.PeftModel.from_pretrained)")
     # Merged only for the files that hold merged weights: a PEFT adapter alone needs no merge (and
     # merging an adapter on the LM head would warn about the weights it unties).
-    if adapter and merged:
+    if merge and merged:
         minlora.merge_lora(model)
         what = "merged model"
     if options.out is not None:
@@ -77,7 +86,6 @@ def export(options: ExportOptions) -> int:
         path = save_gguf(model, options.gguf, dtype=options.gguf_type, overwrite=options.overwrite)
         size = f"{path.stat().st_size / 1e6:.1f} MB"
         print(f"wrote {what} {path} ({options.gguf_type}, {size}; run with llama.cpp: llama-cli -m {path})")
-    return 0
 
 
 def peft_base(model: str) -> str:
@@ -102,8 +110,6 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
     _check_export_dir(*out, MODEL_EXPORT_FILES, overwrite)
     _check_export_dir(*peft, PEFT_EXPORT_FILES, overwrite)
     given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}
-    if not given:
-        return
     source = resolve_source(model)
     for flag, folder in given.items():
         if isinstance(source, Path) and folder == source.resolve():
@@ -128,10 +134,7 @@ def _check_export_dir(flag: str, path: str | None, own: set[str], overwrite: boo
         raise UsageError(f"{flag} {path} is a file: give a folder (new, or an earlier export)")
     other = sorted(p.name for p in folder.iterdir() if p.name not in own)
     if other and not overwrite:
-        shown = ", ".join(other[:5])
-        if len(other) > 5:
-            shown += " ..."
         raise UsageError(
-            f"{flag} {path} is not empty and not an earlier export (it holds {shown}): give a new or empty "
+            f"{flag} {path} is not empty and not an earlier export (it holds {_some(other)}): give a new or empty "
             "folder, or pass --overwrite to write the export's files into it (nothing else there is touched)"
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import shlex
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -13,6 +12,7 @@ from gpt2.cli.common import (
     DataOptions,
     InstructionOptions,
     LaunchOptions,
+    ModelOptions,
     SamplingOptions,
     check_run,
     final_report,
@@ -20,7 +20,7 @@ from gpt2.cli.common import (
     program,
     write_json,
 )
-from gpt2.cli.export import check_export_dirs, peft_base
+from gpt2.cli.export import ExportOptions, check_export_dirs, write_exports
 from gpt2.cli.layers import Flat, Options, UsageError
 from gpt2.data.instruct import instruction_loaders, is_instruction_data
 from gpt2.data.sources import training_data
@@ -181,18 +181,11 @@ def _save(trainer: Any, model: Any, options: FinetuneOptions, results: dict[str,
             print(f"saved adapter {adapter} ({sample} {options.init} --adapter {adapter})")
         write_json(out / "results.json", results)
         rundir.record_outputs(out, ["results.json"])
-    # never with --full: check() refuses it
-    if options.peft_export:
-        minlora.export_peft_adapter(model, options.peft_export, base_model_name_or_path=peft_base(options.init))
-        print(f"wrote PEFT adapter {options.peft_export}")
-    if options.merge_export:
-        what = ""
-        if not options.full:
-            minlora.merge_lora(model)
-            what = "merged model "
-        model.save_pretrained(
-            options.merge_export,
-            tokenizer_dir=os.environ.get("GPT2_TOKENIZER_DIR") or None,
-            overwrite=options.train.overwrite,
-        )
-        print(f"wrote {what}{options.merge_export} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+    # --peft-export never with --full: check() refuses it
+    exports = ExportOptions(
+        source=ModelOptions(options.init),
+        out=options.merge_export,
+        peft_out=options.peft_export,
+        overwrite=options.train.overwrite,
+    )
+    write_exports(model, exports, merge=not options.full)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from gpt2.cli.layers import Options, UsageError
 from gpt2.data import iter_jsonl, load_tokens, read_text, tokenize_file, write_shards
@@ -125,15 +125,7 @@ def _documents(inputs: list[Path], text_field: str) -> Iterator[str]:
     """Text files give one document each; ``.jsonl`` files one per line (its ``text_field``)."""
     for path in inputs:
         if path.suffix.lower() == ".jsonl":
-            for line_no, row in iter_jsonl(path):
-                if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                    raise InvalidValueError(
-                        f"{path}:{line_no}: expected a JSON object with a string field {text_field!r} "
-                        f"(choose the field with --text-field)"
-                    )
-                # An empty document would be a lone <|endoftext|>.
-                if row[text_field]:
-                    yield row[text_field]
+            yield from _texts(((f"{path}:{line_no}", row) for line_no, row in iter_jsonl(path)), text_field)
         else:
             text = read_text(path)
             if text:
@@ -149,11 +141,16 @@ def _dataset_documents(options: PrepareOptions) -> Iterator[str]:
             "(or pass local text/jsonl files with --input)"
         ) from e
     ds = datasets.load_dataset(options.dataset, name=options.dataset_config, split=options.split, streaming=True)
-    for row in ds:
-        text = row.get(options.text_field)
-        if not isinstance(text, str):
+    yield from _texts(((f"dataset {options.dataset!r}", row) for row in ds), options.text_field)
+
+
+def _texts(rows: Iterable[tuple[str, Any]], text_field: str) -> Iterator[str]:
+    """The documents of ``(where, row)`` pairs, jsonl lines or dataset rows: each row's ``text_field``."""
+    for where, row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
             raise InvalidValueError(
-                f"dataset {options.dataset!r} rows have no string field {options.text_field!r} "
-                f"(fields: {sorted(row)}); choose it with --text-field"
+                f"{where}: expected rows with a string field {text_field!r} (choose the field with --text-field)"
             )
-        yield text
+        # An empty document would be a lone <|endoftext|>.
+        if row[text_field]:
+            yield row[text_field]

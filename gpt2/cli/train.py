@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -71,22 +71,10 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
     """The GPTConfig of ``--model`` with the ``--n-layer`` / ``--n-head`` / ``--n-embd`` / ...
     overrides; the context defaults to ``--seq-len``.
     """
-    dims = {n: getattr(shape, n) for n in ("n_layer", "n_head", "n_embd") if getattr(shape, n) is not None}
-    return GPTConfig.from_name(
-        shape.model,
-        block_size=context_length(shape, seq_len),
-        dropout=shape.dropout,
-        flash=shape.flash,
-        pad_vocab_multiple=shape.pad_vocab_multiple,
-        **dims,
-    )
-
-
-def context_length(shape: ModelShape, seq_len: int) -> int:
-    """``--block-size``, or ``--seq-len`` without one (a block size of 0: GPTConfig refuses it)."""
-    if shape.block_size is None:
-        return seq_len
-    return shape.block_size
+    # Every field but the shape's name is a GPTConfig field; None keeps the shape's value (a block
+    # size of 0 goes through: GPTConfig refuses it).
+    overrides = {name: value for name, value in asdict(shape).items() if name != "model" and value is not None}
+    return GPTConfig.from_name(shape.model, **{"block_size": seq_len, **overrides})
 
 
 def check(options: TrainOptions) -> None:
@@ -181,7 +169,7 @@ def print_next_steps(out_dir: Path, options: TrainOptions) -> None:
     gpt2 = shlex.quote(program("gpt2"))
     finetune = f"{gpt2} finetune --init {run}"
     # the finetune recipe's 64 tokens would not fit a shorter context
-    context = context_length(options.shape, options.train.seq_len)
+    context = model_config(options.shape, options.train.seq_len).block_size
     if context < 64:
         finetune += f" --seq-len {context}"
     # In the checkout, docs/lora.md's instruction rows; elsewhere, LoRA on the training text.

@@ -13,7 +13,6 @@ clipping would change it silently.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 from collections.abc import Iterator
@@ -28,14 +27,13 @@ from gpt2.files import check_new_file, replace_atomically
 from gpt2.model.checkpoint_files import unwrap_model
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf import OVERWRITE_FLAG
-from gpt2.model.hf_convert import CONV1D_WEIGHTS, gpt_to_hf_state_dict, refuse_parametrized
+from gpt2.model.hf_convert import CONV1D_WEIGHTS, gpt_to_hf_state_dict
 from gpt2.model.tokenizer import EOT_TOKEN, bpe_files, read_bpe_files
 
 logger = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f32", "f16", "q8_0")
-# Each type's gguf.LlamaFileType member: what the file says its matrices are.
-_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
+# The types a file can be written in, each with its gguf.LlamaFileType member: what the file says its matrices are.
+GGUF_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
 
 
 def _import_gguf() -> Any:
@@ -52,7 +50,7 @@ def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.
     it (gguf's own name map), with the Conv1D weights back in ``nn.Linear``'s (out, in), as llama.cpp keeps them.
     """
     gguf = _import_gguf()
-    hf_sd = gpt_to_hf_state_dict(unwrap_model(model).state_dict(), config)
+    hf_sd = gpt_to_hf_state_dict(model.state_dict(), config)
     # The LM head is tied to the embedding: with no output.weight llama.cpp reuses token_embd.
     del hf_sd["lm_head.weight"]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, config.n_layer)
@@ -63,17 +61,6 @@ def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         out[name] = value.detach().to("cpu", torch.float32).contiguous()
     return out
-
-
-def _vocabulary() -> tuple[list[str], list[str]]:
-    """GPT-2's tokens (id order, in its byte-to-printable-character form) and BPE merges, from the
-    same files :func:`gpt2.model.tokenizer.get_tokenizer` reads.
-    """
-    vocab_bpe, encoder_json = bpe_files()
-    vocabulary = read_bpe_files(vocab_bpe, encoder_json)
-    # All 50257, <|endoftext|> last (read_bpe_files checked them).
-    tokens = sorted(vocabulary.encoder, key=vocabulary.encoder.__getitem__)
-    return tokens, vocabulary.merges
 
 
 def check_tied_head(model: torch.nn.Module) -> None:
@@ -91,7 +78,6 @@ def _check_exportable(model: torch.nn.Module, dtype: str) -> GPTConfig:
     config = getattr(model, "config", None)
     if not isinstance(config, GPTConfig):
         raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
-    refuse_parametrized(model.state_dict())
     check_tied_head(model)
     if dtype not in GGUF_TYPES:
         raise InvalidValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
@@ -114,9 +100,8 @@ def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarr
             # A row length that is not a multiple of q8_0's 32-value block.
             kind = gguf.GGMLQuantizationType.F16
             encoded = gguf.quants.quantize(data, kind)
-        if kind == gguf.GGMLQuantizationType.F32:
-            return encoded, kind
         # f16 holds |x| <= 65504, and q8_0's f16 block scales |x| / 127 no more: beyond that, inf.
+        # f32 holds every finite value (its dequantize is the data itself: no overflow).
         overflow = np.isfinite(data) & ~np.isfinite(gguf.quants.dequantize(encoded, kind))
     if not overflow.any():
         return encoded, kind
@@ -143,8 +128,9 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     config = _check_exportable(model, dtype)
     check_new_file(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
-    file_type = getattr(gguf.LlamaFileType, _FILE_TYPES[dtype])
-    tokens, merges = _vocabulary()
+    file_type = getattr(gguf.LlamaFileType, GGUF_TYPES[dtype])
+    # GPT-2's BPE files, from where gpt2.model.tokenizer.get_tokenizer reads them.
+    vocabulary = read_bpe_files(*bpe_files())
     path = Path(path)
 
     def write(tmp: Path) -> None:
@@ -159,10 +145,12 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
         # Byte-level BPE, with GPT-2's pre-tokenisation regex.
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("gpt-2")
-        writer.add_token_list(tokens)
+        # The tokens in id order, in GPT-2's byte-to-printable-character form: all 50257, <|endoftext|>
+        # last (read_bpe_files checked them).
+        writer.add_token_list(sorted(vocabulary.encoder, key=vocabulary.encoder.__getitem__))
         # <|endoftext|> is a control token; the other 50256 are ordinary text.
         writer.add_token_types([gguf.TokenType.NORMAL] * EOT_TOKEN + [gguf.TokenType.CONTROL])
-        writer.add_token_merges(merges)
+        writer.add_token_merges(vocabulary.merges)
         for add_token_id in (writer.add_bos_token_id, writer.add_eos_token_id, writer.add_unk_token_id):
             add_token_id(EOT_TOKEN)
         # GPT-2 prepends nothing, as gpt2 sample does.
@@ -190,14 +178,13 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
 
 @contextlib.contextmanager
 def _quiet_gguf() -> Iterator[None]:
-    """The gguf package's progress chatter silenced (its info logs name the temporary file, and a
-    dry run prints): its warnings still show.
+    """The gguf package's progress chatter silenced (its info logs name the temporary file): its
+    warnings still show.
     """
     gguf_logger = logging.getLogger("gguf")
     level = gguf_logger.level
     gguf_logger.setLevel(max(level, logging.WARNING))
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
+        yield
     finally:
         gguf_logger.setLevel(level)

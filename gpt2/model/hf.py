@@ -27,6 +27,7 @@ from gpt2.model.checkpoint_files import (
     non_finite_tensors,
     open_checkpoint,
     refuse_non_finite,
+    save_weights,
 )
 from gpt2.model.config import GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.model.hf_convert import config_from_hf, gpt_to_hf_state_dict, hf_config_from_gpt, hf_to_gpt_state_dict
@@ -43,9 +44,7 @@ OFFICIAL_HUB_IDS = frozenset(
     f"{owner}{name}" for owner in ("", "openai-community/") for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ) | {"distilgpt2", "distilbert/distilgpt2"}
 _SAFETENSORS = "model.safetensors"
-_SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN = "pytorch_model.bin"
-_BIN_INDEX = "pytorch_model.bin.index.json"
 # transformers' weights files, whole or sharded, and their index files: an export replaces them all.
 _WEIGHTS_NAME = re.compile(r"(model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)(\.index\.json)?")
 _TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
@@ -58,20 +57,18 @@ def load_hf_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     no pickled code runs), each whole or sharded.
     """
     d = Path(directory)
-    if (d / _SAFETENSORS).is_file():
-        return load_weights(d / _SAFETENSORS)[0]
-    if (d / _SAFETENSORS_INDEX).is_file():
-        return _load_sharded(d, _SAFETENSORS_INDEX, lambda shard: load_weights(shard)[0])
-    if (d / _BIN).is_file():
-        return _torch_load(d / _BIN)
-    if (d / _BIN_INDEX).is_file():
-        return _load_sharded(d, _BIN_INDEX, _torch_load)
+    # Each format whole, else its shards under transformers' index file (the file's name + .index.json).
+    for name, load in ((_SAFETENSORS, lambda path: load_weights(path)[0]), (_BIN, _torch_load)):
+        if (d / name).is_file():
+            return load(d / name)
+        if (d / f"{name}.index.json").is_file():
+            return _load_sharded(d, f"{name}.index.json", load)
     found = []
     if d.is_dir():
         found = sorted(p.name for p in d.iterdir())
     raise MissingFileError(
-        f"no weights in {str(d)!r}: expected {_SAFETENSORS}, {_SAFETENSORS_INDEX}, {_BIN} or {_BIN_INDEX}; "
-        f"found {found}"
+        f"no weights in {str(d)!r}: expected {_SAFETENSORS}, {_SAFETENSORS}.index.json, {_BIN} or "
+        f"{_BIN}.index.json; found {found}"
     )
 
 
@@ -221,12 +218,8 @@ def _from_checkpoint(path: Path, model_class: type[torch.nn.Module]) -> torch.nn
             f"checkpoint {str(checkpoint)!r} holds only the trainable (adapter) weights; load the base "
             f"model and pass this run's adapter with --adapter instead"
         )
-    try:
-        model = model_class(GPTConfig.from_dict(model_config))
-    except (TypeError, ValueError) as e:
-        raise InvalidValueError(
-            f"checkpoint {str(checkpoint)!r}: 'model_config' in trainer_state.json is not a valid GPTConfig ({e})"
-        ) from None
+    # The Trainer wrote it from a GPTConfig, and SHA256SUMS vouches for the file.
+    model = model_class(GPTConfig.from_dict(model_config))
     load_state_into(model, data)
     return model
 
@@ -265,17 +258,16 @@ def _download(repo_id: str, cache_dir, revision) -> Path:
     # Only what loading needs: the config and safetensors weights; .bin only as a fallback for
     # repos that have no safetensors (flax/tf/onnx/tflite files are never fetched).
     try:
-        for weights in (["model*.safetensors", _SAFETENSORS_INDEX], ["pytorch_model*.bin", _BIN_INDEX]):
-            patterns = ["config.json", *weights]
+        for weights in ("model*.safetensors", "pytorch_model*.bin"):
+            # The whole file or its shards, and their index (the pattern's * also matches nothing).
+            patterns = ["config.json", weights, f"{weights}.index.json"]
             folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
             if any(folder.glob("model*.safetensors")):
                 break
-    except RevisionNotFoundError as e:
-        raise MissingFileError(f"revision {revision!r} of {repo_id!r} does not exist on the hub") from e
-    except RepositoryNotFoundError as e:
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise MissingFileError(
-            f"{_not_here(repo_id)} and the hub has no such (accessible) model repo; "
-            f"check the name, or log in (huggingface-cli login) for a gated/private repo"
+            f"{_not_here(repo_id)} and the hub has no such (accessible) model repo at revision {revision or 'main'!r}; "
+            f"check the name and the revision, or log in (huggingface-cli login) for a gated/private repo"
         ) from e
     except Exception as e:
         # Offline, DNS, proxy, timeouts: all end here, in one message (huggingface_hub's chained
@@ -312,49 +304,39 @@ def load_pretrained(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     directory = _resolve(name_or_path, cache_dir, revision)
-    if not (directory / "config.json").is_file():
-        # A checkpoint: built with its own config, padding and all.
-        model = _from_checkpoint(directory, model_class).to(device=device, dtype=dtype)
+    if (directory / "config.json").is_file():
+        model = _from_transformers(directory, model_class, pad_vocab_multiple=pad_vocab_multiple, dropout=dropout)
+        model.name_or_path = str(directory.resolve())
+    else:
+        # A checkpoint: built with its own config, padding and all; transformers cannot read it.
+        model = _from_checkpoint(directory, model_class)
         model.name_or_path = None
-        logger.info("loaded %s (%s parameters)", name_or_path, f"{model.num_params():,}")
-        return model.eval()
-    try:
-        config = config_from_hf(
-            _read_json(directory / "config.json"), pad_vocab_multiple=pad_vocab_multiple, dropout=dropout
-        )
-    except (TypeError, ValueError) as e:
-        raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
-    model = _from_transformers_weights(directory, config, model_class, device, dtype or torch.float32)
-    model.name_or_path = str(directory.resolve())
     source = ""
     # A hub id (its snapshot is another folder): transformers loads it by that name.
     if Path(os.fspath(name_or_path)).expanduser() != directory:
         model.name_or_path = str(name_or_path)
         source = f" from {directory}"
     logger.info("loaded %s (%s parameters)%s", name_or_path, f"{model.num_params():,}", source)
-    return model.eval()
+    # float32 unless asked: master weights for training, whatever a file stores.
+    return model.to(device=device, dtype=dtype or torch.float32).eval()
 
 
-def _from_transformers_weights(
-    directory: Path,
-    config: GPTConfig,
-    model_class: type[torch.nn.Module],
-    device: str | torch.device | None,
-    dtype: torch.dtype,
-) -> torch.nn.Module:
-    """``model_class(config)`` holding the weights of the ``transformers`` directory, on ``device`` in ``dtype``."""
+def _from_transformers(directory: Path, model_class: type[torch.nn.Module], **overrides: Any) -> torch.nn.Module:
+    """``model_class`` with the config (``overrides``: our own fields, see :func:`config_from_hf`) and the
+    weights of the ``transformers`` directory, as they are stored.
+    """
+    try:
+        config = config_from_hf(_read_json(directory / "config.json"), **overrides)
+    except (TypeError, ValueError) as e:
+        raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
     hf_sd = load_hf_state_dict(directory)
     # NaN/inf weights never enter a model.
     refuse_non_finite(non_finite_tensors(hf_sd), f"refusing to load {directory}")
-    sd = hf_to_gpt_state_dict(hf_sd, config)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if k != "lm_head.weight"}
-    # Tied: the one tensor is moved once.
-    sd["lm_head.weight"] = sd["transformer.wte.weight"]
     # Build on the meta device (no memory, no random init), then adopt the loaded tensors.
     with torch.device("meta"):
         model = model_class(config)
-    model.load_state_dict(sd, strict=True, assign=True)
-    # assign=True made two Parameters: tie them again.
+    model.load_state_dict(hf_to_gpt_state_dict(hf_sd, config), strict=True, assign=True)
+    # The head and the embedding are one tensor, which assign=True made two Parameters: tie them again.
     model.lm_head.weight = model.transformer.wte.weight
     return model
 
@@ -379,8 +361,6 @@ def save_pretrained(
     files, which the folder's record proves gpt2 wrote (:mod:`gpt2.outputs`); a file there of the same name
     that gpt2 did not write, or that changed since, needs ``overwrite=True``. What it wrote is recorded there.
     """
-    from safetensors.torch import save
-
     config = model.config
     # Found before anything is written: an export without its tokenizer would load but decode
     # nothing (transformers then builds a 1-token vocabulary). A model with another vocabulary
@@ -399,9 +379,9 @@ def save_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config)
     hf_config["torch_dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    written, stale, old_tokenizer = _export_files(out, safe_serialization, bpe is not None)
+    written, stale = _export_files(out, safe_serialization, bpe is not None)
     folder = OutputFolder(out)
-    clash = [name for name in [*written, *stale, *old_tokenizer] if not folder.owns(name)]
+    clash = [name for name in [*written, *stale] if not folder.owns(name)]
     if clash and not overwrite:
         raise OutputExistsError(
             f"{out} holds {', '.join(clash)}, which gpt2 did not write there (or which changed since): choose "
@@ -410,11 +390,10 @@ def save_pretrained(
     for name in stale:
         (out / name).unlink()
     # Each file is written under a temporary name and renamed into place, weights first: a crash
-    # leaves whole files behind, never a truncated one that transformers would fail to read. Bytes
-    # through replace_atomically: safetensors' save_file would make the file 0600, not the umask's.
+    # leaves whole files behind, never a truncated one that transformers would fail to read. The
+    # safetensors file by the one writer of checkpoints' weights (the user's umask, "format": "pt").
     if safe_serialization:
-        data = save(hf_sd, metadata={"format": "pt"})
-        replace_atomically(out / _SAFETENSORS, lambda f: f.write(data))
+        save_weights(hf_sd, out / _SAFETENSORS)
     else:
         replace_atomically(out / _BIN, lambda f: torch.save(hf_sd, f))
     config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
@@ -422,33 +401,28 @@ def save_pretrained(
     if bpe is not None:
         _write_tokenizer(*bpe, out, config)
     else:
-        for name in old_tokenizer:
-            (out / name).unlink(missing_ok=True)
         logger.warning(
             f"no tokenizer files: the model has {config.vocab_size} token ids, GPT-2's tokenizer {GPT2_VOCAB_SIZE}"
         )
+    # No log line: the caller says what it wrote (gpt2 export and finetune print one line per export).
     folder.record(written)
-    logger.info("saved %s to %s", type(model).__name__, out)
     return out
 
 
-def _export_files(out: Path, safe_serialization: bool, tokenizer: bool) -> tuple[list[str], list[str], list[str]]:
-    """The names an export into ``out`` writes, the weights files it deletes first, and the
-    tokenizer files it deletes once the model is written.
-    """
+def _export_files(out: Path, safe_serialization: bool, tokenizer: bool) -> tuple[list[str], list[str]]:
+    """The names an export into ``out`` writes, and the files there it deletes first."""
     weights = _BIN
     if safe_serialization:
         weights = _SAFETENSORS
     written = [weights, "config.json"]
     # Every other weights file goes: an earlier sharded save's index would win over a new .bin on reload.
     stale = sorted(p.name for p in out.iterdir() if _WEIGHTS_NAME.fullmatch(p.name) and p.name != weights)
-    # Without a tokenizer of its own, an earlier export's would be loaded with this model.
-    old_tokenizer: list[str] = []
     if tokenizer:
         written += _TOKENIZER_FILES
     else:
-        old_tokenizer = [name for name in ("tokenizer.json", *_TOKENIZER_FILES) if os.path.lexists(out / name)]
-    return written, stale, old_tokenizer
+        # Without a tokenizer of its own, an earlier export's would be loaded with this model.
+        stale += [name for name in ("tokenizer.json", *_TOKENIZER_FILES) if os.path.lexists(out / name)]
+    return written, stale
 
 
 def _write_tokenizer(vocab_bpe: Path, encoder_json: Path, out: Path, config: GPTConfig) -> None:
