@@ -125,47 +125,34 @@ def _peft_tensors(
     family, lora = family_name(site.module), site.lora
     # PEFT's LoRA sits alone on a layer's weight, in the (out, in) layout (an embedding's in the transposed one)
     alone = len(site.plist) == 1 and site.tensor_name == "weight" and lora.fan_in_fan_out == (family == "Embedding")
-    if family is None or not alone or (family == "Conv2d" and site.module.groups != 1):
+    if family not in ("Linear", "Embedding") or not alone:
         raise LoRAValueError(
-            f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
-            f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out}, parametrizations "
-            f"{[type(p).__name__ for p in site.plist]})"
+            f"export_peft_adapter: cannot export the LoRA on {site.name} ({type(site.module).__name__}, "
+            f"fan_in_fan_out={lora.fan_in_fan_out}, parametrizations {[type(p).__name__ for p in site.plist]}): "
+            f"the export writes one LoRA alone on the weight of a Linear or Embedding layer"
         )
     A, B, m = (ours.get(f"{site.name}.{n}") for n in PARAM_NAMES)
     # the twin has no padded vocabulary rows
     rows = slice(None)
     if id(site.module) in padded:
         rows = slice(real)
-    key = _PREFIX + site.module_name + ".lora_"
-    a_role, b_role = _FACTOR_ROLES[family == "Embedding"]
-    A, B, m = _peft_layout(site, family, A, B, m, rows)
-    tensors = {key + a_role: A, key + b_role: B}
-    if m is not None:
-        tensors[key + _MAGNITUDE] = m
-    return tensors
-
-
-def _peft_layout(
-    site: LoRASite, family: str, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None, rows: slice
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One layer's factors and DoRA magnitude (or None) as PEFT stores them, ``rows`` of the vocabulary kept."""
     if family == "Embedding":
         # PEFT stores the embedding update transposed
         A, B = A[rows].t(), B.t()
         if m is not None and rows.stop is not None:
             # DoRA's norms run over the rows: rescaled to the twin's
-            V = (site.original.float() + site.lora.delta_weight().float()).detach()
+            V = (site.original.float() + lora.delta_weight().float()).detach()
             m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
-        return A, B, m
-    B = B[rows]
-    if m is not None:
-        m = m[rows]
-    if family == "Conv2d":
-        # PEFT's conv factors are (r, in, kh, kw) and (out, r, 1, 1), its norm (1, out, 1, 1)
-        A, B = A.reshape(site.lora.rank, *site.original.shape[1:]), B.reshape(*B.shape, 1, 1)
+    else:
+        B = B[rows]
         if m is not None:
-            m = m.reshape(1, -1, 1, 1)
-    return A, B, m
+            m = m[rows]
+    key = _PREFIX + site.module_name + ".lora_"
+    a_role, b_role = _FACTOR_ROLES[family == "Embedding"]
+    tensors = {key + a_role: A, key + b_role: B}
+    if m is not None:
+        tensors[key + _MAGNITUDE] = m
+    return tensors
 
 
 def _peft_config(model: nn.Module, loras: dict[str, LoRAParametrization]) -> dict[str, Any]:
