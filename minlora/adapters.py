@@ -6,7 +6,6 @@ layer, weight shape and settings, tied pairs, the base model's fingerprint.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -159,7 +158,7 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
             continue
         old = single_lora(site, source)
         # another rank, or DoRA on one side only
-        if _factor_shapes(old) != _factor_shapes(new):
+        if [getattr(old, n).shape for n in old.param_names] != [getattr(new, n).shape for n in new.param_names]:
             kinds = ["DoRA" if lora.use_dora else "LoRA" for lora in (new, old)]
             raise LoRAValueError(
                 f"{source}: the adapter has {kinds[0]} of rank {new.rank} for {site.name} but the model there has "
@@ -175,10 +174,6 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
             f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
             f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora"
         )
-
-
-def _factor_shapes(lora: LoRAParametrization) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(getattr(lora, name).shape) for name in lora.param_names}
 
 
 @torch.no_grad()
@@ -205,13 +200,11 @@ def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
 
 
 def _model_config(model: nn.Module) -> dict[str, Any] | None:
-    """``model.config`` as a JSON object (as it reads back from the file), or None."""
+    """``model.config.to_dict()`` as a JSON object (as it reads back from the file), or None."""
     # duck-typed: minlora knows no model family
     cfg = getattr(model, "config", None)
     if callable(getattr(cfg, "to_dict", None)):
         cfg = cfg.to_dict()
-    elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        cfg = dataclasses.asdict(cfg)
     if not isinstance(cfg, dict):
         return None
     return json.loads(json.dumps(cfg, sort_keys=True, default=str))

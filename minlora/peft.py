@@ -10,7 +10,6 @@ exact), ``fan_in_fan_out`` (True: the twin's layers are transformers' ``Conv1D``
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections import Counter
@@ -38,8 +37,6 @@ from .config import family_name, name_matches, raw_weight
 from .errors import LoRAFileNotFoundError, LoRATypeError, LoRAValueError
 from .model import LoRASite
 from .parametrization import PARAM_NAMES, LoRAParametrization, check_float, check_int
-
-logger = logging.getLogger(__name__)
 
 PEFT_WEIGHTS_NAME, PEFT_CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
 LAYOUT_METHOD = "peft_adapter_layout"
@@ -167,15 +164,13 @@ def _peft_config(model: nn.Module, loras: dict[str, LoRAParametrization]) -> dic
             )
     rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
     alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
-    dropouts = sorted({p.lora_dropout_p for p in loras.values()})
-    if len(dropouts) > 1:
-        logger.warning("export_peft_adapter: layers use dropouts %s; PEFT has one, writing the largest", dropouts)
     first = next(iter(loras.values()))
     return {
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": alpha,
-        "lora_dropout": dropouts[-1],
+        # PEFT has one dropout for the adapter: the largest (dropout only matters in training)
+        "lora_dropout": max(p.lora_dropout_p for p in loras.values()),
         "bias": "none",
         "inference_mode": True,
         "target_modules": _target_modules(model, list(loras)),
