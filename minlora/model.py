@@ -27,13 +27,6 @@ default_lora_config = {nn.Linear: {"weight": partial(LoRAParametrization.from_li
 Target = tuple[str, nn.Module, str, Callable[[nn.Module], LoRAParametrization]]
 
 
-def tensor_path(module_name: str, tensor_name: str) -> str:
-    """``"<module_name>.<tensor_name>"``, or the tensor name alone on the root module."""
-    if module_name:
-        return f"{module_name}.{tensor_name}"
-    return tensor_name
-
-
 class LoRASite(NamedTuple):
     """One parametrized tensor carrying LoRA: ``module.<tensor_name>``, the module at ``module_name``."""
 
@@ -43,7 +36,10 @@ class LoRASite(NamedTuple):
 
     @property
     def name(self) -> str:
-        return tensor_path(self.module_name, self.tensor_name)
+        """``"<module_name>.<tensor_name>"``, or the tensor name alone on the root module."""
+        if self.module_name:
+            return f"{self.module_name}.{self.tensor_name}"
+        return self.tensor_name
 
     @property
     def plist(self) -> parametrize.ParametrizationList:
@@ -147,7 +143,7 @@ def _add_targets(targets: list[Target], caller: str) -> None:
     """
     todo, skipped, oversized = [], [], []
     for name, module, tensor_name, factory in targets:
-        full = tensor_path(name, tensor_name)
+        full = LoRASite(name, module, tensor_name).name
         if has_lora(module, tensor_name):
             skipped.append(full)
             continue
@@ -164,30 +160,23 @@ def _add_targets(targets: list[Target], caller: str) -> None:
     for module, tensor_name, lora in todo:
         register_lora(module, tensor_name, lora)
     if oversized:
-        _warn_oversized_rank(oversized, caller)
+        # Such a rank is wasteful, not wrong: the update B @ A cannot have a higher rank than min(in, out), so the
+        # extra rank only adds parameters. minLoRA and PEFT accept it (minLoRA's own demo puts its default rank 4
+        # on an nn.Linear(7, 3)), and so does minlora, with one warning per call.
+        shown = "; ".join(oversized[:6])
+        if len(oversized) > 6:
+            shown += f"; and {len(oversized) - 6} more"
+        warnings.warn(
+            f"{caller}: LoRA rank above min(in_features, out_features) on {len(oversized)} layer(s): {shown}. The "
+            f"update B @ A cannot have a higher rank, so it works but the extra rank only adds parameters; lower the "
+            f"rank or leave those layers out to save them",
+            stacklevel=3,
+        )
     if skipped:
         logger.warning(
             f"{caller}: {len(skipped)} tensor(s) already carry a LoRA adapter and were left unchanged (no second "
             f"adapter is stacked), e.g. {skipped[:3]}; call minlora.remove_lora(model) first to replace them"
         )
-
-
-def _warn_oversized_rank(oversized: list[str], caller: str) -> None:
-    """One warning for every layer of one call whose rank exceeds ``min(in_features, out_features)``.
-
-    Such a rank is wasteful, not wrong: the update ``B @ A`` cannot have a higher rank than that, so the
-    extra rank only adds parameters. minLoRA and PEFT accept it (minLoRA's own demo puts its default rank 4
-    on an ``nn.Linear(7, 3)``), and so does minlora.
-    """
-    shown = "; ".join(oversized[:6])
-    if len(oversized) > 6:
-        shown += f"; and {len(oversized) - 6} more"
-    warnings.warn(
-        f"{caller}: LoRA rank above min(in_features, out_features) on {len(oversized)} layer(s): {shown}. The "
-        f"update B @ A cannot have a higher rank, so it works but the extra rank only adds parameters; lower the "
-        f"rank or leave those layers out to save them",
-        stacklevel=4,
-    )
 
 
 # ---------------------------------------------------------------------- minLoRA API
@@ -271,7 +260,13 @@ def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
         for site in sites:
             _drop_loras(site, None)
         return
-    _check_mergeable(sites)
+    for site in sites:
+        if site.lora_indices != list(range(len(site.lora_indices))):
+            raise LoRAValueError(
+                f"merge_lora: the LoRA on {site.name} follows another parametrization "
+                f"({[type(p).__name__ for p in site.plist]}); it cannot be folded into the stored "
+                f"weight. Remove the other parametrization first, or use remove_lora"
+            )
     originals = [site.original for site in sites]
     # every merged value first, while all originals are untouched (GPT-2's head and embedding share one)
     values = [_merged_value(site) for site in sites]
@@ -280,16 +275,6 @@ def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
     for site, original, value in zip(sites, originals, values):
         _drop_loras(site, _merged_parameter(made, original, value))
     _warn_if_untied(model, sites, originals, made)
-
-
-def _check_mergeable(sites: list[LoRASite]) -> None:
-    for site in sites:
-        if site.lora_indices != list(range(len(site.lora_indices))):
-            raise LoRAValueError(
-                f"merge_lora: the LoRA on {site.name} follows another parametrization "
-                f"({[type(p).__name__ for p in site.plist]}); it cannot be folded into the stored "
-                f"weight. Remove the other parametrization first, or use remove_lora"
-            )
 
 
 def _merged_value(site: LoRASite) -> torch.Tensor:
