@@ -59,13 +59,6 @@ def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[s
 _SWITCHES = ("include_embeddings", "include_lm_head", "use_rslora", "use_dora")
 
 
-def _layer_type(value: Any) -> Any:
-    """A family name (``"Linear"``) as its layer type; anything else as given (checked by the caller)."""
-    if isinstance(value, str) and value in FAMILIES:
-        return FAMILIES[value][0]
-    return value
-
-
 def _lm_heads(model: nn.Module, head_names: tuple[str, ...]) -> set[int]:
     """The ids of ``model``'s LM heads: linear layers named so, or sharing an embedding's weight."""
     embedding_weights = set()
@@ -132,7 +125,8 @@ class LoRAConfig:
         types = self.target_types
         if isinstance(types, (type, str)):
             types = (types,)
-        self.target_types = tuple(_layer_type(t) for t in types)
+        # a family name ("Linear", as to_dict writes it) stands for its layer type
+        self.target_types = tuple(FAMILIES[t][0] if isinstance(t, str) and t in FAMILIES else t for t in types)
         for t in self.target_types:
             if not isinstance(t, type) or family_name(t) is None:
                 raise LoRAValueError(f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts {sorted(FAMILIES)}")
@@ -205,12 +199,8 @@ class LoRAConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["target_types"] = [family_name(t) for t in self.target_types]
-        for key, value in data.items():
-            if isinstance(value, tuple):
-                data[key] = list(value)
-        return data
+        """The fields, layer types by family name (``"Linear"``): what :meth:`from_dict` takes, JSON included."""
+        return dataclasses.asdict(self) | {"target_types": [family_name(t) for t in self.target_types]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoRAConfig:
