@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from .config import FAMILIES, family_name, raw_weight
 from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
 from .model import LoRASite, has_lora, lora_sites, register_lora, require_lora, single_lora
-from .parametrization import PARAM_NAMES, LoRAParametrization
+from .parametrization import FACTOR_NAMES, LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
@@ -314,9 +314,7 @@ def _is_tie(entry: Any, targets: dict[str, Any]) -> bool:
 
 def _factor_names(spec: dict[str, Any]) -> tuple[str, ...]:
     """The tensors a target of the config has: ``lora_A``, ``lora_B``, and DoRA's magnitude."""
-    if spec.get("use_dora") is True:
-        return PARAM_NAMES
-    return PARAM_NAMES[:2]
+    return FACTOR_NAMES[spec.get("use_dora") is True]
 
 
 def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
@@ -327,10 +325,9 @@ def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     if path.is_dir():
         file = path / ADAPTER_FILE_NAME
     if not file.is_file():
-        peft = ""
-        if (path / "adapter_config.json").is_file():
-            peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)"
-        raise LoRAFileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME}{peft}")
+        raise LoRAFileNotFoundError(
+            f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (PEFT: import_peft_adapter)"
+        )
     tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
     # no minlora metadata: no format either, refused as not a minlora adapter
     config = parse_json(metadata.get("minlora", "{}"), f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)

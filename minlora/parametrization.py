@@ -19,6 +19,8 @@ from .errors import LoRAIndexError, LoRATypeError, LoRAValueError
 
 # the last one DoRA's only
 PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
+# the factors a LoRA holds, by use_dora
+FACTOR_NAMES = {False: PARAM_NAMES[:2], True: PARAM_NAMES}
 
 
 def check_int(value: Any, what: str) -> None:
@@ -144,9 +146,7 @@ class LoRAParametrization(nn.Module):
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        if self.use_dora:
-            return PARAM_NAMES
-        return PARAM_NAMES[:2]
+        return FACTOR_NAMES[self.use_dora]
 
     @property
     def norm_dim(self) -> int:
