@@ -107,7 +107,6 @@ def export_peft_adapter(
         base_model_name_or_path = getattr(model, "name_or_path", None)
     config |= {"task_type": task_type, "base_model_name_or_path": base_model_name_or_path}
     config["fan_in_fan_out"] = bool(layout.get("fan_in_fan_out", False))
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / PEFT_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
@@ -134,8 +133,8 @@ def _peft_tensors(
     if id(site.module) in padded:
         rows = slice(real)
     if family == "Embedding":
-        # PEFT stores the embedding update transposed
-        A, B = A[rows].t(), B.t()
+        # PEFT stores the embedding update transposed (contiguous: safetensors writes no views)
+        A, B = A[rows].t().contiguous(), B.t().contiguous()
         if m is not None and rows.stop is not None:
             # DoRA's norms run over the rows: rescaled to the twin's
             V = (site.original.float() + lora.delta_weight().float()).detach()
