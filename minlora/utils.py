@@ -22,8 +22,7 @@ def apply_to_lora(fn: Callable[[LoRAParametrization], None]) -> Callable[[nn.Mod
 
     def apply(layer: nn.Module) -> None:
         if isinstance(layer, LoRAParametrization):
-            return fn(layer)
-        return None
+            fn(layer)
 
     return apply
 
