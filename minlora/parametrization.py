@@ -225,9 +225,7 @@ class LoRAParametrization(nn.Module):
 
     # ------------------------------------------------------------------ the fast path
     def fast_linear(self, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, forward(W), bias)`` without forming ``forward(W)``."""
-        if not self.enabled:
-            return F.linear(x, W, bias)
+        """``F.linear(x, forward(W), bias)`` without forming ``forward(W)`` (an enabled LoRA: see _fast_path_lora)."""
         # fp32 factors on a low-precision base: the branch runs in the activations' dtype, as under
         # autocast; the casts are differentiable, so the factors still get fp32 gradients.
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
@@ -257,8 +255,6 @@ class LoRAParametrization(nn.Module):
 
     def fast_embedding(self, idx: torch.Tensor, W: torch.Tensor, layer: nn.Embedding) -> torch.Tensor:
         out = F.embedding(idx, W, layer.padding_idx, None, layer.norm_type, layer.scale_grad_by_freq, layer.sparse)
-        if not self.enabled:
-            return out
         after_a = F.embedding(idx, self.lora_A.to(out.dtype))  # (..., r)
         if self.training and self.lora_dropout_p > 0:
             # the input is one-hot: dropout drops the token's whole update
@@ -337,7 +333,8 @@ def _fast_path_lora(module: nn.Module, embedding: bool) -> LoRAParametrization |
     lora = plist[0]
     if not isinstance(lora, LoRAParametrization) or not lora.fast_path or lora.fan_in_fan_out != embedding:
         return None
-    if parametrize_cache_enabled():
+    # a disabled LoRA's forward is the identity: the weight path reads W itself
+    if parametrize_cache_enabled() or not lora.enabled:
         return None
     if embedding and (module.max_norm is not None or module.scale_grad_by_freq or module.padding_idx is not None):
         return None
