@@ -61,20 +61,15 @@ _SWITCHES = ("include_embeddings", "include_lm_head", "use_rslora", "use_dora")
 
 def _lm_heads(model: nn.Module, head_names: tuple[str, ...]) -> set[int]:
     """The ids of ``model``'s LM heads: linear layers named so, or sharing an embedding's weight."""
-    embedding_weights = set()
-    for module in model.modules():
-        if family_name(module) != "Embedding":
-            continue
-        weight = raw_weight(module)
-        if weight is not None:
-            embedding_weights.add(id(weight))
-    heads = set()
-    for name, module in model.named_modules():
-        if family_name(module) != "Linear":
-            continue
-        if id(raw_weight(module)) in embedding_weights or any(name_matches(name, h) for h in head_names):
-            heads.add(id(module))
-    return heads
+    embedding_weights = {
+        id(raw_weight(m)) for m in model.modules() if family_name(m) == "Embedding" and raw_weight(m) is not None
+    }
+    return {
+        id(module)
+        for name, module in model.named_modules()
+        if family_name(module) == "Linear"
+        and (id(raw_weight(module)) in embedding_weights or any(name_matches(name, h) for h in head_names))
+    }
 
 
 @dataclass
