@@ -146,17 +146,15 @@ class LoRAConfig:
         ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why.
         """
         heads = _lm_heads(model, self.lm_head_names)
-        selected, hit = [], set()
+        selected = []
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
             if not issubclass(layer_type, self.layer_types) or self._excluded(name, module, heads):
                 continue
-            matched = [p for p in self.target_modules or () if name_matches(name, p)]
-            if self.target_modules is None or matched:
-                hit.update(matched)
+            if self.target_modules is None or any(name_matches(name, p) for p in self.target_modules):
                 selected.append((name, module, "weight", self.factory(layer_type)))
         if require_match:
-            self._check_selection(model, selected, hit, heads)
+            self._check_selection(model, selected, heads)
         return selected
 
     def _excluded(self, name: str, module: nn.Module, heads: set[int]) -> bool:
@@ -165,10 +163,10 @@ class LoRAConfig:
             return True
         return id(module) in heads and not self.include_lm_head
 
-    def _check_selection(self, model: nn.Module, selected: list, hit: set[str], heads: set[int]) -> None:
+    def _check_selection(self, model: nn.Module, selected: list, heads: set[int]) -> None:
         """Every ``target_modules`` pattern selected a layer, and the config selected one at all."""
         for pattern in self.target_modules or ():
-            if pattern not in hit:
+            if not any(name_matches(name, pattern) for name, *_ in selected):
                 raise LoRAValueError(self._explain_no_match(model, pattern, heads))
         if not selected:
             raise LoRAValueError(
