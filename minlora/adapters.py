@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
 from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
-from .model import LoRASite, has_lora, lora_sites, register_lora, require_lora, single_lora
+from .model import LoRASite, lora_sites, register_lora, require_lora, single_lora
 from .parametrization import FACTOR_NAMES, LoRAParametrization
 from .utils import tie_weights
 
@@ -154,7 +154,7 @@ def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], **s
 def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) -> None:
     """What could stop a load half-way, checked before anything changes."""
     for site, new in plans:
-        if not has_lora(site.module, site.tensor_name):
+        if not site.lora_indices:
             continue
         old = single_lora(site, source)
         # another rank, or DoRA on one side only
@@ -179,7 +179,7 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
 @torch.no_grad()
 def apply_plans(plans: list[Plan]) -> None:
     for site, new in plans:
-        if not has_lora(site.module, site.tensor_name):
+        if not site.lora_indices:
             register_lora(site.module, site.tensor_name, new, fresh=False)
             continue
         # the adapter was trained with its own scaling

@@ -47,6 +47,9 @@ class LoRASite(NamedTuple):
 
     @property
     def lora_indices(self) -> list[int]:
+        """The positions of the tensor's LoRAs among its parametrizations (none: ``[]``)."""
+        if not parametrize.is_parametrized(self.module, self.tensor_name):
+            return []
         return [i for i, p in enumerate(self.plist) if isinstance(p, LoRAParametrization)]
 
     @property
@@ -58,17 +61,9 @@ class LoRASite(NamedTuple):
         return self.plist.original
 
 
-def has_lora(module: nn.Module, tensor_name: str) -> bool:
-    return parametrize.is_parametrized(module, tensor_name) and any(
-        isinstance(p, LoRAParametrization) for p in module.parametrizations[tensor_name]
-    )
-
-
 def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
     """The one LoRA on ``site``'s tensor, else a ``ValueError`` naming ``caller``."""
-    count = 0
-    if has_lora(site.module, site.tensor_name):
-        count = len(site.lora_indices)
+    count = len(site.lora_indices)
     if count != 1:
         raise LoRAValueError(
             f"{caller}: {site.name} carries {count} LoRAs; it needs exactly one (minlora.add_lora adds one, "
@@ -79,12 +74,12 @@ def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
 
 def lora_sites(model: nn.Module) -> list[LoRASite]:
     """Every parametrized tensor of ``model`` carrying a :class:`LoRAParametrization` (found by type)."""
-    return [
+    sites = [
         LoRASite(module_name, module, tensor_name)
         for module_name, module in model.named_modules()
         for tensor_name in getattr(module, "parametrizations", {})
-        if has_lora(module, tensor_name)
     ]
+    return [site for site in sites if site.lora_indices]
 
 
 def require_lora(model: nn.Module, caller: str) -> list[LoRASite]:
@@ -143,19 +138,19 @@ def _add_targets(targets: list[Target], caller: str) -> None:
     """
     todo, skipped, oversized = [], [], []
     for name, module, tensor_name, factory in targets:
-        full = LoRASite(name, module, tensor_name).name
-        if has_lora(module, tensor_name):
-            skipped.append(full)
+        site = LoRASite(name, module, tensor_name)
+        if site.lora_indices:
+            skipped.append(site.name)
             continue
         lora = factory(module)
         if not isinstance(lora, LoRAParametrization):
             raise LoRATypeError(
-                f"{caller}: the factory for {full} returned a {type(lora).__name__}, not a LoRAParametrization"
+                f"{caller}: the factory for {site.name} returned a {type(lora).__name__}, not a LoRAParametrization"
             )
         useful = min(lora.fan_in, lora.fan_out)
         if lora.rank > useful:
             shape = tuple(getattr(module, tensor_name).shape)
-            oversized.append(f"{full} (weight shape {shape}) has rank {lora.rank}, useful maximum {useful}")
+            oversized.append(f"{site.name} (weight shape {shape}) has rank {lora.rank}, useful maximum {useful}")
         todo.append((module, tensor_name, lora))
     for module, tensor_name, lora in todo:
         register_lora(module, tensor_name, lora)
