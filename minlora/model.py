@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 
 from .config import LoRAConfig
 from .errors import LoRATypeError, LoRAValueError
-from .parametrization import LoRAParametrization, install_lora_class
+from .parametrization import LoRAParametrization, install_lora_class, raw_weight
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,7 @@ def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
 
 def register_lora(module: nn.Module, tensor_name: str, lora: LoRAParametrization, fresh: bool = True) -> None:
     """Register ``lora`` on ``module.<tensor_name>``; a ``fresh`` DoRA's magnitude starts at the weight's norms."""
-    if parametrize.is_parametrized(module, tensor_name):
-        original = module.parametrizations[tensor_name].original
-    else:
-        original = getattr(module, tensor_name)
+    original = raw_weight(module, tensor_name)
     # fp32 factors on fp16 / bf16 weights: small updates are not rounded away and GradScaler can
     # unscale their gradients (it refuses fp16 grads); fp32 / fp64 weights keep their dtype.
     lora.to(device=original.device, dtype=torch.promote_types(original.dtype, torch.float32))

@@ -42,12 +42,12 @@ def check_float(value: Any, what: str, low: float = -math.inf, high: float = mat
         raise LoRAValueError(f"{what} must be in {opening}{low:g}, {high:g}), got {value!r}")
 
 
-def raw_weight(module: nn.Module) -> torch.Tensor | None:
-    """The stored weight of ``module`` (the original under a parametrization), or None."""
-    if parametrize.is_parametrized(module, "weight"):
+def raw_weight(module: nn.Module, tensor_name: str = "weight") -> torch.Tensor | None:
+    """The stored ``module.<tensor_name>`` parameter (the original under a parametrization), or None."""
+    if parametrize.is_parametrized(module, tensor_name):
         # weight_norm keeps two tensors and no `original`: None
-        return getattr(module.parametrizations["weight"], "original", None)
-    weight = getattr(module, "weight", None)
+        return getattr(module.parametrizations[tensor_name], "original", None)
+    weight = getattr(module, tensor_name, None)
     if isinstance(weight, nn.Parameter):
         return weight
     return None
