@@ -100,8 +100,7 @@ def get_bias_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn
 
 def get_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA entries of ``model.state_dict()`` (``...parametrizations.weight.0.lora_A``)."""
-    wanted = _named_lora_params(model, remove_duplicate=False)
-    return {k: v for k, v in model.state_dict().items() if k in wanted}
+    return {name: param.detach() for name, param in _named_lora_params(model, remove_duplicate=False).items()}
 
 
 def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str, torch.Tensor]]) -> nn.Module:
