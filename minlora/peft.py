@@ -99,9 +99,7 @@ def export_peft_adapter(
     """
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
-    tensors = {}
-    for site in sites:
-        tensors |= _peft_tensors(site, ours, real, padded)
+    tensors = {key: t for site in sites for key, t in _peft_tensors(site, ours, real, padded).items()}
     config = _peft_config(model, {site.module_name: site.lora for site in sites})
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None)
