@@ -56,9 +56,6 @@ def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[s
     return value
 
 
-_SWITCHES = ("include_embeddings", "include_lm_head", "use_rslora", "use_dora")
-
-
 def _lm_heads(model: nn.Module, head_names: tuple[str, ...]) -> set[int]:
     """The ids of ``model``'s LM heads: linear layers named so, or sharing an embedding's weight."""
     embedding_weights = {
@@ -110,7 +107,7 @@ class LoRAConfig:
         check_int(self.rank, "LoRAConfig.rank")
         check_float(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True)
         check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
-        for flag in _SWITCHES:
+        for flag in ("include_embeddings", "include_lm_head", "use_rslora", "use_dora"):
             if not isinstance(getattr(self, flag), bool):
                 raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
