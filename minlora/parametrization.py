@@ -187,13 +187,10 @@ class LoRAParametrization(nn.Module):
     def _adapt(self, X: torch.Tensor, dropout: bool) -> torch.Tensor:
         A = self.lora_A
         if dropout and self.lora_dropout_p > 0:
-            # minLoRA's trick: one mask over the input features, shared by the batch, folded into A
-            # (the fast path drops the activations themselves, as in the LoRA paper).
-            if self.fan_in_fan_out:
-                mask_shape = (A.shape[0], 1)
-            else:
-                mask_shape = (1, A.shape[1])
-            A = A * F.dropout(A.new_ones(mask_shape), self.lora_dropout_p, training=True)
+            # minLoRA's trick: one mask over the input features (A's norm_dim, as the weight's), shared by the
+            # batch, folded into A (the fast path drops the activations themselves, as in the LoRA paper).
+            mask = F.dropout(A.new_ones(A.shape[self.norm_dim]), self.lora_dropout_p, training=True)
+            A = A * mask.unsqueeze(1 - self.norm_dim)
         delta = self.delta_weight(A)
         # Add in the (fp32) LoRA dtype, then cast back: parametrize needs the weight's dtype kept.
         # A conv weight is seen as (out, in * kh * kw).
