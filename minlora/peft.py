@@ -287,20 +287,20 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     source = f"import_peft_adapter({path})"
     config, factors = _read_peft(path, source)
     _, real, padded = _layout(model, "import_peft_adapter")
-    plans = []
-    for module_name, parts in factors.items():
-        site = LoRASite(module_name, get_module(model, module_name, source), "weight")
-        plans.append(_peft_plan(site, parts, config, real, padded.get(id(site.module)), source))
+    sites = {name: LoRASite(name, get_module(model, name, source), "weight") for name in factors}
+    plans = [_peft_plan(sites[name], parts, config, real, padded, source) for name, parts in factors.items()]
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model
 
 
 def _peft_plan(
-    site: LoRASite, parts: dict[str, torch.Tensor], config: dict, real: int | None, rows: int | None, source: str
+    site: LoRASite, parts: dict[str, torch.Tensor], config: dict, real: int | None, padded: dict[int, int], source: str
 ) -> Plan:
-    """The plan for one module's PEFT factors ``parts``; ``rows``: its padded vocabulary's (None: not padded)."""
+    """The plan for one module's PEFT factors ``parts``; ``real`` and ``padded`` as :func:`_layout` gives them."""
     module_name = site.module_name
+    # the rows of the layer's padded vocabulary (None: not padded)
+    rows = padded.get(id(site.module))
     embedding = family_name(site.module) == "Embedding"
     dora = config["use_dora"]
     a_role, b_role = _FACTOR_ROLES[embedding]
