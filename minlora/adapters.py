@@ -196,18 +196,13 @@ def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
         t = weights[name].detach().cpu().to(torch.bfloat16).contiguous()
         digest.update(f"{name} {tuple(t.shape)}\n".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy())
-    return {"sha256": digest.hexdigest(), "config": _model_config(model)}
-
-
-def _model_config(model: nn.Module) -> dict[str, Any] | None:
-    """``model.config.to_dict()`` as a JSON object (as it reads back from the file), or None."""
-    # duck-typed: minlora knows no model family
-    cfg = getattr(model, "config", None)
-    if callable(getattr(cfg, "to_dict", None)):
-        cfg = cfg.to_dict()
-    if not isinstance(cfg, dict):
-        return None
-    return json.loads(json.dumps(cfg, sort_keys=True, default=str))
+    # the model's config, for messages (duck-typed: minlora knows no model family), as it reads back from the file
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        config = None
+    return {"sha256": digest.hexdigest(), "config": json.loads(json.dumps(config, sort_keys=True, default=str))}
 
 
 def base_fingerprint(model: nn.Module) -> str:
