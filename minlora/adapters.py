@@ -165,11 +165,9 @@ def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) 
                 f"{kinds[1]} of rank {old.rank}; call minlora.remove_lora(model) and load again (a model without "
                 "LoRA gets the adapter's)"
             )
-    if not strict:
-        return
     covered = {site.name for site, _ in plans}
     extra = [s.name for s in lora_sites(model) if s.name not in covered]
-    if extra:
+    if strict and extra:
         raise LoRAValueError(
             f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
             f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora"
