@@ -143,10 +143,9 @@ def _peft_tensors(
             m = m[rows]
     key = _PREFIX + site.module_name + ".lora_"
     a_role, b_role = _FACTOR_ROLES[family == "Embedding"]
-    tensors = {key + a_role: A, key + b_role: B}
-    if m is not None:
-        tensors[key + _MAGNITUDE] = m
-    return tensors
+    tensors = {key + a_role: A, key + b_role: B, key + _MAGNITUDE: m}
+    # DoRA's magnitude, for DoRA only
+    return {name: t for name, t in tensors.items() if t is not None}
 
 
 def _peft_config(model: nn.Module, loras: dict[str, LoRAParametrization]) -> dict[str, Any]:
