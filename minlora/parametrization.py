@@ -321,10 +321,8 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
 def _fast_path_lora(module: nn.Module, embedding: bool) -> LoRAParametrization | None:
     """The weight's one LoRA when the fast path may run it, else None (see :func:`_fast_forward`)."""
-    parametrizations = module.parametrizations
-    if "weight" not in parametrizations:
-        return None
-    plist = parametrizations["weight"]
+    # no weight parametrization reads as an empty list (LoRA on another tensor)
+    plist = getattr(module.parametrizations, "weight", ())
     if len(plist) != 1:
         return None
     lora = plist[0]
