@@ -293,14 +293,13 @@ def _merged_parameter(made: dict[int, list[nn.Parameter]], original: torch.Tenso
 def _drop_loras(site: LoRASite, merged: nn.Parameter | None) -> None:
     """Remove the LoRAs of ``site``; ``merged``, when given, becomes its stored weight."""
     plist, indices = site.plist, site.lora_indices
-    if len(indices) == len(plist):
-        parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
-        if merged is not None:
-            setattr(site.module, site.tensor_name, merged)
-        return
     # the parametrizations after the LoRA now apply to the merged weight
     if merged is not None:
         plist.original = merged
+    if len(indices) == len(plist):
+        # LoRA alone: the tensor becomes its stored one again, the merged weight when given
+        parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
+        return
     for i in reversed(indices):
         del plist[i]
 
