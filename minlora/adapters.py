@@ -6,7 +6,6 @@ layer, weight shape and settings, tied pairs, the base model's fingerprint.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -21,8 +20,8 @@ from safetensors.torch import save_file
 
 from .config import FAMILIES, family_name, raw_weight
 from .errors import LoRAFileNotFoundError, LoRAValueError, MinloraError
-from .model import LoRASite, has_lora, lora_sites, register_lora, require_lora, single_lora
-from .parametrization import PARAM_NAMES, LoRAParametrization
+from .model import LoRASite, lora_sites, register_lora, require_lora, single_lora
+from .parametrization import FACTOR_NAMES, LoRAParametrization
 from .utils import tie_weights
 
 ADAPTER_FILE_NAME = "adapter.safetensors"
@@ -155,36 +154,30 @@ def make_plan(site: LoRASite, source: str, tensors: dict[str, torch.Tensor], **s
 def check_plans(model: nn.Module, plans: list[Plan], source: str, strict: bool) -> None:
     """What could stop a load half-way, checked before anything changes."""
     for site, new in plans:
-        if not has_lora(site.module, site.tensor_name):
+        if not site.lora_indices:
             continue
         old = single_lora(site, source)
         # another rank, or DoRA on one side only
-        if _factor_shapes(old) != _factor_shapes(new):
+        if [getattr(old, n).shape for n in old.param_names] != [getattr(new, n).shape for n in new.param_names]:
             kinds = ["DoRA" if lora.use_dora else "LoRA" for lora in (new, old)]
             raise LoRAValueError(
                 f"{source}: the adapter has {kinds[0]} of rank {new.rank} for {site.name} but the model there has "
                 f"{kinds[1]} of rank {old.rank}; call minlora.remove_lora(model) and load again (a model without "
                 "LoRA gets the adapter's)"
             )
-    if not strict:
-        return
     covered = {site.name for site, _ in plans}
     extra = [s.name for s in lora_sites(model) if s.name not in covered]
-    if extra:
+    if strict and extra:
         raise LoRAValueError(
             f"{source}: the model has LoRA on {len(extra)} tensor(s) the adapter does not cover, e.g. "
             f"{extra[:3]}; pass strict=False to load anyway (those keep their factors), or remove_lora"
         )
 
 
-def _factor_shapes(lora: LoRAParametrization) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(getattr(lora, name).shape) for name in lora.param_names}
-
-
 @torch.no_grad()
 def apply_plans(plans: list[Plan]) -> None:
     for site, new in plans:
-        if not has_lora(site.module, site.tensor_name):
+        if not site.lora_indices:
             register_lora(site.module, site.tensor_name, new, fresh=False)
             continue
         # the adapter was trained with its own scaling
@@ -201,20 +194,13 @@ def _base_record(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
         t = weights[name].detach().cpu().to(torch.bfloat16).contiguous()
         digest.update(f"{name} {tuple(t.shape)}\n".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy())
-    return {"sha256": digest.hexdigest(), "config": _model_config(model)}
-
-
-def _model_config(model: nn.Module) -> dict[str, Any] | None:
-    """``model.config`` as a JSON object (as it reads back from the file), or None."""
-    # duck-typed: minlora knows no model family
-    cfg = getattr(model, "config", None)
-    if callable(getattr(cfg, "to_dict", None)):
-        cfg = cfg.to_dict()
-    elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        cfg = dataclasses.asdict(cfg)
-    if not isinstance(cfg, dict):
-        return None
-    return json.loads(json.dumps(cfg, sort_keys=True, default=str))
+    # the model's config, for messages (duck-typed: minlora knows no model family), as it reads back from the file
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        config = None
+    return {"sha256": digest.hexdigest(), "config": json.loads(json.dumps(config, sort_keys=True, default=str))}
 
 
 def base_fingerprint(model: nn.Module) -> str:
@@ -321,9 +307,7 @@ def _is_tie(entry: Any, targets: dict[str, Any]) -> bool:
 
 def _factor_names(spec: dict[str, Any]) -> tuple[str, ...]:
     """The tensors a target of the config has: ``lora_A``, ``lora_B``, and DoRA's magnitude."""
-    if spec.get("use_dora") is True:
-        return PARAM_NAMES
-    return PARAM_NAMES[:2]
+    return FACTOR_NAMES[spec.get("use_dora") is True]
 
 
 def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
@@ -334,10 +318,9 @@ def _read(path: Path, source: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     if path.is_dir():
         file = path / ADAPTER_FILE_NAME
     if not file.is_file():
-        peft = ""
-        if (path / "adapter_config.json").is_file():
-            peft = " (it holds a PEFT adapter: use minlora.import_peft_adapter)"
-        raise LoRAFileNotFoundError(f"load_adapter: {path} must contain {ADAPTER_FILE_NAME}{peft}")
+        raise LoRAFileNotFoundError(
+            f"load_adapter: {path} must contain {ADAPTER_FILE_NAME} (PEFT: import_peft_adapter)"
+        )
     tensors, metadata = read_safetensors(file, "load_adapter", _REMEDY)
     # no minlora metadata: no format either, refused as not a minlora adapter
     config = parse_json(metadata.get("minlora", "{}"), f"{file} (its 'minlora' metadata)", "load_adapter", _REMEDY)

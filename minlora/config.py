@@ -56,32 +56,17 @@ def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[s
     return value
 
 
-_SWITCHES = ("include_embeddings", "include_lm_head", "use_rslora", "use_dora")
-
-
-def _layer_type(value: Any) -> Any:
-    """A family name (``"Linear"``) as its layer type; anything else as given (checked by the caller)."""
-    if isinstance(value, str) and value in FAMILIES:
-        return FAMILIES[value][0]
-    return value
-
-
 def _lm_heads(model: nn.Module, head_names: tuple[str, ...]) -> set[int]:
     """The ids of ``model``'s LM heads: linear layers named so, or sharing an embedding's weight."""
-    embedding_weights = set()
-    for module in model.modules():
-        if family_name(module) != "Embedding":
-            continue
-        weight = raw_weight(module)
-        if weight is not None:
-            embedding_weights.add(id(weight))
-    heads = set()
-    for name, module in model.named_modules():
-        if family_name(module) != "Linear":
-            continue
-        if id(raw_weight(module)) in embedding_weights or any(name_matches(name, h) for h in head_names):
-            heads.add(id(module))
-    return heads
+    embedding_weights = {
+        id(raw_weight(m)) for m in model.modules() if family_name(m) == "Embedding" and raw_weight(m) is not None
+    }
+    return {
+        id(module)
+        for name, module in model.named_modules()
+        if family_name(module) == "Linear"
+        and (id(raw_weight(module)) in embedding_weights or any(name_matches(name, h) for h in head_names))
+    }
 
 
 @dataclass
@@ -122,7 +107,7 @@ class LoRAConfig:
         check_int(self.rank, "LoRAConfig.rank")
         check_float(self.alpha, "LoRAConfig.alpha", low=0.0, low_open=True)
         check_float(self.dropout, "LoRAConfig.dropout", low=0.0, high=1.0)
-        for flag in _SWITCHES:
+        for flag in ("include_embeddings", "include_lm_head", "use_rslora", "use_dora"):
             if not isinstance(getattr(self, flag), bool):
                 raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
@@ -132,7 +117,8 @@ class LoRAConfig:
         types = self.target_types
         if isinstance(types, (type, str)):
             types = (types,)
-        self.target_types = tuple(_layer_type(t) for t in types)
+        # a family name ("Linear", as to_dict writes it) stands for its layer type
+        self.target_types = tuple(FAMILIES[t][0] if isinstance(t, str) and t in FAMILIES else t for t in types)
         for t in self.target_types:
             if not isinstance(t, type) or family_name(t) is None:
                 raise LoRAValueError(f"LoRAConfig.target_types: {t!r} is not supported; LoRA adapts {sorted(FAMILIES)}")
@@ -157,17 +143,15 @@ class LoRAConfig:
         ``require_match``, a pattern or a config that selects nothing is a ``ValueError`` saying why.
         """
         heads = _lm_heads(model, self.lm_head_names)
-        selected, hit = [], set()
+        selected = []
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
             if not issubclass(layer_type, self.layer_types) or self._excluded(name, module, heads):
                 continue
-            matched = [p for p in self.target_modules or () if name_matches(name, p)]
-            if self.target_modules is None or matched:
-                hit.update(matched)
+            if self.target_modules is None or any(name_matches(name, p) for p in self.target_modules):
                 selected.append((name, module, "weight", self.factory(layer_type)))
         if require_match:
-            self._check_selection(model, selected, hit, heads)
+            self._check_selection(model, selected, heads)
         return selected
 
     def _excluded(self, name: str, module: nn.Module, heads: set[int]) -> bool:
@@ -176,10 +160,10 @@ class LoRAConfig:
             return True
         return id(module) in heads and not self.include_lm_head
 
-    def _check_selection(self, model: nn.Module, selected: list, hit: set[str], heads: set[int]) -> None:
+    def _check_selection(self, model: nn.Module, selected: list, heads: set[int]) -> None:
         """Every ``target_modules`` pattern selected a layer, and the config selected one at all."""
         for pattern in self.target_modules or ():
-            if pattern not in hit:
+            if not any(name_matches(name, pattern) for name, *_ in selected):
                 raise LoRAValueError(self._explain_no_match(model, pattern, heads))
         if not selected:
             raise LoRAValueError(
@@ -205,12 +189,8 @@ class LoRAConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["target_types"] = [family_name(t) for t in self.target_types]
-        for key, value in data.items():
-            if isinstance(value, tuple):
-                data[key] = list(value)
-        return data
+        """The fields, layer types by family name (``"Linear"``): what :meth:`from_dict` takes, JSON included."""
+        return dataclasses.asdict(self) | {"target_types": [family_name(t) for t in self.target_types]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoRAConfig:

@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 
 from .config import LoRAConfig
 from .errors import LoRATypeError, LoRAValueError
-from .parametrization import LoRAParametrization, install_lora_class
+from .parametrization import LoRAParametrization, install_lora_class, raw_weight
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +25,6 @@ default_lora_config = {nn.Linear: {"weight": partial(LoRAParametrization.from_li
 
 # (module name, module, tensor name, factory)
 Target = tuple[str, nn.Module, str, Callable[[nn.Module], LoRAParametrization]]
-
-
-def tensor_path(module_name: str, tensor_name: str) -> str:
-    """``"<module_name>.<tensor_name>"``, or the tensor name alone on the root module."""
-    if module_name:
-        return f"{module_name}.{tensor_name}"
-    return tensor_name
 
 
 class LoRASite(NamedTuple):
@@ -43,7 +36,10 @@ class LoRASite(NamedTuple):
 
     @property
     def name(self) -> str:
-        return tensor_path(self.module_name, self.tensor_name)
+        """``"<module_name>.<tensor_name>"``, or the tensor name alone on the root module."""
+        if self.module_name:
+            return f"{self.module_name}.{self.tensor_name}"
+        return self.tensor_name
 
     @property
     def plist(self) -> parametrize.ParametrizationList:
@@ -51,6 +47,9 @@ class LoRASite(NamedTuple):
 
     @property
     def lora_indices(self) -> list[int]:
+        """The positions of the tensor's LoRAs among its parametrizations (none: ``[]``)."""
+        if not parametrize.is_parametrized(self.module, self.tensor_name):
+            return []
         return [i for i, p in enumerate(self.plist) if isinstance(p, LoRAParametrization)]
 
     @property
@@ -62,17 +61,9 @@ class LoRASite(NamedTuple):
         return self.plist.original
 
 
-def has_lora(module: nn.Module, tensor_name: str) -> bool:
-    return parametrize.is_parametrized(module, tensor_name) and any(
-        isinstance(p, LoRAParametrization) for p in module.parametrizations[tensor_name]
-    )
-
-
 def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
     """The one LoRA on ``site``'s tensor, else a ``ValueError`` naming ``caller``."""
-    count = 0
-    if has_lora(site.module, site.tensor_name):
-        count = len(site.lora_indices)
+    count = len(site.lora_indices)
     if count != 1:
         raise LoRAValueError(
             f"{caller}: {site.name} carries {count} LoRAs; it needs exactly one (minlora.add_lora adds one, "
@@ -83,12 +74,12 @@ def single_lora(site: LoRASite, caller: str) -> LoRAParametrization:
 
 def lora_sites(model: nn.Module) -> list[LoRASite]:
     """Every parametrized tensor of ``model`` carrying a :class:`LoRAParametrization` (found by type)."""
-    return [
+    sites = [
         LoRASite(module_name, module, tensor_name)
         for module_name, module in model.named_modules()
         for tensor_name in getattr(module, "parametrizations", {})
-        if has_lora(module, tensor_name)
     ]
+    return [site for site in sites if site.lora_indices]
 
 
 def require_lora(model: nn.Module, caller: str) -> list[LoRASite]:
@@ -105,10 +96,7 @@ def iter_lora_modules(model: nn.Module) -> Iterator[LoRAParametrization]:
 
 def register_lora(module: nn.Module, tensor_name: str, lora: LoRAParametrization, fresh: bool = True) -> None:
     """Register ``lora`` on ``module.<tensor_name>``; a ``fresh`` DoRA's magnitude starts at the weight's norms."""
-    if parametrize.is_parametrized(module, tensor_name):
-        original = module.parametrizations[tensor_name].original
-    else:
-        original = getattr(module, tensor_name)
+    original = raw_weight(module, tensor_name)
     # fp32 factors on fp16 / bf16 weights: small updates are not rounded away and GradScaler can
     # unscale their gradients (it refuses fp16 grads); fp32 / fp64 weights keep their dtype.
     lora.to(device=original.device, dtype=torch.promote_types(original.dtype, torch.float32))
@@ -147,47 +135,40 @@ def _add_targets(targets: list[Target], caller: str) -> None:
     """
     todo, skipped, oversized = [], [], []
     for name, module, tensor_name, factory in targets:
-        full = tensor_path(name, tensor_name)
-        if has_lora(module, tensor_name):
-            skipped.append(full)
+        site = LoRASite(name, module, tensor_name)
+        if site.lora_indices:
+            skipped.append(site.name)
             continue
         lora = factory(module)
         if not isinstance(lora, LoRAParametrization):
             raise LoRATypeError(
-                f"{caller}: the factory for {full} returned a {type(lora).__name__}, not a LoRAParametrization"
+                f"{caller}: the factory for {site.name} returned a {type(lora).__name__}, not a LoRAParametrization"
             )
         useful = min(lora.fan_in, lora.fan_out)
         if lora.rank > useful:
             shape = tuple(getattr(module, tensor_name).shape)
-            oversized.append(f"{full} (weight shape {shape}) has rank {lora.rank}, useful maximum {useful}")
+            oversized.append(f"{site.name} (weight shape {shape}) has rank {lora.rank}, useful maximum {useful}")
         todo.append((module, tensor_name, lora))
     for module, tensor_name, lora in todo:
         register_lora(module, tensor_name, lora)
     if oversized:
-        _warn_oversized_rank(oversized, caller)
+        # Such a rank is wasteful, not wrong: the update B @ A cannot have a higher rank than min(in, out), so the
+        # extra rank only adds parameters. minLoRA and PEFT accept it (minLoRA's own demo puts its default rank 4
+        # on an nn.Linear(7, 3)), and so does minlora, with one warning per call.
+        shown = "; ".join(oversized[:6])
+        if len(oversized) > 6:
+            shown += f"; and {len(oversized) - 6} more"
+        warnings.warn(
+            f"{caller}: LoRA rank above min(in_features, out_features) on {len(oversized)} layer(s): {shown}. The "
+            f"update B @ A cannot have a higher rank, so it works but the extra rank only adds parameters; lower the "
+            f"rank or leave those layers out to save them",
+            stacklevel=3,
+        )
     if skipped:
         logger.warning(
             f"{caller}: {len(skipped)} tensor(s) already carry a LoRA adapter and were left unchanged (no second "
             f"adapter is stacked), e.g. {skipped[:3]}; call minlora.remove_lora(model) first to replace them"
         )
-
-
-def _warn_oversized_rank(oversized: list[str], caller: str) -> None:
-    """One warning for every layer of one call whose rank exceeds ``min(in_features, out_features)``.
-
-    Such a rank is wasteful, not wrong: the update ``B @ A`` cannot have a higher rank than that, so the
-    extra rank only adds parameters. minLoRA and PEFT accept it (minLoRA's own demo puts its default rank 4
-    on an ``nn.Linear(7, 3)``), and so does minlora.
-    """
-    shown = "; ".join(oversized[:6])
-    if len(oversized) > 6:
-        shown += f"; and {len(oversized) - 6} more"
-    warnings.warn(
-        f"{caller}: LoRA rank above min(in_features, out_features) on {len(oversized)} layer(s): {shown}. The "
-        f"update B @ A cannot have a higher rank, so it works but the extra rank only adds parameters; lower the "
-        f"rank or leave those layers out to save them",
-        stacklevel=4,
-    )
 
 
 # ---------------------------------------------------------------------- minLoRA API
@@ -271,7 +252,13 @@ def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
         for site in sites:
             _drop_loras(site, None)
         return
-    _check_mergeable(sites)
+    for site in sites:
+        if site.lora_indices != list(range(len(site.lora_indices))):
+            raise LoRAValueError(
+                f"merge_lora: the LoRA on {site.name} follows another parametrization "
+                f"({[type(p).__name__ for p in site.plist]}); it cannot be folded into the stored "
+                f"weight. Remove the other parametrization first, or use remove_lora"
+            )
     originals = [site.original for site in sites]
     # every merged value first, while all originals are untouched (GPT-2's head and embedding share one)
     values = [_merged_value(site) for site in sites]
@@ -280,16 +267,6 @@ def _unlora(model: nn.Module, merge: bool, sites: list[LoRASite]) -> None:
     for site, original, value in zip(sites, originals, values):
         _drop_loras(site, _merged_parameter(made, original, value))
     _warn_if_untied(model, sites, originals, made)
-
-
-def _check_mergeable(sites: list[LoRASite]) -> None:
-    for site in sites:
-        if site.lora_indices != list(range(len(site.lora_indices))):
-            raise LoRAValueError(
-                f"merge_lora: the LoRA on {site.name} follows another parametrization "
-                f"({[type(p).__name__ for p in site.plist]}); it cannot be folded into the stored "
-                f"weight. Remove the other parametrization first, or use remove_lora"
-            )
 
 
 def _merged_value(site: LoRASite) -> torch.Tensor:
@@ -316,14 +293,13 @@ def _merged_parameter(made: dict[int, list[nn.Parameter]], original: torch.Tenso
 def _drop_loras(site: LoRASite, merged: nn.Parameter | None) -> None:
     """Remove the LoRAs of ``site``; ``merged``, when given, becomes its stored weight."""
     plist, indices = site.plist, site.lora_indices
-    if len(indices) == len(plist):
-        parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
-        if merged is not None:
-            setattr(site.module, site.tensor_name, merged)
-        return
     # the parametrizations after the LoRA now apply to the merged weight
     if merged is not None:
         plist.original = merged
+    if len(indices) == len(plist):
+        # LoRA alone: the tensor becomes its stored one again, the merged weight when given
+        parametrize.remove_parametrizations(site.module, site.tensor_name, leave_parametrized=False)
+        return
     for i in reversed(indices):
         del plist[i]
 

@@ -19,6 +19,8 @@ from .errors import LoRAIndexError, LoRATypeError, LoRAValueError
 
 # the last one DoRA's only
 PARAM_NAMES = ("lora_A", "lora_B", "lora_magnitude_vector")
+# the factors a LoRA holds, by use_dora
+FACTOR_NAMES = {False: PARAM_NAMES[:2], True: PARAM_NAMES}
 
 
 def check_int(value: Any, what: str) -> None:
@@ -40,12 +42,12 @@ def check_float(value: Any, what: str, low: float = -math.inf, high: float = mat
         raise LoRAValueError(f"{what} must be in {opening}{low:g}, {high:g}), got {value!r}")
 
 
-def raw_weight(module: nn.Module) -> torch.Tensor | None:
-    """The stored weight of ``module`` (the original under a parametrization), or None."""
-    if parametrize.is_parametrized(module, "weight"):
+def raw_weight(module: nn.Module, tensor_name: str = "weight") -> torch.Tensor | None:
+    """The stored ``module.<tensor_name>`` parameter (the original under a parametrization), or None."""
+    if parametrize.is_parametrized(module, tensor_name):
         # weight_norm keeps two tensors and no `original`: None
-        return getattr(module.parametrizations["weight"], "original", None)
-    weight = getattr(module, "weight", None)
+        return getattr(module.parametrizations[tensor_name], "original", None)
+    weight = getattr(module, tensor_name, None)
     if isinstance(weight, nn.Parameter):
         return weight
     return None
@@ -144,9 +146,7 @@ class LoRAParametrization(nn.Module):
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        if self.use_dora:
-            return PARAM_NAMES
-        return PARAM_NAMES[:2]
+        return FACTOR_NAMES[self.use_dora]
 
     @property
     def norm_dim(self) -> int:
@@ -187,13 +187,10 @@ class LoRAParametrization(nn.Module):
     def _adapt(self, X: torch.Tensor, dropout: bool) -> torch.Tensor:
         A = self.lora_A
         if dropout and self.lora_dropout_p > 0:
-            # minLoRA's trick: one mask over the input features, shared by the batch, folded into A
-            # (the fast path drops the activations themselves, as in the LoRA paper).
-            if self.fan_in_fan_out:
-                mask_shape = (A.shape[0], 1)
-            else:
-                mask_shape = (1, A.shape[1])
-            A = A * F.dropout(A.new_ones(mask_shape), self.lora_dropout_p, training=True)
+            # minLoRA's trick: one mask over the input features (A's norm_dim, as the weight's), shared by the
+            # batch, folded into A (the fast path drops the activations themselves, as in the LoRA paper).
+            mask = F.dropout(A.new_ones(A.shape[self.norm_dim]), self.lora_dropout_p, training=True)
+            A = A * mask.unsqueeze(1 - self.norm_dim)
         delta = self.delta_weight(A)
         # Add in the (fp32) LoRA dtype, then cast back: parametrize needs the weight's dtype kept.
         # A conv weight is seen as (out, in * kh * kw).
@@ -225,9 +222,7 @@ class LoRAParametrization(nn.Module):
 
     # ------------------------------------------------------------------ the fast path
     def fast_linear(self, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, forward(W), bias)`` without forming ``forward(W)``."""
-        if not self.enabled:
-            return F.linear(x, W, bias)
+        """``F.linear(x, forward(W), bias)`` without forming ``forward(W)`` (an enabled LoRA: see _fast_path_lora)."""
         # fp32 factors on a low-precision base: the branch runs in the activations' dtype, as under
         # autocast; the casts are differentiable, so the factors still get fp32 gradients.
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
@@ -257,8 +252,6 @@ class LoRAParametrization(nn.Module):
 
     def fast_embedding(self, idx: torch.Tensor, W: torch.Tensor, layer: nn.Embedding) -> torch.Tensor:
         out = F.embedding(idx, W, layer.padding_idx, None, layer.norm_type, layer.scale_grad_by_freq, layer.sparse)
-        if not self.enabled:
-            return out
         after_a = F.embedding(idx, self.lora_A.to(out.dtype))  # (..., r)
         if self.training and self.lora_dropout_p > 0:
             # the input is one-hot: dropout drops the token's whole update
@@ -328,16 +321,15 @@ def _fast_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
 def _fast_path_lora(module: nn.Module, embedding: bool) -> LoRAParametrization | None:
     """The weight's one LoRA when the fast path may run it, else None (see :func:`_fast_forward`)."""
-    parametrizations = module.parametrizations
-    if "weight" not in parametrizations:
-        return None
-    plist = parametrizations["weight"]
+    # no weight parametrization reads as an empty list (LoRA on another tensor)
+    plist = getattr(module.parametrizations, "weight", ())
     if len(plist) != 1:
         return None
     lora = plist[0]
     if not isinstance(lora, LoRAParametrization) or not lora.fast_path or lora.fan_in_fan_out != embedding:
         return None
-    if parametrize_cache_enabled():
+    # a disabled LoRA's forward is the identity: the weight path reads W itself
+    if parametrize_cache_enabled() or not lora.enabled:
         return None
     if embedding and (module.max_norm is not None or module.scale_grad_by_freq or module.padding_idx is not None):
         return None

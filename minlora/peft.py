@@ -10,7 +10,6 @@ exact), ``fan_in_fan_out`` (True: the twin's layers are transformers' ``Conv1D``
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections import Counter
@@ -38,8 +37,6 @@ from .config import family_name, name_matches, raw_weight
 from .errors import LoRAFileNotFoundError, LoRATypeError, LoRAValueError
 from .model import LoRASite
 from .parametrization import PARAM_NAMES, LoRAParametrization, check_float, check_int
-
-logger = logging.getLogger(__name__)
 
 PEFT_WEIGHTS_NAME, PEFT_CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
 LAYOUT_METHOD = "peft_adapter_layout"
@@ -102,15 +99,12 @@ def export_peft_adapter(
     """
     sites, ours = lora_tensors(model, "export_peft_adapter", dtype)
     layout, real, padded = _layout(model, "export_peft_adapter")
-    tensors = {}
-    for site in sites:
-        tensors |= _peft_tensors(site, ours, real, padded)
+    tensors = {key: t for site in sites for key, t in _peft_tensors(site, ours, real, padded).items()}
     config = _peft_config(model, {site.module_name: site.lora for site in sites})
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None)
     config |= {"task_type": task_type, "base_model_name_or_path": base_model_name_or_path}
     config["fan_in_fan_out"] = bool(layout.get("fan_in_fan_out", False))
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / PEFT_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
@@ -125,47 +119,33 @@ def _peft_tensors(
     family, lora = family_name(site.module), site.lora
     # PEFT's LoRA sits alone on a layer's weight, in the (out, in) layout (an embedding's in the transposed one)
     alone = len(site.plist) == 1 and site.tensor_name == "weight" and lora.fan_in_fan_out == (family == "Embedding")
-    if family is None or not alone or (family == "Conv2d" and site.module.groups != 1):
+    if family not in ("Linear", "Embedding") or not alone:
         raise LoRAValueError(
-            f"export_peft_adapter: PEFT's LoRA format cannot express the LoRA on {site.name} "
-            f"({type(site.module).__name__}, fan_in_fan_out={lora.fan_in_fan_out}, parametrizations "
-            f"{[type(p).__name__ for p in site.plist]})"
+            f"export_peft_adapter: cannot export the LoRA on {site.name} ({type(site.module).__name__}, "
+            f"fan_in_fan_out={lora.fan_in_fan_out}, parametrizations {[type(p).__name__ for p in site.plist]}): "
+            f"the export writes one LoRA alone on the weight of a Linear or Embedding layer"
         )
     A, B, m = (ours.get(f"{site.name}.{n}") for n in PARAM_NAMES)
     # the twin has no padded vocabulary rows
     rows = slice(None)
     if id(site.module) in padded:
         rows = slice(real)
-    key = _PREFIX + site.module_name + ".lora_"
-    a_role, b_role = _FACTOR_ROLES[family == "Embedding"]
-    A, B, m = _peft_layout(site, family, A, B, m, rows)
-    tensors = {key + a_role: A, key + b_role: B}
-    if m is not None:
-        tensors[key + _MAGNITUDE] = m
-    return tensors
-
-
-def _peft_layout(
-    site: LoRASite, family: str, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor | None, rows: slice
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One layer's factors and DoRA magnitude (or None) as PEFT stores them, ``rows`` of the vocabulary kept."""
     if family == "Embedding":
-        # PEFT stores the embedding update transposed
-        A, B = A[rows].t(), B.t()
+        # PEFT stores the embedding update transposed (contiguous: safetensors writes no views)
+        A, B = A[rows].t().contiguous(), B.t().contiguous()
         if m is not None and rows.stop is not None:
             # DoRA's norms run over the rows: rescaled to the twin's
-            V = (site.original.float() + site.lora.delta_weight().float()).detach()
+            V = (site.original.float() + lora.delta_weight().float()).detach()
             m = (m.float() * V[rows].norm(dim=0) / V.norm(dim=0).clamp(min=1e-30)).to(m.dtype)
-        return A, B, m
-    B = B[rows]
-    if m is not None:
-        m = m[rows]
-    if family == "Conv2d":
-        # PEFT's conv factors are (r, in, kh, kw) and (out, r, 1, 1), its norm (1, out, 1, 1)
-        A, B = A.reshape(site.lora.rank, *site.original.shape[1:]), B.reshape(*B.shape, 1, 1)
+    else:
+        B = B[rows]
         if m is not None:
-            m = m.reshape(1, -1, 1, 1)
-    return A, B, m
+            m = m[rows]
+    key = _PREFIX + site.module_name + ".lora_"
+    a_role, b_role = _FACTOR_ROLES[family == "Embedding"]
+    tensors = {key + a_role: A, key + b_role: B, key + _MAGNITUDE: m}
+    # DoRA's magnitude, for DoRA only
+    return {name: t for name, t in tensors.items() if t is not None}
 
 
 def _peft_config(model: nn.Module, loras: dict[str, LoRAParametrization]) -> dict[str, Any]:
@@ -180,15 +160,13 @@ def _peft_config(model: nn.Module, loras: dict[str, LoRAParametrization]) -> dic
             )
     rank = Counter(p.rank for p in loras.values()).most_common(1)[0][0]
     alpha = Counter(p.lora_alpha for p in loras.values()).most_common(1)[0][0]
-    dropouts = sorted({p.lora_dropout_p for p in loras.values()})
-    if len(dropouts) > 1:
-        logger.warning("export_peft_adapter: layers use dropouts %s; PEFT has one, writing the largest", dropouts)
     first = next(iter(loras.values()))
     return {
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": alpha,
-        "lora_dropout": dropouts[-1],
+        # PEFT has one dropout for the adapter: the largest (dropout only matters in training)
+        "lora_dropout": max(p.lora_dropout_p for p in loras.values()),
         "bias": "none",
         "inference_mode": True,
         "target_modules": _target_modules(model, list(loras)),
@@ -308,20 +286,20 @@ def import_peft_adapter(model: nn.Module, directory: str | os.PathLike, *, stric
     source = f"import_peft_adapter({path})"
     config, factors = _read_peft(path, source)
     _, real, padded = _layout(model, "import_peft_adapter")
-    plans = []
-    for module_name, parts in factors.items():
-        site = LoRASite(module_name, get_module(model, module_name, source), "weight")
-        plans.append(_peft_plan(site, parts, config, real, padded.get(id(site.module)), source))
+    sites = {name: LoRASite(name, get_module(model, name, source), "weight") for name in factors}
+    plans = [_peft_plan(sites[name], parts, config, real, padded, source) for name, parts in factors.items()]
     check_plans(model, plans, source, strict)
     apply_plans(plans)
     return model
 
 
 def _peft_plan(
-    site: LoRASite, parts: dict[str, torch.Tensor], config: dict, real: int | None, rows: int | None, source: str
+    site: LoRASite, parts: dict[str, torch.Tensor], config: dict, real: int | None, padded: dict[int, int], source: str
 ) -> Plan:
-    """The plan for one module's PEFT factors ``parts``; ``rows``: its padded vocabulary's (None: not padded)."""
+    """The plan for one module's PEFT factors ``parts``; ``real`` and ``padded`` as :func:`_layout` gives them."""
     module_name = site.module_name
+    # the rows of the layer's padded vocabulary (None: not padded)
+    rows = padded.get(id(site.module))
     embedding = family_name(site.module) == "Embedding"
     dora = config["use_dora"]
     a_role, b_role = _FACTOR_ROLES[embedding]

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .errors import LoRAValueError
-from .model import LoRASite, iter_lora_modules, lora_sites, require_lora, single_lora
+from .model import LoRASite, iter_lora_modules, require_lora, single_lora
 from .parametrization import PARAM_NAMES, LoRAParametrization
 
 logger = logging.getLogger(__name__)
@@ -22,8 +22,7 @@ def apply_to_lora(fn: Callable[[LoRAParametrization], None]) -> Callable[[nn.Mod
 
     def apply(layer: nn.Module) -> None:
         if isinstance(layer, LoRAParametrization):
-            return fn(layer)
-        return None
+            fn(layer)
 
     return apply
 
@@ -101,8 +100,7 @@ def get_bias_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn
 
 def get_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA entries of ``model.state_dict()`` (``...parametrizations.weight.0.lora_A``)."""
-    wanted = _named_lora_params(model, remove_duplicate=False)
-    return {k: v for k, v in model.state_dict().items() if k in wanted}
+    return {name: param.detach() for name, param in _named_lora_params(model, remove_duplicate=False).items()}
 
 
 def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str, torch.Tensor]]) -> nn.Module:
@@ -187,13 +185,12 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none") -> None:
     """Freeze everything but LoRA; ``bias``: ``"none"``, ``"all"`` biases, or ``"lora_only"`` (those of LoRA layers)."""
     if bias not in ("none", "all", "lora_only"):
         raise LoRAValueError(f"mark_only_lora_as_trainable: bias must be 'none', 'all' or 'lora_only', got {bias!r}")
-    require_lora(model, "mark_only_lora_as_trainable")
+    sites = require_lora(model, "mark_only_lora_as_trainable")
     trainable = list(get_lora_params(model))
     if bias == "all":
         trainable += list(get_bias_params(model))
     if bias == "lora_only":
-        biases = [getattr(site.module, "bias", None) for site in lora_sites(model)]
-        trainable += [b for b in biases if isinstance(b, nn.Parameter)]
+        trainable += [s.module.bias for s in sites if isinstance(getattr(s.module, "bias", None), nn.Parameter)]
     model.requires_grad_(False)
     for param in trainable:
         param.requires_grad_(True)
