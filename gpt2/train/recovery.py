@@ -206,22 +206,20 @@ class RecoveryPolicy:
             raise self.diverged(trainer, record)
         reason = self._reason(record)
         position = trainer.train_loader.state_dict()
-        # Going back restores the recovery state saved with that state too: this recovery's is taken first.
-        kept = {
-            "recoveries": self.recoveries + 1,
-            "lr_scale": self.lr_scale * cfg.recovery.lr_factor,
-            "monitor": {**self.state_dict()["monitor"], "streak": 0},
-            "confirmed": self.confirmed,
-        }
+        # Going back restores the recovery state saved with that state too: this run's is taken first.
+        kept = self.state_dict(trainer.checkpoint_dir)
         # the first step of the trouble: of the diverging streak, or of the non-finite run
         trouble_start = trainer.step - self.consecutive_bad_steps + 1
         if self.streak:
             trouble_start = self.streak_start
         source = self._go_back(trainer, before_step=trouble_start)
         if source is None:
-            raise self.diverged(trainer, record, nothing_confirmed=True)
+            raise self.diverged(trainer, record)
         # The state gone back to was confirmed; checkpoints after it belong to the abandoned steps.
         self.load_state_dict({**kept, "confirmed": [step for step in kept["confirmed"] if step <= trainer.step]})
+        self.recoveries += 1
+        self.lr_scale *= cfg.recovery.lr_factor
+        self.streak = 0
         trainer.train_loader.load_state_dict(position)
         logger.warning(
             "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
@@ -256,12 +254,8 @@ class RecoveryPolicy:
         trainer.load_state_dict(self.snapshot)
         return "in-memory copy"
 
-    def diverged(
-        self, trainer: Trainer, record: dict[str, Any], *, nothing_confirmed: bool = False
-    ) -> TrainingDivergedError:
-        """The error that stops a run which diverged at ``record``'s step and could not (or may not) go back;
-        ``nothing_confirmed``: no saved state was confirmed good to go back to.
-        """
+    def diverged(self, trainer: Trainer, record: dict[str, Any]) -> TrainingDivergedError:
+        """The error that stops a run which diverged at ``record``'s step and could not (or may not) go back."""
         cfg = self.config
         n = self.consecutive_bad_steps
         message = f"training diverged at step {trainer.step}"
@@ -270,21 +264,13 @@ class RecoveryPolicy:
         message += f": {self._reason(record)}."
         if n >= cfg.recovery.max_bad_steps:
             message += f" Those steps were skipped, so the weights are still those of step {trainer.step - n}."
-        if nothing_confirmed:
-            message += (
-                " There was nothing to go back to: no state saved before the trouble was confirmed good (a saved state"
-                " is, once the step after it had a good loss)."
-            )
         # Only a checkpoint whose next step had a good loss: resuming an unconfirmed one may diverge at once.
         checkpoint = self.newest_confirmed(trainer.checkpoint_dir)
-        message += f" {last_good(checkpoint)}. "
-        if checkpoint is None:
-            message += (
-                f"Start again with a lower max_lr (--max-lr; this run's was {cfg.max_lr:g}), keep grad_clip, or use "
-                "precision='bf16'/'fp32'."
-            )
-        else:
-            message += "Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume from that checkpoint."
+        message += (
+            f" {last_good(checkpoint)}. To go on, lower max_lr (--max-lr; this run's was {cfg.max_lr:g}), keep "
+            "grad_clip or use precision='bf16'/'fp32', then resume from the last good checkpoint (start again "
+            "if there is none)."
+        )
         return TrainingDivergedError(
             message,
             step=trainer.step,
@@ -295,13 +281,10 @@ class RecoveryPolicy:
 
     def _reason(self, record: dict[str, Any]) -> str:
         """Why the run counts as diverged, in words."""
-        scale = ""
-        if "loss_scale" in record:
-            scale = f", loss scale {record['loss_scale']:g}"
         if self.consecutive_bad_steps >= self.config.recovery.max_bad_steps:
             return (
                 f"{self.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient norm "
-                f"(last: loss {record['loss']}, grad norm {record['grad_norm']}{scale})"
+                f"(last: loss {record['loss']}, grad norm {record['grad_norm']})"
             )
         return (
             f"the loss stayed above {self.config.recovery.divergence_factor:g} x the best loss so far "
