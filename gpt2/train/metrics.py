@@ -234,8 +234,6 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
-            if not line:
-                continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
@@ -296,15 +294,14 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
-        self.log_dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def rewind(self, step: int) -> None:
         """The run goes on after ``step`` (a divergence recovery went back to it): a new event file, purging the
         later steps as a resume from ``step`` does.
         """
         self.writer.close()
-        self.writer = type(self.writer)(log_dir=str(self.log_dir), purge_step=step + 1)
+        self.writer = type(self.writer)(log_dir=self.writer.log_dir, purge_step=step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
