@@ -146,7 +146,6 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         # Divergence recovery: its counters are part of the run's state (state_dict).
         self.recovery = RecoveryPolicy(config)
-        self._warned_short_val = False
         logger.info(
             "training on %s with %s, %d process(es), %d micro-step(s) of %d x %d tokens = %s tokens per step",
             self.device,
@@ -553,9 +552,9 @@ class Trainer:
             progress=self.is_main and cfg.progress,
             distributed=True,
             source=f"the model being trained ({where}, step {self.step})",
-            warn_short=not self._warned_short_val,
+            # once per run: before its first validation loss
+            warn_short=self.best_val_loss is None,
         )
-        self._warned_short_val = True
         val_loss = result["loss"]
         if self.best_val_loss is None or val_loss < self.best_val_loss:
             self.best_val_loss = val_loss
@@ -608,7 +607,6 @@ class Trainer:
             "world_size": self.dist_env.world_size,
             # how the processes share the model: "single", "ddp" or "fsdp"
             "strategy": self.config.strategy if self.dist_env.is_distributed else "single",
-            "grad_accum_steps": self.grad_accum_steps,
             "tokens_per_step": self.tokens_per_step,
             "precision": self.precision.name,
             "torch_version": torch.__version__,
