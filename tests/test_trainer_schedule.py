@@ -47,7 +47,7 @@ def test_recovery_policy_counts_bad_steps_and_keeps_checkpoints_in_trouble():
     assert policy.judge(2, record)
     policy.count_step(bad=False)
     assert policy.consecutive_bad_steps == 0 and policy.good
-    state = {"recoveries": 2, "lr_scale": 0.25, "monitor": {"best": 3.5, "streak": 0, "start": 0}, "confirmed": []}
+    state = {"recoveries": 2, "lr_scale": 0.25, "monitor": {"best": 3.5, "streak": 0}, "confirmed": []}
     policy.count_step(bad=True)
     policy.load_state_dict(state)
     policy.saved_checkpoint(0)

@@ -70,7 +70,7 @@ class RecoveryPolicy:
     docs/training.md, "When a run goes wrong"). It owns everything that decides and performs a recovery:
 
     - the judgement of each step: the divergence monitor of the loss (:meth:`observe`: the lowest loss so far
-      ``best``, the ``streak`` of steps in a row above it from ``streak_start``) and the count of non-finite
+      ``best``, the ``streak`` of steps in a row above it) and the count of non-finite
       (skipped) steps in a row (``consecutive_bad_steps``);
     - what a recovery changed: ``recoveries`` so far and ``lr_scale`` (``lr_factor ** recoveries``, which
       multiplies the scheduled learning rate); checkpoints record these with the monitor (:meth:`state_dict`);
@@ -103,8 +103,6 @@ class RecoveryPolicy:
         if not math.isfinite(loss):
             return False
         if loss > self.config.recovery.divergence_factor * self.best and loss > self.best + 1.0:
-            if not self.streak:
-                self.streak_start = step
             self.streak += 1
         else:
             self.streak = 0
@@ -208,11 +206,7 @@ class RecoveryPolicy:
         position = trainer.train_loader.state_dict()
         # Going back restores the recovery state saved with that state too: this run's is taken first.
         kept = self.state_dict(trainer.checkpoint_dir)
-        # the first step of the trouble: of the diverging streak, or of the non-finite run
-        trouble_start = trainer.step - self.consecutive_bad_steps + 1
-        if self.streak:
-            trouble_start = self.streak_start
-        source = self._go_back(trainer, before_step=trouble_start)
+        source = self._go_back(trainer)
         if source is None:
             raise self.diverged(trainer, record)
         # The state gone back to was confirmed; checkpoints after it belong to the abandoned steps.
@@ -235,21 +229,23 @@ class RecoveryPolicy:
             record["step"],
         )
 
-    def _go_back(self, trainer: Trainer, before_step: int) -> str | None:
-        """Load the newest intact confirmed checkpoint older than ``before_step`` (else the confirmed in-memory copy);
+    def _go_back(self, trainer: Trainer) -> str | None:
+        """Load the newest intact confirmed checkpoint (else the confirmed in-memory copy), all older than the trouble:
+        a saved state is confirmed by a good step after it, and a good step ends any trouble (no bad steps in a row,
+        no diverging streak), so the trouble began after every confirmed state;
         returns what was loaded, or None when there is nothing to go back to.
         """
         if trainer.checkpoint_dir is not None:
             for path in checkpoint_candidates(trainer.checkpoint_dir):
                 step = checkpoint_step(path) or 0
-                if step >= before_step or step not in self.confirmed:
+                if step not in self.confirmed:
                     continue
                 try:
                     trainer.load_checkpoint(path)
                     return f"checkpoint {path}"
                 except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
                     logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
-        if self.snapshot is None or self.snapshot["step"] >= before_step:
+        if self.snapshot is None:
             return None
         trainer.load_state_dict(self.snapshot)
         return "in-memory copy"
@@ -305,7 +301,6 @@ class RecoveryPolicy:
             "monitor": {
                 "best": self.best if math.isfinite(self.best) else None,
                 "streak": self.streak,
-                "start": self.streak_start,
             },
             "confirmed": sorted(self.confirmed & on_disk),
         }
@@ -324,7 +319,6 @@ class RecoveryPolicy:
         monitor = state.get("monitor") or {}
         self.best = math.inf if monitor.get("best") is None else float(monitor["best"])
         self.streak = int(monitor.get("streak", 0))
-        self.streak_start = int(monitor.get("start", 0))
         self.confirmed = {int(step) for step in state.get("confirmed", [])}
 
 
