@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpt2.errors import Gpt2Error
-from gpt2.model.checkpoint_files import checkpoint_candidates, checkpoint_step
+from gpt2.model.checkpoint_files import checkpoint_step
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.config import TrainConfig
 
@@ -161,14 +161,17 @@ class RecoveryPolicy:
         steps = {checkpoint_step(p) or 0 for p in ckpt.list_checkpoints(checkpoint_dir)} | {step}
         return max(keep, len([s for s in steps if s >= first_kept]))
 
+    def _confirmed_checkpoints(self, checkpoint_dir: Path | None) -> list[Path]:
+        """The complete checkpoints under ``checkpoint_dir`` confirmed good, newest first."""
+        if checkpoint_dir is None:
+            return []
+        return [
+            path for path in reversed(ckpt.list_checkpoints(checkpoint_dir)) if checkpoint_step(path) in self.confirmed
+        ]
+
     def newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
         """The newest complete checkpoint under ``checkpoint_dir`` confirmed good, or None."""
-        if checkpoint_dir is None:
-            return None
-        for path in reversed(ckpt.list_checkpoints(checkpoint_dir)):
-            if checkpoint_step(path) in self.confirmed:
-                return path
-        return None
+        return next(iter(self._confirmed_checkpoints(checkpoint_dir)), None)
 
     # ------------------------------------------------------------------ the in-memory good state
     def begin(self, trainer: Trainer) -> None:
@@ -235,16 +238,12 @@ class RecoveryPolicy:
         no diverging streak), so the trouble began after every confirmed state;
         returns what was loaded, or None when there is nothing to go back to.
         """
-        if trainer.checkpoint_dir is not None:
-            for path in checkpoint_candidates(trainer.checkpoint_dir):
-                step = checkpoint_step(path) or 0
-                if step not in self.confirmed:
-                    continue
-                try:
-                    trainer.load_checkpoint(path)
-                    return f"checkpoint {path}"
-                except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
-                    logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
+        for path in self._confirmed_checkpoints(trainer.checkpoint_dir):
+            try:
+                trainer.load_checkpoint(path)
+                return f"checkpoint {path}"
+            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
+                logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
         if self.snapshot is None:
             return None
         trainer.load_state_dict(self.snapshot)
@@ -292,17 +291,11 @@ class RecoveryPolicy:
         """The counters and the monitor (so that resume stays exact across a recovery), and the steps of the
         checkpoints under ``checkpoint_dir`` confirmed good so far (the one being written is not yet).
         """
-        on_disk = set()
-        if checkpoint_dir is not None:
-            on_disk = {checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoint_dir)}
         return {
             "recoveries": self.recoveries,
             "lr_scale": self.lr_scale,
-            "monitor": {
-                "best": self.best if math.isfinite(self.best) else None,
-                "streak": self.streak,
-            },
-            "confirmed": sorted(self.confirmed & on_disk),
+            "monitor": {"best": self.best if math.isfinite(self.best) else None, "streak": self.streak},
+            "confirmed": sorted(checkpoint_step(p) for p in self._confirmed_checkpoints(checkpoint_dir)),
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
