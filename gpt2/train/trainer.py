@@ -675,7 +675,8 @@ class Trainer:
         if self.config.precision != "auto" or recorded in (None, self.precision.name):
             return
         policy = resolve_precision(recorded, self.device)
-        if self.sharded or policy.uses_scaler != self.precision.uses_scaler:
+        # only fp16 has a loss scaler
+        if self.sharded or "fp16" in (recorded, self.precision.name):
             raise InvalidValueError(
                 f"the checkpoint trained in {recorded} and precision='auto' picks {self.precision.name} here: "
                 f"resume with precision={recorded!r} (or {self.precision.name!r} to change it)"
