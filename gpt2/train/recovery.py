@@ -176,11 +176,9 @@ class RecoveryPolicy:
     # ------------------------------------------------------------------ the in-memory good state
     def begin(self, trainer: Trainer) -> None:
         """At the start of a ``fit()``: without a checkpoint yet, copy the state so there is somewhere to go back to
-        (once the first step confirms it).
+        (once the first step confirms it). A copy of the same step made before is simply made again.
         """
-        if not self.config.recovery.enabled or trainer.last_checkpoint is not None:
-            return
-        if self.unconfirmed is None or self.unconfirmed.step != trainer.step:
+        if self.config.recovery.enabled and trainer.last_checkpoint is None:
             self.refresh_snapshot(trainer)
 
     def refresh_snapshot(self, trainer: Trainer) -> None:
