@@ -257,10 +257,8 @@ class Trainer:
         self.best_val_loss = state.get("best_val_loss")
         self.train_loader.load_state_dict(state["data"]["train"])
         self.recovery.load_state_dict(state.get("recovery"))
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if name in state.get("model", {}):
-                    p.copy_(state["model"][name])
+        # the trainable weights only (strict=False): the frozen ones are not part of the state
+        self.model.load_state_dict(state.get("model", {}), strict=False)
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
