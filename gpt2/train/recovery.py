@@ -93,8 +93,8 @@ class RecoveryPolicy:
         self.load_state_dict(None)
 
     # ------------------------------------------------------------------ judging steps
-    def observe(self, step: int, loss: float) -> bool:
-        """Record ``step``'s loss; True once the run has diverged: the loss exceeded ``divergence_factor`` x the
+    def observe(self, loss: float) -> bool:
+        """Record a step's loss; True once the run has diverged: the loss exceeded ``divergence_factor`` x the
         lowest loss so far, and it by over 1 nat (near a loss of 0, twice the best is one noisy batch), ``patience``
         steps in a row. The lowest loss is at most the untrained model's first, so a run climbing above that counts
         too.
@@ -118,14 +118,14 @@ class RecoveryPolicy:
         else:
             self.consecutive_bad_steps = 0
 
-    def judge(self, step: int, record: dict[str, Any]) -> bool:
-        """Judge step ``step``'s ``record`` (:meth:`observe`); True when the run must go back (or, with recovery off,
+    def judge(self, record: dict[str, Any]) -> bool:
+        """Judge a step's ``record`` (:meth:`observe`); True when the run must go back (or, with recovery off,
         stop): the loss has diverged (only with recovery on), or ``max_bad_steps`` steps in a row were non-finite.
         With recovery off the steps are judged too, so that an error names only a checkpoint confirmed good.
         """
         # A step with no scored target reports loss 0 (and changes no weight): no evidence either way.
         judged = record.get("scored_tokens", 1) > 0
-        diverged = judged and self.observe(step, record["loss"]) and self.config.recovery.enabled
+        diverged = judged and self.observe(record["loss"]) and self.config.recovery.enabled
         # The step after the newest saved state was judged: a good step confirms that state, a bad one refutes it.
         saved = self.unconfirmed
         if judged:

@@ -291,7 +291,7 @@ class Trainer:
         try:
             while self.step < stop:
                 record = self.train_step()
-                in_trouble = self.recovery.judge(self.step, record)
+                in_trouble = self.recovery.judge(record)
                 self._validate_if_due(record, log)
                 # the callbacks (which may add entries), then the history, metrics.jsonl and the sinks
                 for callback in self.callbacks:
