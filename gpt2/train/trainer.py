@@ -575,8 +575,7 @@ class Trainer:
         # rank 0 writes; under FSDP every rank writes its shards
         if self.sharded or self.dist_env.is_main:
             path = self._write_checkpoint(self.checkpoint_dir, state)
-        if self.dist_env.is_main:
-            self._record_outputs()
+        self._record_outputs()
         self.last_checkpoint = path
         self.recovery.saved_checkpoint(self.step)
         return path
