@@ -9,7 +9,6 @@ import copy
 import logging
 import math
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,10 +130,11 @@ class RecoveryPolicy:
         if judged:
             self.unconfirmed = None
         if judged and saved is not None and self.good:
+            step, snapshot = saved
             # The confirmed in-memory copy, or none: a confirmed checkpoint is newer than any copy.
-            self.snapshot = saved.snapshot
-            if saved.snapshot is None:
-                self.confirmed.add(saved.step)
+            self.snapshot = snapshot
+            if snapshot is None:
+                self.confirmed.add(step)
         return diverged or self.consecutive_bad_steps >= self.config.recovery.max_bad_steps
 
     @property
@@ -185,13 +185,13 @@ class RecoveryPolicy:
         """A fresh in-memory copy of the (good) state ``trainer`` is in; the confirmed one stays until the next step
         confirms this one (both are held for that one step).
         """
-        self.unconfirmed = _Saved(trainer.step, _to_cpu(trainer.state_dict()))
+        self.unconfirmed = (trainer.step, _to_cpu(trainer.state_dict()))
 
     def saved_checkpoint(self, step: int) -> None:
         """A checkpoint of ``step`` was written (or loaded): the newest saved state, until the next step confirms
         it.
         """
-        self.unconfirmed = _Saved(step)
+        self.unconfirmed = (step, None)
 
     # ------------------------------------------------------------------ going back
     def recover(self, trainer: Trainer, record: dict[str, Any]) -> None:
@@ -303,22 +303,15 @@ class RecoveryPolicy:
         """
         state = state or {}
         self.consecutive_bad_steps = 0
-        # The newest saved state, waiting for the judgement of the step after it.
-        self.unconfirmed: _Saved | None = None
+        # The newest saved state, waiting for the judgement of the step after it: (its step, the in-memory copy, or
+        # None for a checkpoint).
+        self.unconfirmed: tuple[int, dict[str, Any] | None] | None = None
         self.recoveries = int(state.get("recoveries", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
         monitor = state.get("monitor") or {}
         self.best = math.inf if monitor.get("best") is None else float(monitor["best"])
         self.streak = int(monitor.get("streak", 0))
         self.confirmed = {int(step) for step in state.get("confirmed", [])}
-
-
-@dataclass
-class _Saved:
-    """A saved state waiting for the judgement of the step after it: an in-memory copy, or (None) a checkpoint."""
-
-    step: int
-    snapshot: dict[str, Any] | None = None
 
 
 def _to_cpu(value: Any) -> Any:
