@@ -103,24 +103,25 @@ def mfu(
     return flops_per_token * tokens_per_second / (peak_flops * world_size)
 
 
+# A console line's parts, in order: each record entry shown (when present and not None) and its format.
+LINE_FORMATS = {
+    "step": "step {}",
+    "loss": "loss {:.4f}",
+    "lr": "lr {:.1e}",
+    "grad_norm": "norm {:.2f}",
+    "dt_ms": "{:.1f} ms",
+    "tokens_per_second": "{:,.0f} tok/s",
+    "mfu": "mfu {:.1%}",
+    "val_loss": "val {:.4f}",
+    "loss_scale": "scale {:g}",
+}
+
+
 def format_line(record: dict[str, Any]) -> str:
     """``step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | mfu 44.1%``, then
     when present ``| val 4.9000``, ``| scale 65536`` and ``| skipped (N total)``.
     """
-    parts = [
-        f"step {record['step']}",
-        f"loss {record['loss']:.4f}",
-        f"lr {record['lr']:.1e}",
-        f"norm {record['grad_norm']:.2f}",
-        f"{record['dt_ms']:.1f} ms",
-        f"{record['tokens_per_second']:,.0f} tok/s",
-    ]
-    if record.get("mfu") is not None:
-        parts.append(f"mfu {100 * record['mfu']:.1f}%")
-    if record.get("val_loss") is not None:
-        parts.append(f"val {record['val_loss']:.4f}")
-    if record.get("loss_scale") is not None:
-        parts.append(f"scale {record['loss_scale']:g}")
+    parts = [form.format(record[key]) for key, form in LINE_FORMATS.items() if record.get(key) is not None]
     if record.get("skipped"):
         parts.append(f"skipped ({record.get('skipped_steps', 1)} total)")
     return " | ".join(parts)
