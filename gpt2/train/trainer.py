@@ -130,7 +130,7 @@ class Trainer:
             self.flops_per_token = flops(config.seq_len)
         self.peak_flops = metrics.detect_peak_flops(self.device, config.peak_flops, self.precision.name)
         self.sinks: list[Sink] = []
-        if self.dist_env.is_main:
+        if self.is_main:
             self.sinks = [ConsoleSink(interval=config.log_interval)] if sinks is None else list(sinks)
         self.callbacks = list(callbacks)
         # completed optimizer steps
@@ -159,7 +159,7 @@ class Trainer:
             resume=config.resume,
             overwrite=config.overwrite,
             load=self.load_checkpoint,
-            is_main=self.dist_env.is_main,
+            is_main=self.is_main,
         )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -213,6 +213,10 @@ class Trainer:
             self._base_fingerprint = minlora.base_fingerprint(self.model)
         self._twin = fsdp.empty_twin(self.model)
         fsdp.shard_model(self.model, self.device, self.precision)
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist_env.is_main
 
     @property
     def out_dir(self) -> Path | None:
@@ -275,7 +279,7 @@ class Trainer:
         # Where this call's records go: metrics.jsonl, the sinks, TensorBoard / W&B (config.log_to) and the progress
         # bar; before any of them writes into out_dir, the Trainer checks that it still owns it.
         self._check_owner()
-        log = FitLog(self.sinks, cfg, out_dir=self.out_dir, step=self.step, is_main=self.dist_env.is_main)
+        log = FitLog(self.sinks, cfg, out_dir=self.out_dir, step=self.step, is_main=self.is_main)
         # What the log just created (metrics.jsonl, TensorBoard's and W&B's folders) is the run's from
         # now on: recorded at once, so that a run killed before its first checkpoint still resumes.
         self._record_outputs()
@@ -313,7 +317,7 @@ class Trainer:
             # it leaves the process group: close() restores the handlers after that.
             if not (interrupted and self.dist_env.is_distributed):
                 signals.restore()
-        if self.dist_env.is_main and self.out_dir is not None and self.config.plot:
+        if self.is_main and self.out_dir is not None and self.config.plot:
             metrics.plot_loss_curve(
                 metrics.read_jsonl(self.out_dir / metrics.METRICS_FILE), self.out_dir / metrics.PLOT_FILE
             )
@@ -329,7 +333,7 @@ class Trainer:
         """Record in out_dir's record what the Trainer has written there (rank 0), so that a later
         ``overwrite`` may replace it and nothing else (:func:`gpt2.train.rundir.record_outputs`).
         """
-        if self.dist_env.is_main and self.out_dir is not None:
+        if self.is_main and self.out_dir is not None:
             rundir.record_outputs(self.out_dir, rundir.TRAINER_FILES)
 
     def _validate_if_due(self, record: dict[str, Any], log: FitLog) -> None:
@@ -539,7 +543,7 @@ class Trainer:
             cfg.eval_steps if steps is None else steps,
             self.precision.autocast,
             device=self.device,
-            progress=self.dist_env.is_main and cfg.progress,
+            progress=self.is_main and cfg.progress,
             distributed=True,
             source=f"the model being trained ({where}, step {self.step})",
             # once per run: before its first validation loss
@@ -573,7 +577,7 @@ class Trainer:
         # a collective (every rank's CUDA RNG state)
         state = self.state_dict()
         # rank 0 writes; under FSDP every rank writes its shards
-        if self.sharded or self.dist_env.is_main:
+        if self.sharded or self.is_main:
             path = self._write_checkpoint(self.checkpoint_dir, state)
         self._record_outputs()
         self.last_checkpoint = path
@@ -636,7 +640,7 @@ class Trainer:
             (self.tokens_per_step, self.dist_env.world_size),
         )
         # once, not once per rank
-        if was != now and self.dist_env.is_main:
+        if was != now and self.is_main:
             logger.warning(
                 "checkpoint was written with %s tokens/step on %s process(es), this run uses %s on %s: "
                 "the data order (and so the losses) will differ from an uninterrupted run",
@@ -682,7 +686,7 @@ class Trainer:
         """
         if not self.sharded:
             return self.model
-        return fsdp.gather_into_twin(self.model, self._twin, self.dist_env.is_main)
+        return fsdp.gather_into_twin(self.model, self._twin, self.is_main)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, wait_for_all: bool = True) -> None:
