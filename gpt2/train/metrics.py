@@ -141,15 +141,13 @@ def output_error(
     path: str | os.PathLike,
     doing: str,
     e: BaseException,
-    checkpoint_dir: Path | None,
+    checkpoint_dir: Path,
     error: type[RunOutputError] = RunOutputError,
 ) -> RunOutputError:
     """The :class:`RunOutputError` (or its subclass ``error``) for ``e``, raised while ``doing`` (e.g. "appending to")
     ``path``: it names the newest complete checkpoint under ``checkpoint_dir``, which a resume continues from.
     """
-    newest = None
-    if checkpoint_dir is not None:
-        newest = find_latest_checkpoint(checkpoint_dir)
+    newest = find_latest_checkpoint(checkpoint_dir)
     kept = "no checkpoint of this run is on disk yet"
     then = "start the run again"
     if newest is not None:
@@ -183,12 +181,12 @@ class JSONLSink:
     """Appends one JSON object per record to ``path`` (flushed each time, so a crash loses nothing).
     ``keep_until_step``: the file's records up to that step are kept (a resumed run continues the
     log without the steps it redoes); 0 starts a new log. A failed write (a full disk) raises
-    :class:`RunOutputError`, naming the newest checkpoint under ``checkpoint_dir``.
+    :class:`RunOutputError`, naming the newest checkpoint of the run (``checkpoints/`` beside ``path``).
     """
 
-    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0, checkpoint_dir: Path | None = None):
+    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
         self.path = Path(path)
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir = self.path.parent / CHECKPOINT_DIR
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Any = None
         self.rewind(keep_until_step)
@@ -417,7 +415,7 @@ class FitLog:
         self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
             if out_dir is not None:
-                jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR)
+                jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
                 self.opened.insert(0, jsonl)
             if progress_enabled(config.progress):
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
