@@ -42,12 +42,12 @@ def test_recovery_policy_counts_bad_steps_and_keeps_checkpoints_in_trouble():
     record = {"loss": 4.0, "scored_tokens": 8}
     assert policy.good and policy.checkpoints_to_keep() == 3
     policy.count_step(bad=True)
-    assert not policy.judge(1, record) and not policy.good and policy.checkpoints_to_keep() == 0
+    assert not policy.judge(record) and not policy.good and policy.checkpoints_to_keep() == 0
     policy.count_step(bad=True)
-    assert policy.judge(2, record)
+    assert policy.judge(record)
     policy.count_step(bad=False)
     assert policy.consecutive_bad_steps == 0 and policy.good
-    state = {"recoveries": 2, "lr_scale": 0.25, "monitor": {"best": 3.5, "streak": 0, "start": 0}, "confirmed": []}
+    state = {"recoveries": 2, "lr_scale": 0.25, "monitor": {"best": 3.5, "streak": 0}, "confirmed": []}
     policy.count_step(bad=True)
     policy.load_state_dict(state)
     policy.saved_checkpoint(0)

@@ -224,10 +224,8 @@ class TrainConfig:
         return self.max_lr / 10 if self.min_lr is None else self.min_lr
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["betas"] = list(self.betas)  # JSON has no tuples
-        data["log_to"] = list(self.log_to)
-        return data
+        # tuples stay tuples: JSON writes them as lists, which from_dict reads back
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:

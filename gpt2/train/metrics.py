@@ -103,24 +103,25 @@ def mfu(
     return flops_per_token * tokens_per_second / (peak_flops * world_size)
 
 
+# A console line's parts, in order: each record entry shown (when present and not None) and its format.
+LINE_FORMATS = {
+    "step": "step {}",
+    "loss": "loss {:.4f}",
+    "lr": "lr {:.1e}",
+    "grad_norm": "norm {:.2f}",
+    "dt_ms": "{:.1f} ms",
+    "tokens_per_second": "{:,.0f} tok/s",
+    "mfu": "mfu {:.1%}",
+    "val_loss": "val {:.4f}",
+    "loss_scale": "scale {:g}",
+}
+
+
 def format_line(record: dict[str, Any]) -> str:
     """``step 50 | loss 5.0860 | lr 6.0e-05 | norm 0.41 | 50.6 ms | 161,818 tok/s | mfu 44.1%``, then
     when present ``| val 4.9000``, ``| scale 65536`` and ``| skipped (N total)``.
     """
-    parts = [
-        f"step {record['step']}",
-        f"loss {record['loss']:.4f}",
-        f"lr {record['lr']:.1e}",
-        f"norm {record['grad_norm']:.2f}",
-        f"{record['dt_ms']:.1f} ms",
-        f"{record['tokens_per_second']:,.0f} tok/s",
-    ]
-    if record.get("mfu") is not None:
-        parts.append(f"mfu {100 * record['mfu']:.1f}%")
-    if record.get("val_loss") is not None:
-        parts.append(f"val {record['val_loss']:.4f}")
-    if record.get("loss_scale") is not None:
-        parts.append(f"scale {record['loss_scale']:g}")
+    parts = [form.format(record[key]) for key, form in LINE_FORMATS.items() if record.get(key) is not None]
     if record.get("skipped"):
         parts.append(f"skipped ({record.get('skipped_steps', 1)} total)")
     return " | ".join(parts)
@@ -140,15 +141,13 @@ def output_error(
     path: str | os.PathLike,
     doing: str,
     e: BaseException,
-    checkpoint_dir: Path | None,
+    checkpoint_dir: Path,
     error: type[RunOutputError] = RunOutputError,
 ) -> RunOutputError:
     """The :class:`RunOutputError` (or its subclass ``error``) for ``e``, raised while ``doing`` (e.g. "appending to")
     ``path``: it names the newest complete checkpoint under ``checkpoint_dir``, which a resume continues from.
     """
-    newest = None
-    if checkpoint_dir is not None:
-        newest = find_latest_checkpoint(checkpoint_dir)
+    newest = find_latest_checkpoint(checkpoint_dir)
     kept = "no checkpoint of this run is on disk yet"
     then = "start the run again"
     if newest is not None:
@@ -182,12 +181,12 @@ class JSONLSink:
     """Appends one JSON object per record to ``path`` (flushed each time, so a crash loses nothing).
     ``keep_until_step``: the file's records up to that step are kept (a resumed run continues the
     log without the steps it redoes); 0 starts a new log. A failed write (a full disk) raises
-    :class:`RunOutputError`, naming the newest checkpoint under ``checkpoint_dir``.
+    :class:`RunOutputError`, naming the newest checkpoint of the run (``checkpoints/`` beside ``path``).
     """
 
-    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0, checkpoint_dir: Path | None = None):
+    def __init__(self, path: str | os.PathLike, keep_until_step: int = 0):
         self.path = Path(path)
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir = self.path.parent / CHECKPOINT_DIR
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Any = None
         self.rewind(keep_until_step)
@@ -234,8 +233,6 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
-            if not line:
-                continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
@@ -296,15 +293,14 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
         except ImportError as e:
             raise _missing("tensorboard", "tensorboard", e) from e
-        self.log_dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def rewind(self, step: int) -> None:
         """The run goes on after ``step`` (a divergence recovery went back to it): a new event file, purging the
         later steps as a resume from ``step`` does.
         """
         self.writer.close()
-        self.writer = type(self.writer)(log_dir=str(self.log_dir), purge_step=step + 1)
+        self.writer = type(self.writer)(log_dir=self.writer.log_dir, purge_step=step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -419,7 +415,7 @@ class FitLog:
         self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
             if out_dir is not None:
-                jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step, checkpoint_dir=out_dir / CHECKPOINT_DIR)
+                jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
                 self.opened.insert(0, jsonl)
             if progress_enabled(config.progress):
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")

@@ -33,14 +33,9 @@ POLICY_NAMES = tuple(name for name in PRECISIONS if name != "auto")
 class PrecisionPolicy:
     """How one training step computes: autocast dtype, TF32 matmuls, loss scaling."""
 
-    name: str  # "fp32" | "tf32" | "bf16" | "fp16"
+    name: str  # "fp32" | "tf32" | "bf16" | "fp16"; fp16 alone uses dynamic loss scaling
     device_type: str  # "cuda", "cpu", ...
     autocast_dtype: torch.dtype | None  # None = no autocast (fp32 / tf32)
-    tf32: bool  # allow TF32 tensor-core matmuls for the fp32 matmuls that remain
-    uses_scaler: bool  # dynamic loss scaling (fp16 only)
-
-    # master weights are always fp32
-    param_dtype = torch.float32
 
     def apply(self) -> None:
         """Set the process-wide fp32 matmul precision on CUDA (CPU matmuls stay bit-reproducible): TF32 tensor cores
@@ -50,7 +45,9 @@ class PrecisionPolicy:
         (``matmul.allow_tf32``, ``get_float32_matmul_precision()``) raise, so gpt2 never uses those.
         """
         if self.device_type == "cuda":
-            value = "tf32" if self.tf32 else "ieee"
+            # All but fp32 allow TF32 tensor cores: bf16/fp16 for the fp32 matmuls autocast leaves alone, as
+            # build-nanogpt does.
+            value = "ieee" if self.name == "fp32" else "tf32"
             torch.backends.cuda.matmul.fp32_precision = value
             torch.backends.cudnn.conv.fp32_precision = value
 
@@ -79,7 +76,7 @@ class PrecisionPolicy:
 
     def make_scaler(self) -> torch.amp.GradScaler | None:
         """A fresh ``GradScaler`` for fp16, else None."""
-        if not self.uses_scaler:
+        if self.name != "fp16":
             return None
         return torch.amp.GradScaler(self.device_type)
 
@@ -139,8 +136,7 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
     if name == "tf32" and device.type != "cuda":
         logger.info("precision='tf32' only changes CUDA matmuls; on %s it is plain fp32", device.type)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
-    # bf16/fp16 keep TF32 on for the fp32 matmuls autocast leaves alone, as build-nanogpt does.
-    return PrecisionPolicy(name, device.type, autocast_dtype, tf32=name != "fp32", uses_scaler=name == "fp16")
+    return PrecisionPolicy(name, device.type, autocast_dtype)
 
 
 def inference_autocast(name: str, device: torch.device | str):

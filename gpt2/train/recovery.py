@@ -9,14 +9,13 @@ import copy
 import logging
 import math
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpt2.errors import Gpt2Error
-from gpt2.model.checkpoint_files import checkpoint_candidates, checkpoint_step
+from gpt2.model.checkpoint_files import checkpoint_step
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.config import TrainConfig
 
@@ -70,7 +69,7 @@ class RecoveryPolicy:
     docs/training.md, "When a run goes wrong"). It owns everything that decides and performs a recovery:
 
     - the judgement of each step: the divergence monitor of the loss (:meth:`observe`: the lowest loss so far
-      ``best``, the ``streak`` of steps in a row above it from ``streak_start``) and the count of non-finite
+      ``best``, the ``streak`` of steps in a row above it) and the count of non-finite
       (skipped) steps in a row (``consecutive_bad_steps``);
     - what a recovery changed: ``recoveries`` so far and ``lr_scale`` (``lr_factor ** recoveries``, which
       multiplies the scheduled learning rate); checkpoints record these with the monitor (:meth:`state_dict`);
@@ -93,8 +92,8 @@ class RecoveryPolicy:
         self.load_state_dict(None)
 
     # ------------------------------------------------------------------ judging steps
-    def observe(self, step: int, loss: float) -> bool:
-        """Record ``step``'s loss; True once the run has diverged: the loss exceeded ``divergence_factor`` x the
+    def observe(self, loss: float) -> bool:
+        """Record a step's loss; True once the run has diverged: the loss exceeded ``divergence_factor`` x the
         lowest loss so far, and it by over 1 nat (near a loss of 0, twice the best is one noisy batch), ``patience``
         steps in a row. The lowest loss is at most the untrained model's first, so a run climbing above that counts
         too.
@@ -103,8 +102,6 @@ class RecoveryPolicy:
         if not math.isfinite(loss):
             return False
         if loss > self.config.recovery.divergence_factor * self.best and loss > self.best + 1.0:
-            if not self.streak:
-                self.streak_start = step
             self.streak += 1
         else:
             self.streak = 0
@@ -120,23 +117,24 @@ class RecoveryPolicy:
         else:
             self.consecutive_bad_steps = 0
 
-    def judge(self, step: int, record: dict[str, Any]) -> bool:
-        """Judge step ``step``'s ``record`` (:meth:`observe`); True when the run must go back (or, with recovery off,
+    def judge(self, record: dict[str, Any]) -> bool:
+        """Judge a step's ``record`` (:meth:`observe`); True when the run must go back (or, with recovery off,
         stop): the loss has diverged (only with recovery on), or ``max_bad_steps`` steps in a row were non-finite.
         With recovery off the steps are judged too, so that an error names only a checkpoint confirmed good.
         """
         # A step with no scored target reports loss 0 (and changes no weight): no evidence either way.
         judged = record.get("scored_tokens", 1) > 0
-        diverged = judged and self.observe(step, record["loss"]) and self.config.recovery.enabled
+        diverged = judged and self.observe(record["loss"]) and self.config.recovery.enabled
         # The step after the newest saved state was judged: a good step confirms that state, a bad one refutes it.
         saved = self.unconfirmed
         if judged:
             self.unconfirmed = None
         if judged and saved is not None and self.good:
+            step, snapshot = saved
             # The confirmed in-memory copy, or none: a confirmed checkpoint is newer than any copy.
-            self.snapshot = saved.snapshot
-            if saved.snapshot is None:
-                self.confirmed.add(saved.step)
+            self.snapshot = snapshot
+            if snapshot is None:
+                self.confirmed.add(step)
         return diverged or self.consecutive_bad_steps >= self.config.recovery.max_bad_steps
 
     @property
@@ -163,36 +161,37 @@ class RecoveryPolicy:
         steps = {checkpoint_step(p) or 0 for p in ckpt.list_checkpoints(checkpoint_dir)} | {step}
         return max(keep, len([s for s in steps if s >= first_kept]))
 
+    def _confirmed_checkpoints(self, checkpoint_dir: Path | None) -> list[Path]:
+        """The complete checkpoints under ``checkpoint_dir`` confirmed good, newest first."""
+        if checkpoint_dir is None:
+            return []
+        return [
+            path for path in reversed(ckpt.list_checkpoints(checkpoint_dir)) if checkpoint_step(path) in self.confirmed
+        ]
+
     def newest_confirmed(self, checkpoint_dir: Path | None) -> Path | None:
         """The newest complete checkpoint under ``checkpoint_dir`` confirmed good, or None."""
-        if checkpoint_dir is None:
-            return None
-        for path in reversed(ckpt.list_checkpoints(checkpoint_dir)):
-            if checkpoint_step(path) in self.confirmed:
-                return path
-        return None
+        return next(iter(self._confirmed_checkpoints(checkpoint_dir)), None)
 
     # ------------------------------------------------------------------ the in-memory good state
     def begin(self, trainer: Trainer) -> None:
         """At the start of a ``fit()``: without a checkpoint yet, copy the state so there is somewhere to go back to
-        (once the first step confirms it).
+        (once the first step confirms it). A copy of the same step made before is simply made again.
         """
-        if not self.config.recovery.enabled or trainer.last_checkpoint is not None:
-            return
-        if self.unconfirmed is None or self.unconfirmed.step != trainer.step:
+        if self.config.recovery.enabled and trainer.last_checkpoint is None:
             self.refresh_snapshot(trainer)
 
     def refresh_snapshot(self, trainer: Trainer) -> None:
         """A fresh in-memory copy of the (good) state ``trainer`` is in; the confirmed one stays until the next step
         confirms this one (both are held for that one step).
         """
-        self.unconfirmed = _Saved(trainer.step, _to_cpu(trainer.state_dict()))
+        self.unconfirmed = (trainer.step, _to_cpu(trainer.state_dict()))
 
     def saved_checkpoint(self, step: int) -> None:
         """A checkpoint of ``step`` was written (or loaded): the newest saved state, until the next step confirms
         it.
         """
-        self.unconfirmed = _Saved(step)
+        self.unconfirmed = (step, None)
 
     # ------------------------------------------------------------------ going back
     def recover(self, trainer: Trainer, record: dict[str, Any]) -> None:
@@ -206,22 +205,16 @@ class RecoveryPolicy:
             raise self.diverged(trainer, record)
         reason = self._reason(record)
         position = trainer.train_loader.state_dict()
-        # Going back restores the recovery state saved with that state too: this recovery's is taken first.
-        kept = {
-            "recoveries": self.recoveries + 1,
-            "lr_scale": self.lr_scale * cfg.recovery.lr_factor,
-            "monitor": {**self.state_dict()["monitor"], "streak": 0},
-            "confirmed": self.confirmed,
-        }
-        # the first step of the trouble: of the diverging streak, or of the non-finite run
-        trouble_start = trainer.step - self.consecutive_bad_steps + 1
-        if self.streak:
-            trouble_start = self.streak_start
-        source = self._go_back(trainer, before_step=trouble_start)
+        # Going back restores the recovery state saved with that state too: this run's is taken first.
+        kept = self.state_dict(trainer.checkpoint_dir)
+        source = self._go_back(trainer)
         if source is None:
-            raise self.diverged(trainer, record, nothing_confirmed=True)
+            raise self.diverged(trainer, record)
         # The state gone back to was confirmed; checkpoints after it belong to the abandoned steps.
         self.load_state_dict({**kept, "confirmed": [step for step in kept["confirmed"] if step <= trainer.step]})
+        self.recoveries += 1
+        self.lr_scale *= cfg.recovery.lr_factor
+        self.streak = 0
         trainer.train_loader.load_state_dict(position)
         logger.warning(
             "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
@@ -237,31 +230,25 @@ class RecoveryPolicy:
             record["step"],
         )
 
-    def _go_back(self, trainer: Trainer, before_step: int) -> str | None:
-        """Load the newest intact confirmed checkpoint older than ``before_step`` (else the confirmed in-memory copy);
+    def _go_back(self, trainer: Trainer) -> str | None:
+        """Load the newest intact confirmed checkpoint (else the confirmed in-memory copy), all older than the trouble:
+        a saved state is confirmed by a good step after it, and a good step ends any trouble (no bad steps in a row,
+        no diverging streak), so the trouble began after every confirmed state;
         returns what was loaded, or None when there is nothing to go back to.
         """
-        if trainer.checkpoint_dir is not None:
-            for path in checkpoint_candidates(trainer.checkpoint_dir):
-                step = checkpoint_step(path) or 0
-                if step >= before_step or step not in self.confirmed:
-                    continue
-                try:
-                    trainer.load_checkpoint(path)
-                    return f"checkpoint {path}"
-                except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
-                    logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
-        if self.snapshot is None or self.snapshot["step"] >= before_step:
+        for path in self._confirmed_checkpoints(trainer.checkpoint_dir):
+            try:
+                trainer.load_checkpoint(path)
+                return f"checkpoint {path}"
+            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before
+                logger.warning("recovery: cannot load %s (%s); trying an older one", path, e)
+        if self.snapshot is None:
             return None
         trainer.load_state_dict(self.snapshot)
         return "in-memory copy"
 
-    def diverged(
-        self, trainer: Trainer, record: dict[str, Any], *, nothing_confirmed: bool = False
-    ) -> TrainingDivergedError:
-        """The error that stops a run which diverged at ``record``'s step and could not (or may not) go back;
-        ``nothing_confirmed``: no saved state was confirmed good to go back to.
-        """
+    def diverged(self, trainer: Trainer, record: dict[str, Any]) -> TrainingDivergedError:
+        """The error that stops a run which diverged at ``record``'s step and could not (or may not) go back."""
         cfg = self.config
         n = self.consecutive_bad_steps
         message = f"training diverged at step {trainer.step}"
@@ -270,21 +257,13 @@ class RecoveryPolicy:
         message += f": {self._reason(record)}."
         if n >= cfg.recovery.max_bad_steps:
             message += f" Those steps were skipped, so the weights are still those of step {trainer.step - n}."
-        if nothing_confirmed:
-            message += (
-                " There was nothing to go back to: no state saved before the trouble was confirmed good (a saved state"
-                " is, once the step after it had a good loss)."
-            )
         # Only a checkpoint whose next step had a good loss: resuming an unconfirmed one may diverge at once.
         checkpoint = self.newest_confirmed(trainer.checkpoint_dir)
-        message += f" {last_good(checkpoint)}. "
-        if checkpoint is None:
-            message += (
-                f"Start again with a lower max_lr (--max-lr; this run's was {cfg.max_lr:g}), keep grad_clip, or use "
-                "precision='bf16'/'fp32'."
-            )
-        else:
-            message += "Lower max_lr, set grad_clip, or use precision='bf16'/'fp32', then resume from that checkpoint."
+        message += (
+            f" {last_good(checkpoint)}. To go on, lower max_lr (--max-lr; this run's was {cfg.max_lr:g}), keep "
+            "grad_clip or use precision='bf16'/'fp32', then resume from the last good checkpoint (start again "
+            "if there is none)."
+        )
         return TrainingDivergedError(
             message,
             step=trainer.step,
@@ -295,13 +274,10 @@ class RecoveryPolicy:
 
     def _reason(self, record: dict[str, Any]) -> str:
         """Why the run counts as diverged, in words."""
-        scale = ""
-        if "loss_scale" in record:
-            scale = f", loss scale {record['loss_scale']:g}"
         if self.consecutive_bad_steps >= self.config.recovery.max_bad_steps:
             return (
                 f"{self.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient norm "
-                f"(last: loss {record['loss']}, grad norm {record['grad_norm']}{scale})"
+                f"(last: loss {record['loss']}, grad norm {record['grad_norm']})"
             )
         return (
             f"the loss stayed above {self.config.recovery.divergence_factor:g} x the best loss so far "
@@ -313,18 +289,11 @@ class RecoveryPolicy:
         """The counters and the monitor (so that resume stays exact across a recovery), and the steps of the
         checkpoints under ``checkpoint_dir`` confirmed good so far (the one being written is not yet).
         """
-        on_disk = set()
-        if checkpoint_dir is not None:
-            on_disk = {checkpoint_step(p) for p in ckpt.list_checkpoints(checkpoint_dir)}
         return {
             "recoveries": self.recoveries,
             "lr_scale": self.lr_scale,
-            "monitor": {
-                "best": self.best if math.isfinite(self.best) else None,
-                "streak": self.streak,
-                "start": self.streak_start,
-            },
-            "confirmed": sorted(self.confirmed & on_disk),
+            "monitor": {"best": self.best if math.isfinite(self.best) else None, "streak": self.streak},
+            "confirmed": sorted(checkpoint_step(p) for p in self._confirmed_checkpoints(checkpoint_dir)),
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -334,23 +303,15 @@ class RecoveryPolicy:
         """
         state = state or {}
         self.consecutive_bad_steps = 0
-        # The newest saved state, waiting for the judgement of the step after it.
-        self.unconfirmed: _Saved | None = None
+        # The newest saved state, waiting for the judgement of the step after it: (its step, the in-memory copy, or
+        # None for a checkpoint).
+        self.unconfirmed: tuple[int, dict[str, Any] | None] | None = None
         self.recoveries = int(state.get("recoveries", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
         monitor = state.get("monitor") or {}
         self.best = math.inf if monitor.get("best") is None else float(monitor["best"])
         self.streak = int(monitor.get("streak", 0))
-        self.streak_start = int(monitor.get("start", 0))
         self.confirmed = {int(step) for step in state.get("confirmed", [])}
-
-
-@dataclass
-class _Saved:
-    """A saved state waiting for the judgement of the step after it: an in-memory copy, or (None) a checkpoint."""
-
-    step: int
-    snapshot: dict[str, Any] | None = None
 
 
 def _to_cpu(value: Any) -> Any:

@@ -92,10 +92,6 @@ class Trainer:
             raise
 
     def _setup(self, model, config, train_data, val_data, *, sinks, callbacks) -> None:
-        if not isinstance(config, TrainConfig):
-            raise TypeError(f"config must be a gpt2.TrainConfig, got {type(config).__name__}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
         self.config = config
         # this process's place in the run: device, process group, precision
         self.dist_env = distributed.env_from_environ()
@@ -146,7 +142,6 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         # Divergence recovery: its counters are part of the run's state (state_dict).
         self.recovery = RecoveryPolicy(config)
-        self._warned_short_val = False
         logger.info(
             "training on %s with %s, %d process(es), %d micro-step(s) of %d x %d tokens = %s tokens per step",
             self.device,
@@ -262,10 +257,8 @@ class Trainer:
         self.best_val_loss = state.get("best_val_loss")
         self.train_loader.load_state_dict(state["data"]["train"])
         self.recovery.load_state_dict(state.get("recovery"))
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if name in state.get("model", {}):
-                    p.copy_(state["model"][name])
+        # the trainable weights only (strict=False): the frozen ones are not part of the state
+        self.model.load_state_dict(state.get("model", {}), strict=False)
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
@@ -298,7 +291,7 @@ class Trainer:
         try:
             while self.step < stop:
                 record = self.train_step()
-                in_trouble = self.recovery.judge(self.step, record)
+                in_trouble = self.recovery.judge(record)
                 self._validate_if_due(record, log)
                 # the callbacks (which may add entries), then the history, metrics.jsonl and the sinks
                 for callback in self.callbacks:
@@ -553,9 +546,9 @@ class Trainer:
             progress=self.is_main and cfg.progress,
             distributed=True,
             source=f"the model being trained ({where}, step {self.step})",
-            warn_short=not self._warned_short_val,
+            # once per run: before its first validation loss
+            warn_short=self.best_val_loss is None,
         )
-        self._warned_short_val = True
         val_loss = result["loss"]
         if self.best_val_loss is None or val_loss < self.best_val_loss:
             self.best_val_loss = val_loss
@@ -586,8 +579,7 @@ class Trainer:
         # rank 0 writes; under FSDP every rank writes its shards
         if self.sharded or self.is_main:
             path = self._write_checkpoint(self.checkpoint_dir, state)
-        if self.is_main:
-            self._record_outputs()
+        self._record_outputs()
         self.last_checkpoint = path
         self.recovery.saved_checkpoint(self.step)
         return path
@@ -608,7 +600,6 @@ class Trainer:
             "world_size": self.dist_env.world_size,
             # how the processes share the model: "single", "ddp" or "fsdp"
             "strategy": self.config.strategy if self.dist_env.is_distributed else "single",
-            "grad_accum_steps": self.grad_accum_steps,
             "tokens_per_step": self.tokens_per_step,
             "precision": self.precision.name,
             "torch_version": torch.__version__,
@@ -677,7 +668,8 @@ class Trainer:
         if self.config.precision != "auto" or recorded in (None, self.precision.name):
             return
         policy = resolve_precision(recorded, self.device)
-        if self.sharded or policy.uses_scaler != self.precision.uses_scaler:
+        # only fp16 has a loss scaler
+        if self.sharded or "fp16" in (recorded, self.precision.name):
             raise InvalidValueError(
                 f"the checkpoint trained in {recorded} and precision='auto' picks {self.precision.name} here: "
                 f"resume with precision={recorded!r} (or {self.precision.name!r} to change it)"
