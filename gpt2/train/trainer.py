@@ -92,6 +92,10 @@ class Trainer:
             raise
 
     def _setup(self, model, config, train_data, val_data, *, sinks, callbacks) -> None:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a gpt2.TrainConfig, got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (e.g. gpt2.GPT), got {type(model).__name__}")
         self.config = config
         # this process's place in the run: device, process group, precision
         self.dist_env = distributed.env_from_environ()
