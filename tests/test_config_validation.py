@@ -188,3 +188,16 @@ def test_decay_lr_false_keeps_max_lr_after_warmup_and_ignores_min_lr():
     assert rates[4:] == pytest.approx([1e-3] * 16)
     decayed = _build(TrainConfig, max_lr=1e-3, warmup_steps=4, max_steps=20)
     assert decayed.final_lr == pytest.approx(1e-4)
+
+
+def test_the_trainer_names_a_config_or_model_of_the_wrong_type():
+    import torch
+
+    from gpt2 import GPT, Trainer
+
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    data = torch.randint(0, 64, (256,))
+    with pytest.raises(TypeError, match="config must be a gpt2.TrainConfig, got dict"):
+        Trainer(model, {"max_steps": 1}, data)
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module .* got str"):
+        Trainer("gpt2", TrainConfig(max_steps=1, device="cpu"), data)
