@@ -439,37 +439,31 @@ def save_state(state: dict[str, Any], path: str | os.PathLike) -> None:
     """
     tensors: dict[str, torch.Tensor] = {}
 
-    def encode(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            name = str(len(tensors))
-            tensors[name] = value.detach().cpu().contiguous()
-            return {_TENSOR: name}
-        if isinstance(value, dict):
-            return {str(k): encode(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [encode(v) for v in value]
-        return value
+    def store(value: Any) -> dict[str, str]:
+        # json.dumps calls this for what JSON cannot hold (tuples are lists, int keys strings already)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"save_state cannot write a {type(value).__name__}")
+        name = str(len(tensors))
+        tensors[name] = value.detach().cpu().contiguous()
+        return {_TENSOR: name}
 
-    data = save(tensors, metadata={"state": json.dumps(encode(state))})
+    data = save(tensors, metadata={"state": json.dumps(state, default=store)})
     replace_atomically(path, lambda f: f.write(data))
 
 
 def load_state(path: str | os.PathLike) -> Any:
     """The tree :func:`save_state` wrote; keys made of digits are ints again (an optimizer's parameter numbers)."""
     with safe_open(str(path), "pt") as f:
-        tree = json.loads(f.metadata()["state"])
+        text = f.metadata()["state"]
         tensors = {name: f.get_tensor(name) for name in f.keys()}
 
-    def decode(value: Any) -> Any:
-        if isinstance(value, dict) and list(value) == [_TENSOR]:
+    def decode(value: dict[str, Any]) -> Any:
+        # json.loads calls this for each object, innermost first
+        if list(value) == [_TENSOR]:
             return tensors[value[_TENSOR]]
-        if isinstance(value, dict):
-            return {int(k) if k.isdigit() else k: decode(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [decode(v) for v in value]
-        return value
+        return {int(k) if k.isdigit() else k: v for k, v in value.items()}
 
-    return decode(tree)
+    return json.loads(text, object_hook=decode)
 
 
 def _describe(problems: list[tuple[str, str]], base: Path) -> str:
