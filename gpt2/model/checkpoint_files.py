@@ -380,11 +380,9 @@ def read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | N
         return None
     try:
         meta = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        problems.append((str(file), f"is not valid JSON ({_first_line(e)}; truncated or overwritten?)"))
-        return None
-    except OSError as e:
-        problems.append((str(file), f"cannot be read ({_first_line(e)})"))
+    except (OSError, ValueError) as e:
+        # ValueError: not JSON (UnicodeDecodeError is one too); the first line of the error says which
+        problems.append((str(file), f"is not valid JSON or unreadable ({_first_line(e)}; truncated or overwritten?)"))
         return None
     if not isinstance(meta, dict):
         problems.append((str(file), "does not hold a JSON object"))
