@@ -36,6 +36,7 @@ and no search.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import gc
@@ -107,12 +108,13 @@ def search(
 
     # sizes[fitting] fitted, sizes[failing] did not (-1 and len(sizes): none known yet)
     fitting, failing, index = -1, len(sizes), 0
-    while index < failing:
+    while fitting < len(sizes) - 1:
         if not attempt(index):
             failing = index
             break
         fitting = index
-        index = _next_doubling(sizes, index)
+        # the smallest size at least twice this one, else the largest
+        index = min(bisect.bisect_left(sizes, 2 * sizes[index]), len(sizes) - 1)
     while failing - fitting > 1:
         middle = (fitting + failing) // 2
         if attempt(middle):
@@ -122,13 +124,6 @@ def search(
     if fitting < 0:
         return None, trials
     return sizes[fitting], trials
-
-
-def _next_doubling(sizes: list[int], index: int) -> int:
-    """The index of the smallest size at least twice ``sizes[index]``, else of the largest (past the end after it)."""
-    if index == len(sizes) - 1:
-        return len(sizes)
-    return next((i for i in range(index + 1, len(sizes)) if sizes[i] >= 2 * sizes[index]), len(sizes) - 1)
 
 
 def describe(trials: list[Trial]) -> str:
