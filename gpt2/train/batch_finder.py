@@ -355,7 +355,16 @@ def _find(
             if _agree(fits is not None):
                 size, trials = search(sizes, fits, _agree)
     if size is None:
-        raise NoMicroBatchFitsError(_nothing_fits(config, device, limit, trials))
+        where = f"the memory of {device}"
+        if limit is not None:
+            held = memory_now()[1] / GIB
+            where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {held:.2f} GiB)"
+        # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
+        tried = describe(trials) or "none: the model with its gradients and optimizer state does not fit"
+        raise NoMicroBatchFitsError(
+            f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {tried}); lower seq_len, "
+            "use activation_checkpointing or a lower precision, or give it more memory"
+        )
     where = f"on {device}"
     if limit is not None:
         where = f"in {config.memory_limit_gb:g} GiB (memory_limit_gb)"
@@ -390,20 +399,6 @@ def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
 def _agree(fitted: bool) -> bool:
     """One process's answer as every process's: fitted only where it fitted on all of them."""
     return bool(distributed.all_reduce_int(int(fitted), "min"))
-
-
-def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, trials: list[Trial]) -> str:
-    """Why no size fitted, and what to do."""
-    where = f"the memory of {device}"
-    if limit is not None:
-        resident = memory_now()[1] / GIB
-        where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {resident:.2f} GiB)"
-    # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
-    tried = describe(trials) or "none: the model with its gradients and optimizer state does not fit"
-    return (
-        f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {tried}); lower seq_len, "
-        "use activation_checkpointing or a lower precision, or give it more memory"
-    )
 
 
 # --------------------------------------------------------------------------- resuming
