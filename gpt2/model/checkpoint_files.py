@@ -538,14 +538,11 @@ def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = F
     if shapes:
         parts.append(f"shape mismatch in {shapes[:3]}")
     if parts:
-        # The problem list gives one example: a wrong shape, else the missing or unexpected keys.
-        example = parts[0]
-        if shapes:
-            example = shapes[0]
         raise CheckpointMismatchError(
             f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): it was saved from a model "
             "with another configuration or other adapters. A new run needs its own out_dir (or overwrite=True)",
-            [(str(data.path), f"weights of another model ({example}, ...)")],
+            # one example: a wrong shape, else the missing or unexpected keys
+            [(str(data.path), f"weights of another model ({(shapes or parts)[0]}, ...)")],
         )
     if not check_only:
         unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)
