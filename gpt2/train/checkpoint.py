@@ -256,19 +256,14 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     """
     if not _active():
         return fn()
-    error: BaseException | None = None
-    result = None
+    # what each process raised: None where fn() returned
+    outcomes: list[Any] = [None] * dist.get_world_size()
     try:
         result = fn()
-    except BaseException as e:  # noqa: BLE001 - handed to the other ranks, then raised here
-        error = e
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    mine = None
-    if error is not None:
-        mine = (type(error), str(error))
-    dist.all_gather_object(outcomes, mine)
-    if error is not None:
-        raise error
+    except BaseException as e:
+        dist.all_gather_object(outcomes, (type(e), str(e)))
+        raise
+    dist.all_gather_object(outcomes, None)
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
             cls, message = outcome
