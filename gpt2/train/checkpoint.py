@@ -398,11 +398,8 @@ def clean_interrupted_saves(root: str | os.PathLike) -> None:
     saves here (a save that fails with an exception cleans up itself).
     """
     root = Path(root)
-    if not root.is_dir():
-        return
-    for path in root.iterdir():
-        if not path.name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
-            continue
+    # (a root that is not a directory holds none)
+    for path in [*root.glob(_TMP_PREFIX + "step_*"), *root.glob(_OLD_PREFIX + "step_*")]:
         # .old-step_000004-1a2b3c4d: the copy of step_000004 that a save of that step again swapped out
         final = root / path.name.removeprefix(_OLD_PREFIX).split("-", 1)[0]
         if path.name.startswith(_OLD_PREFIX) and not final.exists() and is_complete(path):
