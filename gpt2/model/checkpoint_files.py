@@ -193,10 +193,8 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
     """Every ``step_*`` directory under ``root``, complete or not, newest step first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    # glob finds nothing under a root that is missing or not a directory
+    found = [p for p in Path(root).glob("step_*") if checkpoint_step(p) is not None and p.is_dir()]
     return sorted(found, key=checkpoint_step, reverse=True)  # type: ignore[arg-type]
 
 
