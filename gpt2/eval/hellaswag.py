@@ -206,7 +206,12 @@ def score_hellaswag(
     ``limit`` scores only the first examples. With ``world_size > 1`` (under ``torch.distributed``) rank ``r`` scores
     examples ``r, r + world_size, ...`` and the counts are summed over ranks, so every rank returns the full result.
     """
-    _check_limit_and_share(limit, rank, world_size)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidValueError(f"limit must be a positive integer or None, got {limit!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+    if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
     if device is not None:
         model = model.to(device)
     if isinstance(path_or_examples, (str, os.PathLike)):
@@ -231,15 +236,6 @@ def score_hellaswag(
     if n == 0:
         raise InvalidValueError("no HellaSwag example was scored: the file or iterable is empty")
     return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
-
-
-def _check_limit_and_share(limit: int | None, rank: int, world_size: int) -> None:
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InvalidValueError(f"limit must be a positive integer or None, got {limit!r}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise InvalidValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-    if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError("score_hellaswag with world_size > 1 needs torch.distributed to be initialised")
 
 
 def resolve_hellaswag(spec: str | None) -> Path | None:

@@ -83,7 +83,7 @@ def evaluate_loss(
     rank, world_size = 0, 1
     if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    per_rank = _is_per_rank(data, world_size)
+    share = _share(data, rank, world_size)
     if device is not None:
         device = torch.device(device)
     else:
@@ -92,9 +92,7 @@ def evaluate_loss(
     batches = one_pass(loader, max_batches)
     if progress_enabled(progress):
         batches = _progress_bar(batches, loader, max_batches)
-    total, n_tokens, seen = _summed_loss(
-        model, batches, device, autocast, rank=rank, world_size=world_size, per_rank=per_rank
-    )
+    total, n_tokens, seen = _summed_loss(model, batches, device, autocast, share=share, world_size=world_size)
     if n_tokens == 0:
         raise InvalidValueError("no token was scored: the data is shorter than one batch (or every target is ignored)")
     if warn_short and max_batches is not None and seen < max_batches and rank == 0:
@@ -112,9 +110,10 @@ def evaluate_loss(
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "tokens": n_tokens}
 
 
-def _is_per_rank(data: Any, world_size: int) -> bool:
-    """Whether ``data`` is a loader built for this rank and world size (this rank's share already); under
-    ``distributed=True`` any other loader must be a one-process one.
+def _share(data: Any, rank: int, world_size: int) -> tuple[int, int]:
+    """``(rank, world_size)`` of the batches this rank scores: ``(0, 1)``, all of them, when ``data`` is a loader
+    built for this rank and world size (this rank's share already); under ``distributed=True`` any other loader
+    must be a one-process one.
     """
     data_world_size = getattr(data, "world_size", 1)
     if world_size > 1 and data_world_size not in (1, world_size):
@@ -122,7 +121,9 @@ def _is_per_rank(data: Any, world_size: int) -> bool:
             "distributed=True splits one sequence of batches across the ranks: pass the tokens, a "
             "token file, a one-process TokenLoader (world_size=1) or one built for this rank and world size"
         )
-    return world_size > 1 and data_world_size == world_size
+    if world_size > 1 and data_world_size == world_size:
+        return 0, 1
+    return rank, world_size
 
 
 def _eval_loader(model: nn.Module, data: Any, batch_size: int, seq_len: int, split: str | None) -> Any:
@@ -160,12 +161,11 @@ def _summed_loss(
     device: torch.device,
     autocast: AutocastArg,
     *,
-    rank: int,
+    share: tuple[int, int],
     world_size: int,
-    per_rank: bool,
 ) -> tuple[float, int, int]:
     """``(summed loss, scored tokens, batches seen)`` over all ranks, the model in eval mode meanwhile.
-    Rank ``r`` scores batches ``r, r + world_size, ...``, or all of them when ``per_rank`` (its own loader).
+    ``share``: ``(r, n)``, this rank scores batches ``r, r + n, ...`` (:func:`_share`).
     """
     # [summed loss, scored tokens]: float64 so a long pass loses no precision, one tensor so the
     # ranks combine both in one all-reduce.
@@ -184,10 +184,7 @@ def _summed_loss(
             sums[0] += loss.double()
             sums[1] += (y != IGNORE_INDEX).sum()
 
-    if per_rank:
-        seen = lockstep.score_share(model, batches, 0, 1, score)
-    else:
-        seen = lockstep.score_share(model, batches, rank, world_size, score)
+    seen = lockstep.score_share(model, batches, *share, score)
     if world_size > 1:
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
     return sums[0].item(), int(sums[1]), seen

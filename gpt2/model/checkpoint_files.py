@@ -193,10 +193,8 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
     """Every ``step_*`` directory under ``root``, complete or not, newest step first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    # glob finds nothing under a root that is missing or not a directory
+    found = [p for p in Path(root).glob("step_*") if checkpoint_step(p) is not None and p.is_dir()]
     return sorted(found, key=checkpoint_step, reverse=True)  # type: ignore[arg-type]
 
 
@@ -380,11 +378,9 @@ def read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | N
         return None
     try:
         meta = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        problems.append((str(file), f"is not valid JSON ({_first_line(e)}; truncated or overwritten?)"))
-        return None
-    except OSError as e:
-        problems.append((str(file), f"cannot be read ({_first_line(e)})"))
+    except (OSError, ValueError) as e:
+        # ValueError: not JSON (UnicodeDecodeError is one too); the first line of the error says which
+        problems.append((str(file), f"is not valid JSON or unreadable ({_first_line(e)}; truncated or overwritten?)"))
         return None
     if not isinstance(meta, dict):
         problems.append((str(file), "does not hold a JSON object"))
@@ -439,37 +435,31 @@ def save_state(state: dict[str, Any], path: str | os.PathLike) -> None:
     """
     tensors: dict[str, torch.Tensor] = {}
 
-    def encode(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            name = str(len(tensors))
-            tensors[name] = value.detach().cpu().contiguous()
-            return {_TENSOR: name}
-        if isinstance(value, dict):
-            return {str(k): encode(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [encode(v) for v in value]
-        return value
+    def store(value: Any) -> dict[str, str]:
+        # json.dumps calls this for what JSON cannot hold (tuples are lists, int keys strings already)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"save_state cannot write a {type(value).__name__}")
+        name = str(len(tensors))
+        tensors[name] = value.detach().cpu().contiguous()
+        return {_TENSOR: name}
 
-    data = save(tensors, metadata={"state": json.dumps(encode(state))})
+    data = save(tensors, metadata={"state": json.dumps(state, default=store)})
     replace_atomically(path, lambda f: f.write(data))
 
 
 def load_state(path: str | os.PathLike) -> Any:
     """The tree :func:`save_state` wrote; keys made of digits are ints again (an optimizer's parameter numbers)."""
     with safe_open(str(path), "pt") as f:
-        tree = json.loads(f.metadata()["state"])
+        text = f.metadata()["state"]
         tensors = {name: f.get_tensor(name) for name in f.keys()}
 
-    def decode(value: Any) -> Any:
-        if isinstance(value, dict) and list(value) == [_TENSOR]:
+    def decode(value: dict[str, Any]) -> Any:
+        # json.loads calls this for each object, innermost first
+        if list(value) == [_TENSOR]:
             return tensors[value[_TENSOR]]
-        if isinstance(value, dict):
-            return {int(k) if k.isdigit() else k: decode(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [decode(v) for v in value]
-        return value
+        return {int(k) if k.isdigit() else k: v for k, v in value.items()}
 
-    return decode(tree)
+    return json.loads(text, object_hook=decode)
 
 
 def _describe(problems: list[tuple[str, str]], base: Path) -> str:
@@ -546,14 +536,11 @@ def load_state_into(model: nn.Module, data: CheckpointData, check_only: bool = F
     if shapes:
         parts.append(f"shape mismatch in {shapes[:3]}")
     if parts:
-        # The problem list gives one example: a wrong shape, else the missing or unexpected keys.
-        example = parts[0]
-        if shapes:
-            example = shapes[0]
         raise CheckpointMismatchError(
             f"checkpoint {data.path} does not fit this model ({'; '.join(parts)}): it was saved from a model "
             "with another configuration or other adapters. A new run needs its own out_dir (or overwrite=True)",
-            [(str(data.path), f"weights of another model ({example}, ...)")],
+            # one example: a wrong shape, else the missing or unexpected keys
+            [(str(data.path), f"weights of another model ({(shapes or parts)[0]}, ...)")],
         )
     if not check_only:
         unwrap_model(model).load_state_dict(data.weights, strict=not data.trainable_only)

@@ -36,6 +36,7 @@ and no search.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import gc
@@ -107,12 +108,13 @@ def search(
 
     # sizes[fitting] fitted, sizes[failing] did not (-1 and len(sizes): none known yet)
     fitting, failing, index = -1, len(sizes), 0
-    while index < failing:
+    while fitting < len(sizes) - 1:
         if not attempt(index):
             failing = index
             break
         fitting = index
-        index = _next_doubling(sizes, index)
+        # the smallest size at least twice this one, else the largest
+        index = min(bisect.bisect_left(sizes, 2 * sizes[index]), len(sizes) - 1)
     while failing - fitting > 1:
         middle = (fitting + failing) // 2
         if attempt(middle):
@@ -122,13 +124,6 @@ def search(
     if fitting < 0:
         return None, trials
     return sizes[fitting], trials
-
-
-def _next_doubling(sizes: list[int], index: int) -> int:
-    """The index of the smallest size at least twice ``sizes[index]``, else of the largest (past the end after it)."""
-    if index == len(sizes) - 1:
-        return len(sizes)
-    return next((i for i in range(index + 1, len(sizes)) if sizes[i] >= 2 * sizes[index]), len(sizes) - 1)
 
 
 def describe(trials: list[Trial]) -> str:
@@ -360,7 +355,16 @@ def _find(
             if _agree(fits is not None):
                 size, trials = search(sizes, fits, _agree)
     if size is None:
-        raise NoMicroBatchFitsError(_nothing_fits(config, device, limit, trials))
+        where = f"the memory of {device}"
+        if limit is not None:
+            held = memory_now()[1] / GIB
+            where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {held:.2f} GiB)"
+        # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
+        tried = describe(trials) or "none: the model with its gradients and optimizer state does not fit"
+        raise NoMicroBatchFitsError(
+            f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {tried}); lower seq_len, "
+            "use activation_checkpointing or a lower precision, or give it more memory"
+        )
     where = f"on {device}"
     if limit is not None:
         where = f"in {config.memory_limit_gb:g} GiB (memory_limit_gb)"
@@ -395,20 +399,6 @@ def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
 def _agree(fitted: bool) -> bool:
     """One process's answer as every process's: fitted only where it fitted on all of them."""
     return bool(distributed.all_reduce_int(int(fitted), "min"))
-
-
-def _nothing_fits(config: TrainConfig, device: torch.device, limit: int | None, trials: list[Trial]) -> str:
-    """Why no size fitted, and what to do."""
-    where = f"the memory of {device}"
-    if limit is not None:
-        resident = memory_now()[1] / GIB
-        where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {resident:.2f} GiB)"
-    # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
-    tried = describe(trials) or "none: the model with its gradients and optimizer state does not fit"
-    return (
-        f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {tried}); lower seq_len, "
-        "use activation_checkpointing or a lower precision, or give it more memory"
-    )
 
 
 # --------------------------------------------------------------------------- resuming

@@ -256,19 +256,14 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     """
     if not _active():
         return fn()
-    error: BaseException | None = None
-    result = None
+    # what each process raised: None where fn() returned
+    outcomes: list[Any] = [None] * dist.get_world_size()
     try:
         result = fn()
-    except BaseException as e:  # noqa: BLE001 - handed to the other ranks, then raised here
-        error = e
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    mine = None
-    if error is not None:
-        mine = (type(error), str(error))
-    dist.all_gather_object(outcomes, mine)
-    if error is not None:
-        raise error
+    except BaseException as e:
+        dist.all_gather_object(outcomes, (type(e), str(e)))
+        raise
+    dist.all_gather_object(outcomes, None)
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
             cls, message = outcome
@@ -403,11 +398,8 @@ def clean_interrupted_saves(root: str | os.PathLike) -> None:
     saves here (a save that fails with an exception cleans up itself).
     """
     root = Path(root)
-    if not root.is_dir():
-        return
-    for path in root.iterdir():
-        if not path.name.startswith((_TMP_PREFIX + "step_", _OLD_PREFIX + "step_")):
-            continue
+    # (a root that is not a directory holds none)
+    for path in [*root.glob(_TMP_PREFIX + "step_*"), *root.glob(_OLD_PREFIX + "step_*")]:
         # .old-step_000004-1a2b3c4d: the copy of step_000004 that a save of that step again swapped out
         final = root / path.name.removeprefix(_OLD_PREFIX).split("-", 1)[0]
         if path.name.startswith(_OLD_PREFIX) and not final.exists() and is_complete(path):
