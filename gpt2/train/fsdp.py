@@ -126,17 +126,13 @@ def gather_into_twin(model: nn.Module, twin: nn.Module, is_main: bool) -> nn.Mod
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return None
-    # Parameters reached under several names (a tied embedding and head) are one tensor again after to_empty.
-    names_of: dict[int, list[str]] = {}
-    for name, p in twin.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    twin.to_empty(device="cpu")
-    for names in names_of.values():
-        kept = twin.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(twin.get_submodule(owner), attr, kept)
-    twin.load_state_dict(state)
+    # Each parameter (a tied one once, under its first name) and buffer takes its gathered tensor in place: the
+    # same object, so the names that share it (a tied embedding and head) still do.
+    for name, tensor in [*twin.named_parameters(), *twin.named_buffers()]:
+        whole = state[name]
+        if isinstance(tensor, nn.Parameter):
+            whole = nn.Parameter(whole, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, whole)
     return twin
 
 
