@@ -72,10 +72,9 @@ def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPoli
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # bf16 / fp16 gather the weights in that dtype (half the communication) and reduce the gradients in fp32; fp32
-    # and tf32 change nothing. The shards (the optimizer's master weights) stay fp32 whatever the compute dtype.
-    policy = MixedPrecisionPolicy()
-    if precision.autocast_dtype is not None:
-        policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    # and tf32 change nothing (no autocast dtype: the weights and gradients are fp32 already, and FSDP casts nothing).
+    # The shards (the optimizer's master weights) stay fp32 whatever the compute dtype.
+    policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
     # a model without transformer.h is one unit
     for unit in getattr(getattr(model, "transformer", None), "h", []):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
