@@ -65,13 +65,12 @@ def replace_atomically(dest: str | os.PathLike, write: Callable[[Any], object], 
     try:
         if to_path:
             write(tmp)
-            with open(tmp, "r+b") as f:
-                os.fsync(f.fileno())
         else:
             with open(tmp, "wb") as f:
                 write(f)
-                f.flush()
-                os.fsync(f.fileno())
+        # fsync flushes the file's data whichever descriptor wrote it: one way for both kinds of writer
+        with open(tmp, "r+b") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
