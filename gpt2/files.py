@@ -82,15 +82,15 @@ def sha256_file(path: str | os.PathLike, size: int | None = None) -> str:
     """
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        left = size
-        if left is None:
-            left = os.fstat(f.fileno()).st_size
-        while left > 0:
-            chunk = f.read(min(1 << 20, left))
+        if size is None:
+            size = os.fstat(f.fileno()).st_size
+        # what is left to read
+        while size > 0:
+            chunk = f.read(min(1 << 20, size))
             if not chunk:
                 break
             digest.update(chunk)
-            left -= len(chunk)
+            size -= len(chunk)
     return digest.hexdigest()
 
 
