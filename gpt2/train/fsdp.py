@@ -214,9 +214,8 @@ def load_whole(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: An
 
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, weights, options=options)
-    if optimizer is None:
-        return
-    set_optimizer_state_dict(model, optimizer, _keyed_by_name(model, optimizer, saved), options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, _keyed_by_name(model, optimizer, saved), options=options)
 
 
 def _keyed_by_name(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
