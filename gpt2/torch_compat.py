@@ -117,9 +117,9 @@ def cpu_native_bf16() -> str | None:
         return f"{NATIVE_BF16_VARIABLE}=1"
     if forced == "0":
         return None
-    capabilities = torch.cpu.get_capabilities()
+    # torch.cpu.get_capabilities() asks the CPU once, then answers from its cache
     for feature, name in NATIVE_BF16_FEATURES.items():
-        if capabilities.get(feature):
+        if torch.cpu.get_capabilities().get(feature):
             return name
     return None
 
