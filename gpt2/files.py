@@ -65,13 +65,12 @@ def replace_atomically(dest: str | os.PathLike, write: Callable[[Any], object], 
     try:
         if to_path:
             write(tmp)
-            with open(tmp, "r+b") as f:
-                os.fsync(f.fileno())
         else:
             with open(tmp, "wb") as f:
                 write(f)
-                f.flush()
-                os.fsync(f.fileno())
+        # fsync flushes the file's data whichever descriptor wrote it: one way for both kinds of writer
+        with open(tmp, "r+b") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -83,15 +82,15 @@ def sha256_file(path: str | os.PathLike, size: int | None = None) -> str:
     """
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        left = size
-        if left is None:
-            left = os.fstat(f.fileno()).st_size
-        while left > 0:
-            chunk = f.read(min(1 << 20, left))
+        if size is None:
+            size = os.fstat(f.fileno()).st_size
+        # what is left to read
+        while size > 0:
+            chunk = f.read(min(1 << 20, size))
             if not chunk:
                 break
             digest.update(chunk)
-            left -= len(chunk)
+            size -= len(chunk)
     return digest.hexdigest()
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 import sys
 import types
 import warnings
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,29 +98,13 @@ def module_tree_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 # ---- The CPU's features: the one place gpt2 decides anything from them ----
-# The features (as torch.cpu.get_capabilities() and Linux's /proc/cpuinfo name them) that multiply bf16 matrices
+# The features (as torch.cpu.get_capabilities() names them, torch 2.11 and later) that multiply bf16 matrices
 # natively, and their names in a log line. Without one, bf16 on a CPU is converted to fp32 and back around fp32
 # arithmetic: slower than fp32.
 NATIVE_BF16_FEATURES = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16"}
 # Overrides the CPU's answer to cpu_native_bf16(): 1 = native, 0 = emulated. The test suite runs what depends on
 # it under both answers on any machine (test.sh).
 NATIVE_BF16_VARIABLE = "GPT2_CPU_NATIVE_BF16"
-
-
-def cpu_capabilities() -> Mapping[str, Any]:
-    """This CPU's features: ``torch.cpu.get_capabilities()`` (torch's cpuinfo, torch 2.13); on a torch without it,
-    the flags of Linux's /proc/cpuinfo (nothing elsewhere). Checked on torch 2.13.
-    """
-    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if get_capabilities is not None:
-        return get_capabilities()
-    try:
-        flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    except OSError:
-        return {}
-    if flags is None:
-        return {}
-    return dict.fromkeys(flags.group(1).split(), True)
 
 
 def cpu_native_bf16() -> str | None:
@@ -135,9 +117,9 @@ def cpu_native_bf16() -> str | None:
         return f"{NATIVE_BF16_VARIABLE}=1"
     if forced == "0":
         return None
-    capabilities = cpu_capabilities()
+    # torch.cpu.get_capabilities() asks the CPU once, then answers from its cache
     for feature, name in NATIVE_BF16_FEATURES.items():
-        if capabilities.get(feature):
+        if torch.cpu.get_capabilities().get(feature):
             return name
     return None
 

@@ -90,6 +90,7 @@ def train(out_dir: str, *, lora: bool = False, **overrides) -> dict:
         }
         if whole is not None:
             report["weight_sums"] = {name: float(t.double().sum()) for name, t in whole.state_dict().items()}
+            report["tied"] = whole.transformer.wte.weight is whole.lm_head.weight
     return _write(out_dir, report)
 
 

@@ -91,6 +91,8 @@ def test_fsdp_trains_as_one_process(runs):
     # Trainer.full_model gathers the shards on rank 0: the one-process weights
     sums = _reports(runs, "fsdp")[0]["weight_sums"]
     assert sums.keys() == reference["weight_sums"].keys()
+    # the embedding and the head are one parameter in the whole model too
+    assert _reports(runs, "fsdp")[0]["tied"]
     _close([sums[k] for k in sorted(sums)], [reference["weight_sums"][k] for k in sorted(sums)])
 
 

@@ -49,19 +49,6 @@ def test_a_cpu_that_only_emulates_bf16_has_none(monkeypatch):
     assert auto_precision("cpu") == ("fp32", f"this CPU ({capability}) has no native bf16 matmul")
 
 
-def test_without_torchs_capabilities_the_flags_of_proc_cpuinfo_decide(monkeypatch, tmp_path):
-    monkeypatch.delenv(torch_compat.NATIVE_BF16_VARIABLE, raising=False)
-    monkeypatch.delattr(torch.cpu, "get_capabilities")
-    cpuinfo = tmp_path / "cpuinfo"
-    monkeypatch.setattr(torch_compat, "Path", lambda _: cpuinfo)
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n")
-    assert torch_compat.cpu_native_bf16() == "AMX"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
-    assert torch_compat.cpu_native_bf16() is None
-    cpuinfo.unlink()
-    assert torch_compat.cpu_capabilities() == {} and torch_compat.cpu_native_bf16() is None
-
-
 def test_the_variable_overrides_what_the_cpu_says(monkeypatch):
     _capabilities(monkeypatch, amx_bf16=True)
     monkeypatch.setenv(torch_compat.NATIVE_BF16_VARIABLE, "0")

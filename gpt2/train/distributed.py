@@ -42,10 +42,10 @@ class DistributedEnv:
         return self.world_size > 1
 
 
-def env_from_environ(environ: Mapping[str, str] | None = None) -> DistributedEnv:
-    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` as ``torchrun`` sets them (absent = 1 process)."""
-    if environ is None:
-        environ = os.environ
+def env_from_environ(environ: Mapping[str, str] = os.environ) -> DistributedEnv:
+    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` as ``torchrun`` sets them (absent = 1 process), from this
+    process's environment (``os.environ`` itself, read at each call) unless ``environ`` is given.
+    """
     values = {}
     for key, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
         # absent or empty: the default

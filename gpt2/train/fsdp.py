@@ -72,10 +72,9 @@ def shard_model(model: nn.Module, device: torch.device, precision: PrecisionPoli
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # bf16 / fp16 gather the weights in that dtype (half the communication) and reduce the gradients in fp32; fp32
-    # and tf32 change nothing. The shards (the optimizer's master weights) stay fp32 whatever the compute dtype.
-    policy = MixedPrecisionPolicy()
-    if precision.autocast_dtype is not None:
-        policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    # and tf32 change nothing (no autocast dtype: the weights and gradients are fp32 already, and FSDP casts nothing).
+    # The shards (the optimizer's master weights) stay fp32 whatever the compute dtype.
+    policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
     # a model without transformer.h is one unit
     for unit in getattr(getattr(model, "transformer", None), "h", []):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -126,17 +125,13 @@ def gather_into_twin(model: nn.Module, twin: nn.Module, is_main: bool) -> nn.Mod
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return None
-    # Parameters reached under several names (a tied embedding and head) are one tensor again after to_empty.
-    names_of: dict[int, list[str]] = {}
-    for name, p in twin.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    twin.to_empty(device="cpu")
-    for names in names_of.values():
-        kept = twin.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(twin.get_submodule(owner), attr, kept)
-    twin.load_state_dict(state)
+    # Each parameter (a tied one once, under its first name) and buffer takes its gathered tensor in place: the
+    # same object, so the names that share it (a tied embedding and head) still do.
+    for name, tensor in [*twin.named_parameters(), *twin.named_buffers()]:
+        whole = state[name]
+        if isinstance(tensor, nn.Parameter):
+            whole = nn.Parameter(whole, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, whole)
     return twin
 
 
@@ -219,9 +214,8 @@ def load_whole(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: An
 
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, weights, options=options)
-    if optimizer is None:
-        return
-    set_optimizer_state_dict(model, optimizer, _keyed_by_name(model, optimizer, saved), options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, _keyed_by_name(model, optimizer, saved), options=options)
 
 
 def _keyed_by_name(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:

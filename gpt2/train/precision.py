@@ -91,7 +91,7 @@ def describe_machine(device: torch.device | str = "cpu", threads: int | None = N
         threads = torch.get_num_threads()
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    capabilities = torch_compat.cpu_capabilities()
+    capabilities = torch.cpu.get_capabilities()
     name = capabilities.get("cpu_name") or platform.processor() or "unknown CPU"
     features = [
         label if capabilities.get(feature) else f"no {label}"

@@ -118,7 +118,7 @@ class RunLock(Lock):
 
 def check_out_dir(out_dir: str | os.PathLike) -> None:
     """Raise :class:`RunDirError` if ``out_dir`` is a file, lies under one, or cannot be written."""
-    path = existing = Path(out_dir).absolute()
+    existing = Path(out_dir).absolute()
     while not existing.exists() and existing != existing.parent:
         if existing.is_symlink():
             raise RunDirError(
@@ -127,11 +127,8 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
             )
         existing = existing.parent
     if not existing.is_dir():
-        if existing == path:
-            where = "is a file"
-        else:
-            where = f"lies under the file {existing}"
-        raise RunDirError(f"out_dir {out_dir} {where}: give a directory (new or one of an earlier run)")
+        # out_dir itself, or a path above it
+        raise RunDirError(f"out_dir {out_dir}: {existing} is a file: give a directory (new or one of an earlier run)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RunDirError(f"out_dir {out_dir} cannot be written ({existing} is not writable): choose another out_dir")
 
