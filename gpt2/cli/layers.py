@@ -243,13 +243,12 @@ class _StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         mapping = super().construct_mapping(node, deep=deep)
-        if len(mapping) < len(node.value):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise ConfigError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice; keep one")
-                seen.add(key)
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice; keep one")
+            seen.add(key)
         return mapping
 
 
