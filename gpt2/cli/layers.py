@@ -144,9 +144,8 @@ def _describe(kind: Any) -> str:
         return "one of " + ", ".join(map(str, choices))
     if typing.get_origin(kind) is tuple:
         parts = typing.get_args(kind)
-        if parts[-1] is Ellipsis:
-            return f"values, each {_describe(parts[0])}"
-        return f"{len(parts)} values, each {_describe(parts[0])}"
+        count = "" if parts[-1] is Ellipsis else f"{len(parts)} "
+        return f"{count}values, each {_describe(parts[0])}"
     return KINDS[kind]
 
 
