@@ -322,8 +322,8 @@ def _words(argv: Sequence[str], prog: str) -> dict[str, tuple[str, ...]]:
     given: dict[str, tuple[str, ...]] = {}
     flag = None
     for arg in argv:
-        # A flag is dashes and a letter (a prompt "--- x" is a value, as are -1, -.5 and -inf).
-        if (arg.startswith("--") and arg[2:3].isalpha()) or _is_short_option(arg):
+        # A flag is one or two dashes and a letter (a prompt "--- x" is a value, as are -1, -.5 and -inf).
+        if re.match(r"--?[^\W\d_]", arg) and arg.lstrip("-").lower() not in ("inf", "nan", "infinity"):
             name, equals, value = arg.partition("=")
             flag = name[:2] + name[2:].replace("_", "-")
             given[flag] = ()
@@ -334,11 +334,6 @@ def _words(argv: Sequence[str], prog: str) -> dict[str, tuple[str, ...]]:
         else:
             given[flag] += (arg,)
     return given
-
-
-def _is_short_option(word: str) -> bool:
-    """``-n``; not a value such as ``-1``, ``-.5`` or ``-inf``."""
-    return word.startswith("-") and word[1:2].isalpha() and word[1:].lower() not in ("inf", "nan", "infinity")
 
 
 def flag_values(cls: type, given: dict[str, tuple[str, ...]], prog: str) -> dict[str, Any]:
