@@ -411,20 +411,13 @@ def parse(
     # user's, it keeps its share of the run.
     user = {*script, *config, *flagged}
     if {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user:
-        values["warmup_steps"] = _recipe_warmup(planned, values["max_steps"])
+        # At most its whole warmup (also for a recipe's max_steps below 1, refused if it were the run's).
+        warmup = planned["warmup_steps"]
+        values["warmup_steps"] = min(warmup, warmup * values["max_steps"] // max(planned["max_steps"], 1))
     options = build(cls, values)
     if "--help" in given or "-h" in given:
         show_help(options, prog, description or inspect.cleandoc(cls.__doc__))
     return options
-
-
-def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
-    """The recipe's warmup for a run of ``steps`` steps: its share of the recipe's run, at most
-    the recipe's warmup.
-    """
-    planned, warmup = recipe["max_steps"], recipe["warmup_steps"]
-    # A recipe's max_steps below 1 (refused if it were the run's) keeps its whole warmup.
-    return min(warmup, warmup * steps // max(planned, 1))
 
 
 # --------------------------------------------------------------------------- --help
