@@ -277,11 +277,7 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
 def _load_yaml(path: Path, what: str) -> Any:
     try:
         return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{what} {path} is a folder, not a YAML file") from None
-    except OSError as e:
+    except OSError as e:  # missing, a folder, not readable...
         raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path} is not a text file (binary data?); give a YAML file") from None
