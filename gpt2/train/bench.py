@@ -91,11 +91,10 @@ def run_ladder(
         raise InvalidValueError(
             f"steps and repeats must be >= 1 and warmup >= 0, got steps={steps}, repeats={repeats}, warmup={warmup}"
         )
-    shape = {}
-    if vocab_size is not None:
-        shape["vocab_size"] = vocab_size
     # the Trainer refuses a seq_len beyond its block_size
-    base = GPTConfig.from_name(model, **shape)
+    base = GPTConfig.from_name(model)
+    if vocab_size is not None:
+        base = dataclasses.replace(base, vocab_size=vocab_size)
     if compile is None:
         compile = uses_cuda(device)
     n_steps = steps * repeats + warmup
