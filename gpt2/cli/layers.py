@@ -80,14 +80,6 @@ def _alternatives(hint: Any) -> tuple[Any, ...]:
     return (hint,)
 
 
-def _split(hint: Any) -> tuple[Any, tuple[Any, ...]]:
-    """``Annotated[T, x, y]`` as ``(T, (x, y))``."""
-    if typing.get_origin(hint) is Annotated:
-        base, *extras = typing.get_args(hint)
-        return base, tuple(extras)
-    return hint, ()
-
-
 def _supported(hint: Any) -> bool:
     """Whether :func:`convert` reads values of ``hint`` (a field of layer classes has no flag)."""
     try:
@@ -151,22 +143,24 @@ def _describe(kind: Any) -> str:
 
 # --------------------------------------------------------------------------- the dataclass tree
 @functools.cache
-def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
-    """``{YAML key: (attribute path, type)}`` for every option of ``cls``: a group marked :class:`Flat` adds
-    no level (``max_steps``), another one (``lora.rank``); the type keeps its ``Annotated`` markers.
+def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any, tuple[Any, ...]]]:
+    """``{YAML key: (attribute path, type, markers)}`` for every option of ``cls``: a group marked :class:`Flat`
+    adds no level (``max_steps``), another one (``lora.rank``); the markers are those of its ``Annotated`` type
+    (``Annotated[int, Short("-n")]``: int and ``(Short("-n"),)``).
     """
     hints = typing.get_type_hints(cls, include_extras=True)
+    bases = typing.get_type_hints(cls)  # without the markers
     out = {}
     for field in dataclasses.fields(cls):
-        base, extras = _split(hints[field.name])
+        base, extras = bases[field.name], getattr(hints[field.name], "__metadata__", ())
         if dataclasses.is_dataclass(base):
             prefix = f"{field.name}."
             if Flat in extras:
                 prefix = ""
-            for key, (path, hint) in option_fields(base).items():
-                out[prefix + key] = ((field.name, *path), hint)
+            for key, (path, *kind) in option_fields(base).items():
+                out[prefix + key] = ((field.name, *path), *kind)
         elif field.init and _supported(base):
-            out[field.name] = ((field.name,), hints[field.name])
+            out[field.name] = ((field.name,), base, extras)
     return out
 
 
@@ -176,8 +170,7 @@ def flags(cls: type) -> dict[str, tuple[str, bool | None]]:
     yes/no option's ``--x`` (value True) and ``--no-x`` (False); value None: the words after the flag give it.
     """
     out: dict[str, tuple[str, bool | None]] = {}
-    for key, (_, hint) in option_fields(cls).items():
-        base, extras = _split(hint)
+    for key, (_, base, extras) in option_fields(cls).items():
         flag = "--" + key.replace("_", "-")
         out[flag] = (key, None)
         for extra in extras:
@@ -201,7 +194,7 @@ def _nested(items: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
 def dump_yaml(options: Any, header: str) -> str:
     """The resolved options as a YAML file that ``--config`` reads back."""
     items = []
-    for key, (path, _) in option_fields(type(options)).items():
+    for key, (path, *_) in option_fields(type(options)).items():
         # Applied already: the values below are the whole story.
         if key in ("recipe", "config", "print_config"):
             continue
@@ -268,7 +261,7 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
         if isinstance(value, list):
             texts = [str(item) for item in value]
         try:
-            values[key] = convert(texts, _split(fields[key][1])[0])
+            values[key] = convert(texts, fields[key][1])
         except ValueError as e:
             raise ConfigError(f"{what} {path}: {key}: expected {e}, got {value!r}") from None
     return values
@@ -351,7 +344,7 @@ def flag_values(cls: type, given: dict[str, tuple[str, ...]], prog: str) -> dict
         values[key] = switch
         if switch is None:
             try:
-                values[key] = convert(words, _split(fields[key][1])[0])
+                values[key] = convert(words, fields[key][1])
             except ValueError as e:
                 raise UsageError(f"--{key.replace('_', '-')}: expected {e}, got {shown}") from None
     return values
@@ -419,15 +412,16 @@ def parse(
 # --------------------------------------------------------------------------- --help
 def show_help(options: Any, prog: str, description: str) -> NoReturn:
     """Print the help of ``options``' flags, their values as defaults, through tyro; SystemExit 0."""
-    names = {path: key for key, (path, _) in option_fields(type(options)).items()}
+    names = {path: (key, extras) for key, (path, _, extras) in option_fields(type(options)).items()}
     view = _help_view(options, names, ())
     # tyro prints the help of args ["--help"] and raises SystemExit(0) itself.
     tyro.cli(type(view), args=["--help"], default=view, prog=prog, description=description)
 
 
-def _help_view(options: Any, names: dict[tuple[str, ...], str], path: tuple[str, ...]) -> Any:
+def _help_view(options: Any, names: dict[tuple[str, ...], tuple[str, tuple[Any, ...]]], path: tuple[str, ...]) -> Any:
     """A copy of ``options`` (at ``path`` in the options) for tyro to draw: each flag named by its option key in
-    ``names``, with its help on one line (:func:`field_help`) and its default as typed; a group keeps its box.
+    ``names`` (with its markers: a :class:`Short` alias), with its help on one line (:func:`field_help`) and its
+    default as typed; a group keeps its box.
     """
     cls = type(options)
     hints = typing.get_type_hints(cls, include_extras=True)
@@ -436,8 +430,9 @@ def _help_view(options: Any, names: dict[tuple[str, ...], str], path: tuple[str,
     for field in dataclasses.fields(cls):
         value = getattr(options, field.name)
         if (*path, field.name) in names:
-            aliases = tuple(extra.flag for extra in _split(hints[field.name])[1] if isinstance(extra, Short)) or None
-            names_arg = dict(name=names[(*path, field.name)], prefix_name=False, aliases=aliases)
+            key, extras = names[(*path, field.name)]
+            aliases = tuple(extra.flag for extra in extras if isinstance(extra, Short)) or None
+            names_arg = dict(name=key, prefix_name=False, aliases=aliases)
             arg = tyro.conf.arg(help=helps.get(field.name), help_behavior_hint=_default_hint(value), **names_arg)
             hint = Annotated[hints[field.name], arg]
         elif dataclasses.is_dataclass(value):
