@@ -83,11 +83,9 @@ def _alternatives(hint: Any) -> tuple[Any, ...]:
 def _supported(hint: Any) -> bool:
     """Whether :func:`convert` reads values of ``hint`` (a field of layer classes has no flag)."""
     try:
-        for kind in _alternatives(hint):
-            _describe(kind)
+        return all(_describe(kind) for kind in _alternatives(hint))
     except KeyError:
         return False
-    return True
 
 
 def convert(texts: Sequence[str], hint: Any) -> Any:
