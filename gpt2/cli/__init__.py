@@ -289,15 +289,11 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-class _StdoutHandler(logging.Handler):
+class _StdoutHandler(logging.StreamHandler):
     """Log records as plain lines on the *current* ``sys.stdout`` (which tests and tqdm swap)."""
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - logging must never break the job
-            self.handleError(record)
+    # read at every record; StreamHandler's own assignment of a stream is ignored
+    stream = property(lambda self: sys.stdout, lambda self, stream: None)
 
 
 def _setup_logging() -> None:
