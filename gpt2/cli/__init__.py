@@ -316,12 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``gpt2 <command> [options]``; returns the exit code."""
     if argv is None:
         argv = sys.argv[1:]
-    if not argv:  # no command: the help, as a usage error
+    if not argv or argv[0] in ("-h", "--help"):
         print(_top_help())
-        return EXIT_USAGE
-    if argv[0] in ("-h", "--help"):
-        print(_top_help())
-        return 0
+        # no command: the help, as a usage error
+        return 0 if argv else EXIT_USAGE
     if argv[0] == "--version":
         from gpt2 import __version__
 
