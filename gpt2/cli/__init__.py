@@ -269,20 +269,16 @@ def _resume_command(prog: str, argv: Sequence[str], options: Any = None) -> str:
 
 def _started_as(prog: str) -> list[str]:
     """The words that started this command: ``gpt2 train``, ``python examples/x.py``, either under torchrun."""
+    command = shlex.split(prog)
+    start: list[str] = []
     # An example script (prog "pretrain_shakespeare.py") by the path it was started with.
     if prog.endswith(".py"):
-        command = [sys.argv[0]]
-    else:
-        command = shlex.split(prog)
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ  # not our own launcher
-    if not under_torchrun:
-        if prog.endswith(".py"):
-            return ["python", *command]
-        return command
-    torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
-    if command[0] == "gpt2":
-        return [*torchrun, "-m", *command]
-    return [*torchrun, *command]
+        command, start = [sys.argv[0]], ["python"]
+    if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ:  # torchrun's, not our own launcher
+        start = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
+        if command[0] == "gpt2":
+            start.append("-m")
+    return [*start, *command]
 
 
 def _rank() -> int:
