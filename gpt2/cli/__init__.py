@@ -202,7 +202,7 @@ def _report_error(e: Exception, prog: str, argv: list[str], options: Any) -> int
     # A read or write that failed (a full disk, a read-only folder...), not a file or folder of the user's that
     # gpt2 refused (a MissingFileError, a RunDirError: their messages say it all).
     if isinstance(e, OSError) and not (isinstance(e, Gpt2Error) and isinstance(e, USAGE_ERRORS)):
-        print(f"{prog}: error: {_system_error(e, prog, argv, options)}", file=sys.stderr)
+        print(f"{prog}: error: {_system_error(e, text, prog, argv, options)}", file=sys.stderr)
     elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
     else:
@@ -211,17 +211,16 @@ def _report_error(e: Exception, prog: str, argv: list[str], options: Any) -> int
     return code
 
 
-def _system_error(e: OSError, prog: str, argv: list[str], options: Any) -> str:
-    """One line for a read or write that failed: the file, what happened and what to do (the library's own
-    errors, a checkpoint that could not be saved..., say all of it themselves); for a training run (on rank 0),
-    also its newest intact checkpoint and the command that resumes from it.
+def _system_error(e: OSError, text: str, prog: str, argv: list[str], options: Any) -> str:
+    """One line for a read or write that failed (``text``: ``e`` on one line): the file, what happened and what to
+    do (the library's own errors, a checkpoint that could not be saved..., say all of it themselves); for a training
+    run (on rank 0), also its newest intact checkpoint and the command that resumes from it.
     """
     from gpt2.cli.common import intact_checkpoint
     from gpt2.files import ERROR_ADVICE, write_advice
     from gpt2.train.metrics import RunOutputError
     from minlora.errors import MinloraError
 
-    text = " ".join(str(e).split())
     if not isinstance(e, (Gpt2Error, MinloraError)):
         files = [str(name) for name in (e.filename, e.filename2) if name is not None]
         text = " ".join((e.strerror or str(e)).split())
