@@ -335,8 +335,8 @@ def test_input_files_that_are_not_what_they_claim_are_one_line(tmp_path, capsys)
     (tmp_path / "folder.yaml").mkdir()
     cases = {
         "binary.yaml": "not a text file",
-        "folder.yaml": "is a folder",
-        "missing.yaml": "does not exist",
+        "folder.yaml": "cannot read it (Is a directory)",
+        "missing.yaml": "cannot read it (No such file or directory)",
     }
     for name, words in cases.items():
         proc = _gpt2(capsys, "train", "--config", str(tmp_path / name), "--max-steps", "1")

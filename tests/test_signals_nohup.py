@@ -70,7 +70,7 @@ def test_nohup_train_keeps_training_through_a_hangup(tmp_path, shakespeare_file,
 
 def test_torchruns_agent_leaves_a_signal_ignored_at_start_ignored(monkeypatch):
     """``nohup gpt2 train --nproc-per-node 2``: the agent installed its own SIGHUP handler and stopped
-    every worker on hangup. It is now told (TORCHELASTIC_SIGNALS_TO_HANDLE) to handle only the stop
+    every worker on hangup. It is now told (LaunchConfig.signals_to_handle) to handle only the stop
     signals this process does not ignore.
     """
     import torch.distributed.launcher.api as launcher
@@ -81,19 +81,17 @@ def test_torchruns_agent_leaves_a_signal_ignored_at_start_ignored(monkeypatch):
 
     def fake_launch(config, entrypoint):
         def run(*args):
-            seen["signals"] = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+            seen["signals"] = config.signals_to_handle
 
         return run
 
     monkeypatch.setattr(launcher, "elastic_launch", fake_launch)
-    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         assert launch.launch_workers("train", "max_steps: 1\n", 2, "gpt2 train") == 0
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert seen["signals"] == "SIGTERM,SIGINT,SIGQUIT"
-    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
     # Not ignored: the agent handles it as before.
     assert launch.launch_workers("train", "max_steps: 1\n", 2, "gpt2 train") == 0
     assert seen["signals"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"

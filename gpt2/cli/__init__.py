@@ -202,7 +202,7 @@ def _report_error(e: Exception, prog: str, argv: list[str], options: Any) -> int
     # A read or write that failed (a full disk, a read-only folder...), not a file or folder of the user's that
     # gpt2 refused (a MissingFileError, a RunDirError: their messages say it all).
     if isinstance(e, OSError) and not (isinstance(e, Gpt2Error) and isinstance(e, USAGE_ERRORS)):
-        print(f"{prog}: error: {_system_error(e, prog, argv, options)}", file=sys.stderr)
+        print(f"{prog}: error: {_system_error(e, text, prog, argv, options)}", file=sys.stderr)
     elif code == EXIT_USAGE:
         print(f"{prog}: error: {text}", file=sys.stderr)
     else:
@@ -211,17 +211,16 @@ def _report_error(e: Exception, prog: str, argv: list[str], options: Any) -> int
     return code
 
 
-def _system_error(e: OSError, prog: str, argv: list[str], options: Any) -> str:
-    """One line for a read or write that failed: the file, what happened and what to do (the library's own
-    errors, a checkpoint that could not be saved..., say all of it themselves); for a training run (on rank 0),
-    also its newest intact checkpoint and the command that resumes from it.
+def _system_error(e: OSError, text: str, prog: str, argv: list[str], options: Any) -> str:
+    """One line for a read or write that failed (``text``: ``e`` on one line): the file, what happened and what to
+    do (the library's own errors, a checkpoint that could not be saved..., say all of it themselves); for a training
+    run (on rank 0), also its newest intact checkpoint and the command that resumes from it.
     """
     from gpt2.cli.common import intact_checkpoint
     from gpt2.files import ERROR_ADVICE, write_advice
     from gpt2.train.metrics import RunOutputError
     from minlora.errors import MinloraError
 
-    text = " ".join(str(e).split())
     if not isinstance(e, (Gpt2Error, MinloraError)):
         files = [str(name) for name in (e.filename, e.filename2) if name is not None]
         text = " ".join((e.strerror or str(e)).split())
@@ -269,35 +268,27 @@ def _resume_command(prog: str, argv: Sequence[str], options: Any = None) -> str:
 
 def _started_as(prog: str) -> list[str]:
     """The words that started this command: ``gpt2 train``, ``python examples/x.py``, either under torchrun."""
+    command = shlex.split(prog)
+    start: list[str] = []
     # An example script (prog "pretrain_shakespeare.py") by the path it was started with.
     if prog.endswith(".py"):
-        command = [sys.argv[0]]
-    else:
-        command = shlex.split(prog)
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ  # not our own launcher
-    if not under_torchrun:
-        if prog.endswith(".py"):
-            return ["python", *command]
-        return command
-    torchrun = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
-    if command[0] == "gpt2":
-        return [*torchrun, "-m", *command]
-    return [*torchrun, *command]
+        command, start = [sys.argv[0]], ["python"]
+    if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCH_ARGV not in os.environ:  # torchrun's, not our own launcher
+        start = ["torchrun", "--standalone", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1")]
+        if command[0] == "gpt2":
+            start.append("-m")
+    return [*start, *command]
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-class _StdoutHandler(logging.Handler):
+class _StdoutHandler(logging.StreamHandler):
     """Log records as plain lines on the *current* ``sys.stdout`` (which tests and tqdm swap)."""
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - logging must never break the job
-            self.handleError(record)
+    # read at every record; StreamHandler's own assignment of a stream is ignored
+    stream = property(lambda self: sys.stdout, lambda self, stream: None)
 
 
 def _setup_logging() -> None:
@@ -320,12 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``gpt2 <command> [options]``; returns the exit code."""
     if argv is None:
         argv = sys.argv[1:]
-    if not argv:  # no command: the help, as a usage error
+    if not argv or argv[0] in ("-h", "--help"):
         print(_top_help())
-        return EXIT_USAGE
-    if argv[0] in ("-h", "--help"):
-        print(_top_help())
-        return 0
+        # no command: the help, as a usage error
+        return 0 if argv else EXIT_USAGE
     if argv[0] == "--version":
         from gpt2 import __version__
 

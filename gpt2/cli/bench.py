@@ -85,7 +85,5 @@ def bench(options: BenchOptions) -> list[Any]:
 
 def _print_rung(result: RungResult) -> None:
     """``  bf16: 41.2 ms/step``, or the note of a skipped rung."""
-    if result.skipped:
-        print(f"  {result.rung}: {result.note}", flush=True)
-    else:
-        print(f"  {result.rung}: {result.ms_per_step:.1f} ms/step", flush=True)
+    shown = result.note if result.skipped else f"{result.ms_per_step:.1f} ms/step"
+    print(f"  {result.rung}: {shown}", flush=True)

@@ -130,10 +130,9 @@ def check_sampling(s: SamplingOptions, *, fewest: int = 1) -> None:
     """The sampling options, checked before any model is loaded or trained (gpt2.model.generate
     checks them again when it samples: after training). ``fewest``: samples.
     """
-    if s.num_samples < fewest:
-        raise UsageError(f"--num-samples must be >= {fewest}, got {s.num_samples}")
-    if s.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {s.max_new_tokens}")
+    for flag, value, least in (("--num-samples", s.num_samples, fewest), ("--max-new-tokens", s.max_new_tokens, 0)):
+        if value < least:
+            raise UsageError(f"{flag} must be >= {least}, got {value}")
     SamplingConfig(s.temperature, s.top_k, s.top_p)
 
 

@@ -9,9 +9,7 @@ writes), so every rank runs exactly the options the launcher saw.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import signal
 import sys
 import tempfile
@@ -24,25 +22,6 @@ SHUTDOWN_SECONDS = 300
 
 # The signals torchrun's agent turns into a stop of every worker (its own default list).
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-
-
-@contextlib.contextmanager
-def _agent_handles():
-    """Tell torchrun's agent which signals to handle (its public TORCHELASTIC_SIGNALS_TO_HANDLE
-    variable), unless the user set it; put the variable back after. A stop signal ignored when the
-    run starts (``nohup``: SIGHUP, ``trap '' HUP``) stays ignored, by the agent as by the workers,
-    which inherit the ignored disposition and keep it (gpt2.files.StopSignals).
-    """
-    variable = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-    if variable in os.environ:
-        yield
-        return
-    names = [name for name in _AGENT_SIGNALS if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN]
-    os.environ[variable] = ",".join(names)
-    try:
-        yield
-    finally:
-        del os.environ[variable]
 
 
 def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: str) -> int:
@@ -73,10 +52,14 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
             # A failed rank fails the run; restarting would repeat the failure.
             max_restarts=0,
             shutdown_timeout=SHUTDOWN_SECONDS,
+            # A stop signal ignored when the run starts (``nohup``: SIGHUP, ``trap '' HUP``) stays ignored, by the
+            # agent as by the workers, which inherit the ignored disposition and keep it (gpt2.files.StopSignals).
+            signals_to_handle=",".join(
+                name for name in _AGENT_SIGNALS if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN
+            ),
         )
         try:
-            with _agent_handles():
-                elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", file.name)
+            elastic_launch(config, sys.executable)("-m", "gpt2", command, "--config", file.name)
         except SignalException as e:
             # The agent forwarded the signal and waited for the workers: each stopped at the same
             # step boundary with exit code 128 + signal, and rank 0 said where to resume.

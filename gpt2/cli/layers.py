@@ -80,22 +80,12 @@ def _alternatives(hint: Any) -> tuple[Any, ...]:
     return (hint,)
 
 
-def _split(hint: Any) -> tuple[Any, tuple[Any, ...]]:
-    """``Annotated[T, x, y]`` as ``(T, (x, y))``."""
-    if typing.get_origin(hint) is Annotated:
-        base, *extras = typing.get_args(hint)
-        return base, tuple(extras)
-    return hint, ()
-
-
 def _supported(hint: Any) -> bool:
     """Whether :func:`convert` reads values of ``hint`` (a field of layer classes has no flag)."""
     try:
-        for kind in _alternatives(hint):
-            _describe(kind)
+        return all(_describe(kind) for kind in _alternatives(hint))
     except KeyError:
         return False
-    return True
 
 
 def convert(texts: Sequence[str], hint: Any) -> Any:
@@ -144,30 +134,31 @@ def _describe(kind: Any) -> str:
         return "one of " + ", ".join(map(str, choices))
     if typing.get_origin(kind) is tuple:
         parts = typing.get_args(kind)
-        if parts[-1] is Ellipsis:
-            return f"values, each {_describe(parts[0])}"
-        return f"{len(parts)} values, each {_describe(parts[0])}"
+        count = "" if parts[-1] is Ellipsis else f"{len(parts)} "
+        return f"{count}values, each {_describe(parts[0])}"
     return KINDS[kind]
 
 
 # --------------------------------------------------------------------------- the dataclass tree
 @functools.cache
-def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
-    """``{YAML key: (attribute path, type)}`` for every option of ``cls``: a group marked :class:`Flat` adds
-    no level (``max_steps``), another one (``lora.rank``); the type keeps its ``Annotated`` markers.
+def option_fields(cls: type) -> dict[str, tuple[tuple[str, ...], Any, tuple[Any, ...]]]:
+    """``{YAML key: (attribute path, type, markers)}`` for every option of ``cls``: a group marked :class:`Flat`
+    adds no level (``max_steps``), another one (``lora.rank``); the markers are those of its ``Annotated`` type
+    (``Annotated[int, Short("-n")]``: int and ``(Short("-n"),)``).
     """
     hints = typing.get_type_hints(cls, include_extras=True)
+    bases = typing.get_type_hints(cls)  # without the markers
     out = {}
     for field in dataclasses.fields(cls):
-        base, extras = _split(hints[field.name])
+        base, extras = bases[field.name], getattr(hints[field.name], "__metadata__", ())
         if dataclasses.is_dataclass(base):
             prefix = f"{field.name}."
             if Flat in extras:
                 prefix = ""
-            for key, (path, hint) in option_fields(base).items():
-                out[prefix + key] = ((field.name, *path), hint)
+            for key, (path, *kind) in option_fields(base).items():
+                out[prefix + key] = ((field.name, *path), *kind)
         elif field.init and _supported(base):
-            out[field.name] = ((field.name,), hints[field.name])
+            out[field.name] = ((field.name,), base, extras)
     return out
 
 
@@ -177,8 +168,7 @@ def flags(cls: type) -> dict[str, tuple[str, bool | None]]:
     yes/no option's ``--x`` (value True) and ``--no-x`` (False); value None: the words after the flag give it.
     """
     out: dict[str, tuple[str, bool | None]] = {}
-    for key, (_, hint) in option_fields(cls).items():
-        base, extras = _split(hint)
+    for key, (_, base, extras) in option_fields(cls).items():
         flag = "--" + key.replace("_", "-")
         out[flag] = (key, None)
         for extra in extras:
@@ -202,7 +192,7 @@ def _nested(items: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
 def dump_yaml(options: Any, header: str) -> str:
     """The resolved options as a YAML file that ``--config`` reads back."""
     items = []
-    for key, (path, _) in option_fields(type(options)).items():
+    for key, (path, *_) in option_fields(type(options)).items():
         # Applied already: the values below are the whole story.
         if key in ("recipe", "config", "print_config"):
             continue
@@ -243,13 +233,12 @@ class _StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         mapping = super().construct_mapping(node, deep=deep)
-        if len(mapping) < len(node.value):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise ConfigError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice; keep one")
-                seen.add(key)
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice; keep one")
+            seen.add(key)
         return mapping
 
 
@@ -270,7 +259,7 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
         if isinstance(value, list):
             texts = [str(item) for item in value]
         try:
-            values[key] = convert(texts, _split(fields[key][1])[0])
+            values[key] = convert(texts, fields[key][1])
         except ValueError as e:
             raise ConfigError(f"{what} {path}: {key}: expected {e}, got {value!r}") from None
     return values
@@ -279,11 +268,7 @@ def read_yaml(path: Path, cls: type, what: str) -> dict[str, Any]:
 def _load_yaml(path: Path, what: str) -> Any:
     try:
         return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{what} {path} is a folder, not a YAML file") from None
-    except OSError as e:
+    except OSError as e:  # missing, a folder, not readable...
         raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path} is not a text file (binary data?); give a YAML file") from None
@@ -324,8 +309,8 @@ def _words(argv: Sequence[str], prog: str) -> dict[str, tuple[str, ...]]:
     given: dict[str, tuple[str, ...]] = {}
     flag = None
     for arg in argv:
-        # A flag is dashes and a letter (a prompt "--- x" is a value, as are -1, -.5 and -inf).
-        if (arg.startswith("--") and arg[2:3].isalpha()) or _is_short_option(arg):
+        # A flag is one or two dashes and a letter (a prompt "--- x" is a value, as are -1, -.5 and -inf).
+        if re.match(r"--?[^\W\d_]", arg) and arg.lstrip("-").lower() not in ("inf", "nan", "infinity"):
             name, equals, value = arg.partition("=")
             flag = name[:2] + name[2:].replace("_", "-")
             given[flag] = ()
@@ -336,11 +321,6 @@ def _words(argv: Sequence[str], prog: str) -> dict[str, tuple[str, ...]]:
         else:
             given[flag] += (arg,)
     return given
-
-
-def _is_short_option(word: str) -> bool:
-    """``-n``; not a value such as ``-1``, ``-.5`` or ``-inf``."""
-    return word.startswith("-") and word[1:2].isalpha() and word[1:].lower() not in ("inf", "nan", "infinity")
 
 
 def flag_values(cls: type, given: dict[str, tuple[str, ...]], prog: str) -> dict[str, Any]:
@@ -362,7 +342,7 @@ def flag_values(cls: type, given: dict[str, tuple[str, ...]], prog: str) -> dict
         values[key] = switch
         if switch is None:
             try:
-                values[key] = convert(words, _split(fields[key][1])[0])
+                values[key] = convert(words, fields[key][1])
             except ValueError as e:
                 raise UsageError(f"--{key.replace('_', '-')}: expected {e}, got {shown}") from None
     return values
@@ -418,34 +398,28 @@ def parse(
     # user's, it keeps its share of the run.
     user = {*script, *config, *flagged}
     if {"max_steps", "warmup_steps"} <= planned.keys() and "max_steps" in user and "warmup_steps" not in user:
-        values["warmup_steps"] = _recipe_warmup(planned, values["max_steps"])
+        # At most its whole warmup (also for a recipe's max_steps below 1, refused if it were the run's).
+        warmup = planned["warmup_steps"]
+        values["warmup_steps"] = min(warmup, warmup * values["max_steps"] // max(planned["max_steps"], 1))
     options = build(cls, values)
     if "--help" in given or "-h" in given:
         show_help(options, prog, description or inspect.cleandoc(cls.__doc__))
     return options
 
 
-def _recipe_warmup(recipe: dict[str, Any], steps: int) -> int:
-    """The recipe's warmup for a run of ``steps`` steps: its share of the recipe's run, at most
-    the recipe's warmup.
-    """
-    planned, warmup = recipe["max_steps"], recipe["warmup_steps"]
-    # A recipe's max_steps below 1 (refused if it were the run's) keeps its whole warmup.
-    return min(warmup, warmup * steps // max(planned, 1))
-
-
 # --------------------------------------------------------------------------- --help
 def show_help(options: Any, prog: str, description: str) -> NoReturn:
     """Print the help of ``options``' flags, their values as defaults, through tyro; SystemExit 0."""
-    names = {path: key for key, (path, _) in option_fields(type(options)).items()}
+    names = {path: (key, extras) for key, (path, _, extras) in option_fields(type(options)).items()}
     view = _help_view(options, names, ())
     # tyro prints the help of args ["--help"] and raises SystemExit(0) itself.
     tyro.cli(type(view), args=["--help"], default=view, prog=prog, description=description)
 
 
-def _help_view(options: Any, names: dict[tuple[str, ...], str], path: tuple[str, ...]) -> Any:
+def _help_view(options: Any, names: dict[tuple[str, ...], tuple[str, tuple[Any, ...]]], path: tuple[str, ...]) -> Any:
     """A copy of ``options`` (at ``path`` in the options) for tyro to draw: each flag named by its option key in
-    ``names``, with its help on one line (:func:`field_help`) and its default as typed; a group keeps its box.
+    ``names`` (with its markers: a :class:`Short` alias), with its help on one line (:func:`field_help`) and its
+    default as typed; a group keeps its box.
     """
     cls = type(options)
     hints = typing.get_type_hints(cls, include_extras=True)
@@ -454,8 +428,9 @@ def _help_view(options: Any, names: dict[tuple[str, ...], str], path: tuple[str,
     for field in dataclasses.fields(cls):
         value = getattr(options, field.name)
         if (*path, field.name) in names:
-            aliases = tuple(extra.flag for extra in _split(hints[field.name])[1] if isinstance(extra, Short)) or None
-            names_arg = dict(name=names[(*path, field.name)], prefix_name=False, aliases=aliases)
+            key, extras = names[(*path, field.name)]
+            aliases = tuple(extra.flag for extra in extras if isinstance(extra, Short)) or None
+            names_arg = dict(name=key, prefix_name=False, aliases=aliases)
             arg = tyro.conf.arg(help=helps.get(field.name), help_behavior_hint=_default_hint(value), **names_arg)
             hint = Annotated[hints[field.name], arg]
         elif dataclasses.is_dataclass(value):

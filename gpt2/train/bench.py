@@ -91,11 +91,10 @@ def run_ladder(
         raise InvalidValueError(
             f"steps and repeats must be >= 1 and warmup >= 0, got steps={steps}, repeats={repeats}, warmup={warmup}"
         )
-    shape = {}
-    if vocab_size is not None:
-        shape["vocab_size"] = vocab_size
     # the Trainer refuses a seq_len beyond its block_size
-    base = GPTConfig.from_name(model, **shape)
+    base = GPTConfig.from_name(model)
+    if vocab_size is not None:
+        base = dataclasses.replace(base, vocab_size=vocab_size)
     if compile is None:
         compile = uses_cuda(device)
     n_steps = steps * repeats + warmup
@@ -211,22 +210,21 @@ def format_table(results: Sequence[RungResult], title: str | None = None) -> str
         "| rung | ms/step | spread | tokens/s | MFU | peak memory | speed-up | note |",
         "|---|--:|--:|--:|--:|--:|--:|---|",
     ]
-    baseline = next((r.ms_per_step for r in results if r.ms_per_step), None)
+    baseline = next((r.ms_per_step for r in results if r.ms_per_step is not None), None)
     lines += [_table_row(r, baseline) for r in results]
     return "\n".join(lines + _table_notes(results))
 
 
-def _table_row(r: RungResult, baseline: float | None) -> str:
+def _table_row(r: RungResult, baseline: float) -> str:
     """One rung's row of :func:`format_table`; an empty cell where a number is unknown."""
     if r.skipped or r.ms_per_step is None:
         return f"| {r.rung} | - | | - | | | | {r.note} |"
-    cells = {"mfu": "", "memory": "", "speedup": "", "spread": ""}
+    # a timed row: the first timed rung's ms/step is its baseline
+    cells = {"mfu": "", "memory": "", "speedup": f"{baseline / r.ms_per_step:.2f}x", "spread": ""}
     if r.mfu is not None:
         cells["mfu"] = f"{100 * r.mfu:.1f}%"
     if r.peak_memory_gib is not None:
         cells["memory"] = f"{r.peak_memory_gib:.1f} GiB"
-    if baseline:
-        cells["speedup"] = f"{baseline / r.ms_per_step:.2f}x"
     # a spread means something only between two repeats or more
     if len(r.repeat_ms) > 1:
         cells["spread"] = f"{100 * r.spread:.0f}%"
