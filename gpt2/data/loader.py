@@ -27,16 +27,9 @@ _VOCAB_SIZE = Range(low=1, integer=True, optional=True)
 
 def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
     """A 1-D integer numpy view of an in-memory token sequence (no copy for CPU tensors)."""
-    if isinstance(source, torch.Tensor):
-        if source.is_floating_point() or source.is_complex() or source.dtype == torch.bool:
-            raise TypeError(
-                f"token tensor has dtype {source.dtype}; expected integer token ids (e.g. torch.long or torch.uint16)"
-            )
-        array = source.detach().cpu().numpy()
-    else:
-        array = np.asarray(source)
-        if not np.issubdtype(array.dtype, np.integer):
-            raise TypeError(f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16)")
+    array = source.detach().cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16 or torch.long)")
     if array.ndim != 1:
         raise InvalidValueError(
             f"token array has shape {tuple(array.shape)}; expected a 1-D sequence of token ids "
