@@ -148,10 +148,9 @@ class TokenLoader:
                     "targets); use a smaller --micro-batch-size or --seq-len, or more data (the validation part of a "
                     "file is its --val-fraction; short shards can be merged)"
                 )
-        # The shard the next batch is read from, and the offset in it of the next step's first token (the
-        # same on every rank).
-        self.shard = 0
-        self.position = 0
+        # The shard the next batch is read from (shard), and the offset in it of the next step's first token
+        # (position, the same on every rank): the first shard's start.
+        self.reset()
         # Ids must be below this (the model's vocabulary); None: not checked. Each shard's ids are checked
         # once per vocabulary, when the shard is first opened.
         self.vocab_size = check_value("TokenLoader", "vocab_size", vocab_size, _VOCAB_SIZE)
