@@ -170,28 +170,20 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.n_vocab
 
-    def encode(
-        self, text: str, *, allowed_special: AllowedSpecial = "all", disallowed_special: AllowedSpecial = "all"
-    ) -> list[int]:
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = "all") -> list[int]:
         """Text -> ids; ``<|endoftext|>`` becomes 50256 (as in nanoGPT's ``sample.py``), an error with
         ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`.
         """
-        return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=disallowed_special)
+        return self.encoding.encode(text, allowed_special=allowed_special)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Text -> ids, with ``<|endoftext|>`` read as ordinary text (never id 50256)."""
         return self.encoding.encode_ordinary(text)
 
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        *,
-        allowed_special: AllowedSpecial = "all",
-        disallowed_special: AllowedSpecial = "all",
-    ) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
         _refuse_one_text(texts)
-        return self.encoding.encode_batch(texts, allowed_special=allowed_special, disallowed_special=disallowed_special)
+        return self.encoding.encode_batch(texts, allowed_special="all")
 
     def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode_ordinary` over many texts, in parallel threads."""
