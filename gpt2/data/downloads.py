@@ -57,8 +57,6 @@ def tiny_shakespeare_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def load_tiny_shakespeare(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None) -> str:
+def load_tiny_shakespeare(path: str | os.PathLike | None = None) -> str:
     """The Tiny Shakespeare text: from ``path`` if given, else :func:`tiny_shakespeare_path`."""
-    if path is None:
-        path = tiny_shakespeare_path(cache_dir)
-    return read_text(path)
+    return read_text(path or tiny_shakespeare_path())

@@ -27,16 +27,9 @@ _VOCAB_SIZE = Range(low=1, integer=True, optional=True)
 
 def _as_token_array(source: torch.Tensor | np.ndarray) -> np.ndarray:
     """A 1-D integer numpy view of an in-memory token sequence (no copy for CPU tensors)."""
-    if isinstance(source, torch.Tensor):
-        if source.is_floating_point() or source.is_complex() or source.dtype == torch.bool:
-            raise TypeError(
-                f"token tensor has dtype {source.dtype}; expected integer token ids (e.g. torch.long or torch.uint16)"
-            )
-        array = source.detach().cpu().numpy()
-    else:
-        array = np.asarray(source)
-        if not np.issubdtype(array.dtype, np.integer):
-            raise TypeError(f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16)")
+    array = source.detach().cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"token array has dtype {array.dtype}; expected integer token ids (e.g. uint16 or torch.long)")
     if array.ndim != 1:
         raise InvalidValueError(
             f"token array has shape {tuple(array.shape)}; expected a 1-D sequence of token ids "
@@ -155,10 +148,9 @@ class TokenLoader:
                     "targets); use a smaller --micro-batch-size or --seq-len, or more data (the validation part of a "
                     "file is its --val-fraction; short shards can be merged)"
                 )
-        # The shard the next batch is read from, and the offset in it of the next step's first token (the
-        # same on every rank).
-        self.shard = 0
-        self.position = 0
+        # The shard the next batch is read from (shard), and the offset in it of the next step's first token
+        # (position, the same on every rank): the first shard's start.
+        self.reset()
         # Ids must be below this (the model's vocabulary); None: not checked. Each shard's ids are checked
         # once per vocabulary, when the shard is first opened.
         self.vocab_size = check_value("TokenLoader", "vocab_size", vocab_size, _VOCAB_SIZE)

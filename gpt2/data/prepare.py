@@ -21,9 +21,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from gpt2.data.formats import read_text, token_files, write_tokens
-from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
+from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import Lock, Stopped, StopSignals, progress_enabled, replace_atomically, write_advice
-from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, check_value
+from gpt2.model.config import NON_NEGATIVE_INT, POSITIVE_INT, PROBABILITY, check_value
 from gpt2.model.tokenizer import get_tokenizer
 from gpt2.outputs import RECORD_FILE, OutputFolder
 
@@ -414,16 +414,12 @@ def tokenize_file(
     ``val`` shards. ``prefix`` defaults to the file's stem. Returns the shard paths.
     """
     path = Path(path)
-    if not path.is_file():
-        raise MissingFileError(f"text file {str(path)!r} does not exist")
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
-        raise InvalidValueError(
-            f"val_fraction must be a number in [0, 1), e.g. 0.1 to hold out 10%, got {val_fraction!r}"
-        )
+    val_fraction = check_value("tokenize_file", "val_fraction", val_fraction, PROBABILITY)
     if prefix is None:
         prefix = path.stem
     writer = _ShardWriter(out_dir, prefix, shard_size, overwrite, file_format, tokenizer)
-    # The folder is locked, and an earlier data set refused, before the text is read.
+    # The folder is locked, and an earlier data set refused, before the text is read (a missing file is the
+    # FileNotFoundError of reading it; the folder is left as it was).
     with writer:
         text = read_text(path)
         if not text.strip():

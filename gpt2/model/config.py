@@ -30,9 +30,8 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     return cls(**data)
 
 
-# How a bound is written in messages, by whether it is open: (interval bracket, comparison).
+# How a lower bound is written in messages, by whether it is open: (interval bracket, comparison).
 _LOW_SPELLING = {False: ("[", ">="), True: ("(", ">")}
-_HIGH_SPELLING = {False: ("]", "<="), True: (")", "<")}
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Range:
 
     # None: no lower bound.
     low: float | None = None
-    # None: no upper bound.
+    # None: no upper bound; given only with ``low`` (messages write the two as an interval).
     high: float | None = None
     # True: ``low`` itself is not allowed (x > low).
     low_open: bool = False
@@ -68,13 +67,11 @@ class Range:
 
     def _bounds(self) -> str:
         low_bracket, low_comparison = _LOW_SPELLING[self.low_open]
-        high_bracket, high_comparison = _HIGH_SPELLING[self.high_open]
-        if self.low is not None and self.high is not None:
-            return f" in {low_bracket}{self.low}, {self.high}{high_bracket}"
+        # every rule with an upper bound has a lower one: an interval
+        if self.high is not None:
+            return f" in {low_bracket}{self.low}, {self.high}{')' if self.high_open else ']'}"
         if self.low is not None:
             return f" {low_comparison} {self.low}"
-        if self.high is not None:
-            return f" {high_comparison} {self.high}"
         return ""
 
     def has_kind(self, value: Any) -> bool:

@@ -138,26 +138,20 @@ def int8_weights(model: nn.Module) -> nn.Module:
     reason = unsupported_reason(base)
     if reason is not None:
         raise InvalidValueError(f"weights='int8' cannot be used: {reason}")
-    twin = _twin(base)
-    # compiled: torch.compile's wrapper, or compiled in place by model.compile()
-    if torch_compat.uncompiled(model) is not model:
-        return torch.compile(twin)
-    return twin
-
-
-@torch.no_grad()
-def _twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` in eval mode that shares its parameters and buffers, each plain ``nn.Linear`` an
-    :class:`Int8Linear` (a subclass's forward, or a forward set on the layer itself, still runs as the model's).
-    """
-    twin = torch_compat.module_tree_copy(model)
+    # A copy in eval mode that shares the model's parameters and buffers, each plain nn.Linear an Int8Linear (a
+    # subclass's forward, or a forward set on the layer itself, still runs as the model's). No autograd: _int8_of
+    # reads the weights detached.
+    twin = torch_compat.module_tree_copy(base).eval()
     for module in twin.modules():
         if type(module) is nn.Linear:
             qweight, scale = _int8_of(module.weight)
             module.__class__ = Int8Linear
             module.register_buffer("qweight", qweight)
             module.register_buffer("scale", scale)
-    return twin.eval()
+    # compiled: torch.compile's wrapper, or compiled in place by model.compile()
+    if torch_compat.uncompiled(model) is not model:
+        return torch.compile(twin)
+    return twin
 
 
 # fp32 weight -> (a fingerprint of its values, its int8 values, their steps): quantizing and packing a weight

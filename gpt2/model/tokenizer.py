@@ -170,28 +170,20 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.n_vocab
 
-    def encode(
-        self, text: str, *, allowed_special: AllowedSpecial = "all", disallowed_special: AllowedSpecial = "all"
-    ) -> list[int]:
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = "all") -> list[int]:
         """Text -> ids; ``<|endoftext|>`` becomes 50256 (as in nanoGPT's ``sample.py``), an error with
         ``allowed_special=set()``; untrusted text should use :meth:`encode_ordinary`.
         """
-        return self.encoding.encode(text, allowed_special=allowed_special, disallowed_special=disallowed_special)
+        return self.encoding.encode(text, allowed_special=allowed_special)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Text -> ids, with ``<|endoftext|>`` read as ordinary text (never id 50256)."""
         return self.encoding.encode_ordinary(text)
 
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        *,
-        allowed_special: AllowedSpecial = "all",
-        disallowed_special: AllowedSpecial = "all",
-    ) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode` over many texts, in parallel threads (tiktoken releases the GIL)."""
         _refuse_one_text(texts)
-        return self.encoding.encode_batch(texts, allowed_special=allowed_special, disallowed_special=disallowed_special)
+        return self.encoding.encode_batch(texts, allowed_special="all")
 
     def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode_ordinary` over many texts, in parallel threads."""
@@ -202,16 +194,6 @@ class Tokenizer:
         """Ids (a list, a 1-D integer array or tensor on any device, or one id) -> text; a token
         boundary inside a multi-byte character becomes U+FFFD with ``errors="replace"``.
         """
-        return self.encoding.decode(self._to_ids(ids), errors=errors)
-
-    def decode_batch(self, batch: Iterable[Any] | np.ndarray | torch.Tensor, *, errors: str = "replace") -> list[str]:
-        """Decode each row of a (B, T) tensor/array or each sequence of a list."""
-        if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim != 2:
-            raise InvalidValueError(f"decode_batch expects a 2-D (B, T) batch of ids, got shape {tuple(batch.shape)}")
-        return [self.decode(row, errors=errors) for row in batch]
-
-    def _to_ids(self, ids: Any) -> list[int]:
-        """``ids`` (a sequence, an array or tensor on any device, or one id) as a list, each one checked."""
         if isinstance(ids, str):
             raise TypeError("decode expects token ids, got a str; did you mean encode?")
         if isinstance(ids, torch.Tensor):
@@ -219,7 +201,7 @@ class Tokenizer:
         array = np.asarray(ids)
         # an empty list reads as float64
         if array.size == 0:
-            return []
+            return ""
         if not np.issubdtype(array.dtype, np.integer):
             raise TypeError(f"cannot decode ids of dtype {array.dtype}; token ids must be integers, got {ids!r:.100}")
         if array.ndim > 1:
@@ -232,7 +214,13 @@ class Tokenizer:
                 f"token id {outside.flat[0]} is outside GPT-2's vocabulary [0, {self.n_vocab}); ids from a padded "
                 "vocabulary (e.g. 50304 rows) must never be sampled, so this points to a model bug"
             )
-        return array.reshape(-1).tolist()
+        return self.encoding.decode(array.reshape(-1).tolist(), errors=errors)
+
+    def decode_batch(self, batch: Iterable[Any] | np.ndarray | torch.Tensor, *, errors: str = "replace") -> list[str]:
+        """Decode each row of a (B, T) tensor/array or each sequence of a list."""
+        if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim != 2:
+            raise InvalidValueError(f"decode_batch expects a 2-D (B, T) batch of ids, got shape {tuple(batch.shape)}")
+        return [self.decode(row, errors=errors) for row in batch]
 
 
 def _refuse_one_text(texts: Any) -> None:
