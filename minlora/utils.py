@@ -69,19 +69,15 @@ def name_is_bias(name: str) -> bool:
     return name.split(".")[-1] == "bias"
 
 
-def _logged(named: Iterable[tuple[str, nn.Parameter]], print_shapes: bool) -> Iterator[nn.Parameter]:
-    for name, param in named:
-        # logged, not printed: this is library code
-        if print_shapes:
-            logger.info("%s %s", name, tuple(param.shape))
-        yield param
-
-
 def get_params_by_name(
     model: nn.Module, print_shapes: bool = False, name_filter: Callable[[str], bool] | None = None
 ) -> Iterator[nn.Parameter]:
-    named = ((n, p) for n, p in model.named_parameters() if name_filter is None or name_filter(n))
-    return _logged(named, print_shapes)
+    for name, param in model.named_parameters():
+        if name_filter is None or name_filter(name):
+            # logged, not printed: this is library code
+            if print_shapes:
+                logger.info("%s %s", name, tuple(param.shape))
+            yield param
 
 
 def _named_lora_params(model: nn.Module, remove_duplicate: bool = True) -> dict[str, nn.Parameter]:
@@ -91,7 +87,7 @@ def _named_lora_params(model: nn.Module, remove_duplicate: bool = True) -> dict[
 
 def get_lora_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn.Parameter]:
     """The LoRA parameters of ``model``, a shared one once."""
-    return _logged(_named_lora_params(model).items(), print_shapes)
+    return get_params_by_name(model, print_shapes, _named_lora_params(model).__contains__)
 
 
 def get_bias_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn.Parameter]:
