@@ -176,13 +176,12 @@ def apply_lora(
     layer: nn.Module, register: bool = True, merge: bool = False, lora_config: Mapping = default_lora_config
 ) -> None:
     """minLoRA's per-layer helper for ``model.apply``: add LoRA to ``layer``, or merge / remove its LoRA."""
-    # a LoRAConfig's layer types apply to one layer; its name patterns need the model
-    if register and isinstance(lora_config, LoRAConfig):
-        if lora_config.target_modules or lora_config.exclude_modules:
-            raise LoRATypeError(
-                "apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)"
-            )
-        lora_config = lora_config.to_lora_config()
+    # a LoRAConfig's layer types apply to one layer (named ""); its name patterns need the model
+    by_name = isinstance(lora_config, LoRAConfig) and (lora_config.target_modules or lora_config.exclude_modules)
+    if register and by_name:
+        raise LoRATypeError(
+            "apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)"
+        )
     if register:
         _add_targets([t for t in _targets(layer, lora_config, False) if t[1] is layer], "apply_lora")
     else:
