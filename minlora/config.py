@@ -146,19 +146,16 @@ class LoRAConfig:
         selected = []
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
-            if not issubclass(layer_type, self.layer_types) or self._excluded(name, module, heads):
+            if not issubclass(layer_type, self.layer_types) or any(name_matches(name, p) for p in self.exclude_modules):
+                continue
+            # an LM head only with include_lm_head
+            if id(module) in heads and not self.include_lm_head:
                 continue
             if self.target_modules is None or any(name_matches(name, p) for p in self.target_modules):
                 selected.append((name, module, "weight", self.factory(layer_type)))
         if require_match:
             self._check_selection(model, selected, heads)
         return selected
-
-    def _excluded(self, name: str, module: nn.Module, heads: set[int]) -> bool:
-        """An ``exclude_modules`` match, or an LM head without ``include_lm_head``."""
-        if any(name_matches(name, p) for p in self.exclude_modules):
-            return True
-        return id(module) in heads and not self.include_lm_head
 
     def _check_selection(self, model: nn.Module, selected: list, heads: set[int]) -> None:
         """Every ``target_modules`` pattern selected a layer, and the config selected one at all."""
