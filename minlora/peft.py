@@ -39,7 +39,6 @@ from .model import LoRASite
 from .parametrization import PARAM_NAMES, LoRAParametrization, check_float, check_int
 
 PEFT_WEIGHTS_NAME, PEFT_CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
-LAYOUT_METHOD = "peft_adapter_layout"
 _PREFIX = "base_model.model."
 _REMEDY = "export or save the PEFT adapter again"
 # PEFT's names for a layer's A and B factors (what follows `<module>.lora_` in its keys), by whether it is an
@@ -66,7 +65,7 @@ _DEFAULTS: dict[str, Any] = {
 
 def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, dict[int, int]]:
     """``(layout, the twin's vocabulary rows, {id of a layer whose vocabulary is padded: its rows})``."""
-    layout = getattr(model, LAYOUT_METHOD, dict)()
+    layout = getattr(model, "peft_adapter_layout", dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
     real = None
     modules = []
@@ -76,7 +75,7 @@ def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, 
             modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []]
     if not isinstance(layout, dict) or set(layout) - known or any(raw_weight(m) is None for m in modules):
         raise LoRATypeError(
-            f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
+            f"{caller}: {type(model).__name__}.peft_adapter_layout() must return a dict with keys among "
             f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
     return layout, real, {id(m): raw_weight(m).shape[0] for m in modules if raw_weight(m).shape[0] != real}
