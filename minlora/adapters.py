@@ -272,10 +272,7 @@ def _config_problem(config: dict[str, Any]) -> str | None:
         return f"format={config.get('format')!r}: it is not a minlora adapter (a PEFT one goes to import_peft_adapter)"
     version = config.get("format_version")
     if version != _VERSION:
-        newer = ""
-        if isinstance(version, int) and version > _VERSION:
-            newer = "; upgrade minlora to load it"
-        return f"format_version={version!r}, but this minlora reads version {_VERSION}{newer}"
+        return f"format_version={version!r}, but this minlora reads version {_VERSION}; upgrade minlora for a newer one"
     targets = config.get("targets")
     problem = _targets_problem(targets)
     if problem:
