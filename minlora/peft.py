@@ -194,9 +194,8 @@ def _check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     """
     if config.get("peft_type") != "LORA":
         raise LoRAValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
-    unsupported = [k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)]
-    if unsupported:
-        key = unsupported[0]
+    key = next((k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)), None)
+    if key is not None:
         raise LoRAValueError(
             f"{where} sets {key}={config[key]!r}, an option minlora does not support (LoRA and DoRA only)"
         )
