@@ -67,17 +67,17 @@ def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, 
     """``(layout, the twin's vocabulary rows, {id of a layer whose vocabulary is padded: its rows})``."""
     layout = getattr(model, "peft_adapter_layout", dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
-    real = None
-    modules = []
-    if isinstance(layout, dict):
-        real = layout.get("vocab_size")
-        if real:
-            modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []]
+    # the padded layers count only where the twin's vocabulary is given
+    padded_names = []
+    if isinstance(layout, dict) and layout.get("vocab_size"):
+        padded_names = layout.get("padded_vocab_modules") or []
+    modules = [model.get_submodule(n) for n in padded_names]
     if not isinstance(layout, dict) or set(layout) - known or any(raw_weight(m) is None for m in modules):
         raise LoRATypeError(
             f"{caller}: {type(model).__name__}.peft_adapter_layout() must return a dict with keys among "
             f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
+    real = layout.get("vocab_size")
     return layout, real, {id(m): raw_weight(m).shape[0] for m in modules if raw_weight(m).shape[0] != real}
 
 
