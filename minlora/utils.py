@@ -142,9 +142,9 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
             f"from_embedding (the embedding); both of {type(a).__name__} and {type(b).__name__} have "
             f"{layout} layout"
         )
-    if loras[0].fan_in_fan_out:
-        return b, a, loras[1], loras[0]
-    return a, b, loras[0], loras[1]
+    # the linear layout (fan_in_fan_out False) first
+    (head, lin), (embedding, emb) = sorted(zip((a, b), loras), key=lambda pair: pair[1].fan_in_fan_out)
+    return head, embedding, lin, emb
 
 
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
