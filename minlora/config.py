@@ -43,8 +43,8 @@ def name_matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[str, ...]:
-    """``value`` (a pattern or several) as a tuple of patterns; with ``empty_ok``, nothing is ``()``."""
+def name_tuple(value: Any, what: str, *, empty_ok: bool = False) -> tuple[str, ...]:
+    """``value`` (a name or pattern, or several) as a tuple; with ``empty_ok``, nothing is ``()``."""
     if empty_ok and not value:
         return ()
     if isinstance(value, str):
@@ -52,7 +52,7 @@ def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[s
     else:
         value = tuple(value)
     if not value or not all(isinstance(v, str) and v for v in value):
-        raise LoRAValueError(f"LoRAConfig.{field_name} must be non-empty strings (name patterns), got {value!r}")
+        raise LoRAValueError(f"{what} must be one or more non-empty strings, got {value!r}")
     return value
 
 
@@ -111,9 +111,9 @@ class LoRAConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
-            self.target_modules = _patterns(self.target_modules, "target_modules")
+            self.target_modules = name_tuple(self.target_modules, "LoRAConfig.target_modules")
         for field in ("exclude_modules", "lm_head_names"):
-            setattr(self, field, _patterns(getattr(self, field), field, empty_ok=True))
+            setattr(self, field, name_tuple(getattr(self, field), f"LoRAConfig.{field}", empty_ok=True))
         types = self.target_types
         if isinstance(types, (type, str)):
             types = (types,)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from .config import LoRAConfig
+from .config import LoRAConfig, name_tuple
 from .errors import LoRATypeError, LoRAValueError
 from .parametrization import LoRAParametrization, install_lora_class, raw_weight
 
@@ -205,12 +205,7 @@ def add_lora_by_name(
     """LoRA on the layers inside every module whose name *contains* one of ``target_module_names``
     (minLoRA's substring rule). An entry that selects no layer is a ``ValueError`` naming it.
     """
-    if isinstance(target_module_names, str):
-        names = [target_module_names]
-    else:
-        names = list(target_module_names)
-    if not names:
-        raise LoRAValueError("add_lora_by_name: target_module_names is empty; name at least one module")
+    names = name_tuple(target_module_names, "add_lora_by_name: target_module_names")
     candidates = _targets(model, lora_config, require_match=False)
     module_names = [name for name, _ in model.named_modules() if name]
     chosen: dict[Target, None] = {}
