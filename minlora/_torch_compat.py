@@ -7,11 +7,9 @@ from __future__ import annotations
 import torch
 from torch.nn.utils import parametrize
 
-REQUIRED_NAMES = ("_inject_property", "_cache_enabled")
-
 
 def missing_names() -> list[str]:
-    return [name for name in REQUIRED_NAMES if not hasattr(parametrize, name)]
+    return [name for name in ("_inject_property", "_cache_enabled") if not hasattr(parametrize, name)]
 
 
 if missing_names():

@@ -272,10 +272,7 @@ def _config_problem(config: dict[str, Any]) -> str | None:
         return f"format={config.get('format')!r}: it is not a minlora adapter (a PEFT one goes to import_peft_adapter)"
     version = config.get("format_version")
     if version != _VERSION:
-        newer = ""
-        if isinstance(version, int) and version > _VERSION:
-            newer = "; upgrade minlora to load it"
-        return f"format_version={version!r}, but this minlora reads version {_VERSION}{newer}"
+        return f"format_version={version!r}, but this minlora reads version {_VERSION}; upgrade minlora for a newer one"
     targets = config.get("targets")
     problem = _targets_problem(targets)
     if problem:
@@ -364,11 +361,9 @@ def _plan_target(
     """The plan for the config's target ``name`` (``<module>.<tensor>``), checked against the model's layer."""
     module_name, _, tensor_name = name.rpartition(".")
     site = LoRASite(module_name, get_module(model, module_name, source), tensor_name)
-    weight = raw_weight(site.module)
-    shape = None
-    if weight is not None:
-        shape = tuple(weight.shape)
-    if family_name(site.module) != spec["layer"] or shape is None or list(shape) != spec["weight_shape"]:
+    # () for a module without a weight: no adapter target has that shape
+    shape = tuple(getattr(raw_weight(site.module), "shape", ()))
+    if family_name(site.module) != spec["layer"] or list(shape) != spec["weight_shape"]:
         raise LoRAValueError(
             f"{source}: {name} is a {type(site.module).__name__} weight of shape "
             f"{shape} in the model but a {spec['layer']} weight of "

@@ -43,8 +43,8 @@ def name_matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[str, ...]:
-    """``value`` (a pattern or several) as a tuple of patterns; with ``empty_ok``, nothing is ``()``."""
+def name_tuple(value: Any, what: str, *, empty_ok: bool = False) -> tuple[str, ...]:
+    """``value`` (a name or pattern, or several) as a tuple; with ``empty_ok``, nothing is ``()``."""
     if empty_ok and not value:
         return ()
     if isinstance(value, str):
@@ -52,7 +52,7 @@ def _patterns(value: Any, field_name: str, *, empty_ok: bool = False) -> tuple[s
     else:
         value = tuple(value)
     if not value or not all(isinstance(v, str) and v for v in value):
-        raise LoRAValueError(f"LoRAConfig.{field_name} must be non-empty strings (name patterns), got {value!r}")
+        raise LoRAValueError(f"{what} must be one or more non-empty strings, got {value!r}")
     return value
 
 
@@ -111,9 +111,9 @@ class LoRAConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise LoRAValueError(f"LoRAConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.target_modules is not None:
-            self.target_modules = _patterns(self.target_modules, "target_modules")
+            self.target_modules = name_tuple(self.target_modules, "LoRAConfig.target_modules")
         for field in ("exclude_modules", "lm_head_names"):
-            setattr(self, field, _patterns(getattr(self, field), field, empty_ok=True))
+            setattr(self, field, name_tuple(getattr(self, field), f"LoRAConfig.{field}", empty_ok=True))
         types = self.target_types
         if isinstance(types, (type, str)):
             types = (types,)
@@ -146,19 +146,16 @@ class LoRAConfig:
         selected = []
         for name, module in model.named_modules():
             layer_type = parametrize.type_before_parametrizations(module)
-            if not issubclass(layer_type, self.layer_types) or self._excluded(name, module, heads):
+            if not issubclass(layer_type, self.layer_types) or any(name_matches(name, p) for p in self.exclude_modules):
+                continue
+            # an LM head only with include_lm_head
+            if id(module) in heads and not self.include_lm_head:
                 continue
             if self.target_modules is None or any(name_matches(name, p) for p in self.target_modules):
                 selected.append((name, module, "weight", self.factory(layer_type)))
         if require_match:
             self._check_selection(model, selected, heads)
         return selected
-
-    def _excluded(self, name: str, module: nn.Module, heads: set[int]) -> bool:
-        """An ``exclude_modules`` match, or an LM head without ``include_lm_head``."""
-        if any(name_matches(name, p) for p in self.exclude_modules):
-            return True
-        return id(module) in heads and not self.include_lm_head
 
     def _check_selection(self, model: nn.Module, selected: list, heads: set[int]) -> None:
         """Every ``target_modules`` pattern selected a layer, and the config selected one at all."""

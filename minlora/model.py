@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from .config import LoRAConfig
+from .config import LoRAConfig, name_tuple
 from .errors import LoRATypeError, LoRAValueError
 from .parametrization import LoRAParametrization, install_lora_class, raw_weight
 
@@ -176,13 +176,12 @@ def apply_lora(
     layer: nn.Module, register: bool = True, merge: bool = False, lora_config: Mapping = default_lora_config
 ) -> None:
     """minLoRA's per-layer helper for ``model.apply``: add LoRA to ``layer``, or merge / remove its LoRA."""
-    # a LoRAConfig's layer types apply to one layer; its name patterns need the model
-    if register and isinstance(lora_config, LoRAConfig):
-        if lora_config.target_modules or lora_config.exclude_modules:
-            raise LoRATypeError(
-                "apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)"
-            )
-        lora_config = lora_config.to_lora_config()
+    # a LoRAConfig's layer types apply to one layer (named ""); its name patterns need the model
+    by_name = isinstance(lora_config, LoRAConfig) and (lora_config.target_modules or lora_config.exclude_modules)
+    if register and by_name:
+        raise LoRATypeError(
+            "apply_lora: a LoRAConfig selects by name and one layer has none: use add_lora(model, config)"
+        )
     if register:
         _add_targets([t for t in _targets(layer, lora_config, False) if t[1] is layer], "apply_lora")
     else:
@@ -206,12 +205,7 @@ def add_lora_by_name(
     """LoRA on the layers inside every module whose name *contains* one of ``target_module_names``
     (minLoRA's substring rule). An entry that selects no layer is a ``ValueError`` naming it.
     """
-    if isinstance(target_module_names, str):
-        names = [target_module_names]
-    else:
-        names = list(target_module_names)
-    if not names:
-        raise LoRAValueError("add_lora_by_name: target_module_names is empty; name at least one module")
+    names = name_tuple(target_module_names, "add_lora_by_name: target_module_names")
     candidates = _targets(model, lora_config, require_match=False)
     module_names = [name for name, _ in model.named_modules() if name]
     chosen: dict[Target, None] = {}

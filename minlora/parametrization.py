@@ -97,7 +97,6 @@ class LoRAParametrization(nn.Module):
         self.fan_in_fan_out = bool(fan_in_fan_out)
         self.rank = rank
         self.lora_dropout_p = float(lora_dropout_p)
-        self.use_rslora = False
         self.use_dora = bool(use_dora)
         self.set_scaling(lora_alpha, use_rslora)
         # False: the identity (disable_lora)
@@ -121,14 +120,12 @@ class LoRAParametrization(nn.Module):
     # positional settings after the layer: rank, lora_dropout_p, lora_alpha (minLoRA's order)
     @classmethod
     def from_linear(cls, layer: nn.Module, *args: Any, **kwargs: Any) -> LoRAParametrization:
-        fan_out, fan_in = _weight_of(layer).shape
-        return cls(fan_in, fan_out, False, *args, **kwargs)
-
-    @classmethod
-    def from_conv2d(cls, layer: nn.Module, *args: Any, **kwargs: Any) -> LoRAParametrization:
-        # the weight is (out, in, kh, kw); the update is (out, in * kh * kw)
+        # the weight is (out, in), a convolution's (out, in, kh, kw): the update is (out, in * kh * kw)
         weight = _weight_of(layer)
         return cls(weight[0].numel(), weight.shape[0], False, *args, **kwargs)
+
+    # one rule for both layouts
+    from_conv2d = from_linear
 
     @classmethod
     def from_embedding(cls, layer: nn.Module, *args: Any, **kwargs: Any) -> LoRAParametrization:

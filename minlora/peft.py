@@ -39,7 +39,6 @@ from .model import LoRASite
 from .parametrization import PARAM_NAMES, LoRAParametrization, check_float, check_int
 
 PEFT_WEIGHTS_NAME, PEFT_CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
-LAYOUT_METHOD = "peft_adapter_layout"
 _PREFIX = "base_model.model."
 _REMEDY = "export or save the PEFT adapter again"
 # PEFT's names for a layer's A and B factors (what follows `<module>.lora_` in its keys), by whether it is an
@@ -66,19 +65,19 @@ _DEFAULTS: dict[str, Any] = {
 
 def _layout(model: nn.Module, caller: str) -> tuple[dict[str, Any], int | None, dict[int, int]]:
     """``(layout, the twin's vocabulary rows, {id of a layer whose vocabulary is padded: its rows})``."""
-    layout = getattr(model, LAYOUT_METHOD, dict)()
+    layout = getattr(model, "peft_adapter_layout", dict)()
     known = {"vocab_size", "padded_vocab_modules", "fan_in_fan_out"}
-    real = None
-    modules = []
-    if isinstance(layout, dict):
-        real = layout.get("vocab_size")
-        if real:
-            modules = [model.get_submodule(n) for n in layout.get("padded_vocab_modules") or []]
+    # the padded layers count only where the twin's vocabulary is given
+    padded_names = []
+    if isinstance(layout, dict) and layout.get("vocab_size"):
+        padded_names = layout.get("padded_vocab_modules") or []
+    modules = [model.get_submodule(n) for n in padded_names]
     if not isinstance(layout, dict) or set(layout) - known or any(raw_weight(m) is None for m in modules):
         raise LoRATypeError(
-            f"{caller}: {type(model).__name__}.{LAYOUT_METHOD}() must return a dict with keys among "
+            f"{caller}: {type(model).__name__}.peft_adapter_layout() must return a dict with keys among "
             f"{sorted(known)} (padded_vocab_modules: layers with a weight), got {layout!r}"
         )
+    real = layout.get("vocab_size")
     return layout, real, {id(m): raw_weight(m).shape[0] for m in modules if raw_weight(m).shape[0] != real}
 
 
@@ -195,9 +194,8 @@ def _check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     """
     if config.get("peft_type") != "LORA":
         raise LoRAValueError(f"{where} is a {config.get('peft_type')!r} adapter; only LORA is supported")
-    unsupported = [k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)]
-    if unsupported:
-        key = unsupported[0]
+    key = next((k for k, v in config.items() if v and _UNSUPPORTED.fullmatch(k)), None)
+    if key is not None:
         raise LoRAValueError(
             f"{where} sets {key}={config[key]!r}, an option minlora does not support (LoRA and DoRA only)"
         )

@@ -69,29 +69,26 @@ def name_is_bias(name: str) -> bool:
     return name.split(".")[-1] == "bias"
 
 
-def _logged(named: Iterable[tuple[str, nn.Parameter]], print_shapes: bool) -> Iterator[nn.Parameter]:
-    for name, param in named:
-        # logged, not printed: this is library code
-        if print_shapes:
-            logger.info("%s %s", name, tuple(param.shape))
-        yield param
-
-
 def get_params_by_name(
     model: nn.Module, print_shapes: bool = False, name_filter: Callable[[str], bool] | None = None
 ) -> Iterator[nn.Parameter]:
-    named = ((n, p) for n, p in model.named_parameters() if name_filter is None or name_filter(n))
-    return _logged(named, print_shapes)
+    for name, param in model.named_parameters():
+        if name_filter is None or name_filter(name):
+            # logged, not printed: this is library code
+            if print_shapes:
+                logger.info("%s %s", name, tuple(param.shape))
+            yield param
 
 
-def _named_lora_params(model: nn.Module, remove_duplicate: bool = True) -> dict[str, nn.Parameter]:
+def _named_lora_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every name of every LoRA parameter (a shared one under each of its names)."""
     lora = {id(getattr(m, n)) for m in iter_lora_modules(model) for n in m.param_names}
-    return {n: p for n, p in model.named_parameters(remove_duplicate=remove_duplicate) if id(p) in lora}
+    return {n: p for n, p in model.named_parameters(remove_duplicate=False) if id(p) in lora}
 
 
 def get_lora_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn.Parameter]:
-    """The LoRA parameters of ``model``, a shared one once."""
-    return _logged(_named_lora_params(model).items(), print_shapes)
+    """The LoRA parameters of ``model``, a shared one once (get_params_by_name yields each once)."""
+    return get_params_by_name(model, print_shapes, _named_lora_params(model).__contains__)
 
 
 def get_bias_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn.Parameter]:
@@ -100,7 +97,7 @@ def get_bias_params(model: nn.Module, print_shapes: bool = False) -> Iterator[nn
 
 def get_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA entries of ``model.state_dict()`` (``...parametrizations.weight.0.lora_A``)."""
-    return {name: param.detach() for name, param in _named_lora_params(model, remove_duplicate=False).items()}
+    return {name: param.detach() for name, param in _named_lora_params(model).items()}
 
 
 def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str, torch.Tensor]]) -> nn.Module:
@@ -108,7 +105,7 @@ def load_multiple_lora(model: nn.Module, lora_state_dicts: Iterable[Mapping[str,
     last one is active afterwards (as in minLoRA).
     """
     require_lora(model, "load_multiple_lora")
-    wanted = _named_lora_params(model, remove_duplicate=False)
+    wanted = _named_lora_params(model)
     # Every dict is checked before the model changes: a bad one later in the list leaves it as it was.
     state_dicts = [dict(state_dict) for state_dict in lora_state_dicts]
     if not state_dicts:
@@ -145,9 +142,9 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
             f"from_embedding (the embedding); both of {type(a).__name__} and {type(b).__name__} have "
             f"{layout} layout"
         )
-    if loras[0].fan_in_fan_out:
-        return b, a, loras[1], loras[0]
-    return a, b, loras[0], loras[1]
+    # the linear layout (fan_in_fan_out False) first
+    (head, lin), (embedding, emb) = sorted(zip((a, b), loras), key=lambda pair: pair[1].fan_in_fan_out)
+    return head, embedding, lin, emb
 
 
 def tie_weights(linear: nn.Module, embedding: nn.Module) -> None:
