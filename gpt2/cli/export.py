@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 import minlora
 from gpt2.cli.common import ModelOptions, check_output_file
 from gpt2.cli.layers import Flat, Options, UsageError
-from gpt2.model.checkpoint_files import _some
 from gpt2.model.gguf import check_tied_head, save_gguf
 from gpt2.model.hf import resolve_source
 from gpt2.outputs import RECORD_FILE
@@ -135,6 +134,7 @@ def _check_export_dir(flag: str, path: str | None, own: set[str], overwrite: boo
     other = sorted(p.name for p in folder.iterdir() if p.name not in own)
     if other and not overwrite:
         raise UsageError(
-            f"{flag} {path} is not empty and not an earlier export (it holds {_some(other)}): give a new or empty "
-            "folder, or pass --overwrite to write the export's files into it (nothing else there is touched)"
+            f"{flag} {path} is not empty and not an earlier export (it holds {', '.join(other[:5])}"
+            f"{' ...' if len(other) > 5 else ''}): give a new or empty folder, or pass --overwrite to write the "
+            "export's files into it (nothing else there is touched)"
         )
