@@ -36,20 +36,14 @@ logger = logging.getLogger(__name__)
 GGUF_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
 
 
-def _import_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError as e:
-        raise ImportError("GGUF export needs the gguf package: pip install gguf (or the gpt2 'gguf' extra)") from e
-    return gguf
-
-
 def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> float32 tensor: the ``transformers`` state dict (:func:`gpt_to_hf_state_dict`: padding cut
     off, zero biases for ``bias=False``, which llama.cpp's graph needs) under the names llama.cpp's converter gives
     it (gguf's own name map), with the Conv1D weights back in ``nn.Linear``'s (out, in), as llama.cpp keeps them.
     """
-    gguf = _import_gguf()
+    # save_gguf, its caller, says what to install where it is missing.
+    import gguf
+
     hf_sd = gpt_to_hf_state_dict(model.state_dict(), config)
     # The LM head is tied to the embedding: with no output.weight llama.cpp reuses token_embd.
     del hf_sd["lm_head.weight"]
@@ -123,7 +117,10 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     An existing ``path`` is replaced only with ``overwrite=True``, and only where it is a regular file
     (:func:`gpt2.files.check_new_file`); nothing is written beside it.
     """
-    gguf = _import_gguf()
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("GGUF export needs the gguf package: pip install gguf (or the gpt2 'gguf' extra)") from e
     model = unwrap_model(model)
     config = _check_exportable(model, dtype)
     check_new_file(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
