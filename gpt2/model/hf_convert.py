@@ -259,7 +259,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
 
 def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
     """The ``config.json`` dict of a ``transformers.GPT2LMHeadModel`` with ``config``'s shape
-    (``transformers.GPT2Config(**d)`` builds the object).
+    (``transformers.GPT2Config(**d)`` builds the object). Where GPT2Config's default is this model's (an MLP of
+    4 * n_embd, the KV cache, the init std), the file leaves the key out: transformers fills it in.
     """
     # BOS and EOS, if the vocabulary has <|endoftext|>.
     eot = None
@@ -275,17 +276,13 @@ def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
         "n_embd": config.n_embd,
         "n_layer": config.n_layer,
         "n_head": config.n_head,
-        # None: 4 * n_embd.
-        "n_inner": None,
         "activation_function": "gelu_new",
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
         "attn_pdrop": config.dropout,
         "layer_norm_epsilon": config.layer_norm_epsilon,
-        "initializer_range": 0.02,
         # The one value of each flag that this model implements.
         **{key: ours for key, ours, _ in _FIXED_FLAGS},
-        "use_cache": True,
         "bos_token_id": eot,
         "eos_token_id": eot,
     }
