@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 GGUF_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
 
 
-def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """GGUF tensor name -> float32 tensor: the ``transformers`` state dict (:func:`gpt_to_hf_state_dict`: padding cut
+def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> float32 array: the ``transformers`` state dict (:func:`gpt_to_hf_state_dict`: padding cut
     off, zero biases for ``bias=False``, which llama.cpp's graph needs) under the names llama.cpp's converter gives
     it (gguf's own name map), with the Conv1D weights back in ``nn.Linear``'s (out, in), as llama.cpp keeps them.
     """
@@ -48,12 +48,12 @@ def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.
     # The LM head is tied to the embedding: with no output.weight llama.cpp reuses token_embd.
     del hf_sd["lm_head.weight"]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, config.n_layer)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, np.ndarray] = {}
     for key, value in hf_sd.items():
         if key.endswith(CONV1D_WEIGHTS):
             value = value.t()
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        out[name] = value.detach().to("cpu", torch.float32).contiguous()
+        out[name] = value.detach().to("cpu", torch.float32).contiguous().numpy()
     return out
 
 
@@ -152,8 +152,7 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
             add_token_id(EOT_TOKEN)
         # GPT-2 prepends nothing, as gpt2 sample does.
         writer.add_add_bos_token(False)
-        for name, tensor in _gguf_tensors(model, config).items():
-            data = tensor.numpy()
+        for name, data in _gguf_tensors(model, config).items():
             # The matrices in the asked type; norms and biases stay float32.
             kind = gguf.GGMLQuantizationType.F32
             if data.ndim == 2:
