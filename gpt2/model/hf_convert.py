@@ -123,8 +123,7 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
     if pad:
         # Padded rows are never read (ids >= vocab_size are rejected, their logits sliced off);
         # zeros keep them inert and deterministic.
-        wte = out["transformer.wte.weight"]
-        out["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(pad, wte.size(1))])
+        out["transformer.wte.weight"] = torch.nn.functional.pad(out["transformer.wte.weight"], (0, 0, 0, pad))
     # Tied: one tensor under both names.
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
@@ -178,16 +177,15 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     _check_keys(ours, _gpt_shapes(config), "GPT state dict", hint=hint)
 
     out: dict[str, torch.Tensor] = {}
-    for key, value in ours.items():
-        if key.endswith(CONV1D_WEIGHTS):
+    for short, shape in _hf_shapes(config).items():
+        value = ours.get("transformer." + short)
+        # Absent: a bias of a bias=False model, zeros in GPT2LMHeadModel.
+        if value is None:
+            value = ours["transformer.wte.weight"].new_zeros(shape)
+        elif short.endswith(CONV1D_WEIGHTS):
             value = value.t().contiguous()
-        out[key] = value
+        out["transformer." + short] = value
     out["transformer.wte.weight"] = out["transformer.wte.weight"][: config.vocab_size]
-    if not config.bias:
-        like = out["transformer.wte.weight"]
-        for short, shape in _hf_shapes(config).items():
-            if short.endswith(".bias"):
-                out["transformer." + short] = like.new_zeros(shape)
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
