@@ -142,17 +142,6 @@ def refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     )
 
 
-def _wrapped_hint(sd: Mapping[str, torch.Tensor]) -> str:
-    """What to pass instead of a compiled or DDP model's state dict (its keys carry the wrapper's prefix)."""
-    wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
-    if not wrapped:
-        return ""
-    return (
-        f"\nKeys start with {wrapped}: pass the unwrapped model's state dict (model._orig_mod for "
-        "torch.compile, model.module for DDP)"
-    )
-
-
 def _gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of :class:`gpt2.GPT`'s state dict but the head, with its shape."""
     expected: dict[str, tuple[int, ...]] = {}
@@ -172,7 +161,14 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
     """
     refuse_parametrized(sd)
-    hint = _wrapped_hint(sd)
+    # A compiled or DDP model's state dict (its keys carry the wrapper's prefix): what to pass instead.
+    wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
+    hint = ""
+    if wrapped:
+        hint = (
+            f"\nKeys start with {wrapped}: pass the unwrapped model's state dict (model._orig_mod for "
+            "torch.compile, model.module for DDP)"
+        )
     ours = _fold_head_into_embedding(sd, "transformer.wte.weight")
     _check_keys(ours, _gpt_shapes(config), "GPT state dict", hint=hint)
 
