@@ -106,8 +106,9 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
     """``out`` (the merged model's flag and folder) and ``peft`` (the PEFT adapter's): folders to export into, not the
     model's (it would be overwritten), not one (transformers would apply the adapter again over merged weights).
     """
-    _check_export_dir(*out, MODEL_EXPORT_FILES, overwrite)
-    _check_export_dir(*peft, PEFT_EXPORT_FILES, overwrite)
+    for (flag, folder), own in ((out, MODEL_EXPORT_FILES), (peft, PEFT_EXPORT_FILES)):
+        if folder is not None:
+            _check_export_dir(flag, folder, own, overwrite)
     given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}
     source = resolve_source(model)
     for flag, folder in given.items():
@@ -120,12 +121,10 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
         )
 
 
-def _check_export_dir(flag: str, path: str | None, own: set[str], overwrite: bool) -> None:
+def _check_export_dir(flag: str, path: str, own: set[str], overwrite: bool) -> None:
     """Refuse to export into a file, or into a folder holding anything but an earlier export, unless
     ``overwrite`` (which still replaces only the export's own files).
     """
-    if path is None:
-        return
     folder = Path(path).expanduser()
     if not folder.exists():  # a new folder
         return
