@@ -67,21 +67,6 @@ def check_tied_head(model: torch.nn.Module) -> None:
         )
 
 
-def _check_exportable(model: torch.nn.Module, dtype: str) -> GPTConfig:
-    """The config of ``model`` (unwrapped) if a GGUF file of type ``dtype`` can hold it."""
-    config = getattr(model, "config", None)
-    if not isinstance(config, GPTConfig):
-        raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
-    check_tied_head(model)
-    if dtype not in GGUF_TYPES:
-        raise InvalidValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
-    if config.vocab_size != GPT2_VOCAB_SIZE:
-        raise InvalidValueError(
-            f"the model has a {config.vocab_size}-token vocabulary; a GGUF file holds GPT-2's {GPT2_VOCAB_SIZE} tokens"
-        )
-    return config
-
-
 def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
     """``(bytes, type)`` of the tensor ``name``: ``data`` in ``kind``, or f16 where q8_0's 32-value
     blocks do not divide its rows, or f32 with a warning where the type cannot hold its values.
@@ -122,7 +107,17 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     except ImportError as e:
         raise ImportError("GGUF export needs the gguf package: pip install gguf (or the gpt2 'gguf' extra)") from e
     model = unwrap_model(model)
-    config = _check_exportable(model, dtype)
+    # What a GGUF file of type dtype can hold, checked before anything is written.
+    config = getattr(model, "config", None)
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
+    check_tied_head(model)
+    if dtype not in GGUF_TYPES:
+        raise InvalidValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
+    if config.vocab_size != GPT2_VOCAB_SIZE:
+        raise InvalidValueError(
+            f"the model has a {config.vocab_size}-token vocabulary; a GGUF file holds GPT-2's {GPT2_VOCAB_SIZE} tokens"
+        )
     check_new_file(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     file_type = getattr(gguf.LlamaFileType, GGUF_TYPES[dtype])
