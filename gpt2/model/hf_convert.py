@@ -133,12 +133,9 @@ def refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
     if not parametrized:
         return
-    more = ""
-    if len(parametrized) > 4:
-        more = " ..."
     raise InvalidValueError(
-        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}{more}: merge the adapter into the "
-        f"weights first, e.g. minlora.merge_lora(model), then save"
+        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]} ({len(parametrized)} layer(s) in "
+        f"all): merge the adapter into the weights first, e.g. minlora.merge_lora(model), then save"
     )
 
 
