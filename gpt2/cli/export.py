@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 import minlora
 from gpt2.cli.common import ModelOptions, check_output_file
 from gpt2.cli.layers import Flat, Options, UsageError
-from gpt2.model.checkpoint_files import _some
 from gpt2.model.gguf import check_tied_head, save_gguf
 from gpt2.model.hf import resolve_source
 from gpt2.outputs import RECORD_FILE
@@ -107,8 +106,9 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
     """``out`` (the merged model's flag and folder) and ``peft`` (the PEFT adapter's): folders to export into, not the
     model's (it would be overwritten), not one (transformers would apply the adapter again over merged weights).
     """
-    _check_export_dir(*out, MODEL_EXPORT_FILES, overwrite)
-    _check_export_dir(*peft, PEFT_EXPORT_FILES, overwrite)
+    for (flag, folder), own in ((out, MODEL_EXPORT_FILES), (peft, PEFT_EXPORT_FILES)):
+        if folder is not None:
+            _check_export_dir(flag, folder, own, overwrite)
     given = {flag: Path(folder).expanduser().resolve() for flag, folder in (out, peft) if folder}
     source = resolve_source(model)
     for flag, folder in given.items():
@@ -121,12 +121,10 @@ def check_export_dirs(model: str, out: tuple[str, str | None], peft: tuple[str, 
         )
 
 
-def _check_export_dir(flag: str, path: str | None, own: set[str], overwrite: bool) -> None:
+def _check_export_dir(flag: str, path: str, own: set[str], overwrite: bool) -> None:
     """Refuse to export into a file, or into a folder holding anything but an earlier export, unless
     ``overwrite`` (which still replaces only the export's own files).
     """
-    if path is None:
-        return
     folder = Path(path).expanduser()
     if not folder.exists():  # a new folder
         return
@@ -135,6 +133,7 @@ def _check_export_dir(flag: str, path: str | None, own: set[str], overwrite: boo
     other = sorted(p.name for p in folder.iterdir() if p.name not in own)
     if other and not overwrite:
         raise UsageError(
-            f"{flag} {path} is not empty and not an earlier export (it holds {_some(other)}): give a new or empty "
-            "folder, or pass --overwrite to write the export's files into it (nothing else there is touched)"
+            f"{flag} {path} is not empty and not an earlier export (it holds {', '.join(other[:5])}"
+            f"{' ...' if len(other) > 5 else ''}): give a new or empty folder, or pass --overwrite to write the "
+            "export's files into it (nothing else there is touched)"
         )

@@ -96,11 +96,8 @@ def prepare(options: PrepareOptions) -> int:
 
 
 def _report_shards(paths: list[Path], start: float) -> int:
-    total = 0
-    for p in paths:
-        n = len(load_tokens(p))
-        total += n
-        print(f"{p}  {n:,} tokens")
+    # Each shard's name and size is logged as it is written (gpt2.data's "wrote NAME (N tokens)"): the total here.
+    total = sum(len(load_tokens(p)) for p in paths)
     print(f"wrote {len(paths)} shard(s), {total:,} tokens in {time.time() - start:.1f} s")
     return 0
 

@@ -59,9 +59,9 @@ def sample(options: SampleOptions) -> int:
     prompt = instruction_prompt(options.instruct.instruction, options.instruct.input)
     model, autocast, _ = load_for_inference(options)
     if options.weights == "int8":
-        if options.source.adapter:
-            # int8 weights are made from plain weights: the adapter is folded into this process's copy first
-            minlora.merge_lora(model)
+        # int8 weights are made from plain weights: an adapter is folded into this process's copy first (merge_lora
+        # leaves a model without LoRA as it is)
+        minlora.merge_lora(model)
         # the int8 twin samples in place of the model (made here, under the autocast it would run in)
         with autocast():
             model = int8_weights(model)

@@ -77,8 +77,8 @@ def model_config(shape: ModelShape, seq_len: int) -> GPTConfig:
     return GPTConfig.from_name(shape.model, **{"block_size": seq_len, **overrides})
 
 
-def check(options: TrainOptions) -> None:
-    """What can be checked before any data is read or any process started."""
+def check(options: TrainOptions) -> GPTConfig:
+    """What can be checked before any data is read or any process started; returns the model's config."""
     check_run(options)
     if options.hellaswag_interval < 0:
         raise UsageError(f"--hellaswag-interval must be >= 0, got {options.hellaswag_interval}")
@@ -89,13 +89,12 @@ def check(options: TrainOptions) -> None:
                 f"{flag}: a {Path(data).suffix} file is no text: gpt2 prepare tokenises a .jsonl's 'text' fields, "
                 "gpt2 finetune trains on instruction rows"
             )
-    model_config(options.shape, options.train.seq_len)
+    return model_config(options.shape, options.train.seq_len)
 
 
 def train(options: TrainOptions) -> dict[str, Any]:
-    check(options)
+    gpt_config = check(options)
     config = options.train
-    gpt_config = model_config(options.shape, config.seq_len)
     hellaswag = resolve_hellaswag(options.hellaswag)
     train_data, val = training_data(options.data.data, options.data.val_data, options.data.val_fraction)
     # --seed fixes the initial weights too, not only the data order.

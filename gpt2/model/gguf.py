@@ -36,30 +36,24 @@ logger = logging.getLogger(__name__)
 GGUF_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
 
 
-def _import_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError as e:
-        raise ImportError("GGUF export needs the gguf package: pip install gguf (or the gpt2 'gguf' extra)") from e
-    return gguf
-
-
-def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """GGUF tensor name -> float32 tensor: the ``transformers`` state dict (:func:`gpt_to_hf_state_dict`: padding cut
+def _gguf_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> float32 array: the ``transformers`` state dict (:func:`gpt_to_hf_state_dict`: padding cut
     off, zero biases for ``bias=False``, which llama.cpp's graph needs) under the names llama.cpp's converter gives
     it (gguf's own name map), with the Conv1D weights back in ``nn.Linear``'s (out, in), as llama.cpp keeps them.
     """
-    gguf = _import_gguf()
+    # save_gguf, its caller, says what to install where it is missing.
+    import gguf
+
     hf_sd = gpt_to_hf_state_dict(model.state_dict(), config)
     # The LM head is tied to the embedding: with no output.weight llama.cpp reuses token_embd.
     del hf_sd["lm_head.weight"]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, config.n_layer)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, np.ndarray] = {}
     for key, value in hf_sd.items():
         if key.endswith(CONV1D_WEIGHTS):
             value = value.t()
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        out[name] = value.detach().to("cpu", torch.float32).contiguous()
+        out[name] = value.detach().to("cpu", torch.float32).contiguous().numpy()
     return out
 
 
@@ -71,21 +65,6 @@ def check_tied_head(model: torch.nn.Module) -> None:
             "--lora.include-lm-head adapter unties them), but a GPT-2 transformers or GGUF file holds one tensor "
             "for both: keep such an adapter unmerged (gpt2 sample --adapter, gpt2 export --peft-out)"
         )
-
-
-def _check_exportable(model: torch.nn.Module, dtype: str) -> GPTConfig:
-    """The config of ``model`` (unwrapped) if a GGUF file of type ``dtype`` can hold it."""
-    config = getattr(model, "config", None)
-    if not isinstance(config, GPTConfig):
-        raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
-    check_tied_head(model)
-    if dtype not in GGUF_TYPES:
-        raise InvalidValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
-    if config.vocab_size != GPT2_VOCAB_SIZE:
-        raise InvalidValueError(
-            f"the model has a {config.vocab_size}-token vocabulary; a GGUF file holds GPT-2's {GPT2_VOCAB_SIZE} tokens"
-        )
-    return config
 
 
 def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
@@ -123,9 +102,22 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
     An existing ``path`` is replaced only with ``overwrite=True``, and only where it is a regular file
     (:func:`gpt2.files.check_new_file`); nothing is written beside it.
     """
-    gguf = _import_gguf()
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("GGUF export needs the gguf package: pip install gguf (or the gpt2 'gguf' extra)") from e
     model = unwrap_model(model)
-    config = _check_exportable(model, dtype)
+    # What a GGUF file of type dtype can hold, checked before anything is written.
+    config = getattr(model, "config", None)
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"save_gguf expects a gpt2.GPT, got {type(model).__name__}")
+    check_tied_head(model)
+    if dtype not in GGUF_TYPES:
+        raise InvalidValueError(f"GGUF type {dtype!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
+    if config.vocab_size != GPT2_VOCAB_SIZE:
+        raise InvalidValueError(
+            f"the model has a {config.vocab_size}-token vocabulary; a GGUF file holds GPT-2's {GPT2_VOCAB_SIZE} tokens"
+        )
     check_new_file(path, overwrite=overwrite, flag=OVERWRITE_FLAG)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     file_type = getattr(gguf.LlamaFileType, GGUF_TYPES[dtype])
@@ -155,8 +147,7 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, dtype: str = "
             add_token_id(EOT_TOKEN)
         # GPT-2 prepends nothing, as gpt2 sample does.
         writer.add_add_bos_token(False)
-        for name, tensor in _gguf_tensors(model, config).items():
-            data = tensor.numpy()
+        for name, data in _gguf_tensors(model, config).items():
             # The matrices in the asked type; norms and biases stay float32.
             kind = gguf.GGMLQuantizationType.F32
             if data.ndim == 2:

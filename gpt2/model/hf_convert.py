@@ -123,8 +123,7 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
     if pad:
         # Padded rows are never read (ids >= vocab_size are rejected, their logits sliced off);
         # zeros keep them inert and deterministic.
-        wte = out["transformer.wte.weight"]
-        out["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(pad, wte.size(1))])
+        out["transformer.wte.weight"] = torch.nn.functional.pad(out["transformer.wte.weight"], (0, 0, 0, pad))
     # Tied: one tensor under both names.
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
@@ -134,23 +133,9 @@ def refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
     if not parametrized:
         return
-    more = ""
-    if len(parametrized) > 4:
-        more = " ..."
     raise InvalidValueError(
-        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]}{more}: merge the adapter into the "
-        f"weights first, e.g. minlora.merge_lora(model), then save"
-    )
-
-
-def _wrapped_hint(sd: Mapping[str, torch.Tensor]) -> str:
-    """What to pass instead of a compiled or DDP model's state dict (its keys carry the wrapper's prefix)."""
-    wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
-    if not wrapped:
-        return ""
-    return (
-        f"\nKeys start with {wrapped}: pass the unwrapped model's state dict (model._orig_mod for "
-        "torch.compile, model.module for DDP)"
+        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]} ({len(parametrized)} layer(s) in "
+        f"all): merge the adapter into the weights first, e.g. minlora.merge_lora(model), then save"
     )
 
 
@@ -173,21 +158,27 @@ def gpt_to_hf_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig) -> d
     ``lm_head.weight`` the same tensor as the embedding. Parametrizations must be merged first.
     """
     refuse_parametrized(sd)
-    hint = _wrapped_hint(sd)
+    # A compiled or DDP model's state dict (its keys carry the wrapper's prefix): what to pass instead.
+    wrapped = sorted({k.split(".")[0] for k in sd if k.startswith(("_orig_mod.", "module."))})
+    hint = ""
+    if wrapped:
+        hint = (
+            f"\nKeys start with {wrapped}: pass the unwrapped model's state dict (model._orig_mod for "
+            "torch.compile, model.module for DDP)"
+        )
     ours = _fold_head_into_embedding(sd, "transformer.wte.weight")
     _check_keys(ours, _gpt_shapes(config), "GPT state dict", hint=hint)
 
     out: dict[str, torch.Tensor] = {}
-    for key, value in ours.items():
-        if key.endswith(CONV1D_WEIGHTS):
+    for short, shape in _hf_shapes(config).items():
+        value = ours.get("transformer." + short)
+        # Absent: a bias of a bias=False model, zeros in GPT2LMHeadModel.
+        if value is None:
+            value = ours["transformer.wte.weight"].new_zeros(shape)
+        elif short.endswith(CONV1D_WEIGHTS):
             value = value.t().contiguous()
-        out[key] = value
+        out["transformer." + short] = value
     out["transformer.wte.weight"] = out["transformer.wte.weight"][: config.vocab_size]
-    if not config.bias:
-        like = out["transformer.wte.weight"]
-        for short, shape in _hf_shapes(config).items():
-            if short.endswith(".bias"):
-                out["transformer." + short] = like.new_zeros(shape)
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
@@ -259,7 +250,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> GPTConfig:
 
 def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
     """The ``config.json`` dict of a ``transformers.GPT2LMHeadModel`` with ``config``'s shape
-    (``transformers.GPT2Config(**d)`` builds the object).
+    (``transformers.GPT2Config(**d)`` builds the object). Where GPT2Config's default is this model's (an MLP of
+    4 * n_embd, the KV cache, the init std), the file leaves the key out: transformers fills it in.
     """
     # BOS and EOS, if the vocabulary has <|endoftext|>.
     eot = None
@@ -275,17 +267,13 @@ def hf_config_from_gpt(config: GPTConfig) -> dict[str, Any]:
         "n_embd": config.n_embd,
         "n_layer": config.n_layer,
         "n_head": config.n_head,
-        # None: 4 * n_embd.
-        "n_inner": None,
         "activation_function": "gelu_new",
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
         "attn_pdrop": config.dropout,
         "layer_norm_epsilon": config.layer_norm_epsilon,
-        "initializer_range": 0.02,
         # The one value of each flag that this model implements.
         **{key: ours for key, ours, _ in _FIXED_FLAGS},
-        "use_cache": True,
         "bos_token_id": eot,
         "eos_token_id": eot,
     }
