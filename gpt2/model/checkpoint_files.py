@@ -151,7 +151,7 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
             metadata = f.metadata() or {}
         state = load_file(str(path), device="cpu")
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise _file_error(path, f"cannot be read ({_first_line(e)}): truncated, damaged or not safetensors") from None
+        raise _file_error(path, f"cannot be read ({first_line(e)}): truncated, damaged or not safetensors") from None
     try:
         for alias, name in json.loads(metadata.get("aliases", "{}")).items():
             state[alias] = state[name]
@@ -164,7 +164,7 @@ def _file_error(path: Path, problem: str) -> CheckpointError:
     return CheckpointError(f"{path} {problem}", [(str(path), problem)])
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0][:300]
 
@@ -341,7 +341,7 @@ def _read_sharded_weights(path: Path, whole: bool, problems: list[tuple[str, str
             # no_dist: this process alone reads, even inside a process group (rank 0 sampling after training).
             load_shards_into(weights, path / SHARDS_DIR, no_dist=True)
         except Exception as e:  # noqa: BLE001 - the digests matched, so this is a format problem: report it as one
-            problems.append((str(path / SHARDS_DIR), f"cannot be read ({_first_line(e)})"))
+            problems.append((str(path / SHARDS_DIR), f"cannot be read ({first_line(e)})"))
             return {}
     return {key.removeprefix(prefix): tensor for key, tensor in weights.items()}
 
@@ -380,7 +380,7 @@ def read_meta(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | N
         meta = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         # ValueError: not JSON (UnicodeDecodeError is one too); the first line of the error says which
-        problems.append((str(file), f"is not valid JSON or unreadable ({_first_line(e)}; truncated or overwritten?)"))
+        problems.append((str(file), f"is not valid JSON or unreadable ({first_line(e)}; truncated or overwritten?)"))
         return None
     if not isinstance(meta, dict):
         problems.append((str(file), "does not hold a JSON object"))
@@ -421,7 +421,7 @@ def _unreadable(file: Path, e: BaseException) -> str:
         head = f.read(4)
     if head[:1] == b"\x80" or head == b"PK\x03\x04":
         return "holds pickled Python objects, which gpt2 never loads (unpickling runs code from the file)"
-    return f"cannot be read ({_first_line(e)}; truncated or not written by gpt2?)"
+    return f"cannot be read ({first_line(e)}; truncated or not written by gpt2?)"
 
 
 # In save_state's JSON, a tensor stored in the safetensors body under the name it holds.

@@ -20,7 +20,7 @@ import torch
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import OutputExistsError, replace_atomically
 from gpt2.model.checkpoint_files import (
-    _first_line,
+    first_line,
     checkpoints_at,
     load_state_into,
     load_weights,
@@ -98,7 +98,7 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise InvalidValueError(
-            f"{path} is not valid JSON ({_first_line(e)}): truncated or overwritten? Restore it from the model's source"
+            f"{path} is not valid JSON ({first_line(e)}): truncated or overwritten? Restore it from the model's source"
         ) from None
 
 
@@ -233,7 +233,7 @@ def _unreachable_reason(e: Exception) -> str:
     # What huggingface_hub raises offline for a model it has not cached.
     if offline and type(e).__name__ in {"LocalEntryNotFoundError", "OfflineModeIsEnabled"}:
         return "offline mode is on (HF_HUB_OFFLINE=1) and no copy is cached"
-    return f"{type(e).__name__}: {_first_line(e)}"
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 def _not_here(repo_id: str) -> str:

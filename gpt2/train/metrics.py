@@ -24,7 +24,7 @@ from tqdm.auto import tqdm  # a widget in notebooks
 
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import progress_enabled, replace_atomically, write_advice
-from gpt2.model.checkpoint_files import CHECKPOINT_DIR, _first_line, find_latest_checkpoint
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, first_line, find_latest_checkpoint
 from gpt2.train.config import parsed_log_to
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def output_error(
     if newest is not None:
         kept = f"the newest checkpoint {newest} is intact"
         then = "resume (resume='auto' continues from it)"
-    err = error(f"{doing} {path} failed ({_first_line(e)}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}")
+    err = error(f"{doing} {path} failed ({first_line(e)}); {kept}. To go on: {write_advice(e)} (out_dir), then {then}")
     err.errno = getattr(e, "errno", None)
     err.filename = str(path)
     return err
