@@ -20,8 +20,8 @@ import torch
 from gpt2.errors import Gpt2Error, InvalidValueError, MissingFileError
 from gpt2.files import OutputExistsError, replace_atomically
 from gpt2.model.checkpoint_files import (
-    first_line,
     checkpoints_at,
+    first_line,
     load_state_into,
     load_weights,
     non_finite_tensors,

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm  # a widget in notebooks
 
 from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.files import progress_enabled, replace_atomically, write_advice
-from gpt2.model.checkpoint_files import CHECKPOINT_DIR, first_line, find_latest_checkpoint
+from gpt2.model.checkpoint_files import CHECKPOINT_DIR, find_latest_checkpoint, first_line
 from gpt2.train.config import parsed_log_to
 
 logger = logging.getLogger(__name__)
