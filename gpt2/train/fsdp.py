@@ -34,7 +34,7 @@ from gpt2.model.checkpoint_files import (
     OPTIM_KEY,
     SHARDS_DIR,
     CheckpointMismatchError,
-    _first_line,
+    first_line,
     load_shards_into,
     non_finite_tensors,
 )
@@ -178,7 +178,7 @@ def load_shards(checkpoint: Path, model: nn.Module, optimizer: Any, trainable_on
         load_shards_into(state, checkpoint / SHARDS_DIR, no_dist=not _active())
     except Exception as e:  # noqa: BLE001 - DCP raises its own CheckpointException (or RuntimeError) for a misfit
         raise CheckpointMismatchError(
-            f"checkpoint {checkpoint}: its shards do not fit this model or optimizer ({_first_line(e)}). To start "
+            f"checkpoint {checkpoint}: its shards do not fit this model or optimizer ({first_line(e)}). To start "
             "from the weights alone with a fresh optimizer, pass resume_weights_only=True (--resume-weights-only)",
             [(str(checkpoint / SHARDS_DIR), "do not fit this run")],
         ) from None
