@@ -321,8 +321,10 @@ def _from_transformers(directory: Path, model_class: type[torch.nn.Module], **ov
     """``model_class`` with the config (``overrides``: our own fields, see :func:`config_from_hf`) and the
     weights of the ``transformers`` directory, as they are stored.
     """
+    # a damaged config.json is named by _read_json itself; the config's own values are named here
+    hf_config = _read_json(directory / "config.json")
     try:
-        config = config_from_hf(_read_json(directory / "config.json"), **overrides)
+        config = config_from_hf(hf_config, **overrides)
     except (TypeError, ValueError) as e:
         raise InvalidValueError(f"{directory / 'config.json'}: {e}") from None
     hf_sd = load_hf_state_dict(directory)
