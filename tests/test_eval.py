@@ -419,3 +419,15 @@ def test_trainer_evaluation_of_a_non_finite_model_raises_naming_the_run(tmp_path
             trainer.evaluate()
         with pytest.raises(NonFiniteLossError, match=r"model trained in .*run \(step 0\)"):
             val_loss(trainer, tokens, max_batches=2)
+
+
+def test_a_loader_without_state_dict_is_named_not_an_attribute_error(tiny_config):
+    class OnlyBatches:
+        batch_size, seq_len = 2, 8
+
+        def next_batch(self):
+            return torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
+
+    model = GPT(tiny_config)
+    with pytest.raises(TypeError, match="a loader to evaluate needs reset.*OnlyBatches has no reset, state_dict"):
+        evaluate_loss(model, OnlyBatches(), 2, 8, max_batches=1)

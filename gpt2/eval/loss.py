@@ -136,6 +136,13 @@ def _eval_loader(model: nn.Module, data: Any, batch_size: int, seq_len: int, spl
             f"the loader reads batches of {sizes[0]} x {sizes[1]}, not {batch_size} x {seq_len}: build it so"
         )
     if hasattr(data, "next_batch"):
+        # one pass from the start, then put back where it was (gpt2.data.loader.one_pass)
+        missing = [name for name in ("reset", "state_dict", "load_state_dict") if not hasattr(data, name)]
+        if missing:
+            raise TypeError(
+                f"a loader to evaluate needs reset(), state_dict() and load_state_dict() to read one pass from its "
+                f"start and put it back; {type(data).__name__} has no {', '.join(missing)}"
+            )
         return data
     # Ids are checked against the vocabulary on the CPU (the forward never syncs to).
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
