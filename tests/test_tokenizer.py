@@ -197,3 +197,15 @@ def test_cache_folder_downloads_once_and_offline_error_says_how(shared_data, tmp
     _load_tokenizer.cache_clear()
     get_tokenizer()
     assert len(fetched) == 2
+
+
+def test_another_encoding_is_refused_by_the_constructor():
+    # a small tiktoken encoding built offline: its ids are not GPT-2's
+    other = tiktoken.Encoding(
+        name="bytes",
+        pat_str=r"\S+|\s+",
+        mergeable_ranks={bytes([b]): b for b in range(256)},
+        special_tokens={"<|endoftext|>": 256},
+    )
+    with pytest.raises(ValueError, match="encoding 'bytes' has eot_token=256 and n_vocab=257; GPT-2's BPE has 50256"):
+        Tokenizer(other)

@@ -142,7 +142,12 @@ class Tokenizer:
     """
 
     def __init__(self, encoding: tiktoken.Encoding):
-        # GPT-2's: from_files builds it with GPT-2's 50257 ids and <|endoftext|> = 50256
+        # A public constructor: another encoding (cl100k_base) would decode and check ids against its own vocabulary.
+        if encoding.eot_token != EOT_TOKEN or encoding.n_vocab != GPT2_VOCAB_SIZE:
+            raise InvalidValueError(
+                f"encoding {encoding.name!r} has eot_token={encoding.eot_token} and n_vocab={encoding.n_vocab}; "
+                f"GPT-2's BPE has {EOT_TOKEN} and {GPT2_VOCAB_SIZE}"
+            )
         self.encoding = encoding
 
     @classmethod
