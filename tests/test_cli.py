@@ -794,7 +794,8 @@ def test_prepare_text_and_jsonl(tmp_path, capsys):
     )
     assert code == 2 and "overwrite" in err
     code, _, err = run(capsys, "prepare", "--input", jsonl, "--text-field", "text", "--out-dir", tmp_path / "c")
-    assert code == 2 and "string field 'text'" in err
+    # the row's own fields are listed: the names --text-field can choose from
+    assert code == 2 and "string field 'text'" in err and "(fields: ['body'" in err
     code, _, err = run(capsys, "prepare", "--out-dir", tmp_path / "d")
     assert code == 2 and "nothing to tokenise" in err
 

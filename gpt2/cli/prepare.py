@@ -145,8 +145,10 @@ def _texts(rows: Iterable[tuple[str, Any]], text_field: str) -> Iterator[str]:
     """The documents of ``(where, row)`` pairs, jsonl lines or dataset rows: each row's ``text_field``."""
     for where, row in rows:
         if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+            # the row's own fields: the names --text-field can choose from
+            fields = f" (fields: {sorted(row)})" if isinstance(row, dict) else ""
             raise InvalidValueError(
-                f"{where}: expected rows with a string field {text_field!r} (choose the field with --text-field)"
+                f"{where}: expected rows with a string field {text_field!r}{fields}; choose the field with --text-field"
             )
         # An empty document would be a lone <|endoftext|>.
         if row[text_field]:
