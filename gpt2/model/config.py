@@ -178,7 +178,7 @@ class GPTConfig:
     pad_vocab_multiple: int = 1
     # GPT-2's value.
     layer_norm_epsilon: float = 1e-5
-    # F.scaled_dot_product_attention; False: its math backend (explicit softmax attention, in fp32).
+    # F.scaled_dot_product_attention; False: explicit softmax attention.
     flash: bool = True
 
     def __post_init__(self) -> None:

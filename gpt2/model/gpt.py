@@ -5,7 +5,7 @@ state dicts and LoRA targets read as in nanoGPT and ``transformers``; every proj
 
 from __future__ import annotations
 
-import contextlib
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
@@ -59,13 +58,27 @@ class CausalSelfAttention(nn.Module):
         # cache); a cache or padded prompts always come with an explicit boolean mask.
         is_causal = attn_mask is None
         dropout_p = self.dropout if self.training else 0.0
-        # flash=False: the math backend, the pre-flash baseline: it materialises the (T, S) score matrix and computes
-        # in fp32 (bf16 / fp16 inputs are upcast)
-        with contextlib.nullcontext() if self.flash else sdpa_kernel(SDPBackend.MATH):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        attend = F.scaled_dot_product_attention if self.flash else _manual_attention
+        y = attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         # (B, T, C): heads side by side again
         y = y.transpose(1, 2).flatten(2)
         return self.resid_dropout(self.c_proj(y))
+
+
+def _manual_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, dropout_p: float
+) -> torch.Tensor:
+    """Attention written out (materialises the (T, S) score matrix): the pre-flash baseline."""
+    T, S = q.size(-2), k.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
+    if is_causal:
+        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+    if attn_mask is not None:
+        att = att.masked_fill(~attn_mask, float("-inf"))
+    # softmax in fp32
+    att = F.softmax(att.float(), dim=-1).to(q.dtype)
+    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+    return att @ v  # (B, nh, T, hs)
 
 
 class MLP(nn.Module):
