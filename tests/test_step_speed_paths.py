@@ -207,3 +207,15 @@ def test_the_tied_path_is_taken_only_where_it_gives_the_plain_gradients(tiny_con
     handle.remove()
     model.transformer.wte.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     assert model._tied_grad(targets) is None
+
+
+def test_a_backward_that_skips_the_loss_still_reaches_the_tied_embedding(tiny_config):
+    # a block's output alone (e.g. an activation probe): the loss's backward never runs to hand over the head's part
+    model = GPT(tiny_config)
+    acts = []
+    model.transformer.h[0].register_forward_hook(lambda module, args, out: acts.append(out))
+    x = torch.randint(0, tiny_config.vocab_size, (2, 8))
+    model(x, x)
+    acts[0].sum().backward()
+    grad = model.transformer.wte.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad[x.unique()].abs().sum() > 0

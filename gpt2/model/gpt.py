@@ -516,14 +516,17 @@ class _TiedEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, idx, weight, tied):
         ctx.save_for_backward(idx)
-        ctx.tied = tied
+        ctx.tied, ctx.weight_shape = tied, weight.shape
         return F.embedding(idx, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (idx,) = ctx.saved_tensors
-        # The loss's backward ran first (this embedding feeds the loss alone) and handed the head's gradient over.
+        # The loss's backward ran first and handed the head's gradient over, unless this backward does not pass
+        # through the loss (e.g. from a block's output alone): then the embedding's gradient is its own rows only.
         dw, ctx.tied.dw = ctx.tied.dw, None
+        if dw is None:
+            dw = grad.new_zeros(ctx.weight_shape)
         # FSDP's bf16 compute weights give a bf16 grad here and an fp32 dw (autograd casts it to the weight's dtype)
         rows = grad.reshape(-1, grad.size(-1)).to(dw.dtype)
         return None, dw.index_add_(0, idx.reshape(-1), rows), None
