@@ -98,7 +98,8 @@ class LoRAParametrization(nn.Module):
         self.rank = rank
         self.lora_dropout_p = float(lora_dropout_p)
         self.use_dora = bool(use_dora)
-        self.set_scaling(lora_alpha, use_rslora)
+        # the constructor's None is rsLoRA off (set_scaling's None keeps the setting, and there is none yet)
+        self.set_scaling(lora_alpha, bool(use_rslora))
         # False: the identity (disable_lora)
         self.enabled = True
         # False: always the weight path (set_fast_path)

@@ -246,3 +246,8 @@ def test_every_deliberate_error_is_a_minlora_error_and_keeps_its_builtin_base():
     with pytest.raises(minlora.LoRAIndexError, match="out of range") as info:
         minlora.select_lora(linear, 1)
     assert isinstance(info.value, IndexError) and isinstance(info.value, minlora.MinloraError)
+
+
+def test_use_rslora_none_is_plain_lora():
+    lora = LoRAParametrization(8, 4, rank=4, lora_alpha=2, use_rslora=None)
+    assert lora.use_rslora is False and lora.scaling == 0.5
