@@ -153,3 +153,10 @@ def test_bench_says_why_the_compile_rung_is_skipped(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "compile" in out
     assert "CPU default: --compile" not in out and "compiling on a CPU is slow (--compile times it)" in out
+
+
+def test_a_fields_end_of_line_comment_after_non_ascii_text_is_its_whole_help():
+    from gpt2.cli.layers import _own_field_help
+
+    source = 'class Options:\n    arrow: str = "→→→→"  # the help text\n'
+    assert _own_field_help(source) == {"arrow": "the help text"}

@@ -473,8 +473,9 @@ def _own_field_help(source: str) -> dict[str, str]:
             if not comment.startswith("#") or comment.lstrip("# ").startswith("---"):
                 break
             above.insert(0, comment.lstrip("#"))
-        # what follows the field on its last line: its comment, if it has one
-        text = lines[node.end_lineno - 1][node.end_col_offset :].strip().lstrip("#") or " ".join(above)
+        # what follows the field on its last line: its comment, if it has one (ast's offsets count UTF-8 bytes)
+        tail = lines[node.end_lineno - 1].encode()[node.end_col_offset :].decode()
+        text = tail.strip().lstrip("#") or " ".join(above)
         if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
             text = after.value.value
         helps[node.target.id] = " ".join(text.split())
