@@ -272,3 +272,22 @@ def test_a_stop_in_the_middle_of_bad_steps_keeps_the_good_checkpoint_to_go_back_
         trainer.fit()
         assert trainer.recovery.recoveries == 1 and trainer.step == 16
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000016"]  # pruned again once good
+
+
+def test_a_second_fit_does_not_copy_the_state_its_first_fit_left(monkeypatch):
+    from gpt2.train.recovery import RecoveryPolicy
+
+    copied = []
+    refresh = RecoveryPolicy.refresh_snapshot
+
+    def counting(self, trainer):
+        copied.append(trainer.step)
+        refresh(self, trainer)
+
+    monkeypatch.setattr(RecoveryPolicy, "refresh_snapshot", counting)
+    with Trainer(_model(), _config(out_dir=None, max_steps=4, max_lr=1e-3, min_lr=1e-4), TOKENS, sinks=[]) as trainer:
+        trainer.fit(until_step=2)
+        after_first = list(copied)
+        trainer.fit()
+    # the second fit() starts from the copy of step 2 the first one left
+    assert after_first[-1] == 2 and copied.count(2) == 1, copied

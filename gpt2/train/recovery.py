@@ -176,9 +176,12 @@ class RecoveryPolicy:
     # ------------------------------------------------------------------ the in-memory good state
     def begin(self, trainer: Trainer) -> None:
         """At the start of a ``fit()``: without a checkpoint yet, copy the state so there is somewhere to go back to
-        (once the first step confirms it). A copy of the same step made before is simply made again.
+        (once the first step confirms it). A fit() that ended at this step already left its copy of it (a whole model
+        and optimizer state: not copied again).
         """
-        if self.config.recovery.enabled and trainer.last_checkpoint is None:
+        if not self.config.recovery.enabled or trainer.last_checkpoint is not None:
+            return
+        if self.unconfirmed is None or self.unconfirmed[0] != trainer.step:
             self.refresh_snapshot(trainer)
 
     def refresh_snapshot(self, trainer: Trainer) -> None:
