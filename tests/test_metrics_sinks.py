@@ -230,3 +230,10 @@ def test_fit_log_closes_the_sinks_it_opened_when_metrics_jsonl_fails(tmp_path, m
     with pytest.raises(metrics.RunOutputError, match="metrics.jsonl failed"):
         metrics.FitLog([], config, out_dir=tmp_path, step=0, is_main=True)
     assert closed == [True]
+
+
+def test_read_jsonl_skips_blank_lines_without_a_warning(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n\n   \n{"step": 2}\n')
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+    assert "malformed" not in caplog.text

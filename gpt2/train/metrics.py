@@ -233,6 +233,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
+            # a blank line (a user's edit) holds no record and is not damage
+            if not line:
+                continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
