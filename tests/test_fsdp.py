@@ -342,3 +342,26 @@ def test_overwrite_removes_a_sharded_run_and_keeps_the_rest(runs, tmp_path):
     assert not (run / "checkpoints" / "step_000005").exists()
     assert (run / "checkpoints" / "step_000001" / WEIGHTS_FILE).is_file()
     assert (run / "report_rank1.json").is_file()
+
+
+_NON_PERSISTENT_BUFFER_JOB = """
+import torch, torch.distributed as dist, torch.nn as nn
+from gpt2.train import fsdp
+from gpt2.train.precision import resolve_precision
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(4, 4))
+model.register_buffer("mask", torch.arange(4.0), persistent=False)
+twin = fsdp.empty_twin(model)
+fsdp.shard_model(model, torch.device("cpu"), resolve_precision("fp32", "cpu"))
+whole = fsdp.gather_into_twin(model, twin, True)
+assert torch.equal(whole.mask, torch.arange(4.0)), whole.mask
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_the_whole_model_keeps_a_non_persistent_buffer(tmp_path):
+    # no state dict holds it: the sharded model's own (unsharded) copy is taken
+    code = _NON_PERSISTENT_BUFFER_JOB.format(store=tmp_path / "store")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -128,7 +128,11 @@ def gather_into_twin(model: nn.Module, twin: nn.Module, is_main: bool) -> nn.Mod
     # Each parameter (a tied one once, under its first name) and buffer takes its gathered tensor in place: the
     # same object, so the names that share it (a tied embedding and head) still do.
     for name, tensor in [*twin.named_parameters(), *twin.named_buffers()]:
-        whole = state[name]
+        whole = state.get(name)
+        if whole is None:
+            # A non-persistent buffer (a mask, rotary tables) is in no state dict; FSDP does not shard buffers, so the
+            # model's own copy is whole.
+            whole = model.get_buffer(name).detach().cpu().clone()
         if isinstance(tensor, nn.Parameter):
             whole = nn.Parameter(whole, requires_grad=tensor.requires_grad)
         torch.utils.swap_tensors(tensor, whole)
