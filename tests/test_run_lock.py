@@ -365,3 +365,44 @@ def test_under_ddp_every_rank_fails_together_when_out_dir_is_locked(dist_run):
     rank0, rank1 = dist_run.reports("locked")
     assert rank0["refused"] and rank1["refused"], (rank0, rank1)
     assert "raised on rank 0" in rank1["refused"]
+
+
+_LOCAL_ERROR_JOB = """
+import sys
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from gpt2.train.checkpoint import run_on_all_ranks
+
+def work(rank, store):
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+
+    class LocalError(Exception):
+        pass
+
+    def fail():
+        if rank == 0:
+            raise LocalError("only rank 0 failed")
+
+    try:
+        run_on_all_ranks(fail)
+    except Exception as e:
+        print(rank, type(e).__name__, e, flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(work, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+@pytest.mark.dist
+def test_an_error_whose_class_cannot_be_pickled_still_reaches_every_rank(tmp_path):
+    # a class defined inside a function: sent by name, so rank 0 does not fail before the collective
+    script = tmp_path / "job.py"
+    script.write_text(_LOCAL_ERROR_JOB)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(proc.stdout.splitlines())
+    assert lines[0] == "0 LocalError only rank 0 failed", lines
+    assert lines[1].startswith("1 RuntimeError ") and lines[1].endswith("only rank 0 failed (raised on rank 0)"), lines

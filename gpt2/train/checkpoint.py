@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import pkgutil
 import random
 import shutil
 import uuid
@@ -261,17 +262,19 @@ def run_on_all_ranks(fn: Callable[[], Any]) -> Any:
     try:
         result = fn()
     except BaseException as e:
-        dist.all_gather_object(outcomes, (type(e), str(e)))
+        # The class by its name: pickling a class defined inside a function would fail here, before the collective,
+        # and leave the other processes waiting at it.
+        dist.all_gather_object(outcomes, (f"{type(e).__module__}:{type(e).__qualname__}", str(e)))
         raise
     dist.all_gather_object(outcomes, None)
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
-            cls, message = outcome
+            name, message = outcome
             message = f"{message} (raised on rank {rank})"
             try:
-                error = cls(message)
-            except TypeError:
-                error = RuntimeError(f"{cls.__name__}: {message}")
+                error = pkgutil.resolve_name(name)(message)
+            except (ImportError, AttributeError, ValueError, TypeError):
+                error = RuntimeError(f"{name}: {message}")
             raise error
     return result
 
