@@ -95,6 +95,10 @@ def test_torchruns_agent_leaves_a_signal_ignored_at_start_ignored(monkeypatch):
     # Not ignored: the agent handles it as before.
     assert launch.launch_workers("train", "max_steps: 1\n", 2, "gpt2 train") == 0
     assert seen["signals"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    # A list the user set in torch's own variable is kept.
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")
+    assert launch.launch_workers("train", "max_steps: 1\n", 2, "gpt2 train") == 0
+    assert seen["signals"] == "SIGTERM"
 
 
 def test_the_last_stop_signal_stops_at_once_naming_the_signal_and_the_outcome():

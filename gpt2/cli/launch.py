@@ -10,6 +10,7 @@ writes), so every rank runs exactly the options the launcher saw.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -54,7 +55,9 @@ def launch_workers(command: str, config_yaml: str, nproc_per_node: int, prog: st
             shutdown_timeout=SHUTDOWN_SECONDS,
             # A stop signal ignored when the run starts (``nohup``: SIGHUP, ``trap '' HUP``) stays ignored, by the
             # agent as by the workers, which inherit the ignored disposition and keep it (gpt2.files.StopSignals).
-            signals_to_handle=",".join(
+            # A list the user set (torch's own variable) is theirs to keep.
+            signals_to_handle=os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+            or ",".join(
                 name for name in _AGENT_SIGNALS if signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN
             ),
         )
