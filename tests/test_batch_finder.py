@@ -427,3 +427,12 @@ def test_finetune_refuses_auto_with_instruction_rows(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2 and "with instruction rows (.jsonl) give a number" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_memory_limit_gb_on_a_gpu_is_named_as_ignored(caplog):
+    from gpt2.train.batch_finder import _limit_bytes
+
+    config = TrainConfig(micro_batch_size="auto", memory_limit_gb=4.0, device="cpu", out_dir=None)
+    with caplog.at_level(logging.WARNING, logger="gpt2.train.batch_finder"):
+        assert _limit_bytes(config, torch.device("cuda")) is None
+    assert "memory_limit_gb applies on a CPU; on cuda its own memory is the limit" in caplog.text

@@ -359,12 +359,17 @@ def _find(
         if limit is not None:
             held = memory_now()[1] / GIB
             where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {held:.2f} GiB)"
-        # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
-        tried = describe(trials) or "none: the model with its gradients and optimizer state does not fit"
-        raise NoMicroBatchFitsError(
-            f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {tried}); lower seq_len, "
-            "use activation_checkpointing or a lower precision, or give it more memory"
+        message = (
+            f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {describe(trials)}); lower "
+            "seq_len, use activation_checkpointing or a lower precision, or give it more memory"
         )
+        if not trials:
+            # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
+            message = (
+                f"the model with its gradients and optimizer state does not fit in {where}: no "
+                "micro_batch_size='auto' can; train a smaller model, or give it more memory"
+            )
+        raise NoMicroBatchFitsError(message)
     where = f"on {device}"
     if limit is not None:
         where = f"in {config.memory_limit_gb:g} GiB (memory_limit_gb)"
@@ -374,7 +379,8 @@ def _find(
 def _limit_bytes(config: TrainConfig, device: torch.device) -> int | None:
     """The CPU's limit in bytes (None on a GPU), refused in one line where a CPU run cannot be held to one."""
     if device.type != "cpu":
-        # On a GPU its own memory is the limit (memory_limit_gb is for a CPU).
+        if config.memory_limit_gb is not None:
+            logger.warning("memory_limit_gb applies on a CPU; on %s its own memory is the limit", device)
         return None
     if config.memory_limit_gb is None:
         raise InvalidValueError(
