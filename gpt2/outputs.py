@@ -225,14 +225,18 @@ def _files_under(path: Path) -> list[Path]:
 
 def _matches(path: Path, entry: dict[str, Any]) -> bool:
     """Whether ``path`` is a plain file holding the recorded bytes (``appends``: starting with them). The
-    sha256 of the whole file (or of its first ``size`` bytes) is the proof: another size has another digest.
+    sha256 of its first ``size`` bytes is the proof, read only where the size fits (a large changed file is not).
     """
     if "sha256" not in entry:
         return False
-    size = None
-    if entry.get("appends"):
-        size = entry["size"]
-    return _sha256(path, size) == entry["sha256"]
+    try:
+        size = os.lstat(path).st_size
+    except OSError:
+        return False
+    # a log gpt2 appends to only grows; any other file keeps its size
+    if size < entry["size"] or (size > entry["size"] and not entry.get("appends")):
+        return False
+    return _sha256(path, entry["size"]) == entry["sha256"]
 
 
 def _sha256(path: Path, size: int | None = None) -> str | None:

@@ -174,3 +174,20 @@ def test_nothing_is_written_outside_the_paths_a_user_names(tmp_path, shakespeare
         assert main([*train, "--no-progress", "--num-samples", "0", *extra]) == 0
     assert sorted(p.name for p in a.iterdir()) == ["m.gguf", "model", "r.json", "run"]
     assert sorted(os.listdir(tmp_path)) == ["a"]
+
+
+def test_a_recorded_file_of_another_size_is_judged_without_reading_it(tmp_path, monkeypatch):
+    from gpt2 import outputs
+
+    folder = outputs.OutputFolder(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "metrics.jsonl").write_bytes(b"{}\n")
+    folder.record(["model.safetensors"], appends=["metrics.jsonl"])
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 101)
+    (tmp_path / "metrics.jsonl").write_bytes(b"{}\n{}\n")
+    read = []
+    sha256 = outputs._sha256
+    monkeypatch.setattr(outputs, "_sha256", lambda path, size=None: read.append(path.name) or sha256(path, size))
+    # grown: not the file gpt2 wrote, and not read; a log that grew is read up to its recorded size
+    assert not folder.owns("model.safetensors") and folder.owns("metrics.jsonl")
+    assert read == ["metrics.jsonl"]
