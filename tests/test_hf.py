@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
+from gpt2.errors import MissingFileError
 from gpt2.model.checkpoint_files import CheckpointMismatchError
 from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT
@@ -529,3 +530,14 @@ def test_full_124m_shape_parity(tmp_path, all_threads):
     assert ours.config == GPTConfig.from_name("gpt2")
     idx = _ids(vocab=50257, shape=(1, 16))
     _assert_same_logits_and_loss(ours, hf, idx)
+
+
+@pytest.mark.parametrize("fmt", ["sharded-bin", "sharded-safetensors"])
+def test_a_shard_missing_from_a_transformers_folder_is_named_as_its_index_lists_it(hf_model, tmp_path, fmt):
+    d = _write_dir(tmp_path / fmt, hf_model, _legacy_state_dict(hf_model, True), fmt)
+    ext = "bin" if fmt == "sharded-bin" else "safetensors"
+    (d / f"model-00002-of-00002.{ext}").unlink()
+    with pytest.raises(
+        MissingFileError, match=rf"shard 'model-00002-of-00002.{ext}' listed in .*index.json is missing"
+    ):
+        GPT.from_pretrained(d)

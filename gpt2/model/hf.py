@@ -107,8 +107,10 @@ def _load_sharded(d: Path, index_name: str, load) -> dict[str, torch.Tensor]:
     if not isinstance(weight_map, dict):
         raise InvalidValueError(f"{d / index_name} has no 'weight_map' dict: not a transformers shard index")
     out: dict[str, torch.Tensor] = {}
-    # A shard that is not there: its loader names the file.
     for shard in sorted(set(weight_map.values())):
+        # named as the index's: the loaders' own errors do not say the index lists it
+        if not (d / shard).is_file():
+            raise MissingFileError(f"shard {shard!r} listed in {index_name} is missing from {str(d)!r}")
         out.update(load(d / shard))
     return out
 
