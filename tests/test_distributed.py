@@ -105,3 +105,10 @@ def test_two_gloo_processes_match_one_process_on_uneven_instruction_rows(tmp_pat
     for rank in ranks:
         for name, values in single["weights"].items():
             torch.testing.assert_close(torch.tensor(rank["weights"][name]), torch.tensor(values), rtol=1e-4, atol=1e-6)
+
+
+def test_a_torch_without_distributed_is_named_when_world_size_is_above_one(monkeypatch):
+    monkeypatch.setattr(distributed.dist, "is_available", lambda: False)
+    env = distributed.env_from_environ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(RuntimeError, match="this PyTorch build has no torch.distributed support"):
+        distributed.init_process_group(env, torch.device("cpu"))

@@ -105,6 +105,8 @@ def init_process_group(env: DistributedEnv, device: torch.device) -> bool:
     """
     if not env.is_distributed:
         return False
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed support")
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size:
             raise RuntimeError(
