@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 import urllib.request
+from pathlib import Path
 
 import pytest
 import tiktoken.load
@@ -194,3 +195,23 @@ def test_get_tokenizer_is_cached_per_tiktoken_cache(shared_data, tmp_path, env):
     shutil.copytree(shared_data / "tiktoken-cache", tmp_path / "b")
     env.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "b"))
     assert get_tokenizer() is not first
+
+
+def test_an_unreadable_tiktoken_file_is_passed_over(shared_data, tmp_path, env, caplog):
+    # a shared cache of another user's: tests run as root here, so the read error is made, not a chmod
+    shutil.copytree(shared_data / "tiktoken-cache", tmp_path / "tiktoken")
+    unreadable = tmp_path / "tiktoken" / tiktoken_cache_name(URLS["encoder.json"])
+    project = _project_cache(shared_data, tmp_path, *NAMES)
+    env.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    sha256_file = tokenizer.sha256_file
+
+    def refuse(path, *args):
+        if Path(path) == unreadable:
+            raise PermissionError(13, "Permission denied", str(path))
+        return sha256_file(path, *args)
+
+    env.setattr(tokenizer, "sha256_file", refuse)
+    with caplog.at_level(logging.WARNING, logger=tokenizer.__name__):
+        vocab_bpe, encoder_json = bpe_files()
+    assert vocab_bpe.parent == tmp_path / "tiktoken" and encoder_json == project / "encoder.json"
+    assert f"passing over {unreadable} in tiktoken's cache: it cannot be read" in caplog.text

@@ -262,10 +262,15 @@ def _bpe_file(name: str, sha256: str) -> Path:
     url = _GPT2_BPE_URL + name
     for directory in tiktoken_cache_dirs():
         path = directory / tiktoken_cache_name(url)
-        # a file that differs is passed over, with a warning (one that cannot be read raises its OSError)
+        # a file that differs, or that cannot be read (a shared cache of another user's), is passed over with a warning
         if not path.is_file():
             continue
-        if sha256_file(path) == sha256:
+        try:
+            digest = sha256_file(path)
+        except OSError as e:
+            logger.warning("passing over %s in tiktoken's cache: it cannot be read (%s)", path, e)
+            continue
+        if digest == sha256:
             return path
         logger.warning("passing over %s in tiktoken's cache: its sha256 is not the expected %s", path, sha256)
     path = bpe_cache_dir() / name
