@@ -55,16 +55,17 @@ def export(options: ExportOptions) -> int:
     if options.gguf is not None:
         # a new file, or an existing one to replace (save_gguf checks it again when it writes)
         check_output_file("--gguf", options.gguf, options.overwrite)
-    write_exports(options.source.load(), options, merge=bool(adapter))
+    write_exports(options.source.load(), options)
     return 0
 
 
-def write_exports(model: Any, options: ExportOptions, *, merge: bool) -> None:
+def write_exports(model: Any, options: ExportOptions) -> None:
     """The files ``options`` names, of ``model`` (``options.source.model`` is the PEFT adapter's base): the PEFT
-    adapter, then with ``merge`` the adapter merged into the weights of the transformers folder and the GGUF file.
+    adapter, then a model with LoRA on it merged into the weights of the transformers folder and the GGUF file.
     ``gpt2 export`` and ``gpt2 finetune`` (its ``--peft-export`` and ``--merge-export``) write them so.
     """
-    # the files that hold the weights, with an adapter merged into them
+    # an adapter on the model (--adapter, or a LoRA fine-tune): merged into the files that hold the weights
+    merge = bool(minlora.lora_sites(model))
     merged = options.out is not None or options.gguf is not None
     # A merged export needs the LM head tied to the embedding: checked before the PEFT export is written.
     if merge and merged:

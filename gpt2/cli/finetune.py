@@ -188,4 +188,4 @@ def _save(trainer: Any, model: Any, options: FinetuneOptions, results: dict[str,
         peft_out=options.peft_export,
         overwrite=options.train.overwrite,
     )
-    write_exports(model, exports, merge=not options.full)
+    write_exports(model, exports)
