@@ -55,9 +55,13 @@ class Command(NamedTuple):
     summary: str
     recipe: str | None = None
 
+    def member(self, name: str) -> Any:
+        """``name`` of the command's module: its function (named like the module) or its ``check``."""
+        return pkgutil.resolve_name(f"gpt2.cli.{self.module_name}:{name}")
+
     @property
     def function(self) -> Any:
-        return pkgutil.resolve_name(f"gpt2.cli.{self.module_name}:{self.module_name}")
+        return self.member(self.module_name)
 
     @property
     def options(self) -> type:
@@ -142,7 +146,7 @@ def _launch(name: str, options: Any, argv: list[str], prog: str) -> int:
     from gpt2.cli.launch import launch_workers
 
     # Check the options once here: a bad value is one line, not one per rank.
-    pkgutil.resolve_name(f"gpt2.cli.{COMMANDS[name].module_name}:check")(options)
+    COMMANDS[name].member("check")(options)
     single = dataclasses.replace(options, launch=dataclasses.replace(options.launch, nproc_per_node=1))
     config = dump_yaml(single, f"# {prog}: options of the launcher\n")
     # The workers' resume line repeats the launcher's arguments. Only the workers read them: a
