@@ -1,12 +1,18 @@
-"""Causal attention forward + backward on the CPU: torch's flash kernel against its math path and a chunked one.
+"""Causal attention forward + backward on the CPU: torch's flash kernel against gpt2's bf16 backward, the math path
+and a chunked one.
 
-One thread, CPU time (``time.process_time``), the three interleaved round by round, the GPT-2 124M attention shape
-(12 heads of 64) at B=4, T=256 by default, in bf16 (autocast's dtype for the attention inputs) and fp32:
+One thread, CPU time (``time.process_time``), the variants interleaved round by round, the GPT-2 124M attention
+shape (12 heads of 64) at B=4, T=256 by default, in bf16 (autocast's dtype for the attention inputs) and fp32:
 
 - ``flash``: ``F.scaled_dot_product_attention(..., is_causal=True)`` under ``sdpa_kernel(FLASH_ATTENTION)``;
+- ``ours`` (bf16 only): what a bf16 ``gpt2.GPT`` trains with on a CPU up to T=512, flash's forward and a backward
+  that computes the scores again with batched bf16 products (``gpt2.model.gpt._CpuCausalAttention``);
 - ``math``: the same call under ``sdpa_kernel(MATH)`` (the (T, T) scores materialised, softmax, product);
 - ``chunked``: the queries in blocks of ``--chunk`` rows, each block a math-path call against the keys up to its
   end (causal), so no block sees the (T, T) matrix whole.
+
+Each variant's gradients are compared with the flash path's in float64 on the same inputs (relative error,
+``|grad - exact| / |exact|`` over each whole tensor).
 
     PYTHONPATH=. python benchmarks/attention_backward.py [--rounds 7] [--batch 4] [--seq-len 256]
 """
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gpt2.model.gpt import _CpuCausalAttention
 from gpt2.train.precision import describe_machine
 
 
@@ -44,6 +51,10 @@ def chunked(q, k, v, chunk: int):
         with sdpa_kernel(SDPBackend.MATH):
             outs.append(F.scaled_dot_product_attention(q[..., start:end, :], k[..., :end, :], v[..., :end, :], mask))
     return torch.cat(outs, dim=-2)
+
+
+def relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((value.double() - exact).norm() / exact.norm()).item()
 
 
 def step_seconds(fn, q, k, v, grad) -> float:
@@ -72,10 +83,16 @@ def main() -> None:
         q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_() for _ in range(3))
         grad = torch.randn(shape, generator=gen).to(dtype)
         variants = {"flash": flash, "math": math_path, "chunked": lambda q, k, v: chunked(q, k, v, args.chunk)}
+        if dtype == torch.bfloat16:
+            variants["ours"] = _CpuCausalAttention.apply
         reference = flash(q, k, v).float()
+        exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        flash(*exact).backward(grad.double())
         for name, fn in variants.items():
             diff = (fn(q, k, v).float() - reference).abs().max().item()
-            print(f"{str(dtype)[6:]:9} {name:8} max |out - flash| {diff:.2e}")
+            step_seconds(fn, q, k, v, grad)
+            errors = [f"{relative_error(t.grad, e.grad):.1e}" for t, e in zip((q, k, v), exact)]
+            print(f"{str(dtype)[6:]:9} {name:8} max |out - flash| {diff:.2e}, grads' error dq dk dv {' '.join(errors)}")
         times = {name: [] for name in variants}
         for fn in variants.values():
             step_seconds(fn, q, k, v, grad)  # warm-up

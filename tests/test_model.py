@@ -141,6 +141,65 @@ def test_flash_and_manual_attention_agree(tiny_config):
     )
 
 
+def _attention_grads(attend, q, k, v, grad):
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attend(*inputs)
+    out.backward(grad.to(out.dtype))
+    return out, [t.grad for t in inputs]
+
+
+def test_bf16_cpu_attention_backward_matches_the_flash_backward(monkeypatch):
+    from gpt2.model import gpt as gpt_module
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 3, 40, 16, generator=gen).bfloat16() for _ in range(4))
+    flash = lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True)  # noqa: E731
+    out, ours = _attention_grads(gpt_module._CpuCausalAttention.apply, q, k, v, grad)
+    flash_out, flash_grads = _attention_grads(flash, q, k, v, grad)
+    # the forward is the flash kernel's
+    assert torch.equal(out, flash_out)
+    _, exact = _attention_grads(flash, q.double(), k.double(), v.double(), grad)
+    for name, mine, theirs, truth in zip("qkv", ours, flash_grads, exact):
+        error = ((mine.double() - truth).norm() / truth.norm()).item()
+        flash_error = ((theirs.double() - truth).norm() / truth.norm()).item()
+        # bf16 rounding: scores rounded before their softmax, as the flash kernel does not
+        assert error < max(2 * flash_error, 1e-2), (name, error, flash_error)
+    # two heads per block of scores: the same gradients as all six in one
+    monkeypatch.setattr(gpt_module, "ATTENTION_BACKWARD_BLOCK_BYTES", 2 * 40 * 40 * 2)
+    _, blocked = _attention_grads(gpt_module._CpuCausalAttention.apply, q, k, v, grad)
+    for mine, by_blocks in zip(ours, blocked):
+        assert torch.equal(mine, by_blocks)
+
+
+def test_the_bf16_attention_backward_runs_where_it_is_faster(tiny_config, monkeypatch):
+    from gpt2.model import gpt as gpt_module
+
+    calls = []
+    apply = gpt_module._CpuCausalAttention.apply
+    monkeypatch.setattr(gpt_module._CpuCausalAttention, "apply", lambda *qkv: calls.append(1) or apply(*qkv))
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 24))
+
+    def layers_through_it(config, dtype=torch.bfloat16, train=True):
+        calls.clear()
+        model = GPT(config).train(train)
+        with torch.autocast("cpu", dtype=dtype), torch.set_grad_enabled(train):
+            _, loss = model(idx, idx)
+        if train:
+            loss.backward()
+            assert all(p.grad is not None for p in model.parameters())
+        return len(calls)
+
+    # bf16 training on a CPU: every layer
+    assert layers_through_it(tiny_config) == tiny_config.n_layer
+    # not in fp16, in evaluation, with dropout, without flash, or past the longest sequence it is measured faster at
+    assert layers_through_it(tiny_config, dtype=torch.float16) == 0
+    assert layers_through_it(tiny_config, train=False) == 0
+    assert layers_through_it(dataclasses.replace(tiny_config, dropout=0.1)) == 0
+    assert layers_through_it(dataclasses.replace(tiny_config, flash=False)) == 0
+    monkeypatch.setattr(gpt_module, "CPU_ATTENTION_BACKWARD_MAX_T", 16)
+    assert layers_through_it(tiny_config) == 0
+
+
 def test_causality(tiny_config):
     model = _model(tiny_config)
     idx = torch.randint(0, tiny_config.vocab_size, (1, 20))

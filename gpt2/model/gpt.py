@@ -58,8 +58,11 @@ class CausalSelfAttention(nn.Module):
         # cache); a cache or padded prompts always come with an explicit boolean mask.
         is_causal = attn_mask is None
         dropout_p = self.dropout if self.training else 0.0
-        attend = F.scaled_dot_product_attention if self.flash else _manual_attention
-        y = attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        if self.flash and is_causal and dropout_p == 0.0 and _cpu_attention_backward(q):
+            y = _CpuCausalAttention.apply(q, k, v)
+        else:
+            attend = F.scaled_dot_product_attention if self.flash else _manual_attention
+            y = attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         # (B, T, C): heads side by side again
         y = y.transpose(1, 2).flatten(2)
         return self.resid_dropout(self.c_proj(y))
@@ -79,6 +82,63 @@ def _manual_attention(
     att = F.softmax(att.float(), dim=-1).to(q.dtype)
     att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
     return att @ v  # (B, nh, T, hs)
+
+
+# The longest sequence whose bf16 attention backward on a CPU is :class:`_CpuCausalAttention`'s: it computes every
+# (query, key) pair, the flash backward only those below the diagonal, and at T=1024 flash's was 0.66x its time, at
+# T=512 1.39x (docs/benchmarks.md, "bf16 training step").
+CPU_ATTENTION_BACKWARD_MAX_T = 512
+# The most bytes one of its bf16 (heads, T, T) blocks takes: every head of a 124M batch of 4 at T=256 in one block.
+ATTENTION_BACKWARD_BLOCK_BYTES = 16 * 2**20
+
+
+def _cpu_attention_backward(q: torch.Tensor) -> bool:
+    """Whether the causal attention of ``q`` is :class:`_CpuCausalAttention`'s: bf16 on a CPU, T at most
+    :data:`CPU_ATTENTION_BACKWARD_MAX_T`, with a backward to come (eager: a compiled graph makes its own backward).
+    """
+    training = torch.is_grad_enabled() and q.requires_grad
+    short = q.size(-2) <= CPU_ATTENTION_BACKWARD_MAX_T
+    return training and short and q.is_cpu and q.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+
+
+class _CpuCausalAttention(torch.autograd.Function):
+    """Causal attention of bf16 ``(B, nh, T, hs)`` on a CPU: torch's flash kernel forward, and a backward that
+    computes the scores again with batched bf16 products, then the softmax's gradient in one fused pass.
+
+    torch's CPU flash backward runs no faster in bf16 than in fp32: at the 124M shape it took 1.7x this backward
+    (docs/benchmarks.md, "bf16 training step"). The gradients differ from the flash backward's in rounding only: the
+    scores are rounded to bf16 before their softmax, as under autocast's plain attention; the forward is flash's.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        T, hs = q.shape[-2:]
+        scale = 1.0 / math.sqrt(hs)
+        # (B * nh, T, hs): a copy of the views into c_attn's output
+        q3, k3, v3, g3 = (t.flatten(0, 1) for t in (q, k, v, grad))
+        dq, dk, dv = (torch.empty_like(t) for t in (q3, k3, v3))
+        # 0 on and below the diagonal, -inf above: the causal mask, added by the scores' product
+        mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+        heads = max(1, ATTENTION_BACKWARD_BLOCK_BYTES // (T * T * q.element_size()))
+        with torch.autocast(q.device.type, enabled=False):
+            for start in range(0, q3.size(0), heads):
+                h = slice(start, start + heads)
+                # the softmax of the scaled, masked scores, as the forward computed them
+                p = torch.baddbmm(mask.expand(q3[h].size(0), T, T), q3[h], k3[h].transpose(1, 2), alpha=scale)
+                p = p.softmax(-1)
+                torch.bmm(p.transpose(1, 2), g3[h], out=dv[h])
+                # the scores' gradient, then the queries' and keys' through the scale
+                ds = torch_compat.softmax_backward(torch.bmm(g3[h], v3[h].transpose(1, 2)), p)
+                torch.bmm(ds, k3[h], out=dq[h]).mul_(scale)
+                torch.bmm(ds.transpose(1, 2), q3[h], out=dk[h]).mul_(scale)
+        return dq.view_as(q), dk.view_as(k), dv.view_as(v)
 
 
 class MLP(nn.Module):
