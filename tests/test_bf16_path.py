@@ -74,7 +74,7 @@ def _config(accum: int, **overrides) -> TrainConfig:
 
 def _per_micro_step(monkeypatch) -> None:
     """The Trainer as it was: autocast entered and left per micro-step, so every micro-step casts every weight."""
-    monkeypatch.setattr(PrecisionPolicy, "step_casts", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(PrecisionPolicy, "step_casts", lambda self, micro_steps: contextlib.nullcontext())
 
 
 def _train(accum: int, checkpointing: bool = False, **overrides) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -144,10 +144,10 @@ def test_each_weight_is_cast_once_per_step_not_once_per_micro_step(monkeypatch):
 
 def test_step_casts_without_autocast_changes_nothing():
     policy = resolve_precision("fp32", "cpu")
-    with policy.step_casts():
+    with policy.step_casts(2):
         assert not torch.is_autocast_enabled("cpu")
     bf16 = resolve_precision("bf16", "cpu")
-    with bf16.step_casts():
+    with bf16.step_casts(2):
         # the backward between the forwards runs outside autocast, as before
         assert not torch.is_autocast_enabled("cpu")
         with bf16.autocast():
@@ -173,7 +173,7 @@ def test_step_casts_keeps_one_cast_for_the_micro_steps_and_drops_it_after():
     weight = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8)
     policy = resolve_precision("bf16", "cpu")
-    with policy.step_casts():
+    with policy.step_casts(2):
         with policy.autocast():
             first = F.linear(x, weight)
         first.float().sum().backward()
@@ -187,6 +187,14 @@ def test_step_casts_keeps_one_cast_for_the_micro_steps_and_drops_it_after():
     assert _casts(third).isdisjoint(_casts(first))
     expected = 2 * x.bfloat16().float().sum(0).expand(8, 8)
     torch.testing.assert_close(weight.grad, expected, rtol=1e-2, atol=1e-2)
+    # One micro-step has no cast to share: none is kept past its forward, so the backward can free each one as it
+    # passes its layer.
+    with policy.step_casts(1):
+        with policy.autocast():
+            alone = F.linear(x, weight)
+        with policy.autocast():
+            again = F.linear(x, weight)
+        assert _casts(alone).isdisjoint(_casts(again))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -57,10 +57,10 @@ class PrecisionPolicy:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
-    def step_casts(self) -> ContextManager:
-        """The context one optimizer step's micro-steps run in (their forwards in :meth:`autocast` each, and their
-        backwards): under autocast, each fp32 weight is cast to the low precision once per step, at its first use,
-        and not again in every micro-step.
+    def step_casts(self, micro_steps: int) -> ContextManager:
+        """The context one optimizer step's ``micro_steps`` run in (their forwards in :meth:`autocast` each, and
+        their backwards): under autocast with more than one micro-step, each fp32 weight is cast to the low precision
+        once per step, at its first use, and not again in every micro-step.
 
         Autocast keeps its casts of the weights (leaf tensors that require grad) in a cache that it clears when the
         outermost autocast context exits: with one :meth:`autocast` per micro-step, every micro-step casts every
@@ -68,9 +68,12 @@ class PrecisionPolicy:
         backward is done, while the backwards still run outside autocast, as they did. The weights do not change
         within a step (the optimizer steps after it): the same cast serves each micro-step, and the gradients are
         the same, bit for bit. (A bf16 weight cast that is kept in sync with the fp32 weights would save the same
-        casts at the price of a second copy of the weights held between steps.)
+        casts at the price of a second copy of the weights held between steps.) With one micro-step there is nothing
+        to share, and no context: the backward frees each cast as it passes its layer and its gradients reuse the
+        memory, where casts kept to the end of the step would make them take fresh pages (at the 124M shape, B=4,
+        T=256: 45k page faults, 180 MB, a step).
         """
-        if self.autocast_dtype is None:
+        if self.autocast_dtype is None or micro_steps == 1:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, enabled=False)
 

@@ -409,7 +409,7 @@ class Trainer:
             loss_value, grad_norm, skipped, bad = 0.0, 0.0, True, False
         else:
             # each weight cast to bf16 / fp16 once per step, not once per micro-step
-            with self.precision.step_casts():
+            with self.precision.step_casts(len(batches)):
                 loss_value = self._accumulate(batches, counts, scored)
             grad_norm, skipped, bad = self._optimizer_step(loss_value)
         if skipped:
