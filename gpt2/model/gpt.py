@@ -85,8 +85,8 @@ def _manual_attention(
 
 
 # The longest sequence whose bf16 attention backward on a CPU is :class:`_CpuCausalAttention`'s: it computes every
-# (query, key) pair, the flash backward only those below the diagonal, and at T=1024 flash's was 0.66x its time, at
-# T=512 1.39x (docs/benchmarks.md, "bf16 training step").
+# (query, key) pair, the flash backward only those below the diagonal. Its forward + backward took 0.22x flash's at
+# T=64, 0.51x at T=256, 0.60-0.72x at T=512 and 1.02-1.51x at T=1024 (docs/benchmarks.md, "bf16 training step").
 CPU_ATTENTION_BACKWARD_MAX_T = 512
 # The most bytes one of its bf16 (heads, T, T) blocks takes: every head of a 124M batch of 4 at T=256 in one block.
 ATTENTION_BACKWARD_BLOCK_BYTES = 16 * 2**20
@@ -105,9 +105,10 @@ class _CpuCausalAttention(torch.autograd.Function):
     """Causal attention of bf16 ``(B, nh, T, hs)`` on a CPU: torch's flash kernel forward, and a backward that
     computes the scores again with batched bf16 products, then the softmax's gradient in one fused pass.
 
-    torch's CPU flash backward runs no faster in bf16 than in fp32: at the 124M shape it took 1.7x this backward
-    (docs/benchmarks.md, "bf16 training step"). The gradients differ from the flash backward's in rounding only: the
-    scores are rounded to bf16 before their softmax, as under autocast's plain attention; the forward is flash's.
+    torch's CPU flash backward runs no faster in bf16 than in fp32: at the 124M shape (B=4, T=256) flash's forward +
+    backward took 1.96x this one's (docs/benchmarks.md, "bf16 training step"). The gradients differ from the flash
+    backward's in rounding only: the scores are rounded to bf16 before their softmax, as under autocast's plain
+    attention; the forward is flash's.
     """
 
     @staticmethod
