@@ -131,8 +131,8 @@ class _CpuCausalAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             for start in range(0, q3.size(0), heads):
                 h = slice(start, start + heads)
-                # the softmax of the scaled, masked scores, as the forward computed them
-                p = torch.baddbmm(mask.expand(q3[h].size(0), T, T), q3[h], k3[h].transpose(1, 2), alpha=scale)
+                # the attention weights again: the scaled, masked scores in bf16, their softmax accumulated in fp32
+                p = torch.baddbmm(mask, q3[h], k3[h].transpose(1, 2), alpha=scale)
                 p = p.softmax(-1)
                 torch.bmm(p.transpose(1, 2), g3[h], out=dv[h])
                 # the scores' gradient, then the queries' and keys' through the scale
