@@ -5,8 +5,9 @@ One thread, CPU time (``time.process_time``), the variants interleaved round by 
 shape (12 heads of 64) at B=4, T=256 by default, in bf16 (autocast's dtype for the attention inputs) and fp32:
 
 - ``flash``: ``F.scaled_dot_product_attention(..., is_causal=True)`` under ``sdpa_kernel(FLASH_ATTENTION)``;
-- ``ours`` (bf16 only): what a bf16 ``gpt2.GPT`` trains with on a CPU up to T=512, flash's forward and a backward
-  that computes the scores again with batched bf16 products (``gpt2.model.gpt._CpuCausalAttention``);
+- ``ours`` (bf16 only): what a bf16 ``gpt2.GPT`` trains with on a CPU up to T=1024, flash's forward and a backward
+  that computes the scores again with batched bf16 products, the queries in blocks that skip the keys after them
+  (``gpt2.model.gpt._CpuCausalAttention``);
 - ``math``: the same call under ``sdpa_kernel(MATH)`` (the (T, T) scores materialised, softmax, product);
 - ``chunked``: the queries in blocks of ``--chunk`` rows, each block a math-path call against the keys up to its
   end (causal), so no block sees the (T, T) matrix whole.

@@ -148,9 +148,12 @@ def _attention_grads(attend, q, k, v, grad):
     return out, [t.grad for t in inputs]
 
 
-def test_bf16_cpu_attention_backward_matches_the_flash_backward(monkeypatch):
+@pytest.mark.parametrize("query_rows", [128, 16])
+def test_bf16_cpu_attention_backward_matches_the_flash_backward(monkeypatch, query_rows):
     from gpt2.model import gpt as gpt_module
 
+    # 16 rows: the 40 queries in blocks of 8 (the last, seeing every key), 16 and 16
+    monkeypatch.setattr(gpt_module, "ATTENTION_BACKWARD_QUERY_ROWS", query_rows)
     gen = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(2, 3, 40, 16, generator=gen).bfloat16() for _ in range(4))
     flash = lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True)  # noqa: E731
@@ -165,7 +168,8 @@ def test_bf16_cpu_attention_backward_matches_the_flash_backward(monkeypatch):
         # bf16 rounding: scores rounded before their softmax, as the flash kernel does not
         assert error < max(2 * flash_error, 1e-2), (name, error, flash_error)
     # two heads per block of scores: the same gradients as all six in one
-    monkeypatch.setattr(gpt_module, "ATTENTION_BACKWARD_BLOCK_BYTES", 2 * 40 * 40 * 2)
+    rows = min(query_rows, 40)
+    monkeypatch.setattr(gpt_module, "ATTENTION_BACKWARD_BLOCK_BYTES", 2 * rows * 40 * 2)
     _, blocked = _attention_grads(gpt_module._CpuCausalAttention.apply, q, k, v, grad)
     for mine, by_blocks in zip(ours, blocked):
         assert torch.equal(mine, by_blocks)

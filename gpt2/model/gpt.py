@@ -84,11 +84,14 @@ def _manual_attention(
     return att @ v  # (B, nh, T, hs)
 
 
-# The longest sequence whose bf16 attention backward on a CPU is :class:`_CpuCausalAttention`'s: it computes every
-# (query, key) pair, the flash backward only those below the diagonal. Its forward + backward took 0.22x flash's at
-# T=64, 0.51x at T=256, 0.60-0.72x at T=512 and 1.02-1.51x at T=1024 (docs/benchmarks.md, "bf16 training step").
-CPU_ATTENTION_BACKWARD_MAX_T = 512
-# The most bytes one of its bf16 (heads, T, T) blocks takes: every head of a 124M batch of 4 at T=256 in one block.
+# The longest sequence whose bf16 attention backward on a CPU is :class:`_CpuCausalAttention`'s. Its forward +
+# backward took 0.65x flash's at T=256, 0.54x at T=512, 0.78x (0.69-1.03x) at T=1024 and 1.3x at T=2048
+# (docs/benchmarks.md, "bf16 training step").
+CPU_ATTENTION_BACKWARD_MAX_T = 1024
+# Its queries go in blocks of this many rows: a block sees the keys up to its own end, so most (query, key) pairs
+# above the diagonal are never computed.
+ATTENTION_BACKWARD_QUERY_ROWS = 128
+# The most bytes one of its bf16 (heads, rows, keys) blocks takes.
 ATTENTION_BACKWARD_BLOCK_BYTES = 16 * 2**20
 
 
@@ -106,9 +109,9 @@ class _CpuCausalAttention(torch.autograd.Function):
     computes the scores again with batched bf16 products, then the softmax's gradient in one fused pass.
 
     torch's CPU flash backward runs no faster in bf16 than in fp32: at the 124M shape (B=4, T=256) flash's forward +
-    backward took 1.96x this one's (docs/benchmarks.md, "bf16 training step"). The gradients differ from the flash
+    backward took 1.5x this one's (docs/benchmarks.md, "bf16 training step"). The gradients differ from the flash
     backward's in rounding only: the scores are rounded to bf16 before their softmax, as under autocast's plain
-    attention; the forward is flash's.
+    attention, and dk and dv add up their query blocks' shares in bf16; the forward is flash's.
     """
 
     @staticmethod
@@ -127,18 +130,28 @@ class _CpuCausalAttention(torch.autograd.Function):
         dq, dk, dv = (torch.empty_like(t) for t in (q3, k3, v3))
         # 0 on and below the diagonal, -inf above: the causal mask, added by the scores' product
         mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-        heads = max(1, ATTENTION_BACKWARD_BLOCK_BYTES // (T * T * q.element_size()))
+        rows = min(ATTENTION_BACKWARD_QUERY_ROWS, T)
+        heads = max(1, ATTENTION_BACKWARD_BLOCK_BYTES // (rows * T * q.element_size()))
+        # The last block of queries first: it sees every key, and writes dk and dv whole; the others add to the
+        # keys up to their own end.
+        starts = range(0, T, rows)[::-1]
         with torch.autocast(q.device.type, enabled=False):
-            for start in range(0, q3.size(0), heads):
-                h = slice(start, start + heads)
-                # the attention weights again: the scaled, masked scores in bf16, their softmax accumulated in fp32
-                p = torch.baddbmm(mask, q3[h], k3[h].transpose(1, 2), alpha=scale)
-                p = p.softmax(-1)
-                torch.bmm(p.transpose(1, 2), g3[h], out=dv[h])
-                # the scores' gradient, then the queries' and keys' through the scale
-                ds = torch_compat.softmax_backward(torch.bmm(g3[h], v3[h].transpose(1, 2)), p)
-                torch.bmm(ds, k3[h], out=dq[h]).mul_(scale)
-                torch.bmm(ds.transpose(1, 2), q3[h], out=dk[h]).mul_(scale)
+            for first in range(0, q3.size(0), heads):
+                h = slice(first, first + heads)
+                for start in starts:
+                    end = min(start + rows, T)
+                    qb, gb, kb, vb = q3[h, start:end], g3[h, start:end], k3[h, :end], v3[h, :end]
+                    # the attention weights again: the scaled, masked scores in bf16, their softmax accumulated in fp32
+                    p = torch.baddbmm(mask[start:end, :end], qb, kb.transpose(1, 2), alpha=scale).softmax(-1)
+                    # the scores' gradient, then the queries' and keys' through the scale
+                    ds = torch_compat.softmax_backward(torch.bmm(gb, vb.transpose(1, 2)), p)
+                    torch.bmm(ds, kb, out=dq[h, start:end]).mul_(scale)
+                    if end == T:
+                        torch.bmm(p.transpose(1, 2), gb, out=dv[h])
+                        torch.bmm(ds.transpose(1, 2), qb, out=dk[h]).mul_(scale)
+                    else:
+                        dv[h, :end].baddbmm_(p.transpose(1, 2), gb)
+                        dk[h, :end].baddbmm_(ds.transpose(1, 2), qb, alpha=scale)
         return dq.view_as(q), dk.view_as(k), dv.view_as(v)
 
 
