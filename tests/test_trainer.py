@@ -98,6 +98,30 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_config):
     assert big.tokens_per_step == small.tokens_per_step == 128
 
 
+@pytest.mark.parametrize("grad_clip", [1e6, 1e-3])
+def test_gradients_over_the_limit_are_scaled_to_it_and_others_are_not_touched(tiny_config, grad_clip, monkeypatch):
+    clips = []
+    clip = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *args: clips.append(args) or clip(*args))
+    tokens = _tokens()
+    # grad_clip=0: the raw gradients, measured and left in .grad
+    raw, clipped = (
+        Trainer(_model(tiny_config), _config(precision="fp32", grad_clip=limit), tokens, sinks=[])
+        for limit in (0.0, grad_clip)
+    )
+    norm = raw.train_step()["grad_norm"]
+    clips.clear()
+    assert clipped.train_step()["grad_norm"] == norm
+    over = norm > grad_clip
+    assert len(clips) == int(over)
+    # clip_grad_norm_'s factor
+    factor = grad_clip / (norm + 1e-6) if over else 1.0
+    for p_raw, p_clipped in zip(raw.model.parameters(), clipped.model.parameters()):
+        torch.testing.assert_close(p_clipped.grad, p_raw.grad * factor, rtol=1e-6, atol=0)
+    clipped_norm = torch.cat([p.grad.flatten() for p in clipped.model.parameters()]).norm()
+    assert float(clipped_norm) == pytest.approx(min(norm, grad_clip), rel=1e-5)
+
+
 # ------------------------------------------------------------------------------ resume
 
 
