@@ -8,8 +8,9 @@ they still slow ours through the caches and cores they share), in interleaved ro
 transformers, mm, litgpt; the next round), after one untimed warm-up step each:
 
 - ``ours``: ``gpt2.train.trainer.Trainer.train_step()`` itself (the step of ``gpt2 train``: read the batch, count
-  the scored targets, forward with ``reduction="sum"`` scaled by 1 / count, backward, ``clip_grad_norm_(1.0)``,
-  AdamW from ``build_optimizer`` (fused where torch has the kernel), bookkeeping) on ``gpt2.GPT``.
+  the scored targets, forward with ``reduction="sum"`` scaled by 1 / count, backward, clipping at 1.0 (gradients
+  within the limit are not multiplied), AdamW from ``build_optimizer`` (fused where torch has the kernel),
+  bookkeeping) on ``gpt2.GPT``.
 - ``bare``: the same model and optimizer stepped without the Trainer (zero_grad, forward, backward, clip, step);
   ``ours - bare`` per round is the Trainer's own overhead.
 - ``transformers``: ``GPT2LMHeadModel`` (its default attention, dropout 0), its own loss (``labels=input_ids``,
@@ -28,7 +29,8 @@ CPU time / the mm rate of the same round ("MFU from the medians": the median ste
 matrix product's rate against the mm rate) and prints the top N. bf16 (autocast, fp32 master weights) runs only on
 CPUs that multiply bf16 natively (AMX, AVX512-BF16) unless ``--force-bf16``: elsewhere it is emulated and says
 nothing about the goals.
-"The optimizer step alone" times ``build_optimizer``'s fused AdamW against its foreach AdamW over the 124M model.
+"The optimizer step alone" times ``build_optimizer``'s fused AdamW against its foreach AdamW over the 124M model,
+then clipping gradients within the limit: ``clip_grad_norm_`` (a multiply by 1.0) against their norm alone.
 
     PYTHONPATH=. python benchmarks/step_vs_peers.py [--rounds 5] [--small] [--precisions fp32,bf16] [--profile 25]
 """
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import gc
 import logging
+import math
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -467,6 +470,22 @@ def optimizer_alone(shape: Shape, rounds: int) -> None:
     fused, foreach = statistics.median(times["fused"]), statistics.median(times["foreach"])
     print(f"median | {fused:.3f} | {foreach:.3f} | {statistics.median(ratios):.3f}x")
     print(f"min-max | {spread(times['fused'])} | {spread(times['foreach'])} | {spread(ratios)}")
+    # Gradients within the limit: clip_grad_norm_ multiplies each by 1.0, the Trainer only measures their norm.
+    grads = [p.grad for p in model.parameters()]
+    clips = {
+        "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf),
+        "norm alone": lambda: torch.nn.utils.get_total_norm(grads),
+    }
+    clip_times: dict[str, list[float]] = {name: [] for name in clips}
+    for _ in range(rounds):
+        for name, clip in clips.items():
+            clip_times[name].append(cpu_seconds(clip)[0])
+    ratios = [f / g for f, g in zip(clip_times["norm alone"], clip_times["clip_grad_norm_"])]
+    medians = {name: statistics.median(values) for name, values in clip_times.items()}
+    print(
+        f"gradients within the clipping limit, CPU s (medians): clip_grad_norm_ {medians['clip_grad_norm_']:.3f}, "
+        f"the norm alone (the Trainer) {medians['norm alone']:.3f}: {statistics.median(ratios):.3f}x ({spread(ratios)})"
+    )
 
 
 def parse_args() -> argparse.Namespace:

@@ -49,6 +49,7 @@ def test_step_vs_transformers_prints_every_part(step_vs_peers, monkeypatch, caps
     assert "AdamW: ours fused, transformers fused" in out or "AdamW: ours foreach" in out
     assert "by aten op and input shapes" in out and "matrix products" in out
     assert "the optimizer step alone" in out and "fused/foreach" in out
+    assert "gradients within the clipping limit" in out and "the norm alone (the Trainer)" in out
     if step_vs_peers.cpu_native_bf16() is None:
         assert "bf16 skipped: this CPU has no native bf16 matmul" in out
     else:
