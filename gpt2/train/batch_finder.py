@@ -359,17 +359,16 @@ def _find(
         if limit is not None:
             held = memory_now()[1] / GIB
             where = f"TrainConfig.memory_limit_gb={config.memory_limit_gb:g} GiB (this process holds {held:.2f} GiB)"
-        message = (
-            f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {describe(trials)}); lower "
-            "seq_len, use activation_checkpointing or a lower precision, or give it more memory"
-        )
         if not trials:
             # No trial: the model with its gradients and optimizer state, on a few tokens, did not fit.
-            message = (
+            raise NoMicroBatchFitsError(
                 f"the model with its gradients and optimizer state does not fit in {where}: no "
                 "micro_batch_size='auto' can; train a smaller model, or give it more memory"
             )
-        raise NoMicroBatchFitsError(message)
+        raise NoMicroBatchFitsError(
+            f"not even one sequence of {config.seq_len} tokens fits in {where} (tried {describe(trials)}); lower "
+            "seq_len, use activation_checkpointing or a lower precision, or give it more memory"
+        )
     where = f"on {device}"
     if limit is not None:
         where = f"in {config.memory_limit_gb:g} GiB (memory_limit_gb)"
