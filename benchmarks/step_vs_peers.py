@@ -23,6 +23,12 @@ transformers, mm, litgpt; the next round), after one untimed warm-up step each:
 - ``mm``: ``torch.mm`` of two 2048 x 2048 matrices (2 * 2048^3 FLOP each) in the step's precision, ``--mm-reps``
   products before each step, so that a round's rate spans the round (a busy neighbour moves it by tens of percent).
 
+Each runs in the allocator state it has in a process of its own: on a CPU the Trainer keeps freed memory in the
+process (``gpt2.train.host_memory``: glibc neither unmaps nor trims it), and ``bare``, stepped beside it, shares
+that; the peers run under glibc's own thresholds, which map and unmap their large blocks at every step. Where the
+state changes (before ``ours`` and before the first peer), one more step runs untimed first, and the table ends with
+the page faults per step of each (``ru_minflt``).
+
 MFU = ``GPT.flops_per_token(T)`` x B x T (6 N per token plus attention, from our model, used for all three) / step
 CPU time / the mm rate of the same round ("MFU from the medians": the median step against the median rate).
 ``--profile N`` times one more fp32 ``ours`` step op by op (CPU time of every aten op, by input shapes, with each
@@ -42,6 +48,7 @@ import contextlib
 import gc
 import logging
 import math
+import resource
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -57,6 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpt2.model.config import SHAPES, GPTConfig
 from gpt2.model.gpt import GPT
 from gpt2.torch_compat import cpu_native_bf16
+from gpt2.train import host_memory
 from gpt2.train.config import RecoveryConfig, TrainConfig
 from gpt2.train.optim import build_optimizer, fused_adamw_supported
 from gpt2.train.precision import auto_precision, describe_machine
@@ -65,6 +73,8 @@ from gpt2.train.trainer import Trainer
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 GOALS = {"fp32": (0.85, 0.80), "bf16": (0.60, 0.40)}  # (step / transformers at most, MFU at least)
 PEERS = ("transformers", "litgpt")
+# Whether each runs with freed memory kept in the process (the module docstring)
+KEPT_MEMORY = {"ours": True, "bare": True, "transformers": False, "litgpt": False}
 
 Step = Callable[[], float]
 
@@ -315,12 +325,21 @@ def run_precision(precision: str, shape: Shape, peers: list[str], args: argparse
     columns += [f"ours/{peer}" for peer in peers] + ["overhead s"] + [f"MFU {name}" for name in ("ours", *peers)]
     print(" | ".join(["round", *columns]))
     table: dict[str, list[float]] = {column: [] for column in columns}
+    faults: dict[str, list[int]] = {name: [] for name in steps}
+    kept = None
     for round_index in range(args.rounds):
         seconds = {"mm": 0.0}
         for name, step in steps.items():
             # products before every step: the round's rate is measured across the round, not in one burst
             seconds["mm"] += cpu_seconds(mm)[0]
+            if KEPT_MEMORY[name] != kept:
+                # the first step in the other allocator state fills the heap, or maps and trims it: untimed
+                kept = KEPT_MEMORY[name]
+                host_memory.set_kept(kept)
+                step()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             seconds[name] = cpu_seconds(step)[0]
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         rate = mm_flops * len(steps) / seconds["mm"]
         row = {"mm GFLOP/s": rate / 1e9, **{f"{name} s": seconds[name] for name in steps}}
         row |= {f"ours/{peer}": seconds["ours"] / seconds[peer] for peer in peers}
@@ -337,6 +356,7 @@ def run_precision(precision: str, shape: Shape, peers: list[str], args: argparse
     # round's rate)
     mfus = {name: flops_per_step / medians[f"{name} s"] / (medians["mm GFLOP/s"] * 1e9) for name in ("ours", *peers)}
     print("MFU from the medians: " + ", ".join(f"{name} {percent(mfu)}" for name, mfu in mfus.items()))
+    print("page faults per step (medians): " + ", ".join(f"{n} {statistics.median(f):,.0f}" for n, f in faults.items()))
     report_goals(precision, medians, peers)
     if args.profile and precision == "fp32":
         profile_step(ours, args.profile, medians["mm GFLOP/s"] * 1e9)

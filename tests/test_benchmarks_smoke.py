@@ -45,6 +45,7 @@ def test_step_vs_transformers_prints_every_part(step_vs_peers, monkeypatch, caps
     for column in ("mm GFLOP/s", "ours s", "bare s", "transformers s", "ours/transformers", "MFU ours"):
         assert column in header
     assert "\nmedian | " in out and "\nmin-max | " in out
+    assert "page faults per step (medians): ours " in out and ", transformers " in out
     assert "goal fp32: MFU >= 80.0%" in out and "step <= 0.85x transformers" in out
     assert "AdamW: ours fused, transformers fused" in out or "AdamW: ours foreach" in out
     assert "by aten op and input shapes" in out and "matrix products" in out

@@ -290,12 +290,7 @@ def final_report(
         if trainer.device.type == "cpu":
             autocast = None
         results["samples"] = print_samples(
-            model,
-            sampling,
-            seed=trainer.config.seed,
-            header=header,
-            autocast=autocast,
-            prompt=prompt,
+            model, sampling, seed=trainer.config.seed, header=header, autocast=autocast, prompt=prompt
         )
     if save and trainer.out_dir is not None:
         write_json(trainer.out_dir / "results.json", results)

@@ -4,14 +4,7 @@ prefix staged and locked there), ``.npy`` / llm.c ``.bin`` token files (:mod:`.f
 """
 
 from gpt2.data.downloads import load_tiny_shakespeare, tiny_shakespeare_path
-from gpt2.data.formats import (
-    TOKEN_SUFFIXES,
-    ShardManifestError,
-    iter_jsonl,
-    load_tokens,
-    read_text,
-    write_tokens,
-)
+from gpt2.data.formats import TOKEN_SUFFIXES, ShardManifestError, iter_jsonl, load_tokens, read_text, write_tokens
 from gpt2.data.loader import TokenLoader
 from gpt2.data.prepare import PrepareLockedError, ShardWriteError, tokenize_file, write_shards
 

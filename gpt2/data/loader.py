@@ -306,15 +306,10 @@ def make_loader(
         return data
     if isinstance(data, (str, os.PathLike, torch.Tensor, np.ndarray)):
         # Only a directory has splits to choose from.
-        is_directory = isinstance(data, (str, os.PathLike)) and Path(data).is_dir()
+        if not (isinstance(data, (str, os.PathLike)) and Path(data).is_dir()):
+            split = None
         return TokenLoader(
-            data,
-            batch_size,
-            seq_len,
-            rank=rank,
-            world_size=world_size,
-            split=split if is_directory else None,
-            vocab_size=vocab_size,
+            data, batch_size, seq_len, rank=rank, world_size=world_size, split=split, vocab_size=vocab_size
         )
     raise TypeError(
         f"{split}_data must be a 1-D token tensor/array, a token file or shard directory, or a "

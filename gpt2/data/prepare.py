@@ -39,6 +39,11 @@ _TEXT_CHUNK_CHARS = 1 << 20
 _BAR_DELAY_S = 1.0
 
 
+def _bar(progress: bool, iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
+    """A progress bar that appears once its job has run :data:`_BAR_DELAY_S` (only where ``progress_enabled``)."""
+    return tqdm(iterable, delay=_BAR_DELAY_S, disable=not progress_enabled(progress), **kwargs)
+
+
 def _text_pieces(text: str, size: int) -> Iterator[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut just before a newline
     that sits between two non-space characters. GPT-2's pre-tokeniser always splits there (no
@@ -131,12 +136,9 @@ class _ShardWriter:
         self.out_dir = Path(out_dir)
         self.folder = OutputFolder(self.out_dir)
         self.stage = self.out_dir / f".prepare-{prefix}.staging"
-        busy = f"another prepare ({{who}}) is writing prefix {prefix!r} into {str(self.out_dir)!r}"
-        self.lock = Lock(
-            self.stage / ".lock",
-            busy + "; wait for it to finish, or choose another directory or prefix",
-            PrepareLockedError,
-        )
+        busy = f"another prepare ({{who}}) is writing prefix {prefix!r} into {str(self.out_dir)!r}; wait for it to "
+        busy += "finish, or choose another directory or prefix"
+        self.lock = Lock(self.stage / ".lock", busy, PrepareLockedError)
         self.written: list[Path] = []
 
     def __enter__(self) -> _ShardWriter:
@@ -331,13 +333,7 @@ def write_shards(
     if isinstance(docs, str):
         raise TypeError("docs must be an iterable of documents, got a single str; wrap it: [text]")
 
-    bar = tqdm(
-        unit="tok",
-        unit_scale=True,
-        desc=f"{prefix} shard 0",
-        delay=_BAR_DELAY_S,
-        disable=not progress_enabled(progress),
-    )
+    bar = _bar(progress, unit="tok", unit_scale=True, desc=f"{prefix} shard 0")
     pool = None
     if num_workers > 0:
         pool = multiprocessing.Pool(num_workers, _init_worker, (writer.tokenizer,))
@@ -424,14 +420,8 @@ def tokenize_file(
         text = read_text(path)
         if not text.strip():
             raise InvalidValueError(f"text file {str(path)!r} is empty (or only whitespace): nothing to tokenise")
-        with tqdm(
-            total=len(text),
-            unit="char",
-            unit_scale=True,
-            desc=f"tokenising {path.name}",
-            delay=_BAR_DELAY_S,
-            disable=not progress_enabled(progress),
-            leave=False,
+        with _bar(
+            progress, total=len(text), unit="char", unit_scale=True, desc=f"tokenising {path.name}", leave=False
         ) as bar:
             tokens = encode_document(text, writer.tokenizer, bar)
         train, val = split_tokens(tokens, val_fraction, repr(str(path)))
@@ -442,12 +432,6 @@ def tokenize_file(
         size = writer.shard_size
         chunks = [(val[i : i + size], "val") for i in range(0, len(val), size)]
         chunks += [(train[i : i + size], "train") for i in range(0, len(train), size)]
-        for chunk, split in tqdm(
-            chunks,
-            desc=f"writing {writer.prefix} shards",
-            unit="shard",
-            delay=_BAR_DELAY_S,
-            disable=not progress_enabled(progress),
-        ):
+        for chunk, split in _bar(progress, chunks, desc=f"writing {writer.prefix} shards", unit="shard"):
             writer.write(chunk, split)
     return writer.written

@@ -238,12 +238,7 @@ class CheckpointData:
         return bool(self.meta.get("trainable_only"))
 
 
-def read_checkpoint(
-    path: str | os.PathLike,
-    *,
-    trainer_state: bool = True,
-    weights: bool = True,
-) -> CheckpointData:
+def read_checkpoint(path: str | os.PathLike, *, trainer_state: bool = True, weights: bool = True) -> CheckpointData:
     """Read one checkpoint directory and verify every file it reads (the sha256 catches a flipped byte inside a tensor,
     which passes every other check); a :class:`CheckpointError` lists every problem with its file.
 

@@ -84,12 +84,10 @@ def _encode(gguf: Any, name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarr
         overflow = np.isfinite(data) & ~np.isfinite(gguf.quants.dequantize(encoded, kind))
     if not overflow.any():
         return encoded, kind
+    top = float(np.abs(data[overflow]).max())
     logger.warning(
-        "GGUF export: %s holds values up to %.4g, beyond what %s can hold (they would be written as inf): "
-        "this tensor is written as f32",
-        name,
-        float(np.abs(data[overflow]).max()),
-        kind.name.lower(),
+        f"GGUF export: {name} holds values up to {top:.4g}, beyond what {kind.name.lower()} can hold (they would be "
+        "written as inf): this tensor is written as f32"
     )
     return data, gguf.GGMLQuantizationType.F32
 

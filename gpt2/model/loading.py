@@ -26,10 +26,6 @@ def apply_adapter(model: Any, path: str | os.PathLike[str], allow_base_mismatch:
         minlora.import_peft_adapter(model, path)
     else:
         minlora.load_adapter(model, path, allow_base_mismatch=allow_base_mismatch)
-    logger.info(
-        "applied LoRA adapter %s (%d LoRA layers, %s parameters)",
-        path,
-        len(minlora.lora_sites(model)),
-        f"{sum(p.numel() for p in minlora.get_lora_params(model)):,}",
-    )
+    count = sum(p.numel() for p in minlora.get_lora_params(model))
+    logger.info(f"applied LoRA adapter {path} ({len(minlora.lora_sites(model))} LoRA layers, {count:,} parameters)")
     return model

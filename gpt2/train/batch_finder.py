@@ -295,12 +295,8 @@ def resolve_micro_batch_size(
     steps = grad_accum_steps(resolved, env.world_size)
     if env.is_main:
         logger.info(
-            "micro-batch size auto: %d sequences of %d tokens %s; accumulation %d micro-step%s per step",
-            size,
-            config.seq_len,
-            how,
-            steps,
-            "s" * (steps != 1),
+            f"micro-batch size auto: {size} sequences of {config.seq_len} tokens {how}; accumulation {steps} "
+            f"micro-step{'s' * (steps != 1)} per step"
         )
     return resolved
 

@@ -88,11 +88,7 @@ def non_finite_parameters(model: nn.Module) -> list[str]:
     """Names of the floating-point parameters and buffers of ``model`` (the raw module) holding inf/nan; of a model
     sharded by :func:`shard_model` on ANY process (a collective: each process checks its own shards, then all agree).
     """
-    local = {}
-    for name, tensor in model.state_dict().items():
-        if torch_compat.is_dtensor(tensor):
-            tensor = tensor.to_local()
-        local[name] = tensor
+    local = {name: t.to_local() if torch_compat.is_dtensor(t) else t for name, t in model.state_dict().items()}
     bad = non_finite_tensors(local)
     if not torch_compat.is_fsdp_module(model):
         return bad

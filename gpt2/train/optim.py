@@ -49,11 +49,8 @@ def param_groups(
             "unfreeze some, or add LoRA adapters with minlora"
         )
     logger.info(
-        "AdamW groups: %d decayed tensors (%s parameters), %d not decayed (%s parameters)",
-        len(decay),
-        _count(decay),
-        len(no_decay),
-        _count(no_decay),
+        f"AdamW groups: {len(decay)} decayed tensors ({_count(decay)} parameters), {len(no_decay)} not decayed "
+        f"({_count(no_decay)} parameters)"
     )
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]

@@ -220,17 +220,9 @@ class RecoveryPolicy:
         self.streak = 0
         trainer.train_loader.load_state_dict(position)
         logger.warning(
-            "step %d: %s; recovery %d of %d: back to step %d (%s), learning rate x%g, skipping the batches of "
-            "steps %d-%d",
-            record["step"],
-            reason,
-            self.recoveries,
-            cfg.recovery.max_recoveries,
-            trainer.step,
-            source,
-            self.lr_scale,
-            trainer.step + 1,
-            record["step"],
+            f"step {record['step']}: {reason}; recovery {self.recoveries} of {cfg.recovery.max_recoveries}: back to "
+            f"step {trainer.step} ({source}), learning rate x{self.lr_scale:g}, skipping the batches of steps "
+            f"{trainer.step + 1}-{record['step']}"
         )
 
     def _go_back(self, trainer: Trainer) -> str | None:
@@ -268,11 +260,7 @@ class RecoveryPolicy:
             "if there is none)."
         )
         return TrainingDivergedError(
-            message,
-            step=trainer.step,
-            loss=record["loss"],
-            grad_norm=record["grad_norm"],
-            last_checkpoint=checkpoint,
+            message, step=trainer.step, loss=record["loss"], grad_norm=record["grad_norm"], last_checkpoint=checkpoint
         )
 
     def _reason(self, record: dict[str, Any]) -> str:

@@ -254,12 +254,7 @@ def _check_older_checkpoint(checkpoint_dir: Path, resume: str, overwrite: bool) 
 
 
 def start_run(
-    out: Path | None,
-    *,
-    resume: str | None,
-    overwrite: bool,
-    load: Callable[[Path], Any],
-    is_main: bool = True,
+    out: Path | None, *, resume: str | None, overwrite: bool, load: Callable[[Path], Any], is_main: bool = True
 ) -> RunLock | None:
     """The steps of the module docstring; ``load(path)`` resumes on every rank. Rank 0 returns the
     held :class:`RunLock` (others None); call it on all ranks: all raise when any fails, and a

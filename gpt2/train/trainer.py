@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from gpt2.errors import Gpt2Error, InvalidValueError
 from gpt2.eval.loss import NonFiniteLossError, evaluate_loss
 from gpt2.files import StopSignals
 from gpt2.model.gpt import IGNORE_INDEX, check_targets
-from gpt2.train import batch_finder, distributed, fsdp, metrics, rundir
+from gpt2.train import batch_finder, distributed, fsdp, host_memory, metrics, rundir
 from gpt2.train import checkpoint as ckpt
 from gpt2.train.checkpoint import seed_everything  # noqa: F401 - re-exported for gpt2.cli
 from gpt2.train.config import TrainConfig, grad_accum_steps
@@ -83,6 +84,8 @@ class Trainer:
         callbacks: Iterable[Callable[[Trainer, dict], None]] = (),
     ) -> None:
         self._owns_process_group, self._run_lock, self._signals = False, None, StopSignals()
+        # ends the hold of freed memory (gpt2.train.host_memory) when closed or garbage-collected
+        self._memory_hold: weakref.finalize | None = None
         try:
             self._setup(model, config, train_data, val_data, sinks=sinks, callbacks=callbacks)
         except BaseException:
@@ -100,6 +103,10 @@ class Trainer:
         # this process's place in the run: device, process group, precision
         self.dist_env = distributed.env_from_environ()
         self.device = distributed.resolve_device(config.device, self.dist_env)
+        # On a CPU the steps' freed memory stays in the process for the next step: no page faults to fill it again.
+        if self.device.type == "cpu" and host_memory.hold():
+            self._memory_hold = weakref.finalize(self, host_memory.release)
+            self._memory_hold.atexit = False
         self._owns_process_group = distributed.init_process_group(self.dist_env, self.device)
         self.precision = resolve_precision(config.precision, self.device)
         self.precision.apply()
@@ -707,6 +714,9 @@ class Trainer:
         # the lock object is kept: a fit() or save after this is refused (ensure_held)
         if self._run_lock is not None:
             self._run_lock.release()
+        # the last open CPU Trainer gives the kept memory back (a finalizer runs once)
+        if self._memory_hold is not None:
+            self._memory_hold()
         # the user's sinks with a close(), once (set-up may have failed before there were sinks)
         while getattr(self, "sinks", None):
             getattr(self.sinks.pop(), "close", lambda: None)()
