@@ -1,10 +1,11 @@
 """Freed memory kept in the process while a CPU Trainer is open (Linux with glibc's malloc).
 
-glibc gives a freed block of more than 32 MB, and the free top of its heap past 64 MB, back to the operating system at
-once, so each training step faults the pages of its tensors in again: 170,000 page faults and 0.3 s of system time per
-step at 124M (bf16, B=4, T=256), 12-17% of the step (docs/benchmarks.md). While a CPU Trainer is open, glibc keeps
-freed blocks for the next allocation (no mmap, no trimming); the peak memory stays about the same. When the last
-one closes (or is garbage-collected), glibc's own thresholds come back and the free memory goes back to the system.
+glibc gives a freed block of more than 32 MB, and the free top of its heap past a threshold, back to the operating
+system at once, so each training step faults the pages of its tensors in again: 170,000 page faults and 0.3 s of
+system time per step at 124M (bf16, B=4, T=256), 12-17% of the step (docs/benchmarks.md). While a CPU Trainer is
+open, glibc keeps freed blocks for the next allocation (no mmap, no trimming); the peak memory stays about the same.
+When the last one closes (or is garbage-collected), glibc's thresholds come back and the free memory goes back to
+the system.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import sys
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-# What glibc's dynamic thresholds reach in a process that frees large tensors: blocks over 32 MB are mmapped (the
-# most it allows, 65,536 of them), and the heap is trimmed when more than twice that is free at its top.
-RESTORED = {M_MMAP_THRESHOLD: 32 * 2**20, M_TRIM_THRESHOLD: 64 * 2**20, M_MMAP_MAX: 65536}
+# glibc's thresholds again (its dynamic ones cannot come back): blocks over 32 MB mmapped, as its dynamic threshold
+# ends in a process that frees large tensors, up to 65,536 of them; the heap trimmed past 128 KiB, its default. A
+# transformers 124M step faults 398k pages a step so, 422k in a process of its own (docs/benchmarks.md).
+RESTORED = {M_MMAP_THRESHOLD: 32 * 2**20, M_TRIM_THRESHOLD: 128 * 2**10, M_MMAP_MAX: 65536}
 # Kept: nothing mmapped, and the heap's top trimmed only past 2 GB (mallopt takes an int).
 KEPT = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}
 # glibc's own settings of its malloc, from the environment: a user who set any keeps them
