@@ -18,7 +18,7 @@ import sys
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 # glibc's thresholds again (its dynamic ones cannot come back): blocks over 32 MB mmapped, as its dynamic threshold
 # ends in a process that frees large tensors, up to 65,536 of them; the heap trimmed past 128 KiB, its default. A
-# transformers 124M step faults 398k pages a step so, 422k in a process of its own (docs/benchmarks.md).
+# transformers 124M step in benchmarks/step_vs_peers.py faults 348k pages a step so, 422k in a process of its own.
 RESTORED = {M_MMAP_THRESHOLD: 32 * 2**20, M_TRIM_THRESHOLD: 128 * 2**10, M_MMAP_MAX: 65536}
 # Kept: nothing mmapped, and the heap's top trimmed only past 2 GB (mallopt takes an int).
 KEPT = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}
