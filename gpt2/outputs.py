@@ -93,8 +93,7 @@ class OutputFolder:
                 entries[name] = {"size": os.lstat(file).st_size, "sha256": digest}
                 if rel in appends:
                     entries[name]["appends"] = True
-        for rel in digests:
-            entries[rel] = {"digests": DIGEST_FILE}
+        entries |= {rel: {"digests": DIGEST_FILE} for rel in digests}
         # What is gone is dropped; staged files are not in yet.
         incoming = set(rels) if staged else set()
         entries = {rel: entry for rel, entry in entries.items() if os.path.lexists(self.path / rel) or rel in incoming}

@@ -48,8 +48,7 @@ def unwrap_compiled(module: Any) -> Any:
     ``torch._dynamo`` is loaded already: without it nothing is compiled, and importing it costs
     seconds. Checked on torch 2.11 and 2.13.
     """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    wrapper_type = getattr(eval_frame, "OptimizedModule", None)
+    wrapper_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if wrapper_type is not None and isinstance(module, wrapper_type):
         return module._orig_mod
     return module

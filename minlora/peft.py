@@ -328,6 +328,5 @@ def _peft_plan(
         if not embedding:
             M = _pad_rows(M, real, rows)
         tensors["lora_magnitude_vector"] = M
-    dropout = float(config["lora_dropout"])
     settings = dict(rank=rank, lora_alpha=alpha, use_rslora=config["use_rslora"], use_dora=dora)
-    return make_plan(site, source, tensors, lora_dropout_p=dropout, **settings)
+    return make_plan(site, source, tensors, lora_dropout_p=float(config["lora_dropout"]), **settings)

@@ -138,9 +138,8 @@ def _pair(a: nn.Module, b: nn.Module, caller: str) -> tuple:
     if loras[0].fan_in_fan_out == loras[1].fan_in_fan_out:
         layout = "an embedding" if loras[0].fan_in_fan_out else "a linear"
         raise LoRAValueError(
-            f"{caller} needs one layer with LoRA from from_linear (the head) and one with LoRA from "
-            f"from_embedding (the embedding); both of {type(a).__name__} and {type(b).__name__} have "
-            f"{layout} layout"
+            f"{caller} needs one layer with LoRA from from_linear (the head) and one with LoRA from from_embedding "
+            f"(the embedding); both of {type(a).__name__} and {type(b).__name__} have {layout} layout"
         )
     # the linear layout (fan_in_fan_out False) first
     (head, lin), (embedding, emb) = sorted(zip((a, b), loras), key=lambda pair: pair[1].fan_in_fan_out)

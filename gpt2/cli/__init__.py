@@ -197,8 +197,7 @@ def _report_error(e: Exception, prog: str, argv: list[str], options: Any) -> int
     code = EXIT_FAILURE
     if isinstance(e, (*USAGE_ERRORS, TokenizerNotAvailableError)):
         code = EXIT_USAGE
-    text = str(e) or type(e).__name__
-    text = " ".join(text.split())
+    text = " ".join((str(e) or type(e).__name__).split())
     # Under torchrun every rank meets the same bad input: rank 0 says it once. Other failures (out
     # of memory on one rank) are said by the rank that met them.
     if code == EXIT_USAGE and _rank() != 0:

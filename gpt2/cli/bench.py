@@ -50,8 +50,7 @@ def bench(options: BenchOptions) -> list[Any]:
     # none named: every rung
     rungs = [r.strip() for r in options.rungs.split(",") if r.strip()] or None
     # "cuda" without CUDA: the Trainer's error, before any work
-    device = resolve_device(options.device)
-    where = describe_machine(device)
+    where = describe_machine(resolve_device(options.device))
     title = (
         f"`gpt2 bench` on {where}: {options.model}, B={options.batch_size}, "
         f"T={options.seq_len}, {options.repeats} x {options.steps} timed steps after {options.warmup} warm-up steps"

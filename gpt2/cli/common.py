@@ -163,8 +163,7 @@ def load_for_inference(options: Any) -> tuple[Any, Any, torch.device]:
     the device (``gpt2 sample`` and ``gpt2 eval``).
     """
     device = resolve_device(options.device)
-    model = options.source.load(device)
-    return model.eval(), inference_autocast(options.precision, device), device
+    return options.source.load(device).eval(), inference_autocast(options.precision, device), device
 
 
 def instruction_prompt(instruction: str | None, input: str | None) -> str | None:
@@ -226,7 +225,6 @@ def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float
     """
     from gpt2.eval.loss import evaluate_loss
 
-    split = "val" if isinstance(val, Path) else None
     return evaluate_loss(
         trainer.model,
         val,
@@ -234,7 +232,7 @@ def val_loss(trainer: Any, val: Any, max_batches: int | None) -> dict[str, float
         trainer.config.seq_len,
         max_batches=max_batches,
         autocast=trainer.precision.autocast,
-        split=split,
+        split="val" if isinstance(val, Path) else None,
         device=trainer.device,
         distributed=True,
         progress=trainer.config.progress and trainer.is_main,

@@ -233,9 +233,8 @@ def load_tokens(path: str | os.PathLike, *, mmap: bool = True, vocab_size: int |
 
 
 def _load_npy(path: Path, mmap: bool) -> np.ndarray:
-    mmap_mode = "r" if mmap else None
     try:
-        tokens = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+        tokens = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         # Not a .npy file, a truncated one, or an object array (which needs pickle).
         raise InvalidValueError(

@@ -74,8 +74,7 @@ def parse_row(row: Any, where: str) -> tuple[str, str, str]:
     if not isinstance(row, dict):
         raise InvalidValueError(f"{where}: a row must be a JSON object ({_LAYOUTS}), got {type(row).__name__}")
     if "instruction" in row or "output" in row:
-        instruction, input, response = (_field(row, key, required, where) for key, required in _ALPACA_FIELDS)
-        return instruction, input, response
+        return tuple(_field(row, key, required, where) for key, required in _ALPACA_FIELDS)
     if "prompt" in row or "response" in row:
         # The prompt is the instruction, with no input.
         prompt, response = (_field(row, key, required, where) for key, required in _PROMPT_FIELDS)
@@ -367,5 +366,4 @@ def instruction_loaders(
         return train, None, train_rows
     # Validation scores each row alone, as at inference, whatever --pack says: the losses of packed
     # and unpacked runs compare, and evaluation reads plain (x, y) batches.
-    val = InstructionLoader(val_rows, batch_size, seq_len, shuffle=False, **common)
-    return train, val, val_rows
+    return train, InstructionLoader(val_rows, batch_size, seq_len, shuffle=False, **common), val_rows

@@ -235,8 +235,7 @@ class TokenLoader:
 
     def reset(self) -> None:
         """Back to the first shard, position 0."""
-        self.shard = 0
-        self.position = 0
+        self.shard, self.position = 0, 0
 
     def state_dict(self) -> dict[str, Any]:
         """The position as JSON-serialisable ints: ``{"shard", "position", "num_shards"}``."""
@@ -267,8 +266,7 @@ class TokenLoader:
         if position + self.tokens_per_step + 1 > length:
             logger.warning(f"a step of {self.tokens_per_step} tokens no longer fits after {position}: next shard")
             shard, position = (shard + 1) % len(self._shards), 0
-        self.shard = shard
-        self.position = position
+        self.shard, self.position = shard, position
 
 
 def make_loader(

@@ -235,11 +235,10 @@ class _ShardWriter:
             # Fails when the next prepare has already made its own lock file in the folder: it is theirs now.
             with contextlib.suppress(OSError):
                 self.stage.rmdir()
-        if committed:
-            return
-        for path in self.created:
-            with contextlib.suppress(OSError):
-                path.rmdir()
+        if not committed:
+            for path in self.created:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
 
     def _empty_stage(self) -> None:
         for child in self.stage.iterdir():
@@ -346,8 +345,7 @@ def write_shards(
                 encoded = (encode_document(doc, writer.tokenizer) for doc in docs)
             for piece in _fixed_size_pieces(encoded, writer.shard_size, bar):
                 # build-nanogpt's layout: the first shard is the val split.
-                split = "train" if writer.written else "val"
-                writer.write(piece, split)
+                writer.write(piece, "train" if writer.written else "val")
                 bar.set_description(f"{prefix} shard {len(writer.written)}")
             if not writer.written:
                 raise InvalidValueError("write_shards got no documents; docs was empty")
@@ -389,8 +387,7 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, what: str) -> tuple[np
     val_starts = edges[1:] - np.diff(np.linspace(0, n_val, passages + 1).round().astype(np.int64))
     train = np.concatenate([tokens[start:end] for start, end in zip(edges[:-1], val_starts)])
     order = np.argsort((np.arange(passages) * _GOLDEN) % 1, kind="stable")
-    val = np.concatenate([tokens[val_starts[i] : edges[i + 1]] for i in order])
-    return train, val
+    return train, np.concatenate([tokens[val_starts[i] : edges[i + 1]] for i in order])
 
 
 def tokenize_file(

@@ -185,8 +185,7 @@ def ending_losses(
     targets, scored = tokens[:, 1:], mask[:, 1:].float()  # (N, T-1)
     losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
     sum_loss = (losses.view_as(scored) * scored).sum(dim=1)
-    mean_loss = sum_loss / scored.sum(dim=1).clamp(min=1.0)
-    return sum_loss, mean_loss
+    return sum_loss, sum_loss / scored.sum(dim=1).clamp(min=1.0)
 
 
 @torch.no_grad()

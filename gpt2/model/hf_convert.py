@@ -131,12 +131,11 @@ def hf_to_gpt_state_dict(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig) -
 
 def refuse_parametrized(sd: Mapping[str, torch.Tensor]) -> None:
     parametrized = sorted({k.split(".parametrizations.")[0] for k in sd if ".parametrizations." in k})
-    if not parametrized:
-        return
-    raise InvalidValueError(
-        f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]} ({len(parametrized)} layer(s) in "
-        f"all): merge the adapter into the weights first, e.g. minlora.merge_lora(model), then save"
-    )
+    if parametrized:
+        raise InvalidValueError(
+            f"the model still has parametrizations (e.g. LoRA) on {parametrized[:4]} ({len(parametrized)} layer(s) "
+            f"in all): merge the adapter into the weights first, e.g. minlora.merge_lora(model), then save"
+        )
 
 
 def _gpt_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -218,9 +217,7 @@ def _unsupported_settings(c: dict[str, Any]) -> list[str]:
     n_inner = c.get("n_inner")
     if n_inner is not None and n_inner != 4 * c["n_embd"]:
         unsupported.append(f"n_inner={n_inner} (this model's MLP is 4 * n_embd = {4 * c['n_embd']} wide)")
-    for key, ours, why in _FIXED_FLAGS:
-        if bool(c.get(key, ours)) != ours:
-            unsupported.append(f"{key}={not ours} ({why})")
+    unsupported += [f"{key}={not ours} ({why})" for key, ours, why in _FIXED_FLAGS if bool(c.get(key, ours)) != ours]
     return unsupported
 
 

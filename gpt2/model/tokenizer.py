@@ -68,9 +68,7 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
     """
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
-    alphabet = {chr(b): b for b in printable}
-    alphabet.update({chr(256 + i): b for i, b in enumerate(others)})
-    return alphabet
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 @dataclass(frozen=True)

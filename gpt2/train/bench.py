@@ -51,10 +51,9 @@ def rung_settings(rung: str) -> dict[str, Any]:
     if rung not in RUNGS:
         raise InvalidValueError(f"unknown rung {rung!r}; choose from {RUNGS}")
     on = set(RUNGS[: RUNGS.index(rung) + 1])
-    # The precision rungs come in this order: the last one switched on is the step's precision.
-    precision = [name for name in ("fp32", "tf32", "bf16") if name in on][-1]
     return {
-        "precision": precision,
+        # The precision rungs come in this order: the last one switched on is the step's precision.
+        "precision": [name for name in ("fp32", "tf32", "bf16") if name in on][-1],
         "compile": "compile" in on,
         "flash": "flash" in on,
         "pad_vocab_multiple": 64 if "vocab_pad" in on else 1,

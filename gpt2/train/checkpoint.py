@@ -166,8 +166,7 @@ def save_checkpoint(
         if trainable_only:
             # remove_duplicate=False: every name of a tied trainable tensor is kept (aliases are
             # deduplicated when writing), so loading restores each name.
-            named = raw.named_parameters(remove_duplicate=False)
-            weights = {n: p.detach() for n, p in named if p.requires_grad}
+            weights = {n: p.detach() for n, p in raw.named_parameters(remove_duplicate=False) if p.requires_grad}
         writers[WEIGHTS_FILE] = lambda path: save_weights(weights, path)
     writers[STATE_FILE] = lambda path: save_state(_trainer_state(optimizer, scaler, rng_state), path)
     writers[META_FILE] = lambda path: replace_atomically(path, lambda f: f.write(meta_bytes))

@@ -268,8 +268,7 @@ def _whole_split(config: TrainConfig, **factors: int) -> int:
         nearest = max(1, round(config.total_batch_size / unit)) * unit
         raise InvalidValueError(
             f"TrainConfig.total_batch_size={config.total_batch_size:,} tokens is not divisible by {names} = {values} "
-            f"= {unit:,} tokens; pick a total_batch_size that is a multiple of {' * '.join(factors)} "
-            f"(e.g. {nearest:,})"
+            f"= {unit:,} tokens; pick a total_batch_size that is a multiple of {' * '.join(factors)} (e.g. {nearest:,})"
         )
     return config.total_batch_size // unit
 

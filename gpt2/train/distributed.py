@@ -167,8 +167,7 @@ def all_reduce_int(value: int, op: Literal["max", "min", "sum"]) -> int:
 
 def wrap_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     """DistributedDataParallel around ``module`` (already compiled, if compiling)."""
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids)
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def no_sync(module: nn.Module, skip_sync: bool) -> ContextManager:

@@ -418,8 +418,7 @@ class FitLog:
         self.opened = make_sinks(config.log_to, out_dir, config.to_dict(), step)
         try:
             if out_dir is not None:
-                jsonl = JSONLSink(out_dir / METRICS_FILE, keep_until_step=step)
-                self.opened.insert(0, jsonl)
+                self.opened.insert(0, JSONLSink(out_dir / METRICS_FILE, keep_until_step=step))
             if progress_enabled(config.progress):
                 self.bar = tqdm(dynamic_ncols=True, total=config.max_steps, initial=step, unit="step", desc="train")
         except BaseException:

@@ -138,8 +138,8 @@ def resolve_precision(name: str, device: torch.device | str) -> PrecisionPolicy:
         )
     if name == "tf32" and device.type != "cuda":
         logger.info("precision='tf32' only changes CUDA matmuls; on %s it is plain fp32", device.type)
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
-    return PrecisionPolicy(name, device.type, autocast_dtype)
+    # the autocast dtype: None for fp32 / tf32
+    return PrecisionPolicy(name, device.type, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name))
 
 
 def inference_autocast(name: str, device: torch.device | str):

@@ -32,11 +32,10 @@ class TrainingInterrupted(KeyboardInterrupt):
     """
 
     def __init__(self, signum: int, *, step: int, checkpoint: Path | None):
-        name = signal.Signals(signum).name
         saved = "nothing saved (no out_dir)"
         if checkpoint is not None:
             saved = f"checkpoint {checkpoint}"
-        super().__init__(f"interrupted by {name} after step {step}; {saved}")
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}; {saved}")
         self.signum = signum
         self.step = step
         self.checkpoint = checkpoint

@@ -68,10 +68,8 @@ class RunLock(Lock):
     def __init__(self, out_dir: str | os.PathLike) -> None:
         self.out_dir = Path(out_dir)
         path = self.out_dir / LOCK_FILE
-        busy = (
-            f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or stop it"
-        )
-        super().__init__(path, busy + ", or train into another out_dir", RunDirLockedError)
+        busy = f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or "
+        super().__init__(path, busy + "stop it, or train into another out_dir", RunDirLockedError)
 
     def acquire(self) -> RunLock:
         try:
@@ -97,13 +95,12 @@ class RunLock(Lock):
 
     def ensure_held(self) -> None:
         """Raise if this lock was released (its Trainer closed) or a newer Trainer took it over."""
-        if self.fd is not None:
-            return
-        raise RunDirLockedError(
-            f"this Trainer no longer owns out_dir {self.out_dir}: this Trainer was closed, or a newer Trainer in "
-            "this process took its lock over, so it may not write there (another run may own it now); make a new "
-            "Trainer (resume='auto' continues the run)"
-        )
+        if self.fd is None:
+            raise RunDirLockedError(
+                f"this Trainer no longer owns out_dir {self.out_dir}: this Trainer was closed, or a newer Trainer in "
+                "this process took its lock over, so it may not write there (another run may own it now); make a "
+                "new Trainer (resume='auto' continues the run)"
+            )
 
     def release(self) -> None:
         """Remove the lock file and unlock; a no-op when not held."""
@@ -310,8 +307,7 @@ def _finish(lock: RunLock | None, doomed: list[Path]) -> None:
     if lock is None:
         return
     out_dir = lock.out_dir
-    names = [path.name for path in doomed if path.parent == out_dir]
-    removed, kept = OutputFolder(out_dir).remove(names)
+    removed, kept = OutputFolder(out_dir).remove([path.name for path in doomed if path.parent == out_dir])
     for path in doomed:
         if path.parent != out_dir:
             removed.append(path)

@@ -37,12 +37,7 @@ from gpt2.train.config import TrainConfig, grad_accum_steps
 from gpt2.train.metrics import ConsoleSink, FitLog, Sink
 from gpt2.train.optim import build_optimizer, lr_at, set_lr
 from gpt2.train.precision import check_master_weights, resolve_precision
-from gpt2.train.recovery import (
-    RecoveryPolicy,
-    TrainingDivergedError,
-    TrainingInterrupted,
-    last_good,
-)
+from gpt2.train.recovery import RecoveryPolicy, TrainingDivergedError, TrainingInterrupted, last_good
 from gpt2.train.schedule import CheckpointSchedule, is_due
 
 logger = logging.getLogger(__name__)
@@ -377,9 +372,8 @@ class Trainer:
 
     def _stop_if_signalled(self, saved: bool) -> None:
         """At a step boundary: if any rank got a stop signal, all save and raise TrainingInterrupted."""
-        signum = self._signals.received
         # every rank stops after the same step
-        signum = distributed.all_reduce_int(signum, "max")
+        signum = distributed.all_reduce_int(self._signals.received, "max")
         if not signum:
             return
         if self.out_dir is not None and not saved:
@@ -648,10 +642,8 @@ class Trainer:
             allow_base_mismatch=cfg.allow_base_mismatch,
             base_fingerprint=self._base_fingerprint,
         )
-        was, now = (
-            (meta.get("tokens_per_step"), meta.get("world_size")),
-            (self.tokens_per_step, self.dist_env.world_size),
-        )
+        was = (meta.get("tokens_per_step"), meta.get("world_size"))
+        now = (self.tokens_per_step, self.dist_env.world_size)
         # once, not once per rank
         if was != now and self.is_main:
             logger.warning(
