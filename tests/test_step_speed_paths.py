@@ -53,6 +53,30 @@ def test_loss_and_gradients_equal_cross_entropy_for_any_vocabulary_width(reducti
     assert torch.count_nonzero(dw[37:]) == 0
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("weight_rows", [37, 43, 64])
+@pytest.mark.parametrize("chunk_rows", [5, 23, 64])
+def test_bf16_loss_made_by_rows_equals_autocast_cross_entropy(reduction, weight_rows, chunk_rows):
+    """bf16 on a CPU: the logits stay bf16 and their fp32 softmax is made a few rows at a time. The loss is
+    autocast's cross-entropy of the bf16 logits to fp32's rounding, with no gradient asked for too; the gradients
+    are within bf16's rounding (the reference rounds each chunk's weight gradient, ours adds the chunks in fp32).
+    """
+    x, weight, targets = _case(weight_rows=weight_rows)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, weight, targets, 37, reduction=reduction, chunk_rows=chunk_rows)
+        with torch.no_grad():
+            loss_alone = linear_cross_entropy(x, weight, targets, 37, reduction=reduction, chunk_rows=chunk_rows)
+        ref = _reference(x, weight, targets, 37, reduction)
+    grads = torch.autograd.grad(loss, (x, weight))
+    ref_grads = torch.autograd.grad(ref, (x, weight))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(loss_alone, loss)
+    for got, expected in zip(grads, ref_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    # the head's padded rows are never a class
+    assert torch.count_nonzero(grads[1][37:]) == 0
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_first_chunk_overwrites_the_uninitialised_head_gradient(monkeypatch, precision):
     """The head's gradient starts as uninitialised memory: NaNs there must not reach the gradient."""

@@ -522,26 +522,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(((targets < IGNORE_INDEX) | (targets >= vocab_size)).any(), float("nan"), 0.0)
         dx = torch.empty_like(x) if need_dx else None
         dw = _weight_grad(weight, x.size(0)) if need_dw else None
-        # one buffer for every chunk's logits; under bf16 / fp16 autocast one more for their low-precision product
-        buffer = _logits_buffer("logits", min(chunk_rows, x.size(0)), weight.size(0), x.device)
-        # (bf16 / fp16) for the logits' product, then under bf16 the chunk's gradient: no fresh block per chunk
-        low = None
-        if dtype != torch.float32:
-            low = _logits_buffer("low_logits", buffer.size(0), buffer.size(1), x.device, dtype)
+        need_grad = need_dx or need_dw
+        # bf16 on a CPU: the logits stay in bf16 and their fp32 softmax is made a few rows at a time
+        by_rows = dtype == grad_dtype == torch.bfloat16 and x.is_cpu and not torch.compiler.is_compiling()
+        loss_and_grad = _bf16_loss_and_grad if by_rows else _loss_and_grad
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
                 chunk = slice(s, s + chunk_rows)
                 xc, t, keep = x[chunk], safe_targets[chunk], scored[chunk]
                 # one cast of the chunk's rows for both of its products in dtype
                 xd = xc.to(dtype)
-                logits = _chunk_logits(xd, w, vocab_size, buffer[: xc.size(0)], low)
-                rows = torch.arange(logits.size(0), device=logits.device)
-                row_loss, p = _loss_and_softmax(logits, rows, t, keep, xc, w, dtype, vocab_size)
+                row_loss, g, wr = loss_and_grad(xd, w, t, keep, row_weights[chunk, None], vocab_size, need_grad)
                 # an ignored row's loss may be inf
                 loss += row_loss.where(keep, 0.0).sum()
-                if not (need_dx or need_dw):
+                if not need_grad:
                     continue
-                g, wr = _logits_grad(p, rows, t, row_weights[chunk, None], grad_dtype, low)
                 # the head's columns (the buffer's rows may be wider)
                 g = g[:, : weight.size(0)]
                 if dx is not None:
@@ -615,74 +610,112 @@ def _weight_grad(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.empty_like(weight, dtype=torch.float32)
 
 
-def _chunk_logits(
-    xd: torch.Tensor, w: torch.Tensor, vocab_size: int, out: torch.Tensor, low: torch.Tensor | None
-) -> torch.Tensor:
-    """``xd @ w.T`` written into the fp32 buffer ``out`` ``(n, >= V_padded)``, whose columns from ``vocab_size``
-    on are set to -inf: straight in fp32, else through ``low``, a buffer in ``xd``'s dtype (on CPU a product's
-    output has its inputs' dtype).
-    """
-    head = out[:, : w.size(0)]
-    if low is None:
-        torch.mm(xd, w.T, out=head)
-    else:
-        head.copy_(torch.mm(xd, w.T, out=low[: xd.size(0), : w.size(0)]))
-    # the head's padded rows and the buffer's alignment columns are not tokens
-    out[:, vocab_size:] = float("-inf")
-    return out
-
-
-def _loss_and_softmax(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
+def _loss_and_grad(
+    xd: torch.Tensor,
+    w: torch.Tensor,
     t: torch.Tensor,
     keep: torch.Tensor,
-    xc: torch.Tensor,
-    w: torch.Tensor,
-    dtype: torch.dtype,
+    wr: torch.Tensor,
     vocab_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's loss ``-log p[target]`` and the softmax ``p`` of the fp32 ``logits`` ``(n, V_padded)``."""
-    if not logits.is_cpu or torch.compiler.is_compiling():
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | float]:
+    """A chunk's rows ``xd`` through the fp32 logits ``xd @ w.T``: each row's loss ``-log p[target]`` and (with
+    ``need_grad``) ``(g, wr)``, d loss / d logits = (softmax - one_hot(target)) * row weight made in the logits'
+    memory, with the row weights ``wr`` ``(n, 1)`` still to apply to the products with ``g``, or 1.0. A bf16 / fp16
+    product goes through a kept buffer in its dtype (on CPU a product's output has its inputs' dtype), where a bf16
+    ``g`` is written too: no fresh block per chunk.
+    """
+    n = xd.size(0)
+    logits = _logits_buffer("logits", n, w.size(0), xd.device)
+    head = logits[:, : w.size(0)]
+    if xd.dtype == torch.float32:
+        torch.mm(xd, w.T, out=head)
+    else:
+        low = _logits_buffer("low_logits", n, w.size(0), xd.device, xd.dtype)
+        head.copy_(torch.mm(xd, w.T, out=low[:, : w.size(0)]))
+    # the head's padded rows and the buffer's alignment columns are not tokens
+    logits[:, vocab_size:] = float("-inf")
+    rows = torch.arange(n, device=xd.device)
+    if not xd.is_cpu or torch.compiler.is_compiling():
         # out of place, and no host sync
         logp = logits.log_softmax(-1)
         row_loss = -logp[rows, t]
-        return row_loss, logp.exp_()
-    # On CPU the softmax overwrites the logits (no second logits-sized block); the target's logit is
-    # read first.
-    target_logit = logits[rows, t]
-    p = torch_compat.softmax_in_place(logits)
-    p_target = p[rows, t]
-    row_loss = -p_target.log()
-    # Rows whose p[target] underflowed get their loss from their logits, computed again (the buffer
-    # now holds p). Usually there is no such row: no branch on the values.
-    low = (p_target < 1e-30) & keep
-    again = (xc[low].to(dtype) @ w.T)[:, :vocab_size].float()
-    row_loss[low] = again.logsumexp(-1) - target_logit[low]
-    return row_loss, p
-
-
-def _logits_grad(
-    p: torch.Tensor,
-    rows: torch.Tensor,
-    t: torch.Tensor,
-    wr: torch.Tensor,
-    grad_dtype: torch.dtype,
-    low: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """d loss / d logits = (softmax - one_hot(target)) * row weight, made in ``p``'s memory: ``(g, wr)``,
-    the row weights ``wr`` ``(n, 1)`` still to apply to the products with ``g``, or 1.0. A bf16 ``g`` is
-    written into ``low``, the chunk's low-precision buffer.
-    """
+        p = logp.exp_()
+    else:
+        # On CPU the softmax overwrites the logits (no second logits-sized block); the target's logit is read first.
+        target_logit = logits[rows, t]
+        p = torch_compat.softmax_in_place(logits)
+        row_loss = _row_loss(p[rows, t], target_logit, keep, xd, w, vocab_size)
+    if not need_grad:
+        return row_loss, None, wr
     p[rows, t] -= 1
-    if grad_dtype == torch.float32:
-        # The row weights go on the matmuls' small sides: a pass fewer over the logits.
-        return p, wr
+    if xd.dtype != torch.bfloat16:
+        # fp32 (fp16's gradients are fp32 too): the row weights go on the matmuls' small sides, a pass fewer over p
+        return row_loss, p, wr
     # bf16: on g before it is rounded, as the plain loss's gradient is. The columns after p's are zeroed: oneDNN's
     # bf16 product g @ w reads a row's padding up to its stride (NaN * 0 there would make the gradient NaN).
-    g = low[: p.size(0)]
+    g = _logits_buffer("low_logits", n, w.size(0), xd.device, xd.dtype)
     g[:, p.size(1) :] = 0
-    return g[:, : p.size(1)].copy_(p.mul_(wr)), 1.0
+    return row_loss, g[:, : p.size(1)].copy_(p.mul_(wr)), 1.0
+
+
+def _row_loss(
+    p_target: torch.Tensor, target_logit: torch.Tensor, keep: torch.Tensor, xd: torch.Tensor, w: torch.Tensor, V: int
+) -> torch.Tensor:
+    """Each row's loss ``-log p[target]`` from the fp32 ``p_target``. Rows whose p[target] underflowed get
+    theirs from their logits ``xd @ w.T`` (the first ``V`` columns), computed again: the softmax was written over
+    them. Usually there is no such row: no branch on the values.
+    """
+    row_loss = -p_target.log()
+    underflowed = (p_target < 1e-30) & keep
+    again = (xd[underflowed] @ w.T)[:, :V].float()
+    row_loss[underflowed] = again.logsumexp(-1) - target_logit[underflowed]
+    return row_loss
+
+
+# Rows of bf16 logits whose fp32 softmax _bf16_loss_and_grad makes at once: (2, 50257) fp32 rows stay in the
+# core's cache between the softmax and the bf16 gradient written from them. The whole chunk's fp32 softmax (a bf16
+# to fp32 copy, the softmax, the row weights, a copy back: four passes over 200 MB) took 1.9x the time at the 124M
+# shape (docs/benchmarks.md, "bf16 training step").
+SOFTMAX_BLOCK_ROWS = 2
+
+
+def _bf16_loss_and_grad(
+    xd: torch.Tensor,
+    w: torch.Tensor,
+    t: torch.Tensor,
+    keep: torch.Tensor,
+    wr: torch.Tensor,
+    vocab_size: int,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """:func:`_loss_and_grad` of a bf16 chunk on a CPU, the logits kept in bf16: their fp32 softmax is made
+    :data:`SOFTMAX_BLOCK_ROWS` rows at a time, and ``g``, already weighted by ``wr``, is written over them.
+    """
+    n = xd.size(0)
+    low = _logits_buffer("low_logits", n, w.size(0), xd.device, xd.dtype)
+    logits = torch.mm(xd, w.T, out=low[:, : w.size(0)])
+    rows = torch.arange(n)
+    # the head's padded rows (columns from vocab_size on) are not tokens: left out of the softmax
+    tokens = logits[:, :vocab_size]
+    target_logit = tokens[rows, t].float()
+    p_target = torch.empty(n, dtype=torch.float32)
+    block = torch.empty(min(SOFTMAX_BLOCK_ROWS, n), vocab_size, dtype=torch.float32)
+    for s in range(0, n, SOFTMAX_BLOCK_ROWS):
+        part = slice(s, s + SOFTMAX_BLOCK_ROWS)
+        p = block[: tokens[part].size(0)].copy_(tokens[part])
+        torch_compat.softmax_in_place(p)
+        p_target[part] = p[rows[: p.size(0)], t[part]]
+        if need_grad:
+            # rounded to bf16 once, as the plain loss's gradient is
+            tokens[part] = p.mul_(wr[part])
+    row_loss = _row_loss(p_target, target_logit, keep, xd, w, vocab_size)
+    if need_grad:
+        # The target's entry from its fp32 p, not from the rounded one. The columns after the tokens are zeroed:
+        # oneDNN's bf16 product g @ w reads a row's padding up to its stride (NaN * 0 there would make a NaN).
+        tokens[rows, t] = ((p_target - 1) * wr.squeeze(1)).to(low.dtype)
+        low[:, vocab_size:] = 0
+    return row_loss, low, 1.0
 
 
 def _add_weight_grad(
@@ -695,8 +728,12 @@ def _add_weight_grad(
         # fp32: straight into dw, no weight-sized temporary per chunk; beta=0 ignores what dw held, NaNs included
         dw.addmm_(g.T, xc * wr, beta=int(not first))
         return
-    # into a kept buffer: a fresh weight-sized block per chunk costs its page faults every time
-    product = torch.mm(g.T, xd, out=_logits_buffer("low_weight_grad", *dw.shape, dw.device, g.dtype)[:, : dw.size(1)])
+    # Made transposed, (n_embd, vocab), as xd.T @ g with xd.T copied (small): on a CPU, oneDNN's bf16 product
+    # g.T @ xd, its left operand a transposed view, took 1.8x the time. Then widened into dw by a transposed copy
+    # (1.6x a plain one): 0.73x in all at the 124M shape (docs/benchmarks.md, "bf16 training step"). Into a kept
+    # buffer: a fresh weight-sized block per chunk costs its page faults every time.
+    buffer = _logits_buffer("low_weight_grad", dw.size(1), dw.size(0), dw.device, g.dtype)
+    product = torch.mm(xd.T.contiguous(), g, out=buffer[:, : dw.size(0)]).T
     if first:
         dw.copy_(product)
     else:
