@@ -77,6 +77,27 @@ def test_bf16_loss_made_by_rows_equals_autocast_cross_entropy(reduction, weight_
     assert torch.count_nonzero(grads[1][37:]) == 0
 
 
+def test_bf16_loss_made_by_rows_takes_an_underflowed_row_from_its_logits():
+    """A scored row whose target's probability underflows fp32 (its loss comes from its logits again) and an ignored
+    row whose column 0 underflows: the loss is autocast's cross-entropy, never inf or NaN.
+    """
+    x, weight, targets = _case()
+    with torch.no_grad():
+        x[0] *= 50
+        targets[0] = (x[0] @ weight[:37].T).argmin()
+        x[4] = -20 * weight[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, weight, targets, 37, reduction="sum", chunk_rows=5)
+        ref = _reference(x, weight, targets, 37, "sum")
+    # p[target] of row 0 is below 1e-30 (a loss over 69 nats)
+    row_0 = F.cross_entropy((x[0] @ weight[:37].T).float(), targets[0])
+    assert row_0 > 100
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(loss, (x, weight))
+    for got, expected in zip(grads, torch.autograd.grad(ref, (x, weight))):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_first_chunk_overwrites_the_uninitialised_head_gradient(monkeypatch, precision):
     """The head's gradient starts as uninitialised memory: NaNs there must not reach the gradient."""

@@ -145,10 +145,11 @@ class _CpuCausalAttention(torch.autograd.Function):
                     p = torch.baddbmm(mask[start:end, :end], qb, kb.transpose(1, 2), alpha=scale).softmax(-1)
                     # the scores' gradient, then the queries' and keys' through the scale
                     ds = torch_compat.softmax_backward(torch.bmm(gb, vb.transpose(1, 2)), p)
-                    torch.bmm(ds, kb, out=dq[h, start:end]).mul_(scale)
+                    # beta=0 ignores what dq and dk held (NaNs too); alpha scales within the product, no pass of its own
+                    dq[h, start:end].baddbmm_(ds, kb, beta=0, alpha=scale)
                     if end == T:
                         torch.bmm(p.transpose(1, 2), gb, out=dv[h])
-                        torch.bmm(ds.transpose(1, 2), qb, out=dk[h]).mul_(scale)
+                        dk[h].baddbmm_(ds.transpose(1, 2), qb, beta=0, alpha=scale)
                     else:
                         dv[h, :end].baddbmm_(p.transpose(1, 2), gb)
                         dk[h, :end].baddbmm_(ds.transpose(1, 2), qb, alpha=scale)
