@@ -56,11 +56,16 @@ def test_loss_and_gradients_equal_cross_entropy_for_any_vocabulary_width(reducti
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("weight_rows", [37, 43, 64])
 @pytest.mark.parametrize("chunk_rows", [5, 23, 64])
-def test_bf16_loss_made_by_rows_equals_autocast_cross_entropy(reduction, weight_rows, chunk_rows):
-    """bf16 on a CPU: the logits stay bf16 and their fp32 softmax is made a few rows at a time. The loss is
-    autocast's cross-entropy of the bf16 logits to fp32's rounding, with no gradient asked for too; the gradients
-    are within bf16's rounding (the reference rounds each chunk's weight gradient, ours adds the chunks in fp32).
+@pytest.mark.parametrize("compiling", [False, True])
+def test_bf16_loss_made_by_rows_equals_autocast_cross_entropy(
+    monkeypatch, reduction, weight_rows, chunk_rows, compiling
+):
+    """bf16 on a CPU: the logits stay bf16 and their fp32 softmax is made a few rows at a time (compiling, or on a
+    GPU, the whole chunk's fp32 logits). The loss is autocast's cross-entropy of the bf16 logits to fp32's rounding,
+    with no gradient asked for too; the gradients are within bf16's rounding (the reference rounds each chunk's
+    weight gradient, ours adds the chunks in fp32).
     """
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     x, weight, targets = _case(weight_rows=weight_rows)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = linear_cross_entropy(x, weight, targets, 37, reduction=reduction, chunk_rows=chunk_rows)
