@@ -257,3 +257,11 @@ def test_the_loss_levers_benchmark_prints_both_paths(monkeypatch, capsys):
     # the levers change the order of the sums only
     apart = float(out.split("gradients apart: ")[1].split()[0])
     assert apart < 1e-5
+    # one lever at a time, by name; an unknown one is refused
+    monkeypatch.setattr(sys, "argv", [*argv, "--width", "32", "--vocab", "101", "--old", "rows"])
+    module.main()
+    assert "old: rows undone" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [*argv, "--old", "rows,fast"])
+    with pytest.raises(SystemExit):
+        module.main()
+    assert "--old takes levers of tied, kept, aligned, rows, transposed, got 'rows,fast'" in capsys.readouterr().err
