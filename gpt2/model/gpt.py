@@ -629,6 +629,8 @@ def _loss_and_grad(
     n = xd.size(0)
     logits = _logits_buffer("logits", n, w.size(0), xd.device)
     head = logits[:, : w.size(0)]
+    # the bf16 / fp16 buffer, for the product and then a bf16 g
+    low = None
     if xd.dtype == torch.float32:
         torch.mm(xd, w.T, out=head)
     else:
@@ -655,9 +657,8 @@ def _loss_and_grad(
         return row_loss, p, wr
     # bf16: on g before it is rounded, as the plain loss's gradient is. The columns after p's are zeroed: oneDNN's
     # bf16 product g @ w reads a row's padding up to its stride (NaN * 0 there would make the gradient NaN).
-    g = _logits_buffer("low_logits", n, w.size(0), xd.device, xd.dtype)
-    g[:, p.size(1) :] = 0
-    return row_loss, g[:, : p.size(1)].copy_(p.mul_(wr)), 1.0
+    low[:, p.size(1) :] = 0
+    return row_loss, low[:, : p.size(1)].copy_(p.mul_(wr)), 1.0
 
 
 def _row_loss(
