@@ -136,8 +136,10 @@ class _ShardWriter:
         self.out_dir = Path(out_dir)
         self.folder = OutputFolder(self.out_dir)
         self.stage = self.out_dir / f".prepare-{prefix}.staging"
-        busy = f"another prepare ({{who}}) is writing prefix {prefix!r} into {str(self.out_dir)!r}; wait for it to "
-        busy += "finish, or choose another directory or prefix"
+        busy = (
+            f"another prepare ({{who}}) is writing prefix {prefix!r} into {str(self.out_dir)!r}; "
+            "wait for it to finish, or choose another directory or prefix"
+        )
         self.lock = Lock(self.stage / ".lock", busy, PrepareLockedError)
         self.written: list[Path] = []
 

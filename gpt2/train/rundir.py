@@ -68,8 +68,11 @@ class RunLock(Lock):
     def __init__(self, out_dir: str | os.PathLike) -> None:
         self.out_dir = Path(out_dir)
         path = self.out_dir / LOCK_FILE
-        busy = f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or "
-        super().__init__(path, busy + "stop it, or train into another out_dir", RunDirLockedError)
+        busy = (
+            f"out_dir {self.out_dir} is in use by another run: {{who}} holds {path}. Wait for it to finish or stop it, "
+            "or train into another out_dir"
+        )
+        super().__init__(path, busy, RunDirLockedError)
 
     def acquire(self) -> RunLock:
         try:
