@@ -269,3 +269,31 @@ def test_a_backward_that_skips_the_loss_still_reaches_the_tied_embedding(tiny_co
     acts[0].sum().backward()
     grad = model.transformer.wte.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad[x.unique()].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_the_training_forward_compiles_to_one_graph_for_an_unaligned_vocabulary(dtype):
+    """``fullgraph=True`` raises at any graph break. A vocabulary of 101 rows is narrower than the aligned buffers an
+    eager CPU loss writes its products into; compiling, the loss traced a product into such a buffer's first columns,
+    broke the graph there and ran eagerly (under bf16 on a CPU its compiled pieces then failed to compile).
+    """
+    torch.manual_seed(0)
+    model = GPT(gpt_module.GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))
+    idx = torch.randint(0, 101, (2, 16))
+    targets = torch.roll(idx, -1, 1)
+    targets[0, :3] = -1
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    results = []
+    for forward in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = forward(idx, targets, reduction="sum")[1]
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (eager_loss, eager_grads), (loss, grads) = results
+    # compiled, the bf16 loss takes the whole chunk's fp32 logits, eager on a CPU a few rows at a time
+    low = dtype is not None
+    torch.testing.assert_close(loss, eager_loss, **(dict(rtol=1e-2, atol=1e-2) if low else {}))
+    for got, expected in zip(grads, eager_grads):
+        tol = dict(rtol=2e-2, atol=2e-2 * expected.abs().max().item()) if low else {}
+        torch.testing.assert_close(got, expected, **tol)

@@ -481,8 +481,13 @@ def _logits_buffer(
     ``name``'s. On CPU one of each ``name`` is kept between calls: a fresh 100-200 MB block costs its page faults
     again each time (glibc returns blocks over 32 MB to the OS when they are freed).
     """
+    if torch.compiler.is_compiling():
+        # Exactly cols wide: torch.compile cannot trace a product written (out=) into the first cols of wider rows.
+        # It would break the graph inside the loss's autograd.Function and run the loss eagerly, and under bf16
+        # on a CPU the compiled pieces of that eager loss then failed to compile.
+        return torch.empty(rows, cols, dtype=dtype, device=device)
     cols = rounded_up(cols, LOGITS_ROW_ALIGN if dtype == torch.float32 else LOW_LOGITS_ROW_ALIGN)
-    if device.type != "cpu" or torch.compiler.is_compiling():
+    if device.type != "cpu":
         return torch.empty(rows, cols, dtype=dtype, device=device)
     kept = getattr(_kept, name, None)
     if kept is None or kept.dtype != dtype or kept.numel() < rows * cols:
