@@ -275,7 +275,7 @@ def test_a_backward_that_skips_the_loss_still_reaches_the_tied_embedding(tiny_co
 def test_the_training_forward_compiles_to_one_graph_for_an_unaligned_vocabulary(dtype):
     """``fullgraph=True`` raises at any graph break. A vocabulary of 101 rows is narrower than the aligned buffers an
     eager CPU loss writes its products into; compiling, the loss traced a product into such a buffer's first columns,
-    broke the graph there and ran eagerly (under bf16 on a CPU its compiled pieces then failed to compile).
+    broke the graph there and ran eagerly (under bf16 on a CPU its compiled pieces could then fail).
     """
     torch.manual_seed(0)
     model = GPT(gpt_module.GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))

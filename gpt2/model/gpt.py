@@ -483,8 +483,8 @@ def _logits_buffer(
     """
     if torch.compiler.is_compiling():
         # Exactly cols wide: torch.compile cannot trace a product written (out=) into the first cols of wider rows.
-        # It would break the graph inside the loss's autograd.Function and run the loss eagerly, and under bf16
-        # on a CPU the compiled pieces of that eager loss then failed to compile.
+        # It would break the graph inside the loss's autograd.Function and run the loss eagerly (under bf16 on a
+        # CPU, that eager loss's own compiled pieces could then fail).
         return torch.empty(rows, cols, dtype=dtype, device=device)
     cols = rounded_up(cols, LOGITS_ROW_ALIGN if dtype == torch.float32 else LOW_LOGITS_ROW_ALIGN)
     if device.type != "cpu":
