@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from gpt2.errors import InvalidValueError
 from gpt2.model import gpt as gpt_module
+from gpt2.model.config import GPTConfig
 from gpt2.model.gpt import GPT, linear_cross_entropy
 
 
@@ -278,7 +279,7 @@ def test_the_training_forward_compiles_to_one_graph_for_an_unaligned_vocabulary(
     broke the graph there and ran eagerly (under bf16 on a CPU its compiled pieces could then fail).
     """
     torch.manual_seed(0)
-    model = GPT(gpt_module.GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))
     idx = torch.randint(0, 101, (2, 16))
     targets = torch.roll(idx, -1, 1)
     targets[0, :3] = -1

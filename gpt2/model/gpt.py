@@ -476,10 +476,11 @@ LOW_LOGITS_ROW_ALIGN = 32
 def _logits_buffer(
     name: str, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """A ``(rows, cols_aligned)`` buffer in ``dtype``, ``cols`` rounded up to :data:`LOGITS_ROW_ALIGN` in fp32, else
-    to :data:`LOW_LOGITS_ROW_ALIGN`: the fp32 logits, (bf16 / fp16) a low-precision matmul's output, or another
-    ``name``'s. On CPU one of each ``name`` is kept between calls: a fresh 100-200 MB block costs its page faults
-    again each time (glibc returns blocks over 32 MB to the OS when they are freed).
+    """A ``(rows, cols_aligned)`` buffer in ``dtype`` (``cols`` wide while compiling), ``cols`` rounded up to
+    :data:`LOGITS_ROW_ALIGN` in fp32, else to :data:`LOW_LOGITS_ROW_ALIGN`: the fp32 logits, (bf16 / fp16) a
+    low-precision matmul's output, or another ``name``'s. On CPU one of each ``name`` is kept between calls: a fresh
+    100-200 MB block costs its page faults again each time (glibc returns blocks over 32 MB to the OS when they are
+    freed).
     """
     if torch.compiler.is_compiling():
         # Exactly cols wide: torch.compile cannot trace a product written (out=) into the first cols of wider rows.
