@@ -531,7 +531,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = _weight_grad(weight, x.size(0)) if need_dw else None
         need_grad = need_dx or need_dw
         # bf16 on a CPU: the logits stay in bf16 and their fp32 softmax is made a few rows at a time
-        by_rows = dtype == grad_dtype == torch.bfloat16 and x.is_cpu and not torch.compiler.is_compiling()
+        by_rows = dtype == torch.bfloat16 and x.is_cpu and not torch.compiler.is_compiling()
         loss_and_grad = _bf16_loss_and_grad if by_rows else _loss_and_grad
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.size(0), chunk_rows):
