@@ -298,3 +298,54 @@ def test_the_training_forward_compiles_to_one_graph_for_an_unaligned_vocabulary(
     for got, expected in zip(grads, eager_grads):
         tol = dict(rtol=2e-2, atol=2e-2 * expected.abs().max().item()) if low else {}
         torch.testing.assert_close(got, expected, **tol)
+
+
+def _torch_gelu(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's own bf16 tanh GELU of ``x`` and its input gradient for ``grad``."""
+    x = x.detach().clone().requires_grad_()
+    y = F.gelu(x, approximate="tanh")
+    return y, torch.autograd.grad(y, x, grad)[0]
+
+
+def _table_gelu(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    y = gpt_module.TanhGelu()(x)
+    assert type(y.grad_fn).__name__ == "_Bf16TableGeluBackward"
+    return y, torch.autograd.grad(y, x, grad)[0]
+
+
+def test_the_bf16_gelu_tables_give_torchs_values_bit_for_bit():
+    # every bf16 value: +-0, subnormals, +-inf and NaNs included
+    every = torch.arange(2**16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)
+    grad = torch.randn(every.shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ours, theirs = _table_gelu(every, grad), _torch_gelu(every, grad)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.isnan(), b.isnan())
+        finite = ~a.isnan()
+        # the bits: -0.0 and 0.0 apart too
+        assert torch.equal(a[finite].view(torch.int16), b[finite].view(torch.int16))
+
+
+def test_the_bf16_gelu_tables_in_pieces_of_strided_tensors(monkeypatch):
+    monkeypatch.setattr(gpt_module, "GELU_TABLE_CHUNK", 1000)
+    generator = torch.Generator().manual_seed(1)
+    # 2,560 values: two whole pieces and a part; both tensors transposed views
+    x = (torch.randn(4, 10, 64, generator=generator) * 3).to(torch.bfloat16).transpose(0, 2)
+    grad = torch.randn(4, 10, 64, generator=generator).to(torch.bfloat16).transpose(0, 2)
+    for a, b in zip(_table_gelu(x, grad), _torch_gelu(x, grad)):
+        assert torch.equal(a, b)
+
+
+def test_the_gelu_tables_serve_bf16_on_a_cpu_only_and_outlive_inference_mode():
+    gelu = gpt_module.TanhGelu()
+    assert isinstance(gelu, torch.nn.GELU) and gelu.approximate == "tanh"
+    x = torch.randn(8, 64, requires_grad=True)
+    assert type(gelu(x).grad_fn).__name__ == "GeluBackward0"
+    # tables first made under inference mode are plain tensors: a later training step can use them
+    gpt_module._gelu_tables.cache_clear()
+    with torch.inference_mode():
+        assert torch.equal(gelu(x.bfloat16()), F.gelu(x.bfloat16(), approximate="tanh"))
+    assert not any(table.is_inference() for table in gpt_module._gelu_tables())
+    grad = torch.randn(8, 64).to(torch.bfloat16)
+    for a, b in zip(_table_gelu(x.bfloat16(), grad), _torch_gelu(x.bfloat16(), grad)):
+        assert torch.equal(a, b)
