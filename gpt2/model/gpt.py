@@ -184,7 +184,8 @@ def _gelu_tables() -> tuple[torch.Tensor, torch.Tensor]:
     torch's own fp32 GELU and its backward.
     """
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
-        x = torch.arange(2**16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16).float().requires_grad_()
+        bits = torch.arange(2**16, dtype=torch.int32, device="cpu").to(torch.uint16)
+        x = bits.view(torch.bfloat16).float().requires_grad_()
         y = F.gelu(x, approximate="tanh")
         (slope,) = torch.autograd.grad(y.sum(), x)
         return y.detach().to(torch.bfloat16), slope
@@ -195,7 +196,7 @@ def _gelu_pieces(x: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
     tensor, and its values' table indices (int32, written into one buffer for all pieces).
     """
     bits = x.view(torch.uint16).reshape(-1)
-    indices = torch.empty(min(GELU_TABLE_CHUNK, bits.numel()), dtype=torch.int32)
+    indices = torch.empty(min(GELU_TABLE_CHUNK, bits.numel()), dtype=torch.int32, device="cpu")
     for start in range(0, bits.numel(), GELU_TABLE_CHUNK):
         part = slice(start, start + GELU_TABLE_CHUNK)
         yield part, indices[: bits[part].numel()].copy_(bits[part])
@@ -208,7 +209,7 @@ class _Bf16TableGelu(torch.autograd.Function):
     def forward(ctx, x):
         ctx.save_for_backward(x)
         values, _ = _gelu_tables()
-        y = torch.empty(x.shape, dtype=x.dtype)
+        y = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         flat = y.view(-1)
         for part, indices in _gelu_pieces(x):
             torch.index_select(values, 0, indices, out=flat[part])
@@ -220,10 +221,10 @@ class _Bf16TableGelu(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         _, slopes = _gelu_tables()
         grad = grad.reshape(-1)
-        dx = torch.empty(x.shape, dtype=x.dtype)
+        dx = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         flat = dx.view(-1)
         # fp32 pieces: grad * slope is rounded to bf16 once, as in torch's bf16 GELU backward
-        slope, product = torch.empty(2, min(GELU_TABLE_CHUNK, x.numel()))
+        slope, product = torch.empty(2, min(GELU_TABLE_CHUNK, x.numel()), device="cpu")
         for part, indices in _gelu_pieces(x):
             n = indices.numel()
             torch.index_select(slopes, 0, indices, out=slope[:n])
