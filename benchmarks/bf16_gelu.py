@@ -3,10 +3,11 @@ kernels (``nn.GELU(approximate="tanh")``), one thread, CPU time (``time.process_
 
 1. Alone, on one MLP's activations at the 124M shape (B=4, T=256: 3.1M values): forward and backward of each,
    interleaved, the medians of ``--rounds`` rounds; then whether the two agree bit for bit.
-2. In the Trainer's step (``train_step()`` at the 124M shape, bf16, random init): each block's GELU module swapped
-   between the two, step by step in the order tables-torch, torch-tables, ...; the median of the pairs' ratios.
+2. In the Trainer's step (``train_step()``, bf16, random init; the 124M shape, B=4, T=256 unless told): each
+   block's GELU module swapped between the two, step by step in the order tables-torch, torch-tables, ...; the
+   median of the pairs' ratios.
 
-    PYTHONPATH=. python benchmarks/bf16_gelu.py [--rounds 20] [--pairs 12]
+    PYTHONPATH=. python benchmarks/bf16_gelu.py [--rounds 20] [--pairs 12] [--model gpt2] [--batch 4] [--seq-len 256]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks.step_vs_peers import Shape, build_ours
+from gpt2.model.config import SHAPES
 from gpt2.model.gpt import MLP, TanhGelu
 from gpt2.train.precision import describe_machine
 
@@ -47,7 +49,7 @@ def alone(rounds: int) -> None:
             times[f"{name} forward"].append(forward)
             times[f"{name} backward"].append(backward)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    print(f"alone, (4, 256, 3072) bf16, medians of {rounds} rounds, CPU ms: ")
+    print(f"alone, (4, 256, 3072) bf16, medians of {rounds} rounds, CPU ms:")
     for part in ("forward", "backward"):
         tables, plain = medians[f"tables {part}"], medians[f"torch {part}"]
         print(f"  {part}: tables {tables:.2f}, torch {plain:.2f}, tables / torch {tables / plain:.2f}x")
@@ -56,8 +58,8 @@ def alone(rounds: int) -> None:
     print(f"  bit for bit the same: output {same[0]}, input gradient {same[1]}")
 
 
-def in_step(pairs: int) -> None:
-    trainer, step, _ = build_ours(Shape("gpt2", 4, 256, 50257), "bf16")
+def in_step(shape: Shape, pairs: int) -> None:
+    trainer, step, _ = build_ours(shape, "bf16")
     mlps = [m for m in trainer.model.modules() if isinstance(m, MLP)]
 
     def timed(kind: str) -> float:
@@ -77,7 +79,8 @@ def in_step(pairs: int) -> None:
     ratios = [a / b for a, b in zip(seconds["tables"], seconds["torch"])]
     tables, plain = (statistics.median(seconds[kind]) for kind in MODULES)
     print(
-        f"the Trainer's 124M bf16 step (B=4, T=256), {pairs} pairs: tables {tables:.3f} s, torch {plain:.3f} s, "
+        f"the Trainer's {shape.model} bf16 step (B={shape.batch}, T={shape.seq_len}), {pairs} pairs: "
+        f"tables {tables:.3f} s, torch {plain:.3f} s, "
         f"tables / torch {statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
     )
 
@@ -86,13 +89,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=12, help="0 skips the Trainer's step")
+    parser.add_argument("--model", default="gpt2", choices=sorted(SHAPES), help="the Trainer's model shape")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=50257)
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("gpt2").setLevel(logging.WARNING)
     print(describe_machine())
     alone(args.rounds)
     if args.pairs:
-        in_step(args.pairs)
+        in_step(Shape(args.model, args.batch, args.seq_len, args.vocab), args.pairs)
 
 
 if __name__ == "__main__":

@@ -265,3 +265,20 @@ def test_the_loss_levers_benchmark_prints_both_paths(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         module.main()
     assert "--old takes levers of tied, kept, aligned, rows, transposed, got 'rows,fast'" in capsys.readouterr().err
+
+
+def test_the_gelu_benchmark_times_both_and_finds_them_equal(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(REPO))
+    module = importlib.import_module("benchmarks.bf16_gelu")
+    argv = ["bf16_gelu.py", "--rounds", "1", "--pairs", "1", "--model", "tiny", "--batch", "2", "--seq-len", "16"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--vocab", "101"])
+    threads = torch.get_num_threads()
+    try:
+        module.main()
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert out.startswith(module.describe_machine())
+    assert "  forward: tables " in out and "  backward: tables " in out
+    assert "bit for bit the same: output True, input gradient True" in out
+    assert "the Trainer's tiny bf16 step (B=2, T=16), 1 pairs: tables " in out
