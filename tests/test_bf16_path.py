@@ -272,11 +272,13 @@ def test_the_gelu_benchmark_times_both_and_finds_them_equal(monkeypatch, capsys)
     module = importlib.import_module("benchmarks.bf16_gelu")
     argv = ["bf16_gelu.py", "--rounds", "1", "--pairs", "1", "--model", "tiny", "--batch", "2", "--seq-len", "16"]
     monkeypatch.setattr(sys, "argv", [*argv, "--vocab", "101"])
-    threads = torch.get_num_threads()
+    # main() sets one thread and quiets the gpt2 logger, for the whole process
+    threads, level = torch.get_num_threads(), logging.getLogger("gpt2").level
     try:
         module.main()
     finally:
         torch.set_num_threads(threads)
+        logging.getLogger("gpt2").setLevel(level)
     out = capsys.readouterr().out
     assert out.startswith(module.describe_machine())
     assert "  forward: tables " in out and "  backward: tables " in out
