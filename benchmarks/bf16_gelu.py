@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 
 from benchmarks.step_vs_peers import Shape, build_ours
-from gpt2.model.config import SHAPES
 from gpt2.model.gpt import MLP, TanhGelu
 from gpt2.train.precision import describe_machine
 
@@ -89,17 +88,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=12, help="0 skips the Trainer's step")
-    parser.add_argument("--model", default="gpt2", choices=sorted(SHAPES), help="the Trainer's model shape")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=50257)
+    Shape.add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("gpt2").setLevel(logging.WARNING)
     print(describe_machine())
     alone(args.rounds)
     if args.pairs:
-        in_step(Shape(args.model, args.batch, args.seq_len, args.vocab), args.pairs)
+        in_step(Shape.from_args(args), args.pairs)
 
 
 if __name__ == "__main__":

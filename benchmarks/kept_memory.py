@@ -37,10 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
-    parser.add_argument("--model", default="gpt2")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=50257)
+    Shape.add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("gpt2").setLevel(logging.WARNING)
@@ -48,7 +45,7 @@ def main() -> None:
     if not host_memory.set_kept(True):
         print("this process's malloc is not glibc's, or its settings come from the environment: nothing to compare")
         return
-    shape = Shape(args.model, args.batch, args.seq_len, args.vocab)
+    shape = Shape.from_args(args)
     trainer, step, _ = build_ours(shape, args.precision)
     print(f"{args.model}, {args.precision}, B={args.batch}, T={args.seq_len}: Trainer.train_step(), CPU s per step")
     print("pair | kept user s | kept system s | kept faults | glibc user s | glibc system s | glibc faults | ratio")

@@ -93,6 +93,18 @@ class Shape:
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(**self.dims, vocab_size=self.vocab)
 
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """``--model``, ``--batch``, ``--seq-len`` and ``--vocab``: GPT-2 124M, B=4, T=256 unless told."""
+        parser.add_argument("--model", default="gpt2", choices=sorted(SHAPES), help="the shape (gpt2 = 124M)")
+        parser.add_argument("--batch", type=int, default=4)
+        parser.add_argument("--seq-len", type=int, default=256)
+        parser.add_argument("--vocab", type=int, default=50257)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Shape:
+        return cls(args.model, args.batch, args.seq_len, args.vocab)
+
 
 def autocast(precision: str) -> contextlib.AbstractContextManager:
     if precision == "bf16":
@@ -513,11 +525,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of fp32 and bf16")
     parser.add_argument("--force-bf16", action="store_true", help="time bf16 even where the CPU emulates it")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each per round)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
+    Shape.add_arguments(parser)
     parser.add_argument("--small", action="store_true", help="the 4 x 128 shape (B=4, T=128)")
-    parser.add_argument("--model", default="gpt2", choices=sorted(SHAPES), help="the shape (gpt2 = 124M)")
-    parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of transformers and litgpt")
     parser.add_argument("--mm-size", type=int, default=2048)
     parser.add_argument("--mm-reps", type=int, default=1, help="matrix products before each step of a round")
@@ -537,7 +546,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # The Trainer's set-up lines would bury the table; warnings still show.
     logging.getLogger("gpt2").setLevel(logging.WARNING)
-    shape = Shape(args.model, args.batch, args.seq_len, args.vocab)
+    shape = Shape.from_args(args)
     peers = available_peers([peer for peer in args.peers.split(",") if peer])
     print(describe_machine())
     auto, why = auto_precision("cpu")

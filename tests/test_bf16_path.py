@@ -219,17 +219,24 @@ def test_bf16_loss_and_gradients_match_cross_entropy_under_autocast(reduction):
         assert error < 2e-2, (name, float(error))
 
 
-def test_bf16_casts_benchmark_prints_its_table(monkeypatch, capsys):
-    # benchmarks/ is not installed
-    monkeypatch.syspath_prepend(str(REPO))
-    module = importlib.import_module("benchmarks.bf16_casts")
+def _run_main(module) -> None:
+    """A benchmark's ``main()``, which sets one thread and quiets the gpt2 logger for the whole process: both are
+    put back after it (a later test in the same worker reads the step lines).
+    """
     threads, level = torch.get_num_threads(), logging.getLogger("gpt2").level
-    monkeypatch.setattr(sys, "argv", ["bf16_casts.py", "--shape", "tiny", "--accum", "1,2", "--top", "3"])
     try:
         module.main()
     finally:
         torch.set_num_threads(threads)
         logging.getLogger("gpt2").setLevel(level)
+
+
+def test_bf16_casts_benchmark_prints_its_table(monkeypatch, capsys):
+    # benchmarks/ is not installed
+    monkeypatch.syspath_prepend(str(REPO))
+    module = importlib.import_module("benchmarks.bf16_casts")
+    monkeypatch.setattr(sys, "argv", ["bf16_casts.py", "--shape", "tiny", "--accum", "1,2", "--top", "3"])
+    _run_main(module)
     out = capsys.readouterr().out
     assert out.startswith(module.describe_machine("cpu", 1))
     for accum in (1, 2):
@@ -272,13 +279,7 @@ def test_the_gelu_benchmark_times_both_and_finds_them_equal(monkeypatch, capsys)
     module = importlib.import_module("benchmarks.bf16_gelu")
     argv = ["bf16_gelu.py", "--rounds", "1", "--pairs", "1", "--model", "tiny", "--batch", "2", "--seq-len", "16"]
     monkeypatch.setattr(sys, "argv", [*argv, "--vocab", "101"])
-    # main() sets one thread and quiets the gpt2 logger, for the whole process
-    threads, level = torch.get_num_threads(), logging.getLogger("gpt2").level
-    try:
-        module.main()
-    finally:
-        torch.set_num_threads(threads)
-        logging.getLogger("gpt2").setLevel(level)
+    _run_main(module)
     out = capsys.readouterr().out
     assert out.startswith(module.describe_machine())
     assert "  forward: tables " in out and "  backward: tables " in out
