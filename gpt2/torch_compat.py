@@ -40,6 +40,18 @@ def softmax_backward(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch._softmax_backward_data(grad, p, -1, p.dtype)
 
 
+def tanh_gelu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` times the tanh GELU's derivative at ``x``: the kernel of ``F.gelu(x, approximate="tanh")``'s
+    backward, so the values are torch's own.
+
+    Why private: through autograd, the public way to reach it, the derivative records a graph and saves ``x``. Inside
+    an activation-checkpointed block that is a saved tensor the recomputation does not save again, and
+    ``torch.utils.checkpoint`` refuses the mismatch. ``torch.ops.aten.gelu_backward`` is that kernel (its signature
+    unchanged since torch 1.12). Checked on torch 2.13.
+    """
+    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
 def unwrap_compiled(module: Any) -> Any:
     """The module under ``torch.compile(module)``'s wrapper; ``module`` itself if it is not one.
 

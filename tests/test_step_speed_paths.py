@@ -328,6 +328,7 @@ def test_the_bf16_gelu_tables_give_torchs_values_bit_for_bit():
 
 def test_the_bf16_gelu_tables_in_pieces_of_strided_tensors(monkeypatch):
     monkeypatch.setattr(gpt_module, "GELU_TABLE_CHUNK", 1000)
+    monkeypatch.setattr(gpt_module, "GELU_TABLE_MIN", 1000)
     generator = torch.Generator().manual_seed(1)
     # 2,560 values: two whole pieces and a part; both tensors transposed views
     x = (torch.randn(4, 10, 64, generator=generator) * 3).to(torch.bfloat16).transpose(0, 2)
@@ -339,13 +340,35 @@ def test_the_bf16_gelu_tables_in_pieces_of_strided_tensors(monkeypatch):
 def test_the_gelu_tables_serve_bf16_on_a_cpu_only_and_outlive_inference_mode():
     gelu = gpt_module.TanhGelu()
     assert isinstance(gelu, torch.nn.GELU) and gelu.approximate == "tanh"
-    x = torch.randn(8, 64, requires_grad=True)
+    x = torch.randn(64, gpt_module.GELU_TABLE_MIN // 64, requires_grad=True)
     assert type(gelu(x).grad_fn).__name__ == "GeluBackward0"
+    # fewer bf16 values than GELU_TABLE_MIN (decoding a token) keep torch's kernel
+    assert type(gelu(x[:, :-1].bfloat16()).grad_fn).__name__ == "GeluBackward0"
     # tables first made under inference mode are plain tensors: a later training step can use them
     gpt_module._gelu_tables.cache_clear()
     with torch.inference_mode():
         assert torch.equal(gelu(x.bfloat16()), F.gelu(x.bfloat16(), approximate="tanh"))
     assert not any(table.is_inference() for table in gpt_module._gelu_tables())
-    grad = torch.randn(8, 64).to(torch.bfloat16)
+    grad = torch.randn(x.shape).to(torch.bfloat16)
     for a, b in zip(_table_gelu(x.bfloat16(), grad), _torch_gelu(x.bfloat16(), grad)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_bf16_model_with_the_gelu_tables_has_torchs_gradients_bit_for_bit(monkeypatch, tiny_config, checkpointing):
+    monkeypatch.setattr(gpt_module, "GELU_TABLE_MIN", 0)
+    # the tables first made inside the model's forward, a checkpointed block's with checkpointing
+    gpt_module._gelu_tables.cache_clear()
+    generator = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, tiny_config.vocab_size, (2, 32), generator=generator)
+    grads = []
+    for gelu in (gpt_module.TanhGelu, lambda: torch.nn.GELU(approximate="tanh")):
+        torch.manual_seed(0)
+        model = GPT(tiny_config).set_activation_checkpointing(checkpointing)
+        for block in model.transformer.h:
+            block.mlp.gelu = gelu()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

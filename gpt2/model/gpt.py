@@ -158,20 +158,25 @@ class _CpuCausalAttention(torch.autograd.Function):
 
 
 class TanhGelu(nn.GELU):
-    """GPT-2's GELU, ``nn.GELU(approximate="tanh")``. bf16 activations on a CPU (autocast's) are looked up in
-    tables of every bf16 value's GELU and derivative instead: the same values, bit for bit, as torch's bf16 kernels
-    (which compute in fp32, as the tables were), forward in 0.51x their time and backward in 0.76x at the 124M
-    shape (docs/benchmarks.md, "bf16 training step").
+    """GPT-2's GELU, ``nn.GELU(approximate="tanh")``. bf16 activations on a CPU (autocast's), from
+    :data:`GELU_TABLE_MIN` values on, are looked up in tables of every bf16 value's GELU and derivative instead: the
+    same values, bit for bit, as torch's bf16 kernels (which compute in fp32, as the tables were), forward in 0.51x
+    their time and backward in 0.76x at the 124M shape (docs/benchmarks.md, "bf16 training step").
     """
 
     def __init__(self) -> None:
         super().__init__(approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.is_cpu and not torch.compiler.is_compiling():
+        tables = x.dtype == torch.bfloat16 and x.is_cpu and x.numel() >= GELU_TABLE_MIN
+        if tables and not torch.compiler.is_compiling():
             return _Bf16TableGelu.apply(x)
         return super().forward(x)
 
+
+# Fewer bf16 values than this keep torch's kernel: the tables' fixed cost (about 12 us a call) is more than they save
+# below about 12,000 values (decoding one token at 124M: 3,072 values, 21 us against torch's 9).
+GELU_TABLE_MIN = 16384
 
 # Elements per table lookup: a piece's int32 indices and fp32 derivatives (256 KB each) stay in the core's cache.
 # A whole tensor at once took 2x the time in the training step (its indices a fresh 12 MB block).
@@ -181,14 +186,15 @@ GELU_TABLE_CHUNK = 65536
 @functools.cache
 def _gelu_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """The tanh GELU of every bf16 value (bf16) and its derivative (fp32), indexed by the value's 16 bits, from
-    torch's own fp32 GELU and its backward.
+    torch's own fp32 GELU and its backward's kernel. No autograd: they may first be made inside an activation-
+    checkpointed block, where a saved tensor would be one the recomputation does not save.
     """
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+    # normal tensors even when first made under inference mode: a later training step uses them too
+    with torch.inference_mode(False), torch.autocast("cpu", enabled=False):
         bits = torch.arange(2**16, dtype=torch.int32, device="cpu").to(torch.uint16)
-        x = bits.view(torch.bfloat16).float().requires_grad_()
-        y = F.gelu(x, approximate="tanh")
-        (slope,) = torch.autograd.grad(y.sum(), x)
-        return y.detach().to(torch.bfloat16), slope
+        x = bits.view(torch.bfloat16).float()
+        values = F.gelu(x, approximate="tanh").to(torch.bfloat16)
+        return values, torch_compat.tanh_gelu_backward(torch.ones_like(x), x)
 
 
 def _gelu_pieces(x: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
